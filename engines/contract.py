@@ -1,0 +1,230 @@
+"""The engine contract: what the publisher and the gateway need from any inference engine.
+
+An engine does not know it is managed: this package imports nothing from the ledger.
+
+Every reply is either a value (success) or an :class:`EngineError`, and every error is exactly
+one of two kinds, decided by its class, never by the caller:
+
+* :class:`CleanRefusal` -- the engine *proved* what it holds (a 4xx with a recognised meaning,
+  or an answer read from a fresh inventory). The caller may act on it (e.g. "absent").
+* :class:`AmbiguousReply` -- timeout, 5xx, connection lost after sending, malformed body. The
+  engine may or may not have acted; only a later inventory can tell.
+
+The publisher's whole failure handling rests on that split, so adapters raise one of the two
+subclasses and nothing else (``raise_for_transport`` maps transport exceptions to ambiguity).
+
+A staged load has three recorded steps: ``prepare`` (validate the candidate and fence the
+attempt), ``transfer`` (bytes: nothing for engines that load a PEFT directory by path, buckets
+for engines that take tensors), ``load`` (register under the immutable name; the receipt echoes
+name, digest, attempt and incarnation).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterable, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from engines.manifest import Manifest, TensorData
+
+# Managed names never contain ':' (SGLang's OpenAI parsing) nor '/' (paths, vLLM model ids).
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,199}$")
+
+
+class ErrorCode:
+    # clean refusals
+    INVALID_NAME = "INVALID_NAME"
+    INVALID_ADAPTER = "INVALID_ADAPTER"  # bad config / corrupt tensors / config-tensor mismatch
+    DIGEST_MISMATCH = "DIGEST_MISMATCH"
+    RANK_UNSUPPORTED = "RANK_UNSUPPORTED"
+    ALREADY_LOADED = "ALREADY_LOADED"
+    NOT_LOADED = "NOT_LOADED"  # unload/generate of a name the engine does not hold
+    NAME_PROTECTED = "NAME_PROTECTED"  # managed name touched by an ordinary call
+    NAME_RECLAIMED = "NAME_RECLAIMED"  # a reclaimed name is never implicitly reloaded
+    STALE_ATTEMPT = "STALE_ATTEMPT"
+    NOT_PREPARED = "NOT_PREPARED"
+    PATH_OUTSIDE_STORE = "PATH_OUTSIDE_STORE"
+    BAD_REQUEST = "BAD_REQUEST"
+    # ambiguous
+    TIMEOUT = "TIMEOUT"
+    SERVER_ERROR = "SERVER_ERROR"
+    CONNECTION_LOST = "CONNECTION_LOST"
+    MALFORMED_REPLY = "MALFORMED_REPLY"
+    ENGINE_STOPPED = "ENGINE_STOPPED"
+
+
+class EngineError(Exception):
+    """Base of every engine failure. Never raised directly: use one of the two kinds."""
+
+    clean: bool = False
+
+    def __init__(self, code: str, message: str, *, engine_id: str = "", status: int = 0) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.engine_id = engine_id
+        self.status = status
+
+    def __reduce__(self):  # keep fields across pickling (Ray)
+        return (
+            _rebuild,
+            (type(self), self.code, self.message, self.engine_id, self.status),
+        )
+
+
+def _rebuild(cls, code, message, engine_id, status):  # type: ignore[no-untyped-def]
+    return cls(code, message, engine_id=engine_id, status=status)
+
+
+class CleanRefusal(EngineError):
+    """The engine answered and proved its state; nothing half-done is left behind."""
+
+    clean = True
+
+
+class AmbiguousReply(EngineError):
+    """The outcome is unknown (timeout, 5xx, lost reply, malformed body)."""
+
+    clean = False
+
+
+def check_name(name: str) -> str:
+    """Refuse names an engine must never see (``/``, ``:``, empty, control chars, too long)."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise CleanRefusal(
+            ErrorCode.INVALID_NAME,
+            f"adapter name {name!r} must match {NAME_PATTERN.pattern} (no '/' or ':')",
+        )
+    return name
+
+
+# --- data exchanged with engines -----------------------------------------------------------
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """What a publication asks an engine to hold, for one attempt.
+
+    ``artifact_path`` is the immutable PEFT directory in the artifact store (path-loading
+    engines); staged engines get the bytes through ``transfer`` instead."""
+
+    lora_name: str
+    digest: str
+    attempt: int
+    manifest: Manifest
+    artifact_path: str | None = None
+
+
+class Receipt(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    incarnation: str
+    lora_name: str
+    digest: str
+    attempt: int
+    phase: Literal["prepared", "ready"]
+
+
+class UnloadReceipt(msgspec.Struct, frozen=True, kw_only=True):
+    """``was_loaded`` is False when the name was already absent (an idempotent retry)."""
+
+    engine_id: str
+    incarnation: str
+    lora_name: str
+    was_loaded: bool
+
+
+class InventoryEntry(msgspec.Struct, frozen=True, kw_only=True):
+    lora_name: str
+    digest: str | None = None
+    path: str | None = None
+
+
+class Inventory(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    incarnation: str
+    adapters: tuple[InventoryEntry, ...]
+
+    def names(self) -> frozenset[str]:
+        return frozenset(a.lora_name for a in self.adapters)
+
+
+class BucketTensor(msgspec.Struct, frozen=True):
+    name: str
+    tensor: TensorData
+
+
+class Bucket(msgspec.Struct, frozen=True):
+    """One transfer unit of a staged load; a tensor is never split across buckets."""
+
+    index: int
+    tensors: tuple[BucketTensor, ...]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = True
+    n: int = 1
+
+
+class Generation(msgspec.Struct, frozen=True, kw_only=True):
+    """One completion. ``lora_name`` is the adapter the engine says it used (None = base)."""
+
+    engine_id: str
+    incarnation: str
+    lora_name: str | None
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None
+    finish_reason: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    request_id: str | None = None
+
+
+Transport = Literal["artifact", "staged"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One fleet member, as seen by the control plane. All methods are async and time-bounded."""
+
+    engine_id: str
+    kind: str  # "local" | "sglang" | "vllm"
+    transport: Transport  # how it wants bytes: a PEFT directory path, or staged buckets
+
+    async def incarnation(self) -> str:
+        """Opaque id of the current process life (changes on restart). Health probe."""
+        ...
+
+    async def inventory(self) -> Inventory: ...
+
+    async def prepare(self, candidate: Candidate) -> Receipt: ...
+
+    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None: ...
+
+    async def load(self, candidate: Candidate) -> Receipt: ...
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        """Unregister the name (new requests refused at once). Returns when physically done.
+        ``attempt`` fences cleanup: a stale attempt's unload never touches a newer attempt."""
+        ...
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Generation:
+        """Sent at most once. A lost reply raises AmbiguousReply; nothing here ever resends."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The append-only log: event vocabulary, record envelope, hash chain and stores."""

@@ -1,0 +1,406 @@
+"""The event vocabulary: every decision the ledger ever makes, as an immutable fact.
+
+Each event is a frozen msgspec ``Struct`` tagged with its class name, so one decoder reads the
+whole union. Events carry everything a replay needs (times, engine replies, evidence) as data:
+the projections never consult a clock or an engine.
+
+Schema evolution: every class has a ``SCHEMA`` version. The store writes it beside the payload;
+when an old payload is read, the upcasters registered with :func:`upcaster` rewrite the decoded
+mapping step by step (``1 -> 2 -> ...``) before it is converted to the current class. An old log
+therefore always reads with new code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import msgspec
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknown_fields=True):
+    """Base of every event. ``SCHEMA`` is bumped when a field changes meaning or shape."""
+
+    SCHEMA: ClassVar[int] = 1
+
+
+# --- deployment and controller -------------------------------------------------------------
+
+
+class DeploymentCreated(Event):
+    """The first event of a log: names the deployment and fixes its rules."""
+
+    deployment: str
+    prefix: str
+    capacity: int
+    fleet: tuple[str, ...] = ()
+
+
+class ControllerStarted(Event):
+    """A controller process opened the log. ``epoch`` fences out older controllers."""
+
+    epoch: int
+    code_version: str
+
+
+# --- fleet ---------------------------------------------------------------------------------
+
+
+class EngineJoined(Event):
+    """An engine became a fleet member. It is routable at once (it holds nothing yet)."""
+
+    engine: str
+    incarnation: str
+    endpoint: str = ""
+    kind: str = "local"
+
+
+class EngineRestarted(Event):
+    """A new process life of an engine was observed: it lost every adapter and is not routable
+    until the versions still needed have been loaded again (:class:`EngineRepaired`)."""
+
+    engine: str
+    old: str
+    new: str
+
+
+class EngineRepaired(Event):
+    """Every version still needed is loaded on the restarted engine; it may serve again."""
+
+    engine: str
+    incarnation: str
+
+
+class EngineLeft(Event):
+    engine: str
+
+
+class InventoryObserved(Event):
+    """What an engine proved it holds (managed names only), read fresh from the engine."""
+
+    engine: str
+    incarnation: str
+    adapters: tuple[str, ...]
+
+
+# --- publication ---------------------------------------------------------------------------
+
+
+class VersionAllocated(Event):
+    """A new version id took a capacity slot under its immutable name."""
+
+    version_id: int
+    digest: str
+    lora_name: str
+    size_bytes: int = 0
+
+
+class AttemptStarted(Event):
+    """An attempt to load a version on ``fleet`` (the routable members at allocation)."""
+
+    version_id: int
+    attempt: int
+    fleet: tuple[str, ...]
+
+
+class TransportClaimed(Event):
+    """One driver owns the byte transfer of this attempt; a second one is refused."""
+
+    version_id: int
+    attempt: int
+    owner: str
+
+
+class EnginePrepared(Event):
+    version_id: int
+    attempt: int
+    engine: str
+    incarnation: str
+
+
+class EngineReady(Event):
+    """An engine loaded the candidate and echoed its identity (confirmed by a fresh inventory)."""
+
+    version_id: int
+    attempt: int
+    engine: str
+    incarnation: str
+    digest: str
+    lora_name: str
+
+
+class VersionPublished(Event):
+    """The atomic commit: the version becomes the default; ``retired`` is the old default."""
+
+    version_id: int
+    attempt: int
+    revision: int
+    retired: int | None = None
+
+
+class AttemptFailed(Event):
+    """An attempt ended before commit. ``clean`` means every engine of the attempt proved the
+    candidate absent (``absent_on``): the slot is freed and a retry may follow. Otherwise the
+    version is FAILED_FATAL and keeps its slot until inventory evidence resolves it."""
+
+    version_id: int
+    attempt: int
+    clean: bool
+    code: str
+    reason: str
+    absent_on: tuple[str, ...] = ()
+
+
+class FatalResolved(Event):
+    """Inventory evidence showed a FAILED_FATAL candidate absent on every engine it targeted."""
+
+    version_id: int
+    attempt: int
+    evidence: tuple[int, ...] = ()  # seqs of the InventoryObserved events relied on
+
+
+class PublicationSkipped(Event):
+    """A publication refused before any byte moved (capacity after bootstrap): training goes on."""
+
+    version_id: int
+    digest: str
+    code: str
+    message: str
+
+
+# --- owners and sessions -------------------------------------------------------------------
+
+
+class OwnerRegistered(Event):
+    """A rollout worker took a lease. Renewals are not logged; only the expiry decision is."""
+
+    owner: str
+    ttl_s: float
+    at: float
+
+
+class OwnerLeaseExpired(Event):
+    """The owner stopped renewing; its sessions are released right after this event."""
+
+    owner: str
+    at: float
+    last_seen: float
+
+
+class SessionBound(Event):
+    session: str
+    owner: str
+    version_id: int
+    revision: int
+
+
+class SessionReleased(Event):
+    """Tombstones the session (it can never bind again). ``version_id`` is None when the
+    session was closed before it ever bound."""
+
+    session: str
+    owner: str
+    version_id: int | None
+    cause: str = "closed"
+
+
+class SessionsForgotten(Event):
+    """Tombstones dropped once their owner finished cleanup (keeps the projection bounded)."""
+
+    sessions: tuple[str, ...]
+
+
+# --- reclaim -------------------------------------------------------------------------------
+
+
+class InFlight(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One reporter's count of requests in flight on (engine, version) at time ``at``."""
+
+    reporter: str
+    engine: str
+    count: int
+    at: float
+
+
+class ReclaimClaimed(Event):
+    """A RETIRED, unbound version handed out for unloading, with the in-flight evidence
+    (all zero) that the decision relied on."""
+
+    version_id: int
+    evidence: tuple[InFlight, ...] = ()
+
+
+class EngineUnloaded(Event):
+    version_id: int
+    engine: str
+    incarnation: str
+
+
+class VersionReclaimed(Event):
+    """Every engine confirmed the unload: the slot is free."""
+
+    version_id: int
+
+
+class ReclaimAmbiguous(Event):
+    """An unload reply was ambiguous: the version keeps its slot until inventories decide."""
+
+    version_id: int
+    engine: str
+    reason: str
+
+
+# --- refusals worth an incident trail and command idempotency ------------------------------
+
+
+class ReceiptRejected(Event):
+    """An engine receipt that did not match the attempt it claims (stale, restarted, wrong
+    digest): recorded so an incident replay shows it, never applied."""
+
+    code: str
+    version_id: int
+    attempt: int
+    engine: str
+    incarnation: str
+    detail: str
+
+
+class CommandRecorded(Event):
+    """A client command id and the outcome it produced (msgpack bytes of the outcome), so the
+    same command id yields the same outcome forever."""
+
+    command_id: str
+    fingerprint: str
+    outcome: bytes
+
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    DeploymentCreated,
+    ControllerStarted,
+    EngineJoined,
+    EngineRestarted,
+    EngineRepaired,
+    EngineLeft,
+    InventoryObserved,
+    VersionAllocated,
+    AttemptStarted,
+    TransportClaimed,
+    EnginePrepared,
+    EngineReady,
+    VersionPublished,
+    AttemptFailed,
+    FatalResolved,
+    PublicationSkipped,
+    OwnerRegistered,
+    OwnerLeaseExpired,
+    SessionBound,
+    SessionReleased,
+    SessionsForgotten,
+    ReclaimClaimed,
+    EngineUnloaded,
+    VersionReclaimed,
+    ReclaimAmbiguous,
+    ReceiptRejected,
+    CommandRecorded,
+)
+
+AnyEvent = (
+    DeploymentCreated
+    | ControllerStarted
+    | EngineJoined
+    | EngineRestarted
+    | EngineRepaired
+    | EngineLeft
+    | InventoryObserved
+    | VersionAllocated
+    | AttemptStarted
+    | TransportClaimed
+    | EnginePrepared
+    | EngineReady
+    | VersionPublished
+    | AttemptFailed
+    | FatalResolved
+    | PublicationSkipped
+    | OwnerRegistered
+    | OwnerLeaseExpired
+    | SessionBound
+    | SessionReleased
+    | SessionsForgotten
+    | ReclaimClaimed
+    | EngineUnloaded
+    | VersionReclaimed
+    | ReclaimAmbiguous
+    | ReceiptRejected
+    | CommandRecorded
+)
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in ALL_EVENTS}
+
+
+def stream_of(event: Event) -> str:
+    """The stream an event belongs to: one per version, session, engine, owner, else controller."""
+    version_id = getattr(event, "version_id", None)
+    if version_id is not None and not isinstance(event, SessionBound | SessionReleased):
+        return f"version-{version_id}"
+    session = getattr(event, "session", None)
+    if session is not None:
+        return f"session-{session}"
+    engine = getattr(event, "engine", None)
+    if engine is not None:
+        return f"engine-{engine}"
+    owner = getattr(event, "owner", None)
+    if owner is not None:
+        return f"owner-{owner}"
+    return "controller"
+
+
+# --- codec and upcasting -------------------------------------------------------------------
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+_UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyEvent)
+
+
+def upcaster(type_name: str, from_schema: int) -> Callable[[Upcaster], Upcaster]:
+    """Register a pure ``dict -> dict`` rewrite of ``type_name`` from ``from_schema`` to the next.
+
+    Example, after adding a field to ``EngineJoined`` and bumping its ``SCHEMA`` to 2::
+
+        @upcaster("EngineJoined", 1)
+        def _engine_joined_v1(d):
+            return {**d, "zone": "unknown"}
+    """
+
+    def register(fn: Upcaster) -> Upcaster:
+        _UPCASTERS[(type_name, from_schema)] = fn
+        return fn
+
+    return register
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:
+    """Decode a stored payload written with ``schema`` into the current class of ``type_name``.
+
+    Raises ``LookupError`` for an unknown type or a schema newer than this code (an old
+    controller must not misread a newer log), ``msgspec.ValidationError`` for a malformed one.
+    """
+    cls = EVENT_TYPES.get(type_name)
+    if cls is None:
+        raise LookupError(f"unknown event type {type_name!r}")
+    if schema == cls.SCHEMA:
+        return _decoder.decode(payload)
+    if schema > cls.SCHEMA:
+        raise LookupError(f"{type_name} schema {schema} is newer than this code ({cls.SCHEMA})")
+    data = msgspec.msgpack.decode(payload)
+    for step in range(schema, cls.SCHEMA):
+        fn = _UPCASTERS.get((type_name, step))
+        if fn is None:
+            raise LookupError(f"no upcaster for {type_name} schema {step} -> {step + 1}")
+        data = fn(data)
+    return msgspec.convert(data, AnyEvent)

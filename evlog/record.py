@@ -1,0 +1,118 @@
+"""The record envelope around an event, and the hash chain that links records.
+
+A record is what the store keeps: the encoded event plus its position (``seq``, gap-free,
+assigned inside the write transaction), a unique time-ordered ``event_id`` (the idempotency
+key of an append), the ``stream`` it belongs to, ``recorded_at`` (wall time at the edge; data
+for humans and tools, never read by a decision unless copied into the payload), and the chain:
+``hash = SHA-256(prev_hash || canonical(seq, event_id, stream, type, schema, recorded_at,
+payload))``. Changing any byte of any earlier record changes every later hash, so ``verify``
+names the first record that does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import msgspec
+
+from evlog.events import AnyEvent, Event, decode_event, encode_event, stream_of
+
+GENESIS_HASH = bytes(32)
+
+_canonical = msgspec.msgpack.Encoder()
+
+
+class Pending(msgspec.Struct, frozen=True, kw_only=True):
+    """An event ready to append: everything but its position and chain."""
+
+    event_id: bytes
+    stream: str
+    type: str
+    schema: int
+    recorded_at: float
+    payload: bytes
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored event. ``event`` is decoded (and upcast) from ``payload`` on read."""
+
+    seq: int
+    event_id: bytes
+    stream: str
+    type: str
+    schema: int
+    recorded_at: float
+    payload: bytes
+    prev_hash: bytes
+    hash: bytes
+    event: AnyEvent
+
+
+def chain_hash(
+    prev_hash: bytes,
+    seq: int,
+    event_id: bytes,
+    stream: str,
+    type_name: str,
+    schema: int,
+    recorded_at: float,
+    payload: bytes,
+) -> bytes:
+    """The hash of one record given its predecessor's hash. The single definition of the chain."""
+    canonical = _canonical.encode((seq, event_id, stream, type_name, schema, recorded_at, payload))
+    return hashlib.sha256(prev_hash + canonical).digest()
+
+
+def new_event_id(now: float | None = None) -> bytes:
+    """A UUIDv7-style id: 48-bit millisecond time, then random bits, so ids are unique and
+    roughly time-ordered (a random id under a UNIQUE index makes group commit 2.3-2.5x slower
+    once the table grows, DESIGN §3)."""
+    ms = int((time.time() if now is None else now) * 1000) & ((1 << 48) - 1)
+    rand = bytearray(os.urandom(10))
+    rand[0] = (rand[0] & 0x0F) | 0x70  # version 7
+    rand[2] = (rand[2] & 0x3F) | 0x80  # RFC 4122 variant
+    return ms.to_bytes(6, "big") + bytes(rand)
+
+
+def pending(
+    event: Event, *, event_id: bytes | None = None, recorded_at: float | None = None
+) -> Pending:
+    """Wrap an event for appending. ``event_id`` and ``recorded_at`` come from the edge (the
+    service), never from a decision."""
+    now = time.time() if recorded_at is None else recorded_at
+    return Pending(
+        event_id=new_event_id(now) if event_id is None else event_id,
+        stream=stream_of(event),
+        type=type(event).__name__,
+        schema=type(event).SCHEMA,
+        recorded_at=now,
+        payload=encode_event(event),
+    )
+
+
+def build_record(
+    seq: int,
+    event_id: bytes,
+    stream: str,
+    type_name: str,
+    schema: int,
+    recorded_at: float,
+    payload: bytes,
+    prev_hash: bytes,
+    hash_: bytes,
+) -> Record:
+    """Decode a stored row into a :class:`Record` (raises on an unknown type or bad payload)."""
+    return Record(
+        seq=seq,
+        event_id=event_id,
+        stream=stream,
+        type=type_name,
+        schema=schema,
+        recorded_at=recorded_at,
+        payload=payload,
+        prev_hash=prev_hash,
+        hash=hash_,
+        event=decode_event(payload, type_name, schema),
+    )

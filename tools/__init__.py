@@ -1,0 +1,1 @@
+"""The ``loraledger`` command line: demo, serve, replay, audit, verify, status, bench."""
