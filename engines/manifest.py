@@ -172,4 +172,6 @@ def tensor_from_array(array: Any) -> TensorData:
     if code is None:
         raise ManifestError(f"unsupported numpy dtype {arr.dtype}")
     little = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-    return TensorData(code, tuple(int(d) for d in arr.shape), np.ascontiguousarray(little).tobytes())
+    return TensorData(
+        code, tuple(int(d) for d in arr.shape), np.ascontiguousarray(little).tobytes()
+    )

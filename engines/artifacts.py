@@ -1,0 +1,234 @@
+"""The content-addressed artifact store: one immutable PEFT directory per adapter digest.
+
+Layout: ``<root>/<digest>/adapter_config.json`` + ``adapter_model.safetensors``, which stock
+SGLang, vLLM and peft all load by path. Rules, each one a lesson from engines.md §4:
+
+* written atomically (temp dir inside the root, fsync every file and the directory, rename),
+  so an engine never reads half a directory;
+* verified against the digest when read, so a corrupted file is refused, never served;
+* never overwritten: putting a digest that exists verifies the existing copy and reuses it;
+* deleted only on request (vLLM re-reads adapters from disk whenever its cache misses, and
+  SGLang reloads an unloaded name from its path: a directory must outlive every reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+
+from engines.manifest import (
+    Manifest,
+    ManifestError,
+    TensorData,
+    build_manifest,
+)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+_CODE_TO_SAFETENSORS = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_REQUIRED_CONFIG = ("r", "lora_alpha", "target_modules")
+
+
+class ArtifactError(ValueError):
+    """An adapter directory that cannot be used. ``code`` matches the engine error codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def serialize_safetensors(tensors: Mapping[str, TensorData]) -> bytes:
+    """The safetensors file bytes for owned tensors (any dtype, bfloat16 included)."""
+    keep_alive = []
+    specs = {}
+    for name, t in tensors.items():
+        buf = np.frombuffer(t.data, dtype=np.uint8) if t.data else np.zeros(1, np.uint8)
+        keep_alive.append(buf)  # the serializer reads raw pointers: keep buffers referenced
+        specs[name] = safetensors.TensorSpec(
+            dtype=_CODE_TO_SAFETENSORS[t.dtype],
+            shape=list(t.shape),
+            data_ptr=int(buf.ctypes.data),
+            data_len=len(t.data),
+        )
+    blob = safetensors.serialize(specs, None)
+    del keep_alive
+    return bytes(blob)
+
+
+def deserialize_safetensors(blob: bytes) -> dict[str, TensorData]:
+    """Parse safetensors bytes; a truncated or corrupt file is an ``INVALID_ADAPTER``."""
+    try:
+        entries = safetensors.deserialize(blob)
+        return {
+            name: TensorData(info["dtype"], tuple(info["shape"]), bytes(info["data"]))
+            for name, info in entries
+        }
+    except (safetensors.SafetensorError, ManifestError, KeyError, ValueError) as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"unreadable safetensors: {exc}") from exc
+
+
+def validate_adapter(config: Mapping[str, Any], tensors: Mapping[str, TensorData]) -> None:
+    """Refuse what no engine could serve: missing config keys, tensors that do not match the
+    declared rank or target modules, non-LoRA keys."""
+    missing = [k for k in _REQUIRED_CONFIG if k not in config]
+    if missing:
+        raise ArtifactError("INVALID_ADAPTER", f"adapter_config.json lacks {missing}")
+    rank = config["r"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ArtifactError("INVALID_ADAPTER", f"rank r={rank!r} must be a positive int")
+    targets = config["target_modules"]
+    if isinstance(targets, str):
+        targets = [targets]
+    if not tensors:
+        raise ArtifactError("INVALID_ADAPTER", "adapter has no tensors")
+    for name, t in tensors.items():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            raise ArtifactError("INVALID_ADAPTER", f"tensor {name!r} is not a LoRA A/B weight")
+        module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+        if "all-linear" not in targets and module not in targets:
+            raise ArtifactError(
+                "INVALID_ADAPTER", f"tensor {name!r} targets {module!r}, not in {targets}"
+            )
+        if len(t.shape) != 2:
+            raise ArtifactError("INVALID_ADAPTER", f"tensor {name!r} has shape {t.shape}")
+        rank_dim = t.shape[0] if ".lora_A." in name else t.shape[1]
+        if rank_dim != rank:
+            raise ArtifactError(
+                "INVALID_ADAPTER", f"tensor {name!r} has rank {rank_dim}, config says r={rank}"
+            )
+
+
+def read_adapter_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, TensorData]]:
+    """Read and validate any PEFT LoRA directory (config + safetensors)."""
+    root = Path(path)
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+        blob = (root / WEIGHTS_FILE).read_bytes()
+    except FileNotFoundError as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{root} is not a PEFT adapter: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not a JSON object")
+    tensors = deserialize_safetensors(blob)
+    validate_adapter(config, tensors)
+    return config, tensors
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ArtifactStore:
+    """Immutable PEFT directories keyed by digest under one root (local disk or shared FS)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, digest: str) -> Path:
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ArtifactError("INVALID_ADAPTER", f"digest {digest!r} is not 64 lowercase hex")
+        return self.root / digest
+
+    def contains(self, digest: str) -> bool:
+        return (self.path_for(digest) / WEIGHTS_FILE).exists()
+
+    def digests(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and len(p.name) == 64)
+
+    def resolve(self, path: str | os.PathLike[str]) -> Path:
+        """Map an engine-supplied path to a directory of this store, refusing anything outside
+        it (``..``, symlinks out, absolute paths elsewhere)."""
+        candidate = Path(path)
+        if not candidate.is_absolute():
+            candidate = self.root / candidate
+        resolved = candidate.resolve()
+        if resolved.parent != self.root:
+            raise ArtifactError("PATH_OUTSIDE_STORE", f"{path} is not a directory of {self.root}")
+        return resolved
+
+    def put(self, manifest: Manifest, tensors: Mapping[str, TensorData]) -> Path:
+        """Write the adapter once; an existing directory is verified and reused, never rewritten.
+
+        The bytes must match the manifest: the digest is recomputed from ``tensors`` and must
+        equal ``manifest.digest`` (a trainer-side bug must not publish something else)."""
+        recomputed = build_manifest(manifest.config, tensors)
+        if recomputed.digest != manifest.digest:
+            raise ArtifactError(
+                "DIGEST_MISMATCH",
+                f"tensors hash to {recomputed.digest[:16]}, manifest says {manifest.digest[:16]}",
+            )
+        validate_adapter(manifest.config, tensors)
+        target = self.path_for(manifest.digest)
+        if target.exists():
+            self.open(manifest.digest)  # verify the existing copy
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{manifest.digest[:16]}-", dir=self.root))
+        try:
+            _write_file(tmp / CONFIG_FILE, json.dumps(manifest.config, sort_keys=True).encode())
+            _write_file(tmp / WEIGHTS_FILE, serialize_safetensors(tensors))
+            _fsync_dir(tmp)
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not target.exists():
+                    raise
+                self.open(manifest.digest)  # a concurrent writer won; same bytes by digest
+            _fsync_dir(self.root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    def open(self, digest: str) -> tuple[Manifest, dict[str, TensorData]]:
+        """Read and verify: the recomputed digest must equal the directory's name."""
+        config, tensors = read_adapter_dir(self.path_for(digest))
+        manifest = build_manifest(config, tensors)
+        if manifest.digest != digest:
+            raise ArtifactError(
+                "DIGEST_MISMATCH", f"{digest[:16]} content hashes to {manifest.digest[:16]}"
+            )
+        return manifest, tensors
+
+    def delete(self, digest: str) -> bool:
+        """Remove a directory (only once no engine or request can reference it)."""
+        target = self.path_for(digest)
+        if not target.exists():
+            return False
+        trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=self.root))
+        target.rename(trash / digest)  # atomic disappearance, then the slow delete
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
