@@ -48,6 +48,7 @@ class ErrorCode:
     PATH_OUTSIDE_STORE = "PATH_OUTSIDE_STORE"
     BAD_REQUEST = "BAD_REQUEST"
     # ambiguous
+    ENGINE_UNREACHABLE = "ENGINE_UNREACHABLE"  # connection refused: nothing was sent
     TIMEOUT = "TIMEOUT"
     SERVER_ERROR = "SERVER_ERROR"
     CONNECTION_LOST = "CONNECTION_LOST"
@@ -60,22 +61,33 @@ class EngineError(Exception):
 
     clean: bool = False
 
-    def __init__(self, code: str, message: str, *, engine_id: str = "", status: int = 0) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        engine_id: str = "",
+        status: int = 0,
+        dispatched: bool = True,
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.engine_id = engine_id
         self.status = status
+        # False only when the request provably never left this process (connection refused):
+        # the caller may then send it again without risking a duplicate generation.
+        self.dispatched = dispatched
 
     def __reduce__(self):  # keep fields across pickling (Ray)
         return (
             _rebuild,
-            (type(self), self.code, self.message, self.engine_id, self.status),
+            (type(self), self.code, self.message, self.engine_id, self.status, self.dispatched),
         )
 
 
-def _rebuild(cls, code, message, engine_id, status):  # type: ignore[no-untyped-def]
-    return cls(code, message, engine_id=engine_id, status=status)
+def _rebuild(cls, code, message, engine_id, status, dispatched):  # type: ignore[no-untyped-def]
+    return cls(code, message, engine_id=engine_id, status=status, dispatched=dispatched)
 
 
 class CleanRefusal(EngineError):
