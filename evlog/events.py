@@ -47,7 +47,8 @@ class ControllerStarted(Event):
 
 
 class EngineJoined(Event):
-    """An engine became a fleet member. It is routable at once (it holds nothing yet)."""
+    """An engine became a fleet member. Like a restarted engine, it is not routable until the
+    versions still needed are loaded on it (:class:`EngineRepaired`)."""
 
     engine: str
     incarnation: str
@@ -62,6 +63,14 @@ class EngineRestarted(Event):
     engine: str
     old: str
     new: str
+
+
+class VersionRestored(Event):
+    """A version still needed (default or bound) was loaded again on a joined/restarted engine."""
+
+    version_id: int
+    engine: str
+    incarnation: str
 
 
 class EngineRepaired(Event):
@@ -279,6 +288,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     ControllerStarted,
     EngineJoined,
     EngineRestarted,
+    VersionRestored,
     EngineRepaired,
     EngineLeft,
     InventoryObserved,
@@ -309,6 +319,7 @@ AnyEvent = (
     | ControllerStarted
     | EngineJoined
     | EngineRestarted
+    | VersionRestored
     | EngineRepaired
     | EngineLeft
     | InventoryObserved
