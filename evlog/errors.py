@@ -49,9 +49,16 @@ class Code:
     CHAIN_BROKEN = "CHAIN_BROKEN"
     CORRUPT_RECORD = "CORRUPT_RECORD"
     STORE_CLOSED = "STORE_CLOSED"
+    # the file is not a readable ledger (not a database, fails its integrity check, foreign
+    # layout); distinct from CORRUPT_RECORD, which names one record
+    CORRUPT_STORE = "CORRUPT_STORE"
+    # a write failed below the ledger (I/O error, disk full, lock timeout): the batch may or may
+    # not be durable, so the caller retries with the same event ids (appends are idempotent)
+    STORE_FAILED = "STORE_FAILED"
     UNKNOWN_SCHEMA = "UNKNOWN_SCHEMA"
     # the service
     LEDGER_CLOSED = "LEDGER_CLOSED"
+    FENCED = "FENCED"  # another controller appended to this log: this one must stop
 
 
 class LedgerError(Exception):
