@@ -1,0 +1,202 @@
+"""Commands: what callers ask the ledger to decide, as plain data.
+
+A command carries every input of its decision, including time (``now``) and engine replies
+(incarnations, inventories, in-flight evidence): the decider reads nothing else, so the same
+command against the same state always decides the same way, and a replay never has to ask.
+
+``command_id`` is an optional client idempotency key: the same id always yields the same
+outcome (a different command under a used id is refused with ``COMMAND_CONFLICT``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from evlog.events import InFlight
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknown_fields=True):
+    command_id: str | None = None
+
+
+# --- deployment, controller, fleet -----------------------------------------------------------
+
+
+class CreateDeployment(Command):
+    deployment: str
+    prefix: str
+    capacity: int
+    fleet: tuple[str, ...] = ()
+
+
+class StartController(Command):
+    code_version: str
+
+
+class JoinEngine(Command):
+    engine: str
+    incarnation: str
+    endpoint: str = ""
+    kind: str = "local"
+
+
+class ObserveRestart(Command):
+    """A new incarnation was seen (health probe or a receipt): the engine lost everything."""
+
+    engine: str
+    incarnation: str
+
+
+class RestoreVersion(Command):
+    """Repair loaded a still-needed version on a joined/restarted engine."""
+
+    version_id: int
+    engine: str
+    incarnation: str
+
+
+class RepairEngine(Command):
+    """Mark an engine routable: refused (NOT_READY) until it holds every needed version."""
+
+    engine: str
+    incarnation: str
+
+
+class LeaveEngine(Command):
+    engine: str
+
+
+class ObserveInventory(Command):
+    engine: str
+    incarnation: str
+    adapters: tuple[str, ...]
+
+
+# --- publication -----------------------------------------------------------------------------
+
+
+class Allocate(Command):
+    version_id: int
+    digest: str
+    size_bytes: int = 0
+
+
+class ClaimTransport(Command):
+    version_id: int
+    attempt: int
+    owner: str
+
+
+class RecordPrepared(Command):
+    version_id: int
+    attempt: int
+    engine: str
+    incarnation: str
+    digest: str
+    lora_name: str
+
+
+class RecordReady(Command):
+    version_id: int
+    attempt: int
+    engine: str
+    incarnation: str
+    digest: str
+    lora_name: str
+
+
+class Commit(Command):
+    version_id: int
+    attempt: int
+
+
+class FailAttempt(Command):
+    """End an attempt. It is recorded clean (FAILED_RETRYABLE, slot freed) only if ``clean``
+    and ``absent_on`` covers every engine of the attempt still in the fleet; otherwise it is
+    recorded FAILED_FATAL. Never refused for the current attempt: no error path may leave a
+    version LOADING."""
+
+    version_id: int
+    attempt: int
+    clean: bool
+    code: str
+    reason: str
+    absent_on: tuple[str, ...] = ()
+
+
+# --- owners and sessions ---------------------------------------------------------------------
+
+
+class RegisterOwner(Command):
+    owner: str
+    ttl_s: float
+    now: float
+
+
+class ExpireOwner(Command):
+    """Record that ``owner`` stopped renewing (evidence: ``last_seen``, ``now``)."""
+
+    owner: str
+    now: float
+    last_seen: float
+
+
+class Bind(Command):
+    session: str
+    owner: str
+
+
+class Release(Command):
+    session: str
+    owner: str
+    cause: str = "closed"
+
+
+class Forget(Command):
+    sessions: tuple[str, ...]
+
+
+# --- reclaim ---------------------------------------------------------------------------------
+
+
+class ClaimReclaim(Command):
+    version_id: int
+    evidence: tuple[InFlight, ...] = ()
+
+
+class RecordUnloaded(Command):
+    version_id: int
+    engine: str
+    incarnation: str
+
+
+class MarkReclaimAmbiguous(Command):
+    version_id: int
+    engine: str
+    reason: str
+
+
+AnyCommand = (
+    CreateDeployment
+    | StartController
+    | JoinEngine
+    | ObserveRestart
+    | RestoreVersion
+    | RepairEngine
+    | LeaveEngine
+    | ObserveInventory
+    | Allocate
+    | ClaimTransport
+    | RecordPrepared
+    | RecordReady
+    | Commit
+    | FailAttempt
+    | RegisterOwner
+    | ExpireOwner
+    | Bind
+    | Release
+    | Forget
+    | ClaimReclaim
+    | RecordUnloaded
+    | MarkReclaimAmbiguous
+)

@@ -1,0 +1,833 @@
+"""The decider: ``decide(state, command) -> Decision``, a pure function.
+
+It reads the registry state and the command, nothing else (no clock, no engine, no store), and
+never mutates the state. A decision is the events to append plus the outcome to answer, or a
+refusal (a ``LedgerError`` with a stable code). Most refusals write nothing; the receipt
+refusals of DESIGN §3 are recorded (``ReceiptRejected``) so an incident replay shows them.
+
+The semantics, the order of the checks and the error codes follow DESIGN §4 (they match the
+seed registry, Relax PR #382), extended by the deliberate improvements listed there: an
+N-engine fleet that changes, fatal/ambiguous entries resolved by inventory evidence, owner
+leases, recorded skips.
+
+A stale or duplicate input is an outcome too: it either returns the earlier outcome (no event)
+or is refused; it never changes the state twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from evlog.errors import Code, LedgerError
+from evlog.events import (
+    AttemptFailed,
+    AttemptStarted,
+    CommandRecorded,
+    ControllerStarted,
+    DeploymentCreated,
+    EngineJoined,
+    EngineLeft,
+    EnginePrepared,
+    EngineReady,
+    EngineRepaired,
+    EngineRestarted,
+    EngineUnloaded,
+    Event,
+    FatalResolved,
+    InventoryObserved,
+    OwnerLeaseExpired,
+    OwnerRegistered,
+    PublicationSkipped,
+    ReceiptRejected,
+    ReclaimAmbiguous,
+    ReclaimClaimed,
+    SessionBound,
+    SessionReleased,
+    SessionsForgotten,
+    TransportClaimed,
+    VersionAllocated,
+    VersionPublished,
+    VersionReclaimed,
+    VersionRestored,
+)
+from projections.registry import (
+    COMPLETED_STATES,
+    HOLDABLE_STATES,
+    SERVING_STATES,
+    RegistryState,
+    VersionRecord,
+    VersionState,
+)
+from publisher import commands as c
+from publisher.outcomes import (
+    Allocated,
+    AttemptEnded,
+    Bound,
+    Claimed,
+    Done,
+    Expired,
+    Forgotten,
+    InventoryRecorded,
+    Outcome,
+    Published,
+    ReclaimGranted,
+    Released,
+    Skipped,
+    UnloadRecorded,
+    decode_outcome,
+    encode_outcome,
+)
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """Events to append (possibly empty), and either an outcome or a refusal."""
+
+    events: tuple[Event, ...] = ()
+    outcome: Outcome | None = None
+    error: LedgerError | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.error is None
+
+
+def decide(state: RegistryState, command: c.Command) -> Decision:
+    """Decide one command against the state. Never raises for a refusal: returns it."""
+    command_id = command.command_id
+    fingerprint = ""
+    if command_id is not None:
+        fingerprint = _fingerprint(command)
+        recorded = state.commands.get(command_id)
+        if recorded is not None:
+            if recorded.fingerprint != fingerprint:
+                return Decision(
+                    error=LedgerError(
+                        Code.COMMAND_CONFLICT,
+                        f"command id {command_id!r} was used for a different command",
+                        command_id=command_id,
+                    )
+                )
+            return Decision(outcome=decode_outcome(recorded.outcome))
+    try:
+        decision = _HANDLERS[type(command)](state, command)
+    except LedgerError as refusal:
+        return Decision(error=refusal)
+    if command_id is not None and decision.error is None and decision.events:
+        assert decision.outcome is not None
+        record = CommandRecorded(
+            command_id=command_id,
+            fingerprint=fingerprint,
+            outcome=encode_outcome(decision.outcome),
+        )
+        decision = Decision((*decision.events, record), decision.outcome)
+    return decision
+
+
+def _fingerprint(command: c.Command) -> str:
+    body = msgspec.msgpack.encode(msgspec.structs.replace(command, command_id=None))
+    return hashlib.sha256(body).hexdigest()[:32]
+
+
+# --- validation helpers ----------------------------------------------------------------------
+
+_IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _ident(value: Any, what: str) -> str:
+    """Deployment, prefix and engine names: they end up inside immutable engine-side names,
+    which must never contain ':' or '/' (or '@', the separator of the name itself)."""
+    if not isinstance(value, str) or not _IDENT.match(value):
+        raise LedgerError(
+            Code.INVALID_INPUT, f"{what} {value!r} must match {_IDENT.pattern}", field=what
+        )
+    return value
+
+
+def _key(value: Any, what: str) -> str:
+    """Session and owner ids: any printable string up to 256 characters."""
+    if not isinstance(value, str) or not value or len(value) > 256 or not value.isprintable():
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"{what} must be a non-empty printable string of at most 256 characters",
+            field=what,
+        )
+    return value
+
+
+def _version_id(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LedgerError(
+            Code.INVALID_VERSION, f"version id {value!r} must be a positive int", version_id=value
+        )
+    return value
+
+
+def _digest(value: Any) -> str:
+    if not isinstance(value, str) or not _DIGEST.match(value):
+        raise LedgerError(Code.INVALID_INPUT, f"digest {value!r} is not 64 lowercase hex")
+    return value
+
+
+def _time(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LedgerError(Code.INVALID_INPUT, f"{what} {value!r} must be a finite number")
+    return float(value)
+
+
+def _deployment(s: RegistryState) -> None:
+    if s.deployment is None:
+        raise LedgerError(Code.NOT_INITIALIZED, "no deployment: create one first")
+
+
+def _version(s: RegistryState, version_id: Any) -> VersionRecord:
+    v = s.versions.get(_version_id(version_id))
+    if v is None:
+        raise LedgerError(Code.UNKNOWN_VERSION, f"version {version_id} is not known")
+    return v
+
+
+def _member(s: RegistryState, engine: Any):  # type: ignore[no-untyped-def]
+    member = s.engines.get(engine)
+    if member is None:
+        raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
+    return member
+
+
+def _current_incarnation(s: RegistryState, engine: str, incarnation: str) -> None:
+    member = _member(s, engine)
+    if member.incarnation != incarnation:
+        raise LedgerError(
+            Code.ENGINE_RESTARTED,
+            f"engine {engine} is at incarnation {member.incarnation}, not {incarnation}",
+            engine=engine,
+        )
+
+
+def _members(s: RegistryState, fleet: tuple[str, ...]) -> set[str]:
+    """The engines of ``fleet`` that are still fleet members."""
+    return {e for e in fleet if e in s.engines}
+
+
+# --- deployment, controller, fleet -----------------------------------------------------------
+
+
+def _create_deployment(s: RegistryState, cmd: c.CreateDeployment) -> Decision:
+    _ident(cmd.deployment, "deployment")
+    _ident(cmd.prefix, "prefix")
+    if not isinstance(cmd.capacity, int) or isinstance(cmd.capacity, bool) or cmd.capacity < 1:
+        raise LedgerError(Code.INVALID_INPUT, f"capacity {cmd.capacity!r} must be an int >= 1")
+    for engine in cmd.fleet:
+        _ident(engine, "engine")
+    if s.deployment is not None:
+        same = (s.deployment, s.prefix, s.capacity, s.declared_fleet) == (
+            cmd.deployment,
+            cmd.prefix,
+            cmd.capacity,
+            cmd.fleet,
+        )
+        if same:
+            return Decision(outcome=Done(no_op=True))
+        raise LedgerError(
+            Code.ALREADY_INITIALIZED, f"this log already holds deployment {s.deployment!r}"
+        )
+    event = DeploymentCreated(
+        deployment=cmd.deployment, prefix=cmd.prefix, capacity=cmd.capacity, fleet=cmd.fleet
+    )
+    return Decision((event,), Done())
+
+
+def _start_controller(s: RegistryState, cmd: c.StartController) -> Decision:
+    event = ControllerStarted(epoch=s.epoch + 1, code_version=cmd.code_version)
+    return Decision((event,), Done())
+
+
+def _join_engine(s: RegistryState, cmd: c.JoinEngine) -> Decision:
+    _deployment(s)
+    _ident(cmd.engine, "engine")
+    _key(cmd.incarnation, "incarnation")
+    member = s.engines.get(cmd.engine)
+    if member is not None:
+        if member.incarnation == cmd.incarnation:
+            return Decision(outcome=Done(no_op=True))
+        raise LedgerError(
+            Code.ENGINE_EXISTS,
+            f"engine {cmd.engine} is already a member (a new incarnation is a restart)",
+        )
+    event = EngineJoined(
+        engine=cmd.engine, incarnation=cmd.incarnation, endpoint=cmd.endpoint, kind=cmd.kind
+    )
+    return Decision((event,), Done())
+
+
+def _observe_restart(s: RegistryState, cmd: c.ObserveRestart) -> Decision:
+    _deployment(s)
+    member = _member(s, cmd.engine)
+    _key(cmd.incarnation, "incarnation")
+    if member.incarnation == cmd.incarnation:
+        return Decision(outcome=Done(no_op=True))
+    event = EngineRestarted(engine=cmd.engine, old=member.incarnation, new=cmd.incarnation)
+    return Decision((event,), Done())
+
+
+def _restore_version(s: RegistryState, cmd: c.RestoreVersion) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    _current_incarnation(s, cmd.engine, cmd.incarnation)
+    if v.state not in SERVING_STATES:
+        raise LedgerError(
+            Code.INVALID_STATE, f"version {v.version_id} is {v.state}: nothing to restore"
+        )
+    if v.lora_name in s.engines[cmd.engine].holds:
+        return Decision(outcome=Done(no_op=True))
+    event = VersionRestored(version_id=v.version_id, engine=cmd.engine, incarnation=cmd.incarnation)
+    return Decision((event,), Done())
+
+
+def _repair_engine(s: RegistryState, cmd: c.RepairEngine) -> Decision:
+    _deployment(s)
+    _current_incarnation(s, cmd.engine, cmd.incarnation)
+    member = s.engines[cmd.engine]
+    if member.routable:
+        return Decision(outcome=Done(no_op=True))
+    missing = [vid for vid in s.needed_versions() if s.versions[vid].lora_name not in member.holds]
+    if missing:
+        raise LedgerError(
+            Code.NOT_READY,
+            f"engine {cmd.engine} does not hold needed versions {missing} yet",
+            missing=missing,
+        )
+    event = EngineRepaired(engine=cmd.engine, incarnation=cmd.incarnation)
+    return Decision((event,), Done())
+
+
+def _completed_by_leaving(s: RegistryState, engine: str) -> list[Event]:
+    """Fatal entries and reclaims whose only missing proof was from the engine that leaves:
+    an engine that is no longer a member cannot hold anything the fleet serves."""
+    members = set(s.engines) - {engine}
+    events: list[Event] = []
+    for v in s.versions.values():
+        confirmed = set(v.confirmed)
+        if v.state is VersionState.FAILED_FATAL:
+            if _members(s, v.fleet) - {engine} <= confirmed:
+                events.append(FatalResolved(version_id=v.version_id, attempt=v.attempt))
+        elif v.state is VersionState.RECLAIMING and members <= confirmed:
+            events.append(VersionReclaimed(version_id=v.version_id))
+    return events
+
+
+def _leave_engine(s: RegistryState, cmd: c.LeaveEngine) -> Decision:
+    _deployment(s)
+    if cmd.engine not in s.engines:
+        return Decision(outcome=Done(no_op=True))
+    follow = _completed_by_leaving(s, cmd.engine)
+    return Decision((EngineLeft(engine=cmd.engine), *follow), Done())
+
+
+def _observe_inventory(s: RegistryState, cmd: c.ObserveInventory) -> Decision:
+    _deployment(s)
+    _current_incarnation(s, cmd.engine, cmd.incarnation)
+    for name in cmd.adapters:
+        _key(name, "adapter name")
+    present = set(cmd.adapters)
+    observed = InventoryObserved(
+        engine=cmd.engine, incarnation=cmd.incarnation, adapters=tuple(sorted(present))
+    )
+    events: list[Event] = [observed]
+    resolved: list[int] = []
+    reclaimed: list[int] = []
+    for v in s.versions.values():
+        if v.state not in (VersionState.FAILED_FATAL, VersionState.RECLAIMING):
+            continue
+        if v.state is VersionState.FAILED_FATAL and cmd.engine not in v.fleet:
+            continue
+        confirmed = set(v.confirmed)
+        if v.lora_name in present:
+            confirmed.discard(cmd.engine)
+        else:
+            confirmed.add(cmd.engine)
+        if v.state is VersionState.FAILED_FATAL:
+            if _members(s, v.fleet) <= confirmed:
+                events.append(FatalResolved(version_id=v.version_id, attempt=v.attempt))
+                resolved.append(v.version_id)
+        elif set(s.engines) <= confirmed:
+            events.append(VersionReclaimed(version_id=v.version_id))
+            reclaimed.append(v.version_id)
+    legit = {v.lora_name for v in s.versions.values() if v.state in HOLDABLE_STATES}
+    strays = tuple(sorted(present - legit))
+    outcome = InventoryRecorded(
+        engine=cmd.engine, resolved=tuple(resolved), reclaimed=tuple(reclaimed), strays=strays
+    )
+    return Decision(tuple(events), outcome)
+
+
+# --- publication -----------------------------------------------------------------------------
+
+
+def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
+    _deployment(s)
+    version_id = _version_id(cmd.version_id)
+    digest = _digest(cmd.digest)
+    existing = s.versions.get(version_id)
+    if existing is not None and existing.digest != digest:
+        raise LedgerError(
+            Code.VERSION_CONFLICT,
+            f"version {version_id} was published with digest {existing.digest[:16]}, "
+            f"not {digest[:16]}",
+            version_id=version_id,
+        )
+    blocked = s.blocked_by()
+    if blocked:
+        raise LedgerError(
+            Code.PUBLICATION_BLOCKED,
+            f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first",
+            versions=blocked,
+        )
+    if existing is not None:
+        if existing.state in COMPLETED_STATES:
+            return Decision(outcome=_allocated(existing, no_op=True))
+        if existing.state is VersionState.LOADING:
+            return Decision(outcome=_allocated(existing, resumed=True))
+    # A new id, or a retry of a cleanly failed one: both take a capacity slot again.
+    used = s.capacity_used()
+    if used >= s.capacity:
+        message = f"capacity {s.capacity} is full ({used} versions hold a slot)"
+        if s.default is None:
+            raise LedgerError(Code.CAPACITY_ERROR, message, capacity=s.capacity)
+        skipped = PublicationSkipped(
+            version_id=version_id, digest=digest, code=Code.CAPACITY_ERROR, message=message
+        )
+        return Decision(
+            (skipped,), Skipped(version_id=version_id, code=Code.CAPACITY_ERROR, message=message)
+        )
+    loading = s.loading()
+    if loading is not None:
+        raise LedgerError(
+            Code.PUBLICATION_IN_PROGRESS,
+            f"version {loading.version_id} is LOADING",
+            version_id=loading.version_id,
+        )
+    fleet = s.routable_engines()
+    if not fleet:
+        raise LedgerError(Code.FLEET_MISMATCH, "no routable engine to publish to")
+    events: list[Event] = []
+    if existing is None:
+        lora_name = s.lora_name(version_id, digest)
+        events.append(
+            VersionAllocated(
+                version_id=version_id,
+                digest=digest,
+                lora_name=lora_name,
+                size_bytes=max(0, int(cmd.size_bytes)),
+            )
+        )
+        attempt = 1
+    else:
+        lora_name = existing.lora_name
+        attempt = existing.attempt + 1
+    events.append(AttemptStarted(version_id=version_id, attempt=attempt, fleet=fleet))
+    outcome = Allocated(
+        version_id=version_id,
+        lora_name=lora_name,
+        digest=digest,
+        attempt=attempt,
+        fleet=fleet,
+        state=VersionState.LOADING,
+    )
+    return Decision(tuple(events), outcome)
+
+
+def _allocated(v: VersionRecord, *, no_op: bool = False, resumed: bool = False) -> Allocated:
+    return Allocated(
+        version_id=v.version_id,
+        lora_name=v.lora_name,
+        digest=v.digest,
+        attempt=v.attempt,
+        fleet=v.fleet,
+        state=v.state,
+        no_op=no_op,
+        resumed=resumed,
+    )
+
+
+def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    _key(cmd.owner, "owner")
+    if v.state is not VersionState.LOADING:
+        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}, not LOADING")
+    if cmd.attempt != v.attempt:
+        raise LedgerError(
+            Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
+        )
+    if v.claimed_by == cmd.owner:
+        return Decision(
+            outcome=Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner)
+        )
+    if v.claimed_by is not None:
+        raise LedgerError(
+            Code.PUBLICATION_IN_PROGRESS,
+            f"attempt {v.attempt} of version {v.version_id} is driven by {v.claimed_by}",
+            owner=v.claimed_by,
+        )
+    event = TransportClaimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner)
+    return Decision((event,), Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner))
+
+
+def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decision:
+    """Shared fencing of PREPARED and READY receipts (DESIGN §4): version, attempt, fleet,
+    incarnation, digest and name must all match the current attempt. A mismatch is recorded
+    (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    member = _member(s, cmd.engine)
+    ready = isinstance(cmd, c.RecordReady)
+    applied = v.ready if ready else v.prepared
+    duplicate = (
+        cmd.attempt == v.attempt
+        and applied.get(cmd.engine) == cmd.incarnation
+        and cmd.incarnation == member.incarnation
+        and (cmd.digest, cmd.lora_name) == (v.digest, v.lora_name)
+    )
+    if duplicate:
+        return Decision(outcome=Done(no_op=True))
+    if v.state is not VersionState.LOADING or cmd.attempt != v.attempt:
+        code, detail = (
+            Code.ATTEMPT_CONFLICT,
+            f"receipt for attempt {cmd.attempt}, version is {v.state} at attempt {v.attempt}",
+        )
+    elif cmd.engine not in v.fleet:
+        code, detail = Code.FLEET_MISMATCH, f"{cmd.engine} is not in the attempt's fleet {v.fleet}"
+    elif cmd.incarnation != member.incarnation:
+        code, detail = (
+            Code.ENGINE_RESTARTED,
+            f"receipt from incarnation {cmd.incarnation}, engine is at {member.incarnation}",
+        )
+    elif (cmd.digest, cmd.lora_name) != (v.digest, v.lora_name):
+        code, detail = (
+            Code.READY_MISMATCH,
+            f"receipt echoes {cmd.lora_name}/{cmd.digest[:16]}, "
+            f"expected {v.lora_name}/{v.digest[:16]}",
+        )
+    else:
+        fields = {
+            "version_id": v.version_id,
+            "attempt": v.attempt,
+            "engine": cmd.engine,
+            "incarnation": cmd.incarnation,
+        }
+        if ready:
+            event: Event = EngineReady(**fields, digest=v.digest, lora_name=v.lora_name)
+        else:
+            event = EnginePrepared(**fields)
+        return Decision((event,), Done())
+    rejected = ReceiptRejected(
+        code=code,
+        version_id=v.version_id,
+        attempt=cmd.attempt,
+        engine=cmd.engine,
+        incarnation=cmd.incarnation,
+        detail=detail,
+    )
+    return Decision((rejected,), error=LedgerError(code, detail, version_id=v.version_id))
+
+
+def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    if v.state in COMPLETED_STATES:
+        # A replay of a committed version returns it; the default never rolls back.
+        return Decision(
+            outcome=Published(
+                version_id=v.version_id,
+                lora_name=v.lora_name,
+                revision=v.revision or 0,
+                retired=None,
+                no_op=True,
+            )
+        )
+    if v.state is not VersionState.LOADING:
+        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}")
+    if cmd.attempt != v.attempt:
+        raise LedgerError(
+            Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
+        )
+    required = _members(s, v.fleet)
+    missing = sorted(e for e in required if v.ready.get(e) != s.engines[e].incarnation)
+    if missing or not required:
+        raise LedgerError(
+            Code.NOT_READY,
+            f"version {v.version_id} attempt {v.attempt} lacks READY from "
+            f"{missing or 'any engine'}",
+            missing=missing,
+        )
+    revision = s.default_revision + 1
+    event = VersionPublished(
+        version_id=v.version_id, attempt=v.attempt, revision=revision, retired=s.default
+    )
+    outcome = Published(
+        version_id=v.version_id, lora_name=v.lora_name, revision=revision, retired=s.default
+    )
+    return Decision((event,), outcome)
+
+
+def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    if cmd.attempt == v.attempt and v.state in (
+        VersionState.FAILED_RETRYABLE,
+        VersionState.FAILED_FATAL,
+    ):
+        return Decision(
+            outcome=AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=v.state)
+        )
+    if v.state is not VersionState.LOADING or cmd.attempt != v.attempt:
+        raise LedgerError(
+            Code.ATTEMPT_CONFLICT,
+            f"attempt {cmd.attempt} cannot fail: version is {v.state} at attempt {v.attempt}",
+        )
+    clean = bool(cmd.clean) and _members(s, v.fleet) <= set(cmd.absent_on)
+    event = AttemptFailed(
+        version_id=v.version_id,
+        attempt=v.attempt,
+        clean=clean,
+        code=cmd.code,
+        reason=cmd.reason[:2000],
+        absent_on=tuple(sorted(set(cmd.absent_on))),
+    )
+    state = VersionState.FAILED_RETRYABLE if clean else VersionState.FAILED_FATAL
+    return Decision((event,), AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=state))
+
+
+# --- owners and sessions ---------------------------------------------------------------------
+
+
+def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:
+    _deployment(s)
+    _key(cmd.owner, "owner")
+    ttl = _time(cmd.ttl_s, "ttl_s")
+    if ttl <= 0:
+        raise LedgerError(Code.INVALID_INPUT, f"lease ttl {ttl} must be > 0")
+    owner = s.owners.get(cmd.owner)
+    if owner is not None:
+        if owner.expired:
+            raise LedgerError(
+                Code.LEASE_EXPIRED,
+                f"owner {cmd.owner} lost its lease; register under a new owner id",
+                owner=cmd.owner,
+            )
+        return Decision(outcome=Done(no_op=True))
+    event = OwnerRegistered(owner=cmd.owner, ttl_s=ttl, at=_time(cmd.now, "now"))
+    return Decision((event,), Done())
+
+
+def _live_owner(s: RegistryState, owner_id: str, *, required: bool) -> None:
+    owner = s.owners.get(owner_id)
+    if owner is None:
+        if required:
+            raise LedgerError(
+                Code.UNKNOWN_OWNER, f"owner {owner_id!r} is not registered", owner=owner_id
+            )
+        return
+    if owner.expired:
+        raise LedgerError(
+            Code.LEASE_EXPIRED,
+            f"owner {owner_id} lost its lease: its sessions were released",
+            owner=owner_id,
+        )
+
+
+def _expire_owner(s: RegistryState, cmd: c.ExpireOwner) -> Decision:
+    _deployment(s)
+    owner = s.owners.get(cmd.owner)
+    if owner is None:
+        raise LedgerError(Code.UNKNOWN_OWNER, f"owner {cmd.owner!r} is not registered")
+    if owner.expired:
+        return Decision(outcome=Expired(owner=cmd.owner, released=0))
+    now, last_seen = _time(cmd.now, "now"), _time(cmd.last_seen, "last_seen")
+    if now - last_seen < owner.ttl_s:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"lease of {cmd.owner} is still valid ({now - last_seen:.3f}s < {owner.ttl_s}s)",
+        )
+    events: list[Event] = [OwnerLeaseExpired(owner=cmd.owner, at=now, last_seen=last_seen)]
+    for session, binding in s.sessions.items():
+        if binding.owner == cmd.owner:
+            events.append(
+                SessionReleased(
+                    session=session,
+                    owner=cmd.owner,
+                    version_id=binding.version_id,
+                    cause="lease_expired",
+                )
+            )
+    return Decision(tuple(events), Expired(owner=cmd.owner, released=len(events) - 1))
+
+
+def _bound(s: RegistryState, session: str, version_id: int, revision: int, new: bool) -> Bound:
+    v = s.versions[version_id]
+    return Bound(
+        session=session,
+        version_id=version_id,
+        lora_name=v.lora_name,
+        digest=v.digest,
+        revision=revision,
+        new=new,
+    )
+
+
+def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
+    _deployment(s)
+    _key(cmd.session, "session")
+    _key(cmd.owner, "owner")
+    _live_owner(s, cmd.owner, required=False)
+    binding = s.sessions.get(cmd.session)
+    if binding is not None:
+        return Decision(
+            outcome=_bound(s, cmd.session, binding.version_id, binding.revision, new=False)
+        )
+    if cmd.session in s.tombstones:
+        raise LedgerError(
+            Code.SESSION_CLOSED, f"session {cmd.session} was released", session=cmd.session
+        )
+    _live_owner(s, cmd.owner, required=True)
+    if s.default is None:
+        raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
+    event = SessionBound(
+        session=cmd.session, owner=cmd.owner, version_id=s.default, revision=s.default_revision
+    )
+    return Decision((event,), _bound(s, cmd.session, s.default, s.default_revision, new=True))
+
+
+def _release(s: RegistryState, cmd: c.Release) -> Decision:
+    _deployment(s)
+    _key(cmd.session, "session")
+    binding = s.sessions.get(cmd.session)
+    if binding is not None:
+        event = SessionReleased(
+            session=cmd.session,
+            owner=binding.owner,
+            version_id=binding.version_id,
+            cause=cmd.cause,
+        )
+        return Decision(
+            (event,), Released(session=cmd.session, released=True, version_id=binding.version_id)
+        )
+    if cmd.session in s.tombstones:
+        return Decision(outcome=Released(session=cmd.session, released=False))
+    # Closed before its first bind: tombstone it so it can never bind.
+    _key(cmd.owner, "owner")
+    _live_owner(s, cmd.owner, required=True)
+    event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
+    return Decision((event,), Released(session=cmd.session, released=False))
+
+
+def _forget(s: RegistryState, cmd: c.Forget) -> Decision:
+    _deployment(s)
+    still_bound = [session for session in cmd.sessions if session in s.sessions]
+    if still_bound:
+        raise LedgerError(
+            Code.SESSION_STILL_BOUND,
+            f"{len(still_bound)} sessions are still bound (e.g. {still_bound[0]}); "
+            "nothing forgotten",
+            sessions=still_bound[:20],
+        )
+    tombstoned = tuple(dict.fromkeys(x for x in cmd.sessions if x in s.tombstones))
+    if not tombstoned:
+        return Decision(outcome=Forgotten(count=0))
+    return Decision((SessionsForgotten(sessions=tombstoned),), Forgotten(count=len(tombstoned)))
+
+
+# --- reclaim ---------------------------------------------------------------------------------
+
+
+def _claim_reclaim(s: RegistryState, cmd: c.ClaimReclaim) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    if v.state is not VersionState.RETIRED:
+        raise LedgerError(Code.NOT_RECLAIMABLE, f"version {v.version_id} is {v.state}, not RETIRED")
+    if v.bound:
+        raise LedgerError(
+            Code.NOT_RECLAIMABLE,
+            f"version {v.version_id} still has {v.bound} sessions bound",
+            bound=v.bound,
+        )
+    busy = [f"{x.engine}:{x.count}@{x.reporter}" for x in cmd.evidence if x.count != 0]
+    if busy:
+        raise LedgerError(
+            Code.REQUESTS_IN_FLIGHT,
+            f"version {v.version_id} has requests in flight: {', '.join(busy)}",
+        )
+    events: list[Event] = [ReclaimClaimed(version_id=v.version_id, evidence=cmd.evidence)]
+    engines = tuple(sorted(s.engines))
+    if not engines:
+        events.append(VersionReclaimed(version_id=v.version_id))
+    outcome = ReclaimGranted(version_id=v.version_id, lora_name=v.lora_name, engines=engines)
+    return Decision(tuple(events), outcome)
+
+
+def _record_unloaded(s: RegistryState, cmd: c.RecordUnloaded) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    if v.state is VersionState.RECLAIMED:
+        return Decision(
+            outcome=UnloadRecorded(version_id=v.version_id, engine=cmd.engine, reclaimed=True)
+        )
+    if v.state is not VersionState.RECLAIMING:
+        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}")
+    _current_incarnation(s, cmd.engine, cmd.incarnation)
+    if v.confirmed.get(cmd.engine) == cmd.incarnation:
+        return Decision(
+            outcome=UnloadRecorded(version_id=v.version_id, engine=cmd.engine, reclaimed=False)
+        )
+    events: list[Event] = [
+        EngineUnloaded(version_id=v.version_id, engine=cmd.engine, incarnation=cmd.incarnation)
+    ]
+    done = set(s.engines) <= set(v.confirmed) | {cmd.engine}
+    if done:
+        events.append(VersionReclaimed(version_id=v.version_id))
+    return Decision(
+        tuple(events),
+        UnloadRecorded(version_id=v.version_id, engine=cmd.engine, reclaimed=done),
+    )
+
+
+def _mark_reclaim_ambiguous(s: RegistryState, cmd: c.MarkReclaimAmbiguous) -> Decision:
+    _deployment(s)
+    v = _version(s, cmd.version_id)
+    if v.state is not VersionState.RECLAIMING:
+        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}")
+    event = ReclaimAmbiguous(version_id=v.version_id, engine=cmd.engine, reason=cmd.reason[:2000])
+    return Decision((event,), Done())
+
+
+_HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
+    c.CreateDeployment: _create_deployment,
+    c.StartController: _start_controller,
+    c.JoinEngine: _join_engine,
+    c.ObserveRestart: _observe_restart,
+    c.RestoreVersion: _restore_version,
+    c.RepairEngine: _repair_engine,
+    c.LeaveEngine: _leave_engine,
+    c.ObserveInventory: _observe_inventory,
+    c.Allocate: _allocate,
+    c.ClaimTransport: _claim_transport,
+    c.RecordPrepared: _receipt,
+    c.RecordReady: _receipt,
+    c.Commit: _commit,
+    c.FailAttempt: _fail_attempt,
+    c.RegisterOwner: _register_owner,
+    c.ExpireOwner: _expire_owner,
+    c.Bind: _bind,
+    c.Release: _release,
+    c.Forget: _forget,
+    c.ClaimReclaim: _claim_reclaim,
+    c.RecordUnloaded: _record_unloaded,
+    c.MarkReclaimAmbiguous: _mark_reclaim_ambiguous,
+}

@@ -1,0 +1,72 @@
+"""Owner leases and in-flight reports: soft state kept at the edge, never logged per renewal.
+
+A rollout worker renews its lease every few seconds and, with each renewal, reports how many
+requests it has in flight per (engine, version). Logging every heartbeat would drown the log;
+instead the *decisions* carry the evidence they relied on: ``OwnerLeaseExpired`` records the
+last renewal it saw, ``ReclaimClaimed`` records the in-flight reports. A replay therefore
+explains every decision without the heartbeats.
+
+After a controller restart every registered owner gets a full ttl of grace (its last renewal
+is unknown), so a restart can never expire a live worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from evlog.events import InFlight
+
+
+class Lease(msgspec.Struct):
+    last_seen: float
+    inflight: dict[tuple[str, int], int] = msgspec.field(default_factory=dict)
+
+
+class LeaseBook:
+    def __init__(self) -> None:
+        self._leases: dict[str, Lease] = {}
+
+    def grant(self, owner: str, now: float) -> None:
+        """Start (or restart after a controller restart) a lease at ``now``."""
+        self._leases.setdefault(owner, Lease(last_seen=now))
+
+    def renew(
+        self, owner: str, now: float, inflight: Mapping[tuple[str, int], int] | None = None
+    ) -> None:
+        lease = self._leases.setdefault(owner, Lease(last_seen=now))
+        lease.last_seen = max(lease.last_seen, now)
+        if inflight is not None:
+            lease.inflight = {key: n for key, n in inflight.items() if n}
+
+    def drop(self, owner: str) -> None:
+        self._leases.pop(owner, None)
+
+    def last_seen(self, owner: str) -> float | None:
+        lease = self._leases.get(owner)
+        return None if lease is None else lease.last_seen
+
+    def overdue(self, now: float, ttls: Mapping[str, float]) -> list[tuple[str, float]]:
+        """Owners (with their last renewal) whose lease ran out at ``now``."""
+        return sorted(
+            (owner, lease.last_seen)
+            for owner, lease in self._leases.items()
+            if owner in ttls and now - lease.last_seen >= ttls[owner]
+        )
+
+    def inflight(self, version_id: int) -> list[InFlight]:
+        """Evidence for a reclaim claim: one entry per live owner (its count per engine where
+        non-zero, else a single zero entry for all engines, dated by its last renewal)."""
+        reports: list[InFlight] = []
+        for owner, lease in sorted(self._leases.items()):
+            busy = sorted(
+                (engine, n) for (engine, vid), n in lease.inflight.items() if vid == version_id
+            )
+            if not busy:
+                busy = [("*", 0)]
+            reports.extend(
+                InFlight(reporter=owner, engine=engine, count=n, at=lease.last_seen)
+                for engine, n in busy
+            )
+        return reports

@@ -1,0 +1,99 @@
+"""A pure in-test ledger: decide + evolve with no store, checking invariants after every step.
+
+Used by the decider tests and as the reference bootstrap for other pure tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from evlog.errors import LedgerError
+from evlog.events import Event
+from projections import invariants
+from projections.registry import RegistryState, evolve
+from publisher import commands as c
+from publisher.decider import decide
+from publisher.outcomes import Allocated, Outcome, Published
+
+
+def digest_of(label: Any) -> str:
+    return hashlib.sha256(str(label).encode()).hexdigest()
+
+
+class Book:
+    def __init__(self) -> None:
+        self.state = RegistryState()
+        self.events: list[Event] = []
+
+    def run(self, command: c.Command) -> Outcome:
+        decision = decide(self.state, command)
+        for event in decision.events:
+            evolve(self.state, event, len(self.events) + 1)
+            self.events.append(event)
+        invariants.check(self.state)
+        if decision.error is not None:
+            raise decision.error
+        assert decision.outcome is not None
+        return decision.outcome
+
+    def refuse(self, command: c.Command, code: str) -> list[Event]:
+        """Assert the command is refused with ``code``; return the events it recorded."""
+        before = len(self.events)
+        with pytest.raises(LedgerError) as info:
+            self.run(command)
+        assert info.value.code == code, info.value
+        return self.events[before:]
+
+    # --- scenario helpers ---------------------------------------------------------------------
+
+    def bootstrap(self, *, capacity: int = 2, engines: tuple[str, ...] = ("e0", "e1")) -> Book:
+        self.run(c.CreateDeployment(deployment="dep", prefix="agent", capacity=capacity))
+        for engine in engines:
+            self.run(c.JoinEngine(engine=engine, incarnation=f"{engine}-i1"))
+            self.run(c.RepairEngine(engine=engine, incarnation=f"{engine}-i1"))
+        self.run(c.RegisterOwner(owner="w1", ttl_s=10.0, now=0.0))
+        return self
+
+    def incarnation(self, engine: str) -> str:
+        return self.state.engines[engine].incarnation
+
+    def allocate(self, version_id: int) -> Allocated:
+        outcome = self.run(c.Allocate(version_id=version_id, digest=digest_of(version_id)))
+        assert isinstance(outcome, Allocated), outcome
+        return outcome
+
+    def ready_all(self, version_id: int) -> None:
+        v = self.state.versions[version_id]
+        for engine in v.fleet:
+            receipt = dict(
+                version_id=version_id,
+                attempt=v.attempt,
+                engine=engine,
+                incarnation=self.incarnation(engine),
+                digest=v.digest,
+                lora_name=v.lora_name,
+            )
+            self.run(c.RecordPrepared(**receipt))
+            self.run(c.RecordReady(**receipt))
+
+    def publish(self, version_id: int) -> Published:
+        allocated = self.allocate(version_id)
+        self.run(
+            c.ClaimTransport(version_id=version_id, attempt=allocated.attempt, owner="trainer")
+        )
+        self.ready_all(version_id)
+        outcome = self.run(c.Commit(version_id=version_id, attempt=allocated.attempt))
+        assert isinstance(outcome, Published)
+        return outcome
+
+    def reclaim(self, version_id: int) -> None:
+        self.run(c.ClaimReclaim(version_id=version_id))
+        for engine in list(self.state.engines):
+            self.run(
+                c.RecordUnloaded(
+                    version_id=version_id, engine=engine, incarnation=self.incarnation(engine)
+                )
+            )

@@ -1,0 +1,488 @@
+"""Every command and every error code of the decider, including the seed scenarios of DESIGN §4.
+
+The ``Book`` harness checks the invariants after every single decision.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from evlog.errors import Code
+from evlog.events import (
+    AttemptFailed,
+    CommandRecorded,
+    FatalResolved,
+    InFlight,
+    PublicationSkipped,
+    ReceiptRejected,
+    SessionReleased,
+    VersionReclaimed,
+)
+from projections.registry import VersionState
+from publisher import commands as c
+from publisher.outcomes import Allocated, Bound, Released, Skipped
+from tests.publisher.book import Book, digest_of
+
+
+@pytest.fixture
+def book() -> Book:
+    return Book().bootstrap()
+
+
+# --- allocate ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, False, "3", 2.0, None])
+def test_allocate_refuses_invalid_version_ids(book: Book, bad: object) -> None:
+    assert book.refuse(c.Allocate(version_id=bad, digest=digest_of(1)), Code.INVALID_VERSION) == []
+
+
+def test_allocate_refuses_a_malformed_digest(book: Book) -> None:
+    book.refuse(c.Allocate(version_id=1, digest="abc"), Code.INVALID_INPUT)
+    book.refuse(c.Allocate(version_id=1, digest=digest_of(1).upper()), Code.INVALID_INPUT)
+
+
+def test_version_conflict_in_every_state(book: Book) -> None:
+    other = digest_of("other")
+    book.allocate(1)  # LOADING
+    book.refuse(c.Allocate(version_id=1, digest=other), Code.VERSION_CONFLICT)
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=True, code="X", reason="r",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    book.refuse(c.Allocate(version_id=1, digest=other), Code.VERSION_CONFLICT)
+    book.publish(1)  # retry attempt 2, PUBLISHED
+    book.refuse(c.Allocate(version_id=1, digest=other), Code.VERSION_CONFLICT)
+    book.publish(2)  # 1 RETIRED
+    book.refuse(c.Allocate(version_id=1, digest=other), Code.VERSION_CONFLICT)
+    book.reclaim(1)  # RECLAIMED
+    assert book.state.versions[1].state is VersionState.RECLAIMED
+    book.refuse(c.Allocate(version_id=1, digest=other), Code.VERSION_CONFLICT)
+
+
+def test_replay_of_a_completed_version_is_a_no_op_that_never_moves_the_default(
+    book: Book,
+) -> None:
+    book.publish(1)
+    book.publish(2)
+    before = len(book.events)
+    outcome = book.run(c.Allocate(version_id=1, digest=digest_of(1)))
+    assert isinstance(outcome, Allocated) and outcome.no_op and outcome.state == "RETIRED"
+    assert len(book.events) == before
+    assert book.state.default == 2
+    replay = book.run(c.Commit(version_id=1, attempt=1))
+    assert replay.no_op and book.state.default == 2 and book.state.default_revision == 2
+
+
+def test_loading_version_returns_the_same_attempt(book: Book) -> None:
+    first = book.allocate(1)
+    again = book.allocate(1)
+    assert again.resumed and again.attempt == first.attempt == 1
+    assert book.state.versions[1].attempt == 1
+
+
+def test_retry_after_clean_failure_starts_the_next_attempt(book: Book) -> None:
+    book.allocate(1)
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=True, code="LOAD", reason="4xx",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    assert book.state.versions[1].state is VersionState.FAILED_RETRYABLE
+    assert book.state.capacity_used() == 0
+    retry = book.allocate(1)
+    assert retry.attempt == 2 and not retry.resumed
+
+
+def test_capacity_error_at_bootstrap_and_skip_after(book: Book) -> None:
+    small = Book().bootstrap(capacity=1)
+    small.allocate(1)
+    small.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="timeout"))
+    # FAILED_FATAL keeps its slot; once resolved the slot frees.
+    assert small.state.capacity_used() == 1
+    # Bootstrap (no default yet): a capacity refusal is an error, not a skip.
+    book.publish(1)
+    book.run(c.Bind(session="s1", owner="w1"))
+    book.publish(2)  # v1 RETIRED but bound, v2 PUBLISHED: capacity 2 is full
+    before = len(book.events)
+    outcome = book.run(c.Allocate(version_id=3, digest=digest_of(3)))
+    assert isinstance(outcome, Skipped) and outcome.code == Code.CAPACITY_ERROR
+    assert [type(e) for e in book.events[before:]] == [PublicationSkipped]
+    assert 3 not in book.state.versions  # nothing allocated, no engine touched
+    book.run(c.Release(session="s1", owner="w1"))
+    book.reclaim(1)
+    assert book.allocate(3).attempt == 1  # succeeds once v1 is reclaimed
+
+
+def test_capacity_error_before_any_default() -> None:
+    book = Book().bootstrap(capacity=1)
+    book.allocate(1)
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="timeout"))
+    # Resolve the fatal entry so the block is not what refuses.
+    for engine in ("e0", "e1"):
+        book.run(c.ObserveInventory(engine=engine, incarnation=book.incarnation(engine),
+                                    adapters=()))  # fmt: skip
+    assert book.state.versions[1].state is VersionState.FAILED_RETRYABLE
+    book.allocate(1)  # attempt 2 takes the slot again
+    book.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.CAPACITY_ERROR)
+
+
+def test_publication_in_progress(book: Book) -> None:
+    book.allocate(1)
+    book.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.PUBLICATION_IN_PROGRESS)
+
+
+def test_no_routable_engine_refuses_allocation() -> None:
+    book = Book()
+    book.run(c.CreateDeployment(deployment="d", prefix="p", capacity=2))
+    book.refuse(c.Allocate(version_id=1, digest=digest_of(1)), Code.FLEET_MISMATCH)
+
+
+def test_commands_need_a_deployment() -> None:
+    book = Book()
+    book.refuse(c.Allocate(version_id=1, digest=digest_of(1)), Code.NOT_INITIALIZED)
+    book.refuse(c.Bind(session="s", owner="w"), Code.NOT_INITIALIZED)
+
+
+def test_create_deployment_validates_and_is_idempotent() -> None:
+    book = Book()
+    book.refuse(c.CreateDeployment(deployment="a/b", prefix="p", capacity=2), Code.INVALID_INPUT)
+    book.refuse(c.CreateDeployment(deployment="d", prefix="p:x", capacity=2), Code.INVALID_INPUT)
+    book.refuse(c.CreateDeployment(deployment="d", prefix="p", capacity=0), Code.INVALID_INPUT)
+    book.run(c.CreateDeployment(deployment="d", prefix="p", capacity=2))
+    assert book.run(c.CreateDeployment(deployment="d", prefix="p", capacity=2)).no_op
+    book.refuse(
+        c.CreateDeployment(deployment="d", prefix="p", capacity=3), Code.ALREADY_INITIALIZED
+    )
+
+
+def test_lora_name_is_immutable_and_path_safe(book: Book) -> None:
+    allocated = book.allocate(7)
+    assert allocated.lora_name == f"agent@dep-7-{digest_of(7)[:16]}"
+    assert ":" not in allocated.lora_name and "/" not in allocated.lora_name
+
+
+# --- claim, receipts, commit -------------------------------------------------------------
+
+
+def test_claim_grants_one_transport_owner_per_attempt(book: Book) -> None:
+    book.allocate(1)
+    book.run(c.ClaimTransport(version_id=1, attempt=1, owner="a"))
+    assert book.run(c.ClaimTransport(version_id=1, attempt=1, owner="a")).owner == "a"
+    book.refuse(c.ClaimTransport(version_id=1, attempt=1, owner="b"), Code.PUBLICATION_IN_PROGRESS)
+    book.refuse(c.ClaimTransport(version_id=1, attempt=2, owner="a"), Code.ATTEMPT_CONFLICT)
+    book.refuse(c.ClaimTransport(version_id=9, attempt=1, owner="a"), Code.UNKNOWN_VERSION)
+
+
+def _ready(book: Book, version_id: int, engine: str, **override: object) -> c.RecordReady:
+    v = book.state.versions[version_id]
+    fields: dict[str, object] = dict(
+        version_id=version_id,
+        attempt=v.attempt,
+        engine=engine,
+        incarnation=book.incarnation(engine),
+        digest=v.digest,
+        lora_name=v.lora_name,
+    )
+    fields.update(override)
+    return c.RecordReady(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("override", "code"),
+    [
+        ({"digest": digest_of("x")}, Code.READY_MISMATCH),
+        ({"lora_name": "agent@dep-1-0000000000000000"}, Code.READY_MISMATCH),
+        ({"incarnation": "e0-old"}, Code.ENGINE_RESTARTED),
+        ({"attempt": 2}, Code.ATTEMPT_CONFLICT),
+    ],
+)
+def test_mismatched_receipts_are_recorded_and_refused(
+    book: Book, override: dict[str, object], code: str
+) -> None:
+    book.allocate(1)
+    recorded = book.refuse(_ready(book, 1, "e0", **override), code)
+    assert len(recorded) == 1 and isinstance(recorded[0], ReceiptRejected)
+    assert recorded[0].code == code
+    assert book.state.versions[1].ready == {}
+
+
+def test_receipt_from_an_engine_outside_the_fleet_is_fleet_mismatch(book: Book) -> None:
+    book.allocate(1)
+    book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))  # joined after allocation
+    recorded = book.refuse(_ready(book, 1, "e2"), Code.FLEET_MISMATCH)
+    assert isinstance(recorded[0], ReceiptRejected)
+
+
+def test_ready_from_one_engine_never_moves_the_default(book: Book) -> None:
+    book.publish(1)
+    book.allocate(2)
+    book.run(_ready(book, 2, "e0"))
+    book.refuse(c.Commit(version_id=2, attempt=1), Code.NOT_READY)
+    assert book.state.default == 1
+    book.run(_ready(book, 2, "e1"))
+    published = book.run(c.Commit(version_id=2, attempt=1))
+    assert published.retired == 1 and published.revision == 2
+    assert book.state.versions[1].state is VersionState.RETIRED
+
+
+def test_duplicate_ready_is_a_no_op(book: Book) -> None:
+    book.allocate(1)
+    book.run(_ready(book, 1, "e0"))
+    before = len(book.events)
+    assert book.run(_ready(book, 1, "e0")).no_op
+    assert len(book.events) == before
+
+
+def test_restart_after_ready_invalidates_the_receipt(book: Book) -> None:
+    book.allocate(1)
+    book.ready_all(1)
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    book.refuse(c.Commit(version_id=1, attempt=1), Code.NOT_READY)
+    assert book.state.default is None
+
+
+def test_commit_of_a_stale_attempt_or_failed_version(book: Book) -> None:
+    book.allocate(1)
+    book.refuse(c.Commit(version_id=1, attempt=2), Code.ATTEMPT_CONFLICT)
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="t"))
+    book.refuse(c.Commit(version_id=1, attempt=1), Code.INVALID_STATE)
+
+
+# --- failures and their resolution ---------------------------------------------------------
+
+
+def test_clean_failure_without_full_absence_proof_is_fatal(book: Book) -> None:
+    book.allocate(1)
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=True, code="X", reason="r",
+                           absent_on=("e0",)))  # fmt: skip
+    failed = book.events[-1]
+    assert isinstance(failed, AttemptFailed) and not failed.clean
+    assert book.state.versions[1].state is VersionState.FAILED_FATAL
+
+
+def test_fatal_blocks_publication_until_inventories_prove_absence(book: Book) -> None:
+    book.publish(1)
+    book.allocate(2)
+    book.ready_all(2)
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="TIMEOUT", reason="t"))
+    book.refuse(c.Allocate(version_id=3, digest=digest_of(3)), Code.PUBLICATION_BLOCKED)
+    name = book.state.versions[2].lora_name
+    # e0 still holds the candidate: not resolved.
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(name,)))
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert book.state.versions[2].state is VersionState.FAILED_FATAL
+    # cleaned up on e0, observed absent: resolved, and publication resumes.
+    outcome = book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    assert outcome.resolved == (2,)
+    assert isinstance(book.events[-1], FatalResolved)
+    assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
+    assert book.allocate(3).attempt == 1
+
+
+def test_fail_of_a_stale_attempt_is_refused_and_repeat_is_idempotent(book: Book) -> None:
+    book.allocate(1)
+    book.refuse(
+        c.FailAttempt(version_id=1, attempt=2, clean=True, code="X", reason="r"),
+        Code.ATTEMPT_CONFLICT,
+    )
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="X", reason="r"))
+    before = len(book.events)
+    again = book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="X", reason="r"))
+    assert again.state == "FAILED_FATAL" and len(book.events) == before
+
+
+# --- sessions --------------------------------------------------------------------------------
+
+
+def test_bind_before_any_publication(book: Book) -> None:
+    book.refuse(c.Bind(session="s", owner="w1"), Code.NO_PUBLISHED_VERSION)
+
+
+def test_bind_is_forever_and_follows_the_default_at_first_bind(book: Book) -> None:
+    book.publish(1)
+    first = book.run(c.Bind(session="old", owner="w1"))
+    book.publish(2)
+    again = book.run(c.Bind(session="old", owner="w1"))
+    new = book.run(c.Bind(session="new", owner="w1"))
+    assert isinstance(first, Bound) and isinstance(again, Bound) and isinstance(new, Bound)
+    assert (first.version_id, again.version_id, new.version_id) == (1, 1, 2)
+    assert first.new and not again.new
+    assert again.lora_name == first.lora_name and again.revision == first.revision == 1
+    assert new.revision == 2
+
+
+def test_a_released_session_cannot_bind_again(book: Book) -> None:
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    released = book.run(c.Release(session="s", owner="w1"))
+    assert isinstance(released, Released) and released.released and released.version_id == 1
+    assert not book.run(c.Release(session="s", owner="w1")).released  # idempotent
+    book.refuse(c.Bind(session="s", owner="w1"), Code.SESSION_CLOSED)
+
+
+def test_close_before_first_bind_tombstones(book: Book) -> None:
+    book.publish(1)
+    assert not book.run(c.Release(session="early", owner="w1")).released
+    book.refuse(c.Bind(session="early", owner="w1"), Code.SESSION_CLOSED)
+
+
+def test_bind_needs_a_live_registered_owner(book: Book) -> None:
+    book.publish(1)
+    book.refuse(c.Bind(session="s", owner="stranger"), Code.UNKNOWN_OWNER)
+    book.refuse(c.Bind(session="", owner="w1"), Code.INVALID_INPUT)
+    book.refuse(c.Bind(session="x" * 300, owner="w1"), Code.INVALID_INPUT)
+
+
+def test_forget_is_all_or_nothing(book: Book) -> None:
+    book.publish(1)
+    for s in ("a", "b"):
+        book.run(c.Bind(session=s, owner="w1"))
+    book.run(c.Release(session="a", owner="w1"))
+    book.refuse(c.Forget(sessions=("a", "b")), Code.SESSION_STILL_BOUND)
+    assert "a" in book.state.tombstones
+    assert book.run(c.Forget(sessions=("a", "a", "never"))).count == 1
+    assert "a" not in book.state.tombstones
+    assert book.run(c.Forget(sessions=("a",))).count == 0
+
+
+# --- owner leases ----------------------------------------------------------------------------
+
+
+def test_lease_expiry_releases_the_owners_sessions(book: Book) -> None:
+    book.publish(1)
+    book.run(c.RegisterOwner(owner="w2", ttl_s=5.0, now=0.0))
+    for s in ("a", "b"):
+        book.run(c.Bind(session=s, owner="w2"))
+    book.run(c.Bind(session="mine", owner="w1"))
+    book.refuse(c.ExpireOwner(owner="w2", now=4.0, last_seen=0.0), Code.INVALID_INPUT)
+    expired = book.run(c.ExpireOwner(owner="w2", now=5.0, last_seen=0.0))
+    assert expired.released == 2
+    causes = [e.cause for e in book.events if isinstance(e, SessionReleased)]
+    assert causes == ["lease_expired", "lease_expired"]
+    assert set(book.state.sessions) == {"mine"}
+    # A live worker whose lease expired gets a clear error on its next call.
+    book.refuse(c.Bind(session="a", owner="w2"), Code.LEASE_EXPIRED)
+    book.refuse(c.Bind(session="c", owner="w2"), Code.LEASE_EXPIRED)
+    book.refuse(c.RegisterOwner(owner="w2", ttl_s=5.0, now=9.0), Code.LEASE_EXPIRED)
+    assert book.run(c.ExpireOwner(owner="w2", now=9.0, last_seen=0.0)).released == 0
+
+
+def test_lease_expiry_unblocks_reclaim(book: Book) -> None:
+    book.publish(1)
+    book.run(c.RegisterOwner(owner="dead", ttl_s=1.0, now=0.0))
+    book.run(c.Bind(session="pinned", owner="dead"))
+    book.publish(2)
+    book.refuse(c.ClaimReclaim(version_id=1), Code.NOT_RECLAIMABLE)
+    book.run(c.ExpireOwner(owner="dead", now=2.0, last_seen=0.0))
+    book.reclaim(1)
+    assert book.state.versions[1].state is VersionState.RECLAIMED
+
+
+# --- reclaim ---------------------------------------------------------------------------------
+
+
+def test_reclaim_waits_for_the_last_binding_and_is_handed_out_once(book: Book) -> None:
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    book.refuse(c.ClaimReclaim(version_id=1), Code.NOT_RECLAIMABLE)  # PUBLISHED
+    book.publish(2)
+    book.refuse(c.ClaimReclaim(version_id=1), Code.NOT_RECLAIMABLE)  # still bound
+    book.run(c.Release(session="s", owner="w1"))
+    assert book.state.reclaimable() == [1]
+    busy = InFlight(reporter="w1", engine="e0", count=1, at=1.0)
+    book.refuse(c.ClaimReclaim(version_id=1, evidence=(busy,)), Code.REQUESTS_IN_FLIGHT)
+    idle = InFlight(reporter="w1", engine="*", count=0, at=2.0)
+    granted = book.run(c.ClaimReclaim(version_id=1, evidence=(idle,)))
+    assert granted.engines == ("e0", "e1")
+    book.refuse(c.ClaimReclaim(version_id=1), Code.NOT_RECLAIMABLE)  # handed out once
+    assert book.state.capacity_used() == 2  # RECLAIMING still holds the slot
+    first = book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert not first.reclaimed and book.state.versions[1].state is VersionState.RECLAIMING
+    last = book.run(c.RecordUnloaded(version_id=1, engine="e1", incarnation="e1-i1"))
+    assert last.reclaimed and book.state.versions[1].state is VersionState.RECLAIMED
+    assert book.state.capacity_used() == 1
+    assert all(book.state.versions[1].lora_name not in e.holds for e in book.state.engines.values())
+
+
+def test_ambiguous_reclaim_keeps_the_slot_until_inventory_resolves(book: Book) -> None:
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e1", reason="timeout"))
+    assert book.state.capacity_used() == 2
+    book.refuse(c.Allocate(version_id=3, digest=digest_of(3)), Code.PUBLICATION_BLOCKED)
+    name = book.state.versions[1].lora_name
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=(name,)))
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    outcome = book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert outcome.reclaimed == (1,) and isinstance(book.events[-1], VersionReclaimed)
+    assert book.allocate(3).attempt == 1
+
+
+def test_unload_from_an_old_incarnation_is_refused(book: Book) -> None:
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    book.refuse(
+        c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"), Code.ENGINE_RESTARTED
+    )
+
+
+# --- fleet -----------------------------------------------------------------------------------
+
+
+def test_restarted_engine_is_repaired_before_it_serves(book: Book) -> None:
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    book.publish(2)
+    name1 = book.state.versions[1].lora_name
+    assert book.state.holders(name1) == ("e0", "e1")
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    assert book.state.holders(name1) == ("e0",)  # not routable, holds nothing
+    refused = book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i2"), Code.NOT_READY)
+    assert refused == []
+    book.run(c.RestoreVersion(version_id=1, engine="e1", incarnation="e1-i2"))
+    book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i2"), Code.NOT_READY)  # v2 missing
+    book.run(c.RestoreVersion(version_id=2, engine="e1", incarnation="e1-i2"))
+    book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))
+    assert book.state.holders(name1) == ("e0", "e1")
+
+
+def test_join_restart_and_leave(book: Book) -> None:
+    assert book.run(c.JoinEngine(engine="e0", incarnation="e0-i1")).no_op
+    book.refuse(c.JoinEngine(engine="e0", incarnation="e0-i9"), Code.ENGINE_EXISTS)
+    book.refuse(c.ObserveRestart(engine="nope", incarnation="x"), Code.UNKNOWN_ENGINE)
+    assert book.run(c.ObserveRestart(engine="e0", incarnation="e0-i1")).no_op
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    book.run(c.LeaveEngine(engine="e1"))  # the last missing confirmation leaves the fleet
+    assert book.state.versions[1].state is VersionState.RECLAIMED
+    assert book.run(c.LeaveEngine(engine="e1")).no_op
+
+
+def test_inventory_records_strays(book: Book) -> None:
+    book.publish(1)
+    outcome = book.run(
+        c.ObserveInventory(
+            engine="e0", incarnation="e0-i1", adapters=(book.state.versions[1].lora_name, "zzz")
+        )
+    )
+    assert outcome.strays == ("zzz",)
+    assert book.state.engines["e0"].strays == ("zzz",)
+    book.refuse(
+        c.ObserveInventory(engine="e0", incarnation="e0-old", adapters=()), Code.ENGINE_RESTARTED
+    )
+
+
+# --- command ids -----------------------------------------------------------------------------
+
+
+def test_command_id_yields_the_same_outcome_forever(book: Book) -> None:
+    book.publish(1)
+    first = book.run(c.Bind(session="s", owner="w1", command_id="k1"))
+    assert isinstance(book.events[-1], CommandRecorded)
+    book.publish(2)
+    before = len(book.events)
+    again = book.run(c.Bind(session="s", owner="w1", command_id="k1"))
+    assert again == first and len(book.events) == before
+    book.refuse(c.Bind(session="other", owner="w1", command_id="k1"), Code.COMMAND_CONFLICT)
