@@ -184,8 +184,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     n: int = 1
 
 
+class Choice(msgspec.Struct, frozen=True, kw_only=True):
+    """One of the ``n`` parallel samples of a request (``SamplingParams.n > 1``)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None
+    finish_reason: str
+
+
 class Generation(msgspec.Struct, frozen=True, kw_only=True):
-    """One completion. ``lora_name`` is the adapter the engine says it used (None = base)."""
+    """One completion. ``lora_name`` is the adapter the engine says it used (None = base).
+
+    ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"`` or ``"abort"`` (the
+    engine aborted the request, e.g. SGLang ``/abort_request``; the tokens are the partial
+    output). With ``n > 1`` (engines that support it), ``choices`` holds every sample in order
+    and the top-level fields repeat ``choices[0]``; with ``n == 1`` it is empty.
+    """
 
     engine_id: str
     incarnation: str
@@ -197,6 +213,7 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     request_id: str | None = None
+    choices: tuple[Choice, ...] = ()
 
 
 Transport = Literal["artifact", "staged"]

@@ -16,6 +16,7 @@ between adapters:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -31,10 +32,15 @@ async def request(
     engine_id: str,
     timeout: float,
     json: Any = None,
+    content: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> httpx.Response:
-    """Send once (never retried here) and classify transport-level failures."""
+    """Send once (never retried here) and classify transport-level failures. ``content`` (with
+    its ``headers``) carries a binary body, e.g. a msgpack bucket, instead of ``json``."""
     try:
-        response = await client.request(method, path, json=json, timeout=timeout)
+        response = await client.request(
+            method, path, json=json, content=content, headers=headers, timeout=timeout
+        )
     except httpx.ConnectError as exc:
         raise AmbiguousReply(
             ErrorCode.ENGINE_UNREACHABLE,
