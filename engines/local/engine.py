@@ -1,0 +1,899 @@
+"""The local reference engine: a tiny causal LM with peft adapters, behind the engine contract.
+
+It is the engine the demo and most tests run, and the stand-in for a GPU SGLang server (through
+:mod:`engines.local.server`), so it implements SGLang's LoRA semantics where they are safe and
+loraledger's stricter ones where SGLang is not (engines.md §1.4-§1.6, §4):
+
+* **Per-request references** (:mod:`engines.local.refs`): a request takes its lease before
+  dispatch and gives it back exactly once, in a ``finally`` -- normal finish, failure before
+  dispatch, abort, caller cancellation or disconnect, ``n>1`` children sharing one lease.
+* **Unload** unregisters the name at once (new requests refused), then an engine-owned task
+  waits for the references to reach zero and frees the adapter; the unload answer comes when the
+  adapter is physically gone. State-changing work (install, unregister + drain) always runs in
+  the engine's task group and callers only *wait* for it, so a caller that is cancelled or
+  disconnects can neither cancel a drain nor leave a half-installed adapter behind -- without
+  any shielding.
+* **Managed names** (the ledger's ``prepare``/``transfer``/``load`` path) are protected from
+  ordinary SGLang-style load/unload, never implicitly reloaded once reclaimed, and fenced by
+  attempt (:mod:`engines.local.registry`). Ordinary names behave like stock SGLang, including the
+  hazardous implicit reload of an unloaded name from its old path (``implicit_reload``) and the
+  ``lora_update_lock`` that an ordinary unload holds through its drain.
+* **Prefix cache** keyed by the engine-local adapter id (:mod:`engines.local.prefix_cache`).
+* **Model work** runs in worker threads, serialised by a capacity limiter of one, one prefill or
+  one token per call, so the event loop never blocks, requests interleave token by token and
+  cancellation/abort take effect between tokens. A step already running in a thread always
+  completes before its lease can be released, so no computation ever uses a freed adapter.
+
+Use it as ``async with LocalEngine(...) as engine:`` (the task group lives in that block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+import uuid
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from engines.artifacts import ArtifactError, read_adapter_dir
+from engines.contract import (
+    AmbiguousReply,
+    Bucket,
+    Candidate,
+    Choice,
+    CleanRefusal,
+    EngineError,
+    ErrorCode,
+    Generation,
+    Inventory,
+    InventoryEntry,
+    Receipt,
+    SamplingParams,
+    Transport,
+    UnloadReceipt,
+    check_name,
+)
+from engines.local.admission import AdapterPlan, ServingLimits, TensorShape, plan_adapter, shapes_of
+from engines.local.model import DecodeState, ModelRunner
+from engines.local.refs import Lease, RefCounter, Share
+from engines.local.registry import Registry, Resident, new_adapter_id
+from engines.local.sampling import pick_token
+from engines.local.tinymodel import SERVED_NAME, ensure_tiny_model
+from engines.manifest import (
+    ManifestError,
+    TensorData,
+    TensorInfo,
+    build_manifest,
+    compute_digest,
+    tensor_checksum,
+)
+
+T = TypeVar("T")
+
+
+class _Outcome:
+    """Result slot of an engine-owned job; waiters never own the work."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+        self.value: Any = None
+
+
+class _Sequence:
+    """One sample being decoded (tokens so far, and why it stopped)."""
+
+    __slots__ = ("finish", "logprobs", "text", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: str | None = None
+        self.text: str | None = None  # set when a stop string truncated the text
+
+
+def resolve_under(root: Path | None, path: str) -> Path:
+    """An adapter directory, refused with PATH_OUTSIDE_STORE when an allowed root is configured
+    and the resolved path (symlinks and ``..`` followed) is not inside it."""
+    candidate = Path(path)
+    if root is None:
+        return candidate.resolve()
+    if not candidate.is_absolute():
+        candidate = root / candidate
+    resolved = candidate.resolve()
+    if resolved == root or not resolved.is_relative_to(root):
+        raise CleanRefusal(
+            ErrorCode.PATH_OUTSIDE_STORE, f"{path} is not inside the artifact root {root}"
+        )
+    return resolved
+
+
+class LocalEngine:
+    """In-process reference engine implementing :class:`engines.contract.Engine`.
+
+    ``transport`` is what the ledger should use with it: ``"staged"`` (buckets through
+    ``transfer``) or ``"artifact"`` (``load`` reads ``candidate.artifact_path``); both work
+    either way. ``artifact_root``, when set, confines every path load to that directory.
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        engine_id: str = "local",
+        *,
+        model_dir: str | os.PathLike[str] | None = None,
+        limits: ServingLimits | None = None,
+        artifact_root: str | os.PathLike[str] | None = None,
+        transport: Transport = "staged",
+        threads: int = 1,
+        prefix_cache_entries: int = 64,
+        implicit_reload: bool = True,
+        served_model_name: str = SERVED_NAME,
+    ) -> None:
+        self.engine_id = engine_id
+        self.transport: Transport = transport
+        self.limits = limits or ServingLimits()
+        self.artifact_root = Path(artifact_root).resolve() if artifact_root else None
+        self.implicit_reload = implicit_reload
+        self.served_model_name = served_model_name
+        self._model_dir = Path(model_dir) if model_dir else None
+        self._threads = threads
+        self._prefix_cache_entries = prefix_cache_entries
+        self._incarnation = uuid.uuid4().hex
+        self.startup_time = time.time()
+        self._registry = Registry()
+        self._runner: ModelRunner | None = None
+        self._module_shapes: dict[str, tuple[int, int]] = {}
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed = False
+        self._freed: dict[str, anyio.Event] = {}  # adapter id -> set once physically freed
+        self._requests: dict[str, anyio.CancelScope] = {}
+        self._job_scopes: set[anyio.CancelScope] = set()
+        self._running = 0
+        self._gate: anyio.Event | None = None  # None = not paused
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> LocalEngine:
+        model_dir = self._model_dir or await anyio.to_thread.run_sync(ensure_tiny_model)
+        torch.set_num_threads(self._threads)
+        self._runner = await anyio.to_thread.run_sync(
+            functools.partial(
+                ModelRunner, Path(model_dir), prefix_cache_entries=self._prefix_cache_entries
+            )
+        )
+        self._module_shapes = self._runner.module_shapes()
+        self._model_limiter = anyio.CapacityLimiter(1)
+        self._control_lock = anyio.Lock()  # one control-plane mutation at a time
+        self._compat_lock = anyio.Lock()  # SGLang's lora_update_lock (ordinary path only)
+        self._stack = contextlib.AsyncExitStack()
+        self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self.startup_time = time.time()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            await stack.__aexit__(None, None, None)
+
+    async def aclose(self) -> None:
+        """Stop: pending drains and jobs are cancelled (their waiters get ENGINE_STOPPED) and
+        in-flight generations end with ENGINE_STOPPED at their next token."""
+        self._closed = True
+        # Cancel the jobs one by one, never the task group's own scope: that scope also covers
+        # the task that entered the engine (the caller's code inside ``async with``).
+        for scope in [*self._job_scopes, *self._requests.values()]:
+            scope.cancel()
+
+    @property
+    def model_dir(self) -> Path:
+        return self._require_runner().model_dir
+
+    def _require_runner(self) -> ModelRunner:
+        if self._runner is None or self._tg is None or self._closed:
+            raise AmbiguousReply(
+                ErrorCode.ENGINE_STOPPED,
+                f"engine {self.engine_id} is not running",
+                engine_id=self.engine_id,
+            )
+        return self._runner
+
+    async def _run_model(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(
+            functools.partial(fn, *args), limiter=self._model_limiter
+        )
+
+    async def _submit(self, job: Callable[[], Awaitable[T]]) -> T:
+        """Run ``job`` in the engine's task group and wait for it. Cancelling the waiter does
+        not cancel the job: state changes are never left half-done by a vanished caller."""
+        self._require_runner()
+        assert self._tg is not None
+        outcome = _Outcome()
+
+        async def run() -> None:
+            finished = False
+            try:
+                with anyio.CancelScope() as scope:
+                    self._job_scopes.add(scope)
+                    try:
+                        outcome.value = await job()
+                    except Exception as exc:
+                        outcome.error = exc
+                    finished = True
+            finally:
+                self._job_scopes.discard(scope)
+                if not finished:  # cancelled by aclose() or by whoever stops the engine
+                    outcome.error = AmbiguousReply(
+                        ErrorCode.ENGINE_STOPPED,
+                        f"engine {self.engine_id} stopped before the operation finished",
+                        engine_id=self.engine_id,
+                    )
+                outcome.done.set()
+
+        self._tg.start_soon(run)
+        await outcome.done.wait()
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value  # type: ignore[no-any-return]
+
+    def _tag(self, exc: EngineError) -> EngineError:
+        exc.engine_id = self.engine_id
+        return exc
+
+    # --- identity and state --------------------------------------------------------------------
+
+    async def incarnation(self) -> str:
+        self._require_runner()
+        return self._incarnation
+
+    @property
+    def incarnation_id(self) -> str:
+        return self._incarnation
+
+    async def inventory(self) -> Inventory:
+        self._require_runner()
+        return Inventory(
+            engine_id=self.engine_id,
+            incarnation=self._incarnation,
+            adapters=tuple(
+                InventoryEntry(lora_name=r.lora_name, digest=r.digest, path=r.path)
+                for r in sorted(self._registry.residents.values(), key=lambda r: r.lora_name)
+            ),
+        )
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """``{name: path}`` as SGLang's ``loaded_adapters`` (staged loads show ``__tensor__``)."""
+        return self._registry.loaded_paths()
+
+    def residents(self) -> list[Resident]:
+        return list(self._registry.residents.values())
+
+    def refcount(self, lora_name: str) -> int:
+        """Live references on the adapter registered or draining under ``lora_name``."""
+        resident = self._registry.residents.get(lora_name) or self._registry.draining_name(
+            lora_name
+        )
+        return 0 if resident is None else resident.refs.count
+
+    def draining(self) -> list[str]:
+        return sorted(r.lora_name for r in self._registry.draining.values())
+
+    def staged(self) -> list[str]:
+        return sorted(self._registry.staging)
+
+    def model_adapters(self) -> list[str]:
+        """Engine-local ids resident in the model (peft), for leak checks in tests."""
+        return self._require_runner().adapters()
+
+    @property
+    def in_flight(self) -> int:
+        return self._running
+
+    @property
+    def max_length(self) -> int:
+        return self._require_runner().max_length
+
+    async def flush_cache(self) -> None:
+        """Drop every prefix-cache entry (through the model worker, which owns the cache)."""
+        runner = self._require_runner()
+        await self._run_model(runner.prefix_cache.clear)
+
+    # --- managed (ledger) path -------------------------------------------------------------------
+
+    def _check_candidate(self, c: Candidate) -> AdapterPlan:
+        check_name(c.lora_name)
+        if isinstance(c.attempt, bool) or not isinstance(c.attempt, int) or c.attempt < 1:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"attempt {c.attempt!r} must be >= 1")
+        try:
+            recomputed = compute_digest(c.manifest.config, c.manifest.tensors)
+        except ManifestError as exc:
+            raise CleanRefusal(ErrorCode.INVALID_ADAPTER, str(exc)) from exc
+        if c.manifest.digest != c.digest or recomputed != c.digest:
+            raise CleanRefusal(
+                ErrorCode.DIGEST_MISMATCH,
+                f"candidate digest {c.digest[:16]} does not match its manifest "
+                f"({c.manifest.digest[:16]}, recomputed {recomputed[:16]})",
+            )
+        if c.artifact_path is not None and self.transport == "artifact":
+            resolve_under(self.artifact_root, c.artifact_path)
+        return plan_adapter(
+            c.manifest.config,
+            (TensorShape(t.name, t.dtype, tuple(t.shape)) for t in c.manifest.tensors),
+            self._module_shapes,
+            self.limits,
+        )
+
+    async def prepare(self, candidate: Candidate) -> Receipt:
+        """Validate what we can before any byte moves, and fence the attempt."""
+        self._require_runner()
+        try:
+            self._check_candidate(candidate)
+            async with self._control_lock:
+                self._registry.begin_prepare(candidate)
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        return self._receipt(candidate, "prepared")
+
+    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
+        async for bucket in buckets:
+            await self.receive_bucket(
+                candidate.lora_name, candidate.attempt, candidate.digest, bucket
+            )
+
+    async def receive_bucket(
+        self, lora_name: str, attempt: int, digest: str, bucket: Bucket
+    ) -> int:
+        """Verify each tensor of one bucket against the manifest on arrival. Any mismatch
+        drops the whole staging area (nothing half-received survives a refusal). Returns the
+        number of tensors received so far."""
+        self._require_runner()
+        try:
+            replayed = self._registry.resident_replay(lora_name, attempt, digest)
+            if replayed is not None:  # a retried transfer of a loaded attempt: nothing to do
+                return len(bucket.tensors)
+            staging = self._registry.staging_for(lora_name, attempt, digest)
+            sums = await anyio.to_thread.run_sync(
+                lambda: [
+                    tensor_checksum(b.tensor.dtype, b.tensor.shape, b.tensor.data)
+                    for b in bucket.tensors
+                ]
+            )
+            async with self._control_lock:
+                if self._registry.staging_for(lora_name, attempt, digest) is not staging:
+                    raise CleanRefusal(ErrorCode.NOT_PREPARED, f"{lora_name} was prepared again")
+                expected = {t.name: t for t in staging.candidate.manifest.tensors}
+                for item, digest in zip(bucket.tensors, sums, strict=True):
+                    refusal = _bucket_refusal(
+                        expected.get(item.name), item.name, item.tensor, digest
+                    )
+                    if refusal is not None:
+                        self._registry.drop_staging(lora_name)
+                        raise refusal
+                    staging.tensors[item.name] = item.tensor
+                    staging.checksums[item.name] = digest
+                return len(staging.tensors)
+        except EngineError as exc:
+            raise self._tag(exc) from None
+
+    async def load(self, candidate: Candidate) -> Receipt:
+        """Recompute the digest from what was received (or read from the artifact path), build
+        the adapter and register it under its immutable name. A refusal leaves nothing."""
+        self._require_runner()
+        try:
+            check_name(candidate.lora_name)
+            await self._submit(lambda: self._load_job(candidate))
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        return self._receipt(candidate, "ready")
+
+    async def _load_job(self, c: Candidate) -> None:
+        async with self._control_lock:
+            if self._registry.resident_replay(c.lora_name, c.attempt, c.digest) is not None:
+                return
+            staging = self._registry.staging_for(c.lora_name, c.attempt, c.digest)
+            try:
+                if staging.tensors or c.artifact_path is None:
+                    missing = sorted({t.name for t in c.manifest.tensors} - set(staging.tensors))
+                    if missing:
+                        raise CleanRefusal(
+                            ErrorCode.INVALID_ADAPTER,
+                            f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
+                        )
+                    config, tensors, path = c.manifest.config, dict(staging.tensors), None
+                    digest = compute_digest(
+                        config,
+                        [
+                            TensorInfo(n, t.dtype, tuple(t.shape), t.nbytes, staging.checksums[n])
+                            for n, t in tensors.items()
+                        ],
+                    )
+                else:
+                    resolved = resolve_under(self.artifact_root, c.artifact_path)
+                    config, tensors, digest = await self._read_dir(resolved)
+                    path = str(resolved)
+                if digest != c.digest:
+                    raise CleanRefusal(
+                        ErrorCode.DIGEST_MISMATCH,
+                        f"received content hashes to {digest[:16]}, candidate says {c.digest[:16]}",
+                    )
+                plan = plan_adapter(config, shapes_of(tensors), self._module_shapes, self.limits)
+                await self._install(
+                    c.lora_name,
+                    plan,
+                    tensors,
+                    digest=digest,
+                    path=path,
+                    managed=True,
+                    attempt=c.attempt,
+                )
+            finally:
+                self._registry.drop_staging(c.lora_name)
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        """Managed unload (reclaim, or cleanup of ``attempt``). An absent name answers
+        ``was_loaded=False`` (idempotent retry); a stale attempt is refused (STALE_ATTEMPT)."""
+        self._require_runner()
+        try:
+            check_name(lora_name)
+            was_loaded = await self._submit(lambda: self._unload_job(lora_name, attempt))
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        return UnloadReceipt(
+            engine_id=self.engine_id,
+            incarnation=self._incarnation,
+            lora_name=lora_name,
+            was_loaded=was_loaded,
+        )
+
+    async def _unload_job(self, name: str, attempt: int | None) -> bool:
+        resident: Resident | None = None
+        earlier: Resident | None = None
+        async with self._control_lock:
+            if attempt is not None:
+                self._registry.fence_cleanup(name, attempt)
+            else:
+                self._registry.drop_staging(name)
+            if name in self._registry.residents:
+                resident = self._registry.unregister(name)
+            else:
+                earlier = self._registry.draining_name(name)  # an earlier unload's drain
+        if resident is not None:
+            await self._free_when_drained(resident)
+            return True
+        if earlier is not None:
+            await self._wait_freed(earlier)
+        return False
+
+    def _receipt(self, c: Candidate, phase: Any) -> Receipt:
+        return Receipt(
+            engine_id=self.engine_id,
+            incarnation=self._incarnation,
+            lora_name=c.lora_name,
+            digest=c.digest,
+            attempt=c.attempt,
+            phase=phase,
+        )
+
+    # --- ordinary (SGLang-style) path ---------------------------------------------------------
+
+    async def load_ordinary(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """SGLang ``/load_lora_adapter``: load a PEFT directory under a name. Returns the
+        loaded adapters ``{name: path}``."""
+        self._require_runner()
+
+        async def job() -> None:
+            async with self._compat_lock:
+                await self._load_ordinary_locked(lora_name, lora_path)
+
+        try:
+            await self._submit(job)
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        return self.loaded_adapters()
+
+    async def _load_ordinary_locked(self, name: str, path: str) -> None:
+        check_name(name)
+        self._registry.check_ordinary_load(name)
+        resolved = resolve_under(self.artifact_root, path)
+        config, tensors, digest = await self._read_dir(resolved)
+        plan = plan_adapter(config, shapes_of(tensors), self._module_shapes, self.limits)
+        async with self._control_lock:
+            self._registry.check_ordinary_load(name)  # again: we awaited since
+            await self._install(
+                name, plan, tensors, digest=digest, path=str(resolved), managed=False, attempt=None
+            )
+
+    async def unload_ordinary(self, lora_name: str) -> dict[str, str]:
+        """SGLang ``/unload_lora_adapter``: returns only after the adapter's requests drained,
+        holding the update lock meanwhile (so ordinary loads and implicit reloads wait, as in
+        SGLang §1.4). Managed names are refused with NAME_PROTECTED."""
+        self._require_runner()
+
+        async def job() -> None:
+            async with self._compat_lock:
+                async with self._control_lock:
+                    self._registry.check_ordinary_unload(lora_name)
+                    resident = self._registry.unregister(lora_name)
+                await self._free_when_drained(resident)
+
+        try:
+            await self._submit(job)
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        return self.loaded_adapters()
+
+    async def _implicit_reload(self, name: str) -> None:
+        """Stock SGLang reloads an unloaded ordinary name from its old path on demand
+        (engines.md §1.6 step 7); reproduced for ordinary names only, never managed ones."""
+        path = self._registry.history[name]
+
+        async def job() -> None:
+            async with self._compat_lock:
+                if name not in self._registry.residents:
+                    await self._load_ordinary_locked(name, path)
+
+        try:
+            await self._submit(job)
+        except CleanRefusal as exc:
+            raise CleanRefusal(
+                ErrorCode.NOT_LOADED, f"Failed to implicitly load LoRA adapter {name}: {exc}"
+            ) from exc
+
+    # --- shared mechanics ---------------------------------------------------------------------
+
+    async def _read_dir(self, path: Path) -> tuple[dict[str, Any], dict[str, TensorData], str]:
+        def read() -> tuple[dict[str, Any], dict[str, TensorData], str]:
+            config, tensors = read_adapter_dir(path)
+            return config, tensors, build_manifest(config, tensors).digest
+
+        try:
+            return await anyio.to_thread.run_sync(read)
+        except ArtifactError as exc:
+            raise CleanRefusal(exc.code, exc.message) from exc
+        except (ManifestError, OSError) as exc:
+            raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{path}: {exc}") from exc
+
+    async def _install(
+        self,
+        name: str,
+        plan: AdapterPlan,
+        tensors: dict[str, TensorData],
+        *,
+        digest: str,
+        path: str | None,
+        managed: bool,
+        attempt: int | None,
+    ) -> None:
+        """Build the peft adapter under a fresh engine-local id and register the name. Runs
+        inside a job holding the control lock, so the registry cannot change meanwhile."""
+        runner = self._require_runner()
+        adapter_id = new_adapter_id()
+        try:
+            await self._run_model(runner.add_adapter, adapter_id, plan, tensors)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"peft refused {name}: {exc}") from exc
+        self._registry.register(
+            Resident(
+                lora_name=name,
+                adapter_id=adapter_id,
+                digest=digest,
+                path=path,
+                managed=managed,
+                attempt=attempt,
+                refs=RefCounter(adapter_id),
+            )
+        )
+        self._freed[adapter_id] = anyio.Event()
+
+    async def _free_when_drained(self, resident: Resident) -> None:
+        """Wait for the last holder, then free the weights. Called once per resident, by the
+        job that unregistered it."""
+        await resident.refs.wait_zero()
+        await self._run_model(self._require_runner().remove_adapter, resident.adapter_id)
+        self._registry.freed(resident)
+        self._freed.pop(resident.adapter_id).set()
+
+    async def _wait_freed(self, resident: Resident) -> None:
+        """For a retried unload that found the name already draining: answer when it is gone."""
+        freed = self._freed.get(resident.adapter_id)
+        if freed is not None:
+            await freed.wait()
+
+    # --- generation control ---------------------------------------------------------------------
+
+    def pause_generation(self) -> None:
+        """Freeze every in-flight request in place between tokens (SGLang ``in_place``)."""
+        if self._gate is None:
+            self._gate = anyio.Event()
+
+    def continue_generation(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._gate is not None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop one request at its next token; it answers with finish_reason ``abort``."""
+        scope = self._requests.get(request_id)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    def abort_all(self) -> int:
+        scopes = list(self._requests.values())
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        extra_key: str | None = None,
+    ) -> Generation:
+        """Generate once. ``cache_salt``/``extra_key`` namespace the prefix cache (SGLang's
+        fields); they never select or reveal another adapter's cache entries."""
+        runner = self._require_runner()
+        try:
+            _check_params(params)
+            resident, lease = await self._acquire(lora_name)
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        try:  # from here on, every exit releases the lease exactly once
+            tokens = self._tokens(runner, prompt, params)
+            return await self._run(
+                runner,
+                tokens,
+                resident,
+                lease,
+                params,
+                request_id,
+                (cache_salt or "", extra_key or ""),
+            )
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        finally:
+            if lease is not None:
+                lease.release()
+
+    async def _acquire(self, name: str | None) -> tuple[Resident | None, Lease | None]:
+        if name is None:
+            return None, None
+        got = self._registry.acquire(name)
+        if got is None:
+            refusal = self._registry.refusal_for_absent(name)
+            if refusal is not None:
+                raise refusal
+            if not self.implicit_reload:
+                raise CleanRefusal(ErrorCode.NOT_LOADED, f"LoRA adapter {name} is not loaded")
+            await self._implicit_reload(name)
+            got = self._registry.acquire(name)  # no await since the reload registered it
+            if got is None:
+                raise CleanRefusal(ErrorCode.NOT_LOADED, f"LoRA adapter {name} is not loaded")
+        return got
+
+    def _tokens(
+        self, runner: ModelRunner, prompt: str | Sequence[int], params: SamplingParams
+    ) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            tokens = tuple(runner.encode(prompt))
+        else:
+            tokens = tuple(prompt)
+            bad = [
+                t
+                for t in tokens
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < runner.vocab_size
+            ]
+            if bad:
+                raise CleanRefusal(
+                    ErrorCode.BAD_REQUEST,
+                    f"token ids {bad[:5]} are outside the vocabulary [0, {runner.vocab_size})",
+                )
+        if not tokens:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, "empty prompt")
+        if len(tokens) + params.max_tokens > runner.max_length:
+            raise CleanRefusal(
+                ErrorCode.BAD_REQUEST,
+                f"prompt ({len(tokens)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {runner.max_length}",
+            )
+        return tokens
+
+    async def _run(
+        self,
+        runner: ModelRunner,
+        tokens: tuple[int, ...],
+        resident: Resident | None,
+        lease: Lease | None,
+        params: SamplingParams,
+        request_id: str | None,
+        namespace: tuple[str, str],
+    ) -> Generation:
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._requests:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
+        adapter_id = resident.adapter_id if resident is not None else None
+        seqs = [_Sequence() for _ in range(params.n)]
+        cached = 0
+        scope = anyio.CancelScope()
+        self._requests[rid] = scope
+        self._running += 1
+        try:
+            with scope:
+                state, cached = await self._run_model(
+                    runner.prefill, adapter_id, "\x00".join(namespace), tokens
+                )
+                if params.n == 1:
+                    await self._decode(runner, state, adapter_id, params, 0, seqs[0])
+                else:
+                    shares: Sequence[Share | None] = (
+                        lease.split(params.n) if lease is not None else [None] * params.n
+                    )
+                    async with anyio.create_task_group() as tg:
+                        for i in range(params.n):
+                            tg.start_soon(
+                                self._child,
+                                runner,
+                                state,
+                                adapter_id,
+                                params,
+                                i,
+                                seqs[i],
+                                shares[i],
+                            )
+        finally:
+            self._running -= 1
+            self._requests.pop(rid, None)
+        if self._closed:
+            raise AmbiguousReply(ErrorCode.ENGINE_STOPPED, f"engine {self.engine_id} stopped")
+        if scope.cancelled_caught:
+            for seq in seqs:
+                seq.finish = seq.finish or "abort"
+        choices = tuple(
+            Choice(
+                index=i,
+                token_ids=tuple(seq.tokens),
+                text=seq.text if seq.text is not None else runner.decode(seq.tokens),
+                logprobs=tuple(seq.logprobs) if params.logprobs else None,
+                finish_reason=seq.finish or "abort",
+            )
+            for i, seq in enumerate(seqs)
+        )
+        first = choices[0]
+        return Generation(
+            engine_id=self.engine_id,
+            incarnation=self._incarnation,
+            lora_name=resident.lora_name if resident is not None else None,
+            token_ids=first.token_ids,
+            text=first.text,
+            logprobs=first.logprobs,
+            finish_reason=first.finish_reason,
+            prompt_tokens=len(tokens),
+            cached_tokens=cached,
+            request_id=rid,
+            choices=choices if params.n > 1 else (),
+        )
+
+    async def _child(
+        self,
+        runner: ModelRunner,
+        state: DecodeState,
+        adapter_id: str | None,
+        params: SamplingParams,
+        index: int,
+        seq: _Sequence,
+        share: Share | None,
+    ) -> None:
+        try:
+            child_state = await self._run_model(runner.fork, state)
+            await self._decode(runner, child_state, adapter_id, params, index, seq)
+        finally:
+            if share is not None:
+                share.release()
+
+    async def _decode(
+        self,
+        runner: ModelRunner,
+        state: DecodeState,
+        adapter_id: str | None,
+        params: SamplingParams,
+        index: int,
+        seq: _Sequence,
+    ) -> None:
+        generator: torch.Generator | None = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6))
+            generator = torch.Generator().manual_seed(seed + index)
+        step = functools.partial(self._step, runner, state, adapter_id, params, generator, seq)
+        while seq.finish is None:
+            if self._gate is not None:
+                await self._gate.wait()
+            if self._closed:
+                return
+            await self._run_model(step)
+
+    @staticmethod
+    def _step(
+        runner: ModelRunner,
+        state: DecodeState,
+        adapter_id: str | None,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        seq: _Sequence,
+    ) -> None:
+        """One token: pick it, decide whether the sequence is finished, else feed it back."""
+        if params.max_tokens <= len(seq.tokens):
+            seq.finish = "length"
+            return
+        token, logprob = pick_token(
+            state.logits, temperature=params.temperature, top_p=params.top_p, generator=generator
+        )
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if not params.ignore_eos and token == runner.eos_token_id:
+            seq.finish = "stop"
+            return
+        if params.stop:
+            text = runner.decode(seq.tokens)
+            hits = [i for i in (text.find(s) for s in params.stop if s) if i >= 0]
+            if hits:
+                seq.text = text[: min(hits)]
+                seq.finish = "stop"
+                return
+        if len(seq.tokens) >= params.max_tokens:
+            seq.finish = "length"
+            return
+        runner.advance(state, adapter_id, token)
+
+
+def _check_params(params: SamplingParams) -> None:
+    problems = []
+    if params.n < 1:
+        problems.append(f"n={params.n} must be >= 1")
+    if params.max_tokens < 0:
+        problems.append(f"max_tokens={params.max_tokens} must be >= 0")
+    if params.temperature < 0:
+        problems.append(f"temperature={params.temperature} must be >= 0")
+    if not 0 < params.top_p <= 1:
+        problems.append(f"top_p={params.top_p} must be in (0, 1]")
+    if problems:
+        raise CleanRefusal(ErrorCode.BAD_REQUEST, "; ".join(problems))
+
+
+def _bucket_refusal(
+    info: TensorInfo | None, name: str, tensor: TensorData, checksum: str
+) -> CleanRefusal | None:
+    if info is None:
+        return CleanRefusal(ErrorCode.INVALID_ADAPTER, f"tensor {name!r} is not in the manifest")
+    if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
+        return CleanRefusal(
+            ErrorCode.INVALID_ADAPTER,
+            f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, manifest says "
+            f"{info.dtype}{list(info.shape)}",
+        )
+    if info.sha256 != checksum:
+        return CleanRefusal(
+            ErrorCode.DIGEST_MISMATCH, f"tensor {name!r} bytes do not match the manifest checksum"
+        )
+    return None

@@ -1,0 +1,638 @@
+"""One :class:`~engines.local.engine.LocalEngine` over HTTP: SGLang 0.5.x's face + staged endpoints.
+
+**This is the test stand-in for a GPU SGLang server** (none can run on our CPU machines,
+engines.md §5), so the SGLang endpoints reproduce the recorded 0.5.23 behaviour (§1.1, §1.4,
+§1.6), not an idealised one:
+
+* ``POST /load_lora_adapter`` / ``/unload_lora_adapter`` answer the ``LoRAUpdateOutput`` shape
+  ``{"rid": null, "http_worker_ipc": null, "success", "error_message", "loaded_adapters"}`` with
+  200 on success and 400 otherwise, with SGLang's error texts ("... because it is already
+  loaded", "LoRA with name X does not exist. Loaded LoRAs: ...", "... is incompatible with the
+  current LoRA memory pool configuration");
+* unload returns only after the adapter's in-flight requests drained, holding the update lock
+  meanwhile; an unloaded ordinary name is implicitly reloaded by a later ``/generate``;
+* ``POST /generate`` takes ``text`` or ``input_ids`` (single or batch), ``sampling_params``,
+  ``lora_path`` (the adapter *name*, one per batch item or one for all), ``return_logprob``,
+  ``rid``, ``extra_key``/``cache_salt``; replies ``{"text", "output_ids", "meta_info"}`` (a list
+  for batches and ``n > 1``); an unknown adapter is 400 ``{"error": {"message": ...}}``;
+* ``GET /v1/models`` (base card + one card per adapter: ``id``, ``root`` = path, ``parent``),
+  ``GET /server_info`` (with ``startup_time`` and, as an extension, ``incarnation`` and
+  ``engine_id``), ``GET /health``, ``/health_generate``, ``/model_info``, ``/flush_cache``,
+  ``/pause_generation``, ``/continue_generation``, ``/abort_request``.
+
+Deliberate differences, all stricter: names with ``/`` or ``:`` are refused; managed names
+(loaded through the staged endpoints) cannot be loaded over or unloaded by these ordinary calls
+and are never implicitly reloaded; loraledger-only refusals carry their code as a prefix of the
+message (``"NAME_PROTECTED: ..."``); an ``artifact_root`` confines every path load; error
+bodies of ``/generate`` carry a ``code`` next to ``message``.
+
+The staged endpoints (``/loraledger/*``) are described in :mod:`engines.local.wire`.
+
+Run in process with :func:`serve` / :func:`running_server` (tests), or as a process:
+``python -m engines.local.server --port 0 --engine-id e0 --artifact-root DIR`` prints the bound
+port on its first stdout line (and writes ``--port-file`` if given); SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from engines.contract import (
+    Candidate,
+    Choice,
+    CleanRefusal,
+    EngineError,
+    ErrorCode,
+    Generation,
+    SamplingParams,
+)
+from engines.local import wire
+from engines.local.admission import ServingLimits
+from engines.local.engine import LocalEngine
+
+_json = msgspec.json.Encoder()
+_candidate = msgspec.json.Decoder(Candidate)
+_unload_req = msgspec.json.Decoder(wire.UnloadRequest)
+_SGLANG_VERSION = "0.5.23"
+# SGLang sampling parameters we do not implement: refusing a non-default value beats silently
+# sampling from another distribution.
+_UNSUPPORTED_SAMPLING = {
+    "top_k": (-1, None),
+    "min_p": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+}
+
+
+def _reply(body: Any, status: int = 200) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def _lora_update(engine: LocalEngine, success: bool, error: str | None) -> Response:
+    return _reply(
+        {
+            "rid": None,
+            "http_worker_ipc": None,
+            "success": success,
+            "error_message": error,
+            "loaded_adapters": engine.loaded_adapters(),
+        },
+        200 if success else 400,
+    )
+
+
+def _lora_error_text(name: str, exc: EngineError) -> str:
+    """SGLang's text where SGLang has one; otherwise the loraledger code as a prefix."""
+    if exc.code in (ErrorCode.ALREADY_LOADED, ErrorCode.NOT_LOADED):
+        return exc.message
+    if exc.code == ErrorCode.RANK_UNSUPPORTED:
+        return (
+            f"LoRA adapter {name} is incompatible with the current LoRA memory pool "
+            f"configuration: {exc.message}"
+        )
+    return f"{exc.code}: {exc.message}"
+
+
+class _BadRequest(Exception):
+    pass
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise _BadRequest(f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _BadRequest("body must be a JSON object")
+    return body
+
+
+class _App:
+    """Route handlers bound to one engine."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine = engine
+
+    # --- SGLang: adapters -------------------------------------------------------------------
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            name, path = body["lora_name"], body["lora_path"]
+        except (_BadRequest, KeyError) as exc:
+            return _lora_update(self.engine, False, f"invalid request: {exc}")
+        if not isinstance(name, str) or not isinstance(path, str):
+            return _lora_update(self.engine, False, "lora_name and lora_path must be strings")
+        try:
+            await self.engine.load_ordinary(name, path)
+        except CleanRefusal as exc:
+            return _lora_update(self.engine, False, _lora_error_text(name, exc))
+        return _lora_update(self.engine, True, None)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        try:
+            name = (await _json_body(request))["lora_name"]
+        except (_BadRequest, KeyError) as exc:
+            return _lora_update(self.engine, False, f"invalid request: {exc}")
+        try:
+            await self.engine.unload_ordinary(str(name))
+        except CleanRefusal as exc:
+            return _lora_update(self.engine, False, _lora_error_text(str(name), exc))
+        return _lora_update(self.engine, True, None)
+
+    async def models(self, request: Request) -> Response:
+        created = int(self.engine.startup_time)
+        base = self.engine.served_model_name
+        cards = [
+            {
+                "id": base,
+                "object": "model",
+                "created": created,
+                "owned_by": "sglang",
+                "root": str(self.engine.model_dir),
+                "parent": None,
+                "max_model_len": self.engine.max_length,
+            }
+        ]
+        for name, path in self.engine.loaded_adapters().items():
+            cards.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "sglang",
+                    "root": path,
+                    "parent": base,
+                    "max_model_len": self.engine.max_length,
+                }
+            )
+        return _reply({"object": "list", "data": cards})
+
+    # --- SGLang: server state ---------------------------------------------------------------
+
+    async def server_info(self, request: Request) -> Response:
+        e = self.engine
+        return _reply(
+            {
+                "model_path": str(e.model_dir),
+                "served_model_name": e.served_model_name,
+                "enable_lora": True,
+                "max_lora_rank": e.limits.max_lora_rank,
+                "lora_target_modules": list(e.limits.target_modules),
+                "max_loras_per_batch": 8,
+                "max_loaded_loras": None,
+                "lora_paths": None,
+                "dp_size": 1,
+                "tp_size": 1,
+                "startup_time": e.startup_time,
+                "version": _SGLANG_VERSION,
+                "frontend": "python",
+                "internal_states": [{"paused": e.paused, "in_flight": e.in_flight}],
+                "incarnation": e.incarnation_id,
+                "engine_id": e.engine_id,
+                "loraledger_staged": True,
+            }
+        )
+
+    async def model_info(self, request: Request) -> Response:
+        return _reply(
+            {
+                "model_path": str(self.engine.model_dir),
+                "served_model_name": self.engine.served_model_name,
+                "weight_version": "default",
+                "is_generation": True,
+            }
+        )
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.engine.incarnation()
+        except EngineError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def flush_cache(self, request: Request) -> Response:
+        if self.engine.in_flight:
+            return PlainTextResponse(
+                "Cache not flushed because there are pending requests.", status_code=400
+            )
+        await self.engine.flush_cache()
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details.")
+
+    async def pause_generation(self, request: Request) -> Response:
+        body = await _json_body(request) if await request.body() else {}
+        mode = body.get("mode", "abort")
+        if mode == "abort":
+            self.engine.abort_all()
+        elif mode not in ("in_place", "retract"):
+            return _reply({"error": {"message": f"unknown pause mode {mode!r}"}}, 400)
+        self.engine.pause_generation()
+        return _reply({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: Request) -> Response:
+        self.engine.continue_generation()
+        return _reply({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if body.get("abort_all"):
+            self.engine.abort_all()
+        elif body.get("rid") is not None:
+            self.engine.abort(str(body["rid"]))
+        return Response(status_code=200)
+
+    # --- SGLang: generation -----------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            items, params, return_logprob, namespace = _parse_generate(await _json_body(request))
+        except _BadRequest as exc:
+            return _reply({"error": {"message": str(exc), "code": ErrorCode.BAD_REQUEST}}, 400)
+        outputs: list[Generation | None] = [None] * len(items)
+        failures: list[EngineError] = []
+
+        async def one(i: int, prompt: Any, lora: str | None, rid: str | None) -> None:
+            try:
+                outputs[i] = await self.engine.generate(
+                    prompt,
+                    lora,
+                    params,
+                    request_id=rid,
+                    cache_salt=namespace[0],
+                    extra_key=namespace[1],
+                )
+            except CleanRefusal as exc:
+                failures.append(exc)
+
+        # A client that disconnects cancels its requests (and so releases their adapters).
+        finished = await _until_disconnect(
+            request, [lambda i=i, it=it: one(i, *it) for i, it in enumerate(items)]
+        )
+        if not finished:
+            return Response(status_code=499)
+        if failures:
+            exc = failures[0]
+            return _reply({"error": {"message": exc.message, "code": exc.code}}, 400)
+        rendered: list[dict[str, Any]] = []
+        for gen in outputs:
+            assert gen is not None
+            rendered.extend(_render(gen, params, return_logprob))
+        if len(items) == 1 and params.n == 1:
+            return _reply(rendered[0])
+        return _reply(rendered)
+
+    # --- loraledger staged endpoints --------------------------------------------------------
+
+    async def staged_prepare(self, request: Request) -> Response:
+        return await _staged(lambda: self._decode_then(request, _candidate, self.engine.prepare))
+
+    async def staged_load(self, request: Request) -> Response:
+        return await _staged(lambda: self._decode_then(request, _candidate, self.engine.load))
+
+    async def staged_bucket(self, request: Request) -> Response:
+        async def run() -> Any:
+            try:
+                upload = wire.bucket_decoder.decode(await request.body())
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                raise CleanRefusal(ErrorCode.BAD_REQUEST, f"bad bucket body: {exc}") from exc
+            received = await self.engine.receive_bucket(
+                upload.lora_name, upload.attempt, upload.digest, upload.bucket
+            )
+            return wire.BucketAck(index=upload.bucket.index, received_tensors=received)
+
+        return await _staged(run)
+
+    async def staged_unload(self, request: Request) -> Response:
+        async def run() -> Any:
+            req = await self._decode(request, _unload_req)
+            return await self.engine.unload(req.lora_name, attempt=req.attempt)
+
+        return await _staged(run)
+
+    async def staged_inventory(self, request: Request) -> Response:
+        return await _staged(self.engine.inventory)
+
+    async def _decode(self, request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+        try:
+            return decoder.decode(await request.body())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"bad request body: {exc}") from exc
+
+    async def _decode_then(
+        self,
+        request: Request,
+        decoder: msgspec.json.Decoder[Any],
+        action: Callable[[Any], Coroutine[Any, Any, Any]],
+    ) -> Any:
+        return await action(await self._decode(request, decoder))
+
+
+async def _staged(action: Callable[[], Coroutine[Any, Any, Any]]) -> Response:
+    try:
+        return _reply(await action())
+    except CleanRefusal as exc:
+        return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 400)
+    except EngineError as exc:
+        return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 503)
+
+
+async def _until_disconnect(
+    request: Request, jobs: list[Callable[[], Coroutine[Any, Any, None]]]
+) -> bool:
+    """Run ``jobs`` concurrently; cancel them if the client disconnects first. Returns whether
+    they all finished. (Starlette does not cancel a handler whose client went away, and a
+    request whose client is gone must not keep holding its adapter.)"""
+    finished = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def work() -> None:
+            nonlocal finished
+            async with anyio.create_task_group() as inner:
+                for job in jobs:
+                    inner.start_soon(job)
+            finished = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(work)
+    return finished
+
+
+def _parse_generate(
+    body: dict[str, Any],
+) -> tuple[list[tuple[Any, str | None, str | None]], SamplingParams, bool, tuple[str, str]]:
+    """``(items [(prompt, lora, rid)], params, return_logprob, (cache_salt, extra_key))``."""
+    if body.get("stream"):
+        raise _BadRequest("stream=true is not supported by the local engine")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise _BadRequest("exactly one of text and input_ids is required")
+    if text is not None:
+        prompts = text if isinstance(text, list) else [text]
+        if not all(isinstance(p, str) for p in prompts):
+            raise _BadRequest("text must be a string or a list of strings")
+    else:
+        if not isinstance(ids, list) or not ids:
+            raise _BadRequest("input_ids must be a non-empty list")
+        prompts = ids if isinstance(ids[0], list) else [ids]
+    batch = isinstance(text, list) or (ids is not None and isinstance(ids[0], list))
+    lora = body.get("lora_path")
+    if isinstance(lora, list):
+        if len(lora) != len(prompts):
+            raise _BadRequest(f"lora_path has {len(lora)} entries for {len(prompts)} prompts")
+        loras = lora
+    else:
+        loras = [lora] * len(prompts)
+    if not all(x is None or isinstance(x, str) for x in loras):
+        raise _BadRequest("lora_path entries must be adapter names or null")
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        if len(rid) != len(prompts):
+            raise _BadRequest("rid list length differs from the batch")
+        rids = [str(r) for r in rid]
+    elif rid is not None:
+        rids = [str(rid)] if not batch else [f"{rid}-{i}" for i in range(len(prompts))]
+    else:
+        rids = [None] * len(prompts)
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise _BadRequest("sampling_params must be an object")
+    for key, neutral in _UNSUPPORTED_SAMPLING.items():
+        if key in sp and sp[key] not in neutral:
+            raise _BadRequest(f"sampling parameter {key}={sp[key]!r} is not supported")
+    stop = sp.get("stop") or ()
+    try:
+        params = SamplingParams(
+            max_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
+            seed=None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]),
+            stop=(stop,) if isinstance(stop, str) else tuple(str(s) for s in stop),
+            ignore_eos=bool(sp.get("ignore_eos", False)),
+            logprobs=True,
+            n=int(sp.get("n", 1)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise _BadRequest(f"bad sampling_params: {exc}") from exc
+    salt, extra = body.get("cache_salt"), body.get("extra_key")
+    namespace = (str(salt) if salt is not None else "", str(extra) if extra is not None else "")
+    items = list(zip(prompts, loras, rids, strict=True))
+    return items, params, bool(body.get("return_logprob", False)), namespace
+
+
+def _render(gen: Generation, params: SamplingParams, return_logprob: bool) -> list[dict[str, Any]]:
+    samples = gen.choices or (
+        Choice(
+            index=0,
+            token_ids=gen.token_ids,
+            text=gen.text,
+            logprobs=gen.logprobs,
+            finish_reason=gen.finish_reason,
+        ),
+    )
+    out = []
+    for i, s in enumerate(samples):
+        if s.finish_reason == "length":
+            finish: dict[str, Any] = {"type": "length", "length": len(s.token_ids)}
+        elif s.finish_reason == "stop":
+            last = s.token_ids[-1] if s.token_ids else None
+            finish = {"type": "stop", "matched": last}
+        else:
+            finish = {"type": "abort", "message": "Abort in waiting queue"}
+        meta: dict[str, Any] = {
+            "id": gen.request_id if len(samples) == 1 else f"{gen.request_id}-{i}",
+            "finish_reason": finish,
+            "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": len(s.token_ids),
+            "cached_tokens": gen.cached_tokens,
+            "weight_version": "default",
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(s.logprobs or (), s.token_ids, strict=False)
+            ]
+        out.append({"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta})
+    return out
+
+
+def create_app(engine: LocalEngine) -> Starlette:
+    """The ASGI app for one running engine (the caller owns the engine's lifetime)."""
+    app = _App(engine)
+    routes = [
+        Route("/generate", app.generate, methods=["POST"]),
+        Route("/load_lora_adapter", app.load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", app.unload_lora_adapter, methods=["POST"]),
+        Route("/v1/models", app.models, methods=["GET"]),
+        Route("/server_info", app.server_info, methods=["GET"]),
+        Route("/get_server_info", app.server_info, methods=["GET"]),
+        Route("/model_info", app.model_info, methods=["GET"]),
+        Route("/health", app.health, methods=["GET"]),
+        Route("/health_generate", app.health, methods=["GET"]),
+        Route("/flush_cache", app.flush_cache, methods=["GET", "POST"]),
+        Route("/pause_generation", app.pause_generation, methods=["POST"]),
+        Route("/continue_generation", app.continue_generation, methods=["POST"]),
+        Route("/abort_request", app.abort_request, methods=["POST"]),
+        Route(f"{wire.PREFIX}/prepare", app.staged_prepare, methods=["POST"]),
+        Route(f"{wire.PREFIX}/bucket", app.staged_bucket, methods=["POST"]),
+        Route(f"{wire.PREFIX}/load", app.staged_load, methods=["POST"]),
+        Route(f"{wire.PREFIX}/unload", app.staged_unload, methods=["POST"]),
+        Route(f"{wire.PREFIX}/inventory", app.staged_inventory, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+# --- running it -----------------------------------------------------------------------------
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: inside a test process, the process owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(engine: LocalEngine) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(engine),
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[str]:
+    """Serve a running engine on ``host`` (loopback by default) and yield its base URL; stops
+    the server (not the engine) on exit."""
+    sock = _bind(host, port)
+    server = _EmbeddedServer(_config(engine))
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, [sock])
+            while not server.started:
+                if server.should_exit:
+                    raise RuntimeError("uvicorn failed to start")
+                await anyio.sleep(0.005)
+            try:
+                yield f"http://{host}:{sock.getsockname()[1]}"
+            finally:
+                server.should_exit = True
+    finally:
+        sock.close()
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    engine_id: str = "local", *, host: str = "127.0.0.1", **engine_kwargs: Any
+) -> AsyncIterator[tuple[LocalEngine, str]]:
+    """A fresh engine served on a free loopback port: ``(engine, base_url)``."""
+    async with LocalEngine(engine_id, **engine_kwargs) as engine, serve(engine, host=host) as url:
+        yield engine, url
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m engines.local.server", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port (printed on stdout)")
+    p.add_argument("--port-file", type=Path, help="also write the bound port here (atomically)")
+    p.add_argument("--engine-id", default="local")
+    p.add_argument("--artifact-root", type=Path, help="refuse adapter paths outside this dir")
+    p.add_argument("--model-dir", type=Path, help="base model (default: the tiny model)")
+    p.add_argument("--max-lora-rank", type=int, default=ServingLimits().max_lora_rank)
+    p.add_argument(
+        "--lora-target-modules",
+        default=",".join(ServingLimits().target_modules),
+        help="comma-separated module names adapters may target",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--transport", choices=["staged", "artifact"], default="staged")
+    p.add_argument(
+        "--no-implicit-reload",
+        action="store_true",
+        help="do not reproduce SGLang's implicit reload of unloaded ordinary names",
+    )
+    return p.parse_args(argv)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    limits = ServingLimits(
+        max_lora_rank=args.max_lora_rank,
+        target_modules=tuple(m for m in args.lora_target_modules.split(",") if m),
+    )
+    sock = _bind(args.host, args.port)
+    async with LocalEngine(
+        args.engine_id,
+        model_dir=args.model_dir,
+        limits=limits,
+        artifact_root=args.artifact_root,
+        transport=args.transport,
+        threads=args.threads,
+        implicit_reload=not args.no_implicit_reload,
+    ) as engine:
+        server = uvicorn.Server(_config(engine))  # handles SIGTERM/SIGINT: graceful exit
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, [sock])
+            # uvicorn exposes "started" only as a flag
+            while not server.started and not server.should_exit:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            port = sock.getsockname()[1]
+            if args.port_file:
+                tmp = args.port_file.with_name(f".{args.port_file.name}.{os.getpid()}")
+                tmp.write_text(f"{port}\n")
+                tmp.replace(args.port_file)
+            print(port, flush=True)
+    sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    started = time.monotonic()
+    anyio.run(_main, args)
+    print(f"stopped after {time.monotonic() - started:.1f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The engine contract against every engine implementation that runs here.
+
+* ``local``: :class:`LocalEngine` in process (staged transport, managed names);
+* ``sglang-face``: :class:`SGLangEngine` (artifact transport) against the local engine's
+  SGLang-compatible HTTP face -- the stand-in for a GPU SGLang server, including its implicit
+  reload of unloaded names;
+* ``staged-http``: :class:`LocalHTTPEngine` driving the staged endpoints over HTTP.
+
+All servers listen on 127.0.0.1 and are stopped by the factory that started them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from engines.artifacts import ArtifactStore
+from engines.local.admission import ServingLimits
+from engines.local.client import LocalHTTPEngine
+from engines.local.engine import LocalEngine
+from engines.local.server import running_server
+from engines.sglang import SGLangEngine
+from tests.engines.contract import (
+    Capabilities,
+    EngineContract,
+    EngineUnderTest,
+    contract_fixture,
+)
+
+LIMITS = ServingLimits(max_lora_rank=32)
+
+
+def _store(tmp_path: Path) -> ArtifactStore:
+    return ArtifactStore(tmp_path / "artifacts")
+
+
+def _wired(engine: LocalEngine) -> dict[str, object]:
+    """Hooks into the serving engine: freeze/unfreeze decoding, refcounts, stop."""
+    return {
+        "hold": engine.pause_generation,
+        "release": engine.continue_generation,
+        "refcount": engine.refcount,
+        "stop": engine.aclose,
+    }
+
+
+@contextlib.asynccontextmanager
+async def in_process(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
+    store = _store(tmp_path)
+    async with LocalEngine("local-0", limits=LIMITS, artifact_root=store.root) as engine:
+        yield EngineUnderTest(
+            engine=engine,
+            caps=Capabilities(reclaimed_refusal=True),
+            store=store,
+            **_wired(engine),  # type: ignore[arg-type]
+        )
+
+
+@contextlib.asynccontextmanager
+async def sglang_face(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
+    store = _store(tmp_path)
+    async with running_server("sg-0", limits=LIMITS, artifact_root=store.root) as (engine, url):
+        client = SGLangEngine(url, "sg-0")
+        try:
+            yield EngineUnderTest(
+                engine=client,
+                caps=Capabilities(implicit_reload=True),
+                store=store,
+                **_wired(engine),  # type: ignore[arg-type]
+            )
+        finally:
+            await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def staged_http(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
+    store = _store(tmp_path)
+    async with running_server("st-0", limits=LIMITS, artifact_root=store.root) as (engine, url):
+        client = LocalHTTPEngine(url, "st-0")
+        try:
+            yield EngineUnderTest(
+                engine=client,
+                caps=Capabilities(reclaimed_refusal=True),
+                store=store,
+                **_wired(engine),  # type: ignore[arg-type]
+            )
+        finally:
+            await client.aclose()
+
+
+eut = contract_fixture(
+    {"local": in_process, "sglang-face": sglang_face, "staged-http": staged_http}
+)
+
+
+class TestLocalEngines(EngineContract):
+    pass
