@@ -17,6 +17,7 @@ import time
 
 import msgspec
 
+from evlog.errors import Code, LedgerError
 from evlog.events import AnyEvent, Event, decode_event, encode_event, stream_of
 
 GENESIS_HASH = bytes(32)
@@ -115,4 +116,87 @@ def build_record(
         prev_hash=prev_hash,
         hash=hash_,
         event=decode_event(payload, type_name, schema),
+    )
+
+
+Row = tuple[int, bytes, str, str, int, float, bytes, bytes, bytes]
+"""A stored record as a flat tuple in column order: ``(seq, event_id, stream, type, schema,
+recorded_at, payload, prev_hash, hash)``. Both stores keep exactly this, so one function seals
+it (:func:`seal_row`) and one verifies and decodes it (:func:`open_row`)."""
+
+
+def seal_row(p: Pending, seq: int, prev_hash: bytes) -> Row:
+    """Give ``p`` its position and link it to its predecessor's hash."""
+    return (
+        seq,
+        p.event_id,
+        p.stream,
+        p.type,
+        p.schema,
+        p.recorded_at,
+        p.payload,
+        prev_hash,
+        chain_hash(
+            prev_hash, seq, p.event_id, p.stream, p.type, p.schema, p.recorded_at, p.payload
+        ),
+    )
+
+
+def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
+    """Verify ``row`` against its predecessor (``prev_seq``, ``prev_hash``) and decode it.
+
+    The checks run in the order that names the most precise culprit: a missing position first
+    (``CHAIN_BROKEN`` naming the missing seq), then the row's own content against its hash
+    (``CORRUPT_RECORD``: the row was altered), then the link (``CHAIN_BROKEN``: the row is intact
+    but its predecessor is not the record it was chained to, i.e. an earlier record was
+    rewritten consistently or removed). A payload that hashes correctly but does not decode is
+    ``CORRUPT_RECORD`` too (it was stored that way); one this code cannot read (unknown type, a
+    schema newer than this code, a missing upcaster) is ``UNKNOWN_SCHEMA``: the log is fine,
+    the code is too old.
+    """
+    seq, event_id, stream, type_name, schema, recorded_at, payload, stored_prev, stored_hash = row
+    if seq != prev_seq + 1:
+        raise LedgerError(
+            Code.CHAIN_BROKEN,
+            f"record {prev_seq + 1} is missing (the next stored record is {seq})",
+            seq=prev_seq + 1,
+        )
+    if (
+        chain_hash(stored_prev, seq, event_id, stream, type_name, schema, recorded_at, payload)
+        != stored_hash
+    ):
+        raise LedgerError(
+            Code.CORRUPT_RECORD, f"record {seq} does not match its hash (altered)", seq=seq
+        )
+    if stored_prev != prev_hash:
+        raise LedgerError(
+            Code.CHAIN_BROKEN,
+            f"record {seq} is not chained to record {prev_seq} (an earlier record was rewritten)",
+            seq=seq,
+        )
+    try:
+        event = decode_event(payload, type_name, schema)
+    except LookupError as exc:
+        raise LedgerError(Code.UNKNOWN_SCHEMA, f"record {seq}: {exc}", seq=seq) from exc
+    except (ValueError, TypeError) as exc:  # msgspec.DecodeError/ValidationError are ValueErrors
+        raise LedgerError(
+            Code.CORRUPT_RECORD, f"record {seq} payload does not decode: {exc}", seq=seq
+        ) from exc
+    if type(event).__name__ != type_name:
+        raise LedgerError(
+            Code.CORRUPT_RECORD,
+            f"record {seq} says {type_name} but its payload is {type(event).__name__}",
+            seq=seq,
+        )
+    return Record(
+        seq=seq,
+        event_id=event_id,
+        stream=stream,
+        type=type_name,
+        schema=schema,
+        recorded_at=recorded_at,
+        payload=payload,
+        prev_hash=stored_prev,
+        hash=stored_hash,
+        event=event,
     )
