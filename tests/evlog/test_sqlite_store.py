@@ -1,0 +1,253 @@
+"""The store contract on ``SQLiteStore`` (real files, raw sqlite3 for tampering), plus what only
+a file-backed, group-committing store has: refusing bad files, merged transactions, a second
+writer, cancellation inside the group commit, closing while appends are queued."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from evlog.errors import Code, LedgerError
+from evlog.record import Row
+from evlog.sqlite import SQLiteStore
+from evlog.store import EventStore
+from tests.evlog.contract import StoreContract, batch_of, raises_code
+
+_COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
+
+
+def _raw(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA busy_timeout = 5000")
+    return conn
+
+
+class TestSQLiteStore(StoreContract):
+    synchronous = "FULL"
+
+    @pytest.fixture
+    def location(self, tmp_path: Path) -> Path:
+        return tmp_path / "log.db"
+
+    def opened(self, location: Path) -> AbstractAsyncContextManager[EventStore]:
+        return SQLiteStore.open(location, synchronous=self.synchronous)  # type: ignore[arg-type]
+
+    def raw_row(self, location: Path, seq: int) -> Row:
+        conn = _raw(location)
+        try:
+            return conn.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = ?", (seq,)).fetchone()
+        finally:
+            conn.close()
+
+    def rewrite(self, location: Path, seq: int, **columns: Any) -> None:
+        sets = ", ".join(f"{name} = ?" for name in columns)
+        conn = _raw(location)
+        try:
+            cur = conn.execute(f"UPDATE events SET {sets} WHERE seq = ?", (*columns.values(), seq))
+            assert cur.rowcount == 1
+        finally:
+            conn.close()
+
+    def remove(self, location: Path, seq: int) -> None:
+        conn = _raw(location)
+        try:
+            assert conn.execute("DELETE FROM events WHERE seq = ?", (seq,)).rowcount == 1
+        finally:
+            conn.close()
+
+    def snapshot_seqs(self, location: Path, code_version: str) -> list[int]:
+        conn = _raw(location)
+        try:
+            rows = conn.execute(
+                "SELECT seq FROM snapshots WHERE code_version = ? ORDER BY seq", (code_version,)
+            )
+            return [seq for (seq,) in rows]
+        finally:
+            conn.close()
+
+
+class TestSQLiteStoreNormal(TestSQLiteStore):
+    """The whole contract again with ``synchronous=NORMAL``: only durability differs."""
+
+    synchronous = "NORMAL"
+
+
+# --- files that are not (good) logs -----------------------------------------------------------
+
+
+@asynccontextmanager
+async def _opened(path: Path, **kw: Any) -> AsyncIterator[SQLiteStore]:
+    async with SQLiteStore.open(path, **kw) as store:
+        yield store
+
+
+@pytest.mark.anyio
+async def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "junk.db"
+    path.write_bytes(b"this is not a database, just some text " * 200)
+    with raises_code(Code.CORRUPT_STORE):
+        await SQLiteStore.connect(path)
+    assert path.read_bytes().startswith(b"this is not a database")  # untouched
+
+
+@pytest.mark.anyio
+async def test_another_applications_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE events (id INTEGER PRIMARY KEY, what TEXT)")
+    conn.commit()
+    conn.close()
+    with raises_code(Code.CORRUPT_STORE):
+        await SQLiteStore.connect(path)
+
+
+@pytest.mark.anyio
+async def test_a_damaged_page_is_refused_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    async with _opened(path) as store:
+        await store.append(batch_of(400))
+    conn = sqlite3.connect(path)
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    # the root page of the event_id index: damage its b-tree page header
+    (root,) = conn.execute(
+        "SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'events'"
+    ).fetchone()
+    conn.close()
+    with path.open("r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(b"\xff" * 16)
+    with pytest.raises(LedgerError) as info:
+        await SQLiteStore.connect(path)
+    assert info.value.code == Code.CORRUPT_STORE
+
+
+@pytest.mark.anyio
+async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    with raises_code(Code.INVALID_INPUT):
+        await SQLiteStore.connect(tmp_path / "a.db", synchronous="OFF")  # type: ignore[arg-type]
+    with raises_code(Code.INVALID_INPUT):
+        await SQLiteStore.connect(":memory:")
+    with raises_code(Code.STORE_FAILED):
+        await SQLiteStore.connect(tmp_path / "missing-dir" / "a.db")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["FULL", "NORMAL"])
+async def test_the_synchronous_mode_is_applied(tmp_path: Path, mode: str) -> None:
+    async with _opened(tmp_path / "a.db", synchronous=mode) as store:
+        assert store.synchronous == mode
+        # the writer connection's setting, read through it (FULL = 2, NORMAL = 1)
+        rows = await store._writer.execute_fetchall("PRAGMA synchronous")
+        assert next(iter(rows))[0] == {"FULL": 2, "NORMAL": 1}[mode]
+        journal = await store._writer.execute_fetchall("PRAGMA journal_mode")
+        assert next(iter(journal))[0] == "wal"
+
+
+# --- group commit ----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_queued_appends_are_merged_into_few_transactions(tmp_path: Path) -> None:
+    async with _opened(tmp_path / "a.db") as store:
+        got: list[list[int]] = []
+
+        async def appender(k: int) -> None:
+            got.append(await store.append(batch_of(2, f"w{k}")))
+
+        async with anyio.create_task_group() as tg:
+            for k in range(50):
+                tg.start_soon(appender, k)
+        stats = store.stats
+        assert stats.events == 100 and store.last_seq == 100
+        # one by one would be 50 transactions; combining writes what queued meanwhile at once
+        assert stats.transactions <= 5, stats
+        assert stats.slow_paths == 0
+        assert sorted(s for seqs in got for s in seqs) == list(range(1, 101))
+
+
+@pytest.mark.anyio
+async def test_a_second_writer_on_the_same_file_is_detected_and_handled(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    async with _opened(path) as one, _opened(path) as two:
+        assert await one.append(batch_of(3, "one")) == [1, 2, 3]
+        # ``two`` believes the log is empty: its seq 1 collides, it re-reads the tail.
+        assert await two.append(batch_of(2, "two")) == [4, 5]
+        assert await one.append(batch_of(1, "one-again")) == [6]
+        with raises_code(Code.SEQ_CONFLICT):
+            await two.append(batch_of(1, "stale"), expected_seq=5)
+        assert one.stats.slow_paths >= 1 and two.stats.slow_paths >= 1
+        report = await two.verify()
+        assert report.ok and report.records == 6
+
+
+@pytest.mark.anyio
+async def test_cancelled_callers_never_strand_the_others(tmp_path: Path) -> None:
+    async with _opened(tmp_path / "a.db") as store:
+        done: dict[int, list[int]] = {}
+        scopes: dict[int, anyio.CancelScope] = {}
+
+        async def appender(k: int) -> None:
+            with anyio.CancelScope() as scope:
+                scopes[k] = scope
+                done[k] = await store.append(batch_of(3, f"w{k}"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for k in range(30):
+                    tg.start_soon(appender, k)
+                await anyio.lowlevel.checkpoint()  # every appender queued; the first one leads
+                for k in range(0, 30, 4):  # the leader and waiters, cancelled mid-flight
+                    scopes[k].cancel()
+        assert all(k in done for k in range(30) if k % 4)
+        # the log holds whole batches only, gap-free, and stays writable
+        records = await store.read()
+        assert len(records) % 3 == 0 and len(records) >= 3 * len(done)
+        assert await store.append(batch_of(1, "after")) == [len(records) + 1]
+        assert (await store.verify()).ok
+
+
+@pytest.mark.anyio
+async def test_close_lets_queued_appends_finish_and_refuses_new_ones(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    answered: dict[int, list[int] | str] = {}
+
+    async def appender(store: SQLiteStore, k: int) -> None:
+        try:
+            answered[k] = await store.append(batch_of(2, f"w{k}"))
+        except LedgerError as exc:
+            answered[k] = exc.code
+
+    store = await SQLiteStore.connect(path)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for k in range(20):
+                tg.start_soon(appender, store, k)
+            await anyio.lowlevel.checkpoint()
+            await store.close()
+            tg.start_soon(appender, store, 99)
+    assert answered.pop(99) == Code.STORE_CLOSED
+    acked = {s for v in answered.values() if isinstance(v, list) for s in v}
+    async with _opened(path) as again:
+        assert again.last_seq == len(acked) and acked == set(range(1, len(acked) + 1))
+        assert (await again.verify()).ok
+
+
+@pytest.mark.anyio
+async def test_a_large_batch_spanning_many_statements_is_atomic(tmp_path: Path) -> None:
+    async with _opened(tmp_path / "a.db") as store:
+        await store.append(batch_of(1, "first"))
+        big = batch_of(3000, "big")
+        big[2500] = big[10]  # a duplicate inside: the store keeps one, answers its seq twice
+        got = await store.append(big, expected_seq=1)
+        assert got[2500] == got[10] and store.last_seq == 3000
+        with raises_code(Code.SEQ_CONFLICT):
+            await store.append(batch_of(3000, "late"), expected_seq=1)
+        assert store.last_seq == 3000
+        assert (await store.verify()).ok
