@@ -18,7 +18,7 @@ from evlog.errors import Code, LedgerError
 from evlog.record import Row
 from evlog.sqlite import SQLiteStore
 from evlog.store import EventStore
-from tests.evlog.contract import StoreContract, batch_of, raises_code
+from tests.evlog.contract import StoreContract, batch_of, bound, raises_code, rehashed
 
 _COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
 
@@ -251,3 +251,29 @@ async def test_a_large_batch_spanning_many_statements_is_atomic(tmp_path: Path) 
             await store.append(batch_of(3000, "late"), expected_seq=1)
         assert store.last_seq == 3000
         assert (await store.verify()).ok
+
+
+@pytest.mark.anyio
+async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        await store.append(batch_of(6))
+        raw = _raw(path)
+        try:
+            row = raw.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = 6").fetchone()
+            raw.execute("DELETE FROM events WHERE seq = 6")
+            report = await store.verify()
+            assert (report.ok, report.first_bad_seq, report.code) == (False, 6, Code.CHAIN_BROKEN)
+            assert report.records == 5
+            # put back a different record 6, consistently hashed onto record 5
+            forged = rehashed(row, payload=bound(77).payload)
+            raw.execute(
+                f"INSERT INTO events ({_COLUMNS}) VALUES (6, ?, ?, ?, ?, ?, ?, ?, ?)",
+                tuple(forged.values()),
+            )
+        finally:
+            raw.close()
+        report = await store.verify()
+        assert (report.ok, report.first_bad_seq, report.code) == (False, 6, Code.CHAIN_BROKEN)
