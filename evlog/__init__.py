@@ -1,1 +1,43 @@
-"""The append-only log: event vocabulary, record envelope, hash chain and stores."""
+"""The append-only log: event vocabulary, record envelope, hash chain and stores.
+
+The backends are imported on first use (``evlog.SQLiteStore``), so the pure parts of the
+package (events, records, the store contract) stay free of I/O imports for the projections.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from evlog.errors import Code, LedgerError
+from evlog.record import GENESIS_HASH, Pending, Record, pending
+from evlog.store import EventStore, Snapshot, VerifyReport
+
+if TYPE_CHECKING:
+    from evlog.memory import MemoryLog, MemoryStore
+    from evlog.sqlite import SQLiteStore
+
+__all__ = [
+    "GENESIS_HASH",
+    "Code",
+    "EventStore",
+    "LedgerError",
+    "MemoryLog",
+    "MemoryStore",
+    "Pending",
+    "Record",
+    "SQLiteStore",
+    "Snapshot",
+    "VerifyReport",
+    "pending",
+]
+
+_LAZY = {"MemoryLog": "evlog.memory", "MemoryStore": "evlog.memory", "SQLiteStore": "evlog.sqlite"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'evlog' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
