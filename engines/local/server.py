@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -523,6 +524,9 @@ class _EmbeddedServer(uvicorn.Server):
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it: a reply is written as headers + body, and with Nagle
+    # plus the client's delayed ACK every small JSON reply would wait ~40 ms.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(128)
     sock.set_inheritable(True)
@@ -612,9 +616,15 @@ async def _main(args: argparse.Namespace) -> None:
         threads=args.threads,
         implicit_reload=not args.no_implicit_reload,
     ) as engine:
-        server = uvicorn.Server(_config(engine))  # handles SIGTERM/SIGINT: graceful exit
+        server = _EmbeddedServer(_config(engine))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(server.serve, [sock])
+
+            async def run() -> None:
+                await server.serve([sock])
+                tg.cancel_scope.cancel()  # stopped (signal or failure): stop listening too
+
+            tg.start_soon(run)
+            tg.start_soon(_stop_on_signal, server)
             # uvicorn exposes "started" only as a flag
             while not server.started and not server.should_exit:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
@@ -625,6 +635,15 @@ async def _main(args: argparse.Namespace) -> None:
                 tmp.replace(args.port_file)
             print(port, flush=True)
     sock.close()
+
+
+async def _stop_on_signal(server: uvicorn.Server) -> None:
+    """SIGTERM/SIGINT: stop accepting, let in-flight requests finish (bounded by uvicorn's
+    graceful timeout), then exit with status 0."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            server.should_exit = True
+            return
 
 
 def main(argv: list[str] | None = None) -> None:
