@@ -19,10 +19,10 @@ loraledger's stricter ones where SGLang is not (engines.md §1.4-§1.6, §4):
   hazardous implicit reload of an unloaded name from its old path (``implicit_reload``) and the
   ``lora_update_lock`` that an ordinary unload holds through its drain.
 * **Prefix cache** keyed by the engine-local adapter id (:mod:`engines.local.prefix_cache`).
-* **Model work** runs in worker threads, serialised by a capacity limiter of one, one prefill or
-  one token per call, so the event loop never blocks, requests interleave token by token and
-  cancellation/abort take effect between tokens. A step already running in a thread always
-  completes before its lease can be released, so no computation ever uses a freed adapter.
+* **Model work** goes through :mod:`engines.local.scheduler` (worker threads behind a limiter of
+  one, one prefill or one token per call): the event loop never blocks, requests interleave
+  token by token, abort and cancellation take effect between tokens, and a step already running
+  always completes before its lease can be released (no computation uses a freed adapter).
 
 Use it as ``async with LocalEngine(...) as engine:`` (the task group lives in that block).
 """
@@ -60,10 +60,10 @@ from engines.contract import (
     check_name,
 )
 from engines.local.admission import AdapterPlan, ServingLimits, TensorShape, plan_adapter, shapes_of
-from engines.local.model import DecodeState, ModelRunner
-from engines.local.refs import Lease, RefCounter, Share
+from engines.local.model import ModelRunner
+from engines.local.refs import Lease, RefCounter
 from engines.local.registry import Registry, Resident, new_adapter_id
-from engines.local.sampling import pick_token
+from engines.local.scheduler import Scheduler, check_params
 from engines.local.tinymodel import SERVED_NAME, ensure_tiny_model
 from engines.manifest import (
     ManifestError,
@@ -86,18 +86,6 @@ class _Outcome:
         self.done = anyio.Event()
         self.error: BaseException | None = None
         self.value: Any = None
-
-
-class _Sequence:
-    """One sample being decoded (tokens so far, and why it stopped)."""
-
-    __slots__ = ("finish", "logprobs", "text", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish: str | None = None
-        self.text: str | None = None  # set when a stop string truncated the text
 
 
 def resolve_under(root: Path | None, path: str) -> Path:
@@ -157,10 +145,8 @@ class LocalEngine:
         self._tg: anyio.abc.TaskGroup | None = None
         self._closed = False
         self._freed: dict[str, anyio.Event] = {}  # adapter id -> set once physically freed
-        self._requests: dict[str, anyio.CancelScope] = {}
         self._job_scopes: set[anyio.CancelScope] = set()
-        self._running = 0
-        self._gate: anyio.Event | None = None  # None = not paused
+        self._scheduler: Scheduler | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -173,7 +159,7 @@ class LocalEngine:
             )
         )
         self._module_shapes = self._runner.module_shapes()
-        self._model_limiter = anyio.CapacityLimiter(1)
+        self._scheduler = Scheduler(self._runner, self.engine_id)
         self._control_lock = anyio.Lock()  # one control-plane mutation at a time
         self._compat_lock = anyio.Lock()  # SGLang's lora_update_lock (ordinary path only)
         self._stack = contextlib.AsyncExitStack()
@@ -191,9 +177,11 @@ class LocalEngine:
         """Stop: pending drains and jobs are cancelled (their waiters get ENGINE_STOPPED) and
         in-flight generations end with ENGINE_STOPPED at their next token."""
         self._closed = True
+        if self._scheduler is not None:
+            self._scheduler.close()
         # Cancel the jobs one by one, never the task group's own scope: that scope also covers
         # the task that entered the engine (the caller's code inside ``async with``).
-        for scope in [*self._job_scopes, *self._requests.values()]:
+        for scope in list(self._job_scopes):
             scope.cancel()
 
     @property
@@ -209,10 +197,10 @@ class LocalEngine:
             )
         return self._runner
 
-    async def _run_model(self, fn: Callable[..., T], *args: Any) -> T:
-        return await anyio.to_thread.run_sync(
-            functools.partial(fn, *args), limiter=self._model_limiter
-        )
+    def _require_scheduler(self) -> Scheduler:
+        self._require_runner()
+        assert self._scheduler is not None
+        return self._scheduler
 
     async def _submit(self, job: Callable[[], Awaitable[T]]) -> T:
         """Run ``job`` in the engine's task group and wait for it. Cancelling the waiter does
@@ -298,7 +286,7 @@ class LocalEngine:
 
     @property
     def in_flight(self) -> int:
-        return self._running
+        return 0 if self._scheduler is None else self._scheduler.in_flight
 
     @property
     def max_length(self) -> int:
@@ -307,7 +295,7 @@ class LocalEngine:
     async def flush_cache(self) -> None:
         """Drop every prefix-cache entry (through the model worker, which owns the cache)."""
         runner = self._require_runner()
-        await self._run_model(runner.prefix_cache.clear)
+        await self._require_scheduler().run_model(runner.prefix_cache.clear)
 
     # --- managed (ledger) path -------------------------------------------------------------------
 
@@ -580,7 +568,7 @@ class LocalEngine:
         runner = self._require_runner()
         adapter_id = new_adapter_id()
         try:
-            await self._run_model(runner.add_adapter, adapter_id, plan, tensors)
+            await self._require_scheduler().run_model(runner.add_adapter, adapter_id, plan, tensors)
         except (ValueError, RuntimeError, KeyError) as exc:
             raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"peft refused {name}: {exc}") from exc
         self._registry.register(
@@ -600,7 +588,9 @@ class LocalEngine:
         """Wait for the last holder, then free the weights. Called once per resident, by the
         job that unregistered it."""
         await resident.refs.wait_zero()
-        await self._run_model(self._require_runner().remove_adapter, resident.adapter_id)
+        await self._require_scheduler().run_model(
+            self._require_runner().remove_adapter, resident.adapter_id
+        )
         self._registry.freed(resident)
         self._freed.pop(resident.adapter_id).set()
 
@@ -610,35 +600,25 @@ class LocalEngine:
         if freed is not None:
             await freed.wait()
 
-    # --- generation control ---------------------------------------------------------------------
+    # --- generation control ------------------------------------------------------------------
 
     def pause_generation(self) -> None:
         """Freeze every in-flight request in place between tokens (SGLang ``in_place``)."""
-        if self._gate is None:
-            self._gate = anyio.Event()
+        self._require_scheduler().pause()
 
     def continue_generation(self) -> None:
-        gate, self._gate = self._gate, None
-        if gate is not None:
-            gate.set()
+        self._require_scheduler().resume()
 
     @property
     def paused(self) -> bool:
-        return self._gate is not None
+        return self._scheduler is not None and self._scheduler.paused
 
     def abort(self, request_id: str) -> bool:
         """Stop one request at its next token; it answers with finish_reason ``abort``."""
-        scope = self._requests.get(request_id)
-        if scope is None:
-            return False
-        scope.cancel()
-        return True
+        return self._require_scheduler().abort(request_id)
 
     def abort_all(self) -> int:
-        scopes = list(self._requests.values())
-        for scope in scopes:
-            scope.cancel()
-        return len(scopes)
+        return self._require_scheduler().abort_all()
 
     # --- generation ----------------------------------------------------------------------------
 
@@ -655,27 +635,51 @@ class LocalEngine:
         """Generate once. ``cache_salt``/``extra_key`` namespace the prefix cache (SGLang's
         fields); they never select or reveal another adapter's cache entries."""
         runner = self._require_runner()
+        scheduler = self._require_scheduler()
         try:
-            _check_params(params)
+            check_params(params)
             resident, lease = await self._acquire(lora_name)
         except EngineError as exc:
             raise self._tag(exc) from None
         try:  # from here on, every exit releases the lease exactly once
             tokens = self._tokens(runner, prompt, params)
-            return await self._run(
-                runner,
+            decoded = await scheduler.decode(
                 tokens,
-                resident,
+                resident.adapter_id if resident is not None else None,
                 lease,
                 params,
                 request_id,
-                (cache_salt or "", extra_key or ""),
+                f"{cache_salt or ''}\x00{extra_key or ''}",
             )
         except EngineError as exc:
             raise self._tag(exc) from None
         finally:
             if lease is not None:
                 lease.release()
+        choices = tuple(
+            Choice(
+                index=i,
+                token_ids=tuple(s.tokens),
+                text=s.text if s.text is not None else runner.decode(s.tokens),
+                logprobs=tuple(s.logprobs) if params.logprobs else None,
+                finish_reason=s.finish or "abort",
+            )
+            for i, s in enumerate(decoded.samples)
+        )
+        first = choices[0]
+        return Generation(
+            engine_id=self.engine_id,
+            incarnation=self._incarnation,
+            lora_name=resident.lora_name if resident is not None else None,
+            token_ids=first.token_ids,
+            text=first.text,
+            logprobs=first.logprobs,
+            finish_reason=first.finish_reason,
+            prompt_tokens=len(tokens),
+            cached_tokens=decoded.cached_tokens,
+            request_id=decoded.request_id,
+            choices=choices if params.n > 1 else (),
+        )
 
     async def _acquire(self, name: str | None) -> tuple[Resident | None, Lease | None]:
         if name is None:
@@ -719,166 +723,6 @@ class LocalEngine:
                 f"context length {runner.max_length}",
             )
         return tokens
-
-    async def _run(
-        self,
-        runner: ModelRunner,
-        tokens: tuple[int, ...],
-        resident: Resident | None,
-        lease: Lease | None,
-        params: SamplingParams,
-        request_id: str | None,
-        namespace: tuple[str, str],
-    ) -> Generation:
-        rid = request_id or uuid.uuid4().hex
-        if rid in self._requests:
-            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
-        adapter_id = resident.adapter_id if resident is not None else None
-        seqs = [_Sequence() for _ in range(params.n)]
-        cached = 0
-        scope = anyio.CancelScope()
-        self._requests[rid] = scope
-        self._running += 1
-        try:
-            with scope:
-                state, cached = await self._run_model(
-                    runner.prefill, adapter_id, "\x00".join(namespace), tokens
-                )
-                if params.n == 1:
-                    await self._decode(runner, state, adapter_id, params, 0, seqs[0])
-                else:
-                    shares: Sequence[Share | None] = (
-                        lease.split(params.n) if lease is not None else [None] * params.n
-                    )
-                    async with anyio.create_task_group() as tg:
-                        for i in range(params.n):
-                            tg.start_soon(
-                                self._child,
-                                runner,
-                                state,
-                                adapter_id,
-                                params,
-                                i,
-                                seqs[i],
-                                shares[i],
-                            )
-        finally:
-            self._running -= 1
-            self._requests.pop(rid, None)
-        if self._closed:
-            raise AmbiguousReply(ErrorCode.ENGINE_STOPPED, f"engine {self.engine_id} stopped")
-        if scope.cancelled_caught:
-            for seq in seqs:
-                seq.finish = seq.finish or "abort"
-        choices = tuple(
-            Choice(
-                index=i,
-                token_ids=tuple(seq.tokens),
-                text=seq.text if seq.text is not None else runner.decode(seq.tokens),
-                logprobs=tuple(seq.logprobs) if params.logprobs else None,
-                finish_reason=seq.finish or "abort",
-            )
-            for i, seq in enumerate(seqs)
-        )
-        first = choices[0]
-        return Generation(
-            engine_id=self.engine_id,
-            incarnation=self._incarnation,
-            lora_name=resident.lora_name if resident is not None else None,
-            token_ids=first.token_ids,
-            text=first.text,
-            logprobs=first.logprobs,
-            finish_reason=first.finish_reason,
-            prompt_tokens=len(tokens),
-            cached_tokens=cached,
-            request_id=rid,
-            choices=choices if params.n > 1 else (),
-        )
-
-    async def _child(
-        self,
-        runner: ModelRunner,
-        state: DecodeState,
-        adapter_id: str | None,
-        params: SamplingParams,
-        index: int,
-        seq: _Sequence,
-        share: Share | None,
-    ) -> None:
-        try:
-            child_state = await self._run_model(runner.fork, state)
-            await self._decode(runner, child_state, adapter_id, params, index, seq)
-        finally:
-            if share is not None:
-                share.release()
-
-    async def _decode(
-        self,
-        runner: ModelRunner,
-        state: DecodeState,
-        adapter_id: str | None,
-        params: SamplingParams,
-        index: int,
-        seq: _Sequence,
-    ) -> None:
-        generator: torch.Generator | None = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6))
-            generator = torch.Generator().manual_seed(seed + index)
-        step = functools.partial(self._step, runner, state, adapter_id, params, generator, seq)
-        while seq.finish is None:
-            if self._gate is not None:
-                await self._gate.wait()
-            if self._closed:
-                return
-            await self._run_model(step)
-
-    @staticmethod
-    def _step(
-        runner: ModelRunner,
-        state: DecodeState,
-        adapter_id: str | None,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        seq: _Sequence,
-    ) -> None:
-        """One token: pick it, decide whether the sequence is finished, else feed it back."""
-        if params.max_tokens <= len(seq.tokens):
-            seq.finish = "length"
-            return
-        token, logprob = pick_token(
-            state.logits, temperature=params.temperature, top_p=params.top_p, generator=generator
-        )
-        seq.tokens.append(token)
-        seq.logprobs.append(logprob)
-        if not params.ignore_eos and token == runner.eos_token_id:
-            seq.finish = "stop"
-            return
-        if params.stop:
-            text = runner.decode(seq.tokens)
-            hits = [i for i in (text.find(s) for s in params.stop if s) if i >= 0]
-            if hits:
-                seq.text = text[: min(hits)]
-                seq.finish = "stop"
-                return
-        if len(seq.tokens) >= params.max_tokens:
-            seq.finish = "length"
-            return
-        runner.advance(state, adapter_id, token)
-
-
-def _check_params(params: SamplingParams) -> None:
-    problems = []
-    if params.n < 1:
-        problems.append(f"n={params.n} must be >= 1")
-    if params.max_tokens < 0:
-        problems.append(f"max_tokens={params.max_tokens} must be >= 0")
-    if params.temperature < 0:
-        problems.append(f"temperature={params.temperature} must be >= 0")
-    if not 0 < params.top_p <= 1:
-        problems.append(f"top_p={params.top_p} must be in (0, 1]")
-    if problems:
-        raise CleanRefusal(ErrorCode.BAD_REQUEST, "; ".join(problems))
 
 
 def _bucket_refusal(

@@ -1,0 +1,234 @@
+"""Token-level scheduling of the model: one worker at a time, requests interleaved, abortable.
+
+Every piece of model work (a prefill, one decode step, installing or freeing an adapter) goes
+through :meth:`Scheduler.run_model`: a worker thread behind a capacity limiter of one. So
+
+* the event loop never runs torch code (it stays responsive while generating);
+* the model, its peft adapters and the prefix cache see one caller at a time (no lock inside);
+* requests take turns per token (the limiter is FIFO), so a long request does not starve others;
+* cancellation -- an abort, a caller that went away, an engine stop -- takes effect between
+  tokens. A step already handed to a thread always finishes first (``run_sync`` is not
+  abandoned), so a request never releases its adapter while a step still computes with it.
+
+Requests are decoded one sequence per forward (correctness first; no cross-request batching).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode, SamplingParams
+from engines.local.model import DecodeState, ModelRunner
+from engines.local.refs import Lease, Share
+from engines.local.sampling import pick_token
+
+T = TypeVar("T")
+
+
+@dataclass
+class Sample:
+    """One sequence being decoded: tokens so far, and why it stopped (None = still going)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    text: str | None = None  # set when a stop string truncated the text
+
+
+@dataclass
+class Decoded:
+    request_id: str
+    samples: list[Sample]
+    cached_tokens: int
+
+
+def check_params(params: SamplingParams) -> None:
+    problems = []
+    if params.n < 1:
+        problems.append(f"n={params.n} must be >= 1")
+    if params.max_tokens < 0:
+        problems.append(f"max_tokens={params.max_tokens} must be >= 0")
+    if params.temperature < 0:
+        problems.append(f"temperature={params.temperature} must be >= 0")
+    if not 0 < params.top_p <= 1:
+        problems.append(f"top_p={params.top_p} must be in (0, 1]")
+    if problems:
+        raise CleanRefusal(ErrorCode.BAD_REQUEST, "; ".join(problems))
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, engine_id: str) -> None:
+        self.runner = runner
+        self.engine_id = engine_id
+        self._limiter = anyio.CapacityLimiter(1)
+        self._requests: dict[str, anyio.CancelScope] = {}
+        self._gate: anyio.Event | None = None  # None = not paused
+        self._running = 0
+        self._closed = False
+
+    async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._limiter)
+
+    # --- control -----------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return self._running
+
+    @property
+    def paused(self) -> bool:
+        return self._gate is not None
+
+    def pause(self) -> None:
+        """Freeze every request between tokens (SGLang ``in_place``); it keeps its adapter."""
+        if self._gate is None:
+            self._gate = anyio.Event()
+
+    def resume(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
+
+    def abort(self, request_id: str) -> bool:
+        """End one request at its next token boundary (its answer says ``abort``)."""
+        scope = self._requests.get(request_id)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    def abort_all(self) -> int:
+        scopes = list(self._requests.values())
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
+
+    def close(self) -> None:
+        """Every request still running ends with ENGINE_STOPPED at its next token."""
+        self._closed = True
+        self.abort_all()
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    async def decode(
+        self,
+        tokens: tuple[int, ...],
+        adapter_id: str | None,
+        lease: Lease | None,
+        params: SamplingParams,
+        request_id: str | None,
+        namespace: str,
+    ) -> Decoded:
+        """Prefill once, then decode ``params.n`` samples. ``n > 1`` children share the one
+        ``lease`` (each releases its share when it ends; the caller still releases the lease
+        in its own ``finally``, which is a no-op if the shares already did)."""
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._requests:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
+        samples = [Sample() for _ in range(params.n)]
+        cached = 0
+        scope = anyio.CancelScope()
+        self._requests[rid] = scope
+        self._running += 1
+        try:
+            with scope:
+                state, cached = await self.run_model(
+                    self.runner.prefill, adapter_id, namespace, tokens
+                )
+                if params.n == 1:
+                    await self._decode(state, adapter_id, params, 0, samples[0])
+                else:
+                    shares: Sequence[Share | None] = (
+                        lease.split(params.n) if lease is not None else [None] * params.n
+                    )
+                    async with anyio.create_task_group() as tg:
+                        for i in range(params.n):
+                            tg.start_soon(
+                                self._child, state, adapter_id, params, i, samples[i], shares[i]
+                            )
+        finally:
+            self._running -= 1
+            self._requests.pop(rid, None)
+        if self._closed:
+            raise AmbiguousReply(ErrorCode.ENGINE_STOPPED, f"engine {self.engine_id} stopped")
+        for sample in samples:
+            if sample.finish is None:  # only an abort ends a sample without a reason
+                sample.finish = "abort"
+        return Decoded(rid, samples, cached)
+
+    async def _child(
+        self,
+        state: DecodeState,
+        adapter_id: str | None,
+        params: SamplingParams,
+        index: int,
+        sample: Sample,
+        share: Share | None,
+    ) -> None:
+        try:
+            own = await self.run_model(self.runner.fork, state)
+            await self._decode(own, adapter_id, params, index, sample)
+        finally:
+            if share is not None:
+                share.release()
+
+    async def _decode(
+        self,
+        state: DecodeState,
+        adapter_id: str | None,
+        params: SamplingParams,
+        index: int,
+        sample: Sample,
+    ) -> None:
+        generator: torch.Generator | None = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6))
+            generator = torch.Generator().manual_seed(seed + index)
+        step = functools.partial(_step, self.runner, state, adapter_id, params, generator, sample)
+        while sample.finish is None:
+            if self._gate is not None:
+                await self._gate.wait()
+            if self._closed:
+                return
+            await self.run_model(step)
+
+
+def _step(
+    runner: ModelRunner,
+    state: DecodeState,
+    adapter_id: str | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    sample: Sample,
+) -> None:
+    """One token (worker thread): pick it, decide whether the sample is done, else feed it."""
+    if params.max_tokens <= len(sample.tokens):
+        sample.finish = "length"
+        return
+    token, logprob = pick_token(
+        state.logits, temperature=params.temperature, top_p=params.top_p, generator=generator
+    )
+    sample.tokens.append(token)
+    sample.logprobs.append(logprob)
+    if not params.ignore_eos and token == runner.eos_token_id:
+        sample.finish = "stop"
+        return
+    if params.stop:
+        text = runner.decode(sample.tokens)
+        hits = [i for i in (text.find(s) for s in params.stop if s) if i >= 0]
+        if hits:
+            sample.text = text[: min(hits)]
+            sample.finish = "stop"
+            return
+    if len(sample.tokens) >= params.max_tokens:
+        sample.finish = "length"
+        return
+    runner.advance(state, adapter_id, token)
