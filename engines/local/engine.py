@@ -646,7 +646,6 @@ class LocalEngine:
             decoded = await scheduler.decode(
                 tokens,
                 resident.adapter_id if resident is not None else None,
-                lease,
                 params,
                 request_id,
                 f"{cache_salt or ''}\x00{extra_key or ''}",

@@ -10,9 +10,10 @@ here, in one small unit, and nothing else touches the number:
   unregistered): a late acquire can never resurrect a draining adapter.
 * :meth:`Lease.release` is idempotent: a duplicated terminal signal (finish + abort echo,
   ``finally`` after an explicit release) is a no-op, so the count never goes negative.
-* :meth:`Lease.split` hands ``n`` parallel-sampling children one :class:`Share` each; the
-  reference is given back when the last share is released (or the parent releases the whole
-  lease, e.g. on a failure before the children started). One request, one reference.
+* ``n > 1`` parallel sampling takes *one* lease for the request, not one per child: the
+  children run inside the request's task group, which cannot end before every child ended
+  (cancellation included), and the lease is released after it. The structure gives the
+  guarantee, so there is no per-child bookkeeping to drift (SGLang #25864, #36894).
 * :meth:`RefCounter.wait_zero` wakes when the count reaches zero; drains wait on it.
 
 Everything here runs on the event loop thread (no locks): acquire/release are synchronous so
@@ -79,12 +80,11 @@ class RefCounter:
 class Lease:
     """One request's reference. Release it in a ``finally``; releasing twice is harmless."""
 
-    __slots__ = ("_counter", "_outstanding", "_released")
+    __slots__ = ("_counter", "_released")
 
     def __init__(self, counter: RefCounter) -> None:
         self._counter = counter
         self._released = False
-        self._outstanding = 0
 
     @property
     def released(self) -> bool:
@@ -96,38 +96,4 @@ class Lease:
             return False
         self._released = True
         self._counter._release_one()
-        return True
-
-    def split(self, n: int) -> tuple[Share, ...]:
-        """Hand ``n`` parallel children one share each of this single reference."""
-        if self._released:
-            raise RefError("cannot split a released lease")
-        if self._outstanding:
-            raise RefError("a lease is split at most once")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        self._outstanding = n
-        return tuple(Share(self) for _ in range(n))
-
-    def _share_done(self) -> None:
-        self._outstanding -= 1
-        if self._outstanding == 0:
-            self.release()
-
-
-class Share:
-    """A parallel child's part of its parent's lease; the last share released releases it."""
-
-    __slots__ = ("_done", "_lease")
-
-    def __init__(self, lease: Lease) -> None:
-        self._lease = lease
-        self._done = False
-
-    def release(self) -> bool:
-        """Idempotent, like :meth:`Lease.release`."""
-        if self._done:
-            return False
-        self._done = True
-        self._lease._share_done()
         return True

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,7 +27,6 @@ import torch
 
 from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode, SamplingParams
 from engines.local.model import DecodeState, ModelRunner
-from engines.local.refs import Lease, Share
 from engines.local.sampling import pick_token
 
 T = TypeVar("T")
@@ -122,14 +121,12 @@ class Scheduler:
         self,
         tokens: tuple[int, ...],
         adapter_id: str | None,
-        lease: Lease | None,
         params: SamplingParams,
         request_id: str | None,
         namespace: str,
     ) -> Decoded:
-        """Prefill once, then decode ``params.n`` samples. ``n > 1`` children share the one
-        ``lease`` (each releases its share when it ends; the caller still releases the lease
-        in its own ``finally``, which is a no-op if the shares already did)."""
+        """Prefill once, then decode ``params.n`` samples. The caller's one lease covers every
+        ``n > 1`` child: they run in a task group inside this call, so none outlives it."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._requests:
             raise CleanRefusal(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
@@ -146,14 +143,9 @@ class Scheduler:
                 if params.n == 1:
                     await self._decode(state, adapter_id, params, 0, samples[0])
                 else:
-                    shares: Sequence[Share | None] = (
-                        lease.split(params.n) if lease is not None else [None] * params.n
-                    )
                     async with anyio.create_task_group() as tg:
                         for i in range(params.n):
-                            tg.start_soon(
-                                self._child, state, adapter_id, params, i, samples[i], shares[i]
-                            )
+                            tg.start_soon(self._child, state, adapter_id, params, i, samples[i])
         finally:
             self._running -= 1
             self._requests.pop(rid, None)
@@ -171,14 +163,9 @@ class Scheduler:
         params: SamplingParams,
         index: int,
         sample: Sample,
-        share: Share | None,
     ) -> None:
-        try:
-            own = await self.run_model(self.runner.fork, state)
-            await self._decode(own, adapter_id, params, index, sample)
-        finally:
-            if share is not None:
-                share.release()
+        own = await self.run_model(self.runner.fork, state)
+        await self._decode(own, adapter_id, params, index, sample)
 
     async def _decode(
         self,

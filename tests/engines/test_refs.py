@@ -40,46 +40,6 @@ def test_closed_counter_refuses_new_holders_but_counts_releases() -> None:
     assert refs.count == 0
 
 
-def test_parallel_children_share_one_reference() -> None:
-    refs = RefCounter("a")
-    lease = refs.acquire()
-    shares = lease.split(3)
-    assert refs.count == 1
-    shares[0].release()
-    shares[1].release()
-    shares[1].release()  # a duplicate from one child changes nothing
-    assert refs.count == 1 and not lease.released
-    shares[2].release()
-    assert refs.count == 0 and lease.released
-    assert lease.release() is False  # the parent's own finally afterwards
-
-
-def test_parent_release_before_children_is_single() -> None:
-    """Failure after the split (e.g. abort): the parent releases, then the children do."""
-    refs = RefCounter("a")
-    lease = refs.acquire()
-    shares = lease.split(2)
-    assert lease.release() is True
-    assert refs.count == 0
-    for share in shares:
-        share.release()
-    assert refs.count == 0
-
-
-def test_split_rules() -> None:
-    refs = RefCounter("a")
-    lease = refs.acquire()
-    with pytest.raises(ValueError, match="n must be"):
-        lease.split(0)
-    lease.split(2)
-    with pytest.raises(RefError):
-        lease.split(2)
-    other = refs.acquire()
-    other.release()
-    with pytest.raises(RefError):
-        other.split(2)
-
-
 def test_underflow_is_an_invariant_error_not_a_negative_count() -> None:
     refs = RefCounter("a")
     with pytest.raises(RefError):
