@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ import torch
 from engines.local.admission import AdapterPlan
 from engines.local.prefix_cache import BASE_KEY, PrefixCache
 from engines.manifest import TensorData
+
+# peft calls a transformers method deprecated in 5.x on every adapter injection; the warning is
+# about peft's code, not ours, and would repeat for every load.
+warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _template_lock = threading.Lock()

@@ -20,7 +20,8 @@ engines.md §5), so the SGLang endpoints reproduce the recorded 0.5.23 behaviour
   ``engine_id``), ``GET /health``, ``/health_generate``, ``/model_info``, ``/flush_cache``,
   ``/pause_generation``, ``/continue_generation``, ``/abort_request``.
 
-Deliberate differences, all stricter: names with ``/`` or ``:`` are refused; managed names
+Deliberate differences, all stricter: ``stream``, ``top_k``, penalties and constrained decoding
+are refused with 400 rather than ignored; names with ``/`` or ``:`` are refused; managed names
 (loaded through the staged endpoints) cannot be loaded over or unloaded by these ordinary calls
 and are never implicitly reloaded; loraledger-only refusals carry their code as a prefix of the
 message (``"NAME_PROTECTED: ..."``); an ``artifact_root`` confines every path load; error

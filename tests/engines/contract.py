@@ -226,6 +226,8 @@ class EngineContract:
     async def test_incarnation_is_stable_and_shared_by_inventory(
         self, eut: EngineUnderTest
     ) -> None:
+        assert isinstance(eut.engine, Engine)
+        assert eut.engine.transport in ("artifact", "staged") and eut.engine.kind
         first = await eut.engine.incarnation()
         assert first and first == await eut.engine.incarnation()
         inventory = await eut.engine.inventory()
