@@ -289,6 +289,10 @@ class LocalEngine:
         return 0 if self._scheduler is None else self._scheduler.in_flight
 
     @property
+    def eos_token_id(self) -> int | None:
+        return self._require_runner().eos_token_id
+
+    @property
     def max_length(self) -> int:
         return self._require_runner().max_length
 
@@ -361,15 +365,15 @@ class LocalEngine:
                 if self._registry.staging_for(lora_name, attempt, digest) is not staging:
                     raise CleanRefusal(ErrorCode.NOT_PREPARED, f"{lora_name} was prepared again")
                 expected = {t.name: t for t in staging.candidate.manifest.tensors}
-                for item, digest in zip(bucket.tensors, sums, strict=True):
+                for item, checksum in zip(bucket.tensors, sums, strict=True):
                     refusal = _bucket_refusal(
-                        expected.get(item.name), item.name, item.tensor, digest
+                        expected.get(item.name), item.name, item.tensor, checksum
                     )
                     if refusal is not None:
                         self._registry.drop_staging(lora_name)
                         raise refusal
                     staging.tensors[item.name] = item.tensor
-                    staging.checksums[item.name] = digest
+                    staging.checksums[item.name] = checksum
                 return len(staging.tensors)
         except EngineError as exc:
             raise self._tag(exc) from None
@@ -398,7 +402,9 @@ class LocalEngine:
                             ErrorCode.INVALID_ADAPTER,
                             f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
                         )
-                    config, tensors, path = c.manifest.config, dict(staging.tensors), None
+                    # the config fenced at prepare; the digest below proves it is the candidate's
+                    config = staging.candidate.manifest.config
+                    tensors, path = dict(staging.tensors), None
                     digest = compute_digest(
                         config,
                         [

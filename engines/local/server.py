@@ -299,7 +299,7 @@ class _App:
         rendered: list[dict[str, Any]] = []
         for gen in outputs:
             assert gen is not None
-            rendered.extend(_render(gen, params, return_logprob))
+            rendered.extend(_render(gen, params, return_logprob, self.engine.eos_token_id))
         if len(items) == 1 and params.n == 1:
             return _reply(rendered[0])
         return _reply(rendered)
@@ -450,7 +450,9 @@ def _parse_generate(
     return items, params, bool(body.get("return_logprob", False)), namespace
 
 
-def _render(gen: Generation, params: SamplingParams, return_logprob: bool) -> list[dict[str, Any]]:
+def _render(
+    gen: Generation, params: SamplingParams, return_logprob: bool, eos: int | None
+) -> list[dict[str, Any]]:
     samples = gen.choices or (
         Choice(
             index=0,
@@ -466,7 +468,8 @@ def _render(gen: Generation, params: SamplingParams, return_logprob: bool) -> li
             finish: dict[str, Any] = {"type": "length", "length": len(s.token_ids)}
         elif s.finish_reason == "stop":
             last = s.token_ids[-1] if s.token_ids else None
-            finish = {"type": "stop", "matched": last}
+            # SGLang reports the matched EOS id, or the matched stop string (not kept here)
+            finish = {"type": "stop", "matched": last if last == eos else None}
         else:
             finish = {"type": "abort", "message": "Abort in waiting queue"}
         meta: dict[str, Any] = {
