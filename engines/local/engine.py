@@ -648,7 +648,7 @@ class LocalEngine:
         except EngineError as exc:
             raise self._tag(exc) from None
         try:  # from here on, every exit releases the lease exactly once
-            tokens = self._tokens(runner, prompt, params)
+            tokens = await self._tokens(runner, scheduler, prompt, params)
             decoded = await scheduler.decode(
                 tokens,
                 resident.adapter_id if resident is not None else None,
@@ -665,7 +665,7 @@ class LocalEngine:
             Choice(
                 index=i,
                 token_ids=tuple(s.tokens),
-                text=s.text if s.text is not None else runner.decode(s.tokens),
+                text=s.text or "",
                 logprobs=tuple(s.logprobs) if params.logprobs else None,
                 finish_reason=s.finish or "abort",
             )
@@ -702,11 +702,16 @@ class LocalEngine:
                 raise CleanRefusal(ErrorCode.NOT_LOADED, f"LoRA adapter {name} is not loaded")
         return got
 
-    def _tokens(
-        self, runner: ModelRunner, prompt: str | Sequence[int], params: SamplingParams
+    async def _tokens(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
     ) -> tuple[int, ...]:
         if isinstance(prompt, str):
-            tokens = tuple(runner.encode(prompt))
+            # on the model worker: a fast tokenizer must not be used by two threads at once
+            tokens = tuple(await scheduler.run_model(runner.encode, prompt))
         else:
             tokens = tuple(prompt)
             bad = [

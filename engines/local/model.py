@@ -49,8 +49,9 @@ class DecodeState:
 
 @functools.lru_cache(maxsize=4)
 def _load_template(model_dir: str) -> tuple[Any, Any]:
-    """Read the base model and tokenizer once per process; engines deep-copy the model (each
-    engine injects its own adapters) and share the read-only tokenizer."""
+    """Read the base model and tokenizer once per process; each engine deep-copies both (it
+    injects its own adapters, and a fast tokenizer is not safe to share between the worker
+    threads of two engines)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -72,6 +73,7 @@ class ModelRunner:
         with _template_lock:
             template, tokenizer = _load_template(str(model_dir))
             self._base = copy.deepcopy(template)
+            tokenizer = copy.deepcopy(tokenizer)
         self._base.eval()
         self.tokenizer = tokenizer
         self.model_dir = Path(model_dir)

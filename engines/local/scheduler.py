@@ -39,7 +39,7 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
-    text: str | None = None  # set when a stop string truncated the text
+    text: str | None = None  # set by a stop string (truncated), else after decoding
 
 
 @dataclass
@@ -154,6 +154,7 @@ class Scheduler:
         for sample in samples:
             if sample.finish is None:  # only an abort ends a sample without a reason
                 sample.finish = "abort"
+        await self.run_model(_detokenize, self.runner, samples)
         return Decoded(rid, samples, cached)
 
     async def _child(
@@ -186,6 +187,12 @@ class Scheduler:
             if self._closed:
                 return
             await self.run_model(step)
+
+
+def _detokenize(runner: ModelRunner, samples: list[Sample]) -> None:
+    for sample in samples:
+        if sample.text is None:
+            sample.text = runner.decode(sample.tokens)
 
 
 def _step(
