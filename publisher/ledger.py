@@ -102,6 +102,7 @@ class Ledger:
         self._since_snapshot = 0
         self._send: ObjectSendStream[_Call] | None = None
         self._fenced: LedgerError | None = None
+        self._broken: LedgerError | None = None
         self.leases = LeaseBook()
         self.batches = 0
         self.events_written = 0
@@ -196,6 +197,8 @@ class Ledger:
     def _submit(self, command: c.Command) -> _Call:
         if self._fenced is not None:
             raise self._fenced
+        if self._broken is not None:
+            raise self._broken
         if self._send is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
         call = _Call(command)
@@ -203,18 +206,36 @@ class Ledger:
         return call
 
     async def _writer(self, receive: ObjectReceiveStream[_Call]) -> None:
+        batch: list[_Call] = []
         async with receive:
-            while True:
-                try:
-                    batch = [await receive.receive()]
-                except anyio.EndOfStream:
-                    return
-                while len(batch) < MAX_BATCH:
+            try:
+                while True:
                     try:
-                        batch.append(receive.receive_nowait())
+                        batch = [await receive.receive()]
+                    except anyio.EndOfStream:
+                        return
+                    while len(batch) < MAX_BATCH:
+                        try:
+                            batch.append(receive.receive_nowait())
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                    await self._process(batch)
+            except BaseException as exc:
+                # A bug (an invariant broke) or cancellation: nobody may wait forever. Fail the
+                # batch in hand and everything still queued, refuse every later call, re-raise.
+                self._broken = LedgerError(
+                    Code.LEDGER_CLOSED, f"the ledger writer stopped: {exc!r}"
+                )
+                log.critical("ledger.writer_stopped", error=repr(exc))
+                for call in batch:
+                    if not call.done.is_set():
+                        self._answer(call, error=self._broken)
+                while True:
+                    try:
+                        self._answer(receive.receive_nowait(), error=self._broken)
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                await self._process(batch)
+                raise
 
     async def _process(self, batch: list[_Call]) -> None:
         if self._fenced is not None:
