@@ -1,0 +1,64 @@
+"""The engine handles this process can reach, by engine id.
+
+The ledger decides membership (join, restart, leave are events); a ``Fleet`` only maps the ids
+the ledger knows to live handles (in-process engines, HTTP adapters, Ray actor proxies), so the
+drivers and the gateway share one place to find an engine.
+
+``InFlightSource`` is what the reclaim driver asks before claiming a version: every gateway of
+this process (and, through the ledger, every remote worker's lease renewals) reports how many
+requests it has in flight per (engine, version).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from engines.contract import Engine
+from evlog.errors import Code, LedgerError
+from evlog.events import InFlight
+
+
+class InFlightSource(Protocol):
+    def inflight_evidence(self, version_id: int) -> list[InFlight]:
+        """This reporter's in-flight counts for ``version_id`` (zero entries included)."""
+        ...
+
+
+class Fleet:
+    def __init__(self, engines: Iterable[Engine] = ()) -> None:
+        self._engines: dict[str, Engine] = {}
+        for engine in engines:
+            self.add(engine)
+
+    def add(self, engine: Engine) -> None:
+        if engine.engine_id in self._engines:
+            raise LedgerError(Code.ENGINE_EXISTS, f"engine {engine.engine_id} is already here")
+        self._engines[engine.engine_id] = engine
+
+    def replace(self, engine: Engine) -> None:
+        """Swap the handle of an engine (a restarted process behind a new handle)."""
+        self._engines[engine.engine_id] = engine
+
+    def remove(self, engine_id: str) -> Engine | None:
+        return self._engines.pop(engine_id, None)
+
+    def __getitem__(self, engine_id: str) -> Engine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            raise LedgerError(
+                Code.UNKNOWN_ENGINE, f"no handle for engine {engine_id!r} in this process"
+            )
+        return engine
+
+    def __contains__(self, engine_id: object) -> bool:
+        return engine_id in self._engines
+
+    def __iter__(self) -> Iterator[Engine]:
+        return iter(list(self._engines.values()))
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def ids(self) -> list[str]:
+        return sorted(self._engines)
