@@ -33,6 +33,12 @@ class Code:
     SESSION_STILL_BOUND = "SESSION_STILL_BOUND"
     UNKNOWN_OWNER = "UNKNOWN_OWNER"
     LEASE_EXPIRED = "LEASE_EXPIRED"
+    # generation (the gateway)
+    AMBIGUOUS_DISPATCH = "AMBIGUOUS_DISPATCH"  # sent, outcome unknown: never resent for you
+    NO_ROUTE = "NO_ROUTE"  # no routable engine holds the session's version
+    GENERATION_FAILED = "GENERATION_FAILED"  # the engine refused cleanly (nothing generated)
+    # publication (the driver, reported to the trainer)
+    PUBLICATION_FAILED = "PUBLICATION_FAILED"
     # reclaim
     NOT_RECLAIMABLE = "NOT_RECLAIMABLE"
     REQUESTS_IN_FLIGHT = "REQUESTS_IN_FLIGHT"
