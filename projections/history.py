@@ -1,0 +1,193 @@
+"""History projections for tools: per-version timelines, per-engine timelines, per-session
+histories. Pure folds over records (they need ``seq`` and ``recorded_at``, so they read the
+envelope, not just the event); no I/O, no clock.
+
+The registry fold runs alongside so every version entry can say which state it left and which
+it entered: ``replay --version 7`` prints exactly the transitions the decider made, each with
+the event that caused it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from evlog.events import (
+    AttemptFailed,
+    AttemptStarted,
+    EngineJoined,
+    EngineLeft,
+    EnginePrepared,
+    EngineReady,
+    EngineRepaired,
+    EngineRestarted,
+    EngineUnloaded,
+    Event,
+    FatalResolved,
+    InventoryObserved,
+    OwnerLeaseExpired,
+    PublicationSkipped,
+    ReceiptRejected,
+    ReclaimAmbiguous,
+    ReclaimClaimed,
+    SessionBound,
+    SessionReleased,
+    SessionsForgotten,
+    TransportClaimed,
+    VersionAllocated,
+    VersionPublished,
+    VersionReclaimed,
+    VersionRestored,
+)
+from evlog.record import Record
+from projections.registry import RegistryState, evolve
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of a timeline: when, which event, and what it changed."""
+
+    seq: int
+    at: float
+    event: str
+    subject: str
+    from_state: str | None = None
+    to_state: str | None = None
+    detail: str = ""
+
+
+class History:
+    """Fold records into timelines. ``sessions`` limits session histories to those ids
+    (``None`` keeps all: fine for audits of a finished run, not for a live million-session
+    ledger)."""
+
+    def __init__(self, sessions: Iterable[str] | None = None) -> None:
+        self.registry = RegistryState()
+        self.versions: dict[int, list[Entry]] = {}
+        self.engines: dict[str, list[Entry]] = {}
+        self.sessions: dict[str, list[Entry]] = {}
+        self.owners: dict[str, list[Entry]] = {}
+        self._only = None if sessions is None else set(sessions)
+
+    def apply(self, record: Record) -> None:
+        event = record.event
+        touched = _versions_touched(event)
+        before = {v: self._state_of(v) for v in touched}
+        evolve(self.registry, event, record.seq)
+        name = type(event).__name__
+        for version_id in touched:
+            after = self._state_of(version_id)
+            self.versions.setdefault(version_id, []).append(
+                Entry(
+                    seq=record.seq,
+                    at=record.recorded_at,
+                    event=name,
+                    subject=f"v{version_id}",
+                    from_state=before[version_id],
+                    to_state=after,
+                    detail=_detail(event),
+                )
+            )
+        engine = getattr(event, "engine", None)
+        if engine is not None and engine != "*":
+            self.engines.setdefault(engine, []).append(
+                Entry(
+                    seq=record.seq,
+                    at=record.recorded_at,
+                    event=name,
+                    subject=engine,
+                    detail=_detail(event),
+                )
+            )
+        if isinstance(event, SessionBound | SessionReleased):
+            self._session(record, event.session, name, _detail(event))
+        elif isinstance(event, SessionsForgotten):
+            for session in event.sessions:
+                self._session(record, session, name, "tombstone forgotten")
+        elif isinstance(event, OwnerLeaseExpired):
+            self.owners.setdefault(event.owner, []).append(
+                Entry(
+                    seq=record.seq,
+                    at=record.recorded_at,
+                    event=name,
+                    subject=event.owner,
+                    detail=_detail(event),
+                )
+            )
+
+    def apply_all(self, records: Iterable[Record]) -> History:
+        for record in records:
+            self.apply(record)
+        return self
+
+    def _state_of(self, version_id: int) -> str | None:
+        v = self.registry.versions.get(version_id)
+        return None if v is None else str(v.state)
+
+    def _session(self, record: Record, session: str, name: str, detail: str) -> None:
+        if self._only is not None and session not in self._only:
+            return
+        self.sessions.setdefault(session, []).append(
+            Entry(seq=record.seq, at=record.recorded_at, event=name, subject=session, detail=detail)
+        )
+
+
+def _versions_touched(event: Event) -> tuple[int, ...]:
+    if isinstance(event, VersionPublished) and event.retired is not None:
+        return (event.version_id, event.retired)
+    if isinstance(event, SessionBound | SessionReleased):
+        return ()  # a binding does not change a version's state (audit shows it per session)
+    version_id = getattr(event, "version_id", None)
+    return () if version_id is None else (version_id,)
+
+
+def _detail(event: Event) -> str:
+    """A short human reading of an event's payload."""
+    match event:
+        case VersionAllocated():
+            return f"{event.lora_name} digest {event.digest[:16]}"
+        case AttemptStarted():
+            return f"attempt {event.attempt} on {', '.join(event.fleet)}"
+        case TransportClaimed():
+            return f"attempt {event.attempt} transport by {event.owner}"
+        case EnginePrepared() | EngineReady():
+            return f"{event.engine} ({event.incarnation}) attempt {event.attempt}"
+        case VersionPublished():
+            retired = f", retired v{event.retired}" if event.retired is not None else ""
+            return f"revision {event.revision}{retired}"
+        case AttemptFailed():
+            kind = "clean" if event.clean else "ambiguous"
+            return f"attempt {event.attempt} {kind}: {event.code}: {event.reason}"
+        case FatalResolved():
+            return f"attempt {event.attempt} proven absent everywhere"
+        case PublicationSkipped():
+            return f"{event.code}: {event.message}"
+        case ReclaimClaimed():
+            busy = sum(x.count for x in event.evidence)
+            return f"{len(event.evidence)} in-flight reports, {busy} busy"
+        case EngineUnloaded() | VersionRestored():
+            return f"{event.engine} ({event.incarnation})"
+        case ReclaimAmbiguous():
+            return f"{event.engine}: {event.reason}"
+        case VersionReclaimed():
+            return "unloaded on every engine; slot free"
+        case ReceiptRejected():
+            return f"{event.code} from {event.engine}: {event.detail}"
+        case EngineJoined():
+            return f"incarnation {event.incarnation} {event.kind} {event.endpoint}".strip()
+        case EngineRestarted():
+            return f"{event.old} -> {event.new}"
+        case EngineRepaired():
+            return f"routable again ({event.incarnation})"
+        case EngineLeft():
+            return "left the fleet"
+        case InventoryObserved():
+            return f"holds {len(event.adapters)}: {', '.join(event.adapters)}"
+        case SessionBound():
+            return f"v{event.version_id} at revision {event.revision} by {event.owner}"
+        case SessionReleased():
+            bound = f"v{event.version_id}" if event.version_id is not None else "never bound"
+            return f"{bound}, {event.cause}"
+        case OwnerLeaseExpired():
+            return f"last renewal {event.at - event.last_seen:.1f}s before expiry"
+    return ""
