@@ -1,0 +1,316 @@
+"""The ledger service: group commit, durability before answers, recovery, determinism,
+fencing, failed appends, leases. Real stores (memory and SQLite files), no mocks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from evlog.errors import Code, LedgerError
+from evlog.events import ReclaimClaimed, SessionReleased
+from evlog.memory import MemoryStore
+from evlog.record import Pending
+from evlog.sqlite import SQLiteStore
+from projections import invariants
+from projections.registry import encode_state
+from publisher import commands as c
+from publisher.ledger import Ledger
+from publisher.outcomes import Bound, Released
+from publisher.recovery import recover, save_snapshot
+
+
+def digest(n: int) -> str:
+    return hashlib.sha256(str(n).encode()).hexdigest()
+
+
+async def bootstrap(ledger: Ledger, *, capacity: int = 2) -> None:
+    await ledger.create_deployment("dep", prefix="agent", capacity=capacity)
+    for engine in ("e0", "e1"):
+        await ledger.join_engine(engine, f"{engine}-1")
+        await ledger.repair_engine(engine, f"{engine}-1")
+    await ledger.register_owner("w", ttl_s=30.0)
+
+
+async def publish(ledger: Ledger, version_id: int) -> None:
+    allocated = await ledger.allocate(version_id, digest(version_id))
+    await ledger.claim_transport(version_id, allocated.attempt, "trainer")
+    for engine in allocated.fleet:
+        inc = ledger.state.engines[engine].incarnation
+        await ledger.record_ready(
+            version_id, allocated.attempt, engine, inc, allocated.digest, allocated.lora_name
+        )
+    await ledger.commit(version_id, allocated.attempt)
+
+
+class GatedStore(MemoryStore):
+    """A real MemoryStore whose appends wait for a gate, to observe who is answered when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = anyio.Event()
+        self.gated = False
+        self.fail_next: BaseException | None = None
+
+    async def append(self, batch: Sequence[Pending], *, expected_seq: int | None = None):
+        if self.gated:
+            await self.gate.wait()
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        return await super().append(batch, expected_seq=expected_seq)
+
+
+@pytest.mark.anyio
+async def test_concurrent_commands_are_group_committed() -> None:
+    async with Ledger.open(MemoryStore()) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        batches = ledger.batches
+        results: list[Bound] = []
+
+        async def bind(i: int) -> None:
+            results.append(await ledger.bind(f"s{i}", "w"))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(300):
+                tg.start_soon(bind, i)
+        assert len(results) == 300
+        assert {r.version_id for r in results} == {1}
+        assert ledger.batches - batches < 30  # 300 commands, a handful of transactions
+
+
+@pytest.mark.anyio
+async def test_nobody_is_answered_before_the_append_commits() -> None:
+    store = GatedStore()
+    async with Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        store.gated = True
+        answered: list[str] = []
+
+        async def bind(session: str) -> None:
+            await ledger.bind(session, "w")
+            answered.append(session)
+
+        async with anyio.create_task_group() as tg:
+            for s in ("a", "b", "c"):
+                tg.start_soon(bind, s)
+            await anyio.sleep(0.05)
+            assert answered == []  # decided, but not durable yet
+            assert store.last_seq < ledger.state.last_seq + 3
+            store.gate.set()
+        assert sorted(answered) == ["a", "b", "c"]
+        assert {r.event.session for r in await store.read() if hasattr(r.event, "session")} >= {
+            "a",
+            "b",
+            "c",
+        }
+
+
+@pytest.mark.anyio
+async def test_a_refusal_writes_nothing() -> None:
+    store = MemoryStore()
+    async with Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        before = store.last_seq
+        with pytest.raises(LedgerError) as info:
+            await ledger.bind("s", "w")
+        assert info.value.code == Code.NO_PUBLISHED_VERSION
+        assert store.last_seq == before
+
+
+@pytest.mark.anyio
+async def test_failed_append_fails_the_batch_and_rebuilds_state_from_the_log() -> None:
+    store = GatedStore()
+    async with Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        store.fail_next = OSError("disk full")
+        with pytest.raises(OSError, match="disk full"):
+            await ledger.bind("lost", "w")
+        assert "lost" not in ledger.state.sessions  # the state did not run ahead of the log
+        invariants.check(ledger.state)
+        bound = await ledger.bind("lost", "w")  # and the ledger keeps working
+        assert bound.new
+
+
+@pytest.mark.anyio
+async def test_restart_keeps_every_binding(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    async with SQLiteStore.open(path) as store, Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        first = {s: await ledger.bind(s, "w") for s in ("a", "b")}
+        await publish(ledger, 2)
+        await ledger.release("b", "w")
+    async with SQLiteStore.open(path) as store, Ledger.open(store) as ledger:
+        assert ledger.state.epoch == 2
+        again = await ledger.bind("a", "w")
+        assert again == msgspec.structs.replace(first["a"], new=False)
+        assert again.version_id == 1 and ledger.state.default == 2
+        with pytest.raises(LedgerError) as info:
+            await ledger.bind("b", "w")
+        assert info.value.code == Code.SESSION_CLOSED
+
+
+@pytest.mark.anyio
+async def test_replay_is_deterministic_and_snapshot_equals_full_replay(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    async with SQLiteStore.open(path) as store:
+        async with Ledger.open(store, snapshot_on_close=False) as ledger:
+            await bootstrap(ledger)
+            await publish(ledger, 1)
+            for i in range(50):
+                await ledger.bind(f"s{i}", "w")
+            await publish(ledger, 2)
+            for i in range(0, 50, 2):
+                await ledger.release(f"s{i}", "w")
+            midway = ledger.state.last_seq
+            await save_snapshot(store, ledger.state)
+            await ledger.forget([f"s{i}" for i in range(0, 20, 2)])
+            await ledger.bind("late", "w")
+        full_a = encode_state(await recover(store, use_snapshot=False))
+        full_b = encode_state(await recover(store, use_snapshot=False))
+        from_snapshot = encode_state(await recover(store, use_snapshot=True))
+        assert full_a == full_b == from_snapshot
+        # and the snapshot was really used: it is older than the end of the log
+        snap = await store.load_snapshot("registry-1")
+        assert snap is not None and snap.seq == midway < store.last_seq
+        at_midway = await recover(store, use_snapshot=False, until=midway)
+        assert at_midway.last_seq == midway and "late" not in at_midway.sessions
+
+
+@pytest.mark.anyio
+async def test_a_snapshot_of_other_projection_code_is_ignored() -> None:
+    store = MemoryStore()
+    async with Ledger.open(store, snapshot_on_close=False) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+    from evlog.store import Snapshot
+
+    await store.save_snapshot(Snapshot(code_version="registry-0", seq=store.last_seq, state=b"x"))
+    state = await recover(store)  # would fail to decode b"x" if it were used
+    assert state.default == 1
+
+
+@pytest.mark.anyio
+async def test_a_second_controller_fences_the_first() -> None:
+    store = MemoryStore()
+    async with Ledger.open(store) as old:
+        await bootstrap(old)
+        await publish(old, 1)
+        async with Ledger.open(store) as new:
+            assert new.state.epoch == old.state.epoch + 1
+            with pytest.raises(LedgerError) as info:
+                await old.bind("s", "w")
+            assert info.value.code == Code.FENCED
+            with pytest.raises(LedgerError) as again:
+                await old.bind("t", "w")
+            assert again.value.code == Code.FENCED
+            assert (await new.bind("s", "w")).version_id == 1
+
+
+@pytest.mark.anyio
+async def test_execute_many_answers_each_command_in_place() -> None:
+    async with Ledger.open(MemoryStore()) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        results = await ledger.execute_many(
+            [
+                c.Bind(session="a", owner="w"),
+                c.Bind(session="b", owner="nobody"),
+                c.Release(session="a", owner="w"),
+                c.Bind(session="a", owner="w"),
+            ]
+        )
+        assert isinstance(results[0], Bound)
+        assert isinstance(results[1], LedgerError) and results[1].code == Code.UNKNOWN_OWNER
+        assert isinstance(results[2], Released) and results[2].released
+        assert isinstance(results[3], LedgerError) and results[3].code == Code.SESSION_CLOSED
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.anyio
+async def test_leases_expire_release_sessions_and_refuse_the_stale_worker() -> None:
+    clock = FakeClock()
+    store = MemoryStore()
+    async with Ledger.open(store, clock=clock) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        await ledger.register_owner("worker", ttl_s=10.0)
+        await ledger.bind("x", "worker")
+        await ledger.bind("y", "worker")
+        clock.now += 8
+        ledger.renew_lease("worker")
+        ledger.renew_lease("w")
+        clock.now += 8
+        assert await ledger.expire_leases() == []  # renewed 8 s ago, ttl 10 s
+        clock.now += 3
+        expired = await ledger.expire_leases()
+        assert [(e.owner, e.released) for e in expired] == [("worker", 2)]
+        released = [r.event for r in await store.read() if isinstance(r.event, SessionReleased)]
+        assert {(e.session, e.cause) for e in released} == {
+            ("x", "lease_expired"),
+            ("y", "lease_expired"),
+        }
+        with pytest.raises(LedgerError) as info:
+            ledger.renew_lease("worker")
+        assert info.value.code == Code.LEASE_EXPIRED
+        with pytest.raises(LedgerError) as bind:
+            await ledger.bind("x", "worker")
+        assert bind.value.code == Code.LEASE_EXPIRED
+    # After a controller restart every live owner gets a full ttl of grace.
+    clock.now += 1000
+    async with Ledger.open(store, clock=clock) as ledger:
+        assert await ledger.expire_leases() == []
+        assert "w" in ledger.state.owners and not ledger.state.owners["w"].expired
+
+
+@pytest.mark.anyio
+async def test_reclaim_claim_records_the_in_flight_evidence_from_lease_renewals() -> None:
+    store = MemoryStore()
+    async with Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        await publish(ledger, 2)
+        ledger.renew_lease("w", {("e0", 1): 2})
+        with pytest.raises(LedgerError) as busy:
+            await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
+        assert busy.value.code == Code.REQUESTS_IN_FLIGHT
+        ledger.renew_lease("w", {("e0", 1): 0})
+        await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
+        claim = next(r.event for r in await store.read() if isinstance(r.event, ReclaimClaimed))
+        assert [(x.reporter, x.engine, x.count) for x in claim.evidence] == [("w", "*", 0)]
+
+
+@pytest.mark.anyio
+async def test_periodic_snapshots_are_written() -> None:
+    store = MemoryStore()
+    async with Ledger.open(store, snapshot_every=20, snapshot_on_close=False) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        for i in range(40):
+            await ledger.bind(f"s{i}", "w")
+    snap = await store.load_snapshot("registry-1")
+    assert snap is not None and snap.seq > 20
+
+
+@pytest.mark.anyio
+async def test_a_closed_ledger_refuses_commands() -> None:
+    async with Ledger.open(MemoryStore()) as ledger:
+        await bootstrap(ledger)
+    with pytest.raises(LedgerError) as info:
+        await ledger.bind("s", "w")
+    assert info.value.code == Code.LEDGER_CLOSED
