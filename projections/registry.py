@@ -291,8 +291,14 @@ def _inventory_observed(s: RegistryState, e: InventoryObserved) -> None:
 
 
 def _version_allocated(s: RegistryState, e: VersionAllocated) -> None:
+    # Allocation always opens attempt 1 (its AttemptStarted follows in the same decision);
+    # recording it here keeps every single-event prefix of the log consistent.
     s.versions[e.version_id] = VersionRecord(
-        version_id=e.version_id, digest=e.digest, lora_name=e.lora_name, size_bytes=e.size_bytes
+        version_id=e.version_id,
+        digest=e.digest,
+        lora_name=e.lora_name,
+        size_bytes=e.size_bytes,
+        attempt=1,
     )
 
 

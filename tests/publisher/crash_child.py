@@ -1,0 +1,89 @@
+"""Child process for the ledger crash test: runs the ledger service on a SQLite file and drives
+publications, binds and releases forever, printing one acknowledgement per answered command.
+
+An acknowledgement is printed only after the ledger answered (so after COMMIT): the parent
+kills this process at arbitrary points and then checks that every acknowledged outcome is in
+the log. Usage: ``python -m tests.publisher.crash_child DB RUN_ID``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import anyio
+
+from evlog.errors import LedgerError
+from evlog.sqlite import SQLiteStore
+from publisher.ledger import Ledger
+
+
+def digest(n: int) -> str:
+    return hashlib.sha256(f"v{n}".encode()).hexdigest()
+
+
+def ack(*fields: object) -> None:
+    print("ACK", *fields, flush=True)
+
+
+async def publish(ledger: Ledger, version_id: int) -> None:
+    allocated = await ledger.allocate(version_id, digest(version_id))
+    if not hasattr(allocated, "attempt") or allocated.no_op:
+        return
+    await ledger.claim_transport(version_id, allocated.attempt, "crash-child")
+    for engine in allocated.fleet:
+        incarnation = ledger.state.engines[engine].incarnation
+        await ledger.record_ready(
+            version_id,
+            allocated.attempt,
+            engine,
+            incarnation,
+            allocated.digest,
+            allocated.lora_name,
+        )
+    published = await ledger.commit(version_id, allocated.attempt)
+    ack("publish", version_id, published.revision, ledger.state.last_seq)
+
+
+async def main(path: str, run_id: str) -> None:
+    async with SQLiteStore.open(path) as store, Ledger.open(store) as ledger:
+        if ledger.state.deployment is None:
+            await ledger.create_deployment("crash", prefix="agent", capacity=3)
+            for engine in ("e0", "e1"):
+                await ledger.join_engine(engine, f"{engine}-1")
+                await ledger.repair_engine(engine, f"{engine}-1")
+            await ledger.register_owner("w", ttl_s=1e9)
+        ack("open", ledger.state.epoch, ledger.state.last_seq)
+        step = 0
+        while True:
+            step += 1
+            if step % 7 == 1:
+                # Versions come and go: reclaim what is reclaimable so capacity never runs out.
+                for version_id in ledger.state.reclaimable():
+                    await ledger.claim_reclaim(version_id)
+                    for engine in sorted(ledger.state.engines):
+                        inc = ledger.state.engines[engine].incarnation
+                        await ledger.record_unloaded(version_id, engine, inc)
+                    ack("reclaim", version_id, ledger.state.last_seq)
+                await publish(ledger, max(ledger.state.versions, default=0) + 1)
+            session = f"{run_id}-{step}"
+
+            async def bind(name: str = session, step: int = step) -> None:
+                try:
+                    bound = await ledger.bind(name, "w")
+                except LedgerError as err:
+                    ack("refused", name, err.code, ledger.state.last_seq)
+                    return
+                ack("bind", name, bound.version_id, ledger.state.last_seq)
+                if step % 3:
+                    await ledger.release(name, "w")
+                    ack("release", name, ledger.state.last_seq)
+
+            # A few concurrent commands per step so kills also land inside group commits.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bind)
+                tg.start_soon(bind, f"{session}-b")
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1], sys.argv[2])
