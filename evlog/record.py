@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -75,6 +76,34 @@ def new_event_id(now: float | None = None) -> bytes:
     rand[0] = (rand[0] & 0x0F) | 0x70  # version 7
     rand[2] = (rand[2] & 0x3F) | 0x80  # RFC 4122 variant
     return ms.to_bytes(6, "big") + bytes(rand)
+
+
+def new_event_ids(count: int, now: float) -> list[bytes]:
+    """``count`` ids for one batch: the same millisecond and one random 48-bit batch prefix
+    (with the version and variant bits), then a 32-bit counter. As unique and as time-ordered
+    as :func:`new_event_id`, for one ``urandom`` call per batch instead of one per event."""
+    ms = (int(now * 1000) & ((1 << 48) - 1)).to_bytes(6, "big")
+    rand = bytearray(os.urandom(6))
+    rand[0] = (rand[0] & 0x0F) | 0x70  # version 7
+    rand[2] = (rand[2] & 0x3F) | 0x80  # RFC 4122 variant
+    head = ms + bytes(rand)
+    return [head + i.to_bytes(4, "big") for i in range(count)]
+
+
+def pending_many(events: Sequence[Event], recorded_at: float) -> list[Pending]:
+    """Wrap a batch of events decided together (one clock reading, one id prefix)."""
+    ids = new_event_ids(len(events), recorded_at)
+    return [
+        Pending(
+            event_id=event_id,
+            stream=stream_of(event),
+            type=type(event).__name__,
+            schema=type(event).SCHEMA,
+            recorded_at=recorded_at,
+            payload=encode_event(event),
+        )
+        for event_id, event in zip(ids, events, strict=True)
+    ]
 
 
 def pending(

@@ -35,7 +35,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from evlog.errors import Code, LedgerError
 from evlog.events import InFlight
-from evlog.record import Record, pending
+from evlog.record import Record, pending_many
 from evlog.store import EventStore
 from projections import invariants
 from projections.registry import RegistryState, evolve
@@ -61,20 +61,21 @@ from publisher.outcomes import (
 from publisher.recovery import recover, save_snapshot
 
 CODE_VERSION = "loraledger-0.1.0"
-MAX_BATCH = 4096
 
 log = structlog.get_logger("loraledger.ledger")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
 
 class _Call:
-    """One queued command and the slot its answer lands in."""
+    """One queued command and the slot its answer lands in. ``done`` is shared by every call
+    of the same batch (they are answered together, after the same COMMIT): one event per
+    transaction instead of one per command."""
 
     __slots__ = ("command", "done", "error", "outcome")
 
-    def __init__(self, command: c.Command) -> None:
+    def __init__(self, command: c.Command, done: anyio.Event) -> None:
         self.command = command
-        self.done = anyio.Event()
+        self.done = done
         self.outcome: Outcome | None = None
         self.error: BaseException | None = None
 
@@ -103,6 +104,7 @@ class Ledger:
         self._send: ObjectSendStream[_Call] | None = None
         self._fenced: LedgerError | None = None
         self._broken: LedgerError | None = None
+        self._next_done: anyio.Event | None = None
         self.leases = LeaseBook()
         self.batches = 0
         self.events_written = 0
@@ -201,7 +203,10 @@ class Ledger:
             raise self._broken
         if self._send is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
-        call = _Call(command)
+        done = self._next_done
+        if done is None:
+            done = self._next_done = anyio.Event()
+        call = _Call(command, done)
         self._send.send_nowait(call)
         return call
 
@@ -214,12 +219,16 @@ class Ledger:
                         batch = [await receive.receive()]
                     except anyio.EndOfStream:
                         return
-                    while len(batch) < MAX_BATCH:
+                    # No await between here and the end of the drain: every call queued now
+                    # shares one ``done`` event, and later calls get the next one.
+                    self._next_done = None
+                    while True:
                         try:
                             batch.append(receive.receive_nowait())
                         except (anyio.WouldBlock, anyio.EndOfStream):
                             break
                     await self._process(batch)
+                    _wake(batch)
             except BaseException as exc:
                 # A bug (an invariant broke) or cancellation: nobody may wait forever. Fail the
                 # batch in hand and everything still queued, refuse every later call, re-raise.
@@ -227,14 +236,15 @@ class Ledger:
                     Code.LEDGER_CLOSED, f"the ledger writer stopped: {exc!r}"
                 )
                 log.critical("ledger.writer_stopped", error=repr(exc))
-                for call in batch:
-                    if not call.done.is_set():
-                        self._answer(call, error=self._broken)
                 while True:
                     try:
-                        self._answer(receive.receive_nowait(), error=self._broken)
+                        batch.append(receive.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
+                for call in batch:
+                    if call.outcome is None and call.error is None:
+                        self._answer(call, error=self._broken)
+                _wake(batch)
                 raise
 
     async def _process(self, batch: list[_Call]) -> None:
@@ -244,15 +254,15 @@ class Ledger:
             return
         state = self._state
         expected = state.last_seq
-        now = self._clock()
-        pendings = []
+        events = []
         decided = []
         for call in batch:
             decision = decide(state, call.command)
             for event in decision.events:
                 evolve(state, event)
-                pendings.append(pending(event, recorded_at=now))
+                events.append(event)
             decided.append(decision)
+        pendings = pending_many(events, self._clock())
         if pendings:
             try:
                 seqs = await self._store.append(pendings, expected_seq=expected)
@@ -301,7 +311,6 @@ class Ledger:
     ) -> None:
         call.outcome = outcome
         call.error = error
-        call.done.set()
 
     async def _typed(self, command: c.Command, kind: type[OutcomeT] | tuple[type, ...]) -> Any:
         outcome = await self.execute(command)
@@ -568,6 +577,12 @@ def status_of(state: RegistryState) -> LedgerStatus:
             for e in sorted(state.engines.values(), key=lambda e: e.engine)
         ),
     )
+
+
+def _wake(batch: list[_Call]) -> None:
+    """Wake every waiter of an answered batch (normally one shared event)."""
+    for done in {id(call.done): call.done for call in batch}.values():
+        done.set()
 
 
 def raise_if_cancelled(exc: BaseException) -> None:
