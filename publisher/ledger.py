@@ -31,16 +31,16 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import structlog
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from evlog.errors import Code, LedgerError
 from evlog.events import InFlight
-from evlog.record import Record, pending_many
+from evlog.record import Pending, Record, pending_many
 from evlog.store import EventStore
 from projections import invariants
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
-from publisher.decider import decide
+from publisher.decider import Decision, decide
 from publisher.leases import LeaseBook
 from publisher.outcomes import (
     Allocated,
@@ -105,6 +105,8 @@ class Ledger:
         self._fenced: LedgerError | None = None
         self._broken: LedgerError | None = None
         self._next_done: anyio.Event | None = None
+        self._in_flight: anyio.Event | None = None  # set when the append in flight finished
+        self._failed_append: BaseException | None = None
         self.leases = LeaseBook()
         self.batches = 0
         self.events_written = 0
@@ -212,13 +214,13 @@ class Ledger:
 
     async def _writer(self, receive: ObjectReceiveStream[_Call]) -> None:
         batch: list[_Call] = []
-        async with receive:
+        async with receive, anyio.create_task_group() as commits:
             try:
                 while True:
                     try:
                         batch = [await receive.receive()]
                     except anyio.EndOfStream:
-                        return
+                        break
                     # No await between here and the end of the drain: every call queued now
                     # shares one ``done`` event, and later calls get the next one.
                     self._next_done = None
@@ -227,8 +229,10 @@ class Ledger:
                             batch.append(receive.receive_nowait())
                         except (anyio.WouldBlock, anyio.EndOfStream):
                             break
-                    await self._process(batch)
-                    _wake(batch)
+                    await self._process(batch, commits)
+                    batch = []
+                if self._in_flight is not None:
+                    await self._in_flight.wait()
             except BaseException as exc:
                 # A bug (an invariant broke) or cancellation: nobody may wait forever. Fail the
                 # batch in hand and everything still queued, refuse every later call, re-raise.
@@ -247,63 +251,117 @@ class Ledger:
                 _wake(batch)
                 raise
 
-    async def _process(self, batch: list[_Call]) -> None:
-        if self._fenced is not None:
-            for call in batch:
-                self._answer(call, error=self._fenced)
-            return
-        state = self._state
-        expected = state.last_seq
-        events = []
-        decided = []
-        for call in batch:
-            decision = decide(state, call.command)
-            for event in decision.events:
-                evolve(state, event)
-                events.append(event)
-            decided.append(decision)
-        pendings = pending_many(events, self._clock())
-        if pendings:
-            try:
-                seqs = await self._store.append(pendings, expected_seq=expected)
-            except BaseException as exc:
-                await self._after_failed_append(batch, exc)
-                raise_if_cancelled(exc)
+    async def _process(self, batch: list[_Call], commits: TaskGroup) -> None:
+        """Decide a batch while the previous batch's COMMIT is still in flight (pipelining),
+        then append it once that COMMIT succeeded.
+
+        Deciding ahead is speculation: the state already holds the previous batch's events,
+        which are not durable yet. Nothing is answered until everything it relied on is
+        durable, and if the previous append fails, the state is rebuilt from the log and this
+        batch is decided again from scratch (its callers were never answered)."""
+        if self._since_snapshot >= self._snapshot_every:
+            await self._settle()
+            if self._fenced is None:
+                self._since_snapshot = 0
+                await save_snapshot(self._store, self._state)
+        while True:
+            if self._in_flight is not None and self._in_flight.is_set():
+                await self._settle()  # finished already: no need to speculate on it
+            if self._fenced is not None:
+                for call in batch:
+                    self._answer(call, error=self._fenced)
+                _wake(batch)
                 return
-            state.last_seq = seqs[-1]
-            self.batches += 1
-            self.events_written += len(pendings)
-            self._since_snapshot += len(pendings)
-            if self._check:
-                invariants.check(state, deep=False)
+            state = self._state
+            expected = state.last_seq
+            events = []
+            decided = []
+            for call in batch:
+                decision = decide(state, call.command)
+                for event in decision.events:
+                    evolve(state, event)
+                    events.append(event)
+                decided.append(decision)
+            if events:
+                state.last_seq = expected + len(events)
+                if self._check:
+                    invariants.check(state, deep=False)
+            if await self._settle():
+                break  # everything this batch saw is durable
+            # The previous append failed: our decisions stood on events that never landed.
+        if not events:
+            self._deliver(batch, decided)
+            return
+        pendings = pending_many(events, self._clock())
+        finished = self._in_flight = anyio.Event()
+        commits.start_soon(self._commit, batch, decided, pendings, expected, finished)
+
+    async def _settle(self) -> bool:
+        """Wait for the append in flight. False if it failed (the state is then rebuilt)."""
+        finished = self._in_flight
+        if finished is None:
+            return True
+        await finished.wait()
+        self._in_flight = None
+        if self._failed_append is None:
+            return True
+        self._failed_append = None  # the commit task already rebuilt the state from the log
+        return False
+
+    async def _commit(
+        self,
+        batch: list[_Call],
+        decided: list[Decision],
+        pendings: list[Pending],
+        expected: int,
+        finished: anyio.Event,
+    ) -> None:
+        try:
+            seqs = await self._store.append(pendings, expected_seq=expected)
+        except BaseException as exc:
+            # The state ran ahead of the log: rebuild it from the log (the durable truth)
+            # before anyone hears about it; the writer re-decides what it speculated on.
+            self._failed_append = exc
+            error = self._failure(exc)
+            with anyio.CancelScope(shield=True):
+                self._state = await recover(self._store)
+            for call in batch:
+                self._answer(call, error=error)
+            _wake(batch)
+            finished.set()
+            raise_if_cancelled(exc)
+            return
+        if seqs[-1] != expected + len(pendings):
+            raise AssertionError(f"store gave seqs up to {seqs[-1]}, expected {expected}+")
+        self.batches += 1
+        self.events_written += len(pendings)
+        self._since_snapshot += len(pendings)
+        self._deliver(batch, decided)
+        finished.set()
+
+    def _deliver(self, batch: list[_Call], decided: list[Decision]) -> None:
         for call, decision in zip(batch, decided, strict=True):
             if decision.error is not None:
                 self._answer(call, error=decision.error)
             else:
                 self._answer(call, outcome=decision.outcome)
-        if self._since_snapshot >= self._snapshot_every:
-            self._since_snapshot = 0
-            await save_snapshot(self._store, state)
+        _wake(batch)
 
-    async def _after_failed_append(self, batch: list[_Call], exc: BaseException) -> None:
-        """The state ran ahead of the log: rebuild it from the log, fail the whole batch."""
-        error: BaseException = exc
+    def _failure(self, exc: BaseException) -> BaseException:
+        """What callers of a failed append are told (and whether this ledger is fenced)."""
         if isinstance(exc, anyio.get_cancelled_exc_class()):
-            error = LedgerError(
+            return LedgerError(
                 Code.LEDGER_CLOSED,
                 "the ledger stopped during an append; replay the log to learn the outcome",
             )
-        elif isinstance(exc, LedgerError) and exc.code == Code.SEQ_CONFLICT:
+        if isinstance(exc, LedgerError) and exc.code == Code.SEQ_CONFLICT:
             self._fenced = LedgerError(
                 Code.FENCED,
                 "another controller appended to this log; this ledger stopped writing",
             )
-            error = self._fenced
             log.error("ledger.fenced", seq=self._state.last_seq)
-        with anyio.CancelScope(shield=True):
-            self._state = await recover(self._store)
-        for call in batch:
-            self._answer(call, error=error)
+            return self._fenced
+        return exc
 
     @staticmethod
     def _answer(

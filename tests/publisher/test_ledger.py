@@ -314,3 +314,37 @@ async def test_a_closed_ledger_refuses_commands() -> None:
     with pytest.raises(LedgerError) as info:
         await ledger.bind("s", "w")
     assert info.value.code == Code.LEDGER_CLOSED
+
+
+@pytest.mark.anyio
+async def test_batch_decided_during_a_failed_append_is_decided_again() -> None:
+    """Pipelining: the next batch is decided while the previous COMMIT is in flight. If that
+    COMMIT fails, the speculative decisions are thrown away and the batch decided again."""
+    store = GatedStore()
+    async with Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        store.gated = True
+        outcomes: dict[str, object] = {}
+
+        async def bind(session: str) -> None:
+            try:
+                outcomes[session] = await ledger.bind(session, "w")
+            except OSError as exc:
+                outcomes[session] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bind, "a")
+            await anyio.sleep(0.02)  # "a" is decided and its append waits at the gate
+            tg.start_soon(bind, "b")
+            await anyio.sleep(0.02)  # "b" is decided on top of "a", speculatively
+            assert {"a", "b"} <= set(ledger.state.sessions)
+            store.fail_next = OSError("disk full")
+            store.gated = False
+            store.gate.set()
+        assert isinstance(outcomes["a"], OSError)
+        assert isinstance(outcomes["b"], Bound) and outcomes["b"].new
+        assert set(ledger.state.sessions) == {"b"}
+        durable = await recover(store, use_snapshot=False)
+        assert set(durable.sessions) == {"b"}
+        invariants.check(ledger.state)
