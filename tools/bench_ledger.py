@@ -34,7 +34,7 @@ from evlog.record import pending
 from evlog.sqlite import SQLiteStore, Synchronous
 from publisher.ledger import Ledger
 from publisher.recovery import recover, save_snapshot
-from tools.bench_store import _reference_append
+from tools.bench_store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}
 
@@ -57,7 +57,9 @@ async def _bootstrap(ledger: Ledger) -> None:
     await ledger.register_owner("worker", ttl_s=3600)
 
 
-async def _sessions(path: str, concurrency: int, sessions: int, sync: Synchronous) -> dict[str, Any]:
+async def _sessions(
+    path: str, concurrency: int, sessions: int, sync: Synchronous
+) -> dict[str, Any]:
     async with (
         SQLiteStore.open(path, synchronous=sync) as store,
         Ledger.open(store, snapshot_on_close=False) as ledger,
@@ -84,7 +86,7 @@ async def _sessions(path: str, concurrency: int, sessions: int, sync: Synchronou
     rows = _rows_after(path, first_seq)
     assert len(rows) == written, (len(rows), written)
     ref_path = path + ".ref"
-    ref_seconds = _reference_append(ref_path, rows, max(1, round(mean_batch)), sync)
+    ref_seconds = reference_append(ref_path, rows, max(1, round(mean_batch)), sync)
     ledger_rate = done / seconds
     reference_rate = (len(rows) / ref_seconds) / 2  # two events per session
     return {
@@ -163,7 +165,11 @@ async def bench_ledger(
             for n in concurrencies:
                 path = os.path.join(tmp, f"ledger-{sync}-{n}.db")
                 runs.append(await _sessions(path, n, counts.get(n, 1000 * n), sync))
-        replay = await _recovery(os.path.join(tmp, "replay.db"), replay_events) if replay_events else None
+        replay = (
+            await _recovery(os.path.join(tmp, "replay.db"), replay_events)
+            if replay_events
+            else None
+        )
     return {"machine": machine(), "sessions": runs, "recovery": replay}
 
 

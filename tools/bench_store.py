@@ -53,7 +53,7 @@ def _sealed(items: Sequence[Pending]) -> list[Row]:
     return rows
 
 
-def _reference_append(path: str, rows: list[Row], batch: int, synchronous: str) -> float:
+def reference_append(path: str, rows: list[Row], batch: int, synchronous: str) -> float:
     """Raw sqlite3: same table, same rows, one ``executemany`` + COMMIT per ``batch``."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
@@ -183,10 +183,10 @@ async def bench_store(
                 store_s, group = await _store_append(
                     os.path.join(tmp, f"store-{mode}-{k}.db"), items, k, per_append, mode
                 )
-                ideal_s = _reference_append(
+                ideal_s = reference_append(
                     os.path.join(tmp, f"ref-{mode}-{k}.db"), rows, k * per_append, mode
                 )
-                same_s = _reference_append(
+                same_s = reference_append(
                     os.path.join(tmp, f"ref-same-{mode}-{k}.db"), rows, max(round(group), 1), mode
                 )
                 results.append(
