@@ -1,0 +1,349 @@
+"""The generation gateway: the one place a session's generation is sent to an engine.
+
+Four rules, each one a user-visible guarantee (DESIGN §6, rl-peers §5 and §7):
+
+* **Route only to holders.** A generation for a version goes to a routable engine that holds
+  it (``RoutingView.holders(lora_name)``), least loaded first, round-robin among equals; if
+  none holds it the caller gets ``NO_ROUTE``. Sending an unloaded name to stock SGLang would
+  silently reload it (engines.md §1.6), so "not a holder" is never "try anyway".
+* **At most once.** Once a request may have left this process, its outcome is the engine's
+  to tell: a timeout or a lost reply (``AmbiguousReply`` with ``dispatched=True``, or any
+  unexpected failure) becomes ``AMBIGUOUS_DISPATCH`` and nothing below the caller resends it
+  (a resend could produce a second, different sample the trainer never sees). Only a provable
+  non-dispatch (``dispatched=False``: connection refused) is tried on another holder. A clean
+  refusal is ``GENERATION_FAILED``: nothing was generated, the caller may retry at will.
+* **Count what is in flight.** Per (engine, version), incremented before dispatch and
+  decremented in a ``finally`` (cancellation included). The reclaim driver asks
+  :meth:`Gateway.inflight_evidence` before claiming a version, and rollout workers carry
+  :meth:`Gateway.inflight_counts` with every lease renewal, so a version is never unloaded
+  under a running request. Route choice and increment happen synchronously at the start of
+  :meth:`Gateway.generate` (no ``await`` in between): a caller that checked its lease just
+  before calling cannot be overtaken by a reclaim decision.
+* **Own the cache namespace.** The client's ``extra_key``/``cache_salt`` are dropped and the
+  gateway's per-version salt is sent instead, so two versions can never share prefix-cache
+  entries (engines.md §1.5, §2.5) whatever the client asks.
+
+Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
+that served it, the revision the session bound at, the head revision at dispatch and at
+completion (staleness), the engine and the request id.
+
+Routing state is read through :class:`RoutingView` (``holders`` + ``default_revision``), which
+the in-process :class:`~projections.registry.RegistryState` satisfies and a remote (Ray) client
+can implement later.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import msgspec
+import structlog
+
+from engines.contract import EngineError, Generation, SamplingParams
+from evlog.errors import Code, LedgerError
+from evlog.events import InFlight
+from projections.registry import RegistryState
+from publisher.fleet import Fleet
+from publisher.outcomes import Bound
+from publisher.provenance import ProvenanceRecorder, ProvenanceRow
+
+log = structlog.get_logger("loraledger.gateway")
+
+# Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
+OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
+DEFAULT_PARAMS = SamplingParams()
+
+
+class RoutingView(Protocol):
+    """The read-only routing state the gateway needs."""
+
+    def holders(self, lora_name: str) -> tuple[str, ...]:
+        """Routable engines that hold ``lora_name``."""
+        ...
+
+    @property
+    def default_revision(self) -> int: ...
+
+
+class LedgerRouting:
+    """A :class:`RoutingView` over an in-process ledger. It reads ``ledger.state`` on every
+    call because the ledger may replace its state object (rebuilt from the log after a failed
+    append): holding on to one state object would route from a stale projection."""
+
+    def __init__(self, ledger: Any) -> None:
+        self._ledger = ledger
+
+    def holders(self, lora_name: str) -> tuple[str, ...]:
+        state: RegistryState = self._ledger.state
+        return state.holders(lora_name)
+
+    @property
+    def default_revision(self) -> int:
+        state: RegistryState = self._ledger.state
+        return state.default_revision
+
+
+class Served(msgspec.Struct, frozen=True, kw_only=True):
+    """A completed generation and where it came from."""
+
+    generation: Generation
+    provenance: ProvenanceRow
+
+    @property
+    def version_id(self) -> int:
+        return self.provenance.version_id
+
+    @property
+    def lora_name(self) -> str:
+        return self.provenance.lora_name
+
+    @property
+    def engine(self) -> str:
+        return self.provenance.engine
+
+    @property
+    def staleness(self) -> int:
+        return self.provenance.staleness
+
+
+def version_salt(bound: Bound) -> str:
+    """The prefix-cache namespace of one version: its immutable name (unique per deployment,
+    version id and digest), so no two versions can ever share an entry."""
+    return bound.lora_name
+
+
+class Gateway:
+    """Sends generations for bound sessions. One per process (or per rollout worker); safe to
+    call from many tasks at once.
+
+    ``gateway_id`` names this reporter in in-flight evidence and provenance; ``clock`` stamps
+    evidence and rows (pass the ledger's clock to keep one time base)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        routing: RoutingView,
+        *,
+        gateway_id: str = "gateway",
+        recorder: ProvenanceRecorder | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.fleet = fleet
+        self.routing = routing
+        self.gateway_id = gateway_id
+        self.recorder = recorder
+        self._clock = clock
+        self._inflight: dict[tuple[str, int], int] = {}
+        self._load: dict[str, int] = {}  # engine -> requests in flight, all versions
+        self._seen: dict[int, set[str]] = {}  # version -> engines it was ever sent to
+        self._turn = itertools.count()
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:12]
+        self._takes_extra_body: dict[int, bool] = {}
+        self.dispatched = 0
+
+    # --- in-flight evidence ------------------------------------------------------------------
+
+    def inflight_counts(self) -> dict[tuple[str, int], int]:
+        """Non-zero counts per (engine, version_id): what a lease renewal carries."""
+        return {key: n for key, n in self._inflight.items() if n}
+
+    def inflight(self, engine: str, version_id: int) -> int:
+        return self._inflight.get((engine, version_id), 0)
+
+    def inflight_evidence(self, version_id: int) -> list[InFlight]:
+        """One entry per engine of the fleet (and any engine this version was ever sent to),
+        zero counts included, so a claim records what it relied on for every engine."""
+        engines = set(self.fleet.ids()) | self._seen.get(version_id, set())
+        now = self._clock()
+        if not engines:
+            return [InFlight(reporter=self.gateway_id, engine="*", count=0, at=now)]
+        return [
+            InFlight(
+                reporter=self.gateway_id,
+                engine=engine,
+                count=self._inflight.get((engine, version_id), 0),
+                at=now,
+            )
+            for engine in sorted(engines)
+        ]
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        bound: Bound,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        turn: int | None = None,
+        request_id: str | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> Served:
+        """Generate once for the session of ``bound`` on a holder of its version.
+
+        Raises ``LedgerError``: ``NO_ROUTE`` (no routable holder, or none reachable),
+        ``AMBIGUOUS_DISPATCH`` (sent, outcome unknown: never resent), ``GENERATION_FAILED``
+        (a clean refusal: nothing generated), ``INVALID_INPUT`` (extra body fields for an
+        engine that takes none)."""
+        params = DEFAULT_PARAMS if params is None else params
+        rid = request_id or f"{self.gateway_id}-{self._prefix}-{next(self._ids)}"
+        extra = _client_fields(extra_body)
+        tried: list[str] = []
+        unreachable: list[str] = []
+        while True:
+            # No await between choosing and counting (see the module docstring).
+            engine_id = self._choose(bound.lora_name, tried)
+            if engine_id is None:
+                raise LedgerError(
+                    Code.NO_ROUTE,
+                    f"no routable engine holds {bound.lora_name}"
+                    + (f" (unreachable: {', '.join(unreachable)})" if unreachable else ""),
+                    lora_name=bound.lora_name,
+                    version_id=bound.version_id,
+                    unreachable=unreachable,
+                )
+            tried.append(engine_id)
+            engine = self.fleet[engine_id]
+            kwargs: dict[str, Any] = {"request_id": rid, "cache_salt": version_salt(bound)}
+            if extra:
+                if not self._accepts_extra_body(engine):
+                    raise LedgerError(
+                        Code.INVALID_INPUT,
+                        f"engine {engine_id} takes no extra body fields ({sorted(extra)})",
+                    )
+                kwargs["extra_body"] = extra
+            head = self.routing.default_revision
+            started = self._clock()
+            key = (engine_id, bound.version_id)
+            self._enter(key)
+            try:
+                generation = await engine.generate(prompt, bound.lora_name, params, **kwargs)
+            except EngineError as exc:
+                if not exc.dispatched:
+                    # Provably never sent: another holder may take it.
+                    unreachable.append(engine_id)
+                    log.warning(
+                        "gateway.not_dispatched", engine=engine_id, request_id=rid, code=exc.code
+                    )
+                    continue
+                raise self._failure(exc, bound, engine_id, rid) from exc
+            except Exception as exc:
+                # Unknown failure after the call started: it may have been sent.
+                raise self._ambiguous(bound, engine_id, rid, repr(exc)) from exc
+            finally:
+                self._exit(key)
+            row = self._row(bound, generation, engine_id, rid, turn, head, started)
+            if self.recorder is not None:
+                await self.recorder.record(row)
+            return Served(generation=generation, provenance=row)
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _choose(self, lora_name: str, tried: list[str]) -> str | None:
+        """Least loaded holder not tried yet; ties broken round-robin (a rotating start)."""
+        candidates = [
+            e for e in self.routing.holders(lora_name) if e in self.fleet and e not in tried
+        ]
+        if not candidates:
+            return None
+        start = next(self._turn) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda e: self._load.get(e, 0))
+
+    def _enter(self, key: tuple[str, int]) -> None:
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        self._load[key[0]] = self._load.get(key[0], 0) + 1
+        self._seen.setdefault(key[1], set()).add(key[0])
+        self.dispatched += 1
+
+    def _exit(self, key: tuple[str, int]) -> None:
+        self._inflight[key] -= 1
+        self._load[key[0]] -= 1
+        if not self._inflight[key]:
+            del self._inflight[key]
+
+    def _accepts_extra_body(self, engine: Any) -> bool:
+        known = self._takes_extra_body.get(id(engine))
+        if known is None:
+            try:
+                parameters = inspect.signature(engine.generate).parameters
+            except (TypeError, ValueError):
+                parameters = {}
+            known = "extra_body" in parameters
+            self._takes_extra_body[id(engine)] = known
+        return known
+
+    def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> LedgerError:
+        if exc.clean:
+            log.warning(
+                "gateway.refused", engine=engine_id, request_id=rid, code=exc.code, msg=exc.message
+            )
+            return LedgerError(
+                Code.GENERATION_FAILED,
+                f"engine {engine_id} refused the generation cleanly: {exc.code}: {exc.message}",
+                engine=engine_id,
+                engine_code=exc.code,
+                request_id=rid,
+                version_id=bound.version_id,
+            )
+        return self._ambiguous(bound, engine_id, rid, f"{exc.code}: {exc.message}", exc.code)
+
+    def _ambiguous(
+        self, bound: Bound, engine_id: str, rid: str, reason: str, engine_code: str = ""
+    ) -> LedgerError:
+        log.error("gateway.ambiguous", engine=engine_id, request_id=rid, reason=reason)
+        return LedgerError(
+            Code.AMBIGUOUS_DISPATCH,
+            f"request {rid} was sent to {engine_id} and its outcome is unknown ({reason}); "
+            "it was not resent",
+            engine=engine_id,
+            engine_code=engine_code,
+            request_id=rid,
+            version_id=bound.version_id,
+            session=bound.session,
+        )
+
+    def _row(
+        self,
+        bound: Bound,
+        generation: Generation,
+        engine_id: str,
+        rid: str,
+        turn: int | None,
+        head: int,
+        started: float,
+    ) -> ProvenanceRow:
+        return ProvenanceRow(
+            session=bound.session,
+            turn=turn,
+            engine=engine_id,
+            incarnation=generation.incarnation,
+            version_id=bound.version_id,
+            lora_name=bound.lora_name,
+            digest=bound.digest,
+            bound_revision=bound.revision,
+            head_revision=head,
+            head_revision_done=self.routing.default_revision,
+            request_id=generation.request_id or rid,
+            prompt_tokens=generation.prompt_tokens,
+            completion_tokens=sum(len(c.token_ids) for c in generation.choices)
+            or len(generation.token_ids),
+            cached_tokens=generation.cached_tokens,
+            finish_reason=generation.finish_reason,
+            started_at=started,
+            finished_at=self._clock(),
+            gateway=self.gateway_id,
+        )
+
+
+def _client_fields(extra_body: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The client's extra body minus every key the gateway owns (dropped, never forwarded)."""
+    if not extra_body:
+        return {}
+    return {k: v for k, v in extra_body.items() if k not in OWNED_KEYS}

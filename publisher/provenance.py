@@ -1,0 +1,238 @@
+"""Provenance: which version produced which generation, as a table a trainer can join.
+
+Pinning a session to its first version only pays off if the trainer can *prove* which
+behaviour policy produced each sample (importance sampling, decoupled PPO, staleness
+correction; rl-peers §5 and §7.2). So every generation the gateway completes yields one
+:class:`ProvenanceRow` -- session, turn, engine, version id, immutable adapter name, digest,
+the revision the session bound at and the head revision when it was dispatched and when it
+finished, request id, token counts, timestamps -- and the rows are written as JSON lines.
+
+The gateway must never block on disk and must never silently drop a row (a missing row is a
+sample whose policy nobody can vouch for). A :class:`ProvenanceRecorder` is therefore a
+*bounded* buffer between the gateway and one writer task: ``record`` waits when the writer
+falls behind (backpressure) instead of dropping, and closing the recorder drains every row
+before it returns. Sinks are tiny (:class:`JsonlSink`, :class:`MemorySink`) so a trainer can
+plug in its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+
+from evlog.errors import Code, LedgerError
+
+log = structlog.get_logger("loraledger.provenance")
+
+SCHEMA = 1
+
+
+class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One completed generation. Every token of it came from ``version_id`` (a request is
+    never switched between versions), so the token span is the whole completion.
+
+    ``head_revision - bound_revision`` is the policy lag (in commits) of this sample when it
+    was dispatched; ``head_revision_done`` is the same measure when it finished."""
+
+    session: str
+    turn: int | None
+    engine: str
+    incarnation: str
+    version_id: int
+    lora_name: str
+    digest: str
+    bound_revision: int
+    head_revision: int
+    head_revision_done: int
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str
+    started_at: float
+    finished_at: float
+    gateway: str
+    schema: int = SCHEMA
+
+    @property
+    def staleness(self) -> int:
+        return self.head_revision - self.bound_revision
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(ProvenanceRow)
+
+
+def encode_rows(rows: Iterable[ProvenanceRow]) -> bytes:
+    """JSON lines: one row per line, newline-terminated."""
+    return b"".join(_encoder.encode(row) + b"\n" for row in rows)
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[ProvenanceRow]:
+    """Every row of a JSON-lines provenance file (a torn last line, from a crash mid-write,
+    is refused loudly rather than skipped)."""
+    return list(iter_rows(Path(path).read_bytes()))
+
+
+def iter_rows(blob: bytes) -> Iterator[ProvenanceRow]:
+    for number, line in enumerate(blob.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield _decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            raise LedgerError(
+                Code.CORRUPT_RECORD, f"provenance line {number} is not a row: {exc}", line=number
+            ) from exc
+
+
+def select(
+    rows: Iterable[ProvenanceRow], sessions: Collection[str] | None = None
+) -> list[ProvenanceRow]:
+    """The rows of ``sessions`` (all rows when None), ordered by session, turn, start time --
+    the order a trainer joins trajectories in."""
+    wanted = None if sessions is None else set(sessions)
+    chosen = [r for r in rows if wanted is None or r.session in wanted]
+    chosen.sort(key=lambda r: (r.session, -1 if r.turn is None else r.turn, r.started_at))
+    return chosen
+
+
+def export(
+    rows: Iterable[ProvenanceRow],
+    path: str | os.PathLike[str],
+    sessions: Collection[str] | None = None,
+) -> int:
+    """Write the table of ``sessions`` to ``path`` as JSON lines, atomically (temp + rename).
+    Returns the number of rows written."""
+    chosen = select(rows, sessions)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(encode_rows(chosen))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(target)
+    return len(chosen)
+
+
+# --- sinks -------------------------------------------------------------------------------------
+
+
+class Sink(Protocol):
+    """Where drained rows go. ``write`` runs in a worker thread: it may block on I/O."""
+
+    def write(self, rows: Sequence[ProvenanceRow]) -> None: ...
+
+
+class JsonlSink:
+    """Appends rows to a JSON-lines file, flushed after every batch (the file is readable at
+    any time; ``fsync`` is left to :func:`export`, a crash loses at most the page cache)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def write(self, rows: Sequence[ProvenanceRow]) -> None:
+        with open(self.path, "ab") as f:
+            f.write(encode_rows(rows))
+
+
+class MemorySink:
+    """Keeps every row in memory (tests, and trainers that join in-process)."""
+
+    def __init__(self) -> None:
+        self.rows: list[ProvenanceRow] = []
+
+    def write(self, rows: Sequence[ProvenanceRow]) -> None:
+        self.rows.extend(rows)
+
+
+# --- the recorder ------------------------------------------------------------------------------
+
+
+class ProvenanceRecorder:
+    """A bounded buffer drained by one writer task into a :class:`Sink`.
+
+    Use as ``async with ProvenanceRecorder(sink) as recorder:``; the writer lives in that
+    block, and leaving it waits until every recorded row reached the sink. ``record`` waits
+    while ``capacity`` rows are pending (never drops). ``recorded``/``written`` count rows in
+    and out, so a test or an operator can see the lag.
+    """
+
+    def __init__(self, sink: Sink, *, capacity: int = 8192, batch: int = 1024) -> None:
+        if capacity < 1 or batch < 1:
+            raise LedgerError(Code.INVALID_INPUT, "capacity and batch must be >= 1")
+        self.sink = sink
+        self.capacity = capacity
+        self.batch = batch
+        self.recorded = 0
+        self.written = 0
+        self._send: ObjectSendStream[ProvenanceRow] | None = None
+        self._receive: ObjectReceiveStream[ProvenanceRow] | None = None
+        self._tg: TaskGroup | None = None
+        self._failure: BaseException | None = None
+
+    async def __aenter__(self) -> ProvenanceRecorder:
+        send, receive = anyio.create_memory_object_stream[ProvenanceRow](self.capacity)
+        self._send, self._receive = send, receive
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._writer, receive)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if self._send is not None:
+            send, self._send = self._send, None
+            await send.aclose()  # the writer drains what is buffered, then returns
+        assert self._tg is not None
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    async def record(self, row: ProvenanceRow) -> None:
+        """Buffer one row; waits (backpressure) while the buffer is full."""
+        if self._failure is not None:
+            raise LedgerError(Code.STORE_FAILED, f"the provenance writer failed: {self._failure!r}")
+        if self._send is None:
+            raise LedgerError(Code.LEDGER_CLOSED, "the provenance recorder is not running")
+        try:
+            self._send.send_nowait(row)
+        except anyio.WouldBlock:
+            await self._send.send(row)
+        self.recorded += 1
+
+    @property
+    def pending(self) -> int:
+        return self.recorded - self.written
+
+    async def _writer(self, receive: ObjectReceiveStream[ProvenanceRow]) -> None:
+        write: Callable[[Sequence[ProvenanceRow]], None] = self.sink.write
+        async with receive:
+            while True:
+                try:
+                    rows = [await receive.receive()]
+                except anyio.EndOfStream:
+                    return
+                while len(rows) < self.batch:
+                    try:
+                        rows.append(receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                try:
+                    await anyio.to_thread.run_sync(write, rows)
+                except Exception as exc:
+                    # Refuse later rows loudly instead of buffering into a dead sink.
+                    self._failure = exc
+                    log.error("provenance.write_failed", error=repr(exc), rows=len(rows))
+                    raise
+                self.written += len(rows)
