@@ -1,0 +1,593 @@
+"""The rollout side of a session: bind on the first generation, pin every later turn, release
+once, and keep a lease so a dead worker cannot pin a version forever (DESIGN §6).
+
+Two objects:
+
+* :class:`RolloutWorker` -- the *owner*. It registers with the ledger, renews its lease in a
+  background task (carrying the gateway's in-flight counts, so reclaim also sees requests of
+  remote workers), runs the shared bind and release tasks, and forgets the tombstones of its
+  finished sessions in batches. Its API is batch-friendly (:meth:`RolloutWorker.bind_many`,
+  :meth:`RolloutWorker.close_many`: one ``execute_many`` round trip per group), which is what a
+  Ray actor wants later.
+* :class:`SessionBinder` -- what a rollout coroutine holds for one session.
+
+Rules and why:
+
+* **Bind on the first generation, once.** The version a session serves is the default *at its
+  first generation*, not at creation (a session created long before it runs must not be pinned
+  to an old version for nothing). Concurrent first generations share ONE bind task, owned by
+  the worker's task group: a waiter that is cancelled stops waiting, the bind goes on, and its
+  result is cached. Nothing ever re-chooses: the ledger answers the same binding forever, so a
+  resume (a new binder for the same session id, in any worker or process) gets it too.
+* **At most once below the caller.** A generation is never resent here (the gateway's rule);
+  binds and releases are idempotent in the ledger, so a lost reply is simply asked again.
+* **Close waits for (or cancels) the session's generations, then releases exactly once.** The
+  release runs in the worker's task group too, so a caller cancelled mid-close cannot leave
+  half a cleanup; it is retried after a lost reply (the ledger's release is idempotent).
+  Closing before the first bind tombstones the session: it can never bind.
+* **A stale worker is told, never rebound.** Every call checks the lease first (a renewal,
+  cheap and not logged); once the ledger expired the owner, bind/generate/close raise
+  ``LEASE_EXPIRED``. The check and the gateway's in-flight increment run with no ``await`` in
+  between, so a reclaim decided after the expiry cannot miss a request this worker started.
+
+A worker that stops without closing its sessions leaves them bound: the same owner id, back
+within its lease, resumes them; otherwise the lease expires and the ledger releases them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from engines.contract import SamplingParams
+from evlog.errors import Code, LedgerError
+from publisher import commands as c
+from publisher.gateway import Gateway, Served
+from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
+
+log = structlog.get_logger("loraledger.sessions")
+
+T = TypeVar("T")
+
+# Refusals that only say "the write did not happen, ask again" (idempotent commands only).
+RETRYABLE_CODES = frozenset({Code.STORE_FAILED})
+# Refusals that end this owner: its sessions are gone, it must not act any more.
+OWNER_LOST_CODES = frozenset({Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER})
+
+
+class LedgerPort(Protocol):
+    """What a worker needs from the ledger. The in-process :class:`~publisher.ledger.Ledger`
+    satisfies it; a Ray client implements the same four calls."""
+
+    async def register_owner(self, owner: str, *, ttl_s: float = ...) -> Done: ...
+
+    def renew_lease(
+        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+    ) -> None: ...
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]: ...
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How idempotent ledger calls (register, bind, release, forget) are retried after a
+    lost reply. ``transient`` are the exception types that mean "the reply was lost" for the
+    port in use (a remote client adds its own, e.g. Ray's actor errors)."""
+
+    attempts: int = 6
+    first_delay: float = 0.02
+    max_delay: float = 1.0
+    transient: tuple[type[BaseException], ...] = (OSError,)
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_delay, self.first_delay * 2**attempt)
+
+    def retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, LedgerError):
+            return exc.code in RETRYABLE_CODES
+        return isinstance(exc, self.transient)
+
+
+class _Slot(Generic[T]):
+    """The result of a task owned by the worker; any number of callers wait on it, and a
+    waiter that is cancelled never cancels the task."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.value: T | None = None
+        self.error: LedgerError | None = None
+
+    def set(self, value: T) -> None:
+        self.value = value
+        self.done.set()
+
+    def fail(self, error: LedgerError) -> None:
+        self.error = error
+        self.done.set()
+
+    async def wait(self) -> T:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
+
+class SessionBinder:
+    """One session, as a rollout coroutine sees it. Get one with :meth:`RolloutWorker.session`.
+
+    ``generate`` binds on first use and then always sends the same immutable ``lora_name``;
+    ``close`` waits for (``cancel=True``: cancels) the session's generations, then releases.
+    """
+
+    def __init__(self, worker: RolloutWorker, session_id: str) -> None:
+        self.session_id = session_id
+        self._worker = worker
+        self._bound: Bound | None = None
+        self._bind_slot: _Slot[Bound] | None = None
+        self._release_slot: _Slot[Released] | None = None
+        self._closing = False
+        self._active: set[anyio.CancelScope] = set()
+        self._idle: anyio.Event | None = None  # None or set: nothing in flight
+        self._next_turn = 0
+
+    @property
+    def bound(self) -> Bound | None:
+        """The binding once known (None before the first generation finished binding)."""
+        return self._bound
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    async def bind(self) -> Bound:
+        """The session's binding, binding now if this is the first call (shared with every
+        concurrent first call). Usually implicit in :meth:`generate`."""
+        self._check_usable()
+        if self._bound is not None:
+            return self._bound
+        return await self._worker._bind_slots([self])[0].wait()
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        turn: int | None = None,
+        request_id: str | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> Served:
+        """One generation on the session's version, sent at most once (see
+        :meth:`Gateway.generate` for its errors). ``turn`` labels the provenance row (default:
+        a counter per binder; pass it explicitly to label a retry of the same turn)."""
+        self._check_usable()
+        if turn is None:
+            turn = self._next_turn
+        self._next_turn = max(self._next_turn, turn + 1)
+        with anyio.CancelScope() as scope:
+            self._enter(scope)
+            try:
+                bound = self._bound
+                if bound is None:
+                    bound = await self._worker._bind_slots([self])[0].wait()
+                self._worker.ensure_live()  # no await from here to the gateway's increment
+                return await self._worker.gateway.generate(
+                    bound,
+                    prompt,
+                    params,
+                    turn=turn,
+                    request_id=request_id,
+                    extra_body=extra_body,
+                )
+            finally:
+                self._exit(scope)
+        raise LedgerError(
+            Code.SESSION_CLOSED,
+            f"session {self.session_id} was closed (cancel=True) during this generation",
+            session=self.session_id,
+        )
+
+    async def close(self, *, cancel: bool = False) -> Released:
+        """Stop new generations, wait for (or cancel) the running ones, release the binding.
+        Idempotent: a second close returns the first one's answer."""
+        result = (await self._worker.close_many([self], cancel=cancel))[0]
+        if isinstance(result, LedgerError):
+            raise result
+        return result
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        self._worker.ensure_live()  # a stale worker hears LEASE_EXPIRED first, always
+        if self._closing:
+            raise LedgerError(
+                Code.SESSION_CLOSED, f"session {self.session_id} is closed", session=self.session_id
+            )
+
+    def _enter(self, scope: anyio.CancelScope) -> None:
+        if not self._active:
+            self._idle = anyio.Event()
+        self._active.add(scope)
+
+    def _exit(self, scope: anyio.CancelScope) -> None:
+        self._active.discard(scope)
+        if not self._active and self._idle is not None:
+            self._idle.set()
+
+    async def _quiesce(self, cancel: bool) -> None:
+        """After ``_closing`` is set no generation can start, so idle stays idle."""
+        if cancel:
+            for scope in list(self._active):
+                scope.cancel()
+        if self._idle is not None:
+            await self._idle.wait()
+        if self._bind_slot is not None:  # release after the bind in the log, never before
+            await self._bind_slot.done.wait()
+
+
+class RolloutWorker:
+    """The owner of a group of sessions: lease, shared bind/release tasks, forget batches.
+
+    Open with ``async with RolloutWorker.open(ledger, gateway, owner="w1") as worker:``. The
+    background work (lease renewal, bind and release tasks, forget batches) lives in that block.
+    ``renew_every`` defaults to a third of ``ttl_s``.
+    """
+
+    def __init__(
+        self,
+        ledger: LedgerPort,
+        gateway: Gateway,
+        *,
+        owner: str,
+        ttl_s: float = 30.0,
+        renew_every: float | None = None,
+        forget_batch: int = 256,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if not (math.isfinite(ttl_s) and ttl_s > 0) or forget_batch < 1:
+            raise LedgerError(Code.INVALID_INPUT, "ttl_s must be > 0 and forget_batch >= 1")
+        self.ledger = ledger
+        self.gateway = gateway
+        self.owner = owner
+        self.ttl_s = ttl_s
+        self.renew_every = ttl_s / 3 if renew_every is None else renew_every
+        self.forget_batch = forget_batch
+        self.retry = retry or RetryPolicy()
+        self._binders: dict[str, SessionBinder] = {}
+        self._tg: TaskGroup | None = None
+        self._lost: LedgerError | None = None
+        self._finished: list[str] = []  # released, tombstone not yet forgotten
+        self._forgetting = False
+        self._forget_lock: anyio.Lock | None = None
+        self._releases: set[_Slot[Released]] = set()
+        self.forgotten = 0
+        self.renewals = 0
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        ledger: LedgerPort,
+        gateway: Gateway,
+        *,
+        owner: str,
+        ttl_s: float = 30.0,
+        renew_every: float | None = None,
+        forget_batch: int = 256,
+        retry: RetryPolicy | None = None,
+    ) -> AsyncIterator[RolloutWorker]:
+        worker = cls(
+            ledger,
+            gateway,
+            owner=owner,
+            ttl_s=ttl_s,
+            renew_every=renew_every,
+            forget_batch=forget_batch,
+            retry=retry,
+        )
+        worker._forget_lock = anyio.Lock()
+        await worker._with_retry(lambda: worker.ledger.register_owner(owner, ttl_s=ttl_s))
+        async with anyio.create_task_group() as tg:
+            worker._tg = tg
+            tg.start_soon(worker._renew_loop)
+            try:
+                yield worker
+                await worker._finish_cleanup()
+            finally:
+                worker._tg = None
+                tg.cancel_scope.cancel()  # renewals stop; unfinished binds fail their waiters
+
+    # --- sessions ------------------------------------------------------------------------------
+
+    def session(self, session_id: str) -> SessionBinder:
+        """The binder of ``session_id`` in this worker (the same object until it is released,
+        so two callers of one session still share one bind). Creating it binds nothing."""
+        binder = self._binders.get(session_id)
+        if binder is None:
+            binder = self._binders[session_id] = SessionBinder(self, session_id)
+        return binder
+
+    async def bind_many(self, binders: Iterable[SessionBinder]) -> list[Bound | LedgerError]:
+        """Bind a group in one ledger round trip (e.g. a GRPO group starting together).
+        Refusals come back in place. Binders already bound or binding are not asked again."""
+        group = list(binders)
+        self.ensure_live()
+        open_group = [b for b in group if not b._closing]
+        slots = dict(zip(map(id, open_group), self._bind_slots(open_group), strict=True))
+        results: list[Bound | LedgerError] = []
+        for binder in group:
+            slot = slots.get(id(binder))
+            if slot is None:
+                results.append(
+                    LedgerError(
+                        Code.SESSION_CLOSED,
+                        f"session {binder.session_id} is closed",
+                        session=binder.session_id,
+                    )
+                )
+                continue
+            try:
+                results.append(await slot.wait())
+            except LedgerError as refusal:
+                results.append(refusal)
+        return results
+
+    async def close_many(
+        self, binders: Iterable[SessionBinder], *, cancel: bool = False
+    ) -> list[Released | LedgerError]:
+        """Close a group: stop new generations, wait for (``cancel``: cancel) the running
+        ones, then release all of them in one ledger round trip. Refusals come back in place;
+        a stale worker gets ``LEASE_EXPIRED`` raised."""
+        group = list(binders)
+        for binder in group:
+            binder._closing = True
+        for binder in group:
+            await binder._quiesce(cancel)
+        if any(b._release_slot is None for b in group):
+            self.ensure_live()
+        fresh = [b for b in group if b._release_slot is None]
+        for binder in fresh:
+            binder._release_slot = _Slot()
+            self._releases.add(binder._release_slot)
+        if fresh:
+            self._spawn(self._release_task, fresh)
+        results: list[Released | LedgerError] = []
+        for binder in group:
+            assert binder._release_slot is not None
+            try:
+                results.append(await binder._release_slot.wait())
+            except LedgerError as refusal:
+                results.append(refusal)
+        return results
+
+    # --- the lease -----------------------------------------------------------------------------
+
+    @property
+    def lost(self) -> LedgerError | None:
+        """Why this worker may no longer act (its lease expired), or None."""
+        return self._lost
+
+    def ensure_live(self) -> None:
+        """Renew the lease now (carrying the gateway's in-flight counts); raise
+        ``LEASE_EXPIRED`` if the ledger expired this owner. Synchronous on purpose."""
+        if self._lost is not None:
+            raise self._lost
+        try:
+            self.ledger.renew_lease(self.owner, self.gateway.inflight_counts())
+        except LedgerError as exc:
+            if exc.code in OWNER_LOST_CODES:
+                self._owner_lost(exc)
+            raise
+        self.renewals += 1
+
+    def _owner_lost(self, exc: LedgerError) -> None:
+        if self._lost is None:
+            self._lost = LedgerError(
+                Code.LEASE_EXPIRED,
+                f"owner {self.owner} lost its lease ({exc.code}); its sessions were released. "
+                "Register a new worker under a new owner id.",
+                owner=self.owner,
+                cause=exc.code,
+            )
+            log.error("sessions.owner_lost", owner=self.owner, code=exc.code)
+
+    async def _renew_loop(self) -> None:
+        while self._lost is None:
+            await anyio.sleep(self.renew_every)
+            try:
+                self.ensure_live()
+            except LedgerError as exc:
+                if exc.code in OWNER_LOST_CODES:
+                    return
+                log.warning("sessions.renew_failed", owner=self.owner, error=repr(exc))
+            except Exception as exc:
+                if not self.retry.retryable(exc):
+                    raise
+                log.warning("sessions.renew_failed", owner=self.owner, error=repr(exc))
+
+    # --- shared tasks --------------------------------------------------------------------------
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        if self._tg is None:
+            raise LedgerError(Code.LEDGER_CLOSED, f"rollout worker {self.owner} is not running")
+        self._tg.start_soon(fn, *args)
+
+    def _bind_slots(self, binders: list[SessionBinder]) -> list[_Slot[Bound]]:
+        """Each binder's bind slot, starting ONE task for those that have none yet. A slot
+        that succeeded is kept forever (it holds the binding); a failed one is dropped."""
+        fresh = [b for b in binders if b._bind_slot is None]
+        for binder in fresh:
+            binder._bind_slot = _Slot()
+        if fresh:
+            self._spawn(self._bind_task, fresh)
+        return [b._bind_slot for b in binders]  # type: ignore[misc]
+
+    async def _bind_task(self, binders: list[SessionBinder]) -> None:
+        commands = [c.Bind(session=b.session_id, owner=self.owner) for b in binders]
+        results = await self._settle(commands, binders, "bind")
+        for binder, result in zip(binders, results, strict=True):
+            slot = binder._bind_slot
+            assert slot is not None
+            if isinstance(result, Bound):
+                binder._bound = result
+                slot.set(result)
+            else:
+                # A failed bind is not cached: the next generation asks again (the ledger
+                # still decides, so nothing can re-choose a binding that exists).
+                binder._bind_slot = None
+                slot.fail(self._refusal(result))
+
+    async def _release_task(self, binders: list[SessionBinder]) -> None:
+        commands = [c.Release(session=b.session_id, owner=self.owner) for b in binders]
+        results = await self._settle(commands, binders, "release")
+        for binder, result in zip(binders, results, strict=True):
+            slot = binder._release_slot
+            assert slot is not None
+            self._releases.discard(slot)
+            if isinstance(result, Released):
+                slot.set(result)
+                self._finished.append(binder.session_id)
+                if self._binders.get(binder.session_id) is binder:
+                    del self._binders[binder.session_id]
+            else:
+                binder._release_slot = None  # a later close may try again
+                slot.fail(self._refusal(result))
+        if len(self._finished) >= self.forget_batch and not self._forgetting and self._tg:
+            self._forgetting = True
+            self._tg.start_soon(self._background_forget)
+
+    async def _settle(
+        self, commands: list[c.Command], binders: list[SessionBinder], what: str
+    ) -> list[Outcome | LedgerError]:
+        """Execute with retries; any failure (cancellation included) becomes a refusal for
+        each command, so no waiter can hang on a slot nobody will fill."""
+        failure: LedgerError | None = None
+        try:
+            return await self._execute(commands)
+        except LedgerError as exc:
+            failure = exc
+        except anyio.get_cancelled_exc_class():
+            failure = LedgerError(
+                Code.LEDGER_CLOSED, f"rollout worker {self.owner} stopped during a {what}"
+            )
+            self._fail_slots(binders, what, failure)
+            raise
+        except Exception as exc:
+            failure = LedgerError(
+                Code.LEDGER_CLOSED, f"{what} of {len(commands)} sessions failed: {exc!r}"
+            )
+        log.error("sessions.call_failed", what=what, owner=self.owner, error=failure.message)
+        return [failure] * len(commands)
+
+    def _fail_slots(self, binders: list[SessionBinder], what: str, error: LedgerError) -> None:
+        for binder in binders:
+            slot = binder._bind_slot if what == "bind" else binder._release_slot
+            if slot is not None and not slot.done.is_set():
+                if what == "bind":
+                    binder._bind_slot = None
+                else:
+                    binder._release_slot = None
+                    self._releases.discard(slot)
+                slot.fail(error)
+
+    def _refusal(self, result: Outcome | LedgerError) -> LedgerError:
+        if isinstance(result, LedgerError):
+            if result.code in OWNER_LOST_CODES:
+                self._owner_lost(result)
+                return self._lost or result
+            return result
+        return LedgerError(Code.INVALID_STATE, f"unexpected outcome {result!r}")
+
+    async def _execute(self, commands: list[c.Command]) -> list[Outcome | LedgerError]:
+        """``execute_many`` with retries of lost replies and retryable refusals (every command
+        sent here is idempotent in the ledger, so asking again cannot act twice)."""
+        results: list[Outcome | LedgerError | None] = [None] * len(commands)
+        pending = list(range(len(commands)))
+        policy = self.retry
+        for attempt in range(policy.attempts):
+            last = attempt == policy.attempts - 1
+            try:
+                answers = await self.ledger.execute_many([commands[i] for i in pending])
+            except Exception as exc:
+                if last or not policy.retryable(exc):
+                    raise
+                log.warning("sessions.retry", owner=self.owner, attempt=attempt, error=repr(exc))
+                await anyio.sleep(policy.delay(attempt))
+                continue
+            again: list[int] = []
+            for index, answer in zip(pending, answers, strict=True):
+                if not last and isinstance(answer, LedgerError) and policy.retryable(answer):
+                    again.append(index)
+                else:
+                    results[index] = answer
+            pending = again
+            if not pending:
+                break
+            await anyio.sleep(policy.delay(attempt))
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    async def _with_retry(self, call: Any) -> Any:
+        policy = self.retry
+        for attempt in range(policy.attempts):
+            try:
+                result = call()
+                return await result if inspect.isawaitable(result) else result
+            except Exception as exc:
+                if attempt == policy.attempts - 1 or not policy.retryable(exc):
+                    raise
+                await anyio.sleep(policy.delay(attempt))
+        raise AssertionError("unreachable")
+
+    # --- forgetting tombstones -------------------------------------------------------------------
+
+    @property
+    def unforgotten(self) -> int:
+        """Released sessions whose tombstones this worker has not forgotten yet."""
+        return len(self._finished)
+
+    async def flush_forgets(self) -> int:
+        """Forget the tombstones of every session this worker released, in batches of
+        ``forget_batch``. Returns how many the ledger dropped."""
+        assert self._forget_lock is not None
+        dropped = 0
+        async with self._forget_lock:
+            while self._finished:
+                batch = tuple(self._finished[: self.forget_batch])
+                answer = (await self._execute([c.Forget(sessions=batch)]))[0]
+                if isinstance(answer, LedgerError):
+                    raise answer
+                assert isinstance(answer, Forgotten)
+                del self._finished[: len(batch)]
+                dropped += answer.count
+        self.forgotten += dropped
+        return dropped
+
+    async def _background_forget(self) -> None:
+        try:
+            await self.flush_forgets()
+        except Exception as exc:  # kept for the next flush; never kills the worker
+            log.warning("sessions.forget_failed", owner=self.owner, error=repr(exc))
+        finally:
+            self._forgetting = False
+
+    async def _finish_cleanup(self) -> None:
+        """On a normal exit: let pending releases land, then forget every tombstone."""
+        for slot in list(self._releases):
+            await slot.done.wait()
+        if self._lost is None:
+            await self.flush_forgets()

@@ -1,0 +1,220 @@
+"""A rollout test rig: a real ledger (memory store, injected clock), real local engines, a
+fleet, a gateway with a provenance recorder, and hand-driven publication and reclaim.
+
+Publication follows the ledger's command order (allocate -> claim_transport -> prepare /
+transfer / load on every engine with PREPARED/READY receipts -> commit), the way
+``tests/publisher/book.py`` does it without engines. Reclaim is driven by hand the way the
+reclaim driver does it: evidence from every in-flight source, claim, unload on every engine,
+record each unload. Engine test doubles wrap a *real* local engine: they only add what cannot
+be produced on demand here (a reply lost after the engine did the work, a refused connection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from engines.contract import (
+    AmbiguousReply,
+    Candidate,
+    Engine,
+    ErrorCode,
+    Generation,
+    SamplingParams,
+)
+from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
+from evlog.memory import MemoryStore
+from publisher.fleet import Fleet
+from publisher.gateway import Gateway, LedgerRouting
+from publisher.ledger import Ledger
+from publisher.outcomes import Allocated, Published, ReclaimGranted
+from publisher.provenance import MemorySink, ProvenanceRecorder
+from tests.engines.contract import aiter_list, buckets_of
+
+# The tiny engine's library warnings (peft calls a deprecated transformers method on every
+# injection; it warns when the active adapter is the one being freed): not ours, not news.
+ENGINE_WARNINGS = [
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning"),
+]
+PROMPT = (11, 12, 13, 14)
+SHORT = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+class Clock:
+    """The ledger's time, moved by the test."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Staged:
+    version_id: int
+    attempt: int
+    lora_name: str
+    digest: str
+
+
+@dataclass
+class Rig:
+    ledger: Ledger
+    store: MemoryStore
+    clock: Clock
+    local: dict[str, LocalEngine]
+    fleet: Fleet
+    gateway: Gateway
+    sink: MemorySink
+    recorder: ProvenanceRecorder
+    names: dict[int, str] = field(default_factory=dict)
+
+    async def stage(self, version_id: int, *, seed: int | None = None) -> Staged:
+        """Everything of a publication but the commit: every engine READY."""
+        config, tensors = make_adapter(version_id if seed is None else seed)
+        manifest = build_manifest(config, tensors)
+        allocated = await self.ledger.allocate(version_id, manifest.digest)
+        assert isinstance(allocated, Allocated), allocated
+        await self.ledger.claim_transport(version_id, allocated.attempt, "test-publisher")
+        candidate = Candidate(
+            lora_name=allocated.lora_name,
+            digest=manifest.digest,
+            attempt=allocated.attempt,
+            manifest=manifest,
+        )
+        for engine_id in allocated.fleet:
+            engine = self.local[engine_id]
+            incarnation = await engine.incarnation()
+            receipt = (allocated.attempt, engine_id, incarnation, manifest.digest)
+            await engine.prepare(candidate)
+            await self.ledger.record_prepared(version_id, *receipt, allocated.lora_name)
+            await engine.transfer(candidate, aiter_list(buckets_of(tensors)))
+            await engine.load(candidate)
+            await self.ledger.record_ready(version_id, *receipt, allocated.lora_name)
+        self.names[version_id] = allocated.lora_name
+        return Staged(version_id, allocated.attempt, allocated.lora_name, manifest.digest)
+
+    async def publish(self, version_id: int, *, seed: int | None = None) -> Published:
+        staged = await self.stage(version_id, seed=seed)
+        return await self.ledger.commit(version_id, staged.attempt)
+
+    def evidence(self, version_id: int) -> list[Any]:
+        """What the reclaim driver relies on: this process's gateway and every lease."""
+        return [
+            *self.gateway.inflight_evidence(version_id),
+            *self.ledger.inflight_evidence(version_id),
+        ]
+
+    async def reclaim(self, version_id: int) -> ReclaimGranted:
+        granted = await self.ledger.claim_reclaim(version_id, self.evidence(version_id))
+        for engine_id in granted.engines:
+            receipt = await self.local[engine_id].unload(granted.lora_name)
+            await self.ledger.record_unloaded(version_id, engine_id, receipt.incarnation)
+        return granted
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    *,
+    engines: int = 2,
+    capacity: int = 8,
+    wrap: Callable[[LocalEngine], Engine] | None = None,
+    recorder_capacity: int = 8192,
+) -> AsyncIterator[Rig]:
+    clock = Clock()
+    store = MemoryStore()
+    async with contextlib.AsyncExitStack() as stack:
+        ledger = await stack.enter_async_context(Ledger.open(store, clock=clock))
+        await ledger.create_deployment("dep", prefix="agent", capacity=capacity)
+        local: dict[str, LocalEngine] = {}
+        for i in range(engines):
+            engine = await stack.enter_async_context(LocalEngine(f"e{i}"))
+            local[engine.engine_id] = engine
+            incarnation = await engine.incarnation()
+            await ledger.join_engine(engine.engine_id, incarnation)
+            await ledger.repair_engine(engine.engine_id, incarnation)
+        fleet = Fleet(wrap(e) if wrap else e for e in local.values())
+        sink = MemorySink()
+        recorder = await stack.enter_async_context(
+            ProvenanceRecorder(sink, capacity=recorder_capacity)
+        )
+        gateway = Gateway(
+            fleet, LedgerRouting(ledger), gateway_id="gw", recorder=recorder, clock=clock
+        )
+        yield Rig(ledger, store, clock, local, fleet, gateway, sink, recorder)
+
+
+# --- engine doubles (a real engine underneath) ------------------------------------------------
+
+
+class Recording:
+    """A real engine that records what each generate call received and how many reached it."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        self.inner = inner
+        self.engine_id = inner.engine_id
+        self.kind = inner.kind
+        self.transport = inner.transport
+        self.calls: list[dict[str, Any]] = []
+        self.reached = 0  # generations the real engine actually ran
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> Generation:
+        self.calls.append(
+            {
+                "lora_name": lora_name,
+                "request_id": request_id,
+                "cache_salt": cache_salt,
+                "extra_body": extra_body,
+            }
+        )
+        result = await self.inner.generate(
+            prompt, lora_name, params, request_id=request_id, cache_salt=cache_salt
+        )
+        self.reached += 1
+        return result
+
+
+class LosesReply(Recording):
+    """The engine runs the generation for real, then the reply is lost (a timeout after
+    dispatch): the caller sees ``AmbiguousReply(dispatched=True)``."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        await super().generate(*args, **kwargs)
+        raise AmbiguousReply(
+            ErrorCode.TIMEOUT, "reply lost after the engine ran it", engine_id=self.engine_id
+        )
+
+
+class Unreachable(Recording):
+    """Connection refused before anything was sent (``dispatched=False``)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        raise AmbiguousReply(
+            ErrorCode.ENGINE_UNREACHABLE,
+            "connection refused",
+            engine_id=self.engine_id,
+            dispatched=False,
+        )

@@ -1,0 +1,403 @@
+"""Sessions on real local engines and a real ledger: bind on the first generation, one shared
+bind, pinned turns/retries/resumes, close-then-release exactly once, forget in batches, owner
+leases (renewal, expiry, stale workers) and the batch API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from engines.contract import SamplingParams
+from evlog.errors import Code, LedgerError
+from evlog.events import (
+    SessionBound,
+    SessionReleased,
+    SessionsForgotten,
+    VersionPublished,
+)
+from evlog.memory import MemoryStore
+from projections.registry import VersionState
+from publisher import commands as c
+from publisher.ledger import Ledger
+from publisher.outcomes import Outcome, Released
+from publisher.sessions import RetryPolicy, RolloutWorker
+from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+
+LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+async def events_of(store: MemoryStore, kind: type) -> list[tuple[int, object]]:
+    return [
+        (rec.seq, rec.event) async for rec in store.iterate(after=0) if isinstance(rec.event, kind)
+    ]
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():  # noqa: ASYNC110 -- polling counters that have no event
+            await anyio.sleep(0.002)
+
+
+class Port:
+    """The real ledger behind the worker's port, counting (and optionally gating or losing
+    the reply of) what the worker sends. Everything it forwards is decided by the ledger."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.calls: list[list[c.Command]] = []
+        self.gate: anyio.Event | None = None  # Bind calls wait here when set
+        self.waiting = 0
+        self.lose_release_replies = 0
+
+    async def register_owner(self, owner: str, *, ttl_s: float = 30.0):  # type: ignore[no-untyped-def]
+        return await self.ledger.register_owner(owner, ttl_s=ttl_s)
+
+    def renew_lease(self, owner, inflight=None) -> None:  # type: ignore[no-untyped-def]
+        self.ledger.renew_lease(owner, inflight)
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+        self.calls.append(list(commands))
+        if self.gate is not None and any(isinstance(x, c.Bind) for x in commands):
+            self.waiting += 1
+            await self.gate.wait()
+        answers = await self.ledger.execute_many(commands)
+        if self.lose_release_replies and any(isinstance(x, c.Release) for x in commands):
+            self.lose_release_replies -= 1
+            raise TimeoutError("reply lost after the ledger committed")
+        return answers
+
+    def sent(self, kind: type) -> list[c.Command]:
+        return [x for call in self.calls for x in call if isinstance(x, kind)]
+
+
+@asynccontextmanager
+async def worker_on(r: Rig, owner: str = "w1", **kw: object) -> AsyncIterator[RolloutWorker]:
+    async with RolloutWorker.open(r.ledger, r.gateway, owner=owner, **kw) as w:  # type: ignore[arg-type]
+        yield w
+
+
+# --- binding ---------------------------------------------------------------------------------
+
+
+async def test_bind_before_commit_is_old_after_commit_is_new_and_turns_stay_pinned() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        staged = await r.stage(2)  # READY everywhere, not committed
+        early, late = w.session("early"), w.session("late")
+        assert early.bound is None  # creating a binder binds nothing
+        first = await early.generate(PROMPT, SHORT)
+        assert first.version_id == 1
+        await r.ledger.commit(2, staged.attempt)
+        assert (await late.generate(PROMPT, SHORT)).version_id == 2
+        for _ in range(3):
+            assert (await early.generate(PROMPT, SHORT)).version_id == 1
+        bound = {
+            e.session: (seq, e.version_id) for seq, e in await events_of(r.store, SessionBound)
+        }
+        ((commit_seq, _),) = [
+            x for x in await events_of(r.store, VersionPublished) if x[1].version_id == 2
+        ]
+        assert bound["early"][0] < commit_seq < bound["late"][0]
+
+
+async def test_binds_racing_a_commit_follow_the_ledger_order() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        staged = await r.stage(2)
+        async with anyio.create_task_group() as tg:
+            for i in range(60):
+                tg.start_soon(w.session(f"s{i}").generate, PROMPT, SHORT)
+            tg.start_soon(r.ledger.commit, 2, staged.attempt)
+        ((commit_seq, _),) = [
+            x for x in await events_of(r.store, VersionPublished) if x[1].version_id == 2
+        ]
+        bound = await events_of(r.store, SessionBound)
+        assert len(bound) == 60
+        for seq, event in bound:
+            assert event.version_id == (1 if seq < commit_seq else 2)
+            assert w.session(event.session).bound.version_id == event.version_id
+
+
+async def test_every_turn_retry_and_resume_uses_the_first_version() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1") as w1:
+            s = w1.session("traj")
+            assert (await s.generate(PROMPT, SHORT, turn=0)).version_id == 1
+            await r.publish(2)
+            assert (await s.generate(PROMPT, SHORT, turn=1)).version_id == 1
+            await r.publish(3)
+            retry = await s.generate(PROMPT, SHORT, turn=1)  # a retry of turn 1
+            assert retry.version_id == 1 and retry.staleness == 2
+            # Resume elsewhere: another worker (another process in production), later.
+            async with worker_on(r, "w2") as w2:
+                resumed = w2.session("traj")
+                for turn in (2, 3):
+                    assert (await resumed.generate(PROMPT, SHORT, turn=turn)).version_id == 1
+        assert len(await events_of(r.store, SessionBound)) == 1
+        await wait_for(lambda: r.recorder.pending == 0)
+        rows = [x for x in r.sink.rows if x.session == "traj"]
+        assert [x.turn for x in rows] == [0, 1, 1, 2, 3]
+        assert {(x.version_id, x.lora_name) for x in rows} == {(1, r.names[1])}
+
+
+async def test_a_hundred_concurrent_first_generations_share_one_bind() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            results = []
+
+            async def first() -> None:
+                results.append(await w.session("hot").generate(PROMPT, SHORT))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(100):
+                    tg.start_soon(first)
+            assert len(results) == 100
+            assert {x.version_id for x in results} == {1}
+            assert len(port.sent(c.Bind)) == 1  # one bind task, not one per waiter
+        assert len(await events_of(r.store, SessionBound)) == 1
+
+
+async def test_cancelling_the_first_waiter_never_cancels_the_bind() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        port.gate = anyio.Event()
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.generate, PROMPT, SHORT)
+                await wait_for(lambda: port.waiting == 1)  # the bind is in flight
+                tg.cancel_scope.cancel()  # the only waiter goes away
+            assert s.bound is None
+            port.gate.set()
+            await wait_for(lambda: s.bound is not None)
+            assert r.ledger.state.sessions["s"].version_id == 1
+            served = await s.generate(PROMPT, SHORT)
+            assert served.version_id == 1
+            assert len(port.sent(c.Bind)) == 1  # nobody re-chose
+        assert len(await events_of(r.store, SessionBound)) == 1
+
+
+async def test_a_failed_first_bind_is_asked_again_later() -> None:
+    async with rig() as r, worker_on(r) as w:
+        s = w.session("s")
+        with pytest.raises(LedgerError) as info:
+            await s.generate(PROMPT, SHORT)
+        assert info.value.code == Code.NO_PUBLISHED_VERSION
+        await r.publish(1)
+        assert (await s.generate(PROMPT, SHORT)).version_id == 1
+
+
+# --- close -----------------------------------------------------------------------------------
+
+
+async def test_close_before_the_first_bind_can_never_bind() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("never")
+        released = await s.close()
+        assert released == Released(session="never", released=False)
+        for again in (s, w.session("never")):
+            with pytest.raises(LedgerError) as info:
+                await again.generate(PROMPT, SHORT)
+            assert info.value.code == Code.SESSION_CLOSED
+        assert await events_of(r.store, SessionBound) == []
+        ((_, tomb),) = await events_of(r.store, SessionReleased)
+        assert tomb.version_id is None
+
+
+async def test_close_waits_for_running_generations_then_releases_once() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("s")
+        await s.generate(PROMPT, SHORT)
+        for engine in r.local.values():
+            engine.pause_generation()
+        results: list[object] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                results.append(await s.generate(PROMPT, LONG))
+
+            async def close() -> None:
+                results.append(await s.close())
+
+            tg.start_soon(run)
+            await wait_for(lambda: s.in_flight == 1 and r.gateway.inflight_counts() != {})
+            tg.start_soon(close)
+            await wait_for(lambda: s.closed)
+            with pytest.raises(LedgerError) as info:
+                await s.generate(PROMPT, SHORT)  # closing: nothing new starts
+            assert info.value.code == Code.SESSION_CLOSED
+            await anyio.sleep(0.05)
+            assert "s" in r.ledger.state.sessions  # still bound: a generation is running
+            for engine in r.local.values():
+                engine.continue_generation()
+        served, released = results
+        assert served.generation.finish_reason == "length"  # type: ignore[attr-defined]
+        assert released == Released(session="s", released=True, version_id=1)
+        assert await s.close() == released  # idempotent, no second event
+        assert len(await events_of(r.store, SessionReleased)) == 1
+
+
+async def test_close_with_cancel_stops_running_generations_first() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("s")
+        for engine in r.local.values():
+            engine.pause_generation()
+        errors: list[LedgerError] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                try:
+                    await s.generate(PROMPT, LONG)
+                except LedgerError as exc:
+                    errors.append(exc)
+
+            tg.start_soon(run)
+            await wait_for(lambda: r.gateway.inflight_counts() != {})
+            released = await s.close(cancel=True)
+        assert [e.code for e in errors] == [Code.SESSION_CLOSED]
+        assert released.released and released.version_id == 1
+        assert r.gateway.inflight_counts() == {}
+        assert all(e.refcount(r.names[1]) == 0 for e in r.local.values())
+
+
+async def test_a_lost_release_reply_is_retried_and_releases_exactly_once() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        port.lose_release_replies = 1
+        retry = RetryPolicy(first_delay=0.001)
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            released = await s.close()
+            assert released.session == "s"
+            assert len(port.sent(c.Release)) == 2  # the lost reply was asked again
+            assert "s" not in r.ledger.state.sessions
+        ((_, event),) = await events_of(r.store, SessionReleased)
+        assert (event.session, event.version_id, event.cause) == ("s", 1, "closed")
+
+
+async def test_tombstones_are_forgotten_in_batches_once_released() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, forget_batch=4) as w:
+            for i in range(10):
+                s = w.session(f"s{i}")
+                await s.generate(PROMPT, SHORT)
+                await s.close()
+            await wait_for(lambda: w.unforgotten == 2)  # two full batches went in background
+            assert len(r.ledger.state.tombstones) == 2
+        # leaving the worker forgets the rest
+        assert r.ledger.state.tombstones == {}
+        sizes = [len(e.sessions) for _, e in await events_of(r.store, SessionsForgotten)]
+        assert sizes == [4, 4, 2]
+
+
+# --- batches ---------------------------------------------------------------------------------
+
+
+async def test_bind_many_and_close_many_take_one_round_trip_each() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            group = [w.session(f"g{i}") for i in range(20)]
+            closed_early = w.session("closed-early")
+            await closed_early.close()
+            port.calls.clear()
+            bound = await w.bind_many([*group, closed_early])
+            assert len(port.calls) == 1 and len(port.calls[0]) == 20
+            assert [b.version_id for b in bound[:20]] == [1] * 20  # type: ignore[union-attr]
+            assert bound[20].code == Code.SESSION_CLOSED  # type: ignore[union-attr]
+            await r.publish(2)
+            for s in group[:3]:
+                assert (await s.generate(PROMPT, SHORT)).version_id == 1
+            port.calls.clear()
+            released = await w.close_many(group)
+            assert len(port.calls) == 1
+            assert all(isinstance(x, Released) and x.released for x in released)
+        assert r.ledger.state.versions[1].bound == 0
+
+
+# --- owner leases ------------------------------------------------------------------------------
+
+
+async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts() -> None:
+    async with rig() as r, worker_on(r, ttl_s=10.0, renew_every=0.01) as w:
+        await r.publish(1)
+        s = w.session("s")
+        for engine in r.local.values():
+            engine.pause_generation()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.generate, PROMPT, LONG)
+            await wait_for(lambda: r.gateway.inflight_counts() != {})
+            for _ in range(3):
+                r.clock.advance(8.0)  # past the ttl in total, never between two renewals
+                seen = w.renewals
+                await wait_for(lambda seen=seen: w.renewals > seen)
+                assert await r.ledger.expire_leases() == []
+            counts = {x.reporter: x.count for x in r.ledger.inflight_evidence(1) if x.count}
+            assert counts == {"w1": 1}
+            for engine in r.local.values():
+                engine.continue_generation()
+        assert w.lost is None
+
+
+async def test_a_dead_workers_lease_expires_releases_its_sessions_and_unblocks_reclaim() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+            await w.session("orphan").generate(PROMPT, SHORT)
+        # the worker is gone without closing "orphan"; v1 is retired but still pinned
+        await r.publish(2)
+        with pytest.raises(LedgerError) as info:
+            await r.reclaim(1)
+        assert info.value.code == Code.NOT_RECLAIMABLE
+        r.clock.advance(10.0)
+        (expired,) = await r.ledger.expire_leases()
+        assert (expired.owner, expired.released) == ("w1", 1)
+        ((_, event),) = await events_of(r.store, SessionReleased)
+        assert (event.session, event.cause) == ("orphan", "lease_expired")
+        await r.reclaim(1)
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+        assert all(r.names[1] not in e.loaded_adapters() for e in r.local.values())
+
+
+async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> None:
+    async with rig(wrap=Recording) as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            r.clock.advance(11.0)
+            await r.ledger.expire_leases()  # the worker was paused past its ttl
+            sent = sum(len(e.calls) for e in r.fleet)  # type: ignore[attr-defined]
+            calls = [
+                lambda: s.generate(PROMPT, SHORT),
+                s.bind,
+                s.close,
+                lambda: w.session("new").generate(PROMPT, SHORT),
+                lambda: w.bind_many([w.session("new2")]),
+            ]
+            for call in calls:
+                with pytest.raises(LedgerError) as info:
+                    await call()
+                assert info.value.code == Code.LEASE_EXPIRED
+            assert w.lost is not None
+            assert sum(len(e.calls) for e in r.fleet) == sent  # nothing dispatched
+        assert len(await events_of(r.store, SessionBound)) == 1
+        with pytest.raises(LedgerError) as info:
+            await r.ledger.register_owner("w1", ttl_s=10.0)
+        assert info.value.code == Code.LEASE_EXPIRED
