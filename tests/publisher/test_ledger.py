@@ -348,3 +348,27 @@ async def test_batch_decided_during_a_failed_append_is_decided_again() -> None:
         durable = await recover(store, use_snapshot=False)
         assert set(durable.sessions) == {"b"}
         invariants.check(ledger.state)
+
+
+@pytest.mark.anyio
+async def test_subscribers_see_each_new_event_once_in_order() -> None:
+    async with Ledger.open(MemoryStore()) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        seen: list[str] = []
+        start = ledger.state.last_seq
+
+        async def follow() -> None:
+            async for record in ledger.subscribe():
+                seen.append(type(record.event).__name__)
+                if len(seen) == 3:
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            await anyio.sleep(0.01)
+            await ledger.bind("a", "w")
+            await ledger.release("a", "w")
+            await ledger.bind("b", "w")
+        assert seen == ["SessionBound", "SessionReleased", "SessionBound"]
+        assert ledger.state.last_seq == start + 3
