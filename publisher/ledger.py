@@ -168,8 +168,10 @@ class Ledger:
         return self._clock()
 
     def subscribe(self, after: int | None = None) -> AsyncIterator[Record]:
-        """Every record after ``after`` (default: from now on), as it is committed."""
-        return self._store.follow(self._state.last_seq if after is None else after)
+        """Every record after ``after`` (default: from the durable end of the log), as it is
+        committed. (Not from ``state.last_seq``: the state may already hold the decisions of
+        a batch whose COMMIT is still in flight, and their records must not be skipped.)"""
+        return self._store.follow(self._store.last_seq if after is None else after)
 
     # --- executing ------------------------------------------------------------------------------
 
