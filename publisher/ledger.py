@@ -157,7 +157,12 @@ class Ledger:
 
     @property
     def state(self) -> RegistryState:
-        """The live state. Read-only for callers: mutate it and you break the ledger."""
+        """The live state. Read-only for callers: mutate it and you break the ledger.
+
+        It may already hold the decisions of one batch whose COMMIT is in flight (the writer
+        decides ahead); those callers are answered only once their events are durable, and if
+        the COMMIT fails the state is rebuilt from the log. Use it for routing and reporting,
+        never as proof that something happened: proof is an answered command."""
         return self._state
 
     @property
