@@ -1,0 +1,454 @@
+"""Incidents: the anomalies an operator wants named after a run, each with the seqs that show it.
+
+A pure fold over records (it reads ``seq`` and ``recorded_at`` from the envelope; no clock, no
+I/O): ``finish()`` measures whatever is still open against the time of the *last record*, so
+the same log always yields the same incidents, on any machine, at any later date.
+
+Kinds, and why each is worth a line:
+
+* ``stuck`` -- a version stayed LOADING, RECLAIMING or FAILED_FATAL, or RETIRED with nothing
+  bound (reclaimable but not reclaimed), longer than ``stuck_after``: every one of those states
+  should be short-lived, so a long one is a hung driver or an engine that never answered.
+* ``retried`` -- a publication needed a second attempt (which attempts failed, why, and
+  whether a later one committed).
+* ``fatal`` / ``reclaim_ambiguous`` -- an ambiguous engine reply left a version FAILED_FATAL or
+  a reclaim undecided, and how it was resolved (the inventory evidence) or that it was not.
+* ``pinned_retired`` -- the sessions that kept a retired version alive longest (they hold its
+  capacity slot; the usual answer to "why is v3 still loaded?").
+* ``skipped`` -- a publication refused for capacity: the trainer's update never served.
+* ``lease_expired`` -- a rollout worker died or stalled; how many sessions it lost.
+* ``receipt_rejected`` -- a stale, restarted or mismatched engine receipt the ledger refused.
+* ``engine_restart`` -- an engine came back as a new process and how long until it was repaired
+  (routable again with every needed version).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+import msgspec
+
+from evlog.events import (
+    AttemptFailed,
+    AttemptStarted,
+    EngineLeft,
+    EngineRepaired,
+    EngineRestarted,
+    FatalResolved,
+    InventoryObserved,
+    OwnerLeaseExpired,
+    PublicationSkipped,
+    ReceiptRejected,
+    ReclaimAmbiguous,
+    SessionBound,
+    SessionReleased,
+    VersionPublished,
+    VersionReclaimed,
+    VersionRestored,
+)
+from evlog.record import Record
+from projections.lifecycle import advance
+from projections.registry import RegistryState, VersionState
+
+KINDS = (
+    "stuck",
+    "retried",
+    "fatal",
+    "reclaim_ambiguous",
+    "pinned_retired",
+    "skipped",
+    "lease_expired",
+    "receipt_rejected",
+    "engine_restart",
+)
+
+# States that must be short-lived. RETIRED is watched separately: only while nothing is bound.
+_TRANSIENT = frozenset({VersionState.LOADING, VersionState.RECLAIMING, VersionState.FAILED_FATAL})
+_MAX_SEQS = 12  # seqs listed per incident (a lease expiry may release thousands of sessions)
+
+
+class Incident(msgspec.Struct, frozen=True, kw_only=True):
+    """One anomaly. ``seqs`` are the records that show it (first the one that started it);
+    ``resolved`` is None for one-off facts (a skip, a rejected receipt)."""
+
+    kind: str
+    subject: str
+    at: float
+    seqs: tuple[int, ...]
+    summary: str
+    duration_s: float | None = None
+    resolved: bool | None = None
+    resolution: str = ""
+
+
+class _Open(msgspec.Struct, kw_only=True):
+    """An incident still accumulating evidence."""
+
+    kind: str
+    subject: str
+    at: float
+    seqs: list[int]
+    summary: str
+    count: int = 0
+
+
+class _Attempts(msgspec.Struct, kw_only=True):
+    failures: list[tuple[int, int, str, bool, float]] = msgspec.field(default_factory=list)
+    restarts: list[int] = msgspec.field(default_factory=list)  # AttemptStarted seqs, attempt >= 2
+    published: tuple[int, int, float] | None = None  # (seq, attempt, at)
+
+
+class IncidentFold:
+    """Fold records; ``finish()`` returns every incident, ordered by time then seq.
+
+    ``stuck_after`` is the threshold for ``stuck`` (seconds); ``pinned_top`` how many
+    ``pinned_retired`` sessions to report (the longest ones)."""
+
+    def __init__(self, *, stuck_after: float = 60.0, pinned_top: int = 5) -> None:
+        self.registry = RegistryState()
+        self.stuck_after = stuck_after
+        self.pinned_top = pinned_top
+        self._found: list[Incident] = []
+        self._since: dict[int, tuple[VersionState, float, int]] = {}
+        self._reclaimable: dict[int, tuple[float, int]] = {}
+        self._attempts: dict[int, _Attempts] = {}
+        self._fatal: dict[int, _Open] = {}
+        self._ambiguous: dict[int, _Open] = {}
+        self._restarts: dict[str, _Open] = {}
+        self._leases: dict[str, _Open] = {}
+        self._inventory: dict[str, tuple[int, float]] = {}  # engine -> its latest (seq, at)
+        self._bindings: dict[str, tuple[int, int, float]] = {}  # session -> (vid, seq, at)
+        self._retired_at: dict[int, tuple[int, float]] = {}
+        self._pinned: list[tuple[float, int, Incident]] = []  # min-heap of the longest
+        self._last_at = 0.0
+        self._last_seq = 0
+
+    # --- folding ----------------------------------------------------------------------------
+
+    def apply(self, record: Record) -> None:
+        seq, at, event = record.seq, record.recorded_at, record.event
+        self._last_at, self._last_seq = at, seq
+        for change in advance(self.registry, record):
+            self._state_changed(change.version_id, change.before, change.after, seq, at)
+        match event:
+            case SessionBound():
+                self._bindings[event.session] = (event.version_id, seq, at)
+                self._reclaimable.pop(event.version_id, None)
+            case SessionReleased():
+                self._released(event, seq, at)
+            case VersionPublished() if event.retired is not None:
+                self._retired_at[event.retired] = (seq, at)
+                self._watch_reclaimable(event.retired, seq, at)
+            case AttemptStarted() if event.attempt >= 2:
+                self._attempts_of(event.version_id).restarts.append(seq)
+            case AttemptFailed():
+                self._attempts_of(event.version_id).failures.append(
+                    (seq, event.attempt, event.code, event.clean, at)
+                )
+                if not event.clean:
+                    self._fatal[event.version_id] = _Open(
+                        kind="fatal",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=[seq],
+                        summary=f"attempt {event.attempt} ended ambiguous: "
+                        f"{event.code}: {event.reason}",
+                    )
+            case InventoryObserved():
+                self._inventory[event.engine] = (seq, at)
+            case FatalResolved():
+                self._close_fatal(event, seq, at)
+            case ReclaimAmbiguous():
+                entry = self._ambiguous.get(event.version_id)
+                if entry is None:
+                    self._ambiguous[event.version_id] = _Open(
+                        kind="reclaim_ambiguous",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=[seq],
+                        summary=f"unload on {event.engine} ambiguous: {event.reason}",
+                    )
+                else:
+                    _add_seq(entry, seq)
+            case VersionReclaimed():
+                entry = self._ambiguous.pop(event.version_id, None)
+                if entry is not None:
+                    self._add_evidence(entry, at)
+                    _add_seq(entry, seq)
+                    self._close(entry, at, "unload confirmed on every engine; slot freed")
+            case PublicationSkipped():
+                self._found.append(
+                    Incident(
+                        kind="skipped",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=(seq,),
+                        summary=f"publication skipped: {event.code}: {event.message}",
+                    )
+                )
+            case ReceiptRejected():
+                self._found.append(
+                    Incident(
+                        kind="receipt_rejected",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=(seq,),
+                        summary=f"{event.code} from {event.engine} ({event.incarnation}) "
+                        f"attempt {event.attempt}: {event.detail}",
+                    )
+                )
+            case OwnerLeaseExpired():
+                self._leases[event.owner] = _Open(
+                    kind="lease_expired",
+                    subject=f"owner {event.owner}",
+                    at=at,
+                    seqs=[seq],
+                    summary=f"no renewal for {event.at - event.last_seen:.1f}s",
+                )
+            case EngineRestarted():
+                self._restarts[event.engine] = _Open(
+                    kind="engine_restart",
+                    subject=event.engine,
+                    at=at,
+                    seqs=[seq],
+                    summary=f"restarted ({event.old} -> {event.new}): lost every adapter",
+                )
+            case VersionRestored():
+                entry = self._restarts.get(event.engine)
+                if entry is not None:
+                    _add_seq(entry, seq)
+                    entry.count += 1
+            case EngineRepaired():
+                entry = self._restarts.pop(event.engine, None)
+                if entry is not None:
+                    _add_seq(entry, seq)
+                    self._close(
+                        entry, at, f"repaired: {entry.count} needed versions reloaded, routable"
+                    )
+            case EngineLeft():
+                entry = self._restarts.pop(event.engine, None)
+                if entry is not None:
+                    _add_seq(entry, seq)
+                    self._close(entry, at, "left the fleet before it was repaired")
+            case _:
+                pass
+
+    def apply_all(self, records: Iterable[Record]) -> IncidentFold:
+        for record in records:
+            self.apply(record)
+        return self
+
+    # --- the end ----------------------------------------------------------------------------
+
+    def finish(self) -> list[Incident]:
+        """Every incident found, with the ones still open measured up to the last record."""
+        now, found = self._last_at, list(self._found)
+        for vid, (state, since, seq) in sorted(self._since.items()):
+            if state in _TRANSIENT and now - since > self.stuck_after:
+                found.append(self._stuck(vid, state, since, seq, None, now))
+        for vid, (since, seq) in sorted(self._reclaimable.items()):
+            if now - since > self.stuck_after:
+                found.append(self._stuck(vid, VersionState.RETIRED, since, seq, None, now))
+        for entry in self._fatal.values():
+            found.append(self._freeze(entry, None, "still FAILED_FATAL: no inventory proved it"))
+        for entry in self._ambiguous.values():
+            found.append(self._freeze(entry, None, "still undecided: no inventory proved it"))
+        for entry in self._restarts.values():
+            found.append(self._freeze(entry, None, "not repaired yet: not routable"))
+        for entry in self._leases.values():
+            found.append(self._lease_incident(entry))
+        for vid, attempts in sorted(self._attempts.items()):
+            if attempts.restarts:
+                found.append(self._retried(vid, attempts))
+        pinned = [inc for _, _, inc in self._pinned]
+        for session, (vid, seq, bound_at) in self._bindings.items():
+            retired = self._retired_at.get(vid)
+            if retired is not None:
+                incident = self._pinned_incident(session, vid, seq, bound_at, retired, None, now)
+                if incident is not None:
+                    pinned.append(incident)
+        pinned.sort(key=lambda inc: (-(inc.duration_s or 0.0), inc.seqs))
+        found.extend(pinned[: self.pinned_top])
+        found.sort(key=lambda inc: (inc.at, inc.seqs, inc.kind))
+        return found
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _attempts_of(self, version_id: int) -> _Attempts:
+        return self._attempts.setdefault(version_id, _Attempts())
+
+    def _state_changed(
+        self, vid: int, before: VersionState | None, after: VersionState, seq: int, at: float
+    ) -> None:
+        held = self._since.get(vid)
+        if held is not None and held[0] in _TRANSIENT and at - held[1] > self.stuck_after:
+            self._found.append(self._stuck(vid, held[0], held[1], held[2], seq, at))
+        self._since[vid] = (after, at, seq)
+        if before is VersionState.RETIRED:
+            left = self._reclaimable.pop(vid, None)
+            if left is not None and at - left[0] > self.stuck_after:
+                self._found.append(self._stuck(vid, before, left[0], left[1], seq, at))
+        if after is VersionState.PUBLISHED:
+            attempts = self._attempts_of(vid)
+            attempts.published = (seq, self.registry.versions[vid].attempt, at)
+
+    def _watch_reclaimable(self, vid: int, seq: int, at: float) -> None:
+        v = self.registry.versions.get(vid)
+        if v is not None and v.state is VersionState.RETIRED and v.bound == 0:
+            self._reclaimable.setdefault(vid, (at, seq))
+
+    def _released(self, event: SessionReleased, seq: int, at: float) -> None:
+        binding = self._bindings.pop(event.session, None)
+        if event.cause == "lease_expired":
+            entry = self._leases.get(event.owner)
+            if entry is not None:
+                entry.count += 1
+                _add_seq(entry, seq)
+        if binding is None:
+            return
+        vid, bound_seq, bound_at = binding
+        retired = self._retired_at.get(vid)
+        if retired is not None:
+            incident = self._pinned_incident(
+                event.session, vid, bound_seq, bound_at, retired, seq, at
+            )
+            if incident is not None and self.pinned_top > 0:
+                item = (incident.duration_s or 0.0, seq, incident)
+                if len(self._pinned) < self.pinned_top:
+                    heapq.heappush(self._pinned, item)
+                elif item[:2] > self._pinned[0][:2]:
+                    heapq.heapreplace(self._pinned, item)
+        self._watch_reclaimable(vid, seq, at)
+
+    def _pinned_incident(
+        self,
+        session: str,
+        vid: int,
+        bound_seq: int,
+        bound_at: float,
+        retired: tuple[int, float],
+        released_seq: int | None,
+        until: float,
+    ) -> Incident | None:
+        """How long ``session`` kept retired ``vid`` in use (from its retirement, or from the
+        binding if later), up to its release or ``until``."""
+        retired_seq, retired_at = retired
+        start = max(retired_at, bound_at)
+        held = until - start
+        if held <= 0:
+            return None
+        seqs = (bound_seq, retired_seq) + (() if released_seq is None else (released_seq,))
+        return Incident(
+            kind="pinned_retired",
+            subject=f"session {session}",
+            at=start,
+            seqs=seqs,
+            summary=f"kept retired v{vid} in use for {held:.1f}s",
+            duration_s=held,
+            resolved=released_seq is not None,
+            resolution="released" if released_seq is not None else "still bound",
+        )
+
+    def _close_fatal(self, event: FatalResolved, seq: int, at: float) -> None:
+        entry = self._fatal.pop(event.version_id, None)
+        if entry is None:
+            return
+        for evidence in event.evidence:
+            _add_seq(entry, evidence)
+        self._add_evidence(entry, at)
+        _add_seq(entry, seq)
+        self._close(entry, at, "inventories proved the candidate absent on every engine")
+
+    def _add_evidence(self, entry: _Open, at: float) -> None:
+        """The inventories recorded at the resolving moment (the same decision batch) are the
+        evidence the ledger relied on: list their seqs with the incident."""
+        for seq, seen_at in sorted(self._inventory.values()):
+            if seen_at == at and seq > entry.seqs[0]:
+                _add_seq(entry, seq)
+
+    def _close(self, entry: _Open, at: float, resolution: str) -> None:
+        self._found.append(self._freeze(entry, at, resolution))
+
+    def _freeze(self, entry: _Open, closed_at: float | None, resolution: str) -> Incident:
+        end = self._last_at if closed_at is None else closed_at
+        return Incident(
+            kind=entry.kind,
+            subject=entry.subject,
+            at=entry.at,
+            seqs=tuple(entry.seqs),
+            summary=entry.summary,
+            duration_s=end - entry.at,
+            resolved=closed_at is not None,
+            resolution=resolution,
+        )
+
+    def _lease_incident(self, entry: _Open) -> Incident:
+        return Incident(
+            kind=entry.kind,
+            subject=entry.subject,
+            at=entry.at,
+            seqs=tuple(entry.seqs),
+            summary=f"{entry.summary}; {entry.count} sessions released",
+        )
+
+    def _stuck(
+        self,
+        vid: int,
+        state: VersionState,
+        since: float,
+        since_seq: int,
+        left_seq: int | None,
+        until: float,
+    ) -> Incident:
+        what = (
+            "RETIRED and unbound (reclaimable, not reclaimed)"
+            if (state is VersionState.RETIRED)
+            else str(state)
+        )
+        seqs = (since_seq,) if left_seq is None else (since_seq, left_seq)
+        return Incident(
+            kind="stuck",
+            subject=f"v{vid}",
+            at=since,
+            seqs=seqs,
+            summary=f"{what} for {until - since:.1f}s (threshold {self.stuck_after:g}s)",
+            duration_s=until - since,
+            resolved=left_seq is not None,
+            resolution="" if left_seq is None else f"left {state} at seq {left_seq}",
+        )
+
+    def _retried(self, vid: int, attempts: _Attempts) -> Incident:
+        failed = attempts.failures
+        seqs = sorted({s for s, *_ in failed} | set(attempts.restarts))
+        reasons = "; ".join(
+            f"attempt {a} {'clean' if clean else 'ambiguous'} {code}"
+            for _, a, code, clean, _ in failed
+        )
+        first_at = failed[0][4] if failed else self._last_at
+        if attempts.published is not None:
+            pub_seq, pub_attempt, pub_at = attempts.published
+            seqs.append(pub_seq)
+            resolution, resolved, end = f"attempt {pub_attempt} published", True, pub_at
+        else:
+            resolution, resolved, end = "not published", False, self._last_at
+        return Incident(
+            kind="retried",
+            subject=f"v{vid}",
+            at=first_at,
+            seqs=tuple(seqs[:_MAX_SEQS]),
+            summary=f"needed {len(attempts.restarts) + 1} attempts ({reasons})",
+            duration_s=end - first_at,
+            resolved=resolved,
+            resolution=resolution,
+        )
+
+
+def _add_seq(entry: _Open, seq: int) -> None:
+    if len(entry.seqs) < _MAX_SEQS and seq not in entry.seqs:
+        entry.seqs.append(seq)
+
+
+def incidents(records: Iterable[Record], **options: float) -> list[Incident]:
+    """Convenience: fold ``records`` and finish (``options`` as for :class:`IncidentFold`)."""
+    return IncidentFold(**options).apply_all(records).finish()  # type: ignore[arg-type]

@@ -1,0 +1,72 @@
+"""Per-session audits folded from a real fault run."""
+
+from __future__ import annotations
+
+import pytest
+
+from evlog.events import SessionBound, SessionReleased, SessionsForgotten
+from evlog.record import Record
+from projections.audit import AuditFold
+from tests.tools.scenario import digest, fault_run_records
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
+    return fault_run_records(tmp_path_factory.mktemp("audit") / "fault.db")
+
+
+def test_a_session_names_its_exact_version_and_what_it_did_meanwhile(
+    records: list[Record],
+) -> None:
+    (audit,) = AuditFold(sessions=["s-b"]).apply_all(records).finish()
+    assert (audit.session, audit.owner, audit.version_id, audit.revision) == ("s-b", "w1", 1, 1)
+    assert audit.digest == digest(1)
+    assert audit.lora_name == f"agent@dep-1-{digest(1)[:16]}"
+    assert (audit.bound_at, audit.released_at, audit.cause) == (1002.0, 1100.0, "closed")
+    facts = [(f.what, f.at, f.during) for f in audit.version_facts]
+    assert facts == [
+        ("loading", 1001.0, False),
+        ("published", 1001.0, False),
+        ("retired", 1010.0, True),  # retired while s-b still used it
+        ("reclaiming", 1101.0, False),  # only after s-b let go
+        ("reclaimed", 1101.0, False),
+    ]
+
+
+def test_owner_filter_lease_release_and_open_sessions(records: list[Record]) -> None:
+    by_owner = AuditFold(owner="w2").apply_all(records).finish()
+    assert [a.session for a in by_owner] == ["s-c"]
+    (lost,) = by_owner
+    expiry = next(r.seq for r in records if r.type == "OwnerLeaseExpired")
+    assert (lost.cause, lost.lease_expired_seq) == ("lease_expired", expiry)
+    everyone = AuditFold().apply_all(records).finish()
+    assert [a.session for a in everyone] == ["s-a", "s-b", "s-c", "s-d"]
+    open_one = everyone[-1]
+    assert open_one.released_seq is None and open_one.version_id == 2
+    assert ("restored", True) in [(f.what, f.during) for f in open_one.version_facts]
+
+
+def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
+    def rec(seq: int, event: object) -> Record:
+        return Record(
+            seq=seq, event_id=b"", stream="", type=type(event).__name__, schema=1,
+            recorded_at=float(seq), payload=b"", prev_hash=b"", hash=b"", event=event,
+        )  # fmt: skip
+
+    from tests.publisher.book import Book
+
+    book = Book().bootstrap()
+    book.publish(1)
+    base = [rec(i + 1, e) for i, e in enumerate(book.events)]
+    n = len(base)
+    tail = [
+        rec(n + 1, SessionBound(session="x", owner="w1", version_id=1, revision=1)),
+        rec(n + 2, SessionReleased(session="x", owner="w1", version_id=1)),
+        rec(n + 3, SessionsForgotten(sessions=("x",))),
+        rec(n + 4, SessionReleased(session="x", owner="w1", version_id=None)),
+    ]
+    lives = AuditFold(sessions=["x"]).apply_all(base + tail).finish()
+    assert [(a.bound_seq, a.released_seq, a.forgotten_seq) for a in lives] == [
+        (n + 1, n + 2, n + 3),
+        (None, n + 4, None),
+    ]

@@ -1,0 +1,112 @@
+"""Incidents folded from a log the real ledger wrote with injected failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from evlog.record import Record
+from projections.incidents import IncidentFold, incidents
+from tests.tools.scenario import fault_run_records
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
+    return fault_run_records(tmp_path_factory.mktemp("incidents") / "fault.db")
+
+
+def _kinds(found: list) -> list[tuple[str, str]]:  # type: ignore[type-arg]
+    return [(i.kind, i.subject) for i in found]
+
+
+def _seq_of(records: list[Record], type_name: str, **fields: object) -> int:
+    for r in records:
+        if r.type == type_name and all(getattr(r.event, k) == v for k, v in fields.items()):
+            return r.seq
+    raise AssertionError(f"no {type_name} {fields}")
+
+
+def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) -> None:
+    found = incidents(records, stuck_after=60.0)
+    assert _kinds(found) == [
+        ("receipt_rejected", "v2"),
+        ("retried", "v2"),
+        ("pinned_retired", "session s-a"),
+        ("pinned_retired", "session s-b"),
+        ("pinned_retired", "session s-c"),
+        ("lease_expired", "owner w2"),
+        ("fatal", "v3"),
+        ("stuck", "v3"),
+        ("retried", "v3"),
+        ("pinned_retired", "session s-d"),
+        ("stuck", "v3"),
+        ("skipped", "v5"),
+        ("engine_restart", "e1"),
+        ("reclaim_ambiguous", "v3"),
+    ]
+    by = {(i.kind, i.subject, i.at): i for i in found}
+
+    rejected = by[("receipt_rejected", "v2", 1005.0)]
+    assert rejected.seqs == (_seq_of(records, "ReceiptRejected"),)
+    assert "ENGINE_RESTARTED" in rejected.summary
+
+    retried = by[("retried", "v2", 1005.0)]
+    failed = _seq_of(records, "AttemptFailed", version_id=2)
+    second = _seq_of(records, "AttemptStarted", version_id=2, attempt=2)
+    published = _seq_of(records, "VersionPublished", version_id=2)
+    assert retried.seqs == (failed, second, published)
+    assert (retried.resolved, retried.resolution) == (True, "attempt 2 published")
+
+    fatal = by[("fatal", "v3", 1110.0)]
+    inventories = [
+        r.seq for r in records if r.type == "InventoryObserved" and r.recorded_at == 1200
+    ]
+    assert fatal.seqs == (
+        _seq_of(records, "AttemptFailed", version_id=3),
+        *inventories,
+        _seq_of(records, "FatalResolved"),
+    )
+    assert fatal.resolved and fatal.duration_s == 90.0
+
+    stuck = [i for i in found if i.kind == "stuck"]
+    assert [(i.summary.split(" for ")[0], i.duration_s) for i in stuck] == [
+        ("FAILED_FATAL", 90.0),
+        ("RETIRED and unbound (reclaimable, not reclaimed)", 90.0),
+    ]
+
+    lease = by[("lease_expired", "owner w2", 1040.0)]
+    assert lease.seqs[0] == _seq_of(records, "OwnerLeaseExpired")
+    assert lease.summary.endswith("1 sessions released")
+
+    restart = by[("engine_restart", "e1", 1300.0)]
+    assert restart.resolved and restart.duration_s == 5.0
+    assert restart.seqs[-1] == _seq_of(records, "EngineRepaired", incarnation="e1-i2")
+
+    ambiguous = by[("reclaim_ambiguous", "v3", 1310.0)]
+    assert ambiguous.resolved and ambiguous.seqs[-1] == _seq_of(
+        records, "VersionReclaimed", version_id=3
+    )
+
+    # s-d is still bound to retired v2 at the end of the log: measured to the last record.
+    pinned = by[("pinned_retired", "session s-d", 1210.0)]
+    assert (pinned.duration_s, pinned.resolved) == (190.0, False)
+
+
+def test_threshold_and_top_n_change_what_is_reported(records: list[Record]) -> None:
+    lenient = IncidentFold(stuck_after=120.0, pinned_top=2).apply_all(records).finish()
+    assert not [i for i in lenient if i.kind == "stuck"]
+    pinned = [i for i in lenient if i.kind == "pinned_retired"]
+    # the two longest: s-d (190 s, still bound) and s-b (90 s)
+    assert sorted(i.subject for i in pinned) == ["session s-b", "session s-d"]
+    strict = IncidentFold(stuck_after=5.0).apply_all(records).finish()
+    stuck = {(i.subject, i.summary.split(" for ")[0]) for i in strict if i.kind == "stuck"}
+    # 10 s of RECLAIMING (v3, ambiguous unload) now counts too
+    assert ("v3", "RECLAIMING") in stuck
+
+
+def test_a_prefix_reports_open_incidents_as_unresolved(records: list[Record]) -> None:
+    """Replaying up to the moment v3 was FAILED_FATAL shows the incident open, not resolved."""
+    cut = _seq_of(records, "InventoryObserved") - 1
+    found = incidents([r for r in records if r.seq <= cut], stuck_after=60.0)
+    fatal = [i for i in found if i.kind == "fatal"]
+    assert len(fatal) == 1 and fatal[0].resolved is False
+    assert "still FAILED_FATAL" in fatal[0].resolution

@@ -1,0 +1,165 @@
+"""A real run with injected failures, written by the real ledger on a real SQLite file.
+
+The tools are tested on logs the ledger itself wrote (not on hand-made events), so a change in
+what the ledger records is caught here too. The clock is injected, so every ``recorded_at`` is
+known and the expected incidents, timelines and audits can be stated exactly:
+
+====== ===================================================================================
+ t (s)  what happens
+====== ===================================================================================
+ 1000   deployment ``dep`` (capacity 3), engines e0, e1 join and are repaired
+ 1001   owners w1 (ttl 30 s) and w2 (ttl 5 s) register; v1 published (revision 1)
+ 1002   s-a, s-b (w1) and s-c (w2) bind to v1
+ 1005   v2 attempt 1: e0 READY, a stale receipt from e1 is REJECTED (ENGINE_RESTARTED),
+        then the attempt fails cleanly (absent everywhere)
+ 1010   v2 attempt 2 published (revision 2): v1 RETIRED with s-a, s-b, s-c still bound
+ 1011   s-d (w1) binds to v2
+ 1020   s-a released
+ 1040   w2's lease expires: s-c released (lease_expired)
+ 1100   s-b released: v1 reclaimable; 1101 v1 reclaimed (unloaded on e0 and e1)
+ 1110   v3 attempt 1 ends AMBIGUOUS (timeout): FAILED_FATAL
+ 1200   inventories of e0 and e1 prove v3 absent: fatal resolved (90 s FAILED_FATAL: stuck)
+ 1210   v3 attempt 2 published (revision 3): v2 RETIRED, s-d still bound (never released)
+ 1220   v4 published (revision 4): v3 RETIRED, unbound
+ 1230   v5 skipped: capacity 3 is full (v2, v3, v4)
+ 1300   e1 restarts (e1-i2): v2 and v4 restored on it, e1 repaired at 1305
+ 1310   v3 reclaim: e0 unloads, e1's unload is AMBIGUOUS; 1320 e1's inventory proves it gone
+ 1400   owner w3 registers (the last record)
+====== ===================================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import anyio
+import pytest
+
+from evlog.errors import LedgerError
+from evlog.record import Record
+from evlog.sqlite import SQLiteStore
+from publisher.ledger import Ledger
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def digest(version_id: int) -> str:
+    return hashlib.sha256(f"v{version_id}".encode()).hexdigest()
+
+
+async def publish(ledger: Ledger, version_id: int) -> None:
+    allocated = await ledger.allocate(version_id, digest(version_id))
+    await _load(ledger, version_id, allocated.attempt)
+    await ledger.commit(version_id, allocated.attempt)
+
+
+async def _load(ledger: Ledger, version_id: int, attempt: int) -> None:
+    v = ledger.state.versions[version_id]
+    await ledger.claim_transport(version_id, attempt, "trainer")
+    for engine in v.fleet:
+        incarnation = ledger.state.engines[engine].incarnation
+        receipt = (version_id, attempt, engine, incarnation, v.digest, v.lora_name)
+        await ledger.record_prepared(*receipt)
+        await ledger.record_ready(*receipt)
+
+
+async def reclaim(ledger: Ledger, version_id: int) -> None:
+    await ledger.claim_reclaim(version_id, ledger.inflight_evidence(version_id))
+    for engine, member in sorted(ledger.state.engines.items()):
+        await ledger.record_unloaded(version_id, engine, member.incarnation)
+
+
+async def write_fault_run(path: Path) -> Path:
+    """Write the run above to ``path`` (a fresh SQLite file) and return it."""
+    clock = Clock(1000.0)
+    async with SQLiteStore.open(path) as store, Ledger.open(store, clock=clock) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=3, fleet=("e0", "e1"))
+        for engine in ("e0", "e1"):
+            await ledger.join_engine(engine, f"{engine}-i1")
+            await ledger.repair_engine(engine, f"{engine}-i1")
+        clock.now = 1001.0
+        await ledger.register_owner("w1", ttl_s=30.0)
+        await ledger.register_owner("w2", ttl_s=5.0)
+        await publish(ledger, 1)
+        clock.now = 1002.0
+        for session, owner in (("s-a", "w1"), ("s-b", "w1"), ("s-c", "w2")):
+            await ledger.bind(session, owner)
+
+        clock.now = 1005.0
+        v2 = await ledger.allocate(2, digest(2))
+        await ledger.claim_transport(2, v2.attempt, "trainer")
+        await ledger.record_ready(2, 1, "e0", "e0-i1", v2.digest, v2.lora_name)
+        with pytest.raises(LedgerError, match="ENGINE_RESTARTED"):
+            await ledger.record_ready(2, 1, "e1", "e1-i0", v2.digest, v2.lora_name)
+        await ledger.fail_attempt(
+            2, 1, clean=True, code="LOAD_REFUSED", reason="e1 refused", absent_on=("e0", "e1")
+        )
+        clock.now = 1010.0
+        await publish(ledger, 2)
+        clock.now = 1011.0
+        await ledger.bind("s-d", "w1")
+
+        clock.now = 1020.0
+        await ledger.release("s-a", "w1")
+        clock.now = 1040.0
+        ledger.renew_lease("w1")
+        expired = await ledger.expire_leases()
+        assert [e.owner for e in expired] == ["w2"], expired
+        clock.now = 1100.0
+        await ledger.release("s-b", "w1")
+        clock.now = 1101.0
+        await reclaim(ledger, 1)
+
+        clock.now = 1110.0
+        v3 = await ledger.allocate(3, digest(3))
+        await ledger.claim_transport(3, v3.attempt, "trainer")
+        await ledger.fail_attempt(3, 1, clean=False, code="AMBIGUOUS", reason="load timed out")
+        clock.now = 1200.0
+        for engine in ("e0", "e1"):
+            await ledger.observe_inventory(
+                engine, f"{engine}-i1", [ledger.state.versions[2].lora_name]
+            )
+        clock.now = 1210.0
+        await publish(ledger, 3)
+        clock.now = 1220.0
+        await publish(ledger, 4)
+        clock.now = 1230.0
+        skipped = await ledger.allocate(5, digest(5))
+        assert type(skipped).__name__ == "Skipped", skipped
+
+        clock.now = 1300.0
+        await ledger.observe_restart("e1", "e1-i2")
+        for version_id in ledger.state.needed_versions():
+            await ledger.restore_version(version_id, "e1", "e1-i2")
+        clock.now = 1305.0
+        await ledger.repair_engine("e1", "e1-i2")
+
+        clock.now = 1310.0
+        await ledger.claim_reclaim(3, ledger.inflight_evidence(3))
+        await ledger.record_unloaded(3, "e0", "e0-i1")
+        await ledger.mark_reclaim_ambiguous(3, "e1", "unload timed out")
+        clock.now = 1320.0
+        held = [ledger.state.versions[v].lora_name for v in (2, 4)]
+        await ledger.observe_inventory("e1", "e1-i2", held)
+
+        clock.now = 1400.0
+        await ledger.register_owner("w3", ttl_s=30.0)
+    return path
+
+
+def fault_run_records(path: Path) -> list[Record]:
+    """Write the run (synchronously, for module-scoped fixtures) and read it back."""
+
+    async def run() -> list[Record]:
+        await write_fault_run(path)
+        async with SQLiteStore.open(path) as store:
+            return await store.read()
+
+    return anyio.run(run)
