@@ -163,3 +163,8 @@ def fault_run_records(path: Path) -> list[Record]:
             return await store.read()
 
     return anyio.run(run)
+
+
+def write_fault_run_sync(path: Path) -> Path:
+    """:func:`write_fault_run` from synchronous code (module-scoped fixtures, CLI tests)."""
+    return anyio.run(write_fault_run, path)

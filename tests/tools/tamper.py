@@ -1,0 +1,74 @@
+"""Ways a log file gets damaged, done to a copy with plain ``sqlite3`` (the ledger closed it).
+
+Each helper models one real-world failure: a flipped byte (disk or a hand edit), a rewritten
+link (someone splicing records), a re-forged chain (an attacker who recomputes every hash after
+editing history: the chain then verifies, and only the invariant replay can catch it), and a
+file cut short (a copy or a disk that stopped mid-write).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+from evlog.events import Event, encode_event
+from evlog.record import chain_hash
+
+_ROW = (
+    "SELECT seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash FROM events"
+)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(path, isolation_level=None)
+
+
+def flip_payload_byte(path: Path, seq: int, index: int = -1) -> None:
+    with closing(_connect(path)) as conn:
+        (payload,) = conn.execute("SELECT payload FROM events WHERE seq = ?", (seq,)).fetchone()
+        changed = bytearray(payload)
+        changed[index] ^= 0x01
+        conn.execute("UPDATE events SET payload = ? WHERE seq = ?", (bytes(changed), seq))
+
+
+def rewrite_prev_hash(path: Path, seq: int, *, rehash: bool) -> None:
+    """Point record ``seq`` at a made-up predecessor; ``rehash`` also makes its own hash
+    consistent with that (so the record alone looks fine and only the link is wrong)."""
+    fake_prev = bytes(range(32))
+    with closing(_connect(path)) as conn:
+        row = conn.execute(_ROW + " WHERE seq = ?", (seq,)).fetchone()
+        new_hash = chain_hash(fake_prev, *row[:7]) if rehash else row[8]
+        conn.execute(
+            "UPDATE events SET prev_hash = ?, hash = ? WHERE seq = ?", (fake_prev, new_hash, seq)
+        )
+
+
+def reforge(path: Path, seq: int, event: Event) -> None:
+    """Replace record ``seq`` by ``event`` and recompute every hash from there on."""
+    with closing(_connect(path)) as conn:
+        conn.execute("BEGIN")
+        conn.execute(
+            "UPDATE events SET type = ?, payload = ? WHERE seq = ?",
+            (type(event).__name__, encode_event(event), seq),
+        )
+        (prev,) = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()
+        for row in conn.execute(_ROW + " WHERE seq >= ? ORDER BY seq", (seq,)).fetchall():
+            new_hash = chain_hash(prev, *row[:7])
+            conn.execute(
+                "UPDATE events SET prev_hash = ?, hash = ? WHERE seq = ?", (prev, new_hash, row[0])
+            )
+            prev = new_hash
+        conn.execute("COMMIT")
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def page_size(path: Path) -> int:
+    with open(path, "rb") as f:
+        header = f.read(100)
+    size = int.from_bytes(header[16:18], "big")
+    return 65536 if size == 1 else size

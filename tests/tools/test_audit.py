@@ -1,0 +1,128 @@
+"""``loraledger audit`` on the fault run, joined with a provenance file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from publisher.provenance import ProvenanceRow, encode_rows
+from tests.tools.conftest import Cli
+from tests.tools.scenario import digest
+from tools.exitcodes import Exit
+
+
+def _row(
+    session: str, turn: int, version_id: int, *, started: float, **over: object
+) -> ProvenanceRow:
+    fields: dict[str, object] = dict(
+        session=session,
+        turn=turn,
+        engine="e0",
+        incarnation="e0-i1",
+        version_id=version_id,
+        lora_name=f"agent@dep-{version_id}-{digest(version_id)[:16]}",
+        digest=digest(version_id),
+        bound_revision=version_id,
+        head_revision=version_id,
+        head_revision_done=version_id,
+        request_id=f"{session}-{turn}",
+        prompt_tokens=12,
+        completion_tokens=8,
+        cached_tokens=0,
+        finish_reason="length",
+        started_at=started,
+        finished_at=started + 0.5,
+        gateway="g0",
+    )
+    fields.update(over)
+    return ProvenanceRow(**fields)  # type: ignore[arg-type]
+
+
+def _lines(stdout: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def test_a_session_history_with_its_generations(cli: Cli, fault_log: Path, tmp_path: Path) -> None:
+    prov = tmp_path / "provenance.jsonl"
+    prov.write_bytes(
+        encode_rows(
+            [
+                _row("s-b", 1, 1, started=1015.0, head_revision=2, head_revision_done=2),
+                _row("s-b", 0, 1, started=1003.0),
+                _row("s-other", 0, 1, started=1003.0),
+            ]
+        )
+    )
+    result = cli("audit", fault_log, "--session", "s-b", "--provenance", prov, "--json")
+    assert result.returncode == 0, result.stderr
+    (line,) = _lines(result.stdout)
+    assert (line["row"], line["session"], line["owner"], line["version_id"]) == (
+        "session",
+        "s-b",
+        "w1",
+        1,
+    )
+    assert (line["digest"], line["revision"], line["cause"]) == (digest(1), 1, "closed")
+    assert (line["bound_at"], line["released_at"]) == (1002.0, 1100.0)
+    facts = [(f["what"], f["during"]) for f in line["version_facts"]]  # type: ignore[index]
+    assert ("retired", True) in facts and ("reclaimed", False) in facts
+    turns = [g["turn"] for g in line["generations"]]  # type: ignore[index]
+    assert turns == [0, 1]  # ordered by turn, the other session's row is not attached
+    assert line["mismatches"] == []
+
+    human = cli("audit", fault_log, "--session", "s-b", "--provenance", prov)
+    assert human.returncode == 0
+    out = human.stdout
+    assert "session s-b (owner w1) -> v1" in out
+    assert "while bound" in out and "RELEASED" in out and "turn 1 on e0 v1" in out
+    assert "lag 1" in out  # turn 1 ran one commit behind the head
+
+
+def test_a_generation_on_another_version_is_a_mismatch(
+    cli: Cli, fault_log: Path, tmp_path: Path
+) -> None:
+    prov = tmp_path / "provenance.jsonl"
+    prov.write_bytes(encode_rows([_row("s-a", 0, 2, started=1012.0, bound_revision=1)]))
+    result = cli("audit", fault_log, "--session", "s-a", "--provenance", prov)
+    assert result.returncode == Exit.FAILED
+    assert "MISMATCH" in result.stdout and "version 2 served, session bound to 1" in result.stdout
+    assert "digest" in result.stdout
+
+
+def test_by_owner_all_and_lease_release(cli: Cli, fault_log: Path) -> None:
+    by_owner = _lines(cli("audit", fault_log, "--owner", "w2", "--json").stdout)
+    assert [(r["session"], r["cause"]) for r in by_owner] == [("s-c", "lease_expired")]
+    assert isinstance(by_owner[0]["lease_expired_seq"], int)
+    everyone = _lines(cli("audit", fault_log, "--all", "--json").stdout)
+    assert [r["session"] for r in everyone] == ["s-a", "s-b", "s-c", "s-d"]
+    assert everyone[-1]["released_seq"] is None
+    human = cli("audit", fault_log, "--owner", "w2")
+    assert "owner lease expired at seq" in human.stdout
+    assert "still bound at the end of the log" in cli("audit", fault_log, "--session", "s-d").stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        ((), Exit.USAGE, "say which sessions"),
+        (("--all", "--owner", "w1"), Exit.USAGE, "--all audits every session"),
+        (("--session", "s-nope"), Exit.FAILED, "no session matches (s-nope)"),
+        (("--session", "s-a", "--provenance", "/nonexistent.jsonl"), Exit.MISSING, "no such"),
+    ],
+)
+def test_refusals(
+    cli: Cli, fault_log: Path, args: tuple[str, ...], code: int, message: str
+) -> None:
+    result = cli("audit", fault_log, *args)
+    assert result.returncode == code
+    assert message in result.stderr
+
+
+def test_a_torn_provenance_file_is_refused(cli: Cli, fault_log: Path, tmp_path: Path) -> None:
+    prov = tmp_path / "provenance.jsonl"
+    prov.write_bytes(encode_rows([_row("s-a", 0, 1, started=1003.0)]) + b'{"session": "s-a", "tu')
+    result = cli("audit", fault_log, "--session", "s-a", "--provenance", prov)
+    assert result.returncode == Exit.CORRUPT
+    assert "line 2" in result.stderr

@@ -1,0 +1,33 @@
+"""``loraledger bench``: the wrappers run the real benchmark functions (smoke sizes) and
+report each figure with its reference and ratio, and the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.tools.conftest import Cli
+
+
+def test_bench_ledger_quick_reports_ratios_and_the_machine(cli: Cli) -> None:
+    result = cli("bench", "ledger", "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    (out,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert out["bench"] == "ledger" and out["quick"] is True
+    assert f"{os.cpu_count()} cores" in out["machine"]
+    runs = out["sessions"]
+    assert [r["concurrency"] for r in runs] == [1, 16]
+    for r in runs:
+        assert r["sessions_per_s"] > 0 and r["reference_sessions_per_s"] > 0
+        ratio = r["sessions_per_s"] / r["reference_sessions_per_s"]
+        assert r["ratio"] == pytest.approx(ratio, rel=0.01)
+    assert out["recovery"]["events"] > 20_000
+
+
+def test_bench_store_quick_human_output(cli: Cli) -> None:
+    result = cli("bench", "store", "--quick")
+    assert result.returncode == 0, result.stderr
+    assert "machine:" in result.stdout and "ratio" in result.stdout
+    assert "iterate_events_per_s" in result.stdout

@@ -1,0 +1,161 @@
+"""``loraledger replay`` on the fault run: state at a seq or time, timelines, incidents, plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tools import tamper
+from tests.tools.conftest import Cli
+from tools.exitcodes import Exit
+from tools.plot import DPI, SIZE_INCHES, STATE_COLOURS
+
+
+def _rows(stdout: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def _state(cli: Cli, log: Path, *args: str) -> dict[str, object]:
+    result = cli("replay", log, "--json", *args)
+    assert result.returncode == 0, result.stderr
+    (state,) = [r for r in _rows(result.stdout) if r["row"] == "state"]
+    return state
+
+
+def _versions(state: dict[str, object]) -> dict[int, str]:
+    return {v["version_id"]: v["state"] for v in state["versions"]}  # type: ignore[attr-defined]
+
+
+def test_state_at_the_end_at_a_seq_and_at_a_time(cli: Cli, fault_log: Path) -> None:
+    end = _state(cli, fault_log)
+    assert (end["seq"], end["log_last_seq"], end["default"]) == (74, 74, 4)
+    assert _versions(end) == {1: "RECLAIMED", 2: "RETIRED", 3: "RECLAIMED", 4: "PUBLISHED"}
+    assert end["sessions_bound"] == 1
+
+    # Right after the lease expiry (seq 36): v2 is the default, v1 still pins s-b.
+    mid = _state(cli, fault_log, "--seq", "36")
+    assert (mid["seq"], mid["default"], mid["sessions_bound"]) == (36, 2, 2)
+    assert _versions(mid) == {1: "RETIRED", 2: "PUBLISHED"}
+
+    # --at resolves to the last seq recorded at or before it: 1200 s is the fatal resolution
+    # (seqs 46-48 share that time), 1199.9 s is just before it (seq 45, v3 FAILED_FATAL).
+    assert _state(cli, fault_log, "--at", "1200")["seq"] == 48
+    before = _state(cli, fault_log, "--at", "1970-01-01T00:19:59.900Z")
+    assert before["seq"] == 45 and _versions(before)[3] == "FAILED_FATAL"
+    assert before["blocked_by"] == [3]
+    assert _state(cli, fault_log, "--at", "1970-01-01T00:20:00+00:00")["seq"] == 48
+
+
+def test_human_output_names_the_position_and_the_tables(cli: Cli, fault_log: Path) -> None:
+    result = cli("replay", fault_log, "--seq", "45")
+    assert result.returncode == 0
+    out = result.stdout
+    assert "at seq 45 of 74" in out
+    assert "publication blocked by unresolved versions v3" in out
+    assert "FAILED_FATAL" in out and "versions" in out and "engines" in out
+
+
+def test_timelines_show_each_transition_with_time_and_cause(cli: Cli, fault_log: Path) -> None:
+    result = cli("replay", fault_log, "--json", "--version", "3", "--engine", "e1")
+    rows = [r for r in _rows(result.stdout) if r["row"] == "timeline"]
+    v3 = [(r["seq"], r["from_state"], r["to_state"]) for r in rows if r["subject_of"] == "v3"]
+    changes = [(s, a, b) for s, a, b in v3 if a != b]
+    assert [(a, b) for _, a, b in changes] == [
+        (None, "LOADING"),
+        ("LOADING", "FAILED_FATAL"),
+        ("FAILED_FATAL", "FAILED_RETRYABLE"),
+        ("FAILED_RETRYABLE", "LOADING"),
+        ("LOADING", "PUBLISHED"),
+        ("PUBLISHED", "RETIRED"),
+        ("RETIRED", "RECLAIMING"),
+        ("RECLAIMING", "RECLAIMED"),
+    ]
+    fatal = next(r for r in rows if r["to_state"] == "FAILED_FATAL")
+    assert fatal["at"] == 1110.0 and "ambiguous: AMBIGUOUS: load timed out" in fatal["detail"]
+    e1 = [r["event"] for r in rows if r["subject_of"] == "e1"]
+    assert "EngineRestarted" in e1 and e1.index("EngineRestarted") < e1.index("VersionRestored")
+    # a timeline stops where the replay stops
+    short = cli("replay", fault_log, "--json", "--version", "3", "--seq", "45")
+    assert max(r["seq"] for r in _rows(short.stdout) if r["row"] == "timeline") == 45
+    human = cli("replay", fault_log, "--version", "3")
+    assert "timeline of v3" in human.stdout and "FAILED_FATAL" in human.stdout
+
+
+def test_incidents_with_threshold(cli: Cli, fault_log: Path) -> None:
+    result = cli("replay", fault_log, "--incidents", "--json", "--stuck-after", "1m")
+    incidents = [r for r in _rows(result.stdout) if r["row"] == "incident"]
+    kinds = {(r["kind"], r["subject"]) for r in incidents}
+    assert {
+        ("retried", "v2"),
+        ("receipt_rejected", "v2"),
+        ("fatal", "v3"),
+        ("stuck", "v3"),
+        ("skipped", "v5"),
+        ("lease_expired", "owner w2"),
+        ("engine_restart", "e1"),
+        ("reclaim_ambiguous", "v3"),
+        ("pinned_retired", "session s-d"),
+    } <= kinds
+    lenient = cli("replay", fault_log, "--incidents", "--json", "--stuck-after", "2m")
+    assert not [r for r in _rows(lenient.stdout) if r.get("kind") == "stuck"]
+    human = cli("replay", fault_log, "--incidents")
+    assert "incidents" in human.stdout and "engine_restart" in human.stdout
+
+
+def test_plot_writes_a_png_of_the_expected_size(cli: Cli, fault_log: Path, tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+
+    png = tmp_path / "life.png"
+    result = cli("replay", fault_log, "--plot", png, "--json")
+    assert result.returncode == 0, result.stderr
+    assert {"row": "plot", "path": str(png)} in _rows(result.stdout)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(png)
+    assert pixels.shape[:2] == (int(SIZE_INCHES[1] * DPI), int(SIZE_INCHES[0] * DPI))
+    rgb = (pixels[..., :3] * 255).round().astype(int)
+    non_white = np.any(rgb < 250, axis=-1).mean()
+    assert non_white > 0.05, "the plot is (nearly) blank"
+
+    def share(colour: str) -> float:
+        want = np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)])
+        return float(np.all(np.abs(rgb - want) <= 2, axis=-1).mean())
+
+    # the bands are drawn in their state's colour, in proportion to the time spent there
+    assert share(STATE_COLOURS["PUBLISHED"]) > 0.02
+    assert share(STATE_COLOURS["RETIRED"]) > 0.02
+    assert share(STATE_COLOURS["RECLAIMED"]) > 0.01
+    assert share(STATE_COLOURS["FAILED_FATAL"]) > 0.002
+
+
+def test_replay_of_a_tampered_log_stops_at_the_bad_seq(cli: Cli, fault_log: Path) -> None:
+    tamper.flip_payload_byte(fault_log, 40)
+    broken = cli("replay", fault_log)
+    assert broken.returncode == Exit.TAMPERED
+    assert "(seq 40)" in broken.stderr and "Traceback" not in broken.stderr
+    # everything before the damage is still readable, and says so
+    assert _state(cli, fault_log, "--seq", "39")["seq"] == 39
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--seq", "75"), "past the end of the log (74)"),
+        (("--seq", "0"), "--seq must be >= 1"),
+        (("--seq", "3", "--at", "1000"), "not both"),
+        (("--at", "999"), "before the first record"),
+        (("--at", "yesterday"), "cannot read time"),
+        (("--stuck-after", "soon", "--incidents"), "cannot read duration"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(
+    cli: Cli, fault_log: Path, args: tuple[str, ...], message: str
+) -> None:
+    result = cli("replay", fault_log, *args)
+    assert result.returncode == Exit.USAGE
+    assert message in result.stderr

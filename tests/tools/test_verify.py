@@ -1,0 +1,169 @@
+"""``loraledger verify`` on a real log, and on every way a log file goes bad.
+
+Each damaged file must be named with its own exit code and, where a record is to blame, the
+first bad seq; none may produce a traceback, and verify must never modify what it inspects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from evlog.events import SessionBound
+from tests.tools import tamper
+from tests.tools.conftest import Cli, run_script
+from tools.exitcodes import Exit
+
+
+def _verdict(cli: Cli, log: Path) -> tuple[int, dict[str, object]]:
+    result = cli("verify", log, "--json")
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    return result.returncode, json.loads(lines[0])
+
+
+def _seq_of(log: Path, type_name: str, nth: int = 0) -> int:
+    with closing(sqlite3.connect(log)) as conn:
+        rows = conn.execute("SELECT seq FROM events WHERE type = ? ORDER BY seq", (type_name,))
+        return [r[0] for r in rows][nth]
+
+
+def test_a_good_log_verifies(cli: Cli, fault_log: Path) -> None:
+    code, report = _verdict(cli, fault_log)
+    assert code == 0 and report["ok"] is True
+    assert report["records"] == report["last_seq"] == 74
+    assert len(str(report["head_hash"])) == 64
+    human = cli("verify", fault_log, "--deep")
+    assert human.returncode == 0 and "74 records, chain intact" in human.stdout
+
+
+def test_a_flipped_payload_byte_is_tampering_at_that_seq(cli: Cli, fault_log: Path) -> None:
+    bad = _seq_of(fault_log, "SessionBound", 1)
+    tamper.flip_payload_byte(fault_log, bad)
+    code, report = _verdict(cli, fault_log)
+    assert code == Exit.TAMPERED
+    assert (report["first_bad_seq"], report["code"], report["stage"]) == (
+        bad,
+        "CORRUPT_RECORD",
+        "chain",
+    )
+    assert report["last_seq"] == bad - 1  # the verified prefix
+    human = cli("verify", fault_log)
+    assert human.returncode == Exit.TAMPERED
+    assert f"at seq {bad}" in human.stdout and "altered" in human.stdout
+
+
+@pytest.mark.parametrize(
+    ("rehash", "expected_code"), [(False, "CORRUPT_RECORD"), (True, "CHAIN_BROKEN")]
+)
+def test_a_rewritten_prev_hash_is_named(
+    cli: Cli, fault_log: Path, rehash: bool, expected_code: str
+) -> None:
+    bad = 30
+    tamper.rewrite_prev_hash(fault_log, bad, rehash=rehash)
+    code, report = _verdict(cli, fault_log)
+    assert (code, report["first_bad_seq"], report["code"]) == (Exit.TAMPERED, bad, expected_code)
+
+
+def test_a_tampered_tail_is_refused_at_open(cli: Cli, fault_log: Path) -> None:
+    tamper.flip_payload_byte(fault_log, 74)
+    code, report = _verdict(cli, fault_log)
+    assert (code, report["first_bad_seq"], report["stage"]) == (Exit.TAMPERED, 74, "open")
+
+
+def test_a_reforged_chain_is_caught_by_the_invariant_replay(cli: Cli, fault_log: Path) -> None:
+    """Someone rewrote history and recomputed every hash: the chain verifies, the replay does
+    not (a session bound to a version that did not exist yet)."""
+    bad = _seq_of(fault_log, "SessionBound", 0)
+    tamper.reforge(
+        fault_log, bad, SessionBound(session="s-a", owner="w1", version_id=4, revision=1)
+    )
+    code, report = _verdict(cli, fault_log)
+    assert code == Exit.INVARIANT
+    assert (report["stage"], report["first_bad_seq"]) == ("invariants", bad)
+    assert "SessionBound" in str(report["problem"])
+
+
+def test_a_reforged_but_applicable_event_breaks_a_named_invariant(
+    cli: Cli, fault_log: Path
+) -> None:
+    """A binding forged onto v3 while it is still LOADING can be applied, but it breaks "only
+    serving versions are bound" exactly at that seq."""
+    claimed = _seq_of(fault_log, "VersionAllocated", 2) + 2  # v3: allocated, started, claimed
+    assert _seq_of(fault_log, "TransportClaimed", 3) == claimed
+    forged = SessionBound(session="s-x", owner="w1", version_id=3, revision=2)
+    tamper.reforge(fault_log, claimed, forged)
+    code, report = _verdict(cli, fault_log)
+    assert (code, report["first_bad_seq"]) == (Exit.INVARIANT, claimed)
+    assert "version 3 is LOADING with 1 sessions bound" in str(report["problem"])
+
+
+def test_a_truncated_log_is_corrupt_not_tampered(cli: Cli, fault_log: Path) -> None:
+    assert not Path(f"{fault_log}-wal").exists()  # the writer checkpointed: the file is whole
+    size = fault_log.stat().st_size
+    page = tamper.page_size(fault_log)
+    for cut in (size - page // 2, size - page, 50):  # mid-page, on a page boundary, in the header
+        copy = fault_log.with_name(f"cut-{cut}.db")
+        copy.write_bytes(fault_log.read_bytes())
+        tamper.truncate(copy, cut)
+        code, report = _verdict(cli, copy)
+        assert code == Exit.CORRUPT, (cut, report)
+        assert "truncated" in str(report["problem"])
+        assert copy.stat().st_size == cut  # verify never "repairs" what it inspects
+
+
+def test_missing_empty_and_foreign_files(cli: Cli, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.db"
+    code, report = _verdict(cli, missing)
+    assert code == Exit.MISSING and "no such file" in str(report["problem"])
+    assert not missing.exists()  # not created
+
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert _verdict(cli, empty)[0] == Exit.EMPTY
+    assert empty.stat().st_size == 0  # not turned into a ledger
+
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a ledger\n" * 20)
+    assert _verdict(cli, text)[0] == Exit.NOT_A_LEDGER
+
+    foreign = tmp_path / "app.sqlite"
+    with closing(sqlite3.connect(foreign)) as conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+        conn.commit()
+    before = foreign.read_bytes()
+    assert _verdict(cli, foreign)[0] == Exit.NOT_A_LEDGER
+    assert foreign.read_bytes() == before  # not switched to WAL, no tables added
+
+    assert _verdict(cli, tmp_path)[0] == Exit.NOT_A_LEDGER  # a directory
+
+
+def test_an_initialised_ledger_without_events_is_empty(cli: Cli, tmp_path: Path) -> None:
+    import anyio
+
+    from evlog.sqlite import SQLiteStore
+
+    async def create() -> None:
+        async with SQLiteStore.open(tmp_path / "new.db"):
+            pass
+
+    anyio.run(create)
+    code, report = _verdict(cli, tmp_path / "new.db")
+    assert code == Exit.EMPTY and "no events" in str(report["problem"])
+
+
+def test_the_console_script_reports_without_a_traceback(fault_log: Path) -> None:
+    """The real entry point, as a user runs it: one line on failure, the exit code."""
+    tamper.flip_payload_byte(fault_log, 20)
+    result = run_script("verify", fault_log)
+    assert result.returncode == Exit.TAMPERED
+    assert "at seq 20" in result.stdout and "Traceback" not in result.stderr
+    missing = run_script("replay", os.fspath(fault_log) + ".missing")
+    assert missing.returncode == Exit.MISSING
+    assert missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr

@@ -1,0 +1,116 @@
+"""``loraledger audit``: each session's version history, joined with its generations.
+
+The log says which version a session was bound to; the provenance file
+(``publisher/provenance.py``, JSON lines) says which version each *generation* actually
+carried. Joining them is the check a trainer's importance sampling rests on, so every
+generation whose identity differs from its session's binding (version id, adapter name,
+digest, bound revision) is reported as a mismatch, and so is a generation of a session the log
+never bound.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+
+from evlog.errors import LedgerError
+from projections.audit import AuditFold, SessionAudit
+from publisher.provenance import ProvenanceRow, read_rows
+from tools.exitcodes import Exit, ToolError
+from tools.logfile import open_log
+
+Progress = Callable[[int, int], None]
+_EVERY = 4096
+
+
+class AuditReport(msgspec.Struct, frozen=True, kw_only=True):
+    audit: SessionAudit
+    generations: tuple[ProvenanceRow, ...] = ()
+    mismatches: tuple[str, ...] = ()
+
+
+def load_provenance(path: str | os.PathLike[str]) -> list[ProvenanceRow]:
+    if not os.path.exists(path):
+        raise ToolError(Exit.MISSING, f"{path}: no such provenance file")
+    try:
+        return read_rows(path)
+    except LedgerError as exc:
+        raise ToolError(Exit.CORRUPT, f"{path}: {exc.message}") from None
+    except OSError as exc:
+        raise ToolError(Exit.FAILED, f"{path}: cannot read: {exc}") from None
+
+
+def join(audits: Sequence[SessionAudit], rows: Iterable[ProvenanceRow]) -> list[AuditReport]:
+    """Attach each generation to the session life it ran in and check its identity. Pure.
+
+    A row belongs to the life of its session that was bound when it started (the last one
+    bound at or before ``started_at``); rows of sessions not audited are ignored."""
+    lives: dict[str, list[int]] = {}
+    for i, audit in enumerate(audits):
+        lives.setdefault(audit.session, []).append(i)
+    attached: list[list[ProvenanceRow]] = [[] for _ in audits]
+    for row in rows:
+        candidates = lives.get(row.session)
+        if not candidates:
+            continue
+        chosen = candidates[0]
+        for i in candidates:
+            bound_at = audits[i].bound_at
+            if bound_at is not None and bound_at <= row.started_at:
+                chosen = i
+        attached[chosen].append(row)
+    reports: list[AuditReport] = []
+    for audit, generations in zip(audits, attached, strict=True):
+        generations.sort(key=lambda r: (-1 if r.turn is None else r.turn, r.started_at))
+        reports.append(
+            AuditReport(
+                audit=audit,
+                generations=tuple(generations),
+                mismatches=tuple(m for row in generations for m in _mismatches(audit, row)),
+            )
+        )
+    return reports
+
+
+def _mismatches(audit: SessionAudit, row: ProvenanceRow) -> list[str]:
+    who = f"request {row.request_id} (turn {row.turn})"
+    if audit.version_id is None:
+        return [f"{who} ran on v{row.version_id} but the log never bound {audit.session}"]
+    out: list[str] = []
+    expected = {
+        "version": (audit.version_id, row.version_id),
+        "adapter": (audit.lora_name, row.lora_name),
+        "digest": (audit.digest, row.digest),
+        "bound revision": (audit.revision, row.bound_revision),
+    }
+    for what, (bound, served) in expected.items():
+        if bound != served:
+            out.append(f"{who}: {what} {served} served, session bound to {bound}")
+    return out
+
+
+async def audit_log(
+    path: str | os.PathLike[str],
+    *,
+    sessions: Sequence[str] | None = None,
+    owner: str | None = None,
+    provenance: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+) -> list[AuditReport]:
+    """Audit ``sessions`` (ids), or every session of ``owner``, or (neither) every session."""
+    rows = load_provenance(provenance) if provenance is not None else []
+    fold = AuditFold(sessions=sessions, owner=owner)
+    async with open_log(path) as store:
+        last = store.last_seq
+        try:
+            async for record in store.iterate():
+                fold.apply(record)
+                if progress is not None and record.seq % _EVERY == 0:
+                    progress(record.seq, last)
+        except LedgerError as exc:
+            raise ToolError.from_ledger(exc, path=str(path)) from None
+    if progress is not None:
+        progress(last, last)
+    return join(fold.finish(), rows)

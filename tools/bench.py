@@ -1,0 +1,127 @@
+"""``loraledger bench {store,ledger,publish}``: thin wrappers over the ``bench_*`` functions.
+
+The measurements live in ``tools/bench_store.py``, ``tools/bench_ledger.py`` and
+``tools/bench_publish.py`` (each also runnable with ``python -m``); this only chooses the
+sizes (``--quick``: a smoke run small enough for CI, whose figures are *not* the DESIGN §9
+ones), names the machine the figures were measured on (they are meaningless without it: fsync
+latency alone varies several-fold between machines), and prints every figure next to its
+reference and ratio, as a table or as one JSON object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from tools.exitcodes import Exit, ToolError
+from tools.output import emit, stdout_console
+
+# name -> (module, function, full-size kwargs, --quick kwargs)
+BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "store": (
+        "tools.bench_store",
+        "bench_store",
+        {},
+        {
+            "appenders": (1, 16),
+            "modes": ("FULL",),
+            "events": {1: 200, 16: 1_600},
+            "replay_events": 20_000,
+        },
+    ),
+    "ledger": (
+        "tools.bench_ledger",
+        "bench_ledger",
+        {},
+        {
+            "concurrencies": (1, 16),
+            "modes": ("FULL",),
+            "sessions": {1: 100, 16: 800},
+            "replay_events": 20_000,
+        },
+    ),
+    "publish": ("tools.bench_publish", "bench_publish", {}, {"quick": True}),
+}
+
+
+def machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
+            )
+    except OSError:
+        model = ""
+    cpu = f"{model}, " if model else ""
+    return (
+        f"{platform.system()} {platform.machine()}, {cpu}{os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def _function(name: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+    module_name, function, _, _ = BENCHES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ToolError(
+            Exit.FAILED, f"bench {name} is not available in this installation ({exc})"
+        ) from None
+    return getattr(module, function)  # type: ignore[no-any-return]
+
+
+def run_bench(name: str, *, quick: bool, directory: Path | None, json: bool) -> dict[str, Any]:
+    fn = _function(name)
+    _, _, full, small = BENCHES[name]
+    kwargs = dict(small if quick else full)
+    if directory is not None:
+        kwargs["directory"] = str(directory)
+    result = anyio.run(lambda: fn(**kwargs))
+    out = {"bench": name, "quick": quick, **result, "machine": machine()}
+    if json:
+        emit(out)
+    else:
+        stdout_console().print(view(out))
+    return out
+
+
+def view(result: dict[str, Any]) -> RenderableType:
+    """Every list of rows as a table, every mapping as key/value lines: the bench modules own
+    their fields (and their ratios), so this never needs to know them."""
+    parts: list[RenderableType] = [
+        Text(
+            f"bench {result['bench']}{' (quick: smoke sizes)' if result['quick'] else ''}",
+            style="bold",
+        ),
+        Text(f"machine: {result['machine']}"),
+    ]
+    for key, value in result.items():
+        if key in ("bench", "quick", "machine"):
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            table = Table(title=key, title_justify="left")
+            columns = list(dict.fromkeys(k for row in value for k in row))
+            for column in columns:
+                table.add_column(column, justify="right")
+            for row in value:
+                table.add_row(*(str(row.get(c, "")) for c in columns))
+            parts.append(table)
+        elif isinstance(value, dict):
+            table = Table(title=key, title_justify="left", show_header=False)
+            table.add_column("figure")
+            table.add_column("value", justify="right")
+            for k, v in value.items():
+                table.add_row(k, str(v))
+            parts.append(table)
+        elif value is not None:
+            parts.append(Text(f"{key}: {value}"))
+    return Group(*parts)

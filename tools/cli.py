@@ -1,0 +1,508 @@
+"""The ``loraledger`` command: one console script, one subcommand per job.
+
+Every subcommand follows the same rules, so a newcomer learns them once:
+
+* the answer goes to stdout, as rich tables for people, or ``--json`` for scripts (one JSON
+  object per line when there are several);
+* logs and progress bars go to stderr (quiet by default, ``-v`` shows each decision);
+* a failure is one clear line on stderr and a distinct exit code (``loraledger --help`` lists
+  them), never a traceback (``-vv`` adds the traceback of an unexpected internal error).
+
+The commands only parse options, call the tool modules and render; the analysis lives in pure
+folds (``projections/``) and the work in ``tools/<command>.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import anyio
+import typer
+
+from evlog.errors import LedgerError
+from tools import logconfig
+from tools.exitcodes import EXIT_HELP, Exit, ToolError
+from tools.output import emit, stderr_console, stdout_console, to_json
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_PORT = 8765
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+
+app = typer.Typer(
+    name="loraledger",
+    help=(
+        "Control plane for versioned LoRA publication to inference fleets: pinned sessions, "
+        "safe reclaim, an append-only hash-chained event log.\n\n"
+        "Start with [bold]loraledger demo[/], then try replay / audit / verify on the log it "
+        "writes."
+    ),
+    epilog=EXIT_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+bench_app = typer.Typer(
+    help="Benchmarks (DESIGN §9): each figure with its reference ratio, measured in one run.",
+    no_args_is_help=True,
+    epilog=EXIT_HELP,
+)
+app.add_typer(bench_app, name="bench")
+
+_verbosity = 0
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Machine output: JSON (one object per line) on stdout.")
+]
+LogArg = Annotated[
+    Path, typer.Argument(help="The ledger log (a SQLite file written by the ledger).")
+]
+
+
+@app.callback()
+def _global(
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "-v",
+            "--verbose",
+            count=True,
+            help="Show structured logs on stderr: -v each decision, -vv everything.",
+        ),
+    ] = 0,
+) -> None:
+    global _verbosity
+    _verbosity = verbose
+    logconfig.configure(verbose)
+
+
+def _fail(exc: ToolError) -> typer.Exit:
+    where = f" (seq {exc.seq})" if exc.seq is not None else ""
+    stderr_console().print(
+        f"[bold red]error[/]{where}: {exc.message}", markup=True, highlight=False
+    )
+    return typer.Exit(int(exc.exit_code))
+
+
+def guarded(fn: F) -> F:
+    """Turn every failure into one message and its exit code (never a traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except ToolError as exc:
+            raise _fail(exc) from None
+        except LedgerError as exc:
+            raise _fail(ToolError.from_ledger(exc)) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if _verbosity >= 2:
+                traceback.print_exc(file=sys.stderr)
+            message = f"internal error: {exc!r} (run with -vv for the traceback)"
+            raise _fail(ToolError(Exit.FAILED, message)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _run(fn: Callable[..., Any], *args: Any) -> Any:
+    return anyio.run(fn, *args)
+
+
+# --- replay --------------------------------------------------------------------------------
+
+
+@app.command()
+@guarded
+def replay(
+    log: LogArg,
+    seq: Annotated[
+        int | None, typer.Option("--seq", help="Rebuild the state as of this seq.")
+    ] = None,
+    at: Annotated[
+        str | None,
+        typer.Option(
+            "--at",
+            help="Rebuild the state as of this time: ISO 8601 (UTC if no zone) or unix "
+            "seconds; resolves to the last seq recorded at or before it.",
+        ),
+    ] = None,
+    version: Annotated[
+        list[int] | None,
+        typer.Option("--version", help="Print this version's timeline (repeatable)."),
+    ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option("--engine", help="Print this engine's timeline (repeatable)."),
+    ] = None,
+    incidents: Annotated[
+        bool, typer.Option("--incidents", help="List anomalies with the seqs that show them.")
+    ] = False,
+    stuck_after: Annotated[
+        str,
+        typer.Option(
+            "--stuck-after", help="A version in a transient state longer than this is stuck."
+        ),
+    ] = "60s",
+    pinned_top: Annotated[
+        int, typer.Option("--pinned-top", help="How many longest retired-version pins to list.")
+    ] = 5,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Draw version lifetimes and bound sessions to this PNG."),
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Rebuild the ledger's state at any seq or time; timelines, incidents, a plot.
+
+    Without options: the state at the end of the log (versions, engines, bindings).
+    """
+    from projections.history import Entry
+    from publisher.ledger import status_of
+    from tools.plot import plot_lifetimes
+    from tools.progress import progress_bar
+    from tools.render import incidents_view, status_view, timeline_view
+    from tools.replay import replay as run_replay
+    from tools.timefmt import iso, parse_duration, parse_time
+
+    when = parse_time(at) if at is not None else None
+    threshold = parse_duration(stuck_after)
+    versions, engines = version or [], engine or []
+    with progress_bar("replaying") as update:
+        result = _run(
+            functools.partial(
+                run_replay,
+                log,
+                until_seq=seq,
+                at=when,
+                versions=versions,
+                engines=engines,
+                incidents=incidents,
+                stuck_after=threshold,
+                pinned_top=pinned_top,
+                lifetimes=plot is not None,
+                progress=update,
+            )
+        )
+    status = status_of(result.state)
+    timelines: list[tuple[str, list[Entry]]] = [
+        (f"v{v}", result.versions.get(v, [])) for v in versions
+    ] + [(e, result.engines.get(e, [])) for e in engines]
+    written = None
+    if plot is not None and result.lifetimes is not None:
+        written = plot_lifetimes(
+            result.lifetimes, plot, title=f"{log.name} up to seq {result.seq} ({iso(result.at)})"
+        )
+    if json:
+        emit(
+            to_json(
+                status,
+                row="state",
+                seq=result.seq,
+                at=result.at,
+                log_last_seq=result.log_last_seq,
+            )
+        )
+        for subject, entries in timelines:
+            for entry in entries:
+                emit(to_json(entry, row="timeline", subject_of=subject))
+        for incident in result.incidents or []:
+            emit(to_json(incident, row="incident"))
+        if written is not None:
+            emit({"row": "plot", "path": written})
+        return
+    out = stdout_console()
+    limit = "" if result.seq == result.log_last_seq else f" of {result.log_last_seq}"
+    out.print(status_view(status, title=f"{log} at seq {result.seq}{limit}", at=result.at))
+    for subject, entries in timelines:
+        out.print(timeline_view(subject, entries))
+    if result.incidents is not None:
+        out.print(incidents_view(result.incidents))
+    if written is not None:
+        out.print(f"plot written to {written}")
+
+
+# --- audit ---------------------------------------------------------------------------------
+
+
+@app.command()
+@guarded
+def audit(
+    log: LogArg,
+    session: Annotated[
+        list[str] | None, typer.Option("--session", help="Audit this session (repeatable).")
+    ] = None,
+    owner: Annotated[
+        str | None, typer.Option("--owner", help="Audit every session of this rollout worker.")
+    ] = None,
+    all_sessions: Annotated[
+        bool, typer.Option("--all", help="Audit every session in the log.")
+    ] = False,
+    provenance: Annotated[
+        Path | None,
+        typer.Option(
+            "--provenance",
+            help="Provenance JSON-lines file (publisher/provenance.py): adds every "
+            "generation and checks it against the binding.",
+        ),
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Per-session version history: bind, the version's milestones, generations, release."""
+    from tools.audit import audit_log
+    from tools.progress import progress_bar
+    from tools.render import audit_view
+
+    if not (session or owner or all_sessions):
+        raise ToolError(Exit.USAGE, "say which sessions: --session S, --owner W or --all")
+    if all_sessions and (session or owner):
+        raise ToolError(Exit.USAGE, "--all audits every session: drop --session/--owner")
+    with progress_bar("auditing") as update:
+        reports = _run(
+            functools.partial(
+                audit_log,
+                log,
+                sessions=session or None,
+                owner=owner,
+                provenance=provenance,
+                progress=update,
+            )
+        )
+    if not reports:
+        wanted = ", ".join(session or []) or (f"owner {owner}" if owner else "any session")
+        raise ToolError(Exit.FAILED, f"{log}: no session matches ({wanted})")
+    if json:
+        for report in reports:
+            emit(
+                to_json(
+                    report.audit,
+                    row="session",
+                    generations=[to_json(g) for g in report.generations],
+                    mismatches=list(report.mismatches),
+                )
+            )
+    else:
+        out = stdout_console()
+        for report in reports:
+            out.print(audit_view(report))
+    if any(report.mismatches for report in reports):
+        raise typer.Exit(int(Exit.FAILED))
+
+
+# --- verify --------------------------------------------------------------------------------
+
+
+@app.command()
+@guarded
+def verify(
+    log: LogArg,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep", help="Check the per-session invariants after every event too (slower)."
+        ),
+    ] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Check the hash chain and every invariant at every seq; name the first bad seq.
+
+    Exit codes tell the failure apart: 3 missing, 4 empty, 5 not a ledger, 6 corrupt or
+    truncated file, 7 tampered record or broken chain, 8 invariant violated, 9 newer schema.
+    """
+    from tools.progress import progress_bar
+    from tools.render import verify_view
+    from tools.verify import verify_log
+
+    with progress_bar("verifying") as update:
+        result = _run(functools.partial(verify_log, log, deep=deep, progress=update))
+    if json:
+        emit(to_json(result))
+    else:
+        stdout_console().print(verify_view(result))
+    if not result.ok:
+        raise typer.Exit(result.exit_code)
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+@app.command()
+@guarded
+def status(
+    url: Annotated[
+        str,
+        typer.Option("--url", envvar="LORALEDGER_URL", help="Where `loraledger serve` listens."),
+    ] = DEFAULT_URL,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", envvar="LORALEDGER_TOKEN", help="Bearer token, if the service wants one."
+        ),
+    ] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 5.0,
+    json: JsonOpt = False,
+) -> None:
+    """Ask a running ledger (`loraledger serve`) for its live status."""
+    from tools.render import status_view
+    from tools.status import fetch_status
+
+    live = fetch_status(url, token=token, timeout=timeout)
+    if json:
+        emit(to_json(live))
+        return
+    stdout_console().print(status_view(live, title=f"ledger at {url}"))
+
+
+# --- serve ---------------------------------------------------------------------------------
+
+
+@app.command()
+@guarded
+def serve(
+    db: Annotated[
+        Path,
+        typer.Option("--db", help="The ledger log (SQLite, local disk; created if absent)."),
+    ] = Path("loraledger.db"),
+    host: Annotated[
+        str,
+        typer.Option("--host", help="Listen address. Beyond loopback a --token is required."),
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = (
+        DEFAULT_PORT
+    ),
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="LORALEDGER_TOKEN",
+            help="Bearer token required by every state-changing route (POST). Without it "
+            "those routes are refused.",
+        ),
+    ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine",
+            help="A fleet member, ID=KIND:URL with KIND sglang, vllm or local, e.g. "
+            "e0=sglang:http://127.0.0.1:30000; e1=local: runs a local engine in process "
+            "(repeatable).",
+        ),
+    ] = None,
+    deployment: Annotated[
+        str, typer.Option("--deployment", help="Deployment name (fixed by the first run).")
+    ] = "default",
+    prefix: Annotated[str, typer.Option("--prefix", help="Adapter name prefix.")] = "policy",
+    capacity: Annotated[
+        int, typer.Option("--capacity", help="Versions that may hold a slot at once.")
+    ] = 3,
+    artifact_root: Annotated[
+        Path | None,
+        typer.Option("--artifacts", help="Artifact store directory (default: next to --db)."),
+    ] = None,
+    served_model: Annotated[
+        str, typer.Option("--served-model", help="Base model name of vLLM engines.")
+    ] = "tiny",
+    json: JsonOpt = False,
+) -> None:
+    """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
+
+    Read-only and open: GET /health, /status, /metrics. Bearer token: POST /owners,
+    /owners/{owner}/renew, /sessions/{session}/bind, /sessions/{session}/release, /versions.
+    Stops cleanly on SIGINT/SIGTERM.
+    """
+    from tools import serve as service
+
+    if _verbosity == 0:
+        logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
+    else:
+        logconfig.configure(_verbosity, stdlib=True)
+    opts = service.ServeOptions(
+        db=str(db),
+        host=host,
+        port=port,
+        token=token or None,
+        engines=service.specs(engine or []),
+        deployment=deployment,
+        prefix=prefix,
+        capacity=capacity,
+        artifact_root=str(artifact_root) if artifact_root else None,
+        served_model=served_model,
+    )
+    service.check_options(opts)
+
+    def ready(url: str) -> None:
+        if json:
+            emit({"row": "listening", "url": url, "db": str(db), "pid": os.getpid()})
+        else:
+            print(f"loraledger serve: listening on {url} (log {db}, pid {os.getpid()})", flush=True)
+
+    _run(functools.partial(service.serve, opts, verbosity=max(_verbosity, 1), on_ready=ready))
+
+
+# --- bench ---------------------------------------------------------------------------------
+
+
+@bench_app.command("store")
+@guarded
+def bench_store(
+    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Event store: group-committed appends and a verified replay vs raw sqlite3."""
+    from tools.bench import run_bench
+
+    run_bench("store", quick=quick, directory=directory, json=json)
+
+
+@bench_app.command("ledger")
+@guarded
+def bench_ledger(
+    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Ledger service: durable bind+release sessions/s vs raw sqlite3; recovery time."""
+    from tools.bench import run_bench
+
+    run_bench("ledger", quick=quick, directory=directory, json=json)
+
+
+@bench_app.command("publish")
+@guarded
+def bench_publish(
+    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Publication to two local engines vs copying the bytes; longest generation gap."""
+    from tools.bench import run_bench
+
+    run_bench("publish", quick=quick, directory=directory, json=json)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("PYTHONIOENCODING", "utf-8")
+    app()
+
+
+if __name__ == "__main__":
+    main()

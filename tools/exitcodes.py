@@ -1,0 +1,63 @@
+"""Exit codes of the ``loraledger`` command, and the one error type commands raise to use them.
+
+Why distinct codes: ``verify`` runs in scripts and CI jobs that must tell "the file is gone"
+(a path or mount problem) from "the file was cut short" (a disk or copy problem) from "someone
+edited a record" (a security problem) from "the ledger code broke an invariant" (a bug),
+without parsing messages. The codes are part of the CLI's contract; the messages are for humans.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from evlog.errors import Code, LedgerError
+
+
+class Exit(IntEnum):
+    OK = 0
+    FAILED = 1  # anything not classified below (a bug: the message says what)
+    USAGE = 2  # bad arguments (also click's own code for usage errors)
+    MISSING = 3  # the log file does not exist
+    EMPTY = 4  # the file is empty, or a ledger with no events
+    NOT_A_LEDGER = 5  # not SQLite, or SQLite but not a loraledger log
+    CORRUPT = 6  # the database itself is damaged (truncated, fails its integrity check)
+    TAMPERED = 7  # a record does not match its hash, or the chain is broken
+    INVARIANT = 8  # replaying the events breaks an invariant (a ledger bug)
+    UNKNOWN_SCHEMA = 9  # the log is newer than this code (upgrade loraledger)
+    UNREACHABLE = 10  # no ledger service answered at --url
+    UNSAFE = 11  # refused configuration (listening beyond loopback without a token)
+    ENGINE_UNAVAILABLE = 12  # an engine the command needs cannot be set up here
+
+
+EXIT_HELP = (
+    "Exit codes: 0 ok, 1 failed, 2 usage, 3 missing file, 4 empty log, 5 not a ledger, "
+    "6 corrupt/truncated file, 7 tampered record or broken chain, 8 invariant violated, "
+    "9 log newer than this code, 10 service unreachable, 11 unsafe configuration refused, "
+    "12 engine unavailable."
+)
+
+_BY_LEDGER_CODE = {
+    Code.CORRUPT_STORE: Exit.CORRUPT,
+    Code.CORRUPT_RECORD: Exit.TAMPERED,
+    Code.CHAIN_BROKEN: Exit.TAMPERED,
+    Code.UNKNOWN_SCHEMA: Exit.UNKNOWN_SCHEMA,
+}
+
+
+class ToolError(Exception):
+    """A failure the CLI reports as one clear message and a distinct exit code (never a
+    traceback). ``seq`` names the first bad record when there is one."""
+
+    def __init__(self, exit_code: Exit, message: str, *, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.message = message
+        self.seq = seq
+
+    @classmethod
+    def from_ledger(cls, exc: LedgerError, *, path: str | None = None) -> ToolError:
+        """Classify a store error; ``CORRUPT_STORE`` on open means the file is not usable."""
+        where = f"{path}: " if path else ""
+        code = _BY_LEDGER_CODE.get(exc.code, Exit.FAILED)
+        seq = exc.details.get("seq")
+        return cls(code, f"{where}{exc.code}: {exc.message}", seq=seq)

@@ -1,0 +1,68 @@
+"""Times and durations as an operator types and reads them.
+
+Times print as ISO 8601 in UTC with milliseconds (``2026-11-30T09:19:31.123Z``): one zone for
+every machine and every log, and exactly what ``--at`` accepts back, so a time copied from any
+output replays that moment. ``--at`` also takes unix seconds (what ``recorded_at`` stores) and
+ISO with an explicit offset; an ISO time without a zone is read as UTC (never the local zone of
+whoever runs the command, which would make the same command mean different moments).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+from tools.exitcodes import Exit, ToolError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds from ``1764494371.5`` or ``2026-11-30T09:19:31Z`` / ``...+01:00``."""
+    raw = text.strip()
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    iso = raw[:-1] + "+00:00" if raw.endswith(("Z", "z")) else raw
+    try:
+        moment = datetime.fromisoformat(iso)
+    except ValueError:
+        raise ToolError(
+            Exit.USAGE,
+            f"cannot read time {text!r}: give unix seconds or ISO 8601 (e.g. 2026-11-30T09:19:31Z)",
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``60``, ``60s``, ``250ms``, ``5m``, ``1.5h``, ``2d``."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise ToolError(Exit.USAGE, f"cannot read duration {text!r}: use e.g. 60s, 250ms, 5m, 1.5h")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def iso(at: float | None) -> str:
+    if at is None:
+        return "-"
+    moment = datetime.fromtimestamp(at, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def span(seconds: float | None) -> str:
+    """A short human duration: ``850ms``, ``12.3s``, ``4m05s``, ``2h10m``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        minutes, secs = divmod(round(seconds), 60)
+        return f"{minutes}m{secs:02d}s"
+    hours, rest = divmod(round(seconds), 3600)
+    return f"{hours}h{rest // 60:02d}m"
