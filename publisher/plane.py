@@ -1,0 +1,190 @@
+"""ControlPlane: the one composition every entry point uses (demo, ``serve``, the Ray actor,
+tests), so they cannot wire the drivers differently.
+
+``async with ControlPlane.open(store, fleet, deployment=..., prefix=..., capacity=...,
+artifact_root=...) as plane:``
+
+1. opens the :class:`~publisher.ledger.Ledger` on ``store`` (replay + a new controller epoch)
+   and creates the deployment if the log is new (a reopened log keeps its own rules: a
+   different deployment or prefix is refused, since every engine-side name depends on them);
+2. runs the reconciler's start-up pass: engines without a handle leave, orphaned ``LOADING``
+   attempts end, every engine of ``fleet`` is joined or found restarted, observed, cleaned and
+   repaired (routable only after that);
+3. runs, in its task group until the block exits: the reclaim driver (every new ledger event
+   and every ``reclaim_tick_s``), the reconciler's health loop (an incarnation probe of every
+   engine each ``probe_interval_s``, a full inventory pass each ``full_reconcile_s``) and the
+   owner-lease expiry loop (``ledger.expire_leases()`` every ``lease_check_s``).
+
+Exposes ``plane.ledger``, ``plane.fleet``, ``plane.artifacts``, ``plane.publisher``,
+``plane.reclaimer``, ``plane.reconciler``; :meth:`add_inflight_source` registers a gateway's
+in-flight counts with the reclaim driver; :meth:`add_engine` / :meth:`remove_engine` change the
+fleet (as ledger events).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import structlog
+
+from engines.artifacts import ArtifactStore
+from engines.contract import Engine
+from evlog.errors import Code, LedgerError
+from evlog.store import EventStore
+from publisher.engine_ops import EngineTimeouts
+from publisher.fleet import Fleet, InFlightSource
+from publisher.ledger import Ledger
+from publisher.publication import PublicationDriver
+from publisher.reclaim import ReclaimDriver
+from publisher.reconciler import Reconciler, ReconcileReport
+from publisher.snapshot import DEFAULT_BUCKET_BYTES
+
+log = structlog.get_logger("loraledger.plane")
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        ledger: Ledger,
+        fleet: Fleet,
+        artifacts: ArtifactStore,
+        *,
+        timeouts: EngineTimeouts,
+        probe_interval_s: float,
+        full_reconcile_s: float,
+        reclaim_tick_s: float,
+        cleanup_timeout: float,
+        delete_artifacts_after_s: float | None,
+        publisher_id: str,
+        bucket_bytes: int,
+    ) -> None:
+        self.ledger = ledger
+        self.fleet = fleet
+        self.artifacts = artifacts
+        self.reconciler = Reconciler(
+            ledger,
+            fleet,
+            artifacts,
+            timeouts=timeouts,
+            probe_interval_s=probe_interval_s,
+            full_every_s=full_reconcile_s,
+            cleanup_timeout=cleanup_timeout,
+            bucket_bytes=bucket_bytes,
+        )
+        self.publisher = PublicationDriver(
+            ledger,
+            fleet,
+            artifacts,
+            reconciler=self.reconciler,
+            timeouts=timeouts,
+            cleanup_timeout=cleanup_timeout,
+            owner=publisher_id,
+        )
+        self.reclaimer = ReclaimDriver(
+            ledger,
+            fleet,
+            timeouts=timeouts,
+            tick_s=reclaim_tick_s,
+            artifacts=artifacts,
+            delete_artifacts_after_s=delete_artifacts_after_s,
+            on_ambiguous=self.reconciler.poke,
+            on_restart=self.reconciler.poke,
+        )
+        self.bucket_bytes = bucket_bytes
+        self.started: ReconcileReport | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        store: EventStore,
+        fleet: Fleet,
+        *,
+        deployment: str,
+        prefix: str,
+        capacity: int,
+        artifact_root: str | Path,
+        timeouts: EngineTimeouts | None = None,
+        probe_interval_s: float = 1.0,
+        full_reconcile_s: float = 30.0,
+        reclaim_tick_s: float = 0.5,
+        lease_check_s: float = 1.0,
+        cleanup_timeout: float = 60.0,
+        delete_artifacts_after_s: float | None = None,
+        publisher_id: str = "publisher",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        clock: Callable[[], float] = time.time,
+    ) -> AsyncIterator[ControlPlane]:
+        async with Ledger.open(store, clock=clock) as ledger:
+            state = ledger.state
+            if state.deployment is None:
+                await ledger.create_deployment(
+                    deployment, prefix=prefix, capacity=capacity, fleet=fleet.ids()
+                )
+            elif (state.deployment, state.prefix) != (deployment, prefix):
+                raise LedgerError(
+                    Code.ALREADY_INITIALIZED,
+                    f"this log holds deployment {state.deployment!r} with prefix "
+                    f"{state.prefix!r}, not {deployment!r}/{prefix!r}",
+                )
+            elif state.capacity != capacity:
+                log.warning("plane.capacity_from_log", log=state.capacity, asked=capacity)
+            plane = cls(
+                ledger,
+                fleet,
+                ArtifactStore(artifact_root),
+                timeouts=timeouts or EngineTimeouts(),
+                probe_interval_s=probe_interval_s,
+                full_reconcile_s=full_reconcile_s,
+                reclaim_tick_s=reclaim_tick_s,
+                cleanup_timeout=cleanup_timeout,
+                delete_artifacts_after_s=delete_artifacts_after_s,
+                publisher_id=publisher_id,
+                bucket_bytes=bucket_bytes,
+            )
+            plane.started = await plane.reconciler.start()
+            log.info(
+                "plane.started",
+                deployment=deployment,
+                engines=fleet.ids(),
+                routable=list(ledger.state.routable_engines()),
+                seq=ledger.state.last_seq,
+            )
+            async with anyio.create_task_group() as tg:
+                await tg.start(plane.reclaimer.run)
+                await tg.start(plane.reconciler.run)
+                tg.start_soon(plane._expire_leases, lease_check_s)
+                try:
+                    yield plane
+                finally:
+                    tg.cancel_scope.cancel()
+
+    async def _expire_leases(self, every_s: float) -> None:
+        while True:
+            await anyio.sleep(every_s)
+            try:
+                await self.ledger.expire_leases()
+            except LedgerError as exc:
+                if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
+                    raise
+                log.error("plane.lease_expiry_failed", error=str(exc))
+
+    def add_inflight_source(self, source: InFlightSource) -> None:
+        """Count ``source``'s in-flight requests before any reclaim (a gateway)."""
+        self.reclaimer.add_source(source)
+
+    async def add_engine(self, engine: Engine) -> ReconcileReport:
+        """A new fleet member: joined, observed and repaired (routable once it holds every
+        needed version)."""
+        self.fleet.add(engine)
+        return await self.reconciler.reconcile_engine(engine.engine_id)
+
+    async def remove_engine(self, engine_id: str) -> None:
+        """The engine leaves the fleet (a recorded decision); its handle is dropped."""
+        await self.ledger.leave_engine(engine_id)
+        self.fleet.remove(engine_id)
+        self.reclaimer.wake()

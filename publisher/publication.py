@@ -1,0 +1,683 @@
+"""PublicationDriver: one trainer step's adapter, published to the whole fleet (DESIGN §5).
+
+``await driver.publish(snapshot, version_id=step)`` returns a :class:`PublicationOutcome`
+(``PUBLISHED``, ``NO_OP`` or ``SKIPPED``) or raises :class:`PublicationError` whose ``kind`` is
+``RETRYABLE`` (the trainer just goes on; a later step publishes again) or ``FATAL`` (publication
+stays blocked until an operator or the reconciler resolves something; ``code`` says what).
+
+The steps, each one recorded in the ledger before the next begins:
+
+1. **allocate** (``VersionAllocated``/``AttemptStarted``): capacity is checked here, before any
+   byte moves. After bootstrap a full capacity is ``SKIPPED`` (``PublicationSkipped``). A
+   ``PUBLICATION_BLOCKED`` refusal (an unresolved fatal/ambiguous entry) runs the reconciler once
+   and retries allocate once.
+2. **claim** (``TransportClaimed``): one transport owner per attempt. The owner id is unique per
+   ``publish`` call, so a second driver -- or a re-entered ``publish`` of the same version that
+   does not find the running call in this process -- is refused (``PUBLICATION_IN_PROGRESS``)
+   and never sends a byte twice. A re-entered call that does find it waits for its result.
+3. **prepare** every engine of the attempt's fleet (``EnginePrepared``), then **transfer**
+   (staged engines get the snapshot's buckets; the artifact directory is written once per
+   digest for every version -- artifact engines load it by path, and the reconciler reloads
+   restarted engines from it), **load**, and **confirm** with a *fresh inventory* that the name
+   is really there with our digest in the receipt's incarnation (the "adapter silently never
+   applied" bug class) before ``EngineReady`` is recorded. Engines run concurrently.
+4. **commit** (``VersionPublished``): the decider moves the default only if every engine of the
+   fleet is READY at its current incarnation.
+
+Failure rules:
+
+* An engine failure does not cancel its siblings (cancelling an in-flight call would turn a
+  known outcome into an ambiguous one); every engine finishes or fails within its timeouts.
+* Then the candidate is cleaned off every engine of the attempt (``unload(name, attempt=...)``,
+  attempt-fenced) and each engine is asked for a fresh inventory. If no reply of the attempt
+  was ambiguous and every engine proved the name absent, the attempt ends ``FAILED_RETRYABLE``
+  (slot freed); otherwise ``FAILED_FATAL`` (slot kept until inventories resolve it).
+* **Cancellation** of ``publish`` runs the same cleanup inside a shielded, time-bounded scope.
+  Justified (DESIGN: cleanup of a failed attempt is the one place for it): this call holds the
+  attempt's claim, so nobody else may end it; abandoning it would leave a ``LOADING`` version
+  that blocks every later publication. Each call inside is bounded by ``timeouts.cleanup``.
+  The ledger calls that create or settle an obligation (allocate, claim, commit) are shielded
+  for the same reason: a cancelled waiter would not learn whether it now holds an attempt.
+* Nothing here pauses generation or flushes a cache, and a failure reclaiming the predecessor
+  (the reclaim driver's job, after commit) never turns a committed publication into an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import msgspec
+import structlog
+
+from engines.artifacts import ArtifactStore
+from engines.contract import (
+    AmbiguousReply,
+    Candidate,
+    CleanRefusal,
+    EngineError,
+    ErrorCode,
+    Receipt,
+)
+from evlog.errors import Code, LedgerError
+from projections.registry import VersionState
+from publisher.engine_ops import EngineTimeouts, call, confirms
+from publisher.fleet import Fleet
+from publisher.outcomes import Allocated, Skipped
+from publisher.snapshot import AdapterSnapshot, aiter_buckets
+
+if TYPE_CHECKING:
+    from publisher.ledger import Ledger
+    from publisher.reconciler import Reconciler
+
+log = structlog.get_logger("loraledger.publication")
+T = TypeVar("T")
+
+READY_UNCONFIRMED = "READY_UNCONFIRMED"
+ARTIFACT_WRITE_FAILED = "ARTIFACT_WRITE_FAILED"
+CANCELLED = "CANCELLED"
+
+
+class PublicationStatus(StrEnum):
+    PUBLISHED = "PUBLISHED"
+    NO_OP = "NO_OP"  # the version id is already completed: nothing moved, the default neither
+    SKIPPED = "SKIPPED"  # refused before any byte moved (capacity after bootstrap), recorded
+
+
+class ErrorKind(StrEnum):
+    RETRYABLE = "RETRYABLE"
+    FATAL = "FATAL"
+
+
+# Allocation refusals that a later step resolves by itself.
+_RETRYABLE_CODES = frozenset(
+    {
+        Code.CAPACITY_ERROR,
+        Code.PUBLICATION_IN_PROGRESS,
+        Code.FLEET_MISMATCH,
+        Code.STORE_FAILED,
+    }
+)
+
+
+class PublicationError(LedgerError):
+    """A publication that did not happen. ``kind`` is ``RETRYABLE`` or ``FATAL``; ``code`` is
+    the ledger refusal (allocation) or ``PUBLICATION_FAILED`` (an attempt that failed), with the
+    cause in ``details["cause"]`` and the attempt's final state in ``details["state"]``."""
+
+    def __init__(self, code: str, message: str, *, kind: str, **details: Any) -> None:
+        super().__init__(code, message, kind=kind, **details)
+        self.kind = kind
+
+
+class EngineTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine's part of a publication. ``ready_after_s`` is the publish-to-ready latency:
+    from the ``publish`` call to READY confirmed by inventory and recorded."""
+
+    engine: str
+    transport: str
+    prepare_s: float
+    transfer_s: float
+    load_s: float
+    confirm_s: float
+    ready_after_s: float
+
+
+class PublicationOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``publish`` answers (plain data: it crosses process boundaries unchanged)."""
+
+    status: str
+    version_id: int
+    digest: str
+    lora_name: str | None = None
+    revision: int | None = None
+    attempt: int | None = None
+    retired: int | None = None
+    code: str | None = None  # SKIPPED: why
+    message: str = ""
+    size_bytes: int = 0
+    total_s: float = 0.0
+    artifact_s: float = 0.0
+    engines: tuple[EngineTiming, ...] = ()
+
+    def ready_latency(self) -> dict[str, float]:
+        """Publish-to-ready seconds per engine."""
+        return {t.engine: t.ready_after_s for t in self.engines}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    version_id: int
+    attempt: int
+    lora_name: str
+    digest: str
+    fleet: tuple[str, ...]
+    owner: str
+
+
+@dataclasses.dataclass
+class _EngineRun:
+    engine: str
+    timing: EngineTiming | None = None
+    error: BaseException | None = None
+    ambiguous: bool = False
+    busy: bool = False  # inside an engine call right now (cancellation makes it ambiguous)
+
+
+@dataclasses.dataclass
+class _ArtifactWrite:
+    done: anyio.Event
+    path: Path | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, *, clean: bool, code: str, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.clean = clean
+        self.code = code
+        self.reason = reason
+
+
+class _Running:
+    """A publish call in progress in this process, so a re-entered call can wait for it."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+        self.done = anyio.Event()
+        self.outcome: PublicationOutcome | None = None
+        self.error: PublicationError | None = None
+
+
+class PublicationDriver:
+    """Drives publications against ``ledger`` and the engines of ``fleet``.
+
+    ``reconciler`` (optional) is run once when allocation is ``PUBLICATION_BLOCKED``, and poked
+    after a failed attempt so a restarted engine is noticed at once. ``owner`` prefixes the
+    per-call transport owner ids recorded in the log.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        fleet: Fleet,
+        artifacts: ArtifactStore,
+        *,
+        reconciler: Reconciler | None = None,
+        timeouts: EngineTimeouts | None = None,
+        cleanup_timeout: float = 60.0,
+        owner: str = "publisher",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._ledger = ledger
+        self._fleet = fleet
+        self._artifacts = artifacts
+        self._reconciler = reconciler
+        self.timeouts = timeouts or EngineTimeouts()
+        self.cleanup_timeout = cleanup_timeout
+        self.owner = owner
+        self._clock = clock
+        self._running: dict[int, _Running] = {}
+
+    # --- the API ----------------------------------------------------------------------------
+
+    async def publish(self, snapshot: AdapterSnapshot, *, version_id: int) -> PublicationOutcome:
+        """Publish ``snapshot`` as ``version_id`` (see the module docstring)."""
+        running = self._running.get(version_id)
+        if running is not None and running.digest == snapshot.digest:
+            # Re-entered while this process already drives it: wait, never transfer again.
+            await running.done.wait()
+            if running.error is not None:
+                e = running.error
+                raise PublicationError(e.code, e.message, **e.details)
+            assert running.outcome is not None
+            return running.outcome
+        mine = _Running(snapshot.digest)
+        if running is None:
+            self._running[version_id] = mine
+        try:
+            outcome = await self._publish(snapshot, version_id)
+            mine.outcome = outcome
+            return outcome
+        except PublicationError as exc:
+            mine.error = exc
+            raise
+        except BaseException:
+            mine.error = PublicationError(
+                Code.PUBLICATION_FAILED,
+                f"the publish call driving version {version_id} did not finish",
+                kind=ErrorKind.RETRYABLE,
+                version_id=version_id,
+                cause=CANCELLED,
+            )
+            raise
+        finally:
+            mine.done.set()
+            if self._running.get(version_id) is mine:
+                del self._running[version_id]
+
+    # --- steps ------------------------------------------------------------------------------
+
+    async def _publish(self, snapshot: AdapterSnapshot, version_id: int) -> PublicationOutcome:
+        t0 = self._clock()
+        allocated = await self._allocate(snapshot, version_id)
+        if isinstance(allocated, Skipped):
+            log.info(
+                "publication.skipped",
+                version=version_id,
+                code=allocated.code,
+                seq=self._ledger.state.last_seq,
+            )
+            return PublicationOutcome(
+                status=PublicationStatus.SKIPPED,
+                version_id=version_id,
+                digest=snapshot.digest,
+                code=allocated.code,
+                message=allocated.message,
+                size_bytes=snapshot.size_bytes,
+                total_s=self._clock() - t0,
+            )
+        if allocated.no_op:
+            v = self._ledger.state.versions[version_id]
+            log.info("publication.no_op", version=version_id, state=str(v.state))
+            return PublicationOutcome(
+                status=PublicationStatus.NO_OP,
+                version_id=version_id,
+                digest=v.digest,
+                lora_name=v.lora_name,
+                revision=v.revision,
+                attempt=v.attempt,
+                size_bytes=snapshot.size_bytes,
+                total_s=self._clock() - t0,
+            )
+        att = _Attempt(
+            version_id=version_id,
+            attempt=allocated.attempt,
+            lora_name=allocated.lora_name,
+            digest=allocated.digest,
+            fleet=allocated.fleet,
+            owner=f"{self.owner}:{uuid.uuid4().hex[:12]}",
+        )
+        log.info(
+            "publication.allocated",
+            version=version_id,
+            attempt=att.attempt,
+            fleet=list(att.fleet),
+            resumed=allocated.resumed,
+            seq=self._ledger.state.last_seq,
+        )
+        try:
+            await _shielded(
+                lambda: self._ledger.claim_transport(version_id, att.attempt, att.owner)
+            )
+        except LedgerError as exc:
+            # Someone else drives this attempt (or it ended meanwhile): nothing here may touch
+            # it, and no byte is sent a second time.
+            raise PublicationError(
+                exc.code,
+                f"version {version_id} attempt {att.attempt} cannot be claimed: {exc.message}",
+                kind=ErrorKind.RETRYABLE,
+                version_id=version_id,
+                attempt=att.attempt,
+                owner=exc.details.get("owner"),
+            ) from exc
+        runs: dict[str, _EngineRun] = {e: _EngineRun(e) for e in att.fleet}
+        try:
+            artifact_s = await self._transfer_and_load(att, snapshot, runs, t0)
+            published = await _shielded(lambda: self._ledger.commit(version_id, att.attempt))
+        except _AttemptFailed as failure:
+            raise await self._settle_failure(
+                att, clean=failure.clean, code=failure.code, reason=failure.reason
+            ) from failure
+        except LedgerError as exc:  # commit refused (e.g. an engine restarted after READY)
+            raise await self._settle_failure(
+                att, clean=True, code=exc.code, reason=exc.message
+            ) from exc
+        except BaseException:
+            # Cancelled (or a bug): end the attempt before letting go of it.
+            busy = [r.engine for r in runs.values() if r.busy or r.ambiguous]
+            with anyio.CancelScope(shield=True):
+                await self._end_attempt(
+                    att,
+                    clean=not busy,
+                    code=CANCELLED,
+                    reason="the publish call was cancelled"
+                    + (f" during calls to {busy}" if busy else ""),
+                )
+            raise
+        log.info(
+            "publication.committed",
+            version=version_id,
+            attempt=att.attempt,
+            revision=published.revision,
+            retired=published.retired,
+            seq=self._ledger.state.last_seq,
+        )
+        return PublicationOutcome(
+            status=PublicationStatus.PUBLISHED,
+            version_id=version_id,
+            digest=att.digest,
+            lora_name=att.lora_name,
+            revision=published.revision,
+            attempt=att.attempt,
+            retired=published.retired,
+            size_bytes=snapshot.size_bytes,
+            total_s=self._clock() - t0,
+            artifact_s=artifact_s,
+            engines=tuple(runs[e].timing for e in att.fleet if runs[e].timing is not None),  # type: ignore[misc]
+        )
+
+    async def _allocate(self, snapshot: AdapterSnapshot, version_id: int) -> Allocated | Skipped:
+        for round_ in (1, 2):
+            try:
+                return await _shielded(
+                    lambda: self._ledger.allocate(
+                        version_id, snapshot.digest, size_bytes=snapshot.size_bytes
+                    )
+                )
+            except LedgerError as exc:
+                if (
+                    exc.code == Code.PUBLICATION_BLOCKED
+                    and round_ == 1
+                    and self._reconciler is not None
+                ):
+                    log.warning("publication.blocked", version=version_id, blocked_by=exc.details)
+                    await self._reconciler.reconcile()
+                    continue
+                kind = ErrorKind.RETRYABLE if exc.code in _RETRYABLE_CODES else ErrorKind.FATAL
+                details = {**exc.details, "version_id": version_id}
+                raise PublicationError(exc.code, exc.message, kind=kind, **details) from exc
+        raise AssertionError("unreachable")
+
+    async def _transfer_and_load(
+        self,
+        att: _Attempt,
+        snapshot: AdapterSnapshot,
+        runs: dict[str, _EngineRun],
+        t0: float,
+    ) -> float:
+        """Artifact write + every engine's prepare/transfer/load/confirm, concurrently."""
+        artifact = _ArtifactWrite(done=anyio.Event())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_artifact, snapshot, artifact)
+            for engine_id in att.fleet:
+                tg.start_soon(self._engine_run, att, snapshot, artifact, runs[engine_id], t0)
+        failed = [r for r in runs.values() if r.error is not None]
+        if failed:
+            first = failed[0].error
+            code = getattr(first, "code", type(first).__name__)
+            raise _AttemptFailed(
+                clean=not any(r.ambiguous for r in failed),
+                code=str(code),
+                reason="; ".join(f"{r.engine}: {r.error}" for r in failed),
+            )
+        if artifact.error is not None:
+            raise _AttemptFailed(
+                clean=True, code=ARTIFACT_WRITE_FAILED, reason=f"artifact store: {artifact.error}"
+            )
+        return artifact.seconds
+
+    async def _write_artifact(self, snapshot: AdapterSnapshot, artifact: _ArtifactWrite) -> None:
+        """Once per digest (an existing directory is verified and reused), for every version:
+        artifact engines load it, and a restarted engine is repaired from it."""
+        t = self._clock()
+        try:
+            artifact.path = await anyio.to_thread.run_sync(
+                self._artifacts.put, snapshot.manifest, dict(snapshot.tensors)
+            )
+        except Exception as exc:
+            artifact.error = exc
+        finally:
+            artifact.seconds = self._clock() - t
+            artifact.done.set()
+
+    async def _engine_run(
+        self,
+        att: _Attempt,
+        snapshot: AdapterSnapshot,
+        artifact: _ArtifactWrite,
+        run: _EngineRun,
+        t0: float,
+    ) -> None:
+        try:
+            run.timing = await self._one_engine(att, snapshot, artifact, run, t0)
+        except EngineError as exc:
+            run.error, run.ambiguous = exc, not exc.clean
+        except (LedgerError, _AttemptFailed) as exc:
+            run.error = exc
+        except Exception as exc:  # a bug in an adapter or here: we cannot know what happened
+            run.error, run.ambiguous = exc, True
+        if run.error is not None:
+            log.warning(
+                "publication.engine_failed",
+                version=att.version_id,
+                attempt=att.attempt,
+                engine=run.engine,
+                ambiguous=run.ambiguous,
+                error=str(run.error),
+            )
+
+    async def _engine_call(self, run: _EngineRun, what: str, timeout: float, fn: Any) -> Any:
+        """An engine call that leaves ``run.busy`` set if it is cancelled midway: the outcome
+        of that call is then unknown (ambiguous)."""
+        run.busy = True
+        try:
+            result = await call(run.engine, what, timeout, fn)
+        except EngineError:
+            run.busy = False
+            raise
+        run.busy = False
+        return result
+
+    async def _one_engine(
+        self,
+        att: _Attempt,
+        snapshot: AdapterSnapshot,
+        artifact: _ArtifactWrite,
+        run: _EngineRun,
+        t0: float,
+    ) -> EngineTiming:
+        engine = self._fleet[run.engine]
+        ledger, to = self._ledger, self.timeouts
+        staged = engine.transport == "staged"
+        path: str | None = None
+        if not staged:
+            await artifact.done.wait()
+            if artifact.error is not None or artifact.path is None:
+                raise _AttemptFailed(
+                    clean=True,
+                    code=ARTIFACT_WRITE_FAILED,
+                    reason=f"no artifact directory to load from: {artifact.error}",
+                )
+            path = str(artifact.path)
+        candidate = Candidate(
+            lora_name=att.lora_name,
+            digest=att.digest,
+            attempt=att.attempt,
+            manifest=snapshot.manifest,
+            artifact_path=path,
+        )
+        t = self._clock()
+        prepared: Receipt = await self._engine_call(
+            run, "prepare", to.prepare, lambda: engine.prepare(candidate)
+        )
+        _check_phase(prepared, "prepared", run.engine)
+        await ledger.record_prepared(
+            att.version_id,
+            prepared.attempt,
+            run.engine,
+            prepared.incarnation,
+            prepared.digest,
+            prepared.lora_name,
+        )
+        t_prepared = self._clock()
+        buckets = snapshot.buckets if staged else ()
+        await self._engine_call(
+            run,
+            "transfer",
+            to.transfer,
+            lambda: engine.transfer(candidate, aiter_buckets(buckets)),
+        )
+        t_transferred = self._clock()
+        ready: Receipt = await self._engine_call(
+            run, "load", to.load, lambda: engine.load(candidate)
+        )
+        _check_phase(ready, "ready", run.engine)
+        t_loaded = self._clock()
+        inventory = await self._engine_call(run, "inventory", to.inventory, engine.inventory)
+        problem = confirms(inventory, ready.lora_name, ready.digest, ready.incarnation)
+        if problem is not None:
+            raise _AttemptFailed(
+                clean=True,
+                code=READY_UNCONFIRMED,
+                reason=f"{run.engine} answered READY but {problem}",
+            )
+        await ledger.record_ready(
+            att.version_id,
+            ready.attempt,
+            run.engine,
+            ready.incarnation,
+            ready.digest,
+            ready.lora_name,
+        )
+        t_ready = self._clock()
+        log.info(
+            "publication.engine_ready",
+            version=att.version_id,
+            attempt=att.attempt,
+            engine=run.engine,
+            incarnation=ready.incarnation,
+            seq=ledger.state.last_seq,
+        )
+        return EngineTiming(
+            engine=run.engine,
+            transport=engine.transport,
+            prepare_s=t_prepared - t,
+            transfer_s=t_transferred - t_prepared,
+            load_s=t_loaded - t_transferred,
+            confirm_s=t_ready - t_loaded,
+            ready_after_s=t_ready - t0,
+        )
+
+    # --- failure --------------------------------------------------------------------------
+
+    async def _settle_failure(
+        self, att: _Attempt, *, clean: bool, code: str, reason: str
+    ) -> PublicationError:
+        """End a failed attempt (shielded, bounded) and return the trainer's error."""
+        with anyio.CancelScope(shield=True):
+            state = await self._end_attempt(att, clean=clean, code=code, reason=reason)
+        kind = ErrorKind.RETRYABLE if state == VersionState.FAILED_RETRYABLE else ErrorKind.FATAL
+        return PublicationError(
+            Code.PUBLICATION_FAILED,
+            f"version {att.version_id} attempt {att.attempt} failed ({code}): {reason}; "
+            f"the attempt is {state}",
+            kind=kind,
+            version_id=att.version_id,
+            attempt=att.attempt,
+            state=str(state),
+            cause=code,
+        )
+
+    async def _end_attempt(
+        self, att: _Attempt, *, clean: bool, code: str, reason: str
+    ) -> str | None:
+        """Clean the candidate off every engine of the attempt, then record how it ended.
+        Returns the version's state afterwards. Never leaves the attempt LOADING unless the
+        ledger itself stopped."""
+        v = self._ledger.state.versions.get(att.version_id)
+        if v is None or v.state is not VersionState.LOADING or v.attempt != att.attempt:
+            return None if v is None else str(v.state)  # committed or ended elsewhere
+        absent = await self._clean_up(att)
+        if self._reconciler is not None:
+            self._reconciler.poke()  # a restart may be why: let the health loop look now
+        try:
+            ended = await self._ledger.fail_attempt(
+                att.version_id,
+                att.attempt,
+                clean=clean,
+                code=code,
+                reason=reason,
+                absent_on=absent,
+            )
+        except LedgerError as exc:
+            log.error("publication.fail_attempt_refused", version=att.version_id, error=str(exc))
+            v = self._ledger.state.versions.get(att.version_id)
+            return None if v is None else str(v.state)
+        log.warning(
+            "publication.failed",
+            version=att.version_id,
+            attempt=att.attempt,
+            state=ended.state,
+            code=code,
+            absent_on=sorted(absent),
+            reason=reason[:500],
+            seq=self._ledger.state.last_seq,
+        )
+        return ended.state
+
+    async def _clean_up(self, att: _Attempt) -> set[str]:
+        """Unload the candidate (attempt-fenced) on every engine of the attempt and collect the
+        engines that proved it absent: a fresh inventory without it, or -- when no inventory
+        can be read -- a clean unload answer (receipt or NOT_LOADED)."""
+        absent: set[str] = set()
+
+        async def one(engine_id: str) -> None:
+            if engine_id not in self._fleet:
+                return
+            engine = self._fleet[engine_id]
+            bound = min(self.timeouts.unload, self.cleanup_timeout)
+            unloaded = False
+            try:
+                await call(
+                    engine_id,
+                    "unload",
+                    bound,
+                    lambda: engine.unload(att.lora_name, attempt=att.attempt),
+                )
+                unloaded = True
+            except CleanRefusal as exc:
+                unloaded = exc.code == ErrorCode.NOT_LOADED
+            except EngineError:
+                pass
+            try:
+                inventory = await call(
+                    engine_id,
+                    "inventory",
+                    min(self.timeouts.inventory, self.cleanup_timeout),
+                    engine.inventory,
+                )
+            except EngineError:
+                if unloaded:
+                    absent.add(engine_id)
+                return
+            if att.lora_name not in inventory.names():
+                absent.add(engine_id)
+
+        async with anyio.create_task_group() as tg:
+            for engine_id in att.fleet:
+                tg.start_soon(one, engine_id)
+        return absent
+
+
+def _check_phase(receipt: Receipt, phase: str, engine_id: str) -> None:
+    if receipt.phase != phase:
+        raise AmbiguousReply(
+            ErrorCode.MALFORMED_REPLY,
+            f"expected a {phase} receipt, got {receipt.phase}",
+            engine_id=engine_id,
+        )
+
+
+async def _shielded(fn: Callable[[], Awaitable[T]]) -> T:
+    """A ledger call whose outcome we must learn even if our caller is cancelled meanwhile
+    (the single writer answers it promptly; see the module docstring)."""
+    with anyio.CancelScope(shield=True):
+        return await fn()

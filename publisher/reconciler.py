@@ -1,0 +1,480 @@
+"""Reconciler: make the ledger's view of each engine true again, from the engine's own evidence.
+
+The ledger only knows what engines proved. Whenever that proof may be stale -- at start, when an
+engine comes back with a new incarnation, when a fatal or ambiguous entry blocks publication --
+the reconciler reads each engine's inventory and turns it into decisions (DESIGN §4
+improvements 1, 3 and 7; engines.md §7 "Reconciliation"):
+
+* **Membership**: an engine of this process's fleet that the ledger does not know is joined
+  (``EngineJoined``); a new incarnation is a restart (``EngineRestarted``): the engine lost every
+  adapter and is not routable. At start, ledger members this process has no handle for leave
+  (``EngineLeft``): the fleet a control plane is opened with is the fleet.
+* **Evidence**: the inventory's managed names (``{prefix}@{deployment}-``; foreign adapters are
+  not ours) are recorded (``InventoryObserved``). The decider resolves a ``FAILED_FATAL``
+  candidate once every engine of its attempt proved it absent (``FatalResolved``) and completes
+  a reclaim once every engine proved absence (``VersionReclaimed``).
+* **Cleanup**: a fatal candidate still present is unloaded (attempt-fenced), an ambiguous
+  reclaim still present is unloaded, and strays (managed names the engine should not hold: a
+  reclaimed name that came back, a cleanly failed candidate that landed late) are unloaded;
+  then the inventory is observed again, which releases the entries.
+* **Repair**: every version still needed (the default and every bound version) is loaded again
+  on an engine that lacks it -- from the artifact store, which holds a verified directory for
+  every version (staged engines get its bytes as buckets) -- confirmed by a fresh inventory and
+  recorded (``VersionRestored``); then ``EngineRepaired`` makes the engine routable. Nothing is
+  routed to a joined or restarted engine before that.
+* **Orphans**: at start, a ``LOADING`` attempt belongs to a controller that no longer exists
+  (the log has one writer). It is cleaned off the engines and ended ``FAILED_FATAL`` (its old
+  driver's calls may still land), and the inventories read right after resolve it.
+
+The health loop (:meth:`Reconciler.run`) probes every engine's ``incarnation()`` each
+``probe_interval_s`` (or when poked) and reconciles an engine that restarted, is not routable,
+lacks a needed version, or is involved in a blocking entry; every ``full_every_s`` it reconciles
+every engine anyway, so drift nobody reported (a stray loaded behind our back, SGLang's implicit
+reload of an unloaded name) is found and undone too. Every engine call is bounded
+(:mod:`publisher.engine_ops`); one engine's failure never stops the others or the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from engines.artifacts import ArtifactError, ArtifactStore
+from engines.contract import (
+    AmbiguousReply,
+    Candidate,
+    CleanRefusal,
+    Engine,
+    EngineError,
+    ErrorCode,
+    Inventory,
+)
+from evlog.errors import LedgerError
+from projections.registry import VersionRecord, VersionState
+from publisher.engine_ops import EngineTimeouts, call, confirms, managed_names, managed_prefix
+from publisher.fleet import Fleet
+from publisher.snapshot import DEFAULT_BUCKET_BYTES, aiter_buckets, plan_buckets
+
+if TYPE_CHECKING:
+    from publisher.ledger import Ledger
+
+log = structlog.get_logger("loraledger.reconciler")
+
+ORPHANED_ATTEMPT = "ORPHANED_ATTEMPT"
+_READ_TRIES = 3
+
+
+class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reconcile pass did (``engine:name`` / ``engine:version`` strings where useful)."""
+
+    engines: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()
+    restarted: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    orphans: tuple[int, ...] = ()
+    resolved: tuple[int, ...] = ()
+    reclaimed: tuple[int, ...] = ()
+    unloaded: tuple[str, ...] = ()
+    restored: tuple[str, ...] = ()
+    repaired: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class _Report:
+    engines: list[str] = dataclasses.field(default_factory=list)
+    joined: list[str] = dataclasses.field(default_factory=list)
+    restarted: list[str] = dataclasses.field(default_factory=list)
+    left: list[str] = dataclasses.field(default_factory=list)
+    orphans: list[int] = dataclasses.field(default_factory=list)
+    resolved: list[int] = dataclasses.field(default_factory=list)
+    reclaimed: list[int] = dataclasses.field(default_factory=list)
+    unloaded: list[str] = dataclasses.field(default_factory=list)
+    restored: list[str] = dataclasses.field(default_factory=list)
+    repaired: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def merge(self, other: ReconcileReport) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).extend(getattr(other, f.name))
+
+    def freeze(self) -> ReconcileReport:
+        return ReconcileReport(
+            **{f.name: tuple(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        )
+
+
+class Reconciler:
+    """Reconciles the engines of ``fleet`` with ``ledger`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        fleet: Fleet,
+        artifacts: ArtifactStore,
+        *,
+        timeouts: EngineTimeouts | None = None,
+        probe_interval_s: float = 1.0,
+        full_every_s: float = 30.0,
+        cleanup_timeout: float = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ledger = ledger
+        self._fleet = fleet
+        self._artifacts = artifacts
+        self.timeouts = timeouts or EngineTimeouts()
+        self.probe_interval_s = probe_interval_s
+        self.full_every_s = full_every_s
+        self._last_full = clock()
+        self.cleanup_timeout = cleanup_timeout
+        self.bucket_bytes = bucket_bytes
+        self._clock = clock
+        self._locks: dict[str, anyio.Lock] = {}
+        self._poked: anyio.Event | None = None
+        self.passes = 0
+
+    @property
+    def prefix(self) -> str:
+        state = self._ledger.state
+        return managed_prefix(state.prefix, state.deployment or "")
+
+    def poke(self) -> None:
+        """Ask the health loop to look at every engine now rather than at its next tick."""
+        if self._poked is not None:
+            self._poked.set()
+
+    def _lock(self, engine_id: str) -> anyio.Lock:
+        lock = self._locks.get(engine_id)
+        if lock is None:
+            lock = self._locks[engine_id] = anyio.Lock()
+        return lock
+
+    # --- passes -------------------------------------------------------------------------------
+
+    async def start(self) -> ReconcileReport:
+        """The start-up pass: leave engines without a handle, end orphaned attempts, then
+        reconcile every engine of the fleet."""
+        rep = _Report()
+        for engine_id in sorted(self._ledger.state.engines):
+            if engine_id not in self._fleet:
+                await self._ledger.leave_engine(engine_id)
+                rep.left.append(engine_id)
+                log.warning("reconciler.left", engine=engine_id, seq=self._ledger.state.last_seq)
+        for v in list(self._ledger.state.versions.values()):
+            if v.state is VersionState.LOADING:
+                await self._end_orphan(v, rep)
+        rep.merge(await self.reconcile())
+        return rep.freeze()
+
+    async def reconcile(self) -> ReconcileReport:
+        """One pass over every engine of the fleet, concurrently."""
+        rep = _Report()
+
+        async def one(engine_id: str) -> None:
+            rep.merge(await self.reconcile_engine(engine_id))
+
+        async with anyio.create_task_group() as tg:
+            for engine_id in self._fleet.ids():
+                tg.start_soon(one, engine_id)
+        self.passes += 1
+        self._last_full = self._clock()
+        return rep.freeze()
+
+    async def reconcile_engine(self, engine_id: str) -> ReconcileReport:
+        """Membership, evidence, cleanup and repair of one engine. Never raises for an engine
+        or ledger refusal: they are reported in ``errors``."""
+        rep = _Report(engines=[engine_id])
+        async with self._lock(engine_id):
+            try:
+                await self._reconcile(engine_id, rep)
+            except (EngineError, LedgerError, ArtifactError) as exc:
+                rep.errors.append(f"{engine_id}: {exc}")
+                log.warning("reconciler.engine_failed", engine=engine_id, error=str(exc))
+        return rep.freeze()
+
+    async def _reconcile(self, engine_id: str, rep: _Report) -> None:
+        engine = self._fleet[engine_id]
+        inventory = await self._read(engine_id, engine, rep)
+        await self._observe(engine_id, inventory, rep)
+        unwanted = self._unwanted(engine_id, set(managed_names(inventory, self.prefix)))
+        if unwanted:
+            for name, attempt in unwanted:
+                if await self._unload(engine_id, engine, name, attempt, rep):
+                    rep.unloaded.append(f"{engine_id}:{name}")
+            inventory = await self._read(engine_id, engine, rep)
+            await self._observe(engine_id, inventory, rep)
+        await self._repair(engine_id, engine, inventory.incarnation, rep)
+
+    async def _read(self, engine_id: str, engine: Engine, rep: _Report) -> Inventory:
+        """A fresh inventory, with membership brought up to date with its incarnation first
+        (read again if the engine restarted while we read it)."""
+        to = self.timeouts
+        for _ in range(_READ_TRIES):
+            incarnation = await call(engine_id, "incarnation", to.probe, engine.incarnation)
+            await self._membership(engine_id, engine, incarnation, rep)
+            inventory = await call(engine_id, "inventory", to.inventory, engine.inventory)
+            if inventory.incarnation == incarnation:
+                return inventory
+        raise AmbiguousReply(
+            ErrorCode.ENGINE_STOPPED,
+            f"{engine_id} changed incarnation on every read ({_READ_TRIES} tries)",
+            engine_id=engine_id,
+        )
+
+    async def _membership(
+        self, engine_id: str, engine: Engine, incarnation: str, rep: _Report
+    ) -> None:
+        ledger = self._ledger
+        member = ledger.state.engines.get(engine_id)
+        if member is None:
+            await ledger.join_engine(
+                engine_id,
+                incarnation,
+                endpoint=str(getattr(engine, "base_url", "") or ""),
+                kind=engine.kind,
+            )
+            rep.joined.append(engine_id)
+            log.info("reconciler.joined", engine=engine_id, seq=ledger.state.last_seq)
+        elif member.incarnation != incarnation:
+            await ledger.observe_restart(engine_id, incarnation)
+            rep.restarted.append(engine_id)
+            log.warning(
+                "reconciler.restarted",
+                engine=engine_id,
+                old=member.incarnation,
+                new=incarnation,
+                seq=ledger.state.last_seq,
+            )
+
+    async def _observe(self, engine_id: str, inventory: Inventory, rep: _Report) -> None:
+        outcome = await self._ledger.observe_inventory(
+            engine_id, inventory.incarnation, managed_names(inventory, self.prefix)
+        )
+        rep.resolved.extend(outcome.resolved)
+        rep.reclaimed.extend(outcome.reclaimed)
+        if outcome.resolved or outcome.reclaimed or outcome.strays:
+            log.info(
+                "reconciler.observed",
+                engine=engine_id,
+                resolved=list(outcome.resolved),
+                reclaimed=list(outcome.reclaimed),
+                strays=list(outcome.strays),
+                seq=self._ledger.state.last_seq,
+            )
+
+    def _unwanted(self, engine_id: str, present: set[str]) -> list[tuple[str, int | None]]:
+        """Managed names present on the engine that must go, with the attempt that fences
+        their cleanup (None: no fence)."""
+        state = self._ledger.state
+        out: dict[str, int | None] = {}
+        for v in state.versions.values():
+            if v.lora_name not in present:
+                continue
+            if v.state is VersionState.FAILED_FATAL and engine_id in v.fleet:
+                out[v.lora_name] = v.attempt
+            elif v.state is VersionState.RECLAIMING and v.ambiguous:
+                out[v.lora_name] = None
+        member = state.engines.get(engine_id)
+        for name in member.strays if member is not None else ():
+            if name.startswith(self.prefix):
+                out.setdefault(name, None)
+        return sorted(out.items())
+
+    async def _unload(
+        self, engine_id: str, engine: Engine, name: str, attempt: int | None, rep: _Report
+    ) -> bool:
+        try:
+            await call(
+                engine_id,
+                "unload",
+                min(self.timeouts.unload, self.cleanup_timeout),
+                lambda: engine.unload(name, attempt=attempt),
+            )
+        except CleanRefusal as exc:
+            if exc.code == ErrorCode.NOT_LOADED:
+                return True
+            rep.errors.append(f"{engine_id}: unload {name}: {exc}")
+            return False
+        except EngineError as exc:
+            rep.errors.append(f"{engine_id}: unload {name}: {exc}")
+            return False
+        log.info("reconciler.unloaded", engine=engine_id, name=name, attempt=attempt)
+        return True
+
+    # --- repair -------------------------------------------------------------------------------
+
+    async def _repair(self, engine_id: str, engine: Engine, incarnation: str, rep: _Report) -> None:
+        state = self._ledger.state
+        member = state.engines.get(engine_id)
+        if member is None or member.incarnation != incarnation:
+            return
+        for version_id in state.needed_versions():
+            v = state.versions[version_id]
+            if v.lora_name in member.holds:
+                continue
+            try:
+                await self._restore(engine_id, engine, incarnation, v)
+            except (EngineError, LedgerError, ArtifactError) as exc:
+                rep.errors.append(f"{engine_id}: restore version {version_id}: {exc}")
+                log.error(
+                    "reconciler.restore_failed",
+                    engine=engine_id,
+                    version=version_id,
+                    error=str(exc),
+                )
+                continue
+            rep.restored.append(f"{engine_id}:{version_id}")
+        if not member.routable:
+            await self._ledger.repair_engine(engine_id, incarnation)
+            rep.repaired.append(engine_id)
+            log.info("reconciler.repaired", engine=engine_id, seq=self._ledger.state.last_seq)
+
+    async def _restore(
+        self, engine_id: str, engine: Engine, incarnation: str, v: VersionRecord
+    ) -> None:
+        """Load a still-needed version again (its committed attempt, its immutable name) from
+        the artifact store, confirm it by inventory, and record it."""
+        manifest, tensors = await anyio.to_thread.run_sync(self._artifacts.open, v.digest)
+        staged = engine.transport == "staged"
+        candidate = Candidate(
+            lora_name=v.lora_name,
+            digest=v.digest,
+            attempt=v.attempt,
+            manifest=manifest,
+            artifact_path=None if staged else str(self._artifacts.path_for(v.digest)),
+        )
+        buckets = (
+            await anyio.to_thread.run_sync(plan_buckets, tensors, self.bucket_bytes)
+            if staged
+            else ()
+        )
+        to = self.timeouts
+        try:
+            await call(engine_id, "prepare", to.prepare, lambda: engine.prepare(candidate))
+            await call(
+                engine_id,
+                "transfer",
+                to.transfer,
+                lambda: engine.transfer(candidate, aiter_buckets(buckets)),
+            )
+            ready = await call(engine_id, "load", to.load, lambda: engine.load(candidate))
+            inventory = await call(engine_id, "inventory", to.inventory, engine.inventory)
+            problem = confirms(inventory, v.lora_name, v.digest, incarnation)
+            if problem is not None or ready.incarnation != incarnation:
+                raise CleanRefusal(
+                    ErrorCode.INVALID_ADAPTER,
+                    f"restore of {v.lora_name} not confirmed: {problem or 'restarted'}",
+                    engine_id=engine_id,
+                )
+        except EngineError:
+            # Leave nothing half-restored behind (attempt-fenced, bounded, best effort).
+            with contextlib.suppress(EngineError):
+                await call(
+                    engine_id,
+                    "unload",
+                    self.cleanup_timeout,
+                    lambda: engine.unload(v.lora_name, attempt=v.attempt),
+                )
+            raise
+        await self._ledger.restore_version(v.version_id, engine_id, incarnation)
+        log.info(
+            "reconciler.restored",
+            engine=engine_id,
+            version=v.version_id,
+            seq=self._ledger.state.last_seq,
+        )
+
+    # --- orphans --------------------------------------------------------------------------
+
+    async def _end_orphan(self, v: VersionRecord, rep: _Report) -> None:
+        """A LOADING attempt found at start: its driver died with the previous controller."""
+        attempt, name = v.attempt, v.lora_name
+
+        async def clean(engine_id: str) -> None:
+            engine = self._fleet[engine_id]
+            with contextlib.suppress(EngineError):
+                await call(
+                    engine_id,
+                    "unload",
+                    self.cleanup_timeout,
+                    lambda: engine.unload(name, attempt=attempt),
+                )
+
+        async with anyio.create_task_group() as tg:
+            for engine_id in v.fleet:
+                if engine_id in self._fleet:
+                    tg.start_soon(clean, engine_id)
+        await self._ledger.fail_attempt(
+            v.version_id,
+            attempt,
+            clean=False,
+            code=ORPHANED_ATTEMPT,
+            reason=f"attempt {attempt} was LOADING when this controller started: its driver is "
+            "gone; inventories decide",
+        )
+        rep.orphans.append(v.version_id)
+        log.warning(
+            "reconciler.orphan_ended",
+            version=v.version_id,
+            attempt=attempt,
+            seq=self._ledger.state.last_seq,
+        )
+
+    # --- health loop ----------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Probe every engine each ``probe_interval_s`` (or when poked), forever."""
+        self._poked = anyio.Event()
+        task_status.started()
+        while True:
+            with anyio.move_on_after(self.probe_interval_s):
+                await self._poked.wait()
+            self._poked = anyio.Event()
+            if self._clock() - self._last_full >= self.full_every_s:
+                await self.reconcile()
+            else:
+                await self.health_check()
+
+    async def health_check(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for engine_id in self._fleet.ids():
+                tg.start_soon(self._check, engine_id)
+
+    async def _check(self, engine_id: str) -> None:
+        try:
+            engine = self._fleet[engine_id]
+            incarnation = await call(
+                engine_id, "incarnation", self.timeouts.probe, engine.incarnation
+            )
+        except (EngineError, LedgerError) as exc:
+            log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
+            return
+        if self._needs_reconcile(engine_id, incarnation):
+            await self.reconcile_engine(engine_id)
+
+    def _needs_reconcile(self, engine_id: str, incarnation: str) -> bool:
+        state = self._ledger.state
+        member = state.engines.get(engine_id)
+        if member is None or member.incarnation != incarnation or not member.routable:
+            return True
+        if any(name.startswith(self.prefix) for name in member.strays):
+            return True
+        for version_id in state.needed_versions():
+            if state.versions[version_id].lora_name not in member.holds:
+                return True
+        for version_id in state.blocked_by():
+            v = state.versions[version_id]
+            if v.state is VersionState.RECLAIMING or engine_id in v.fleet:
+                return True
+        return False

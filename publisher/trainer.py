@@ -1,0 +1,118 @@
+"""The trainer's entry point: one call per weight sync.
+
+A training loop calls :meth:`TrainerClient.publish` once per sync step::
+
+    async with ControlPlane.open(store, fleet, deployment="run7", prefix="policy",
+                                 capacity=3, artifact_root="/shared/adapters") as plane:
+        trainer = TrainerClient(plane)
+        for step in range(1, steps + 1):
+            train_one_step(model)
+            try:
+                result = await trainer.publish(model, step=step)  # a peft model, or
+                # await trainer.publish(state_dict, config=lora_config_dict, step=step)
+            except PublicationError as exc:
+                if exc.kind == "FATAL":
+                    raise          # publication is blocked: an operator must look
+                continue           # RETRYABLE: a later step publishes again
+            if result.status == "SKIPPED":
+                ...                # capacity full (old versions still pinned): training goes on
+            log(result.lora_name, result.ready_latency())
+
+What it guarantees:
+
+* the adapter is snapshotted (an owned, frozen copy: later optimizer steps cannot change what
+  is sent) before anything else, in a worker thread so in-process engines keep generating;
+* ``step`` is the version id: publishing the same step again is ``NO_OP`` (or waits for the
+  call already publishing it); the same step with other weights is ``VERSION_CONFLICT``;
+* ``PUBLISHED`` means every engine of the fleet confirmed the version by inventory and it is
+  the default for new sessions; sessions already bound stay on their version;
+* ``SKIPPED`` (capacity full after bootstrap) never raises: training goes on, the next step
+  tries its own new version;
+* every failure is a :class:`~publisher.publication.PublicationError` with ``kind``
+  ``RETRYABLE`` or ``FATAL``, ``code`` and ``details``.
+
+Arguments and results are plain data (a state dict / peft model in, a msgspec struct out, which
+:meth:`PublicationOutcome` ``to_builtins`` turns into a dict), so the same API can sit behind a
+Ray actor unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import msgspec
+
+from publisher.ledger import LedgerStatus
+from publisher.plane import ControlPlane
+from publisher.publication import ErrorKind, PublicationError, PublicationOutcome
+from publisher.snapshot import AdapterSnapshot
+
+__all__ = [
+    "ErrorKind",
+    "PublicationError",
+    "PublicationOutcome",
+    "TrainerClient",
+    "snapshot_of",
+    "to_builtins",
+]
+
+
+def snapshot_of(
+    adapter: Any,
+    config: Mapping[str, Any] | None = None,
+    *,
+    adapter_name: str = "default",
+    bucket_bytes: int,
+) -> AdapterSnapshot:
+    """An :class:`AdapterSnapshot` of a peft model, a state dict + config, or a snapshot."""
+    if isinstance(adapter, AdapterSnapshot):
+        return adapter
+    if hasattr(adapter, "peft_config"):
+        if config is not None:
+            raise TypeError("a peft model carries its own config: do not pass config=")
+        return AdapterSnapshot.from_peft_model(
+            adapter, adapter_name=adapter_name, bucket_bytes=bucket_bytes
+        )
+    if isinstance(adapter, Mapping):
+        if config is None:
+            raise TypeError("a state dict needs its PEFT config: pass config=")
+        return AdapterSnapshot.from_state_dict(adapter, config, bucket_bytes=bucket_bytes)
+    raise TypeError(
+        f"cannot publish a {type(adapter).__name__}: pass a peft model, a state dict with "
+        "config=, or an AdapterSnapshot"
+    )
+
+
+def to_builtins(outcome: PublicationOutcome) -> dict[str, Any]:
+    """The outcome as a plain dict (JSON/Ray friendly)."""
+    return msgspec.to_builtins(outcome)  # type: ignore[no-any-return]
+
+
+class TrainerClient:
+    """A thin async facade over a :class:`ControlPlane` for the training loop."""
+
+    def __init__(self, plane: ControlPlane, *, adapter_name: str = "default") -> None:
+        self._plane = plane
+        self.adapter_name = adapter_name
+
+    async def publish(
+        self, adapter: Any, config: Mapping[str, Any] | None = None, *, step: int
+    ) -> PublicationOutcome:
+        """Snapshot ``adapter`` and publish it as version ``step`` (see the module docstring)."""
+        snapshot = await anyio.to_thread.run_sync(
+            functools.partial(
+                snapshot_of,
+                adapter,
+                config,
+                adapter_name=self.adapter_name,
+                bucket_bytes=self._plane.bucket_bytes,
+            )
+        )
+        return await self._plane.publisher.publish(snapshot, version_id=step)
+
+    def status(self) -> LedgerStatus:
+        """The ledger's status (default version, versions and their states, engines)."""
+        return self._plane.ledger.status()

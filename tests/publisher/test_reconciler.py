@@ -1,0 +1,146 @@
+"""Reconciler: fleet changes as ledger events (join + repair, leave, start-up), strays of this
+deployment unloaded (and only those), drift found by the periodic full pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engines.artifacts import ArtifactStore
+from engines.contract import Candidate
+from engines.faults import Delay, FaultyEngine
+from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
+from evlog.events import (
+    EngineJoined,
+    EngineLeft,
+    EngineRepaired,
+    InventoryObserved,
+    VersionReclaimed,
+    VersionRestored,
+)
+from evlog.memory import MemoryLog, MemoryStore
+from projections.registry import VersionState
+from publisher.snapshot import aiter_buckets, plan_buckets
+from tests.publisher.plane_kit import (
+    GREEDY,
+    LIMITS,
+    PEFT_WARNINGS,
+    PROMPT,
+    events,
+    local_engines,
+    names,
+    of_type,
+    open_plane,
+    snapshot,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
+
+IDLE = 3600.0
+
+
+async def load_managed(engine: LocalEngine, name: str, seed: int) -> None:
+    """Put a managed (prepare/transfer/load) adapter on an engine behind the ledger's back."""
+    config, tensors = make_adapter(seed)
+    manifest = build_manifest(config, tensors)
+    candidate = Candidate(lora_name=name, digest=manifest.digest, attempt=1, manifest=manifest)
+    await engine.prepare(candidate)
+    await engine.transfer(candidate, aiter_buckets(plan_buckets(tensors)))
+    await engine.load(candidate)
+
+
+async def test_only_strays_of_this_deployment_are_unloaded(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "foreign")
+    config, tensors = make_adapter(50)
+    foreign_dir = store.put(build_manifest(config, tensors), tensors)
+    async with (
+        local_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE) as plane,
+    ):
+        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
+        other = "agent@other-1-0123456789abcdef"  # another deployment's name
+        await load_managed(engines[0], stray, 51)
+        await load_managed(engines[0], other, 52)
+        await engines[0].load_ordinary("someone-else", str(foreign_dir))
+        report = await plane.reconciler.reconcile()
+        assert report.unloaded == (f"e0:{stray}",)
+        assert await names(engines[0]) == {v1.lora_name, other, "someone-else"}
+        observed = [e for e in of_type(await events(plane.ledger.store), InventoryObserved)]
+        first_e0 = next(e for e in observed if e.engine == "e0" and stray in e.adapters)
+        assert other not in first_e0.adapters and "someone-else" not in first_e0.adapters
+        assert plane.ledger.state.engines["e0"].strays == ()
+
+
+async def test_the_periodic_full_pass_finds_drift_nobody_reported(tmp_path: Path) -> None:
+    async with (
+        local_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=0.02, full_reconcile_s=0.1) as plane,
+    ):
+        await plane.publisher.publish(snapshot(1), version_id=1)
+        stray = "agent@dep-77-0123456789abcdef"
+        await load_managed(engines[1], stray, 53)
+        passes = plane.reconciler.passes
+        await wait_for(lambda: plane.reconciler.passes > passes + 1)
+        assert stray not in await names(engines[1])
+
+
+async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path) -> None:
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e2", limits=LIMITS) as newcomer,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        await ledger.register_owner("w", ttl_s=600)
+        await ledger.bind("pinned", "w")
+        v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+        seq = ledger.state.last_seq
+        report = await plane.add_engine(newcomer)
+        assert report.joined == ("e2",) and report.repaired == ("e2",)
+        assert sorted(report.restored) == ["e2:1", "e2:2"]
+        assert {v1.lora_name, v2.lora_name} <= await names(newcomer)
+        log = await events(ledger.store, after=seq)
+        kinds = [type(e) for e in log]
+        assert kinds[0] is EngineJoined and kinds[-1] is EngineRepaired
+        assert kinds.count(VersionRestored) == 2
+        assert ledger.state.holders(v1.lora_name) == ("e0", "e1", "e2")
+        g = await newcomer.generate(PROMPT, v1.lora_name, GREEDY)
+        ref = await engines[0].generate(PROMPT, v1.lora_name, GREEDY)
+        assert g.token_ids == ref.token_ids  # the same bytes, restored from the artifact store
+
+
+async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path: Path) -> None:
+    async with local_engines(2) as inner:
+        engines = [inner[0], FaultyEngine(inner[1])]
+        engines[1].inject("unload", Delay(seconds=60))  # e1 never answers the reclaim
+        async with open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane:
+            ledger = plane.ledger
+            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(snapshot(2), version_id=2)
+            await wait_for(lambda: "e0" in ledger.state.versions[1].confirmed)
+            assert ledger.state.versions[1].state is VersionState.RECLAIMING
+            await plane.remove_engine("e1")
+            assert ledger.state.versions[1].state is VersionState.RECLAIMED
+            log = await events(ledger.store)
+            left = next(i for i, e in enumerate(log) if isinstance(e, EngineLeft))
+            assert isinstance(log[left + 1], VersionReclaimed)
+            assert "e1" not in plane.fleet
+
+
+async def test_engines_without_a_handle_leave_at_start(tmp_path: Path) -> None:
+    log = MemoryLog()
+    async with local_engines(2) as engines:
+        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
+            await plane.publisher.publish(snapshot(1), version_id=1)
+        async with open_plane(engines[:1], tmp_path, store=MemoryStore(log)) as plane:
+            assert plane.started is not None and plane.started.left == ("e1",)
+            assert plane.ledger.state.routable_engines() == ("e0",)
+            v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+            assert plane.ledger.state.versions[2].fleet == ("e0",)
+            assert v2.lora_name not in await names(engines[1])
