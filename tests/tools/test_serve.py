@@ -1,0 +1,206 @@
+"""``loraledger serve``: the real console script as a subprocess (stopped by its PID), and the
+service in process over two real local engines (publish, bind, in-flight, metrics).
+
+Network only on loopback: every server here listens on 127.0.0.1, on a port the OS picks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.tools.conftest import REPO, Cli, console_script
+from tools.exitcodes import Exit
+from tools.serve import ServeOptions, is_loopback, parse_engine, serve
+
+TOKEN = "t0ken-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, db: Path) -> None:
+        self.proc, self.url, self.db = proc, url, db
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """``loraledger serve`` as a user starts it, on a free loopback port; stopped by PID."""
+    db = tmp_path / "served.db"
+    out, err = tmp_path / "serve.out", tmp_path / "serve.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen(
+            [*console_script(), "serve", "--db", str(db), "--port", "0", "--json"],
+            cwd=REPO,
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, "LORALEDGER_TOKEN": TOKEN},
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while not out.read_text().strip():
+            assert proc.poll() is None, f"serve exited {proc.returncode}: {err.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not listen: {err.read_text()}"
+            time.sleep(0.05)
+        ready = json.loads(out.read_text().splitlines()[0])
+        assert ready["row"] == "listening" and ready["pid"] == proc.pid
+        yield Served(proc, ready["url"], db)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
+    with httpx.Client(base_url=served.url, trust_env=False, timeout=10) as http:
+        health = http.get("/health").json()
+        assert health["ok"] is True and health["deployment"] == "default"
+        status = http.get("/status").json()
+        assert (status["capacity"], status["default"], status["epoch"]) == (3, None, 1)
+        metrics = _metrics(http.get("/metrics").text)
+        assert metrics[("loraledger_capacity_limit", ())] == 3.0
+        assert metrics[("loraledger_versions", (("state", "PUBLISHED"),))] == 0.0
+
+        # state-changing routes: no token, a wrong token -> 401; the right one -> accepted
+        refused = http.post("/owners", json={"owner": "w1"})
+        assert refused.status_code == 401 and refused.json()["code"] == "UNAUTHORIZED"
+        assert refused.headers["www-authenticate"].startswith("Bearer")
+        wrong = http.post("/owners", json={"owner": "w1"}, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401
+        assert http.post("/sessions/s1/bind", json={"owner": "w1"}).status_code == 401
+        assert http.get("/status").json()["owners"] == 0  # nothing happened
+        ok = http.post("/owners", json={"owner": "w1", "ttl_s": 60}, headers=AUTH)
+        assert ok.status_code == 200, ok.text
+        # a refusal keeps the ledger's code
+        bind = http.post("/sessions/s1/bind", json={"owner": "w1"}, headers=AUTH)
+        assert (bind.status_code, bind.json()["code"]) == (409, "NO_PUBLISHED_VERSION")
+        bad = http.post("/owners", content=b"{not json", headers=AUTH)
+        assert (bad.status_code, bad.json()["code"]) == (400, "INVALID_INPUT")
+        counted = _metrics(http.get("/metrics").text)
+        assert counted[("loraledger_events_appended_total", (("type", "OwnerRegistered"),))] == 1
+
+    live = cli("status", "--url", served.url, "--json")
+    assert live.returncode == 0, live.stderr
+    assert json.loads(live.stdout)["owners"] == 1
+    human = cli("status", "--url", served.url)
+    assert f"ledger at {served.url}" in human.stdout and "deployment default" in human.stdout
+
+    # SIGTERM: a clean stop (exit 0), and the log it wrote verifies
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=20) == 0
+    check = cli("verify", served.db, "--json")
+    assert check.returncode == 0, check.stdout
+    assert cli("status", "--url", served.url, "--timeout", "1").returncode == Exit.UNREACHABLE
+
+
+def test_listening_beyond_loopback_needs_a_token(cli: Cli, tmp_path: Path) -> None:
+    db = tmp_path / "never.db"
+    for host in ("0.0.0.0", "::", "192.0.2.10", "ledger.example.com"):
+        result = cli("serve", "--db", db, "--host", host)
+        assert result.returncode == Exit.UNSAFE, (host, result.stdout, result.stderr)
+        assert "without a token" in result.stderr
+    assert not db.exists()  # refused before anything was opened
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "127.3.2.1")] == [True] * 4
+
+
+def test_engine_specs(cli: Cli, tmp_path: Path) -> None:
+    assert parse_engine("e0=sglang:http://127.0.0.1:30000").url == "http://127.0.0.1:30000"
+    local = parse_engine("e1=local:")
+    assert (local.kind, local.url) == ("local", None)
+    for bad in ("e0", "e0=tgi:http://x", "e0=vllm:", "e/0=local:", "e0=sglang:ftp://x"):
+        result = cli("serve", "--db", tmp_path / "x.db", "--engine", bad)
+        assert result.returncode == Exit.USAGE, bad
+    assert not (tmp_path / "x.db").exists()
+
+
+def _adapter_dir(root: Path, seed: int) -> Path:
+    from engines.artifacts import serialize_safetensors
+    from engines.local.tinymodel import make_adapter
+
+    config, tensors = make_adapter(seed)
+    out = root / f"adapter-{seed}"
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    (out / "adapter_model.safetensors").write_bytes(serialize_safetensors(tensors))
+    return out
+
+
+@pytest.mark.anyio
+async def test_publish_bind_and_inflight_show_in_metrics(tmp_path: Path) -> None:
+    """In process, two local engines: POST /versions publishes to both, the gauges follow."""
+    opts = ServeOptions(
+        db=str(tmp_path / "live.db"),
+        port=0,
+        token=TOKEN,
+        engines=(parse_engine("e0=local:"), parse_engine("e1=local:")),
+        deployment="live",
+        capacity=2,
+    )
+    urls: list[str] = []
+    listening, stop = anyio.Event(), anyio.Event()
+
+    def ready(url: str) -> None:
+        urls.append(url)
+        listening.set()
+
+    adapters = [_adapter_dir(tmp_path, seed) for seed in (1, 2)]
+
+    async def client() -> None:
+        with anyio.fail_after(60):
+            await listening.wait()
+        async with httpx.AsyncClient(base_url=urls[0], trust_env=False, timeout=60) as http:
+            first = await http.post(
+                "/versions", json={"version_id": 1, "adapter_dir": str(adapters[0])}, headers=AUTH
+            )
+            assert first.status_code == 200, first.text
+            assert first.json()["status"] == "PUBLISHED"
+            await http.post("/owners", json={"owner": "w1"}, headers=AUTH)
+            bound = await http.post("/sessions/s1/bind", json={"owner": "w1"}, headers=AUTH)
+            assert bound.json()["version_id"] == 1
+            second = await http.post(
+                "/versions", json={"version_id": 2, "adapter_dir": str(adapters[1])}, headers=AUTH
+            )
+            assert second.json()["retired"] == 1
+            renew = await http.post(
+                "/owners/w1/renew",
+                json={"inflight": [{"engine": "e1", "version_id": 1, "count": 2}]},
+                headers=AUTH,
+            )
+            assert renew.status_code == 200, renew.text
+            m = _metrics((await http.get("/metrics")).text)
+            assert m[("loraledger_versions", (("state", "PUBLISHED"),))] == 1
+            assert m[("loraledger_versions", (("state", "RETIRED"),))] == 1
+            assert m[("loraledger_capacity_used", ())] == 2
+            assert m[("loraledger_bound_sessions", (("state", "RETIRED"), ("version", "1")))] == 1
+            assert m[("loraledger_inflight_requests", (("engine", "e1"),))] == 2
+            assert m[("loraledger_inflight_requests", (("engine", "e0"),))] == 0
+            assert m[("loraledger_publish_latency_seconds_count", ())] == 2
+            assert m[("loraledger_engine_routable", (("engine", "e0"),))] == 1
+            status = (await http.get("/status")).json()
+            assert [v["holders"] for v in status["versions"]] == [["e0", "e1"], ["e0", "e1"]]
+        stop.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client)
+        await serve(opts, on_ready=ready, handle_signals=False, stop=stop)

@@ -1,0 +1,293 @@
+"""``loraledger serve``: the ledger as a long-lived service.
+
+One process owns the log (SQLite on local disk, one writer) and runs the ``ControlPlane``
+(publication, the reclaim driver, the reconciler, owner-lease expiry) over the engines named
+on the command line, with the HTTP face of ``tools/service.py`` on top.
+
+Safety rules, enforced before anything is opened:
+
+* it listens on loopback by default; listening anywhere else **requires a token** (``--token``
+  or ``LORALEDGER_TOKEN``), otherwise it refuses to start (exit 11): an unauthenticated
+  control plane on a network would let anyone bind, release or publish;
+* SIGINT/SIGTERM stop it cleanly: the HTTP server drains, the drivers stop, the ledger writes
+  its snapshot and closes the log, and the process exits 0 (uvicorn's own signal handling,
+  which re-raises the signal after shutdown, is replaced for exactly that reason).
+
+Every committed event is logged as one line with its seq (``-v``) and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from tools.exitcodes import Exit, ToolError
+from tools.logconfig import get_logger
+
+log = get_logger("loraledger.serve")
+
+ENGINE_KINDS = ("sglang", "vllm", "local")
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """``e0=sglang:http://127.0.0.1:30000``; ``local:`` alone is an in-process local engine."""
+
+    engine_id: str
+    kind: str
+    url: str | None = None
+
+
+class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
+    db: str
+    host: str = "127.0.0.1"
+    port: int = 8765
+    token: str | None = None
+    engines: tuple[EngineSpec, ...] = ()
+    deployment: str = "default"
+    prefix: str = "policy"
+    capacity: int = 3
+    artifact_root: str | None = None
+    served_model: str = "tiny"
+    synchronous: str = "FULL"
+
+
+def parse_engine(text: str) -> EngineSpec:
+    """Parse ``ID=KIND:URL`` (``URL`` may be empty for ``local``)."""
+    engine_id, eq, rest = text.partition("=")
+    kind, colon, url = rest.partition(":")
+    if not eq or not colon or not _ENGINE_ID.match(engine_id):
+        raise ToolError(
+            Exit.USAGE,
+            f"--engine {text!r}: expected ID=KIND:URL, e.g. e0=sglang:http://127.0.0.1:30000 "
+            "or e1=local: (an in-process local engine)",
+        )
+    if kind not in ENGINE_KINDS:
+        raise ToolError(
+            Exit.USAGE, f"--engine {text!r}: kind must be one of {', '.join(ENGINE_KINDS)}"
+        )
+    if url and not re.match(r"^https?://[^/\s]+", url):
+        raise ToolError(Exit.USAGE, f"--engine {text!r}: {url!r} is not an http(s) URL")
+    if not url and kind != "local":
+        raise ToolError(Exit.USAGE, f"--engine {text!r}: a {kind} engine needs its URL")
+    return EngineSpec(engine_id=engine_id, kind=kind, url=url or None)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve anywhere
+
+
+def check_listen(host: str, token: str | None) -> None:
+    """Refuse to listen beyond loopback without a token (exit 11)."""
+    if not is_loopback(host) and not token:
+        raise ToolError(
+            Exit.UNSAFE,
+            f"refusing to listen on {host!r} without a token: anyone who can reach it could "
+            "bind, release or publish. Pass --token (or set LORALEDGER_TOKEN), or listen on "
+            "127.0.0.1.",
+        )
+
+
+def check_options(opts: ServeOptions) -> None:
+    check_listen(opts.host, opts.token)
+    if not 0 <= opts.port <= 65535:
+        raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
+    ids = [e.engine_id for e in opts.engines]
+    if len(set(ids)) != len(ids):
+        raise ToolError(Exit.USAGE, f"engine ids must be unique, got {ids}")
+    if opts.synchronous not in ("FULL", "NORMAL"):
+        raise ToolError(Exit.USAGE, "--synchronous must be FULL or NORMAL")
+
+
+async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptions) -> Any:
+    """A live engine handle for ``spec``; closed by ``stack``."""
+    if spec.kind == "sglang":
+        from engines.sglang import SGLangEngine
+
+        engine: Any = SGLangEngine(spec.url or "", spec.engine_id)
+    elif spec.kind == "vllm":
+        from engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(spec.url or "", spec.engine_id, served_model=opts.served_model)
+    elif spec.url:
+        from engines.local.client import LocalHTTPEngine
+
+        engine = LocalHTTPEngine(spec.url, spec.engine_id)
+    else:
+        try:
+            from engines.local.engine import LocalEngine
+        except ImportError as exc:
+            raise ToolError(
+                Exit.ENGINE_UNAVAILABLE,
+                f"an in-process local engine needs the engine extra "
+                f"(pip install 'loraledger[engine]'): {exc}",
+            ) from None
+        local = LocalEngine(spec.engine_id, artifact_root=opts.artifact_root)
+        return await stack.enter_async_context(local)
+    stack.push_async_callback(engine.aclose)
+    return engine
+
+
+@asynccontextmanager
+async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
+    """The store, the engines and the ``ControlPlane`` over them, closed in reverse order."""
+    from evlog.errors import LedgerError
+    from evlog.sqlite import SQLiteStore
+    from publisher.fleet import Fleet
+    from publisher.plane import ControlPlane
+
+    db = Path(opts.db)
+    artifact_root = opts.artifact_root or str(db.with_name(db.name + ".artifacts"))
+    os.makedirs(artifact_root, exist_ok=True)
+    try:
+        async with AsyncExitStack() as stack:
+            store = await stack.enter_async_context(
+                SQLiteStore.open(db, synchronous=opts.synchronous)  # type: ignore[arg-type]
+            )
+            fleet = Fleet()
+            for spec in opts.engines:
+                fleet.add(await _open_engine(stack, spec, opts))
+            plane = await stack.enter_async_context(
+                ControlPlane.open(
+                    store,
+                    fleet,
+                    deployment=opts.deployment,
+                    prefix=opts.prefix,
+                    capacity=opts.capacity,
+                    artifact_root=artifact_root,
+                )
+            )
+            yield plane
+    except LedgerError as exc:
+        raise ToolError.from_ledger(exc, path=str(db)) from None
+
+
+def make_publish(plane: Any) -> Callable[[int, str], Any]:
+    """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``."""
+    from engines.artifacts import ArtifactError, read_adapter_dir
+    from evlog.errors import Code, LedgerError
+    from publisher.trainer import TrainerClient
+
+    trainer = TrainerClient(plane)
+
+    async def publish(version_id: int, adapter_dir: str) -> Any:
+        try:
+            config, tensors = await anyio.to_thread.run_sync(read_adapter_dir, adapter_dir)
+        except (ArtifactError, OSError) as exc:
+            raise LedgerError(Code.INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
+        return await trainer.publish(tensors, config=config, step=version_id)
+
+    return publish
+
+
+def _server(app: Any, opts: ServeOptions, verbosity: int) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # Signals are handled by serve() itself, which then shuts everything down in
+            # order; uvicorn's handler would re-raise the signal after its own shutdown and
+            # kill the process before the ledger closed.
+            yield
+
+    config = uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_config=None,
+        lifespan="off",
+        access_log=verbosity >= 2,
+        timeout_graceful_shutdown=5,
+    )
+    return Server(config)
+
+
+async def _follow(ledger: Any, metrics: Any) -> None:
+    """Count and log every committed event (one line per decision, with its seq)."""
+    async for record in ledger.subscribe():
+        metrics.observe(record)
+        log.info("event", seq=record.seq, type=record.type, stream=record.stream)
+
+
+async def _stop_on_signals(server: Any) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("serve.stopping", signal=signal.Signals(signum).name)
+            server.should_exit = True
+            return
+
+
+async def serve(
+    opts: ServeOptions,
+    *,
+    verbosity: int = 0,
+    on_ready: Callable[[str], None] | None = None,
+    handle_signals: bool = True,
+    stop: anyio.Event | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready(url)`` once listening."""
+    from tools.metrics import LedgerMetrics
+    from tools.service import build_app
+
+    check_options(opts)
+    async with open_plane(opts) as plane:
+        ledger = plane.ledger
+        metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
+        app = build_app(ledger, metrics, token=opts.token, publish=make_publish(plane))
+        server = _server(app, opts, verbosity)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_follow, ledger, metrics)
+            if handle_signals:
+                tg.start_soon(_stop_on_signals, server)
+            if stop is not None:
+                tg.start_soon(_stop_when, stop, server)
+            tg.start_soon(_announce, server, opts, on_ready)
+            await server.serve()
+            tg.cancel_scope.cancel()
+        if not server.started:
+            raise ToolError(
+                Exit.FAILED, f"could not listen on {opts.host}:{opts.port} (see the log above)"
+            )
+    log.info("serve.stopped", seq=ledger.state.last_seq)
+
+
+async def _stop_when(stop: anyio.Event, server: Any) -> None:
+    await stop.wait()
+    server.should_exit = True
+
+
+async def _announce(
+    server: Any, opts: ServeOptions, on_ready: Callable[[str], None] | None
+) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        await anyio.sleep(0.02)
+    port = opts.port
+    for s in server.servers:
+        for sock in s.sockets:
+            port = sock.getsockname()[1]
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    url = f"http://{host}:{port}"
+    log.info("serve.listening", url=url, db=opts.db)
+    if on_ready is not None:
+        on_ready(url)
+
+
+def specs(values: Sequence[str]) -> tuple[EngineSpec, ...]:
+    return tuple(parse_engine(v) for v in values)

@@ -1,0 +1,193 @@
+"""The HTTP face of a running ledger (``loraledger serve``): a Starlette app.
+
+Routes, and who may call them:
+
+=======  ===============================  ==========================================
+method   path                             access
+=======  ===============================  ==========================================
+GET      ``/health``                      read-only, open
+GET      ``/status``                      read-only, open (``LedgerStatus`` as JSON)
+GET      ``/metrics``                     read-only, open (Prometheus text format)
+POST     ``/owners``                      bearer token: register a rollout worker
+POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
+POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
+POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
+POST     ``/versions``                    bearer token: publish an adapter directory
+=======  ===============================  ==========================================
+
+Why a bearer token on every state-changing route and never on the read-only ones: a scraper or
+a dashboard must not hold the power to bind, release or publish, and anything that changes the
+ledger must prove it may. A service started without a token refuses every state-changing route
+(403): there is no anonymous write mode to forget about. The token is compared in constant time.
+
+Refusals keep the ledger's codes: ``{"code": ..., "message": ..., "details": {...}}`` with 400
+(bad input), 404 (unknown owner/version/engine), 409 (a refusal by the rules), 503 (the ledger
+is closed or fenced).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from evlog.errors import Code, LedgerError
+from publisher.ledger import Ledger
+from tools.metrics import LedgerMetrics
+
+Publish = Callable[[int, str], Awaitable[Any]]  # (version id, adapter dir) -> outcome struct
+
+_encoder = msgspec.json.Encoder()
+_STATUS_OF_CODE = {
+    Code.INVALID_INPUT: 400,
+    Code.INVALID_VERSION: 400,
+    Code.UNKNOWN_OWNER: 404,
+    Code.UNKNOWN_VERSION: 404,
+    Code.UNKNOWN_ENGINE: 404,
+    Code.LEDGER_CLOSED: 503,
+    Code.FENCED: 503,
+    Code.STORE_FAILED: 503,
+}
+
+
+class OwnerBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    owner: str
+    ttl_s: float = 30.0
+
+
+class InFlightCount(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    engine: str
+    version_id: int
+    count: int
+
+
+class RenewBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    inflight: list[InFlightCount] = msgspec.field(default_factory=list)
+
+
+class BindBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    owner: str
+
+
+class ReleaseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    owner: str
+    cause: str = "closed"
+
+
+class PublishBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version_id: int
+    adapter_dir: str
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(data), status, headers, media_type="application/json")
+
+
+def _error(code: str, message: str, status: int, **details: Any) -> Response:
+    headers = {"WWW-Authenticate": 'Bearer realm="loraledger"'} if status == 401 else None
+    body = {"code": code, "message": message, "details": msgspec.to_builtins(details)}
+    return _json(body, status, headers)
+
+
+def build_app(
+    ledger: Ledger,
+    metrics: LedgerMetrics,
+    *,
+    token: str | None,
+    publish: Publish | None = None,
+) -> Starlette:
+    """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
+    ``POST /versions``; without it that route answers 501."""
+    expected = token.encode() if token else None
+
+    def authorized(request: Request) -> Response | None:
+        if expected is None:
+            return _error(
+                "WRITES_DISABLED",
+                "this service was started without a token: state-changing routes are off "
+                "(restart it with --token or LORALEDGER_TOKEN)",
+                403,
+            )
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
+            return _error("UNAUTHORIZED", "a valid bearer token is required for this route", 401)
+        return None
+
+    def writer(
+        body_type: type[Any] | None, handler: Callable[..., Awaitable[Any]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            refused = authorized(request)
+            if refused is not None:
+                return refused
+            body = None
+            if body_type is not None:
+                try:
+                    body = msgspec.json.decode(await request.body(), type=body_type)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    return _error(Code.INVALID_INPUT, f"bad request body: {exc}", 400)
+            try:
+                outcome = await handler(request, body)
+            except LedgerError as exc:
+                return _error(
+                    exc.code, exc.message, _STATUS_OF_CODE.get(exc.code, 409), **exc.details
+                )
+            return _json(msgspec.to_builtins(outcome))
+
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        s = ledger.state
+        return _json(
+            {
+                "ok": True,
+                "deployment": s.deployment,
+                "epoch": s.epoch,
+                "seq": s.last_seq,
+                "routable": list(s.routable_engines()),
+            }
+        )
+
+    async def status(request: Request) -> Response:
+        return _json(ledger.status())
+
+    async def scrape(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def register(request: Request, body: OwnerBody) -> Any:
+        return await ledger.register_owner(body.owner, ttl_s=body.ttl_s)
+
+    async def renew(request: Request, body: RenewBody) -> Any:
+        counts = {(x.engine, x.version_id): x.count for x in body.inflight}
+        ledger.renew_lease(request.path_params["owner"], counts)
+        return {"ok": True}
+
+    async def bind(request: Request, body: BindBody) -> Any:
+        return await ledger.bind(request.path_params["session"], body.owner)
+
+    async def release(request: Request, body: ReleaseBody) -> Any:
+        return await ledger.release(request.path_params["session"], body.owner, cause=body.cause)
+
+    async def publish_version(request: Request, body: PublishBody) -> Any:
+        if publish is None:
+            raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
+        return await publish(body.version_id, body.adapter_dir)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/metrics", scrape, methods=["GET"]),
+        Route("/owners", writer(OwnerBody, register), methods=["POST"]),
+        Route("/owners/{owner}/renew", writer(RenewBody, renew), methods=["POST"]),
+        Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
+        Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
+        Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
