@@ -25,8 +25,8 @@ from rich.text import Text
 from tools.exitcodes import Exit, ToolError
 from tools.output import emit, stdout_console
 
-# name -> (module, function, full-size kwargs, --quick kwargs)
-BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+# name -> (module, function, full-size kwargs, --quick kwargs, name of its scratch-dir kwarg)
+BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
     "store": (
         "tools.bench_store",
         "bench_store",
@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
             "events": {1: 200, 16: 1_600},
             "replay_events": 20_000,
         },
+        "directory",
     ),
     "ledger": (
         "tools.bench_ledger",
@@ -48,8 +49,15 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
             "sessions": {1: 100, 16: 800},
             "replay_events": 20_000,
         },
+        "directory",
     ),
-    "publish": ("tools.bench_publish", "bench_publish", {}, {"quick": True}),
+    "publish": (
+        "tools.bench_publish",
+        "bench_publish",
+        {},
+        {"size_mib": 4, "repeats": 1},
+        "workdir",
+    ),
 }
 
 
@@ -69,7 +77,7 @@ def machine() -> str:
 
 
 def _function(name: str) -> Callable[..., Awaitable[dict[str, Any]]]:
-    module_name, function, _, _ = BENCHES[name]
+    module_name, function, *_ = BENCHES[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -81,10 +89,10 @@ def _function(name: str) -> Callable[..., Awaitable[dict[str, Any]]]:
 
 def run_bench(name: str, *, quick: bool, directory: Path | None, json: bool) -> dict[str, Any]:
     fn = _function(name)
-    _, _, full, small = BENCHES[name]
+    _, _, full, small, scratch = BENCHES[name]
     kwargs = dict(small if quick else full)
     if directory is not None:
-        kwargs["directory"] = str(directory)
+        kwargs[scratch] = str(directory)
     result = anyio.run(lambda: fn(**kwargs))
     out = {"bench": name, "quick": quick, **result, "machine": machine()}
     if json:
