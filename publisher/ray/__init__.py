@@ -1,0 +1,44 @@
+"""The Ray deployment of loraledger: the ledger in one named, detached actor; clients with
+the in-process API for trainers and rollout workers; engines as actors.
+
+=========================================  =================================================
+:func:`~publisher.ray.ledger_actor.start_ledger`  start (or find) the ledger actor; it hosts a
+                                                bare ledger or a whole control plane
+:class:`~publisher.ray.client.RayLedger`       rollout side: ``LedgerPort`` + ``RoutingView``
+:class:`~publisher.ray.trainer.RayTrainerClient`  trainer side: ``publish(adapter, step=)``
+:func:`~publisher.ray.engine.start_engine`     an engine in its own actor, as a ``RayEngine``
+=========================================  =================================================
+
+Names are imported lazily: ``import publisher.ray`` does not import Ray until one is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ActorLink": "publisher.ray.link",
+    "DEFAULT_NAMESPACE": "publisher.ray.link",
+    "DEFAULT_LEDGER_NAME": "publisher.ray.ledger_actor",
+    "EngineActor": "publisher.ray.engine",
+    "LedgerActor": "publisher.ray.ledger_actor",
+    "LedgerConfig": "publisher.ray.ledger_actor",
+    "PlaneConfig": "publisher.ray.ledger_actor",
+    "RayEngine": "publisher.ray.engine",
+    "RayLedger": "publisher.ray.client",
+    "RayTrainerClient": "publisher.ray.trainer",
+    "start_engine": "publisher.ray.engine",
+    "start_ledger": "publisher.ray.ledger_actor",
+    "stop_engine": "publisher.ray.engine",
+    "stop_ledger": "publisher.ray.ledger_actor",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'publisher.ray' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

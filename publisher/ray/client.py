@@ -1,0 +1,270 @@
+"""RayLedger: the ledger, as a process other than the ledger actor sees it.
+
+It has the API rollout code uses in process -- it is a
+:class:`~publisher.sessions.LedgerPort` (``register_owner``, ``renew_lease``,
+``execute_many``) plus ``execute`` and the session commands (``bind``, ``release``,
+``forget``) -- and it provides the :class:`~publisher.gateway.RoutingView` a gateway needs
+(:attr:`RayLedger.routing`). So a :class:`~publisher.sessions.RolloutWorker` and a
+:class:`~publisher.gateway.Gateway` run unchanged in a Ray actor::
+
+    async with RayLedger.connect("ledger") as ledger:
+        gateway = Gateway(Fleet(engines), ledger.routing, gateway_id="w1")
+        async with RolloutWorker.open(ledger, gateway, owner="w1") as worker:
+            served = await worker.session("s1").generate(prompt)
+
+Three things differ from in process, each for a reason:
+
+* **Round trips are coalesced.** Calls made while ``max_in_flight`` round trips are already
+  under way are queued and sent together, as ONE ``execute_many`` (group commit's idea, one
+  hop earlier): many sessions binding at once cost a few Ray round trips, not one each. A
+  caller's commands are decided in the order given; calls of different callers were
+  concurrent, so whatever order they are decided in is one the in-process ledger could have
+  chosen too. Each caller gets its own outcome or refusal. A single call on an idle client
+  goes out at once.
+* **Lease renewals are local and forwarded.** ``renew_lease`` must be synchronous (a worker
+  checks its lease right before the gateway counts a request in flight), so it records the
+  renewal and raises only what the client already knows (the owner expired); a background task
+  forwards the newest renewal of every owner to the ledger, at most one round trip at a time
+  and at most every ``renew_interval`` seconds, and learns expiries from the reply. A worker
+  therefore learns it lost its lease one renewal later than in process.
+* **Restarts are ridden out.** Every call goes through an
+  :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
+  ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
+  until ``reconnect_timeout``; only then do callers get ``LEDGER_CLOSED``.
+
+Refusals are raised (or returned in place by ``execute_many``) as ``LedgerError`` with their
+``code``, exactly as in process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from evlog.errors import Code, LedgerError
+from publisher import commands as c
+from publisher.ledger import LedgerStatus
+from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
+from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
+from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
+from publisher.ray.routing import RemoteRouting
+
+log = structlog.get_logger("loraledger.ray")
+OutcomeT = TypeVar("OutcomeT", bound=Outcome)
+
+
+class _Request:
+    """One caller's commands and where their answers land."""
+
+    __slots__ = ("commands", "done", "error", "results")
+
+    def __init__(self, commands: list[c.Command]) -> None:
+        self.commands = commands
+        self.done = anyio.Event()
+        self.results: list[Outcome | LedgerError] | None = None
+        self.error: BaseException | None = None
+
+
+class RayLedger:
+    """Client of the ledger actor ``namespace/name``. Open with :meth:`connect`; safe to use
+    from many tasks of one event loop (asyncio: Ray's awaitables need it)."""
+
+    def __init__(
+        self,
+        name: str = DEFAULT_LEDGER_NAME,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        max_in_flight: int = 2,
+        max_batch: int = 4096,
+        renew_interval: float = 0.5,
+        reconnect_timeout: float = 60.0,
+    ) -> None:
+        if max_in_flight < 1 or max_batch < 1:
+            raise LedgerError(Code.INVALID_INPUT, "max_in_flight and max_batch must be >= 1")
+        if not (math.isfinite(renew_interval) and renew_interval >= 0):
+            raise LedgerError(Code.INVALID_INPUT, "renew_interval must be a finite >= 0")
+        self.link = ActorLink(name, namespace=namespace, reconnect_timeout=reconnect_timeout)
+        self.max_in_flight = max_in_flight
+        self.max_batch = max_batch
+        self.renew_interval = renew_interval
+        self.routing = RemoteRouting()
+        self._queue: deque[_Request] = deque()
+        self._senders = 0
+        self._tg: TaskGroup | None = None
+        self._renewals: dict[str, dict[tuple[str, int], int]] = {}
+        self._renew_wanted = anyio.Event()
+        self._lost: dict[str, LedgerError] = {}
+        self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        name: str = DEFAULT_LEDGER_NAME,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        max_in_flight: int = 2,
+        max_batch: int = 4096,
+        renew_interval: float = 0.5,
+        reconnect_timeout: float = 60.0,
+    ) -> AsyncIterator[RayLedger]:
+        """Resolve the actor, fetch the routing, and run the sender and renewal tasks for the
+        life of the block (calls still waiting when it exits fail with ``LEDGER_CLOSED``)."""
+        client = cls(
+            name,
+            namespace=namespace,
+            max_in_flight=max_in_flight,
+            max_batch=max_batch,
+            renew_interval=renew_interval,
+            reconnect_timeout=reconnect_timeout,
+        )
+        await client.refresh_routing()
+        async with anyio.create_task_group() as tg:
+            client._tg = tg
+            tg.start_soon(client._renewer)
+            try:
+                yield client
+            finally:
+                client._tg = None
+                tg.cancel_scope.cancel()
+        client._fail_queued(LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed"))
+
+    # --- commands ------------------------------------------------------------------------------
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+        """Decide a group in one round trip (or fewer: it may share one with other callers).
+        Refusals come back in place, as in process."""
+        if not commands:
+            return []
+        if self._tg is None:
+            raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
+        request = _Request(list(commands))
+        self._queue.append(request)
+        if self._senders < self.max_in_flight:
+            self._senders += 1
+            self._tg.start_soon(self._sender)
+        await request.done.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.results is not None
+        return request.results
+
+    async def execute(self, command: c.Command) -> Outcome:
+        """Decide one command; a refusal is raised as ``LedgerError``."""
+        result = (await self.execute_many([command]))[0]
+        if isinstance(result, LedgerError):
+            raise result
+        return result
+
+    async def _typed(self, command: c.Command, kind: type[OutcomeT]) -> OutcomeT:
+        outcome = await self.execute(command)
+        if not isinstance(outcome, kind):
+            raise LedgerError(Code.INVALID_STATE, f"{type(command).__name__} answered {outcome!r}")
+        return outcome
+
+    async def bind(self, session: str, owner: str) -> Bound:
+        return await self._typed(c.Bind(session=session, owner=owner), Bound)
+
+    async def release(self, session: str, owner: str, *, cause: str = "closed") -> Released:
+        return await self._typed(c.Release(session=session, owner=owner, cause=cause), Released)
+
+    async def forget(self, sessions: Iterable[str]) -> Forgotten:
+        return await self._typed(c.Forget(sessions=tuple(sessions)), Forgotten)
+
+    async def _sender(self) -> None:
+        """Send everything queued, a batch at a time, until the queue is empty."""
+        try:
+            while self._queue:
+                group = [self._queue.popleft()]
+                size = len(group[0].commands)
+                while self._queue and size + len(self._queue[0].commands) <= self.max_batch:
+                    size += len(self._queue[0].commands)
+                    group.append(self._queue.popleft())
+                commands = [command for request in group for command in request.commands]
+                try:
+                    self.round_trips += 1
+                    reply: Reply = await self.link.call("execute_many", commands, self.routing.mark)
+                except BaseException as exc:
+                    cause = (
+                        LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
+                        if isinstance(exc, anyio.get_cancelled_exc_class())
+                        else exc
+                    )
+                    for request in group:
+                        request.error = cause
+                        request.done.set()
+                    if cause is not exc:
+                        raise
+                    continue
+                self.routing.update(reply.routing)
+                start = 0
+                for request in group:
+                    end = start + len(request.commands)
+                    request.results = reply.results[start:end]
+                    start = end
+                    request.done.set()
+        finally:
+            self._senders -= 1
+
+    def _fail_queued(self, error: LedgerError) -> None:
+        while self._queue:
+            request = self._queue.popleft()
+            request.error = error
+            request.done.set()
+
+    # --- owners and leases -----------------------------------------------------------------------
+
+    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
+        outcome: Done = await self.link.call("register_owner", owner, ttl_s)
+        self._lost.pop(owner, None)
+        return outcome
+
+    def renew_lease(
+        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+    ) -> None:
+        """Record a renewal of ``owner`` with its in-flight counts per (engine, version) and
+        have it forwarded (see the module docstring). Raises ``LEASE_EXPIRED`` /
+        ``UNKNOWN_OWNER`` once the ledger refused a renewal of this owner."""
+        lost = self._lost.get(owner)
+        if lost is not None:
+            raise lost
+        self._renewals[owner] = {key: n for key, n in (inflight or {}).items() if n}
+        self._renew_wanted.set()
+
+    async def _renewer(self) -> None:
+        while True:
+            await self._renew_wanted.wait()
+            self._renew_wanted = anyio.Event()
+            renewals, self._renewals = self._renewals, {}
+            try:
+                reply: RenewReply = await self.link.call(
+                    "renew_leases", renewals, self.routing.mark
+                )
+            except LedgerError as exc:
+                # Unreachable for reconnect_timeout: keep the newest renewals for next time.
+                log.warning("ray.renew_failed", error=exc.message)
+                for owner, counts in renewals.items():
+                    self._renewals.setdefault(owner, counts)
+                self._renew_wanted.set()
+            else:
+                for owner, error in reply.lost.items():
+                    self._lost.setdefault(owner, error)
+                self.routing.update(reply.routing)
+            await anyio.sleep(self.renew_interval)
+
+    # --- reads -------------------------------------------------------------------------------
+
+    async def refresh_routing(self) -> None:
+        """Fetch the current routing now (replies carry it anyway when it changed)."""
+        self.routing.update(await self.link.call("routing"))
+
+    async def status(self) -> LedgerStatus:
+        """The ledger's status (one round trip; in process this read is local)."""
+        return await self.link.call("status")  # type: ignore[no-any-return]

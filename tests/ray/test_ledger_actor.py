@@ -1,0 +1,251 @@
+"""The ledger actor and its client, on a real local Ray instance and real SQLite files:
+the in-process API across Ray (outcomes, refusals with their codes, batches), coalesced round
+trips, routing delivered with replies, leases renewed through the client, and the restart
+story (Ray restarting the actor, or the actor recreated under its name) replaying every
+binding from the log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+import ray
+
+from evlog.errors import Code, LedgerError
+from publisher import commands as c
+from publisher.outcomes import Bound, Released
+from publisher.ray.client import RayLedger
+from publisher.ray.ledger_actor import LedgerConfig, start_ledger
+from tests.ray.kit import ENGINES, create, publish
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_client_speaks_the_in_process_api(ledger_factory: Any) -> None:
+    lut = ledger_factory()
+    async with RayLedger.connect(lut.name) as ledger:
+        await create(ledger)
+        await ledger.register_owner("w1")
+        with pytest.raises(LedgerError) as no_version:
+            await ledger.bind("s0", "w1")
+        assert type(no_version.value) is LedgerError
+        assert no_version.value.code == Code.NO_PUBLISHED_VERSION
+        published = await publish(ledger, 1)
+
+        first = await ledger.bind("s1", "w1")
+        again = await ledger.bind("s1", "w1")
+        assert (first.version_id, first.lora_name, first.new) == (1, published.lora_name, True)
+        assert again == Bound(
+            session="s1",
+            version_id=1,
+            lora_name=published.lora_name,
+            digest=first.digest,
+            revision=1,
+            new=False,
+        )
+        released = await ledger.release("s1", "w1")
+        assert released == Released(session="s1", released=True, version_id=1)
+        with pytest.raises(LedgerError) as closed:
+            await ledger.bind("s1", "w1")
+        assert closed.value.code == Code.SESSION_CLOSED
+
+        # a batch: each command decided on its own, refusals in place
+        results = await ledger.execute_many(
+            [
+                c.Bind(session="s2", owner="w1"),
+                c.Bind(session="s3", owner="stranger"),
+                c.Release(session="s2", owner="w1"),
+                c.Forget(sessions=("s1", "s2")),
+            ]
+        )
+        assert isinstance(results[0], Bound) and results[0].session == "s2"
+        assert isinstance(results[1], LedgerError) and results[1].code == Code.UNKNOWN_OWNER
+        assert isinstance(results[2], Released) and results[2].released
+        assert results[3].count == 2  # type: ignore[union-attr]
+
+        # a refusal raised by an actor method itself keeps its type and code too
+        with pytest.raises(LedgerError) as bad_ttl:
+            await ledger.register_owner("w2", ttl_s=-1)
+        assert type(bad_ttl.value) is LedgerError and bad_ttl.value.code == Code.INVALID_INPUT
+
+        status = await ledger.status()
+        assert (status.default, status.sessions_bound, status.owners) == (1, 0, 1)
+
+
+async def test_concurrent_calls_share_round_trips(ledger_factory: Any) -> None:
+    lut = ledger_factory()
+    async with RayLedger.connect(lut.name, max_in_flight=2) as ledger:
+        await create(ledger)
+        await ledger.register_owner("w1")
+        await publish(ledger, 1)
+        before = ledger.round_trips
+        names = [f"s{i}" for i in range(300)]
+        answers: dict[str, Bound] = {}
+
+        async def bind(name: str) -> None:
+            answers[name] = await ledger.bind(name, "w1")
+
+        async with anyio.create_task_group() as tg:
+            for name in names:
+                tg.start_soon(bind, name)
+        trips = ledger.round_trips - before
+        # every caller got the answer for ITS session
+        assert all(answers[n].session == n and answers[n].new for n in names)
+        assert trips <= 30, f"300 concurrent binds took {trips} round trips"
+        assert (await ledger.status()).sessions_bound == 300
+
+
+async def test_routing_arrives_with_the_replies(ledger_factory: Any) -> None:
+    lut = ledger_factory()
+    async with (
+        RayLedger.connect(lut.name) as publisher,
+        RayLedger.connect(lut.name) as worker,
+    ):
+        await create(publisher)
+        await publisher.register_owner("w1")
+        v1 = await publish(publisher, 1)
+        await worker.refresh_routing()
+        assert worker.routing.holders(v1.lora_name) == ENGINES
+        assert worker.routing.default_revision == 1
+
+        v2 = await publish(publisher, 2)
+        # the worker has not heard from the ledger since: it still sees revision 1 ...
+        assert worker.routing.holders(v2.lora_name) == ()
+        assert worker.routing.default_revision == 1
+        # ... until a reply: the bind's reply carries routing computed after the bind
+        bound = await worker.bind("s1", "w1")
+        assert bound.version_id == 2
+        assert worker.routing.holders(v2.lora_name) == ENGINES
+        assert worker.routing.default_revision == 2
+        assert worker.routing.holders(v1.lora_name) == ENGINES  # retired, still held
+
+
+async def test_leases_are_renewed_through_the_client_and_expiry_is_learned(
+    ledger_factory: Any,
+) -> None:
+    lut = ledger_factory(lease_check_s=0.1)
+    async with RayLedger.connect(lut.name, renew_interval=0.05) as ledger:
+        await create(ledger)
+        await publish(ledger, 1)
+        await ledger.register_owner("live", ttl_s=1.0)
+        await ledger.register_owner("dead", ttl_s=1.0)
+        await ledger.bind("s-dead", "dead")
+        # three ttls: only renewals forwarded by the client keep "live" alive
+        with anyio.fail_after(10):
+            for _ in range(30):
+                ledger.renew_lease("live", {("e0", 1): 1})
+                await anyio.sleep(0.1)
+        assert (await ledger.bind("s-live", "live")).new
+        with pytest.raises(LedgerError) as dead_bind:
+            await ledger.bind("s-other", "dead")
+        assert dead_bind.value.code == Code.LEASE_EXPIRED
+        # the client learns the expiry from a renewal's reply, then refuses locally
+        learned: LedgerError | None = None
+        with anyio.fail_after(5):
+            while learned is None:
+                try:
+                    ledger.renew_lease("dead")
+                except LedgerError as exc:
+                    learned = exc
+                await anyio.sleep(0.05)
+        assert learned.code == Code.LEASE_EXPIRED
+        status = await ledger.status()
+        assert status.owners == 1
+        assert status.sessions_bound == 1  # "dead"'s session was released by the expiry
+
+
+async def _bind_all(ledger: RayLedger, names: list[str], owner: str) -> dict[str, Any]:
+    answers: dict[str, Any] = {}
+
+    async def bind(name: str) -> None:
+        try:
+            answers[name] = await ledger.bind(name, owner)
+        except LedgerError as exc:
+            answers[name] = exc
+
+    async with anyio.create_task_group() as tg:
+        for name in names:
+            tg.start_soon(bind, name)
+    return answers
+
+
+async def test_ray_restarts_a_killed_ledger_and_it_replays_every_binding(
+    ledger_factory: Any,
+) -> None:
+    lut = ledger_factory()
+    async with RayLedger.connect(lut.name) as ledger:
+        await create(ledger)
+        await ledger.register_owner("w1", ttl_s=600)
+        await publish(ledger, 1)
+        early = [f"early{i}" for i in range(40)]
+        first = await _bind_all(ledger, early, "w1")
+        for name in early[:10]:
+            await ledger.release(name, "w1")
+        await publish(ledger, 2)
+        epoch = (await ledger.status()).epoch
+
+        # kill it while 8 streams of binds keep round trips in flight: Ray restarts it
+        late = [f"late{i}" for i in range(80)]
+        answered = 0
+        quarter = anyio.Event()
+
+        async def stream(names: list[str]) -> None:
+            nonlocal answered
+            for name in names:
+                await ledger.bind(name, "w1")
+                answered += 1
+                if answered == 20:
+                    quarter.set()
+
+        async with anyio.create_task_group() as tg:
+            for k in range(8):
+                tg.start_soon(stream, late[k::8])
+            with anyio.fail_after(10):
+                await quarter.wait()
+            ray.kill(lut.handle, no_restart=False)
+        assert ledger.link.reconnects > 0, "the kill interrupted no call in flight"
+        status = await ledger.status()
+        assert status.epoch > epoch  # a new controller replayed the log
+        assert status.sessions_bound == 30 + 80  # every binding, none twice
+        after = await _bind_all(ledger, early + late, "w1")
+        for name in early[:10]:
+            assert isinstance(after[name], LedgerError)
+            assert after[name].code == Code.SESSION_CLOSED
+        for name in early[10:]:
+            assert (after[name].version_id, after[name].new) == (first[name].version_id, False)
+            assert first[name].version_id == 1
+        for name in late:
+            assert (after[name].version_id, after[name].new) == (2, False)
+
+
+async def test_a_ledger_recreated_under_its_name_reopens_the_same_file(
+    ledger_factory: Any,
+) -> None:
+    lut = ledger_factory()
+    async with RayLedger.connect(lut.name) as ledger:
+        await create(ledger)
+        await ledger.register_owner("w1", ttl_s=600)
+        await publish(ledger, 1)
+        bound = await _bind_all(ledger, [f"s{i}" for i in range(20)], "w1")
+        lut.restart()  # ray.kill(no_restart=True), then start_ledger again
+        again = await _bind_all(ledger, list(bound), "w1")
+        assert all(again[n].new is False and again[n].version_id == 1 for n in bound)
+        assert ledger.link.reconnects > 0  # the old handle died: looked up by name again
+        assert (await ledger.status()).sessions_bound == 20
+
+
+async def test_an_unreachable_ledger_is_ledger_closed(ray_instance: Any) -> None:
+    with pytest.raises(LedgerError) as gone:
+        async with RayLedger.connect("nobody-here", reconnect_timeout=0.5):
+            pass
+    assert gone.value.code == Code.LEDGER_CLOSED
+
+
+async def test_start_ledger_refuses_to_serve_another_file(
+    ledger_factory: Any, tmp_path: Any
+) -> None:
+    lut = ledger_factory()
+    with pytest.raises(LedgerError) as other:
+        start_ledger(LedgerConfig(path=str(tmp_path / "other.db")), name=lut.name)
+    assert other.value.code == Code.ALREADY_INITIALIZED

@@ -1,0 +1,297 @@
+"""Benchmark of the Ray deployment: binds/s through the ledger actor, next to the seed's design.
+
+The seed (Relax's registry, rl-peers §2.11) keeps ``session_id -> version`` in a dict inside a
+named Ray actor, one remote call per bind. Everything below runs in ONE local Ray instance,
+in the same run, driven the same way: ``concurrency`` asyncio tasks in one client process,
+each binding fresh sessions one after another; the measures are interleaved over ``rounds``
+(median kept) so the load of a shared machine hits them alike.
+
+Measured (sessions bound per second):
+
+* ``dict_actor`` -- the seed: a sync actor, ``bind(session) -> version`` on a dict, one Ray
+  call per bind. The baseline of every ratio.
+* ``ledger_client`` -- the durable ledger actor (SQLite, ``synchronous=FULL``, group commit)
+  through :class:`~publisher.ray.client.RayLedger`, one ``bind`` call per session. The client
+  coalesces calls made while round trips are in flight into one ``execute_many``.
+* ``ledger_batched`` -- the same client, each task binding a GROUP of ``group`` sessions per
+  call (``execute_many``: how a rollout worker binds a GRPO group).
+* reference rows, to explain the ratios: ``ledger_per_call`` (one Ray call per bind, no client
+  coalescing), ``async_dict_actor`` (the seed's dict in an async actor: what Ray's async
+  dispatch costs by itself), ``ledger_batched_per_call`` (one Ray call per group).
+
+Every bind is checked (a ``Bound`` answer; the ledger's session count at the end equals the
+binds made). Run ``python -m tools.bench_ray`` (``--json`` for the raw numbers), or
+``await bench_ray(...)`` on asyncio (smoke sizes: ``binds=800, batched_binds=8192,
+rounds=1``; their figures are not the DESIGN §9 ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import ray
+
+from publisher import commands as c
+from publisher.outcomes import Bound
+from publisher.ray.client import RayLedger
+from publisher.ray.ledger_actor import LedgerConfig, start_ledger
+from publisher.ray.local import local_ray
+
+OWNER = "bench-worker"
+TARGET_SINGLE = 1.0  # DESIGN §9: at least as fast as the dict actor
+TARGET_BATCHED = 10.0  # and a batched call at least 10x that
+
+
+class SeedRegistry:
+    """The seed's design: a dict behind a (sync) Ray actor, one call per bind."""
+
+    def __init__(self) -> None:
+        self._bindings: dict[str, int] = {}
+        self.default = 1
+
+    def bind(self, session: str) -> int:
+        return self._bindings.setdefault(session, self.default)
+
+    def count(self) -> int:
+        return len(self._bindings)
+
+
+class AsyncSeedRegistry(SeedRegistry):
+    """The same dict in an async actor (reference: Ray's async-actor dispatch cost)."""
+
+    async def bind(self, session: str) -> int:  # type: ignore[override]
+        return self._bindings.setdefault(session, self.default)
+
+    async def count(self) -> int:  # type: ignore[override]
+        return len(self._bindings)
+
+
+def machine() -> str:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"Ray {ray.__version__}, load average at start {load}"
+    )
+
+
+async def _bootstrap(ledger: RayLedger) -> None:
+    """One published version on two (recorded) engines and one registered owner."""
+    await ledger.execute(c.CreateDeployment(deployment="bench", prefix="agent", capacity=2))
+    for engine in ("e0", "e1"):
+        await ledger.execute(c.JoinEngine(engine=engine, incarnation=f"{engine}-1"))
+        await ledger.execute(c.RepairEngine(engine=engine, incarnation=f"{engine}-1"))
+    digest = hashlib.sha256(b"bench").hexdigest()
+    allocated: Any = await ledger.execute(c.Allocate(version_id=1, digest=digest))
+    await ledger.execute(c.ClaimTransport(version_id=1, attempt=allocated.attempt, owner="b"))
+    for engine in allocated.fleet:
+        await ledger.execute(
+            c.RecordReady(
+                version_id=1,
+                attempt=allocated.attempt,
+                engine=engine,
+                incarnation=f"{engine}-1",
+                digest=digest,
+                lora_name=allocated.lora_name,
+            )
+        )
+    await ledger.execute(c.Commit(version_id=1, attempt=allocated.attempt))
+    await ledger.register_owner(OWNER, ttl_s=24 * 3600)
+
+
+async def _drive(
+    concurrency: int, total: int, group: int, call: Callable[[list[str]], Awaitable[int]]
+) -> float:
+    """``concurrency`` tasks bind ``total`` fresh sessions, ``group`` per call; sessions/s."""
+    names = (f"s{next(_ids)}" for _ in itertools.count())
+    calls = max(1, total // (concurrency * group))
+
+    async def task() -> None:
+        for _ in range(calls):
+            sessions = [next(names) for _ in range(group)]
+            bound = await call(sessions)
+            if bound != len(sessions):
+                raise AssertionError(f"{bound} of {len(sessions)} sessions bound")
+
+    start = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(concurrency):
+            tg.create_task(task())
+    return calls * concurrency * group / (time.perf_counter() - start)
+
+
+_ids = itertools.count()
+
+
+def _all_bound(results: Sequence[Any]) -> int:
+    return sum(isinstance(r, Bound) for r in results)
+
+
+async def _measure(
+    ledger_handle: Any,
+    *,
+    concurrency: int,
+    binds: int,
+    group: int,
+    batched_binds: int,
+    rounds: int,
+) -> dict[str, Any]:
+    dict_actor = ray.remote(SeedRegistry).options(num_cpus=0).remote()
+    async_dict = ray.remote(AsyncSeedRegistry).options(num_cpus=0).remote()
+    await dict_actor.count.remote()
+    await async_dict.count.remote()
+    samples: dict[str, list[float]] = {}
+    made = 0
+    async with RayLedger.connect() as ledger:
+        await _bootstrap(ledger)
+
+        async def dict_one(sessions: list[str]) -> int:
+            await dict_actor.bind.remote(sessions[0])
+            return 1
+
+        async def async_dict_one(sessions: list[str]) -> int:
+            await async_dict.bind.remote(sessions[0])
+            return 1
+
+        async def client_one(sessions: list[str]) -> int:
+            return int(isinstance(await ledger.bind(sessions[0], OWNER), Bound))
+
+        async def per_call(sessions: list[str]) -> int:
+            commands = [c.Bind(session=s, owner=OWNER) for s in sessions]
+            reply = await ledger_handle.execute_many.remote(commands, None)
+            return _all_bound(reply.results)
+
+        async def client_group(sessions: list[str]) -> int:
+            commands = [c.Bind(session=s, owner=OWNER) for s in sessions]
+            return _all_bound(await ledger.execute_many(commands))
+
+        plan: list[tuple[str, int, int, Callable[[list[str]], Awaitable[int]]]] = [
+            ("dict_actor", binds, 1, dict_one),
+            ("ledger_client", binds, 1, client_one),
+            ("ledger_batched", batched_binds, group, client_group),
+            ("ledger_per_call", binds, 1, per_call),
+            ("async_dict_actor", binds, 1, async_dict_one),
+            ("ledger_batched_per_call", batched_binds, group, per_call),
+        ]
+        # one untimed warm-up pass of every path (connections, code paths, the file's pages)
+        for _, _, size, call in plan:
+            await _drive(concurrency, concurrency * size, size, call)
+            if call not in (dict_one, async_dict_one):
+                made += concurrency * size
+        for _ in range(rounds):
+            for name, total, size, call in plan:
+                samples.setdefault(name, []).append(await _drive(concurrency, total, size, call))
+                if call not in (dict_one, async_dict_one):
+                    made += max(1, total // (concurrency * size)) * concurrency * size
+        status = await ledger.status()
+        round_trips = ledger.round_trips
+    if status.sessions_bound != made:
+        raise AssertionError(f"ledger holds {status.sessions_bound} bindings, {made} were made")
+    rates = {name: round(statistics.median(values)) for name, values in samples.items()}
+    base = rates["dict_actor"]
+    return {
+        "rates": rates,
+        "samples": {name: [round(v) for v in values] for name, values in samples.items()},
+        "ratios": {name: round(rate / base, 2) for name, rate in rates.items()},
+        "sessions_bound": status.sessions_bound,
+        "client_round_trips": round_trips,
+        "meets_single": rates["ledger_client"] >= TARGET_SINGLE * base,
+        "meets_batched": rates["ledger_batched"] >= TARGET_BATCHED * base,
+    }
+
+
+async def bench_ray(
+    *,
+    concurrency: int = 32,
+    binds: int = 4000,
+    group: int = 128,
+    batched_binds: int = 65_536,
+    rounds: int = 3,
+    num_cpus: int = 2,
+    directory: str | None = None,
+) -> dict[str, Any]:
+    """Start a local loopback Ray instance, measure, stop it. Run it on asyncio (Ray's
+    awaitables need it); starting and stopping Ray blocks the loop, nothing else runs then."""
+    where = machine()
+    with tempfile.TemporaryDirectory(dir=directory) as tmp, local_ray(num_cpus=num_cpus):
+        path = os.path.join(tmp, "ledger.db")
+        handle = start_ledger(LedgerConfig(path=path, synchronous="FULL"), name="ledger")
+        try:
+            result = await _measure(
+                handle,
+                concurrency=concurrency,
+                binds=binds,
+                group=group,
+                batched_binds=batched_binds,
+                rounds=rounds,
+            )
+        finally:
+            ray.kill(handle, no_restart=True)
+    return {
+        "machine": where,
+        "concurrency": concurrency,
+        "group": group,
+        "rounds": rounds,
+        "synchronous": "FULL",
+        **result,
+    }
+
+
+def _print(result: dict[str, Any]) -> None:
+    rates, ratios = result["rates"], result["ratios"]
+    print(f"machine: {result['machine']}")
+    print(
+        f"binds/s through Ray, {result['concurrency']} concurrent client tasks, "
+        f"median of {result['rounds']} interleaved rounds (ledger: SQLite synchronous=FULL)"
+    )
+    rows = [
+        ("dict_actor", "seed: dict in a sync actor, 1 call per bind"),
+        ("ledger_client", "ledger actor via RayLedger, 1 call per bind"),
+        ("ledger_batched", f"ledger actor via RayLedger, groups of {result['group']}"),
+        ("ledger_per_call", "  ref: ledger actor, 1 Ray round trip per bind"),
+        ("async_dict_actor", "  ref: dict in an async actor, 1 call per bind"),
+        ("ledger_batched_per_call", "  ref: ledger actor, 1 round trip per group"),
+    ]
+    for key, label in rows:
+        print(f"  {label:52} {rates[key]:>9} /s   {ratios[key]:>6.2f}x dict")
+    print(
+        f"single-call ratio {ratios['ledger_client']:.2f} (target >= {TARGET_SINGLE:g}: "
+        f"{'met' if result['meets_single'] else 'NOT met'}); batched ratio "
+        f"{ratios['ledger_batched']:.2f} (target >= {TARGET_BATCHED:g}: "
+        f"{'met' if result['meets_batched'] else 'NOT met'})"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--binds", type=int, default=4000)
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--batched-binds", type=int, default=65_536)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = asyncio.run(
+        bench_ray(
+            concurrency=args.concurrency,
+            binds=args.binds,
+            group=args.group,
+            batched_binds=args.batched_binds,
+            rounds=args.rounds,
+        )
+    )
+    print(json.dumps(result, indent=2)) if args.json else _print(result)
+
+
+if __name__ == "__main__":
+    main()
