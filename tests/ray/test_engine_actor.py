@@ -1,0 +1,157 @@
+"""Engines as Ray actors: the engine contract suite, run against a :class:`RayEngine` proxy of
+an :class:`EngineActor` hosting a real local engine (one actor for the module: starting one
+costs seconds), and what only Ray adds -- the proxy's bytes and answers equal the in-process
+engine's, and a dead engine actor is ambiguous, never a clean answer."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from engines.artifacts import ArtifactStore
+from engines.contract import AmbiguousReply, ErrorCode, SamplingParams
+from engines.faults import RestartableEngine
+from engines.local.admission import ServingLimits
+from engines.local.engine import LocalEngine
+from publisher.ray.engine import EngineActor, RayEngine, start_engine, stop_engine
+from tests.engines.contract import (
+    Capabilities,
+    EngineContract,
+    EngineUnderTest,
+    buckets_of,
+    candidate_for,
+    publish,
+)
+
+LIMITS = ServingLimits(max_lora_rank=32)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PEFT_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:Adapter .* was active which is now deleted:UserWarning",
+    "ignore:.*is_gradient_checkpointing.*:FutureWarning",
+)
+
+
+class InspectableEngineActor(EngineActor):
+    """An engine actor hosting a :class:`RestartableEngine`, plus the contract's harness hooks
+    (a fresh engine per test, freeze decoding, read refcounts) as actor methods: one actor
+    process for the module, a new engine life (empty, new incarnation) for every test."""
+
+    async def fresh(self) -> None:
+        await self._host.call(self._engine.restart)  # type: ignore[attr-defined]
+
+    async def stop_current(self) -> None:
+        """End the current engine life without a new one (until the next ``fresh``)."""
+        await self._host.call(self._engine.current.aclose)  # type: ignore[attr-defined]
+
+    async def hold(self) -> None:
+        async def run() -> None:
+            self._engine.current.pause_generation()  # type: ignore[attr-defined]
+
+        await self._host.call(run)
+
+    async def release(self) -> None:
+        async def run() -> None:
+            self._engine.current.continue_generation()  # type: ignore[attr-defined]
+
+        await self._host.call(run)
+
+    async def refcount(self, lora_name: str) -> int:
+        async def run() -> int:
+            return self._engine.current.refcount(lora_name)  # type: ignore[attr-defined,no-any-return]
+
+        return await self._host.call(run)
+
+
+def _restartable() -> RestartableEngine:
+    return RestartableEngine(functools.partial(LocalEngine, "ray-e0", limits=LIMITS))
+
+
+@pytest.fixture(scope="module")
+def engine_actor(ray_instance: Any) -> Iterator[RayEngine]:
+    handle = (
+        ray.remote(InspectableEngineActor)
+        .options(name="contract-engine", max_concurrency=1000, num_cpus=0)
+        .remote(_restartable)
+    )
+    info = ray.get(handle.describe.remote(), timeout=300)
+    engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+    yield engine
+    stop_engine(engine)
+
+
+@pytest.fixture
+def eut(engine_actor: RayEngine, tmp_path: Path) -> EngineUnderTest:
+    handle = engine_actor.handle
+    ray.get(handle.fresh.remote(), timeout=120)
+
+    async def stop() -> None:
+        await handle.stop_current.remote()
+
+    return EngineUnderTest(
+        engine=engine_actor,
+        caps=Capabilities(reclaimed_refusal=True),
+        store=ArtifactStore(tmp_path / "artifacts"),
+        hold=lambda: ray.get(handle.hold.remote()),
+        release=lambda: ray.get(handle.release.remote()),
+        refcount=lambda name: ray.get(handle.refcount.remote(name)),
+        stop=stop,
+    )
+
+
+@PEFT_WARNINGS
+class TestRayEngineContract(EngineContract):
+    pass
+
+
+@contextlib.contextmanager
+def _dedicated_engine(name: str) -> Iterator[RayEngine]:
+    engine = start_engine(functools.partial(LocalEngine, name, limits=LIMITS), name=name)
+    try:
+        yield engine
+    finally:
+        stop_engine(engine)
+
+
+@pytest.mark.anyio
+@PEFT_WARNINGS
+async def test_the_proxy_serves_what_the_engine_in_process_serves(eut: EngineUnderTest) -> None:
+    """Many small buckets streamed one per round trip, then the same greedy tokens and
+    logprobs as an in-process engine holding the same adapter."""
+    engine_actor, store = eut.engine, eut.store
+    published = candidate_for(store, 101)
+    buckets = buckets_of(published.tensors, max_bytes=4096)
+    assert len(buckets) > 3
+    await publish(engine_actor, published, buckets=buckets)
+    remote = await engine_actor.generate("the quick brown fox", published.name, GREEDY)
+    async with LocalEngine("local-ref", limits=LIMITS) as local:
+        await publish(local, published)
+        here = await local.generate("the quick brown fox", published.name, GREEDY)
+    assert remote.token_ids == here.token_ids
+    assert remote.logprobs == pytest.approx(here.logprobs)
+    assert remote.lora_name == published.name
+    assert remote.engine_id == engine_actor.engine_id == "ray-e0"
+
+
+@pytest.mark.anyio
+async def test_a_dead_engine_actor_is_ambiguous_never_clean(ray_instance: Any) -> None:
+    with _dedicated_engine("doomed") as engine:
+        assert await engine.incarnation()
+        ray.kill(engine.handle, no_restart=True)
+        for call in (
+            engine.incarnation(),
+            engine.inventory(),
+            engine.unload("agent@dep-1-0123456789abcdef"),
+        ):
+            with pytest.raises(AmbiguousReply) as lost:
+                await call
+            assert lost.value.code == ErrorCode.CONNECTION_LOST
+        with pytest.raises(AmbiguousReply) as lost_generation:
+            await engine.generate("hello", None, GREEDY)
+        # the gateway must not resend: the request may have run
+        assert lost_generation.value.dispatched is True
