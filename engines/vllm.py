@@ -39,9 +39,11 @@ inventory where the answer alone proves nothing, e.g. "already loaded"). Every o
 :class:`AmbiguousReply`: an answer we do not understand proves nothing.
 
 **Attempt fencing.** vLLM has no notion of attempts, so the fence lives in this object: it
-remembers the highest attempt it prepared per name and refuses ``prepare``/``load``/``unload``
-of an older attempt (``STALE_ATTEMPT``). The fence is per adapter object; after a control-plane
-restart the publisher re-establishes the truth from inventories, not from this memory.
+remembers the highest attempt it prepared per name and the highest attempt cleaned up
+(``unload(name, attempt=a)``), refuses ``prepare``/``load`` of an older or cleaned-up attempt
+and a cleanup older than the newest attempt (``STALE_ATTEMPT``). The fence is per adapter
+object; after a control-plane restart the publisher re-establishes the truth from inventories,
+not from this memory.
 
 **A LoRA resolver plugin** (``vllm.general_plugins``) would make vLLM load an unknown name on
 first use, so an unloaded name could come back. Run managed servers without resolvers.
@@ -66,6 +68,7 @@ from engines.contract import (
     AmbiguousReply,
     Bucket,
     Candidate,
+    Choice,
     CleanRefusal,
     ErrorCode,
     Generation,
@@ -137,7 +140,8 @@ class VLLMEngine:
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(base_url=self.base_url, trust_env=False)
         self._prepared: dict[str, _Prepared] = {}
-        self._fence: dict[str, int] = {}  # highest attempt seen per name
+        self._newest: dict[str, int] = {}  # highest attempt prepared, per name
+        self._cleaned: dict[str, int] = {}  # highest attempt cleaned up (unload with attempt)
         self._last_incarnation: str | None = None
         self._last_probe = -math.inf
         self._probe_lock = anyio.Lock()  # one refresh probe at a time, however many callers
@@ -236,11 +240,19 @@ class VLLMEngine:
     # --- publication ------------------------------------------------------------------------
 
     def _check_fence(self, lora_name: str, attempt: int) -> None:
-        newest = self._fence.get(lora_name, 0)
+        """An attempt older than the newest prepared one, or one already cleaned up, is stale:
+        a late prepare/load of it must never resurrect what the publisher gave up on."""
+        newest = self._newest.get(lora_name, 0)
         if attempt < newest:
             raise self._clean(
                 ErrorCode.STALE_ATTEMPT,
                 f"{lora_name}: attempt {attempt} is older than attempt {newest}",
+            )
+        cleaned = self._cleaned.get(lora_name, 0)
+        if attempt <= cleaned:
+            raise self._clean(
+                ErrorCode.STALE_ATTEMPT,
+                f"{lora_name}: attempt {attempt} was cleaned up (up to attempt {cleaned})",
             )
 
     def _validate(self, candidate: Candidate) -> str:
@@ -300,7 +312,7 @@ class VLLMEngine:
         path = await anyio.to_thread.run_sync(self._validate, candidate)
         incarnation = await self.incarnation()
         self._check_fence(candidate.lora_name, candidate.attempt)  # a newer one may have raced in
-        self._fence[candidate.lora_name] = candidate.attempt
+        self._newest[candidate.lora_name] = candidate.attempt
         self._prepared[candidate.lora_name] = _Prepared(
             attempt=candidate.attempt, digest=candidate.digest, path=path
         )
@@ -403,7 +415,15 @@ class VLLMEngine:
         returns ``was_loaded=False``."""
         check_name(lora_name)
         if attempt is not None:
-            self._check_fence(lora_name, attempt)
+            newest = self._newest.get(lora_name, 0)
+            if attempt < newest:
+                raise self._clean(
+                    ErrorCode.STALE_ATTEMPT,
+                    f"cleanup of {lora_name} attempt {attempt}: attempt {newest} is newer",
+                )
+            # From now on this attempt (and older ones) can never be prepared or loaded again.
+            self._cleaned[lora_name] = max(attempt, self._cleaned.get(lora_name, 0))
+            self._prepared.pop(lora_name, None)
         response = await self._send(
             "POST",
             "/v1/unload_lora_adapter",
@@ -497,8 +517,11 @@ class VLLMEngine:
         request_id: str | None,
         cache_salt: str | None,
     ) -> dict[str, Any]:
-        if params.n != 1:
-            raise self._clean(ErrorCode.BAD_REQUEST, f"n={params.n}: one completion per call")
+        if params.n < 1:
+            raise self._clean(ErrorCode.BAD_REQUEST, f"n={params.n} must be >= 1")
+        if params.n > 1 and params.temperature == 0.0:
+            # vLLM refuses this with a 400 that names no parameter; refuse it before sending.
+            raise self._clean(ErrorCode.BAD_REQUEST, f"n={params.n} needs temperature > 0")
         if params.max_tokens < 1:
             raise self._clean(ErrorCode.BAD_REQUEST, f"max_tokens={params.max_tokens} must be >= 1")
         if cache_salt is not None and not cache_salt:
@@ -510,7 +533,7 @@ class VLLMEngine:
             "temperature": params.temperature,
             "top_p": params.top_p,
             "ignore_eos": params.ignore_eos,
-            "n": 1,
+            "n": params.n,
             "stream": False,
             "return_token_ids": True,
         }
@@ -537,31 +560,28 @@ class VLLMEngine:
     ) -> Generation:
         body = http.json_body(response, engine_id=self.engine_id)
         try:
-            choice = body["choices"][0]
-            token_ids = tuple(int(t) for t in choice["token_ids"])
-            logprobs: tuple[float, ...] | None = None
-            if params.logprobs:
-                lp = choice["logprobs"]
-                logprobs = tuple(float(x) for x in lp["token_logprobs"])
-                echoed = tuple(int(str(t).removeprefix("token_id:")) for t in lp["tokens"])
-                if echoed != token_ids or len(logprobs) != len(token_ids):
-                    raise ValueError(f"logprob tokens {echoed} != token_ids {token_ids}")
+            raw = sorted(body["choices"], key=lambda c: int(c["index"]))
+            choices = tuple(self._parse_choice(c, params) for c in raw)
+            if [c.index for c in choices] != list(range(params.n)):
+                raise ValueError(f"expected {params.n} choices, got {[c.index for c in choices]}")
             usage = body.get("usage") or {}
             details = usage.get("prompt_tokens_details") or {}
             served = body.get("model", model)
             if served != model:
                 raise ValueError(f"asked for model {model!r}, reply says {served!r}")
+            first = choices[0]
             return Generation(
                 engine_id=self.engine_id,
                 incarnation=incarnation,
                 lora_name=None if served == self.served_model else served,
-                token_ids=token_ids,
-                text=str(choice["text"]),
-                logprobs=logprobs,
-                finish_reason=str(choice["finish_reason"]),
+                token_ids=first.token_ids,
+                text=first.text,
+                logprobs=first.logprobs,
+                finish_reason=first.finish_reason,
                 prompt_tokens=int(usage.get("prompt_tokens") or 0),
                 cached_tokens=int(details.get("cached_tokens") or 0),
                 request_id=request_id if request_id is not None else body.get("id"),
+                choices=choices if params.n > 1 else (),
             )
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise self._ambiguous(
@@ -569,6 +589,24 @@ class VLLMEngine:
                 f"completion reply from {model} unreadable: {exc!r}",
                 status=response.status_code,
             ) from exc
+
+    @staticmethod
+    def _parse_choice(choice: dict[str, Any], params: SamplingParams) -> Choice:
+        token_ids = tuple(int(t) for t in choice["token_ids"])
+        logprobs: tuple[float, ...] | None = None
+        if params.logprobs:
+            lp = choice["logprobs"]
+            logprobs = tuple(float(x) for x in lp["token_logprobs"])
+            echoed = tuple(int(str(t).removeprefix("token_id:")) for t in lp["tokens"])
+            if echoed != token_ids or len(logprobs) != len(token_ids):
+                raise ValueError(f"logprob tokens {echoed} != token_ids {token_ids}")
+        return Choice(
+            index=int(choice["index"]),
+            token_ids=token_ids,
+            text=str(choice["text"]),
+            logprobs=logprobs,
+            finish_reason=str(choice["finish_reason"]),
+        )
 
     async def aclose(self) -> None:
         if self._owns_client:

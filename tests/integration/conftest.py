@@ -41,7 +41,7 @@ VENV = Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm"))
 # LoRA tokens (cpu-engine-experiment.md §1.6). Unload never frees a slot and every load gets a
 # new slot id, so the server needs more slots than loads over its whole life; the teardown
 # check below fails the run if the tests ever come close.
-MAX_LORAS = 32
+MAX_LORAS = 64
 MAX_LORA_RANK = 8
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings: room for long in-flight requests
 MAX_NUM_SEQS = 16
@@ -101,6 +101,7 @@ class VLLMServer:
             str(self.max_model_len),
             "--max-num-seqs",
             str(self.max_num_seqs),
+            "--enable-prompt-tokens-details",  # usage reports prefix-cache hits
             "--disable-uvicorn-access-log",  # keeps the log (shown on failure) readable
         ]
 

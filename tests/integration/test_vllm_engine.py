@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -362,6 +363,31 @@ async def test_duplicate_load_and_bad_paths_are_clean_refusals(
     with pytest.raises(CleanRefusal) as unknown:
         await engine.generate(PROMPT, v.name, GREEDY)
     assert unknown.value.code == ErrorCode.NOT_LOADED
+
+
+async def test_prefix_cache_hits_are_reported_salted_and_per_adapter(
+    engine: VLLMEngine, store: ArtifactStore
+) -> None:
+    """vLLM caches whole KV blocks (128 tokens on CPU): a prompt of 300 token ids spans two.
+    The cache key includes the salt and the adapter (name + path), never just the text."""
+    v = Version(store, seed=51, version_id=9)
+    await publish(engine, v)
+    prompt = [(7 * i) % 300 + 1 for i in range(300)]
+    salt, other_salt = f"salt-{uuid.uuid4().hex}", f"salt-{uuid.uuid4().hex}"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    try:
+        cold = await engine.generate(prompt, v.name, params, cache_salt=salt)
+        warm = await engine.generate(prompt, v.name, params, cache_salt=salt)
+        other = await engine.generate(prompt, v.name, params, cache_salt=other_salt)
+        base = await engine.generate(prompt, None, params, cache_salt=salt)
+        assert cold.prompt_tokens == warm.prompt_tokens == len(prompt)
+        assert cold.cached_tokens == 0
+        assert 0 < warm.cached_tokens <= len(prompt)
+        assert other.cached_tokens == 0  # another salt never sees these blocks
+        assert base.cached_tokens == 0  # nor does the base model with the same salt
+        assert warm.token_ids == cold.token_ids == other.token_ids != base.token_ids
+    finally:
+        await cleanup(engine, v)
 
 
 async def test_incarnation_is_stable_and_changes_across_a_restart(
