@@ -17,7 +17,7 @@ import sys
 
 import structlog
 
-_LEVELS = {0: logging.WARNING, 1: logging.INFO}
+_LEVELS = {-2: logging.CRITICAL, -1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}
 
 
 class _Stderr:

@@ -18,6 +18,8 @@ from projections.history import Entry
 from projections.incidents import Incident
 from publisher.ledger import LedgerStatus
 from tools.audit import AuditReport
+from tools.demo import DemoRun
+from tools.story import Story
 from tools.timefmt import iso, span
 from tools.verify import VerifyResult
 
@@ -204,6 +206,115 @@ def verify_view(result: VerifyResult) -> RenderableType:
             )
         )
     return Group(*lines)
+
+
+def story_view(story: Story, run: DemoRun, *, engine: str) -> RenderableType:
+    """The demo's story: what the log says happened, then where to look next."""
+    from tools.story import VersionStory
+
+    def rel(at: float | None) -> str:
+        return "-" if at is None else f"+{at:.1f}s"
+
+    stats = run.stats
+    head = Text.assemble(
+        ("What happened", "bold"),
+        f" (told from the log: {story.events} events over {story.duration_s:.1f}s; "
+        f"{story.generations} generations in the provenance file; wall time {stats.wall_s:.0f}s "
+        f"with {engine} engines)",
+    )
+    table = Table(title="versions", title_justify="left")
+    for column in (
+        "version",
+        "published",
+        "publish took",
+        "retired",
+        "reclaimed",
+        "reclaim lag",
+        "sessions",
+        "generations",
+        "state now",
+    ):
+        table.add_column(column, justify="left" if column in ("version", "state now") else "right")
+    versions: list[VersionStory] = list(story.versions)
+    for v in versions:
+        table.add_row(
+            f"v{v.version_id}",
+            rel(v.published_at),
+            span(v.publish_s),
+            rel(v.retired_at),
+            rel(v.reclaimed_at),
+            span(v.reclaim_lag_s),
+            str(v.sessions),
+            str(v.generations),
+            state_text(v.state),
+        )
+    lines: list[str] = []
+    published = [v for v in versions if v.published_at is not None]
+    lines.append(
+        f"- The trainer published {len(published)} versions while sessions generated; "
+        f"{story.sessions} sessions on {story.owners} rollout workers bound on their first "
+        f"generation: "
+        + ", ".join(f"{n} to v{vid}" for vid, n in story.sessions_per_version.items())
+        + "."
+    )
+    if story.pinned:
+        lines.append(
+            f"- Every one of the {story.generations} generations was served by its session's "
+            f"bound version (provenance checked against the log: 0 mismatches); "
+            f"{story.spanning} sessions kept their version after it was retired."
+        )
+    else:
+        lines.append(f"- [bold red]{story.mismatches} generations ran on another version![/]")
+    for vid in story.skipped:
+        lines.append(
+            f"- v{vid} was SKIPPED: the capacity was full while older versions were still "
+            "pinned by sessions; the trainer went on and a later step published."
+        )
+    for r in story.restarts:
+        restored = ", ".join(f"v{v}" for v in r.restored) or "nothing"
+        retried = sum(stats.retried.values())
+        detail = ", ".join(f"{n} {code}" for code, n in sorted(stats.retried.items()))
+        if r.repaired_at is not None:
+            lines.append(
+                f"- Engine {r.engine} restarted at {rel(r.at)} ({r.old[:8]} -> {r.new[:8]}): the "
+                f"reconciler reloaded {restored} and made it routable again "
+                f"{span(r.unroutable_s)} later; "
+                + (
+                    f"{retried} request(s) that hit it meanwhile were retried by the rollout "
+                    f"({detail})."
+                    if retried
+                    else "no request was refused meanwhile."
+                )
+            )
+        else:
+            lines.append(f"- [bold red]Engine {r.engine} restarted and was never repaired.[/]")
+    reclaimed = [v for v in versions if v.reclaimed_at is not None]
+    if reclaimed:
+        lags = [v.reclaim_lag_s for v in reclaimed if v.reclaim_lag_s is not None]
+        lines.append(
+            f"- Reclaim: {', '.join(f'v{v.version_id}' for v in reclaimed)} were unloaded from "
+            f"every engine as soon as nothing used them"
+            + (f" (within {span(max(lags))} of their last release)." if lags else ".")
+        )
+    where = [
+        f"log:        {run.log}",
+        f"provenance: {run.provenance}",
+    ]
+    if run.plot:
+        where.append(f"plot:       {run.plot}")
+    return Group(
+        head,
+        table,
+        *[Text.from_markup(line) for line in lines],
+        Text(""),
+        *[Text(line) for line in where],
+    )
+
+
+def try_view(commands: Sequence[str]) -> RenderableType:
+    return Group(
+        Text("Try:", style="bold"), *[Text(f"  {command}", style="cyan") for command in commands]
+    )
 
 
 def kv_view(title: str, data: dict[str, Any]) -> RenderableType:

@@ -8,7 +8,7 @@ import pytest
 from tests.tools.conftest import Cli, run_script
 from tools.exitcodes import Exit
 
-COMMANDS = ("replay", "audit", "verify", "status", "serve", "bench")
+COMMANDS = ("demo", "replay", "audit", "verify", "status", "serve", "bench")
 
 
 def test_the_console_script_lists_every_command_and_the_exit_codes() -> None:

@@ -1,0 +1,381 @@
+"""``loraledger demo``: the whole system, end to end, in about a minute on 2 cores.
+
+What runs (all real: a SQLite ledger on disk, two local engines running a tiny transformer with
+peft adapters, the ``ControlPlane`` with its reclaim driver and reconciler, rollout workers with
+owner leases, the generation gateway writing provenance):
+
+1. a trainer publishes v1 through the trainer API;
+2. waves of multi-turn sessions start on several rollout workers; each session binds on its
+   first generation and keeps that version for every later turn (tool waits between turns);
+3. while a wave generates, the trainer publishes the next version (generation never pauses):
+   new sessions bind to it, running ones stay pinned to theirs;
+4. in the middle, engine e1 is restarted: the reconciler notices the new incarnation, reloads
+   the versions still needed and only then routes to it again (requests that were on it fail
+   and the rollout retries them as new requests);
+5. as the last session of an old version closes, the reclaim driver unloads it everywhere;
+6. the story is then told **from the log** (``tools/story.py``), with the commands to try on it.
+
+``--quick`` is the same story, smaller (the CI test runs it). ``--engine vllm`` needs the real
+vLLM CPU engine venv (``tests/integration/vllm_env.sh``); see :func:`check_vllm`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from evlog.errors import Code, LedgerError
+from tools.exitcodes import Exit, ToolError
+from tools.logconfig import get_logger
+
+log = get_logger("loraledger.demo")
+
+RETRIED_CODES = frozenset({Code.NO_ROUTE, Code.AMBIGUOUS_DISPATCH, Code.GENERATION_FAILED})
+MAX_TRIES = 40
+
+
+class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
+    workers: int  # rollout workers (owners)
+    sessions: int  # sessions per worker per wave
+    waves: int  # one wave per published version (the last version gets no wave)
+    turns: int  # generations per session
+    tokens: int  # tokens per generation
+    think_s: float  # longest tool wait between two turns
+    train_s: float  # the trainer's time between two publications
+    capacity: int = 4
+    seed: int = 7
+
+
+FULL = DemoConfig(workers=4, sessions=4, waves=5, turns=6, tokens=16, think_s=2.0, train_s=5.0)
+QUICK = DemoConfig(workers=2, sessions=3, waves=2, turns=3, tokens=4, think_s=0.4, train_s=0.2)
+
+
+class DemoStats(msgspec.Struct, kw_only=True):
+    """What the rollout side saw (not in the log: the log records decisions, not retries)."""
+
+    generations: int = 0
+    retried: dict[str, int] = msgspec.field(default_factory=dict)
+    publications: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class DemoRun(msgspec.Struct, frozen=True, kw_only=True):
+    directory: str
+    log: str
+    provenance: str
+    plot: str | None
+    stats: DemoStats
+
+
+def new_run_dir(base: Path = Path("demo-runs")) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for n in range(1000):
+        candidate = base / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise ToolError(Exit.FAILED, f"cannot create a fresh run folder under {base}")
+
+
+def prepare_dir(directory: Path | None) -> Path:
+    """A fresh folder: a demo never appends to someone else's ledger."""
+    if directory is None:
+        return new_run_dir()
+    if directory.exists() and any(directory.iterdir()):
+        raise ToolError(Exit.USAGE, f"{directory} is not empty: give a new or empty folder")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def check_vllm(repo: Path) -> Path:
+    """The real vLLM engine venv, installed by ``tests/integration/vllm_env.sh`` (reused, not
+    reimplemented: it pins the CPU build and verifies the install). Raises ``ToolError``
+    (exit 12) with the way to install it when it is not usable here."""
+    script = repo / "tests" / "integration" / "vllm_env.sh"
+    if not script.exists():
+        raise ToolError(
+            Exit.ENGINE_UNAVAILABLE,
+            "--engine vllm needs a source checkout of loraledger "
+            "(tests/integration/vllm_env.sh builds the vLLM CPU engine venv)",
+        )
+    venv = Path(os.environ.get("VLLM_VENV", repo / ".venv-vllm"))
+    marker = venv / ".loraledger-ready"
+    if not marker.exists():
+        raise ToolError(
+            Exit.ENGINE_UNAVAILABLE,
+            f"the vLLM engine venv is not installed ({venv}). Install it with: "
+            f"bash {script}  (about 10 minutes, needs network access to PyPI; "
+            "then run the demo again with --engine vllm)",
+        )
+    result = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_VENV": str(venv)},
+    )
+    if result.returncode != 0:
+        line = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+        raise ToolError(Exit.ENGINE_UNAVAILABLE, f"the vLLM engine venv is not usable: {line}")
+    return venv / "bin" / "python"
+
+
+async def run_demo(
+    directory: Path,
+    cfg: DemoConfig,
+    *,
+    engine: str = "local",
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> DemoRun:
+    """Run the story into ``directory`` (a fresh folder); returns where everything is."""
+    from engines.faults import RestartableEngine
+    from engines.local.admission import ServingLimits
+    from engines.local.engine import LocalEngine
+    from engines.local.tinymodel import make_adapter
+    from evlog.sqlite import SQLiteStore
+    from publisher.fleet import Fleet
+    from publisher.gateway import Gateway, LedgerRouting
+    from publisher.plane import ControlPlane
+    from publisher.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.trainer import PublicationError, TrainerClient
+
+    # peft warns each time the adapter it last applied is freed: its bookkeeping, not news.
+    warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    log_path = directory / "ledger.db"
+    prov_path = directory / "provenance.jsonl"
+    stats = DemoStats()
+    progress = on_progress or (lambda *_: None)
+    started = time.monotonic()
+    limits = ServingLimits(max_lora_rank=16)
+    total_sessions = cfg.workers * cfg.sessions * cfg.waves
+    finished = [0]
+
+    async with AsyncExitStack() as stack:
+        store = await stack.enter_async_context(SQLiteStore.open(log_path))
+        hosts = []
+        for i in range(2):
+
+            def factory(i: int = i) -> LocalEngine:
+                return LocalEngine(f"e{i}", limits=limits)
+
+            hosts.append(await stack.enter_async_context(RestartableEngine(factory)))
+        plane = await stack.enter_async_context(
+            ControlPlane.open(
+                store,
+                Fleet(hosts),
+                deployment="demo",
+                prefix="policy",
+                capacity=cfg.capacity,
+                artifact_root=directory / "artifacts",
+                probe_interval_s=0.2,
+                reclaim_tick_s=0.1,
+                lease_check_s=0.5,
+            )
+        )
+        recorder = await stack.enter_async_context(ProvenanceRecorder(JsonlSink(prov_path)))
+        ledger = plane.ledger
+        gateway = Gateway(
+            plane.fleet, LedgerRouting(ledger), gateway_id="demo-gateway", recorder=recorder
+        )
+        plane.add_inflight_source(gateway)
+        trainer = TrainerClient(plane)
+        rng = random.Random(cfg.seed)
+        retried: Counter[str] = Counter()
+
+        from publisher.sessions import RolloutWorker
+
+        workers = [
+            await stack.enter_async_context(
+                RolloutWorker.open(ledger, gateway, owner=f"worker-{k}", ttl_s=10.0)
+            )
+            for k in range(cfg.workers)
+        ]
+
+        async def publish(step: int) -> None:
+            config, tensors = make_adapter(step, r=8)
+            t = time.monotonic()
+            try:
+                outcome = await trainer.publish(tensors, config=config, step=step)
+                status = str(outcome.status)
+            except PublicationError as exc:  # a real trainer logs it and trains on
+                status = f"FAILED ({exc.code})"
+            result = {"version_id": step, "status": status, "seconds": time.monotonic() - t}
+            stats.publications.append(result)
+            log.info("demo.published", **result)
+
+        async def session(worker: Any, sid: str, bound: anyio.Event, seed: int) -> None:
+            own = random.Random(seed)
+            binder = worker.session(sid)
+            prompt = [11 + own.randrange(200), 7, 42, 3]
+            params_tokens = cfg.tokens
+            from engines.contract import SamplingParams
+
+            params = SamplingParams(max_tokens=params_tokens, temperature=0.0, ignore_eos=True)
+            for turn in range(cfg.turns):
+                for attempt in range(MAX_TRIES):
+                    try:
+                        served = await binder.generate(prompt, params, turn=turn)
+                        break
+                    except LedgerError as exc:
+                        if exc.code not in RETRIED_CODES or attempt == MAX_TRIES - 1:
+                            raise
+                        retried[exc.code] += 1
+                        await anyio.sleep(0.05 * (attempt + 1))
+                stats.generations += 1
+                if turn == 0:
+                    bound.set()
+                prompt = [*prompt, *served.generation.token_ids][-400:]
+                await anyio.sleep(own.uniform(0.0, cfg.think_s))  # a tool call
+            await binder.close()
+            finished[0] += 1
+            progress("sessions", finished[0], total_sessions)
+
+        async def wave(number: int, tg: Any) -> list[anyio.Event]:
+            """Sessions started right after version ``number`` was published."""
+            flags = []
+            for k, worker in enumerate(workers):
+                for i in range(cfg.sessions):
+                    flag = anyio.Event()
+                    flags.append(flag)
+                    sid = f"wave{number}-worker{k}-s{i}"
+                    tg.start_soon(session, worker, sid, flag, rng.randrange(1 << 30))
+            return flags
+
+        restart_wave = cfg.waves // 2
+        async with anyio.create_task_group() as tg:
+            for step in range(1, cfg.waves + 1):
+                await publish(step)
+                flags = await wave(step, tg)
+                for flag in flags:  # every session of the wave has bound (first turn done)
+                    await flag.wait()
+                if step - 1 == restart_wave:
+                    await _restart(hosts[1], ledger)
+                await anyio.sleep(cfg.train_s)  # the next training step
+            await publish(cfg.waves + 1)  # while the last waves are still generating
+        progress("sessions", total_sessions, total_sessions)
+        await _settle(ledger)  # every old version reclaimed as its last session left
+        if any(p["status"] == "SKIPPED" for p in stats.publications):
+            # Training went on after the skip: the next step publishes into the slots that
+            # reclaim freed, and the version it replaces (no session on it) is reclaimed.
+            await publish(cfg.waves + 2)
+            await _settle(ledger)
+        stats.retried = dict(retried)
+    stats.wall_s = time.monotonic() - started
+    plot = await _plot(log_path, directory / "lifetimes.png")
+    return DemoRun(
+        directory=str(directory),
+        log=str(log_path),
+        provenance=str(prov_path),
+        plot=plot,
+        stats=stats,
+    )
+
+
+async def _restart(host: Any, ledger: Any) -> None:
+    """Restart engine e1 and wait until the reconciler repaired it (routable, new incarnation)."""
+    engine = host.engine_id
+    old = ledger.state.engines[engine].incarnation
+    log.info("demo.restarting", engine=engine, incarnation=old)
+    await host.restart()
+
+    def repaired() -> bool:
+        member = ledger.state.engines.get(engine)
+        return member is not None and member.incarnation != old and member.routable
+
+    await until(ledger, repaired, timeout=60.0)
+    log.info("demo.repaired", engine=engine, incarnation=ledger.state.engines[engine].incarnation)
+
+
+async def _settle(ledger: Any, timeout: float = 60.0) -> None:
+    """Wait until every retired version is reclaimed (the reclaim driver runs on its own)."""
+    from projections.registry import VersionState
+
+    def settled() -> bool:
+        return not any(
+            v.state in (VersionState.RETIRED, VersionState.RECLAIMING)
+            for v in ledger.state.versions.values()
+        )
+
+    await until(ledger, settled, timeout=timeout)
+
+
+async def until(ledger: Any, predicate: Callable[[], bool], *, timeout: float) -> None:
+    """Wait until ``predicate`` (of the ledger's state) holds: re-checked at every committed
+    record, since every state change is one (no polling)."""
+    with anyio.fail_after(timeout):
+        if predicate():
+            return
+        async for _record in ledger.subscribe():
+            if predicate():
+                return
+
+
+async def _plot(log_path: Path, png: Path) -> str | None:
+    """Draw the run's lifetimes when matplotlib is installed (the plot extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    from tools.plot import plot_lifetimes
+    from tools.replay import replay
+
+    result = await replay(log_path, lifetimes=True)
+    assert result.lifetimes is not None
+    return plot_lifetimes(result.lifetimes, png, title="demo: version lifetimes and bound sessions")
+
+
+async def read_story(run: DemoRun) -> Any:
+    """The story of a finished run, from its log and provenance file."""
+    from publisher.provenance import read_rows
+    from tools.logfile import open_log
+    from tools.story import tell
+
+    async with open_log(run.log) as store:
+        records = await store.read()
+    return tell(records, read_rows(run.provenance))
+
+
+def suggestions(run: DemoRun, story: Any) -> list[str]:
+    """The commands worth trying on this run's log, filled in with its paths and moments."""
+    from tools.timefmt import iso
+
+    log_path, prov = run.log, run.provenance
+    out = [
+        f"loraledger verify {log_path}",
+        f"loraledger replay {log_path} --incidents --stuck-after 2s",
+        f"loraledger replay {log_path} --version 1",
+    ]
+    if story.restarts:
+        r = story.restarts[0]
+        out.append(f"loraledger replay {log_path} --engine {r.engine}")
+        out.append(f"loraledger replay {log_path} --at {iso(story.started_at + r.at)}")
+    if story.example_session:
+        out.append(
+            f"loraledger audit {log_path} --session {story.example_session} --provenance {prov}"
+        )
+    out.append(f"loraledger replay {log_path} --plot {Path(run.directory) / 'replayed.png'}")
+    return out
+
+
+def quiet_libraries() -> None:
+    """No third-party progress bars on the demo's terminal (transformers' weight loading)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
