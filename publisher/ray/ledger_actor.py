@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -56,6 +57,8 @@ from publisher.ray.routing import Mark, RoutingSnapshot, RoutingTracker
 from publisher.ray.trainer import AdapterWire, rebuild_snapshot
 
 DEFAULT_LEDGER_NAME = "ledger"
+_DYING_RETRIES = 25
+_DYING_WAIT_S = 0.2
 
 log = structlog.get_logger("loraledger.ray")
 
@@ -265,22 +268,28 @@ def start_ledger(
     path = str(Path(config.path).resolve())
     config = dataclasses.replace(config, path=path)
     node = node_id or ray.get_runtime_context().get_node_id()
-    handle = (
-        ray.remote(LedgerActor)
-        .options(
-            name=name,
-            namespace=namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            max_restarts=max_restarts,
-            max_task_retries=0,  # callers retry through ActorLink; Ray must not resend alone
-            max_concurrency=1000,
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )
-        .remote(config)
+    actor = ray.remote(LedgerActor).options(
+        name=name,
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=max_restarts,
+        max_task_retries=0,  # callers retry through ActorLink; Ray must not resend alone
+        max_concurrency=1000,
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     )
-    info: LedgerInfo = ray.get(handle.describe.remote(), timeout=timeout)
+    # An actor killed a moment ago may still hold the name: the lookup then finds it dying.
+    # Ask again until the name is free (a creation that failed by itself is reported at once).
+    for attempt in range(_DYING_RETRIES + 1):
+        handle = actor.remote(config)
+        try:
+            info: LedgerInfo = ray.get(handle.describe.remote(), timeout=timeout)
+            break
+        except RayActorError as exc:
+            if exc.actor_init_failed or attempt == _DYING_RETRIES:
+                raise  # this actor's own __init__ failed (e.g. a corrupt log): say why
+            time.sleep(_DYING_WAIT_S)
     if info.path != path:
         raise LedgerError(
             Code.ALREADY_INITIALIZED,

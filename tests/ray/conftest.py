@@ -1,5 +1,5 @@
-"""One local, loopback-only Ray instance for the whole ``tests/ray`` session (starting one
-costs seconds on 2 cores), stopped at the end with everything it ran. Each test kills the
+"""One local, loopback-only Ray instance for the ``tests/ray`` package (starting one costs
+seconds on 2 cores), stopped after its last test with everything it ran. Each test kills the
 actors it created (fixtures below), so tests do not see each other's actors."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from publisher.ray.ledger_actor import LedgerConfig, start_ledger
 from publisher.ray.local import LOOPBACK, local_ray
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_instance() -> Iterator[dict[str, Any]]:
     with local_ray(num_cpus=2, log_to_driver=False) as info:
         assert info["node_ip_address"] == LOOPBACK
