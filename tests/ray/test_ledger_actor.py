@@ -9,14 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import ray
 
+from engines.local.tinymodel import make_adapter
 from evlog.errors import Code, LedgerError
 from publisher import commands as c
 from publisher.outcomes import Bound, Released
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
+from publisher.ray.trainer import RayTrainerClient, rebuild_snapshot, wire_of
+from publisher.snapshot import AdapterSnapshot
 from tests.ray.kit import ENGINES, create, publish
 
 pytestmark = pytest.mark.anyio
@@ -249,3 +253,28 @@ async def test_start_ledger_refuses_to_serve_another_file(
     with pytest.raises(LedgerError) as other:
         start_ledger(LedgerConfig(path=str(tmp_path / "other.db")), name=lut.name)
     assert other.value.code == Code.ALREADY_INITIALIZED
+
+
+async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
+    lut = ledger_factory()  # a bare ledger: nothing drives engines
+    config, tensors = make_adapter(1)
+    with pytest.raises(LedgerError) as refused:
+        await RayTrainerClient(lut.name).publish(tensors, config, step=1)
+    assert refused.value.code == Code.INVALID_STATE
+
+
+def test_an_adapter_changed_on_the_way_is_refused() -> None:
+    config, tensors = make_adapter(2)
+    snapshot = AdapterSnapshot.from_state_dict(tensors, config)
+    wire = wire_of(snapshot)
+    rebuilt = rebuild_snapshot(wire, bucket_bytes=4096)
+    assert rebuilt.digest == snapshot.digest
+    assert len(rebuilt.buckets) > 1  # re-bucketed for the plane, same digest
+    name, tensor = next(iter(wire.tensors.items()))
+    flipped = bytes([tensor.data[0] ^ 1]) + tensor.data[1:]
+    tampered = msgspec.structs.replace(
+        wire, tensors={**wire.tensors, name: msgspec.structs.replace(tensor, data=flipped)}
+    )
+    with pytest.raises(LedgerError) as refused:
+        rebuild_snapshot(tampered, bucket_bytes=4096)
+    assert refused.value.code == Code.INVALID_INPUT
