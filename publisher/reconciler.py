@@ -245,12 +245,13 @@ class Reconciler:
             rep.joined.append(engine_id)
             log.info("reconciler.joined", engine=engine_id, seq=ledger.state.last_seq)
         elif member.incarnation != incarnation:
+            old = member.incarnation
             await ledger.observe_restart(engine_id, incarnation)
             rep.restarted.append(engine_id)
             log.warning(
                 "reconciler.restarted",
                 engine=engine_id,
-                old=member.incarnation,
+                old=old,
                 new=incarnation,
                 seq=ledger.state.last_seq,
             )

@@ -24,6 +24,7 @@ from evlog.memory import MemoryStore
 from evlog.store import EventStore
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
+from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from publisher.snapshot import AdapterSnapshot
 
@@ -104,7 +105,15 @@ async def open_plane(
         yield plane
 
 
-async def events(store: EventStore, after: int = 0) -> list[Event]:
+async def events(source: EventStore | Ledger, after: int = 0) -> list[Event]:
+    """The events of the log. Given the ledger, first waits until everything its (possibly
+    speculative, one batch ahead) state already shows is durable in the store."""
+    if isinstance(source, Ledger):
+        target = source.state.last_seq
+        store = source.store
+        await wait_for(lambda: store.last_seq >= target)
+    else:
+        store = source
     return [r.event for r in await store.read(after=after)]
 
 

@@ -86,7 +86,7 @@ class Traffic:
 
 async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
     """The acceptance scenario, shared by the in-process and HTTP fleets."""
-    ledger, store = plane.ledger, plane.ledger.store
+    ledger = plane.ledger
     v1 = await plane.publisher.publish(snapshot(1), version_id=1)
     assert v1.status == PublicationStatus.PUBLISHED and v1.revision == 1
     assert set(v1.ready_latency()) == {e.engine_id for e in engines}
@@ -127,7 +127,7 @@ async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
     for e in engines:
         held = await names(e)
         assert v1.lora_name not in held and v2.lora_name in held
-    log = await events(store)
+    log = await events(ledger)
     claimed = of_type(log, ReclaimClaimed)
     assert [c.version_id for c in claimed] == [1]
     unloaded = {e.engine for e in of_type(log, EngineUnloaded) if e.version_id == 1}
@@ -159,7 +159,7 @@ def assert_publication_order(log: list[Any], version_id: int, fleet: set[str]) -
 async def test_two_local_engines_full_cycle(tmp_path: Path) -> None:
     async with local_engines(2) as engines, open_plane(engines, tmp_path) as plane:
         await full_cycle(plane, engines)
-        log = await events(plane.ledger.store)
+        log = await events(plane.ledger)
         assert_publication_order(log, 1, {"e0", "e1"})
         assert_publication_order(log, 2, {"e0", "e1"})
         with pytest.raises(CleanRefusal) as info:
@@ -171,7 +171,7 @@ async def test_four_local_engines_full_cycle(tmp_path: Path) -> None:
     async with local_engines(4) as engines, open_plane(engines, tmp_path) as plane:
         await full_cycle(plane, engines)
         assert plane.ledger.state.routable_engines() == ("e0", "e1", "e2", "e3")
-        assert_publication_order(await events(plane.ledger.store), 2, {"e0", "e1", "e2", "e3"})
+        assert_publication_order(await events(plane.ledger), 2, {"e0", "e1", "e2", "e3"})
 
 
 async def test_over_loopback_http_staged_and_artifact_transports(tmp_path: Path) -> None:
@@ -214,7 +214,7 @@ async def test_full_capacity_is_skipped_without_touching_an_engine(tmp_path: Pat
             assert skipped.status == PublicationStatus.SKIPPED
             assert skipped.code == "CAPACITY_ERROR" and skipped.lora_name is None
             assert [e.count() for e in engines] == calls  # not a single engine call
-            log = await events(ledger.store, after=seq)
+            log = await events(ledger, after=seq)
             assert [type(e) for e in log] == [PublicationSkipped]
             assert 3 not in ledger.state.versions
             assert ledger.state.default == 2
@@ -261,4 +261,4 @@ async def test_sessions_survive_a_controller_restart(tmp_path: Path) -> None:
             assert plane.started is not None and plane.started.joined == ()
             v2 = await plane.publisher.publish(snapshot(2), version_id=2)
             assert v2.revision == 2
-            assert of_type(await events(plane.ledger.store), SessionBound)[0].session == "s"
+            assert of_type(await events(plane.ledger), SessionBound)[0].session == "s"

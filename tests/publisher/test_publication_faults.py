@@ -89,7 +89,7 @@ async def test_lost_reply_on_load_is_fatal_then_resolved_and_publication_resumes
         state = plane.ledger.state
         assert state.versions[2].state is VersionState.FAILED_FATAL
         assert state.capacity_used() == 2 and state.blocked_by() == [2]
-        failed = of_type(await events(plane.ledger.store), AttemptFailed)[-1]
+        failed = of_type(await events(plane.ledger), AttemptFailed)[-1]
         assert (failed.version_id, failed.clean, failed.code) == (2, False, "CONNECTION_LOST")
         name = state.versions[2].lora_name
         for e in engines:  # cleaned up anyway (the dropped load had run on e1)
@@ -98,7 +98,7 @@ async def test_lost_reply_on_load_is_fatal_then_resolved_and_publication_resumes
         seq = plane.ledger.state.last_seq
         v3 = await plane.publisher.publish(snapshot(3), version_id=3)
         assert v3.status == PublicationStatus.PUBLISHED
-        log = await events(plane.ledger.store, after=seq)
+        log = await events(plane.ledger, after=seq)
         resolved = index(log, lambda e: isinstance(e, FatalResolved) and e.version_id == 2)
         observed = [
             e.engine
@@ -123,7 +123,7 @@ async def test_timeout_is_fatal_and_a_retry_of_the_same_version_resumes(tmp_path
         assert plane.ledger.state.versions[1].state is VersionState.FAILED_FATAL
         again = await plane.publisher.publish(snapshot(1), version_id=1)
         assert again.status == PublicationStatus.PUBLISHED and again.attempt == 2
-        log = await events(plane.ledger.store)
+        log = await events(plane.ledger)
         assert [f.attempt for f in of_type(log, AttemptFailed)] == [1]
         assert [p.attempt for p in of_type(log, VersionPublished)] == [2]
         assert of_type(log, FatalResolved)[0].version_id == 1
@@ -138,7 +138,7 @@ async def test_server_error_on_transfer_is_ambiguous(tmp_path: Path) -> None:
         with pytest.raises(PublicationError) as info:
             await plane.publisher.publish(snapshot(1), version_id=1)
         assert info.value.kind == ErrorKind.FATAL and info.value.details["cause"] == "SERVER_ERROR"
-        failed = of_type(await events(plane.ledger.store), AttemptFailed)[0]
+        failed = of_type(await events(plane.ledger), AttemptFailed)[0]
         assert not failed.clean and failed.code == "SERVER_ERROR"
 
 
@@ -153,7 +153,7 @@ async def test_clean_refusal_cleans_every_engine_and_is_retryable(tmp_path: Path
         err = info.value
         assert err.kind == ErrorKind.RETRYABLE and err.details["state"] == "FAILED_RETRYABLE"
         assert err.details["cause"] == ErrorCode.RANK_UNSUPPORTED
-        log = await events(plane.ledger.store)
+        log = await events(plane.ledger)
         assert [r.engine for r in of_type(log, EngineReady)] == ["e0"]  # e0 had loaded it
         failed = of_type(log, AttemptFailed)[0]
         assert failed.clean and failed.absent_on == ("e0", "e1")
@@ -177,7 +177,7 @@ async def test_ready_without_the_adapter_is_caught_by_the_inventory(tmp_path: Pa
             await plane.publisher.publish(snapshot(1), version_id=1)
         assert info.value.details["cause"] == READY_UNCONFIRMED
         assert info.value.kind == ErrorKind.RETRYABLE
-        log = await events(plane.ledger.store)
+        log = await events(plane.ledger)
         assert [r.engine for r in of_type(log, EngineReady)] == ["e1"]
         assert plane.ledger.state.default is None  # nothing committed on a lie
         assert of_type(log, AttemptFailed)[0].code == READY_UNCONFIRMED
@@ -200,7 +200,7 @@ async def test_duplicated_control_messages_change_nothing(tmp_path: Path) -> Non
             e.inject("unload", Duplicate())
         await plane.publisher.publish(snapshot(2), version_id=2)
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
-        log = await events(plane.ledger.store)
+        log = await events(plane.ledger)
         for kind in (EnginePrepared, EngineReady):
             got = sorted((e.version_id, e.engine) for e in of_type(log, kind))
             assert got == [(1, "e0"), (1, "e1"), (2, "e0"), (2, "e1")]
@@ -226,7 +226,7 @@ async def test_restart_mid_publication_then_repair_before_routing(tmp_path: Path
         assert info.value.details["cause"] == ErrorCode.NOT_PREPARED  # the new life never saw it
         await wait_for(lambda: ledger.state.engines["e1"].incarnation != old)
         await wait_for(lambda: ledger.state.engines["e1"].routable)
-        log = await events(ledger.store, after=seq)
+        log = await events(ledger, after=seq)
         failed = of_type(log, AttemptFailed)[0]
         assert failed.clean and failed.absent_on == ("e0", "e1")
         restarted = index(log, lambda e: isinstance(e, EngineRestarted))
@@ -260,7 +260,7 @@ async def test_restart_after_commit_restores_default_and_bound_versions(tmp_path
         await engines[1].inner.restart()  # type: ignore[attr-defined]
         member = ledger.state.engines["e1"]
         await wait_for(lambda: member.incarnation != old and member.routable)
-        log = await events(ledger.store, after=seq)
+        log = await events(ledger, after=seq)
         assert sorted(e.version_id for e in of_type(log, VersionRestored)) == [1, 2]
         assert {v1.lora_name, v2.lora_name} <= await names(engines[1])
         assert ledger.state.holders(v1.lora_name) == ("e0", "e1")
@@ -277,7 +277,7 @@ async def test_ambiguous_unload_holds_the_version_until_inventory_decides(tmp_pa
         seq = plane.ledger.state.last_seq
         await plane.publisher.publish(snapshot(2), version_id=2)
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
-        log = await events(plane.ledger.store, after=seq)
+        log = await events(plane.ledger, after=seq)
         ambiguous = of_type(log, ReclaimAmbiguous)
         assert {a.engine for a in ambiguous} <= {"e0", "e1"} and ambiguous
         first = index(log, lambda e: isinstance(e, ReclaimAmbiguous))
@@ -313,7 +313,7 @@ async def test_fatal_candidate_still_present_is_unloaded_by_the_reconciler(tmp_p
         v3 = await plane.publisher.publish(snapshot(3), version_id=3)
         assert v3.status == PublicationStatus.PUBLISHED
         assert name not in await names(engines[0])
-        log = await events(plane.ledger.store, after=seq)
+        log = await events(plane.ledger, after=seq)
         on_e0 = [e for e in log if isinstance(e, InventoryObserved) and e.engine == "e0"]
         assert name in on_e0[0].adapters and name not in on_e0[1].adapters
         assert index(log, lambda e: isinstance(e, FatalResolved)) < index(
@@ -333,7 +333,7 @@ async def test_cancelled_publish_never_leaves_a_version_loading(tmp_path: Path) 
             tg.cancel_scope.cancel()
         v = plane.ledger.state.versions[1]
         assert v.state is VersionState.FAILED_FATAL  # e1 was mid-call: ambiguous
-        failed = of_type(await events(plane.ledger.store), AttemptFailed)[0]
+        failed = of_type(await events(plane.ledger), AttemptFailed)[0]
         assert failed.code == CANCELLED and "e1" in failed.reason
         for e in engines:
             assert v.lora_name not in await names(e)
@@ -402,7 +402,7 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             v = plane.ledger.state.versions[1]
             assert v.state is VersionState.FAILED_RETRYABLE  # ended, then resolved by inventory
             assert allocated.lora_name not in await names(engines[0])
-            history = await events(plane.ledger.store)
+            history = await events(plane.ledger)
             failed = of_type(history, AttemptFailed)[0]
             assert failed.code == "ORPHANED_ATTEMPT" and not failed.clean
             assert of_type(history, FatalResolved)[0].version_id == 1
@@ -420,5 +420,5 @@ async def test_receipt_from_a_restarted_engine_is_recorded_and_refused(tmp_path:
             await plane.publisher.publish(snapshot(1), version_id=1)
         assert info.value.details["cause"] == "ENGINE_RESTARTED"
         assert info.value.kind == ErrorKind.RETRYABLE
-        rejected = of_type(await events(plane.ledger.store), ReceiptRejected)
+        rejected = of_type(await events(plane.ledger), ReceiptRejected)
         assert [(r.code, r.engine) for r in rejected] == [("ENGINE_RESTARTED", "e1")]

@@ -57,7 +57,7 @@ async def test_in_flight_requests_hold_the_reclaim_until_they_finish(tmp_path: P
             assert v1.lora_name in await names(e)
         gauge.counts[("e1", 1)] = 0
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
-        claim = of_type(await events(plane.ledger.store), ReclaimClaimed)[0]
+        claim = of_type(await events(plane.ledger), ReclaimClaimed)[0]
         assert {(x.reporter, x.engine, x.count) for x in claim.evidence} == {
             ("gw", "e0", 0),
             ("gw", "e1", 0),
@@ -78,7 +78,7 @@ async def test_remote_workers_in_flight_reports_count_too(tmp_path: Path) -> Non
         assert ledger.state.versions[1].state is VersionState.RETIRED
         ledger.renew_lease("remote", {})
         await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
-        claim = of_type(await events(ledger.store), ReclaimClaimed)[0]
+        claim = of_type(await events(ledger), ReclaimClaimed)[0]
         assert [(x.reporter, x.count) for x in claim.evidence] == [("remote", 0)]
 
 
@@ -97,7 +97,7 @@ async def test_a_dead_workers_lease_expiry_unpins_and_reclaims(tmp_path: Path) -
         assert ledger.state.versions[1].state is VersionState.RETIRED
         now[0] += 10  # the worker stopped renewing
         await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
-        log = await events(ledger.store)
+        log = await events(ledger)
         released = of_type(log, SessionReleased)[0]
         assert (released.session, released.cause) == ("pinned", "lease_expired")
 
@@ -118,7 +118,7 @@ async def test_artifacts_are_deleted_only_once_reclaimed(tmp_path: Path) -> None
         await wait_for(lambda: v1.digest in plane.reclaimer.deleted)
         assert not plane.artifacts.contains(v1.digest)
         assert plane.artifacts.contains(ledger.state.versions[2].digest)
-        log = await events(ledger.store)
+        log = await events(ledger)
         assert of_type(log, VersionReclaimed)[0].version_id == 1
 
 
@@ -156,5 +156,5 @@ async def test_an_interrupted_reclaim_is_resumed_by_the_next_controller(tmp_path
             await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
             for e in engines:
                 assert v1.lora_name not in await names(e)
-            claims = of_type(await events(plane.ledger.store), ReclaimClaimed)
+            claims = of_type(await events(plane.ledger), ReclaimClaimed)
             assert len(claims) == 1  # resumed, not claimed again

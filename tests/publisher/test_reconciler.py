@@ -70,7 +70,7 @@ async def test_only_strays_of_this_deployment_are_unloaded(tmp_path: Path) -> No
         report = await plane.reconciler.reconcile()
         assert report.unloaded == (f"e0:{stray}",)
         assert await names(engines[0]) == {v1.lora_name, other, "someone-else"}
-        observed = [e for e in of_type(await events(plane.ledger.store), InventoryObserved)]
+        observed = [e for e in of_type(await events(plane.ledger), InventoryObserved)]
         first_e0 = next(e for e in observed if e.engine == "e0" and stray in e.adapters)
         assert other not in first_e0.adapters and "someone-else" not in first_e0.adapters
         assert plane.ledger.state.engines["e0"].strays == ()
@@ -105,7 +105,7 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
         assert report.joined == ("e2",) and report.repaired == ("e2",)
         assert sorted(report.restored) == ["e2:1", "e2:2"]
         assert {v1.lora_name, v2.lora_name} <= await names(newcomer)
-        log = await events(ledger.store, after=seq)
+        log = await events(ledger, after=seq)
         kinds = [type(e) for e in log]
         assert kinds[0] is EngineJoined and kinds[-1] is EngineRepaired
         assert kinds.count(VersionRestored) == 2
@@ -127,7 +127,7 @@ async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path
             assert ledger.state.versions[1].state is VersionState.RECLAIMING
             await plane.remove_engine("e1")
             assert ledger.state.versions[1].state is VersionState.RECLAIMED
-            log = await events(ledger.store)
+            log = await events(ledger)
             left = next(i for i, e in enumerate(log) if isinstance(e, EngineLeft))
             assert isinstance(log[left + 1], VersionReclaimed)
             assert "e1" not in plane.fleet

@@ -100,7 +100,7 @@ async def test_state_dict_publication_returns_plain_data(tmp_path: Path) -> None
         await plane.ledger.bind("s", "w")
         skipped = await trainer.publish(arrays, config={**config, "lora_alpha": 32}, step=2)
         assert skipped.status == "SKIPPED"
-        assert of_type(await events(plane.ledger.store), PublicationSkipped)[0].version_id == 2
+        assert of_type(await events(plane.ledger), PublicationSkipped)[0].version_id == 2
         with pytest.raises(TypeError, match="config"):
             await trainer.publish(arrays, step=3)
 
