@@ -156,8 +156,9 @@ def demo(
 
     if engine not in ("local", "vllm"):
         raise ToolError(Exit.USAGE, f"--engine must be local or vllm, got {engine!r}")
+    vllm_python = None
     if engine == "vllm":
-        demo_run.check_vllm(Path(__file__).resolve().parents[1])
+        vllm_python = demo_run.check_vllm(Path(__file__).resolve().parents[1])
     if _verbosity == 0:
         # The story explains the expected warnings and errors (requests refused or lost by
         # the restarting engine); -v shows every decision as it happens.
@@ -168,12 +169,20 @@ def demo(
     if not json:
         stderr_console().print(
             f"loraledger demo: {cfg.workers} rollout workers x {cfg.sessions} sessions x "
-            f"{cfg.waves} waves, {cfg.turns} turns each, 2 local engines; log in {folder}",
+            f"{cfg.waves} waves, {cfg.turns} turns each on "
+            f"{demo_run.fleet_description(engine)}; log in {folder}",
             highlight=False,
         )
     with progress_bar("sessions") as update:
         run = _run(
-            functools.partial(demo_run.run_demo, folder, cfg, engine=engine, on_progress=update)
+            functools.partial(
+                demo_run.run_demo,
+                folder,
+                cfg,
+                engine=engine,
+                vllm_python=vllm_python,
+                on_progress=update,
+            )
         )
     story = _run(demo_run.read_story, run)
     commands = demo_run.suggestions(run, story)
@@ -194,7 +203,7 @@ def demo(
         )
         return
     out = stdout_console()
-    out.print(story_view(story, run, engine=engine))
+    out.print(story_view(story, run, fleet=demo_run.fleet_description(engine)))
     out.print(try_view(commands))
 
 

@@ -91,13 +91,14 @@ def new_run_dir(base: Path = Path("demo-runs")) -> Path:
 
 
 def prepare_dir(directory: Path | None) -> Path:
-    """A fresh folder: a demo never appends to someone else's ledger."""
+    """A fresh folder (absolute: engine servers read artifacts from it by path); a demo never
+    appends to someone else's ledger."""
     if directory is None:
-        return new_run_dir()
+        return new_run_dir().resolve()
     if directory.exists() and any(directory.iterdir()):
         raise ToolError(Exit.USAGE, f"{directory} is not empty: give a new or empty folder")
     directory.mkdir(parents=True, exist_ok=True)
-    return directory
+    return directory.resolve()
 
 
 def check_vllm(repo: Path) -> Path:
@@ -137,6 +138,7 @@ async def run_demo(
     cfg: DemoConfig,
     *,
     engine: str = "local",
+    vllm_python: Path | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoRun:
     """Run the story into ``directory`` (a fresh folder); returns where everything is."""
@@ -165,17 +167,21 @@ async def run_demo(
 
     async with AsyncExitStack() as stack:
         store = await stack.enter_async_context(SQLiteStore.open(log_path))
+        members: list[Any] = []
+        if engine == "vllm":
+            members.append(await _vllm_engine(stack, directory, vllm_python))
         hosts = []
-        for i in range(2):
+        for i in range(len(members), 2):
 
             def factory(i: int = i) -> LocalEngine:
                 return LocalEngine(f"e{i}", limits=limits)
 
             hosts.append(await stack.enter_async_context(RestartableEngine(factory)))
+        members.extend(hosts)
         plane = await stack.enter_async_context(
             ControlPlane.open(
                 store,
-                Fleet(hosts),
+                Fleet(members),
                 deployment="demo",
                 prefix="policy",
                 capacity=cfg.capacity,
@@ -262,7 +268,7 @@ async def run_demo(
                 for flag in flags:  # every session of the wave has bound (first turn done)
                     await flag.wait()
                 if step - 1 == restart_wave:
-                    await _restart(hosts[1], ledger)
+                    await _restart(hosts[-1], ledger)
                 await anyio.sleep(cfg.train_s)  # the next training step
             await publish(cfg.waves + 1)  # while the last waves are still generating
         progress("sessions", total_sessions, total_sessions)
@@ -282,6 +288,49 @@ async def run_demo(
         plot=plot,
         stats=stats,
     )
+
+
+async def _vllm_engine(stack: AsyncExitStack, directory: Path, python: Path | None) -> Any:
+    """A real vLLM CPU server on loopback (fleet member e0), stopped by its PID at the end.
+
+    The server recipe is the integration tests' own (``tests/integration/conftest.py``:
+    command line, environment, health wait, stop by process group), reused rather than
+    copied, which is why this path needs a source checkout with the dev extra."""
+    from engines.local.tinymodel import SERVED_NAME, default_cache_dir, ensure_tiny_model
+    from engines.vllm import VLLMEngine
+
+    try:
+        from tests.integration.conftest import VENV, VLLMServer
+    except ImportError as exc:
+        raise ToolError(
+            Exit.ENGINE_UNAVAILABLE,
+            f"--engine vllm needs a source checkout with the dev extra (pytest): {exc}",
+        ) from None
+    model_dir = await anyio.to_thread.run_sync(ensure_tiny_model, default_cache_dir())
+    workdir = directory / "vllm"
+    workdir.mkdir()
+    server = VLLMServer(
+        python=python or VENV / "bin" / "python", model_dir=model_dir, workdir=workdir
+    )
+    stack.push_async_callback(anyio.to_thread.run_sync, server.stop)
+    log.info("demo.vllm_starting", workdir=str(workdir))
+    try:
+        await anyio.to_thread.run_sync(server.start)
+    except BaseException as exc:  # the recipe reports start-up failures as pytest failures
+        if not _is_test_failure(exc):
+            raise
+        raise ToolError(
+            Exit.ENGINE_UNAVAILABLE, f"the vLLM server did not start: {exc}\n{server.log_tail(20)}"
+        ) from None
+    log.info("demo.vllm_ready", url=server.base_url, pid=server.pid)
+    member = VLLMEngine(server.base_url, "e0", served_model=SERVED_NAME)
+    stack.push_async_callback(member.aclose)
+    return member
+
+
+def _is_test_failure(exc: BaseException) -> bool:
+    """``pytest.fail`` raises ``_pytest.outcomes.Failed`` (a BaseException)."""
+    return type(exc).__name__ == "Failed" and type(exc).__module__.startswith("_pytest")
 
 
 async def _restart(host: Any, ledger: Any) -> None:
@@ -368,6 +417,12 @@ def suggestions(run: DemoRun, story: Any) -> list[str]:
         )
     out.append(f"loraledger replay {log_path} --plot {Path(run.directory) / 'replayed.png'}")
     return out
+
+
+def fleet_description(engine: str) -> str:
+    if engine == "vllm":
+        return "a vLLM server (e0) and a local engine (e1)"
+    return "2 local engines (e0, e1)"
 
 
 def quiet_libraries() -> None:

@@ -208,7 +208,7 @@ def verify_view(result: VerifyResult) -> RenderableType:
     return Group(*lines)
 
 
-def story_view(story: Story, run: DemoRun, *, engine: str) -> RenderableType:
+def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
     """The demo's story: what the log says happened, then where to look next."""
     from tools.story import VersionStory
 
@@ -220,7 +220,7 @@ def story_view(story: Story, run: DemoRun, *, engine: str) -> RenderableType:
         ("What happened", "bold"),
         f" (told from the log: {story.events} events over {story.duration_s:.1f}s; "
         f"{story.generations} generations in the provenance file; wall time {stats.wall_s:.0f}s "
-        f"with {engine} engines)",
+        f"on {fleet})",
     )
     table = Table(title="versions", title_justify="left")
     for column in (
@@ -258,13 +258,20 @@ def story_view(story: Story, run: DemoRun, *, engine: str) -> RenderableType:
         + "."
     )
     if story.pinned:
+        engines = ", ".join(f"{n} on {e}" for e, n in story.per_engine.items())
         lines.append(
-            f"- Every one of the {story.generations} generations was served by its session's "
-            f"bound version (provenance checked against the log: 0 mismatches); "
+            f"- Every one of the {story.generations} generations ({engines}) was served by its "
+            f"session's bound version (provenance checked against the log: 0 mismatches); "
             f"{story.spanning} sessions kept their version after it was retired."
         )
     else:
         lines.append(f"- [bold red]{story.mismatches} generations ran on another version![/]")
+    idle = [e for e in story.fleet if not story.per_engine.get(e)]
+    if idle and story.generations:
+        lines.append(
+            f"- [bold yellow]{', '.join(idle)} served no generation: every request routed "
+            f"there was refused (run with -v to see why).[/]"
+        )
     for vid in story.skipped:
         lines.append(
             f"- v{vid} was SKIPPED: the capacity was full while older versions were still "

@@ -17,6 +17,7 @@ import msgspec
 
 from evlog.events import (
     AttemptStarted,
+    EngineJoined,
     EngineRepaired,
     EngineRestarted,
     OwnerLeaseExpired,
@@ -69,6 +70,8 @@ class Story(msgspec.Struct, frozen=True, kw_only=True):
     owners: int
     sessions_per_version: dict[int, int]
     generations: int
+    per_engine: dict[str, int]  # generations served by each engine
+    fleet: tuple[str, ...]  # every engine that was a fleet member
     pinned: bool  # every generation was served by its session's bound version
     mismatches: int
     lease_expiries: int
@@ -94,6 +97,7 @@ def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story
     restarts: dict[str, dict[str, object]] = {}
     finished_restarts: list[RestartStory] = []
     expiries = 0
+    members: set[str] = set()
     for record in records:
         at, event = record.recorded_at - t0, record.event
         for change in advance(state, record):
@@ -117,6 +121,8 @@ def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story
                     held[event.session] = at - retired_at
             case OwnerLeaseExpired():
                 expiries += 1
+            case EngineJoined():
+                members.add(event.engine)
             case EngineRestarted():
                 restarts[event.engine] = {
                     "at": at,
@@ -134,11 +140,13 @@ def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story
     finished_restarts.extend(_restart(engine, r, None) for engine, r in restarts.items())
 
     served: Counter[int] = Counter()
+    engines: Counter[str] = Counter()
     mismatches = 0
     total = 0
     for row in rows:
         total += 1
         served[row.version_id] += 1
+        engines[row.engine] += 1
         if bound_to.get(row.session) != row.version_id:
             mismatches += 1
 
@@ -179,6 +187,8 @@ def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story
         owners=len(owners),
         sessions_per_version=dict(sorted(per_version.items())),
         generations=total,
+        per_engine=dict(sorted(engines.items())),
+        fleet=tuple(sorted(members)),
         pinned=mismatches == 0,
         mismatches=mismatches,
         lease_expiries=expiries,

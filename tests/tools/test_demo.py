@@ -4,18 +4,19 @@ wrote, with the tools a user would use next (verify, replay, audit)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
 import anyio
 import pytest
+from rich.console import Console
 
 from publisher.provenance import read_rows
 from tests.tools.conftest import Cli, run_script
 from tools.demo import QUICK, DemoRun, DemoStats
 from tools.exitcodes import Exit
 from tools.logfile import open_log
-from tools.output import stdout_console
 from tools.render import story_view
 from tools.story import Story, tell
 
@@ -120,13 +121,15 @@ def test_the_human_story(quick_run: dict) -> None:  # type: ignore[type-arg]
         plot=quick_run["plot"],
         stats=DemoStats(**quick_run["rollout"]),
     )
-    console = stdout_console()
+    console = Console(width=1000, no_color=True)
     with console.capture() as captured:
-        console.print(story_view(story, run, engine="local"))
+        console.print(story_view(story, run, fleet="2 local engines"))
     text = captured.get()
     assert "told from the log" in text and f"{story.generations} generations" in text
     assert "Engine e1 restarted" in text and "made it routable again" in text
     assert "0 mismatches" in text and "Reclaim: v1" in text
+    assert "served no generation" not in text  # both engines served
+    assert set(story.per_engine) == {"e0", "e1"} == set(story.fleet)
 
 
 def test_refusals(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,3 +143,25 @@ def test_refusals(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert result.returncode == Exit.ENGINE_UNAVAILABLE
     assert "vllm_env.sh" in result.stderr and "Install it with" in result.stderr
     assert cli("demo", "--engine", "tgi").returncode == Exit.USAGE
+
+
+@pytest.mark.vllm
+def test_the_same_story_on_a_real_vllm_server(slow: bool, tmp_path: Path, cli: Cli) -> None:
+    """e0 is a real vLLM CPU server (about a minute to start, hence --slow): it must serve its
+    share of the generations and the story must hold on it too."""
+    if not slow:
+        pytest.skip("starts its own vLLM server (~1 min): runs with --slow")
+    result = run_script(
+        "demo", "--quick", "--json", "--engine", "vllm", "--dir", tmp_path / "run", timeout=600
+    )
+    if (
+        result.returncode == Exit.ENGINE_UNAVAILABLE
+        and os.environ.get("LORALEDGER_REQUIRE_VLLM") != "1"
+    ):
+        pytest.skip(f"real vLLM engine not available here: {result.stderr.strip()[-300:]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    story = out["story"]
+    assert story["per_engine"].get("e0", 0) > 0  # vLLM really served
+    assert story["pinned"] is True and story["restarts"][0]["repaired_at"] is not None
+    assert cli("verify", out["log"]).returncode == 0
