@@ -7,6 +7,7 @@ the in-process API for trainers and rollout workers; engines as actors.
 :class:`~publisher.ray.client.RayLedger`       rollout side: ``LedgerPort`` + ``RoutingView``
 :class:`~publisher.ray.trainer.RayTrainerClient`  trainer side: ``publish(adapter, step=)``
 :func:`~publisher.ray.engine.start_engine`     an engine in its own actor, as a ``RayEngine``
+:func:`~publisher.ray.local.local_ray`         a loopback-only local Ray instance (tests, bench)
 =========================================  =================================================
 
 Names are imported lazily: ``import publisher.ray`` does not import Ray until one is used.
@@ -22,12 +23,14 @@ _LAZY = {
     "DEFAULT_NAMESPACE": "publisher.ray.link",
     "DEFAULT_LEDGER_NAME": "publisher.ray.ledger_actor",
     "EngineActor": "publisher.ray.engine",
+    "LOOPBACK": "publisher.ray.local",
     "LedgerActor": "publisher.ray.ledger_actor",
     "LedgerConfig": "publisher.ray.ledger_actor",
     "PlaneConfig": "publisher.ray.ledger_actor",
     "RayEngine": "publisher.ray.engine",
     "RayLedger": "publisher.ray.client",
     "RayTrainerClient": "publisher.ray.trainer",
+    "local_ray": "publisher.ray.local",
     "start_engine": "publisher.ray.engine",
     "start_ledger": "publisher.ray.ledger_actor",
     "stop_engine": "publisher.ray.engine",
