@@ -144,7 +144,7 @@ class Gateway:
         self._turn = itertools.count()
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:12]
-        self._takes_extra_body: dict[int, bool] = {}
+        self._takes_extra_body: dict[type, bool] = {}
         self.dispatched = 0
 
     # --- in-flight evidence ------------------------------------------------------------------
@@ -269,14 +269,16 @@ class Gateway:
             del self._inflight[key]
 
     def _accepts_extra_body(self, engine: Any) -> bool:
-        known = self._takes_extra_body.get(id(engine))
+        """Whether the engine's adapter takes caller body fields (SGLang's does; the contract
+        does not require it). A property of the adapter class, so cached per class."""
+        known = self._takes_extra_body.get(type(engine))
         if known is None:
             try:
                 parameters = inspect.signature(engine.generate).parameters
             except (TypeError, ValueError):
                 parameters = {}
             known = "extra_body" in parameters
-            self._takes_extra_body[id(engine)] = known
+            self._takes_extra_body[type(engine)] = known
         return known
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> LedgerError:

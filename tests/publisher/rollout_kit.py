@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import pytest
 
 from engines.contract import (
@@ -131,9 +132,26 @@ async def rig(
     capacity: int = 8,
     wrap: Callable[[LocalEngine], Engine] | None = None,
     recorder_capacity: int = 8192,
+    timeout: float = 60.0,
 ) -> AsyncIterator[Rig]:
+    """``timeout`` bounds the whole test: a broken guarantee must fail it, never hang it
+    (e.g. an unload that waits forever for a request it should never have run under)."""
     clock = Clock()
     store = MemoryStore()
+    with anyio.fail_after(timeout):
+        async with _rig(clock, store, engines, capacity, wrap, recorder_capacity) as r:
+            yield r
+
+
+@contextlib.asynccontextmanager
+async def _rig(
+    clock: Clock,
+    store: MemoryStore,
+    engines: int,
+    capacity: int,
+    wrap: Callable[[LocalEngine], Engine] | None,
+    recorder_capacity: int,
+) -> AsyncIterator[Rig]:
     async with contextlib.AsyncExitStack() as stack:
         ledger = await stack.enter_async_context(Ledger.open(store, clock=clock))
         await ledger.create_deployment("dep", prefix="agent", capacity=capacity)

@@ -34,7 +34,7 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-
 
 
 async def test_the_unload_waits_for_the_generation_in_flight() -> None:
-    async with rig() as r:
+    async with rig(timeout=30) as r:
         await r.publish(1)
         v1 = r.names[1]
         served: list[tuple[Served, float]] = []
@@ -62,7 +62,8 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
 
             # Only the in-flight evidence blocks the claim, as long as the request runs.
             for _ in range(3):
-                with pytest.raises(LedgerError) as info:
+                # (bounded: a wrongly granted claim would wait forever on the engine's drain)
+                with pytest.raises(LedgerError) as info, anyio.fail_after(5):
                     await r.reclaim(1)
                 assert info.value.code == Code.REQUESTS_IN_FLIGHT
                 assert busy in info.value.message
