@@ -422,3 +422,20 @@ async def test_receipt_from_a_restarted_engine_is_recorded_and_refused(tmp_path:
         assert info.value.kind == ErrorKind.RETRYABLE
         rejected = of_type(await events(plane.ledger), ReceiptRejected)
         assert [(r.code, r.engine) for r in rejected] == [("ENGINE_RESTARTED", "e1")]
+
+
+async def test_a_clean_failure_without_proof_of_absence_stays_fatal(tmp_path: Path) -> None:
+    async with (
+        faulty_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
+    ):
+        engines[1].inject("load", Refuse(code=ErrorCode.INVALID_ADAPTER))  # clean
+        engines[0].inject("unload", ServerError())  # but e0's cleanup never arrives
+        with pytest.raises(PublicationError) as info:
+            await plane.publisher.publish(snapshot(1), version_id=1)
+        assert info.value.kind == ErrorKind.FATAL
+        name = plane.ledger.state.versions[1].lora_name
+        assert name in await names(engines[0])  # e0 really still holds it
+        failed = of_type(await events(plane.ledger), AttemptFailed)[0]
+        assert not failed.clean and failed.absent_on == ("e1",)
+        assert plane.ledger.state.versions[1].state is VersionState.FAILED_FATAL
