@@ -155,6 +155,7 @@ class RestartableEngine:
         self._stop: anyio.Event | None = None
         self._up: anyio.Event | None = None
         self._closing = False
+        self._failed: Exception | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.lives = 0
 
@@ -177,7 +178,18 @@ class RestartableEngine:
 
     async def _host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         while not self._closing:
-            async with self._factory() as engine:
+            try:
+                life = self._factory()
+                engine = await life.__aenter__()
+            except Exception as exc:
+                if self.lives == 0:
+                    raise  # the first start failed: ``async with`` reports it
+                self._failed = exc  # a restart failed: ``restart()`` reports it
+                if self._up is not None:
+                    self._up.set()
+                return
+            async with contextlib.AsyncExitStack() as stack:
+                stack.push_async_exit(life)  # leaves this life as ``async with`` would
                 self._current = engine
                 stop = self._stop = anyio.Event()
                 self.lives += 1
@@ -193,6 +205,8 @@ class RestartableEngine:
         assert self._stop is not None, "the engine is not running"
         self._stop.set()
         await up.wait()
+        if self._failed is not None:
+            raise RuntimeError(f"the engine did not come back: {self._failed!r}")
 
     @property
     def current(self) -> Any:

@@ -130,8 +130,12 @@ class ReclaimDriver:
                     await self.sweep()
                 except LedgerError as exc:
                     if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
-                        raise
+                        raise  # this controller must stop
                     log.error("reclaim.sweep_failed", error=str(exc))
+                except Exception:
+                    # A bug or an unexpected OS error (e.g. deleting an artifact): loud, and
+                    # the next event or tick tries again instead of stopping the plane.
+                    log.exception("reclaim.sweep_crashed")
 
     async def _follow(self) -> None:
         async for _record in self._ledger.subscribe():

@@ -199,6 +199,11 @@ class Reconciler:
             except (EngineError, LedgerError, ArtifactError) as exc:
                 rep.errors.append(f"{engine_id}: {exc}")
                 log.warning("reconciler.engine_failed", engine=engine_id, error=str(exc))
+            except Exception as exc:
+                # A bug or an unexpected OS error: loud, but one engine's pass must not take
+                # the health loop (and with it the control plane) down.
+                rep.errors.append(f"{engine_id}: unexpected {type(exc).__name__}: {exc}")
+                log.exception("reconciler.engine_crashed", engine=engine_id)
         return rep.freeze()
 
     async def _reconcile(self, engine_id: str, rep: _Report) -> None:
