@@ -275,7 +275,9 @@ async def test_ambiguous_unload_holds_the_version_until_inventory_decides(tmp_pa
         engines[1].inject("unload", Drop())  # the reclaim's unload runs; its reply is lost
         engines[0].inject("unload", ServerError())  # this one never reaches e0
         seq = plane.ledger.state.last_seq
-        await plane.publisher.publish(snapshot(2), version_id=2)
+        v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+        # a failing reclaim of the predecessor never turns the committed publication into an error
+        assert v2.status == PublicationStatus.PUBLISHED
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
         log = await events(plane.ledger, after=seq)
         ambiguous = of_type(log, ReclaimAmbiguous)
@@ -439,3 +441,24 @@ async def test_a_clean_failure_without_proof_of_absence_stays_fatal(tmp_path: Pa
         failed = of_type(await events(plane.ledger), AttemptFailed)[0]
         assert not failed.clean and failed.absent_on == ("e1",)
         assert plane.ledger.state.versions[1].state is VersionState.FAILED_FATAL
+
+
+async def test_publication_stays_blocked_when_reconciliation_cannot_resolve(
+    tmp_path: Path,
+) -> None:
+    async with (
+        faulty_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
+    ):
+        engines[1].inject("load", Drop())
+        with pytest.raises(PublicationError):
+            await plane.publisher.publish(snapshot(1), version_id=1)
+        engines[1].inject("inventory", ServerError(), times=10)  # e1 cannot prove anything
+        seq = plane.ledger.state.last_seq
+        with pytest.raises(PublicationError) as info:
+            await plane.publisher.publish(snapshot(2), version_id=2)
+        assert info.value.code == "PUBLICATION_BLOCKED" and info.value.kind == ErrorKind.FATAL
+        assert info.value.details["versions"] == [1]
+        log = await events(plane.ledger, after=seq)
+        assert [e.engine for e in of_type(log, InventoryObserved)] == ["e0"]  # it tried, once
+        assert of_type(log, VersionAllocated) == [] and 2 not in plane.ledger.state.versions
