@@ -14,11 +14,11 @@ Four rules, each one a user-visible guarantee (DESIGN §6, rl-peers §5 and §7)
   refusal is ``GENERATION_FAILED``: nothing was generated, the caller may retry at will.
 * **Count what is in flight.** Per (engine, version), incremented before dispatch and
   decremented in a ``finally`` (cancellation included). The reclaim driver asks
-  :meth:`Gateway.inflight_evidence` before claiming a version, and rollout workers carry
-  :meth:`Gateway.inflight_counts` with every lease renewal, so a version is never unloaded
-  under a running request. Route choice and increment happen synchronously at the start of
-  :meth:`Gateway.generate` (no ``await`` in between): a caller that checked its lease just
-  before calling cannot be overtaken by a reclaim decision.
+  :meth:`Gateway.inflight_evidence` before claiming a version, and rollout workers carry the
+  counts of their own requests (a ``tally`` counted here) with every lease renewal, so a
+  version is never unloaded under a running request. Route choice and increment happen
+  synchronously at the start of :meth:`Gateway.generate` (no ``await`` in between): a caller
+  that checked its lease just before calling cannot be overtaken by a reclaim decision.
 * **Own the cache namespace.** The client's ``extra_key``/``cache_salt`` are dropped and the
   gateway's per-version salt is sent instead, so two versions can never share prefix-cache
   entries (engines.md §1.5, §2.5) whatever the client asks.
@@ -111,6 +111,36 @@ class Served(msgspec.Struct, frozen=True, kw_only=True):
         return self.provenance.staleness
 
 
+class InFlightCounter:
+    """Requests in flight per (engine, version_id): incremented before dispatch, decremented
+    in a ``finally``. The gateway keeps one for everything it sends; a rollout worker passes
+    its own (``tally``) so its lease renewals report exactly its requests, even when several
+    workers share one gateway."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def enter(self, key: tuple[str, int]) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def exit(self, key: tuple[str, int]) -> None:
+        left = self._counts[key] - 1
+        if left:
+            self._counts[key] = left
+        else:
+            del self._counts[key]
+
+    def get(self, engine: str, version_id: int) -> int:
+        return self._counts.get((engine, version_id), 0)
+
+    def counts(self) -> dict[tuple[str, int], int]:
+        """The non-zero counts (a copy)."""
+        return dict(self._counts)
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+
+
 def version_salt(bound: Bound) -> str:
     """The prefix-cache namespace of one version: its immutable name (unique per deployment,
     version id and digest), so no two versions can ever share an entry."""
@@ -138,7 +168,7 @@ class Gateway:
         self.gateway_id = gateway_id
         self.recorder = recorder
         self._clock = clock
-        self._inflight: dict[tuple[str, int], int] = {}
+        self._inflight = InFlightCounter()
         self._load: dict[str, int] = {}  # engine -> requests in flight, all versions
         self._seen: dict[int, set[str]] = {}  # version -> engines it was ever sent to
         self._turn = itertools.count()
@@ -150,11 +180,11 @@ class Gateway:
     # --- in-flight evidence ------------------------------------------------------------------
 
     def inflight_counts(self) -> dict[tuple[str, int], int]:
-        """Non-zero counts per (engine, version_id): what a lease renewal carries."""
-        return {key: n for key, n in self._inflight.items() if n}
+        """Non-zero counts per (engine, version_id) of everything this gateway sent."""
+        return self._inflight.counts()
 
     def inflight(self, engine: str, version_id: int) -> int:
-        return self._inflight.get((engine, version_id), 0)
+        return self._inflight.get(engine, version_id)
 
     def inflight_evidence(self, version_id: int) -> list[InFlight]:
         """One entry per engine of the fleet (and any engine this version was ever sent to),
@@ -167,7 +197,7 @@ class Gateway:
             InFlight(
                 reporter=self.gateway_id,
                 engine=engine,
-                count=self._inflight.get((engine, version_id), 0),
+                count=self._inflight.get(engine, version_id),
                 at=now,
             )
             for engine in sorted(engines)
@@ -184,8 +214,10 @@ class Gateway:
         turn: int | None = None,
         request_id: str | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        tally: InFlightCounter | None = None,
     ) -> Served:
-        """Generate once for the session of ``bound`` on a holder of its version.
+        """Generate once for the session of ``bound`` on a holder of its version. ``tally``
+        (a rollout worker's counter) is counted exactly like the gateway's own.
 
         Raises ``LedgerError``: ``NO_ROUTE`` (no routable holder, or none reachable),
         ``AMBIGUOUS_DISPATCH`` (sent, outcome unknown: never resent), ``GENERATION_FAILED``
@@ -221,7 +253,7 @@ class Gateway:
             head = self.routing.default_revision
             started = self._clock()
             key = (engine_id, bound.version_id)
-            self._enter(key)
+            self._enter(key, tally)
             try:
                 generation = await engine.generate(prompt, bound.lora_name, params, **kwargs)
             except EngineError as exc:
@@ -237,7 +269,7 @@ class Gateway:
                 # Unknown failure after the call started: it may have been sent.
                 raise self._ambiguous(bound, engine_id, rid, repr(exc)) from exc
             finally:
-                self._exit(key)
+                self._exit(key, tally)
             row = self._row(bound, generation, engine_id, rid, turn, head, started)
             if self.recorder is not None:
                 await self.recorder.record(row)
@@ -256,17 +288,19 @@ class Gateway:
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=lambda e: self._load.get(e, 0))
 
-    def _enter(self, key: tuple[str, int]) -> None:
-        self._inflight[key] = self._inflight.get(key, 0) + 1
+    def _enter(self, key: tuple[str, int], tally: InFlightCounter | None) -> None:
+        self._inflight.enter(key)
+        if tally is not None:
+            tally.enter(key)
         self._load[key[0]] = self._load.get(key[0], 0) + 1
         self._seen.setdefault(key[1], set()).add(key[0])
         self.dispatched += 1
 
-    def _exit(self, key: tuple[str, int]) -> None:
-        self._inflight[key] -= 1
+    def _exit(self, key: tuple[str, int], tally: InFlightCounter | None) -> None:
+        self._inflight.exit(key)
+        if tally is not None:
+            tally.exit(key)
         self._load[key[0]] -= 1
-        if not self._inflight[key]:
-            del self._inflight[key]
 
     def _accepts_extra_body(self, engine: Any) -> bool:
         """Whether the engine's adapter takes caller body fields (SGLang's does; the contract

@@ -4,11 +4,12 @@ once, and keep a lease so a dead worker cannot pin a version forever (DESIGN §6
 Two objects:
 
 * :class:`RolloutWorker` -- the *owner*. It registers with the ledger, renews its lease in a
-  background task (carrying the gateway's in-flight counts, so reclaim also sees requests of
-  remote workers), runs the shared bind and release tasks, and forgets the tombstones of its
-  finished sessions in batches. Its API is batch-friendly (:meth:`RolloutWorker.bind_many`,
-  :meth:`RolloutWorker.close_many`: one ``execute_many`` round trip per group), which is what a
-  Ray actor wants later.
+  background task and whenever one of its generations ends (carrying the in-flight counts of
+  its requests, as the gateway counted them, so reclaim also sees requests of remote workers
+  and is never held back by a count that already fell), runs the shared bind and release
+  tasks, and forgets the tombstones of its finished sessions in batches. Its API is
+  batch-friendly (:meth:`RolloutWorker.bind_many`, :meth:`RolloutWorker.close_many`: one
+  ``execute_many`` round trip per group), which is what a Ray actor wants.
 * :class:`SessionBinder` -- what a rollout coroutine holds for one session.
 
 Rules and why:
@@ -50,7 +51,7 @@ from anyio.abc import TaskGroup
 from engines.contract import SamplingParams
 from evlog.errors import Code, LedgerError
 from publisher import commands as c
-from publisher.gateway import Gateway, Served
+from publisher.gateway import Gateway, InFlightCounter, Served
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
 
 log = structlog.get_logger("loraledger.sessions")
@@ -192,9 +193,11 @@ class SessionBinder:
                     turn=turn,
                     request_id=request_id,
                     extra_body=extra_body,
+                    tally=self._worker.inflight,
                 )
             finally:
                 self._exit(scope)
+                self._worker.report()  # the lease's in-flight counts are fresh again
         raise LedgerError(
             Code.SESSION_CLOSED,
             f"session {self.session_id} was closed (cancel=True) during this generation",
@@ -274,6 +277,8 @@ class RolloutWorker:
         self._forgetting = False
         self._forget_lock: anyio.Lock | None = None
         self._releases: set[_Slot[Released]] = set()
+        # This worker's requests in flight per (engine, version), counted by the gateway.
+        self.inflight = InFlightCounter()
         self.forgotten = 0
         self.renewals = 0
 
@@ -309,6 +314,7 @@ class RolloutWorker:
                 await worker._finish_cleanup()
             finally:
                 worker._tg = None
+                worker.report()  # the last word on this worker's in-flight counts
                 tg.cancel_scope.cancel()  # renewals stop; unfinished binds fail their waiters
 
     # --- sessions ------------------------------------------------------------------------------
@@ -382,17 +388,31 @@ class RolloutWorker:
         return self._lost
 
     def ensure_live(self) -> None:
-        """Renew the lease now (carrying the gateway's in-flight counts); raise
+        """Renew the lease now (carrying this worker's in-flight counts); raise
         ``LEASE_EXPIRED`` if the ledger expired this owner. Synchronous on purpose."""
         if self._lost is not None:
             raise self._lost
         try:
-            self.ledger.renew_lease(self.owner, self.gateway.inflight_counts())
+            self.ledger.renew_lease(self.owner, self.inflight.counts())
         except LedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
                 self._owner_lost(exc)
             raise
         self.renewals += 1
+
+    def report(self) -> None:
+        """Renew with the current counts, never raising: called when a generation ends (a
+        count that fell must not keep a version from reclaim until the next renewal tick) and
+        when the worker stops. A lost lease is remembered for the next call to raise."""
+        if self._lost is not None:
+            return
+        try:
+            self.ensure_live()
+        except LedgerError as exc:
+            if exc.code not in OWNER_LOST_CODES:
+                log.warning("sessions.report_failed", owner=self.owner, error=repr(exc))
+        except Exception as exc:
+            log.warning("sessions.report_failed", owner=self.owner, error=repr(exc))
 
     def _owner_lost(self, exc: LedgerError) -> None:
         if self._lost is None:

@@ -1,19 +1,24 @@
-"""A rollout test rig: a real ledger (memory store, injected clock), real local engines, a
-fleet, a gateway with a provenance recorder, and hand-driven publication and reclaim.
+"""Rollout test rigs: real local engines, a real ledger over a memory log, a fleet, a gateway
+with a provenance recorder.
 
-Publication follows the ledger's command order (allocate -> claim_transport -> prepare /
-transfer / load on every engine with PREPARED/READY receipts -> commit), the way
-``tests/publisher/book.py`` does it without engines. Reclaim is driven by hand the way the
-reclaim driver does it: evidence from every in-flight source, claim, unload on every engine,
-record each unload. Engine test doubles wrap a *real* local engine: they only add what cannot
-be produced on demand here (a reply lost after the engine did the work, a refused connection).
+* :func:`rig` -- the ledger alone, on an injected clock, with publication driven step by step
+  in the ledger's command order (allocate -> claim_transport -> prepare / transfer / load on
+  every engine with PREPARED/READY receipts -> commit; ``stage`` stops before the commit) and
+  the reclaim driver swept by the test: every step happens when the test says so.
+* :func:`plane_rig` -- the whole :class:`~publisher.plane.ControlPlane` on the wall clock:
+  publications through the trainer facade, continuous reclaim, lease expiry, reconciler.
+
+Engine test doubles wrap a *real* local engine: they only add what cannot be produced on demand
+here (a reply lost after the engine did the work, a refused connection, a timestamp).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -34,8 +39,11 @@ from evlog.memory import MemoryStore
 from publisher.fleet import Fleet
 from publisher.gateway import Gateway, LedgerRouting
 from publisher.ledger import Ledger
-from publisher.outcomes import Allocated, Published, ReclaimGranted
+from publisher.outcomes import Allocated
+from publisher.plane import ControlPlane
 from publisher.provenance import MemorySink, ProvenanceRecorder
+from publisher.reclaim import ReclaimDriver
+from publisher.trainer import TrainerClient
 from tests.engines.contract import aiter_list, buckets_of
 
 # The tiny engine's library warnings (peft calls a deprecated transformers method on every
@@ -73,13 +81,14 @@ class Staged:
 class Rig:
     ledger: Ledger
     store: MemoryStore
-    clock: Clock
+    clock: Any  # a Clock, or time.time under a control plane
     local: dict[str, LocalEngine]
     fleet: Fleet
     gateway: Gateway
     sink: MemorySink
     recorder: ProvenanceRecorder
     names: dict[int, str] = field(default_factory=dict)
+    plane: ControlPlane | None = None
 
     async def stage(self, version_id: int, *, seed: int | None = None) -> Staged:
         """Everything of a publication but the commit: every engine READY."""
@@ -106,23 +115,25 @@ class Rig:
         self.names[version_id] = allocated.lora_name
         return Staged(version_id, allocated.attempt, allocated.lora_name, manifest.digest)
 
-    async def publish(self, version_id: int, *, seed: int | None = None) -> Published:
-        staged = await self.stage(version_id, seed=seed)
-        return await self.ledger.commit(version_id, staged.attempt)
+    async def publish(self, version_id: int, *, seed: int | None = None) -> Any:
+        """Publish and commit: by hand (the ledger's command order), or through the trainer
+        facade and the publication driver when a control plane runs."""
+        if self.plane is None:
+            staged = await self.stage(version_id, seed=seed)
+            return await self.ledger.commit(version_id, staged.attempt)
+        config, tensors = make_adapter(version_id if seed is None else seed)
+        outcome = await TrainerClient(self.plane).publish(tensors, config=config, step=version_id)
+        assert outcome.status == "PUBLISHED", outcome
+        assert outcome.lora_name is not None
+        self.names[version_id] = outcome.lora_name
+        return outcome
 
-    def evidence(self, version_id: int) -> list[Any]:
-        """What the reclaim driver relies on: this process's gateway and every lease."""
-        return [
-            *self.gateway.inflight_evidence(version_id),
-            *self.ledger.inflight_evidence(version_id),
-        ]
-
-    async def reclaim(self, version_id: int) -> ReclaimGranted:
-        granted = await self.ledger.claim_reclaim(version_id, self.evidence(version_id))
-        for engine_id in granted.engines:
-            receipt = await self.local[engine_id].unload(granted.lora_name)
-            await self.ledger.record_unloaded(version_id, engine_id, receipt.incarnation)
-        return granted
+    def reclaimer(self) -> ReclaimDriver:
+        """The reclaim driver over this rig, with the gateway as its in-flight source; tests
+        call ``sweep()`` themselves (a control plane runs it continuously)."""
+        if self.plane is not None:
+            return self.plane.reclaimer
+        return ReclaimDriver(self.ledger, self.fleet, sources=[self.gateway])
 
 
 @contextlib.asynccontextmanager
@@ -173,6 +184,56 @@ async def _rig(
         yield Rig(ledger, store, clock, local, fleet, gateway, sink, recorder)
 
 
+@contextlib.asynccontextmanager
+async def plane_rig(
+    root: Path,
+    *,
+    engines: int = 2,
+    capacity: int = 8,
+    reclaim_tick_s: float = 0.05,
+    timeout: float = 300.0,
+) -> AsyncIterator[Rig]:
+    """The full control plane (publication driver, continuous reclaim with this gateway as
+    an in-flight source, reconciler, lease expiry) over real local engines and a memory log,
+    on the wall clock."""
+    with anyio.fail_after(timeout):
+        async with contextlib.AsyncExitStack() as stack:
+            local: dict[str, LocalEngine] = {}
+            for i in range(engines):
+                engine = await stack.enter_async_context(LocalEngine(f"e{i}"))
+                local[engine.engine_id] = engine
+            store = MemoryStore()
+            plane = await stack.enter_async_context(
+                ControlPlane.open(
+                    store,
+                    Fleet(local.values()),
+                    deployment="dep",
+                    prefix="agent",
+                    capacity=capacity,
+                    artifact_root=root / "artifacts",
+                    reclaim_tick_s=reclaim_tick_s,
+                    probe_interval_s=0.5,
+                )
+            )
+            sink = MemorySink()
+            recorder = await stack.enter_async_context(ProvenanceRecorder(sink))
+            gateway = Gateway(
+                plane.fleet, LedgerRouting(plane.ledger), gateway_id="gw", recorder=recorder
+            )
+            plane.add_inflight_source(gateway)
+            yield Rig(
+                plane.ledger,
+                store,
+                time.time,
+                local,
+                plane.fleet,
+                gateway,
+                sink,
+                recorder,
+                plane=plane,
+            )
+
+
 # --- engine doubles (a real engine underneath) ------------------------------------------------
 
 
@@ -186,9 +247,15 @@ class Recording:
         self.transport = inner.transport
         self.calls: list[dict[str, Any]] = []
         self.reached = 0  # generations the real engine actually ran
+        self.unloaded_at: dict[str, float] = {}  # name -> when the engine's unload returned
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> Any:
+        receipt = await self.inner.unload(lora_name, attempt=attempt)
+        self.unloaded_at[lora_name] = time.monotonic()
+        return receipt
 
     async def generate(
         self,

@@ -1,10 +1,11 @@
 """Reclaim never unloads a version with a request in flight on that engine.
 
-A long generation on v1 runs (frozen between tokens on the real local engine) while v1 is
-retired (v2 committed) and released (its worker's lease expires: a dead worker). The binding
-no longer pins v1, so only the gateway's in-flight evidence stands between v1 and its unload:
-the claim must be refused while the request runs, and the unload may happen only after the
-generation finished -- with its tokens, from v1.
+The real reclaim driver (``publisher.reclaim.ReclaimDriver``, swept by the test) with the
+gateway as its in-flight source. A long generation on v1 runs (frozen between tokens on the
+real local engine) while v1 is retired (v2 committed) and released (its worker's lease
+expires: a dead worker). The binding no longer pins v1, so only the gateway's in-flight
+evidence stands between v1 and its unload: no claim while the request runs, and the
+engine-side unload returns only after the generation finished -- with all its tokens, from v1.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from evlog.events import ReclaimClaimed
 from projections.registry import VersionState
 from publisher.gateway import Served
 from publisher.sessions import RolloutWorker
-from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, rig
+from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, Recording, Rig, rig
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -34,7 +35,8 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-
 
 
 async def test_the_unload_waits_for_the_generation_in_flight() -> None:
-    async with rig(timeout=30) as r:
+    async with rig(timeout=30, wrap=Recording) as r:
+        driver = r.reclaimer()
         await r.publish(1)
         v1 = r.names[1]
         served: list[tuple[Served, float]] = []
@@ -60,15 +62,19 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
             assert r.ledger.state.versions[1].state is VersionState.RETIRED
             assert r.ledger.state.versions[1].bound == 0  # nothing pins v1 any more
 
-            # Only the in-flight evidence blocks the claim, as long as the request runs.
+            # Only the in-flight evidence blocks the reclaim, as long as the request runs.
+            # (bounded: a wrongly granted claim would wait forever on the engine's drain)
             for _ in range(3):
-                # (bounded: a wrongly granted claim would wait forever on the engine's drain)
-                with pytest.raises(LedgerError) as info, anyio.fail_after(5):
-                    await r.reclaim(1)
-                assert info.value.code == Code.REQUESTS_IN_FLIGHT
-                assert busy in info.value.message
+                with anyio.fail_after(5):
+                    assert await driver.sweep() == []
                 await anyio.sleep(0.02)
             assert r.ledger.state.versions[1].state is VersionState.RETIRED
+            assert await claims(r) == []
+            busy_reports = [x for x in driver.evidence(1) if x.count]
+            assert [(x.reporter, x.engine, x.count) for x in busy_reports] == [("gw", busy, 1)]
+            with pytest.raises(LedgerError) as info:  # and the decider would refuse it too
+                await r.ledger.claim_reclaim(1, driver.evidence(1))
+            assert info.value.code == Code.REQUESTS_IN_FLIGHT
             assert r.local[busy].refcount(v1) == 1
             assert all(v1 in e.loaded_adapters() for e in r.local.values())
 
@@ -82,16 +88,18 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
         assert len(result.generation.token_ids) == 40  # it ran to the end, not aborted
         assert r.gateway.inflight_counts() == {}
 
-        await r.reclaim(1)
-        unloaded_at = time.monotonic()
-        assert finished_at < unloaded_at
+        assert await driver.sweep() == [1]
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
-        assert all(v1 not in e.loaded_adapters() for e in r.local.values())
-        claims = [
-            rec.event async for rec in r.store.iterate() if isinstance(rec.event, ReclaimClaimed)
-        ]
-        (claim,) = claims
+        for engine in r.fleet:
+            # the engine-side unload returned after the generation had finished
+            assert finished_at < engine.unloaded_at[v1]  # type: ignore[attr-defined]
+            assert v1 not in engine.loaded_adapters()  # type: ignore[attr-defined]
+        (claim,) = await claims(r)
         assert {x.engine: x.count for x in claim.evidence if x.reporter == "gw"} == {
             "e0": 0,
             "e1": 0,
         }
+
+
+async def claims(r: Rig) -> list[ReclaimClaimed]:
+    return [rec.event async for rec in r.store.iterate() if isinstance(rec.event, ReclaimClaimed)]
