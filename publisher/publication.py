@@ -2,8 +2,10 @@
 
 ``await driver.publish(snapshot, version_id=step)`` returns a :class:`PublicationOutcome`
 (``PUBLISHED``, ``NO_OP`` or ``SKIPPED``) or raises :class:`PublicationError` whose ``kind`` is
-``RETRYABLE`` (the trainer just goes on; a later step publishes again) or ``FATAL`` (publication
-stays blocked until an operator or the reconciler resolves something; ``code`` says what).
+``RETRYABLE`` (nothing left behind: the attempt ended ``FAILED_RETRYABLE``, or capacity or
+another publication was in the way; a later step publishes again) or ``FATAL`` (the attempt
+ended ``FAILED_FATAL`` and holds its slot until inventories resolve it, publication is blocked
+by such an entry, or the request is wrong: ``VERSION_CONFLICT``, ``INVALID_VERSION``).
 
 The steps, each one recorded in the ledger before the next begins:
 

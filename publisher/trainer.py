@@ -11,9 +11,10 @@ A training loop calls :meth:`TrainerClient.publish` once per sync step::
                 result = await trainer.publish(model, step=step)  # a peft model, or
                 # await trainer.publish(state_dict, config=lora_config_dict, step=step)
             except PublicationError as exc:
-                if exc.kind == "FATAL":
-                    raise          # publication is blocked: an operator must look
-                continue           # RETRYABLE: a later step publishes again
+                if exc.code in ("VERSION_CONFLICT", "INVALID_VERSION"):
+                    raise          # a trainer bug: the same step with other weights
+                alert(exc) if exc.kind == "FATAL" else None
+                continue           # a later step publishes again (see below)
             if result.status == "SKIPPED":
                 ...                # capacity full (old versions still pinned): training goes on
             log(result.lora_name, result.ready_latency())
@@ -28,8 +29,15 @@ What it guarantees:
   the default for new sessions; sessions already bound stay on their version;
 * ``SKIPPED`` (capacity full after bootstrap) never raises: training goes on, the next step
   tries its own new version;
-* every failure is a :class:`~publisher.publication.PublicationError` with ``kind``
-  ``RETRYABLE`` or ``FATAL``, ``code`` and ``details``.
+* every failure is a :class:`~publisher.publication.PublicationError` with ``kind``,
+  ``code`` and ``details``. ``RETRYABLE``: nothing is left behind (the attempt ended
+  ``FAILED_RETRYABLE``, capacity or another publication was in the way); the next step simply
+  publishes. ``FATAL``: the attempt ended ``FAILED_FATAL`` (an engine reply was ambiguous: the
+  candidate may be loaded somewhere, and it keeps its slot), or publication is blocked by such
+  an entry, or the request itself is wrong (``VERSION_CONFLICT``, ``INVALID_VERSION``). A
+  blocked next ``publish`` runs the reconciler once and goes on if the engines' inventories
+  resolve the entry; if they cannot (an engine unreachable), it raises ``PUBLICATION_BLOCKED``
+  and an operator must look.
 
 Arguments and results are plain data (a state dict / peft model in, a msgspec struct out, which
 :meth:`PublicationOutcome` ``to_builtins`` turns into a dict), so the same API can sit behind a
