@@ -13,8 +13,9 @@ A training loop calls :meth:`TrainerClient.publish` once per sync step::
             except PublicationError as exc:
                 if exc.code in ("VERSION_CONFLICT", "INVALID_VERSION"):
                     raise          # a trainer bug: the same step with other weights
-                alert(exc) if exc.kind == "FATAL" else None
-                continue           # a later step publishes again (see below)
+                if exc.kind == "FATAL":
+                    alert(exc)     # FAILED_FATAL, or blocked (see below)
+                continue           # a later step publishes again
             if result.status == "SKIPPED":
                 ...                # capacity full (old versions still pinned): training goes on
             log(result.lora_name, result.ready_latency())
