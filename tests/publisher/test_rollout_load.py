@@ -4,8 +4,9 @@ published, with the control plane's reclaim running throughout.
 What must hold at the end, checked from the provenance table and the log (never from the code
 under test's own bookkeeping):
 
-* every turn of every session ran on the version of its first generation (provenance), and
-  that version is the one its single ``SessionBound`` event recorded;
+* every turn of every session ran on the version of its first generation (provenance, and the
+  adapter name each engine echoed), and that version is the one its single ``SessionBound``
+  event recorded;
 * no lost binding or turn: one bind and one release per session, one row per turn;
 * all 1,000 sessions were live at once (each waits for all others' first turn before its
   second), so the five publications happened under a full set of pinned sessions;
@@ -69,6 +70,7 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
         await r.publish(1)
         limiter = anyio.CapacityLimiter(ENGINE_CALLS)
         errors: list[tuple[str, BaseException]] = []
+        echoed: dict[str, set[str | None]] = defaultdict(set)  # adapters the engines said
         started = 0
         live = peak_live = 0
         all_started = anyio.Event()
@@ -88,7 +90,8 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
                 binder = workers[index % WORKERS].session(f"s{index}")
                 try:
                     async with limiter:
-                        await binder.generate(prompt_of(index, 0), SHORT, turn=0)
+                        served = await binder.generate(prompt_of(index, 0), SHORT, turn=0)
+                    echoed[binder.session_id].add(served.generation.lora_name)
                     live += 1
                     peak_live = max(peak_live, live)
                 finally:
@@ -100,7 +103,8 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
                 for turn in range(1, turns_of(index)):
                     await anyio.sleep(rng.random() * 0.005)  # a tool call between turns
                     async with limiter:
-                        await binder.generate(prompt_of(index, turn), SHORT, turn=turn)
+                        served = await binder.generate(prompt_of(index, turn), SHORT, turn=turn)
+                    echoed[binder.session_id].add(served.generation.lora_name)
                 await binder.close()
                 live -= 1
 
@@ -145,6 +149,8 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
             assert [x.turn for x in rows] == list(range(turns_of(index))), sid
             assert {x.version_id for x in rows} == {bound[sid].version_id}, sid
             assert {x.lora_name for x in rows} == {r.names[bound[sid].version_id]}, sid
+            # and what the engines themselves say they ran, not only the gateway's record
+            assert echoed[sid] == {r.names[bound[sid].version_id]}, sid
         versions_used = {b.version_id for b in bound.values()}
         assert len(versions_used) >= 4, versions_used  # publications interleaved with binds
         stale = sum(1 for row in r.sink.rows if row.staleness > 0)
