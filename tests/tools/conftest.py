@@ -59,6 +59,13 @@ def console_script() -> list[str]:
     return [sys.executable, "-c", "from tools.cli import main; main()"]
 
 
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for the console script: this tree first on the import path, so the
+    code under test runs (an editable install would otherwise import its own checkout)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def run_script(
     *args: str | os.PathLike[str], timeout: float = 60.0
 ) -> subprocess.CompletedProcess[str]:
@@ -68,4 +75,5 @@ def run_script(
         text=True,
         timeout=timeout,
         cwd=REPO,
+        env=script_env(),
     )

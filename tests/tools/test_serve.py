@@ -7,7 +7,6 @@ Network only on loopback: every server here listens on 127.0.0.1, on a port the 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.tools.conftest import REPO, Cli, console_script
+from tests.tools.conftest import REPO, Cli, console_script, script_env
 from tools.exitcodes import Exit
 from tools.serve import ServeOptions, is_loopback, parse_engine, serve
 
@@ -51,7 +50,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
             cwd=REPO,
             stdout=stdout,
             stderr=stderr,
-            env={**os.environ, "LORALEDGER_TOKEN": TOKEN},
+            env=script_env(LORALEDGER_TOKEN=TOKEN),
         )
     try:
         deadline = time.monotonic() + 30
@@ -114,8 +113,16 @@ def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
     assert cli("status", "--url", served.url, "--timeout", "1").returncode == Exit.UNREACHABLE
 
 
+def _unopenable(tmp_path: Path) -> Path:
+    """A db path that cannot be created (its parent is a file): should a refusal ever regress,
+    serve fails to open the log instead of listening anywhere."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    return blocker / "never.db"
+
+
 def test_listening_beyond_loopback_needs_a_token(cli: Cli, tmp_path: Path) -> None:
-    db = tmp_path / "never.db"
+    db = _unopenable(tmp_path)
     for host in ("0.0.0.0", "::", "192.0.2.10", "ledger.example.com"):
         result = cli("serve", "--db", db, "--host", host)
         assert result.returncode == Exit.UNSAFE, (host, result.stdout, result.stderr)
@@ -128,10 +135,11 @@ def test_engine_specs(cli: Cli, tmp_path: Path) -> None:
     assert parse_engine("e0=sglang:http://127.0.0.1:30000").url == "http://127.0.0.1:30000"
     local = parse_engine("e1=local:")
     assert (local.kind, local.url) == ("local", None)
+    db = _unopenable(tmp_path)
     for bad in ("e0", "e0=tgi:http://x", "e0=vllm:", "e/0=local:", "e0=sglang:ftp://x"):
-        result = cli("serve", "--db", tmp_path / "x.db", "--engine", bad)
+        result = cli("serve", "--db", db, "--engine", bad)
         assert result.returncode == Exit.USAGE, bad
-    assert not (tmp_path / "x.db").exists()
+    assert not db.exists()
 
 
 def _adapter_dir(root: Path, seed: int) -> Path:
