@@ -25,7 +25,8 @@ Four rules, each one a user-visible guarantee (DESIGN §6, rl-peers §5 and §7)
 
 Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
 that served it, the revision the session bound at, the head revision at dispatch and at
-completion (staleness), the engine and the request id.
+completion (staleness), the engine, the request id, and the adapter name the engine echoed (a
+different one is logged and left visible in the row, ``attested`` False, never hidden).
 
 Routing state is read through :class:`RoutingView` (``holders`` + ``default_revision``), which
 the in-process :class:`~projections.registry.RegistryState` satisfies and a remote (Ray) client
@@ -271,6 +272,15 @@ class Gateway:
             finally:
                 self._exit(key, tally)
             row = self._row(bound, generation, engine_id, rid, turn, head, started)
+            if not row.attested:
+                # Recorded, never hidden: the trainer must not take this sample as on-policy.
+                log.error(
+                    "gateway.served_other_adapter",
+                    engine=engine_id,
+                    request_id=rid,
+                    bound=bound.lora_name,
+                    served=generation.lora_name,
+                )
             if self.recorder is not None:
                 await self.recorder.record(row)
             return Served(generation=generation, provenance=row)
@@ -375,6 +385,7 @@ class Gateway:
             started_at=started,
             finished_at=self._clock(),
             gateway=self.gateway_id,
+            served_name=generation.lora_name,
         )
 
 

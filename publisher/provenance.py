@@ -61,10 +61,18 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     finished_at: float
     gateway: str
     schema: int = SCHEMA
+    # What the engine said it ran (None: the engine does not say). A value other than
+    # ``lora_name`` means the sample is not from the bound policy (rl-peers §7.3).
+    served_name: str | None = None
 
     @property
     def staleness(self) -> int:
         return self.head_revision - self.bound_revision
+
+    @property
+    def attested(self) -> bool:
+        """False when the engine named another adapter than the bound one."""
+        return self.served_name is None or self.served_name == self.lora_name
 
 
 _encoder = msgspec.json.Encoder()

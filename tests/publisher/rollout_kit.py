@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from engines.contract import (
@@ -291,6 +292,15 @@ class LosesReply(Recording):
         raise AmbiguousReply(
             ErrorCode.TIMEOUT, "reply lost after the engine ran it", engine_id=self.engine_id
         )
+
+
+class EchoesAnother(Recording):
+    """Runs the generation for real, then claims another adapter served it (a wrong-adapter
+    bug of the kind that looked like staleness for weeks: rl-peers §4A)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        real = await super().generate(*args, **kwargs)
+        return msgspec.structs.replace(real, lora_name="agent@dep-999-0000000000000000")
 
 
 class Unreachable(Recording):

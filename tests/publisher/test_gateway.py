@@ -18,6 +18,7 @@ from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,
     SHORT,
+    EchoesAnother,
     LosesReply,
     Recording,
     Rig,
@@ -241,3 +242,14 @@ async def test_every_result_carries_its_version_and_staleness() -> None:
         assert later.generation.lora_name == bound.lora_name  # the engine echoes v1
         await wait_for(lambda: r.recorder.pending == 0)  # every row reached the sink
         assert [x.request_id for x in r.sink.rows] == ["r-1", later.provenance.request_id]
+        assert all(x.attested and x.served_name == bound.lora_name for x in r.sink.rows)
+
+
+async def test_an_engine_naming_another_adapter_is_recorded_not_hidden() -> None:
+    async with rig(wrap=wrapping({"e0": EchoesAnother, "e1": EchoesAnother})) as r:
+        await r.publish(1)
+        bound = await bound_session(r, "s1")
+        served = await r.gateway.generate(bound, PROMPT, SHORT)
+        assert served.provenance.lora_name == bound.lora_name  # what the session is bound to
+        assert served.provenance.served_name == "agent@dep-999-0000000000000000"
+        assert not served.provenance.attested

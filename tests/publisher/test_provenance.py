@@ -3,6 +3,7 @@ waits instead of dropping, and a failing sink that fails loudly."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -115,3 +116,10 @@ async def test_a_failing_sink_fails_loudly() -> None:
     with anyio.fail_after(2), pytest.raises(BaseExceptionGroup) as info:
         await record_into_a_broken_sink()
     assert info.group_contains(OSError)
+
+
+def test_rows_written_before_served_name_existed_still_read() -> None:
+    older = json.loads(encode_rows([row("a", 0)]))
+    del older["served_name"]
+    (back,) = iter_rows(json.dumps(older).encode())
+    assert back.served_name is None and back.attested
