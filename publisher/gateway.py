@@ -172,11 +172,11 @@ class Gateway:
         self._inflight = InFlightCounter()
         self._load: dict[str, int] = {}  # engine -> requests in flight, all versions
         self._seen: dict[int, set[str]] = {}  # version -> engines it was ever sent to
-        self._turn = itertools.count()
+        self._rr = itertools.count()  # round-robin start among equally loaded holders
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:12]
         self._takes_extra_body: dict[type, bool] = {}
-        self.dispatched = 0
+        self.dispatched = 0  # engine calls made (a call refused as never sent included)
 
     # --- in-flight evidence ------------------------------------------------------------------
 
@@ -294,7 +294,7 @@ class Gateway:
         ]
         if not candidates:
             return None
-        start = next(self._turn) % len(candidates)
+        start = next(self._rr) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=lambda e: self._load.get(e, 0))
 

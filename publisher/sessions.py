@@ -321,7 +321,10 @@ class RolloutWorker:
 
     def session(self, session_id: str) -> SessionBinder:
         """The binder of ``session_id`` in this worker (the same object until it is released,
-        so two callers of one session still share one bind). Creating it binds nothing."""
+        so two callers of one session still share one bind). Creating it binds nothing.
+
+        Session ids are never reused: once this worker forgot a closed session's tombstone,
+        the ledger no longer knows the id was closed, and it would bind afresh."""
         binder = self._binders.get(session_id)
         if binder is None:
             binder = self._binders[session_id] = SessionBinder(self, session_id)
