@@ -155,6 +155,7 @@ def _adapter_dir(root: Path, seed: int) -> Path:
 
 
 @pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
 async def test_publish_bind_and_inflight_show_in_metrics(tmp_path: Path) -> None:
     """In process, two local engines: POST /versions publishes to both, the gauges follow."""
     opts = ServeOptions(
