@@ -89,12 +89,12 @@ def plot_lifetimes(life: Lifetimes, path: str | os.PathLike[str], *, title: str 
         bottom.set_xlabel("seconds since the first record")
         bottom.set_ylim(bottom=0)
         bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
-        for marker in life.markers:
+        for at, label in _merged_markers(life, close=sliver * 8):
             for axis in (top, bottom):
-                axis.axvline(marker.at - t0, color="#555555", linestyle=":", linewidth=1)
+                axis.axvline(at - t0, color="#555555", linestyle=":", linewidth=1)
             top.annotate(
-                marker.label,
-                (marker.at - t0, 0),
+                label,
+                (at - t0, 0),
                 xycoords=("data", "axes fraction"),
                 rotation=90,
                 fontsize="x-small",
@@ -107,3 +107,16 @@ def plot_lifetimes(life: Lifetimes, path: str | os.PathLike[str], *, title: str 
     finally:
         plt.close(fig)
     return os.fspath(path)
+
+
+def _merged_markers(life: Lifetimes, *, close: float) -> list[tuple[float, str]]:
+    """Markers closer than ``close`` seconds share one line and one label (a restart repaired
+    within milliseconds would otherwise print two labels on top of each other)."""
+    merged: list[tuple[float, str]] = []
+    for marker in life.markers:
+        if merged and marker.at - merged[-1][0] <= close:
+            at, label = merged[-1]
+            merged[-1] = (at, f"{label} / {marker.label}")
+        else:
+            merged.append((marker.at, marker.label))
+    return merged
