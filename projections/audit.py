@@ -67,6 +67,7 @@ class SessionAudit(msgspec.Struct, frozen=True, kw_only=True):
     cause: str | None = None
     lease_expired_seq: int | None = None  # the recorded decision behind a lease release
     forgotten_seq: int | None = None
+    forgotten_at: float | None = None
     version_facts: tuple[VersionFact, ...] = ()
 
 
@@ -82,6 +83,7 @@ class _Life(msgspec.Struct, kw_only=True):
     cause: str | None = None
     lease_expired_seq: int | None = None
     forgotten_seq: int | None = None
+    forgotten_at: float | None = None
 
 
 class AuditFold:
@@ -144,7 +146,7 @@ class AuditFold:
                 for session in event.sessions:
                     life = self._current.pop(session, None)
                     if life is not None:
-                        life.forgotten_seq = seq
+                        life.forgotten_seq, life.forgotten_at = seq, at
             case _:
                 pass
 
@@ -191,6 +193,7 @@ class AuditFold:
                     cause=life.cause,
                     lease_expired_seq=life.lease_expired_seq,
                     forgotten_seq=life.forgotten_seq,
+                    forgotten_at=life.forgotten_at,
                     version_facts=facts,
                 )
             )

@@ -169,9 +169,8 @@ def audit_view(report: AuditReport) -> RenderableType:
             cause += f" (owner lease expired at seq {a.lease_expired_seq})"
         rows.append((a.released_at, a.released_seq, "RELEASED", cause, Text("")))
     if a.forgotten_seq is not None:
-        rows.append(
-            (a.released_at or 0.0, a.forgotten_seq, "forgotten", "tombstone dropped", Text(""))
-        )
+        at = a.forgotten_at if a.forgotten_at is not None else a.released_at or 0.0
+        rows.append((at, a.forgotten_seq, "forgotten", "tombstone dropped", Text("")))
     rows.sort(key=lambda r: (r[0], r[1] if r[1] >= 0 else float("inf")))
     table = Table(title=head, title_justify="left")
     for column in ("time", "seq", "what", "detail", ""):

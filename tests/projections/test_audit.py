@@ -70,3 +70,4 @@ def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
         (n + 1, n + 2, n + 3),
         (None, n + 4, None),
     ]
+    assert lives[0].forgotten_at == float(n + 3)
