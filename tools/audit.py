@@ -4,8 +4,9 @@ The log says which version a session was bound to; the provenance file
 (``publisher/provenance.py``, JSON lines) says which version each *generation* actually
 carried. Joining them is the check a trainer's importance sampling rests on, so every
 generation whose identity differs from its session's binding (version id, adapter name,
-digest, bound revision) is reported as a mismatch, and so is a generation of a session the log
-never bound.
+digest, bound revision) is reported as a mismatch, and so is a generation whose engine echoed
+another adapter than the one it was sent (``served_name``), and a generation of a session the
+log never bound.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _mismatches(audit: SessionAudit, row: ProvenanceRow) -> list[str]:
     for what, (bound, served) in expected.items():
         if bound != served:
             out.append(f"{who}: {what} {served} served, session bound to {bound}")
+    if not row.attested:  # the engine itself said it applied another adapter
+        out.append(f"{who}: the engine echoed adapter {row.served_name}, not {row.lora_name}")
     return out
 
 

@@ -91,6 +91,17 @@ def test_a_generation_on_another_version_is_a_mismatch(
     assert "digest" in result.stdout
 
 
+def test_an_engine_echoing_another_adapter_is_a_mismatch(
+    cli: Cli, fault_log: Path, tmp_path: Path
+) -> None:
+    prov = tmp_path / "provenance.jsonl"
+    wrong = f"agent@dep-2-{digest(2)[:16]}"
+    prov.write_bytes(encode_rows([_row("s-b", 0, 1, started=1003.0, served_name=wrong)]))
+    result = cli("audit", fault_log, "--session", "s-b", "--provenance", prov)
+    assert result.returncode == Exit.FAILED
+    assert f"the engine echoed adapter {wrong}" in result.stdout
+
+
 def test_by_owner_all_and_lease_release(cli: Cli, fault_log: Path) -> None:
     by_owner = _lines(cli("audit", fault_log, "--owner", "w2", "--json").stdout)
     assert [(r["session"], r["cause"]) for r in by_owner] == [("s-c", "lease_expired")]
