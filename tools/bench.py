@@ -1,7 +1,7 @@
-"""``loraledger bench {store,ledger,publish}``: thin wrappers over the ``bench_*`` functions.
+"""``loraledger bench {store,ledger,publish,memory,ray}``: thin wrappers over ``bench_*``.
 
-The measurements live in ``tools/bench_store.py``, ``tools/bench_ledger.py`` and
-``tools/bench_publish.py`` (each also runnable with ``python -m``); this only chooses the
+The measurements live in ``tools/bench_<name>.py`` (each also runnable with ``python -m``);
+this only chooses the
 sizes (``--quick``: a smoke run small enough for CI, whose figures are *not* the DESIGN §9
 ones), names the machine the figures were measured on (they are meaningless without it: fsync
 latency alone varies several-fold between machines), and prints every figure next to its
@@ -11,6 +11,7 @@ reference and ratio, as a table or as one JSON object.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import platform
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,20 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
         {"size_mib": 4, "repeats": 1},
         "workdir",
     ),
+    "memory": (
+        "tools.bench_memory",
+        "bench_memory",
+        {},
+        {"sessions": 20_000},
+        "",
+    ),
+    "ray": (
+        "tools.bench_ray",
+        "bench_ray",
+        {},
+        {"concurrencies": (1, 8), "binds": 400, "batched_binds": 4096, "rounds": 1},
+        "directory",
+    ),
 }
 
 
@@ -91,9 +106,10 @@ def run_bench(name: str, *, quick: bool, directory: Path | None, json: bool) -> 
     fn = _function(name)
     _, _, full, small, scratch = BENCHES[name]
     kwargs = dict(small if quick else full)
-    if directory is not None:
+    if directory is not None and scratch:
         kwargs[scratch] = str(directory)
-    result = anyio.run(lambda: fn(**kwargs))
+    run = inspect.iscoroutinefunction(fn)
+    result = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)
     out = {"bench": name, "quick": quick, **result, "machine": machine()}
     if json:
         emit(out)

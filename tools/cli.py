@@ -540,49 +540,35 @@ def serve(
 # --- bench ---------------------------------------------------------------------------------
 
 
-@bench_app.command("store")
-@guarded
-def bench_store(
-    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
-    directory: Annotated[
-        Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
-    ] = None,
-    json: JsonOpt = False,
-) -> None:
-    """Event store: group-committed appends and a verified replay vs raw sqlite3."""
-    from tools.bench import run_bench
+def _bench_command(name: str, summary: str) -> None:
+    """Register ``loraledger bench NAME``: every bench takes the same three options."""
 
-    run_bench("store", quick=quick, directory=directory, json=json)
+    def command(
+        quick: Annotated[
+            bool, typer.Option("--quick", help="A small, fast run (CI smoke).")
+        ] = False,
+        directory: Annotated[
+            Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
+        ] = None,
+        json: JsonOpt = False,
+    ) -> None:
+        from tools.bench import run_bench
 
+        run_bench(name, quick=quick, directory=directory, json=json)
 
-@bench_app.command("ledger")
-@guarded
-def bench_ledger(
-    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
-    directory: Annotated[
-        Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
-    ] = None,
-    json: JsonOpt = False,
-) -> None:
-    """Ledger service: durable bind+release sessions/s vs raw sqlite3; recovery time."""
-    from tools.bench import run_bench
-
-    run_bench("ledger", quick=quick, directory=directory, json=json)
+    command.__doc__ = summary
+    command.__name__ = f"bench_{name}"
+    bench_app.command(name)(guarded(command))
 
 
-@bench_app.command("publish")
-@guarded
-def bench_publish(
-    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
-    directory: Annotated[
-        Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
-    ] = None,
-    json: JsonOpt = False,
-) -> None:
-    """Publication to two local engines vs copying the bytes; longest generation gap."""
-    from tools.bench import run_bench
-
-    run_bench("publish", quick=quick, directory=directory, json=json)
+for _name, _summary in {
+    "store": "Event store: group-committed appends and a verified replay vs raw sqlite3.",
+    "ledger": "Ledger service: durable bind+release sessions/s vs raw sqlite3; recovery time.",
+    "publish": "Publication to two local engines vs copying the bytes; longest generation gap.",
+    "memory": "Projection memory after a million sessions bound, released and forgotten.",
+    "ray": "Binds/s through the Ray ledger actor vs the seed's dict actor; batched calls.",
+}.items():
+    _bench_command(_name, _summary)
 
 
 def main() -> None:

@@ -31,3 +31,13 @@ def test_bench_store_quick_human_output(cli: Cli) -> None:
     assert result.returncode == 0, result.stderr
     assert "machine:" in result.stdout and "ratio" in result.stdout
     assert "iterate_events_per_s" in result.stdout
+
+
+def test_bench_memory_quick_reports_growth_per_shape(cli: Cli) -> None:
+    result = cli("bench", "memory", "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    (out,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["shape"] for r in out["runs"]] == ["flood", "waves"]
+    for r in out["runs"]:
+        assert r["sessions"] == 20_000 and r["peak_mib"] > r["growth_mib"]
+        assert r["growth_mib"] < 0.1
