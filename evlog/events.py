@@ -348,21 +348,35 @@ AnyEvent = (
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in ALL_EVENTS}
 
 
+def _stream_field(cls: type[Event]) -> str | None:
+    """The field that names an event's stream: the version, else the session, the engine, the
+    owner; ``None`` for controller events. Session events carry a version id but belong to
+    their session's stream."""
+    fields = set(cls.__struct_fields__)
+    if "version_id" in fields and cls not in (SessionBound, SessionReleased):
+        return "version_id"
+    for name in ("session", "engine", "owner"):
+        if name in fields:
+            return name
+    return None
+
+
+_STREAM_PREFIX = {"version_id": "version-", "session": "session-", "engine": "engine-",
+                  "owner": "owner-"}  # fmt: skip
+# Decided once per class, not per event: stream_of runs for every event the ledger appends.
+_STREAMS: dict[type[Event], tuple[str, str] | None] = {
+    cls: (field, _STREAM_PREFIX[field]) if (field := _stream_field(cls)) else None
+    for cls in ALL_EVENTS
+}
+
+
 def stream_of(event: Event) -> str:
     """The stream an event belongs to: one per version, session, engine, owner, else controller."""
-    version_id = getattr(event, "version_id", None)
-    if version_id is not None and not isinstance(event, SessionBound | SessionReleased):
-        return f"version-{version_id}"
-    session = getattr(event, "session", None)
-    if session is not None:
-        return f"session-{session}"
-    engine = getattr(event, "engine", None)
-    if engine is not None:
-        return f"engine-{engine}"
-    owner = getattr(event, "owner", None)
-    if owner is not None:
-        return f"owner-{owner}"
-    return "controller"
+    spec = _STREAMS[type(event)]
+    if spec is None:
+        return "controller"
+    field, prefix = spec
+    return f"{prefix}{getattr(event, field)}"
 
 
 # --- codec and upcasting -------------------------------------------------------------------

@@ -161,6 +161,13 @@ def _key(value: Any, what: str) -> str:
     return value
 
 
+def _is_str(value: Any, what: str) -> None:
+    """The cheap part of :func:`_key`, enough before a lookup (an unhashable id must be a
+    refusal, not a TypeError)."""
+    if not isinstance(value, str):
+        raise LedgerError(Code.INVALID_INPUT, f"{what} must be a string", field=what)
+
+
 def _version_id(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise LedgerError(
@@ -683,9 +690,11 @@ def _bound(s: RegistryState, session: str, version_id: int, revision: int, new: 
 
 
 def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
+    # Ids already in the state were validated when they entered it: only new ones are checked
+    # in full (binds and releases are the hot path of the ledger).
     _deployment(s)
-    _key(cmd.session, "session")
-    _key(cmd.owner, "owner")
+    _is_str(cmd.session, "session")
+    _is_str(cmd.owner, "owner")
     _live_owner(s, cmd.owner, required=False)
     binding = s.sessions.get(cmd.session)
     if binding is not None:
@@ -696,6 +705,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
         raise LedgerError(
             Code.SESSION_CLOSED, f"session {cmd.session} was released", session=cmd.session
         )
+    _key(cmd.session, "session")
     _live_owner(s, cmd.owner, required=True)
     if s.default is None:
         raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
@@ -707,7 +717,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
 
 def _release(s: RegistryState, cmd: c.Release) -> Decision:
     _deployment(s)
-    _key(cmd.session, "session")
+    _is_str(cmd.session, "session")
     binding = s.sessions.get(cmd.session)
     if binding is not None:
         event = SessionReleased(
@@ -722,6 +732,7 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
     if cmd.session in s.tombstones:
         return Decision(outcome=Released(session=cmd.session, released=False))
     # Closed before its first bind: tombstone it so it can never bind.
+    _key(cmd.session, "session")
     _key(cmd.owner, "owner")
     _live_owner(s, cmd.owner, required=True)
     event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
