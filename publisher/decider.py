@@ -718,6 +718,9 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
 def _release(s: RegistryState, cmd: c.Release) -> Decision:
     _deployment(s)
     _is_str(cmd.session, "session")
+    cause = cmd.cause
+    if not isinstance(cause, str) or not 0 < len(cause) <= 64 or not cause.isprintable():
+        raise LedgerError(Code.INVALID_INPUT, "cause must be a printable string of 1-64 chars")
     binding = s.sessions.get(cmd.session)
     if binding is not None:
         event = SessionReleased(

@@ -316,6 +316,14 @@ def test_a_released_session_cannot_bind_again(book: Book) -> None:
     book.refuse(c.Bind(session="s", owner="w1"), Code.SESSION_CLOSED)
 
 
+def test_release_cause_is_bounded(book: Book) -> None:
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    for bad in ("", "x" * 65, "two\nlines", 7):
+        assert book.refuse(c.Release(session="s", owner="w1", cause=bad), Code.INVALID_INPUT) == []
+    assert "s" in book.state.sessions
+
+
 def test_close_before_first_bind_tombstones(book: Book) -> None:
     book.publish(1)
     assert not book.run(c.Release(session="early", owner="w1")).released
