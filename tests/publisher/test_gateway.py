@@ -4,6 +4,7 @@ provenance of every result."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,9 @@ import pytest
 
 from engines.contract import SamplingParams
 from engines.local.engine import LocalEngine
+from engines.vllm import cache_salt_problem
 from evlog.errors import Code, LedgerError
+from publisher.gateway import version_salt
 from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
@@ -193,9 +196,49 @@ async def test_client_cache_keys_are_replaced_by_the_version_salt() -> None:
         )
         calls = [call for e in r.fleet for call in e.calls]  # type: ignore[attr-defined]
         assert len(calls) == 1
-        assert calls[0]["cache_salt"] == s1.lora_name
+        assert calls[0]["cache_salt"] == version_salt(s1)
         assert calls[0]["extra_body"] == {"k": 1}  # owned keys never forwarded
         assert calls[0]["lora_name"] == s1.lora_name
+
+
+def test_regression_vllm_cache_salt_is_hex_unique_per_version_and_engine_safe() -> None:
+    """The version salt travels with every generation to every engine. It used to be the
+    version's ``lora_name``, which always contains ``@`` (DESIGN §2), and vLLM refuses any
+    ``cache_salt`` containing ``@`` (HTTP 400), so every generation on a vLLM fleet failed.
+
+    What must hold: lowercase hex only (no engine restricts that alphabet), accepted by the
+    vLLM adapter's own check, one salt per version (two versions never share prefix-cache
+    entries, whichever of deployment, version id or digest differs), and the same salt for
+    every session and every gateway process serving that version (they may share entries)."""
+    digests = ["0123456789abcdef" * 4, "fedcba9876543210" * 4, "f" * 64]
+
+    def bound(name: str, version_id: int, digest: str, session: str = "s") -> Bound:
+        return Bound(
+            session=session,
+            version_id=version_id,
+            lora_name=name,
+            digest=digest,
+            revision=version_id,
+            new=True,
+        )
+
+    versions = [
+        bound(f"{prefix}@{deployment}-{vid}-{digest[:16]}", vid, digest)
+        for prefix in ("agent", "agent-b")
+        for deployment in ("demo", "demo-1", "demo-12")
+        for vid in (1, 2, 12, 121)
+        for digest in digests
+    ]
+    assert len({b.lora_name for b in versions}) == len(versions)
+    salts = [version_salt(b) for b in versions]
+    assert len(set(salts)) == len(versions)
+    for b, salt in zip(versions, salts, strict=True):
+        assert re.fullmatch(r"[0-9a-f]{32}", salt), salt
+        assert cache_salt_problem(salt) is None
+        assert cache_salt_problem(b.lora_name) is not None  # the old salt: vLLM refuses it
+        # Another session of the same version, bound later: the same namespace.
+        again = bound(b.lora_name, b.version_id, b.digest, session="other")
+        assert version_salt(again) == salt
 
 
 async def test_the_client_cannot_choose_the_prefix_cache_namespace() -> None:

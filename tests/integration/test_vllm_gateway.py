@@ -1,0 +1,112 @@
+"""Generation through the ``Gateway`` against the real vLLM CPU server.
+
+The gateway replaces any client cache key with its own per-version salt (``version_salt``) and
+sends it with every generation. Unit tests use the local engine and a scripted vLLM, so only a
+real server proves that vLLM accepts that salt and keys its prefix cache by it: the salt used to
+be the version's ``lora_name``, which vLLM 0.32 refuses (400: no ``@`` in a ``cache_salt``), and
+every generation on a vLLM fleet failed while the whole suite passed.
+
+Uses the session vLLM server of ``conftest.py`` and the ``PeftReference`` of
+``test_vllm_engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engines.contract import SamplingParams
+from engines.local.tinymodel import make_adapter
+from engines.vllm import VLLMEngine
+from evlog.memory import MemoryStore
+from publisher.fleet import Fleet
+from publisher.gateway import Gateway, LedgerRouting
+from publisher.plane import ControlPlane
+from publisher.publication import PublicationStatus
+from publisher.snapshot import AdapterSnapshot
+from tests.integration.conftest import VLLMServer
+from tests.integration.test_vllm_engine import PeftReference
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.anyio,
+    # the transformers+peft reference's deprecation notices, not ours
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*past_key_values.* is deprecated:FutureWarning"),
+]
+
+PROMPT = "hello world"
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+# vLLM caches whole KV blocks (128 tokens on CPU): 300 token ids span two of them.
+LONG_PROMPT = tuple((7 * i) % 300 + 1 for i in range(300))
+SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_server: VLLMServer) -> PeftReference:
+    return PeftReference(vllm_server.model_dir)
+
+
+@pytest.fixture
+async def engine(vllm_server: VLLMServer) -> AsyncIterator[VLLMEngine]:
+    eng = VLLMEngine(
+        vllm_server.base_url,
+        "vllm-0",
+        served_model=vllm_server.served_model,
+        max_lora_rank=vllm_server.max_lora_rank,
+    )
+    try:
+        yield eng
+    finally:
+        await eng.aclose()
+
+
+async def test_regression_vllm_cache_salt_gateway_generations_succeed_on_the_real_server(
+    engine: VLLMEngine, reference: PeftReference, tmp_path: Path
+) -> None:
+    """A bound session generates through the gateway (with the gateway's own salt, whatever
+    the client sends) and gets its version's exact tokens; the salt really reached vLLM's
+    prefix cache: the session's second request hits the blocks of its first, and the same
+    prompt on the same adapter without that salt does not."""
+    config, tensors = make_adapter(61)
+    async with ControlPlane.open(
+        MemoryStore(),
+        Fleet([engine]),
+        deployment="vsalt",  # names of other tests on this server are not ours
+        prefix="agent",
+        capacity=2,
+        artifact_root=tmp_path / "artifacts",
+        probe_interval_s=0.5,
+        reclaim_tick_s=0.1,
+    ) as plane:
+        v1 = await plane.publisher.publish(
+            AdapterSnapshot.from_state_dict(tensors, config), version_id=1
+        )
+        assert v1.status == PublicationStatus.PUBLISHED
+        gateway = Gateway(plane.fleet, LedgerRouting(plane.ledger), gateway_id="salt-test")
+        plane.add_inflight_source(gateway)
+        await plane.ledger.register_owner("w", ttl_s=600)
+        bound = await plane.ledger.bind("s1", "w")
+        assert "@" in bound.lora_name  # exactly the name vLLM refused as a salt
+
+        served = await gateway.generate(
+            bound, PROMPT, GREEDY, extra_body={"cache_salt": "client@salt"}
+        )
+        expected = reference.greedy(PROMPT, GREEDY.max_tokens, plane.artifacts.path_for(v1.digest))
+        assert served.generation.token_ids == expected
+        assert served.lora_name == bound.lora_name and served.provenance.attested
+
+        cold = await gateway.generate(bound, LONG_PROMPT, SHORT)
+        warm = await gateway.generate(bound, LONG_PROMPT, SHORT)
+        unsalted = await engine.generate(LONG_PROMPT, bound.lora_name, SHORT)
+        assert cold.generation.cached_tokens == 0
+        assert 0 < warm.generation.cached_tokens <= len(LONG_PROMPT)
+        assert unsalted.cached_tokens == 0  # another namespace: the gateway's salt was sent
+        assert warm.generation.token_ids == cold.generation.token_ids == unsalted.token_ids
+        assert gateway.inflight_counts() == {}
+        await plane.ledger.release("s1", "w")
+    # leave the shared server as we found it (after the plane stopped: its reconciler would
+    # restore the default version otherwise)
+    await engine.unload(v1.lora_name)
