@@ -555,14 +555,24 @@ async def serve(
     the server (not the engine) on exit."""
     sock = _bind(host, port)
     server = _EmbeddedServer(_config(engine))
+
+    async def run() -> None:
+        # Shielded: the server stops only through ``should_exit`` (set on every exit below),
+        # so uvicorn's shutdown always runs, even when the enclosing scope is cancelled.
+        # Cancelled mid-serve, it left its listener registered with the event loop while
+        # ``sock`` was closed: the next server of that loop whose socket reused the file
+        # descriptor accepted connections and never answered them.
+        with anyio.CancelScope(shield=True):
+            await server.serve([sock])
+
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(server.serve, [sock])
-            while not server.started:
-                if server.should_exit:
-                    raise RuntimeError("uvicorn failed to start")
-                await anyio.sleep(0.005)
+            tg.start_soon(run)
             try:
+                while not server.started:
+                    if server.should_exit:
+                        raise RuntimeError("uvicorn failed to start")
+                    await anyio.sleep(0.005)
                 yield f"http://{host}:{sock.getsockname()[1]}"
             finally:
                 server.should_exit = True
