@@ -15,6 +15,10 @@ artifact_root=...) as plane:``
    engine each ``probe_interval_s``, a full inventory pass each ``full_reconcile_s``) and the
    owner-lease expiry loop (``ledger.expire_leases()`` every ``lease_check_s``).
 
+The drivers' own timers (the reconciler's full-pass period, the reclaim driver's artifact grace)
+read the event loop's clock, the one their sleeps and timeouts already use, so a test loop
+with virtual time (tests/fault/simloop.py) drives every timer of the plane consistently.
+
 Exposes ``plane.ledger``, ``plane.fleet``, ``plane.artifacts``, ``plane.publisher``,
 ``plane.reclaimer``, ``plane.reconciler``; :meth:`add_inflight_source` registers a gateway's
 in-flight counts with the reclaim driver; :meth:`add_engine` / :meth:`remove_engine` change the
@@ -74,6 +78,7 @@ class ControlPlane:
             full_every_s=full_reconcile_s,
             cleanup_timeout=cleanup_timeout,
             bucket_bytes=bucket_bytes,
+            clock=anyio.current_time,
         )
         self.publisher = PublicationDriver(
             ledger,
@@ -93,6 +98,7 @@ class ControlPlane:
             delete_artifacts_after_s=delete_artifacts_after_s,
             on_ambiguous=self.reconciler.poke,
             on_restart=self.reconciler.poke,
+            clock=anyio.current_time,
         )
         self.bucket_bytes = bucket_bytes
         self.started: ReconcileReport | None = None
