@@ -10,10 +10,15 @@ import anyio
 import httpx
 import pytest
 
-from engines.local.engine import LocalEngine
+from engines.artifacts import ArtifactError, ArtifactStore
+from engines.contract import CleanRefusal, ErrorCode
+from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
+from evlog.errors import Code, LedgerError
 from evlog.memory import MemoryStore
+from publisher import commands as c
 from publisher.fleet import Fleet
+from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from tests.fault.simloop import run_simulated, sim_clock
 
@@ -62,3 +67,71 @@ def test_regression_plane_timers_ran_on_the_wall_clock(tmp_path: Path) -> None:
             return plane.reconciler.passes - before
 
     assert run_simulated(main, seed=1) >= 3  # one full pass per 30 simulated seconds
+
+
+@pytest.mark.anyio
+async def test_regression_ill_typed_command_stopped_the_ledger_writer() -> None:
+    """``Forget(sessions=None)`` (a Python caller's mistake; struct constructors do not check
+    types) raised a TypeError inside the decider, which stopped the ledger's single writer:
+    every later command of every caller got LEDGER_CLOSED. It is now refused with a code and
+    the ledger goes on."""
+    async with Ledger.open(MemoryStore()) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=2)
+        await ledger.register_owner("w", ttl_s=60)
+        seq = ledger.state.last_seq
+        with pytest.raises(LedgerError) as refused:
+            await ledger.execute(c.Forget(sessions=None))  # type: ignore[arg-type]
+        assert refused.value.code == Code.INVALID_INPUT
+        assert ledger.state.last_seq == seq
+        assert (await ledger.release("s1", "w")).released is False  # still serving
+
+
+@pytest.mark.anyio
+async def test_regression_ill_typed_value_was_stored_in_an_event_that_no_longer_decodes() -> None:
+    """``join_engine(..., endpoint=5)`` was accepted and stored as ``EngineJoined(endpoint=5)``;
+    the payload then failed its own schema on every read, so the log could no longer be
+    replayed (CORRUPT_RECORD at that seq, forever). It is now refused before anything is
+    written."""
+    store = MemoryStore()
+    async with Ledger.open(store) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=2)
+        with pytest.raises(LedgerError) as refused:
+            await ledger.join_engine("e0", "i1", endpoint=5)  # type: ignore[arg-type]
+        assert refused.value.code == Code.INVALID_INPUT
+        await ledger.join_engine("e0", "i1", endpoint="http://127.0.0.1:1")
+    assert [r.type for r in await store.read()][-1] == "EngineJoined"
+
+
+def test_regression_nul_byte_in_an_adapter_path_escaped_as_a_bare_valueerror(
+    tmp_path: Path,
+) -> None:
+    """An engine-supplied adapter path with a NUL byte made ``Path.resolve`` raise a bare
+    ``ValueError`` out of ``ArtifactStore.resolve`` and the local engine's path check (which a
+    publication then took for an ambiguous engine failure). Both now refuse it with
+    ``PATH_OUTSIDE_STORE``."""
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(ArtifactError) as refused:
+        store.resolve("abc\x00def")
+    assert refused.value.code == "PATH_OUTSIDE_STORE"
+    for root in (None, store.root):
+        with pytest.raises(CleanRefusal) as clean:
+            resolve_under(root, "x\x00y")
+        assert clean.value.code == ErrorCode.PATH_OUTSIDE_STORE
+
+
+@pytest.mark.anyio
+async def test_regression_renewal_with_a_negative_inflight_count_was_accepted() -> None:
+    """``POST /owners/{owner}/renew`` (and ``Ledger.renew_lease``) accepted a count of -7
+    requests in flight: the reclaim driver sums every reporter's counts, so it could cancel
+    another worker's running request (an unload under it), or hold a version forever. It is
+    now refused and nothing is renewed."""
+    async with Ledger.open(MemoryStore()) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=2)
+        await ledger.register_owner("w", ttl_s=60)
+        for bad in ({("e0", 1): -7}, {("e0", 0): 1}, {("", 1): 1}, {("e0", 1): True}):
+            with pytest.raises(LedgerError) as refused:
+                ledger.renew_lease("w", bad)  # type: ignore[arg-type]
+            assert refused.value.code == Code.INVALID_INPUT
+        assert ledger.inflight_evidence(1)[0].count == 0
+        ledger.renew_lease("w", {("e0", 1): 2})
+        assert ledger.inflight_evidence(1)[0].count == 2
