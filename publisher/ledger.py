@@ -515,6 +515,8 @@ class Ledger:
             raise LedgerError(
                 Code.LEASE_EXPIRED, f"owner {owner} lost its lease: its sessions were released"
             )
+        if inflight is not None:
+            _check_inflight(inflight)
         self.leases.renew(owner, self._clock(), inflight)
 
     async def expire_leases(self) -> list[Expired]:
@@ -642,6 +644,28 @@ def status_of(state: RegistryState) -> LedgerStatus:
             for e in sorted(state.engines.values(), key=lambda e: e.engine)
         ),
     )
+
+
+def _check_inflight(inflight: Mapping[tuple[str, int], int]) -> None:
+    """Refuse (``INVALID_INPUT``, nothing renewed) counts a reclaim decision could misread: a
+    negative count cancelled another reporter's positive one in the reclaim driver's sum (an
+    unload under a running request), and any non-zero one held the version forever."""
+    for key, count in inflight.items():
+        engine, version_id = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        if (
+            not isinstance(engine, str)
+            or not engine
+            or not isinstance(version_id, int)
+            or isinstance(version_id, bool)
+            or version_id <= 0
+            or not isinstance(count, int)
+            or isinstance(count, bool)
+            or count < 0
+        ):
+            raise LedgerError(
+                Code.INVALID_INPUT,
+                f"in-flight count {key!r}: {count!r} must be (engine, version id > 0): count >= 0",
+            )
 
 
 def _wake(batch: list[_Call]) -> None:
