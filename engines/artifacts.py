@@ -175,7 +175,12 @@ class ArtifactStore:
         candidate = Path(path)
         if not candidate.is_absolute():
             candidate = self.root / candidate
-        resolved = candidate.resolve()
+        try:
+            resolved = candidate.resolve()
+        except (ValueError, OSError) as exc:  # a NUL byte, a symlink loop: not a store path
+            raise ArtifactError(
+                "PATH_OUTSIDE_STORE", f"{path!r} is not a usable path: {exc}"
+            ) from exc
         if resolved.parent != self.root:
             raise ArtifactError("PATH_OUTSIDE_STORE", f"{path} is not a directory of {self.root}")
         return resolved

@@ -92,11 +92,16 @@ def resolve_under(root: Path | None, path: str) -> Path:
     """An adapter directory, refused with PATH_OUTSIDE_STORE when an allowed root is configured
     and the resolved path (symlinks and ``..`` followed) is not inside it."""
     candidate = Path(path)
-    if root is None:
-        return candidate.resolve()
-    if not candidate.is_absolute():
+    if root is not None and not candidate.is_absolute():
         candidate = root / candidate
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+    except (ValueError, OSError) as exc:  # a NUL byte, a symlink loop: no such directory
+        raise CleanRefusal(
+            ErrorCode.PATH_OUTSIDE_STORE, f"{path!r} is not a usable path: {exc}"
+        ) from exc
+    if root is None:
+        return resolved
     if resolved == root or not resolved.is_relative_to(root):
         raise CleanRefusal(
             ErrorCode.PATH_OUTSIDE_STORE, f"{path} is not inside the artifact root {root}"
