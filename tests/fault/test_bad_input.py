@@ -1,0 +1,734 @@
+"""Bad input at every door: each gets a clear, coded error and changes nothing.
+
+Generated (Hypothesis) and mutated inputs for every decoder and entry point:
+
+* stored records (:func:`evlog.record.open_row`, :func:`evlog.events.decode_event`): garbage
+  payloads under valid hashes, unknown types and schemas, broken links;
+* log files through ``loraledger verify / replay / audit``: random bytes, a real log with
+  flipped bytes, cut short -- an exit code and one message, never a traceback, and the file
+  is byte-for-byte unchanged;
+* CLI arguments: random options and values;
+* commands: through ``decide`` with wrong types and out-of-range values (a ``LedgerError``
+  with a code, the state untouched), through msgspec decoding of commands (unknown fields,
+  wrong types), and through the HTTP service (every POST route, random bodies and path
+  parameters: a 4xx/5xx with a code, the state and ``last_seq`` untouched);
+* engine replies: the SGLang and vLLM adapters (and the local engine's HTTP client) reading
+  random bodies, wrong types, random statuses and huge bodies -- an ``EngineError`` (clean or
+  ambiguous) or a well-typed value, nothing else;
+* adapter files (:mod:`engines.artifacts`): corrupt safetensors, config/tensor mismatches,
+  wrong digests, path traversal -- an ``ArtifactError`` with a code, the store unchanged.
+
+CI runs ``EXAMPLES`` examples per property, ``--slow`` ``SLOW_EXAMPLES``; the total number of
+inputs tried is printed in the summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from engines.artifacts import ArtifactError, ArtifactStore, read_adapter_dir
+from engines.contract import (
+    Candidate,
+    EngineError,
+    ErrorCode,
+    Generation,
+    Inventory,
+    SamplingParams,
+)
+from engines.local.client import LocalHTTPEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
+from engines.sglang import SGLangEngine
+from engines.vllm import VLLMEngine
+from evlog.errors import Code, LedgerError
+from evlog.events import EVENT_TYPES, SessionBound, encode_event
+from evlog.memory import MemoryStore
+from evlog.record import GENESIS_HASH, Record, chain_hash, open_row
+from evlog.sqlite import SQLiteStore
+from projections.registry import RegistryState, encode_state
+from publisher import commands as c
+from publisher.decider import decide
+from publisher.ledger import Ledger
+from tests.fault.conftest import record_figure
+from tools.cli import app
+from tools.exitcodes import Exit
+from tools.metrics import LedgerMetrics
+from tools.service import build_app
+
+EXAMPLES = 150
+SLOW_EXAMPLES = 1500
+TRIED: dict[str, int] = {}
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+]
+
+
+def _count(door: str) -> None:
+    TRIED[door] = TRIED.get(door, 0) + 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report() -> Iterator[None]:
+    yield
+    detail = ", ".join(f"{door} {n}" for door, n in TRIED.items())
+    record_figure("bad inputs tried", f"{sum(TRIED.values())} ({detail})")
+
+
+def _settings(slow: bool) -> settings:
+    return settings(
+        max_examples=SLOW_EXAMPLES if slow else EXAMPLES,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+
+
+# --- values a caller can get wrong -----------------------------------------------------------
+
+_text = st.text(max_size=300) | st.sampled_from(
+    ["", "a/b", "a:b", "..", "../../etc/passwd", "x" * 70, "\x00", "é", "agent@x-1-0123"]
+)
+_nasty = (
+    st.none() | st.booleans() | _text | st.binary(max_size=40) | st.lists(st.integers(), max_size=3)
+)
+_numbers = (
+    st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([0, -1, 2**63, True])
+)
+_any = _nasty | _numbers
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.floats(allow_nan=False)
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.text(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+# --- stored records ---------------------------------------------------------------------------
+
+
+def test_stored_records_that_do_not_decode_are_named_never_raised(slow: bool) -> None:
+    """A row whose hash is right but whose content this code cannot read (garbage payload,
+    another type's payload, unknown type, newer or older schema) is ``CORRUPT_RECORD`` or
+    ``UNKNOWN_SCHEMA`` naming its seq; a row that does not match its hash or its predecessor
+    is ``CORRUPT_RECORD`` / ``CHAIN_BROKEN``. Nothing else ever escapes."""
+    known = sorted(EVENT_TYPES)
+    payloads = (
+        st.binary(max_size=200)
+        | st.builds(msgspec.msgpack.encode, _json)
+        | st.builds(
+            lambda d, t: msgspec.msgpack.encode({"type": t, **d}),
+            st.dictionaries(st.text(max_size=10), _json, max_size=4),
+            st.sampled_from(known),
+        )
+        | st.just(encode_event(SessionBound(session="s", owner="w", version_id=1, revision=1)))
+    )
+
+    @_settings(slow)
+    @given(
+        type_name=st.sampled_from(known) | st.text(max_size=20),
+        schema=st.integers(min_value=-3, max_value=5),
+        payload=payloads,
+        rehash=st.booleans(),
+        prev_ok=st.booleans(),
+    )
+    def prop(type_name: str, schema: int, payload: bytes, rehash: bool, prev_ok: bool) -> None:
+        _count("stored records")
+        eid, stream, at = b"\x01" * 16, "controller", 1.0
+        good = chain_hash(GENESIS_HASH, 1, eid, stream, type_name, schema, at, payload)
+        stored_hash = good if rehash else bytes(32)
+        prev = GENESIS_HASH if prev_ok else b"\x02" * 32
+        if not prev_ok and rehash:
+            stored_hash = chain_hash(prev, 1, eid, stream, type_name, schema, at, payload)
+        row = (1, eid, stream, type_name, schema, at, payload, prev, stored_hash)
+        try:
+            record: Record | LedgerError = open_row(row, 0, GENESIS_HASH)
+        except LedgerError as exc:
+            record = exc
+        if isinstance(record, LedgerError):
+            assert record.code in (Code.CORRUPT_RECORD, Code.CHAIN_BROKEN, Code.UNKNOWN_SCHEMA)
+            assert record.details.get("seq") == 1
+        else:
+            assert type(record.event).__name__ == type_name
+
+    prop()
+
+
+# --- log files through the CLI --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real, closed ledger log: deployment, two engines, one owner, sessions."""
+    path = tmp_path_factory.mktemp("log") / "ledger.db"
+
+    async def write() -> None:
+        async with SQLiteStore.open(path) as store, Ledger.open(store) as ledger:
+            await ledger.create_deployment("dep", prefix="agent", capacity=2)
+            for e in ("e0", "e1"):
+                await ledger.join_engine(e, f"{e}-1")
+                await ledger.repair_engine(e, f"{e}-1")
+            await ledger.register_owner("w", ttl_s=60)
+            for i in range(3):
+                await ledger.release(f"s{i}", "w")
+
+    anyio.run(write)
+    return path
+
+
+_EXITS = {int(e) for e in Exit}
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(app, args, catch_exceptions=True)
+    out = (result.stdout or "") + (result.stderr or "")
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert "Traceback" not in out, out[-2000:]
+    assert result.exit_code in _EXITS, (result.exit_code, out[-500:])
+    return result.exit_code, out
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent"
+
+
+def test_damaged_log_files_get_an_exit_code_and_stay_untouched(
+    small_log: Path, tmp_path_factory: pytest.TempPathFactory, slow: bool
+) -> None:
+    base = small_log.read_bytes()
+
+    @_settings(slow)
+    @given(
+        kind=st.sampled_from(["random", "flip", "truncate", "empty"]),
+        data=st.binary(min_size=0, max_size=4096),
+        offsets=st.lists(st.integers(min_value=0, max_value=len(base) - 1), min_size=1, max_size=8),
+        size=st.integers(min_value=0, max_value=len(base)),
+        command=st.sampled_from(["verify", "replay", "audit"]),
+    )
+    def prop(kind: str, data: bytes, offsets: list[int], size: int, command: str) -> None:
+        _count("log files")
+        folder = tmp_path_factory.mktemp("bad")
+        path = folder / "ledger.db"
+        if kind == "random":
+            content = data
+        elif kind == "empty":
+            content = b""
+        elif kind == "truncate":
+            content = base[:size]
+        else:
+            mutable = bytearray(base)
+            for i in offsets:
+                mutable[i] ^= 0xFF
+            content = bytes(mutable)
+        path.write_bytes(content)
+        before = _digest(path)
+        args = {
+            "verify": ["verify", str(path), "--json"],
+            "replay": ["replay", str(path), "--incidents", "--json"],
+            "audit": ["audit", str(path), "--all", "--json"],
+        }[command]
+        _cli(args)
+        assert _digest(path) == before, f"{command} changed the file it inspected"
+        shutil.rmtree(folder, ignore_errors=True)
+
+    prop()
+
+
+def test_cli_arguments_get_an_exit_code_never_a_traceback(small_log: Path, slow: bool) -> None:
+    options = st.sampled_from(
+        [
+            "--seq",
+            "--at",
+            "--version",
+            "--engine",
+            "--stuck-after",
+            "--pinned-top",
+            "--session",
+            "--owner",
+            "--all",
+            "--deep",
+            "--json",
+            "--incidents",
+            "--provenance",
+            "--plot",
+            "-v",
+            "--url",
+            "--timeout",
+            "--port",
+            "--capacity",
+            "--bogus",
+        ]
+    )
+    values = st.sampled_from(
+        [
+            "-1",
+            "0",
+            "1",
+            "99999999999999999999",
+            "nan",
+            "1e309",
+            "2026-13-40",
+            "yesterday",
+            "10x",
+            "",
+            "e0",
+            "../x",
+            str(small_log),
+            "/nonexistent",
+        ]
+    ) | st.text(max_size=15)
+    commands = st.sampled_from(["verify", "replay", "audit", "status", "nonsense"])
+
+    @_settings(slow)
+    @given(command=commands, rest=st.lists(options | values, max_size=6), with_log=st.booleans())
+    def prop(command: str, rest: list[str], with_log: bool) -> None:
+        _count("cli arguments")
+        if command == "status":
+            rest = [*rest, "--url", "http://127.0.0.1:9", "--timeout", "0.2"]  # nothing listens
+        args = [command, *([str(small_log)] if with_log and command != "status" else []), *rest]
+        before = _digest(small_log)
+        _cli([a for a in args if "\x00" not in a])
+        assert _digest(small_log) == before
+
+    prop()
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def _fields(cls: type[c.Command]) -> list[str]:
+    return [f for f in cls.__struct_fields__ if f != "command_id"]
+
+
+def _serving_state() -> RegistryState:
+    """A state with a deployment, two routable engines, a published version, an owner and a
+    bound session: every handler has something to refuse against."""
+
+    async def build() -> RegistryState:
+        async with Ledger.open(MemoryStore()) as ledger:
+            await ledger.create_deployment("dep", prefix="agent", capacity=3)
+            for e in ("e0", "e1"):
+                await ledger.join_engine(e, f"{e}-1")
+                await ledger.repair_engine(e, f"{e}-1")
+            digest = "ab" * 32
+            allocated = await ledger.allocate(1, digest)
+            assert hasattr(allocated, "lora_name")
+            await ledger.claim_transport(1, 1, "p")
+            for e in ("e0", "e1"):
+                await ledger.record_ready(1, 1, e, f"{e}-1", digest, allocated.lora_name)
+            await ledger.commit(1, 1)
+            await ledger.register_owner("w", ttl_s=60)
+            await ledger.bind("s1", "w")
+            return ledger.state
+
+    return anyio.run(build)
+
+
+def test_decide_refuses_wrong_types_and_out_of_range_values_with_a_code(slow: bool) -> None:
+    """Commands built in Python are not type-checked by their constructor (msgspec structs),
+    so the decider sees whatever a caller passes. It must answer a ``LedgerError`` with a code
+    (or a legitimate outcome), never raise, and never touch the state it read."""
+    state = _serving_state()
+    before = encode_state(state)
+    kinds = sorted(
+        (cls for cls in c.Command.__subclasses__() if cls is not c.StartController),
+        key=lambda k: k.__name__,
+    )
+
+    @_settings(slow)
+    @given(cls=st.sampled_from(kinds), data=st.data())
+    def prop(cls: type[c.Command], data: st.DataObject) -> None:
+        _count("commands (decide)")
+        kwargs = {f: data.draw(_any, label=f) for f in _fields(cls)}
+        command = cls(**kwargs)
+        decision = decide(state, command)
+        if decision.error is not None:
+            assert isinstance(decision.error, LedgerError) and decision.error.code
+        assert encode_state(state) == before
+
+    prop()
+
+
+def test_the_ledger_refuses_bad_commands_and_keeps_serving(slow: bool) -> None:
+    """The same commands through a running :class:`Ledger` (its single writer decides them):
+    a refusal is a ``LedgerError`` with a code, the state and the log are as they were (a
+    refused engine receipt is the one refusal DESIGN §3 records, as ``ReceiptRejected``), and
+    the ledger still serves the next caller."""
+    kinds = sorted(
+        (cls for cls in c.Command.__subclasses__() if cls is not c.StartController),
+        key=lambda k: k.__name__,
+    )
+
+    async def run(commands: list[c.Command]) -> None:
+        store = MemoryStore()
+        async with Ledger.open(store) as ledger:
+            await ledger.create_deployment("dep", prefix="agent", capacity=2)
+            await ledger.register_owner("w", ttl_s=60)
+            for i, command in enumerate(commands):
+                await _settle(ledger)
+                state, seq = encode_state(ledger.state), store.last_seq
+                refusal: LedgerError | None = None
+                try:
+                    await ledger.execute(command)
+                except LedgerError as exc:
+                    refusal = exc
+                if refusal is not None:
+                    assert refusal.code and refusal.code != Code.LEDGER_CLOSED, refusal
+                    await _settle(ledger)
+                    types = [r.type for r in await store.read(after=seq)]
+                    assert types in ([], ["ReceiptRejected"]), types
+                    if not types:
+                        assert encode_state(ledger.state) == state
+                assert (await ledger.release(f"probe-{i}", "w")).released is False
+
+    @_settings(slow)
+    @given(st.lists(st.tuples(st.sampled_from(kinds), st.data()), min_size=1, max_size=4))
+    def prop(drawn: list[tuple[type[c.Command], st.DataObject]]) -> None:
+        commands = []
+        for cls, data in drawn:
+            _count("commands (ledger)")
+            commands.append(cls(**{f: data.draw(_any, label=f) for f in _fields(cls)}))
+        anyio.run(run, commands)
+
+    prop()
+
+
+def test_commands_decoded_from_the_wire_are_typed_or_refused(slow: bool) -> None:
+    """msgspec decoding of the command union: unknown fields, unknown tags and wrong types are
+    ``ValidationError``/``DecodeError`` at the door; what decodes is decided with a code."""
+    state = _serving_state()
+    before = encode_state(state)
+    decoder = msgspec.json.Decoder(c.AnyCommand)
+    tags = sorted(cls.__name__ for cls in c.Command.__subclasses__())
+
+    @_settings(slow)
+    @given(
+        tag=st.sampled_from(tags) | st.text(max_size=10),
+        body=st.dictionaries(
+            st.sampled_from(
+                [
+                    "session",
+                    "owner",
+                    "version_id",
+                    "digest",
+                    "engine",
+                    "incarnation",
+                    "attempt",
+                    "adapters",
+                    "sessions",
+                    "capacity",
+                    "deployment",
+                    "prefix",
+                    "ttl_s",
+                    "now",
+                    "evidence",
+                    "extra",
+                ]
+            )
+            | st.text(max_size=8),
+            _json,
+            max_size=6,
+        ),
+    )
+    def prop(tag: str, body: dict[str, Any]) -> None:
+        _count("commands (wire)")
+        raw = json.dumps({"type": tag, **body}).encode()
+        try:
+            command = decoder.decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        if isinstance(command, c.StartController):
+            return
+        decision = decide(state, command)
+        assert decision.error is None or decision.error.code
+        assert encode_state(state) == before
+
+    prop()
+
+
+def test_the_service_refuses_bad_requests_with_a_code_and_changes_nothing(slow: bool) -> None:
+    """Every POST route of ``loraledger serve`` with random bodies and path parameters: an
+    error answer is 4xx/5xx JSON with a code and leaves the state and the log as they were."""
+    routes = [
+        "/owners",
+        "/owners/{p}/renew",
+        "/sessions/{p}/bind",
+        "/sessions/{p}/release",
+        "/versions",
+    ]
+
+    async def run(cases: list[tuple[str, str, bytes]]) -> None:
+        async with Ledger.open(MemoryStore()) as ledger:
+            await ledger.create_deployment("dep", prefix="agent", capacity=2)
+            await ledger.register_owner("w", ttl_s=60)
+            app_ = build_app(ledger, LedgerMetrics(lambda: ledger.state, []), token="t")
+            transport = httpx.ASGITransport(app=app_)
+            async with httpx.AsyncClient(transport=transport, base_url="http://svc") as client:
+                for route, param, body in cases:
+                    await _settle(ledger)
+                    state_before, seq_before = encode_state(ledger.state), ledger.store.last_seq
+                    response = await client.post(
+                        route.replace("{p}", param),
+                        content=body,
+                        headers={"authorization": "Bearer t", "content-type": "application/json"},
+                    )
+                    assert response.status_code < 500 or response.status_code == 503, response.text
+                    routed = response.headers.get("content-type") == "application/json"
+                    if response.status_code != 200:
+                        # an unroutable path (``/owners//renew``) is the router's plain 404
+                        assert routed or response.status_code == 404, response.text
+                        assert not routed or response.json()["code"], response.text
+                        await _settle(ledger)
+                        assert encode_state(ledger.state) == state_before
+                        assert ledger.store.last_seq == seq_before
+                    for lease in ledger.leases._leases.values():
+                        assert all(
+                            isinstance(n, int) and n >= 0 for n in lease.inflight.values()
+                        ), lease
+
+    renewals = st.tuples(
+        st.just("/owners/{p}/renew"),
+        st.just("w"),
+        st.builds(
+            lambda e, v, n: json.dumps(
+                {"inflight": [{"engine": e, "version_id": v, "count": n}]}
+            ).encode(),
+            st.text(max_size=4),
+            st.integers(-5, 5),
+            st.integers(-(2**63), 2**63),
+        ),
+    )
+
+    @_settings(slow)
+    @given(
+        st.lists(
+            renewals
+            | st.tuples(
+                st.sampled_from(routes),
+                st.sampled_from(["w", "s1", "", "%20", "x" * 300, "..", "a%2Fb"])
+                | st.text(alphabet="abc-_.~", max_size=8),
+                st.builds(lambda j: json.dumps(j).encode(), _json)
+                | st.builds(
+                    lambda o, t: json.dumps({"owner": o, "ttl_s": t}).encode(), _json, _json
+                )
+                | st.builds(
+                    lambda e, v, n: json.dumps(
+                        {"inflight": [{"engine": e, "version_id": v, "count": n}]}
+                    ).encode(),
+                    _json,
+                    _json,
+                    _json,
+                )
+                | st.builds(
+                    lambda v, d: json.dumps({"version_id": v, "adapter_dir": d}).encode(),
+                    _json,
+                    _json,
+                )
+                | st.binary(max_size=64),
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    def prop(cases: list[tuple[str, str, bytes]]) -> None:
+        for _ in cases:
+            _count("service requests")
+        anyio.run(run, cases)
+
+    prop()
+
+
+async def _settle(ledger: Ledger) -> None:
+    while ledger.store.last_seq < ledger.state.last_seq:  # noqa: ASYNC110 -- durable soon
+        await anyio.sleep(0.001)
+
+
+# --- engine replies ---------------------------------------------------------------------------
+
+_ENGINE_CODES = {v for k, v in vars(ErrorCode).items() if k.isupper()}
+
+
+def _candidate(root: Path) -> Candidate:
+    config, tensors = make_adapter(1)
+    manifest = build_manifest(config, tensors)
+    store = ArtifactStore(root)
+    path = store.put(manifest, tensors)
+    return Candidate(
+        lora_name="agent@dep-1-" + manifest.digest[:16],
+        digest=manifest.digest,
+        attempt=1,
+        manifest=manifest,
+        artifact_path=str(path),
+    )
+
+
+def test_engine_adapters_read_any_reply_as_a_value_or_an_engine_error(
+    tmp_path: Path, slow: bool
+) -> None:
+    candidate = _candidate(tmp_path / "artifacts")
+    params = SamplingParams(max_tokens=3)
+    bodies = (
+        st.builds(lambda j: json.dumps(j).encode(), _json)
+        | st.binary(max_size=200)
+        | st.just(b"{" * 10_000)
+        | st.just(json.dumps({"data": [{"id": "x" * 100_000}]}).encode())
+        | st.builds(lambda j: json.dumps({"data": j, "object": "list"}).encode(), _json)
+        | st.builds(
+            lambda j: json.dumps({"text": j, "output_ids": j, "meta_info": j}).encode(), _json
+        )
+        | st.builds(lambda j: json.dumps({"choices": j, "usage": j}).encode(), _json)
+        | st.builds(lambda j: json.dumps({"incarnation": j, "startup_time": j}).encode(), _json)
+        | st.builds(lambda j: json.dumps({"error": j}).encode(), _json)
+    )
+    statuses = st.sampled_from([200, 200, 200, 201, 204, 400, 404, 409, 422, 500, 503, 302])
+
+    async def one(kind: str, method: str, status: int, body: bytes) -> None:
+        def reply(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(status, content=body)
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(reply), base_url="http://engine")
+        if kind == "sglang":
+            engine: Any = SGLangEngine("http://engine", "e0", client=client)
+        elif kind == "vllm":
+            engine = VLLMEngine("http://engine", "e0", max_lora_rank=64, client=client)
+        else:
+            engine = LocalHTTPEngine("http://engine", "e0", client=client)
+        calls: dict[str, Callable[[], Any]] = {
+            "incarnation": engine.incarnation,
+            "inventory": engine.inventory,
+            "prepare": lambda: engine.prepare(candidate),
+            "load": lambda: engine.load(candidate),
+            "unload": lambda: engine.unload(candidate.lora_name, attempt=1),
+            "generate": lambda: engine.generate((1, 2, 3), candidate.lora_name, params),
+        }
+        try:
+            with anyio.fail_after(10):
+                value = await calls[method]()
+        except EngineError as exc:
+            value = exc
+        finally:
+            await client.aclose()
+        if isinstance(value, EngineError):
+            assert value.code in _ENGINE_CODES, value
+            return
+        expected = {"incarnation": str, "inventory": Inventory, "generate": Generation}
+        if method in expected:
+            assert isinstance(value, expected[method]), (method, value)
+        if isinstance(value, Inventory):
+            assert all(isinstance(a.lora_name, str) for a in value.adapters)
+        if isinstance(value, Generation):
+            assert all(isinstance(t, int) for t in value.token_ids)
+            assert isinstance(value.text, str)
+
+    @_settings(slow)
+    @given(
+        kind=st.sampled_from(["sglang", "vllm", "local"]),
+        method=st.sampled_from(
+            ["incarnation", "inventory", "prepare", "load", "unload", "generate"]
+        ),
+        status=statuses,
+        body=bodies,
+    )
+    def prop(kind: str, method: str, status: int, body: bytes) -> None:
+        _count("engine replies")
+        anyio.run(one, kind, method, status, body)
+
+    prop()
+
+
+# --- adapter files ----------------------------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_adapter_files_are_refused_with_a_code(tmp_path: Path, slow: bool) -> None:
+    config, tensors = make_adapter(1)
+    manifest = build_manifest(config, tensors)
+    store = ArtifactStore(tmp_path / "store")
+    good = store.put(manifest, tensors)
+    weights = (good / "adapter_model.safetensors").read_bytes()
+    config_bytes = (good / "adapter_config.json").read_bytes()
+    scratch = tmp_path / "scratch"
+    codes: set[str] = set()
+
+    @_settings(slow)
+    @given(
+        what=st.sampled_from(["weights", "config", "both", "resolve", "path_for", "put"]),
+        blob=st.binary(max_size=512),
+        flips=st.lists(st.integers(min_value=0, max_value=len(weights) - 1), max_size=6),
+        cut=st.integers(min_value=0, max_value=len(weights)),
+        doc=_json,
+        name=_text,
+    )
+    def prop(what: str, blob: bytes, flips: list[int], cut: int, doc: Any, name: str) -> None:
+        _count("adapter files")
+        before = _tree(store.root)
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+        w = bytearray(weights[:cut] if cut % 3 == 0 else weights)
+        for i in flips:
+            if i < len(w):
+                w[i] ^= 0x5A
+        try:
+            if what == "resolve":
+                store.resolve(name)
+                return
+            if what == "path_for":
+                store.path_for(name)
+                return
+            if what == "put":
+                bad = msgspec.structs.replace(manifest, digest=hashlib.sha256(blob).hexdigest())
+                store.put(bad, tensors)
+                raise AssertionError("a manifest with another digest was stored")
+            (scratch / "adapter_model.safetensors").write_bytes(
+                bytes(w) if what in ("weights", "both") else (blob if what == "config" else weights)
+            )
+            (scratch / "adapter_config.json").write_bytes(
+                json.dumps(doc).encode() if what in ("config", "both") else config_bytes
+            )
+            read_adapter_dir(scratch)
+        except ArtifactError as exc:
+            codes.add(exc.code)
+        assert _tree(store.root) == before, "a refused input changed the artifact store"
+        assert codes <= {"INVALID_ADAPTER", "DIGEST_MISMATCH", "PATH_OUTSIDE_STORE"}, codes
+
+    prop()
+
+
+def test_a_path_outside_the_artifact_root_is_refused(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "store")
+    for path in ("../x", "/etc", "a/../../b", str(tmp_path), os.fspath(store.root / ".." / "y")):
+        _count("adapter files")
+        with pytest.raises(ArtifactError) as caught:
+            store.resolve(path)
+        assert caught.value.code == "PATH_OUTSIDE_STORE"
