@@ -61,6 +61,7 @@ from engines.faults import (
     Restart,
     RestartableEngine,
     ServerError,
+    Swallow,
 )
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
@@ -119,27 +120,29 @@ class SimConfig:
             turns=rng.randint(1, 3),
             crashes=tuple(sorted(rng.uniform(5, 200) for _ in range(rng.choice((0, 1, 1, 2))))),
             death=rng.choice((None, rng.uniform(10, 150))),
-            fault_rate=rng.choice((0.0, 0.03, 0.08, 0.15)),
+            fault_rate=rng.choice((0.0, 0.05, 0.15, 0.3)),
         )
 
 
 def fault_menu(rate: float, restartable: bool) -> dict[str, list[tuple[float, Fault]]]:
     """Per-method fault rates: mostly replies lost or late, some 5xx and refusals, duplicates
-    (in line and late, i.e. reordered), and a few restarts."""
+    (in line and late, i.e. reordered), calls answered but never acted on, a few restarts."""
     if rate == 0:
         return {}
     control: list[tuple[float, Fault]] = [
-        (rate * 0.30, Drop()),
-        (rate * 0.20, Delay(seconds=3.0, after=True)),
+        (rate * 0.25, Drop()),
+        (rate * 0.15, Delay(seconds=3.0, after=True)),
         (rate * 0.10, Delay(seconds=1.0)),
         (rate * 0.10, ServerError()),
         (rate * 0.10, Duplicate()),
         (rate * 0.10, Duplicate(delay=7.0)),
         (rate * 0.05, Refuse()),
+        (rate * 0.10, Swallow()),  # answered success, never acted: found only by inventory
     ]
     if restartable:
         control.append((rate * 0.05, Restart(after=True)))
-    probe: list[tuple[float, Fault]] = [(rate * 0.5, Drop()), (rate * 0.3, Delay(seconds=2.5))]
+    # probes are frequent: a lower rate keeps engines reachable most of the time
+    probe: list[tuple[float, Fault]] = [(rate * 0.2, Drop()), (rate * 0.1, Delay(seconds=2.5))]
     generate: list[tuple[float, Fault]] = [(rate * 0.5, Drop()), (rate * 0.2, Delay(seconds=1.0))]
     if restartable:
         generate.append((rate * 0.05, Restart()))
