@@ -57,5 +57,8 @@ async def test_every_crash_point_recovers(tmp_path: Path, slow: bool) -> None:
         for mode, k in points:
             tg.start_soon(one, mode, k)
     survived = len(points) - len(failures)
-    record_figure(f"crash points survived ({scenario})", f"{survived}/{len(points)}")
+    record_figure(
+        "crash points survived",
+        f"{survived}/{len(points)} ({scenario} scenario: after and during each of its events)",
+    )
     assert not failures, "\n".join(sorted(failures)[:5])
