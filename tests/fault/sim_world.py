@@ -227,7 +227,6 @@ class ControllerDown(ConnectionError):
 @dataclass
 class World:
     cfg: SimConfig
-    rng: random.Random
     workdir: Path
     log: MemoryLog = field(default_factory=MemoryLog)
     hosts: list[RestartableEngine] = field(default_factory=list)
@@ -240,7 +239,6 @@ class World:
     notes: list[str] = field(default_factory=list)
     sink: MemorySink = field(default_factory=MemorySink)
     calm: bool = False
-    chaos_done: anyio.Event = field(default_factory=anyio.Event)
     up: anyio.Event = field(default_factory=anyio.Event)
 
     # --- what the rest of the system reaches through the network --------------------------
@@ -494,7 +492,7 @@ async def _engines(world: World) -> AsyncIterator[None]:
 
 
 async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
-    world = World(cfg=cfg, rng=random.Random(cfg.seed), workdir=workdir)
+    world = World(cfg=cfg, workdir=workdir)
     async with _engines(world), ProvenanceRecorder(world.sink) as recorder:
         gateway = Gateway(
             Fleet(world.faulty),
