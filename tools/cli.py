@@ -158,7 +158,7 @@ def demo(
         raise ToolError(Exit.USAGE, f"--engine must be local or vllm, got {engine!r}")
     vllm_python = None
     if engine == "vllm":
-        vllm_python = demo_run.check_vllm(Path(__file__).resolve().parents[1])
+        vllm_python = demo_run.check_vllm()
     if _verbosity == 0:
         # The story explains the expected warnings and errors (requests refused or lost by
         # the restarting engine); -v shows every decision as it happens.

@@ -16,14 +16,13 @@ owner leases, the generation gateway writing provenance):
 6. the story is then told **from the log** (``tools/story.py``), with the commands to try on it.
 
 ``--quick`` is the same story, smaller (the CI test runs it). ``--engine vllm`` needs the real
-vLLM CPU engine venv (``tests/integration/vllm_env.sh``); see :func:`check_vllm`.
+vLLM CPU engine venv (``engines/vllm_env.sh``); see :func:`check_vllm`.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import subprocess
 import time
 import warnings
 from collections import Counter
@@ -101,18 +100,21 @@ def prepare_dir(directory: Path | None) -> Path:
     return directory.resolve()
 
 
-def check_vllm(repo: Path) -> Path:
-    """The real vLLM engine venv, installed by ``tests/integration/vllm_env.sh`` (reused, not
+def check_vllm() -> Path:
+    """The real vLLM engine venv's interpreter, checked by ``engines/vllm_env.sh`` (reused, not
     reimplemented: it pins the CPU build and verifies the install). Raises ``ToolError``
-    (exit 12) with the way to install it when it is not usable here."""
-    script = repo / "tests" / "integration" / "vllm_env.sh"
+    (exit 12) with the way to install it when it was never installed here (that takes minutes
+    and network access, which a demo should not start on its own) or is not usable."""
+    from engines import vllm_server
+
+    script = vllm_server.ENV_SCRIPT
     if not script.exists():
         raise ToolError(
             Exit.ENGINE_UNAVAILABLE,
-            "--engine vllm needs a source checkout of loraledger "
-            "(tests/integration/vllm_env.sh builds the vLLM CPU engine venv)",
+            f"--engine vllm needs {script}, which builds the vLLM CPU engine venv: "
+            "this installation of loraledger does not carry it",
         )
-    venv = Path(os.environ.get("VLLM_VENV", repo / ".venv-vllm"))
+    venv = vllm_server.default_venv()
     marker = venv / ".loraledger-ready"
     if not marker.exists():
         raise ToolError(
@@ -121,16 +123,12 @@ def check_vllm(repo: Path) -> Path:
             f"bash {script}  (about 10 minutes, needs network access to PyPI; "
             "then run the demo again with --engine vllm)",
         )
-    result = subprocess.run(
-        ["bash", str(script)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "VLLM_VENV": str(venv)},
-    )
-    if result.returncode != 0:
-        line = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
-        raise ToolError(Exit.ENGINE_UNAVAILABLE, f"the vLLM engine venv is not usable: {line}")
-    return venv / "bin" / "python"
+    result = vllm_server.ensure_env(venv, timeout=None)
+    if result.returncode != vllm_server.ENV_READY:
+        raise ToolError(
+            Exit.ENGINE_UNAVAILABLE, f"the vLLM engine venv is not usable: {result.line}"
+        )
+    return result.python
 
 
 async def run_demo(
@@ -293,32 +291,25 @@ async def run_demo(
 async def _vllm_engine(stack: AsyncExitStack, directory: Path, python: Path | None) -> Any:
     """A real vLLM CPU server on loopback (fleet member e0), stopped by its PID at the end.
 
-    The server recipe is the integration tests' own (``tests/integration/conftest.py``:
-    command line, environment, health wait, stop by process group), reused rather than
-    copied, which is why this path needs a source checkout with the dev extra."""
+    The server is the integration tests' own (:mod:`engines.vllm_server`: command line,
+    environment, health wait, stop by process group). It is spawned from this, the event
+    loop's, thread: the server dies with the thread that started it (parent death signal),
+    and a worker thread would be retired by anyio after 10 idle seconds, mid-demo."""
     from engines.local.tinymodel import SERVED_NAME, default_cache_dir, ensure_tiny_model
     from engines.vllm import VLLMEngine
+    from engines.vllm_server import VLLMServer, VLLMServerError, default_venv
 
-    try:
-        from tests.integration.conftest import VENV, VLLMServer
-    except ImportError as exc:
-        raise ToolError(
-            Exit.ENGINE_UNAVAILABLE,
-            f"--engine vllm needs a source checkout with the dev extra (pytest): {exc}",
-        ) from None
     model_dir = await anyio.to_thread.run_sync(ensure_tiny_model, default_cache_dir())
     workdir = directory / "vllm"
     workdir.mkdir()
     server = VLLMServer(
-        python=python or VENV / "bin" / "python", model_dir=model_dir, workdir=workdir
+        python=python or default_venv() / "bin" / "python", model_dir=model_dir, workdir=workdir
     )
     stack.push_async_callback(anyio.to_thread.run_sync, server.stop)
     log.info("demo.vllm_starting", workdir=str(workdir))
     try:
-        await anyio.to_thread.run_sync(server.start)
-    except BaseException as exc:  # the recipe reports start-up failures as pytest failures
-        if not _is_test_failure(exc):
-            raise
+        await server.start_async()
+    except VLLMServerError as exc:
         raise ToolError(
             Exit.ENGINE_UNAVAILABLE, f"the vLLM server did not start: {exc}\n{server.log_tail(20)}"
         ) from None
@@ -326,11 +317,6 @@ async def _vllm_engine(stack: AsyncExitStack, directory: Path, python: Path | No
     member = VLLMEngine(server.base_url, "e0", served_model=SERVED_NAME)
     stack.push_async_callback(member.aclose)
     return member
-
-
-def _is_test_failure(exc: BaseException) -> bool:
-    """``pytest.fail`` raises ``_pytest.outcomes.Failed`` (a BaseException)."""
-    return type(exc).__name__ == "Failed" and type(exc).__module__.startswith("_pytest")
 
 
 async def _restart(host: Any, ledger: Any) -> None:
