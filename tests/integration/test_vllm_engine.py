@@ -13,8 +13,8 @@ What is proven, through ``VLLMEngine`` only:
   every runtime-loaded adapter.
 
 Expected tokens are never written down: the reference is computed with peft in this process.
-The only raw HTTP here is a read of vLLM's ``num_requests_running`` gauge, used to start the
-unload once the requests are provably running.
+The only raw HTTP here is a read of vLLM's ``num_requests_running``/``waiting`` gauges, used to
+start the unload once every request is provably admitted.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -50,6 +51,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
 PROMPT = "hello world"
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+ADMISSION_TIMEOUT_S = 300.0
+OVERLAP_ATTEMPTS = 3
 
 
 # --- the transformers+peft reference --------------------------------------------------------
@@ -178,8 +181,10 @@ async def cleanup(engine: VLLMEngine, *versions: Version) -> None:
 
 
 async def admitted(client: httpx.AsyncClient, server: VLLMServer) -> float:
-    """Requests the engine has accepted (running + waiting), from vLLM's Prometheus gauges."""
-    text = (await client.get(f"{server.base_url}/metrics", timeout=5.0)).text
+    """Requests the engine has accepted (running + waiting), from vLLM's Prometheus gauges.
+    The timeout is generous: a slow answer only delays the test (a starved API server has
+    taken more than 5 s to answer)."""
+    text = (await client.get(f"{server.base_url}/metrics", timeout=60.0)).text
     pattern = r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$"
     return sum(float(m) for m in re.findall(pattern, text, re.M))
 
@@ -227,25 +232,45 @@ async def test_two_versions_generate_exactly_the_peft_tokens(
     assert_inventory(await engine.inventory(), baseline)
 
 
-async def test_requests_in_flight_during_unload_finish_on_their_adapter(
-    engine: VLLMEngine, store: ArtifactStore, reference: PeftReference, vllm_server: VLLMServer
-) -> None:
-    baseline = await engine.inventory()
-    v = Version(store, seed=21, version_id=3)
-    await publish(engine, v)
+@dataclass(frozen=True)
+class UnloadRun:
+    """One unload under running requests, as the client saw it (seconds since the first send)."""
+
+    all_admitted_at: float
+    checked_at: float
+    finished_before: int  # finished before the unload, the refusal and the inventory check
+    finished_across: int  # finished after all three: the requests that prove the property
+    refused: int  # reached vLLM only after the unload (never admitted under the name)
+
+
+async def unload_under_requests(
+    engine: VLLMEngine,
+    v: Version,
+    reference: PeftReference,
+    server: VLLMServer,
+    baseline: Inventory,
+) -> UnloadRun:
+    """Publish ``v``, send twice the server's batch size of long requests on it, unload it while
+    they run, and check every outcome: the unload is proven by the inventory, a new request is
+    refused cleanly (``NOT_LOADED``), and every admitted request finishes normally with the
+    adapter's exact tokens."""
     prompt_len = len(reference.prompt_ids(PROMPT))
-    # As long as the server allows (max_model_len), so the unload, the refusal and the
-    # inventory check all happen while every request is still decoding.
+    # As long as the server allows (max_model_len): the longer each request, the longer the
+    # window in which the unload, the refusal and the inventory check must all fall.
     long = SamplingParams(
-        max_tokens=vllm_server.max_model_len - prompt_len, temperature=0.0, ignore_eos=True
+        max_tokens=server.max_model_len - prompt_len, temperature=0.0, ignore_eos=True
     )
+    # The reference first: computing it takes seconds on a busy machine, and a connection the
+    # engine's client left idle that long may be closed by the server just as it is reused.
     expected = reference.greedy(PROMPT, long.max_tokens, v.path)
+    await publish(engine, v)
     # Twice the server's batch size: half of them wait in the engine's queue, admitted (their
-    # name already resolved) but not started. That keeps the window long on a busy machine,
-    # and it checks the stronger case: queued requests also run on the unloaded adapter.
-    n_requests = 2 * vllm_server.max_num_seqs
+    # name already resolved) but not started, which lengthens the window, and checks the
+    # stronger case: queued requests also run on the unloaded adapter.
+    n_requests = 2 * server.max_num_seqs
     finished: dict[int, tuple[Generation, float]] = {}
     refused_late: dict[int, CleanRefusal] = {}
+    started = time.monotonic()
 
     async def one(i: int) -> None:
         try:
@@ -253,25 +278,30 @@ async def test_requests_in_flight_during_unload_finish_on_their_adapter(
         except CleanRefusal as exc:  # reached the server only after the unload
             refused_late[i] = exc
         else:
-            finished[i] = (g, time.monotonic())
+            finished[i] = (g, time.monotonic() - started)
 
     # One client for the gauge polls, made before the requests start: building an httpx
     # client (its SSL context) holds the GIL for tens of ms, far longer on a busy 2-core box.
     async with httpx.AsyncClient(trust_env=False) as probe, anyio.create_task_group() as tg:
         for i in range(n_requests):
             tg.start_soon(one, i)
-        # Normally all are admitted within milliseconds; on a starved machine the API server
-        # may admit some late, so stop waiting as soon as one of them is already done.
-        with anyio.fail_after(60):
-            while not finished and await admitted(probe, vllm_server) < n_requests:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+        # Unload only once every request has reached the engine (or already finished). On a
+        # loaded machine vLLM's API server admits requests slowly while it decodes; an unload
+        # sent earlier queues behind the admissions, takes seconds, and the requests it was
+        # meant to overlap finish first. Waiting costs time, never correctness, so the bound
+        # is generous. Polls are 50 ms apart: each render of /metrics occupies the API server's
+        # event loop (10-20 ms idle, far more when starved), time taken from admission.
+        with anyio.fail_after(ADMISSION_TIMEOUT_S):
+            while await admitted(probe, server) + len(finished) < n_requests:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        all_admitted_at = time.monotonic() - started
         receipt = await engine.unload(v.name)  # returns once /v1/models no longer lists it
         assert receipt.was_loaded
         with pytest.raises(CleanRefusal) as refused:
             await engine.generate(PROMPT, v.name, GREEDY)
         assert refused.value.code == ErrorCode.NOT_LOADED
-        checked_at = time.monotonic()
         assert_inventory(await engine.inventory(), baseline)
+        checked_at = time.monotonic() - started
 
     assert len(finished) + len(refused_late) == n_requests
     # Only a request that had not been admitted when the name went away may be refused, and
@@ -282,15 +312,45 @@ async def test_requests_in_flight_during_unload_finish_on_their_adapter(
         assert g.lora_name == v.name
         assert g.finish_reason == "length"
         assert g.token_ids == expected  # the adapter's tokens, to the last one
-    across = [i for i, (_, done_at) in finished.items() if done_at > checked_at]
-    assert across, (
-        f"no request was still running after the unload ({len(finished)} finished before it, "
-        f"{len(refused_late)} refused): the property was not exercised"
-    )
     # A repeated unload is a clean no-op.
     again = await engine.unload(v.name)
     assert not again.was_loaded
     assert_inventory(await engine.inventory(), baseline)
+    across = sum(1 for _, done_at in finished.values() if done_at > checked_at)
+    return UnloadRun(
+        all_admitted_at=round(all_admitted_at, 2),
+        checked_at=round(checked_at, 2),
+        finished_before=len(finished) - across,
+        finished_across=across,
+        refused=len(refused_late),
+    )
+
+
+async def test_requests_in_flight_during_unload_finish_on_their_adapter(
+    engine: VLLMEngine, store: ArtifactStore, reference: PeftReference, vllm_server: VLLMServer
+) -> None:
+    """Requests admitted before an unload finish on their adapter, with its exact tokens;
+    requests after it are refused cleanly (``NOT_LOADED``).
+
+    The overlap itself cannot be forced from outside (a stock server cannot be held between
+    tokens; vLLM's ``/pause`` needs its dev mode): at least one request must still be running
+    after the unload, the refusal and the inventory check, or the property was not exercised.
+    On a heavily loaded machine a stall of seconds in vLLM's API server can outlast every
+    request, so a run that did not overlap is repeated with a new version, up to
+    ``OVERLAP_ATTEMPTS`` runs. Only the overlap is retried: every outcome of every run is
+    checked, and a wrong one fails at once."""
+    baseline = await engine.inventory()
+    runs: list[UnloadRun] = []
+    for attempt in range(OVERLAP_ATTEMPTS):
+        v = Version(store, seed=21 + attempt, version_id=3)
+        runs.append(await unload_under_requests(engine, v, reference, vllm_server, baseline))
+        if runs[-1].finished_across:
+            return
+    pytest.fail(
+        f"no request was still running after the unload in {len(runs)} runs ({runs}): "
+        "the property was not exercised",
+        pytrace=False,
+    )
 
 
 async def test_duplicate_load_and_bad_paths_are_clean_refusals(
