@@ -23,6 +23,23 @@ import httpx
 
 from engines.contract import AmbiguousReply, ErrorCode
 
+# Servers close idle keep-alive connections after a few seconds (uvicorn, which serves vLLM's
+# and SGLang's HTTP APIs, after 5 s). A client that keeps them as long reuses a connection the
+# server is closing just as a request goes out: a spurious CONNECTION_LOST (ambiguous, never
+# resent, but an attempt lost for nothing). Expire ours well before.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def engine_client(base_url: str, *, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    """The HTTP client every engine adapter uses: loopback/cluster traffic never goes through
+    a proxy from the environment, and idle connections expire before the server's do."""
+    return httpx.AsyncClient(
+        base_url=base_url,
+        trust_env=False,
+        headers=headers,
+        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+    )
+
 
 async def request(
     client: httpx.AsyncClient,

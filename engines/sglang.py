@@ -211,9 +211,7 @@ class SGLangEngine:
         self.max_lora_rank = max_lora_rank
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            base_url=self.base_url, trust_env=False, headers=headers
-        )
+        self._client = client or http.engine_client(self.base_url, headers=headers)
         self._prepared: dict[str, _Prepared] = {}
         self._fence: dict[str, int] = {}  # highest attempt seen per name
         self._cleaned: dict[str, int] = {}  # highest attempt cleaned up per name

@@ -160,7 +160,7 @@ class VLLMEngine:
         self.max_lora_rank = max_lora_rank
         self.timeouts = timeouts or VLLMTimeouts()
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(base_url=self.base_url, trust_env=False)
+        self._client = client or http.engine_client(self.base_url)
         self._prepared: dict[str, _Prepared] = {}
         self._newest: dict[str, int] = {}  # highest attempt prepared, per name
         self._cleaned: dict[str, int] = {}  # highest attempt cleaned up (unload with attempt)
