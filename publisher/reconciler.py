@@ -382,15 +382,13 @@ class Reconciler:
                     engine_id=engine_id,
                 )
         except EngineError:
-            # Leave nothing half-restored behind (attempt-fenced, bounded, best effort).
-            with contextlib.suppress(EngineError):
-                await call(
-                    engine_id,
-                    "unload",
-                    self.cleanup_timeout,
-                    lambda: engine.unload(v.lora_name, attempt=v.attempt),
-                )
-            raise
+            # A lost reply may hide a load that happened: the engine's inventory decides. No
+            # cleanup unload: an engine fences an unloaded (name, attempt) for the rest of its
+            # life, and a committed version's attempt never changes, so a cleanup shut the
+            # version out of this engine for good (found by the simulation). What a failed
+            # restore leaves is harmless: staging is replaced by the next prepare.
+            if not await self._loaded_anyway(engine_id, engine, v, incarnation):
+                raise
         await self._ledger.restore_version(v.version_id, engine_id, incarnation)
         log.info(
             "reconciler.restored",
@@ -398,6 +396,18 @@ class Reconciler:
             version=v.version_id,
             seq=self._ledger.state.last_seq,
         )
+
+    async def _loaded_anyway(
+        self, engine_id: str, engine: Engine, v: VersionRecord, incarnation: str
+    ) -> bool:
+        """Whether a fresh inventory proves ``v`` loaded in ``incarnation`` after all."""
+        try:
+            inventory = await call(
+                engine_id, "inventory", self.timeouts.inventory, engine.inventory
+            )
+        except EngineError:
+            return False
+        return confirms(inventory, v.lora_name, v.digest, incarnation) is None
 
     # --- orphans --------------------------------------------------------------------------
 

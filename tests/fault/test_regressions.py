@@ -12,6 +12,7 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import CleanRefusal, ErrorCode
+from engines.faults import Drop
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
@@ -21,6 +22,7 @@ from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from tests.fault.simloop import run_simulated, sim_clock
+from tests.publisher.plane_kit import faulty_engines, names, open_plane, snapshot, wait_for
 
 
 @pytest.mark.anyio
@@ -135,3 +137,31 @@ async def test_regression_renewal_with_a_negative_inflight_count_was_accepted() 
         assert ledger.inflight_evidence(1)[0].count == 0
         ledger.renew_lease("w", {("e0", 1): 2})
         assert ledger.inflight_evidence(1)[0].count == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
+async def test_regression_a_failed_restore_fenced_the_committed_attempt_out_forever(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulation (--slow, 7 seeds of 3000): an engine restarted, the reconciler's
+    restore of the default version lost its load reply, and the cleanup of that failed restore
+    was attempt-fenced -- the engine then refused every later restore of that (committed,
+    never-changing) attempt as STALE_ATTEMPT, so the engine was never routable again (with
+    one engine, nothing could be served). The cleanup of a restore is not fenced now."""
+    async with (
+        faulty_engines(1, artifact_root=tmp_path / "artifacts") as (e0,),
+        open_plane([e0], tmp_path) as plane,
+    ):
+        published = await plane.publisher.publish(snapshot(1), version_id=1)
+        name = published.lora_name
+        before = plane.ledger.state.engines["e0"].incarnation
+        e0.inject("load", Drop())  # the restore's load runs; its reply is lost
+        await e0.inner.restart()  # type: ignore[attr-defined]
+
+        def repaired() -> bool:
+            member = plane.ledger.state.engines["e0"]
+            return member.incarnation != before and member.routable and name in member.holds
+
+        await wait_for(repaired, timeout=20)
+        assert name in await names(e0)
