@@ -400,14 +400,26 @@ class Reconciler:
     async def _loaded_anyway(
         self, engine_id: str, engine: Engine, v: VersionRecord, incarnation: str
     ) -> bool:
-        """Whether a fresh inventory proves ``v`` loaded in ``incarnation`` after all."""
+        """Whether a fresh inventory proves ``v`` loaded in ``incarnation`` after all. When it
+        proves the name absent, an unfenced unload drops what the failed restore staged (it
+        unregisters nothing, so nothing is fenced; a later restore prepares afresh)."""
         try:
             inventory = await call(
                 engine_id, "inventory", self.timeouts.inventory, engine.inventory
             )
         except EngineError:
             return False
-        return confirms(inventory, v.lora_name, v.digest, incarnation) is None
+        if confirms(inventory, v.lora_name, v.digest, incarnation) is None:
+            return True
+        if inventory.incarnation == incarnation and v.lora_name not in inventory.names():
+            with contextlib.suppress(EngineError):
+                await call(
+                    engine_id,
+                    "unload",
+                    self.cleanup_timeout,
+                    lambda: engine.unload(v.lora_name),
+                )
+        return False
 
     # --- orphans --------------------------------------------------------------------------
 
