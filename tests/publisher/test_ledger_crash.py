@@ -38,18 +38,17 @@ def run_and_kill(db: Path, run_id: str, acks_before_kill: int) -> list[list[str]
             line = child.stdout.readline()
             if not line:
                 break
-            if line.startswith("ACK "):
+            if line.startswith("ACK ") and line.endswith("\n"):
                 acks.append(line.split()[1:])
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         if child.stdout is not None:
-            # Acks written before the kill but not yet read were acknowledged too.
-            acks.extend(
-                line.split()[1:]
-                for line in child.stdout.read().splitlines()
-                if line.startswith("ACK ")
-            )
+            # Acks written before the kill but not yet read were acknowledged too; a line the
+            # kill cut short (no newline yet) was never completely printed: it acknowledged
+            # nothing (and its last field may be a truncated seq).
+            complete = child.stdout.read().split("\n")[:-1]
+            acks.extend(line.split()[1:] for line in complete if line.startswith("ACK "))
             child.stdout.close()
     assert acks, "the child never acknowledged anything"
     return acks
