@@ -209,8 +209,14 @@ class ReclaimDriver:
         engine = self._fleet[engine_id]
         known = member.incarnation
         try:
+            # Attempt-fenced: the engine then refuses every prepare of this (committed, final)
+            # attempt for the rest of its incarnation, so a late duplicate of an earlier
+            # restore's prepare cannot stage the reclaimed name again (found by the simulation).
             receipt = await call(
-                engine_id, "unload", self.timeouts.unload, lambda: engine.unload(v.lora_name)
+                engine_id,
+                "unload",
+                self.timeouts.unload,
+                lambda: engine.unload(v.lora_name, attempt=v.attempt),
             )
             incarnation = receipt.incarnation
         except CleanRefusal as exc:

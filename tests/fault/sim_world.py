@@ -592,7 +592,8 @@ async def check_end_state(world: World) -> None:
         assert member.routable and member.incarnation == inventory.incarnation, member
         assert inventory.names() == set(member.holds) == {name}, (engine.engine_id, inventory)
         assert len(engine.model_adapters()) == len(engine.residents()) == 1, engine.engine_id
-        assert not engine.draining() and not engine.staged(), engine.engine_id
+        left = (engine.draining(), engine.staged())
+        assert left == ([], []), (engine.engine_id, "draining, staged", left)
     bound = {
         r.event.session: r.event.version_id for r in records if isinstance(r.event, SessionBound)
     }

@@ -11,12 +11,13 @@ import httpx
 import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
-from engines.contract import CleanRefusal, ErrorCode
-from engines.faults import Drop
+from engines.contract import Candidate, CleanRefusal, ErrorCode
+from engines.faults import Drop, Refuse
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
 from evlog.memory import MemoryStore
+from projections.registry import VersionState
 from publisher import commands as c
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger
@@ -165,3 +166,42 @@ async def test_regression_a_failed_restore_fenced_the_committed_attempt_out_fore
 
         await wait_for(repaired, timeout=20)
         assert name in await names(e0)
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
+async def test_regression_a_late_duplicate_prepare_staged_a_reclaimed_name_again(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulation (--slow, seed 1601): a restarted engine's restore of v1 staged
+    v1's name and never loaded it; v1 was then retired and reclaimed, and the reclaim's
+    unfenced unload dropped the staging area but fenced nothing, so a late duplicate of the
+    restore's prepare opened a new staging area for the reclaimed name (memory nobody would
+    ever free). The reclaim unload is attempt-fenced now: that duplicate is refused."""
+    async with (
+        faulty_engines(2, artifact_root=tmp_path / "artifacts") as (e0, e1),
+        open_plane([e0, e1], tmp_path) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        attempt = ledger.state.versions[1].attempt
+        before = ledger.state.engines["e0"].incarnation
+        e0.inject("prepare", Refuse(), times=10_000)  # every restore fails, e0 stays unroutable
+        await e0.inner.restart()  # type: ignore[attr-defined]
+        await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
+        # the restore's prepare that reached the engine (its later steps never did)
+        fresh = e0.inner.current  # type: ignore[attr-defined]
+        late = Candidate(
+            lora_name=v1.lora_name, digest=v1.digest, attempt=attempt, manifest=snapshot(1).manifest
+        )
+        await fresh.prepare(late)
+        assert fresh.staged() == [v1.lora_name]
+
+        await plane.publisher.publish(snapshot(2), version_id=2)  # e1 only; v1 retires
+        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        assert fresh.staged() == []
+
+        with pytest.raises(CleanRefusal) as refused:
+            await fresh.prepare(late)  # the late duplicate of the restore's prepare
+        assert refused.value.code in {ErrorCode.STALE_ATTEMPT, ErrorCode.NAME_RECLAIMED}
+        assert fresh.staged() == []

@@ -91,7 +91,8 @@ def test_seeds_keep_every_promise(slow: bool) -> None:
         + " (controller crashes, injected engine faults, owner lease expiries)",
     )
     assert not failures, "\n\n".join(failures[:3])
-    assert totals["crashes"] and totals["faults"] and totals["expiries"], totals
+    if not os.environ.get("LORALEDGER_SIM_SEEDS"):  # a rerun of one seed need not cover all
+        assert totals["crashes"] and totals["faults"] and totals["expiries"], totals
 
 
 def _digest_in_subprocess(seed: int, hash_seed: str) -> str:
