@@ -22,13 +22,15 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from engines import vllm_server as launcher
 from engines.local.tinymodel import default_cache_dir, ensure_tiny_model
+from engines.vllm import VLLMEngine
+from tests.integration.peft_reference import PeftReference
 
 VENV = launcher.default_venv()
 INSTALL_TIMEOUT_S = launcher.INSTALL_TIMEOUT_S
@@ -92,6 +94,27 @@ def vllm_server(
     finally:
         server.stop()
         _SERVERS.remove(server)
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_server: VLLMServer) -> PeftReference:
+    """Greedy tokens from transformers+peft for the server's model (the expected values)."""
+    return PeftReference(vllm_server.model_dir)
+
+
+@pytest.fixture
+async def engine(vllm_server: VLLMServer) -> AsyncIterator[VLLMEngine]:
+    """A ``VLLMEngine`` client of the run's server, closed after the test."""
+    eng = VLLMEngine(
+        vllm_server.base_url,
+        "vllm-0",
+        served_model=vllm_server.served_model,
+        max_lora_rank=vllm_server.max_lora_rank,
+    )
+    try:
+        yield eng
+    finally:
+        await eng.aclose()
 
 
 @pytest.hookimpl(hookwrapper=True)

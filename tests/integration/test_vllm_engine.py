@@ -23,7 +23,6 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from engines.vllm import VLLMEngine
 from tests.integration.conftest import VLLMServer
+from tests.integration.peft_reference import PeftReference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
@@ -53,60 +53,6 @@ PROMPT = "hello world"
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 ADMISSION_TIMEOUT_S = 300.0
 OVERLAP_ATTEMPTS = 3
-
-
-# --- the transformers+peft reference --------------------------------------------------------
-
-
-class PeftReference:
-    """Greedy decoding with transformers (+ peft) in float32, no EOS stop (= ``ignore_eos``)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
-        torch.set_num_threads(1)  # leave the other core to the server under test
-        self.model_dir = model_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._models: dict[str | None, object] = {}
-
-    def _model(self, adapter_dir: Path | None):  # type: ignore[no-untyped-def]
-        key = None if adapter_dir is None else str(adapter_dir)
-        if key not in self._models:
-            import torch
-            from peft import PeftModel
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-            if adapter_dir is not None:
-                model = PeftModel.from_pretrained(model, str(adapter_dir))
-            self._models[key] = model.eval()
-        return self._models[key]
-
-    def prompt_ids(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
-
-    def greedy(self, prompt: str, n: int, adapter_dir: Path | None = None) -> tuple[int, ...]:
-        import torch
-
-        model = self._model(adapter_dir)
-        ids = torch.tensor([self.prompt_ids(prompt)])
-        out: list[int] = []
-        past = None
-        with torch.no_grad():
-            step = ids
-            for _ in range(n):
-                result = model(input_ids=step, past_key_values=past, use_cache=True)
-                past = result.past_key_values
-                nxt = int(torch.argmax(result.logits[0, -1]))
-                out.append(nxt)
-                step = torch.tensor([[nxt]])
-        return tuple(out)
-
-
-@pytest.fixture(scope="module")
-def reference(vllm_server: VLLMServer) -> PeftReference:
-    return PeftReference(vllm_server.model_dir)
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -131,20 +77,6 @@ class Version:
     @property
     def entry(self) -> InventoryEntry:
         return InventoryEntry(lora_name=self.name, digest=self.manifest.digest, path=str(self.path))
-
-
-@pytest.fixture
-async def engine(vllm_server: VLLMServer) -> AsyncIterator[VLLMEngine]:
-    eng = VLLMEngine(
-        vllm_server.base_url,
-        "vllm-0",
-        served_model=vllm_server.served_model,
-        max_lora_rank=vllm_server.max_lora_rank,
-    )
-    try:
-        yield eng
-    finally:
-        await eng.aclose()
 
 
 @pytest.fixture

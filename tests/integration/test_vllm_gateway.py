@@ -7,12 +7,11 @@ be the version's ``lora_name``, which vLLM 0.32 refuses (400: no ``@`` in a ``ca
 every generation on a vLLM fleet failed while the whole suite passed.
 
 Uses the session vLLM server of ``conftest.py`` and the ``PeftReference`` of
-``test_vllm_engine``.
+``peft_reference``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,7 @@ from publisher.gateway import Gateway, LedgerRouting
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
 from publisher.snapshot import AdapterSnapshot
-from tests.integration.conftest import VLLMServer
-from tests.integration.test_vllm_engine import PeftReference
+from tests.integration.peft_reference import PeftReference
 
 pytestmark = [
     pytest.mark.vllm,
@@ -42,25 +40,6 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # vLLM caches whole KV blocks (128 tokens on CPU): 300 token ids span two of them.
 LONG_PROMPT = tuple((7 * i) % 300 + 1 for i in range(300))
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(vllm_server: VLLMServer) -> PeftReference:
-    return PeftReference(vllm_server.model_dir)
-
-
-@pytest.fixture
-async def engine(vllm_server: VLLMServer) -> AsyncIterator[VLLMEngine]:
-    eng = VLLMEngine(
-        vllm_server.base_url,
-        "vllm-0",
-        served_model=vllm_server.served_model,
-        max_lora_rank=vllm_server.max_lora_rank,
-    )
-    try:
-        yield eng
-    finally:
-        await eng.aclose()
 
 
 async def test_regression_vllm_cache_salt_gateway_generations_succeed_on_the_real_server(

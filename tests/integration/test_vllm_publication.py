@@ -12,12 +12,11 @@ The full control plane (ledger, publication driver, reclaim driver, reconciler) 
   current version still generates its reference tokens.
 
 Uses the session vLLM server of ``conftest.py`` (skipped with its reason where the engine
-cannot be installed; see there) and the ``PeftReference`` of ``test_vllm_engine``.
+cannot be installed; see there) and the ``PeftReference`` of ``peft_reference``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -32,8 +31,7 @@ from publisher.fleet import Fleet
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
 from publisher.snapshot import AdapterSnapshot
-from tests.integration.conftest import VLLMServer
-from tests.integration.test_vllm_engine import PeftReference
+from tests.integration.peft_reference import PeftReference
 from tests.publisher.plane_kit import events, of_type, wait_for
 
 pytestmark = [
@@ -46,25 +44,6 @@ pytestmark = [
 
 PROMPT = "hello world"
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(vllm_server: VLLMServer) -> PeftReference:
-    return PeftReference(vllm_server.model_dir)
-
-
-@pytest.fixture
-async def engine(vllm_server: VLLMServer) -> AsyncIterator[VLLMEngine]:
-    eng = VLLMEngine(
-        vllm_server.base_url,
-        "vllm-0",
-        served_model=vllm_server.served_model,
-        max_lora_rank=vllm_server.max_lora_rank,
-    )
-    try:
-        yield eng
-    finally:
-        await eng.aclose()
 
 
 def adapter(seed: int) -> AdapterSnapshot:
