@@ -46,6 +46,7 @@ from engines.contract import (
 )
 from engines.local.tinymodel import make_adapter
 from engines.manifest import Manifest, TensorData, build_manifest
+from publisher.snapshot import aiter_buckets, plan_buckets
 
 UNSERVABLE_RANK = 64
 PROMPT = "the quick brown fox"
@@ -145,25 +146,12 @@ def candidate_for(
 
 
 def buckets_of(tensors: Mapping[str, TensorData], max_bytes: int = 64 * 1024) -> list[Bucket]:
-    """Split tensors into buckets of at most ``max_bytes`` (a tensor is never split)."""
-    buckets: list[Bucket] = []
-    current: list[BucketTensor] = []
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        if current and size + t.nbytes > max_bytes:
-            buckets.append(Bucket(len(buckets), tuple(current)))
-            current, size = [], 0
-        current.append(BucketTensor(name, t))
-        size += t.nbytes
-    if current:
-        buckets.append(Bucket(len(buckets), tuple(current)))
-    return buckets
+    """The publisher's own bucket plan (never splits a tensor), at a size small enough that
+    the tiny test adapters take several buckets."""
+    return list(plan_buckets(tensors, max_bytes))
 
 
-async def aiter_list(items: list[Bucket]) -> AsyncIterator[Bucket]:
-    for item in items:
-        yield item
+aiter_list = aiter_buckets  # the async iterable ``Engine.transfer`` takes
 
 
 async def publish(
