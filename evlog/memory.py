@@ -19,7 +19,7 @@ import anyio.lowlevel
 
 from evlog.errors import Code, LedgerError
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
-from evlog.store import SNAPSHOTS_KEPT, Snapshot, VerifyReport, plan_appends
+from evlog.store import SNAPSHOTS_KEPT, CommitSignal, Snapshot, VerifyReport, plan_appends
 
 _CHUNK = 1024
 
@@ -51,7 +51,7 @@ class MemoryStore:
         self._log = MemoryLog() if log is None else log
         self._closed = False
         # Created lazily: an anyio Event needs a running loop, and the constructor is sync.
-        self._committed: anyio.Event | None = None
+        self._committed = CommitSignal()
         rows = self._log.rows
         if rows:
             before = rows[-2] if len(rows) > 1 else None
@@ -111,7 +111,7 @@ class MemoryStore:
             log.rows.extend(plan.rows)
             for row in plan.rows:
                 log.ids[row[1]] = row[0]
-            self._notify()
+            self._committed.fire()
         return outcome
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
@@ -162,7 +162,7 @@ class MemoryStore:
     async def follow(self, after: int = 0) -> AsyncIterator[Record]:
         prev_hash: bytes | None = None
         while not self._closed:
-            wake = self._commit_signal()
+            wake = self._committed.next()
             records = self._read(after, None, _CHUNK, prev_hash)
             if not records:
                 await wake.wait()
@@ -194,7 +194,7 @@ class MemoryStore:
 
     async def close(self) -> None:
         self._closed = True
-        self._notify()
+        self._committed.fire()
         await anyio.lowlevel.checkpoint()
 
     # --- internals -------------------------------------------------------------------------
@@ -202,16 +202,6 @@ class MemoryStore:
     def _check_open(self) -> None:
         if self._closed:
             raise LedgerError(Code.STORE_CLOSED, "the store is closed")
-
-    def _commit_signal(self) -> anyio.Event:
-        if self._committed is None:
-            self._committed = anyio.Event()
-        return self._committed
-
-    def _notify(self) -> None:
-        if self._committed is not None:
-            self._committed.set()
-            self._committed = None
 
     def _read(
         self, after: int, until: int | None, limit: int | None, prev_hash: bytes | None

@@ -44,6 +44,7 @@ from evlog.store import (
     SNAPSHOTS_KEPT,
     AppendPlan,
     AppendRequest,
+    CommitSignal,
     Snapshot,
     VerifyReport,
     plan_appends,
@@ -207,7 +208,7 @@ class SQLiteStore:
         self._closing = False
         self._closed = False
         self._idle: anyio.Event | None = None
-        self._committed: anyio.Event | None = None
+        self._committed = CommitSignal()
         # After a failed write the cached tail may be wrong: re-read it inside the next one.
         self._suspect = False
         self._transactions = 0
@@ -295,7 +296,7 @@ class SQLiteStore:
                     self._idle = anyio.Event()
                 await self._idle.wait()
             self._closed = True
-            self._notify()
+            self._committed.fire()
             for conn in (self._writer, self._reader):
                 with suppress(Exception):
                     await conn.close()
@@ -511,7 +512,7 @@ class SQLiteStore:
             self._events += len(plan.rows)
             self._last_seq = plan.last_seq
             self._head_hash = plan.head_hash
-            self._notify()
+            self._committed.fire()
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -535,7 +536,7 @@ class SQLiteStore:
         while not self._closed:
             # Taken before the read: a commit landing during the read sets this very event,
             # so no wake-up is lost.
-            wake = self._commit_signal()
+            wake = self._committed.next()
             try:
                 records = await self._read(after, None, _CHUNK, prev_hash)
             except LedgerError as exc:
@@ -654,16 +655,6 @@ class SQLiteStore:
     def _check_writable(self) -> None:
         if self._closing:
             raise LedgerError(Code.STORE_CLOSED, "the store is closed")
-
-    def _commit_signal(self) -> anyio.Event:
-        if self._committed is None:
-            self._committed = anyio.Event()
-        return self._committed
-
-    def _notify(self) -> None:
-        if self._committed is not None:
-            self._committed.set()
-            self._committed = None
 
 
 def _probe(path: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
+import anyio
 import msgspec
 
 from evlog.errors import Code, LedgerError
@@ -113,6 +114,25 @@ class EventStore(Protocol):
 
 AppendRequest = tuple[Sequence[Pending], int | None]
 """One ``append`` call: its batch and its ``expected_seq``."""
+
+
+class CommitSignal:
+    """How followers wait for the next commit without polling: one event per wait round,
+    replaced once it fires. A follower takes :meth:`next` *before* reading, so a commit that
+    lands during its read sets the very event it then waits on (no lost wake-up)."""
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    def next(self) -> anyio.Event:
+        if self._event is None:
+            self._event = anyio.Event()
+        return self._event
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
 
 class AppendPlan(NamedTuple):
