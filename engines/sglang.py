@@ -32,8 +32,9 @@ Rules this adapter follows, each from a recorded fact:
 * **Clean vs ambiguous**: transport failures and 5xx are classified by :mod:`engines.http`;
   recognised 400 texts become :class:`CleanRefusal`; every other 4xx is ambiguous (an answer we
   do not understand proves nothing).
-* **Attempts**: SGLang has none, so the fence lives in this object (highest attempt prepared per
-  name, attempts cleaned up): a stale ``prepare``/``load``/``unload`` is ``STALE_ATTEMPT``.
+* **Attempts**: SGLang has none, so the fence lives in this object
+  (:class:`engines.path_engine.AttemptFence`: highest attempt prepared per name, attempts
+  cleaned up): a stale ``prepare``/``load``/``unload`` is ``STALE_ATTEMPT``.
 
 The local engine's HTTP face (:mod:`engines.local.server`) speaks the same protocol and is the
 stand-in used by the tests; it prefixes loraledger-only refusals with their code
@@ -42,37 +43,27 @@ stand-in used by the tests; it prefixes loraledger-only refusals with their code
 
 from __future__ import annotations
 
-import math
-import os
 import re
 import time
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx
 
-from engines import http
-from engines.artifacts import ArtifactError, read_adapter_dir
 from engines.contract import (
     AmbiguousReply,
-    Bucket,
     Candidate,
     Choice,
-    CleanRefusal,
     ErrorCode,
     Generation,
-    Inventory,
-    InventoryEntry,
     Receipt,
     SamplingParams,
     UnloadReceipt,
-    check_name,
 )
-from engines.manifest import build_manifest
+from engines.path_engine import PathLoadingEngine
 
-_DIGEST_DIR = re.compile(r"^[0-9a-f]{64}$")
 # Codes a loraledger-aware server puts in front of its own refusals ("NAME_PROTECTED: ...").
 _CODE_PREFIX = re.compile(r"^([A-Z_]+): ")
 _PREFIXABLE = frozenset(
@@ -136,13 +127,6 @@ class SGLangTimeouts:
     incarnation_ttl: float = 5.0
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    attempt: int
-    digest: str
-    path: str
-
-
 def build_generate_body(
     prompt: str | Sequence[int],
     lora_name: str | None,
@@ -182,7 +166,7 @@ def build_generate_body(
     return body
 
 
-class SGLangEngine:
+class SGLangEngine(PathLoadingEngine):
     """One SGLang 0.5.x server as a fleet member.
 
     ``base_url`` e.g. ``http://127.0.0.1:30000``; ``client`` may be injected (tests, shared
@@ -193,7 +177,7 @@ class SGLangEngine:
     """
 
     kind = "sglang"
-    transport = "artifact"
+    engine_name = "SGLang"
 
     def __init__(
         self,
@@ -205,64 +189,18 @@ class SGLangEngine:
         api_key: str | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self.engine_id = engine_id
-        self.base_url = base_url.rstrip("/")
-        self.timeouts = timeouts or SGLangTimeouts()
-        self.max_lora_rank = max_lora_rank
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self._owns_client = client is None
-        self._client = client or http.engine_client(self.base_url, headers=headers)
-        self._prepared: dict[str, _Prepared] = {}
-        self._fence: dict[str, int] = {}  # highest attempt seen per name
-        self._cleaned: dict[str, int] = {}  # highest attempt cleaned up per name
-        self._last_incarnation: str | None = None
-        self._last_probe = -math.inf
-
-    # --- plumbing ---------------------------------------------------------------------------
-
-    def _clean(self, code: str, message: str, *, status: int = 0) -> CleanRefusal:
-        return CleanRefusal(code, message, engine_id=self.engine_id, status=status)
-
-    def _ambiguous(self, code: str, message: str, *, status: int = 0) -> AmbiguousReply:
-        return AmbiguousReply(code, message, engine_id=self.engine_id, status=status)
-
-    def _unrecognised(self, what: str, response: httpx.Response) -> AmbiguousReply:
-        return self._ambiguous(
-            ErrorCode.MALFORMED_REPLY,
-            f"{what}: unrecognised HTTP {response.status_code}: {response.text[:300]!r}",
-            status=response.status_code,
+        super().__init__(
+            base_url, engine_id, max_lora_rank=max_lora_rank, client=client, headers=headers
         )
-
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        timeout: float,
-        json: Any = None,
-        content: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        return await http.request(
-            self._client,
-            method,
-            path,
-            engine_id=self.engine_id,
-            timeout=timeout,
-            json=json,
-            content=content,
-            headers=headers,
-        )
-
-    def _json(self, response: httpx.Response) -> Any:
-        return http.json_body(response, engine_id=self.engine_id)
+        self.timeouts = timeouts or SGLangTimeouts()
 
     def _prefixed(self, message: str) -> str | None:
         """The loraledger code in front of a message, if it is one we accept as clean."""
         m = _CODE_PREFIX.match(message)
         return m.group(1) if m and m.group(1) in _PREFIXABLE else None
 
-    # --- identity and inventory -------------------------------------------------------------
+    # --- identity -----------------------------------------------------------------------------
 
     async def server_info(self) -> dict[str, Any]:
         response = await self._send("GET", "/server_info", timeout=self.timeouts.probe)
@@ -291,98 +229,11 @@ class SGLangEngine:
         self._last_incarnation, self._last_probe = value, time.monotonic()
         return value
 
-    async def inventory(self) -> Inventory:
-        """Adapters from ``/v1/models`` (names and paths; the digest only when the path is an
-        artifact directory named by its digest), bracketed by two incarnation probes so the list
-        provably belongs to the incarnation it reports."""
-        before = await self.incarnation()
-        response = await self._send("GET", "/v1/models", timeout=self.timeouts.control)
-        if response.status_code != 200:
-            raise self._unrecognised("GET /v1/models", response)
-        entries = self._parse_models(self._json(response))
-        after = await self.incarnation()
-        if after != before:
-            raise self._ambiguous(
-                ErrorCode.ENGINE_STOPPED,
-                f"engine restarted while its inventory was read ({before} -> {after})",
-            )
-        return Inventory(engine_id=self.engine_id, incarnation=after, adapters=entries)
-
-    def _parse_models(self, body: Any) -> tuple[InventoryEntry, ...]:
-        try:
-            entries = []
-            for card in body["data"]:
-                if card.get("parent") is None:
-                    continue  # the base model
-                root = card.get("root")
-                path = str(root) if root is not None else None
-                base = os.path.basename(path.rstrip("/")) if path else ""
-                digest = base if _DIGEST_DIR.match(base) else None
-                entries.append(InventoryEntry(lora_name=str(card["id"]), digest=digest, path=path))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise self._ambiguous(
-                ErrorCode.MALFORMED_REPLY, f"GET /v1/models: unexpected shape: {exc!r}"
-            ) from exc
-        return tuple(sorted(entries, key=lambda e: e.lora_name))
-
-    # --- attempt fence ------------------------------------------------------------------------
-
-    def _check_fence(self, name: str, attempt: int) -> None:
-        newest = self._fence.get(name, 0)
-        if attempt < newest:
-            raise self._clean(
-                ErrorCode.STALE_ATTEMPT, f"{name}: attempt {attempt} is older than {newest}"
-            )
-        if attempt <= self._cleaned.get(name, 0):
-            raise self._clean(
-                ErrorCode.STALE_ATTEMPT, f"{name}: attempt {attempt} was already cleaned up"
-            )
-
-    def _require_prepared(self, c: Candidate) -> _Prepared:
-        self._check_fence(c.lora_name, c.attempt)
-        prepared = self._prepared.get(c.lora_name)
-        if prepared is None or prepared.attempt != c.attempt or prepared.digest != c.digest:
-            raise self._clean(
-                ErrorCode.NOT_PREPARED, f"{c.lora_name} attempt {c.attempt} was not prepared here"
-            )
-        return prepared
-
-    def _receipt(self, c: Candidate, incarnation: str, phase: str) -> Receipt:
-        return Receipt(
-            engine_id=self.engine_id,
-            incarnation=incarnation,
-            lora_name=c.lora_name,
-            digest=c.digest,
-            attempt=c.attempt,
-            phase=phase,  # type: ignore[arg-type]
-        )
-
     # --- publication (artifact transport) ------------------------------------------------------
 
     def _validate_artifact(self, c: Candidate, info: Mapping[str, Any]) -> str:
         """Everything checkable before the engine acts; returns the normalised path."""
-        if not c.artifact_path:
-            raise self._clean(ErrorCode.BAD_REQUEST, "SGLang loads by path: no artifact_path")
-        if not os.path.isabs(c.artifact_path):
-            # SGLang sends anything that is not an existing directory to the HF hub
-            raise self._clean(
-                ErrorCode.PATH_OUTSIDE_STORE, f"artifact path {c.artifact_path!r} is not absolute"
-            )
-        path = os.path.normpath(c.artifact_path)
-        base = os.path.basename(path)
-        if _DIGEST_DIR.match(base) and base != c.digest:
-            raise self._clean(
-                ErrorCode.DIGEST_MISMATCH, f"artifact dir {base[:16]} != digest {c.digest[:16]}"
-            )
-        try:
-            config, tensors = read_adapter_dir(path)
-        except ArtifactError as exc:
-            raise self._clean(exc.code, f"{path}: {exc.message}") from exc
-        found = build_manifest(config, tensors).digest
-        if found != c.digest:
-            raise self._clean(
-                ErrorCode.DIGEST_MISMATCH, f"{path} holds {found[:16]}, candidate {c.digest[:16]}"
-            )
+        path, config = self._read_artifact(c)
         limit = self.max_lora_rank if self.max_lora_rank is not None else info.get("max_lora_rank")
         if isinstance(limit, int) and int(config["r"]) > limit:
             raise self._clean(
@@ -400,44 +251,19 @@ class SGLangEngine:
                 )
         return path
 
-    def _validate(self, c: Candidate) -> None:
-        check_name(c.lora_name)
-        if isinstance(c.attempt, bool) or not isinstance(c.attempt, int) or c.attempt < 1:
-            raise self._clean(ErrorCode.BAD_REQUEST, f"attempt {c.attempt!r} must be >= 1")
-        if c.digest != c.manifest.digest:
-            raise self._clean(
-                ErrorCode.DIGEST_MISMATCH,
-                f"candidate digest {c.digest[:16]} != manifest {c.manifest.digest[:16]}",
-            )
-
     async def prepare(self, candidate: Candidate) -> Receipt:
         """Validate the artifact against the server's limits, fence the attempt, probe the
         incarnation. Touches nothing on the server."""
-        try:
-            self._validate(candidate)
-        except CleanRefusal as exc:
-            exc.engine_id = self.engine_id
-            raise
-        self._check_fence(candidate.lora_name, candidate.attempt)
+        self._check_candidate(candidate)
+        self._attempts.check(candidate.lora_name, candidate.attempt)
         info = await self.server_info()
         incarnation = self._incarnation_of(info)
         path = await anyio.to_thread.run_sync(self._validate_artifact, candidate, info)
-        self._check_fence(candidate.lora_name, candidate.attempt)  # a newer one may have raced
-        self._fence[candidate.lora_name] = candidate.attempt
-        self._prepared[candidate.lora_name] = _Prepared(candidate.attempt, candidate.digest, path)
+        self._attempts.stage(candidate, path)
         return self._receipt(candidate, incarnation, "prepared")
 
-    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
-        """Nothing moves: SGLang reads the artifact directory. Buckets are a caller bug."""
-        self._require_prepared(candidate)
-        async for bucket in buckets:
-            raise self._clean(
-                ErrorCode.BAD_REQUEST,
-                f"SGLang uses the artifact transport; got bucket {bucket.index}",
-            )
-
     async def load(self, candidate: Candidate) -> Receipt:
-        prepared = self._require_prepared(candidate)
+        prepared = self._attempts.prepared(candidate)
         name = candidate.lora_name
         response = await self._send(
             "POST",
@@ -447,27 +273,11 @@ class SGLangEngine:
         )
         status, body = response.status_code, self._lora_update(response, f"load {name}")
         if status == 200 and body.get("success") is True:
-            inventory = await self.inventory()
-            held = {e.lora_name: e for e in inventory.adapters}.get(name)
-            if held is None or held.path != prepared.path:
-                raise self._ambiguous(
-                    ErrorCode.MALFORMED_REPLY,
-                    f"load {name}: success, but /v1/models shows "
-                    f"{held.path if held else 'no such adapter'}",
-                )
-            return self._receipt(candidate, inventory.incarnation, "ready")
+            return await self._confirm_loaded(candidate, prepared.path, after="success")
         message = str(body.get("error_message") or "")
         if status == 400:
             if any(text in message for text in _ALREADY_LOADED):
-                inventory = await self.inventory()
-                held = {e.lora_name: e for e in inventory.adapters}.get(name)
-                if held is not None and held.path == prepared.path:
-                    return self._receipt(candidate, inventory.incarnation, "ready")
-                raise self._clean(
-                    ErrorCode.ALREADY_LOADED,
-                    f"{name} is loaded from {held.path if held else '?'}, not {prepared.path}",
-                    status=400,
-                )
+                return await self._already_loaded(candidate, prepared.path, status=400)
             code = self._prefixed(message) or next(
                 (code for text, code in _LOAD_REFUSALS if text in message), None
             )
@@ -484,19 +294,11 @@ class SGLangEngine:
 
     async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
         """Unload and prove absence with a fresh inventory. Blocks while the adapter's in-flight
-        requests drain (§1.4). A repeat ("does not exist") is ``was_loaded=False``."""
-        try:
-            check_name(lora_name)
-        except CleanRefusal as exc:
-            exc.engine_id = self.engine_id
-            raise
+        requests drain (§1.4). A repeat ("does not exist") is ``was_loaded=False``. The attempt
+        is recorded as cleaned up only once its absence is proven."""
+        self._check_name(lora_name)
         if attempt is not None:
-            newest = self._fence.get(lora_name, 0)
-            if attempt < newest:
-                raise self._clean(
-                    ErrorCode.STALE_ATTEMPT,
-                    f"cleanup of {lora_name} attempt {attempt} refused: attempt {newest} is newer",
-                )
+            self._attempts.check_cleanup(lora_name, attempt)
         response = await self._send(
             "POST",
             "/unload_lora_adapter",
@@ -513,22 +315,10 @@ class SGLangEngine:
             raise self._clean(code, message, status=400)
         else:
             raise self._unrecognised(f"unload {lora_name}", response)
-        inventory = await self.inventory()
-        if lora_name in inventory.names():
-            raise self._ambiguous(
-                ErrorCode.MALFORMED_REPLY,
-                f"unload {lora_name}: HTTP {status}, but /v1/models still lists it",
-            )
+        receipt = await self._unloaded_receipt(lora_name, status=status, was_loaded=was_loaded)
         if attempt is not None:
-            self._cleaned[lora_name] = max(attempt, self._cleaned.get(lora_name, 0))
-            self._fence[lora_name] = max(attempt, self._fence.get(lora_name, 0))
-        self._prepared.pop(lora_name, None)
-        return UnloadReceipt(
-            engine_id=self.engine_id,
-            incarnation=inventory.incarnation,
-            lora_name=lora_name,
-            was_loaded=was_loaded,
-        )
+            self._attempts.close(lora_name, attempt, refuse_older_cleanups=True)
+        return receipt
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -545,11 +335,7 @@ class SGLangEngine:
         """One ``/generate`` call, sent at most once. ``Generation.incarnation`` is the last
         probed one, probed again first when older than ``timeouts.incarnation_ttl``."""
         if lora_name is not None:
-            try:
-                check_name(lora_name)
-            except CleanRefusal as exc:
-                exc.engine_id = self.engine_id
-                raise
+            self._check_name(lora_name)
         body = build_generate_body(
             prompt,
             lora_name,
@@ -603,19 +389,13 @@ class SGLangEngine:
                 raise ValueError(f"{len(items)} outputs for n={params.n}")
             choices = tuple(self._choice(i, item, params) for i, item in enumerate(items))
             meta = items[0]["meta_info"]
-            first = choices[0]
-            return Generation(
-                engine_id=self.engine_id,
+            return self._generation(
+                choices,
                 incarnation=incarnation,
                 lora_name=lora_name,  # SGLang never confirms which adapter served it
-                token_ids=first.token_ids,
-                text=first.text,
-                logprobs=first.logprobs,
-                finish_reason=first.finish_reason,
                 prompt_tokens=int(meta.get("prompt_tokens") or 0),
                 cached_tokens=int(meta.get("cached_tokens") or 0),
                 request_id=str(meta["id"]) if meta.get("id") is not None else None,
-                choices=choices if params.n > 1 else (),
             )
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise self._ambiguous(
@@ -643,7 +423,3 @@ class SGLangEngine:
             logprobs=logprobs,
             finish_reason=str(reason or "stop"),
         )
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()

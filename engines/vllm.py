@@ -41,12 +41,13 @@ Recognised 4xx replies become :class:`CleanRefusal` (and are cross-checked again
 inventory where the answer alone proves nothing, e.g. "already loaded"). Every other 4xx is an
 :class:`AmbiguousReply`: an answer we do not understand proves nothing.
 
-**Attempt fencing.** vLLM has no notion of attempts, so the fence lives in this object: it
-remembers the highest attempt it prepared per name and the highest attempt cleaned up
-(``unload(name, attempt=a)``), refuses ``prepare``/``load`` of an older or cleaned-up attempt
-and a cleanup older than the newest attempt (``STALE_ATTEMPT``). The fence is per adapter
-object; after a control-plane restart the publisher re-establishes the truth from inventories,
-not from this memory.
+**Attempt fencing.** vLLM has no notion of attempts, so the fence lives in this object
+(:class:`engines.path_engine.AttemptFence`): it remembers the highest attempt it prepared per
+name and the highest attempt cleaned up (``unload(name, attempt=a)``, recorded before the unload
+is sent, so even an ambiguous cleanup fences its attempt), refuses ``prepare``/``load`` of an
+older or cleaned-up attempt and a cleanup older than the newest attempt (``STALE_ATTEMPT``). The
+fence is per adapter object; after a control-plane restart the publisher re-establishes the
+truth from inventories, not from this memory.
 
 **A LoRA resolver plugin** (``vllm.general_plugins``) would make vLLM load an unknown name on
 first use, so an unloaded name could come back. Run managed servers without resolvers.
@@ -55,36 +56,27 @@ first use, so an unloaded name could come back. Run managed servers without reso
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
-from collections.abc import AsyncIterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx
 
-from engines import http
-from engines.artifacts import ArtifactError, read_adapter_dir
 from engines.contract import (
     AmbiguousReply,
-    Bucket,
     Candidate,
     Choice,
-    CleanRefusal,
     ErrorCode,
     Generation,
-    Inventory,
-    InventoryEntry,
     Receipt,
     SamplingParams,
     UnloadReceipt,
-    check_name,
 )
-from engines.manifest import build_manifest
+from engines.path_engine import PathLoadingEngine
 
-_DIGEST_DIR = re.compile(r"^[0-9a-f]{64}$")
 _START_TIME = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)\s*$", re.MULTILINE)
 # vLLM's own limits on ``cache_salt`` (vllm/entrypoints/generate/base/protocol.py,
 # ``validate_cache_salt``, 0.32; checked against the real server).
@@ -122,14 +114,7 @@ class VLLMTimeouts:
     incarnation_ttl: float = 5.0
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    attempt: int
-    digest: str
-    path: str
-
-
-class VLLMEngine:
+class VLLMEngine(PathLoadingEngine):
     """One vLLM OpenAI server as a fleet member (artifact transport: adapters load by path).
 
     ``base_url`` e.g. ``http://127.0.0.1:8000``; ``served_model`` is the server's
@@ -142,7 +127,7 @@ class VLLMEngine:
     """
 
     kind = "vllm"
-    transport = "artifact"
+    engine_name = "vLLM"
 
     def __init__(
         self,
@@ -154,41 +139,10 @@ class VLLMEngine:
         timeouts: VLLMTimeouts | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self.engine_id = engine_id
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, engine_id, max_lora_rank=max_lora_rank, client=client)
         self.served_model = served_model
-        self.max_lora_rank = max_lora_rank
         self.timeouts = timeouts or VLLMTimeouts()
-        self._owns_client = client is None
-        self._client = client or http.engine_client(self.base_url)
-        self._prepared: dict[str, _Prepared] = {}
-        self._newest: dict[str, int] = {}  # highest attempt prepared, per name
-        self._cleaned: dict[str, int] = {}  # highest attempt cleaned up (unload with attempt)
-        self._last_incarnation: str | None = None
-        self._last_probe = -math.inf
         self._probe_lock = anyio.Lock()  # one refresh probe at a time, however many callers
-
-    # --- errors ---------------------------------------------------------------------------
-
-    def _clean(self, code: str, message: str, *, status: int = 0) -> CleanRefusal:
-        return CleanRefusal(code, message, engine_id=self.engine_id, status=status)
-
-    def _ambiguous(self, code: str, message: str, *, status: int = 0) -> AmbiguousReply:
-        return AmbiguousReply(code, message, engine_id=self.engine_id, status=status)
-
-    def _unrecognised(self, what: str, response: httpx.Response) -> AmbiguousReply:
-        return self._ambiguous(
-            ErrorCode.MALFORMED_REPLY,
-            f"{what}: unrecognised HTTP {response.status_code}: {response.text[:300]!r}",
-            status=response.status_code,
-        )
-
-    async def _send(
-        self, method: str, path: str, *, timeout: float, json: Any = None
-    ) -> httpx.Response:
-        return await http.request(
-            self._client, method, path, engine_id=self.engine_id, timeout=timeout, json=json
-        )
 
     def _error_of(self, response: httpx.Response) -> tuple[str, str, Any]:
         """(type, message, param) of vLLM's JSON error envelope, or ("", raw text, None)."""
@@ -221,104 +175,21 @@ class VLLMEngine:
         self._last_incarnation, self._last_probe = value, time.monotonic()
         return value
 
-    async def inventory(self) -> Inventory:
-        """Adapters registered under a name, bracketed by two incarnation probes.
-
-        If the server restarted while the list was read, the two probes differ and the answer
-        proves nothing (ambiguous ``ENGINE_STOPPED``) rather than pinning one process's list on
-        another process."""
-        before = await self.incarnation()
-        response = await self._send("GET", "/v1/models", timeout=self.timeouts.control)
-        if response.status_code != 200:
-            raise self._unrecognised("GET /v1/models", response)
-        entries = self._parse_models(http.json_body(response, engine_id=self.engine_id))
-        after = await self.incarnation()
-        if after != before:
-            raise self._ambiguous(
-                ErrorCode.ENGINE_STOPPED,
-                f"engine restarted while its inventory was read ({before} -> {after})",
-            )
-        return Inventory(engine_id=self.engine_id, incarnation=after, adapters=entries)
-
-    def _parse_models(self, body: Any) -> tuple[InventoryEntry, ...]:
-        """Adapter cards are the ones with a ``parent``; the base card's parent is null."""
-        try:
-            cards = body["data"]
-            entries = []
-            for card in cards:
-                if card.get("parent") is None or card["id"] == self.served_model:
-                    continue
-                root = card.get("root")
-                path = str(root) if root is not None else None
-                base = os.path.basename(path.rstrip("/")) if path else ""
-                digest = base if _DIGEST_DIR.match(base) else None
-                entries.append(InventoryEntry(lora_name=str(card["id"]), digest=digest, path=path))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise self._ambiguous(
-                ErrorCode.MALFORMED_REPLY, f"GET /v1/models: unexpected shape: {exc!r}"
-            ) from exc
-        return tuple(sorted(entries, key=lambda e: e.lora_name))
+    def _is_base_card(self, card: Mapping[str, Any]) -> bool:
+        """Adapter cards are the ones with a ``parent``; the base card's parent is null, and the
+        served model's own name is never an adapter's."""
+        return card.get("parent") is None or card["id"] == self.served_model
 
     # --- publication ------------------------------------------------------------------------
 
-    def _check_fence(self, lora_name: str, attempt: int) -> None:
-        """An attempt older than the newest prepared one, or one already cleaned up, is stale:
-        a late prepare/load of it must never resurrect what the publisher gave up on."""
-        newest = self._newest.get(lora_name, 0)
-        if attempt < newest:
-            raise self._clean(
-                ErrorCode.STALE_ATTEMPT,
-                f"{lora_name}: attempt {attempt} is older than attempt {newest}",
-            )
-        cleaned = self._cleaned.get(lora_name, 0)
-        if attempt <= cleaned:
-            raise self._clean(
-                ErrorCode.STALE_ATTEMPT,
-                f"{lora_name}: attempt {attempt} was cleaned up (up to attempt {cleaned})",
-            )
-
     def _validate(self, candidate: Candidate) -> str:
         """Everything checkable without the engine; returns the normalised artifact path."""
-        check_name(candidate.lora_name)
         if candidate.lora_name == self.served_model:
             raise self._clean(
                 ErrorCode.INVALID_NAME, f"{candidate.lora_name!r} is the served base model's name"
             )
-        if candidate.attempt < 1:
-            raise self._clean(ErrorCode.BAD_REQUEST, f"attempt {candidate.attempt} must be >= 1")
-        if candidate.digest != candidate.manifest.digest:
-            raise self._clean(
-                ErrorCode.DIGEST_MISMATCH,
-                f"candidate digest {candidate.digest[:16]}"
-                f" != manifest {candidate.manifest.digest[:16]}",
-            )
-        if not candidate.artifact_path:
-            raise self._clean(
-                ErrorCode.BAD_REQUEST, "vLLM loads adapters by path: candidate has no artifact_path"
-            )
-        # vLLM treats a relative path that does not exist as a hub repo id and downloads it.
-        if not os.path.isabs(candidate.artifact_path):
-            raise self._clean(
-                ErrorCode.PATH_OUTSIDE_STORE,
-                f"artifact path {candidate.artifact_path!r} must be absolute",
-            )
-        path = os.path.normpath(candidate.artifact_path)
-        base = os.path.basename(path)
-        if _DIGEST_DIR.match(base) and base != candidate.digest:
-            raise self._clean(
-                ErrorCode.DIGEST_MISMATCH,
-                f"artifact dir {base[:16]} != digest {candidate.digest[:16]}",
-            )
-        try:
-            config, tensors = read_adapter_dir(path)
-        except ArtifactError as exc:
-            raise self._clean(exc.code, f"{path}: {exc.message}") from exc
-        found = build_manifest(config, tensors).digest
-        if found != candidate.digest:
-            raise self._clean(
-                ErrorCode.DIGEST_MISMATCH,
-                f"{path} holds {found[:16]}, candidate is {candidate.digest[:16]}",
-            )
+        self._check_candidate(candidate)
+        path, config = self._read_artifact(candidate)
         rank = max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
         if self.max_lora_rank is not None and rank > self.max_lora_rank:
             raise self._clean(
@@ -330,40 +201,11 @@ class VLLMEngine:
     async def prepare(self, candidate: Candidate) -> Receipt:
         """Validate the artifact directory (reads and re-hashes it: the engine will read the
         same bytes), fence the attempt, and probe the incarnation. Touches nothing on vLLM."""
-        self._check_fence(candidate.lora_name, candidate.attempt)
+        self._attempts.check(candidate.lora_name, candidate.attempt)
         path = await anyio.to_thread.run_sync(self._validate, candidate)
         incarnation = await self.incarnation()
-        self._check_fence(candidate.lora_name, candidate.attempt)  # a newer one may have raced in
-        self._newest[candidate.lora_name] = candidate.attempt
-        self._prepared[candidate.lora_name] = _Prepared(
-            attempt=candidate.attempt, digest=candidate.digest, path=path
-        )
+        self._attempts.stage(candidate, path)
         return self._receipt(candidate, incarnation, "prepared")
-
-    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
-        """Nothing to transfer: vLLM reads the artifact directory itself. Buckets sent anyway
-        are a caller bug and are refused before any of them is used."""
-        self._require_prepared(candidate)
-        async for bucket in buckets:
-            raise self._clean(
-                ErrorCode.BAD_REQUEST,
-                f"vLLM uses the artifact transport;"
-                f" got bucket {bucket.index} for {candidate.lora_name}",
-            )
-
-    def _require_prepared(self, candidate: Candidate) -> _Prepared:
-        self._check_fence(candidate.lora_name, candidate.attempt)
-        prepared = self._prepared.get(candidate.lora_name)
-        if (
-            prepared is None
-            or prepared.attempt != candidate.attempt
-            or prepared.digest != candidate.digest
-        ):
-            raise self._clean(
-                ErrorCode.NOT_PREPARED,
-                f"{candidate.lora_name} attempt {candidate.attempt} was not prepared here",
-            )
-        return prepared
 
     async def load(self, candidate: Candidate) -> Receipt:
         """Register the name with the prepared path, then prove it with a fresh inventory.
@@ -376,7 +218,7 @@ class VLLMEngine:
         * 404 "No adapter found" -> ``INVALID_ADAPTER`` (the engine could not read the path);
         * 5xx, timeouts, other 4xx -> ambiguous.
         """
-        prepared = self._require_prepared(candidate)
+        prepared = self._attempts.prepared(candidate)
         name = candidate.lora_name
         response = await self._send(
             "POST",
@@ -389,15 +231,7 @@ class VLLMEngine:
             return await self._confirm_loaded(candidate, prepared.path, after="HTTP 200")
         err_type, message, _ = self._error_of(response)
         if status == 400 and "already been loaded" in message:
-            inventory = await self.inventory()
-            held = {e.lora_name: e for e in inventory.adapters}.get(name)
-            if held is not None and held.path == prepared.path:
-                return self._receipt(candidate, inventory.incarnation, "ready")
-            raise self._clean(
-                ErrorCode.ALREADY_LOADED,
-                f"{name} is loaded from {held.path if held else '?'}, not {prepared.path}",
-                status=status,
-            )
+            return await self._already_loaded(candidate, prepared.path, status=status)
         if status == 400 and "conflicts with a served base model" in message:
             raise self._clean(ErrorCode.INVALID_NAME, message, status=status)
         if status == 404 and err_type == "NotFoundError" and "No adapter found" in message:
@@ -405,27 +239,6 @@ class VLLMEngine:
                 ErrorCode.INVALID_ADAPTER, f"{prepared.path}: {message}", status=status
             )
         raise self._unrecognised(f"load {name}", response)
-
-    async def _confirm_loaded(self, candidate: Candidate, path: str, *, after: str) -> Receipt:
-        inventory = await self.inventory()
-        held = {e.lora_name: e for e in inventory.adapters}.get(candidate.lora_name)
-        if held is None or held.path != path:
-            raise self._ambiguous(
-                ErrorCode.MALFORMED_REPLY,
-                f"load {candidate.lora_name}: {after}, but /v1/models shows "
-                f"{held.path if held else 'no such adapter'}",
-            )
-        return self._receipt(candidate, inventory.incarnation, "ready")
-
-    def _receipt(self, candidate: Candidate, incarnation: str, phase: str) -> Receipt:
-        return Receipt(
-            engine_id=self.engine_id,
-            incarnation=incarnation,
-            lora_name=candidate.lora_name,
-            digest=candidate.digest,
-            attempt=candidate.attempt,
-            phase=phase,  # type: ignore[arg-type]
-        )
 
     async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
         """Forget the name, then prove its absence with a fresh inventory.
@@ -435,17 +248,12 @@ class VLLMEngine:
         the engine may re-read its directory from disk until then. Keep the artifact directory
         until no request or cache entry can reference it. A repeat (404 "cannot be found")
         returns ``was_loaded=False``."""
-        check_name(lora_name)
+        self._check_name(lora_name)
         if attempt is not None:
-            newest = self._newest.get(lora_name, 0)
-            if attempt < newest:
-                raise self._clean(
-                    ErrorCode.STALE_ATTEMPT,
-                    f"cleanup of {lora_name} attempt {attempt}: attempt {newest} is newer",
-                )
-            # From now on this attempt (and older ones) can never be prepared or loaded again.
-            self._cleaned[lora_name] = max(attempt, self._cleaned.get(lora_name, 0))
-            self._prepared.pop(lora_name, None)
+            self._attempts.check_cleanup(lora_name, attempt)
+            # From now on this attempt (and older ones) can never be prepared or loaded again,
+            # whatever the unload below answers.
+            self._attempts.close(lora_name, attempt, refuse_older_cleanups=False)
         response = await self._send(
             "POST",
             "/v1/unload_lora_adapter",
@@ -461,19 +269,7 @@ class VLLMEngine:
                 was_loaded = False
             else:
                 raise self._unrecognised(f"unload {lora_name}", response)
-        inventory = await self.inventory()
-        if lora_name in inventory.names():
-            raise self._ambiguous(
-                ErrorCode.MALFORMED_REPLY,
-                f"unload {lora_name}: HTTP {status}, but /v1/models still lists it",
-            )
-        self._prepared.pop(lora_name, None)
-        return UnloadReceipt(
-            engine_id=self.engine_id,
-            incarnation=inventory.incarnation,
-            lora_name=lora_name,
-            was_loaded=was_loaded,
-        )
+        return await self._unloaded_receipt(lora_name, status=status, was_loaded=was_loaded)
 
     # --- generation -------------------------------------------------------------------------
 
@@ -494,7 +290,7 @@ class VLLMEngine:
         restart loses every runtime-loaded adapter, so an adapter request to a new process
         fails ``NOT_LOADED`` anyway). A request for a name the server does not hold is a clean
         ``NOT_LOADED``: vLLM refuses it before scheduling anything."""
-        model = self.served_model if lora_name is None else check_name(lora_name)
+        model = self.served_model if lora_name is None else self._check_name(lora_name)
         body = self._completion_body(prompt, model, params, request_id, cache_salt)
         try:
             incarnation = await self._recent_incarnation()
@@ -582,7 +378,7 @@ class VLLMEngine:
         request_id: str | None,
         incarnation: str,
     ) -> Generation:
-        body = http.json_body(response, engine_id=self.engine_id)
+        body = self._json(response)
         try:
             raw = sorted(body["choices"], key=lambda c: int(c["index"]))
             choices = tuple(self._parse_choice(c, params) for c in raw)
@@ -593,19 +389,13 @@ class VLLMEngine:
             served = body.get("model", model)
             if served != model:
                 raise ValueError(f"asked for model {model!r}, reply says {served!r}")
-            first = choices[0]
-            return Generation(
-                engine_id=self.engine_id,
+            return self._generation(
+                choices,
                 incarnation=incarnation,
                 lora_name=None if served == self.served_model else served,
-                token_ids=first.token_ids,
-                text=first.text,
-                logprobs=first.logprobs,
-                finish_reason=first.finish_reason,
                 prompt_tokens=int(usage.get("prompt_tokens") or 0),
                 cached_tokens=int(details.get("cached_tokens") or 0),
                 request_id=request_id if request_id is not None else body.get("id"),
-                choices=choices if params.n > 1 else (),
             )
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise self._ambiguous(
@@ -631,7 +421,3 @@ class VLLMEngine:
             logprobs=logprobs,
             finish_reason=str(choice["finish_reason"]),
         )
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
