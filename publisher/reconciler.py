@@ -209,6 +209,15 @@ class Reconciler:
     async def _reconcile(self, engine_id: str, rep: _Report) -> None:
         engine = self._fleet[engine_id]
         inventory = await self._read(engine_id, engine, rep)
+        doubtful = self._ambiguous_reclaims(engine_id)
+        if doubtful:
+            unloaded = [
+                await self._unload(engine_id, engine, name, attempt, rep)
+                for name, attempt in doubtful
+            ]
+            if not all(unloaded):
+                return  # no evidence until the fenced unload went through (errors reported)
+            inventory = await self._read(engine_id, engine, rep)
         await self._observe(engine_id, inventory, rep)
         unwanted = self._unwanted(engine_id, set(managed_names(inventory, self.prefix)))
         if unwanted:
@@ -277,6 +286,19 @@ class Reconciler:
                 seq=self._ledger.state.last_seq,
             )
 
+    def _ambiguous_reclaims(self, engine_id: str) -> list[tuple[str, int]]:
+        """Reclaims left ambiguous on this engine, to unload (attempt-fenced) before the
+        inventory is taken as evidence. Even when the name is absent: the engine may still hold
+        what a failed restore staged under it, and only a fenced unload drops that and refuses a
+        late duplicate of the restore's prepare (found by the simulation, --slow seed 2893). A
+        reclaimed version's attempt is final, so the fence can never shut out a wanted load."""
+        state = self._ledger.state
+        return sorted(
+            (v.lora_name, v.attempt)
+            for v in state.versions.values()
+            if v.state is VersionState.RECLAIMING and v.ambiguous and engine_id not in v.confirmed
+        )
+
     def _unwanted(self, engine_id: str, present: set[str]) -> list[tuple[str, int | None]]:
         """Managed names present on the engine that must go, with the attempt that fences
         their cleanup (None: no fence)."""
@@ -287,8 +309,6 @@ class Reconciler:
                 continue
             if v.state is VersionState.FAILED_FATAL and engine_id in v.fleet:
                 out[v.lora_name] = v.attempt
-            elif v.state is VersionState.RECLAIMING and v.ambiguous:
-                out[v.lora_name] = None
         member = state.engines.get(engine_id)
         for name in member.strays if member is not None else ():
             if name.startswith(self.prefix):
@@ -400,26 +420,20 @@ class Reconciler:
     async def _loaded_anyway(
         self, engine_id: str, engine: Engine, v: VersionRecord, incarnation: str
     ) -> bool:
-        """Whether a fresh inventory proves ``v`` loaded in ``incarnation`` after all. When it
-        proves the name absent, an unfenced unload drops what the failed restore staged (it
-        unregisters nothing, so nothing is fenced; a later restore prepares afresh)."""
+        """Whether a fresh inventory proves ``v`` loaded in ``incarnation`` after all.
+
+        What a failed restore staged is left alone: the next restore's prepare replaces it, a
+        successful load consumes it, and once the version is retired the (attempt-fenced)
+        reclaim unload drops it. An *unfenced* cleanup unload here was tried and is wrong: a
+        late duplicate of it unloaded the version after a later restore had succeeded, under
+        sessions still bound to it (found by the simulation, --slow seeds 1739 and 1912)."""
         try:
             inventory = await call(
                 engine_id, "inventory", self.timeouts.inventory, engine.inventory
             )
         except EngineError:
             return False
-        if confirms(inventory, v.lora_name, v.digest, incarnation) is None:
-            return True
-        if inventory.incarnation == incarnation and v.lora_name not in inventory.names():
-            with contextlib.suppress(EngineError):
-                await call(
-                    engine_id,
-                    "unload",
-                    self.cleanup_timeout,
-                    lambda: engine.unload(v.lora_name),
-                )
-        return False
+        return confirms(inventory, v.lora_name, v.digest, incarnation) is None
 
     # --- orphans --------------------------------------------------------------------------
 

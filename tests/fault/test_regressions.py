@@ -12,7 +12,7 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
-from engines.faults import Drop, Refuse
+from engines.faults import Drop, Duplicate, Refuse, ServerError
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
@@ -23,7 +23,14 @@ from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from tests.fault.simloop import run_simulated, sim_clock
-from tests.publisher.plane_kit import faulty_engines, names, open_plane, snapshot, wait_for
+from tests.publisher.plane_kit import (
+    events,
+    faulty_engines,
+    names,
+    open_plane,
+    snapshot,
+    wait_for,
+)
 
 
 @pytest.mark.anyio
@@ -205,3 +212,65 @@ async def test_regression_a_late_duplicate_prepare_staged_a_reclaimed_name_again
             await fresh.prepare(late)  # the late duplicate of the restore's prepare
         assert refused.value.code in {ErrorCode.STALE_ATTEMPT, ErrorCode.NAME_RECLAIMED}
         assert fresh.staged() == []
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
+async def test_regression_a_late_duplicate_of_a_restore_cleanup_unloaded_the_default(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulation (--slow, seeds 1739 and 1912): after a failed restore that a
+    fresh inventory proved absent, the reconciler sent an *unfenced* unload to drop what the
+    restore had staged. The next restore succeeded, and then a late duplicate of that unload
+    unregistered the version -- the default, with sessions bound to it (NAME_RECLAIMED on
+    their next turn). A failed restore is not cleaned up by any unload now."""
+    async with (
+        faulty_engines(1, artifact_root=tmp_path / "artifacts") as (e0,),
+        open_plane([e0], tmp_path) as plane,
+    ):
+        published = await plane.publisher.publish(snapshot(1), version_id=1)
+        name = published.lora_name
+        before = plane.ledger.state.engines["e0"].incarnation
+        e0.inject("transfer", Drop())  # the first restore's transfer runs; its reply is lost
+        e0.inject("unload", Duplicate(delay=1.0), times=10)  # any unload lands again, late
+        await e0.inner.restart()  # type: ignore[attr-defined]
+
+        def repaired() -> bool:
+            member = plane.ledger.state.engines["e0"]
+            return member.incarnation != before and member.routable and name in member.holds
+
+        await wait_for(repaired, timeout=20)
+        await anyio.sleep(1.5)  # past every late duplicate
+        assert name in await names(e0)
+        assert e0.count("unload") == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
+async def test_regression_an_ambiguous_reclaim_resolved_by_absence_left_a_staged_candidate(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulation (--slow, seed 2893): a restarted engine's restore of v1 staged
+    its bytes and lost the reply; v1 was retired, and its reclaim unload on that engine was
+    ambiguous (a 503). The reconciler resolved the reclaim from the inventory (v1 absent) and
+    never unloaded, so the staged bytes stayed in the engine's memory for good. An ambiguous
+    reclaim now gets an attempt-fenced unload before the inventory is taken as evidence."""
+    async with (
+        faulty_engines(2, artifact_root=tmp_path / "artifacts") as (e0, e1),
+        open_plane([e0, e1], tmp_path) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        before = ledger.state.engines["e0"].incarnation
+        e0.inject("transfer", Drop(), times=10_000)  # restores stage their bytes, never load
+        await e0.inner.restart()  # type: ignore[attr-defined]
+        fresh = e0.inner.current  # type: ignore[attr-defined]
+        await wait_for(lambda: v1.lora_name in fresh.staged(), timeout=20)
+        assert ledger.state.engines["e0"].incarnation != before
+
+        e0.inject("unload", ServerError(), times=3)  # the first unloads never reach e0
+        await plane.publisher.publish(snapshot(2), version_id=2)  # on e1; v1 retires
+        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        recorded = [type(e).__name__ for e in await events(ledger)]
+        assert "ReclaimAmbiguous" in recorded
+        assert v1.lora_name not in fresh.staged()
