@@ -13,10 +13,11 @@ improvements 1, 3 and 7; engines.md §7 "Reconciliation"):
   not ours) are recorded (``InventoryObserved``). The decider resolves a ``FAILED_FATAL``
   candidate once every engine of its attempt proved it absent (``FatalResolved``) and completes
   a reclaim once every engine proved absence (``VersionReclaimed``).
-* **Cleanup**: a fatal candidate still present is unloaded (attempt-fenced), an ambiguous
-  reclaim still present is unloaded, and strays (managed names the engine should not hold: a
-  reclaimed name that came back, a cleanly failed candidate that landed late) are unloaded;
-  then the inventory is observed again, which releases the entries.
+* **Cleanup**: an ambiguous reclaim is unloaded (attempt-fenced) *before* the inventory counts
+  as evidence, present or not (a failed restore may have staged bytes under the name); a fatal
+  candidate still present is unloaded (attempt-fenced), and strays (managed names the engine
+  should not hold: a reclaimed name that came back, a cleanly failed candidate that landed
+  late) are unloaded; then the inventory is observed again, which releases the entries.
 * **Repair**: every version still needed (the default and every bound version) is loaded again
   on an engine that lacks it -- from the artifact store, which holds a verified directory for
   every version (staged engines get its bytes as buckets) -- confirmed by a fresh inventory and
