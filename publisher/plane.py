@@ -79,6 +79,7 @@ class ControlPlane:
             cleanup_timeout=cleanup_timeout,
             bucket_bytes=bucket_bytes,
             clock=anyio.current_time,
+            inflight=lambda engine_id, version_id: self.reclaimer.inflight(engine_id, version_id),
         )
         self.publisher = PublicationDriver(
             ledger,

@@ -13,11 +13,12 @@ improvements 1, 3 and 7; engines.md §7 "Reconciliation"):
   not ours) are recorded (``InventoryObserved``). The decider resolves a ``FAILED_FATAL``
   candidate once every engine of its attempt proved it absent (``FatalResolved``) and completes
   a reclaim once every engine proved absence (``VersionReclaimed``).
-* **Cleanup**: an ambiguous reclaim is unloaded (attempt-fenced) *before* the inventory counts
-  as evidence, present or not (a failed restore may have staged bytes under the name); a fatal
-  candidate still present is unloaded (attempt-fenced), and strays (managed names the engine
-  should not hold: a reclaimed name that came back, a cleanly failed candidate that landed
-  late) are unloaded; then the inventory is observed again, which releases the entries.
+* **Cleanup**: a version being reclaimed is unloaded (attempt-fenced) *before* the engine's
+  inventory counts as evidence for it, present or not (a failed restore may have staged bytes
+  under the name); a fatal candidate still present is unloaded (attempt-fenced), and strays
+  (managed names the engine should not hold: a reclaimed name that came back, a cleanly failed
+  candidate that landed late) are unloaded, fenced by their version's last attempt when the
+  ledger knows the name; then the inventory is observed again, which releases the entries.
 * **Repair**: every version still needed (the default and every bound version) is loaded again
   on an engine that lacks it -- from the artifact store, which holds a verified directory for
   every version (staged engines get its bytes as buckets) -- confirmed by a fresh inventory and
@@ -128,8 +129,11 @@ class Reconciler:
         cleanup_timeout: float = 60.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        inflight: Callable[[str, int], int] | None = None,
     ) -> None:
         self._ledger = ledger
+        # requests in flight per (engine, version), as the reclaim driver counts them
+        self._inflight = inflight or (lambda engine_id, version_id: 0)
         self._fleet = fleet
         self._artifacts = artifacts
         self.timeouts = timeouts or EngineTimeouts()
@@ -210,11 +214,11 @@ class Reconciler:
     async def _reconcile(self, engine_id: str, rep: _Report) -> None:
         engine = self._fleet[engine_id]
         inventory = await self._read(engine_id, engine, rep)
-        doubtful = self._ambiguous_reclaims(engine_id)
-        if doubtful:
+        reclaiming = self._reclaims_to_fence(engine_id)
+        if reclaiming:
             unloaded = [
                 await self._unload(engine_id, engine, name, attempt, rep)
-                for name, attempt in doubtful
+                for name, attempt in reclaiming
             ]
             if not all(unloaded):
                 return  # no evidence until the fenced unload went through (errors reported)
@@ -287,17 +291,23 @@ class Reconciler:
                 seq=self._ledger.state.last_seq,
             )
 
-    def _ambiguous_reclaims(self, engine_id: str) -> list[tuple[str, int]]:
-        """Reclaims left ambiguous on this engine, to unload (attempt-fenced) before the
-        inventory is taken as evidence. Even when the name is absent: the engine may still hold
-        what a failed restore staged under it, and only a fenced unload drops that and refuses a
-        late duplicate of the restore's prepare (found by the simulation, --slow seed 2893). A
-        reclaimed version's attempt is final, so the fence can never shut out a wanted load."""
+    def _reclaims_to_fence(self, engine_id: str) -> list[tuple[str, int]]:
+        """Versions being reclaimed that this engine has not confirmed yet, to unload
+        (attempt-fenced) before its inventory is taken as evidence -- present or not. An absent
+        name still confirms the reclaim, but the engine may hold bytes a failed restore staged
+        under it, and only a fenced unload drops them and refuses a late duplicate of that
+        restore's prepare (found by the simulation, --slow seeds 1601 and 2893). Doing it here
+        rather than leaving it to the reclaim driver matters: the reconciler may read the
+        inventory first (it runs at start, before the driver). A reclaimed version's attempt
+        is final, so the fence never shuts out a wanted load; a version with a request in
+        flight on this engine is left to the reclaim driver's next tick."""
         state = self._ledger.state
         return sorted(
             (v.lora_name, v.attempt)
             for v in state.versions.values()
-            if v.state is VersionState.RECLAIMING and v.ambiguous and engine_id not in v.confirmed
+            if v.state is VersionState.RECLAIMING
+            and engine_id not in v.confirmed
+            and not self._inflight(engine_id, v.version_id)
         )
 
     def _unwanted(self, engine_id: str, present: set[str]) -> list[tuple[str, int | None]]:
@@ -313,7 +323,12 @@ class Reconciler:
         member = state.engines.get(engine_id)
         for name in member.strays if member is not None else ():
             if name.startswith(self.prefix):
-                out.setdefault(name, None)
+                # A stray of a known version (a failed attempt that landed late, a reclaimed
+                # name that came back) is fenced by that version's latest attempt, which is
+                # over: a late duplicate of this unload can then never remove a later attempt
+                # of the same name. Only a name the ledger never allocated goes unfenced.
+                known = state.version_by_name(name)
+                out.setdefault(name, known.attempt if known is not None else None)
         return sorted(out.items())
 
     async def _unload(

@@ -12,7 +12,7 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
-from engines.faults import Drop, Duplicate, Refuse, ServerError
+from engines.faults import Delay, Drop, Duplicate, Refuse, ServerError
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
@@ -274,3 +274,38 @@ async def test_regression_an_ambiguous_reclaim_resolved_by_absence_left_a_staged
         recorded = [type(e).__name__ for e in await events(ledger)]
         assert "ReclaimAmbiguous" in recorded
         assert v1.lora_name not in fresh.staged()
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
+async def test_regression_a_reclaim_confirmed_by_absence_before_its_unload_left_staged_bytes(
+    tmp_path: Path,
+) -> None:
+    """Found by review of the fixes above: while a version is being reclaimed, an inventory
+    without its name confirms the reclaim on that engine, and the reclaim driver then skips
+    it. When the reconciler read the inventory before the driver's unload arrived (a slow
+    unload; or a controller crash after the claim, since the reconciler runs first at start),
+    the version was RECLAIMED with a failed restore's bytes still staged under its name.
+    The reconciler now unloads (attempt-fenced) every version being reclaimed before its
+    inventory counts as evidence."""
+    async with (
+        faulty_engines(2, artifact_root=tmp_path / "artifacts") as (e0, e1),
+        open_plane([e0, e1], tmp_path) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        attempt = ledger.state.versions[1].attempt
+        before = ledger.state.engines["e0"].incarnation
+        e0.inject("prepare", Refuse(), times=10_000)  # every restore fails, e0 stays unroutable
+        await e0.inner.restart()  # type: ignore[attr-defined]
+        await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
+        fresh = e0.inner.current  # type: ignore[attr-defined]
+        staged = Candidate(
+            lora_name=v1.lora_name, digest=v1.digest, attempt=attempt, manifest=snapshot(1).manifest
+        )
+        await fresh.prepare(staged)  # what a failed restore left behind
+
+        e0.inject("unload", Delay(seconds=1.0), times=10_000)  # unloads reach e0 late
+        await plane.publisher.publish(snapshot(2), version_id=2)  # on e1; v1 retires
+        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        assert fresh.staged() == []  # RECLAIMED only once a fenced unload reached e0

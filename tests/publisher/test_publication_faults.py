@@ -292,7 +292,12 @@ async def test_ambiguous_unload_holds_the_version_until_inventory_decides(tmp_pa
         assert evidence  # the decision came from inventories, after the ambiguity
         if any(a.engine == "e0" for a in ambiguous):
             # the unload never reached e0: the reconciler's attempt-fenced unload removed v1
-            # before the inventory that decided was read
+            # before it read the inventory that decided, so no observation of e0 after the
+            # ambiguity shows v1 present
+            on_e0 = [
+                e for e in log[first:done] if isinstance(e, InventoryObserved) and e.engine == "e0"
+            ]
+            assert on_e0 and all(v1.lora_name not in e.adapters for e in on_e0)
             assert engines[0].count("unload") >= 2
         for e in engines:
             assert v1.lora_name not in await names(e)
