@@ -12,7 +12,7 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
-from engines.faults import Delay, Drop, Duplicate, Refuse, ServerError
+from engines.faults import Delay, Drop, Duplicate, FaultyEngine, Refuse, ServerError
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
@@ -22,6 +22,7 @@ from publisher import commands as c
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
+from publisher.publication import PublicationOutcome
 from tests.fault.simloop import run_simulated, sim_clock
 from tests.publisher.plane_kit import (
     events,
@@ -175,6 +176,29 @@ async def test_regression_a_failed_restore_fenced_the_committed_attempt_out_fore
         assert name in await names(e0)
 
 
+async def _v1_staged_on_a_restarted_e0(
+    plane: ControlPlane, e0: FaultyEngine
+) -> tuple[PublicationOutcome, LocalEngine, Candidate]:
+    """Publish v1, restart e0 with every restore refused (e0 stays unroutable), and stage
+    v1 on the fresh engine as a failed restore's prepare leaves it: its bytes never loaded.
+    Returns v1, the fresh engine and that prepare's candidate."""
+    ledger = plane.ledger
+    v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+    before = ledger.state.engines["e0"].incarnation
+    e0.inject("prepare", Refuse(), times=10_000)
+    await e0.inner.restart()  # type: ignore[attr-defined]
+    await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
+    fresh: LocalEngine = e0.inner.current  # type: ignore[attr-defined]
+    candidate = Candidate(
+        lora_name=v1.lora_name,
+        digest=v1.digest,
+        attempt=ledger.state.versions[1].attempt,
+        manifest=snapshot(1).manifest,
+    )
+    await fresh.prepare(candidate)
+    return v1, fresh, candidate
+
+
 @pytest.mark.anyio
 @pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
 async def test_regression_a_late_duplicate_prepare_staged_a_reclaimed_name_again(
@@ -190,18 +214,7 @@ async def test_regression_a_late_duplicate_prepare_staged_a_reclaimed_name_again
         open_plane([e0, e1], tmp_path) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
-        attempt = ledger.state.versions[1].attempt
-        before = ledger.state.engines["e0"].incarnation
-        e0.inject("prepare", Refuse(), times=10_000)  # every restore fails, e0 stays unroutable
-        await e0.inner.restart()  # type: ignore[attr-defined]
-        await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
-        # the restore's prepare that reached the engine (its later steps never did)
-        fresh = e0.inner.current  # type: ignore[attr-defined]
-        late = Candidate(
-            lora_name=v1.lora_name, digest=v1.digest, attempt=attempt, manifest=snapshot(1).manifest
-        )
-        await fresh.prepare(late)
+        v1, fresh, late = await _v1_staged_on_a_restarted_e0(plane, e0)
         assert fresh.staged() == [v1.lora_name]
 
         await plane.publisher.publish(snapshot(2), version_id=2)  # e1 only; v1 retires
@@ -293,17 +306,8 @@ async def test_regression_a_reclaim_confirmed_by_absence_before_its_unload_left_
         open_plane([e0, e1], tmp_path) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
-        attempt = ledger.state.versions[1].attempt
-        before = ledger.state.engines["e0"].incarnation
-        e0.inject("prepare", Refuse(), times=10_000)  # every restore fails, e0 stays unroutable
-        await e0.inner.restart()  # type: ignore[attr-defined]
-        await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
-        fresh = e0.inner.current  # type: ignore[attr-defined]
-        staged = Candidate(
-            lora_name=v1.lora_name, digest=v1.digest, attempt=attempt, manifest=snapshot(1).manifest
-        )
-        await fresh.prepare(staged)  # what a failed restore left behind
+        v1, fresh, _ = await _v1_staged_on_a_restarted_e0(plane, e0)
+        assert fresh.staged() == [v1.lora_name]
 
         e0.inject("unload", Delay(seconds=1.0), times=10_000)  # unloads reach e0 late
         await plane.publisher.publish(snapshot(2), version_id=2)  # on e1; v1 retires
