@@ -12,6 +12,19 @@ between adapters:
   (adapters map unrecognised 4xx bodies to ambiguous: an answer we do not understand proves
   nothing);
 * 2xx -> returned.
+
+Every request goes out on a connection of its own and asks the server to close it after the
+reply (``Connection: close``). A pooled idle connection can be closed by the server's
+keep-alive timer (uvicorn, which serves vLLM's and SGLang's APIs: 5 s) just as a request goes
+out on it; the server resets the connection with the request unread, and since nothing here is
+ever resent, the caller gets an ambiguous ``CONNECTION_LOST`` for nothing. Expiring idle
+connections early on the client side narrows that window but cannot close it: a server whose
+event loop stalls fires its timer late, after the request has arrived (a generation in CI,
+against a starved vLLM; uvloop runs a due timer before it reads the socket). A fresh connection
+has no idle timer to race. It costs one loopback or LAN handshake, well under a millisecond,
+nothing next to an engine call (BENCHMARKS.md, Engine HTTP connections); and because the server
+closes first, the TIME_WAIT left behind is the server's, so a busy client does not run out of
+ephemeral ports.
 """
 
 from __future__ import annotations
@@ -23,22 +36,14 @@ import httpx
 
 from engines.contract import AmbiguousReply, ErrorCode
 
-# Servers close idle keep-alive connections after a few seconds (uvicorn, which serves vLLM's
-# and SGLang's HTTP APIs, after 5 s). A client that keeps them as long reuses a connection the
-# server is closing just as a request goes out: a spurious CONNECTION_LOST (ambiguous, never
-# resent, but an attempt lost for nothing). Expire ours well before.
-KEEPALIVE_EXPIRY_S = 2.0
+# Sent with every request: see the module docstring.
+ONE_REQUEST_PER_CONNECTION = {"Connection": "close"}
 
 
 def engine_client(base_url: str, *, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
     """The HTTP client every engine adapter uses: loopback/cluster traffic never goes through
-    a proxy from the environment, and idle connections expire before the server's do."""
-    return httpx.AsyncClient(
-        base_url=base_url,
-        trust_env=False,
-        headers=headers,
-        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
-    )
+    a proxy from the environment (a proxy would blur "never sent" and "sent once")."""
+    return httpx.AsyncClient(base_url=base_url, trust_env=False, headers=headers)
 
 
 async def request(
@@ -53,7 +58,10 @@ async def request(
     headers: Mapping[str, str] | None = None,
 ) -> httpx.Response:
     """Send once (never retried here) and classify transport-level failures. ``content`` (with
-    its ``headers``) carries a binary body, e.g. a msgpack bucket, instead of ``json``."""
+    its ``headers``) carries a binary body, e.g. a msgpack bucket, instead of ``json``. The
+    request always travels on a fresh connection (module docstring), also through a client the
+    caller injected."""
+    headers = {**(headers or {}), **ONE_REQUEST_PER_CONNECTION}
     try:
         response = await client.request(
             method, path, json=json, content=content, headers=headers, timeout=timeout

@@ -1,30 +1,138 @@
-"""The one HTTP client engine adapters use: no proxy from the environment, and idle
-connections expire before the server closes them (a reused connection that the server is
-closing turns a request into a spurious ambiguous CONNECTION_LOST)."""
+"""The one way engine adapters send HTTP: no proxy from the environment, and every request on
+a connection of its own, so a server closing an idle keep-alive connection can never swallow
+a request (it would come back as a spurious ambiguous CONNECTION_LOST, never resent).
+
+The server here is a real TCP server on loopback that loses every keep-alive race on purpose:
+it answers a request and, unless asked to close, keeps the connection; when the next request
+arrives on it, it closes the socket without reading it, as a server whose idle timer fired just
+then does (the kernel resets the connection and the client reads ECONNRESET). That is what
+happened to a generation against a starved vLLM in CI, made deterministic."""
 
 from __future__ import annotations
 
+import select
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
 import pytest
-import uvicorn
 
 from engines import http
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
 
+pytestmark = pytest.mark.anyio
 
-def test_keepalive_expires_before_the_servers_close_idle_connections() -> None:
-    server_idle_timeout = uvicorn.Config(app=None).timeout_keep_alive  # what vLLM/SGLang run
-    assert server_idle_timeout > http.KEEPALIVE_EXPIRY_S
+# A vLLM /metrics body as far as VLLMEngine.incarnation reads it.
+METRICS = b"process_start_time_seconds 1.7e+09\n"
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("make", [lambda: SGLangEngine("http://127.0.0.1:9", "e0"),
-                                  lambda: VLLMEngine("http://127.0.0.1:9", "e0")])  # fmt: skip
-async def test_adapters_use_the_engine_client(make) -> None:  # type: ignore[no-untyped-def]
-    engine = make()
+class KeepAliveRacer:
+    """The server described in the module docstring, on a thread of its own (stopped by
+    :meth:`stop`). ``connections`` counts accepted connections, ``resets`` the requests it
+    dropped by closing a kept-alive connection."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.connections = 0
+        self.resets = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="keepalive-racer")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._listener.close()
+        assert not self._thread.is_alive()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if select.select([self._listener], [], [], 0.05)[0]:
+                conn, _ = self._listener.accept()
+                self.connections += 1
+                with conn:
+                    self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            head += chunk
+        close = b"connection: close" in head.lower()
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+            + f"content-length: {len(METRICS)}\r\n".encode()
+            + (b"connection: close\r\n" if close else b"")
+            + b"\r\n"
+            + METRICS
+        )
+        if close:
+            return
+        # Kept alive: wait for the next request and lose the race (close with it unread).
+        while not self._stop.is_set():
+            if select.select([conn], [], [], 0.05)[0]:
+                if conn.recv(1, socket.MSG_PEEK):
+                    self.resets += 1
+                return
+
+
+@pytest.fixture
+def racer() -> Iterator[KeepAliveRacer]:
+    server = KeepAliveRacer()
     try:
-        pool = engine._client._transport._pool  # httpx's connection pool
-        assert pool._keepalive_expiry == http.KEEPALIVE_EXPIRY_S
+        yield server
+    finally:
+        server.stop()
+
+
+async def _get(client: httpx.AsyncClient, port: int) -> httpx.Response:
+    return await http.request(
+        client, "GET", f"http://127.0.0.1:{port}/metrics", engine_id="e0", timeout=10.0
+    )
+
+
+async def test_the_racer_swallows_a_request_sent_on_a_kept_alive_connection(
+    racer: KeepAliveRacer,
+) -> None:
+    """The server really does what the module docstring says: plain httpx, which pools
+    connections, loses its second request to a reset. (Were this to pass, the tests below
+    would prove nothing.)"""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        first = await client.get(f"http://127.0.0.1:{racer.port}/metrics")
+        assert first.content == METRICS
+        with pytest.raises(httpx.TransportError):
+            await client.get(f"http://127.0.0.1:{racer.port}/metrics")
+    assert (racer.connections, racer.resets) == (1, 1)
+
+
+async def test_every_request_goes_on_a_fresh_connection_even_through_an_injected_client(
+    racer: KeepAliveRacer,
+) -> None:
+    async with httpx.AsyncClient(trust_env=False) as pooled:  # a caller's own, keep-alive client
+        for _ in range(5):
+            assert (await _get(pooled, racer.port)).content == METRICS
+    assert (racer.connections, racer.resets) == (5, 0)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_adapters_never_lose_a_request_to_a_keepalive_race(
+    racer: KeepAliveRacer, kind: str
+) -> None:
+    base_url = f"http://127.0.0.1:{racer.port}"
+    engine = VLLMEngine(base_url, "e0") if kind == "vllm" else SGLangEngine(base_url, "e0")
+    try:
+        if isinstance(engine, VLLMEngine):
+            for _ in range(3):
+                assert await engine.incarnation() == "pst-1700000000.00"
+        else:  # any endpoint will do: the racer answers them all alike
+            for _ in range(3):
+                assert (await engine._send("GET", "/metrics", timeout=10.0)).content == METRICS
         assert engine._client._trust_env is False
     finally:
         await engine.aclose()
+    assert (racer.connections, racer.resets) == (3, 0)

@@ -30,6 +30,7 @@ import anyio
 import httpx
 import pytest
 
+from engines import http
 from engines.artifacts import ArtifactStore
 from engines.contract import (
     AmbiguousReply,
@@ -214,7 +215,10 @@ async def unload_under_requests(
 
     # One client for the gauge polls, made before the requests start: building an httpx
     # client (its SSL context) holds the GIL for tens of ms, far longer on a busy 2-core box.
-    async with httpx.AsyncClient(trust_env=False) as probe, anyio.create_task_group() as tg:
+    # Each poll on a fresh connection, as the engine's own requests (engines.http: a starved
+    # server may reset a kept-alive one).
+    probe_client = httpx.AsyncClient(trust_env=False, headers=http.ONE_REQUEST_PER_CONNECTION)
+    async with probe_client as probe, anyio.create_task_group() as tg:
         for i in range(n_requests):
             tg.start_soon(one, i)
         # Unload only once every request has reached the engine (or already finished). On a
