@@ -59,8 +59,9 @@ async def request(
 ) -> httpx.Response:
     """Send once (never retried here) and classify transport-level failures. ``content`` (with
     its ``headers``) carries a binary body, e.g. a msgpack bucket, instead of ``json``. The
-    request always travels on a fresh connection (module docstring), also through a client the
-    caller injected."""
+    request travels on a fresh connection (module docstring), through an injected client too,
+    provided nothing else leaves kept-alive connections in that client's pool (httpx reuses an
+    idle one whatever this request's headers say)."""
     headers = {**(headers or {}), **ONE_REQUEST_PER_CONNECTION}
     try:
         response = await client.request(
