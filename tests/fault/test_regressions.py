@@ -148,6 +148,19 @@ async def test_regression_renewal_with_a_negative_inflight_count_was_accepted() 
         assert ledger.inflight_evidence(1)[0].count == 2
 
 
+async def _restart_e0_until_it_serves(plane: ControlPlane, e0: FaultyEngine, name: str) -> None:
+    """Restart e0 and wait until the ledger sees its new incarnation repaired: routable and
+    holding ``name`` again (the reconciler's restore, through whatever faults were injected)."""
+    before = plane.ledger.state.engines["e0"].incarnation
+    await e0.inner.restart()  # type: ignore[attr-defined]
+
+    def repaired() -> bool:
+        member = plane.ledger.state.engines["e0"]
+        return member.incarnation != before and member.routable and name in member.holds
+
+    await wait_for(repaired, timeout=20)
+
+
 @pytest.mark.anyio
 @pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
 async def test_regression_a_failed_restore_fenced_the_committed_attempt_out_forever(
@@ -164,15 +177,8 @@ async def test_regression_a_failed_restore_fenced_the_committed_attempt_out_fore
     ):
         published = await plane.publisher.publish(snapshot(1), version_id=1)
         name = published.lora_name
-        before = plane.ledger.state.engines["e0"].incarnation
         e0.inject("load", Drop())  # the restore's load runs; its reply is lost
-        await e0.inner.restart()  # type: ignore[attr-defined]
-
-        def repaired() -> bool:
-            member = plane.ledger.state.engines["e0"]
-            return member.incarnation != before and member.routable and name in member.holds
-
-        await wait_for(repaired, timeout=20)
+        await _restart_e0_until_it_serves(plane, e0, name)
         assert name in await names(e0)
 
 
@@ -243,16 +249,9 @@ async def test_regression_a_late_duplicate_of_a_restore_cleanup_unloaded_the_def
     ):
         published = await plane.publisher.publish(snapshot(1), version_id=1)
         name = published.lora_name
-        before = plane.ledger.state.engines["e0"].incarnation
         e0.inject("transfer", Drop())  # the first restore's transfer runs; its reply is lost
         e0.inject("unload", Duplicate(delay=1.0), times=10)  # any unload lands again, late
-        await e0.inner.restart()  # type: ignore[attr-defined]
-
-        def repaired() -> bool:
-            member = plane.ledger.state.engines["e0"]
-            return member.incarnation != before and member.routable and name in member.holds
-
-        await wait_for(repaired, timeout=20)
+        await _restart_e0_until_it_serves(plane, e0, name)
         await anyio.sleep(1.5)  # past every late duplicate
         assert name in await names(e0)
         assert e0.count("unload") == 0
