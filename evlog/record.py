@@ -70,7 +70,7 @@ def chain_hash(
 def new_event_id(now: float | None = None) -> bytes:
     """A UUIDv7-style id: 48-bit millisecond time, then random bits, so ids are unique and
     roughly time-ordered (a random id under a UNIQUE index makes group commit 2.3-2.5x slower
-    once the table grows, DESIGN §3)."""
+    once the table grows; docs/identities.md)."""
     ms = int((time.time() if now is None else now) * 1000) & ((1 << 48) - 1)
     rand = bytearray(os.urandom(10))
     rand[0] = (rand[0] & 0x0F) | 0x70  # version 7

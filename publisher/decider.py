@@ -2,13 +2,13 @@
 
 It reads the registry state and the command, nothing else (no clock, no engine, no store), and
 never mutates the state. A decision is the events to append plus the outcome to answer, or a
-refusal (a ``LedgerError`` with a stable code). Most refusals write nothing; the receipt
-refusals of DESIGN §3 are recorded (``ReceiptRejected``) so an incident replay shows them.
+refusal (a ``LedgerError`` with a stable code). Most refusals write nothing; refused engine
+receipts are recorded (``ReceiptRejected``) so an incident replay shows them.
 
-The semantics, the order of the checks and the error codes follow DESIGN §4 (they match the
-seed registry, Relax PR #382), extended by the deliberate improvements listed there: an
-N-engine fleet that changes, fatal/ambiguous entries resolved by inventory evidence, owner
-leases, recorded skips.
+The semantics, the order of the checks and the error codes are those of docs/state-machine.md
+(its check-order table; they match the seed registry, Relax PR #382), extended by deliberate
+improvements: an N-engine fleet that changes, fatal/ambiguous entries resolved by inventory
+evidence, owner leases, recorded skips.
 
 A stale or duplicate input is an outcome too: it either returns the earlier outcome (no event)
 or is refused; it never changes the state twice.
@@ -515,9 +515,9 @@ def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
 
 
 def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decision:
-    """Shared fencing of PREPARED and READY receipts (DESIGN §4): version, attempt, fleet,
-    incarnation, digest and name must all match the current attempt. A mismatch is recorded
-    (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
+    """Shared fencing of PREPARED and READY receipts (docs/state-machine.md): version,
+    attempt, fleet, incarnation, digest and name must all match the current attempt. A mismatch
+    is recorded (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
     _deployment(s)
     v = _version(s, cmd.version_id)
     member = _member(s, cmd.engine)

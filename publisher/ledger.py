@@ -10,7 +10,7 @@ How a command flows:
    the last seq this writer knows: if another controller appended meanwhile, the append is
    refused and this ledger is fenced (Kafka's zombie fencing, by optimistic concurrency).
 4. Only after COMMIT returns is anyone answered. A refusal is answered without writing, except
-   the receipt refusals that DESIGN §3 records.
+   refused engine receipts, which are recorded (``ReceiptRejected``).
 
 If the append fails, the in-memory state has run ahead of the log; it is rebuilt from the log
 (the durable truth) and every caller of the batch gets the error. Nothing is ever half-applied.
@@ -382,7 +382,7 @@ class Ledger:
         assert isinstance(outcome, kind), f"{type(command).__name__} answered {outcome!r}"
         return outcome
 
-    # --- the API: one method per command of DESIGN §4 -----------------------------------------
+    # --- the API: one method per command (docs/state-machine.md) ------------------------------
 
     async def create_deployment(
         self, deployment: str, *, prefix: str, capacity: int, fleet: Iterable[str] = ()

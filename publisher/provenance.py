@@ -2,7 +2,7 @@
 
 Pinning a session to its first version only pays off if the trainer can *prove* which
 behaviour policy produced each sample (importance sampling, decoupled PPO, staleness
-correction; rl-peers §5 and §7.2). So every generation the gateway completes yields one
+correction; docs/sessions.md). So every generation the gateway completes yields one
 :class:`ProvenanceRow` -- session, turn, engine, version id, immutable adapter name, digest,
 the revision the session bound at and the head revision when it was dispatched and when it
 finished, request id, token counts, timestamps -- and the rows are written as JSON lines.
@@ -62,7 +62,7 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     gateway: str
     schema: int = SCHEMA
     # What the engine said it ran (None: the engine does not say). A value other than
-    # ``lora_name`` means the sample is not from the bound policy (rl-peers §7.3).
+    # ``lora_name`` means the sample is not from the bound policy.
     served_name: str | None = None
 
     @property

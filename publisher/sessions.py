@@ -1,5 +1,5 @@
 """The rollout side of a session: bind on the first generation, pin every later turn, release
-once, and keep a lease so a dead worker cannot pin a version forever (DESIGN §6).
+once, and keep a lease so a dead worker cannot pin a version forever (docs/sessions.md).
 
 Two objects:
 

@@ -1,10 +1,10 @@
-"""AdapterSnapshot: the owned, frozen copy of one adapter that a publication sends (DESIGN §5).
+"""AdapterSnapshot: the owned, frozen copy of one adapter that a publication sends.
 
 Why a copy first: a trainer keeps stepping its optimizer while a publication is under way. If
 the bytes sent to engine B were read from the live parameters a few milliseconds after the
 bytes sent to engine A, the two engines would serve different weights under one immutable name
-and one digest -- the "half-updated fleet" of rl-peers §4. So the snapshot copies every tensor
-into immutable ``bytes`` (numpy, torch on any device, bfloat16 included, via
+and one digest -- a "half-updated fleet". So the snapshot copies every tensor into immutable
+``bytes`` (numpy, torch on any device, bfloat16 included, via
 :func:`engines.manifest.tensor_from_array`), copies the config into canonical JSON, and computes
 the manifest and digest with :func:`engines.manifest.build_manifest` -- the single digest
 function -- *from that copy*. Every byte that later reaches an engine or the artifact store is

@@ -2,7 +2,7 @@
 
 The measurements live in ``tools/bench_<name>.py`` (each also runnable with ``python -m``);
 this only chooses the
-sizes (``--quick``: a smoke run small enough for CI, whose figures are *not* the DESIGN §9
+sizes (``--quick``: a smoke run small enough for CI, whose figures are *not* the BENCHMARKS.md
 ones), names the machine the figures were measured on (they are meaningless without it: fsync
 latency alone varies several-fold between machines), and prints every figure next to its
 reference and ratio, as a table or as one JSON object.

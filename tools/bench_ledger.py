@@ -4,7 +4,7 @@
    against a ledger on a fresh SQLite file (invariants checked after every batch, as in
    production). Reference, measured in the same run on the same disk: raw ``sqlite3``
    ``executemany`` of the very rows the ledger wrote (read back from its file), in batches of
-   the size its group commit reached. The ratio is the figure to compare (DESIGN §9: >= 40%
+   the size its group commit reached. The ratio is the figure to compare (BENCHMARKS.md: >= 40%
    at 256 concurrent sessions with FULL, and >= 20,000 sessions/s).
 2. Recovery: a log of ``replay_events`` session events (bind, release, and a forget per
    1,000 sessions as a worker's cleanup does), replayed in full and from a snapshot at its

@@ -1,4 +1,4 @@
-"""Memory of the registry projection under session churn (DESIGN §9: 1,000,000 sessions bound,
+"""Memory of the registry projection under session churn (BENCHMARKS.md: 1,000,000 sessions bound,
 released and forgotten leave the projection within 10 MB of where it started).
 
 The sessions go through the real decider and evolve (no store: this measures the projection,

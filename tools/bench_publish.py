@@ -1,4 +1,4 @@
-"""Publication benchmark (DESIGN §9): a 64 MiB adapter to 2 local engines, timed against copying
+"""Publication benchmark (BENCHMARKS.md): a 64 MiB adapter to 2 local engines, timed against copying
 the same bytes twice in the same run, and the longest gap between generation completions of
 steady background traffic during a publication, next to the same traffic without one.
 

@@ -1,6 +1,6 @@
 """Benchmark of the Ray deployment: binds/s through the ledger actor, next to the seed's design.
 
-The seed (Relax's registry, rl-peers §2.11) keeps ``session_id -> version`` in a dict inside a
+The seed (Relax's registry) keeps ``session_id -> version`` in a dict inside a
 named Ray actor, one remote call per bind. Everything below runs in ONE local Ray instance,
 in the same run, driven the same way: ``concurrency`` asyncio tasks in one client process,
 each binding fresh sessions one call after another; for each concurrency the measures are
@@ -19,14 +19,14 @@ Measured (sessions bound per second), at each client concurrency of ``concurrenc
   coalescing), ``async_dict_actor`` (the seed's dict in an async actor: what Ray's async
   dispatch costs by itself), ``ledger_batched_per_call`` (one Ray call per group).
 
-The headline ratios (DESIGN §9: single >= 1, batched >= 10) are taken at the highest
+The headline ratios (BENCHMARKS.md: single >= 1, batched >= 10) are taken at the highest
 concurrency: a rollout worker runs many sessions at once. With ONE sequential caller the
 durable single call cannot match a dict: each answer waits for its own fsync.
 
 Every bind is checked (a ``Bound`` answer; the ledger's session count at the end equals the
 binds made). Run ``python -m tools.bench_ray`` (``--json`` for the raw numbers), or
 ``await bench_ray(...)`` on asyncio (smoke sizes: ``concurrencies=(1, 8), binds=400,
-batched_binds=4096, rounds=1``; their figures are not the DESIGN §9 ones).
+batched_binds=4096, rounds=1``; their figures are not the BENCHMARKS.md ones).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from publisher.ray.local import local_ray
 from tools.logconfig import configure as configure_logs
 
 OWNER = "bench-worker"
-TARGET_SINGLE = 1.0  # DESIGN §9: at least as fast as the dict actor
+TARGET_SINGLE = 1.0  # BENCHMARKS.md: at least as fast as the dict actor
 TARGET_BATCHED = 10.0  # and a batched call at least 10x that
 
 

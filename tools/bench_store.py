@@ -168,7 +168,7 @@ async def bench_store(
 
     Per append case: the store's events/s, its mean group (events per transaction), the raw
     reference at the ideal group (``appenders x per_append`` rows per transaction, the figure
-    DESIGN §9 compares against) and at the group the store actually reached (what the store's
+    BENCHMARKS.md compares against) and at the group the store actually reached (what the store's
     own overhead costs, group size aside), with both ratios.
     """
     counts = {**DEFAULT_EVENTS, **(events or {})}

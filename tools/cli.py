@@ -51,7 +51,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 bench_app = typer.Typer(
-    help="Benchmarks (DESIGN §9): each figure with its reference ratio, measured in one run.",
+    help="Benchmarks (BENCHMARKS.md): each figure with its reference ratio, measured in one run.",
     no_args_is_help=True,
     epilog=EXIT_HELP,
 )

@@ -1,4 +1,4 @@
-"""The bundled local reference engine (DESIGN §7) and its HTTP face.
+"""The bundled local reference engine (docs/engines.md) and its HTTP face.
 
 Modules: :mod:`~engines.local.engine` (``LocalEngine``, the in-process engine),
 :mod:`~engines.local.server` (SGLang-compatible + staged HTTP endpoints; ``serve``,

@@ -2,7 +2,7 @@
 
 It is the engine the demo and most tests run, and the stand-in for a GPU SGLang server (through
 :mod:`engines.local.server`), so it implements SGLang's LoRA semantics where they are safe and
-loraledger's stricter ones where SGLang is not (engines.md §1.4-§1.6, §4):
+loraledger's stricter ones where SGLang is not (docs/engines.md, SGLang):
 
 * **Per-request references** (:mod:`engines.local.refs`): a request takes its lease before
   dispatch and gives it back exactly once, in a ``finally`` -- normal finish, failure before
@@ -516,7 +516,7 @@ class LocalEngine:
     async def unload_ordinary(self, lora_name: str) -> dict[str, str]:
         """SGLang ``/unload_lora_adapter``: returns only after the adapter's requests drained,
         holding the update lock meanwhile (so ordinary loads and implicit reloads wait, as in
-        SGLang §1.4). Managed names are refused with NAME_PROTECTED."""
+        SGLang 0.5.23). Managed names are refused with NAME_PROTECTED."""
         self._require_runner()
 
         async def job() -> None:
@@ -533,8 +533,8 @@ class LocalEngine:
         return self.loaded_adapters()
 
     async def _implicit_reload(self, name: str) -> None:
-        """Stock SGLang reloads an unloaded ordinary name from its old path on demand
-        (engines.md §1.6 step 7); reproduced for ordinary names only, never managed ones."""
+        """Stock SGLang (0.5.23) reloads an unloaded ordinary name from its old path when a
+        request names it; reproduced for ordinary names only, never managed ones."""
         path = self._registry.history[name]
 
         async def job() -> None:

@@ -2,8 +2,8 @@
 
 The key is ``(adapter_key, namespace, tokens)``. ``adapter_key`` is the engine-local id minted
 fresh for every load (like SGLang's uuid ``lora_id``), never the adapter *name*: vLLM keyed its
-cache by name and served KV computed with old weights after a same-name reload (engines.md §4
-items 14-15). ``namespace`` carries the request's ``cache_salt``/``extra_key``; because the key
+cache by name and served KV computed with old weights after a same-name reload (vLLM issues
+#30931, #42125). ``namespace`` carries the request's ``cache_salt``/``extra_key``; because the key
 is a tuple, not a concatenated string, no client-chosen salt can collide with an adapter id
 (SGLang issue #24638).
 

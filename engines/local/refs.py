@@ -1,8 +1,8 @@
 """Per-adapter reference counts: the rule that makes "unload only when nothing uses it" safe.
 
 Every request that names an adapter takes exactly one :class:`Lease` before dispatch and gives
-it back exactly once on its terminal outcome. SGLang's worst LoRA bugs (engines.md §4 items 1-5:
-aborted requests never releasing, ``n>1`` children releasing once each, counters going to -2,
+it back exactly once on its terminal outcome. SGLang's worst LoRA bugs (issues #34205, #36894,
+#25864: aborted requests never releasing, ``n>1`` children releasing once each, counters at -2,
 unloads hanging forever) all came from the count drifting away from that rule, so the rule lives
 here, in one small unit, and nothing else touches the number:
 

@@ -10,7 +10,7 @@ decision below is atomic. The rules, and why:
 * **Managed names** (anything that went through ``prepare``) belong to the ledger: an ordinary
   SGLang-style load or unload of such a name is ``NAME_PROTECTED``, and once a managed name is
   unloaded it is *reclaimed*: a later generation gets ``NAME_RECLAIMED`` and nothing ever
-  reloads it implicitly (stock SGLang does, engines.md §1.6 step 7).
+  reloads it implicitly (stock SGLang does, from the name's old path).
 * **Fences**: per managed name, the highest attempt seen and whether it was cleaned up. A
   ``prepare``/``transfer``/``load`` of an older attempt, or of a cleaned-up one, is
   ``STALE_ATTEMPT``; so is a cleanup of an attempt older than the fence. A late cleanup of

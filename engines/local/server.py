@@ -1,8 +1,8 @@
 """One :class:`~engines.local.engine.LocalEngine` over HTTP: SGLang 0.5.x's face + staged endpoints.
 
-**This is the test stand-in for a GPU SGLang server** (none can run on our CPU machines,
-engines.md §5), so the SGLang endpoints reproduce the recorded 0.5.23 behaviour (§1.1, §1.4,
-§1.6), not an idealised one:
+**This is the test stand-in for a GPU SGLang server** (none can run on our CPU machines), so
+the SGLang endpoints reproduce SGLang 0.5.23's observed behaviour (docs/engines.md), not an
+idealised one:
 
 * ``POST /load_lora_adapter`` / ``/unload_lora_adapter`` answer the ``LoRAUpdateOutput`` shape
   ``{"rid": null, "http_worker_ipc": null, "success", "error_message", "loaded_adapters"}`` with

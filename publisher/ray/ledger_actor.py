@@ -205,7 +205,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
 
 
 async def _expire_leases(ledger: Ledger, every_s: float) -> None:
-    """A dead worker must not pin a version forever (DESIGN §4.6): expire overdue owners."""
+    """A dead worker must not pin a version forever (docs/sessions.md): expire overdue owners."""
     while True:
         await anyio.sleep(every_s)
         try:

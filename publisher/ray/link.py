@@ -2,8 +2,8 @@
 
 A caller of the ledger actor must ride out a restart (Ray restarting it after a crash, or an
 operator killing and recreating it under the same name) without giving up and without acting
-twice. Every call made through a link is therefore one the ledger treats as idempotent (DESIGN
-§3: a duplicate input returns the earlier outcome or a recorded refusal), and the link:
+twice. Every call made through a link is therefore one the ledger treats as idempotent (a
+duplicate input returns the earlier outcome or a recorded refusal; docs/events.md), and the link:
 
 * resolves the actor by name (lazily, and again after the handle died: a recreated actor is a
   new actor behind the same name);

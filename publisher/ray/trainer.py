@@ -3,10 +3,10 @@
 publishes through the control plane hosted by the ledger actor.
 
 The snapshot is taken HERE, in the trainer's process, before anything crosses Ray: the owned,
-frozen copy (DESIGN §5) must be made where the live parameters are, or later optimizer steps
-could change what is sent. What travels is plain data (:class:`AdapterWire`: canonical config,
-the copied tensors, the digest); the actor rebuilds the snapshot from it and refuses it if the
-digest it computes differs (the bytes changed on the way).
+frozen copy (docs/publication.md) must be made where the live parameters are, or later
+optimizer steps could change what is sent. What travels is plain data (:class:`AdapterWire`:
+canonical config, the copied tensors, the digest); the actor rebuilds the snapshot from it and
+refuses it if the digest it computes differs (the bytes changed on the way).
 
 A publish that meets a ledger restart is sent again through the
 :class:`~publisher.ray.link.ActorLink`: publication is idempotent per step (``NO_OP`` for a

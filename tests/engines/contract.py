@@ -63,7 +63,7 @@ class Capabilities:
     # the harness can freeze generation between tokens (``eut.hold``), so "in flight" is
     # deterministic rather than a race against a fast tiny model
     can_hold: bool = True
-    # an unloaded name comes back on a later request naming it (stock SGLang §1.6)
+    # an unloaded name comes back on a later request naming it (stock SGLang 0.5.23)
     implicit_reload: bool = False
     # managed names: a reclaimed name answers NAME_RECLAIMED (local engine managed path)
     reclaimed_refusal: bool = False
@@ -120,7 +120,7 @@ class Published:
 
 
 def lora_name_for(manifest: Manifest, version: int, prefix: str = "agent") -> str:
-    """DESIGN §2: ``{prefix}@{deployment}-{version_id}-{digest[:16]}``."""
+    """docs/identities.md: ``{prefix}@{deployment}-{version_id}-{digest[:16]}``."""
     return f"{prefix}@ct-{version}-{manifest.digest[:16]}"
 
 

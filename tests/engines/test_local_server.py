@@ -1,5 +1,5 @@
-"""The local engine's HTTP face: SGLang 0.5.x shapes, status codes and texts (engines.md §1.1),
-SGLang's blocking unload and implicit reload (§1.4, §1.6), disconnects, and the process mode.
+"""The local engine's HTTP face: SGLang 0.5.x shapes, status codes and texts, SGLang's blocking
+unload and implicit reload (docs/engines.md), disconnects, and the process mode.
 
 Every server listens on 127.0.0.1 and is stopped by the test that started it (subprocesses by
 PID)."""
@@ -223,7 +223,8 @@ async def test_unload_returns_only_after_in_flight_requests_drained(
 async def test_request_during_a_drain_waits_then_implicitly_reloads(
     served: tuple[LocalEngine, httpx.AsyncClient], store: ArtifactStore
 ) -> None:
-    """engines.md §1.6 steps 4-7, reproduced: blocked during the drain, reloaded after it."""
+    """SGLang 0.5.23's unload under a running request, reproduced: a request for the name is
+    blocked during the drain, and the name is implicitly reloaded after it."""
     engine, client = served
     path = candidate_for(store, 7).candidate.artifact_path or ""
     await load(client, "agent@v7", path)

@@ -1,4 +1,4 @@
-"""The reference-count unit: each rule that SGLang got wrong at least once (engines.md §4 1-5)."""
+"""The reference-count unit: each rule that SGLang got wrong at least once (docs/engines.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """SGLangEngine specifics beyond the contract: request bodies, the "already loaded" check,
 reply classification, and at-most-once generation.
 
-Most tests run against the local engine's SGLang face (the faithful stand-in, engines.md §1).
+Most tests run against the local engine's SGLang face (the faithful stand-in, docs/engines.md).
 Two classification tests need replies no faithful server produces (an unknown 4xx body, a
 timeout at a chosen moment); they use :class:`ScriptedSGLang`, an ``httpx.MockTransport``
 test double named as such.

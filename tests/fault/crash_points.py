@@ -5,7 +5,7 @@ One crash point is ``(mode, k)``: ``after`` kills right after the COMMIT that st
 ``during`` kills inside the write statement that would have stored it. Each point gets fresh
 engines (served by this process, so they outlive the child) and a fresh SQLite file.
 
-:func:`judge` checks what DESIGN §9 promises for a kill -9, every time:
+:func:`judge` checks what RELIABILITY.md promises for a kill -9, every time:
 
 * no acknowledged event lost: every ``APPENDED`` (seq, event id) of every life is in the log,
   unchanged; every answered command (``ACK``) is in the log with the outcome it was told;

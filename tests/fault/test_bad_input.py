@@ -376,7 +376,7 @@ def test_decide_refuses_wrong_types_and_out_of_range_values_with_a_code(slow: bo
 def test_the_ledger_refuses_bad_commands_and_keeps_serving(slow: bool) -> None:
     """The same commands through a running :class:`Ledger` (its single writer decides them):
     a refusal is a ``LedgerError`` with a code, the state and the log are as they were (a
-    refused engine receipt is the one refusal DESIGN §3 records, as ``ReceiptRejected``), and
+    refused engine receipt is the one refusal recorded, as ``ReceiptRejected``), and
     the ledger still serves the next caller."""
     kinds = sorted(
         (cls for cls in c.Command.__subclasses__() if cls is not c.StartController),

@@ -296,7 +296,7 @@ class LosesReply(Recording):
 
 class EchoesAnother(Recording):
     """Runs the generation for real, then claims another adapter served it (a wrong-adapter
-    bug of the kind that looked like staleness for weeks: rl-peers §4A)."""
+    bug of the kind that looked like staleness for weeks in other RL frameworks)."""
 
     async def generate(self, *args: Any, **kwargs: Any) -> Generation:
         real = await super().generate(*args, **kwargs)

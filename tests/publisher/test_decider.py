@@ -1,4 +1,4 @@
-"""Every command and every error code of the decider, including the seed scenarios of DESIGN §4.
+"""Every command and every error code of the decider (docs/state-machine.md), seed scenarios too.
 
 The ``Book`` harness checks the invariants after every single decision.
 """

@@ -203,7 +203,7 @@ async def test_client_cache_keys_are_replaced_by_the_version_salt() -> None:
 
 def test_regression_vllm_cache_salt_is_hex_unique_per_version_and_engine_safe() -> None:
     """The version salt travels with every generation to every engine. It used to be the
-    version's ``lora_name``, which always contains ``@`` (DESIGN §2), and vLLM refuses any
+    version's ``lora_name``, which always contains ``@`` (docs/identities.md), and vLLM refuses any
     ``cache_salt`` containing ``@`` (HTTP 400), so every generation on a vLLM fleet failed.
 
     What must hold: lowercase hex only (no engine restricts that alphabet), accepted by the

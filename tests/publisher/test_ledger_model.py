@@ -51,7 +51,7 @@ class V:
 
 
 class Model:
-    """The registry rules of DESIGN §4, restated as plainly as possible."""
+    """The registry rules of docs/state-machine.md, restated as plainly as possible."""
 
     def __init__(self) -> None:
         self.versions: dict[int, V] = {}

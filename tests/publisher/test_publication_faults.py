@@ -1,5 +1,5 @@
 """Fault injection on the engine contract (FaultyEngine around real, restartable local engines):
-every case ends in the state DESIGN §5 prescribes, with the events in the log that show why.
+every case ends in the state docs/publication.md prescribes, with the events that show why.
 
 * a clean refusal anywhere -> cleanup everywhere, absence proven -> FAILED_RETRYABLE, RETRYABLE;
 * an ambiguous reply (lost reply, 5xx, timeout) -> FAILED_FATAL (slot kept), FATAL; the next
