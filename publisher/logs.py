@@ -32,8 +32,10 @@ __all__ = ["LibraryLogger", "get_logger"]
 
 
 def _value(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if text and not any(c.isspace() or c in "=\"'" for c in text) else repr(text)
+    """A plain word as is; any other string quoted; anything else as its ``repr``."""
+    if not isinstance(value, str):
+        return repr(value)
+    return value if value and not any(c.isspace() or c in "=\"'" for c in value) else repr(value)
 
 
 def render(event: str, fields: dict[str, Any]) -> str:

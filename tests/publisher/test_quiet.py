@@ -77,8 +77,8 @@ def test_using_the_library_prints_nothing_until_the_application_configures_loggi
 
 
 def test_render_is_one_key_value_line() -> None:
-    line = render("publication.committed", {"version": 3, "name": "a b", "engines": ["e0"]})
-    assert line == "publication.committed version=3 name='a b' engines=\"['e0']\""
+    line = render("publication.committed", {"version": 3, "name": "a b", "on": "e0", "e": ["e0"]})
+    assert line == "publication.committed version=3 name='a b' on=e0 e=['e0']"
 
 
 @pytest.fixture
