@@ -9,6 +9,7 @@ configure it in process) can hide a print.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,21 @@ def test_unconfigured_events_go_to_the_stdlib_logger(
     assert caplog.records[1].exc_info is not None
     assert caplog.records[0].filename == Path(__file__).name  # the caller, not the wrapper
     assert capsys.readouterr().out == ""
+
+
+LIBRARY = ("evlog", "projections", "publisher", "engines")
+CONFIGURES = re.compile(r"structlog\.(get_logger|configure)\(|logging\.basicConfig\(")
+
+
+def test_library_modules_log_through_publisher_logs_only() -> None:
+    """structlog's own loggers print to stdout unless configured, and configuring logging is
+    the application's call: library code uses ``publisher.logs.get_logger`` instead."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{number}"
+        for package in LIBRARY
+        for path in sorted((REPO / package).rglob("*.py"))
+        if path != REPO / "publisher" / "logs.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CONFIGURES.search(line)
+    ]
+    assert not offenders, offenders
