@@ -1,1 +1,67 @@
-"""The writer side: commands, the pure decider, the single-writer ledger service and drivers."""
+"""The writer side of loraledger, and its public face: what a training loop and a rollout
+worker import (``from publisher import ControlPlane, TrainerClient, ...``).
+
+The package holds the commands, the pure decider, the single-writer ledger service, the
+publication/reclaim/reconcile drivers, the control plane that composes them, and the rollout
+side (gateway, sessions, provenance). The Ray deployment has its own face, ``publisher.ray``.
+
+``_FACE`` below is the one map from each public name to the module that defines it. Names are
+imported on first use, as in ``publisher.ray``: ``import publisher`` (or ``import
+publisher.decider``, which runs this file first) imports nothing else, so the pure core stays
+cheap and no engine stack, torch or Ray is loaded until a name that needs it is used.
+``tests/test_faces.py`` checks that every name resolves and that the import stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_FACE = {
+    # the control plane: ledger + drivers over a fleet of engines
+    "ControlPlane": "publisher.plane",
+    "EngineTimeouts": "publisher.engine_ops",
+    "Fleet": "publisher.fleet",
+    "InFlightSource": "publisher.fleet",
+    "Ledger": "publisher.ledger",
+    "LedgerStatus": "publisher.ledger",
+    # the trainer side
+    "AdapterSnapshot": "publisher.snapshot",
+    "ErrorKind": "publisher.publication",
+    "PublicationError": "publisher.publication",
+    "PublicationOutcome": "publisher.publication",
+    "PublicationStatus": "publisher.publication",
+    "TrainerClient": "publisher.trainer",
+    # the rollout side
+    "Gateway": "publisher.gateway",
+    "LedgerPort": "publisher.sessions",
+    "LedgerRouting": "publisher.gateway",
+    "RolloutWorker": "publisher.sessions",
+    "RoutingView": "publisher.gateway",
+    "Served": "publisher.gateway",
+    "SessionBinder": "publisher.sessions",
+    # provenance: which version produced which generation
+    "JsonlSink": "publisher.provenance",
+    "MemorySink": "publisher.provenance",
+    "ProvenanceRecorder": "publisher.provenance",
+    "ProvenanceRow": "publisher.provenance",
+    "read_rows": "publisher.provenance",
+    # the ledger's refusals: a stable machine code and a message
+    "Code": "evlog.errors",
+    "LedgerError": "evlog.errors",
+}
+
+__all__ = sorted(_FACE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _FACE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'publisher' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once; later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -45,17 +45,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
-import structlog
 
 from engines.contract import EngineError, Generation, SamplingParams
 from evlog.errors import Code, LedgerError
 from evlog.events import InFlight
 from projections.registry import RegistryState
 from publisher.fleet import Fleet
+from publisher.logs import get_logger
 from publisher.outcomes import Bound
 from publisher.provenance import ProvenanceRecorder, ProvenanceRow
 
-log = structlog.get_logger("loraledger.gateway")
+log = get_logger("loraledger.gateway")
 
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})

@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from evlog.errors import Code, LedgerError
@@ -42,6 +41,7 @@ from projections.registry import RegistryState, evolve
 from publisher import commands as c
 from publisher.decider import Decision, decide
 from publisher.leases import LeaseBook
+from publisher.logs import get_logger
 from publisher.outcomes import (
     Allocated,
     AttemptEnded,
@@ -62,7 +62,7 @@ from publisher.recovery import recover, save_snapshot
 
 CODE_VERSION = "loraledger-0.1.0"
 
-log = structlog.get_logger("loraledger.ledger")
+log = get_logger("loraledger.ledger")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
 

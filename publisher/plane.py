@@ -33,7 +33,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import structlog
 
 from engines.artifacts import ArtifactStore
 from engines.contract import Engine
@@ -42,12 +41,13 @@ from evlog.store import EventStore
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet, InFlightSource
 from publisher.ledger import Ledger
+from publisher.logs import get_logger
 from publisher.publication import PublicationDriver
 from publisher.reclaim import ReclaimDriver
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.snapshot import DEFAULT_BUCKET_BYTES
 
-log = structlog.get_logger("loraledger.plane")
+log = get_logger("loraledger.plane")
 
 
 class ControlPlane:

@@ -25,12 +25,12 @@ from typing import Protocol
 
 import anyio
 import msgspec
-import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from evlog.errors import Code, LedgerError
+from publisher.logs import get_logger
 
-log = structlog.get_logger("loraledger.provenance")
+log = get_logger("loraledger.provenance")
 
 SCHEMA = 1
 

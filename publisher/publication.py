@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
-import structlog
 
 from engines.artifacts import ArtifactStore
 from engines.contract import (
@@ -72,6 +71,7 @@ from evlog.errors import Code, LedgerError
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts, call, confirms
 from publisher.fleet import Fleet
+from publisher.logs import get_logger
 from publisher.outcomes import Allocated, Skipped
 from publisher.snapshot import AdapterSnapshot, aiter_buckets
 
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from publisher.ledger import Ledger
     from publisher.reconciler import Reconciler
 
-log = structlog.get_logger("loraledger.publication")
+log = get_logger("loraledger.publication")
 T = TypeVar("T")
 
 READY_UNCONFIRMED = "READY_UNCONFIRMED"

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
-import structlog
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
@@ -43,11 +42,12 @@ from evlog.events import InFlight
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts, call
 from publisher.fleet import Fleet, InFlightSource
+from publisher.logs import get_logger
 
 if TYPE_CHECKING:
     from publisher.ledger import Ledger
 
-log = structlog.get_logger("loraledger.reclaim")
+log = get_logger("loraledger.reclaim")
 
 
 class ReclaimDriver:

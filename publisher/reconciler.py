@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 import msgspec
-import structlog
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import (
@@ -63,12 +62,13 @@ from evlog.errors import LedgerError
 from projections.registry import VersionRecord, VersionState
 from publisher.engine_ops import EngineTimeouts, call, confirms, managed_names, managed_prefix
 from publisher.fleet import Fleet
+from publisher.logs import get_logger
 from publisher.snapshot import DEFAULT_BUCKET_BYTES, aiter_buckets, plan_buckets
 
 if TYPE_CHECKING:
     from publisher.ledger import Ledger
 
-log = structlog.get_logger("loraledger.reconciler")
+log = get_logger("loraledger.reconciler")
 
 ORPHANED_ATTEMPT = "ORPHANED_ATTEMPT"
 _READ_TRIES = 3

@@ -45,16 +45,16 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-import structlog
 from anyio.abc import TaskGroup
 
 from engines.contract import SamplingParams
 from evlog.errors import Code, LedgerError
 from publisher import commands as c
 from publisher.gateway import Gateway, InFlightCounter, Served
+from publisher.logs import get_logger
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
 
-log = structlog.get_logger("loraledger.sessions")
+log = get_logger("loraledger.sessions")
 
 T = TypeVar("T")
 

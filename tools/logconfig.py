@@ -5,6 +5,16 @@ parses); a log line in it would corrupt ``--json`` output. So every log line goe
 one line per decision, with its seq when there is one, and the CLI is quiet by default
 (warnings and errors only); ``-v`` shows decisions (info), ``-vv`` everything (debug).
 
+Library code (``publisher``) never configures logging: its loggers (``publisher/logs.py``)
+follow structlog's configuration once this module applied one, and the standard library's
+otherwise. So only the CLI decides that logs go to stderr; a program that imports loraledger
+decides for itself. The tools' own loggers are the same kind (:func:`get_logger`), so a tool
+run in process (a test, a notebook) is as quiet as the library.
+
+Third-party loggers: under ``serve`` (``stdlib=True``) the standard logging tree is routed to
+stderr too, but httpx and httpcore stay at WARNING unless ``-vv``: they log one INFO line per
+HTTP request, and the reconciler probes every engine every second.
+
 ``configure`` may run many times in one process (tests invoke the CLI repeatedly): it replaces
 the configuration and never caches loggers, and the sink looks ``sys.stderr`` up at every write,
 so a stream swapped by a test runner and closed afterwards is never written to later.
@@ -17,7 +27,12 @@ import sys
 
 import structlog
 
+from publisher.logs import LibraryLogger
+from publisher.logs import get_logger as _library_logger
+
 _LEVELS = {-2: logging.CRITICAL, -1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}
+# Chatty per-request loggers of the HTTP stack: shown only with -vv (everything).
+_PER_REQUEST_LOGGERS = ("httpx", "httpcore")
 
 
 class _Stderr:
@@ -69,8 +84,11 @@ def configure(verbosity: int = 0, *, json_lines: bool = False, stdlib: bool = Fa
     handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s] %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(level)
+    for name in _PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(level if verbosity >= 2 else max(level, logging.WARNING))
     return level
 
 
-def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(name)  # type: ignore[no-any-return]
+def get_logger(name: str) -> LibraryLogger:
+    """A tool's logger: the library's kind (structlog once configured, else stdlib)."""
+    return _library_logger(name)

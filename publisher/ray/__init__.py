@@ -8,6 +8,7 @@ the in-process API for trainers and rollout workers; engines as actors.
 :class:`~publisher.ray.trainer.RayTrainerClient`  trainer side: ``publish(adapter, step=)``
 :func:`~publisher.ray.engine.start_engine`     an engine in its own actor, as a ``RayEngine``
 :func:`~publisher.ray.local.local_ray`         a loopback-only local Ray instance (tests, bench)
+:class:`~publisher.ray.hosting.PortalHost`     keep an ``async with`` open for an actor's life
 =========================================  =================================================
 
 Names are imported lazily: ``import publisher.ray`` does not import Ray until one is used.
@@ -27,6 +28,7 @@ _LAZY = {
     "LedgerActor": "publisher.ray.ledger_actor",
     "LedgerConfig": "publisher.ray.ledger_actor",
     "PlaneConfig": "publisher.ray.ledger_actor",
+    "PortalHost": "publisher.ray.hosting",
     "RayEngine": "publisher.ray.engine",
     "RayLedger": "publisher.ray.client",
     "RayTrainerClient": "publisher.ray.trainer",

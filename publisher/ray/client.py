@@ -45,18 +45,18 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import anyio
-import structlog
 from anyio.abc import TaskGroup
 
 from evlog.errors import Code, LedgerError
 from publisher import commands as c
 from publisher.ledger import LedgerStatus
+from publisher.logs import get_logger
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.ray.routing import RemoteRouting
 
-log = structlog.get_logger("loraledger.ray")
+log = get_logger("loraledger.ray")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
 

@@ -27,15 +27,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
 from typing import Any, Generic, NoReturn, TypeVar
 
-import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from evlog.errors import Code, LedgerError
+from publisher.logs import get_logger
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-log = structlog.get_logger("loraledger.ray")
+log = get_logger("loraledger.ray")
 
 DEAD_EXIT_STATUS = 70  # EX_SOFTWARE: an unexpected death, so Ray's max_restarts applies
 

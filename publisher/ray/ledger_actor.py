@@ -39,7 +39,6 @@ import anyio
 import anyio.to_thread
 import msgspec
 import ray
-import structlog
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -49,6 +48,7 @@ from evlog.sqlite import SQLiteStore, Synchronous
 from publisher import commands as c
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger, LedgerStatus
+from publisher.logs import get_logger
 from publisher.outcomes import Done, Outcome
 from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost
@@ -60,7 +60,7 @@ DEFAULT_LEDGER_NAME = "ledger"
 _DYING_RETRIES = 25
 _DYING_WAIT_S = 0.2
 
-log = structlog.get_logger("loraledger.ray")
+log = get_logger("loraledger.ray")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

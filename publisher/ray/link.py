@@ -22,13 +22,13 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import ray
-import structlog
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from evlog.errors import Code, LedgerError
+from publisher.logs import get_logger
 
-log = structlog.get_logger("loraledger.ray")
+log = get_logger("loraledger.ray")
 
 DEFAULT_NAMESPACE = "loraledger"
 

@@ -37,3 +37,11 @@ def test_bench_lists_its_three_benchmarks(cli: Cli) -> None:
 
 def test_an_unknown_option_is_a_usage_error(cli: Cli) -> None:
     assert cli("verify", "--frobnicate").returncode == Exit.USAGE
+
+
+def test_engine_is_listed_and_checks_its_options_before_loading_a_model(cli: Cli) -> None:
+    assert " engine " in run_script("--help").stdout
+    help_text = cli("engine", "--help").stdout
+    assert "--json" in help_text and "--port" in help_text
+    assert cli("engine", "--port", "70000").returncode == Exit.USAGE
+    assert cli("engine", "--artifacts", "/no/such/dir").returncode == Exit.USAGE

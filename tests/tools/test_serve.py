@@ -220,3 +220,75 @@ async def test_publish_bind_and_inflight_show_in_metrics(tmp_path: Path) -> None
     async with anyio.create_task_group() as tg:
         tg.start_soon(client)
         await serve(opts, on_ready=ready, handle_signals=False, stop=stop)
+
+
+class _Process:
+    """A console-script process that prints one JSON "listening" row on stdout when ready."""
+
+    def __init__(self, tmp_path: Path, name: str, *args: str) -> None:
+        self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(self.out, "wb") as stdout, open(self.err, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [*console_script(), *args], cwd=REPO, stdout=stdout, stderr=stderr, env=script_env()
+            )
+
+    def ready(self, timeout: float = 120.0) -> dict[str, object]:
+        deadline = time.monotonic() + timeout
+        while not self.out.read_text().strip():
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.stderr()}"
+            assert time.monotonic() < deadline, f"not listening: {self.stderr()}"
+            time.sleep(0.05)
+        row: dict[str, object] = json.loads(self.out.read_text().splitlines()[0])
+        assert row["row"] == "listening" and row["pid"] == self.proc.pid
+        return row
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM by PID: a clean stop exits 0."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+
+def _serve_for(tmp_path: Path, name: str, engine_url: object, *flags: str) -> str:
+    """``loraledger serve`` over one HTTP engine for a few probe intervals; its stderr."""
+    served = _Process(
+        tmp_path,
+        name,
+        *flags,
+        "serve",
+        "--db",
+        str(tmp_path / f"{name}.db"),
+        "--port",
+        "0",
+        "--engine",
+        f"e0=local:{engine_url}",
+        "--json",
+    )
+    try:
+        served.ready()
+        time.sleep(3.5)  # the reconciler probes every engine every second
+    finally:
+        assert served.stop() == 0, served.stderr()
+    return served.stderr()
+
+
+def test_serve_logs_no_line_per_probe(tmp_path: Path) -> None:
+    """At the default verbosity a service's log shows decisions, not each HTTP request its
+    probes make (httpx logs one INFO line per request); -vv shows everything."""
+    engine = _Process(tmp_path, "engine", "engine", "--id", "e0", "--port", "0", "--json")
+    try:
+        url = engine.ready()["url"]
+        quiet = _serve_for(tmp_path, "quiet", url)
+        chatty = _serve_for(tmp_path, "chatty", url, "-vv")
+    finally:
+        assert engine.stop() == 0, engine.stderr()
+    assert "serve.listening" in quiet  # the service logs at info level by default
+    assert "HTTP Request" not in quiet, quiet[-2000:]
+    assert chatty.count("HTTP Request") >= 3, chatty[-2000:]  # the probes were there
