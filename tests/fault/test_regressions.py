@@ -12,7 +12,6 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
-from engines.faults import Delay, Drop, Duplicate, FaultyEngine, Refuse, ServerError
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
@@ -23,6 +22,7 @@ from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationOutcome
+from tests.engines.faulty_engine import Delay, Drop, Duplicate, FaultyEngine, Refuse, ServerError
 from tests.fault.simloop import run_simulated, sim_clock
 from tests.publisher.plane_kit import (
     events,

@@ -15,7 +15,6 @@ import anyio
 import pytest
 
 from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
-from engines.faults import FaultyEngine
 from engines.local.client import LocalHTTPEngine
 from engines.local.server import running_server
 from engines.sglang import SGLangEngine
@@ -35,6 +34,7 @@ from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
+from tests.engines.faulty_engine import FaultyEngine
 from tests.publisher.plane_kit import (
     LIMITS,
     PEFT_WARNINGS,

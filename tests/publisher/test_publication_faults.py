@@ -19,7 +19,6 @@ import anyio
 import pytest
 
 from engines.contract import ErrorCode
-from engines.faults import Delay, Drop, Duplicate, Refuse, Restart, ServerError, Swallow
 from evlog.events import (
     AttemptFailed,
     EnginePrepared,
@@ -48,6 +47,15 @@ from publisher.publication import (
     PublicationStatus,
 )
 from publisher.recovery import recover
+from tests.engines.faulty_engine import (
+    Delay,
+    Drop,
+    Duplicate,
+    Refuse,
+    Restart,
+    ServerError,
+    Swallow,
+)
 from tests.publisher.plane_kit import (
     FAST,
     GREEDY,

@@ -9,7 +9,6 @@ import pytest
 
 from engines.artifacts import ArtifactStore
 from engines.contract import Candidate
-from engines.faults import Delay, FaultyEngine
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
@@ -24,6 +23,7 @@ from evlog.events import (
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
 from publisher.snapshot import aiter_buckets, plan_buckets
+from tests.engines.faulty_engine import Delay, FaultyEngine
 from tests.publisher.plane_kit import (
     GREEDY,
     LIMITS,

@@ -16,10 +16,10 @@ import anyio
 import pytest
 
 from engines.contract import ErrorCode
-from engines.faults import Drop, Refuse
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
 from publisher.publication import ErrorKind, PublicationError
+from tests.engines.faulty_engine import Drop, Refuse
 from tests.publisher.plane_kit import faulty_engines, open_plane, snapshot, wait_for
 from tests.tools.conftest import Cli
 
