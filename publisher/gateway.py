@@ -1,11 +1,11 @@
 """The generation gateway: the one place a session's generation is sent to an engine.
 
-Four rules, each one a user-visible guarantee (DESIGN §6, rl-peers §5 and §7):
+Four rules, each one a user-visible guarantee (docs/sessions.md):
 
 * **Route only to holders.** A generation for a version goes to a routable engine that holds
   it (``RoutingView.holders(lora_name)``), least loaded first, round-robin among equals; if
   none holds it the caller gets ``NO_ROUTE``. Sending an unloaded name to stock SGLang would
-  silently reload it (engines.md §1.6), so "not a holder" is never "try anyway".
+  silently reload it (docs/engines.md), so "not a holder" is never "try anyway".
 * **At most once.** Once a request may have left this process, its outcome is the engine's
   to tell: a timeout or a lost reply (``AmbiguousReply`` with ``dispatched=True``, or any
   unexpected failure) becomes ``AMBIGUOUS_DISPATCH`` and nothing below the caller resends it
@@ -22,16 +22,17 @@ Four rules, each one a user-visible guarantee (DESIGN §6, rl-peers §5 and §7)
 * **Own the cache namespace.** The client's ``extra_key``/``cache_salt`` are dropped and the
   gateway's per-version salt (:func:`version_salt`, a hex digest of the version's name, safe
   for every engine) is sent instead, so two versions can never share prefix-cache entries
-  (engines.md §1.5, §2.5) whatever the client asks.
+  (docs/engines.md) whatever the client asks.
 
 Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
 that served it, the revision the session bound at, the head revision at dispatch and at
 completion (staleness), the engine, the request id, and the adapter name the engine echoed (a
 different one is logged and left visible in the row, ``attested`` False, never hidden).
 
-Routing state is read through :class:`RoutingView` (``holders`` + ``default_revision``), which
-the in-process :class:`~projections.registry.RegistryState` satisfies and a remote (Ray) client
-can implement later.
+Routing state is read through :class:`RoutingView` (``holders`` + ``default_revision``):
+:class:`LedgerRouting` reads it from an in-process ledger, and
+:class:`publisher.ray.routing.RemoteRouting` from the snapshots the Ray ledger actor sends with
+its replies.
 """
 
 from __future__ import annotations
