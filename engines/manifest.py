@@ -1,7 +1,7 @@
 """Adapter content identity: tensors as owned bytes, the per-tensor manifest and THE digest.
 
 The digest (DESIGN §2) is defined in exactly one function, :func:`compute_digest`, used by the
-trainer side (snapshot), the artifact store (verify on read) and every engine that receives
+trainer side (the adapter copy), the artifact store (verify on read) and every engine that receives
 staged bytes (recompute before load). It covers the canonical config JSON and, for each tensor
 name in sorted order, the name and SHA-256(dtype, shape, contiguous bytes). How the bytes are
 bucketed for transfer never changes it; any byte or config change does.

@@ -39,13 +39,13 @@ from engines.artifacts import ArtifactStore
 from engines.contract import Engine
 from evlog.errors import Code, LedgerError
 from evlog.store import EventStore
+from publisher.adapter_copy import DEFAULT_BUCKET_BYTES
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet, InFlightSource
 from publisher.ledger import Ledger
 from publisher.publication import PublicationDriver
 from publisher.reclaim import ReclaimDriver
 from publisher.reconciler import Reconciler, ReconcileReport
-from publisher.snapshot import DEFAULT_BUCKET_BYTES
 
 log = structlog.get_logger("loraledger.plane")
 

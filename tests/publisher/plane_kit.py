@@ -22,11 +22,11 @@ from engines.testing import RestartableEngine
 from evlog.events import Event
 from evlog.memory import MemoryStore
 from evlog.store import EventStore
+from publisher.adapter_copy import AdapterCopy
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
-from publisher.snapshot import AdapterSnapshot
 from tests.engines.faulty_engine import FaultyEngine
 
 LIMITS = ServingLimits(max_lora_rank=64)
@@ -41,10 +41,10 @@ PEFT_WARNINGS = pytest.mark.filterwarnings(
 )
 
 
-def snapshot(seed: int, *, r: int = 8, bucket_bytes: int = 16 * 1024) -> AdapterSnapshot:
+def adapter_copy(seed: int, *, r: int = 8, bucket_bytes: int = 16 * 1024) -> AdapterCopy:
     """A small adapter for the tiny model (several buckets at the default ``bucket_bytes``)."""
     config, tensors = make_adapter(seed, r=r)
-    return AdapterSnapshot.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
+    return AdapterCopy.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
 
 
 @contextlib.asynccontextmanager
