@@ -1,8 +1,8 @@
 """Adapter content identity: tensors as owned bytes, the per-tensor manifest and THE digest.
 
-The digest (docs/identities.md) is defined in exactly one function, :func:`compute_digest`, used by
-trainer side (snapshot), the artifact store (verify on read) and every engine that receives
-staged bytes (recompute before load). It covers the canonical config JSON and, for each tensor
+The digest (docs/identities.md) is defined in exactly one function, :func:`compute_digest`, used
+by the trainer side (the adapter copy), the artifact store (verify on read) and every engine that
+receives staged bytes (recompute before load). It covers the canonical config JSON and, for each tensor
 name in sorted order, the name and SHA-256(dtype, shape, contiguous bytes). How the bytes are
 bucketed for transfer never changes it; any byte or config change does.
 

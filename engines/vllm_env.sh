@@ -11,8 +11,7 @@
 # rebuilt from scratch. Concurrent callers serialise on a lock file.
 #
 # Run by engines/vllm_server.py (ensure_env) for the integration tests and the vLLM demo; it
-# lives next to that module so an installed loraledger carries it (tests/integration/vllm_env.sh
-# is a thin path to it).
+# lives next to that module so an installed loraledger carries it.
 #
 # Exit status (read by engines/vllm_server.py; the tests' policy: tests/integration/conftest.py):
 #   0  venv ready; the last line printed is "vllm_env: ready <venv> ..."

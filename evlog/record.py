@@ -122,32 +122,6 @@ def pending(
     )
 
 
-def build_record(
-    seq: int,
-    event_id: bytes,
-    stream: str,
-    type_name: str,
-    schema: int,
-    recorded_at: float,
-    payload: bytes,
-    prev_hash: bytes,
-    hash_: bytes,
-) -> Record:
-    """Decode a stored row into a :class:`Record` (raises on an unknown type or bad payload)."""
-    return Record(
-        seq=seq,
-        event_id=event_id,
-        stream=stream,
-        type=type_name,
-        schema=schema,
-        recorded_at=recorded_at,
-        payload=payload,
-        prev_hash=prev_hash,
-        hash=hash_,
-        event=decode_event(payload, type_name, schema),
-    )
-
-
 Row = tuple[int, bytes, str, str, int, float, bytes, bytes, bytes]
 """A stored record as a flat tuple in column order: ``(seq, event_id, stream, type, schema,
 recorded_at, payload, prev_hash, hash)``. Both stores keep exactly this, so one function seals

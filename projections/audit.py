@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
+from msgspec.structs import replace
 
 from evlog.events import (
     OwnerLeaseExpired,
@@ -54,6 +55,10 @@ class VersionFact(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SessionAudit(msgspec.Struct, frozen=True, kw_only=True):
+    """One life of a session. The fold keeps this same value while it reads the log (replacing
+    it as the session binds, is released and is forgotten) and fills in the version's name,
+    digest and milestones when it finishes."""
+
     session: str
     owner: str
     version_id: int | None = None  # None: closed before it ever bound
@@ -71,21 +76,6 @@ class SessionAudit(msgspec.Struct, frozen=True, kw_only=True):
     version_facts: tuple[VersionFact, ...] = ()
 
 
-class _Life(msgspec.Struct, kw_only=True):
-    session: str
-    owner: str
-    version_id: int | None = None
-    revision: int | None = None
-    bound_seq: int | None = None
-    bound_at: float | None = None
-    released_seq: int | None = None
-    released_at: float | None = None
-    cause: str | None = None
-    lease_expired_seq: int | None = None
-    forgotten_seq: int | None = None
-    forgotten_at: float | None = None
-
-
 class AuditFold:
     """Fold records into session audits. Select with ``sessions`` (ids), ``owner``, or neither
     (every session: fine for a finished run; a long-lived ledger should select)."""
@@ -94,8 +84,8 @@ class AuditFold:
         self.registry = RegistryState()
         self._sessions = None if sessions is None else set(sessions)
         self._owner = owner
-        self._lives: list[_Life] = []
-        self._current: dict[str, _Life] = {}
+        self._lives: list[SessionAudit] = []  # in the order they began
+        self._current: dict[str, int] = {}  # session -> index of its latest life in _lives
         self._facts: dict[int, list[tuple[int, float, str, str]]] = {}
         self._names: dict[int, tuple[str, str]] = {}
         self._expiry: dict[str, int] = {}
@@ -123,32 +113,46 @@ class AuditFold:
                     event.version_id, seq, at, "restored", f"reloaded on restarted {event.engine}"
                 )
             case SessionBound() if self._wanted(event.session, event.owner):
-                life = self._current.get(event.session)
-                if life is None or life.released_seq is not None:
-                    life = _Life(session=event.session, owner=event.owner)
-                    self._lives.append(life)
-                    self._current[event.session] = life
-                life.version_id = event.version_id
-                life.revision = event.revision
-                life.bound_seq, life.bound_at = seq, at
+                i = self._open_life(event.session, event.owner)
+                self._lives[i] = replace(
+                    self._lives[i],
+                    version_id=event.version_id,
+                    revision=event.revision,
+                    bound_seq=seq,
+                    bound_at=at,
+                )
             case SessionReleased() if self._wanted(event.session, event.owner):
-                life = self._current.get(event.session)
-                if life is None or life.released_seq is not None:
-                    life = _Life(session=event.session, owner=event.owner)  # never bound
-                    self._lives.append(life)
-                    self._current[event.session] = life
-                life.released_seq, life.released_at, life.cause = seq, at, event.cause
+                i = self._open_life(event.session, event.owner)  # a new one: never bound
+                life = self._lives[i]
+                expired = life.lease_expired_seq
                 if event.cause == "lease_expired":
-                    life.lease_expired_seq = self._expiry.get(event.owner)
+                    expired = self._expiry.get(event.owner)
+                self._lives[i] = replace(
+                    life,
+                    released_seq=seq,
+                    released_at=at,
+                    cause=event.cause,
+                    lease_expired_seq=expired,
+                )
             case OwnerLeaseExpired():
                 self._expiry[event.owner] = seq
             case SessionsForgotten():
                 for session in event.sessions:
-                    life = self._current.pop(session, None)
-                    if life is not None:
-                        life.forgotten_seq, life.forgotten_at = seq, at
+                    i = self._current.pop(session, None)
+                    if i is not None:
+                        self._lives[i] = replace(self._lives[i], forgotten_seq=seq, forgotten_at=at)
             case _:
                 pass
+
+    def _open_life(self, session: str, owner: str) -> int:
+        """The index of the session's open life; a new life when it has none (its first event,
+        or its first since it was released)."""
+        i = self._current.get(session)
+        if i is None or self._lives[i].released_seq is not None:
+            i = len(self._lives)
+            self._lives.append(SessionAudit(session=session, owner=owner))
+            self._current[session] = i
+        return i
 
     def _fact(self, version_id: int, seq: int, at: float, what: str, detail: str) -> None:
         self._facts.setdefault(version_id, []).append((seq, at, what, detail))
@@ -162,39 +166,21 @@ class AuditFold:
         """One audit per session life, in the order the lives began."""
         out: list[SessionAudit] = []
         for life in self._lives:
-            name, digest = (None, None)
-            facts: tuple[VersionFact, ...] = ()
-            if life.version_id is not None:
-                name, digest = self._names.get(life.version_id, (None, None))
-                start = life.bound_seq or 0
-                end = life.released_seq
-                facts = tuple(
-                    VersionFact(
-                        seq=seq,
-                        at=at,
-                        what=what,
-                        detail=detail,
-                        during=start < seq and (end is None or seq < end),
-                    )
-                    for seq, at, what, detail in self._facts.get(life.version_id, ())
+            if life.version_id is None:
+                out.append(life)
+                continue
+            name, digest = self._names.get(life.version_id, (None, None))
+            start = life.bound_seq or 0
+            end = life.released_seq
+            facts = tuple(
+                VersionFact(
+                    seq=seq,
+                    at=at,
+                    what=what,
+                    detail=detail,
+                    during=start < seq and (end is None or seq < end),
                 )
-            out.append(
-                SessionAudit(
-                    session=life.session,
-                    owner=life.owner,
-                    version_id=life.version_id,
-                    lora_name=name,
-                    digest=digest,
-                    revision=life.revision,
-                    bound_seq=life.bound_seq,
-                    bound_at=life.bound_at,
-                    released_seq=life.released_seq,
-                    released_at=life.released_at,
-                    cause=life.cause,
-                    lease_expired_seq=life.lease_expired_seq,
-                    forgotten_seq=life.forgotten_seq,
-                    forgotten_at=life.forgotten_at,
-                    version_facts=facts,
-                )
+                for seq, at, what, detail in self._facts.get(life.version_id, ())
             )
+            out.append(replace(life, lora_name=name, digest=digest, version_facts=facts))
         return out

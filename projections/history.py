@@ -2,9 +2,10 @@
 histories. Pure folds over records (they need ``seq`` and ``recorded_at``, so they read the
 envelope, not just the event); no I/O, no clock.
 
-The registry fold runs alongside so every version entry can say which state it left and which
-it entered: ``replay --version 7`` prints exactly the transitions the decider made, each with
-the event that caused it.
+The registry fold runs alongside (through :func:`projections.lifecycle.advance`, like every
+other analysis) so every version entry can say which state it left and which it entered:
+``replay --version 7`` prints exactly the transitions the decider made, each with the event that
+caused it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from evlog.events import (
     VersionRestored,
 )
 from evlog.record import Record
-from projections.registry import RegistryState, evolve
+from projections.lifecycle import advance, versions_touched
+from projections.registry import RegistryState
 
 
 class Entry(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,19 +73,24 @@ class History:
 
     def apply(self, record: Record) -> None:
         event = record.event
-        touched = _versions_touched(event)
-        before = {v: self._state_of(v) for v in touched}
-        evolve(self.registry, event, record.seq)
+        moved = {change.version_id: change for change in advance(self.registry, record)}
         name = type(event).__name__
-        for version_id in touched:
-            after = self._state_of(version_id)
+        for version_id in versions_touched(event):
+            # Every version the event names gets a line; one it did not move (or that never
+            # existed: a skipped publication) shows the same state on both sides.
+            change = moved.get(version_id)
+            if change is None:
+                before = after = self._state_of(version_id)
+            else:
+                before = None if change.before is None else str(change.before)
+                after = str(change.after)
             self.versions.setdefault(version_id, []).append(
                 Entry(
                     seq=record.seq,
                     at=record.recorded_at,
                     event=name,
                     subject=f"v{version_id}",
-                    from_state=before[version_id],
+                    from_state=before,
                     to_state=after,
                     detail=_detail(event),
                 )
@@ -130,15 +137,6 @@ class History:
         self.sessions.setdefault(session, []).append(
             Entry(seq=record.seq, at=record.recorded_at, event=name, subject=session, detail=detail)
         )
-
-
-def _versions_touched(event: Event) -> tuple[int, ...]:
-    if isinstance(event, VersionPublished) and event.retired is not None:
-        return (event.version_id, event.retired)
-    if isinstance(event, SessionBound | SessionReleased):
-        return ()  # a binding does not change a version's state (audit shows it per session)
-    version_id = getattr(event, "version_id", None)
-    return () if version_id is None else (version_id,)
 
 
 def _detail(event: Event) -> str:

@@ -1,6 +1,6 @@
 """Which version states a record changed: the registry fold, plus the transitions it made.
 
-The tools' analyses (incidents, lifetimes, audits) all need the same fact: "this record moved
+The analyses (histories, incidents, lifetimes, audits) all need the same fact: "this record moved
 version 7 from RETIRED to RECLAIMING". Deriving it from the registry fold itself, rather than
 re-deriving state machines per analysis, means an analysis can never disagree with the state the
 ledger decided on: there is one ``evolve``, and this only watches it.

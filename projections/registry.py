@@ -12,7 +12,7 @@ Everything the decider and the drivers ask ("who is the default", "which engines
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -65,7 +65,12 @@ class VersionState(StrEnum):
     FAILED_FATAL = "FAILED_FATAL"
 
 
-CAPACITY_STATES = frozenset(
+# Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
+# RETIRED), being unloaded (RECLAIMING), or possibly loaded after an ambiguous failure
+# (FAILED_FATAL). A clean failure and a finished reclaim are proven absent everywhere. The same
+# set answers two questions, because a slot of ``capacity`` is engine memory: a version takes a
+# slot exactly while an engine may hold it, and anything else an inventory shows is a stray.
+HOLDABLE_STATES = frozenset(
     {
         VersionState.LOADING,
         VersionState.PUBLISHED,
@@ -82,17 +87,6 @@ COMPLETED_STATES = frozenset(
         VersionState.RECLAIMED,
     }
 )
-HOLDABLE_STATES = frozenset(
-    {
-        VersionState.LOADING,
-        VersionState.PUBLISHED,
-        VersionState.RETIRED,
-        VersionState.RECLAIMING,
-        VersionState.FAILED_FATAL,
-    }
-)
-# (what an engine may legitimately hold; anything else an inventory shows is a stray)
-
 # Versions a session may be bound to, hence versions an engine must hold to serve it.
 SERVING_STATES = frozenset({VersionState.PUBLISHED, VersionState.RETIRED})
 
@@ -175,7 +169,8 @@ class RegistryState(msgspec.Struct, kw_only=True):
     # --- queries (read-only) ----------------------------------------------------------------
 
     def capacity_used(self) -> int:
-        return sum(1 for v in self.versions.values() if v.state in CAPACITY_STATES)
+        """Slots taken: every version an engine may hold (see ``HOLDABLE_STATES``)."""
+        return sum(1 for v in self.versions.values() if v.state in HOLDABLE_STATES)
 
     def loading(self) -> VersionRecord | None:
         for v in self.versions.values():
@@ -467,14 +462,6 @@ def evolve(state: RegistryState, event: Event, seq: int | None = None) -> Regist
     _APPLY[type(event)](state, event)
     if seq is not None:
         state.last_seq = seq
-    return state
-
-
-def fold(events: Iterable[Event], state: RegistryState | None = None) -> RegistryState:
-    """Fold bare events (tests, simulation). Replays from a store use ``replay`` with seqs."""
-    state = RegistryState() if state is None else state
-    for event in events:
-        _APPLY[type(event)](state, event)
     return state
 
 

@@ -26,7 +26,8 @@ _FACE = {
     "Ledger": "publisher.ledger",
     "LedgerStatus": "publisher.ledger",
     # the trainer side
-    "AdapterSnapshot": "publisher.snapshot",
+    "AdapterCopy": "publisher.adapter_copy",
+    "copy_adapter": "publisher.trainer",
     "ErrorKind": "publisher.publication",
     "PublicationError": "publisher.publication",
     "PublicationOutcome": "publisher.publication",

@@ -29,9 +29,10 @@ that served it, the revision the session bound at, the head revision at dispatch
 completion (staleness), the engine, the request id, and the adapter name the engine echoed (a
 different one is logged and left visible in the row, ``attested`` False, never hidden).
 
-Routing state is read through :class:`RoutingView` (``holders`` + ``default_revision``), which
-the in-process :class:`~projections.registry.RegistryState` satisfies and a remote (Ray) client
-can implement later.
+Routing state is read through :class:`RoutingView` (``holders`` + ``default_revision``):
+:class:`LedgerRouting` reads it from an in-process ledger, and
+:class:`publisher.ray.routing.RemoteRouting` from the snapshots the Ray ledger actor sends with
+its replies.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from engines.artifacts import ArtifactStore
 from engines.contract import Engine
 from evlog.errors import Code, LedgerError
 from evlog.store import EventStore
+from publisher.adapter_copy import DEFAULT_BUCKET_BYTES
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet, InFlightSource
 from publisher.ledger import Ledger
@@ -45,7 +46,6 @@ from publisher.logs import get_logger
 from publisher.publication import PublicationDriver
 from publisher.reclaim import ReclaimDriver
 from publisher.reconciler import Reconciler, ReconcileReport
-from publisher.snapshot import DEFAULT_BUCKET_BYTES
 
 log = get_logger("loraledger.plane")
 

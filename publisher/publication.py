@@ -1,7 +1,7 @@
 """PublicationDriver: one trainer step's adapter, published to the whole fleet
 (docs/publication.md).
 
-``await driver.publish(snapshot, version_id=step)`` returns a :class:`PublicationOutcome`
+``await driver.publish(adapter, version_id=step)`` returns a :class:`PublicationOutcome`
 (``PUBLISHED``, ``NO_OP`` or ``SKIPPED``) or raises :class:`PublicationError` whose ``kind`` is
 ``RETRYABLE`` (nothing left behind: the attempt ended ``FAILED_RETRYABLE``, or capacity or
 another publication was in the way; a later step publishes again) or ``FATAL`` (the attempt
@@ -19,7 +19,7 @@ The steps, each one recorded in the ledger before the next begins:
    does not find the running call in this process -- is refused (``PUBLICATION_IN_PROGRESS``)
    and never sends a byte twice. A re-entered call that does find it waits for its result.
 3. **prepare** every engine of the attempt's fleet (``EnginePrepared``), then **transfer**
-   (staged engines get the snapshot's buckets; the artifact directory is written once per
+   (staged engines get the adapter's buckets; the artifact directory is written once per
    digest for every version -- artifact engines load it by path, and the reconciler reloads
    restarted engines from it), **load**, and **confirm** with a *fresh inventory* that the name
    is really there with our digest in the receipt's incarnation (the "adapter silently never
@@ -69,11 +69,11 @@ from engines.contract import (
 )
 from evlog.errors import Code, LedgerError
 from projections.registry import VersionState
+from publisher.adapter_copy import AdapterCopy, aiter_buckets
 from publisher.engine_ops import EngineTimeouts, call, confirms
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
 from publisher.outcomes import Allocated, Skipped
-from publisher.snapshot import AdapterSnapshot, aiter_buckets
 
 if TYPE_CHECKING:
     from publisher.ledger import Ledger
@@ -231,10 +231,10 @@ class PublicationDriver:
 
     # --- the API ----------------------------------------------------------------------------
 
-    async def publish(self, snapshot: AdapterSnapshot, *, version_id: int) -> PublicationOutcome:
-        """Publish ``snapshot`` as ``version_id`` (see the module docstring)."""
+    async def publish(self, adapter: AdapterCopy, *, version_id: int) -> PublicationOutcome:
+        """Publish ``adapter`` as ``version_id`` (see the module docstring)."""
         running = self._running.get(version_id)
-        if running is not None and running.digest == snapshot.digest:
+        if running is not None and running.digest == adapter.digest:
             # Re-entered while this process already drives it: wait, never transfer again.
             await running.done.wait()
             if running.error is not None:
@@ -242,11 +242,11 @@ class PublicationDriver:
                 raise PublicationError(e.code, e.message, **e.details)
             assert running.outcome is not None
             return running.outcome
-        mine = _Running(snapshot.digest)
+        mine = _Running(adapter.digest)
         if running is None:
             self._running[version_id] = mine
         try:
-            outcome = await self._publish(snapshot, version_id)
+            outcome = await self._publish(adapter, version_id)
             mine.outcome = outcome
             return outcome
         except PublicationError as exc:
@@ -268,9 +268,9 @@ class PublicationDriver:
 
     # --- steps ------------------------------------------------------------------------------
 
-    async def _publish(self, snapshot: AdapterSnapshot, version_id: int) -> PublicationOutcome:
+    async def _publish(self, adapter: AdapterCopy, version_id: int) -> PublicationOutcome:
         t0 = self._clock()
-        allocated = await self._allocate(snapshot, version_id)
+        allocated = await self._allocate(adapter, version_id)
         if isinstance(allocated, Skipped):
             log.info(
                 "publication.skipped",
@@ -281,10 +281,10 @@ class PublicationDriver:
             return PublicationOutcome(
                 status=PublicationStatus.SKIPPED,
                 version_id=version_id,
-                digest=snapshot.digest,
+                digest=adapter.digest,
                 code=allocated.code,
                 message=allocated.message,
-                size_bytes=snapshot.size_bytes,
+                size_bytes=adapter.size_bytes,
                 total_s=self._clock() - t0,
             )
         if allocated.no_op:
@@ -297,7 +297,7 @@ class PublicationDriver:
                 lora_name=v.lora_name,
                 revision=v.revision,
                 attempt=v.attempt,
-                size_bytes=snapshot.size_bytes,
+                size_bytes=adapter.size_bytes,
                 total_s=self._clock() - t0,
             )
         att = _Attempt(
@@ -333,7 +333,7 @@ class PublicationDriver:
             ) from exc
         runs: dict[str, _EngineRun] = {e: _EngineRun(e) for e in att.fleet}
         try:
-            artifact_s = await self._transfer_and_load(att, snapshot, runs, t0)
+            artifact_s = await self._transfer_and_load(att, adapter, runs, t0)
             published = await _shielded(lambda: self._ledger.commit(version_id, att.attempt))
         except _AttemptFailed as failure:
             raise await self._settle_failure(
@@ -371,18 +371,18 @@ class PublicationDriver:
             revision=published.revision,
             attempt=att.attempt,
             retired=published.retired,
-            size_bytes=snapshot.size_bytes,
+            size_bytes=adapter.size_bytes,
             total_s=self._clock() - t0,
             artifact_s=artifact_s,
             engines=tuple(runs[e].timing for e in att.fleet if runs[e].timing is not None),  # type: ignore[misc]
         )
 
-    async def _allocate(self, snapshot: AdapterSnapshot, version_id: int) -> Allocated | Skipped:
+    async def _allocate(self, adapter: AdapterCopy, version_id: int) -> Allocated | Skipped:
         for round_ in (1, 2):
             try:
                 return await _shielded(
                     lambda: self._ledger.allocate(
-                        version_id, snapshot.digest, size_bytes=snapshot.size_bytes
+                        version_id, adapter.digest, size_bytes=adapter.size_bytes
                     )
                 )
             except LedgerError as exc:
@@ -402,16 +402,16 @@ class PublicationDriver:
     async def _transfer_and_load(
         self,
         att: _Attempt,
-        snapshot: AdapterSnapshot,
+        adapter: AdapterCopy,
         runs: dict[str, _EngineRun],
         t0: float,
     ) -> float:
         """Artifact write + every engine's prepare/transfer/load/confirm, concurrently."""
         artifact = _ArtifactWrite(done=anyio.Event())
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write_artifact, snapshot, artifact)
+            tg.start_soon(self._write_artifact, adapter, artifact)
             for engine_id in att.fleet:
-                tg.start_soon(self._engine_run, att, snapshot, artifact, runs[engine_id], t0)
+                tg.start_soon(self._engine_run, att, adapter, artifact, runs[engine_id], t0)
         failed = [r for r in runs.values() if r.error is not None]
         if failed:
             first = failed[0].error
@@ -427,13 +427,13 @@ class PublicationDriver:
             )
         return artifact.seconds
 
-    async def _write_artifact(self, snapshot: AdapterSnapshot, artifact: _ArtifactWrite) -> None:
+    async def _write_artifact(self, adapter: AdapterCopy, artifact: _ArtifactWrite) -> None:
         """Once per digest (an existing directory is verified and reused), for every version:
         artifact engines load it, and a restarted engine is repaired from it."""
         t = self._clock()
         try:
             artifact.path = await anyio.to_thread.run_sync(
-                self._artifacts.put, snapshot.manifest, dict(snapshot.tensors)
+                self._artifacts.put, adapter.manifest, dict(adapter.tensors)
             )
         except Exception as exc:
             artifact.error = exc
@@ -444,13 +444,13 @@ class PublicationDriver:
     async def _engine_run(
         self,
         att: _Attempt,
-        snapshot: AdapterSnapshot,
+        adapter: AdapterCopy,
         artifact: _ArtifactWrite,
         run: _EngineRun,
         t0: float,
     ) -> None:
         try:
-            run.timing = await self._one_engine(att, snapshot, artifact, run, t0)
+            run.timing = await self._one_engine(att, adapter, artifact, run, t0)
         except EngineError as exc:
             run.error, run.ambiguous = exc, not exc.clean
         except (LedgerError, _AttemptFailed) as exc:
@@ -482,7 +482,7 @@ class PublicationDriver:
     async def _one_engine(
         self,
         att: _Attempt,
-        snapshot: AdapterSnapshot,
+        adapter: AdapterCopy,
         artifact: _ArtifactWrite,
         run: _EngineRun,
         t0: float,
@@ -504,7 +504,7 @@ class PublicationDriver:
             lora_name=att.lora_name,
             digest=att.digest,
             attempt=att.attempt,
-            manifest=snapshot.manifest,
+            manifest=adapter.manifest,
             artifact_path=path,
         )
         t = self._clock()
@@ -521,7 +521,7 @@ class PublicationDriver:
             prepared.lora_name,
         )
         t_prepared = self._clock()
-        buckets = snapshot.buckets if staged else ()
+        buckets = adapter.buckets if staged else ()
         await self._engine_call(
             run,
             "transfer",

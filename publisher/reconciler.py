@@ -60,10 +60,10 @@ from engines.contract import (
 )
 from evlog.errors import LedgerError
 from projections.registry import VersionRecord, VersionState
+from publisher.adapter_copy import DEFAULT_BUCKET_BYTES, aiter_buckets, plan_buckets
 from publisher.engine_ops import EngineTimeouts, call, confirms, managed_names, managed_prefix
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
-from publisher.snapshot import DEFAULT_BUCKET_BYTES, aiter_buckets, plan_buckets
 
 if TYPE_CHECKING:
     from publisher.ledger import Ledger

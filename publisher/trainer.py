@@ -22,8 +22,8 @@ A training loop calls :meth:`TrainerClient.publish` once per sync step::
 
 What it guarantees:
 
-* the adapter is snapshotted (an owned, frozen copy: later optimizer steps cannot change what
-  is sent) before anything else, in a worker thread so in-process engines keep generating;
+* the adapter is copied (an owned, frozen copy: later optimizer steps cannot change what is
+  sent) before anything else, in a worker thread so in-process engines keep generating;
 * ``step`` is the version id: publishing the same step again is ``NO_OP`` (or waits for the
   call already publishing it); the same step with other weights is ``VERSION_CONFLICT``;
 * ``PUBLISHED`` means every engine of the fleet confirmed the version by inventory and it is
@@ -54,44 +54,45 @@ from typing import Any
 import anyio
 import msgspec
 
+from publisher.adapter_copy import AdapterCopy
 from publisher.ledger import LedgerStatus
 from publisher.plane import ControlPlane
 from publisher.publication import ErrorKind, PublicationError, PublicationOutcome
-from publisher.snapshot import AdapterSnapshot
 
 __all__ = [
     "ErrorKind",
     "PublicationError",
     "PublicationOutcome",
     "TrainerClient",
-    "snapshot_of",
+    "copy_adapter",
     "to_builtins",
 ]
 
 
-def snapshot_of(
+def copy_adapter(
     adapter: Any,
     config: Mapping[str, Any] | None = None,
     *,
     adapter_name: str = "default",
     bucket_bytes: int,
-) -> AdapterSnapshot:
-    """An :class:`AdapterSnapshot` of a peft model, a state dict + config, or a snapshot."""
-    if isinstance(adapter, AdapterSnapshot):
+) -> AdapterCopy:
+    """An :class:`AdapterCopy` of a peft model or of a state dict + config (an ``AdapterCopy``
+    is already one)."""
+    if isinstance(adapter, AdapterCopy):
         return adapter
     if hasattr(adapter, "peft_config"):
         if config is not None:
             raise TypeError("a peft model carries its own config: do not pass config=")
-        return AdapterSnapshot.from_peft_model(
+        return AdapterCopy.from_peft_model(
             adapter, adapter_name=adapter_name, bucket_bytes=bucket_bytes
         )
     if isinstance(adapter, Mapping):
         if config is None:
             raise TypeError("a state dict needs its PEFT config: pass config=")
-        return AdapterSnapshot.from_state_dict(adapter, config, bucket_bytes=bucket_bytes)
+        return AdapterCopy.from_state_dict(adapter, config, bucket_bytes=bucket_bytes)
     raise TypeError(
         f"cannot publish a {type(adapter).__name__}: pass a peft model, a state dict with "
-        "config=, or an AdapterSnapshot"
+        "config=, or an AdapterCopy"
     )
 
 
@@ -110,17 +111,17 @@ class TrainerClient:
     async def publish(
         self, adapter: Any, config: Mapping[str, Any] | None = None, *, step: int
     ) -> PublicationOutcome:
-        """Snapshot ``adapter`` and publish it as version ``step`` (see the module docstring)."""
-        snapshot = await anyio.to_thread.run_sync(
+        """Copy ``adapter`` and publish it as version ``step`` (see the module docstring)."""
+        frozen = await anyio.to_thread.run_sync(
             functools.partial(
-                snapshot_of,
+                copy_adapter,
                 adapter,
                 config,
                 adapter_name=self.adapter_name,
                 bucket_bytes=self._plane.bucket_bytes,
             )
         )
-        return await self._plane.publisher.publish(snapshot, version_id=step)
+        return await self._plane.publisher.publish(frozen, version_id=step)
 
     def status(self) -> LedgerStatus:
         """The ledger's status (default version, versions and their states, engines)."""

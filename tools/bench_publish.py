@@ -5,9 +5,10 @@ steady background traffic during a publication, next to the same traffic without
 Method (everything in one process, one run, so the numbers are comparable):
 
 * **Adapter**: a LoRA for the tiny model with rank ``size_mib * 128`` on q/k/v/o of both layers
-  (8 KiB per rank), float32: ``size_mib`` MiB exactly. The snapshot (owned copy + digest) is
-  taken first and timed separately: ``publish`` starts from a snapshot.
-* **Publication**: ``ControlPlane.publish`` of that snapshot to ``engines`` in-process
+  (8 KiB per rank), float32: ``size_mib`` MiB exactly. The adapter copy (owned copy + digest)
+  is made first and timed separately (reported as ``snapshot_s``, the figure's name since the
+  first run): ``publish`` starts from the copy.
+* **Publication**: ``ControlPlane.publish`` of that copy to ``engines`` in-process
   :class:`~engines.local.engine.LocalEngine` s (staged transport, ``bucket_mib`` buckets),
   with an SQLite ledger (``synchronous=FULL``) and the artifact store on local disk -- the full
   path: allocate, claim, prepare, transfer (per-tensor checksums on the engine), load (peft
@@ -159,20 +160,20 @@ async def bench_publish(
     from engines.local.engine import LocalEngine
     from engines.local.tinymodel import make_adapter
     from evlog.sqlite import SQLiteStore
+    from publisher.adapter_copy import AdapterCopy
     from publisher.fleet import Fleet
     from publisher.plane import ControlPlane
-    from publisher.snapshot import AdapterSnapshot
 
     rank = size_mib * RANK_PER_MIB
     limits = ServingLimits(max_lora_rank=max(64, rank))
     bucket_bytes = bucket_mib * 1024 * 1024
     targets = ("k_proj", "o_proj", "q_proj", "v_proj")
 
-    def big(seed: int) -> tuple[AdapterSnapshot, float]:
+    def big(seed: int) -> tuple[AdapterCopy, float]:
         config, tensors = make_adapter(seed, r=rank, targets=targets)
         t = time.perf_counter()
-        snap = AdapterSnapshot.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
-        return snap, time.perf_counter() - t
+        adapter = AdapterCopy.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
+        return adapter, time.perf_counter() - t
 
     with tempfile.TemporaryDirectory(prefix="bench-publish-", dir=workdir) as tmp:
         root = Path(tmp)
@@ -207,23 +208,23 @@ async def bench_publish(
                 await anyio.sleep(0.2)
 
             config, tensors = make_adapter(1)
-            small = AdapterSnapshot.from_state_dict(tensors, config)
+            small = AdapterCopy.from_state_dict(tensors, config)
             await plane.publisher.publish(small, version_id=1)
             await ledger.register_owner("bench-traffic", ttl_s=3600)
             bound = await ledger.bind("traffic", "bench-traffic")
 
             # 1. publication time vs copying the bytes twice (no traffic)
-            snaps = [await anyio.to_thread.run_sync(big, 100 + i) for i in range(repeats + 1)]
+            copies = [await anyio.to_thread.run_sync(big, 100 + i) for i in range(repeats + 1)]
             publish_s, copy_s, write_s, outcomes = [], [], [], []
             for i in range(repeats):
                 await settled()
-                snap = snaps[i][0]
-                tensors_i = dict(snap.tensors)
+                adapter = copies[i][0]
+                tensors_i = dict(adapter.tensors)
                 copy_s.append(await anyio.to_thread.run_sync(copy_twice, tensors_i))
                 write_s.append(await anyio.to_thread.run_sync(write_twice, tensors_i, root))
                 await settled()
                 t = time.perf_counter()
-                outcome = await plane.publisher.publish(snap, version_id=10 + i)
+                outcome = await plane.publisher.publish(adapter, version_id=10 + i)
                 publish_s.append(time.perf_counter() - t)
                 outcomes.append(outcome)
 
@@ -237,7 +238,7 @@ async def bench_publish(
                 quiet_end = time.perf_counter()
                 await anyio.sleep(0.3)
                 pub_start = time.perf_counter()
-                during = await plane.publisher.publish(snaps[repeats][0], version_id=10 + repeats)
+                during = await plane.publisher.publish(copies[repeats][0], version_id=10 + repeats)
                 pub_end = time.perf_counter()
                 await anyio.sleep(0.3)
             quiet = traffic.gaps(quiet_start, quiet_end)
@@ -250,11 +251,11 @@ async def bench_publish(
     return {
         "machine": machine(),
         "size_mib": size_mib,
-        "size_bytes": snaps[0][0].size_bytes,
+        "size_bytes": copies[0][0].size_bytes,
         "engines": engines,
         "repeats": repeats,
         "bucket_mib": bucket_mib,
-        "snapshot_s": statistics.median(s for _, s in snaps),
+        "snapshot_s": statistics.median(s for _, s in copies),
         "publish_s": med_publish,
         "publish_all_s": publish_s,
         "copy_twice_s": med_copy,

@@ -140,10 +140,10 @@ async def run_demo(
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoRun:
     """Run the story into ``directory`` (a fresh folder); returns where everything is."""
-    from engines.faults import RestartableEngine
     from engines.local.admission import ServingLimits
     from engines.local.engine import LocalEngine
     from engines.local.tinymodel import make_adapter
+    from engines.testing import RestartableEngine
     from evlog.sqlite import SQLiteStore
     from publisher.fleet import Fleet
     from publisher.gateway import Gateway, LedgerRouting

@@ -8,7 +8,6 @@ a running service (``status``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -321,12 +320,3 @@ def try_view(commands: Sequence[str]) -> RenderableType:
     return Group(
         Text("Try:", style="bold"), *[Text(f"  {command}", style="cyan") for command in commands]
     )
-
-
-def kv_view(title: str, data: dict[str, Any]) -> RenderableType:
-    table = Table(title=title, title_justify="left", show_header=False)
-    table.add_column("key")
-    table.add_column("value")
-    for key, value in data.items():
-        table.add_row(key, str(value))
-    return table

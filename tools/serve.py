@@ -2,7 +2,7 @@
 
 One process owns the log (SQLite on local disk, one writer) and runs the ``ControlPlane``
 (publication, the reclaim driver, the reconciler, owner-lease expiry) over the engines named
-on the command line, with the HTTP face of ``tools/service.py`` on top.
+on the command line, with the HTTP application of ``tools/http_app.py`` on top.
 
 Safety rules, enforced before anything is opened:
 
@@ -241,8 +241,8 @@ async def serve(
     stop: anyio.Event | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready(url)`` once listening."""
+    from tools.http_app import build_app
     from tools.metrics import LedgerMetrics
-    from tools.service import build_app
 
     check_options(opts)
     async with open_plane(opts) as plane:

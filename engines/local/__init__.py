@@ -4,7 +4,7 @@ Modules: :mod:`~engines.local.engine` (``LocalEngine``, the in-process engine),
 :mod:`~engines.local.server` (SGLang-compatible + staged HTTP endpoints; ``serve``,
 ``running_server``, ``python -m engines.local.server``), :mod:`~engines.local.client`
 (``LocalHTTPEngine``, the staged transport over HTTP), :mod:`~engines.local.wire` (that
-protocol), and the engine's parts: ``registry`` (names, fences), ``refs`` (per-request
+protocol), and the engine's parts: ``name_table`` (names, fences), ``refs`` (per-request
 references), ``scheduler`` (model access, token-level interleaving), ``model`` (torch + peft),
 ``prefix_cache``, ``admission`` (what adapters it serves), ``sampling``, ``tinymodel``.
 

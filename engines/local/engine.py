@@ -15,7 +15,7 @@ loraledger's stricter ones where SGLang is not (docs/engines.md, SGLang):
   any shielding.
 * **Managed names** (the ledger's ``prepare``/``transfer``/``load`` path) are protected from
   ordinary SGLang-style load/unload, never implicitly reloaded once reclaimed, and fenced by
-  attempt (:mod:`engines.local.registry`). Ordinary names behave like stock SGLang, including the
+  attempt (:mod:`engines.local.name_table`). Ordinary names behave like stock SGLang, including the
   hazardous implicit reload of an unloaded name from its old path (``implicit_reload``) and the
   ``lora_update_lock`` that an ordinary unload holds through its drain.
 * **Prefix cache** keyed by the engine-local adapter id (:mod:`engines.local.prefix_cache`).
@@ -61,8 +61,8 @@ from engines.contract import (
 )
 from engines.local.admission import AdapterPlan, ServingLimits, TensorShape, plan_adapter, shapes_of
 from engines.local.model import ModelRunner
+from engines.local.name_table import NameTable, Resident, new_adapter_id
 from engines.local.refs import Lease, RefCounter
-from engines.local.registry import Registry, Resident, new_adapter_id
 from engines.local.scheduler import Scheduler, check_params
 from engines.local.tinymodel import SERVED_NAME, ensure_tiny_model
 from engines.manifest import (
@@ -143,7 +143,7 @@ class LocalEngine:
         self._prefix_cache_entries = prefix_cache_entries
         self._incarnation = uuid.uuid4().hex
         self.startup_time = time.time()
-        self._registry = Registry()
+        self._names = NameTable()
         self._runner: ModelRunner | None = None
         self._module_shapes: dict[str, tuple[int, int]] = {}
         self._stack: contextlib.AsyncExitStack | None = None
@@ -261,29 +261,27 @@ class LocalEngine:
             incarnation=self._incarnation,
             adapters=tuple(
                 InventoryEntry(lora_name=r.lora_name, digest=r.digest, path=r.path)
-                for r in sorted(self._registry.residents.values(), key=lambda r: r.lora_name)
+                for r in sorted(self._names.residents.values(), key=lambda r: r.lora_name)
             ),
         )
 
     def loaded_adapters(self) -> dict[str, str]:
         """``{name: path}`` as SGLang's ``loaded_adapters`` (staged loads show ``__tensor__``)."""
-        return self._registry.loaded_paths()
+        return self._names.loaded_paths()
 
     def residents(self) -> list[Resident]:
-        return list(self._registry.residents.values())
+        return list(self._names.residents.values())
 
     def refcount(self, lora_name: str) -> int:
         """Live references on the adapter registered or draining under ``lora_name``."""
-        resident = self._registry.residents.get(lora_name) or self._registry.draining_name(
-            lora_name
-        )
+        resident = self._names.residents.get(lora_name) or self._names.draining_name(lora_name)
         return 0 if resident is None else resident.refs.count
 
     def draining(self) -> list[str]:
-        return sorted(r.lora_name for r in self._registry.draining.values())
+        return sorted(r.lora_name for r in self._names.draining.values())
 
     def staged(self) -> list[str]:
-        return sorted(self._registry.staging)
+        return sorted(self._names.staging)
 
     def model_adapters(self) -> list[str]:
         """Engine-local ids resident in the model (peft), for leak checks in tests."""
@@ -337,7 +335,7 @@ class LocalEngine:
         try:
             self._check_candidate(candidate)
             async with self._control_lock:
-                self._registry.begin_prepare(candidate)
+                self._names.begin_prepare(candidate)
         except EngineError as exc:
             raise self._tag(exc) from None
         return self._receipt(candidate, "prepared")
@@ -356,10 +354,10 @@ class LocalEngine:
         number of tensors received so far."""
         self._require_runner()
         try:
-            replayed = self._registry.resident_replay(lora_name, attempt, digest)
+            replayed = self._names.resident_replay(lora_name, attempt, digest)
             if replayed is not None:  # a retried transfer of a loaded attempt: nothing to do
                 return len(bucket.tensors)
-            staging = self._registry.staging_for(lora_name, attempt, digest)
+            staging = self._names.staging_for(lora_name, attempt, digest)
             sums = await anyio.to_thread.run_sync(
                 lambda: [
                     tensor_checksum(b.tensor.dtype, b.tensor.shape, b.tensor.data)
@@ -367,7 +365,7 @@ class LocalEngine:
                 ]
             )
             async with self._control_lock:
-                if self._registry.staging_for(lora_name, attempt, digest) is not staging:
+                if self._names.staging_for(lora_name, attempt, digest) is not staging:
                     raise CleanRefusal(ErrorCode.NOT_PREPARED, f"{lora_name} was prepared again")
                 expected = {t.name: t for t in staging.candidate.manifest.tensors}
                 for item, checksum in zip(bucket.tensors, sums, strict=True):
@@ -375,7 +373,7 @@ class LocalEngine:
                         expected.get(item.name), item.name, item.tensor, checksum
                     )
                     if refusal is not None:
-                        self._registry.drop_staging(lora_name)
+                        self._names.drop_staging(lora_name)
                         raise refusal
                     staging.tensors[item.name] = item.tensor
                     staging.checksums[item.name] = checksum
@@ -396,9 +394,9 @@ class LocalEngine:
 
     async def _load_job(self, c: Candidate) -> None:
         async with self._control_lock:
-            if self._registry.resident_replay(c.lora_name, c.attempt, c.digest) is not None:
+            if self._names.resident_replay(c.lora_name, c.attempt, c.digest) is not None:
                 return
-            staging = self._registry.staging_for(c.lora_name, c.attempt, c.digest)
+            staging = self._names.staging_for(c.lora_name, c.attempt, c.digest)
             try:
                 if staging.tensors or c.artifact_path is None:
                     missing = sorted({t.name for t in c.manifest.tensors} - set(staging.tensors))
@@ -437,7 +435,7 @@ class LocalEngine:
                     attempt=c.attempt,
                 )
             finally:
-                self._registry.drop_staging(c.lora_name)
+                self._names.drop_staging(c.lora_name)
 
     async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
         """Managed unload (reclaim, or cleanup of ``attempt``). An absent name answers
@@ -460,13 +458,13 @@ class LocalEngine:
         earlier: Resident | None = None
         async with self._control_lock:
             if attempt is not None:
-                self._registry.fence_cleanup(name, attempt)
+                self._names.fence_cleanup(name, attempt)
             else:
-                self._registry.drop_staging(name)
-            if name in self._registry.residents:
-                resident = self._registry.unregister(name)
+                self._names.drop_staging(name)
+            if name in self._names.residents:
+                resident = self._names.unregister(name)
             else:
-                earlier = self._registry.draining_name(name)  # an earlier unload's drain
+                earlier = self._names.draining_name(name)  # an earlier unload's drain
         if resident is not None:
             await self._free_when_drained(resident)
             return True
@@ -503,12 +501,12 @@ class LocalEngine:
 
     async def _load_ordinary_locked(self, name: str, path: str) -> None:
         check_name(name)
-        self._registry.check_ordinary_load(name)
+        self._names.check_ordinary_load(name)
         resolved = resolve_under(self.artifact_root, path)
         config, tensors, digest = await self._read_dir(resolved)
         plan = plan_adapter(config, shapes_of(tensors), self._module_shapes, self.limits)
         async with self._control_lock:
-            self._registry.check_ordinary_load(name)  # again: we awaited since
+            self._names.check_ordinary_load(name)  # again: we awaited since
             await self._install(
                 name, plan, tensors, digest=digest, path=str(resolved), managed=False, attempt=None
             )
@@ -522,8 +520,8 @@ class LocalEngine:
         async def job() -> None:
             async with self._compat_lock:
                 async with self._control_lock:
-                    self._registry.check_ordinary_unload(lora_name)
-                    resident = self._registry.unregister(lora_name)
+                    self._names.check_ordinary_unload(lora_name)
+                    resident = self._names.unregister(lora_name)
                 await self._free_when_drained(resident)
 
         try:
@@ -535,11 +533,11 @@ class LocalEngine:
     async def _implicit_reload(self, name: str) -> None:
         """Stock SGLang (0.5.23) reloads an unloaded ordinary name from its old path when a
         request names it; reproduced for ordinary names only, never managed ones."""
-        path = self._registry.history[name]
+        path = self._names.history[name]
 
         async def job() -> None:
             async with self._compat_lock:
-                if name not in self._registry.residents:
+                if name not in self._names.residents:
                     await self._load_ordinary_locked(name, path)
 
         try:
@@ -575,14 +573,14 @@ class LocalEngine:
         attempt: int | None,
     ) -> None:
         """Build the peft adapter under a fresh engine-local id and register the name. Runs
-        inside a job holding the control lock, so the registry cannot change meanwhile."""
+        inside a job holding the control lock, so the name table cannot change meanwhile."""
         runner = self._require_runner()
         adapter_id = new_adapter_id()
         try:
             await self._require_scheduler().run_model(runner.add_adapter, adapter_id, plan, tensors)
         except (ValueError, RuntimeError, KeyError) as exc:
             raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"peft refused {name}: {exc}") from exc
-        self._registry.register(
+        self._names.register(
             Resident(
                 lora_name=name,
                 adapter_id=adapter_id,
@@ -602,7 +600,7 @@ class LocalEngine:
         await self._require_scheduler().run_model(
             self._require_runner().remove_adapter, resident.adapter_id
         )
-        self._registry.freed(resident)
+        self._names.freed(resident)
         self._freed.pop(resident.adapter_id).set()
 
     async def _wait_freed(self, resident: Resident) -> None:
@@ -694,15 +692,15 @@ class LocalEngine:
     async def _acquire(self, name: str | None) -> tuple[Resident | None, Lease | None]:
         if name is None:
             return None, None
-        got = self._registry.acquire(name)
+        got = self._names.acquire(name)
         if got is None:
-            refusal = self._registry.refusal_for_absent(name)
+            refusal = self._names.refusal_for_absent(name)
             if refusal is not None:
                 raise refusal
             if not self.implicit_reload:
                 raise CleanRefusal(ErrorCode.NOT_LOADED, f"LoRA adapter {name} is not loaded")
             await self._implicit_reload(name)
-            got = self._registry.acquire(name)  # no await since the reload registered it
+            got = self._names.acquire(name)  # no await since the reload registered it
             if got is None:
                 raise CleanRefusal(ErrorCode.NOT_LOADED, f"LoRA adapter {name} is not loaded")
         return got

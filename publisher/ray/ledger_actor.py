@@ -54,7 +54,7 @@ from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.routing import Mark, RoutingSnapshot, RoutingTracker
-from publisher.ray.trainer import AdapterWire, rebuild_snapshot
+from publisher.ray.trainer import AdapterWire, rebuild_copy
 
 DEFAULT_LEDGER_NAME = "ledger"
 _DYING_RETRIES = 25
@@ -157,8 +157,8 @@ class _Service:
             )
         from publisher.trainer import TrainerClient
 
-        snapshot = await anyio.to_thread.run_sync(rebuild_snapshot, wire, self.plane.bucket_bytes)
-        return await TrainerClient(self.plane).publish(snapshot, step=step)
+        adapter = await anyio.to_thread.run_sync(rebuild_copy, wire, self.plane.bucket_bytes)
+        return await TrainerClient(self.plane).publish(adapter, step=step)
 
     async def info(self) -> LedgerInfo:
         state = self.ledger.state

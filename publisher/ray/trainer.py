@@ -2,10 +2,10 @@
 :class:`~publisher.trainer.TrainerClient` (``publish(adapter, config=None, *, step)``) and
 publishes through the control plane hosted by the ledger actor.
 
-The snapshot is taken HERE, in the trainer's process, before anything crosses Ray: the owned,
+The adapter is copied HERE, in the trainer's process, before anything crosses Ray: the owned,
 frozen copy (docs/publication.md) must be made where the live parameters are, or later
 optimizer steps could change what is sent. What travels is plain data (:class:`AdapterWire`:
-canonical config, the copied tensors, the digest); the actor rebuilds the snapshot from it and
+canonical config, the copied tensors, the digest); the actor rebuilds the copy from it and
 refuses it if the digest it computes differs (the bytes changed on the way).
 
 A publish that meets a ledger restart is sent again through the
@@ -25,35 +25,33 @@ import msgspec
 
 from engines.manifest import TensorData
 from evlog.errors import Code, LedgerError
+from publisher.adapter_copy import AdapterCopy
 from publisher.ledger import LedgerStatus
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
-from publisher.snapshot import AdapterSnapshot
 
 
 class AdapterWire(msgspec.Struct, frozen=True, kw_only=True):
-    """An adapter snapshot as plain data, for one trip to the ledger actor."""
+    """An adapter copy as plain data, for one trip to the ledger actor."""
 
     config: dict[str, Any]
     tensors: dict[str, TensorData]
     digest: str
 
 
-def wire_of(snapshot: AdapterSnapshot) -> AdapterWire:
-    return AdapterWire(
-        config=snapshot.config, tensors=dict(snapshot.tensors), digest=snapshot.digest
-    )
+def wire_of(adapter: AdapterCopy) -> AdapterWire:
+    return AdapterWire(config=adapter.config, tensors=dict(adapter.tensors), digest=adapter.digest)
 
 
-def rebuild_snapshot(wire: AdapterWire, bucket_bytes: int) -> AdapterSnapshot:
-    """The snapshot again (bucketed for this plane), checked against the sender's digest."""
-    snapshot = AdapterSnapshot(wire.config, wire.tensors, bucket_bytes=bucket_bytes)
-    if snapshot.digest != wire.digest:
+def rebuild_copy(wire: AdapterWire, bucket_bytes: int) -> AdapterCopy:
+    """The copy again (bucketed for this plane), checked against the sender's digest."""
+    adapter = AdapterCopy(wire.config, wire.tensors, bucket_bytes=bucket_bytes)
+    if adapter.digest != wire.digest:
         raise LedgerError(
             Code.INVALID_INPUT,
-            f"the adapter hashes to {snapshot.digest[:16]} here, the trainer sent "
+            f"the adapter hashes to {adapter.digest[:16]} here, the trainer sent "
             f"{wire.digest[:16]}: its bytes changed in transit",
         )
-    return snapshot
+    return adapter
 
 
 class RayTrainerClient:
@@ -77,20 +75,20 @@ class RayTrainerClient:
     async def publish(
         self, adapter: Any, config: Mapping[str, Any] | None = None, *, step: int
     ) -> Any:
-        """Snapshot ``adapter`` here and publish it as version ``step``: a
+        """Copy ``adapter`` here and publish it as version ``step``: a
         ``PublicationOutcome``, or ``PublicationError`` raised as in process."""
-        from publisher.trainer import snapshot_of
+        from publisher.trainer import copy_adapter
 
-        snapshot = await anyio.to_thread.run_sync(
+        frozen = await anyio.to_thread.run_sync(
             functools.partial(
-                snapshot_of,
+                copy_adapter,
                 adapter,
                 config,
                 adapter_name=self.adapter_name,
                 bucket_bytes=2**62,  # bucketing happens in the actor, for its engines
             )
         )
-        return await self._link.call("publish", wire_of(snapshot), step)
+        return await self._link.call("publish", wire_of(frozen), step)
 
     async def status(self) -> LedgerStatus:
         """The ledger's status (one round trip; in process this read is local)."""

@@ -46,7 +46,7 @@ from engines.contract import (
 )
 from engines.local.tinymodel import make_adapter
 from engines.manifest import Manifest, TensorData, build_manifest
-from publisher.snapshot import aiter_buckets, plan_buckets
+from publisher.adapter_copy import aiter_buckets, plan_buckets
 
 UNSERVABLE_RANK = 64
 PROMPT = "the quick brown fox"

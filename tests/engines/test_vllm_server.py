@@ -209,8 +209,5 @@ def test_ensure_env_reports_the_scripts_status_and_last_line(tmp_path: Path) -> 
 
 
 def test_the_env_script_ships_next_to_the_launcher() -> None:
-    """An installed loraledger carries it (the demo needs no source checkout), and the old
-    path under tests/integration still leads to it."""
+    """An installed loraledger carries it (the demo needs no source checkout)."""
     assert launcher.ENV_SCRIPT.exists() and os.access(launcher.ENV_SCRIPT, os.R_OK)
-    old = launcher.REPO / "tests" / "integration" / "vllm_env.sh"
-    assert "engines/vllm_env.sh" in old.read_text()

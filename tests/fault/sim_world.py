@@ -51,21 +51,10 @@ from engines.contract import (
     SamplingParams,
     UnloadReceipt,
 )
-from engines.faults import (
-    Delay,
-    Drop,
-    Duplicate,
-    Fault,
-    FaultyEngine,
-    Refuse,
-    Restart,
-    RestartableEngine,
-    ServerError,
-    Swallow,
-)
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
+from engines.testing import RestartableEngine
 from evlog.errors import Code, LedgerError
 from evlog.events import SessionBound
 from evlog.memory import MemoryLog, MemoryStore
@@ -84,6 +73,17 @@ from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.publication import PublicationError
 from publisher.sessions import RetryPolicy, RolloutWorker
 from publisher.trainer import TrainerClient
+from tests.engines.faulty_engine import (
+    Delay,
+    Drop,
+    Duplicate,
+    Fault,
+    FaultyEngine,
+    Refuse,
+    Restart,
+    ServerError,
+    Swallow,
+)
 from tests.fault.simloop import run_simulated, sim_clock
 
 T = TypeVar("T")

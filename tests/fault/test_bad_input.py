@@ -66,8 +66,8 @@ from publisher.ledger import Ledger
 from tests.fault.conftest import record_figure
 from tools.cli import app
 from tools.exitcodes import Exit
+from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
-from tools.service import build_app
 
 EXAMPLES = 150
 SLOW_EXAMPLES = 1500

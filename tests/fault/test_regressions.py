@@ -12,7 +12,6 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
-from engines.faults import Delay, Drop, Duplicate, FaultyEngine, Refuse, ServerError
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
 from evlog.errors import Code, LedgerError
@@ -23,13 +22,14 @@ from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationOutcome
+from tests.engines.faulty_engine import Delay, Drop, Duplicate, FaultyEngine, Refuse, ServerError
 from tests.fault.simloop import run_simulated, sim_clock
 from tests.publisher.plane_kit import (
+    adapter_copy,
     events,
     faulty_engines,
     names,
     open_plane,
-    snapshot,
     wait_for,
 )
 
@@ -175,7 +175,7 @@ async def test_regression_a_failed_restore_fenced_the_committed_attempt_out_fore
         faulty_engines(1, artifact_root=tmp_path / "artifacts") as (e0,),
         open_plane([e0], tmp_path) as plane,
     ):
-        published = await plane.publisher.publish(snapshot(1), version_id=1)
+        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
         name = published.lora_name
         e0.inject("load", Drop())  # the restore's load runs; its reply is lost
         await _restart_e0_until_it_serves(plane, e0, name)
@@ -189,7 +189,7 @@ async def _v1_staged_on_a_restarted_e0(
     v1 on the fresh engine as a failed restore's prepare leaves it: its bytes never loaded.
     Returns v1, the fresh engine and that prepare's candidate."""
     ledger = plane.ledger
-    v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+    v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
     before = ledger.state.engines["e0"].incarnation
     e0.inject("prepare", Refuse(), times=10_000)
     await e0.inner.restart()  # type: ignore[attr-defined]
@@ -199,7 +199,7 @@ async def _v1_staged_on_a_restarted_e0(
         lora_name=v1.lora_name,
         digest=v1.digest,
         attempt=ledger.state.versions[1].attempt,
-        manifest=snapshot(1).manifest,
+        manifest=adapter_copy(1).manifest,
     )
     await fresh.prepare(candidate)
     return v1, fresh, candidate
@@ -223,7 +223,7 @@ async def test_regression_a_late_duplicate_prepare_staged_a_reclaimed_name_again
         v1, fresh, late = await _v1_staged_on_a_restarted_e0(plane, e0)
         assert fresh.staged() == [v1.lora_name]
 
-        await plane.publisher.publish(snapshot(2), version_id=2)  # e1 only; v1 retires
+        await plane.publisher.publish(adapter_copy(2), version_id=2)  # e1 only; v1 retires
         await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
         assert fresh.staged() == []
 
@@ -247,7 +247,7 @@ async def test_regression_a_late_duplicate_of_a_restore_cleanup_unloaded_the_def
         faulty_engines(1, artifact_root=tmp_path / "artifacts") as (e0,),
         open_plane([e0], tmp_path) as plane,
     ):
-        published = await plane.publisher.publish(snapshot(1), version_id=1)
+        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
         name = published.lora_name
         e0.inject("transfer", Drop())  # the first restore's transfer runs; its reply is lost
         e0.inject("unload", Duplicate(delay=1.0), times=10)  # any unload lands again, late
@@ -272,7 +272,7 @@ async def test_regression_an_ambiguous_reclaim_resolved_by_absence_left_a_staged
         open_plane([e0, e1], tmp_path) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         before = ledger.state.engines["e0"].incarnation
         e0.inject("transfer", Drop(), times=10_000)  # restores stage their bytes, never load
         await e0.inner.restart()  # type: ignore[attr-defined]
@@ -281,7 +281,7 @@ async def test_regression_an_ambiguous_reclaim_resolved_by_absence_left_a_staged
         assert ledger.state.engines["e0"].incarnation != before
 
         e0.inject("unload", ServerError(), times=3)  # the first unloads never reach e0
-        await plane.publisher.publish(snapshot(2), version_id=2)  # on e1; v1 retires
+        await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
         await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
         recorded = [type(e).__name__ for e in await events(ledger)]
         assert "ReclaimAmbiguous" in recorded
@@ -309,6 +309,6 @@ async def test_regression_a_reclaim_confirmed_by_absence_before_its_unload_left_
         assert fresh.staged() == [v1.lora_name]
 
         e0.inject("unload", Delay(seconds=1.0), times=10_000)  # unloads reach e0 late
-        await plane.publisher.publish(snapshot(2), version_id=2)  # on e1; v1 retires
+        await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
         await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
         assert fresh.staged() == []  # RECLAIMED only once a fenced unload reached e0

@@ -20,11 +20,11 @@ from engines.contract import SamplingParams
 from engines.local.tinymodel import make_adapter
 from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
+from publisher.adapter_copy import AdapterCopy
 from publisher.fleet import Fleet
 from publisher.gateway import Gateway, LedgerRouting
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
-from publisher.snapshot import AdapterSnapshot
 from tests.integration.peft_reference import PeftReference
 
 pytestmark = [
@@ -61,7 +61,7 @@ async def test_regression_vllm_cache_salt_gateway_generations_succeed_on_the_rea
         reclaim_tick_s=0.1,
     ) as plane:
         v1 = await plane.publisher.publish(
-            AdapterSnapshot.from_state_dict(tensors, config), version_id=1
+            AdapterCopy.from_state_dict(tensors, config), version_id=1
         )
         assert v1.status == PublicationStatus.PUBLISHED
         gateway = Gateway(plane.fleet, LedgerRouting(plane.ledger), gateway_id="salt-test")

@@ -27,10 +27,10 @@ from engines.vllm import VLLMEngine
 from evlog.events import EngineUnloaded, ReclaimClaimed, VersionPublished, VersionReclaimed
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
+from publisher.adapter_copy import AdapterCopy
 from publisher.fleet import Fleet
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
-from publisher.snapshot import AdapterSnapshot
 from tests.integration.peft_reference import PeftReference
 from tests.publisher.plane_kit import events, of_type, wait_for
 
@@ -46,9 +46,9 @@ PROMPT = "hello world"
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def adapter(seed: int) -> AdapterSnapshot:
+def adapter(seed: int) -> AdapterCopy:
     config, tensors = make_adapter(seed)
-    return AdapterSnapshot.from_state_dict(tensors, config)
+    return AdapterCopy.from_state_dict(tensors, config)
 
 
 async def test_publish_and_reclaim_through_the_artifact_store(

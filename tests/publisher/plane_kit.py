@@ -1,6 +1,6 @@
 """Shared wiring for the publication/reclaim/reconcile tests: real local engines (optionally
-restartable and wrapped in :class:`~engines.faults.FaultyEngine`), a control plane over a
-``MemoryStore``, small adapters, and readers of the log.
+restartable and wrapped in :class:`~tests.engines.faulty_engine.FaultyEngine`), a control plane
+over a ``MemoryStore``, small adapters, and readers of the log.
 
 Nothing here stands in for an engine: every engine is a real :class:`LocalEngine`."""
 
@@ -15,18 +15,19 @@ import anyio
 import pytest
 
 from engines.contract import SamplingParams
-from engines.faults import FaultyEngine, RestartableEngine
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
+from engines.testing import RestartableEngine
 from evlog.events import Event
 from evlog.memory import MemoryStore
 from evlog.store import EventStore
+from publisher.adapter_copy import AdapterCopy
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
-from publisher.snapshot import AdapterSnapshot
+from tests.engines.faulty_engine import FaultyEngine
 
 LIMITS = ServingLimits(max_lora_rank=64)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -40,10 +41,10 @@ PEFT_WARNINGS = pytest.mark.filterwarnings(
 )
 
 
-def snapshot(seed: int, *, r: int = 8, bucket_bytes: int = 16 * 1024) -> AdapterSnapshot:
+def adapter_copy(seed: int, *, r: int = 8, bucket_bytes: int = 16 * 1024) -> AdapterCopy:
     """A small adapter for the tiny model (several buckets at the default ``bucket_bytes``)."""
     config, tensors = make_adapter(seed, r=r)
-    return AdapterSnapshot.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
+    return AdapterCopy.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
 
 
 @contextlib.asynccontextmanager

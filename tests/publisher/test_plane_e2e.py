@@ -15,7 +15,6 @@ import anyio
 import pytest
 
 from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
-from engines.faults import FaultyEngine
 from engines.local.client import LocalHTTPEngine
 from engines.local.server import running_server
 from engines.sglang import SGLangEngine
@@ -35,16 +34,17 @@ from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
+from tests.engines.faulty_engine import FaultyEngine
 from tests.publisher.plane_kit import (
     LIMITS,
     PEFT_WARNINGS,
     PROMPT,
+    adapter_copy,
     events,
     local_engines,
     names,
     of_type,
     open_plane,
-    snapshot,
     wait_for,
 )
 
@@ -87,7 +87,7 @@ class Traffic:
 async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
     """The acceptance scenario, shared by the in-process and HTTP fleets."""
     ledger = plane.ledger
-    v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+    v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
     assert v1.status == PublicationStatus.PUBLISHED and v1.revision == 1
     assert set(v1.ready_latency()) == {e.engine_id for e in engines}
     for e in engines:
@@ -102,7 +102,7 @@ async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
     traffic = Traffic(engines, v1.lora_name)
     async with traffic.running():
         started = time.monotonic()
-        v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+        v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
         finished = time.monotonic()
         await wait_for(lambda: any(t > finished for t, _ in traffic.done))
     assert v2.status == PublicationStatus.PUBLISHED and v2.retired == 1
@@ -202,14 +202,14 @@ async def test_full_capacity_is_skipped_without_touching_an_engine(tmp_path: Pat
         engines = [FaultyEngine(e) for e in inner]  # no faults: it only records every call
         async with open_plane(engines, tmp_path, capacity=2, probe_interval_s=3600) as plane:
             ledger = plane.ledger
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
             await ledger.register_owner("w1", ttl_s=60)
             await ledger.bind("pinned", "w1")
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
             calls = [e.count() for e in engines]
             seq = ledger.state.last_seq
 
-            v3 = snapshot(3)
+            v3 = adapter_copy(3)
             skipped = await plane.publisher.publish(v3, version_id=3)
             assert skipped.status == PublicationStatus.SKIPPED
             assert skipped.code == "CAPACITY_ERROR" and skipped.lora_name is None
@@ -232,13 +232,13 @@ async def test_republishing_a_step_is_a_no_op_and_touches_no_engine(tmp_path: Pa
     async with local_engines(2) as inner:
         engines = [FaultyEngine(e) for e in inner]
         async with open_plane(engines, tmp_path, probe_interval_s=3600) as plane:
-            first = await plane.publisher.publish(snapshot(1), version_id=1)
+            first = await plane.publisher.publish(adapter_copy(1), version_id=1)
             await plane.ledger.register_owner("w1", ttl_s=60)
             await plane.ledger.bind("keeps-v1", "w1")  # no reclaim traffic meanwhile
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
             calls = [e.count() for e in engines]
             seq = plane.ledger.state.last_seq
-            again = await plane.publisher.publish(snapshot(1), version_id=1)
+            again = await plane.publisher.publish(adapter_copy(1), version_id=1)
             assert again.status == PublicationStatus.NO_OP
             assert (again.lora_name, again.revision) == (first.lora_name, 1)
             assert [e.count() for e in engines] == calls
@@ -252,13 +252,13 @@ async def test_sessions_survive_a_controller_restart(tmp_path: Path) -> None:
     log = MemoryLog()
     async with local_engines(2) as engines:
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
             await plane.ledger.register_owner("w1", ttl_s=600)
             bound = await plane.ledger.bind("s", "w1")
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
             assert (await plane.ledger.bind("s", "w1")).version_id == bound.version_id
             assert plane.ledger.state.routable_engines() == ("e0", "e1")
             assert plane.started is not None and plane.started.joined == ()
-            v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+            v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
             assert v2.revision == 2
             assert of_type(await events(plane.ledger), SessionBound)[0].session == "s"

@@ -19,7 +19,6 @@ import anyio
 import pytest
 
 from engines.contract import ErrorCode
-from engines.faults import Delay, Drop, Duplicate, Refuse, Restart, ServerError, Swallow
 from evlog.events import (
     AttemptFailed,
     EnginePrepared,
@@ -48,17 +47,26 @@ from publisher.publication import (
     PublicationStatus,
 )
 from publisher.recovery import recover
+from tests.engines.faulty_engine import (
+    Delay,
+    Drop,
+    Duplicate,
+    Refuse,
+    Restart,
+    ServerError,
+    Swallow,
+)
 from tests.publisher.plane_kit import (
     FAST,
     GREEDY,
     PEFT_WARNINGS,
     PROMPT,
+    adapter_copy,
     events,
     faulty_engines,
     names,
     of_type,
     open_plane,
-    snapshot,
     wait_for,
 )
 
@@ -79,10 +87,10 @@ async def test_lost_reply_on_load_is_fatal_then_resolved_and_publication_resumes
         faulty_engines(2) as engines,
         open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
     ):
-        await plane.publisher.publish(snapshot(1), version_id=1)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
         engines[1].inject("load", Drop())
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
         err = info.value
         assert err.kind == ErrorKind.FATAL and err.code == "PUBLICATION_FAILED"
         assert (err.details["cause"], err.details["state"]) == ("CONNECTION_LOST", "FAILED_FATAL")
@@ -96,7 +104,7 @@ async def test_lost_reply_on_load_is_fatal_then_resolved_and_publication_resumes
             assert name not in await names(e)
 
         seq = plane.ledger.state.last_seq
-        v3 = await plane.publisher.publish(snapshot(3), version_id=3)
+        v3 = await plane.publisher.publish(adapter_copy(3), version_id=3)
         assert v3.status == PublicationStatus.PUBLISHED
         log = await events(plane.ledger, after=seq)
         resolved = index(log, lambda e: isinstance(e, FatalResolved) and e.version_id == 2)
@@ -118,10 +126,10 @@ async def test_timeout_is_fatal_and_a_retry_of_the_same_version_resumes(tmp_path
     ):
         engines[0].inject("prepare", Delay(seconds=30))
         with anyio.fail_after(10), pytest.raises(PublicationError) as info:  # a guard, no hang
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert info.value.kind == ErrorKind.FATAL and info.value.details["cause"] == "TIMEOUT"
         assert plane.ledger.state.versions[1].state is VersionState.FAILED_FATAL
-        again = await plane.publisher.publish(snapshot(1), version_id=1)
+        again = await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert again.status == PublicationStatus.PUBLISHED and again.attempt == 2
         log = await events(plane.ledger)
         assert [f.attempt for f in of_type(log, AttemptFailed)] == [1]
@@ -136,7 +144,7 @@ async def test_server_error_on_transfer_is_ambiguous(tmp_path: Path) -> None:
     ):
         engines[0].inject("transfer", ServerError(status=500))
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert info.value.kind == ErrorKind.FATAL and info.value.details["cause"] == "SERVER_ERROR"
         failed = of_type(await events(plane.ledger), AttemptFailed)[0]
         assert not failed.clean and failed.code == "SERVER_ERROR"
@@ -149,7 +157,7 @@ async def test_clean_refusal_cleans_every_engine_and_is_retryable(tmp_path: Path
     ):
         engines[1].inject("load", Refuse(code=ErrorCode.RANK_UNSUPPORTED))
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         err = info.value
         assert err.kind == ErrorKind.RETRYABLE and err.details["state"] == "FAILED_RETRYABLE"
         assert err.details["cause"] == ErrorCode.RANK_UNSUPPORTED
@@ -161,7 +169,7 @@ async def test_clean_refusal_cleans_every_engine_and_is_retryable(tmp_path: Path
         for e in engines:
             assert name not in await names(e)
         assert plane.ledger.state.capacity_used() == 0
-        retry = await plane.publisher.publish(snapshot(1), version_id=1)
+        retry = await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert retry.status == PublicationStatus.PUBLISHED and retry.attempt == 2
         for e in engines:
             assert name in await names(e)
@@ -174,7 +182,7 @@ async def test_ready_without_the_adapter_is_caught_by_the_inventory(tmp_path: Pa
     ):
         engines[0].inject("load", Swallow())  # "loaded", but it never was
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert info.value.details["cause"] == READY_UNCONFIRMED
         assert info.value.kind == ErrorKind.RETRYABLE
         log = await events(plane.ledger)
@@ -192,13 +200,13 @@ async def test_duplicated_control_messages_change_nothing(tmp_path: Path) -> Non
             e.inject("prepare", Duplicate())
             e.inject("transfer", Duplicate())
             e.inject("load", Duplicate(delay=0.05))  # a late duplicate, after READY
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert v1.status == PublicationStatus.PUBLISHED
         await wait_for(lambda: all(len(e.duplicates) == 3 for e in engines))
         assert {d.outcome for e in engines for d in e.duplicates} == {"ok"}  # replays
         for e in engines:
             e.inject("unload", Duplicate())
-        await plane.publisher.publish(snapshot(2), version_id=2)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
         log = await events(plane.ledger)
         for kind in (EnginePrepared, EngineReady):
@@ -216,12 +224,12 @@ async def test_restart_mid_publication_then_repair_before_routing(tmp_path: Path
         open_plane(engines, tmp_path, probe_interval_s=0.05) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         old = ledger.state.engines["e1"].incarnation
         seq = ledger.state.last_seq
         engines[1].inject("load", Restart())  # e1 restarts between transfer and load
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
         assert info.value.kind == ErrorKind.RETRYABLE
         assert info.value.details["cause"] == ErrorCode.NOT_PREPARED  # the new life never saw it
         await wait_for(lambda: ledger.state.engines["e1"].incarnation != old)
@@ -241,7 +249,7 @@ async def test_restart_mid_publication_then_repair_before_routing(tmp_path: Path
             assert state.holders(v1.lora_name) == ("e0",)
         g = await engines[1].generate(PROMPT, v1.lora_name, GREEDY)
         assert g.lora_name == v1.lora_name
-        again = await plane.publisher.publish(snapshot(2), version_id=2)
+        again = await plane.publisher.publish(adapter_copy(2), version_id=2)
         assert again.status == PublicationStatus.PUBLISHED and again.attempt == 2
 
 
@@ -251,10 +259,10 @@ async def test_restart_after_commit_restores_default_and_bound_versions(tmp_path
         open_plane(engines, tmp_path, probe_interval_s=0.05) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         await ledger.register_owner("w1", ttl_s=60)
         await ledger.bind("pinned", "w1")
-        v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+        v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
         seq = ledger.state.last_seq
         old = ledger.state.engines["e1"].incarnation
         await engines[1].inner.restart()  # type: ignore[attr-defined]
@@ -271,11 +279,11 @@ async def test_ambiguous_unload_holds_the_version_until_inventory_decides(tmp_pa
         faulty_engines(2) as engines,
         open_plane(engines, tmp_path, probe_interval_s=0.05) as plane,
     ):
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         engines[1].inject("unload", Drop())  # the reclaim's unload runs; its reply is lost
         engines[0].inject("unload", ServerError())  # this one never reaches e0
         seq = plane.ledger.state.last_seq
-        v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+        v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
         # a failing reclaim of the predecessor never turns the committed publication into an error
         assert v2.status == PublicationStatus.PUBLISHED
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
@@ -308,15 +316,15 @@ async def test_fatal_candidate_still_present_is_unloaded_by_the_reconciler(tmp_p
         faulty_engines(2) as engines,
         open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
     ):
-        await plane.publisher.publish(snapshot(1), version_id=1)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
         engines[0].inject("load", Drop())
         engines[0].inject("unload", ServerError())  # and its cleanup never arrives
         with pytest.raises(PublicationError):
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
         name = plane.ledger.state.versions[2].lora_name
         assert name in await names(engines[0])  # the fatal candidate is still loaded on e0
         seq = plane.ledger.state.last_seq
-        v3 = await plane.publisher.publish(snapshot(3), version_id=3)
+        v3 = await plane.publisher.publish(adapter_copy(3), version_id=3)
         assert v3.status == PublicationStatus.PUBLISHED
         assert name not in await names(engines[0])
         log = await events(plane.ledger, after=seq)
@@ -334,7 +342,7 @@ async def test_cancelled_publish_never_leaves_a_version_loading(tmp_path: Path) 
     ):
         engines[1].inject("load", Delay(seconds=30))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: plane.publisher.publish(snapshot(1), version_id=1))
+            tg.start_soon(lambda: plane.publisher.publish(adapter_copy(1), version_id=1))
             await wait_for(lambda: engines[1].count("load") == 1)
             tg.cancel_scope.cancel()
         v = plane.ledger.state.versions[1]
@@ -343,7 +351,7 @@ async def test_cancelled_publish_never_leaves_a_version_loading(tmp_path: Path) 
         assert failed.code == CANCELLED and "e1" in failed.reason
         for e in engines:
             assert v.lora_name not in await names(e)
-        again = await plane.publisher.publish(snapshot(1), version_id=1)
+        again = await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert again.status == PublicationStatus.PUBLISHED and again.attempt == 2
 
 
@@ -353,7 +361,7 @@ async def test_reentered_publish_never_sends_a_byte_twice(tmp_path: Path) -> Non
         open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
     ):
         engines[0].inject("load", Delay(seconds=0.3))
-        snap = snapshot(1)
+        snap = adapter_copy(1)
         results = []
         other = PublicationDriver(plane.ledger, plane.fleet, plane.artifacts, owner="other")
         refusals: list[PublicationError] = []
@@ -386,11 +394,11 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             engines, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE
         ) as plane:
             # a controller that dies mid-publication: allocated, claimed, loaded on e0 only
-            snap = snapshot(1)
+            snap = adapter_copy(1)
             allocated = await plane.ledger.allocate(1, snap.digest)
             await plane.ledger.claim_transport(1, allocated.attempt, "dead-publisher")
             from engines.contract import Candidate
-            from publisher.snapshot import aiter_buckets
+            from publisher.adapter_copy import aiter_buckets
 
             candidate = Candidate(
                 lora_name=allocated.lora_name,
@@ -423,7 +431,7 @@ async def test_receipt_from_a_restarted_engine_is_recorded_and_refused(tmp_path:
     ):
         engines[1].inject("prepare", Restart())  # the prepare lands on the next life
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert info.value.details["cause"] == "ENGINE_RESTARTED"
         assert info.value.kind == ErrorKind.RETRYABLE
         rejected = of_type(await events(plane.ledger), ReceiptRejected)
@@ -438,7 +446,7 @@ async def test_a_clean_failure_without_proof_of_absence_stays_fatal(tmp_path: Pa
         engines[1].inject("load", Refuse(code=ErrorCode.INVALID_ADAPTER))  # clean
         engines[0].inject("unload", ServerError())  # but e0's cleanup never arrives
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert info.value.kind == ErrorKind.FATAL
         name = plane.ledger.state.versions[1].lora_name
         assert name in await names(engines[0])  # e0 really still holds it
@@ -456,11 +464,11 @@ async def test_publication_stays_blocked_when_reconciliation_cannot_resolve(
     ):
         engines[1].inject("load", Drop())
         with pytest.raises(PublicationError):
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         engines[1].inject("inventory", ServerError(), times=10)  # e1 cannot prove anything
         seq = plane.ledger.state.last_seq
         with pytest.raises(PublicationError) as info:
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
         assert info.value.code == "PUBLICATION_BLOCKED" and info.value.kind == ErrorKind.FATAL
         assert info.value.details["versions"] == [1]
         log = await events(plane.ledger, after=seq)

@@ -16,12 +16,12 @@ from projections.registry import VersionState
 from publisher.ledger import Ledger
 from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
+    adapter_copy,
     events,
     local_engines,
     names,
     of_type,
     open_plane,
-    snapshot,
     wait_for,
 )
 
@@ -47,9 +47,9 @@ async def test_in_flight_requests_hold_the_reclaim_until_they_finish(tmp_path: P
     gauge = Gauge()
     async with local_engines(2) as engines, open_plane(engines, tmp_path) as plane:
         plane.add_inflight_source(gauge)
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         gauge.counts[("e1", 1)] = 1  # a request on v1 still running on e1
-        await plane.publisher.publish(snapshot(2), version_id=2)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
         sweeps = plane.reclaimer.sweeps
         await wait_for(lambda: plane.reclaimer.sweeps >= sweeps + 5)  # several chances
         assert plane.ledger.state.versions[1].state is VersionState.RETIRED
@@ -69,10 +69,10 @@ async def test_in_flight_requests_hold_the_reclaim_until_they_finish(tmp_path: P
 async def test_remote_workers_in_flight_reports_count_too(tmp_path: Path) -> None:
     async with local_engines(2) as engines, open_plane(engines, tmp_path) as plane:
         ledger = plane.ledger
-        await plane.publisher.publish(snapshot(1), version_id=1)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
         await ledger.register_owner("remote", ttl_s=600)
         ledger.renew_lease("remote", {("e0", 1): 2})
-        await plane.publisher.publish(snapshot(2), version_id=2)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
         sweeps = plane.reclaimer.sweeps
         await wait_for(lambda: plane.reclaimer.sweeps >= sweeps + 5)
         assert ledger.state.versions[1].state is VersionState.RETIRED
@@ -89,10 +89,10 @@ async def test_a_dead_workers_lease_expiry_unpins_and_reclaims(tmp_path: Path) -
         open_plane(engines, tmp_path, clock=lambda: now[0], lease_check_s=0.02) as plane,
     ):
         ledger = plane.ledger
-        await plane.publisher.publish(snapshot(1), version_id=1)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
         await ledger.register_owner("dead", ttl_s=5)
         await ledger.bind("pinned", "dead")
-        await plane.publisher.publish(snapshot(2), version_id=2)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
         await anyio.sleep(0.1)
         assert ledger.state.versions[1].state is VersionState.RETIRED
         now[0] += 10  # the worker stopped renewing
@@ -108,10 +108,10 @@ async def test_artifacts_are_deleted_only_once_reclaimed(tmp_path: Path) -> None
         open_plane(engines, tmp_path, delete_artifacts_after_s=0.0) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         await ledger.register_owner("w", ttl_s=600)
         await ledger.bind("s", "w")
-        await plane.publisher.publish(snapshot(2), version_id=2)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
         await anyio.sleep(0.2)
         assert plane.artifacts.contains(v1.digest)  # RETIRED and bound: kept
         await ledger.release("s", "w")
@@ -127,7 +127,7 @@ async def test_a_shared_digest_keeps_its_artifact(tmp_path: Path) -> None:
         local_engines(2) as engines,
         open_plane(engines, tmp_path, delete_artifacts_after_s=0.0) as plane,
     ):
-        same = snapshot(1)
+        same = adapter_copy(1)
         await plane.publisher.publish(same, version_id=1)
         await plane.publisher.publish(same, version_id=2)  # another id, the same bytes
         await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
@@ -140,9 +140,9 @@ async def test_an_interrupted_reclaim_is_resumed_by_the_next_controller(tmp_path
     async with local_engines(2) as engines:
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
             await plane.ledger.register_owner("w", ttl_s=600)
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
             await plane.ledger.bind("s", "w")
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
             v1 = plane.ledger.state.versions[1]
         # a controller that claimed the reclaim and died after unloading e0 only
         async with Ledger.open(MemoryStore(log)) as ledger:

@@ -9,7 +9,6 @@ import pytest
 
 from engines.artifacts import ArtifactStore
 from engines.contract import Candidate
-from engines.faults import Delay, FaultyEngine
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
@@ -23,18 +22,19 @@ from evlog.events import (
 )
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
-from publisher.snapshot import aiter_buckets, plan_buckets
+from publisher.adapter_copy import aiter_buckets, plan_buckets
+from tests.engines.faulty_engine import Delay, FaultyEngine
 from tests.publisher.plane_kit import (
     GREEDY,
     LIMITS,
     PEFT_WARNINGS,
     PROMPT,
+    adapter_copy,
     events,
     local_engines,
     names,
     of_type,
     open_plane,
-    snapshot,
     wait_for,
 )
 
@@ -61,7 +61,7 @@ async def test_only_strays_of_this_deployment_are_unloaded(tmp_path: Path) -> No
         local_engines(2) as engines,
         open_plane(engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE) as plane,
     ):
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
         other = "agent@other-1-0123456789abcdef"  # another deployment's name
         await load_managed(engines[0], stray, 51)
@@ -81,7 +81,7 @@ async def test_the_periodic_full_pass_finds_drift_nobody_reported(tmp_path: Path
         local_engines(2) as engines,
         open_plane(engines, tmp_path, probe_interval_s=0.02, full_reconcile_s=0.1) as plane,
     ):
-        await plane.publisher.publish(snapshot(1), version_id=1)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
         stray = "agent@dep-77-0123456789abcdef"
         await load_managed(engines[1], stray, 53)
         passes = plane.reconciler.passes
@@ -96,10 +96,10 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
         open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
     ):
         ledger = plane.ledger
-        v1 = await plane.publisher.publish(snapshot(1), version_id=1)
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         await ledger.register_owner("w", ttl_s=600)
         await ledger.bind("pinned", "w")
-        v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+        v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
         seq = ledger.state.last_seq
         report = await plane.add_engine(newcomer)
         assert report.joined == ("e2",) and report.repaired == ("e2",)
@@ -121,8 +121,8 @@ async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path
         engines[1].inject("unload", Delay(seconds=60))  # e1 never answers the reclaim
         async with open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane:
             ledger = plane.ledger
-            await plane.publisher.publish(snapshot(1), version_id=1)
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
             await wait_for(lambda: "e0" in ledger.state.versions[1].confirmed)
             assert ledger.state.versions[1].state is VersionState.RECLAIMING
             await plane.remove_engine("e1")
@@ -137,10 +137,10 @@ async def test_engines_without_a_handle_leave_at_start(tmp_path: Path) -> None:
     log = MemoryLog()
     async with local_engines(2) as engines:
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
-            await plane.publisher.publish(snapshot(1), version_id=1)
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
         async with open_plane(engines[:1], tmp_path, store=MemoryStore(log)) as plane:
             assert plane.started is not None and plane.started.left == ("e1",)
             assert plane.ledger.state.routable_engines() == ("e0",)
-            v2 = await plane.publisher.publish(snapshot(2), version_id=2)
+            v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
             assert plane.ledger.state.versions[2].fleet == ("e0",)
             assert v2.lora_name not in await names(engines[1])

@@ -16,9 +16,9 @@ import ray
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, ErrorCode, SamplingParams
-from engines.faults import RestartableEngine
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
+from engines.testing import RestartableEngine
 from publisher.ray.engine import EngineActor, RayEngine, start_engine, stop_engine
 from tests.engines.contract import (
     Capabilities,

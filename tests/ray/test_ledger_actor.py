@@ -16,11 +16,11 @@ import ray
 from engines.local.tinymodel import make_adapter
 from evlog.errors import Code, LedgerError
 from publisher import commands as c
+from publisher.adapter_copy import AdapterCopy
 from publisher.outcomes import Bound, Released
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
-from publisher.ray.trainer import RayTrainerClient, rebuild_snapshot, wire_of
-from publisher.snapshot import AdapterSnapshot
+from publisher.ray.trainer import RayTrainerClient, rebuild_copy, wire_of
 from tests.ray.kit import ENGINES, create, publish
 
 pytestmark = pytest.mark.anyio
@@ -265,10 +265,10 @@ async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
 
 def test_an_adapter_changed_on_the_way_is_refused() -> None:
     config, tensors = make_adapter(2)
-    snapshot = AdapterSnapshot.from_state_dict(tensors, config)
-    wire = wire_of(snapshot)
-    rebuilt = rebuild_snapshot(wire, bucket_bytes=4096)
-    assert rebuilt.digest == snapshot.digest
+    adapter = AdapterCopy.from_state_dict(tensors, config)
+    wire = wire_of(adapter)
+    rebuilt = rebuild_copy(wire, bucket_bytes=4096)
+    assert rebuilt.digest == adapter.digest
     assert len(rebuilt.buckets) > 1  # re-bucketed for the plane, same digest
     name, tensor = next(iter(wire.tensors.items()))
     flipped = bytes([tensor.data[0] ^ 1]) + tensor.data[1:]
@@ -276,5 +276,5 @@ def test_an_adapter_changed_on_the_way_is_refused() -> None:
         wire, tensors={**wire.tensors, name: msgspec.structs.replace(tensor, data=flipped)}
     )
     with pytest.raises(LedgerError) as refused:
-        rebuild_snapshot(tampered, bucket_bytes=4096)
+        rebuild_copy(tampered, bucket_bytes=4096)
     assert refused.value.code == Code.INVALID_INPUT

@@ -16,11 +16,11 @@ import anyio
 import pytest
 
 from engines.contract import ErrorCode
-from engines.faults import Drop, Refuse
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
 from publisher.publication import ErrorKind, PublicationError
-from tests.publisher.plane_kit import faulty_engines, open_plane, snapshot, wait_for
+from tests.engines.faulty_engine import Drop, Refuse
+from tests.publisher.plane_kit import adapter_copy, faulty_engines, open_plane, wait_for
 from tests.tools.conftest import Cli
 
 pytestmark = pytest.mark.filterwarnings(
@@ -36,20 +36,20 @@ async def _faulty_run(path: Path, artifacts: Path) -> None:
         open_plane(engines, artifacts, store=store, capacity=3, probe_interval_s=3600) as plane,
     ):
         ledger = plane.ledger
-        await plane.publisher.publish(snapshot(1), version_id=1)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
         await ledger.register_owner("w1", ttl_s=600)
         await ledger.bind("s-1", "w1")
 
         engines[1].inject("load", Drop())  # the load ran, its reply was lost
         with pytest.raises(PublicationError) as fatal:
-            await plane.publisher.publish(snapshot(2), version_id=2)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
         assert fatal.value.kind == ErrorKind.FATAL
 
         engines[1].inject("load", Refuse(code=ErrorCode.RANK_UNSUPPORTED))
         with pytest.raises(PublicationError) as clean:  # resolves v2 first, then refused
-            await plane.publisher.publish(snapshot(3), version_id=3)
+            await plane.publisher.publish(adapter_copy(3), version_id=3)
         assert clean.value.kind == ErrorKind.RETRYABLE
-        await plane.publisher.publish(snapshot(3), version_id=3)  # attempt 2
+        await plane.publisher.publish(adapter_copy(3), version_id=3)  # attempt 2
 
         engines[0].inject("unload", Drop())
         await ledger.release("s-1", "w1")  # v1 is now retired and unused: reclaimed

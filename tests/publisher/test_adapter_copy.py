@@ -1,4 +1,4 @@
-"""AdapterSnapshot: an owned, frozen copy (later training steps cannot change it), THE digest,
+"""AdapterCopy: an owned, frozen copy (later training steps cannot change it), THE digest,
 and bucket planning."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from engines.local.tinymodel import adapter_config, make_adapter
 from engines.manifest import TensorData, build_manifest, tensor_from_array
-from publisher.snapshot import AdapterSnapshot, SnapshotError, normalize_config, plan_buckets
+from publisher.adapter_copy import AdapterCopy, AdapterCopyError, normalize_config, plan_buckets
 
 
 def numpy_state(seed: int = 0) -> dict[str, np.ndarray]:
@@ -30,7 +30,7 @@ def test_training_steps_after_the_snapshot_cannot_change_it() -> None:
     state = numpy_state()
     config = adapter_config()
     before = build_manifest(config, {k: tensor_from_array(v) for k, v in state.items()}).digest
-    snap = AdapterSnapshot.from_state_dict(state, config)
+    snap = AdapterCopy.from_state_dict(state, config)
     bytes_before = {k: bytes(t.data) for k, t in snap.tensors.items()}  # copies, not views
     # the optimizer steps: in place, on every tensor, and the config is edited too
     for array in state.values():
@@ -51,7 +51,7 @@ def test_torch_tensors_bfloat16_included_are_copied() -> None:
     a = torch.randn(8, 128, dtype=torch.bfloat16)
     b = torch.randn(128, 8)
     names = ("m.lora_A.weight", "m.lora_B.weight")
-    snap = AdapterSnapshot.from_state_dict(dict(zip(names, (a, b), strict=True)), {"r": 8})
+    snap = AdapterCopy.from_state_dict(dict(zip(names, (a, b), strict=True)), {"r": 8})
     digest = snap.digest
     assert snap.tensors[names[0]].dtype == "BF16"
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_torch_tensors_bfloat16_included_are_copied() -> None:
 
 
 def test_the_snapshot_is_immutable() -> None:
-    snap = AdapterSnapshot.from_state_dict(numpy_state(), adapter_config())
+    snap = AdapterCopy.from_state_dict(numpy_state(), adapter_config())
     with pytest.raises(AttributeError):
         snap._manifest = None  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -77,7 +77,7 @@ def test_the_snapshot_is_immutable() -> None:
 def test_tensor_data_with_writable_buffers_is_owned_again() -> None:
     raw = bytearray(np.ones((8, 128), np.float32).tobytes())
     td = TensorData("F32", (8, 128), raw)  # type: ignore[arg-type]
-    snap = AdapterSnapshot.from_state_dict({"m.lora_A.weight": td}, {"r": 8})
+    snap = AdapterCopy.from_state_dict({"m.lora_A.weight": td}, {"r": 8})
     digest = snap.digest
     raw[:4] = b"\x00\x00\x80\x7f"
     assert snap.digest == digest
@@ -89,7 +89,7 @@ def test_digest_is_the_manifest_digest_and_bucketing_never_changes_it() -> None:
     config, tensors = make_adapter(3)
     expected = build_manifest(config, tensors).digest
     for bucket_bytes in (1, 4096, 10_000, 64 * 1024 * 1024):
-        snap = AdapterSnapshot.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
+        snap = AdapterCopy.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
         assert snap.digest == expected
         sent = {bt.name: bt.tensor for b in snap.buckets for bt in b.tensors}
         assert sent == dict(tensors)
@@ -113,12 +113,12 @@ def test_buckets_never_split_a_tensor_and_big_tensors_go_alone() -> None:
     for b in buckets:
         size = sum(bt.tensor.nbytes for bt in b.tensors)
         assert size <= 100 or len(b.tensors) == 1
-    with pytest.raises(SnapshotError):
+    with pytest.raises(AdapterCopyError):
         plan_buckets(tensors, 0)
 
 
 def test_default_bucket_is_64_mib() -> None:
-    snap = AdapterSnapshot.from_state_dict(numpy_state(), adapter_config())
+    snap = AdapterCopy.from_state_dict(numpy_state(), adapter_config())
     assert len(snap.buckets) == 1
     big = {f"t{i}": TensorData("U8", (40 << 20,), bytes(40 << 20)) for i in range(3)}
     assert len(plan_buckets(big)) == 3  # 2 x 40 MiB would exceed 64 MiB
@@ -131,16 +131,16 @@ class Kind(enum.StrEnum):
 def test_config_is_normalised_to_json_or_refused() -> None:
     got = normalize_config({"peft_type": Kind.LORA, "target_modules": {"v", "q"}, "x": (1, 2)})
     assert got == {"peft_type": "LORA", "target_modules": ["q", "v"], "x": [1, 2]}
-    with pytest.raises(SnapshotError, match=r"config\.obj"):
+    with pytest.raises(AdapterCopyError, match=r"config\.obj"):
         normalize_config({"obj": object()})
-    with pytest.raises(SnapshotError):
+    with pytest.raises(AdapterCopyError):
         normalize_config({"bad": float("nan")})
-    with pytest.raises(SnapshotError):
+    with pytest.raises(AdapterCopyError):
         normalize_config({1: "x"})  # type: ignore[dict-item]
-    with pytest.raises(SnapshotError):
-        AdapterSnapshot.from_state_dict({}, {"r": 8})
-    with pytest.raises(SnapshotError):
-        AdapterSnapshot.from_state_dict({"x": object()}, {"r": 8})
+    with pytest.raises(AdapterCopyError):
+        AdapterCopy.from_state_dict({}, {"r": 8})
+    with pytest.raises(AdapterCopyError):
+        AdapterCopy.from_state_dict({"x": object()}, {"r": 8})
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -154,7 +154,7 @@ def test_from_peft_model_copies_the_adapter_and_its_config() -> None:
     model = get_peft_model(
         base, LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj"], lora_dropout=0.0)
     )
-    snap = AdapterSnapshot.from_peft_model(model)
+    snap = AdapterCopy.from_peft_model(model)
     state = get_peft_model_state_dict(model)
     assert set(snap.tensors) == set(state)
     assert snap.config["target_modules"] == ["q_proj", "v_proj"]
@@ -165,6 +165,6 @@ def test_from_peft_model_copies_the_adapter_and_its_config() -> None:
             if "lora_" in name:
                 param.add_(1.0)
     assert snap.digest == digest
-    assert AdapterSnapshot.from_peft_model(model).digest != digest
-    with pytest.raises(SnapshotError):
-        AdapterSnapshot.from_peft_model(model, adapter_name="nope")
+    assert AdapterCopy.from_peft_model(model).digest != digest
+    with pytest.raises(AdapterCopyError):
+        AdapterCopy.from_peft_model(model, adapter_name="nope")

@@ -14,19 +14,9 @@ import pytest
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
-from engines.faults import (
-    Delay,
-    Drop,
-    Duplicate,
-    FaultyEngine,
-    Refuse,
-    Restart,
-    RestartableEngine,
-    ServerError,
-    Swallow,
-)
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
+from engines.testing import RestartableEngine
 from tests.engines.contract import (
     GREEDY,
     PROMPT,
@@ -35,6 +25,16 @@ from tests.engines.contract import (
     buckets_of,
     candidate_for,
     publish,
+)
+from tests.engines.faulty_engine import (
+    Delay,
+    Drop,
+    Duplicate,
+    FaultyEngine,
+    Refuse,
+    Restart,
+    ServerError,
+    Swallow,
 )
 
 pytestmark = [

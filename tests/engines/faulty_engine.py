@@ -1,4 +1,4 @@
-"""Fault injection around a REAL engine: :class:`FaultyEngine` and :class:`RestartableEngine`.
+"""Fault injection around a REAL engine: :class:`FaultyEngine`.
 
 ``FaultyEngine`` is not a stand-in or a mock. It wraps any :class:`~engines.contract.Engine`
 (the in-process :class:`~engines.local.engine.LocalEngine`, an HTTP adapter, a vLLM server) and
@@ -28,18 +28,17 @@ Faults are scheduled per method and per call number (deterministic, :meth:`Fault
 or drawn from per-method rates with a seeded generator (:class:`FaultyEngine` ``seed``/``rates``),
 so a run is reproducible from its seed. Every call is recorded in :attr:`FaultyEngine.calls`
 (method, call number, fault, outcome, deliveries) -- a test can also assert that *no* call
-happened. The deterministic-simulation work reuses this wrapper.
+happened. The deterministic simulation (``tests/fault/sim_world.py``) injects its engine
+faults through this wrapper.
 
-Restarts need an engine that can be restarted from any task: :class:`RestartableEngine` hosts an
-engine made by a factory (e.g. ``lambda: LocalEngine("e0")``) in a task of its own and replaces
-it with a fresh process life on :meth:`RestartableEngine.restart` -- the old life ends (its
-in-flight requests fail with ``ENGINE_STOPPED``), the new one has a new incarnation and holds
-nothing, exactly as a restarted server.
+Restarts need an engine that can be restarted from any task: wrap an
+:class:`engines.testing.RestartableEngine` and pass its ``restart`` as the hook.
+
+Test code: the shipped package only carries the restartable host (the demo restarts an engine).
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -137,131 +136,14 @@ class DuplicateRecord(msgspec.Struct, frozen=True, kw_only=True):
     outcome: str
 
 
-# --- restartable host -------------------------------------------------------------------------
-
-
-class RestartableEngine:
-    """An engine hosted in its own task, restartable from any task (``Restart`` faults).
-
-    ``factory()`` must return an async context manager yielding a started engine (a
-    ``LocalEngine`` is one). Use as ``async with RestartableEngine(factory) as engine:``; the
-    attributes of the current process life are reachable through :attr:`current`.
-    """
-
-    def __init__(self, factory: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
-        self._factory = factory
-        self._current: Any = None
-        # created inside the event loop (an anyio Event needs a running backend)
-        self._stop: anyio.Event | None = None
-        self._up: anyio.Event | None = None
-        self._closing = False
-        self._failed: Exception | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self.lives = 0
-
-    async def __aenter__(self) -> RestartableEngine:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        try:
-            await self._tg.start(self._host)
-        except BaseException:
-            await self._tg.__aexit__(None, None, None)
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._closing = True
-        if self._stop is not None:
-            self._stop.set()
-        assert self._tg is not None
-        await self._tg.__aexit__(None, None, None)
-
-    async def _host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        while not self._closing:
-            try:
-                life = self._factory()
-                engine = await life.__aenter__()
-            except Exception as exc:
-                if self.lives == 0:
-                    raise  # the first start failed: ``async with`` reports it
-                self._failed = exc  # a restart failed: ``restart()`` reports it
-                if self._up is not None:
-                    self._up.set()
-                return
-            async with contextlib.AsyncExitStack() as stack:
-                stack.push_async_exit(life)  # leaves this life as ``async with`` would
-                self._current = engine
-                stop = self._stop = anyio.Event()
-                self.lives += 1
-                if self.lives == 1:
-                    task_status.started()
-                elif self._up is not None:
-                    self._up.set()
-                await stop.wait()
-
-    async def restart(self) -> None:
-        """End the current process life and wait until the next one is up."""
-        up = self._up = anyio.Event()
-        assert self._stop is not None, "the engine is not running"
-        self._stop.set()
-        await up.wait()
-        if self._failed is not None:
-            raise RuntimeError(f"the engine did not come back: {self._failed!r}")
-
-    @property
-    def current(self) -> Any:
-        return self._current
-
-    @property
-    def engine_id(self) -> str:
-        return self._current.engine_id  # type: ignore[no-any-return]
-
-    @property
-    def kind(self) -> str:
-        return self._current.kind  # type: ignore[no-any-return]
-
-    @property
-    def transport(self) -> Any:
-        return self._current.transport
-
-    async def incarnation(self) -> str:
-        return await self._current.incarnation()  # type: ignore[no-any-return]
-
-    async def inventory(self) -> Inventory:
-        return await self._current.inventory()  # type: ignore[no-any-return]
-
-    async def prepare(self, candidate: Candidate) -> Receipt:
-        return await self._current.prepare(candidate)  # type: ignore[no-any-return]
-
-    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
-        await self._current.transfer(candidate, buckets)
-
-    async def load(self, candidate: Candidate) -> Receipt:
-        return await self._current.load(candidate)  # type: ignore[no-any-return]
-
-    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
-        return await self._current.unload(lora_name, attempt=attempt)  # type: ignore[no-any-return]
-
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        lora_name: str | None,
-        params: SamplingParams,
-        **kwargs: Any,
-    ) -> Generation:
-        return await self._current.generate(prompt, lora_name, params, **kwargs)  # type: ignore[no-any-return]
-
-    async def aclose(self) -> None:
-        """The host owns the engine's life; closing happens when the ``async with`` ends."""
-
-
 # --- the wrapper ------------------------------------------------------------------------------
 
 
 class FaultyEngine:
     """Fault injection around a real engine (see the module docstring).
 
-    ``restart`` is the hook a :class:`Restart` fault calls (e.g. ``RestartableEngine.restart``);
+    ``restart`` is the hook a :class:`Restart` fault calls (e.g.
+    :meth:`engines.testing.RestartableEngine.restart`);
     without it, ``Restart`` is refused at :meth:`inject`. ``seed`` + ``rates`` draw faults for
     calls that have none scheduled: ``rates={"load": [(0.2, Drop()), (0.1, Delay(seconds=1))]}``
     (probabilities per call, summing to at most 1). Late duplicates (``Duplicate(delay>0)``) run

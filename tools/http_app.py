@@ -1,4 +1,4 @@
-"""The HTTP face of a running ledger (``loraledger serve``): a Starlette app.
+"""The HTTP application of a running ledger: the Starlette app ``loraledger serve`` runs.
 
 Routes, and who may call them:
 

@@ -1,14 +1,16 @@
-"""AdapterSnapshot: the owned, frozen copy of one adapter that a publication sends.
+"""AdapterCopy: the owned, frozen copy of one adapter that a publication sends.
 
 Why a copy first: a trainer keeps stepping its optimizer while a publication is under way. If
 the bytes sent to engine B were read from the live parameters a few milliseconds after the
 bytes sent to engine A, the two engines would serve different weights under one immutable name
-and one digest -- a "half-updated fleet". So the snapshot copies every tensor into immutable
-``bytes`` (numpy, torch on any device, bfloat16 included, via
-:func:`engines.manifest.tensor_from_array`), copies the config into canonical JSON, and computes
-the manifest and digest with :func:`engines.manifest.build_manifest` -- the single digest
-function -- *from that copy*. Every byte that later reaches an engine or the artifact store is
-read from these objects; nothing keeps a reference to the trainer's tensors.
+and one digest: a half-updated fleet. So the copy takes every tensor into immutable ``bytes``
+(numpy, torch on any device, bfloat16 included, via :func:`engines.manifest.tensor_from_array`),
+copies the config into canonical JSON, and computes the manifest and digest with
+:func:`engines.manifest.build_manifest` -- the single digest function -- *from that copy*.
+Every byte that later reaches an engine or the artifact store is read from these objects;
+nothing keeps a reference to the trainer's tensors.
+
+("Snapshot" in this code base means the projection cache of the event log, ``evlog.store``.)
 
 Buckets are planned once, here: tensors in name order, packed greedily up to ``bucket_bytes``
 (default 64 MiB), never split; a tensor larger than a bucket travels alone in its own bucket.
@@ -36,8 +38,8 @@ from engines.manifest import (
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 
-class SnapshotError(ValueError):
-    """The adapter cannot be snapshotted (non-JSON config, unsupported tensor, no tensors)."""
+class AdapterCopyError(ValueError):
+    """The adapter cannot be copied (non-JSON config, unsupported tensor, no tensors)."""
 
 
 def plan_buckets(
@@ -46,7 +48,7 @@ def plan_buckets(
     """Pack tensors (sorted by name) into buckets of at most ``bucket_bytes``; a tensor is
     never split, and one larger than ``bucket_bytes`` gets a bucket of its own."""
     if bucket_bytes < 1:
-        raise SnapshotError(f"bucket_bytes {bucket_bytes} must be >= 1")
+        raise AdapterCopyError(f"bucket_bytes {bucket_bytes} must be >= 1")
     buckets: list[Bucket] = []
     current: list[BucketTensor] = []
     size = 0
@@ -67,12 +69,12 @@ def normalize_config(config: Mapping[str, Any]) -> dict[str, Any]:
     tuples lists. Anything else that JSON cannot carry exactly is refused (it would make the
     digest depend on a ``repr``)."""
     if not isinstance(config, Mapping):
-        raise SnapshotError(f"adapter config must be a mapping, not {type(config).__name__}")
+        raise AdapterCopyError(f"adapter config must be a mapping, not {type(config).__name__}")
     value = _jsonable(config, "config")
     try:
         return json.loads(canonical_config(value))  # type: ignore[no-any-return]
     except ManifestError as exc:
-        raise SnapshotError(str(exc)) from exc
+        raise AdapterCopyError(str(exc)) from exc
 
 
 def _jsonable(value: Any, path: str) -> Any:
@@ -84,7 +86,7 @@ def _jsonable(value: Any, path: str) -> Any:
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                raise SnapshotError(f"{path} has a non-string key {key!r}")
+                raise AdapterCopyError(f"{path} has a non-string key {key!r}")
             out[key] = _jsonable(item, f"{path}.{key}")
         return out
     if isinstance(value, set | frozenset):
@@ -92,15 +94,17 @@ def _jsonable(value: Any, path: str) -> Any:
         try:
             return sorted(items)
         except TypeError as exc:
-            raise SnapshotError(f"{path} is a set of unorderable values") from exc
+            raise AdapterCopyError(f"{path} is a set of unorderable values") from exc
     if isinstance(value, list | tuple):
         return [_jsonable(item, f"{path}[{i}]") for i, item in enumerate(value)]
-    raise SnapshotError(f"{path} holds a {type(value).__name__}, which JSON cannot carry exactly")
+    raise AdapterCopyError(
+        f"{path} holds a {type(value).__name__}, which JSON cannot carry exactly"
+    )
 
 
 def _owned(name: Any, value: Any) -> TensorData:
     if not isinstance(name, str) or not name:
-        raise SnapshotError(f"tensor names must be non-empty strings, got {name!r}")
+        raise AdapterCopyError(f"tensor names must be non-empty strings, got {name!r}")
     try:
         if isinstance(value, TensorData):
             # already owned bytes; re-wrap anything that is not exactly ``bytes`` (a bytearray
@@ -110,10 +114,10 @@ def _owned(name: Any, value: Any) -> TensorData:
             return TensorData(value.dtype, tuple(value.shape), bytes(value.data))
         return tensor_from_array(value)
     except ManifestError as exc:
-        raise SnapshotError(f"tensor {name!r}: {exc}") from exc
+        raise AdapterCopyError(f"tensor {name!r}: {exc}") from exc
 
 
-class AdapterSnapshot:
+class AdapterCopy:
     """An immutable adapter: canonical config, owned tensors, manifest, digest and buckets.
 
     Build it with :meth:`from_state_dict` or :meth:`from_peft_model`. All attributes are
@@ -132,12 +136,12 @@ class AdapterSnapshot:
     ) -> None:
         owned = {name: _owned(name, t) for name, t in tensors.items()}
         if not owned:
-            raise SnapshotError("an adapter needs at least one tensor")
+            raise AdapterCopyError("an adapter needs at least one tensor")
         canonical = normalize_config(config)
         try:
             manifest = build_manifest(canonical, owned)
         except ManifestError as exc:
-            raise SnapshotError(str(exc)) from exc
+            raise AdapterCopyError(str(exc)) from exc
         self._config = canonical
         self._tensors = types.MappingProxyType(owned)
         self._manifest = manifest
@@ -145,7 +149,7 @@ class AdapterSnapshot:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if hasattr(self, "_buckets"):
-            raise AttributeError("an AdapterSnapshot is immutable")
+            raise AttributeError("an AdapterCopy is immutable")
         object.__setattr__(self, name, value)
 
     # --- construction --------------------------------------------------------------------
@@ -157,10 +161,10 @@ class AdapterSnapshot:
         config: Mapping[str, Any],
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> AdapterSnapshot:
+    ) -> AdapterCopy:
         """``{peft key: numpy array | torch tensor | TensorData}`` plus the PEFT config."""
         if not isinstance(state_dict, Mapping):
-            raise SnapshotError(f"state dict must be a mapping, not {type(state_dict).__name__}")
+            raise AdapterCopyError(f"state dict must be a mapping, not {type(state_dict).__name__}")
         return cls(config, state_dict, bucket_bytes=bucket_bytes)
 
     @classmethod
@@ -170,7 +174,7 @@ class AdapterSnapshot:
         *,
         adapter_name: str = "default",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> AdapterSnapshot:
+    ) -> AdapterCopy:
         """The adapter ``adapter_name`` of a peft model: ``get_peft_model_state_dict`` (keys as
         peft saves them) and its ``peft_config``, marked ``inference_mode`` as peft's
         ``save_pretrained`` does."""
@@ -178,7 +182,7 @@ class AdapterSnapshot:
 
         peft_config = getattr(model, "peft_config", None)
         if not isinstance(peft_config, Mapping) or adapter_name not in peft_config:
-            raise SnapshotError(f"model has no peft adapter named {adapter_name!r}")
+            raise AdapterCopyError(f"model has no peft adapter named {adapter_name!r}")
         config = dict(peft_config[adapter_name].to_dict())
         config["inference_mode"] = True
         state = get_peft_model_state_dict(model, adapter_name=adapter_name)
@@ -212,7 +216,7 @@ class AdapterSnapshot:
 
     def __repr__(self) -> str:
         return (
-            f"AdapterSnapshot(digest={self.digest[:16]}, tensors={len(self._tensors)}, "
+            f"AdapterCopy(digest={self.digest[:16]}, tensors={len(self._tensors)}, "
             f"bytes={self.size_bytes}, buckets={len(self._buckets)})"
         )
 

@@ -65,7 +65,9 @@ def new_adapter_id() -> str:
     return f"l{uuid.uuid4().hex}"
 
 
-class Registry:
+class NameTable:
+    """One process life's names, fences and staging (the rules are in the module docstring)."""
+
     def __init__(self) -> None:
         self.residents: dict[str, Resident] = {}
         self.draining: dict[str, Resident] = {}  # by adapter id
