@@ -2,9 +2,9 @@
 
 The digest (docs/identities.md) is defined in exactly one function, :func:`compute_digest`, used
 by the trainer side (the adapter copy), the artifact store (verify on read) and every engine that
-receives staged bytes (recompute before load). It covers the canonical config JSON and, for each tensor
-name in sorted order, the name and SHA-256(dtype, shape, contiguous bytes). How the bytes are
-bucketed for transfer never changes it; any byte or config change does.
+receives staged bytes (recompute before load). It covers the canonical config JSON and, for each
+tensor name in sorted order, the name and SHA-256(dtype, shape, contiguous bytes). How the bytes
+are bucketed for transfer never changes it; any byte or config change does.
 
 Tensors travel as :class:`TensorData` (safetensors dtype code, shape, raw little-endian bytes),
 so this module needs neither torch nor a GPU; :func:`tensor_from_array` converts numpy arrays and
