@@ -448,6 +448,8 @@ def test_restarted_engine_is_repaired_before_it_serves(book: Book) -> None:
     refused = book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i2"), Code.NOT_READY)
     assert refused == []
     book.run(c.RestoreVersion(version_id=1, engine="e1", incarnation="e1-i2"))
+    assert name1 in book.state.engines["e1"].holds
+    assert book.state.holders(name1) == ("e0",)  # holds v1 again, still not routable
     book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i2"), Code.NOT_READY)  # v2 missing
     book.run(c.RestoreVersion(version_id=2, engine="e1", incarnation="e1-i2"))
     book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))
