@@ -2,9 +2,9 @@
 reply classification, and at-most-once generation.
 
 Most tests run against the local engine's SGLang face (the faithful stand-in, engines.md §1).
-Two classification tests need replies no faithful server produces (an unknown 4xx body, a
-timeout at a chosen moment); they use :class:`ScriptedSGLang`, an ``httpx.MockTransport``
-test double named as such.
+Three classification tests need replies no faithful server produces (an unknown 4xx body, a
+timeout at a chosen moment, a probe without ``startup_time``); they use
+:class:`ScriptedSGLang`, an ``httpx.MockTransport`` test double named as such.
 """
 
 from __future__ import annotations
