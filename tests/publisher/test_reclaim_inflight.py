@@ -165,9 +165,11 @@ async def test_a_request_dispatched_after_the_claim_is_never_unloaded_under(
             # Sweeps and a reconciler pass while it runs. Bounded: on a draining engine an
             # unload sent under the request would wait for it (the generation is frozen).
             for _ in range(3):
-                with anyio.move_on_after(2):
+                with anyio.move_on_after(5):
                     await driver.sweep()
-            with anyio.move_on_after(2):
+                if idle in r.ledger.state.versions[1].confirmed:
+                    break
+            with anyio.move_on_after(5):
                 await reconciler.reconcile_engine(busy)
             engine = r.fleet[busy]
             assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
