@@ -480,6 +480,41 @@ class EngineContract:
         assert results["unload"].was_loaded is True
         assert p.name not in (await eut.engine.inventory()).names()
 
+    async def test_an_unload_that_does_not_drain_answers_under_a_running_request(
+        self, eut: EngineUnderTest
+    ) -> None:
+        """``unload_drains=False`` (vLLM): the unload answers while a request still runs on the
+        adapter, the name is gone at once, and the request finishes on its adapter. Nothing on
+        such an engine waits for running requests, so only the ledger's in-flight rule keeps a
+        version loaded under them (``tests/publisher/test_reclaim_inflight.py`` runs the reclaim
+        driver and the reconciler against an engine declared this way)."""
+        if eut.caps.unload_drains or not eut.caps.can_hold:
+            pytest.skip("engine's unload drains (the draining test covers it), or cannot hold")
+        assert eut.hold is not None and eut.release is not None
+        p = candidate_for(eut.store, 20)
+        await publish(eut.engine, p)
+        reference = await eut.engine.generate(PROMPT, p.name, GREEDY)
+        results: dict[str, Any] = {}
+        async with anyio.create_task_group() as tg:
+            eut.hold()
+
+            async def request() -> None:
+                results["gen"] = await eut.engine.generate(PROMPT, p.name, GREEDY)
+
+            tg.start_soon(request)
+            if eut.refcount is not None:
+                await wait_until(lambda: eut.refcount(p.name) == 1)  # type: ignore[misc]
+            else:
+                await anyio.sleep(0.3)
+            with anyio.fail_after(5):  # a draining unload would wait for the held request
+                receipt = await eut.engine.unload(p.name)
+            assert receipt.was_loaded is True
+            assert "gen" not in results, "the request finished before the unload answered"
+            assert p.name not in (await eut.engine.inventory()).names()
+            eut.release()
+        gen: Generation = results["gen"]
+        assert gen.token_ids == reference.token_ids  # finished on its adapter
+
     async def test_a_stopped_engine_never_answers_cleanly(self, eut: EngineUnderTest) -> None:
         """Once the serving side is gone, no call may pretend to know the engine's state."""
         if eut.stop is None:

@@ -2,9 +2,9 @@
 reply classification, and at-most-once generation.
 
 Most tests run against the local engine's SGLang face (the faithful stand-in, docs/engines.md).
-Two classification tests need replies no faithful server produces (an unknown 4xx body, a
-timeout at a chosen moment); they use :class:`ScriptedSGLang`, an ``httpx.MockTransport``
-test double named as such.
+Three classification tests need replies no faithful server produces (an unknown 4xx body, a
+timeout at a chosen moment, a probe without ``startup_time``); they use
+:class:`ScriptedSGLang`, an ``httpx.MockTransport`` test double named as such.
 """
 
 from __future__ import annotations
@@ -273,9 +273,20 @@ async def test_a_failed_incarnation_probe_means_nothing_was_sent() -> None:
 
 
 async def test_rank_limit_read_from_server_info(store: ArtifactStore) -> None:
-    server = ScriptedSGLang({"/server_info": _server_info})
-    engine = server.engine()
-    await expect_refusal(
-        ErrorCode.RANK_UNSUPPORTED, engine.prepare(candidate_for(store, 6, r=32).candidate)
-    )
-    assert set(server.calls) == {"/server_info"}  # refused before anything was loaded
+    """The local SGLang face started with ``--max-lora-rank 16``; the adapter is given no
+    limit of its own, so what it refuses it learned from that server's ``/server_info``."""
+    limits = ServingLimits(max_lora_rank=16)
+    async with running_server("sg16", limits=limits, artifact_root=store.root) as (local, url):
+        engine = SGLangEngine(url, "sg16")
+        try:
+            assert engine.max_lora_rank is None
+            await expect_refusal(
+                ErrorCode.RANK_UNSUPPORTED, engine.prepare(candidate_for(store, 6, r=32).candidate)
+            )
+            # refused before anything reached the server's adapters
+            assert local.loaded_adapters() == {} and local.staged() == []
+            within = candidate_for(store, 7, r=16)
+            await publish(engine, within)  # at the limit: served
+            assert set(local.loaded_adapters()) == {within.name}
+        finally:
+            await engine.aclose()

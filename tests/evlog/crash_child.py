@@ -1,16 +1,26 @@
 """Child process of ``test_store_crash``: appends to a SQLite log until it is killed.
 
-``python -m tests.evlog.crash_child PATH SYNCHRONOUS APPENDERS RUN``
+``python -m tests.evlog.crash_child PATH SYNCHRONOUS APPENDERS RUN [KILL_AFTER]``
 
 Prints ``open <last_seq>`` once the store is open, then one line ``<seq> <event_id hex>`` per
 event, written only after the ``append`` that stored it returned: a line the parent reads is
 an acknowledgement, and an acknowledged event must survive the kill. Several appenders run at
 once so the kills land inside merged (group-committed) transactions too.
+
+``KILL_AFTER`` > 0: once that many events are acknowledged, the child SIGKILLs itself *inside
+the next write statement* (a SQLite progress handler on the store's writer connection), after
+letting the event loop run everything already ready: any appender a store answered before that
+statement's COMMIT prints its acknowledgement first, and the kill then loses its events. The
+parent's kill lands at a random instant instead, which rarely hits that window.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import sys
+import threading
 
 import anyio
 
@@ -19,13 +29,35 @@ from evlog.record import pending
 from evlog.sqlite import SQLiteStore
 
 
-async def main(path: str, synchronous: str, appenders: int, run: str) -> None:
+async def arm_kill_inside_next_statement(store: SQLiteStore) -> None:
+    """SIGKILL this process a few virtual-machine instructions into the writer's next statement
+    (its write transaction open, nothing committed), once the event loop ran two full passes of
+    what was ready: an answer given before the COMMIT is printed before the kill."""
+    loop = asyncio.get_running_loop()
+    calls = 0
+
+    def handler() -> int:  # runs in aiosqlite's thread, inside the statement
+        nonlocal calls
+        calls += 1
+        if calls >= 4:
+            passed = threading.Event()
+            loop.call_soon_threadsafe(loop.call_soon, passed.set)
+            passed.wait(5.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    await store._writer.set_progress_handler(handler, 1)  # the store's one writer connection
+
+
+async def main(path: str, synchronous: str, appenders: int, run: str, kill_after: int) -> None:
     out = sys.stdout
     async with SQLiteStore.open(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
         out.write(f"open {store.last_seq}\n")
         out.flush()
+        acknowledged = 0
 
         async def appender(k: int) -> None:
+            nonlocal acknowledged
             i = 0
             while True:
                 batch = [
@@ -42,6 +74,9 @@ async def main(path: str, synchronous: str, appenders: int, run: str) -> None:
                 )
                 out.flush()
                 i += 1
+                before, acknowledged = acknowledged, acknowledged + len(seqs)
+                if before < kill_after <= acknowledged:
+                    await arm_kill_inside_next_statement(store)
 
         async with anyio.create_task_group() as tg:
             for k in range(appenders):
@@ -49,4 +84,5 @@ async def main(path: str, synchronous: str, appenders: int, run: str) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    kill_after_ = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    anyio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], kill_after_)

@@ -2,9 +2,12 @@
 
 A child process (``crash_child``) appends with several concurrent appenders and prints each
 event only after its append returned. The test SIGKILLs it at a random point (during open,
-just after, after a few or many acknowledgements, alternating FULL and NORMAL), reaps it, and
-checks the file: it opens (integrity and tail checks), every acknowledged seq holds the
-acknowledged event id, there are no holes (count == max(seq)), and the whole chain verifies.
+just after, after a few or many acknowledgements, alternating FULL and NORMAL), or the child
+kills itself inside a write statement after letting every answered appender print (so a
+store that answers before its COMMIT loses an acknowledged event every such time), reaps it,
+and checks the file as the kill left it, before the next life: it opens (integrity and tail
+checks), every acknowledged seq holds the acknowledged event id, there are no holes
+(count == max(seq)), and the whole chain verifies.
 The same file is reused, so every run also proves that a recovered log can be continued.
 """
 
@@ -58,6 +61,8 @@ class _Lines:
 def _run_and_kill(
     path: Path, synchronous: str, run: int, rng: random.Random, stderr_path: Path
 ) -> list[str]:
+    inside_a_write = run % 4 == 1
+    target = rng.choice([0, 1, rng.randint(2, 60), rng.randint(60, 1500)])
     with stderr_path.open("wb") as stderr:
         proc = subprocess.Popen(
             [
@@ -68,6 +73,7 @@ def _run_and_kill(
                 synchronous,
                 "4",
                 str(run),
+                str(target + 1 if inside_a_write else 0),
             ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -75,11 +81,15 @@ def _run_and_kill(
         )
     try:
         lines = _Lines(proc)
-        if run % 4 == 3:
+        if inside_a_write:
+            # the child kills itself once it acknowledged ``target + 1`` events
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while lines.pump(0.5):  # keep its pipe drained until it dies
+                assert time.monotonic() < deadline, stderr_path.read_text()
+        elif run % 4 == 3:
             # anywhere from interpreter start-up, through open, to the first thousands of events
             time.sleep(rng.uniform(0.02, 0.5))
         else:
-            target = rng.choice([0, 1, rng.randint(2, 60), rng.randint(60, 1500)])
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             while len(lines.lines) < target + 1:  # +1: the "open" line
                 assert time.monotonic() < deadline, stderr_path.read_text()

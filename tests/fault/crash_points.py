@@ -7,8 +7,13 @@ engines (served by this process, so they outlive the child) and a fresh SQLite f
 
 :func:`judge` checks what RELIABILITY.md promises for a kill -9, every time:
 
-* no acknowledged event lost: every ``APPENDED`` (seq, event id) of every life is in the log,
-  unchanged; every answered command (``ACK``) is in the log with the outcome it was told;
+* no acknowledged event lost, no command answered before it was durable, judged life by life
+  against the file *as that life's kill left it* (read before any restart: a later life re-runs
+  the scenario and could recreate a lost outcome). Every ``APPENDED`` (seq, event id) of the
+  life is in that file, unchanged; every answered command (``ACK``) is backed there by the
+  event that records its outcome, at a seq the life had already seen committed (``APPENDED``,
+  or in the file when the life started) when it printed the answer;
+* one epoch per life that reached its first append (``ControllerStarted``), none missing;
 * the chain verifies and every invariant (per-session ones included) holds after every event;
 * the final state is one the scenario allows: the last version is the default, every other
   version was reclaimed, each session is bound once to the version it was first answered;
@@ -28,6 +33,7 @@ from pathlib import Path
 import anyio
 
 from evlog.events import ControllerStarted, SessionBound, SessionReleased, VersionPublished
+from evlog.record import Record
 from evlog.sqlite import SQLiteStore
 from projections import invariants
 from projections.registry import RegistryState, VersionState, evolve
@@ -41,15 +47,28 @@ ENGINES = ("e0", "e1")
 
 
 @dataclass
-class Life:
-    """What one child process said before it ended."""
+class Ack:
+    """An answered scenario command (``kind``, its fields) and the last seq the life had seen
+    committed when it printed the answer: the outcome must be recorded at or before it."""
 
+    kind: str
+    fields: list[str]
+    durable: int
+
+
+@dataclass
+class Life:
+    """What one child process said before it ended, and the log as it left it."""
+
+    started_at: int = 0  # records in the file when the life started
     returncode: int | None = None
     appended: dict[int, str] = field(default_factory=dict)
-    acks: list[list[str]] = field(default_factory=list)
+    durable: int = 0  # the highest seq known committed so far (file at start, APPENDED since)
+    acks: list[Ack] = field(default_factory=list)
     done: bool = False
     restarts: list[str] = field(default_factory=list)
     stderr: str = ""
+    left: list[Record] = field(default_factory=list)  # the file after the life ended
 
 
 @dataclass
@@ -73,7 +92,8 @@ async def run_life(
     """Start the child, serve its restart requests (once per engine per crash point), wait for
     it to end (killed or done), reap it. A child that outlives ``LIFE_TIMEOUT_S`` is killed by
     its PID and reported."""
-    life = Life()
+    started_at = len(await read_log(db))
+    life = Life(started_at=started_at, durable=started_at)
     err_path = workdir / f"stderr-life{number}.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [
@@ -110,7 +130,16 @@ async def run_life(
             await process.aclose()
     life.returncode = process.returncode
     life.stderr = err_path.read_text(errors="replace")
+    life.left = await read_log(db)  # before any other life touches the file
     return life
+
+
+async def read_log(db: Path) -> list[Record]:
+    """Every record of the file as it is now (none if the file was never created)."""
+    if not await anyio.Path(db).exists():
+        return []
+    async with SQLiteStore.open(db) as store:
+        return await store.read()
 
 
 async def _line(line: str, life: Life, hosts: dict[str, HostedEngine], restarted: set[str]) -> None:
@@ -119,8 +148,10 @@ async def _line(line: str, life: Life, hosts: dict[str, HostedEngine], restarted
         seq, eid = rest.split()
         assert int(seq) not in life.appended, f"seq {seq} acknowledged twice"
         life.appended[int(seq)] = eid
+        life.durable = max(life.durable, int(seq))
     elif kind == "ACK":
-        life.acks.append(rest.split())
+        what, *fields = rest.split()
+        life.acks.append(Ack(what, fields, life.durable))
     elif kind == "RESTART":
         life.restarts.append(rest)
         if rest not in restarted:
@@ -165,11 +196,14 @@ async def judge(db: Path, scenario: str, lives: list[Life], hosts: dict[str, Hos
         records = await store.read()
     assert [r.seq for r in records] == list(range(1, len(records) + 1))
 
-    # no acknowledged event lost
-    for number, life in enumerate(lives):
-        for seq, eid in life.appended.items():
+    # no acknowledged event lost, nothing answered before it was durable: each life against
+    # the file its own end left (the lives after it may have recreated what it lost)
+    for number, life in enumerate(lives, start=1):
+        judge_life(number, life)
+        for seq, eid in life.appended.items():  # ... and nothing a later life did lost it
             assert seq <= len(records), f"life {number}: acknowledged seq {seq} is gone"
             assert records[seq - 1].event_id.hex() == eid, f"life {number}: seq {seq} changed"
+    assert [r.event_id for r in lives[-1].left] == [r.event_id for r in records]
 
     # invariants, the deep ones included, after every single event
     state = RegistryState()
@@ -179,19 +213,14 @@ async def judge(db: Path, scenario: str, lives: list[Life], hosts: dict[str, Hos
         assert not found, f"after seq {r.seq} ({r.type}): {found}"
 
     events = [r.event for r in records]
-    published = {e.version_id: e.revision for e in events if isinstance(e, VersionPublished)}
     bound = [(e.session, e.version_id) for e in events if isinstance(e, SessionBound)]
-    released = {e.session for e in events if isinstance(e, SessionReleased)}
-    for life in lives:
-        for kind, *fields in life.acks:
-            if kind == "publish" and fields[1] != "None":
-                assert published.get(int(fields[0])) == int(fields[1]), (kind, fields)
-            elif kind == "bind":
-                assert (fields[0], int(fields[1])) in bound, (kind, fields)
-            elif kind == "release":
-                assert fields[0] in released, (kind, fields)
-    starts = sum(isinstance(e, ControllerStarted) for e in events)
-    assert state.epoch == starts and 1 <= starts <= len(lives), (state.epoch, starts)
+    # one epoch per life that reached its first append, each life's first event its start
+    started = [life for life in lives if life.appended]
+    starts = [r for r in records if isinstance(r.event, ControllerStarted)]
+    assert state.epoch == len(starts) == len(started), (state.epoch, len(starts), len(started))
+    for epoch, life in enumerate(started, start=1):
+        first = records[min(life.appended) - 1].event
+        assert isinstance(first, ControllerStarted) and first.epoch == epoch, (epoch, first)
 
     # the end state the scenario allows
     final = FINAL_DEFAULT[scenario]
@@ -217,6 +246,40 @@ async def judge(db: Path, scenario: str, lives: list[Life], hosts: dict[str, Hos
         assert not engine.draining() and not engine.staged(), engine_id
         assert engine.in_flight == 0
     return len(records)
+
+
+def judge_life(number: int, life: Life) -> None:
+    """What life ``number`` acknowledged, against the file as its end left it."""
+    records = life.left
+    for seq, eid in life.appended.items():
+        assert seq <= len(records), f"life {number}: acknowledged seq {seq} is gone"
+        assert records[seq - 1].event_id.hex() == eid, f"life {number}: seq {seq} changed"
+    for ack in life.acks:
+        seq = backing_seq(records, ack)
+        assert seq is not None, (
+            f"life {number} answered {ack.kind} {ack.fields} but the file it left does not "
+            f"record it ({len(records)} records)"
+        )
+        assert seq <= ack.durable, (
+            f"life {number} answered {ack.kind} {ack.fields} before seq {seq}, which records "
+            f"it, was committed (committed then: up to seq {ack.durable})"
+        )
+
+
+def backing_seq(records: list[Record], ack: Ack) -> int | None:
+    """The seq of the first event that records the answered outcome, if any."""
+    return next((r.seq for r in records if _records(r.event, ack)), None)
+
+
+def _records(e: object, ack: Ack) -> bool:
+    if ack.kind == "publish" and isinstance(e, VersionPublished):
+        version, revision = ack.fields
+        return e.version_id == int(version) and revision in ("None", str(e.revision))
+    if ack.kind == "bind" and isinstance(e, SessionBound):
+        return [e.session, str(e.version_id)] == ack.fields
+    if ack.kind == "release" and isinstance(e, SessionReleased):
+        return e.session == ack.fields[0]
+    return False
 
 
 def _pins(scenario: str) -> list[tuple[str, int]]:

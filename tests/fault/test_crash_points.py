@@ -4,7 +4,9 @@ For every seq ``k`` of a clean run of the scenario (bootstrap, publications, pin
 bound and released, reclaims; the ``--slow`` scenario adds an engine restart and a third
 version), the ledger's process is SIGKILLed right after the COMMIT that stored ``k`` and, in a
 second run, inside the write statement that would have stored it; a second life finishes the
-scenario and :func:`tests.fault.crash_points.judge` checks the log and the engines.
+scenario and :func:`tests.fault.crash_points.judge` checks the log and the engines. Each life's
+answers are judged against the file as *its* end left it (read before the next life starts):
+the second life re-runs the scenario and would recreate an outcome the first one lost.
 
 CI runs every ``k`` of the compact scenario; ``--slow`` every ``k`` of the full one. One point
 alone: ``LORALEDGER_CRASH_POINT=during:17 pytest tests/fault/test_crash_points.py [--slow]``.

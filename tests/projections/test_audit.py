@@ -47,27 +47,38 @@ def test_owner_filter_lease_release_and_open_sessions(records: list[Record]) -> 
 
 
 def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
+    """Bound to v1, released, forgotten; bound again (to v2, the default by then), released,
+    forgotten; then a late release of the forgotten id. The decider's own events: three lives,
+    the last one never bound."""
+
     def rec(seq: int, event: object) -> Record:
         return Record(
             seq=seq, event_id=b"", stream="", type=type(event).__name__, schema=1,
             recorded_at=float(seq), payload=b"", prev_hash=b"", hash=b"", event=event,
         )  # fmt: skip
 
+    from publisher import commands as c
     from tests.publisher.book import Book
 
     book = Book().bootstrap()
     book.publish(1)
-    base = [rec(i + 1, e) for i, e in enumerate(book.events)]
-    n = len(base)
-    tail = [
-        rec(n + 1, SessionBound(session="x", owner="w1", version_id=1, revision=1)),
-        rec(n + 2, SessionReleased(session="x", owner="w1", version_id=1)),
-        rec(n + 3, SessionsForgotten(sessions=("x",))),
-        rec(n + 4, SessionReleased(session="x", owner="w1", version_id=None)),
+    life = [c.Bind(session="x", owner="w1"), c.Release(session="x", owner="w1")]
+    for command in [*life, c.Forget(sessions=("x",))]:
+        book.run(command)
+    book.publish(2)
+    for command in [*life, c.Forget(sessions=("x",)), c.Release(session="x", owner="w1")]:
+        book.run(command)
+    records = [rec(i + 1, e) for i, e in enumerate(book.events)]
+    bound = [r.seq for r in records if isinstance(r.event, SessionBound)]
+    released = [r.seq for r in records if isinstance(r.event, SessionReleased)]
+    forgotten = [r.seq for r in records if isinstance(r.event, SessionsForgotten)]
+    assert len(bound) == 2 and len(released) == 3 and len(forgotten) == 2
+
+    lives = AuditFold(sessions=["x"]).apply_all(records).finish()
+    assert [(a.version_id, a.bound_seq, a.released_seq, a.forgotten_seq) for a in lives] == [
+        (1, bound[0], released[0], forgotten[0]),
+        (2, bound[1], released[1], forgotten[1]),
+        (None, None, released[2], None),
     ]
-    lives = AuditFold(sessions=["x"]).apply_all(base + tail).finish()
-    assert [(a.bound_seq, a.released_seq, a.forgotten_seq) for a in lives] == [
-        (n + 1, n + 2, n + 3),
-        (None, n + 4, None),
-    ]
-    assert lives[0].forgotten_at == float(n + 3)
+    assert lives[0].forgotten_at == float(forgotten[0])
+    assert lives[1].bound_at == float(bound[1]) and lives[1].revision == 2

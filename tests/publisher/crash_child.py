@@ -4,16 +4,23 @@ publications, binds and releases forever, printing one acknowledgement per answe
 An acknowledgement is printed only after the ledger answered (so after COMMIT): the parent
 kills this process at arbitrary points and then checks that every acknowledged outcome is in
 the log. Usage: ``python -m tests.publisher.crash_child DB RUN_ID``.
+
+Besides ``ACK <kind> <fields...> <last seq>``, the store prints ``DURABLE <seq>`` as soon as an
+append returned (its COMMIT is done), before the ledger can answer anybody: the parent can
+tell, for every answer, whether the event recording it had been committed when it was given.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
 from evlog.errors import LedgerError
+from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
 
@@ -24,6 +31,24 @@ def digest(n: int) -> str:
 
 def ack(*fields: object) -> None:
     print("ACK", *fields, flush=True)
+
+
+class ReportingStore:
+    """The real ``SQLiteStore``; every append that returned prints ``DURABLE <last seq>``."""
+
+    def __init__(self, inner: SQLiteStore) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def append(
+        self, batch: Sequence[Pending], *, expected_seq: int | None = None
+    ) -> list[int]:
+        seqs = await self._inner.append(batch, expected_seq=expected_seq)
+        if seqs:
+            print("DURABLE", max(seqs), flush=True)
+        return seqs
 
 
 async def publish(ledger: Ledger, version_id: int) -> None:
@@ -46,7 +71,10 @@ async def publish(ledger: Ledger, version_id: int) -> None:
 
 
 async def main(path: str, run_id: str) -> None:
-    async with SQLiteStore.open(path) as store, Ledger.open(store) as ledger:
+    async with (
+        SQLiteStore.open(path) as inner,
+        Ledger.open(ReportingStore(inner)) as ledger,  # type: ignore[arg-type]
+    ):
         if ledger.state.deployment is None:
             await ledger.create_deployment("crash", prefix="agent", capacity=3)
             for engine in ("e0", "e1"):

@@ -29,9 +29,11 @@ from engines.contract import (
     AmbiguousReply,
     Candidate,
     Engine,
+    EngineError,
     ErrorCode,
     Generation,
     SamplingParams,
+    UnloadReceipt,
 )
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
@@ -248,15 +250,25 @@ class Recording:
         self.transport = inner.transport
         self.calls: list[dict[str, Any]] = []
         self.reached = 0  # generations the real engine actually ran
+        self.generated_at: list[float] = []  # when each generation came back from the engine
+        self.unload_started: dict[str, float] = {}  # name -> when an unload of it was sent
         self.unloaded_at: dict[str, float] = {}  # name -> when the engine's unload returned
+        # names whose unload was sent while requests were still running on them here
+        self.unloaded_under_requests: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def unload(self, lora_name: str, *, attempt: int | None = None) -> Any:
+        self._unload_sent(lora_name)
         receipt = await self.inner.unload(lora_name, attempt=attempt)
         self.unloaded_at[lora_name] = time.monotonic()
         return receipt
+
+    def _unload_sent(self, lora_name: str) -> None:
+        self.unload_started.setdefault(lora_name, time.monotonic())
+        if self.inner.refcount(lora_name):
+            self.unloaded_under_requests.append(lora_name)
 
     async def generate(
         self,
@@ -280,7 +292,47 @@ class Recording:
             prompt, lora_name, params, request_id=request_id, cache_salt=cache_salt
         )
         self.reached += 1
+        self.generated_at.append(time.monotonic())
         return result
+
+
+class NonDraining(Recording):
+    """An engine whose unload does not drain, as vLLM's: it forgets the name and answers at
+    once, while requests already running on the adapter go on (vLLM keeps them going:
+    ``tests/integration/test_vllm_engine.py``). The real engine underneath unregisters the
+    name at once and drains in its own task; this double answers as soon as the name is gone,
+    without waiting for the drain. Against such an engine an unload cannot be a barrier, so
+    only the ledger's in-flight rule keeps a version loaded while a request runs on it."""
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> Any:
+        self._unload_sent(lora_name)
+        if lora_name not in self.inner.loaded_adapters():
+            return await self.inner.unload(lora_name, attempt=attempt)  # nothing to drain
+        refused: list[EngineError] = []
+        async with anyio.create_task_group() as tg:
+
+            async def real_unload() -> None:
+                # The engine drains in its own task group: cancelling this wait leaves the
+                # drain running. A refusal (a stale attempt) comes before the name goes.
+                try:
+                    await self.inner.unload(lora_name, attempt=attempt)
+                except EngineError as exc:
+                    refused.append(exc)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(real_unload)
+            while lora_name in self.inner.loaded_adapters():  # noqa: ASYNC110 -- no event
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()  # forgotten: answer now, whatever still runs on it
+        if refused:
+            raise refused[0]
+        self.unloaded_at[lora_name] = time.monotonic()
+        return UnloadReceipt(
+            engine_id=self.engine_id,
+            incarnation=await self.inner.incarnation(),
+            lora_name=lora_name,
+            was_loaded=True,
+        )
 
 
 class LosesReply(Recording):

@@ -90,12 +90,20 @@ def test_retry_after_clean_failure_starts_the_next_attempt(book: Book) -> None:
 
 
 def test_capacity_error_at_bootstrap_and_skip_after(book: Book) -> None:
+    # Bootstrap (no default yet): a capacity refusal is an error, not a skip.
     small = Book().bootstrap(capacity=1)
-    small.allocate(1)
+    small.allocate(1)  # LOADING: the only slot is taken
+    assert small.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.CAPACITY_ERROR) == []
+    assert 2 not in small.state.versions  # nothing recorded, nothing allocated
     small.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="timeout"))
     # FAILED_FATAL keeps its slot; once resolved the slot frees.
     assert small.state.capacity_used() == 1
-    # Bootstrap (no default yet): a capacity refusal is an error, not a skip.
+    for engine in ("e0", "e1"):
+        small.run(c.ObserveInventory(engine=engine, incarnation=small.incarnation(engine),
+                                     adapters=()))  # fmt: skip
+    assert small.state.versions[1].state is VersionState.FAILED_RETRYABLE
+    assert small.state.capacity_used() == 0
+    # After bootstrap (a default exists): the same refusal is a recorded skip.
     book.publish(1)
     book.run(c.Bind(session="s1", owner="w1"))
     book.publish(2)  # v1 RETIRED but bound, v2 PUBLISHED: capacity 2 is full
@@ -448,6 +456,8 @@ def test_restarted_engine_is_repaired_before_it_serves(book: Book) -> None:
     refused = book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i2"), Code.NOT_READY)
     assert refused == []
     book.run(c.RestoreVersion(version_id=1, engine="e1", incarnation="e1-i2"))
+    assert name1 in book.state.engines["e1"].holds
+    assert book.state.holders(name1) == ("e0",)  # holds v1 again, still not routable
     book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i2"), Code.NOT_READY)  # v2 missing
     book.run(c.RestoreVersion(version_id=2, engine="e1", incarnation="e1-i2"))
     book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))

@@ -99,6 +99,32 @@ async def test_routing_follows_the_ledger_live() -> None:
         assert len(r.fleet["e2"].calls) >= 3  # type: ignore[attr-defined]
 
 
+async def test_an_engine_that_holds_the_version_is_not_routed_to_before_its_repair() -> None:
+    """The engine restarted and v1 is back on it (restored), but the ledger has not repaired
+    it: it holds the version and must still get nothing -- "holds" is not "routable"."""
+    async with rig(wrap=wrapping({})) as r:
+        await r.publish(1)
+        bound = await bound_session(r, "s1")
+        await r.ledger.observe_restart("e0", "e0-life-2")
+        await r.ledger.restore_version(1, "e0", "e0-life-2")
+        member = r.ledger.state.engines["e0"]
+        assert r.names[1] in member.holds and not member.routable
+        for _ in range(8):
+            served = await r.gateway.generate(bound, PROMPT, SHORT)
+            assert served.engine == "e1"
+        assert r.fleet["e0"].calls == []  # type: ignore[attr-defined]
+
+        # The only other holder goes: NO_ROUTE, never the unrepaired holder.
+        await r.ledger.observe_restart("e1", "e1-life-2")
+        with pytest.raises(LedgerError) as info:
+            await r.gateway.generate(bound, PROMPT, SHORT)
+        assert info.value.code == Code.NO_ROUTE
+        assert r.fleet["e0"].calls == []  # type: ignore[attr-defined]
+
+        await r.ledger.repair_engine("e0", "e0-life-2")
+        assert (await r.gateway.generate(bound, PROMPT, SHORT)).engine == "e0"
+
+
 # --- at most once ------------------------------------------------------------------------------
 
 

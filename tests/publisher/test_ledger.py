@@ -90,26 +90,27 @@ async def test_nobody_is_answered_before_the_append_commits() -> None:
     async with Ledger.open(store) as ledger:
         await bootstrap(ledger)
         await publish(ledger, 1)
+        durable = store.last_seq
         store.gated = True
-        answered: list[str] = []
+        answered: dict[str, int] = {}  # session -> the last durable seq when it was answered
 
         async def bind(session: str) -> None:
             await ledger.bind(session, "w")
-            answered.append(session)
+            answered[session] = store.last_seq
 
         async with anyio.create_task_group() as tg:
             for s in ("a", "b", "c"):
                 tg.start_soon(bind, s)
             await anyio.sleep(0.05)
-            assert answered == []  # decided, but not durable yet
-            assert store.last_seq < ledger.state.last_seq + 3
+            assert answered == {}  # decided, but not durable yet
+            assert ledger.state.last_seq == durable + 3  # all three decided (pipelined) ...
+            assert store.last_seq == durable  # ... and none of them written: the gate holds
             store.gate.set()
-        assert sorted(answered) == ["a", "b", "c"]
-        assert {r.event.session for r in await store.read() if hasattr(r.event, "session")} >= {
-            "a",
-            "b",
-            "c",
-        }
+        records = await store.read()
+        bound_at = {r.event.session: r.seq for r in records if hasattr(r.event, "session")}
+        assert set(answered) == {"a", "b", "c"} <= set(bound_at)
+        for session, seen in answered.items():
+            assert bound_at[session] <= seen, f"{session} answered before its seq was committed"
 
 
 @pytest.mark.anyio

@@ -19,6 +19,7 @@ from engines.local.client import LocalHTTPEngine
 from engines.local.server import running_server
 from engines.sglang import SGLangEngine
 from evlog.events import (
+    AttemptStarted,
     EnginePrepared,
     EngineReady,
     EngineUnloaded,
@@ -141,19 +142,22 @@ async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
 
 
 def assert_publication_order(log: list[Any], version_id: int, fleet: set[str]) -> None:
-    """Allocated -> claimed -> prepared (each engine) -> ready (each engine) -> published."""
+    """Allocated -> attempt started (on ``fleet``) -> claimed -> prepared and ready on each
+    engine of the fleet, prepared first, once each -> published; nothing else in between."""
     mine = [e for e in log if getattr(e, "version_id", None) == version_id]
     kinds = [type(e) for e in mine]
-    assert kinds[:2] == [VersionAllocated, type(mine[1])] and kinds.index(TransportClaimed) == 2
+    assert kinds[:3] == [VersionAllocated, AttemptStarted, TransportClaimed], kinds
+    assert set(mine[1].fleet) == fleet
     published = kinds.index(VersionPublished)
+    loading = mine[3:published]
+    receipts = sorted((type(e).__name__, e.engine) for e in loading)
+    assert receipts == sorted((k, e) for k in ("EnginePrepared", "EngineReady") for e in fleet)
     for engine in fleet:
-        prepared = next(
-            i for i, e in enumerate(mine) if isinstance(e, EnginePrepared) and e.engine == engine
+        prepared, ready = (
+            next(i for i, e in enumerate(loading) if isinstance(e, kind) and e.engine == engine)
+            for kind in (EnginePrepared, EngineReady)
         )
-        ready = next(
-            i for i, e in enumerate(mine) if isinstance(e, EngineReady) and e.engine == engine
-        )
-        assert 2 < prepared < ready < published
+        assert prepared < ready
 
 
 async def test_two_local_engines_full_cycle(tmp_path: Path) -> None:

@@ -1,27 +1,44 @@
 """Reclaim never unloads a version with a request in flight on that engine.
 
 The real reclaim driver (``publisher.reclaim.ReclaimDriver``, swept by the test) with the
-gateway as its in-flight source. A long generation on v1 runs (frozen between tokens on the
-real local engine) while v1 is retired (v2 committed) and released (its worker's lease
-expires: a dead worker). The binding no longer pins v1, so only the gateway's in-flight
-evidence stands between v1 and its unload: no claim while the request runs, and the
-engine-side unload returns only after the generation finished -- with all its tokens, from v1.
+gateway as its in-flight source, and the real reconciler reading the driver's counts.
+
+* At claim time: a long generation on v1 runs (frozen between tokens on the real local engine)
+  while v1 is retired (v2 committed) and released (its worker's lease expires: a dead worker).
+  The binding no longer pins v1, so only the gateway's in-flight evidence stands between v1
+  and its unload: no claim while the request runs, and -- the driver sweeping all along while
+  it finishes -- no unload is sent before the engine returned the generation.
+* At unload time: a request can start *after* a rightful claim (a worker whose lease expired
+  without its noticing still holds its binding; a remote worker's renewal reports a request
+  only after the claim). The driver's unload and the reconciler's fenced unload of the
+  reclaiming version both wait for it, on an engine whose unload drains and on one whose
+  unload does not (vLLM's: nothing on the engine side would wait).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 import pytest
 
+from engines.artifacts import ArtifactStore
 from engines.contract import SamplingParams
 from evlog.errors import Code, LedgerError
 from evlog.events import ReclaimClaimed
 from projections.registry import VersionState
 from publisher.gateway import Served
+from publisher.reconciler import Reconciler
 from publisher.sessions import RolloutWorker
-from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, Recording, Rig, rig
+from tests.publisher.rollout_kit import (
+    ENGINE_WARNINGS,
+    PROMPT,
+    NonDraining,
+    Recording,
+    Rig,
+    rig,
+)
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -78,27 +95,127 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
             assert r.local[busy].refcount(v1) == 1
             assert all(v1 in e.loaded_adapters() for e in r.local.values())
 
+            async def sweep_until_reclaimed() -> None:
+                while r.ledger.state.versions[1].state is not VersionState.RECLAIMED:
+                    with anyio.fail_after(5):
+                        await driver.sweep()
+                    await anyio.sleep(0.002)
+
+            # The generation goes on while the driver sweeps, every few milliseconds.
+            tg.start_soon(sweep_until_reclaimed)
             for engine in r.local.values():
                 engine.continue_generation()
             await wait_for(lambda: bool(served))
 
-        (result, finished_at) = served[0]
+        (result, _) = served[0]
         assert result.version_id == 1 and result.lora_name == v1
         assert result.generation.lora_name == v1
         assert len(result.generation.token_ids) == 40  # it ran to the end, not aborted
         assert r.gateway.inflight_counts() == {}
 
-        assert await driver.sweep() == [1]
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+        (ended,) = r.fleet[busy].generated_at  # type: ignore[attr-defined]
         for engine in r.fleet:
-            # the engine-side unload returned after the generation had finished
-            assert finished_at < engine.unloaded_at[v1]  # type: ignore[attr-defined]
+            # no unload was even sent before the engine had returned the generation
+            assert ended < engine.unload_started[v1]  # type: ignore[attr-defined]
+            assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
             assert v1 not in engine.loaded_adapters()  # type: ignore[attr-defined]
         (claim,) = await claims(r)
         assert {x.engine: x.count for x in claim.evidence if x.reporter == "gw"} == {
             "e0": 0,
             "e1": 0,
         }
+
+
+@pytest.mark.parametrize("engine_kind", [Recording, NonDraining], ids=["drains", "no-drain"])
+async def test_a_request_dispatched_after_the_claim_is_never_unloaded_under(
+    tmp_path: Path, engine_kind: type[Recording]
+) -> None:
+    async with rig(timeout=60, wrap=engine_kind) as r:
+        driver = r.reclaimer()
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), inflight=driver.inflight
+        )
+        await r.publish(1)
+        v1 = r.names[1]
+        await r.ledger.register_owner("w1", ttl_s=10.0)
+        stale = await r.ledger.bind("s", "w1")
+        await r.publish(2)
+        r.clock.advance(60.0)
+        assert [x.owner for x in await r.ledger.expire_leases()] == ["w1"]  # w1 has not noticed
+        # Nothing pins v1 and nothing runs on it: the claim is right, and granted.
+        evidence = driver.evidence(1)
+        assert not any(x.count for x in evidence)
+        await r.ledger.claim_reclaim(1, evidence)
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMING
+
+        served: list[Served] = []
+        for engine in r.local.values():
+            engine.pause_generation()
+        async with anyio.create_task_group() as tg:
+
+            async def late_request() -> None:
+                # w1 still holds its binding; the gateway sends it to a holder of v1
+                served.append(await r.gateway.generate(stale, PROMPT, LONG))
+
+            tg.start_soon(late_request)
+            await wait_for(lambda: sum(r.gateway.inflight_counts().values()) == 1)
+            ((busy, _),) = r.gateway.inflight_counts()
+            (idle,) = set(r.local) - {busy}
+            # Sweeps and a reconciler pass while it runs. Bounded: on a draining engine an
+            # unload sent under the request would wait for it (the generation is frozen).
+            for _ in range(3):
+                with anyio.move_on_after(5):
+                    await driver.sweep()
+                if idle in r.ledger.state.versions[1].confirmed:
+                    break
+            with anyio.move_on_after(5):
+                await reconciler.reconcile_engine(busy)
+            engine = r.fleet[busy]
+            assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
+            assert v1 not in engine.unload_started  # type: ignore[attr-defined]
+            assert r.local[busy].refcount(v1) == 1 and v1 in r.local[busy].loaded_adapters()
+            v = r.ledger.state.versions[1]
+            assert v.state is VersionState.RECLAIMING and set(v.confirmed) == {idle}
+            for e in r.local.values():
+                e.continue_generation()
+
+        (result,) = served
+        assert result.version_id == 1 and result.generation.lora_name == v1
+        assert len(result.generation.token_ids) == 40  # ran to the end on v1
+        assert await driver.sweep() == [1]
+        (ended,) = engine.generated_at  # type: ignore[attr-defined]
+        assert ended < engine.unload_started[v1]  # type: ignore[attr-defined]
+        assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
+        assert all(v1 not in e.loaded_adapters() for e in r.local.values())
+
+
+async def test_an_in_flight_report_that_arrives_after_the_claim_holds_the_unload(
+    tmp_path: Path,
+) -> None:
+    """A remote worker's request on v1, reported by its next lease renewal only after the
+    claim: neither the driver nor the reconciler unloads v1 on that engine until it is over."""
+    async with rig(wrap=Recording) as r:
+        driver = r.reclaimer()
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), inflight=driver.inflight
+        )
+        await r.publish(1)
+        v1 = r.names[1]
+        await r.ledger.register_owner("w2", ttl_s=600.0)
+        await r.publish(2)
+        await r.ledger.claim_reclaim(1, driver.evidence(1))  # w2 reported nothing so far
+        r.ledger.renew_lease("w2", {("e0", 1): 1})  # ... and now: a request on e0
+        await driver.sweep()
+        await reconciler.reconcile_engine("e0")
+        await reconciler.reconcile_engine("e1")
+        assert v1 not in r.fleet["e0"].unload_started  # type: ignore[attr-defined]
+        assert v1 in r.local["e0"].loaded_adapters() and v1 not in r.local["e1"].loaded_adapters()
+        v = r.ledger.state.versions[1]
+        assert v.state is VersionState.RECLAIMING and set(v.confirmed) == {"e1"}
+        r.ledger.renew_lease("w2", {})  # it finished
+        assert await driver.sweep() == [1]
+        assert v1 not in r.local["e0"].loaded_adapters()
 
 
 async def claims(r: Rig) -> list[ReclaimClaimed]:

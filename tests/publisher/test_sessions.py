@@ -106,21 +106,52 @@ async def test_bind_before_commit_is_old_after_commit_is_new_and_turns_stay_pinn
 
 
 async def test_binds_racing_a_commit_follow_the_ledger_order() -> None:
-    async with rig() as r, worker_on(r) as w:
+    """60 first generations race the commit of v2, and the ledger order interleaves them: the
+    worker's binds are held at its port until 30 of them, then the commit, then 30 more wait
+    there; released at once, they reach the ledger's queue in that order (woken first come,
+    first served) and are decided in it, one group commit apart at most. Each session gets,
+    is served by and keeps the version the ledger order gives it."""
+    async with rig() as r:
         await r.publish(1)
         staged = await r.stage(2)
-        async with anyio.create_task_group() as tg:
-            for i in range(60):
-                tg.start_soon(w.session(f"s{i}").generate, PROMPT, SHORT)
-            tg.start_soon(r.ledger.commit, 2, staged.attempt)
-        ((commit_seq, _),) = [
-            x for x in await events_of(r.store, VersionPublished) if x[1].version_id == 2
-        ]
-        bound = await events_of(r.store, SessionBound)
-        assert len(bound) == 60
-        for seq, event in bound:
-            assert event.version_id == (1 if seq < commit_seq else 2)
-            assert w.session(event.session).bound.version_id == event.version_id
+        port = Port(r.ledger)
+        gate = port.gate = anyio.Event()
+        served: dict[str, int] = {}
+        commit_waiting = anyio.Event()
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            async with anyio.create_task_group() as tg:
+
+                async def first(session: str) -> None:
+                    result = await w.session(session).generate(PROMPT, SHORT)
+                    served[session] = result.version_id
+
+                async def commit() -> None:
+                    commit_waiting.set()
+                    await gate.wait()
+                    await r.ledger.commit(2, staged.attempt)
+
+                for i in range(30):
+                    tg.start_soon(first, f"a{i}")
+                await wait_for(lambda: port.waiting == 30)
+                tg.start_soon(commit)
+                await commit_waiting.wait()
+                for i in range(30):
+                    tg.start_soon(first, f"b{i}")
+                await wait_for(lambda: port.waiting == 60)
+                assert len(port.sent(c.Bind)) == 60 and not await events_of(r.store, SessionBound)
+                gate.set()
+            ((commit_seq, _),) = [
+                x for x in await events_of(r.store, VersionPublished) if x[1].version_id == 2
+            ]
+            bound = await events_of(r.store, SessionBound)
+            assert len(bound) == 60
+            for seq, event in bound:
+                assert event.version_id == (1 if seq < commit_seq else 2)
+                assert w.session(event.session).bound.version_id == event.version_id
+                assert served[event.session] == event.version_id
+            # the race really happened: 30 binds before the commit, 30 after, as they queued
+            on = {v: {e.session for _, e in bound if e.version_id == v} for v in (1, 2)}
+            assert on == {1: {f"a{i}" for i in range(30)}, 2: {f"b{i}" for i in range(30)}}
 
 
 async def test_every_turn_retry_and_resume_uses_the_first_version() -> None:
