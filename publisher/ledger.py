@@ -29,7 +29,6 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
-import msgspec
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
@@ -38,7 +37,9 @@ from evlog.events import InFlight
 from evlog.record import Pending, Record, pending_many
 from evlog.store import EventStore
 from projections import invariants
+from projections.recovery import recover, save_snapshot
 from projections.registry import RegistryState, evolve
+from projections.status import LedgerStatus, status_of
 from publisher import commands as c
 from publisher.decider import Decision, decide
 from publisher.leases import LeaseBook
@@ -58,7 +59,6 @@ from publisher.outcomes import (
     Skipped,
     UnloadRecorded,
 )
-from publisher.recovery import recover, save_snapshot
 
 CODE_VERSION = "loraledger-0.1.0"
 
@@ -563,87 +563,6 @@ class Ledger:
 
     def status(self) -> LedgerStatus:
         return status_of(self._state)
-
-
-# --- status ------------------------------------------------------------------------------------
-
-
-class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
-    version_id: int
-    lora_name: str
-    digest: str
-    state: str
-    attempt: int
-    bound: int
-    revision: int | None
-    holders: tuple[str, ...]
-
-
-class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
-    engine: str
-    incarnation: str
-    kind: str
-    endpoint: str
-    routable: bool
-    holds: tuple[str, ...]
-    strays: tuple[str, ...]
-
-
-class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True):
-    deployment: str | None
-    epoch: int
-    last_seq: int
-    capacity: int
-    capacity_used: int
-    default: int | None
-    default_revision: int
-    sessions_bound: int
-    tombstones: int
-    owners: int
-    blocked_by: tuple[int, ...]
-    versions: tuple[VersionStatus, ...]
-    engines: tuple[EngineStatus, ...]
-
-
-def status_of(state: RegistryState) -> LedgerStatus:
-    return LedgerStatus(
-        deployment=state.deployment,
-        epoch=state.epoch,
-        last_seq=state.last_seq,
-        capacity=state.capacity,
-        capacity_used=state.capacity_used(),
-        default=state.default,
-        default_revision=state.default_revision,
-        sessions_bound=len(state.sessions),
-        tombstones=len(state.tombstones),
-        owners=sum(1 for o in state.owners.values() if not o.expired),
-        blocked_by=tuple(state.blocked_by()),
-        versions=tuple(
-            VersionStatus(
-                version_id=v.version_id,
-                lora_name=v.lora_name,
-                digest=v.digest,
-                state=v.state,
-                attempt=v.attempt,
-                bound=v.bound,
-                revision=v.revision,
-                holders=state.holders(v.lora_name, routable_only=False),
-            )
-            for v in sorted(state.versions.values(), key=lambda v: v.version_id)
-        ),
-        engines=tuple(
-            EngineStatus(
-                engine=e.engine,
-                incarnation=e.incarnation,
-                kind=e.kind,
-                endpoint=e.endpoint,
-                routable=e.routable,
-                holds=tuple(sorted(e.holds)),
-                strays=e.strays,
-            )
-            for e in sorted(state.engines.values(), key=lambda e: e.engine)
-        ),
-    )
 
 
 def _check_inflight(inflight: Mapping[tuple[str, int], int]) -> None:

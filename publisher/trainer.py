@@ -54,7 +54,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from publisher.ledger import LedgerStatus
+from projections.status import LedgerStatus
 from publisher.plane import ControlPlane
 from publisher.publication import ErrorKind, PublicationError, PublicationOutcome
 from publisher.snapshot import AdapterSnapshot

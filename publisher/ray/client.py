@@ -49,8 +49,8 @@ import structlog
 from anyio.abc import TaskGroup
 
 from evlog.errors import Code, LedgerError
+from projections.status import LedgerStatus
 from publisher import commands as c
-from publisher.ledger import LedgerStatus
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink

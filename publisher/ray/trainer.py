@@ -25,7 +25,7 @@ import msgspec
 
 from engines.manifest import TensorData
 from evlog.errors import Code, LedgerError
-from publisher.ledger import LedgerStatus
+from projections.status import LedgerStatus
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.snapshot import AdapterSnapshot
 

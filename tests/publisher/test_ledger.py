@@ -17,11 +17,11 @@ from evlog.memory import MemoryStore
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from projections import invariants
+from projections.recovery import recover, save_snapshot
 from projections.registry import encode_state
 from publisher import commands as c
 from publisher.ledger import Ledger
 from publisher.outcomes import Bound, Released
-from publisher.recovery import recover, save_snapshot
 
 
 def digest(n: int) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from evlog.events import SessionBound, SessionReleased, VersionPublished, VersionReclaimed
 from evlog.sqlite import SQLiteStore
-from publisher.recovery import recover
+from projections.recovery import recover
 
 ROOT = Path(__file__).resolve().parents[2]
 

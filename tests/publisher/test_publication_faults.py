@@ -37,6 +37,7 @@ from evlog.events import (
     VersionRestored,
 )
 from evlog.memory import MemoryLog, MemoryStore
+from projections.recovery import recover
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts
 from publisher.publication import (
@@ -47,7 +48,6 @@ from publisher.publication import (
     PublicationError,
     PublicationStatus,
 )
-from publisher.recovery import recover
 from tests.publisher.plane_kit import (
     FAST,
     GREEDY,
