@@ -434,10 +434,9 @@ def _owner_lease_expired(s: RegistryState, e: OwnerLeaseExpired) -> None:
 def _session_bound(s: RegistryState, e: SessionBound) -> None:
     # Paired with the decider: a session binds once, and never after its release. (Which
     # versions may be bound is an invariant of the outcome, checked by ``invariants``.)
-    v = _version(s, e.version_id, "SessionBound")
-    if e.session in s.sessions or e.session in s.tombstones:
-        was = "bound" if e.session in s.sessions else "released"
-        raise impossible(f"session {e.session}", was, "SessionBound", "a session binds once")
+    v = s.versions.get(e.version_id)
+    if v is None or e.session in s.sessions or e.session in s.tombstones:
+        raise _binding_violation(s, e)
     s.sessions[e.session] = Binding(e.owner, e.version_id, e.revision)
     v.bound += 1
 
@@ -446,21 +445,35 @@ def _session_released(s: RegistryState, e: SessionReleased) -> None:
     # Paired with the decider: a release names the session's binding (None: the session was
     # closed before it ever bound), and a session is released once.
     binding = s.sessions.get(e.session)
-    bound_to = None if binding is None else binding.version_id
-    if bound_to != e.version_id or e.session in s.tombstones:
-        was = (
-            "released"
-            if e.session in s.tombstones
-            else "not bound"
-            if binding is None
-            else f"bound to version {bound_to}"
-        )
-        why = "a release names the session's binding, once"
-        raise impossible(f"session {e.session}", was, f"SessionReleased({e.version_id})", why)
-    if binding is not None:
+    if binding is None:
+        if e.version_id is not None or e.session in s.tombstones:
+            raise _binding_violation(s, e)
+    elif binding.version_id != e.version_id:
+        raise _binding_violation(s, e)
+    else:
         del s.sessions[e.session]
         s.versions[binding.version_id].bound -= 1
     s.tombstones[e.session] = e.owner
+
+
+def _binding_violation(s: RegistryState, e: SessionBound | SessionReleased) -> AssertionError:
+    """Why a binding event cannot follow the state (off the hot path: only to raise it)."""
+    if e.version_id is not None and e.version_id not in s.versions:
+        return impossible(
+            f"version {e.version_id}", "ABSENT", type(e).__name__, "it was never allocated"
+        )
+    binding = s.sessions.get(e.session)
+    was = (
+        "released"
+        if e.session in s.tombstones
+        else "not bound"
+        if binding is None
+        else f"bound to version {binding.version_id}"
+    )
+    if isinstance(e, SessionBound):
+        return impossible(f"session {e.session}", was, "SessionBound", "a session binds once")
+    why = "a release names the session's binding, once"
+    return impossible(f"session {e.session}", was, f"SessionReleased({e.version_id})", why)
 
 
 def _sessions_forgotten(s: RegistryState, e: SessionsForgotten) -> None:
@@ -552,7 +565,10 @@ def evolve(state: RegistryState, event: Event, seq: int | None = None) -> Regist
     event that cannot follow the state: a version step missing from the transitions table,
     a receipt for another attempt, a release that does not name the session's binding, or a
     record out of order (paired with the store, which hands out seqs one after another)."""
-    if seq is not None and seq != state.last_seq + 1:
+    if seq is None:
+        _APPLY[type(event)](state, event)
+        return state
+    if seq != state.last_seq + 1:
         raise impossible(
             "the state",
             f"at seq {state.last_seq}",
@@ -560,8 +576,7 @@ def evolve(state: RegistryState, event: Event, seq: int | None = None) -> Regist
             "records apply once each, in seq order",
         )
     _APPLY[type(event)](state, event)
-    if seq is not None:
-        state.last_seq = seq
+    state.last_seq = seq
     return state
 
 
