@@ -74,7 +74,7 @@ class LedgerAPI:
             raise AssertionError(f"{type(command).__name__} answered {outcome!r}")
         return outcome
 
-    # --- deployment, controller, fleet ---------------------------------------------------------
+    # --- deployment and fleet ------------------------------------------------------------------
 
     async def create_deployment(
         self, deployment: str, *, prefix: str, capacity: int, fleet: Iterable[str] = ()
