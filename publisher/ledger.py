@@ -30,8 +30,12 @@ from contextlib import asynccontextmanager
 
 import anyio
 import structlog
-from anyio.abc import ObjectReceiveStream, TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream, MemoryObjectStreamStatistics
+from anyio.abc import TaskGroup
+from anyio.streams.memory import (
+    MemoryObjectReceiveStream,
+    MemoryObjectSendStream,
+    MemoryObjectStreamStatistics,
+)
 
 from evlog.errors import Code, LedgerError
 from evlog.record import Pending, Record, pending_many
@@ -251,7 +255,7 @@ class Ledger(LedgerAPI):
             self._fenced or self._broken or LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
         )
 
-    async def _writer(self, receive: ObjectReceiveStream[_Call]) -> None:
+    async def _writer(self, receive: MemoryObjectReceiveStream[_Call]) -> None:
         batch: list[_Call] = []
         async with receive, anyio.create_task_group() as commits:
             try:
