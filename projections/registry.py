@@ -3,8 +3,12 @@
 ``evolve(state, event)`` applies one event. It mutates ``state`` in place (a replay of a million
 events must stay under 10 s, so no copying), but it is still a pure function in the sense that
 matters for event sourcing: no clock, no randomness, no I/O, and the result depends only on the
-state and the event. It never validates: every event in the log was decided valid when it was
-appended, so applying it cannot fail; ``invariants()`` checks the outcome.
+state and the event. Every event in the log was decided valid when it was appended, so it does
+not re-validate inputs; it only asserts what is cheap and must hold: each version's new state
+comes from the transitions table (:mod:`projections.transitions`), so an impossible step raises
+``TransitionViolation`` naming the version, its state and the event instead of being applied,
+and a few paired facts (the attempt a receipt names, the binding a release names) are checked
+where the state is at hand. ``invariants`` checks the whole outcome.
 
 Everything the decider and the drivers ask ("who is the default", "which engines hold v7",
 "is v3 reclaimable") is answered from this state.
@@ -13,7 +17,6 @@ Everything the decider and the drivers ask ("who is the default", "which engines
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -49,20 +52,18 @@ from evlog.events import (
     VersionReclaimed,
     VersionRestored,
 )
+from projections.transitions import (
+    ATTEMPT_FAILED_CLEAN,
+    ATTEMPT_FAILED_FATAL,
+    PUBLISHED_RETIRES,
+    impossible,
+    next_state,
+)
+from projections.transitions import VersionState as VersionState  # its home is the table's
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
 PROJECTION_VERSION = "registry-1"
-
-
-class VersionState(StrEnum):
-    LOADING = "LOADING"
-    PUBLISHED = "PUBLISHED"
-    RETIRED = "RETIRED"
-    RECLAIMING = "RECLAIMING"
-    RECLAIMED = "RECLAIMED"
-    FAILED_RETRYABLE = "FAILED_RETRYABLE"
-    FAILED_FATAL = "FAILED_FATAL"
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -230,6 +231,34 @@ class RegistryState(msgspec.Struct, kw_only=True):
 # --- evolve ----------------------------------------------------------------------------------
 
 
+def _version(s: RegistryState, version_id: int, event: str) -> VersionRecord:
+    """The version an event names; only an allocation may name one the log does not know."""
+    v = s.versions.get(version_id)
+    if v is None:
+        raise impossible(f"version {version_id}", "ABSENT", event, "it was never allocated")
+    return v
+
+
+def _step(s: RegistryState, version_id: int, event: str) -> VersionRecord:
+    """Move a version along the transitions table, or raise: the one way its state changes."""
+    v = _version(s, version_id, event)
+    v.state = next_state(version_id, v.state, event)
+    return v
+
+
+def _check_attempt(s: RegistryState, version_id: int, event: str, attempt: int) -> None:
+    """Paired with the decider's fencing: a receipt or an ending names the current attempt
+    (checked before the step, so a violation changes nothing)."""
+    v = _version(s, version_id, event)
+    if attempt != v.attempt:
+        raise impossible(
+            f"version {version_id}",
+            v.state,
+            f"{event}(attempt {attempt})",
+            f"the current attempt is {v.attempt}",
+        )
+
+
 def _deployment_created(s: RegistryState, e: DeploymentCreated) -> None:
     s.deployment = e.deployment
     s.prefix = e.prefix
@@ -288,18 +317,34 @@ def _inventory_observed(s: RegistryState, e: InventoryObserved) -> None:
 def _version_allocated(s: RegistryState, e: VersionAllocated) -> None:
     # Allocation always opens attempt 1 (its AttemptStarted follows in the same decision);
     # recording it here keeps every single-event prefix of the log consistent.
+    existing = s.versions.get(e.version_id)
+    state = next_state(
+        e.version_id, None if existing is None else existing.state, "VersionAllocated"
+    )
     s.versions[e.version_id] = VersionRecord(
         version_id=e.version_id,
         digest=e.digest,
         lora_name=e.lora_name,
         size_bytes=e.size_bytes,
+        state=state,
         attempt=1,
     )
 
 
 def _attempt_started(s: RegistryState, e: AttemptStarted) -> None:
-    v = s.versions[e.version_id]
-    v.state = VersionState.LOADING
+    v = _version(s, e.version_id, "AttemptStarted")
+    state = next_state(v.version_id, v.state, "AttemptStarted")
+    # From LOADING: the allocation's own attempt 1, not started yet (a started one has a
+    # fleet). From FAILED_RETRYABLE: the attempt after the one that failed.
+    fresh = v.state is VersionState.LOADING
+    if e.attempt != (1 if fresh else v.attempt + 1) or (fresh and v.fleet):
+        raise impossible(
+            f"version {v.version_id}",
+            v.state,
+            f"AttemptStarted(attempt {e.attempt})",
+            f"attempt {v.attempt} was the last one allocated or started",
+        )
+    v.state = state
     v.attempt = e.attempt
     v.fleet = e.fleet
     v.claimed_by = None
@@ -310,36 +355,51 @@ def _attempt_started(s: RegistryState, e: AttemptStarted) -> None:
 
 
 def _transport_claimed(s: RegistryState, e: TransportClaimed) -> None:
-    s.versions[e.version_id].claimed_by = e.owner
+    _check_attempt(s, e.version_id, "TransportClaimed", e.attempt)
+    _step(s, e.version_id, "TransportClaimed").claimed_by = e.owner
 
 
 def _engine_prepared(s: RegistryState, e: EnginePrepared) -> None:
-    s.versions[e.version_id].prepared[e.engine] = e.incarnation
+    _check_attempt(s, e.version_id, "EnginePrepared", e.attempt)
+    _step(s, e.version_id, "EnginePrepared").prepared[e.engine] = e.incarnation
 
 
 def _engine_ready(s: RegistryState, e: EngineReady) -> None:
-    s.versions[e.version_id].ready[e.engine] = e.incarnation
+    _check_attempt(s, e.version_id, "EngineReady", e.attempt)
+    _step(s, e.version_id, "EngineReady").ready[e.engine] = e.incarnation
     s.engines[e.engine].holds[e.lora_name] = e.version_id
 
 
 def _version_restored(s: RegistryState, e: VersionRestored) -> None:
-    s.engines[e.engine].holds[s.versions[e.version_id].lora_name] = e.version_id
+    v = _step(s, e.version_id, "VersionRestored")
+    s.engines[e.engine].holds[v.lora_name] = e.version_id
 
 
 def _version_published(s: RegistryState, e: VersionPublished) -> None:
-    v = s.versions[e.version_id]
-    v.state = VersionState.PUBLISHED
-    v.revision = e.revision
+    v = _version(s, e.version_id, "VersionPublished")
+    published = next_state(v.version_id, v.state, "VersionPublished")
+    _check_attempt(s, e.version_id, "VersionPublished", e.attempt)
+    # Paired with the decider: a commit retires exactly the current default and takes the
+    # next revision (checked before anything changes, so a violation applies nothing).
+    if (e.retired, e.revision) != (s.default, s.default_revision + 1):
+        raise impossible(
+            f"version {v.version_id}",
+            v.state,
+            f"VersionPublished(revision {e.revision}, retired {e.retired})",
+            f"the default is {s.default} at revision {s.default_revision}",
+        )
     if e.retired is not None:
-        s.versions[e.retired].state = VersionState.RETIRED
+        _step(s, e.retired, PUBLISHED_RETIRES)
+    v.state = published
+    v.revision = e.revision
     s.default = e.version_id
     s.default_revision = e.revision
     s.commits += 1
 
 
 def _attempt_failed(s: RegistryState, e: AttemptFailed) -> None:
-    v = s.versions[e.version_id]
-    v.state = VersionState.FAILED_RETRYABLE if e.clean else VersionState.FAILED_FATAL
+    _check_attempt(s, e.version_id, "AttemptFailed", e.attempt)
+    v = _step(s, e.version_id, ATTEMPT_FAILED_CLEAN if e.clean else ATTEMPT_FAILED_FATAL)
     v.failure_code = e.code
     v.failure_reason = e.reason
     v.claimed_by = None
@@ -350,9 +410,8 @@ def _attempt_failed(s: RegistryState, e: AttemptFailed) -> None:
 
 
 def _fatal_resolved(s: RegistryState, e: FatalResolved) -> None:
-    v = s.versions[e.version_id]
-    v.state = VersionState.FAILED_RETRYABLE
-    v.confirmed = {}
+    _check_attempt(s, e.version_id, "FatalResolved", e.attempt)
+    _step(s, e.version_id, "FatalResolved").confirmed = {}
 
 
 def _publication_skipped(s: RegistryState, e: PublicationSkipped) -> None:
@@ -368,15 +427,48 @@ def _owner_lease_expired(s: RegistryState, e: OwnerLeaseExpired) -> None:
 
 
 def _session_bound(s: RegistryState, e: SessionBound) -> None:
+    # Paired with the decider: a session binds once, and never after its release. (Which
+    # versions may be bound is an invariant of the outcome, checked by ``invariants``.)
+    v = s.versions.get(e.version_id)
+    if v is None or e.session in s.sessions or e.session in s.tombstones:
+        raise _binding_violation(s, e)
     s.sessions[e.session] = Binding(e.owner, e.version_id, e.revision)
-    s.versions[e.version_id].bound += 1
+    v.bound += 1
 
 
 def _session_released(s: RegistryState, e: SessionReleased) -> None:
-    binding = s.sessions.pop(e.session, None)
-    if binding is not None:
+    # Paired with the decider: a release names the session's binding (None: the session was
+    # closed before it ever bound), and a session is released once.
+    binding = s.sessions.get(e.session)
+    if binding is None:
+        if e.version_id is not None or e.session in s.tombstones:
+            raise _binding_violation(s, e)
+    elif binding.version_id != e.version_id:
+        raise _binding_violation(s, e)
+    else:
+        del s.sessions[e.session]
         s.versions[binding.version_id].bound -= 1
     s.tombstones[e.session] = e.owner
+
+
+def _binding_violation(s: RegistryState, e: SessionBound | SessionReleased) -> AssertionError:
+    """Why a binding event cannot follow the state (off the hot path: only to raise it)."""
+    if e.version_id is not None and e.version_id not in s.versions:
+        return impossible(
+            f"version {e.version_id}", "ABSENT", type(e).__name__, "it was never allocated"
+        )
+    binding = s.sessions.get(e.session)
+    was = (
+        "released"
+        if e.session in s.tombstones
+        else "not bound"
+        if binding is None
+        else f"bound to version {binding.version_id}"
+    )
+    if isinstance(e, SessionBound):
+        return impossible(f"session {e.session}", was, "SessionBound", "a session binds once")
+    why = "a release names the session's binding, once"
+    return impossible(f"session {e.session}", was, f"SessionReleased({e.version_id})", why)
 
 
 def _sessions_forgotten(s: RegistryState, e: SessionsForgotten) -> None:
@@ -391,14 +483,19 @@ def _sessions_forgotten(s: RegistryState, e: SessionsForgotten) -> None:
 
 
 def _reclaim_claimed(s: RegistryState, e: ReclaimClaimed) -> None:
-    v = s.versions[e.version_id]
-    v.state = VersionState.RECLAIMING
+    v = _version(s, e.version_id, "ReclaimClaimed")
+    reclaiming = next_state(v.version_id, v.state, "ReclaimClaimed")
+    if v.bound:  # paired with the decider's NOT_RECLAIMABLE
+        raise impossible(
+            f"version {v.version_id}", v.state, "ReclaimClaimed", f"{v.bound} sessions bound"
+        )
+    v.state = reclaiming
     v.confirmed = {}
     v.ambiguous = False
 
 
 def _engine_unloaded(s: RegistryState, e: EngineUnloaded) -> None:
-    v = s.versions[e.version_id]
+    v = _step(s, e.version_id, "EngineUnloaded")
     v.confirmed[e.engine] = e.incarnation
     member = s.engines.get(e.engine)
     if member is not None:
@@ -406,15 +503,14 @@ def _engine_unloaded(s: RegistryState, e: EngineUnloaded) -> None:
 
 
 def _version_reclaimed(s: RegistryState, e: VersionReclaimed) -> None:
-    v = s.versions[e.version_id]
-    v.state = VersionState.RECLAIMED
+    v = _step(s, e.version_id, "VersionReclaimed")
     v.ambiguous = False
     for member in s.engines.values():
         member.holds.pop(v.lora_name, None)
 
 
 def _reclaim_ambiguous(s: RegistryState, e: ReclaimAmbiguous) -> None:
-    s.versions[e.version_id].ambiguous = True
+    _step(s, e.version_id, "ReclaimAmbiguous").ambiguous = True
 
 
 def _receipt_rejected(s: RegistryState, e: ReceiptRejected) -> None:
@@ -458,10 +554,24 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
 
 
 def evolve(state: RegistryState, event: Event, seq: int | None = None) -> RegistryState:
-    """Apply one event (in place) and return the state. ``seq`` advances ``last_seq``."""
+    """Apply one event (in place) and return the state. ``seq`` advances ``last_seq``.
+
+    Raises ``TransitionViolation`` (an ``AssertionError``), before changing anything, for an
+    event that cannot follow the state: a version step missing from the transitions table,
+    a receipt for another attempt, a release that does not name the session's binding, or a
+    record out of order (paired with the store, which hands out seqs one after another)."""
+    if seq is None:
+        _APPLY[type(event)](state, event)
+        return state
+    if seq != state.last_seq + 1:
+        raise impossible(
+            "the state",
+            f"at seq {state.last_seq}",
+            f"{type(event).__name__} at seq {seq}",
+            "records apply once each, in seq order",
+        )
     _APPLY[type(event)](state, event)
-    if seq is not None:
-        state.last_seq = seq
+    state.last_seq = seq
     return state
 
 

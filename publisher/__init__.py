@@ -24,7 +24,7 @@ _FACE = {
     "Fleet": "publisher.fleet",
     "InFlightSource": "publisher.fleet",
     "Ledger": "publisher.ledger",
-    "LedgerStatus": "publisher.ledger",
+    "LedgerStatus": "projections.status",
     # the trainer side
     "AdapterCopy": "publisher.adapter_copy",
     "copy_adapter": "publisher.trainer",

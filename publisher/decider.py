@@ -661,7 +661,10 @@ def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:
     return Decision((event,), Done())
 
 
-def _live_owner(s: RegistryState, owner_id: str, *, required: bool) -> None:
+def check_lease(s: RegistryState, owner_id: str, *, required: bool) -> None:
+    """The lease rule, for commands and for the ledger's (unlogged) lease renewals alike: an
+    owner whose lease expired is refused (``LEASE_EXPIRED``: its sessions were released), and
+    so is an unknown one where ``required`` (``UNKNOWN_OWNER``)."""
     owner = s.owners.get(owner_id)
     if owner is None:
         if required:
@@ -722,7 +725,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
     _deployment(s)
     _is_str(cmd.session, "session")
     _is_str(cmd.owner, "owner")
-    _live_owner(s, cmd.owner, required=False)
+    check_lease(s, cmd.owner, required=False)
     binding = s.sessions.get(cmd.session)
     if binding is not None:
         return Decision(
@@ -733,7 +736,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
             Code.SESSION_CLOSED, f"session {cmd.session} was released", session=cmd.session
         )
     _key(cmd.session, "session")
-    _live_owner(s, cmd.owner, required=True)
+    check_lease(s, cmd.owner, required=True)
     if s.default is None:
         raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
     event = SessionBound(
@@ -764,7 +767,7 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
     # Closed before its first bind: tombstone it so it can never bind.
     _key(cmd.session, "session")
     _key(cmd.owner, "owner")
-    _live_owner(s, cmd.owner, required=True)
+    check_lease(s, cmd.owner, required=True)
     event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
     return Decision((event,), Released(session=cmd.session, released=False))
 

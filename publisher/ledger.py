@@ -2,7 +2,9 @@
 
 How a command flows:
 
-1. ``execute`` puts the command on a queue and waits.
+1. ``execute`` puts the command on a queue and waits. The queue is bounded (``max_queued``):
+   when the writer falls that far behind, ``execute`` waits for room before queuing (callers
+   feel the back-pressure as latency, and memory stays bounded), it never fails for it.
 2. The writer task takes every command already queued (group commit), decides each one in
    order against the in-memory state, applying the accepted events as it goes so the next
    command sees them.
@@ -22,48 +24,38 @@ Opening a ledger replays the log (from the newest matching snapshot), appends
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
 
 import anyio
-import msgspec
-from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
+from anyio.streams.memory import (
+    MemoryObjectReceiveStream,
+    MemoryObjectSendStream,
+    MemoryObjectStreamStatistics,
+)
 
 from evlog.errors import Code, LedgerError
-from evlog.events import InFlight
 from evlog.record import Pending, Record, pending_many
 from evlog.store import EventStore
 from projections import invariants
+from projections.recovery import recover, save_snapshot
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
 from publisher.decider import Decision, decide
 from publisher.leases import LeaseBook
+from publisher.ledger_api import LedgerAPI
 from publisher.logs import get_logger
-from publisher.outcomes import (
-    Allocated,
-    AttemptEnded,
-    Bound,
-    Claimed,
-    Done,
-    Expired,
-    Forgotten,
-    InventoryRecorded,
-    Outcome,
-    Published,
-    ReclaimGranted,
-    Released,
-    Skipped,
-    UnloadRecorded,
-)
-from publisher.recovery import recover, save_snapshot
+from publisher.outcomes import Outcome
 
 CODE_VERSION = "loraledger-0.1.0"
+# Commands queued for the writer before ``execute`` makes the next caller wait. Far above what
+# group commit needs (a batch is whatever queued during one COMMIT: 256 concurrent sessions
+# queue at most 256), small enough that a stalled store cannot grow memory without limit.
+MAX_QUEUED = 4096
 
 log = get_logger("loraledger.ledger")
-OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
 
 class _Call:
@@ -80,9 +72,10 @@ class _Call:
         self.error: BaseException | None = None
 
 
-class Ledger:
+class Ledger(LedgerAPI):
     """The single writer. Construct with :meth:`open`; every method is safe to call
-    concurrently from many tasks."""
+    concurrently from many tasks. The typed methods (``bind``, ``commit``, ...) are
+    :class:`~publisher.ledger_api.LedgerAPI`'s, each one call of :meth:`execute`."""
 
     def __init__(
         self,
@@ -93,7 +86,10 @@ class Ledger:
         code_version: str,
         snapshot_every: int,
         check_invariants: bool,
+        max_queued: int = MAX_QUEUED,
     ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._store = store
         self._state = state
         self._clock = clock
@@ -101,7 +97,8 @@ class Ledger:
         self._snapshot_every = snapshot_every
         self._check = check_invariants
         self._since_snapshot = 0
-        self._send: ObjectSendStream[_Call] | None = None
+        self.max_queued = max_queued
+        self._send: MemoryObjectSendStream[_Call] | None = None
         self._fenced: LedgerError | None = None
         self._broken: LedgerError | None = None
         self._next_done: anyio.Event | None = None
@@ -124,7 +121,11 @@ class Ledger:
         snapshot_every: int = 200_000,
         check_invariants: bool = True,
         snapshot_on_close: bool = True,
+        max_queued: int = MAX_QUEUED,
     ) -> AsyncIterator[Ledger]:
+        """Recover the state from ``store``, start a new epoch, and serve until the block ends
+        (the commands queued by then are still decided and answered). ``max_queued`` bounds
+        the command queue (see :data:`MAX_QUEUED`)."""
         state = await recover(store)
         ledger = cls(
             store,
@@ -133,12 +134,13 @@ class Ledger:
             code_version=code_version,
             snapshot_every=snapshot_every,
             check_invariants=check_invariants,
+            max_queued=max_queued,
         )
         now = clock()
         for owner, record in state.owners.items():
             if not record.expired:
                 ledger.leases.grant(owner, now)
-        send, receive = anyio.create_memory_object_stream[_Call](max_buffer_size=math.inf)
+        send, receive = anyio.create_memory_object_stream[_Call](max_buffer_size=max_queued)
         ledger._send = send
         async with anyio.create_task_group() as tg:
             tg.start_soon(ledger._writer, receive)
@@ -172,6 +174,13 @@ class Ledger:
     def clock(self) -> float:
         return self._clock()
 
+    def queue_statistics(self) -> MemoryObjectStreamStatistics:
+        """The command queue now: ``current_buffer_used`` commands wait for the writer (at most
+        ``max_queued``), ``tasks_waiting_send`` callers wait for room (back-pressure)."""
+        if self._send is None:
+            raise LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
+        return self._send.statistics()
+
     def subscribe(self, after: int | None = None) -> AsyncIterator[Record]:
         """Every record after ``after`` (default: from the durable end of the log), as it is
         committed. (Not from ``state.last_seq``: the state may already hold the decisions of
@@ -181,8 +190,9 @@ class Ledger:
     # --- executing ------------------------------------------------------------------------------
 
     async def execute(self, command: c.Command) -> Outcome:
-        """Decide, append durably, answer. Raises ``LedgerError`` for a refusal."""
-        call = self._submit(command)
+        """Decide, append durably, answer. Raises ``LedgerError`` for a refusal. Waits for room
+        first when ``max_queued`` commands are already queued."""
+        call = await self._submit(command)
         await call.done.wait()
         if call.error is not None:
             raise call.error
@@ -191,10 +201,21 @@ class Ledger:
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
         """Submit a group at once (one Ray round trip for a whole batch of sessions). Each
-        command is decided on its own; refusals come back in place, not raised."""
-        calls = [self._submit(command) for command in commands]
+        command is decided on its own; refusals come back in place, not raised. (A ledger
+        that closes while the group waits for room refuses the rest of the group in place.)"""
+        calls: list[_Call | LedgerError] = []
+        for command in commands:
+            try:
+                calls.append(await self._submit(command))
+            except LedgerError as refusal:
+                if not calls:
+                    raise  # nothing was queued: the ledger refuses the whole group
+                calls.append(refusal)
         results: list[Outcome | LedgerError] = []
         for call in calls:
+            if isinstance(call, LedgerError):
+                results.append(call)
+                continue
             await call.done.wait()
             if call.error is None:
                 assert call.outcome is not None
@@ -205,21 +226,36 @@ class Ledger:
                 raise call.error
         return results
 
-    def _submit(self, command: c.Command) -> _Call:
-        if self._fenced is not None:
-            raise self._fenced
-        if self._broken is not None:
-            raise self._broken
-        if self._send is None:
-            raise LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
+    async def _submit(self, command: c.Command) -> _Call:
+        send = self._send
+        if self._fenced is not None or self._broken is not None or send is None:
+            raise self._refusal()
         done = self._next_done
         if done is None:
             done = self._next_done = anyio.Event()
         call = _Call(command, done)
-        self._send.send_nowait(call)
+        try:
+            send.send_nowait(call)  # no await: the call joins the batch that owns ``done``
+            return call
+        except anyio.WouldBlock:
+            pass
+        # The queue is full: wait for room. The shared event may belong to a batch that is
+        # answered before this call is queued, so the call waits on an event of its own
+        # (``_wake`` sets every distinct event of a batch).
+        call.done = anyio.Event()
+        try:
+            await send.send(call)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise self._refusal() from None
         return call
 
-    async def _writer(self, receive: ObjectReceiveStream[_Call]) -> None:
+    def _refusal(self) -> LedgerError:
+        """Why no command is accepted any more: fenced, the writer stopped, or closed."""
+        return (
+            self._fenced or self._broken or LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
+        )
+
+    async def _writer(self, receive: MemoryObjectReceiveStream[_Call]) -> None:
         batch: list[_Call] = []
         async with receive, anyio.create_task_group() as commits:
             try:
@@ -376,296 +412,6 @@ class Ledger:
     ) -> None:
         call.outcome = outcome
         call.error = error
-
-    async def _typed(self, command: c.Command, kind: type[OutcomeT] | tuple[type, ...]) -> Any:
-        outcome = await self.execute(command)
-        assert isinstance(outcome, kind), f"{type(command).__name__} answered {outcome!r}"
-        return outcome
-
-    # --- the API: one method per command (docs/state-machine.md) ------------------------------
-
-    async def create_deployment(
-        self, deployment: str, *, prefix: str, capacity: int, fleet: Iterable[str] = ()
-    ) -> Done:
-        command = c.CreateDeployment(
-            deployment=deployment, prefix=prefix, capacity=capacity, fleet=tuple(fleet)
-        )
-        return await self._typed(command, Done)
-
-    async def join_engine(
-        self, engine: str, incarnation: str, *, endpoint: str = "", kind: str = "local"
-    ) -> Done:
-        command = c.JoinEngine(engine=engine, incarnation=incarnation, endpoint=endpoint, kind=kind)
-        return await self._typed(command, Done)
-
-    async def observe_restart(self, engine: str, incarnation: str) -> Done:
-        return await self._typed(c.ObserveRestart(engine=engine, incarnation=incarnation), Done)
-
-    async def restore_version(self, version_id: int, engine: str, incarnation: str) -> Done:
-        command = c.RestoreVersion(version_id=version_id, engine=engine, incarnation=incarnation)
-        return await self._typed(command, Done)
-
-    async def repair_engine(self, engine: str, incarnation: str) -> Done:
-        return await self._typed(c.RepairEngine(engine=engine, incarnation=incarnation), Done)
-
-    async def leave_engine(self, engine: str) -> Done:
-        return await self._typed(c.LeaveEngine(engine=engine), Done)
-
-    async def observe_inventory(
-        self, engine: str, incarnation: str, adapters: Iterable[str]
-    ) -> InventoryRecorded:
-        command = c.ObserveInventory(
-            engine=engine, incarnation=incarnation, adapters=tuple(adapters)
-        )
-        return await self._typed(command, InventoryRecorded)
-
-    async def allocate(
-        self,
-        version_id: int,
-        digest: str,
-        *,
-        size_bytes: int = 0,
-        command_id: str | None = None,
-    ) -> Allocated | Skipped:
-        command = c.Allocate(
-            version_id=version_id, digest=digest, size_bytes=size_bytes, command_id=command_id
-        )
-        return await self._typed(command, (Allocated, Skipped))
-
-    async def claim_transport(self, version_id: int, attempt: int, owner: str) -> Claimed:
-        command = c.ClaimTransport(version_id=version_id, attempt=attempt, owner=owner)
-        return await self._typed(command, Claimed)
-
-    async def record_prepared(
-        self,
-        version_id: int,
-        attempt: int,
-        engine: str,
-        incarnation: str,
-        digest: str,
-        lora_name: str,
-    ) -> Done:
-        command = c.RecordPrepared(
-            version_id=version_id,
-            attempt=attempt,
-            engine=engine,
-            incarnation=incarnation,
-            digest=digest,
-            lora_name=lora_name,
-        )
-        return await self._typed(command, Done)
-
-    async def record_ready(
-        self,
-        version_id: int,
-        attempt: int,
-        engine: str,
-        incarnation: str,
-        digest: str,
-        lora_name: str,
-    ) -> Done:
-        command = c.RecordReady(
-            version_id=version_id,
-            attempt=attempt,
-            engine=engine,
-            incarnation=incarnation,
-            digest=digest,
-            lora_name=lora_name,
-        )
-        return await self._typed(command, Done)
-
-    async def commit(self, version_id: int, attempt: int) -> Published:
-        return await self._typed(c.Commit(version_id=version_id, attempt=attempt), Published)
-
-    async def fail_attempt(
-        self,
-        version_id: int,
-        attempt: int,
-        *,
-        clean: bool,
-        code: str,
-        reason: str,
-        absent_on: Iterable[str] = (),
-    ) -> AttemptEnded:
-        command = c.FailAttempt(
-            version_id=version_id,
-            attempt=attempt,
-            clean=clean,
-            code=code,
-            reason=reason,
-            absent_on=tuple(absent_on),
-        )
-        return await self._typed(command, AttemptEnded)
-
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        now = self._clock()
-        outcome = await self._typed(c.RegisterOwner(owner=owner, ttl_s=ttl_s, now=now), Done)
-        self.leases.grant(owner, now)
-        return outcome
-
-    def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
-    ) -> None:
-        """Renew ``owner``'s lease (not logged) and record its in-flight counts per
-        (engine, version_id). A stale worker gets ``LEASE_EXPIRED`` / ``UNKNOWN_OWNER``."""
-        record = self._state.owners.get(owner)
-        if record is None:
-            raise LedgerError(Code.UNKNOWN_OWNER, f"owner {owner!r} is not registered")
-        if record.expired:
-            raise LedgerError(
-                Code.LEASE_EXPIRED, f"owner {owner} lost its lease: its sessions were released"
-            )
-        if inflight is not None:
-            _check_inflight(inflight)
-        self.leases.renew(owner, self._clock(), inflight)
-
-    async def expire_leases(self) -> list[Expired]:
-        """Record the expiry of every owner whose lease ran out (called periodically)."""
-        now = self._clock()
-        ttls = {o: r.ttl_s for o, r in self._state.owners.items() if not r.expired}
-        expired: list[Expired] = []
-        for owner, last_seen in self.leases.overdue(now, ttls):
-            outcome = await self._typed(
-                c.ExpireOwner(owner=owner, now=now, last_seen=last_seen), Expired
-            )
-            self.leases.drop(owner)
-            expired.append(outcome)
-            log.warning("ledger.lease_expired", owner=owner, released=outcome.released)
-        return expired
-
-    def inflight_evidence(self, version_id: int) -> list[InFlight]:
-        return self.leases.inflight(version_id)
-
-    async def bind(self, session: str, owner: str) -> Bound:
-        return await self._typed(c.Bind(session=session, owner=owner), Bound)
-
-    async def release(self, session: str, owner: str, *, cause: str = "closed") -> Released:
-        return await self._typed(c.Release(session=session, owner=owner, cause=cause), Released)
-
-    async def forget(self, sessions: Iterable[str]) -> Forgotten:
-        return await self._typed(c.Forget(sessions=tuple(sessions)), Forgotten)
-
-    async def claim_reclaim(
-        self, version_id: int, evidence: Iterable[InFlight] = ()
-    ) -> ReclaimGranted:
-        command = c.ClaimReclaim(version_id=version_id, evidence=tuple(evidence))
-        return await self._typed(command, ReclaimGranted)
-
-    async def record_unloaded(
-        self, version_id: int, engine: str, incarnation: str
-    ) -> UnloadRecorded:
-        command = c.RecordUnloaded(version_id=version_id, engine=engine, incarnation=incarnation)
-        return await self._typed(command, UnloadRecorded)
-
-    async def mark_reclaim_ambiguous(self, version_id: int, engine: str, reason: str) -> Done:
-        command = c.MarkReclaimAmbiguous(version_id=version_id, engine=engine, reason=reason)
-        return await self._typed(command, Done)
-
-    def status(self) -> LedgerStatus:
-        return status_of(self._state)
-
-
-# --- status ------------------------------------------------------------------------------------
-
-
-class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
-    version_id: int
-    lora_name: str
-    digest: str
-    state: str
-    attempt: int
-    bound: int
-    revision: int | None
-    holders: tuple[str, ...]
-
-
-class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
-    engine: str
-    incarnation: str
-    kind: str
-    endpoint: str
-    routable: bool
-    holds: tuple[str, ...]
-    strays: tuple[str, ...]
-
-
-class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True):
-    deployment: str | None
-    epoch: int
-    last_seq: int
-    capacity: int
-    capacity_used: int
-    default: int | None
-    default_revision: int
-    sessions_bound: int
-    tombstones: int
-    owners: int
-    blocked_by: tuple[int, ...]
-    versions: tuple[VersionStatus, ...]
-    engines: tuple[EngineStatus, ...]
-
-
-def status_of(state: RegistryState) -> LedgerStatus:
-    return LedgerStatus(
-        deployment=state.deployment,
-        epoch=state.epoch,
-        last_seq=state.last_seq,
-        capacity=state.capacity,
-        capacity_used=state.capacity_used(),
-        default=state.default,
-        default_revision=state.default_revision,
-        sessions_bound=len(state.sessions),
-        tombstones=len(state.tombstones),
-        owners=sum(1 for o in state.owners.values() if not o.expired),
-        blocked_by=tuple(state.blocked_by()),
-        versions=tuple(
-            VersionStatus(
-                version_id=v.version_id,
-                lora_name=v.lora_name,
-                digest=v.digest,
-                state=v.state,
-                attempt=v.attempt,
-                bound=v.bound,
-                revision=v.revision,
-                holders=state.holders(v.lora_name, routable_only=False),
-            )
-            for v in sorted(state.versions.values(), key=lambda v: v.version_id)
-        ),
-        engines=tuple(
-            EngineStatus(
-                engine=e.engine,
-                incarnation=e.incarnation,
-                kind=e.kind,
-                endpoint=e.endpoint,
-                routable=e.routable,
-                holds=tuple(sorted(e.holds)),
-                strays=e.strays,
-            )
-            for e in sorted(state.engines.values(), key=lambda e: e.engine)
-        ),
-    )
-
-
-def _check_inflight(inflight: Mapping[tuple[str, int], int]) -> None:
-    """Refuse (``INVALID_INPUT``, nothing renewed) counts a reclaim decision could misread: a
-    negative count cancelled another reporter's positive one in the reclaim driver's sum (an
-    unload under a running request), and any non-zero one held the version forever."""
-    for key, count in inflight.items():
-        engine, version_id = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
-        if (
-            not isinstance(engine, str)
-            or not engine
-            or not isinstance(version_id, int)
-            or isinstance(version_id, bool)
-            or version_id <= 0
-            or not isinstance(count, int)
-            or isinstance(count, bool)
-            or count < 0
-        ):
-            raise LedgerError(
-                Code.INVALID_INPUT,
-                f"in-flight count {key!r}: {count!r} must be (engine, version id > 0): count >= 0",
-            )
 
 
 def _wake(batch: list[_Call]) -> None:

@@ -54,8 +54,8 @@ from typing import Any
 import anyio
 import msgspec
 
+from projections.status import LedgerStatus
 from publisher.adapter_copy import AdapterCopy
-from publisher.ledger import LedgerStatus
 from publisher.plane import ControlPlane
 from publisher.publication import ErrorKind, PublicationError, PublicationOutcome
 

@@ -32,8 +32,8 @@ import anyio
 from evlog.events import SessionBound, SessionReleased, SessionsForgotten
 from evlog.record import pending
 from evlog.sqlite import SQLiteStore, Synchronous
+from projections.recovery import recover, save_snapshot
 from publisher.ledger import Ledger
-from publisher.recovery import recover, save_snapshot
 from tools.bench_store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}

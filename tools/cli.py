@@ -258,7 +258,7 @@ def replay(
     Without options: the state at the end of the log (versions, engines, bindings).
     """
     from projections.history import Entry
-    from publisher.ledger import status_of
+    from projections.status import status_of
     from tools.plot import plot_lifetimes
     from tools.progress import progress_bar
     from tools.render import incidents_view, status_view, timeline_view

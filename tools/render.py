@@ -15,7 +15,7 @@ from rich.text import Text
 
 from projections.history import Entry
 from projections.incidents import Incident
-from publisher.ledger import LedgerStatus
+from projections.status import LedgerStatus
 from tools.audit import AuditReport
 from tools.demo import DemoRun
 from tools.story import Story

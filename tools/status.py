@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from publisher.ledger import LedgerStatus
+from projections.status import LedgerStatus
 from tools.exitcodes import Exit, ToolError
 
 

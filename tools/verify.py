@@ -6,8 +6,10 @@ Two checks, in this order, because they answer different questions:
    predecessor. A failure means the file was altered or damaged *after* the ledger wrote it.
 2. **The invariants**: every event is applied in order and the registry invariants are checked
    after each one (the cheap ones every step, the per-session ones at the end, or every step
-   with ``deep``). A failure on an intact chain means the ledger *itself* decided something
-   illegal (a bug), or someone re-forged the chain; either way the seq names where.
+   with ``deep``): the checked replay of ``projections.recovery``, the same one the ledger's
+   ``recover(check=True)`` runs. A failure on an intact chain means the ledger *itself*
+   decided something illegal (a bug), or someone re-forged the chain; either way the seq
+   names where.
 
 Nothing here raises for a bad log: the result says what failed, where, and which exit code
 reports it, so ``--json`` can describe a broken file as precisely as a good one.
@@ -23,13 +25,11 @@ import msgspec
 
 from evlog.errors import LedgerError
 from evlog.sqlite import SQLiteStore
-from projections import invariants
-from projections.registry import RegistryState, evolve
+from projections.recovery import CheckedReplay
 from tools.exitcodes import Exit, ToolError
 from tools.logfile import open_log
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
-_EVERY = 4096
 
 
 class VerifyResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,26 +115,14 @@ async def _replay_checked(
     store: SQLiteStore, deep: bool, last: int, progress: Progress | None
 ) -> tuple[int, str] | None:
     """Apply every event, checking invariants; the first (seq, problem) found, or None."""
-    state = RegistryState()
-    seq = 0
+    replay = CheckedReplay(deep=deep)
+    report = None if progress is None else lambda seq: progress("invariants", seq, last)
     try:
-        async for record in store.iterate(until=last):
-            seq = record.seq
-            try:
-                evolve(state, record.event, seq)
-            except Exception as exc:  # a forged or impossible event: it cannot even be applied
-                return seq, f"{record.type} cannot be applied to the state before it: {exc!r}"
-            found = invariants.violations(state, deep=deep)
-            if found:
-                return seq, f"after {record.type}: " + "; ".join(found)
-            if progress is not None and seq % _EVERY == 0:
-                progress("invariants", seq, last)
+        fault = await replay.run(store, until=last, progress=report)
     except LedgerError as exc:  # the file changed under us between the two passes
-        return exc.details.get("seq", seq + 1), f"{exc.code}: {exc.message}"
-    if not deep:
-        found = invariants.violations(state, deep=True)
-        if found:
-            return seq, "at the end of the log: " + "; ".join(found)
+        return exc.details.get("seq", replay.state.last_seq + 1), f"{exc.code}: {exc.message}"
+    if fault is not None:
+        return fault.seq, fault.describe()
     if progress is not None:
         progress("invariants", last, last)
     return None

@@ -48,8 +48,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from evlog.errors import Code, LedgerError
+from projections.status import LedgerStatus
 from publisher import commands as c
-from publisher.ledger import LedgerStatus
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply

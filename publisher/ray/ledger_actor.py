@@ -45,9 +45,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evlog.errors import Code, LedgerError
 from evlog.sqlite import SQLiteStore, Synchronous
+from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.fleet import Fleet
-from publisher.ledger import Ledger, LedgerStatus
+from publisher.ledger import Ledger
 from publisher.logs import get_logger
 from publisher.outcomes import Done, Outcome
 from publisher.ray.engine import RayEngine

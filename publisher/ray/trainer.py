@@ -25,8 +25,8 @@ import msgspec
 
 from engines.manifest import TensorData
 from evlog.errors import Code, LedgerError
+from projections.status import LedgerStatus
 from publisher.adapter_copy import AdapterCopy
-from publisher.ledger import LedgerStatus
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 
 

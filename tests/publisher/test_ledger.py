@@ -4,7 +4,7 @@ fencing, failed appends, leases. Real stores (memory and SQLite files), no mocks
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -17,11 +17,11 @@ from evlog.memory import MemoryStore
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from projections import invariants
-from projections.registry import encode_state
+from projections.recovery import recover, save_snapshot
+from projections.registry import RegistryState, encode_state
 from publisher import commands as c
 from publisher.ledger import Ledger
 from publisher.outcomes import Bound, Released
-from publisher.recovery import recover, save_snapshot
 
 
 def digest(n: int) -> str:
@@ -373,3 +373,68 @@ async def test_subscribers_see_each_new_event_once_in_order() -> None:
             await ledger.bind("b", "w")
         assert seen == ["SessionBound", "SessionReleased", "SessionBound"]
         assert ledger.state.last_seq == start + 3
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    with anyio.fail_after(10):
+        while not condition():  # noqa: ASYNC110 -- the ledger has no event to await here
+            await anyio.sleep(0.005)
+
+
+@pytest.mark.anyio
+async def test_a_full_queue_makes_callers_wait_and_loses_nothing() -> None:
+    """Back-pressure: with the store stalled, ``max_queued`` commands queue and every later
+    caller waits for room (neither refused nor queued beyond the bound); once the store
+    moves, every caller is answered and every binding is durable."""
+    store = GatedStore()
+    async with Ledger.open(store, max_queued=4) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        store.gated = True
+        bound: list[str] = []
+        batches = ledger.batches
+
+        async def bind(session: str) -> None:
+            bound.append((await ledger.bind(session, "w")).session)
+
+        async def group(sessions: list[str]) -> None:
+            for result in await ledger.execute_many(
+                [c.Bind(session=s, owner="w") for s in sessions]
+            ):
+                assert isinstance(result, Bound), result
+                bound.append(result.session)
+
+        def queue() -> tuple[int, int]:
+            stats = ledger.queue_statistics()
+            return stats.current_buffer_used, stats.tasks_waiting_send
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bind, "a")  # decided; its append waits at the gate
+            await _until(lambda: "a" in ledger.state.sessions)
+            tg.start_soon(bind, "b")  # decided on top of "a"; the writer waits for "a"'s COMMIT
+            await _until(lambda: "b" in ledger.state.sessions)
+            for i in range(10):
+                tg.start_soon(bind, f"q{i}")
+            tg.start_soon(group, [f"g{i}" for i in range(6)])
+            await _until(lambda: queue() == (4, 7))  # 4 queued, 6 binds and the group wait
+            assert bound == [] and ledger.batches == batches  # nothing answered, nothing lost
+            store.gated = False
+            store.gate.set()
+        expected = {"a", "b"} | {f"q{i}" for i in range(10)} | {f"g{i}" for i in range(6)}
+        assert sorted(bound) == sorted(expected)
+        assert queue() == (0, 0)
+        durable = await recover(store, use_snapshot=False)
+        assert set(durable.sessions) == expected
+
+
+def test_the_queue_bound_must_allow_one_command() -> None:
+    with pytest.raises(ValueError, match="max_queued"):
+        Ledger(
+            MemoryStore(),
+            RegistryState(),
+            clock=lambda: 0.0,
+            code_version="x",
+            snapshot_every=10,
+            check_invariants=True,
+            max_queued=0,
+        )

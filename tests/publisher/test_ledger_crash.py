@@ -29,7 +29,7 @@ from evlog.events import (
 )
 from evlog.record import Record
 from evlog.sqlite import SQLiteStore
-from publisher.recovery import recover
+from projections.recovery import recover
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -36,6 +36,7 @@ from evlog.events import (
     VersionRestored,
 )
 from evlog.memory import MemoryLog, MemoryStore
+from projections.recovery import recover
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts
 from publisher.publication import (
@@ -46,7 +47,6 @@ from publisher.publication import (
     PublicationError,
     PublicationStatus,
 )
-from publisher.recovery import recover
 from tests.engines.faulty_engine import (
     Delay,
     Drop,

@@ -35,8 +35,8 @@ import pytest
 
 from evlog.events import SessionBound, SessionReleased, VersionReclaimed
 from projections import invariants
+from projections.recovery import recover
 from projections.registry import VersionState
-from publisher.recovery import recover
 from publisher.sessions import RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, SHORT, plane_rig
 

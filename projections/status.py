@@ -1,0 +1,93 @@
+"""The ledger's status: a summary of a registry state, for people and for other processes.
+
+``status_of(state)`` is a pure read of the state, so the live ledger (``Ledger.status()``,
+``GET /status`` of ``loraledger serve``) and an offline replay of a log (``loraledger replay``)
+describe a state with the same struct and render it with the same view. The structs are frozen
+msgspec structs: the service sends one as JSON and ``loraledger status`` decodes it back into
+the same type, so an incompatible answer fails loudly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from projections.registry import RegistryState
+
+
+class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
+    version_id: int
+    lora_name: str
+    digest: str
+    state: str
+    attempt: int
+    bound: int
+    revision: int | None
+    holders: tuple[str, ...]
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    engine: str
+    incarnation: str
+    kind: str
+    endpoint: str
+    routable: bool
+    holds: tuple[str, ...]
+    strays: tuple[str, ...]
+
+
+class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    deployment: str | None
+    epoch: int
+    last_seq: int
+    capacity: int
+    capacity_used: int
+    default: int | None
+    default_revision: int
+    sessions_bound: int
+    tombstones: int
+    owners: int
+    blocked_by: tuple[int, ...]
+    versions: tuple[VersionStatus, ...]
+    engines: tuple[EngineStatus, ...]
+
+
+def status_of(state: RegistryState) -> LedgerStatus:
+    """The status of ``state``: versions by id, engines by name, live owners only."""
+    return LedgerStatus(
+        deployment=state.deployment,
+        epoch=state.epoch,
+        last_seq=state.last_seq,
+        capacity=state.capacity,
+        capacity_used=state.capacity_used(),
+        default=state.default,
+        default_revision=state.default_revision,
+        sessions_bound=len(state.sessions),
+        tombstones=len(state.tombstones),
+        owners=sum(1 for o in state.owners.values() if not o.expired),
+        blocked_by=tuple(state.blocked_by()),
+        versions=tuple(
+            VersionStatus(
+                version_id=v.version_id,
+                lora_name=v.lora_name,
+                digest=v.digest,
+                state=v.state,
+                attempt=v.attempt,
+                bound=v.bound,
+                revision=v.revision,
+                holders=state.holders(v.lora_name, routable_only=False),
+            )
+            for v in sorted(state.versions.values(), key=lambda v: v.version_id)
+        ),
+        engines=tuple(
+            EngineStatus(
+                engine=e.engine,
+                incarnation=e.incarnation,
+                kind=e.kind,
+                endpoint=e.endpoint,
+                routable=e.routable,
+                holds=tuple(sorted(e.holds)),
+                strays=e.strays,
+            )
+            for e in sorted(state.engines.values(), key=lambda e: e.engine)
+        ),
+    )

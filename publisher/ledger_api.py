@@ -1,0 +1,300 @@
+"""The ledger's typed API: one method per command, each a single call of ``_run``.
+
+:class:`LedgerAPI` is what callers use (``ledger.bind(session, owner)``,
+``ledger.commit(version_id, attempt)``): it builds the command, executes it through the
+single-writer pipeline of :class:`publisher.ledger.Ledger` (which inherits these methods), and
+checks the outcome is the kind the command answers. Names and types live here; ordering,
+batching and durability live in the pipeline. Adding a command is one method whose body is one
+``_run`` line.
+
+What each command checks, and in which order: ``publisher/decider.py``; the version states it
+can move through: ``projections/transitions.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+from evlog.errors import Code, LedgerError
+from evlog.events import InFlight
+from projections.status import LedgerStatus, status_of
+from publisher import commands as c
+from publisher.decider import check_lease
+from publisher.logs import get_logger
+from publisher.outcomes import (
+    Allocated,
+    AttemptEnded,
+    Bound,
+    Claimed,
+    Done,
+    Expired,
+    Forgotten,
+    InventoryRecorded,
+    Outcome,
+    Published,
+    ReclaimGranted,
+    Released,
+    Skipped,
+    UnloadRecorded,
+)
+
+if TYPE_CHECKING:
+    from projections.registry import RegistryState
+    from publisher.leases import LeaseBook
+
+log = get_logger("loraledger.ledger")
+OutcomeT = TypeVar("OutcomeT", bound=Outcome)
+
+
+class LedgerAPI:
+    """The typed methods of the ledger, over what the pipeline provides: ``execute``, the
+    live ``state``, the ``clock`` and the lease book (``leases``, renewals are not logged)."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+        leases: LeaseBook
+
+        @property
+        def state(self) -> RegistryState: ...
+
+        def clock(self) -> float: ...
+
+        async def execute(self, command: c.Command) -> Outcome: ...
+
+    async def _run(
+        self, command: c.Command, answer: type[OutcomeT] | tuple[type[OutcomeT], ...]
+    ) -> OutcomeT:
+        """The one path of the typed API: execute, then check the outcome is the kind the
+        command answers (anything else is a bug in the decider, not a refusal)."""
+        outcome = await self.execute(command)
+        if not isinstance(outcome, answer):
+            raise AssertionError(f"{type(command).__name__} answered {outcome!r}")
+        return outcome
+
+    # --- deployment and fleet ------------------------------------------------------------------
+
+    async def create_deployment(
+        self, deployment: str, *, prefix: str, capacity: int, fleet: Iterable[str] = ()
+    ) -> Done:
+        """Create the log's one deployment (a no-op when it exists with the same rules)."""
+        command = c.CreateDeployment(
+            deployment=deployment, prefix=prefix, capacity=capacity, fleet=tuple(fleet)
+        )
+        return await self._run(command, Done)
+
+    async def join_engine(
+        self, engine: str, incarnation: str, *, endpoint: str = "", kind: str = "local"
+    ) -> Done:
+        """Admit an engine to the fleet. It serves nothing until :meth:`repair_engine`."""
+        command = c.JoinEngine(engine=engine, incarnation=incarnation, endpoint=endpoint, kind=kind)
+        return await self._run(command, Done)
+
+    async def observe_restart(self, engine: str, incarnation: str) -> Done:
+        """A new process life of an engine: it lost every adapter, unroutable until repaired."""
+        return await self._run(c.ObserveRestart(engine=engine, incarnation=incarnation), Done)
+
+    async def restore_version(self, version_id: int, engine: str, incarnation: str) -> Done:
+        """Repair reloaded a still-needed version on an engine."""
+        command = c.RestoreVersion(version_id=version_id, engine=engine, incarnation=incarnation)
+        return await self._run(command, Done)
+
+    async def repair_engine(self, engine: str, incarnation: str) -> Done:
+        """Make an engine routable; refused (``NOT_READY``) until it holds every needed version."""
+        return await self._run(c.RepairEngine(engine=engine, incarnation=incarnation), Done)
+
+    async def leave_engine(self, engine: str) -> Done:
+        """Remove an engine from the fleet (the proofs still owed by it are owed no more)."""
+        return await self._run(c.LeaveEngine(engine=engine), Done)
+
+    async def observe_inventory(
+        self, engine: str, incarnation: str, adapters: Iterable[str]
+    ) -> InventoryRecorded:
+        """What an engine says it holds: absence proofs for fatal attempts and reclaims, strays."""
+        command = c.ObserveInventory(
+            engine=engine, incarnation=incarnation, adapters=tuple(adapters)
+        )
+        return await self._run(command, InventoryRecorded)
+
+    # --- publication ---------------------------------------------------------------------------
+
+    async def allocate(
+        self, version_id: int, digest: str, *, size_bytes: int = 0, command_id: str | None = None
+    ) -> Allocated | Skipped:
+        """Open the next attempt of a version (or return the one under way, or the completed
+        version); a full capacity once something is published is a recorded skip."""
+        command = c.Allocate(
+            version_id=version_id, digest=digest, size_bytes=size_bytes, command_id=command_id
+        )
+        return await self._run(command, (Allocated, Skipped))
+
+    async def claim_transport(self, version_id: int, attempt: int, owner: str) -> Claimed:
+        """Make ``owner`` the one driver of the attempt's transfers."""
+        command = c.ClaimTransport(version_id=version_id, attempt=attempt, owner=owner)
+        return await self._run(command, Claimed)
+
+    async def record_prepared(
+        self,
+        version_id: int,
+        attempt: int,
+        engine: str,
+        incarnation: str,
+        digest: str,
+        lora_name: str,
+    ) -> Done:
+        """A fenced receipt: the engine staged the attempt's adapter."""
+        receipt = c.RecordPrepared(
+            version_id=version_id,
+            attempt=attempt,
+            engine=engine,
+            incarnation=incarnation,
+            digest=digest,
+            lora_name=lora_name,
+        )
+        return await self._run(receipt, Done)
+
+    async def record_ready(
+        self,
+        version_id: int,
+        attempt: int,
+        engine: str,
+        incarnation: str,
+        digest: str,
+        lora_name: str,
+    ) -> Done:
+        """A fenced receipt: the engine loaded the attempt's adapter and echoed its name and
+        digest. A mismatch is recorded (``ReceiptRejected``) and refused."""
+        receipt = c.RecordReady(
+            version_id=version_id,
+            attempt=attempt,
+            engine=engine,
+            incarnation=incarnation,
+            digest=digest,
+            lora_name=lora_name,
+        )
+        return await self._run(receipt, Done)
+
+    async def commit(self, version_id: int, attempt: int) -> Published:
+        """Publish the attempt once every fleet engine is READY: it becomes the default and the
+        previous default is RETIRED."""
+        return await self._run(c.Commit(version_id=version_id, attempt=attempt), Published)
+
+    async def fail_attempt(
+        self,
+        version_id: int,
+        attempt: int,
+        *,
+        clean: bool,
+        code: str,
+        reason: str,
+        absent_on: Iterable[str] = (),
+    ) -> AttemptEnded:
+        """End the attempt: FAILED_RETRYABLE if ``clean`` and ``absent_on`` covers the fleet,
+        otherwise FAILED_FATAL (publication blocked until inventories prove absence)."""
+        command = c.FailAttempt(
+            version_id=version_id,
+            attempt=attempt,
+            clean=clean,
+            code=code,
+            reason=reason,
+            absent_on=tuple(absent_on),
+        )
+        return await self._run(command, AttemptEnded)
+
+    # --- owners and sessions -------------------------------------------------------------------
+
+    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
+        """Register a session owner; its lease starts now and must be renewed within ``ttl_s``."""
+        now = self.clock()
+        outcome = await self._run(c.RegisterOwner(owner=owner, ttl_s=ttl_s, now=now), Done)
+        self.leases.grant(owner, now)
+        return outcome
+
+    def renew_lease(
+        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+    ) -> None:
+        """Renew ``owner``'s lease (not logged) and record its in-flight counts per
+        (engine, version_id). A stale worker gets ``LEASE_EXPIRED`` / ``UNKNOWN_OWNER``, by
+        the same rule the decider applies to its commands."""
+        check_lease(self.state, owner, required=True)
+        if inflight is not None:
+            _check_inflight(inflight)
+        self.leases.renew(owner, self.clock(), inflight)
+
+    async def expire_leases(self) -> list[Expired]:
+        """Record the expiry of every owner whose lease ran out (called periodically)."""
+        now = self.clock()
+        ttls = {o: r.ttl_s for o, r in self.state.owners.items() if not r.expired}
+        expired: list[Expired] = []
+        for owner, last_seen in self.leases.overdue(now, ttls):
+            command = c.ExpireOwner(owner=owner, now=now, last_seen=last_seen)
+            outcome = await self._run(command, Expired)
+            self.leases.drop(owner)
+            expired.append(outcome)
+            log.warning("ledger.lease_expired", owner=owner, released=outcome.released)
+        return expired
+
+    def inflight_evidence(self, version_id: int) -> list[InFlight]:
+        """The in-flight counts the live owners last renewed with, for ``claim_reclaim``."""
+        return self.leases.inflight(version_id)
+
+    async def bind(self, session: str, owner: str) -> Bound:
+        """Bind a session to the default version, for good (later calls answer the same)."""
+        return await self._run(c.Bind(session=session, owner=owner), Bound)
+
+    async def release(self, session: str, owner: str, *, cause: str = "closed") -> Released:
+        """Release a session: it is tombstoned and can never bind again."""
+        return await self._run(c.Release(session=session, owner=owner, cause=cause), Released)
+
+    async def forget(self, sessions: Iterable[str]) -> Forgotten:
+        """Drop released sessions' tombstones (refused, nothing dropped, if one is bound)."""
+        return await self._run(c.Forget(sessions=tuple(sessions)), Forgotten)
+
+    # --- reclaim -------------------------------------------------------------------------------
+
+    async def claim_reclaim(
+        self, version_id: int, evidence: Iterable[InFlight] = ()
+    ) -> ReclaimGranted:
+        """Start reclaiming a RETIRED version no session is bound to and, by ``evidence``, no
+        request uses."""
+        command = c.ClaimReclaim(version_id=version_id, evidence=tuple(evidence))
+        return await self._run(command, ReclaimGranted)
+
+    async def record_unloaded(
+        self, version_id: int, engine: str, incarnation: str
+    ) -> UnloadRecorded:
+        """An engine proved it unloaded a reclaiming version (the last proof completes it)."""
+        command = c.RecordUnloaded(version_id=version_id, engine=engine, incarnation=incarnation)
+        return await self._run(command, UnloadRecorded)
+
+    async def mark_reclaim_ambiguous(self, version_id: int, engine: str, reason: str) -> Done:
+        """An unload's outcome is unknown: the slot stays held until an inventory resolves it."""
+        command = c.MarkReclaimAmbiguous(version_id=version_id, engine=engine, reason=reason)
+        return await self._run(command, Done)
+
+    def status(self) -> LedgerStatus:
+        """The live state as a :class:`~projections.status.LedgerStatus`."""
+        return status_of(self.state)
+
+
+def _check_inflight(inflight: Mapping[tuple[str, int], int]) -> None:
+    """Refuse (``INVALID_INPUT``, nothing renewed) counts a reclaim decision could misread: a
+    negative count cancelled another reporter's positive one in the reclaim driver's sum (an
+    unload under a running request), and any non-zero one held the version forever."""
+    for key, count in inflight.items():
+        engine, version_id = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        if (
+            not isinstance(engine, str)
+            or not engine
+            or not isinstance(version_id, int)
+            or isinstance(version_id, bool)
+            or version_id <= 0
+            or not isinstance(count, int)
+            or isinstance(count, bool)
+            or count < 0
+        ):
+            raise LedgerError(
+                Code.INVALID_INPUT,
+                f"in-flight count {key!r}: {count!r} must be (engine, version id > 0): count >= 0",
+            )
