@@ -33,7 +33,7 @@ import msgspec
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode, StoreError
 from evlog.events import InFlight
 from evlog.record import Pending, Record, pending_many
 from evlog.store import EventStore
@@ -41,6 +41,7 @@ from projections import invariants
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
 from publisher.decider import Decision, decide
+from publisher.errors import Code, LedgerError
 from publisher.leases import LeaseBook
 from publisher.outcomes import (
     Allocated,
@@ -189,17 +190,17 @@ class Ledger:
         assert call.outcome is not None
         return call.outcome
 
-    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         """Submit a group at once (one Ray round trip for a whole batch of sessions). Each
         command is decided on its own; refusals come back in place, not raised."""
         calls = [self._submit(command) for command in commands]
-        results: list[Outcome | LedgerError] = []
+        results: list[Outcome | LoraLedgerError] = []
         for call in calls:
             await call.done.wait()
             if call.error is None:
                 assert call.outcome is not None
                 results.append(call.outcome)
-            elif isinstance(call.error, LedgerError):
+            elif isinstance(call.error, LoraLedgerError):
                 results.append(call.error)
             else:
                 raise call.error
@@ -361,7 +362,7 @@ class Ledger:
                 Code.LEDGER_CLOSED,
                 "the ledger stopped during an append; replay the log to learn the outcome",
             )
-        if isinstance(exc, LedgerError) and exc.code == Code.SEQ_CONFLICT:
+        if isinstance(exc, StoreError) and exc.code == StoreCode.SEQ_CONFLICT:
             self._fenced = LedgerError(
                 Code.FENCED,
                 "another controller appended to this log; this ledger stopped writing",

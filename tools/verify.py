@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore
 from projections import invariants
 from projections.registry import RegistryState, evolve
@@ -71,7 +71,7 @@ async def verify_log(
                 progress("chain", 0, store.last_seq)
             report = await store.verify()
             if not report.ok:
-                code = ToolError.from_ledger(LedgerError(report.code or "", report.message))
+                code = ToolError.from_ledger(LoraLedgerError(report.code or "", report.message))
                 return failed(
                     "chain",
                     code.exit_code,
@@ -129,7 +129,7 @@ async def _replay_checked(
                 return seq, f"after {record.type}: " + "; ".join(found)
             if progress is not None and seq % _EVERY == 0:
                 progress("invariants", seq, last)
-    except LedgerError as exc:  # the file changed under us between the two passes
+    except LoraLedgerError as exc:  # the file changed under us between the two passes
         return exc.details.get("seq", seq + 1), f"{exc.code}: {exc.message}"
     if not deep:
         found = invariants.violations(state, deep=True)

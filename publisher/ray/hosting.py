@@ -30,7 +30,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from evlog.errors import Code, LedgerError
+from publisher.errors import Code, LedgerError
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -24,7 +24,7 @@ import anyio.to_thread
 import msgspec
 
 from engines.manifest import TensorData
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput
 from publisher.ledger import LedgerStatus
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.snapshot import AdapterSnapshot
@@ -48,8 +48,8 @@ def rebuild_snapshot(wire: AdapterWire, bucket_bytes: int) -> AdapterSnapshot:
     """The snapshot again (bucketed for this plane), checked against the sender's digest."""
     snapshot = AdapterSnapshot(wire.config, wire.tensors, bucket_bytes=bucket_bytes)
     if snapshot.digest != wire.digest:
-        raise LedgerError(
-            Code.INVALID_INPUT,
+        raise InvalidInput(
+            INVALID_INPUT,
             f"the adapter hashes to {snapshot.digest[:16]} here, the trainer sent "
             f"{wire.digest[:16]}: its bytes changed in transit",
         )

@@ -13,7 +13,7 @@ import sys
 
 import anyio
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
 
@@ -71,7 +71,7 @@ async def main(path: str, run_id: str) -> None:
             async def bind(name: str = session, step: int = step) -> None:
                 try:
                     bound = await ledger.bind(name, "w")
-                except LedgerError as err:
+                except LoraLedgerError as err:
                     ack("refused", name, err.code, ledger.state.last_seq)
                     return
                 ack("bind", name, bound.version_id, ledger.state.last_seq)

@@ -16,9 +16,10 @@ import anyio
 import pytest
 
 from engines.contract import SamplingParams
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import ReclaimClaimed
 from projections.registry import VersionState
+from publisher.errors import Code
 from publisher.gateway import Served
 from publisher.sessions import RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, Recording, Rig, rig
@@ -72,7 +73,7 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
             assert await claims(r) == []
             busy_reports = [x for x in driver.evidence(1) if x.count]
             assert [(x.reporter, x.engine, x.count) for x in busy_reports] == [("gw", busy, 1)]
-            with pytest.raises(LedgerError) as info:  # and the decider would refuse it too
+            with pytest.raises(LoraLedgerError) as info:  # and the decider would refuse it too
                 await r.ledger.claim_reclaim(1, driver.evidence(1))
             assert info.value.code == Code.REQUESTS_IN_FLIGHT
             assert r.local[busy].refcount(v1) == 1
