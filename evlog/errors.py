@@ -24,7 +24,7 @@ ledger's codes live in ``publisher.errors``, the gateway's in ``publisher.gatewa
 publication driver's in ``publisher.publication``. A code has one family, declared once with
 the owner's error class (like ``OSError(errno.ENOENT, ...)`` giving a ``FileNotFoundError``,
 ``StoreError(StoreCode.STORE_CLOSED, ...)`` is a ``StoreUnavailable``), so no raise site can
-disagree with it.
+disagree with it. docs/errors.md lists every code with its family.
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ class LoraLedgerError(Exception):
         codes = tuple(codes)
         if not codes:
             return
-        owner = cls.__bases__[0]
-        if owner in FAMILIES or not issubclass(owner, LoraLedgerError) or len(cls.__bases__) != 2:
+        bases = cls.__bases__
+        owner = bases[0]
+        if (
+            len(bases) != 2
+            or owner in FAMILIES
+            or bases[1] not in FAMILIES
+            or not issubclass(owner, LoraLedgerError)
+        ):
             raise TypeError(f"{cls.__name__}: declare codes as class X(Owner, Family, codes=...)")
         table = owner.__dict__.get("_family_class_of")
         if table is None:
