@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import (
+    Ambiguous,
+    Corrupt,
+    InvalidInput,
+    LoraLedgerError,
+    Refused,
+    StoreCode,
+    StoreError,
+    Unavailable,
+)
 from evlog.record import GENESIS_HASH, Pending, Record, pending
 from evlog.store import EventStore, Snapshot, VerifyReport
 
@@ -18,15 +27,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GENESIS_HASH",
-    "Code",
+    "Ambiguous",
+    "Corrupt",
     "EventStore",
-    "LedgerError",
+    "InvalidInput",
+    "LoraLedgerError",
     "MemoryLog",
     "MemoryStore",
     "Pending",
     "Record",
+    "Refused",
     "SQLiteStore",
     "Snapshot",
+    "StoreCode",
+    "StoreError",
+    "Unavailable",
     "VerifyReport",
     "pending",
 ]

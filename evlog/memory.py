@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.lowlevel
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
 from evlog.store import SNAPSHOTS_KEPT, CommitSignal, Snapshot, VerifyReport, plan_appends
 
@@ -105,7 +105,7 @@ class MemoryStore:
         log = self._log
         plan = plan_appends([(batch, expected_seq)], self.last_seq, self.head_hash, log.ids)
         outcome = plan.outcomes[0]
-        if isinstance(outcome, LedgerError):
+        if isinstance(outcome, StoreError):
             raise outcome
         if plan.rows:
             log.rows.extend(plan.rows)
@@ -119,8 +119,8 @@ class MemoryStore:
         await anyio.lowlevel.checkpoint()
         self._check_open()
         if not 0 <= snapshot.seq <= self.last_seq:
-            raise LedgerError(
-                Code.INVALID_INPUT,
+            raise StoreError(
+                INVALID_INPUT,
                 f"snapshot at seq {snapshot.seq} is outside the log (last seq {self.last_seq})",
                 seq=snapshot.seq,
             )
@@ -180,7 +180,7 @@ class MemoryStore:
                 open_row(row, prev_seq, prev_hash)
                 prev_seq, prev_hash = row[0], row[8]
                 count += 1
-        except LedgerError as exc:
+        except StoreError as exc:
             return VerifyReport(
                 ok=False,
                 records=count,
@@ -201,7 +201,7 @@ class MemoryStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise LedgerError(Code.STORE_CLOSED, "the store is closed")
+            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
 
     def _read(
         self, after: int, until: int | None, limit: int | None, prev_hash: bytes | None
@@ -210,7 +210,7 @@ class MemoryStore:
         the caller already holds it (chunked reads); otherwise it is looked up, so the first
         record returned is verified against its real predecessor too."""
         if after < 0:
-            raise LedgerError(Code.INVALID_INPUT, f"after must be >= 0, got {after}")
+            raise StoreError(INVALID_INPUT, f"after must be >= 0, got {after}")
         if (limit is not None and limit <= 0) or (until is not None and until <= after):
             return []
         rows = self._log.rows
@@ -221,7 +221,7 @@ class MemoryStore:
             elif start > 0 and rows[start - 1][0] == after:
                 prev_hash = rows[start - 1][8]
             elif start < len(rows):
-                raise LedgerError(Code.CHAIN_BROKEN, f"record {after} is missing", seq=after)
+                raise StoreError(StoreCode.CHAIN_BROKEN, f"record {after} is missing", seq=after)
             else:
                 return []
         stop = len(rows) if limit is None else min(len(rows), start + limit)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import StoreCode, StoreError
 from evlog.events import AnyEvent, Event, decode_event, encode_event, stream_of
 
 GENESIS_HASH = bytes(32)
@@ -159,8 +159,8 @@ def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
     """
     seq, event_id, stream, type_name, schema, recorded_at, payload, stored_prev, stored_hash = row
     if seq != prev_seq + 1:
-        raise LedgerError(
-            Code.CHAIN_BROKEN,
+        raise StoreError(
+            StoreCode.CHAIN_BROKEN,
             f"record {prev_seq + 1} is missing (the next stored record is {seq})",
             seq=prev_seq + 1,
         )
@@ -168,26 +168,26 @@ def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
         chain_hash(stored_prev, seq, event_id, stream, type_name, schema, recorded_at, payload)
         != stored_hash
     ):
-        raise LedgerError(
-            Code.CORRUPT_RECORD, f"record {seq} does not match its hash (altered)", seq=seq
+        raise StoreError(
+            StoreCode.CORRUPT_RECORD, f"record {seq} does not match its hash (altered)", seq=seq
         )
     if stored_prev != prev_hash:
-        raise LedgerError(
-            Code.CHAIN_BROKEN,
+        raise StoreError(
+            StoreCode.CHAIN_BROKEN,
             f"record {seq} is not chained to record {prev_seq} (an earlier record was rewritten)",
             seq=seq,
         )
     try:
         event = decode_event(payload, type_name, schema)
     except LookupError as exc:
-        raise LedgerError(Code.UNKNOWN_SCHEMA, f"record {seq}: {exc}", seq=seq) from exc
+        raise StoreError(StoreCode.UNKNOWN_SCHEMA, f"record {seq}: {exc}", seq=seq) from exc
     except (ValueError, TypeError) as exc:  # msgspec.DecodeError/ValidationError are ValueErrors
-        raise LedgerError(
-            Code.CORRUPT_RECORD, f"record {seq} payload does not decode: {exc}", seq=seq
+        raise StoreError(
+            StoreCode.CORRUPT_RECORD, f"record {seq} payload does not decode: {exc}", seq=seq
         ) from exc
     if type(event).__name__ != type_name:
-        raise LedgerError(
-            Code.CORRUPT_RECORD,
+        raise StoreError(
+            StoreCode.CORRUPT_RECORD,
             f"record {seq} says {type_name} but its payload is {type(event).__name__}",
             seq=seq,
         )

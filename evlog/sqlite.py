@@ -38,7 +38,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
 from evlog.store import (
     SNAPSHOTS_KEPT,
@@ -128,7 +128,7 @@ class _Call:
 
     __slots__ = ("batch", "expected_seq", "leader", "outcome", "snapshot", "taken", "woken")
     # ``outcome`` is None until the call is resolved: its seqs ([] for a saved snapshot) or the
-    # LedgerError its caller raises.
+    # StoreError its caller raises.
 
     def __init__(
         self, batch: Sequence[Pending], expected_seq: int | None, snapshot: Snapshot | None
@@ -142,7 +142,7 @@ class _Call:
         self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.leader = False
         self.taken = False
-        self.outcome: list[int] | LedgerError | None = None
+        self.outcome: list[int] | StoreError | None = None
 
 
 def _one_statement(rows: list[Row]) -> tuple[str, list[object]]:
@@ -159,14 +159,14 @@ def _wake(call: _Call) -> None:
         call.woken.set_result(None)
 
 
-def _store_error(exc: BaseException, doing: str) -> LedgerError:
+def _store_error(exc: BaseException, doing: str) -> StoreError:
     code = (
-        Code.CORRUPT_STORE
+        StoreCode.CORRUPT_STORE
         if isinstance(exc, sqlite3.DatabaseError)
         and getattr(exc, "sqlite_errorcode", None) in _CORRUPTION
-        else Code.STORE_FAILED
+        else StoreCode.STORE_FAILED
     )
-    return LedgerError(code, f"{doing}: {exc}", cause=type(exc).__name__)
+    return StoreError(code, f"{doing}: {exc}", cause=type(exc).__name__)
 
 
 class SQLiteStore:
@@ -182,7 +182,7 @@ class SQLiteStore:
     Open with ``async with SQLiteStore.open(path) as store`` (or ``await SQLiteStore.connect``
     and ``await store.close()``). Opening runs ``PRAGMA quick_check`` and verifies the tail
     record's hash and link; a file that is not a loraledger database or fails those checks is
-    refused with a ``LedgerError`` (``CORRUPT_STORE``, ``CORRUPT_RECORD`` or ``CHAIN_BROKEN``).
+    refused with a ``StoreError`` (``CORRUPT_STORE``, ``CORRUPT_RECORD`` or ``CHAIN_BROKEN``).
     One process should write a file at a time; a second writer is detected (the explicit seq
     collides) and handled correctly, only slowly.
     """
@@ -233,12 +233,12 @@ class SQLiteStore:
         """
         path = os.fspath(path)
         if synchronous not in ("FULL", "NORMAL"):
-            raise LedgerError(
-                Code.INVALID_INPUT, f"synchronous must be FULL or NORMAL, got {synchronous!r}"
+            raise StoreError(
+                INVALID_INPUT, f"synchronous must be FULL or NORMAL, got {synchronous!r}"
             )
         if path == ":memory:" or path.startswith("file:"):
-            raise LedgerError(
-                Code.INVALID_INPUT, "SQLiteStore needs a file path (a reader shares the file)"
+            raise StoreError(
+                INVALID_INPUT, "SQLiteStore needs a file path (a reader shares the file)"
             )
         try:
             # A plain open first: an aiosqlite connection that fails to open leaves its thread
@@ -357,7 +357,7 @@ class SQLiteStore:
             with anyio.CancelScope(shield=True):
                 await self._lead()
         outcome = call.outcome
-        if isinstance(outcome, LedgerError):
+        if isinstance(outcome, StoreError):
             raise outcome
         assert outcome is not None, "a call is answered only once resolved"
         return outcome
@@ -397,7 +397,7 @@ class SQLiteStore:
         finally:
             for call in group:
                 if call.outcome is None:
-                    call.outcome = LedgerError(Code.STORE_FAILED, "the write was interrupted")
+                    call.outcome = StoreError(StoreCode.STORE_FAILED, "the write was interrupted")
                 _wake(call)
             self._promote_next()
 
@@ -410,7 +410,7 @@ class SQLiteStore:
             if not self._suspect:
                 plan = plan_appends(requests, self._last_seq, self._head_hash, _NO_IDS)
                 # A refused call may be a retry of stored events: only the slow path can tell.
-                if not any(isinstance(o, LedgerError) for o in plan.outcomes):
+                if not any(isinstance(o, StoreError) for o in plan.outcomes):
                     try:
                         await self._write(plan, saves, in_transaction=False)
                     except sqlite3.IntegrityError:
@@ -491,8 +491,8 @@ class SQLiteStore:
             if 0 <= snap.seq <= last_seq:
                 valid.append((snap.code_version, snap.seq, snap.state))
             else:
-                call.outcome = LedgerError(
-                    Code.INVALID_INPUT,
+                call.outcome = StoreError(
+                    INVALID_INPUT,
                     f"snapshot at seq {snap.seq} is outside the log (last seq {last_seq})",
                     seq=snap.seq,
                 )
@@ -539,8 +539,8 @@ class SQLiteStore:
             wake = self._committed.next()
             try:
                 records = await self._read(after, None, _CHUNK, prev_hash)
-            except LedgerError as exc:
-                if exc.code == Code.STORE_CLOSED:
+            except StoreError as exc:
+                if exc.code == StoreCode.STORE_CLOSED:
                     return
                 raise
             if not records:
@@ -575,7 +575,7 @@ class SQLiteStore:
                     open_row(row, prev_seq, prev_hash)
                     if row[0] == known_seq and row[8] != known_hash:
                         return report(
-                            Code.CHAIN_BROKEN,
+                            StoreCode.CHAIN_BROKEN,
                             f"record {known_seq} is not the one that was committed (rewritten)",
                             known_seq,
                         )
@@ -583,13 +583,13 @@ class SQLiteStore:
                     count += 1
                 if len(rows) < _CHUNK:
                     break
-        except LedgerError as exc:
-            if exc.code == Code.STORE_CLOSED:
+        except StoreError as exc:
+            if exc.code == StoreCode.STORE_CLOSED:
                 raise
             return report(exc.code, exc.message, exc.details.get("seq", prev_seq + 1))
         if prev_seq < known_seq:
             return report(
-                Code.CHAIN_BROKEN,
+                StoreCode.CHAIN_BROKEN,
                 f"the log ends at record {prev_seq} but record {known_seq} was committed",
                 prev_seq + 1,
             )
@@ -614,7 +614,7 @@ class SQLiteStore:
         in the same query, so the first record is verified against its real predecessor."""
         self._check_open()
         if after < 0:
-            raise LedgerError(Code.INVALID_INPUT, f"after must be >= 0, got {after}")
+            raise StoreError(INVALID_INPUT, f"after must be >= 0, got {after}")
         if (limit is not None and limit <= 0) or (until is not None and until <= after):
             await anyio.lowlevel.checkpoint()
             return []
@@ -627,7 +627,7 @@ class SQLiteStore:
             if not rows:
                 return []
             if rows[0][0] != after:
-                raise LedgerError(Code.CHAIN_BROKEN, f"record {after} is missing", seq=after)
+                raise StoreError(StoreCode.CHAIN_BROKEN, f"record {after} is missing", seq=after)
             prev = rows[0][8]
             rows = rows[1:]
         out: list[Record] = []
@@ -644,17 +644,17 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise _store_error(exc, f"cannot read records after {after}") from exc
         except ValueError as exc:  # aiosqlite: the connection closed under the call
-            raise LedgerError(Code.STORE_CLOSED, "the store is closed") from exc
+            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed") from exc
 
     # --- internals -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
-            raise LedgerError(Code.STORE_CLOSED, "the store is closed")
+            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
 
     def _check_writable(self) -> None:
         if self._closing:
-            raise LedgerError(Code.STORE_CLOSED, "the store is closed")
+            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
 
 
 def _probe(path: str) -> None:
@@ -668,7 +668,7 @@ async def _prepare_writer(
     await w.execute("PRAGMA busy_timeout = 5000")
     mode = list(await w.execute_fetchall("PRAGMA journal_mode = WAL"))
     if not mode or str(mode[0][0]).lower() != "wal":
-        raise LedgerError(Code.STORE_FAILED, f"{path}: cannot use WAL journal mode ({mode})")
+        raise StoreError(StoreCode.STORE_FAILED, f"{path}: cannot use WAL journal mode ({mode})")
     await w.execute(f"PRAGMA synchronous = {synchronous}")
     await w.execute("PRAGMA journal_size_limit = 67108864")
     problems = (
@@ -677,8 +677,8 @@ async def _prepare_writer(
         else ["ok"]
     )
     if problems != ["ok"]:
-        raise LedgerError(
-            Code.CORRUPT_STORE,
+        raise StoreError(
+            StoreCode.CORRUPT_STORE,
             f"{path} fails its integrity check: {'; '.join(problems[:5])}",
             problems=problems[:20],
         )
@@ -691,12 +691,12 @@ async def _prepare_writer(
             for statement in _LAYOUT:
                 await w.execute(statement)
         elif app_id != APPLICATION_ID:
-            raise LedgerError(
-                Code.CORRUPT_STORE, f"{path} is a SQLite database but not a loraledger log"
+            raise StoreError(
+                StoreCode.CORRUPT_STORE, f"{path} is a SQLite database but not a loraledger log"
             )
         elif layout != LAYOUT_VERSION:
-            raise LedgerError(
-                Code.UNKNOWN_SCHEMA,
+            raise StoreError(
+                StoreCode.UNKNOWN_SCHEMA,
                 f"{path} has store layout {layout}; this code reads layout {LAYOUT_VERSION}",
             )
         await w.execute("COMMIT")

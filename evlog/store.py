@@ -15,7 +15,7 @@ Guarantees:
 * A caller is answered only after its events are durable (COMMIT returned).
 * Reads verify every record they return: a record whose hash does not match its content
   (``CORRUPT_RECORD``) or whose ``prev_hash`` does not match its predecessor
-  (``CHAIN_BROKEN``) raises ``LedgerError`` naming the seq.
+  (``CHAIN_BROKEN``) raises ``StoreError`` naming the seq.
 * ``follow`` yields committed records after a seq and wakes on new commits (no polling).
 
 :func:`plan_appends` is the single definition of how a group of append calls resolves against
@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import anyio
 import msgspec
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import StoreCode, StoreError
 from evlog.record import Pending, Record, Row, seal_row
 
 SNAPSHOTS_KEPT = 2
@@ -140,7 +140,7 @@ class AppendPlan(NamedTuple):
     outcome per call (its seqs, or the refusal it gets), and the new tail."""
 
     rows: list[Row]
-    outcomes: list[list[int] | LedgerError]
+    outcomes: list[list[int] | StoreError]
     last_seq: int
     head_hash: bytes
 
@@ -163,7 +163,7 @@ def plan_appends(
     retry of an append that committed.
     """
     rows: list[Row] = []
-    outcomes: list[list[int] | LedgerError] = []
+    outcomes: list[list[int] | StoreError] = []
     assigned: dict[bytes, int] = {}
     for batch, expected in requests:
         seq = last_seq
@@ -183,8 +183,8 @@ def plan_appends(
             seqs.append(known)
         if fresh and expected is not None and expected != last_seq:
             outcomes.append(
-                LedgerError(
-                    Code.SEQ_CONFLICT,
+                StoreError(
+                    StoreCode.SEQ_CONFLICT,
                     f"expected the log to end at seq {expected}, it ends at {last_seq}",
                     expected=expected,
                     actual=last_seq,

@@ -47,9 +47,18 @@ _FACE = {
     "ProvenanceRecorder": "publisher.provenance",
     "ProvenanceRow": "publisher.provenance",
     "read_rows": "publisher.provenance",
-    # the ledger's refusals: a stable machine code and a message
-    "Code": "evlog.errors",
-    "LedgerError": "evlog.errors",
+    # errors: every one is a LoraLedgerError with a stable machine code; the family (the class)
+    # says whether and how to retry (docs/errors.md)
+    "Ambiguous": "evlog.errors",
+    "Code": "publisher.errors",
+    "Corrupt": "evlog.errors",
+    "DispatchCode": "publisher.gateway",
+    "DispatchError": "publisher.gateway",
+    "InvalidInput": "evlog.errors",
+    "LedgerError": "publisher.errors",
+    "LoraLedgerError": "evlog.errors",
+    "Refused": "evlog.errors",
+    "Unavailable": "evlog.errors",
 }
 
 __all__ = sorted(_FACE)

@@ -24,7 +24,6 @@ from typing import Any
 
 import msgspec
 
-from evlog.errors import Code, LedgerError
 from evlog.events import (
     AttemptFailed,
     AttemptStarted,
@@ -65,6 +64,7 @@ from projections.registry import (
     VersionState,
 )
 from publisher import commands as c
+from publisher.errors import Code, LedgerError
 from publisher.outcomes import (
     Allocated,
     AttemptEnded,

@@ -15,8 +15,15 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from engines.contract import Engine
-from evlog.errors import Code, LedgerError
+from evlog.errors import Refused
 from evlog.events import InFlight
+from publisher.errors import Code
+
+
+class FleetError(Refused):
+    """This process has no handle for an engine (``UNKNOWN_ENGINE``), or already has one
+    (``ENGINE_EXISTS``). A fact about this process's handles, not a ledger refusal: the ledger
+    may well know the engine."""
 
 
 class InFlightSource(Protocol):
@@ -33,7 +40,7 @@ class Fleet:
 
     def add(self, engine: Engine) -> None:
         if engine.engine_id in self._engines:
-            raise LedgerError(Code.ENGINE_EXISTS, f"engine {engine.engine_id} is already here")
+            raise FleetError(Code.ENGINE_EXISTS, f"engine {engine.engine_id} is already here")
         self._engines[engine.engine_id] = engine
 
     def replace(self, engine: Engine) -> None:
@@ -46,7 +53,7 @@ class Fleet:
     def __getitem__(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)
         if engine is None:
-            raise LedgerError(
+            raise FleetError(
                 Code.UNKNOWN_ENGINE, f"no handle for engine {engine_id!r} in this process"
             )
         return engine

@@ -48,7 +48,14 @@ from typing import Any, Protocol
 import msgspec
 
 from engines.contract import EngineError, Generation, SamplingParams
-from evlog.errors import Code, LedgerError
+from evlog.errors import (
+    INVALID_INPUT,
+    Ambiguous,
+    InvalidInput,
+    LoraLedgerError,
+    Refused,
+    Unavailable,
+)
 from evlog.events import InFlight
 from projections.registry import RegistryState
 from publisher.fleet import Fleet
@@ -61,6 +68,33 @@ log = get_logger("loraledger.gateway")
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
 DEFAULT_PARAMS = SamplingParams()
+
+
+class DispatchCode:
+    """The gateway's codes: why a generation did not come back."""
+
+    NO_ROUTE = "NO_ROUTE"  # no routable engine holds the session's version (or none reachable)
+    AMBIGUOUS_DISPATCH = "AMBIGUOUS_DISPATCH"  # sent, outcome unknown: never resent for you
+    GENERATION_FAILED = "GENERATION_FAILED"  # the engine refused cleanly (nothing generated)
+
+
+class DispatchError(LoraLedgerError):
+    """A generation that did not come back; ``DispatchError(code, ...)`` is the family class
+    below, so a caller retries ``Refused``/``Unavailable`` at will and treats ``Ambiguous`` as
+    a sample that may exist on the engine."""
+
+
+class DispatchRefused(DispatchError, Refused, codes=[DispatchCode.GENERATION_FAILED]):
+    """The engine refused cleanly: nothing was generated."""
+
+
+class DispatchUnavailable(DispatchError, Unavailable, codes=[DispatchCode.NO_ROUTE]):
+    """No routable engine holds the version, or none that does could be reached: nothing
+    was sent."""
+
+
+class DispatchAmbiguous(DispatchError, Ambiguous, codes=[DispatchCode.AMBIGUOUS_DISPATCH]):
+    """The request may have reached an engine and its outcome is unknown: it was not resent."""
 
 
 class RoutingView(Protocol):
@@ -229,9 +263,9 @@ class Gateway:
         """Generate once for the session of ``bound`` on a holder of its version. ``tally``
         (a rollout worker's counter) is counted exactly like the gateway's own.
 
-        Raises ``LedgerError``: ``NO_ROUTE`` (no routable holder, or none reachable),
+        Raises ``DispatchError``: ``NO_ROUTE`` (no routable holder, or none reachable),
         ``AMBIGUOUS_DISPATCH`` (sent, outcome unknown: never resent), ``GENERATION_FAILED``
-        (a clean refusal: nothing generated), ``INVALID_INPUT`` (extra body fields for an
+        (a clean refusal: nothing generated); ``InvalidInput`` (extra body fields for an
         engine that takes none)."""
         params = DEFAULT_PARAMS if params is None else params
         rid = request_id or f"{self.gateway_id}-{self._prefix}-{next(self._ids)}"
@@ -242,8 +276,8 @@ class Gateway:
             # No await between choosing and counting (see the module docstring).
             engine_id = self._choose(bound.lora_name, tried)
             if engine_id is None:
-                raise LedgerError(
-                    Code.NO_ROUTE,
+                raise DispatchError(
+                    DispatchCode.NO_ROUTE,
                     f"no routable engine holds {bound.lora_name}"
                     + (f" (unreachable: {', '.join(unreachable)})" if unreachable else ""),
                     lora_name=bound.lora_name,
@@ -255,8 +289,8 @@ class Gateway:
             kwargs: dict[str, Any] = {"request_id": rid, "cache_salt": version_salt(bound)}
             if extra:
                 if not self._accepts_extra_body(engine):
-                    raise LedgerError(
-                        Code.INVALID_INPUT,
+                    raise InvalidInput(
+                        INVALID_INPUT,
                         f"engine {engine_id} takes no extra body fields ({sorted(extra)})",
                     )
                 kwargs["extra_body"] = extra
@@ -334,13 +368,13 @@ class Gateway:
             self._takes_extra_body[type(engine)] = known
         return known
 
-    def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> LedgerError:
+    def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if exc.clean:
             log.warning(
                 "gateway.refused", engine=engine_id, request_id=rid, code=exc.code, msg=exc.message
             )
-            return LedgerError(
-                Code.GENERATION_FAILED,
+            return DispatchError(
+                DispatchCode.GENERATION_FAILED,
                 f"engine {engine_id} refused the generation cleanly: {exc.code}: {exc.message}",
                 engine=engine_id,
                 engine_code=exc.code,
@@ -351,10 +385,10 @@ class Gateway:
 
     def _ambiguous(
         self, bound: Bound, engine_id: str, rid: str, reason: str, engine_code: str = ""
-    ) -> LedgerError:
+    ) -> DispatchError:
         log.error("gateway.ambiguous", engine=engine_id, request_id=rid, reason=reason)
-        return LedgerError(
-            Code.AMBIGUOUS_DISPATCH,
+        return DispatchError(
+            DispatchCode.AMBIGUOUS_DISPATCH,
             f"request {rid} was sent to {engine_id} and its outcome is unknown ({reason}); "
             "it was not resent",
             engine=engine_id,

@@ -36,7 +36,7 @@ from anyio.streams.memory import (
     MemoryObjectStreamStatistics,
 )
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode, StoreError
 from evlog.record import Pending, Record, pending_many
 from evlog.store import EventStore
 from projections import invariants
@@ -44,6 +44,7 @@ from projections.recovery import recover, save_snapshot
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
 from publisher.decider import Decision, decide
+from publisher.errors import Code, LedgerError
 from publisher.leases import LeaseBook
 from publisher.ledger_api import LedgerAPI
 from publisher.logs import get_logger
@@ -199,19 +200,19 @@ class Ledger(LedgerAPI):
         assert call.outcome is not None
         return call.outcome
 
-    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         """Submit a group at once (one Ray round trip for a whole batch of sessions). Each
         command is decided on its own; refusals come back in place, not raised. (A ledger
         that closes while the group waits for room refuses the rest of the group in place.)"""
-        calls: list[_Call | LedgerError] = []
+        calls: list[_Call | LoraLedgerError] = []
         for command in commands:
             try:
                 calls.append(await self._submit(command))
-            except LedgerError as refusal:
+            except LoraLedgerError as refusal:
                 if not calls:
                     raise  # nothing was queued: the ledger refuses the whole group
                 calls.append(refusal)
-        results: list[Outcome | LedgerError] = []
+        results: list[Outcome | LoraLedgerError] = []
         for call in calls:
             if isinstance(call, LedgerError):
                 results.append(call)
@@ -220,7 +221,7 @@ class Ledger(LedgerAPI):
             if call.error is None:
                 assert call.outcome is not None
                 results.append(call.outcome)
-            elif isinstance(call.error, LedgerError):
+            elif isinstance(call.error, LoraLedgerError):
                 results.append(call.error)
             else:
                 raise call.error
@@ -397,7 +398,7 @@ class Ledger(LedgerAPI):
                 Code.LEDGER_CLOSED,
                 "the ledger stopped during an append; replay the log to learn the outcome",
             )
-        if isinstance(exc, LedgerError) and exc.code == Code.SEQ_CONFLICT:
+        if isinstance(exc, StoreError) and exc.code == StoreCode.SEQ_CONFLICT:
             self._fenced = LedgerError(
                 Code.FENCED,
                 "another controller appended to this log; this ledger stopped writing",

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
-from evlog.errors import Code, LedgerError
 from evlog.events import InFlight
 from projections.status import LedgerStatus, status_of
 from publisher import commands as c
 from publisher.decider import check_lease
+from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
 from publisher.outcomes import (
     Allocated,

@@ -36,10 +36,11 @@ import anyio
 
 from engines.artifacts import ArtifactStore
 from engines.contract import Engine
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.store import EventStore
 from publisher.adapter_copy import DEFAULT_BUCKET_BYTES
 from publisher.engine_ops import EngineTimeouts
+from publisher.errors import Code, LedgerError
 from publisher.fleet import Fleet, InFlightSource
 from publisher.ledger import Ledger
 from publisher.logs import get_logger
@@ -175,7 +176,7 @@ class ControlPlane:
             await anyio.sleep(every_s)
             try:
                 await self.ledger.expire_leases()
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
                     raise
                 log.error("plane.lease_expiry_failed", error=str(exc))

@@ -27,7 +27,8 @@ import anyio
 import msgspec
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput, StoreCode, StoreError
+from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.provenance")
@@ -97,8 +98,10 @@ def iter_rows(blob: bytes) -> Iterator[ProvenanceRow]:
         try:
             yield _decoder.decode(line)
         except msgspec.DecodeError as exc:
-            raise LedgerError(
-                Code.CORRUPT_RECORD, f"provenance line {number} is not a row: {exc}", line=number
+            raise StoreError(
+                StoreCode.CORRUPT_RECORD,
+                f"provenance line {number} is not a row: {exc}",
+                line=number,
             ) from exc
 
 
@@ -176,7 +179,7 @@ class ProvenanceRecorder:
 
     def __init__(self, sink: Sink, *, capacity: int = 8192, batch: int = 1024) -> None:
         if capacity < 1 or batch < 1:
-            raise LedgerError(Code.INVALID_INPUT, "capacity and batch must be >= 1")
+            raise InvalidInput(INVALID_INPUT, "capacity and batch must be >= 1")
         self.sink = sink
         self.capacity = capacity
         self.batch = batch
@@ -210,7 +213,9 @@ class ProvenanceRecorder:
     async def record(self, row: ProvenanceRow) -> None:
         """Buffer one row; waits (backpressure) while the buffer is full."""
         if self._failure is not None:
-            raise LedgerError(Code.STORE_FAILED, f"the provenance writer failed: {self._failure!r}")
+            raise StoreError(
+                StoreCode.STORE_FAILED, f"the provenance writer failed: {self._failure!r}"
+            )
         if self._send is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the provenance recorder is not running")
         try:

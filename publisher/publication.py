@@ -67,10 +67,11 @@ from engines.contract import (
     ErrorCode,
     Receipt,
 )
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode
 from projections.registry import VersionState
 from publisher.adapter_copy import AdapterCopy, aiter_buckets
 from publisher.engine_ops import EngineTimeouts, call, confirms
+from publisher.errors import Code
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
 from publisher.outcomes import Allocated, Skipped
@@ -104,15 +105,23 @@ _RETRYABLE_CODES = frozenset(
         Code.CAPACITY_ERROR,
         Code.PUBLICATION_IN_PROGRESS,
         Code.FLEET_MISMATCH,
-        Code.STORE_FAILED,
+        StoreCode.STORE_FAILED,
     }
 )
 
 
-class PublicationError(LedgerError):
+# The publication driver's own code: an attempt that started and failed (its ``kind`` and
+# ``details["cause"]`` say how); every other code of a PublicationError is the ledger's.
+PUBLICATION_FAILED = "PUBLICATION_FAILED"
+
+
+class PublicationError(LoraLedgerError):
     """A publication that did not happen. ``kind`` is ``RETRYABLE`` or ``FATAL``; ``code`` is
     the ledger refusal (allocation) or ``PUBLICATION_FAILED`` (an attempt that failed), with the
-    cause in ``details["cause"]`` and the attempt's final state in ``details["state"]``."""
+    cause in ``details["cause"]`` and the attempt's final state in ``details["state"]``.
+
+    It belongs to no family: its ``kind`` is the trainer's retry rule (a ``FATAL`` may be an
+    allocation refusal as well as an ambiguous engine reply)."""
 
     def __init__(self, code: str, message: str, *, kind: str, **details: Any) -> None:
         super().__init__(code, message, kind=kind, **details)
@@ -254,7 +263,7 @@ class PublicationDriver:
             raise
         except BaseException:
             mine.error = PublicationError(
-                Code.PUBLICATION_FAILED,
+                PUBLICATION_FAILED,
                 f"the publish call driving version {version_id} did not finish",
                 kind=ErrorKind.RETRYABLE,
                 version_id=version_id,
@@ -320,7 +329,7 @@ class PublicationDriver:
             await _shielded(
                 lambda: self._ledger.claim_transport(version_id, att.attempt, att.owner)
             )
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             # Someone else drives this attempt (or it ended meanwhile): nothing here may touch
             # it, and no byte is sent a second time.
             raise PublicationError(
@@ -339,7 +348,7 @@ class PublicationDriver:
             raise await self._settle_failure(
                 att, clean=failure.clean, code=failure.code, reason=failure.reason
             ) from failure
-        except LedgerError as exc:  # commit refused (e.g. an engine restarted after READY)
+        except LoraLedgerError as exc:  # commit refused (e.g. an engine restarted after READY)
             raise await self._settle_failure(
                 att, clean=True, code=exc.code, reason=exc.message
             ) from exc
@@ -385,7 +394,7 @@ class PublicationDriver:
                         version_id, adapter.digest, size_bytes=adapter.size_bytes
                     )
                 )
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 if (
                     exc.code == Code.PUBLICATION_BLOCKED
                     and round_ == 1
@@ -453,7 +462,7 @@ class PublicationDriver:
             run.timing = await self._one_engine(att, adapter, artifact, run, t0)
         except EngineError as exc:
             run.error, run.ambiguous = exc, not exc.clean
-        except (LedgerError, _AttemptFailed) as exc:
+        except (LoraLedgerError, _AttemptFailed) as exc:
             run.error = exc
         except Exception as exc:  # a bug in an adapter or here: we cannot know what happened
             run.error, run.ambiguous = exc, True
@@ -579,7 +588,7 @@ class PublicationDriver:
             state = await self._end_attempt(att, clean=clean, code=code, reason=reason)
         kind = ErrorKind.RETRYABLE if state == VersionState.FAILED_RETRYABLE else ErrorKind.FATAL
         return PublicationError(
-            Code.PUBLICATION_FAILED,
+            PUBLICATION_FAILED,
             f"version {att.version_id} attempt {att.attempt} failed ({code}): {reason}; "
             f"the attempt is {state}",
             kind=kind,
@@ -610,7 +619,7 @@ class PublicationDriver:
                 reason=reason,
                 absent_on=absent,
             )
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             log.error("publication.fail_attempt_refused", version=att.version_id, error=str(exc))
             v = self._ledger.state.versions.get(att.version_id)
             return None if v is None else str(v.state)

@@ -37,10 +37,11 @@ import anyio.abc
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts, call
+from publisher.errors import Code
 from publisher.fleet import Fleet, InFlightSource
 from publisher.logs import get_logger
 
@@ -129,7 +130,7 @@ class ReclaimDriver:
                 self._wake = anyio.Event()
                 try:
                     await self.sweep()
-                except LedgerError as exc:
+                except LoraLedgerError as exc:
                     if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
                         raise  # this controller must stop
                     log.error("reclaim.sweep_failed", error=str(exc))
@@ -180,7 +181,7 @@ class ReclaimDriver:
             return  # requests in flight: the tick brings us back when they finished
         try:
             granted = await self._ledger.claim_reclaim(version_id, evidence)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             # bound again or busy by now (a race with a bind/dispatch): the next sweep decides
             log.info("reclaim.not_claimed", version=version_id, code=exc.code)
             return
@@ -230,7 +231,7 @@ class ReclaimDriver:
             return
         try:
             outcome = await self._ledger.record_unloaded(version_id, engine_id, incarnation)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             log.warning(
                 "reclaim.unload_not_recorded", version=version_id, engine=engine_id, code=exc.code
             )
@@ -248,7 +249,7 @@ class ReclaimDriver:
     async def _ambiguous(self, version_id: int, engine_id: str, reason: str) -> None:
         try:
             await self._ledger.mark_reclaim_ambiguous(version_id, engine_id, reason)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             log.warning("reclaim.ambiguous_not_recorded", version=version_id, code=exc.code)
             return
         log.warning(

@@ -58,7 +58,7 @@ from engines.contract import (
     ErrorCode,
     Inventory,
 )
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from projections.registry import VersionRecord, VersionState
 from publisher.adapter_copy import DEFAULT_BUCKET_BYTES, aiter_buckets, plan_buckets
 from publisher.engine_ops import EngineTimeouts, call, confirms, managed_names, managed_prefix
@@ -201,7 +201,7 @@ class Reconciler:
         async with self._lock(engine_id):
             try:
                 await self._reconcile(engine_id, rep)
-            except (EngineError, LedgerError, ArtifactError) as exc:
+            except (EngineError, LoraLedgerError, ArtifactError) as exc:
                 rep.errors.append(f"{engine_id}: {exc}")
                 log.warning("reconciler.engine_failed", engine=engine_id, error=str(exc))
             except Exception as exc:
@@ -365,7 +365,7 @@ class Reconciler:
                 continue
             try:
                 await self._restore(engine_id, engine, incarnation, v)
-            except (EngineError, LedgerError, ArtifactError) as exc:
+            except (EngineError, LoraLedgerError, ArtifactError) as exc:
                 rep.errors.append(f"{engine_id}: restore version {version_id}: {exc}")
                 log.error(
                     "reconciler.restore_failed",
@@ -515,7 +515,7 @@ class Reconciler:
             incarnation = await call(
                 engine_id, "incarnation", self.timeouts.probe, engine.incarnation
             )
-        except (EngineError, LedgerError) as exc:
+        except (EngineError, LoraLedgerError) as exc:
             log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
             return
         if self._needs_reconcile(engine_id, incarnation):

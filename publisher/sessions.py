@@ -48,8 +48,9 @@ import anyio
 from anyio.abc import TaskGroup
 
 from engines.contract import SamplingParams
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, StoreCode
 from publisher import commands as c
+from publisher.errors import Code, LedgerError
 from publisher.gateway import Gateway, InFlightCounter, Served
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
@@ -59,7 +60,7 @@ log = get_logger("loraledger.sessions")
 T = TypeVar("T")
 
 # Refusals that only say "the write did not happen, ask again" (idempotent commands only).
-RETRYABLE_CODES = frozenset({Code.STORE_FAILED})
+RETRYABLE_CODES = frozenset({StoreCode.STORE_FAILED})
 # Refusals that end this owner: its sessions are gone, it must not act any more.
 OWNER_LOST_CODES = frozenset({Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER})
 
@@ -74,7 +75,9 @@ class LedgerPort(Protocol):
         self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
     ) -> None: ...
 
-    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]: ...
+    async def execute_many(
+        self, commands: Sequence[c.Command]
+    ) -> list[Outcome | LoraLedgerError]: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class RetryPolicy:
         return min(self.max_delay, self.first_delay * 2**attempt)
 
     def retryable(self, exc: BaseException) -> bool:
-        if isinstance(exc, LedgerError):
+        if isinstance(exc, LoraLedgerError):
             return exc.code in RETRYABLE_CODES
         return isinstance(exc, self.transient)
 
@@ -106,13 +109,13 @@ class _Slot(Generic[T]):
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.value: T | None = None
-        self.error: LedgerError | None = None
+        self.error: LoraLedgerError | None = None
 
     def set(self, value: T) -> None:
         self.value = value
         self.done.set()
 
-    def fail(self, error: LedgerError) -> None:
+    def fail(self, error: LoraLedgerError) -> None:
         self.error = error
         self.done.set()
 
@@ -208,7 +211,7 @@ class SessionBinder:
         """Stop new generations, wait for (or cancel) the running ones, release the binding.
         Idempotent: a second close returns the first one's answer."""
         result = (await self._worker.close_many([self], cancel=cancel))[0]
-        if isinstance(result, LedgerError):
+        if isinstance(result, LoraLedgerError):
             raise result
         return result
 
@@ -262,7 +265,7 @@ class RolloutWorker:
         retry: RetryPolicy | None = None,
     ) -> None:
         if not (math.isfinite(ttl_s) and ttl_s > 0) or forget_batch < 1:
-            raise LedgerError(Code.INVALID_INPUT, "ttl_s must be > 0 and forget_batch >= 1")
+            raise InvalidInput(INVALID_INPUT, "ttl_s must be > 0 and forget_batch >= 1")
         self.ledger = ledger
         self.gateway = gateway
         self.owner = owner
@@ -272,7 +275,7 @@ class RolloutWorker:
         self.retry = retry or RetryPolicy()
         self._binders: dict[str, SessionBinder] = {}
         self._tg: TaskGroup | None = None
-        self._lost: LedgerError | None = None
+        self._lost: LoraLedgerError | None = None
         self._finished: list[str] = []  # released, tombstone not yet forgotten
         self._forgetting = False
         self._forget_lock: anyio.Lock | None = None
@@ -330,14 +333,14 @@ class RolloutWorker:
             binder = self._binders[session_id] = SessionBinder(self, session_id)
         return binder
 
-    async def bind_many(self, binders: Iterable[SessionBinder]) -> list[Bound | LedgerError]:
+    async def bind_many(self, binders: Iterable[SessionBinder]) -> list[Bound | LoraLedgerError]:
         """Bind a group in one ledger round trip (e.g. a GRPO group starting together).
         Refusals come back in place. Binders already bound or binding are not asked again."""
         group = list(binders)
         self.ensure_live()
         open_group = [b for b in group if not b._closing]
         slots = dict(zip(map(id, open_group), self._bind_slots(open_group), strict=True))
-        results: list[Bound | LedgerError] = []
+        results: list[Bound | LoraLedgerError] = []
         for binder in group:
             slot = slots.get(id(binder))
             if slot is None:
@@ -351,13 +354,13 @@ class RolloutWorker:
                 continue
             try:
                 results.append(await slot.wait())
-            except LedgerError as refusal:
+            except LoraLedgerError as refusal:
                 results.append(refusal)
         return results
 
     async def close_many(
         self, binders: Iterable[SessionBinder], *, cancel: bool = False
-    ) -> list[Released | LedgerError]:
+    ) -> list[Released | LoraLedgerError]:
         """Close a group: stop new generations, wait for (``cancel``: cancel) the running
         ones, then release all of them in one ledger round trip. Refusals come back in place;
         a stale worker gets ``LEASE_EXPIRED`` raised."""
@@ -374,19 +377,19 @@ class RolloutWorker:
             self._releases.add(binder._release_slot)
         if fresh:
             self._spawn(self._release_task, fresh)
-        results: list[Released | LedgerError] = []
+        results: list[Released | LoraLedgerError] = []
         for binder in group:
             assert binder._release_slot is not None
             try:
                 results.append(await binder._release_slot.wait())
-            except LedgerError as refusal:
+            except LoraLedgerError as refusal:
                 results.append(refusal)
         return results
 
     # --- the lease -----------------------------------------------------------------------------
 
     @property
-    def lost(self) -> LedgerError | None:
+    def lost(self) -> LoraLedgerError | None:
         """Why this worker may no longer act (its lease expired), or None."""
         return self._lost
 
@@ -397,7 +400,7 @@ class RolloutWorker:
             raise self._lost
         try:
             self.ledger.renew_lease(self.owner, self.inflight.counts())
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
                 self._owner_lost(exc)
             raise
@@ -411,13 +414,13 @@ class RolloutWorker:
             return
         try:
             self.ensure_live()
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             if exc.code not in OWNER_LOST_CODES:
                 log.warning("sessions.report_failed", owner=self.owner, error=repr(exc))
         except Exception as exc:
             log.warning("sessions.report_failed", owner=self.owner, error=repr(exc))
 
-    def _owner_lost(self, exc: LedgerError) -> None:
+    def _owner_lost(self, exc: LoraLedgerError) -> None:
         if self._lost is None:
             self._lost = LedgerError(
                 Code.LEASE_EXPIRED,
@@ -433,7 +436,7 @@ class RolloutWorker:
             await anyio.sleep(self.renew_every)
             try:
                 self.ensure_live()
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 if exc.code in OWNER_LOST_CODES:
                     return
                 log.warning("sessions.renew_failed", owner=self.owner, error=repr(exc))
@@ -495,13 +498,13 @@ class RolloutWorker:
 
     async def _settle(
         self, commands: list[c.Command], binders: list[SessionBinder], what: str
-    ) -> list[Outcome | LedgerError]:
+    ) -> list[Outcome | LoraLedgerError]:
         """Execute with retries; any failure (cancellation included) becomes a refusal for
         each command, so no waiter can hang on a slot nobody will fill."""
-        failure: LedgerError | None = None
+        failure: LoraLedgerError | None = None
         try:
             return await self._execute(commands)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             failure = exc
         except anyio.get_cancelled_exc_class():
             failure = LedgerError(
@@ -516,7 +519,7 @@ class RolloutWorker:
         log.error("sessions.call_failed", what=what, owner=self.owner, error=failure.message)
         return [failure] * len(commands)
 
-    def _fail_slots(self, binders: list[SessionBinder], what: str, error: LedgerError) -> None:
+    def _fail_slots(self, binders: list[SessionBinder], what: str, error: LoraLedgerError) -> None:
         for binder in binders:
             slot = binder._bind_slot if what == "bind" else binder._release_slot
             if slot is not None and not slot.done.is_set():
@@ -527,18 +530,18 @@ class RolloutWorker:
                     self._releases.discard(slot)
                 slot.fail(error)
 
-    def _refusal(self, result: Outcome | LedgerError) -> LedgerError:
-        if isinstance(result, LedgerError):
+    def _refusal(self, result: Outcome | LoraLedgerError) -> LoraLedgerError:
+        if isinstance(result, LoraLedgerError):
             if result.code in OWNER_LOST_CODES:
                 self._owner_lost(result)
                 return self._lost or result
             return result
         return LedgerError(Code.INVALID_STATE, f"unexpected outcome {result!r}")
 
-    async def _execute(self, commands: list[c.Command]) -> list[Outcome | LedgerError]:
+    async def _execute(self, commands: list[c.Command]) -> list[Outcome | LoraLedgerError]:
         """``execute_many`` with retries of lost replies and retryable refusals (every command
         sent here is idempotent in the ledger, so asking again cannot act twice)."""
-        results: list[Outcome | LedgerError | None] = [None] * len(commands)
+        results: list[Outcome | LoraLedgerError | None] = [None] * len(commands)
         pending = list(range(len(commands)))
         policy = self.retry
         for attempt in range(policy.attempts):
@@ -553,7 +556,7 @@ class RolloutWorker:
                 continue
             again: list[int] = []
             for index, answer in zip(pending, answers, strict=True):
-                if not last and isinstance(answer, LedgerError) and policy.retryable(answer):
+                if not last and isinstance(answer, LoraLedgerError) and policy.retryable(answer):
                     again.append(index)
                 else:
                     results[index] = answer
@@ -592,7 +595,7 @@ class RolloutWorker:
             while self._finished:
                 batch = tuple(self._finished[: self.forget_batch])
                 answer = (await self._execute([c.Forget(sessions=batch)]))[0]
-                if isinstance(answer, LedgerError):
+                if isinstance(answer, LoraLedgerError):
                     raise answer
                 assert isinstance(answer, Forgotten)
                 del self._finished[: len(batch)]

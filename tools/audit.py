@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from projections.audit import AuditFold, SessionAudit
 from publisher.provenance import ProvenanceRow, read_rows
 from tools.exitcodes import Exit, ToolError
@@ -37,7 +37,7 @@ def load_provenance(path: str | os.PathLike[str]) -> list[ProvenanceRow]:
         raise ToolError(Exit.MISSING, f"{path}: no such provenance file")
     try:
         return read_rows(path)
-    except LedgerError as exc:
+    except LoraLedgerError as exc:
         raise ToolError(Exit.CORRUPT, f"{path}: {exc.message}") from None
     except OSError as exc:
         raise ToolError(Exit.FAILED, f"{path}: cannot read: {exc}") from None
@@ -112,7 +112,7 @@ async def audit_log(
                 fold.apply(record)
                 if progress is not None and record.seq % _EVERY == 0:
                     progress(record.seq, last)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             raise ToolError.from_ledger(exc, path=str(path)) from None
     if progress is not None:
         progress(last, last)

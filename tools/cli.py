@@ -27,7 +27,7 @@ from typing import Annotated, Any, TypeVar
 import anyio
 import typer
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from tools import logconfig
 from tools.exitcodes import EXIT_HELP, Exit, ToolError
 from tools.output import emit, stderr_console, stdout_console, to_json
@@ -105,7 +105,7 @@ def guarded(fn: F) -> F:
             raise
         except ToolError as exc:
             raise _fail(exc) from None
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             raise _fail(ToolError.from_ledger(exc)) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None

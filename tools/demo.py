@@ -34,13 +34,16 @@ from typing import Any
 import anyio
 import msgspec
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
+from publisher.gateway import DispatchCode
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
 
 log = get_logger("loraledger.demo")
 
-RETRIED_CODES = frozenset({Code.NO_ROUTE, Code.AMBIGUOUS_DISPATCH, Code.GENERATION_FAILED})
+RETRIED_CODES = frozenset(
+    {DispatchCode.NO_ROUTE, DispatchCode.AMBIGUOUS_DISPATCH, DispatchCode.GENERATION_FAILED}
+)
 MAX_TRIES = 40
 
 
@@ -233,7 +236,7 @@ async def run_demo(
                     try:
                         served = await binder.generate(prompt, params, turn=turn)
                         break
-                    except LedgerError as exc:
+                    except LoraLedgerError as exc:
                         if exc.code not in RETRIED_CODES or attempt == MAX_TRIES - 1:
                             raise
                         retried[exc.code] += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode
 
 
 class Exit(IntEnum):
@@ -37,10 +37,10 @@ EXIT_HELP = (
 )
 
 _BY_LEDGER_CODE = {
-    Code.CORRUPT_STORE: Exit.CORRUPT,
-    Code.CORRUPT_RECORD: Exit.TAMPERED,
-    Code.CHAIN_BROKEN: Exit.TAMPERED,
-    Code.UNKNOWN_SCHEMA: Exit.UNKNOWN_SCHEMA,
+    StoreCode.CORRUPT_STORE: Exit.CORRUPT,
+    StoreCode.CORRUPT_RECORD: Exit.TAMPERED,
+    StoreCode.CHAIN_BROKEN: Exit.TAMPERED,
+    StoreCode.UNKNOWN_SCHEMA: Exit.UNKNOWN_SCHEMA,
 }
 
 
@@ -55,7 +55,7 @@ class ToolError(Exception):
         self.seq = seq
 
     @classmethod
-    def from_ledger(cls, exc: LedgerError, *, path: str | None = None) -> ToolError:
+    def from_ledger(cls, exc: LoraLedgerError, *, path: str | None = None) -> ToolError:
         """Classify a store error; ``CORRUPT_STORE`` on open means the file is not usable."""
         where = f"{path}: " if path else ""
         code = _BY_LEDGER_CODE.get(exc.code, Exit.FAILED)

@@ -38,7 +38,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode
+from publisher.errors import Code, LedgerError
 from publisher.ledger import Ledger
 from tools.metrics import LedgerMetrics
 
@@ -53,7 +54,7 @@ _STATUS_OF_CODE = {
     Code.UNKNOWN_ENGINE: 404,
     Code.LEDGER_CLOSED: 503,
     Code.FENCED: 503,
-    Code.STORE_FAILED: 503,
+    StoreCode.STORE_FAILED: 503,
 }
 
 
@@ -135,7 +136,7 @@ def build_app(
                     return _error(Code.INVALID_INPUT, f"bad request body: {exc}", 400)
             try:
                 outcome = await handler(request, body)
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 return _error(
                     exc.code, exc.message, _STATUS_OF_CODE.get(exc.code, 409), **exc.details
                 )

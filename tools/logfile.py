@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, closing
 from pathlib import Path
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.sqlite import APPLICATION_ID, SQLiteStore
 from tools.exitcodes import Exit, ToolError
 
@@ -103,7 +103,7 @@ async def open_log(
     p = preflight(path)
     try:
         store = await SQLiteStore.connect(p)
-    except LedgerError as exc:
+    except LoraLedgerError as exc:
         raise ToolError.from_ledger(exc, path=str(p)) from None
     try:
         if store.last_seq == 0 and not allow_empty:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.record import Record
 from projections.history import Entry, History
 from projections.incidents import Incident, IncidentFold
@@ -73,7 +73,7 @@ async def replay(
                 applied = record
                 if progress is not None and record.seq % PROGRESS_EVERY == 0:
                     progress(record.seq, total)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             raise ToolError.from_ledger(exc, path=str(path)) from None
         if applied is None:
             first = (await store.read(limit=1))[0]

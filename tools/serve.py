@@ -145,7 +145,7 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptio
 @asynccontextmanager
 async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
     """The store, the engines and the ``ControlPlane`` over them, closed in reverse order."""
-    from evlog.errors import LedgerError
+    from evlog.errors import LoraLedgerError
     from evlog.sqlite import SQLiteStore
     from publisher.fleet import Fleet
     from publisher.plane import ControlPlane
@@ -172,14 +172,14 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
                 )
             )
             yield plane
-    except LedgerError as exc:
+    except LoraLedgerError as exc:
         raise ToolError.from_ledger(exc, path=str(db)) from None
 
 
 def make_publish(plane: Any) -> Callable[[int, str], Any]:
     """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``."""
     from engines.artifacts import ArtifactError, read_adapter_dir
-    from evlog.errors import Code, LedgerError
+    from evlog.errors import INVALID_INPUT, InvalidInput
     from publisher.trainer import TrainerClient
 
     trainer = TrainerClient(plane)
@@ -188,7 +188,7 @@ def make_publish(plane: Any) -> Callable[[int, str], Any]:
         try:
             config, tensors = await anyio.to_thread.run_sync(read_adapter_dir, adapter_dir)
         except (ArtifactError, OSError) as exc:
-            raise LedgerError(Code.INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
+            raise InvalidInput(INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
         return await trainer.publish(tensors, config=config, step=version_id)
 
     return publish

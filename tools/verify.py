@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore
 from projections.recovery import CheckedReplay
 from tools.exitcodes import Exit, ToolError
@@ -71,7 +71,7 @@ async def verify_log(
                 progress("chain", 0, store.last_seq)
             report = await store.verify()
             if not report.ok:
-                code = ToolError.from_ledger(LedgerError(report.code or "", report.message))
+                code = ToolError.from_ledger(LoraLedgerError(report.code or "", report.message))
                 return failed(
                     "chain",
                     code.exit_code,
@@ -119,7 +119,7 @@ async def _replay_checked(
     report = None if progress is None else lambda seq: progress("invariants", seq, last)
     try:
         fault = await replay.run(store, until=last, progress=report)
-    except LedgerError as exc:  # the file changed under us between the two passes
+    except LoraLedgerError as exc:  # the file changed under us between the two passes
         return exc.details.get("seq", replay.state.last_seq + 1), f"{exc.code}: {exc.message}"
     if fault is not None:
         return fault.seq, fault.describe()

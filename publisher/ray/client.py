@@ -32,8 +32,8 @@ Three things differ from in process, each for a reason:
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
   until ``reconnect_timeout``; only then do callers get ``LEDGER_CLOSED``.
 
-Refusals are raised (or returned in place by ``execute_many``) as ``LedgerError`` with their
-``code``, exactly as in process.
+Refusals are raised (or returned in place by ``execute_many``) as the same errors, with their
+class and ``code``, exactly as in process.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ from typing import TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from projections.status import LedgerStatus
 from publisher import commands as c
+from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
@@ -68,7 +69,7 @@ class _Request:
     def __init__(self, commands: list[c.Command]) -> None:
         self.commands = commands
         self.done = anyio.Event()
-        self.results: list[Outcome | LedgerError] | None = None
+        self.results: list[Outcome | LoraLedgerError] | None = None
         self.error: BaseException | None = None
 
 
@@ -87,9 +88,9 @@ class RayLedger:
         reconnect_timeout: float = 60.0,
     ) -> None:
         if max_in_flight < 1 or max_batch < 1:
-            raise LedgerError(Code.INVALID_INPUT, "max_in_flight and max_batch must be >= 1")
+            raise InvalidInput(INVALID_INPUT, "max_in_flight and max_batch must be >= 1")
         if not (math.isfinite(renew_interval) and renew_interval >= 0):
-            raise LedgerError(Code.INVALID_INPUT, "renew_interval must be a finite >= 0")
+            raise InvalidInput(INVALID_INPUT, "renew_interval must be a finite >= 0")
         self.link = ActorLink(name, namespace=namespace, reconnect_timeout=reconnect_timeout)
         self.max_in_flight = max_in_flight
         self.max_batch = max_batch
@@ -100,7 +101,7 @@ class RayLedger:
         self._tg: TaskGroup | None = None
         self._renewals: dict[str, dict[tuple[str, int], int]] = {}
         self._renew_wanted = anyio.Event()
-        self._lost: dict[str, LedgerError] = {}
+        self._lost: dict[str, LoraLedgerError] = {}
         self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
 
     @classmethod
@@ -138,7 +139,7 @@ class RayLedger:
 
     # --- commands ------------------------------------------------------------------------------
 
-    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         """Decide a group in one round trip (or fewer: it may share one with other callers).
         Refusals come back in place, as in process."""
         if not commands:
@@ -157,9 +158,9 @@ class RayLedger:
         return request.results
 
     async def execute(self, command: c.Command) -> Outcome:
-        """Decide one command; a refusal is raised as ``LedgerError``."""
+        """Decide one command; a refusal is raised (a ``LoraLedgerError``)."""
         result = (await self.execute_many([command]))[0]
-        if isinstance(result, LedgerError):
+        if isinstance(result, LoraLedgerError):
             raise result
         return result
 
@@ -213,7 +214,7 @@ class RayLedger:
         finally:
             self._senders -= 1
 
-    def _fail_queued(self, error: LedgerError) -> None:
+    def _fail_queued(self, error: LoraLedgerError) -> None:
         while self._queue:
             request = self._queue.popleft()
             request.error = error
@@ -247,7 +248,7 @@ class RayLedger:
                 reply: RenewReply = await self.link.call(
                     "renew_leases", renewals, self.routing.mark
                 )
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 # Unreachable for reconnect_timeout: keep the newest renewals for next time.
                 log.warning("ray.renew_failed", error=exc.message)
                 for owner, counts in renewals.items():

@@ -43,10 +43,11 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore, Synchronous
 from projections.status import LedgerStatus
 from publisher import commands as c
+from publisher.errors import Code, LedgerError
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.logs import get_logger
@@ -95,7 +96,7 @@ class LedgerConfig:
 class Reply:
     """Outcomes (refusals in place) plus the routing, if it changed since the caller's mark."""
 
-    results: list[Outcome | LedgerError]
+    results: list[Outcome | LoraLedgerError]
     routing: RoutingSnapshot | None
 
 
@@ -103,7 +104,7 @@ class Reply:
 class RenewReply:
     """Owners whose renewal was refused (``LEASE_EXPIRED``/``UNKNOWN_OWNER``), and routing."""
 
-    lost: dict[str, LedgerError]
+    lost: dict[str, LoraLedgerError]
     routing: RoutingSnapshot | None
 
 
@@ -137,11 +138,11 @@ class _Service:
     async def renew_leases(
         self, renewals: Mapping[str, Mapping[tuple[str, int], int]], mark: Mark | None
     ) -> RenewReply:
-        lost: dict[str, LedgerError] = {}
+        lost: dict[str, LoraLedgerError] = {}
         for owner, inflight in renewals.items():
             try:
                 self.ledger.renew_lease(owner, inflight)
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 lost[owner] = exc
         return RenewReply(lost, self.routing.newer_than(self.ledger.state, mark))
 
@@ -211,7 +212,7 @@ async def _expire_leases(ledger: Ledger, every_s: float) -> None:
         await anyio.sleep(every_s)
         try:
             await ledger.expire_leases()
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
                 raise
             log.error("ray.lease_expiry_failed", error=str(exc))

@@ -10,8 +10,9 @@ duplicate input returns the earlier outcome or a recorded refusal; docs/events.m
 * retries a call that failed in transport (``RayActorError``: the actor died or is restarting,
   so the call may or may not have run) with backoff, for at most ``reconnect_timeout`` seconds
   from the first failure, then raises ``LedgerError(LEDGER_CLOSED)``;
-* raises an exception the actor method itself raised as what it is (the ``LedgerError`` with
-  its ``code``, an ``EngineError`` with its kind), not wrapped in Ray's ``RayTaskError``.
+* raises an exception the actor method itself raised as what it is (a ``LoraLedgerError``
+  with its class and ``code``, an ``EngineError`` with its kind), not wrapped in Ray's
+  ``RayTaskError``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput
+from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.ray")
@@ -54,7 +56,7 @@ class ActorLink:
         handle: ActorHandle | None = None,
     ) -> None:
         if not (reconnect_timeout >= 0 and math.isfinite(reconnect_timeout)):
-            raise LedgerError(Code.INVALID_INPUT, "reconnect_timeout must be a finite >= 0")
+            raise InvalidInput(INVALID_INPUT, "reconnect_timeout must be a finite >= 0")
         self.name = name
         self.namespace = namespace
         self.reconnect_timeout = reconnect_timeout

@@ -24,7 +24,7 @@ import anyio.to_thread
 import msgspec
 
 from engines.manifest import TensorData
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput
 from projections.status import LedgerStatus
 from publisher.adapter_copy import AdapterCopy
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
@@ -46,8 +46,8 @@ def rebuild_copy(wire: AdapterWire, bucket_bytes: int) -> AdapterCopy:
     """The copy again (bucketed for this plane), checked against the sender's digest."""
     adapter = AdapterCopy(wire.config, wire.tensors, bucket_bytes=bucket_bytes)
     if adapter.digest != wire.digest:
-        raise LedgerError(
-            Code.INVALID_INPUT,
+        raise InvalidInput(
+            INVALID_INPUT,
             f"the adapter hashes to {adapter.digest[:16]} here, the trainer sent "
             f"{wire.digest[:16]}: its bytes changed in transit",
         )

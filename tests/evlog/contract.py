@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from evlog import events as ev
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.events import (
     EngineJoined,
     SessionBound,
@@ -63,9 +63,11 @@ async def collect(it: AsyncIterator[Record]) -> list[Record]:
 
 
 @contextmanager
-def raises_code(code: str, seq: int | None = None) -> Iterator[pytest.ExceptionInfo[LedgerError]]:
-    """``pytest.raises`` for a LedgerError with ``code`` (and, if given, ``details['seq']``)."""
-    with pytest.raises(LedgerError) as info:
+def raises_code(
+    code: str, seq: int | None = None
+) -> Iterator[pytest.ExceptionInfo[LoraLedgerError]]:
+    """``pytest.raises`` for a LoraLedgerError with ``code`` (and, if given, ``details['seq']``)."""
+    with pytest.raises(LoraLedgerError) as info:
         yield info
     err = info.value
     assert err.code == code, f"expected {code}, got {err.code}: {err.message}"
@@ -176,12 +178,12 @@ class StoreContract:
             await store.append(batch_of(3, "a"))
             head = store.head_hash
             refused = batch_of(5, "r")
-            with raises_code(Code.SEQ_CONFLICT) as info:
+            with raises_code(StoreCode.SEQ_CONFLICT) as info:
                 await store.append(refused, expected_seq=1)
             assert info.value.details == {"expected": 1, "actual": 3}
             assert store.last_seq == 3 and store.head_hash == head
             assert len(await store.read()) == 3
-            with raises_code(Code.SEQ_CONFLICT):
+            with raises_code(StoreCode.SEQ_CONFLICT):
                 await store.append(refused, expected_seq=4)  # ahead of the log: refused too
             # None of the refused ids was kept: the same events now get fresh seqs.
             assert await store.append(refused, expected_seq=3) == [4, 5, 6, 7, 8]
@@ -192,7 +194,7 @@ class StoreContract:
         async with self.opened(location) as store:
             assert await store.append(batch_of(2, "a"), expected_seq=0) == [1, 2]
             assert await store.append(batch_of(1, "b"), expected_seq=2) == [3]
-            with raises_code(Code.SEQ_CONFLICT):
+            with raises_code(StoreCode.SEQ_CONFLICT):
                 await store.append(batch_of(1, "c"), expected_seq=2)
 
     # --- idempotency -----------------------------------------------------------------------
@@ -228,7 +230,7 @@ class StoreContract:
             # The reply was lost; the caller retries exactly what it sent.
             assert await store.append(first, expected_seq=0) == [1, 2, 3]
             # A batch mixing stored and new events under a stale expected_seq is a conflict.
-            with raises_code(Code.SEQ_CONFLICT):
+            with raises_code(StoreCode.SEQ_CONFLICT):
                 await store.append([first[0], bound(99, "z")], expected_seq=0)
             assert store.last_seq == 5
 
@@ -285,7 +287,7 @@ class StoreContract:
                 expected, batch = None, batch_of(2, f"ok{k}")
             try:
                 outcomes[k] = await store.append(batch, expected_seq=expected)
-            except LedgerError as exc:
+            except LoraLedgerError as exc:
                 outcomes[k] = exc.code
 
         async with self.opened(location) as store:
@@ -295,7 +297,7 @@ class StoreContract:
                     tg.start_soon(appender, k, store)
             for k, outcome in outcomes.items():
                 if k % 7 == 3:
-                    assert outcome == Code.SEQ_CONFLICT
+                    assert outcome == StoreCode.SEQ_CONFLICT
                 elif k % 7 == 5:
                     assert outcome == [1, 2]
                 else:
@@ -384,7 +386,7 @@ class StoreContract:
             assert await seqs(after=15) == []
             assert await seqs(after=5, until=5) == []
             assert await seqs(limit=0) == []
-            with raises_code(Code.INVALID_INPUT):
+            with raises_code(INVALID_INPUT):
                 await store.read(after=-1)
 
     @pytest.mark.anyio
@@ -406,19 +408,19 @@ class StoreContract:
             await store.append(batch_of(8, "a"))
             payload = self.raw_row(location, 5)[6]
             self.rewrite(location, 5, payload=payload[:-1] + bytes([payload[-1] ^ 1]))
-            with raises_code(Code.CORRUPT_RECORD, seq=5):
+            with raises_code(StoreCode.CORRUPT_RECORD, seq=5):
                 await store.read()
-            with raises_code(Code.CORRUPT_RECORD, seq=5):
+            with raises_code(StoreCode.CORRUPT_RECORD, seq=5):
                 await store.read(after=4, limit=1)
-            with raises_code(Code.CORRUPT_RECORD, seq=5):
+            with raises_code(StoreCode.CORRUPT_RECORD, seq=5):
                 await collect(store.iterate())
-            with raises_code(Code.CORRUPT_RECORD, seq=5), anyio.fail_after(5):
+            with raises_code(StoreCode.CORRUPT_RECORD, seq=5), anyio.fail_after(5):
                 async for _ in store.follow(after=2):
                     pass
             assert [r.seq for r in await store.read(until=4)] == [1, 2, 3, 4]
             report = await store.verify()
             assert not report.ok
-            assert (report.first_bad_seq, report.code) == (5, Code.CORRUPT_RECORD)
+            assert (report.first_bad_seq, report.code) == (5, StoreCode.CORRUPT_RECORD)
             assert (report.records, report.last_seq) == (4, 4)
             assert report.head_hash == self.raw_row(location, 4)[8]
 
@@ -430,10 +432,14 @@ class StoreContract:
                 SessionBound(session="forged", owner="a", version_id=1, revision=1)
             ).payload
             self.rewrite(location, 4, **rehashed(self.raw_row(location, 4), payload=forged))
-            with raises_code(Code.CHAIN_BROKEN, seq=5):
+            with raises_code(StoreCode.CHAIN_BROKEN, seq=5):
                 await store.read()
             report = await store.verify()
-            assert (report.ok, report.first_bad_seq, report.code) == (False, 5, Code.CHAIN_BROKEN)
+            assert (report.ok, report.first_bad_seq, report.code) == (
+                False,
+                5,
+                StoreCode.CHAIN_BROKEN,
+            )
             assert report.records == 4
 
     @pytest.mark.anyio
@@ -443,24 +449,24 @@ class StoreContract:
         async with self.opened(location) as store:
             await store.append(batch_of(8, "a"))
             self.rewrite(location, 6, **rehashed(self.raw_row(location, 6), prev_hash=b"\x01" * 32))
-            with raises_code(Code.CHAIN_BROKEN, seq=6):
+            with raises_code(StoreCode.CHAIN_BROKEN, seq=6):
                 await store.read(after=2)
             report = await store.verify()
-            assert (report.first_bad_seq, report.code) == (6, Code.CHAIN_BROKEN)
+            assert (report.first_bad_seq, report.code) == (6, StoreCode.CHAIN_BROKEN)
 
     @pytest.mark.anyio
     async def test_a_missing_record_is_named(self, location: Any) -> None:
         async with self.opened(location) as store:
             await store.append(batch_of(8, "a"))
             self.remove(location, 5)
-            with raises_code(Code.CHAIN_BROKEN, seq=5):
+            with raises_code(StoreCode.CHAIN_BROKEN, seq=5):
                 await store.read()
-            with raises_code(Code.CHAIN_BROKEN, seq=5):
+            with raises_code(StoreCode.CHAIN_BROKEN, seq=5):
                 await store.read(after=5)  # its successor cannot be linked either
             report = await store.verify()
             assert (report.first_bad_seq, report.code, report.records) == (
                 5,
-                Code.CHAIN_BROKEN,
+                StoreCode.CHAIN_BROKEN,
                 4,
             )
 
@@ -469,13 +475,13 @@ class StoreContract:
         async with self.opened(location) as store:
             await store.append(batch_of(6, "a"))
             self.rewrite(location, 3, **rehashed(self.raw_row(location, 3), payload=b"\xc1junk"))
-            with raises_code(Code.CORRUPT_RECORD, seq=3):
+            with raises_code(StoreCode.CORRUPT_RECORD, seq=3):
                 await store.read()
             self.rewrite(location, 5, **rehashed(self.raw_row(location, 5), type="SessionReleased"))
-            with raises_code(Code.CORRUPT_RECORD, seq=5):
+            with raises_code(StoreCode.CORRUPT_RECORD, seq=5):
                 await store.read(after=4)
             report = await store.verify()
-            assert (report.first_bad_seq, report.code) == (3, Code.CORRUPT_RECORD)
+            assert (report.first_bad_seq, report.code) == (3, StoreCode.CORRUPT_RECORD)
 
     @pytest.mark.anyio
     async def test_a_tampered_tail_is_refused_at_open(self, location: Any) -> None:
@@ -483,11 +489,11 @@ class StoreContract:
             await store.append(batch_of(4, "a"))
         payload = self.raw_row(location, 4)[6]
         self.rewrite(location, 4, payload=payload + b"\x00")
-        with raises_code(Code.CORRUPT_RECORD, seq=4):
+        with raises_code(StoreCode.CORRUPT_RECORD, seq=4):
             async with self.opened(location):
                 pass
         self.rewrite(location, 4, **rehashed(self.raw_row(location, 4), prev_hash=b"\x07" * 32))
-        with raises_code(Code.CHAIN_BROKEN, seq=4):
+        with raises_code(StoreCode.CHAIN_BROKEN, seq=4):
             async with self.opened(location):
                 pass
 
@@ -510,7 +516,7 @@ class StoreContract:
             assert await store.load_snapshot("v3") is None
             await store.save_snapshot(Snapshot(code_version="v1", seq=7, state=b"again"))
             assert (await store.load_snapshot("v1")).state == b"again"  # type: ignore[union-attr]
-            with raises_code(Code.INVALID_INPUT, seq=10):
+            with raises_code(INVALID_INPUT, seq=10):
                 await store.save_snapshot(Snapshot(code_version="v1", seq=10, state=b"future"))
         assert self.snapshot_seqs(location, "v1") == [5, 7][-SNAPSHOTS_KEPT:]
         assert self.snapshot_seqs(location, "v2") == [4]
@@ -539,11 +545,11 @@ class StoreContract:
     async def test_a_closed_store_refuses_calls(self, location: Any) -> None:
         async with self.opened(location) as store:
             await store.append(batch_of(1, "a"))
-        with raises_code(Code.STORE_CLOSED):
+        with raises_code(StoreCode.STORE_CLOSED):
             await store.append(batch_of(1, "b"))
-        with raises_code(Code.STORE_CLOSED):
+        with raises_code(StoreCode.STORE_CLOSED):
             await store.read()
-        with raises_code(Code.STORE_CLOSED):
+        with raises_code(StoreCode.STORE_CLOSED):
             await store.save_snapshot(Snapshot(code_version="v", seq=1, state=b""))
         await store.close()  # closing twice is harmless
 
@@ -569,7 +575,7 @@ class StoreContract:
         # ...is read by code whose EngineJoined is schema 2.
         monkeypatch.setattr(EngineJoined, "SCHEMA", 2)
         async with self.opened(location) as store:
-            with raises_code(Code.UNKNOWN_SCHEMA, seq=1):
+            with raises_code(StoreCode.UNKNOWN_SCHEMA, seq=1):
                 await store.read()  # no upcaster for 1 -> 2 yet: refused, not misread
 
             def v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
@@ -588,7 +594,7 @@ class StoreContract:
         newer = Pending(**{**msgspec.structs.asdict(bound(1)), "schema": SessionBound.SCHEMA + 1})
         async with self.opened(location) as store:
             await store.append([bound(0), newer, bound(2)])
-            with raises_code(Code.UNKNOWN_SCHEMA, seq=2):
+            with raises_code(StoreCode.UNKNOWN_SCHEMA, seq=2):
                 await store.read()
             report = await store.verify()
-            assert (report.first_bad_seq, report.code) == (2, Code.UNKNOWN_SCHEMA)
+            assert (report.first_bad_seq, report.code) == (2, StoreCode.UNKNOWN_SCHEMA)

@@ -14,7 +14,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.record import Row
 from evlog.sqlite import SQLiteStore
 from evlog.store import EventStore
@@ -92,7 +92,7 @@ async def _opened(path: Path, **kw: Any) -> AsyncIterator[SQLiteStore]:
 async def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "junk.db"
     path.write_bytes(b"this is not a database, just some text " * 200)
-    with raises_code(Code.CORRUPT_STORE):
+    with raises_code(StoreCode.CORRUPT_STORE):
         await SQLiteStore.connect(path)
     assert path.read_bytes().startswith(b"this is not a database")  # untouched
 
@@ -104,7 +104,7 @@ async def test_another_applications_database_is_refused(tmp_path: Path) -> None:
     conn.execute("CREATE TABLE events (id INTEGER PRIMARY KEY, what TEXT)")
     conn.commit()
     conn.close()
-    with raises_code(Code.CORRUPT_STORE):
+    with raises_code(StoreCode.CORRUPT_STORE):
         await SQLiteStore.connect(path)
 
 
@@ -123,7 +123,7 @@ async def test_a_damaged_page_is_refused_at_open(tmp_path: Path) -> None:
     with path.open("r+b") as f:
         f.seek((root - 1) * page_size)
         f.write(b"\xff" * 16)
-    with raises_code(Code.CORRUPT_STORE):
+    with raises_code(StoreCode.CORRUPT_STORE):
         await SQLiteStore.connect(path)
     # Without the integrity check only the tail is verified, and this damage goes unseen.
     store = await SQLiteStore.connect(path, quick_check=False)
@@ -133,11 +133,11 @@ async def test_a_damaged_page_is_refused_at_open(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
-    with raises_code(Code.INVALID_INPUT):
+    with raises_code(INVALID_INPUT):
         await SQLiteStore.connect(tmp_path / "a.db", synchronous="OFF")  # type: ignore[arg-type]
-    with raises_code(Code.INVALID_INPUT):
+    with raises_code(INVALID_INPUT):
         await SQLiteStore.connect(":memory:")
-    with raises_code(Code.STORE_FAILED):
+    with raises_code(StoreCode.STORE_FAILED):
         await SQLiteStore.connect(tmp_path / "missing-dir" / "a.db")
 
 
@@ -183,7 +183,7 @@ async def test_a_second_writer_on_the_same_file_is_detected_and_handled(tmp_path
         # ``two`` believes the log is empty: its seq 1 collides, it re-reads the tail.
         assert await two.append(batch_of(2, "two")) == [4, 5]
         assert await one.append(batch_of(1, "one-again")) == [6]
-        with raises_code(Code.SEQ_CONFLICT):
+        with raises_code(StoreCode.SEQ_CONFLICT):
             await two.append(batch_of(1, "stale"), expected_seq=5)
         assert one.stats.slow_paths >= 1 and two.stats.slow_paths >= 1
         report = await two.verify()
@@ -224,7 +224,7 @@ async def test_close_lets_queued_appends_finish_and_refuses_new_ones(tmp_path: P
     async def appender(store: SQLiteStore, k: int) -> None:
         try:
             answered[k] = await store.append(batch_of(2, f"w{k}"))
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             answered[k] = exc.code
 
     store = await SQLiteStore.connect(path)
@@ -235,7 +235,7 @@ async def test_close_lets_queued_appends_finish_and_refuses_new_ones(tmp_path: P
             await anyio.lowlevel.checkpoint()
             await store.close()
             tg.start_soon(appender, store, 99)
-    assert answered.pop(99) == Code.STORE_CLOSED
+    assert answered.pop(99) == StoreCode.STORE_CLOSED
     acked = {s for v in answered.values() if isinstance(v, list) for s in v}
     async with _opened(path) as again:
         assert again.last_seq == len(acked) and acked == set(range(1, len(acked) + 1))
@@ -250,7 +250,7 @@ async def test_a_large_batch_spanning_many_statements_is_atomic(tmp_path: Path) 
         big[2500] = big[10]  # a duplicate inside: the store keeps one, answers its seq twice
         got = await store.append(big, expected_seq=1)
         assert got[2500] == got[10] and store.last_seq == 3000
-        with raises_code(Code.SEQ_CONFLICT):
+        with raises_code(StoreCode.SEQ_CONFLICT):
             await store.append(batch_of(3000, "late"), expected_seq=1)
         assert store.last_seq == 3000
         assert (await store.verify()).ok
@@ -268,7 +268,11 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
             row = raw.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = 6").fetchone()
             raw.execute("DELETE FROM events WHERE seq = 6")
             report = await store.verify()
-            assert (report.ok, report.first_bad_seq, report.code) == (False, 6, Code.CHAIN_BROKEN)
+            assert (report.ok, report.first_bad_seq, report.code) == (
+                False,
+                6,
+                StoreCode.CHAIN_BROKEN,
+            )
             assert report.records == 5
             # put back a different record 6, consistently hashed onto record 5
             forged = rehashed(row, payload=bound(77).payload)
@@ -279,4 +283,4 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
         finally:
             raw.close()
         report = await store.verify()
-        assert (report.ok, report.first_bad_seq, report.code) == (False, 6, Code.CHAIN_BROKEN)
+        assert (report.ok, report.first_bad_seq, report.code) == (False, 6, StoreCode.CHAIN_BROKEN)

@@ -37,7 +37,7 @@ import structlog
 from engines.local.client import LocalHTTPEngine
 from engines.local.tinymodel import make_adapter
 from engines.sglang import SGLangTimeouts
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import EngineRestarted
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
@@ -160,7 +160,7 @@ async def _retrying(what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
         while True:
             try:
                 return await fn()
-            except (PublicationError, LedgerError) as exc:
+            except (PublicationError, LoraLedgerError) as exc:
                 print(f"{what}: {exc} (asking again)", file=sys.stderr, flush=True)
                 await anyio.sleep(0.05)
 

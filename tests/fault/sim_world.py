@@ -55,7 +55,7 @@ from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.testing import RestartableEngine
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode, StoreError
 from evlog.events import SessionBound
 from evlog.memory import MemoryLog, MemoryStore
 from evlog.record import Pending
@@ -64,8 +64,9 @@ from projections import invariants
 from projections.registry import RegistryState, VersionState, evolve
 from publisher import commands as c
 from publisher.engine_ops import EngineTimeouts
+from publisher.errors import Code
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway
+from publisher.gateway import DispatchCode, Gateway
 from publisher.ledger import Ledger
 from publisher.outcomes import Done, Outcome
 from publisher.plane import ControlPlane
@@ -211,12 +212,12 @@ class SeveredStore(MemoryStore):
         self, batch: Sequence[Pending], *, expected_seq: int | None = None
     ) -> list[int]:
         if self.severed:
-            raise LedgerError(Code.STORE_FAILED, "this controller died")
+            raise StoreError(StoreCode.STORE_FAILED, "this controller died")
         return await super().append(batch, expected_seq=expected_seq)
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
         if self.severed:
-            raise LedgerError(Code.STORE_FAILED, "this controller died")
+            raise StoreError(StoreCode.STORE_FAILED, "this controller died")
         await super().save_snapshot(snapshot)
 
 
@@ -269,16 +270,16 @@ class ControllerPort:
     ) -> None:
         self._world.ledger().renew_lease(owner, inflight)
 
-    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         results = await self._remote(lambda ledger: ledger.execute_many(commands))
-        if any(isinstance(r, LedgerError) and r.code == Code.LEDGER_CLOSED for r in results):
+        if any(isinstance(r, LoraLedgerError) and r.code == Code.LEDGER_CLOSED for r in results):
             raise ControllerDown("the controller died during the call")
         return results
 
     async def _remote(self, fn: Callable[[Ledger], Awaitable[T]]) -> T:
         try:
             return await fn(self._world.ledger())
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
                 raise ControllerDown(str(exc)) from exc
             raise
@@ -352,7 +353,7 @@ async def controller(world: World, gateway: Gateway) -> None:
                         h.severed = True
                     world.notes.append(f"controller crash at t={anyio.current_time():.1f}")
                     scope.cancel()
-            except (LedgerError, ExceptionGroup) as exc:
+            except (LoraLedgerError, ExceptionGroup) as exc:
                 if not crashed:
                     raise
                 world.notes.append(f"crash teardown: {exc!r}"[:200])
@@ -372,7 +373,7 @@ async def trainer(world: World) -> None:
             plane = await world.wait_up()
             try:
                 outcome = await TrainerClient(plane).publish(tensors, config, step=version)
-            except (PublicationError, LedgerError) as exc:
+            except (PublicationError, LoraLedgerError) as exc:
                 world.notes.append(f"publish {version}: {exc.code}")
                 await anyio.sleep(3.0)
                 continue
@@ -412,10 +413,10 @@ async def _generate(world: World, session: Any, owner: str, turn: int) -> None:
         try:
             await session.generate(PROMPT, PARAMS, turn=turn)
             return
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             if exc.code in (Code.LEASE_EXPIRED, Code.SESSION_CLOSED):
                 raise
-            if exc.code == Code.GENERATION_FAILED and exc.details.get("engine_code") in (
+            if exc.code == DispatchCode.GENERATION_FAILED and exc.details.get("engine_code") in (
                 ErrorCode.NAME_RECLAIMED,
             ):
                 _premature_unload(world, session.session_id, exc)
@@ -424,7 +425,7 @@ async def _generate(world: World, session: Any, owner: str, turn: int) -> None:
         await anyio.sleep(2.0)
 
 
-def _premature_unload(world: World, session_id: str, exc: LedgerError) -> None:
+def _premature_unload(world: World, session_id: str, exc: LoraLedgerError) -> None:
     """The engine says it unloaded the session's version: a violation if the session is still
     bound to it (the ledger must never reclaim a version a bound session uses)."""
     if world.plane is None:
@@ -440,8 +441,8 @@ async def _with_retries(fn: Callable[[], Awaitable[T]]) -> T | None:
     for _ in range(60):
         try:
             return await fn()
-        except (OSError, LedgerError) as exc:
-            if isinstance(exc, LedgerError) and exc.code == Code.LEASE_EXPIRED:
+        except (OSError, LoraLedgerError) as exc:
+            if isinstance(exc, LoraLedgerError) and exc.code == Code.LEASE_EXPIRED:
                 return None
             await anyio.sleep(2.0)
     raise AssertionError("a close never succeeded")

@@ -8,7 +8,7 @@ Generated (Hypothesis) and mutated inputs for every decoder and entry point:
   flipped bytes, cut short -- an exit code and one message, never a traceback, and the file
   is byte-for-byte unchanged;
 * CLI arguments: random options and values;
-* commands: through ``decide`` with wrong types and out-of-range values (a ``LedgerError``
+* commands: through ``decide`` with wrong types and out-of-range values (a ``LoraLedgerError``
   with a code, the state untouched), through msgspec decoding of commands (unknown fields,
   wrong types), and through the HTTP service (every POST route, random bodies and path
   parameters: a 4xx/5xx with a code, the state and ``last_seq`` untouched);
@@ -54,7 +54,7 @@ from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode
 from evlog.events import EVENT_TYPES, SessionBound, encode_event
 from evlog.memory import MemoryStore
 from evlog.record import GENESIS_HASH, Record, chain_hash, open_row
@@ -62,6 +62,7 @@ from evlog.sqlite import SQLiteStore
 from projections.registry import RegistryState, encode_state
 from publisher import commands as c
 from publisher.decider import decide
+from publisher.errors import Code
 from publisher.ledger import Ledger
 from tests.fault.conftest import record_figure
 from tools.cli import app
@@ -164,11 +165,15 @@ def test_stored_records_that_do_not_decode_are_named_never_raised(slow: bool) ->
             stored_hash = chain_hash(prev, 1, eid, stream, type_name, schema, at, payload)
         row = (1, eid, stream, type_name, schema, at, payload, prev, stored_hash)
         try:
-            record: Record | LedgerError = open_row(row, 0, GENESIS_HASH)
-        except LedgerError as exc:
+            record: Record | LoraLedgerError = open_row(row, 0, GENESIS_HASH)
+        except LoraLedgerError as exc:
             record = exc
-        if isinstance(record, LedgerError):
-            assert record.code in (Code.CORRUPT_RECORD, Code.CHAIN_BROKEN, Code.UNKNOWN_SCHEMA)
+        if isinstance(record, LoraLedgerError):
+            assert record.code in (
+                StoreCode.CORRUPT_RECORD,
+                StoreCode.CHAIN_BROKEN,
+                StoreCode.UNKNOWN_SCHEMA,
+            )
             assert record.details.get("seq") == 1
         else:
             assert type(record.event).__name__ == type_name
@@ -350,7 +355,7 @@ def _serving_state() -> RegistryState:
 
 def test_decide_refuses_wrong_types_and_out_of_range_values_with_a_code(slow: bool) -> None:
     """Commands built in Python are not type-checked by their constructor (msgspec structs),
-    so the decider sees whatever a caller passes. It must answer a ``LedgerError`` with a code
+    so the decider sees whatever a caller passes. It must answer a ``LoraLedgerError`` with a code
     (or a legitimate outcome), never raise, and never touch the state it read."""
     state = _serving_state()
     before = encode_state(state)
@@ -367,7 +372,7 @@ def test_decide_refuses_wrong_types_and_out_of_range_values_with_a_code(slow: bo
         command = cls(**kwargs)
         decision = decide(state, command)
         if decision.error is not None:
-            assert isinstance(decision.error, LedgerError) and decision.error.code
+            assert isinstance(decision.error, LoraLedgerError) and decision.error.code
         assert encode_state(state) == before
 
     prop()
@@ -375,7 +380,7 @@ def test_decide_refuses_wrong_types_and_out_of_range_values_with_a_code(slow: bo
 
 def test_the_ledger_refuses_bad_commands_and_keeps_serving(slow: bool) -> None:
     """The same commands through a running :class:`Ledger` (its single writer decides them):
-    a refusal is a ``LedgerError`` with a code, the state and the log are as they were (a
+    a refusal is a ``LoraLedgerError`` with a code, the state and the log are as they were (a
     refused engine receipt is the one refusal recorded, as ``ReceiptRejected``), and
     the ledger still serves the next caller."""
     kinds = sorted(
@@ -391,10 +396,10 @@ def test_the_ledger_refuses_bad_commands_and_keeps_serving(slow: bool) -> None:
             for i, command in enumerate(commands):
                 await _settle(ledger)
                 state, seq = encode_state(ledger.state), store.last_seq
-                refusal: LedgerError | None = None
+                refusal: LoraLedgerError | None = None
                 try:
                     await ledger.execute(command)
-                except LedgerError as exc:
+                except LoraLedgerError as exc:
                     refusal = exc
                 if refusal is not None:
                     assert refusal.code and refusal.code != Code.LEDGER_CLOSED, refusal

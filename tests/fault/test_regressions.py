@@ -14,10 +14,11 @@ from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
 from engines.local.engine import LocalEngine, resolve_under
 from engines.local.server import serve
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher import commands as c
+from publisher.errors import Code
 from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
@@ -90,7 +91,7 @@ async def test_regression_ill_typed_command_stopped_the_ledger_writer() -> None:
         await ledger.create_deployment("dep", prefix="agent", capacity=2)
         await ledger.register_owner("w", ttl_s=60)
         seq = ledger.state.last_seq
-        with pytest.raises(LedgerError) as refused:
+        with pytest.raises(LoraLedgerError) as refused:
             await ledger.execute(c.Forget(sessions=None))  # type: ignore[arg-type]
         assert refused.value.code == Code.INVALID_INPUT
         assert ledger.state.last_seq == seq
@@ -106,7 +107,7 @@ async def test_regression_ill_typed_value_was_stored_in_an_event_that_no_longer_
     store = MemoryStore()
     async with Ledger.open(store) as ledger:
         await ledger.create_deployment("dep", prefix="agent", capacity=2)
-        with pytest.raises(LedgerError) as refused:
+        with pytest.raises(LoraLedgerError) as refused:
             await ledger.join_engine("e0", "i1", endpoint=5)  # type: ignore[arg-type]
         assert refused.value.code == Code.INVALID_INPUT
         await ledger.join_engine("e0", "i1", endpoint="http://127.0.0.1:1")
@@ -140,7 +141,7 @@ async def test_regression_renewal_with_a_negative_inflight_count_was_accepted() 
         await ledger.create_deployment("dep", prefix="agent", capacity=2)
         await ledger.register_owner("w", ttl_s=60)
         for bad in ({("e0", 1): -7}, {("e0", 0): 1}, {("", 1): 1}, {("e0", 1): True}):
-            with pytest.raises(LedgerError) as refused:
+            with pytest.raises(LoraLedgerError) as refused:
                 ledger.renew_lease("w", bad)  # type: ignore[arg-type]
             assert refused.value.code == Code.INVALID_INPUT
         assert ledger.inflight_evidence(1)[0].count == 0

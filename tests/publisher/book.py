@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import Event
 from projections import invariants
 from projections.registry import RegistryState, evolve
@@ -42,7 +42,7 @@ class Book:
     def refuse(self, command: c.Command, code: str) -> list[Event]:
         """Assert the command is refused with ``code``; return the events it recorded."""
         before = len(self.events)
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             self.run(command)
         assert info.value.code == code, info.value
         return self.events[before:]

@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
@@ -99,7 +99,7 @@ async def main(path: str, run_id: str) -> None:
             async def bind(name: str = session, step: int = step) -> None:
                 try:
                     bound = await ledger.bind(name, "w")
-                except LedgerError as err:
+                except LoraLedgerError as err:
                     ack("refused", name, err.code, ledger.state.last_seq)
                     return
                 ack("bind", name, bound.version_id, ledger.state.last_seq)

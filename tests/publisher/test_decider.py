@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from evlog.errors import Code
 from evlog.events import (
     AttemptFailed,
     CommandRecorded,
@@ -20,6 +19,7 @@ from evlog.events import (
 )
 from projections.registry import VersionState
 from publisher import commands as c
+from publisher.errors import Code
 from publisher.outcomes import Allocated, Bound, Released, Skipped
 from tests.publisher.book import Book, digest_of
 

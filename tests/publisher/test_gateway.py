@@ -14,8 +14,9 @@ import pytest
 from engines.contract import SamplingParams
 from engines.local.engine import LocalEngine
 from engines.vllm import cache_salt_problem
-from evlog.errors import Code, LedgerError
-from publisher.gateway import version_salt
+from evlog.errors import LoraLedgerError
+from publisher.errors import Code
+from publisher.gateway import DispatchCode, DispatchError, version_salt
 from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
@@ -75,9 +76,9 @@ async def test_routes_only_to_routable_holders_and_balances_them() -> None:
         # No routable holder left: NO_ROUTE, and nothing reaches any engine.
         await r.ledger.observe_restart("e1", "e1-new-life")
         sent = sum(len(e.calls) for e in r.fleet)  # type: ignore[attr-defined]
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(bound, PROMPT, SHORT)
-        assert info.value.code == Code.NO_ROUTE
+        assert info.value.code == DispatchCode.NO_ROUTE
         assert sum(len(e.calls) for e in r.fleet) == sent  # type: ignore[attr-defined]
 
 
@@ -116,9 +117,9 @@ async def test_an_engine_that_holds_the_version_is_not_routed_to_before_its_repa
 
         # The only other holder goes: NO_ROUTE, never the unrepaired holder.
         await r.ledger.observe_restart("e1", "e1-life-2")
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(DispatchError) as info:
             await r.gateway.generate(bound, PROMPT, SHORT)
-        assert info.value.code == Code.NO_ROUTE
+        assert info.value.code == DispatchCode.NO_ROUTE
         assert r.fleet["e0"].calls == []  # type: ignore[attr-defined]
 
         await r.ledger.repair_engine("e0", "e0-life-2")
@@ -132,9 +133,9 @@ async def test_a_lost_reply_is_ambiguous_and_never_resent() -> None:
     async with rig(wrap=wrapping({"e0": LosesReply, "e1": LosesReply})) as r:
         await r.publish(1)
         bound = await bound_session(r, "s1")
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(bound, PROMPT, SHORT, request_id="req-1")
-        assert info.value.code == Code.AMBIGUOUS_DISPATCH
+        assert info.value.code == DispatchCode.AMBIGUOUS_DISPATCH
         assert info.value.details["request_id"] == "req-1"
         engines = list(r.fleet)
         # Exactly one dispatch reached an engine, and that engine really ran it.
@@ -159,9 +160,9 @@ async def test_no_reachable_holder_is_no_route() -> None:
     async with rig(wrap=wrapping({"e0": Unreachable, "e1": Unreachable})) as r:
         await r.publish(1)
         bound = await bound_session(r, "s1")
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(bound, PROMPT, SHORT)
-        assert info.value.code == Code.NO_ROUTE
+        assert info.value.code == DispatchCode.NO_ROUTE
         assert sorted(info.value.details["unreachable"]) == ["e0", "e1"]
 
 
@@ -170,9 +171,9 @@ async def test_a_clean_refusal_is_generation_failed_and_not_tried_elsewhere() ->
         await r.publish(1)
         bound = await bound_session(r, "s1")
         too_long = SamplingParams(max_tokens=10_000)
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(bound, PROMPT, too_long)
-        assert info.value.code == Code.GENERATION_FAILED
+        assert info.value.code == DispatchCode.GENERATION_FAILED
         assert info.value.details["engine_code"] == "BAD_REQUEST"
         assert sum(len(e.calls) for e in r.fleet) == 1  # type: ignore[attr-defined]
         assert r.gateway.inflight_counts() == {}
@@ -284,7 +285,7 @@ async def test_extra_fields_for_an_engine_that_takes_none_are_refused_before_dis
     async with rig(engines=1) as r:
         await r.publish(1)
         bound = await bound_session(r, "s1")
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(bound, PROMPT, SHORT, extra_body={"top_k": 3})
         assert info.value.code == Code.INVALID_INPUT
         assert r.gateway.dispatched == 0

@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import pytest
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import ReclaimClaimed, SessionReleased
 from evlog.memory import MemoryStore
 from evlog.record import Pending
@@ -20,6 +20,7 @@ from projections import invariants
 from projections.recovery import recover, save_snapshot
 from projections.registry import RegistryState, encode_state
 from publisher import commands as c
+from publisher.errors import Code
 from publisher.ledger import Ledger
 from publisher.outcomes import Bound, Released
 
@@ -119,7 +120,7 @@ async def test_a_refusal_writes_nothing() -> None:
     async with Ledger.open(store) as ledger:
         await bootstrap(ledger)
         before = store.last_seq
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await ledger.bind("s", "w")
         assert info.value.code == Code.NO_PUBLISHED_VERSION
         assert store.last_seq == before
@@ -154,7 +155,7 @@ async def test_restart_keeps_every_binding(tmp_path: Path) -> None:
         again = await ledger.bind("a", "w")
         assert again == msgspec.structs.replace(first["a"], new=False)
         assert again.version_id == 1 and ledger.state.default == 2
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await ledger.bind("b", "w")
         assert info.value.code == Code.SESSION_CLOSED
 
@@ -207,10 +208,10 @@ async def test_a_second_controller_fences_the_first() -> None:
         await publish(old, 1)
         async with Ledger.open(store) as new:
             assert new.state.epoch == old.state.epoch + 1
-            with pytest.raises(LedgerError) as info:
+            with pytest.raises(LoraLedgerError) as info:
                 await old.bind("s", "w")
             assert info.value.code == Code.FENCED
-            with pytest.raises(LedgerError) as again:
+            with pytest.raises(LoraLedgerError) as again:
                 await old.bind("t", "w")
             assert again.value.code == Code.FENCED
             assert (await new.bind("s", "w")).version_id == 1
@@ -230,9 +231,9 @@ async def test_execute_many_answers_each_command_in_place() -> None:
             ]
         )
         assert isinstance(results[0], Bound)
-        assert isinstance(results[1], LedgerError) and results[1].code == Code.UNKNOWN_OWNER
+        assert isinstance(results[1], LoraLedgerError) and results[1].code == Code.UNKNOWN_OWNER
         assert isinstance(results[2], Released) and results[2].released
-        assert isinstance(results[3], LedgerError) and results[3].code == Code.SESSION_CLOSED
+        assert isinstance(results[3], LoraLedgerError) and results[3].code == Code.SESSION_CLOSED
 
 
 class FakeClock:
@@ -266,10 +267,10 @@ async def test_leases_expire_release_sessions_and_refuse_the_stale_worker() -> N
             ("x", "lease_expired"),
             ("y", "lease_expired"),
         }
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             ledger.renew_lease("worker")
         assert info.value.code == Code.LEASE_EXPIRED
-        with pytest.raises(LedgerError) as bind:
+        with pytest.raises(LoraLedgerError) as bind:
             await ledger.bind("x", "worker")
         assert bind.value.code == Code.LEASE_EXPIRED
     # After a controller restart every live owner gets a full ttl of grace.
@@ -287,7 +288,7 @@ async def test_reclaim_claim_records_the_in_flight_evidence_from_lease_renewals(
         await publish(ledger, 1)
         await publish(ledger, 2)
         ledger.renew_lease("w", {("e0", 1): 2})
-        with pytest.raises(LedgerError) as busy:
+        with pytest.raises(LoraLedgerError) as busy:
             await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
         assert busy.value.code == Code.REQUESTS_IN_FLIGHT
         ledger.renew_lease("w", {("e0", 1): 0})
@@ -312,7 +313,7 @@ async def test_periodic_snapshots_are_written() -> None:
 async def test_a_closed_ledger_refuses_commands() -> None:
     async with Ledger.open(MemoryStore()) as ledger:
         await bootstrap(ledger)
-    with pytest.raises(LedgerError) as info:
+    with pytest.raises(LoraLedgerError) as info:
         await ledger.bind("s", "w")
     assert info.value.code == Code.LEDGER_CLOSED
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.memory import MemoryStore
 from projections import invariants
 from publisher import commands as c
@@ -220,11 +220,11 @@ class LedgerMachine(RuleBasedStateMachine):
     def call(self, command: c.Command):  # type: ignore[no-untyped-def]
         try:
             return self.portal.call(self.ledger.execute, command)
-        except LedgerError as err:
+        except LoraLedgerError as err:
             return err
 
     def expect_error(self, result: object, code: str) -> None:
-        assert isinstance(result, LedgerError), f"expected {code}, got {result!r}"
+        assert isinstance(result, LoraLedgerError), f"expected {code}, got {result!r}"
         assert result.code == code, f"expected {code}, got {result.code}: {result.message}"
 
     # --- rules ---------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class LedgerMachine(RuleBasedStateMachine):
         result = self.call(
             c.ObserveInventory(engine=engine, incarnation=f"{engine}-1", adapters=())
         )
-        assert not isinstance(result, LedgerError), result
+        assert not isinstance(result, LoraLedgerError), result
 
     @rule(session=SESSIONS)
     def bind(self, session: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError, StoreCode
 from publisher.provenance import (
     JsonlSink,
     MemorySink,
@@ -72,9 +72,9 @@ def test_export_selects_a_set_of_sessions_in_trajectory_order(tmp_path: Path) ->
 
 def test_a_torn_line_is_refused_not_skipped() -> None:
     blob = encode_rows([row("a", 0), row("a", 1)])
-    with pytest.raises(LedgerError) as info:
+    with pytest.raises(LoraLedgerError) as info:
         list(iter_rows(blob[:-10]))
-    assert info.value.code == Code.CORRUPT_RECORD
+    assert info.value.code == StoreCode.CORRUPT_RECORD
 
 
 class GatedSink(MemorySink):

@@ -25,9 +25,10 @@ import pytest
 
 from engines.artifacts import ArtifactStore
 from engines.contract import SamplingParams
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import ReclaimClaimed
 from projections.registry import VersionState
+from publisher.errors import Code
 from publisher.gateway import Served
 from publisher.reconciler import Reconciler
 from publisher.sessions import RolloutWorker
@@ -89,7 +90,7 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
             assert await claims(r) == []
             busy_reports = [x for x in driver.evidence(1) if x.count]
             assert [(x.reporter, x.engine, x.count) for x in busy_reports] == [("gw", busy, 1)]
-            with pytest.raises(LedgerError) as info:  # and the decider would refuse it too
+            with pytest.raises(LoraLedgerError) as info:  # and the decider would refuse it too
                 await r.ledger.claim_reclaim(1, driver.evidence(1))
             assert info.value.code == Code.REQUESTS_IN_FLIGHT
             assert r.local[busy].refcount(v1) == 1

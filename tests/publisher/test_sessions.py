@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from engines.contract import SamplingParams
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.events import (
     SessionBound,
     SessionReleased,
@@ -21,6 +21,7 @@ from evlog.events import (
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher import commands as c
+from publisher.errors import Code
 from publisher.ledger import Ledger
 from publisher.outcomes import Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
@@ -60,7 +61,7 @@ class Port:
     def renew_lease(self, owner, inflight=None) -> None:  # type: ignore[no-untyped-def]
         self.ledger.renew_lease(owner, inflight)
 
-    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LedgerError]:
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         self.calls.append(list(commands))
         if self.gate is not None and any(isinstance(x, c.Bind) for x in commands):
             self.waiting += 1
@@ -220,7 +221,7 @@ async def test_cancelling_the_first_waiter_never_cancels_the_bind() -> None:
 async def test_a_failed_first_bind_is_asked_again_later() -> None:
     async with rig() as r, worker_on(r) as w:
         s = w.session("s")
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await s.generate(PROMPT, SHORT)
         assert info.value.code == Code.NO_PUBLISHED_VERSION
         await r.publish(1)
@@ -237,7 +238,7 @@ async def test_close_before_the_first_bind_can_never_bind() -> None:
         released = await s.close()
         assert released == Released(session="never", released=False)
         for again in (s, w.session("never")):
-            with pytest.raises(LedgerError) as info:
+            with pytest.raises(LoraLedgerError) as info:
                 await again.generate(PROMPT, SHORT)
             assert info.value.code == Code.SESSION_CLOSED
         assert await events_of(r.store, SessionBound) == []
@@ -265,7 +266,7 @@ async def test_close_waits_for_running_generations_then_releases_once() -> None:
             await wait_for(lambda: s.in_flight == 1 and r.gateway.inflight_counts() != {})
             tg.start_soon(close)
             await wait_for(lambda: s.closed)
-            with pytest.raises(LedgerError) as info:
+            with pytest.raises(LoraLedgerError) as info:
                 await s.generate(PROMPT, SHORT)  # closing: nothing new starts
             assert info.value.code == Code.SESSION_CLOSED
             await anyio.sleep(0.05)
@@ -285,13 +286,13 @@ async def test_close_with_cancel_stops_running_generations_first() -> None:
         s = w.session("s")
         for engine in r.local.values():
             engine.pause_generation()
-        errors: list[LedgerError] = []
+        errors: list[LoraLedgerError] = []
         async with anyio.create_task_group() as tg:
 
             async def run() -> None:
                 try:
                     await s.generate(PROMPT, LONG)
-                except LedgerError as exc:
+                except LoraLedgerError as exc:
                     errors.append(exc)
 
             tg.start_soon(run)
@@ -447,12 +448,12 @@ async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> N
                 lambda: w.bind_many([w.session("new2")]),
             ]
             for call in calls:
-                with pytest.raises(LedgerError) as info:
+                with pytest.raises(LoraLedgerError) as info:
                     await call()
                 assert info.value.code == Code.LEASE_EXPIRED
             assert w.lost is not None
             assert sum(len(e.calls) for e in r.fleet) == sent  # nothing dispatched
         assert len(await events_of(r.store, SessionBound)) == 1
-        with pytest.raises(LedgerError) as info:
+        with pytest.raises(LoraLedgerError) as info:
             await r.ledger.register_owner("w1", ttl_s=10.0)
         assert info.value.code == Code.LEASE_EXPIRED

@@ -36,7 +36,7 @@ from engines.contract import SamplingParams
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
@@ -120,7 +120,7 @@ class SessionRunner:
     async def close(self, sessions: Sequence[str]) -> list[bool]:
         results = await self.worker.close_many([self.worker.session(s) for s in sessions])
         for result in results:
-            if isinstance(result, LedgerError):
+            if isinstance(result, LoraLedgerError):
                 raise result
         return [r.released for r in results if isinstance(r, Released)]
 

@@ -14,7 +14,8 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
+from publisher.errors import Code
 from publisher.ray.hosting import PortalHost
 
 pytestmark = pytest.mark.anyio
@@ -74,7 +75,7 @@ async def test_the_hosted_object_lives_on_the_portal_loop_until_closed() -> None
     assert service.calls == 2 and not service.closed
     await anyio.to_thread.run_sync(host.close)
     assert service.closed
-    with pytest.raises(LedgerError) as closed:
+    with pytest.raises(LoraLedgerError) as closed:
         await host.call(service.where)
     assert closed.value.code == Code.LEDGER_CLOSED
     await anyio.to_thread.run_sync(host.close)  # idempotent
@@ -106,7 +107,7 @@ async def test_a_hosted_object_that_dies_on_its_own_is_reported() -> None:
     with anyio.fail_after(5):
         while not service.closed:  # noqa: ASYNC110 -- the context exits on the portal's loop
             await anyio.sleep(0.01)
-    with pytest.raises(LedgerError) as dead:
+    with pytest.raises(LoraLedgerError) as dead:
         await host.call(service.where)
     assert dead.value.code == Code.LEDGER_CLOSED
     assert len(deaths) == 1 and "stopped" in deaths[0]

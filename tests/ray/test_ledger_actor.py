@@ -14,9 +14,10 @@ import pytest
 import ray
 
 from engines.local.tinymodel import make_adapter
-from evlog.errors import Code, LedgerError
+from evlog.errors import LoraLedgerError
 from publisher import commands as c
 from publisher.adapter_copy import AdapterCopy
+from publisher.errors import Code, LedgerInvalidInput, LedgerRefused
 from publisher.outcomes import Bound, Released
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
@@ -31,9 +32,9 @@ async def test_the_client_speaks_the_in_process_api(ledger_factory: Any) -> None
     async with RayLedger.connect(lut.name) as ledger:
         await create(ledger)
         await ledger.register_owner("w1")
-        with pytest.raises(LedgerError) as no_version:
+        with pytest.raises(LoraLedgerError) as no_version:
             await ledger.bind("s0", "w1")
-        assert type(no_version.value) is LedgerError
+        assert type(no_version.value) is LedgerRefused
         assert no_version.value.code == Code.NO_PUBLISHED_VERSION
         published = await publish(ledger, 1)
 
@@ -50,7 +51,7 @@ async def test_the_client_speaks_the_in_process_api(ledger_factory: Any) -> None
         )
         released = await ledger.release("s1", "w1")
         assert released == Released(session="s1", released=True, version_id=1)
-        with pytest.raises(LedgerError) as closed:
+        with pytest.raises(LoraLedgerError) as closed:
             await ledger.bind("s1", "w1")
         assert closed.value.code == Code.SESSION_CLOSED
 
@@ -64,14 +65,16 @@ async def test_the_client_speaks_the_in_process_api(ledger_factory: Any) -> None
             ]
         )
         assert isinstance(results[0], Bound) and results[0].session == "s2"
-        assert isinstance(results[1], LedgerError) and results[1].code == Code.UNKNOWN_OWNER
+        assert isinstance(results[1], LoraLedgerError) and results[1].code == Code.UNKNOWN_OWNER
         assert isinstance(results[2], Released) and results[2].released
         assert results[3].count == 2  # type: ignore[union-attr]
 
         # a refusal raised by an actor method itself keeps its type and code too
-        with pytest.raises(LedgerError) as bad_ttl:
+        with pytest.raises(LoraLedgerError) as bad_ttl:
             await ledger.register_owner("w2", ttl_s=-1)
-        assert type(bad_ttl.value) is LedgerError and bad_ttl.value.code == Code.INVALID_INPUT
+        assert (
+            type(bad_ttl.value) is LedgerInvalidInput and bad_ttl.value.code == Code.INVALID_INPUT
+        )
 
         status = await ledger.status()
         assert (status.default, status.sessions_bound, status.owners) == (1, 0, 1)
@@ -141,16 +144,16 @@ async def test_leases_are_renewed_through_the_client_and_expiry_is_learned(
                 ledger.renew_lease("live", {("e0", 1): 1})
                 await anyio.sleep(0.1)
         assert (await ledger.bind("s-live", "live")).new
-        with pytest.raises(LedgerError) as dead_bind:
+        with pytest.raises(LoraLedgerError) as dead_bind:
             await ledger.bind("s-other", "dead")
         assert dead_bind.value.code == Code.LEASE_EXPIRED
         # the client learns the expiry from a renewal's reply, then refuses locally
-        learned: LedgerError | None = None
+        learned: LoraLedgerError | None = None
         with anyio.fail_after(5):
             while learned is None:
                 try:
                     ledger.renew_lease("dead")
-                except LedgerError as exc:
+                except LoraLedgerError as exc:
                     learned = exc
                 await anyio.sleep(0.05)
         assert learned.code == Code.LEASE_EXPIRED
@@ -165,7 +168,7 @@ async def _bind_all(ledger: RayLedger, names: list[str], owner: str) -> dict[str
     async def bind(name: str) -> None:
         try:
             answers[name] = await ledger.bind(name, owner)
-        except LedgerError as exc:
+        except LoraLedgerError as exc:
             answers[name] = exc
 
     async with anyio.create_task_group() as tg:
@@ -214,7 +217,7 @@ async def test_ray_restarts_a_killed_ledger_and_it_replays_every_binding(
         assert status.sessions_bound == 30 + 80  # every binding, none twice
         after = await _bind_all(ledger, early + late, "w1")
         for name in early[:10]:
-            assert isinstance(after[name], LedgerError)
+            assert isinstance(after[name], LoraLedgerError)
             assert after[name].code == Code.SESSION_CLOSED
         for name in early[10:]:
             assert (after[name].version_id, after[name].new) == (first[name].version_id, False)
@@ -240,7 +243,7 @@ async def test_a_ledger_recreated_under_its_name_reopens_the_same_file(
 
 
 async def test_an_unreachable_ledger_is_ledger_closed(ray_instance: Any) -> None:
-    with pytest.raises(LedgerError) as gone:
+    with pytest.raises(LoraLedgerError) as gone:
         async with RayLedger.connect("nobody-here", reconnect_timeout=0.5):
             pass
     assert gone.value.code == Code.LEDGER_CLOSED
@@ -250,7 +253,7 @@ async def test_start_ledger_refuses_to_serve_another_file(
     ledger_factory: Any, tmp_path: Any
 ) -> None:
     lut = ledger_factory()
-    with pytest.raises(LedgerError) as other:
+    with pytest.raises(LoraLedgerError) as other:
         start_ledger(LedgerConfig(path=str(tmp_path / "other.db")), name=lut.name)
     assert other.value.code == Code.ALREADY_INITIALIZED
 
@@ -258,7 +261,7 @@ async def test_start_ledger_refuses_to_serve_another_file(
 async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
     lut = ledger_factory()  # a bare ledger: nothing drives engines
     config, tensors = make_adapter(1)
-    with pytest.raises(LedgerError) as refused:
+    with pytest.raises(LoraLedgerError) as refused:
         await RayTrainerClient(lut.name).publish(tensors, config, step=1)
     assert refused.value.code == Code.INVALID_STATE
 
@@ -275,6 +278,6 @@ def test_an_adapter_changed_on_the_way_is_refused() -> None:
     tampered = msgspec.structs.replace(
         wire, tensors={**wire.tensors, name: msgspec.structs.replace(tensor, data=flipped)}
     )
-    with pytest.raises(LedgerError) as refused:
+    with pytest.raises(LoraLedgerError) as refused:
         rebuild_copy(tampered, bucket_bytes=4096)
     assert refused.value.code == Code.INVALID_INPUT

@@ -36,7 +36,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from evlog.errors import LedgerError
+from evlog.errors import LoraLedgerError
 from evlog.record import Record
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
@@ -96,7 +96,7 @@ async def write_fault_run(path: Path) -> Path:
         v2 = await ledger.allocate(2, digest(2))
         await ledger.claim_transport(2, v2.attempt, "trainer")
         await ledger.record_ready(2, 1, "e0", "e0-i1", v2.digest, v2.lora_name)
-        with pytest.raises(LedgerError, match="ENGINE_RESTARTED"):
+        with pytest.raises(LoraLedgerError, match="ENGINE_RESTARTED"):
             await ledger.record_ready(2, 1, "e1", "e1-i0", v2.digest, v2.lora_name)
         await ledger.fail_attempt(
             2, 1, clean=True, code="LOAD_REFUSED", reason="e1 refused", absent_on=("e0", "e1")
