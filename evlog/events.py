@@ -428,4 +428,5 @@ def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:
         if fn is None:
             raise LookupError(f"no upcaster for {type_name} schema {step} -> {step + 1}")
         data = fn(data)
-    return msgspec.convert(data, AnyEvent)
+    event: AnyEvent = msgspec.convert(data, AnyEvent)  # convert() types only a class, not a union
+    return event
