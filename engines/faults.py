@@ -60,6 +60,7 @@ from engines.contract import (
     Inventory,
     Receipt,
     SamplingParams,
+    Transport,
     UnloadReceipt,
 )
 
@@ -221,8 +222,8 @@ class RestartableEngine:
         return self._current.kind  # type: ignore[no-any-return]
 
     @property
-    def transport(self) -> Any:
-        return self._current.transport
+    def transport(self) -> Transport:
+        return self._current.transport  # type: ignore[no-any-return]
 
     async def incarnation(self) -> str:
         return await self._current.incarnation()  # type: ignore[no-any-return]
