@@ -26,12 +26,13 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar, overload
 
 import anyio
 import msgspec
 import structlog
-from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evlog.errors import Code, LedgerError
 from evlog.events import InFlight
@@ -64,6 +65,7 @@ CODE_VERSION = "loraledger-0.1.0"
 
 log = structlog.get_logger("loraledger.ledger")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
+OtherOutcomeT = TypeVar("OtherOutcomeT", bound=Outcome)
 
 
 class _Call:
@@ -101,7 +103,7 @@ class Ledger:
         self._snapshot_every = snapshot_every
         self._check = check_invariants
         self._since_snapshot = 0
-        self._send: ObjectSendStream[_Call] | None = None
+        self._send: MemoryObjectSendStream[_Call] | None = None
         self._fenced: LedgerError | None = None
         self._broken: LedgerError | None = None
         self._next_done: anyio.Event | None = None
@@ -219,7 +221,7 @@ class Ledger:
         self._send.send_nowait(call)
         return call
 
-    async def _writer(self, receive: ObjectReceiveStream[_Call]) -> None:
+    async def _writer(self, receive: MemoryObjectReceiveStream[_Call]) -> None:
         batch: list[_Call] = []
         async with receive, anyio.create_task_group() as commits:
             try:
@@ -377,7 +379,15 @@ class Ledger:
         call.outcome = outcome
         call.error = error
 
-    async def _typed(self, command: c.Command, kind: type[OutcomeT] | tuple[type, ...]) -> Any:
+    @overload
+    async def _typed(self, command: c.Command, kind: type[OutcomeT]) -> OutcomeT: ...
+    @overload
+    async def _typed(
+        self, command: c.Command, kind: tuple[type[OutcomeT], type[OtherOutcomeT]]
+    ) -> OutcomeT | OtherOutcomeT: ...
+    async def _typed(
+        self, command: c.Command, kind: type[Outcome] | tuple[type[Outcome], ...]
+    ) -> Outcome:
         outcome = await self.execute(command)
         assert isinstance(outcome, kind), f"{type(command).__name__} answered {outcome!r}"
         return outcome
