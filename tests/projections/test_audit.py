@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from evlog.events import SessionBound, SessionReleased, SessionsForgotten
@@ -47,7 +49,7 @@ def test_owner_filter_lease_release_and_open_sessions(records: list[Record]) -> 
 
 
 def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
-    def rec(seq: int, event: object) -> Record:
+    def rec(seq: int, event: Any) -> Record:
         return Record(
             seq=seq, event_id=b"", stream="", type=type(event).__name__, schema=1,
             recorded_at=float(seq), payload=b"", prev_hash=b"", hash=b"", event=event,

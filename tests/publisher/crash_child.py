@@ -16,6 +16,7 @@ import anyio
 from evlog.errors import LedgerError
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
+from publisher.outcomes import Skipped
 
 
 def digest(n: int) -> str:
@@ -28,7 +29,7 @@ def ack(*fields: object) -> None:
 
 async def publish(ledger: Ledger, version_id: int) -> None:
     allocated = await ledger.allocate(version_id, digest(version_id))
-    if not hasattr(allocated, "attempt") or allocated.no_op:
+    if isinstance(allocated, Skipped) or allocated.no_op:
         return
     await ledger.claim_transport(version_id, allocated.attempt, "crash-child")
     for engine in allocated.fleet:

@@ -20,7 +20,7 @@ from projections import invariants
 from projections.registry import encode_state
 from publisher import commands as c
 from publisher.ledger import Ledger
-from publisher.outcomes import Bound, Released
+from publisher.outcomes import Allocated, Bound, Released
 from publisher.recovery import recover, save_snapshot
 
 
@@ -38,6 +38,7 @@ async def bootstrap(ledger: Ledger, *, capacity: int = 2) -> None:
 
 async def publish(ledger: Ledger, version_id: int) -> None:
     allocated = await ledger.allocate(version_id, digest(version_id))
+    assert isinstance(allocated, Allocated), allocated
     await ledger.claim_transport(version_id, allocated.attempt, "trainer")
     for engine in allocated.fleet:
         inc = ledger.state.engines[engine].incarnation
@@ -56,7 +57,9 @@ class GatedStore(MemoryStore):
         self.gated = False
         self.fail_next: BaseException | None = None
 
-    async def append(self, batch: Sequence[Pending], *, expected_seq: int | None = None):
+    async def append(
+        self, batch: Sequence[Pending], *, expected_seq: int | None = None
+    ) -> list[int]:
         if self.gated:
             await self.gate.wait()
         if self.fail_next is not None:

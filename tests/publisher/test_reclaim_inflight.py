@@ -90,10 +90,10 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
 
         assert await driver.sweep() == [1]
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
-        for engine in r.fleet:
+        for member in r.fleet:  # Recording wrappers, typed as the fleet's Engine
             # the engine-side unload returned after the generation had finished
-            assert finished_at < engine.unloaded_at[v1]  # type: ignore[attr-defined]
-            assert v1 not in engine.loaded_adapters()  # type: ignore[attr-defined]
+            assert finished_at < member.unloaded_at[v1]  # type: ignore[attr-defined]
+            assert v1 not in member.loaded_adapters()  # type: ignore[attr-defined]
         (claim,) = await claims(r)
         assert {x.engine: x.count for x in claim.evidence if x.reporter == "gw"} == {
             "e0": 0,
