@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run every check CI runs: lint, format, the whole test suite
+# Set up (idempotent) and run every check CI runs: lint, format, types, the whole test suite
 # (including the real-vLLM integration tests, which build their own engine venv on first run).
 # Extra arguments go to pytest, e.g. ./test.sh --slow  or  ./test.sh tests/evlog -x
 set -euo pipefail
@@ -10,4 +10,5 @@ PYTHON=${PYTHON:-python3}
   | { grep -v "is ignored" || true; }
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .
+.venv/bin/mypy  # files and strictness: [tool.mypy] in pyproject.toml
 exec .venv/bin/python -m pytest "$@"

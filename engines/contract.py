@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterable, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -79,14 +79,16 @@ class EngineError(Exception):
         # the caller may then send it again without risking a duplicate generation.
         self.dispatched = dispatched
 
-    def __reduce__(self):  # keep fields across pickling (Ray)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep fields across pickling (Ray)
         return (
             _rebuild,
             (type(self), self.code, self.message, self.engine_id, self.status, self.dispatched),
         )
 
 
-def _rebuild(cls, code, message, engine_id, status, dispatched):  # type: ignore[no-untyped-def]
+def _rebuild(
+    cls: type[EngineError], code: str, message: str, engine_id: str, status: int, dispatched: bool
+) -> EngineError:
     return cls(code, message, engine_id=engine_id, status=status, dispatched=dispatched)
 
 
@@ -223,9 +225,20 @@ Transport = Literal["artifact", "staged"]
 class Engine(Protocol):
     """One fleet member, as seen by the control plane. All methods are async and time-bounded."""
 
-    engine_id: str
-    kind: str  # "local" | "sglang" | "vllm"
-    transport: Transport  # how it wants bytes: a PEFT directory path, or staged buckets
+    # Read-only: the control plane never sets them, and a wrapper (a fault injector, a
+    # restartable host) forwards them as properties.
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def kind(self) -> str:
+        """``"local"`` | ``"sglang"`` | ``"vllm"``."""
+        ...
+
+    @property
+    def transport(self) -> Transport:
+        """How it wants bytes: a PEFT directory path, or staged buckets."""
+        ...
 
     async def incarnation(self) -> str:
         """Opaque id of the current process life (changes on restart). Health probe."""

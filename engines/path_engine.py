@@ -40,6 +40,7 @@ from engines.contract import (
     Inventory,
     InventoryEntry,
     Receipt,
+    Transport,
     UnloadReceipt,
     check_name,
 )
@@ -161,7 +162,7 @@ class PathLoadingEngine:
     """
 
     kind: str
-    transport = "artifact"
+    transport: Transport = "artifact"
     engine_name: str  # "SGLang", "vLLM"
     timeouts: Any  # the subclass's own timeouts dataclass
 

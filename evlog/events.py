@@ -27,7 +27,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknown_
 # --- deployment and controller -------------------------------------------------------------
 
 
-class DeploymentCreated(Event):
+class DeploymentCreated(Event, frozen=True):
     """The first event of a log: names the deployment and fixes its rules."""
 
     deployment: str
@@ -36,7 +36,7 @@ class DeploymentCreated(Event):
     fleet: tuple[str, ...] = ()
 
 
-class ControllerStarted(Event):
+class ControllerStarted(Event, frozen=True):
     """A controller process opened the log. ``epoch`` fences out older controllers."""
 
     epoch: int
@@ -46,7 +46,7 @@ class ControllerStarted(Event):
 # --- fleet ---------------------------------------------------------------------------------
 
 
-class EngineJoined(Event):
+class EngineJoined(Event, frozen=True):
     """An engine became a fleet member. Like a restarted engine, it is not routable until the
     versions still needed are loaded on it (:class:`EngineRepaired`)."""
 
@@ -56,7 +56,7 @@ class EngineJoined(Event):
     kind: str = "local"
 
 
-class EngineRestarted(Event):
+class EngineRestarted(Event, frozen=True):
     """A new process life of an engine was observed: it lost every adapter and is not routable
     until the versions still needed have been loaded again (:class:`EngineRepaired`)."""
 
@@ -65,7 +65,7 @@ class EngineRestarted(Event):
     new: str
 
 
-class VersionRestored(Event):
+class VersionRestored(Event, frozen=True):
     """A version still needed (default or bound) was loaded again on a joined/restarted engine."""
 
     version_id: int
@@ -73,18 +73,18 @@ class VersionRestored(Event):
     incarnation: str
 
 
-class EngineRepaired(Event):
+class EngineRepaired(Event, frozen=True):
     """Every version still needed is loaded on the restarted engine; it may serve again."""
 
     engine: str
     incarnation: str
 
 
-class EngineLeft(Event):
+class EngineLeft(Event, frozen=True):
     engine: str
 
 
-class InventoryObserved(Event):
+class InventoryObserved(Event, frozen=True):
     """What an engine proved it holds (managed names only), read fresh from the engine."""
 
     engine: str
@@ -95,7 +95,7 @@ class InventoryObserved(Event):
 # --- publication ---------------------------------------------------------------------------
 
 
-class VersionAllocated(Event):
+class VersionAllocated(Event, frozen=True):
     """A new version id took a capacity slot under its immutable name."""
 
     version_id: int
@@ -104,7 +104,7 @@ class VersionAllocated(Event):
     size_bytes: int = 0
 
 
-class AttemptStarted(Event):
+class AttemptStarted(Event, frozen=True):
     """An attempt to load a version on ``fleet`` (the routable members at allocation)."""
 
     version_id: int
@@ -112,7 +112,7 @@ class AttemptStarted(Event):
     fleet: tuple[str, ...]
 
 
-class TransportClaimed(Event):
+class TransportClaimed(Event, frozen=True):
     """One driver owns the byte transfer of this attempt; a second one is refused."""
 
     version_id: int
@@ -120,14 +120,14 @@ class TransportClaimed(Event):
     owner: str
 
 
-class EnginePrepared(Event):
+class EnginePrepared(Event, frozen=True):
     version_id: int
     attempt: int
     engine: str
     incarnation: str
 
 
-class EngineReady(Event):
+class EngineReady(Event, frozen=True):
     """An engine loaded the candidate and echoed its identity (confirmed by a fresh inventory)."""
 
     version_id: int
@@ -138,7 +138,7 @@ class EngineReady(Event):
     lora_name: str
 
 
-class VersionPublished(Event):
+class VersionPublished(Event, frozen=True):
     """The atomic commit: the version becomes the default; ``retired`` is the old default."""
 
     version_id: int
@@ -147,7 +147,7 @@ class VersionPublished(Event):
     retired: int | None = None
 
 
-class AttemptFailed(Event):
+class AttemptFailed(Event, frozen=True):
     """An attempt ended before commit. ``clean`` means every engine of the attempt proved the
     candidate absent (``absent_on``): the slot is freed and a retry may follow. Otherwise the
     version is FAILED_FATAL and keeps its slot until inventory evidence resolves it."""
@@ -160,7 +160,7 @@ class AttemptFailed(Event):
     absent_on: tuple[str, ...] = ()
 
 
-class FatalResolved(Event):
+class FatalResolved(Event, frozen=True):
     """Inventory evidence showed a FAILED_FATAL candidate absent on every engine it targeted."""
 
     version_id: int
@@ -168,7 +168,7 @@ class FatalResolved(Event):
     evidence: tuple[int, ...] = ()  # seqs of the InventoryObserved events relied on
 
 
-class PublicationSkipped(Event):
+class PublicationSkipped(Event, frozen=True):
     """A publication refused before any byte moved (capacity after bootstrap): training goes on."""
 
     version_id: int
@@ -180,7 +180,7 @@ class PublicationSkipped(Event):
 # --- owners and sessions -------------------------------------------------------------------
 
 
-class OwnerRegistered(Event):
+class OwnerRegistered(Event, frozen=True):
     """A rollout worker took a lease. Renewals are not logged; only the expiry decision is."""
 
     owner: str
@@ -188,7 +188,7 @@ class OwnerRegistered(Event):
     at: float
 
 
-class OwnerLeaseExpired(Event):
+class OwnerLeaseExpired(Event, frozen=True):
     """The owner stopped renewing; its sessions are released right after this event."""
 
     owner: str
@@ -196,14 +196,14 @@ class OwnerLeaseExpired(Event):
     last_seen: float
 
 
-class SessionBound(Event):
+class SessionBound(Event, frozen=True):
     session: str
     owner: str
     version_id: int
     revision: int
 
 
-class SessionReleased(Event):
+class SessionReleased(Event, frozen=True):
     """Tombstones the session (it can never bind again). ``version_id`` is None when the
     session was closed before it ever bound."""
 
@@ -213,7 +213,7 @@ class SessionReleased(Event):
     cause: str = "closed"
 
 
-class SessionsForgotten(Event):
+class SessionsForgotten(Event, frozen=True):
     """Tombstones dropped once their owner finished cleanup (keeps the projection bounded)."""
 
     sessions: tuple[str, ...]
@@ -231,7 +231,7 @@ class InFlight(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     at: float
 
 
-class ReclaimClaimed(Event):
+class ReclaimClaimed(Event, frozen=True):
     """A RETIRED, unbound version handed out for unloading, with the in-flight evidence
     (all zero) that the decision relied on."""
 
@@ -239,19 +239,19 @@ class ReclaimClaimed(Event):
     evidence: tuple[InFlight, ...] = ()
 
 
-class EngineUnloaded(Event):
+class EngineUnloaded(Event, frozen=True):
     version_id: int
     engine: str
     incarnation: str
 
 
-class VersionReclaimed(Event):
+class VersionReclaimed(Event, frozen=True):
     """Every engine confirmed the unload: the slot is free."""
 
     version_id: int
 
 
-class ReclaimAmbiguous(Event):
+class ReclaimAmbiguous(Event, frozen=True):
     """An unload reply was ambiguous: the version keeps its slot until inventories decide."""
 
     version_id: int
@@ -262,7 +262,7 @@ class ReclaimAmbiguous(Event):
 # --- refusals worth an incident trail and command idempotency ------------------------------
 
 
-class ReceiptRejected(Event):
+class ReceiptRejected(Event, frozen=True):
     """An engine receipt that did not match the attempt it claims (stale, restarted, wrong
     digest): recorded so an incident replay shows it, never applied."""
 
@@ -274,7 +274,7 @@ class ReceiptRejected(Event):
     detail: str
 
 
-class CommandRecorded(Event):
+class CommandRecorded(Event, frozen=True):
     """A client command id and the outcome it produced (msgpack bytes of the outcome), so the
     same command id yields the same outcome forever."""
 
@@ -428,4 +428,5 @@ def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:
         if fn is None:
             raise LookupError(f"no upcaster for {type_name} schema {step} -> {step + 1}")
         data = fn(data)
-    return msgspec.convert(data, AnyEvent)
+    event: AnyEvent = msgspec.convert(data, AnyEvent)  # convert() types only a class, not a union
+    return event

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from itertools import chain
-from typing import Literal
+from typing import Literal, cast
 
 import aiosqlite
 import anyio
@@ -640,7 +640,8 @@ class SQLiteStore:
 
     async def _fetch(self, sql: str, after: int, upto: int, limit: int) -> list[Row]:
         try:
-            return await self._reader.execute_fetchall(sql, (after, upto, limit))  # type: ignore[return-value]
+            rows = await self._reader.execute_fetchall(sql, (after, upto, limit))
+            return cast(list[Row], rows)  # aiosqlite says sqlite3.Row; no row_factory: tuples
         except sqlite3.Error as exc:
             raise _store_error(exc, f"cannot read records after {after}") from exc
         except ValueError as exc:  # aiosqlite: the connection closed under the call
@@ -709,7 +710,8 @@ async def _prepare_writer(
 async def _check_tail(w: aiosqlite.Connection) -> tuple[int, bytes]:
     """Verify the newest record (content hash and link to its predecessor): cheap, and it
     catches a torn or tampered tail before anything is appended on top of it."""
-    rows: list[Row] = list(await w.execute_fetchall(_TAIL2))  # type: ignore[arg-type]
+    # aiosqlite types rows as sqlite3.Row; without a row_factory they are plain tuples.
+    rows = cast(list[Row], list(await w.execute_fetchall(_TAIL2)))
     if not rows:
         return 0, GENESIS_HASH
     tail = rows[0]

@@ -138,9 +138,11 @@ class AuditFold:
                 self._expiry[event.owner] = seq
             case SessionsForgotten():
                 for session in event.sessions:
-                    i = self._current.pop(session, None)
-                    if i is not None:
-                        self._lives[i] = replace(self._lives[i], forgotten_seq=seq, forgotten_at=at)
+                    forgotten = self._current.pop(session, None)
+                    if forgotten is not None:
+                        self._lives[forgotten] = replace(
+                            self._lives[forgotten], forgotten_seq=seq, forgotten_at=at
+                        )
             case _:
                 pass
 

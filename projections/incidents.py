@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from typing import TypedDict, Unpack
 
 import msgspec
 
@@ -449,6 +450,13 @@ def _add_seq(entry: _Open, seq: int) -> None:
         entry.seqs.append(seq)
 
 
-def incidents(records: Iterable[Record], **options: float) -> list[Incident]:
+class FoldOptions(TypedDict, total=False):
+    """The keyword options of :class:`IncidentFold`, so :func:`incidents` forwards them typed."""
+
+    stuck_after: float
+    pinned_top: int
+
+
+def incidents(records: Iterable[Record], **options: Unpack[FoldOptions]) -> list[Incident]:
     """Convenience: fold ``records`` and finish (``options`` as for :class:`IncidentFold`)."""
-    return IncidentFold(**options).apply_all(records).finish()  # type: ignore[arg-type]
+    return IncidentFold(**options).apply_all(records).finish()

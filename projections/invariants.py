@@ -49,11 +49,11 @@ def violations(state: RegistryState, *, deep: bool = True) -> list[str]:
 
     for member in state.engines.values():
         for name, version_id in member.holds.items():
-            v = versions.get(version_id)
-            if v is None or v.lora_name != name:
+            held = versions.get(version_id)
+            if held is None or held.lora_name != name:
                 found.append(f"engine {member.engine} holds {name} unknown to the ledger")
-            elif v.state in (VersionState.RECLAIMED, VersionState.FAILED_RETRYABLE):
-                found.append(f"engine {member.engine} still holds {v.state} {name}")
+            elif held.state in (VersionState.RECLAIMED, VersionState.FAILED_RETRYABLE):
+                found.append(f"engine {member.engine} still holds {held.state} {name}")
 
     for v in versions.values():
         if v.attempt < 1:

@@ -22,32 +22,32 @@ class Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknow
 # --- deployment, controller, fleet -----------------------------------------------------------
 
 
-class CreateDeployment(Command):
+class CreateDeployment(Command, frozen=True):
     deployment: str
     prefix: str
     capacity: int
     fleet: tuple[str, ...] = ()
 
 
-class StartController(Command):
+class StartController(Command, frozen=True):
     code_version: str
 
 
-class JoinEngine(Command):
+class JoinEngine(Command, frozen=True):
     engine: str
     incarnation: str
     endpoint: str = ""
     kind: str = "local"
 
 
-class ObserveRestart(Command):
+class ObserveRestart(Command, frozen=True):
     """A new incarnation was seen (health probe or a receipt): the engine lost everything."""
 
     engine: str
     incarnation: str
 
 
-class RestoreVersion(Command):
+class RestoreVersion(Command, frozen=True):
     """Repair loaded a still-needed version on a joined/restarted engine."""
 
     version_id: int
@@ -55,18 +55,18 @@ class RestoreVersion(Command):
     incarnation: str
 
 
-class RepairEngine(Command):
+class RepairEngine(Command, frozen=True):
     """Mark an engine routable: refused (NOT_READY) until it holds every needed version."""
 
     engine: str
     incarnation: str
 
 
-class LeaveEngine(Command):
+class LeaveEngine(Command, frozen=True):
     engine: str
 
 
-class ObserveInventory(Command):
+class ObserveInventory(Command, frozen=True):
     engine: str
     incarnation: str
     adapters: tuple[str, ...]
@@ -75,19 +75,19 @@ class ObserveInventory(Command):
 # --- publication -----------------------------------------------------------------------------
 
 
-class Allocate(Command):
+class Allocate(Command, frozen=True):
     version_id: int
     digest: str
     size_bytes: int = 0
 
 
-class ClaimTransport(Command):
+class ClaimTransport(Command, frozen=True):
     version_id: int
     attempt: int
     owner: str
 
 
-class RecordPrepared(Command):
+class RecordPrepared(Command, frozen=True):
     version_id: int
     attempt: int
     engine: str
@@ -96,7 +96,7 @@ class RecordPrepared(Command):
     lora_name: str
 
 
-class RecordReady(Command):
+class RecordReady(Command, frozen=True):
     version_id: int
     attempt: int
     engine: str
@@ -105,12 +105,12 @@ class RecordReady(Command):
     lora_name: str
 
 
-class Commit(Command):
+class Commit(Command, frozen=True):
     version_id: int
     attempt: int
 
 
-class FailAttempt(Command):
+class FailAttempt(Command, frozen=True):
     """End an attempt. It is recorded clean (FAILED_RETRYABLE, slot freed) only if ``clean``
     and ``absent_on`` covers every engine of the attempt still in the fleet; otherwise it is
     recorded FAILED_FATAL. Never refused for the current attempt: no error path may leave a
@@ -127,13 +127,13 @@ class FailAttempt(Command):
 # --- owners and sessions ---------------------------------------------------------------------
 
 
-class RegisterOwner(Command):
+class RegisterOwner(Command, frozen=True):
     owner: str
     ttl_s: float
     now: float
 
 
-class ExpireOwner(Command):
+class ExpireOwner(Command, frozen=True):
     """Record that ``owner`` stopped renewing (evidence: ``last_seen``, ``now``)."""
 
     owner: str
@@ -141,36 +141,36 @@ class ExpireOwner(Command):
     last_seen: float
 
 
-class Bind(Command):
+class Bind(Command, frozen=True):
     session: str
     owner: str
 
 
-class Release(Command):
+class Release(Command, frozen=True):
     session: str
     owner: str
     cause: str = "closed"
 
 
-class Forget(Command):
+class Forget(Command, frozen=True):
     sessions: tuple[str, ...]
 
 
 # --- reclaim ---------------------------------------------------------------------------------
 
 
-class ClaimReclaim(Command):
+class ClaimReclaim(Command, frozen=True):
     version_id: int
     evidence: tuple[InFlight, ...] = ()
 
 
-class RecordUnloaded(Command):
+class RecordUnloaded(Command, frozen=True):
     version_id: int
     engine: str
     incarnation: str
 
 
-class MarkReclaimAmbiguous(Command):
+class MarkReclaimAmbiguous(Command, frozen=True):
     version_id: int
     engine: str
     reason: str

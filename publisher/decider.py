@@ -59,6 +59,7 @@ from projections.registry import (
     COMPLETED_STATES,
     HOLDABLE_STATES,
     SERVING_STATES,
+    EngineMember,
     RegistryState,
     VersionRecord,
     VersionState,
@@ -134,7 +135,7 @@ def decide(state: RegistryState, command: c.Command) -> Decision:
 
 
 _command_encoder = msgspec.msgpack.Encoder()
-_command_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+_command_decoders: dict[type[c.Command], msgspec.msgpack.Decoder[c.Command]] = {}
 
 
 def _well_typed(command: c.Command) -> c.Command:
@@ -227,7 +228,7 @@ def _version(s: RegistryState, version_id: Any) -> VersionRecord:
     return v
 
 
-def _member(s: RegistryState, engine: Any):  # type: ignore[no-untyped-def]
+def _member(s: RegistryState, engine: Any) -> EngineMember:
     member = s.engines.get(engine)
     if member is None:
         raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
@@ -550,16 +551,22 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
             f"expected {v.lora_name}/{v.digest[:16]}",
         )
     else:
-        fields = {
-            "version_id": v.version_id,
-            "attempt": v.attempt,
-            "engine": cmd.engine,
-            "incarnation": cmd.incarnation,
-        }
         if ready:
-            event: Event = EngineReady(**fields, digest=v.digest, lora_name=v.lora_name)
+            event: Event = EngineReady(
+                version_id=v.version_id,
+                attempt=v.attempt,
+                engine=cmd.engine,
+                incarnation=cmd.incarnation,
+                digest=v.digest,
+                lora_name=v.lora_name,
+            )
         else:
-            event = EnginePrepared(**fields)
+            event = EnginePrepared(
+                version_id=v.version_id,
+                attempt=v.attempt,
+                engine=cmd.engine,
+                incarnation=cmd.incarnation,
+            )
         return Decision((event,), Done())
     rejected = ReceiptRejected(
         code=code,

@@ -360,6 +360,7 @@ class Gateway:
         does not require it). A property of the adapter class, so cached per class."""
         known = self._takes_extra_body.get(type(engine))
         if known is None:
+            parameters: Mapping[str, inspect.Parameter]
             try:
                 parameters = inspect.signature(engine.generate).parameters
             except (TypeError, ValueError):

@@ -214,7 +214,7 @@ class Ledger(LedgerAPI):
                 calls.append(refusal)
         results: list[Outcome | LoraLedgerError] = []
         for call in calls:
-            if isinstance(call, LedgerError):
+            if isinstance(call, LoraLedgerError):
                 results.append(call)
                 continue
             await call.done.wait()

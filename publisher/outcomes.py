@@ -10,13 +10,13 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     pass
 
 
-class Done(Outcome):
+class Done(Outcome, frozen=True):
     """A command whose only answer is that it took effect (or already had: ``no_op``)."""
 
     no_op: bool = False
 
 
-class Allocated(Outcome):
+class Allocated(Outcome, frozen=True):
     """``no_op``: the id is already completed (never reloads, never moves the default).
     ``resumed``: the id is LOADING and this is the same attempt."""
 
@@ -30,7 +30,7 @@ class Allocated(Outcome):
     resumed: bool = False
 
 
-class Skipped(Outcome):
+class Skipped(Outcome, frozen=True):
     """Refused before any byte moved, recorded, and reported to the trainer as SKIPPED."""
 
     version_id: int
@@ -38,13 +38,13 @@ class Skipped(Outcome):
     message: str
 
 
-class Claimed(Outcome):
+class Claimed(Outcome, frozen=True):
     version_id: int
     attempt: int
     owner: str
 
 
-class Published(Outcome):
+class Published(Outcome, frozen=True):
     version_id: int
     lora_name: str
     revision: int
@@ -52,13 +52,13 @@ class Published(Outcome):
     no_op: bool = False
 
 
-class AttemptEnded(Outcome):
+class AttemptEnded(Outcome, frozen=True):
     version_id: int
     attempt: int
     state: str
 
 
-class Bound(Outcome):
+class Bound(Outcome, frozen=True):
     """``new`` is False when the session was already bound (the same binding forever)."""
 
     session: str
@@ -69,7 +69,7 @@ class Bound(Outcome):
     new: bool
 
 
-class Released(Outcome):
+class Released(Outcome, frozen=True):
     """``released`` tells whether a binding existed (False for a retry or close-before-bind)."""
 
     session: str
@@ -77,28 +77,28 @@ class Released(Outcome):
     version_id: int | None = None
 
 
-class Forgotten(Outcome):
+class Forgotten(Outcome, frozen=True):
     count: int
 
 
-class Expired(Outcome):
+class Expired(Outcome, frozen=True):
     owner: str
     released: int
 
 
-class ReclaimGranted(Outcome):
+class ReclaimGranted(Outcome, frozen=True):
     version_id: int
     lora_name: str
     engines: tuple[str, ...]
 
 
-class UnloadRecorded(Outcome):
+class UnloadRecorded(Outcome, frozen=True):
     version_id: int
     engine: str
     reclaimed: bool
 
 
-class InventoryRecorded(Outcome):
+class InventoryRecorded(Outcome, frozen=True):
     engine: str
     resolved: tuple[int, ...] = ()
     reclaimed: tuple[int, ...] = ()

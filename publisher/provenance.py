@@ -25,7 +25,8 @@ from typing import Protocol
 
 import anyio
 import msgspec
-from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evlog.errors import INVALID_INPUT, InvalidInput, StoreCode, StoreError
 from publisher.errors import Code, LedgerError
@@ -185,8 +186,8 @@ class ProvenanceRecorder:
         self.batch = batch
         self.recorded = 0
         self.written = 0
-        self._send: ObjectSendStream[ProvenanceRow] | None = None
-        self._receive: ObjectReceiveStream[ProvenanceRow] | None = None
+        self._send: MemoryObjectSendStream[ProvenanceRow] | None = None
+        self._receive: MemoryObjectReceiveStream[ProvenanceRow] | None = None
         self._tg: TaskGroup | None = None
         self._failure: BaseException | None = None
 
@@ -228,7 +229,7 @@ class ProvenanceRecorder:
     def pending(self) -> int:
         return self.recorded - self.written
 
-    async def _writer(self, receive: ObjectReceiveStream[ProvenanceRow]) -> None:
+    async def _writer(self, receive: MemoryObjectReceiveStream[ProvenanceRow]) -> None:
         write: Callable[[Sequence[ProvenanceRow]], None] = self.sink.write
         async with receive:
             while True:

@@ -693,3 +693,4 @@ async def _shielded(fn: Callable[[], Awaitable[T]]) -> T:
     (the single writer answers it promptly; see the module docstring)."""
     with anyio.CancelScope(shield=True):
         return await fn()
+    raise AssertionError("unreachable: a scope nobody cancels swallows no exception")

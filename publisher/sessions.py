@@ -92,7 +92,8 @@ class RetryPolicy:
     transient: tuple[type[BaseException], ...] = (OSError,)
 
     def delay(self, attempt: int) -> float:
-        return min(self.max_delay, self.first_delay * 2**attempt)
+        scale: int = 2**attempt  # typeshed types int ** int as Any (a negative power is a float)
+        return min(self.max_delay, self.first_delay * scale)
 
     def retryable(self, exc: BaseException) -> bool:
         if isinstance(exc, LoraLedgerError):
@@ -497,7 +498,7 @@ class RolloutWorker:
             self._tg.start_soon(self._background_forget)
 
     async def _settle(
-        self, commands: list[c.Command], binders: list[SessionBinder], what: str
+        self, commands: Sequence[c.Command], binders: list[SessionBinder], what: str
     ) -> list[Outcome | LoraLedgerError]:
         """Execute with retries; any failure (cancellation included) becomes a refusal for
         each command, so no waiter can hang on a slot nobody will fill."""
@@ -538,7 +539,7 @@ class RolloutWorker:
             return result
         return LedgerError(Code.INVALID_STATE, f"unexpected outcome {result!r}")
 
-    async def _execute(self, commands: list[c.Command]) -> list[Outcome | LoraLedgerError]:
+    async def _execute(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         """``execute_many`` with retries of lost replies and retryable refusals (every command
         sent here is idempotent in the ledger, so asking again cannot act twice)."""
         results: list[Outcome | LoraLedgerError | None] = [None] * len(commands)

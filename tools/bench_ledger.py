@@ -29,11 +29,12 @@ from typing import Any
 
 import anyio
 
-from evlog.events import SessionBound, SessionReleased, SessionsForgotten
+from evlog.events import Event, SessionBound, SessionReleased, SessionsForgotten
 from evlog.record import pending
 from evlog.sqlite import SQLiteStore, Synchronous
 from projections.recovery import recover, save_snapshot
 from publisher.ledger import Ledger
+from publisher.outcomes import Allocated
 from tools.bench_store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}
@@ -50,6 +51,7 @@ async def _bootstrap(ledger: Ledger) -> None:
         await ledger.repair_engine(engine, f"{engine}-1")
     digest = hashlib.sha256(b"bench").hexdigest()
     allocated = await ledger.allocate(1, digest)
+    assert isinstance(allocated, Allocated), allocated  # a fresh version is never skipped
     await ledger.claim_transport(1, allocated.attempt, "bench")
     for engine in allocated.fleet:
         await ledger.record_ready(1, 1, engine, f"{engine}-1", digest, allocated.lora_name)
@@ -117,7 +119,7 @@ async def _recovery(path: str, events: int) -> dict[str, Any]:
     async with SQLiteStore.open(path, synchronous="NORMAL") as store:
         async with Ledger.open(store, snapshot_on_close=False) as ledger:
             await _bootstrap(ledger)
-        batch: list = []
+        batch: list[Event] = []
         session = 0
         while store.last_seq + len(batch) < events:
             names = [f"r{session + i}" for i in range(1000)]

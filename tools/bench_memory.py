@@ -108,7 +108,9 @@ def measure(sessions: int, *, shape: str = "flood", wave: int = 10_000) -> dict[
     }
 
 
-def bench_memory(sessions: int = 1_000_000, shapes: Sequence[str] = ("flood", "waves")) -> dict:
+def bench_memory(
+    sessions: int = 1_000_000, shapes: Sequence[str] = ("flood", "waves")
+) -> dict[str, Any]:
     return {"machine": machine(), "runs": [measure(sessions, shape=s) for s in shapes]}
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import anyio
 
-from evlog.events import SessionBound, SessionReleased
+from evlog.events import Event, SessionBound, SessionReleased
 from evlog.record import GENESIS_HASH, Pending, Row, pending, seal_row
 from evlog.sqlite import SQLiteStore, Synchronous
 
@@ -36,7 +36,9 @@ def _pendings(n: int, tag: str) -> list[Pending]:
     for i in range(n):
         session = f"{tag}-{i // 2:08d}"
         if i % 2 == 0:
-            event = SessionBound(session=session, owner="worker-3", version_id=17, revision=4)
+            event: Event = SessionBound(
+                session=session, owner="worker-3", version_id=17, revision=4
+            )
         else:
             event = SessionReleased(session=session, owner="worker-3", version_id=17)
         out.append(pending(event))
@@ -237,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         lambda: bench_store(
             args.dir,
             appenders=[int(x) for x in args.appenders.split(",")],
-            modes=[m.strip().upper() for m in args.modes.split(",")],  # type: ignore[misc]
+            modes=[m.strip().upper() for m in args.modes.split(",")],
             per_append=args.per_append,
             replay_events=args.replay_events,
         )

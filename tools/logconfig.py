@@ -79,7 +79,7 @@ def configure(verbosity: int = 0, *, json_lines: bool = False, stdlib: bool = Fa
     for handler in list(root.handlers):
         if getattr(handler, "_loraledger", False):
             root.removeHandler(handler)
-    handler = logging.StreamHandler(_Stderr())  # type: ignore[arg-type]
+    handler = logging.StreamHandler(_Stderr())
     handler._loraledger = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s] %(name)s: %(message)s"))
     root.addHandler(handler)

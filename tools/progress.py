@@ -10,7 +10,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from tools.output import stderr_console
 
@@ -28,13 +35,13 @@ def progress_bar(label: str) -> Iterator[Callable[..., None]]:
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=stderr_console(), transient=True) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
-        def update(*args: object) -> None:
+        def update(*args: str | int) -> None:
             phase, done, total = (label, *args) if len(args) == 2 else args
             name = str(phase)
             if name not in tasks:
-                tasks[name] = bar.add_task(name, total=int(total))  # type: ignore[arg-type]
-            bar.update(tasks[name], completed=int(done), total=int(total))  # type: ignore[arg-type]
+                tasks[name] = bar.add_task(name, total=int(total))
+            bar.update(tasks[name], completed=int(done), total=int(total))
 
         yield update

@@ -26,6 +26,7 @@ from engines.contract import (
     ErrorCode,
     Inventory,
     Receipt,
+    Transport,
     UnloadReceipt,
     check_name,
 )
@@ -44,7 +45,7 @@ class LocalHTTPEngine(SGLangEngine):
     """A local engine process (``python -m engines.local.server``) as a staged fleet member."""
 
     kind = "local"
-    transport = "staged"
+    transport: Transport = "staged"
 
     async def _staged(
         self,

@@ -156,15 +156,18 @@ class LocalEngine:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> LocalEngine:
-        model_dir = self._model_dir or await anyio.to_thread.run_sync(ensure_tiny_model)
+        model_dir = self._model_dir
+        if model_dir is None:
+            model_dir = await anyio.to_thread.run_sync(ensure_tiny_model)
         torch.set_num_threads(self._threads)
-        self._runner = await anyio.to_thread.run_sync(
+        runner = await anyio.to_thread.run_sync(
             functools.partial(
                 ModelRunner, Path(model_dir), prefix_cache_entries=self._prefix_cache_entries
             )
         )
-        self._module_shapes = self._runner.module_shapes()
-        self._scheduler = Scheduler(self._runner, self.engine_id)
+        self._runner = runner
+        self._module_shapes = runner.module_shapes()
+        self._scheduler = Scheduler(runner, self.engine_id)
         self._control_lock = anyio.Lock()  # one control-plane mutation at a time
         self._compat_lock = anyio.Lock()  # SGLang's lora_update_lock (ordinary path only)
         self._stack = contextlib.AsyncExitStack()

@@ -105,7 +105,7 @@ class ModelRunner:
 
         config = LoraConfig(
             r=plan.r,
-            lora_alpha=plan.alpha,
+            lora_alpha=plan.alpha,  # type: ignore[arg-type]  # peft says int; a float works
             use_rslora=plan.use_rslora,
             target_modules=list(plan.modules),
             lora_dropout=0.0,
@@ -137,7 +137,9 @@ class ModelRunner:
             )
         else:
             self._peft.add_adapter(adapter_id, config, low_cpu_mem_usage=True)
-        result = set_peft_model_state_dict(
+        # peft annotates this as ``namedtuple`` (the factory); it is torch's load_state_dict
+        # result, (missing_keys, unexpected_keys).
+        result: Any = set_peft_model_state_dict(
             self._peft, state, adapter_name=adapter_id, low_cpu_mem_usage=True
         )
         if result.unexpected_keys:

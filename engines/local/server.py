@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -289,13 +290,13 @@ class _App:
 
         # A client that disconnects cancels its requests (and so releases their adapters).
         finished = await _until_disconnect(
-            request, [lambda i=i, it=it: one(i, *it) for i, it in enumerate(items)]
+            request, [functools.partial(one, i, *it) for i, it in enumerate(items)]
         )
         if not finished:
             return Response(status_code=499)
         if failures:
-            exc = failures[0]
-            return _reply({"error": {"message": exc.message, "code": exc.code}}, 400)
+            first = failures[0]
+            return _reply({"error": {"message": first.message, "code": first.code}}, 400)
         rendered: list[dict[str, Any]] = []
         for gen in outputs:
             assert gen is not None
@@ -416,6 +417,7 @@ def _parse_generate(
     if not all(x is None or isinstance(x, str) for x in loras):
         raise _BadRequest("lora_path entries must be adapter names or null")
     rid = body.get("rid")
+    rids: list[str | None]
     if isinstance(rid, list):
         if len(rid) != len(prompts):
             raise _BadRequest("rid list length differs from the batch")

@@ -75,45 +75,45 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Base of the injectable faults."""
 
 
-class Drop(Fault):
+class Drop(Fault, frozen=True):
     """Delivered and executed; the reply is lost (``AmbiguousReply(CONNECTION_LOST)``)."""
 
 
-class Delay(Fault):
+class Delay(Fault, frozen=True):
     """Hold the call ``seconds`` before sending it, or (``after``) before returning its reply."""
 
     seconds: float
     after: bool = False
 
 
-class ServerError(Fault):
+class ServerError(Fault, frozen=True):
     """A 5xx-style ambiguous answer before the call was sent (the engine never saw it)."""
 
     status: int = 503
 
 
-class Refuse(Fault):
+class Refuse(Fault, frozen=True):
     """A clean refusal before the call was sent (the engine never saw it)."""
 
     code: str = ErrorCode.BAD_REQUEST
     message: str = "injected refusal"
 
 
-class Restart(Fault):
+class Restart(Fault, frozen=True):
     """Restart the engine before the call is sent, or (``after``) after it ran and before its
     reply is returned (the reply then names the old incarnation)."""
 
     after: bool = False
 
 
-class Duplicate(Fault):
+class Duplicate(Fault, frozen=True):
     """Deliver the call twice; the caller gets the first delivery's reply. With ``delay`` the
     second delivery arrives that many seconds later, in the background (a late duplicate)."""
 
     delay: float = 0.0
 
 
-class Swallow(Fault):
+class Swallow(Fault, frozen=True):
     """Answer success without delivering the call: the engine never acted."""
 
 

@@ -34,7 +34,7 @@ async def non_draining(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
     limits = ServingLimits(max_lora_rank=32)
     async with LocalEngine("nd-0", limits=limits, artifact_root=store.root) as engine:
         yield EngineUnderTest(
-            engine=NonDraining(engine),  # type: ignore[arg-type]
+            engine=NonDraining(engine),
             caps=Capabilities(unload_drains=False, reclaimed_refusal=True),
             store=store,
             hold=engine.pause_generation,

@@ -34,7 +34,9 @@ pytestmark = pytest.mark.anyio
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def vllm_error(status: int, err_type: str, message: str, param: str | None = None):
+def vllm_error(
+    status: int, err_type: str, message: str, param: str | None = None
+) -> httpx.Response:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return httpx.Response(status, json=body)
 
@@ -50,7 +52,7 @@ class FakeVLLM:
         self.completion: dict[str, Any] | None = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
+        body: Any = json.loads(request.content) if request.content else None
         self.calls.append((request.url.path, body))
         if request.url.path in self.override:
             return self.override[request.url.path](request)

@@ -168,7 +168,7 @@ async def test_start_async_spawns_on_the_calling_thread(
         spawned_on.append(threading.current_thread())
         return real_popen(*args, **kwargs)
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, "Popen", popen)  # the module the launcher spawns with
     with anyio.fail_after(30):
         await server.start_async()
     assert spawned_on == [threading.current_thread()]

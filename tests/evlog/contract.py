@@ -43,7 +43,7 @@ def rehashed(row: Row, **changes: Any) -> dict[str, Any]:
     """Columns for ``row`` with ``changes`` applied and its hash recomputed, i.e. a record
     rewritten *consistently* (it verifies on its own; only the chain can betray it)."""
     names = ("seq", "event_id", "stream", "type", "schema", "recorded_at", "payload", "prev_hash")
-    fields = dict(zip(names, row[:8], strict=True)) | changes
+    fields: dict[str, Any] = dict(zip(names, row[:8], strict=True)) | changes
     fields["hash"] = chain_hash(
         fields["prev_hash"],
         fields["seq"],
@@ -372,8 +372,10 @@ class StoreContract:
         async with self.opened(location) as store:
             await store.append(batch_of(10, "a"))
 
-            async def seqs(**kw: int | None) -> list[int]:
-                return [r.seq for r in await store.read(**kw)]
+            async def seqs(
+                after: int = 0, until: int | None = None, limit: int | None = None
+            ) -> list[int]:
+                return [r.seq for r in await store.read(after, until, limit)]
 
             assert await seqs() == list(range(1, 11))
             assert await seqs(after=3) == list(range(4, 11))

@@ -42,7 +42,10 @@ class TestSQLiteStore(StoreContract):
     def raw_row(self, location: Path, seq: int) -> Row:
         conn = _raw(location)
         try:
-            return conn.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = ?", (seq,)).fetchone()
+            row: Row = conn.execute(
+                f"SELECT {_COLUMNS} FROM events WHERE seq = ?", (seq,)
+            ).fetchone()
+            return row
         finally:
             conn.close()
 

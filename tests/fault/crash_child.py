@@ -25,6 +25,7 @@ Logs go to stderr (the parent keeps them for a failure report).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -174,19 +175,21 @@ async def run(plane: ControlPlane, scenario: str) -> None:
         if step == "publish":
             config, tensors = make_adapter(arg)
             outcome = await _retrying(
-                f"publish {arg}", lambda c=config, t=tensors, a=arg: trainer.publish(t, c, step=a)
+                f"publish {arg}", functools.partial(trainer.publish, tensors, config, step=arg)
             )
             assert outcome.status in ("PUBLISHED", "NO_OP"), outcome
             say("ACK", "publish", arg, outcome.revision)
         elif step == "bind":
             if arg in state.tombstones:
                 continue  # bound and released by an earlier life
-            bound = await _retrying(f"bind {arg}", lambda a=arg: ledger.bind(a, OWNER))
+            bound = await _retrying(f"bind {arg}", functools.partial(ledger.bind, arg, OWNER))
             say("ACK", "bind", arg, bound.version_id)
         elif step == "release":
             if arg in state.tombstones:
                 continue
-            released = await _retrying(f"release {arg}", lambda a=arg: ledger.release(a, OWNER))
+            released = await _retrying(
+                f"release {arg}", functools.partial(ledger.release, arg, OWNER)
+            )
             say("ACK", "release", arg, released.version_id)
         elif step == "restart":
             records = await ledger.store.read()
@@ -194,14 +197,15 @@ async def run(plane: ControlPlane, scenario: str) -> None:
                 continue
             old = state.engines[arg].incarnation
             say("RESTART", arg)
+            # (mypy cannot infer a lambda whose defaults bind the loop's values)
             await _until(
                 f"restarted {arg}",
-                lambda a=arg, o=old: ledger.state.engines[a].incarnation != o,
+                lambda a=arg, o=old: ledger.state.engines[a].incarnation != o,  # type: ignore[misc]
             )
         elif step == "reclaimed":
             await _until(
                 f"reclaimed {arg}",
-                lambda a=arg: ledger.state.versions[a].state is VersionState.RECLAIMED,
+                lambda a=arg: ledger.state.versions[a].state is VersionState.RECLAIMED,  # type: ignore[misc]
             )
     await _final(plane, scenario)
 
@@ -247,7 +251,7 @@ async def main(
     store = CrashingStore(inner, mode, k)
     try:
         async with ControlPlane.open(
-            store,  # type: ignore[arg-type]
+            store,
             Fleet(engines),
             deployment="crash",
             prefix="agent",

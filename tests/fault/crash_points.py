@@ -255,13 +255,13 @@ def judge_life(number: int, life: Life) -> None:
         assert seq <= len(records), f"life {number}: acknowledged seq {seq} is gone"
         assert records[seq - 1].event_id.hex() == eid, f"life {number}: seq {seq} changed"
     for ack in life.acks:
-        seq = backing_seq(records, ack)
-        assert seq is not None, (
+        backed = backing_seq(records, ack)
+        assert backed is not None, (
             f"life {number} answered {ack.kind} {ack.fields} but the file it left does not "
             f"record it ({len(records)} records)"
         )
-        assert seq <= ack.durable, (
-            f"life {number} answered {ack.kind} {ack.fields} before seq {seq}, which records "
+        assert backed <= ack.durable, (
+            f"life {number} answered {ack.kind} {ack.fields} before seq {backed}, which records "
             f"it, was committed (committed then: up to seq {ack.durable})"
         )
 

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import anyio.abc
@@ -344,7 +344,8 @@ async def controller(world: World, gateway: Gateway) -> None:
                     world.up = anyio.Event()
                     if crash_at is None:
                         await anyio.sleep_forever()
-                    await anyio.sleep(max(0.0, crash_at - anyio.current_time()))
+                    else:
+                        await anyio.sleep(max(0.0, crash_at - anyio.current_time()))
                     # kill -9: from this instant the process can touch nothing
                     crashed = True
                     world.plane = None
@@ -402,7 +403,7 @@ async def rollout(world: World, gateway: Gateway, port: ControllerPort, index: i
                 for turn in range(world.cfg.turns):
                     await anyio.sleep(rng.uniform(0.5, 8.0))
                     await _generate(world, session, owner, turn)
-                await _with_retries(lambda b=session: b.close())
+                await _with_retries(session.close)
     if life.cancelled_caught:
         world.notes.append(f"worker {owner} died at t={anyio.current_time():.1f}")
 
@@ -634,7 +635,7 @@ async def _bounded(cfg: SimConfig, workdir: Path) -> SimResult:
         return await simulate(cfg, workdir)
 
 
-def _drop(*_: object) -> None:
+def _drop(*_: object) -> NoReturn:
     raise structlog.DropEvent
 
 

@@ -100,12 +100,12 @@ async def _inline(
 def _substituted(seed: int) -> Iterator[None]:
     rng = random.Random(seed)
     saved = (os.urandom, anyio.to_thread.run_sync)
-    os.urandom = rng.randbytes  # type: ignore[assignment]
+    os.urandom = rng.randbytes
     anyio.to_thread.run_sync = _inline  # type: ignore[assignment]
     try:
         yield
     finally:
-        os.urandom, anyio.to_thread.run_sync = saved  # type: ignore[assignment]
+        os.urandom, anyio.to_thread.run_sync = saved
 
 
 def run_simulated(main: Callable[[], Awaitable[T]], *, seed: int) -> T:

@@ -368,7 +368,7 @@ def test_decide_refuses_wrong_types_and_out_of_range_values_with_a_code(slow: bo
     @given(cls=st.sampled_from(kinds), data=st.data())
     def prop(cls: type[c.Command], data: st.DataObject) -> None:
         _count("commands (decide)")
-        kwargs = {f: data.draw(_any, label=f) for f in _fields(cls)}
+        kwargs: dict[str, Any] = {f: data.draw(_any, label=f) for f in _fields(cls)}  # any junk
         command = cls(**kwargs)
         decision = decide(state, command)
         if decision.error is not None:
@@ -416,7 +416,8 @@ def test_the_ledger_refuses_bad_commands_and_keeps_serving(slow: bool) -> None:
         commands = []
         for cls, data in drawn:
             _count("commands (ledger)")
-            commands.append(cls(**{f: data.draw(_any, label=f) for f in _fields(cls)}))
+            junk: dict[str, Any] = {f: data.draw(_any, label=f) for f in _fields(cls)}
+            commands.append(cls(**junk))
         anyio.run(run, commands)
 
     prop()

@@ -36,8 +36,8 @@ async def test_every_crash_point_recovers(tmp_path: Path, slow: bool) -> None:
     scenario = "full" if slow else "compact"
     only = os.environ.get("LORALEDGER_CRASH_POINT")
     if only:
-        mode, k = only.split(":")
-        points = [(mode, int(k))]
+        mode, at = only.split(":")
+        points = [(mode, int(at))]
     else:
         reference = await crash_point(scenario, "none", 0, tmp_path / "reference")
         points = [(m, k) for m in ("after", "during") for k in range(1, reference.events + 1)]

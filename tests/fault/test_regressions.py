@@ -142,14 +142,16 @@ async def test_regression_renewal_with_a_negative_inflight_count_was_accepted() 
         await ledger.register_owner("w", ttl_s=60)
         for bad in ({("e0", 1): -7}, {("e0", 0): 1}, {("", 1): 1}, {("e0", 1): True}):
             with pytest.raises(LoraLedgerError) as refused:
-                ledger.renew_lease("w", bad)  # type: ignore[arg-type]
+                ledger.renew_lease("w", bad)
             assert refused.value.code == Code.INVALID_INPUT
         assert ledger.inflight_evidence(1)[0].count == 0
         ledger.renew_lease("w", {("e0", 1): 2})
         assert ledger.inflight_evidence(1)[0].count == 2
 
 
-async def _restart_e0_until_it_serves(plane: ControlPlane, e0: FaultyEngine, name: str) -> None:
+async def _restart_e0_until_it_serves(
+    plane: ControlPlane, e0: FaultyEngine, name: str | None
+) -> None:
     """Restart e0 and wait until the ledger sees its new incarnation repaired: routable and
     holding ``name`` again (the reconciler's restore, through whatever faults were injected)."""
     before = plane.ledger.state.engines["e0"].incarnation
@@ -197,7 +199,7 @@ async def _v1_staged_on_a_restarted_e0(
     await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
     fresh: LocalEngine = e0.inner.current  # type: ignore[attr-defined]
     candidate = Candidate(
-        lora_name=v1.lora_name,
+        lora_name=v1.lora_name,  # type: ignore[arg-type]  # published: named
         digest=v1.digest,
         attempt=ledger.state.versions[1].attempt,
         manifest=adapter_copy(1).manifest,

@@ -19,6 +19,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import structlog
@@ -49,7 +50,7 @@ def quiet_logs() -> Iterator[None]:
         structlog.configure(**saved)
 
 
-def _drop(*_: object) -> None:
+def _drop(*_: object) -> NoReturn:
     raise structlog.DropEvent
 
 

@@ -88,4 +88,4 @@ async def test_regression_vllm_cache_salt_gateway_generations_succeed_on_the_rea
         await plane.ledger.release("s1", "w")
     # leave the shared server as we found it (after the plane stopped: its reconciler would
     # restore the default version otherwise)
-    await engine.unload(v1.lora_name)
+    await engine.unload(v1.lora_name)  # type: ignore[arg-type]  # published: named

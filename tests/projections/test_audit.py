@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from evlog.events import SessionBound, SessionReleased, SessionsForgotten
@@ -51,7 +53,7 @@ def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
     forgotten; then a late release of the forgotten id. The decider's own events: three lives,
     the last one never bound."""
 
-    def rec(seq: int, event: object) -> Record:
+    def rec(seq: int, event: Any) -> Record:
         return Record(
             seq=seq, event_id=b"", stream="", type=type(event).__name__, schema=1,
             recorded_at=float(seq), payload=b"", prev_hash=b"", hash=b"", event=event,

@@ -21,6 +21,7 @@ from evlog.events import (
     VersionAllocated,
     VersionPublished,
 )
+from evlog.record import Record
 from projections import registry
 from projections.registry import RegistryState, encode_state, evolve
 from projections.transitions import TRANSITIONS, TransitionViolation, VersionState
@@ -126,10 +127,10 @@ def test_a_release_after_release_and_records_out_of_order_are_refused() -> None:
         evolve(state, again, state.last_seq + 2)
 
 
-def _steps_taken(records: list, monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, str]]:
+def _steps_taken(records: list[Record], monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, str]]:
     """Replay ``records`` and collect every (state, event) step taken through the table."""
     taken: set[tuple[object, str]] = set()
-    real = registry.next_state
+    real = registry.next_state  # type: ignore[attr-defined]  # the name evolve looks up
 
     def recording(version_id: int, state: VersionState | None, event: str) -> VersionState:
         taken.add((state, event))

@@ -16,7 +16,7 @@ from projections import invariants
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
 from publisher.decider import decide
-from publisher.outcomes import Allocated, Outcome, Published
+from publisher.outcomes import Allocated, Published
 
 
 def digest_of(label: Any) -> str:
@@ -28,7 +28,9 @@ class Book:
         self.state = RegistryState()
         self.events: list[Event] = []
 
-    def run(self, command: c.Command) -> Outcome:
+    def run(self, command: c.Command) -> Any:
+        """The command's outcome. Typed ``Any``: its class follows the command's, and each test
+        reads the fields it asserts (``allocate``/``publish`` below narrow the common ones)."""
         decision = decide(self.state, command)
         for event in decision.events:
             evolve(self.state, event, len(self.events) + 1)
@@ -68,16 +70,18 @@ class Book:
     def ready_all(self, version_id: int) -> None:
         v = self.state.versions[version_id]
         for engine in v.fleet:
-            receipt = dict(
-                version_id=version_id,
-                attempt=v.attempt,
-                engine=engine,
-                incarnation=self.incarnation(engine),
-                digest=v.digest,
-                lora_name=v.lora_name,
-            )
-            self.run(c.RecordPrepared(**receipt))
-            self.run(c.RecordReady(**receipt))
+            incarnation = self.incarnation(engine)
+            for receipt in (c.RecordPrepared, c.RecordReady):
+                self.run(
+                    receipt(
+                        version_id=version_id,
+                        attempt=v.attempt,
+                        engine=engine,
+                        incarnation=incarnation,
+                        digest=v.digest,
+                        lora_name=v.lora_name,
+                    )
+                )
 
     def publish(self, version_id: int) -> Published:
         allocated = self.allocate(version_id)

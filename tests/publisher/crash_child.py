@@ -23,6 +23,7 @@ from evlog.errors import LoraLedgerError
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
+from publisher.outcomes import Skipped
 
 
 def digest(n: int) -> str:
@@ -53,7 +54,7 @@ class ReportingStore:
 
 async def publish(ledger: Ledger, version_id: int) -> None:
     allocated = await ledger.allocate(version_id, digest(version_id))
-    if not hasattr(allocated, "attempt") or allocated.no_op:
+    if isinstance(allocated, Skipped) or allocated.no_op:
         return
     await ledger.claim_transport(version_id, allocated.attempt, "crash-child")
     for engine in allocated.fleet:
@@ -73,7 +74,7 @@ async def publish(ledger: Ledger, version_id: int) -> None:
 async def main(path: str, run_id: str) -> None:
     async with (
         SQLiteStore.open(path) as inner,
-        Ledger.open(ReportingStore(inner)) as ledger,  # type: ignore[arg-type]
+        Ledger.open(ReportingStore(inner)) as ledger,
     ):
         if ledger.state.deployment is None:
             await ledger.create_deployment("crash", prefix="agent", capacity=3)

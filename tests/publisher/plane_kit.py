@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from engines.contract import SamplingParams
+from engines.contract import Inventory, SamplingParams, Transport
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
@@ -49,7 +49,7 @@ def adapter_copy(seed: int, *, r: int = 8, bucket_bytes: int = 16 * 1024) -> Ada
 
 @contextlib.asynccontextmanager
 async def local_engines(
-    n: int, *, artifact_root: Path | None = None, transport: str = "staged"
+    n: int, *, artifact_root: Path | None = None, transport: Transport = "staged"
 ) -> AsyncIterator[list[LocalEngine]]:
     async with contextlib.AsyncExitStack() as stack:
         engines = [
@@ -129,4 +129,5 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None
 
 
 async def names(engine: Any) -> frozenset[str]:
-    return (await engine.inventory()).names()
+    inventory: Inventory = await engine.inventory()
+    return inventory.names()

@@ -66,7 +66,7 @@ def test_torch_tensors_bfloat16_included_are_copied() -> None:
 def test_the_snapshot_is_immutable() -> None:
     snap = AdapterCopy.from_state_dict(numpy_state(), adapter_config())
     with pytest.raises(AttributeError):
-        snap._manifest = None  # type: ignore[misc]
+        snap._manifest = None  # type: ignore[assignment]
     with pytest.raises(TypeError):
         snap.tensors["x"] = snap.tensors[next(iter(snap.tensors))]  # type: ignore[index]
     copy = snap.config

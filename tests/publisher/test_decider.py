@@ -5,6 +5,8 @@ The ``Book`` harness checks the invariants after every single decision.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from evlog.events import (
@@ -33,7 +35,7 @@ def book() -> Book:
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, False, "3", 2.0, None])
-def test_allocate_refuses_invalid_version_ids(book: Book, bad: object) -> None:
+def test_allocate_refuses_invalid_version_ids(book: Book, bad: Any) -> None:
     assert book.refuse(c.Allocate(version_id=bad, digest=digest_of(1)), Code.INVALID_VERSION) == []
 
 
@@ -327,6 +329,7 @@ def test_a_released_session_cannot_bind_again(book: Book) -> None:
 def test_release_cause_is_bounded(book: Book) -> None:
     book.publish(1)
     book.run(c.Bind(session="s", owner="w1"))
+    bad: Any  # deliberately ill-typed causes
     for bad in ("", "x" * 65, "two\nlines", 7):
         assert book.refuse(c.Release(session="s", owner="w1", cause=bad), Code.INVALID_INPUT) == []
     assert "s" in book.state.sessions

@@ -22,7 +22,7 @@ from projections.registry import RegistryState, encode_state
 from publisher import commands as c
 from publisher.errors import Code
 from publisher.ledger import Ledger
-from publisher.outcomes import Bound, Released
+from publisher.outcomes import Allocated, Bound, Released
 
 
 def digest(n: int) -> str:
@@ -39,6 +39,7 @@ async def bootstrap(ledger: Ledger, *, capacity: int = 2) -> None:
 
 async def publish(ledger: Ledger, version_id: int) -> None:
     allocated = await ledger.allocate(version_id, digest(version_id))
+    assert isinstance(allocated, Allocated), allocated
     await ledger.claim_transport(version_id, allocated.attempt, "trainer")
     for engine in allocated.fleet:
         inc = ledger.state.engines[engine].incarnation
@@ -57,7 +58,9 @@ class GatedStore(MemoryStore):
         self.gated = False
         self.fail_next: BaseException | None = None
 
-    async def append(self, batch: Sequence[Pending], *, expected_seq: int | None = None):
+    async def append(
+        self, batch: Sequence[Pending], *, expected_seq: int | None = None
+    ) -> list[int]:
         if self.gated:
             await self.gate.wait()
         if self.fail_next is not None:

@@ -13,6 +13,7 @@ Examples: a few hundred in CI, many more under ``--slow``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass, field
 
@@ -194,15 +195,16 @@ class LedgerMachine(RuleBasedStateMachine):
         self.portal = self.portal_cm.__enter__()
         self.store = MemoryStore()
         self.model = Model()
-        self.ledger_cm = None
+        self.ledger_cm: contextlib.AbstractContextManager[Ledger] | None = None
         self.ledger: Ledger = self._open(snapshot=False)
         self.portal.call(self._bootstrap)
 
     def _open(self, *, snapshot: bool) -> Ledger:
-        self.ledger_cm = self.portal.wrap_async_context_manager(
+        cm = self.portal.wrap_async_context_manager(
             Ledger.open(self.store, snapshot_on_close=snapshot)
         )
-        return self.ledger_cm.__enter__()
+        self.ledger_cm = cm
+        return cm.__enter__()
 
     async def _bootstrap(self) -> None:
         ledger = self.ledger

@@ -100,7 +100,7 @@ async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
     before = {e.engine_id: await e.generate(PROMPT, v1.lora_name, LONG) for e in engines}
 
     # v2 is published while generations on v1 run on every engine
-    traffic = Traffic(engines, v1.lora_name)
+    traffic = Traffic(engines, v1.lora_name)  # type: ignore[arg-type]  # published: named
     async with traffic.running():
         started = time.monotonic()
         v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)

@@ -13,6 +13,7 @@ every case ends in the state docs/publication.md prescribes, with the events tha
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -26,6 +27,7 @@ from evlog.events import (
     EngineRepaired,
     EngineRestarted,
     EngineUnloaded,
+    Event,
     FatalResolved,
     InventoryObserved,
     ReceiptRejected,
@@ -39,6 +41,7 @@ from evlog.memory import MemoryLog, MemoryStore
 from projections.recovery import recover
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts
+from publisher.outcomes import Allocated
 from publisher.publication import (
     CANCELLED,
     READY_UNCONFIRMED,
@@ -76,7 +79,7 @@ IDLE = 3600.0  # health loop interval that never fires during a test: reconcilia
 # only where the test says (the publish path or an explicit call)
 
 
-def index(log: list, predicate) -> int:  # type: ignore[no-untyped-def]
+def index(log: Sequence[Event], predicate: Callable[[Event], bool]) -> int:
     return next(i for i, e in enumerate(log) if predicate(e))
 
 
@@ -241,12 +244,12 @@ async def test_restart_mid_publication_then_repair_before_routing(tmp_path: Path
         restored = index(log, lambda e: isinstance(e, VersionRestored))
         repaired = index(log, lambda e: isinstance(e, EngineRepaired))
         assert restarted < restored < repaired
-        assert (log[restored].version_id, log[restored].engine) == (1, "e1")
+        assert (log[restored].version_id, log[restored].engine) == (1, "e1")  # type: ignore[attr-defined]
         # not routable, and not a holder of v1, at any seq before EngineRepaired
         for at in range(seq + restarted + 1, seq + repaired + 1):
             state = await recover(ledger.store, until=at, use_snapshot=False)
             assert not state.engines["e1"].routable
-            assert state.holders(v1.lora_name) == ("e0",)
+            assert state.holders(v1.lora_name) == ("e0",)  # type: ignore[arg-type]
         g = await engines[1].generate(PROMPT, v1.lora_name, GREEDY)
         assert g.lora_name == v1.lora_name
         again = await plane.publisher.publish(adapter_copy(2), version_id=2)
@@ -271,7 +274,7 @@ async def test_restart_after_commit_restores_default_and_bound_versions(tmp_path
         log = await events(ledger, after=seq)
         assert sorted(e.version_id for e in of_type(log, VersionRestored)) == [1, 2]
         assert {v1.lora_name, v2.lora_name} <= await names(engines[1])
-        assert ledger.state.holders(v1.lora_name) == ("e0", "e1")
+        assert ledger.state.holders(v1.lora_name) == ("e0", "e1")  # type: ignore[arg-type]
 
 
 async def test_ambiguous_unload_holds_the_version_until_inventory_decides(tmp_path: Path) -> None:
@@ -396,6 +399,7 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             # a controller that dies mid-publication: allocated, claimed, loaded on e0 only
             snap = adapter_copy(1)
             allocated = await plane.ledger.allocate(1, snap.digest)
+            assert isinstance(allocated, Allocated), allocated
             await plane.ledger.claim_transport(1, allocated.attempt, "dead-publisher")
             from engines.contract import Candidate
             from publisher.adapter_copy import aiter_buckets

@@ -116,11 +116,11 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
 
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
         (ended,) = r.fleet[busy].generated_at  # type: ignore[attr-defined]
-        for engine in r.fleet:
+        for member in r.fleet:  # Recording wrappers, typed as the fleet's Engine
             # no unload was even sent before the engine had returned the generation
-            assert ended < engine.unload_started[v1]  # type: ignore[attr-defined]
-            assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
-            assert v1 not in engine.loaded_adapters()  # type: ignore[attr-defined]
+            assert ended < member.unload_started[v1]  # type: ignore[attr-defined]
+            assert member.unloaded_under_requests == []  # type: ignore[attr-defined]
+            assert v1 not in member.loaded_adapters()  # type: ignore[attr-defined]
         (claim,) = await claims(r)
         assert {x.engine: x.count for x in claim.evidence if x.reporter == "gw"} == {
             "e0": 0,
@@ -172,9 +172,9 @@ async def test_a_request_dispatched_after_the_claim_is_never_unloaded_under(
                     break
             with anyio.move_on_after(5):
                 await reconciler.reconcile_engine(busy)
-            engine = r.fleet[busy]
-            assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
-            assert v1 not in engine.unload_started  # type: ignore[attr-defined]
+            member = r.fleet[busy]
+            assert member.unloaded_under_requests == []  # type: ignore[attr-defined]
+            assert v1 not in member.unload_started  # type: ignore[attr-defined]
             assert r.local[busy].refcount(v1) == 1 and v1 in r.local[busy].loaded_adapters()
             v = r.ledger.state.versions[1]
             assert v.state is VersionState.RECLAIMING and set(v.confirmed) == {idle}

@@ -4,6 +4,7 @@ deployment unloaded (and only those), drift found by the periodic full pass."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,7 +110,7 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
         kinds = [type(e) for e in log]
         assert kinds[0] is EngineJoined and kinds[-1] is EngineRepaired
         assert kinds.count(VersionRestored) == 2
-        assert ledger.state.holders(v1.lora_name) == ("e0", "e1", "e2")
+        assert ledger.state.holders(v1.lora_name) == ("e0", "e1", "e2")  # type: ignore[arg-type]
         g = await newcomer.generate(PROMPT, v1.lora_name, GREEDY)
         ref = await engines[0].generate(PROMPT, v1.lora_name, GREEDY)
         assert g.token_ids == ref.token_ids  # the same bytes, restored from the artifact store
@@ -117,7 +118,7 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
 
 async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path: Path) -> None:
     async with local_engines(2) as inner:
-        engines = [inner[0], FaultyEngine(inner[1])]
+        engines: list[Any] = [inner[0], FaultyEngine(inner[1])]
         engines[1].inject("unload", Delay(seconds=60))  # e1 never answers the reclaim
         async with open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane:
             ledger = plane.ledger

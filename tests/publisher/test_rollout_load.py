@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -133,7 +134,7 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
 
         # --- pinning, from the provenance table and the log --------------------------------
         await wait_for(lambda: r.recorder.pending == 0, timeout=10)
-        rows_of: dict[str, list] = defaultdict(list)
+        rows_of: dict[str, list[Any]] = defaultdict(list)  # ProvenanceRow (turn is set)
         for row in r.sink.rows:
             rows_of[row.session].append(row)
         events = [rec.event async for rec in r.store.iterate()]

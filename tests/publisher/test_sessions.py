@@ -4,8 +4,9 @@ leases (renewal, expiry, stale workers) and the batch API."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import anyio
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from engines.contract import SamplingParams
 from evlog.errors import LoraLedgerError
 from evlog.events import (
+    Event,
     SessionBound,
     SessionReleased,
     SessionsForgotten,
@@ -29,10 +31,12 @@ from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recordin
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
+EventT = TypeVar("EventT", bound=Event)
+
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
 
-async def events_of(store: MemoryStore, kind: type) -> list[tuple[int, object]]:
+async def events_of(store: MemoryStore, kind: type[EventT]) -> list[tuple[int, EventT]]:
     return [
         (rec.seq, rec.event) async for rec in store.iterate(after=0) if isinstance(rec.event, kind)
     ]
@@ -119,7 +123,7 @@ async def test_binds_racing_a_commit_follow_the_ledger_order() -> None:
         gate = port.gate = anyio.Event()
         served: dict[str, int] = {}
         commit_waiting = anyio.Event()
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             async with anyio.create_task_group() as tg:
 
                 async def first(session: str) -> None:
@@ -148,7 +152,7 @@ async def test_binds_racing_a_commit_follow_the_ledger_order() -> None:
             assert len(bound) == 60
             for seq, event in bound:
                 assert event.version_id == (1 if seq < commit_seq else 2)
-                assert w.session(event.session).bound.version_id == event.version_id
+                assert w.session(event.session).bound.version_id == event.version_id  # type: ignore[union-attr]
                 assert served[event.session] == event.version_id
             # the race really happened: 30 binds before the commit, 30 after, as they queued
             on = {v: {e.session for _, e in bound if e.version_id == v} for v in (1, 2)}
@@ -182,7 +186,7 @@ async def test_a_hundred_concurrent_first_generations_share_one_bind() -> None:
     async with rig() as r:
         await r.publish(1)
         port = Port(r.ledger)
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             results = []
 
             async def first() -> None:
@@ -202,7 +206,7 @@ async def test_cancelling_the_first_waiter_never_cancels_the_bind() -> None:
         await r.publish(1)
         port = Port(r.ledger)
         port.gate = anyio.Event()
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             s = w.session("s")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(s.generate, PROMPT, SHORT)
@@ -310,7 +314,7 @@ async def test_a_lost_release_reply_is_retried_and_releases_exactly_once() -> No
         port = Port(r.ledger)
         port.lose_release_replies = 1
         retry = RetryPolicy(first_delay=0.001)
-        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:
             s = w.session("s")
             await s.generate(PROMPT, SHORT)
             released = await s.close()
@@ -344,7 +348,7 @@ async def test_bind_many_and_close_many_take_one_round_trip_each() -> None:
     async with rig() as r:
         await r.publish(1)
         port = Port(r.ledger)
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             group = [w.session(f"g{i}") for i in range(20)]
             closed_early = w.session("closed-early")
             await closed_early.close()
@@ -378,7 +382,8 @@ async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts() -> N
             for _ in range(3):
                 r.clock.advance(8.0)  # past the ttl in total, never between two renewals
                 seen = w.renewals
-                await wait_for(lambda seen=seen: w.renewals > seen)
+                # mypy cannot infer a lambda with a default argument (binding the loop's value)
+                await wait_for(lambda seen=seen: w.renewals > seen)  # type: ignore[misc]
                 assert await r.ledger.expire_leases() == []
             counts = {x.reporter: x.count for x in r.ledger.inflight_evidence(1) if x.count}
             assert counts == {"w1": 1}
@@ -439,8 +444,9 @@ async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> N
             await s.generate(PROMPT, SHORT)
             r.clock.advance(11.0)
             await r.ledger.expire_leases()  # the worker was paused past its ttl
-            sent = sum(len(e.calls) for e in r.fleet)  # type: ignore[attr-defined]
-            calls = [
+            # the rig wraps every engine in Recording (the fleet types them as Engine)
+            sent = sum(len(e.calls) for e in r.fleet)  # type: ignore[attr-defined, misc]
+            calls: list[Callable[[], Awaitable[object]]] = [
                 lambda: s.generate(PROMPT, SHORT),
                 s.bind,
                 s.close,
@@ -452,7 +458,8 @@ async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> N
                     await call()
                 assert info.value.code == Code.LEASE_EXPIRED
             assert w.lost is not None
-            assert sum(len(e.calls) for e in r.fleet) == sent  # nothing dispatched
+            # nothing dispatched
+            assert sum(len(e.calls) for e in r.fleet) == sent  # type: ignore[attr-defined, misc]
         assert len(await events_of(r.store, SessionBound)) == 1
         with pytest.raises(LoraLedgerError) as info:
             await r.ledger.register_owner("w1", ttl_s=10.0)

@@ -80,7 +80,7 @@ def engine_actor(ray_instance: Any) -> Iterator[RayEngine]:
         .remote(_restartable)
     )
     info = ray.get(handle.describe.remote(), timeout=300)
-    engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+    engine = RayEngine(handle, info.engine_id, info.kind, info.transport)
     yield engine
     stop_engine(engine)
 

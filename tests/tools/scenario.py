@@ -40,6 +40,7 @@ from evlog.errors import LoraLedgerError
 from evlog.record import Record
 from evlog.sqlite import SQLiteStore
 from publisher.ledger import Ledger
+from publisher.outcomes import Allocated
 
 
 class Clock:
@@ -56,6 +57,7 @@ def digest(version_id: int) -> str:
 
 async def publish(ledger: Ledger, version_id: int) -> None:
     allocated = await ledger.allocate(version_id, digest(version_id))
+    assert isinstance(allocated, Allocated), allocated
     await _load(ledger, version_id, allocated.attempt)
     await ledger.commit(version_id, allocated.attempt)
 
@@ -94,6 +96,7 @@ async def write_fault_run(path: Path) -> Path:
 
         clock.now = 1005.0
         v2 = await ledger.allocate(2, digest(2))
+        assert isinstance(v2, Allocated), v2
         await ledger.claim_transport(2, v2.attempt, "trainer")
         await ledger.record_ready(2, 1, "e0", "e0-i1", v2.digest, v2.lora_name)
         with pytest.raises(LoraLedgerError, match="ENGINE_RESTARTED"):
@@ -119,6 +122,7 @@ async def write_fault_run(path: Path) -> Path:
 
         clock.now = 1110.0
         v3 = await ledger.allocate(3, digest(3))
+        assert isinstance(v3, Allocated), v3
         await ledger.claim_transport(3, v3.attempt, "trainer")
         await ledger.fail_attempt(3, 1, clean=False, code="AMBIGUOUS", reason="load timed out")
         clock.now = 1200.0

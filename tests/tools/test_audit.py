@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ def _row(
     return ProvenanceRow(**fields)  # type: ignore[arg-type]
 
 
-def _lines(stdout: str) -> list[dict[str, object]]:
+def _lines(stdout: str) -> list[dict[str, Any]]:  # JSON lines
     return [json.loads(line) for line in stdout.splitlines()]
 
 
@@ -66,9 +67,9 @@ def test_a_session_history_with_its_generations(cli: Cli, fault_log: Path, tmp_p
     )
     assert (line["digest"], line["revision"], line["cause"]) == (digest(1), 1, "closed")
     assert (line["bound_at"], line["released_at"]) == (1002.0, 1100.0)
-    facts = [(f["what"], f["during"]) for f in line["version_facts"]]  # type: ignore[index]
+    facts = [(f["what"], f["during"]) for f in line["version_facts"]]
     assert ("retired", True) in facts and ("reclaimed", False) in facts
-    turns = [g["turn"] for g in line["generations"]]  # type: ignore[index]
+    turns = [g["turn"] for g in line["generations"]]
     assert turns == [0, 1]  # ordered by turn, the other session's row is not attached
     assert line["mismatches"] == []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -65,7 +66,7 @@ def faulty_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "faulty.db"
 
 
-def _rows(stdout: str) -> list[dict[str, object]]:
+def _rows(stdout: str) -> list[dict[str, Any]]:  # JSON lines
     return [json.loads(line) for line in stdout.splitlines()]
 
 
@@ -96,7 +97,7 @@ def test_the_injected_faults_are_the_incidents(cli: Cli, faulty_log: Path) -> No
     states = next(
         r for r in _rows(cli("replay", faulty_log, "--json").stdout) if r["row"] == "state"
     )
-    final = {v["version_id"]: v["state"] for v in states["versions"]}  # type: ignore[union-attr]
+    final = {v["version_id"]: v["state"] for v in states["versions"]}
     assert final == {1: "RECLAIMED", 2: "FAILED_RETRYABLE", 3: "PUBLISHED"}
 
 
@@ -112,5 +113,5 @@ def test_the_timeline_and_the_audit_tell_the_same(cli: Cli, faulty_log: Path) ->
         ("FAILED_FATAL", "FAILED_RETRYABLE"),
     ]
     (audit,) = _rows(cli("audit", faulty_log, "--session", "s-1", "--json").stdout)
-    facts = [f["what"] for f in audit["version_facts"]]  # type: ignore[union-attr]
+    facts = [f["what"] for f in audit["version_facts"]]
     assert facts[-3:] == ["retired", "reclaiming", "reclaimed"]

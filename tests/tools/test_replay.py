@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tools.exitcodes import Exit
 from tools.plot import DPI, SIZE_INCHES, STATE_COLOURS
 
 
-def _rows(stdout: str) -> list[dict[str, object]]:
+def _rows(stdout: str) -> list[dict[str, Any]]:  # JSON lines
     return [json.loads(line) for line in stdout.splitlines()]
 
 

@@ -31,7 +31,8 @@ def _verdict(cli: Cli, log: Path) -> tuple[int, dict[str, object]]:
 def _seq_of(log: Path, type_name: str, nth: int = 0) -> int:
     with closing(sqlite3.connect(log)) as conn:
         rows = conn.execute("SELECT seq FROM events WHERE type = ? ORDER BY seq", (type_name,))
-        return [r[0] for r in rows][nth]
+        seqs: list[int] = [r[0] for r in rows]
+        return seqs[nth]
 
 
 def test_a_good_log_verifies(cli: Cli, fault_log: Path) -> None:
