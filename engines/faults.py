@@ -54,6 +54,7 @@ from engines.contract import (
     Candidate,
     CleanRefusal,
     Engine,
+    EngineCapabilities,
     EngineError,
     ErrorCode,
     Generation,
@@ -224,6 +225,10 @@ class RestartableEngine:
     def transport(self) -> Any:
         return self._current.transport
 
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._current.capabilities  # type: ignore[no-any-return]
+
     async def incarnation(self) -> str:
         return await self._current.incarnation()  # type: ignore[no-any-return]
 
@@ -317,6 +322,11 @@ class FaultyEngine:
     @property
     def transport(self) -> Any:
         return self._engine.transport
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The wrapped engine's: every call, ``extra_body`` included, is forwarded to it."""
+        return self._engine.capabilities
 
     # --- scheduling -----------------------------------------------------------------------
 

@@ -258,7 +258,7 @@ class Reconciler:
             await ledger.join_engine(
                 engine_id,
                 incarnation,
-                endpoint=str(getattr(engine, "base_url", "") or ""),
+                endpoint=engine.capabilities.endpoint,
                 kind=engine.kind,
             )
             rep.joined.append(engine_id)
