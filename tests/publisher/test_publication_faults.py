@@ -39,9 +39,9 @@ from evlog.events import (
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts
+from publisher.engine_protocol import READY_UNCONFIRMED
 from publisher.publication import (
     CANCELLED,
-    READY_UNCONFIRMED,
     ErrorKind,
     PublicationDriver,
     PublicationError,
