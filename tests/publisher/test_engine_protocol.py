@@ -217,37 +217,32 @@ async def test_without_an_inventory_not_loaded_stands_in_for_the_proof() -> None
         assert absence.proven and absence.inventory is None
 
 
-async def test_an_ambiguous_unload_is_ambiguous_and_the_inventory_decides() -> None:
+@pytest.mark.parametrize(("fault", "executed"), [(Drop(), True), (ServerError(), False)])
+async def test_an_ambiguous_unload_stays_ambiguous_and_the_inventory_decides(
+    fault: Drop | ServerError, executed: bool
+) -> None:
+    """A lost reply (the engine did unload) or a 5xx before sending (it never saw the call):
+    the answer is ambiguous either way, and only the inventory tells the two apart."""
     async with faulty_engines(1) as [engine]:
         snap = snapshot(11)
         c = candidate(snap)
         await load(engine, snap, c)
-
-        # sent and executed, the reply lost: ambiguous, yet the inventory proves absence
-        engine.inject("unload", Drop())
-        done = await unload_and_prove_absent(
+        engine.inject("unload", fault)
+        absence = await unload_and_prove_absent(
             engine, c.lora_name, attempt=1, unload_timeout=5, inventory_timeout=5
         )
-        assert not done.unload.absent and done.unload.error is not None
-        assert isinstance(done.unload.error, AmbiguousReply)
-        assert done.proven
+        assert not absence.unload.absent and isinstance(absence.unload.error, AmbiguousReply)
+        assert absence.inventory is not None
+        assert absence.proven is executed
+        assert (c.lora_name in absence.inventory.names()) is not executed
 
 
-async def test_an_ambiguous_unload_that_never_arrived_proves_nothing() -> None:
+async def test_an_ambiguous_unload_without_an_inventory_proves_nothing() -> None:
     async with faulty_engines(1) as [engine]:
         snap = snapshot(12)
         c = candidate(snap)
         await load(engine, snap, c)
-
-        engine.inject("unload", ServerError())
-        present = await unload_and_prove_absent(
-            engine, c.lora_name, attempt=1, unload_timeout=5, inventory_timeout=5
-        )
-        assert not present.unload.absent and not present.unload.error.clean  # type: ignore[union-attr]
-        assert not present.proven and present.inventory is not None
-        assert c.lora_name in present.inventory.names()
-
-        engine.inject("unload", ServerError())
+        engine.inject("unload", Drop())
         engine.inject("inventory", ServerError())
         unknown = await unload_and_prove_absent(
             engine, c.lora_name, attempt=1, unload_timeout=5, inventory_timeout=5
