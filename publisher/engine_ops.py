@@ -1,8 +1,8 @@
 """Bounded, classified engine calls: the only way the publication, reclaim and reconcile drivers
 talk to an engine (the procedures built from them are in :mod:`publisher.engine_protocol`).
 
-Two rules the drivers rely on (rl-peers §4 F: syncs that hang forever; DESIGN §5: clean vs
-ambiguous):
+Two rules the drivers rely on (a sync that hangs forever stalls a whole fleet; clean vs
+ambiguous is described in docs/publication.md):
 
 * **Every call has a deadline** (:class:`EngineTimeouts`). Running out of time is an
   :class:`~engines.contract.AmbiguousReply` (``TIMEOUT``): the engine may still act on the
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 class EngineTimeouts(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds per engine call kind. ``unload`` is long because SGLang's unload blocks until
-    the adapter's requests drained (engines.md §1.4; the drivers only unload at zero in-flight,
+    the adapter's requests drained (docs/engines.md; the drivers only unload at zero in-flight,
     so it should be instant, but a leaked reference must not hang us forever either)."""
 
     probe: float = 10.0
@@ -93,7 +93,7 @@ async def _bounded(engine_id: str, what: str, timeout: float, fn: Callable[[], A
 
 
 def managed_prefix(prefix: str, deployment: str) -> str:
-    """Every engine-side name this deployment ever creates starts with this (DESIGN §2)."""
+    """Every engine-side name this deployment ever creates starts with this (docs/identities.md)."""
     return f"{prefix}@{deployment}-"
 
 

@@ -146,7 +146,8 @@ async def stage_and_load(
     A failure raises the call's own :class:`~engines.contract.EngineError` (clean or
     ambiguous) and cleans nothing up: what to do with a half-done load is the caller's decision,
     because the right answer differs. A failed publication attempt is cleaned with
-    :func:`unload_and_prove_absent` under its own, new attempt. A failed restore must not be:
+    :func:`unload_and_prove_absent`, fenced by that (new, never committed) attempt. A failed
+    restore must not be:
     its attempt is a committed version's, which never changes, and an unload fences that
     attempt out of the engine for good (and a late duplicate of an unfenced one would remove
     the version after a later restore succeeded); :func:`inventory_confirms` decides instead.

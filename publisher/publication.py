@@ -1,4 +1,4 @@
-"""PublicationDriver: one trainer step's adapter, published to the whole fleet (DESIGN §5).
+"""PublicationDriver: one trainer step's adapter, published to the fleet (docs/publication.md).
 
 ``await driver.publish(snapshot, version_id=step)`` returns a :class:`PublicationOutcome`
 (``PUBLISHED``, ``NO_OP`` or ``SKIPPED``) or raises :class:`PublicationError` whose ``kind`` is
@@ -37,7 +37,7 @@ Failure rules:
   was ambiguous and every engine proved the name absent, the attempt ends ``FAILED_RETRYABLE``
   (slot freed); otherwise ``FAILED_FATAL`` (slot kept until inventories resolve it).
 * **Cancellation** of ``publish`` runs the same cleanup inside a shielded, time-bounded scope.
-  Justified (DESIGN: cleanup of a failed attempt is the one place for it): this call holds the
+  Justified (cleanup of a failed attempt is the one place for a shield): this call holds the
   attempt's claim, so nobody else may end it; abandoning it would leave a ``LOADING`` version
   that blocks every later publication. Each call inside is bounded by ``timeouts.cleanup``.
   The ledger calls that create or settle an obligation (allocate, claim, commit) are shielded

@@ -1,5 +1,5 @@
-"""ReclaimDriver: free an old version the moment nothing can use it any more (DESIGN §4
-improvement 4; rl-peers §4 B and D: slots that fill up, unloads that race in-flight work).
+"""ReclaimDriver: free an old version the moment nothing can use it any more, so slots do not
+fill up, and never under a running request (docs/publication.md, docs/state-machine.md).
 
 It runs beside the ledger for the life of the control plane, woken by every committed ledger
 event (``ledger.subscribe()``: a release, a lease expiry, a commit that retires a version) and
@@ -11,7 +11,7 @@ by a periodic tick (in-flight counts fall without a ledger event). Each sweep:
    recorded in ``ReclaimClaimed``, so a replay shows what the decision relied on;
 2. **unloads** every ``RECLAIMING`` version on each member engine that has not confirmed yet,
    and only when that engine's in-flight count for it is zero right now (SGLang's unload blocks
-   until the adapter's requests drain, engines.md §1.4: at zero it is instant). Each
+   until the adapter's requests drain, docs/engines.md: at zero it is instant). Each
    confirmation is recorded (``EngineUnloaded``; an answer that the name was already absent is
    a confirmation too: :func:`publisher.engine_protocol.unload_fenced`); the ledger marks the
    version ``RECLAIMED`` when every engine confirmed;

@@ -2,8 +2,8 @@
 
 The ledger only knows what engines proved. Whenever that proof may be stale -- at start, when an
 engine comes back with a new incarnation, when a fatal or ambiguous entry blocks publication --
-the reconciler reads each engine's inventory and turns it into decisions (DESIGN §4
-improvements 1, 3 and 7; engines.md §7 "Reconciliation"):
+the reconciler reads each engine's inventory and turns it into decisions (docs/publication.md,
+docs/engines.md):
 
 * **Membership**: an engine of this process's fleet that the ledger does not know is joined
   (``EngineJoined``); a new incarnation is a restart (``EngineRestarted``): the engine lost every
