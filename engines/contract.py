@@ -221,6 +221,27 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
 Transport = Literal["artifact", "staged"]
 
 
+class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine offers beyond the required contract, declared by its adapter.
+
+    Callers read these; they never discover them (no signature inspection, no ``getattr`` of
+    attributes the contract does not name), so a wrapper or proxy states what it forwards and an
+    adapter cannot gain or lose a feature by renaming a parameter. The defaults describe an
+    engine that offers nothing more: an adapter states only what it adds.
+
+    * ``extra_body`` -- ``generate`` also takes ``extra_body=`` (a mapping of caller fields merged
+      into the engine's request body; SGLang's ``/generate``, the adapter still owning its own
+      keys). Without it a caller must not pass the keyword: the gateway refuses a request that
+      carries extra fields rather than dropping them silently.
+    * ``endpoint`` -- the address the engine serves on (an HTTP adapter's base URL), recorded
+      when the engine joins the ledger so an operator can find it; ``""`` for an engine without
+      an address of its own (in this process, behind a Ray actor).
+    """
+
+    extra_body: bool = False
+    endpoint: str = ""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One fleet member, as seen by the control plane. All methods are async and time-bounded."""
@@ -238,6 +259,11 @@ class Engine(Protocol):
     @property
     def transport(self) -> Transport:
         """How it wants bytes: a PEFT directory path, or staged buckets."""
+        ...
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What it offers beyond the contract (``EngineCapabilities()`` when nothing more)."""
         ...
 
     async def incarnation(self) -> str:
@@ -266,7 +292,8 @@ class Engine(Protocol):
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Generation:
-        """Sent at most once. A lost reply raises AmbiguousReply; nothing here ever resends."""
+        """Sent at most once. A lost reply raises AmbiguousReply; nothing here ever resends.
+        An engine whose ``capabilities.extra_body`` is True also takes ``extra_body=``."""
         ...
 
     async def aclose(self) -> None: ...

@@ -35,6 +35,7 @@ from engines.contract import (
     Candidate,
     Choice,
     CleanRefusal,
+    EngineCapabilities,
     ErrorCode,
     Generation,
     Inventory,
@@ -177,6 +178,7 @@ class PathLoadingEngine:
     ) -> None:
         self.engine_id = engine_id
         self.base_url = base_url.rstrip("/")
+        self.capabilities = EngineCapabilities(endpoint=self.base_url)
         self.max_lora_rank = max_lora_rank
         self._owns_client = client is None
         self._client = client or http.engine_client(self.base_url, headers=headers)

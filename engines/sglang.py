@@ -56,6 +56,7 @@ from engines.contract import (
     AmbiguousReply,
     Candidate,
     Choice,
+    EngineCapabilities,
     ErrorCode,
     Generation,
     Receipt,
@@ -193,6 +194,8 @@ class SGLangEngine(PathLoadingEngine):
         super().__init__(
             base_url, engine_id, max_lora_rank=max_lora_rank, client=client, headers=headers
         )
+        # ``generate`` forwards caller body fields (minus the keys this adapter owns).
+        self.capabilities = EngineCapabilities(extra_body=True, endpoint=self.base_url)
         self.timeouts = timeouts or SGLangTimeouts()
 
     def _prefixed(self, message: str) -> str | None:

@@ -21,6 +21,7 @@ import anyio.abc
 from engines.contract import (
     Bucket,
     Candidate,
+    EngineCapabilities,
     Generation,
     Inventory,
     Receipt,
@@ -112,6 +113,10 @@ class RestartableEngine:
     @property
     def transport(self) -> Any:
         return self._current.transport
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._current.capabilities  # type: ignore[no-any-return]
 
     async def incarnation(self) -> str:
         return await self._current.incarnation()  # type: ignore[no-any-return]

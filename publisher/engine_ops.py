@@ -1,8 +1,8 @@
 """Bounded, classified engine calls: the only way the publication, reclaim and reconcile drivers
-talk to an engine.
+talk to an engine (the procedures built from them are in :mod:`publisher.engine_protocol`).
 
-Two rules the drivers rely on (a weight sync must never hang forever; clean vs ambiguous,
-docs/publication.md):
+Two rules the drivers rely on (a sync that hangs forever stalls a whole fleet; clean vs
+ambiguous is described in docs/publication.md):
 
 * **Every call has a deadline** (:class:`EngineTimeouts`). Running out of time is an
   :class:`~engines.contract.AmbiguousReply` (``TIMEOUT``): the engine may still act on the
@@ -12,13 +12,13 @@ docs/publication.md):
   treated as ambiguous, because it proves nothing about what the engine holds.
 
 It also holds the small pure helpers the drivers share: which names of an inventory belong to
-this deployment, and whether an inventory confirms a loaded candidate.
+this deployment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -41,9 +41,38 @@ class EngineTimeouts(msgspec.Struct, frozen=True, kw_only=True):
     unload: float = 900.0
 
 
-async def call(engine_id: str, what: str, timeout: float, fn: Callable[[], Awaitable[T]]) -> T:
+class CallWatch(Protocol):
+    """Anything with a ``busy`` flag that :func:`call` keeps up to date: set while a call is
+    outstanding, cleared when it answered or failed, and left set when the caller was cancelled
+    midway -- the outcome of that call is then unknown (ambiguous), whatever else happened."""
+
+    busy: bool
+
+
+async def call(
+    engine_id: str,
+    what: str,
+    timeout: float,
+    fn: Callable[[], Awaitable[T]],
+    *,
+    watch: CallWatch | None = None,
+) -> T:
     """Run one engine call under ``timeout``; anything but a success or an ``EngineError``
-    becomes an ``AmbiguousReply``. Cancellation from outside is never swallowed."""
+    becomes an ``AmbiguousReply``. Cancellation from outside is never swallowed (and leaves
+    ``watch.busy`` set)."""
+    if watch is None:
+        return await _bounded(engine_id, what, timeout, fn)
+    watch.busy = True
+    try:
+        result = await _bounded(engine_id, what, timeout, fn)
+    except EngineError:  # every failure but cancellation is one (see _bounded)
+        watch.busy = False
+        raise
+    watch.busy = False
+    return result
+
+
+async def _bounded(engine_id: str, what: str, timeout: float, fn: Callable[[], Awaitable[T]]) -> T:
     try:
         with anyio.fail_after(timeout):
             return await fn()
@@ -73,19 +102,3 @@ def managed_names(inventory: Inventory, prefix: str) -> tuple[str, ...]:
     """The names of ``inventory`` that belong to this deployment (others are not ours to
     observe, report or unload)."""
     return tuple(sorted(a.lora_name for a in inventory.adapters if a.lora_name.startswith(prefix)))
-
-
-def confirms(inventory: Inventory, lora_name: str, digest: str, incarnation: str) -> str | None:
-    """``None`` when ``inventory`` proves ``lora_name`` is loaded with ``digest`` in
-    ``incarnation``; otherwise why not (the "adapter silently never applied" check)."""
-    if inventory.incarnation != incarnation:
-        return (
-            f"inventory is from incarnation {inventory.incarnation}, the receipt from "
-            f"{incarnation} (the engine restarted)"
-        )
-    entry = next((a for a in inventory.adapters if a.lora_name == lora_name), None)
-    if entry is None:
-        return f"a fresh inventory does not list {lora_name}"
-    if entry.digest is not None and entry.digest != digest:
-        return f"{lora_name} is held with digest {entry.digest[:16]}, not {digest[:16]}"
-    return None

@@ -38,7 +38,6 @@ its replies.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import itertools
 import time
 import uuid
@@ -218,7 +217,6 @@ class Gateway:
         self._rr = itertools.count()  # round-robin start among equally loaded holders
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:12]
-        self._takes_extra_body: dict[type, bool] = {}
         self.dispatched = 0  # engine calls made (a call refused as never sent included)
 
     # --- in-flight evidence ------------------------------------------------------------------
@@ -266,7 +264,7 @@ class Gateway:
         Raises ``DispatchError``: ``NO_ROUTE`` (no routable holder, or none reachable),
         ``AMBIGUOUS_DISPATCH`` (sent, outcome unknown: never resent), ``GENERATION_FAILED``
         (a clean refusal: nothing generated); ``InvalidInput`` (extra body fields for an
-        engine that takes none)."""
+        engine that takes none: its ``capabilities.extra_body`` is False)."""
         params = DEFAULT_PARAMS if params is None else params
         rid = request_id or f"{self.gateway_id}-{self._prefix}-{next(self._ids)}"
         extra = _client_fields(extra_body)
@@ -288,7 +286,7 @@ class Gateway:
             engine = self.fleet[engine_id]
             kwargs: dict[str, Any] = {"request_id": rid, "cache_salt": version_salt(bound)}
             if extra:
-                if not self._accepts_extra_body(engine):
+                if not engine.capabilities.extra_body:
                     raise InvalidInput(
                         INVALID_INPUT,
                         f"engine {engine_id} takes no extra body fields ({sorted(extra)})",
@@ -354,20 +352,6 @@ class Gateway:
         if tally is not None:
             tally.exit(key)
         self._load[key[0]] -= 1
-
-    def _accepts_extra_body(self, engine: Any) -> bool:
-        """Whether the engine's adapter takes caller body fields (SGLang's does; the contract
-        does not require it). A property of the adapter class, so cached per class."""
-        known = self._takes_extra_body.get(type(engine))
-        if known is None:
-            parameters: Mapping[str, inspect.Parameter]
-            try:
-                parameters = inspect.signature(engine.generate).parameters
-            except (TypeError, ValueError):
-                parameters = {}
-            known = "extra_body" in parameters
-            self._takes_extra_body[type(engine)] = known
-        return known
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if exc.clean:

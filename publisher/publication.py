@@ -1,5 +1,4 @@
-"""PublicationDriver: one trainer step's adapter, published to the whole fleet
-(docs/publication.md).
+"""PublicationDriver: one trainer step's adapter, published to the fleet (docs/publication.md).
 
 ``await driver.publish(adapter, version_id=step)`` returns a :class:`PublicationOutcome`
 (``PUBLISHED``, ``NO_OP`` or ``SKIPPED``) or raises :class:`PublicationError` whose ``kind`` is
@@ -23,7 +22,8 @@ The steps, each one recorded in the ledger before the next begins:
    digest for every version -- artifact engines load it by path, and the reconciler reloads
    restarted engines from it), **load**, and **confirm** with a *fresh inventory* that the name
    is really there with our digest in the receipt's incarnation (the "adapter silently never
-   applied" bug class) before ``EngineReady`` is recorded. Engines run concurrently.
+   applied" bug class) before ``EngineReady`` is recorded. Engines run concurrently, each
+   through :func:`publisher.engine_protocol.stage_and_load`.
 4. **commit** (``VersionPublished``): the decider moves the default only if every engine of the
    fleet is READY at its current incarnation.
 
@@ -32,7 +32,8 @@ Failure rules:
 * An engine failure does not cancel its siblings (cancelling an in-flight call would turn a
   known outcome into an ambiguous one); every engine finishes or fails within its timeouts.
 * Then the candidate is cleaned off every engine of the attempt (``unload(name, attempt=...)``,
-  attempt-fenced) and each engine is asked for a fresh inventory. If no reply of the attempt
+  attempt-fenced) and each engine is asked for a fresh inventory
+  (:func:`publisher.engine_protocol.unload_and_prove_absent`). If no reply of the attempt
   was ambiguous and every engine proved the name absent, the attempt ends ``FAILED_RETRYABLE``
   (slot freed); otherwise ``FAILED_FATAL`` (slot kept until inventories resolve it).
 * **Cancellation** of ``publish`` runs the same cleanup inside a shielded, time-bounded scope.
@@ -59,18 +60,12 @@ import anyio
 import msgspec
 
 from engines.artifacts import ArtifactStore
-from engines.contract import (
-    AmbiguousReply,
-    Candidate,
-    CleanRefusal,
-    EngineError,
-    ErrorCode,
-    Receipt,
-)
+from engines.contract import Candidate, EngineError, Receipt
 from evlog.errors import LoraLedgerError, StoreCode
 from projections.registry import VersionState
-from publisher.adapter_copy import AdapterCopy, aiter_buckets
-from publisher.engine_ops import EngineTimeouts, call, confirms
+from publisher.adapter_copy import AdapterCopy
+from publisher.engine_ops import EngineTimeouts
+from publisher.engine_protocol import stage_and_load, unload_and_prove_absent
 from publisher.errors import Code
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
@@ -83,7 +78,6 @@ if TYPE_CHECKING:
 log = get_logger("loraledger.publication")
 T = TypeVar("T")
 
-READY_UNCONFIRMED = "READY_UNCONFIRMED"
 ARTIFACT_WRITE_FAILED = "ARTIFACT_WRITE_FAILED"
 CANCELLED = "CANCELLED"
 
@@ -476,18 +470,6 @@ class PublicationDriver:
                 error=str(run.error),
             )
 
-    async def _engine_call(self, run: _EngineRun, what: str, timeout: float, fn: Any) -> Any:
-        """An engine call that leaves ``run.busy`` set if it is cancelled midway: the outcome
-        of that call is then unknown (ambiguous)."""
-        run.busy = True
-        try:
-            result = await call(run.engine, what, timeout, fn)
-        except EngineError:
-            run.busy = False
-            raise
-        run.busy = False
-        return result
-
     async def _one_engine(
         self,
         att: _Attempt,
@@ -497,7 +479,7 @@ class PublicationDriver:
         t0: float,
     ) -> EngineTiming:
         engine = self._fleet[run.engine]
-        ledger, to = self._ledger, self.timeouts
+        ledger = self._ledger
         staged = engine.transport == "staged"
         path: str | None = None
         if not staged:
@@ -516,41 +498,28 @@ class PublicationDriver:
             manifest=adapter.manifest,
             artifact_path=path,
         )
-        t = self._clock()
-        prepared: Receipt = await self._engine_call(
-            run, "prepare", to.prepare, lambda: engine.prepare(candidate)
-        )
-        _check_phase(prepared, "prepared", run.engine)
-        await ledger.record_prepared(
-            att.version_id,
-            prepared.attempt,
-            run.engine,
-            prepared.incarnation,
-            prepared.digest,
-            prepared.lora_name,
-        )
-        t_prepared = self._clock()
-        buckets = adapter.buckets if staged else ()
-        await self._engine_call(
-            run,
-            "transfer",
-            to.transfer,
-            lambda: engine.transfer(candidate, aiter_buckets(buckets)),
-        )
-        t_transferred = self._clock()
-        ready: Receipt = await self._engine_call(
-            run, "load", to.load, lambda: engine.load(candidate)
-        )
-        _check_phase(ready, "ready", run.engine)
-        t_loaded = self._clock()
-        inventory = await self._engine_call(run, "inventory", to.inventory, engine.inventory)
-        problem = confirms(inventory, ready.lora_name, ready.digest, ready.incarnation)
-        if problem is not None:
-            raise _AttemptFailed(
-                clean=True,
-                code=READY_UNCONFIRMED,
-                reason=f"{run.engine} answered READY but {problem}",
+
+        async def record_prepared(prepared: Receipt) -> None:
+            await ledger.record_prepared(
+                att.version_id,
+                prepared.attempt,
+                run.engine,
+                prepared.incarnation,
+                prepared.digest,
+                prepared.lora_name,
             )
+
+        # A load the inventory does not confirm fails cleanly (LoadNotConfirmed).
+        loaded = await stage_and_load(
+            engine,
+            candidate,
+            adapter.buckets if staged else (),
+            timeouts=self.timeouts,
+            on_prepared=record_prepared,
+            watch=run,
+            clock=self._clock,
+        )
+        ready = loaded.ready
         await ledger.record_ready(
             att.version_id,
             ready.attempt,
@@ -571,10 +540,10 @@ class PublicationDriver:
         return EngineTiming(
             engine=run.engine,
             transport=engine.transport,
-            prepare_s=t_prepared - t,
-            transfer_s=t_transferred - t_prepared,
-            load_s=t_loaded - t_transferred,
-            confirm_s=t_ready - t_loaded,
+            prepare_s=loaded.prepared_at - loaded.started,
+            transfer_s=loaded.transferred_at - loaded.prepared_at,
+            load_s=loaded.loaded_at - loaded.transferred_at,
+            confirm_s=t_ready - loaded.loaded_at,
             ready_after_s=t_ready - t0,
         )
 
@@ -636,56 +605,27 @@ class PublicationDriver:
         return ended.state
 
     async def _clean_up(self, att: _Attempt) -> set[str]:
-        """Unload the candidate (attempt-fenced) on every engine of the attempt and collect the
-        engines that proved it absent: a fresh inventory without it, or -- when no inventory
-        can be read -- a clean unload answer (receipt or NOT_LOADED)."""
+        """Unload the candidate (fenced by this attempt) on every engine of the attempt and
+        collect the engines that proved it absent (:func:`unload_and_prove_absent`)."""
         absent: set[str] = set()
 
         async def one(engine_id: str) -> None:
             if engine_id not in self._fleet:
                 return
-            engine = self._fleet[engine_id]
-            bound = min(self.timeouts.unload, self.cleanup_timeout)
-            unloaded = False
-            try:
-                await call(
-                    engine_id,
-                    "unload",
-                    bound,
-                    lambda: engine.unload(att.lora_name, attempt=att.attempt),
-                )
-                unloaded = True
-            except CleanRefusal as exc:
-                unloaded = exc.code == ErrorCode.NOT_LOADED
-            except EngineError:
-                pass
-            try:
-                inventory = await call(
-                    engine_id,
-                    "inventory",
-                    min(self.timeouts.inventory, self.cleanup_timeout),
-                    engine.inventory,
-                )
-            except EngineError:
-                if unloaded:
-                    absent.add(engine_id)
-                return
-            if att.lora_name not in inventory.names():
+            absence = await unload_and_prove_absent(
+                self._fleet[engine_id],
+                att.lora_name,
+                attempt=att.attempt,
+                unload_timeout=min(self.timeouts.unload, self.cleanup_timeout),
+                inventory_timeout=min(self.timeouts.inventory, self.cleanup_timeout),
+            )
+            if absence.proven:
                 absent.add(engine_id)
 
         async with anyio.create_task_group() as tg:
             for engine_id in att.fleet:
                 tg.start_soon(one, engine_id)
         return absent
-
-
-def _check_phase(receipt: Receipt, phase: str, engine_id: str) -> None:
-    if receipt.phase != phase:
-        raise AmbiguousReply(
-            ErrorCode.MALFORMED_REPLY,
-            f"expected a {phase} receipt, got {receipt.phase}",
-            engine_id=engine_id,
-        )
 
 
 async def _shielded(fn: Callable[[], Awaitable[T]]) -> T:

@@ -1,6 +1,5 @@
-"""ReclaimDriver: free an old version the moment nothing can use it any more
-(docs/publication.md; what it prevents: engine slots that fill up, unloads that race in-flight
-work).
+"""ReclaimDriver: free an old version the moment nothing can use it any more, so slots do not
+fill up, and never under a running request (docs/publication.md, docs/state-machine.md).
 
 It runs beside the ledger for the life of the control plane, woken by every committed ledger
 event (``ledger.subscribe()``: a release, a lease expiry, a commit that retires a version) and
@@ -14,7 +13,8 @@ by a periodic tick (in-flight counts fall without a ledger event). Each sweep:
    and only when that engine's in-flight count for it is zero right now (SGLang's unload blocks
    until the adapter's requests drain, docs/engines.md: at zero it is instant). Each
    confirmation is recorded (``EngineUnloaded``; an answer that the name was already absent is
-   a confirmation too); the ledger marks the version ``RECLAIMED`` when every engine confirmed;
+   a confirmation too: :func:`publisher.engine_protocol.unload_fenced`); the ledger marks the
+   version ``RECLAIMED`` when every engine confirmed;
 3. an **ambiguous** unload (timeout, lost reply, 5xx) -- or a clean refusal that proves nothing
    -- is recorded (``ReclaimAmbiguous``): the version keeps its slot and blocks publication
    until inventory evidence decides (the reconciler, which is poked at once);
@@ -36,11 +36,11 @@ import anyio
 import anyio.abc
 
 from engines.artifacts import ArtifactStore
-from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
 from projections.registry import VersionState
-from publisher.engine_ops import EngineTimeouts, call
+from publisher.engine_ops import EngineTimeouts
+from publisher.engine_protocol import unload_fenced
 from publisher.errors import Code
 from publisher.fleet import Fleet, InFlightSource
 from publisher.logs import get_logger
@@ -208,27 +208,21 @@ class ReclaimDriver:
             return  # never unload under a running request; the tick retries
         if engine_id not in self._fleet:
             return  # no handle here: the reconciler or a leave completes it
-        engine = self._fleet[engine_id]
-        known = member.incarnation
-        try:
-            # Attempt-fenced: the engine then refuses every prepare of this (committed, final)
-            # attempt for the rest of its incarnation, so a late duplicate of an earlier
-            # restore's prepare cannot stage the reclaimed name again (found by the simulation).
-            receipt = await call(
-                engine_id,
-                "unload",
-                self.timeouts.unload,
-                lambda: engine.unload(v.lora_name, attempt=v.attempt),
-            )
-            incarnation = receipt.incarnation
-        except CleanRefusal as exc:
-            if exc.code != ErrorCode.NOT_LOADED:
-                await self._ambiguous(version_id, engine_id, f"clean refusal {exc.code}: {exc}")
-                return
-            incarnation = known  # absent: as good a confirmation as an unload receipt
-        except AmbiguousReply as exc:
-            await self._ambiguous(version_id, engine_id, str(exc))
+        known = member.incarnation  # as the ledger knew it when the unload was sent
+        # Attempt-fenced: the engine then refuses every prepare of this (committed, final)
+        # attempt for the rest of its incarnation, so a late duplicate of an earlier restore's
+        # prepare cannot stage the reclaimed name again (found by the simulation).
+        answer = await unload_fenced(
+            self._fleet[engine_id], v.lora_name, attempt=v.attempt, timeout=self.timeouts.unload
+        )
+        error = answer.error
+        if error is not None:
+            # Not proven absent: a clean refusal proves nothing about the name either.
+            reason = f"clean refusal {error.code}: {error}" if error.clean else str(error)
+            await self._ambiguous(version_id, engine_id, reason)
             return
+        # NOT_LOADED (no receipt) is as good a confirmation as an unload receipt.
+        incarnation = known if answer.receipt is None else answer.receipt.incarnation
         try:
             outcome = await self._ledger.record_unloaded(version_id, engine_id, incarnation)
         except LoraLedgerError as exc:

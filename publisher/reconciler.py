@@ -3,7 +3,7 @@
 The ledger only knows what engines proved. Whenever that proof may be stale -- at start, when an
 engine comes back with a new incarnation, when a fatal or ambiguous entry blocks publication --
 the reconciler reads each engine's inventory and turns it into decisions (docs/publication.md,
-"The reconciler"):
+docs/engines.md):
 
 * **Membership**: an engine of this process's fleet that the ledger does not know is joined
   (``EngineJoined``); a new incarnation is a restart (``EngineRestarted``): the engine lost every
@@ -32,36 +32,29 @@ The health loop (:meth:`Reconciler.run`) probes every engine's ``incarnation()``
 ``probe_interval_s`` (or when poked) and reconciles an engine that restarted, is not routable,
 lacks a needed version, or is involved in a blocking entry; every ``full_every_s`` it reconciles
 every engine anyway, so drift nobody reported (a stray loaded behind our back, SGLang's implicit
-reload of an unloaded name) is found and undone too. Every engine call is bounded
-(:mod:`publisher.engine_ops`); one engine's failure never stops the others or the loop.
+reload of an unloaded name) is found and undone too. Engines are driven through
+:mod:`publisher.engine_protocol` (restore: ``stage_and_load``; every cleanup: ``unload_fenced``),
+every call bounded (:mod:`publisher.engine_ops`); one engine's failure never stops the others or
+the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import msgspec
 
 from engines.artifacts import ArtifactError, ArtifactStore
-from engines.contract import (
-    AmbiguousReply,
-    Candidate,
-    CleanRefusal,
-    Engine,
-    EngineError,
-    ErrorCode,
-    Inventory,
-)
+from engines.contract import AmbiguousReply, Candidate, Engine, EngineError, ErrorCode, Inventory
 from evlog.errors import LoraLedgerError
 from projections.registry import VersionRecord, VersionState
-from publisher.adapter_copy import DEFAULT_BUCKET_BYTES, aiter_buckets, plan_buckets
-from publisher.engine_ops import EngineTimeouts, call, confirms, managed_names, managed_prefix
+from publisher.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
+from publisher.engine_ops import EngineTimeouts, call, managed_names, managed_prefix
+from publisher.engine_protocol import inventory_confirms, stage_and_load, unload_fenced
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
 
@@ -75,7 +68,8 @@ _READ_TRIES = 3
 
 
 class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What a reconcile pass did (``engine:name`` / ``engine:version`` strings where useful)."""
+    """What a reconcile pass did (``engine:name`` / ``engine:version`` strings where useful).
+    Two reports add up field by field, in order (``a + b``)."""
 
     engines: tuple[str, ...] = ()
     joined: tuple[str, ...] = ()
@@ -89,29 +83,26 @@ class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
     repaired: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
 
-
-@dataclasses.dataclass
-class _Report:
-    engines: list[str] = dataclasses.field(default_factory=list)
-    joined: list[str] = dataclasses.field(default_factory=list)
-    restarted: list[str] = dataclasses.field(default_factory=list)
-    left: list[str] = dataclasses.field(default_factory=list)
-    orphans: list[int] = dataclasses.field(default_factory=list)
-    resolved: list[int] = dataclasses.field(default_factory=list)
-    reclaimed: list[int] = dataclasses.field(default_factory=list)
-    unloaded: list[str] = dataclasses.field(default_factory=list)
-    restored: list[str] = dataclasses.field(default_factory=list)
-    repaired: list[str] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
-
-    def merge(self, other: ReconcileReport) -> None:
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).extend(getattr(other, f.name))
-
-    def freeze(self) -> ReconcileReport:
+    def __add__(self, other: ReconcileReport) -> ReconcileReport:
         return ReconcileReport(
-            **{f.name: tuple(getattr(self, f.name)) for f in dataclasses.fields(self)}
+            **{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__}
         )
+
+
+class _Findings:
+    """A pass in progress: its :class:`ReconcileReport` so far, extended as findings arrive.
+    The pass's concurrent tasks add to the same one, and what was found before a failure is
+    kept (the failure is added to ``errors``)."""
+
+    def __init__(self, **first: Any) -> None:
+        self.report = ReconcileReport(**first)
+
+    def add(self, **found: Any) -> None:
+        """``found``: report fields with the items to append, e.g. ``joined=("e0",)``."""
+        self.report += ReconcileReport(**found)
+
+    def merge(self, report: ReconcileReport) -> None:
+        self.report += report
 
 
 class Reconciler:
@@ -168,21 +159,21 @@ class Reconciler:
     async def start(self) -> ReconcileReport:
         """The start-up pass: leave engines without a handle, end orphaned attempts, then
         reconcile every engine of the fleet."""
-        rep = _Report()
+        rep = _Findings()
         for engine_id in sorted(self._ledger.state.engines):
             if engine_id not in self._fleet:
                 await self._ledger.leave_engine(engine_id)
-                rep.left.append(engine_id)
+                rep.add(left=(engine_id,))
                 log.warning("reconciler.left", engine=engine_id, seq=self._ledger.state.last_seq)
         for v in list(self._ledger.state.versions.values()):
             if v.state is VersionState.LOADING:
                 await self._end_orphan(v, rep)
         rep.merge(await self.reconcile())
-        return rep.freeze()
+        return rep.report
 
     async def reconcile(self) -> ReconcileReport:
         """One pass over every engine of the fleet, concurrently."""
-        rep = _Report()
+        rep = _Findings()
 
         async def one(engine_id: str) -> None:
             rep.merge(await self.reconcile_engine(engine_id))
@@ -192,26 +183,26 @@ class Reconciler:
                 tg.start_soon(one, engine_id)
         self.passes += 1
         self._last_full = self._clock()
-        return rep.freeze()
+        return rep.report
 
     async def reconcile_engine(self, engine_id: str) -> ReconcileReport:
         """Membership, evidence, cleanup and repair of one engine. Never raises for an engine
         or ledger refusal: they are reported in ``errors``."""
-        rep = _Report(engines=[engine_id])
+        rep = _Findings(engines=(engine_id,))
         async with self._lock(engine_id):
             try:
                 await self._reconcile(engine_id, rep)
             except (EngineError, LoraLedgerError, ArtifactError) as exc:
-                rep.errors.append(f"{engine_id}: {exc}")
+                rep.add(errors=(f"{engine_id}: {exc}",))
                 log.warning("reconciler.engine_failed", engine=engine_id, error=str(exc))
             except Exception as exc:
                 # A bug or an unexpected OS error: loud, but one engine's pass must not take
                 # the health loop (and with it the control plane) down.
-                rep.errors.append(f"{engine_id}: unexpected {type(exc).__name__}: {exc}")
+                rep.add(errors=(f"{engine_id}: unexpected {type(exc).__name__}: {exc}",))
                 log.exception("reconciler.engine_crashed", engine=engine_id)
-        return rep.freeze()
+        return rep.report
 
-    async def _reconcile(self, engine_id: str, rep: _Report) -> None:
+    async def _reconcile(self, engine_id: str, rep: _Findings) -> None:
         engine = self._fleet[engine_id]
         inventory = await self._read(engine_id, engine, rep)
         reclaiming = self._reclaims_to_fence(engine_id)
@@ -228,12 +219,12 @@ class Reconciler:
         if unwanted:
             for name, attempt in unwanted:
                 if await self._unload(engine_id, engine, name, attempt, rep):
-                    rep.unloaded.append(f"{engine_id}:{name}")
+                    rep.add(unloaded=(f"{engine_id}:{name}",))
             inventory = await self._read(engine_id, engine, rep)
             await self._observe(engine_id, inventory, rep)
         await self._repair(engine_id, engine, inventory.incarnation, rep)
 
-    async def _read(self, engine_id: str, engine: Engine, rep: _Report) -> Inventory:
+    async def _read(self, engine_id: str, engine: Engine, rep: _Findings) -> Inventory:
         """A fresh inventory, with membership brought up to date with its incarnation first
         (read again if the engine restarted while we read it)."""
         to = self.timeouts
@@ -250,7 +241,7 @@ class Reconciler:
         )
 
     async def _membership(
-        self, engine_id: str, engine: Engine, incarnation: str, rep: _Report
+        self, engine_id: str, engine: Engine, incarnation: str, rep: _Findings
     ) -> None:
         ledger = self._ledger
         member = ledger.state.engines.get(engine_id)
@@ -258,15 +249,15 @@ class Reconciler:
             await ledger.join_engine(
                 engine_id,
                 incarnation,
-                endpoint=str(getattr(engine, "base_url", "") or ""),
+                endpoint=engine.capabilities.endpoint,
                 kind=engine.kind,
             )
-            rep.joined.append(engine_id)
+            rep.add(joined=(engine_id,))
             log.info("reconciler.joined", engine=engine_id, seq=ledger.state.last_seq)
         elif member.incarnation != incarnation:
             old = member.incarnation
             await ledger.observe_restart(engine_id, incarnation)
-            rep.restarted.append(engine_id)
+            rep.add(restarted=(engine_id,))
             log.warning(
                 "reconciler.restarted",
                 engine=engine_id,
@@ -275,12 +266,11 @@ class Reconciler:
                 seq=ledger.state.last_seq,
             )
 
-    async def _observe(self, engine_id: str, inventory: Inventory, rep: _Report) -> None:
+    async def _observe(self, engine_id: str, inventory: Inventory, rep: _Findings) -> None:
         outcome = await self._ledger.observe_inventory(
             engine_id, inventory.incarnation, managed_names(inventory, self.prefix)
         )
-        rep.resolved.extend(outcome.resolved)
-        rep.reclaimed.extend(outcome.reclaimed)
+        rep.add(resolved=tuple(outcome.resolved), reclaimed=tuple(outcome.reclaimed))
         if outcome.resolved or outcome.reclaimed or outcome.strays:
             log.info(
                 "reconciler.observed",
@@ -332,29 +322,24 @@ class Reconciler:
         return sorted(out.items())
 
     async def _unload(
-        self, engine_id: str, engine: Engine, name: str, attempt: int | None, rep: _Report
+        self, engine_id: str, engine: Engine, name: str, attempt: int | None, rep: _Findings
     ) -> bool:
-        try:
-            await call(
-                engine_id,
-                "unload",
-                min(self.timeouts.unload, self.cleanup_timeout),
-                lambda: engine.unload(name, attempt=attempt),
-            )
-        except CleanRefusal as exc:
-            if exc.code == ErrorCode.NOT_LOADED:
-                return True
-            rep.errors.append(f"{engine_id}: unload {name}: {exc}")
+        """Whether the engine answered that ``name`` is gone (its inventory is read next)."""
+        answer = await unload_fenced(
+            engine, name, attempt=attempt, timeout=min(self.timeouts.unload, self.cleanup_timeout)
+        )
+        if answer.error is not None:
+            rep.add(errors=(f"{engine_id}: unload {name}: {answer.error}",))
             return False
-        except EngineError as exc:
-            rep.errors.append(f"{engine_id}: unload {name}: {exc}")
-            return False
-        log.info("reconciler.unloaded", engine=engine_id, name=name, attempt=attempt)
+        if answer.receipt is not None:
+            log.info("reconciler.unloaded", engine=engine_id, name=name, attempt=attempt)
         return True
 
     # --- repair -------------------------------------------------------------------------------
 
-    async def _repair(self, engine_id: str, engine: Engine, incarnation: str, rep: _Report) -> None:
+    async def _repair(
+        self, engine_id: str, engine: Engine, incarnation: str, rep: _Findings
+    ) -> None:
         state = self._ledger.state
         member = state.engines.get(engine_id)
         if member is None or member.incarnation != incarnation:
@@ -366,7 +351,7 @@ class Reconciler:
             try:
                 await self._restore(engine_id, engine, incarnation, v)
             except (EngineError, LoraLedgerError, ArtifactError) as exc:
-                rep.errors.append(f"{engine_id}: restore version {version_id}: {exc}")
+                rep.add(errors=(f"{engine_id}: restore version {version_id}: {exc}",))
                 log.error(
                     "reconciler.restore_failed",
                     engine=engine_id,
@@ -374,10 +359,10 @@ class Reconciler:
                     error=str(exc),
                 )
                 continue
-            rep.restored.append(f"{engine_id}:{version_id}")
+            rep.add(restored=(f"{engine_id}:{version_id}",))
         if not member.routable:
             await self._ledger.repair_engine(engine_id, incarnation)
-            rep.repaired.append(engine_id)
+            rep.add(repaired=(engine_id,))
             log.info("reconciler.repaired", engine=engine_id, seq=self._ledger.state.last_seq)
 
     async def _restore(
@@ -399,31 +384,17 @@ class Reconciler:
             if staged
             else ()
         )
-        to = self.timeouts
         try:
-            await call(engine_id, "prepare", to.prepare, lambda: engine.prepare(candidate))
-            await call(
-                engine_id,
-                "transfer",
-                to.transfer,
-                lambda: engine.transfer(candidate, aiter_buckets(buckets)),
+            await stage_and_load(
+                engine, candidate, buckets, timeouts=self.timeouts, incarnation=incarnation
             )
-            ready = await call(engine_id, "load", to.load, lambda: engine.load(candidate))
-            inventory = await call(engine_id, "inventory", to.inventory, engine.inventory)
-            problem = confirms(inventory, v.lora_name, v.digest, incarnation)
-            if problem is not None or ready.incarnation != incarnation:
-                raise CleanRefusal(
-                    ErrorCode.INVALID_ADAPTER,
-                    f"restore of {v.lora_name} not confirmed: {problem or 'restarted'}",
-                    engine_id=engine_id,
-                )
         except EngineError:
             # A lost reply may hide a load that happened: the engine's inventory decides. No
             # cleanup unload: an engine fences an unloaded (name, attempt) for the rest of its
             # life, and a committed version's attempt never changes, so a cleanup shut the
             # version out of this engine for good (found by the simulation). What a failed
             # restore leaves is harmless: staging is replaced by the next prepare.
-            if not await self._loaded_anyway(engine_id, engine, v, incarnation):
+            if not await self._loaded_anyway(engine, v, incarnation):
                 raise
         await self._ledger.restore_version(v.version_id, engine_id, incarnation)
         log.info(
@@ -433,9 +404,7 @@ class Reconciler:
             seq=self._ledger.state.last_seq,
         )
 
-    async def _loaded_anyway(
-        self, engine_id: str, engine: Engine, v: VersionRecord, incarnation: str
-    ) -> bool:
+    async def _loaded_anyway(self, engine: Engine, v: VersionRecord, incarnation: str) -> bool:
         """Whether a fresh inventory proves ``v`` loaded in ``incarnation`` after all.
 
         What a failed restore staged is left alone: the next restore's prepare replaces it, a
@@ -443,29 +412,21 @@ class Reconciler:
         reclaim unload drops it. An *unfenced* cleanup unload here was tried and is wrong: a
         late duplicate of it unloaded the version after a later restore had succeeded, under
         sessions still bound to it (found by the simulation, --slow seeds 1739 and 1912)."""
-        try:
-            inventory = await call(
-                engine_id, "inventory", self.timeouts.inventory, engine.inventory
-            )
-        except EngineError:
-            return False
-        return confirms(inventory, v.lora_name, v.digest, incarnation) is None
+        return await inventory_confirms(
+            engine, v.lora_name, v.digest, incarnation, timeout=self.timeouts.inventory
+        )
 
     # --- orphans --------------------------------------------------------------------------
 
-    async def _end_orphan(self, v: VersionRecord, rep: _Report) -> None:
+    async def _end_orphan(self, v: VersionRecord, rep: _Findings) -> None:
         """A LOADING attempt found at start: its driver died with the previous controller."""
         attempt, name = v.attempt, v.lora_name
 
         async def clean(engine_id: str) -> None:
-            engine = self._fleet[engine_id]
-            with contextlib.suppress(EngineError):
-                await call(
-                    engine_id,
-                    "unload",
-                    self.cleanup_timeout,
-                    lambda: engine.unload(name, attempt=attempt),
-                )
+            # Whatever it answers: the inventories read after the attempt ended decide.
+            await unload_fenced(
+                self._fleet[engine_id], name, attempt=attempt, timeout=self.cleanup_timeout
+            )
 
         async with anyio.create_task_group() as tg:
             for engine_id in v.fleet:
@@ -479,7 +440,7 @@ class Reconciler:
             reason=f"attempt {attempt} was LOADING when this controller started: its driver is "
             "gone; inventories decide",
         )
-        rep.orphans.append(v.version_id)
+        rep.add(orphans=(v.version_id,))
         log.warning(
             "reconciler.orphan_ended",
             version=v.version_id,

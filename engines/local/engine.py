@@ -48,6 +48,7 @@ from engines.contract import (
     Candidate,
     Choice,
     CleanRefusal,
+    EngineCapabilities,
     EngineError,
     ErrorCode,
     Generation,
@@ -118,6 +119,7 @@ class LocalEngine:
     """
 
     kind = "local"
+    capabilities = EngineCapabilities()  # in process: no address, no extra body fields
 
     def __init__(
         self,

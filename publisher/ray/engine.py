@@ -36,6 +36,7 @@ from engines.contract import (
     Bucket,
     Candidate,
     Engine,
+    EngineCapabilities,
     ErrorCode,
     Generation,
     Inventory,
@@ -124,7 +125,12 @@ class EngineActor:
 
 class RayEngine:
     """Caller-side :class:`~engines.contract.Engine` for an :class:`EngineActor`. Build it
-    with :meth:`connect` (asks the actor who it is) or directly when that is known."""
+    with :meth:`connect` (asks the actor who it is) or directly when that is known.
+
+    It declares no optional capability: ``generate`` carries no ``extra_body`` across the
+    actor, and the engine has no address of its own on this side (the actor is the way in)."""
+
+    capabilities = EngineCapabilities()
 
     def __init__(self, handle: ActorHandle, engine_id: str, kind: str, transport: Transport):
         self.handle = handle

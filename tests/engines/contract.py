@@ -40,6 +40,7 @@ from engines.contract import (
     Candidate,
     CleanRefusal,
     Engine,
+    EngineCapabilities,
     ErrorCode,
     Generation,
     SamplingParams,
@@ -222,6 +223,22 @@ class EngineContract:
         assert inventory.incarnation == first
         assert inventory.engine_id == eut.engine.engine_id
         assert inventory.adapters == ()
+
+    async def test_declared_capabilities_are_honoured(self, eut: EngineUnderTest) -> None:
+        """Optional features are declared, never discovered: an engine that declares
+        ``extra_body`` takes the keyword on ``generate``; a declared endpoint is a URL."""
+        capabilities = eut.engine.capabilities
+        assert isinstance(capabilities, EngineCapabilities)
+        if capabilities.endpoint:
+            assert capabilities.endpoint.startswith(("http://", "https://"))
+        if capabilities.extra_body:
+            generation = await eut.engine.generate(
+                PROMPT,
+                None,
+                GREEDY,
+                extra_body={},  # type: ignore[call-arg]
+            )
+            assert generation.token_ids
 
     async def test_publish_then_inventory_lists_name_and_digest(self, eut: EngineUnderTest) -> None:
         p = candidate_for(eut.store, 1)

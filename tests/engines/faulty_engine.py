@@ -53,6 +53,7 @@ from engines.contract import (
     Candidate,
     CleanRefusal,
     Engine,
+    EngineCapabilities,
     EngineError,
     ErrorCode,
     Generation,
@@ -199,6 +200,11 @@ class FaultyEngine:
     @property
     def transport(self) -> Any:
         return self._engine.transport
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The wrapped engine's: every call, ``extra_body`` included, is forwarded to it."""
+        return self._engine.capabilities
 
     # --- scheduling -----------------------------------------------------------------------
 

@@ -161,6 +161,7 @@ class Severable:
         self.engine_id = inner.engine_id
         self.kind = inner.kind
         self.transport = inner.transport
+        self.capabilities = inner.capabilities
         self.severed = False
 
     def _check(self) -> None:

@@ -248,6 +248,8 @@ class Recording:
         self.engine_id = inner.engine_id
         self.kind = inner.kind
         self.transport = inner.transport
+        # Its generate takes (and records) caller body fields; the real engine never sees them.
+        self.capabilities = msgspec.structs.replace(inner.capabilities, extra_body=True)
         self.calls: list[dict[str, Any]] = []
         self.reached = 0  # generations the real engine actually ran
         self.generated_at: list[float] = []  # when each generation came back from the engine

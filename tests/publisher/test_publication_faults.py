@@ -41,10 +41,10 @@ from evlog.memory import MemoryLog, MemoryStore
 from projections.recovery import recover
 from projections.registry import VersionState
 from publisher.engine_ops import EngineTimeouts
+from publisher.engine_protocol import READY_UNCONFIRMED
 from publisher.outcomes import Allocated
 from publisher.publication import (
     CANCELLED,
-    READY_UNCONFIRMED,
     ErrorKind,
     PublicationDriver,
     PublicationError,

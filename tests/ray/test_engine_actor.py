@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from engines.artifacts import ArtifactStore
-from engines.contract import AmbiguousReply, ErrorCode, SamplingParams
+from engines.contract import AmbiguousReply, EngineCapabilities, ErrorCode, SamplingParams
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.testing import RestartableEngine
@@ -136,6 +136,12 @@ async def test_the_proxy_serves_what_the_engine_in_process_serves(eut: EngineUnd
     assert remote.logprobs == pytest.approx(here.logprobs)
     assert remote.lora_name == published.name
     assert remote.engine_id == engine_actor.engine_id == "ray-e0"
+
+
+def test_the_proxy_declares_no_optional_capability() -> None:
+    """``generate`` carries no ``extra_body`` across the actor (the gateway refuses extra
+    fields for a proxied engine) and the proxy has no address of its own to record."""
+    assert RayEngine.capabilities == EngineCapabilities()
 
 
 @pytest.mark.anyio
