@@ -19,6 +19,10 @@ event_id UNIQUE index turn every wrong assumption (a duplicate id, another write
 the tail) into an IntegrityError that leaves nothing written, after which the group is
 re-planned on the slow path, which reads the tail and looks the ids up inside an explicit
 ``BEGIN IMMEDIATE`` transaction.
+
+Why one module of ~700 lines: the combining writer, its slow path, the read path and the
+file checks share one discipline (who may touch the writer connection, and the cached tail the
+fast path trusts); split across files, those invariants would have no single place to be read.
 """
 
 from __future__ import annotations

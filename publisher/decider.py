@@ -12,6 +12,11 @@ evidence, owner leases, recorded skips.
 
 A stale or duplicate input is an outcome too: it either returns the earlier outcome (no event)
 or is refused; it never changes the state twice.
+
+Why one module of ~900 lines: ``decide`` is one function over every command, and a reader
+follows docs/state-machine.md's check-order table command by command here, with the shared
+validators (``_ident``, ``_version``, ``_member``, ...) private to it. Splitting by command
+family would put the one check order in several files.
 """
 
 from __future__ import annotations

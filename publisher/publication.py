@@ -44,6 +44,10 @@ Failure rules:
   for the same reason: a cancelled waiter would not learn whether it now holds an attempt.
 * Nothing here pauses generation or flushes a cache, and a failure reclaiming the predecessor
   (the reclaim driver's job, after commit) never turns a committed publication into an error.
+
+Why one module of ~600 lines: the steps and the failure rules are one procedure (allocate to
+commit, with the cleanup every exit path runs); the engine-side halves already live in
+:mod:`publisher.engine_protocol`, so what remains reads top to bottom as the publication.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ Rules and why:
 
 A worker that stops without closing its sessions leaves them bound: the same owner id, back
 within its lease, resumes them; otherwise the lease expires and the ledger releases them.
+
+Why one module of ~600 lines: the worker and the binder share the slot and retry machinery
+and one ordering rule (lease check, then the in-flight increment, with no ``await`` between);
+apart, that rule would have to be restated on both sides.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ loraledger's stricter ones where SGLang is not (docs/engines.md, SGLang):
   always completes before its lease can be released (no computation uses a freed adapter).
 
 Use it as ``async with LocalEngine(...) as engine:`` (the task group lives in that block).
+
+Why one module of ~750 lines: lifecycle, load/unload and generation share the engine's task
+group and lock order (the compat lock, the name table, the drain); what stands alone already
+lives beside it (refs, name_table, scheduler, prefix_cache, admission, model).
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ The staged endpoints (``/loraledger/*``) are described in :mod:`engines.local.wi
 Run in process with :func:`serve` / :func:`running_server` (tests), or as a process:
 ``python -m engines.local.server --port 0 --engine-id e0 --artifact-root DIR`` prints the bound
 port on its first stdout line (and writes ``--port-file`` if given); SIGTERM stops it.
+
+Why one module of ~670 lines: it is one HTTP face, and its routes share the body parsing, the
+error rendering and SGLang's reply shapes; the staged wire format is in :mod:`engines.local.wire`.
 """
 
 from __future__ import annotations
