@@ -87,7 +87,10 @@ class ClaimTransport(Command, frozen=True):
     owner: str
 
 
-class RecordPrepared(Command, frozen=True):
+class EngineReceipt(Command, frozen=True):
+    """What an engine answered for one step of an attempt, fenced by attempt and incarnation.
+    Never sent as itself: the step is the subclass (the tag names it)."""
+
     version_id: int
     attempt: int
     engine: str
@@ -96,13 +99,12 @@ class RecordPrepared(Command, frozen=True):
     lora_name: str
 
 
-class RecordReady(Command, frozen=True):
-    version_id: int
-    attempt: int
-    engine: str
-    incarnation: str
-    digest: str
-    lora_name: str
+class RecordPrepared(EngineReceipt, frozen=True):
+    """The engine staged the attempt's adapter."""
+
+
+class RecordReady(EngineReceipt, frozen=True):
+    """The engine loaded the attempt's adapter and echoed its name and digest."""
 
 
 class Commit(Command, frozen=True):

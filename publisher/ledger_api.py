@@ -144,15 +144,9 @@ class LedgerAPI:
         lora_name: str,
     ) -> Done:
         """A fenced receipt: the engine staged the attempt's adapter."""
-        receipt = c.RecordPrepared(
-            version_id=version_id,
-            attempt=attempt,
-            engine=engine,
-            incarnation=incarnation,
-            digest=digest,
-            lora_name=lora_name,
+        return await self._receipt(
+            c.RecordPrepared, version_id, attempt, engine, incarnation, digest, lora_name
         )
-        return await self._run(receipt, Done)
 
     async def record_ready(
         self,
@@ -165,7 +159,22 @@ class LedgerAPI:
     ) -> Done:
         """A fenced receipt: the engine loaded the attempt's adapter and echoed its name and
         digest. A mismatch is recorded (``ReceiptRejected``) and refused."""
-        receipt = c.RecordReady(
+        return await self._receipt(
+            c.RecordReady, version_id, attempt, engine, incarnation, digest, lora_name
+        )
+
+    async def _receipt(
+        self,
+        step: type[c.EngineReceipt],
+        version_id: int,
+        attempt: int,
+        engine: str,
+        incarnation: str,
+        digest: str,
+        lora_name: str,
+    ) -> Done:
+        """Both receipts are one command shape; only the step (the command's type) differs."""
+        command = step(
             version_id=version_id,
             attempt=attempt,
             engine=engine,
@@ -173,7 +182,7 @@ class LedgerAPI:
             digest=digest,
             lora_name=lora_name,
         )
-        return await self._run(receipt, Done)
+        return await self._run(command, Done)
 
     async def commit(self, version_id: int, attempt: int) -> Published:
         """Publish the attempt once every fleet engine is READY: it becomes the default and the
