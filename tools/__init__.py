@@ -1,1 +1,1 @@
-"""The ``loraledger`` command line: demo, serve, replay, audit, verify, status, bench."""
+"""The ``loraledger`` command line: demo, engine, serve, replay, audit, verify, status, bench."""

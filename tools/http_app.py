@@ -105,7 +105,7 @@ def build_app(
     publish: Publish | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
-    ``POST /versions``; without it that route answers 501."""
+    ``POST /versions``; without it that route is refused with ``INVALID_STATE`` (409)."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:

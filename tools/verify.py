@@ -6,8 +6,8 @@ Two checks, in this order, because they answer different questions:
    predecessor. A failure means the file was altered or damaged *after* the ledger wrote it.
 2. **The invariants**: every event is applied in order and the registry invariants are checked
    after each one (the cheap ones every step, the per-session ones at the end, or every step
-   with ``deep``): the checked replay of ``projections.recovery``, the same one the ledger's
-   ``recover(check=True)`` runs. A failure on an intact chain means the ledger *itself*
+   with ``deep``): the checked replay of ``projections.recovery`` (``recover(check=True)``
+   runs the same one). A failure on an intact chain means the ledger *itself*
    decided something illegal (a bug), or someone re-forged the chain; either way the seq
    names where.
 

@@ -21,7 +21,7 @@ operator kills it and calls :func:`start_ledger` again under the same name. Call
 the gap through :class:`~publisher.ray.link.ActorLink` (their calls are idempotent).
 
 Each method answers with outcomes and refusals as values where a batch is involved
-(``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingSnapshot` when the
+(``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingTable` when the
 routing changed since the caller's ``mark``.
 """
 
@@ -55,7 +55,7 @@ from publisher.outcomes import Done, Outcome
 from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
-from publisher.ray.routing import Mark, RoutingSnapshot, RoutingTracker
+from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
 from publisher.ray.trainer import AdapterWire, rebuild_copy
 
 DEFAULT_LEDGER_NAME = "ledger"
@@ -97,7 +97,7 @@ class Reply:
     """Outcomes (refusals in place) plus the routing, if it changed since the caller's mark."""
 
     results: list[Outcome | LoraLedgerError]
-    routing: RoutingSnapshot | None
+    routing: RoutingTable | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ class RenewReply:
     """Owners whose renewal was refused (``LEASE_EXPIRED``/``UNKNOWN_OWNER``), and routing."""
 
     lost: dict[str, LoraLedgerError]
-    routing: RoutingSnapshot | None
+    routing: RoutingTable | None
 
 
 class LedgerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,7 +146,7 @@ class _Service:
                 lost[owner] = exc
         return RenewReply(lost, self.routing.newer_than(self.ledger.state, mark))
 
-    async def routing_snapshot(self) -> RoutingSnapshot:
+    async def routing_table(self) -> RoutingTable:
         return self.routing.current(self.ledger.state)
 
     async def status(self) -> LedgerStatus:
@@ -237,8 +237,8 @@ class LedgerActor:
     ) -> RenewReply:
         return await self._host.call(self._service.renew_leases, renewals, mark)
 
-    async def routing(self) -> RoutingSnapshot:
-        return await self._host.call(self._service.routing_snapshot)
+    async def routing(self) -> RoutingTable:
+        return await self._host.call(self._service.routing_table)
 
     async def status(self) -> LedgerStatus:
         return await self._host.call(self._service.status)

@@ -3,14 +3,14 @@
 The gateway reads routing synchronously (``RoutingView.holders`` / ``default_revision``) on
 every generation, between its lease check and its in-flight increment, so a remote gateway
 cannot ask the ledger actor each time. Instead the actor piggybacks a
-:class:`RoutingSnapshot` on its replies whenever routing changed since the snapshot the caller
+:class:`RoutingTable` on its replies whenever routing changed since the table the caller
 says it has (a ``mark``), and the client keeps the newest one in a :class:`RemoteRouting`.
 
 Freshness guarantee: routing is at least as new as the caller's last reply from the ledger. In
 particular a session's bind reply carries the routing computed after that bind was committed,
-so the version it was bound to is routable in the snapshot the gateway reads next. Later
+so the version it was bound to is routable in the table the gateway reads next. Later
 changes (an engine restarting, a new commit) arrive with the next reply or lease renewal; a
-generation routed on a snapshot a moment old meets the same race an in-process gateway meets
+generation routed on a table a moment old meets the same race an in-process gateway meets
 between choosing an engine and the engine answering, and fails the same clean way.
 """
 
@@ -23,7 +23,7 @@ from projections.registry import RegistryState
 Mark = tuple[int, int]  # (controller epoch, serial within that epoch): totally ordered
 
 
-class RoutingSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+class RoutingTable(msgspec.Struct, frozen=True, kw_only=True):
     """Routable holders per adapter name, and the head revision, as of one ledger state."""
 
     epoch: int
@@ -37,21 +37,21 @@ class RoutingSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RoutingTracker:
-    """Actor side: the current snapshot, rebuilt only when the routing-relevant part of the
+    """Actor side: the current table, rebuilt only when the routing-relevant part of the
     state changed (engines, what they hold, whether they are routable, the head revision)."""
 
     def __init__(self) -> None:
         self._key: object = None
-        self._snapshot: RoutingSnapshot | None = None
+        self._table: RoutingTable | None = None
         self._serial = 0
 
-    def current(self, state: RegistryState) -> RoutingSnapshot:
+    def current(self, state: RegistryState) -> RoutingTable:
         key = (
             state.epoch,
             state.default_revision,
             tuple((e.engine, e.routable, tuple(e.holds)) for e in state.engines.values()),
         )
-        if self._snapshot is None or key != self._key:
+        if self._table is None or key != self._key:
             holders: dict[str, list[str]] = {}
             for member in sorted(state.engines.values(), key=lambda e: e.engine):
                 if member.routable:
@@ -59,48 +59,48 @@ class RoutingTracker:
                         holders.setdefault(lora_name, []).append(member.engine)
             self._serial += 1
             self._key = key
-            self._snapshot = RoutingSnapshot(
+            self._table = RoutingTable(
                 epoch=state.epoch,
                 serial=self._serial,
                 default_revision=state.default_revision,
                 holders={name: tuple(engines) for name, engines in holders.items()},
             )
-        return self._snapshot
+        return self._table
 
-    def newer_than(self, state: RegistryState, mark: Mark | None) -> RoutingSnapshot | None:
-        """The current snapshot if the caller's ``mark`` is not it, else None (nothing to
+    def newer_than(self, state: RegistryState, mark: Mark | None) -> RoutingTable | None:
+        """The current table if the caller's ``mark`` is not it, else None (nothing to
         send)."""
-        snapshot = self.current(state)
-        return None if mark == snapshot.mark else snapshot
+        table = self.current(state)
+        return None if mark == table.mark else table
 
 
 class RemoteRouting:
-    """Client side: a :class:`publisher.gateway.RoutingView` over the newest snapshot seen."""
+    """Client side: a :class:`publisher.gateway.RoutingView` over the newest table seen."""
 
     def __init__(self) -> None:
-        self._snapshot: RoutingSnapshot | None = None
+        self._table: RoutingTable | None = None
 
     @property
     def mark(self) -> Mark | None:
-        return None if self._snapshot is None else self._snapshot.mark
+        return None if self._table is None else self._table.mark
 
     @property
-    def snapshot(self) -> RoutingSnapshot | None:
-        return self._snapshot
+    def table(self) -> RoutingTable | None:
+        return self._table
 
-    def update(self, snapshot: RoutingSnapshot | None) -> None:
-        """Keep ``snapshot`` if it is newer than the one held (replies can arrive out of
+    def update(self, table: RoutingTable | None) -> None:
+        """Keep ``table`` if it is newer than the one held (replies can arrive out of
         order when several calls are in flight)."""
-        if snapshot is None:
+        if table is None:
             return
-        if self._snapshot is None or snapshot.mark > self._snapshot.mark:
-            self._snapshot = snapshot
+        if self._table is None or table.mark > self._table.mark:
+            self._table = table
 
     def holders(self, lora_name: str) -> tuple[str, ...]:
-        if self._snapshot is None:
+        if self._table is None:
             return ()
-        return self._snapshot.holders.get(lora_name, ())
+        return self._table.holders.get(lora_name, ())
 
     @property
     def default_revision(self) -> int:
-        return 0 if self._snapshot is None else self._snapshot.default_revision
+        return 0 if self._table is None else self._table.default_revision
