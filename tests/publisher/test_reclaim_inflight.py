@@ -185,9 +185,9 @@ async def test_a_request_dispatched_after_the_claim_is_never_unloaded_under(
         assert result.version_id == 1 and result.generation.lora_name == v1
         assert len(result.generation.token_ids) == 40  # ran to the end on v1
         assert await driver.sweep() == [1]
-        (ended,) = engine.generated_at  # type: ignore[attr-defined]
-        assert ended < engine.unload_started[v1]  # type: ignore[attr-defined]
-        assert engine.unloaded_under_requests == []  # type: ignore[attr-defined]
+        (ended,) = member.generated_at  # type: ignore[attr-defined]
+        assert ended < member.unload_started[v1]  # type: ignore[attr-defined]
+        assert member.unloaded_under_requests == []  # type: ignore[attr-defined]
         assert all(v1 not in e.loaded_adapters() for e in r.local.values())
 
 
