@@ -25,6 +25,7 @@ from tests.engines.contract import (
     buckets_of,
     candidate_for,
     publish,
+    wait_until,
 )
 from tests.engines.faulty_engine import (
     Delay,
@@ -160,9 +161,7 @@ async def test_restart_mid_generation_ends_in_flight_requests(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
-        with anyio.fail_after(5):
-            while host.current.refcount(p.name) == 0:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+        await wait_until(lambda: host.current.in_flight == 1)  # decoding, frozen between tokens
         await host.restart()
     assert [e.code for e in errors] == [ErrorCode.ENGINE_STOPPED]  # type: ignore[attr-defined]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -95,13 +96,56 @@ async def test_duplicate_request_id_is_refused_without_leaking(
     engine.pause_generation()
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: engine.generate(PROMPT, p.name, GREEDY, request_id="r"))
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_until(lambda: engine.in_flight == 1)  # its id is registered
         await expect_refusal(
             ErrorCode.BAD_REQUEST, engine.generate(PROMPT, p.name, GREEDY, request_id="r")
         )
         assert engine.refcount(p.name) == 1
         engine.continue_generation()
     assert engine.refcount(p.name) == 0
+
+
+async def test_a_request_queued_for_the_model_when_a_paused_engine_stops_ends(
+    engine: LocalEngine, store: ArtifactStore
+) -> None:
+    """Regression (a whole-suite run hung ~15 min under load): a request that had taken its
+    lease but was still waiting for the model worker to tokenize its prompt when the engine
+    stopped was registered with the scheduler only *after* the stop had aborted every
+    registered request, so nothing ended it and it waited on the pause gate forever. Held at
+    exactly that point: the model worker is kept busy while the engine stops."""
+    p = await loaded(engine, store, 45)
+    engine.pause_generation()
+    busy, release = threading.Event(), threading.Event()
+
+    def hold_the_worker() -> None:
+        busy.set()
+        release.wait()
+
+    codes: list[str] = []
+
+    async def request() -> None:
+        try:
+            await engine.generate(PROMPT, p.name, GREEDY)
+        except AmbiguousReply as exc:
+            codes.append(exc.code)
+
+    try:
+        # a hang guard, not a timing: before the fix the request never ended
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                scheduler = engine._scheduler
+                assert scheduler is not None
+                tg.start_soon(scheduler.run_model, hold_the_worker)
+                await anyio.to_thread.run_sync(busy.wait)
+                tg.start_soon(request)
+                await wait_until(lambda: engine.refcount(p.name) == 1)
+                assert engine.in_flight == 0  # leased, queued behind the worker, not decoding
+                await engine.aclose()
+                release.set()
+    finally:
+        release.set()
+    assert codes == [ErrorCode.ENGINE_STOPPED]
+    assert engine.refcount(p.name) == 0 and engine.in_flight == 0
 
 
 async def test_abort_interrupts_decoding_and_releases_once(
@@ -116,7 +160,9 @@ async def test_abort_interrupts_decoding_and_releases_once(
             result.append(await engine.generate(PROMPT, p.name, LONG, request_id="r1"))
 
         tg.start_soon(run)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        # in the scheduler, not just leased: a lease is taken before the prompt is tokenized
+        # (on the model worker), and an abort before the request registers finds nothing
+        await wait_until(lambda: engine.in_flight == 1)
         assert engine.abort("r1") is True
         engine.abort("r1")  # a duplicated abort is harmless
     assert result[0].finish_reason == "abort"
@@ -201,8 +247,8 @@ async def test_aborted_parallel_request_releases_once(
             out.append(await engine.generate(PROMPT, p.name, params, request_id="par"))
 
         tg.start_soon(run)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
-        engine.abort("par")
+        await wait_until(lambda: engine.in_flight == 1)  # registered: the abort finds it
+        assert engine.abort("par") is True
     assert [c.finish_reason for c in out[0].choices] == ["abort"] * 3
     assert engine.refcount(p.name) == 0
 
