@@ -44,12 +44,15 @@ class RestartableEngine:
         # created inside the event loop (an anyio Event needs a running backend)
         self._stop: anyio.Event | None = None
         self._up: anyio.Event | None = None
+        self._restarting: anyio.Lock | None = None
         self._closing = False
-        self._failed: Exception | None = None
+        self._ended = False  # the host task is gone: no life will ever come up again
+        self._failed: BaseException | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.lives = 0
 
     async def __aenter__(self) -> RestartableEngine:
+        self._restarting = anyio.Lock()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -67,6 +70,19 @@ class RestartableEngine:
         await self._tg.__aexit__(None, None, None)
 
     async def _host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        try:
+            await self._lives(task_status)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+        finally:
+            # However the host ends (closing, a restart that failed to start, a life that failed
+            # to end), a restart waiting for the next life must wake: it reports the failure.
+            self._ended = True
+            if self._up is not None:
+                self._up.set()
+
+    async def _lives(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         while not self._closing:
             try:
                 life = self._factory()
@@ -75,8 +91,6 @@ class RestartableEngine:
                 if self.lives == 0:
                     raise  # the first start failed: ``async with`` reports it
                 self._failed = exc  # a restart failed: ``restart()`` reports it
-                if self._up is not None:
-                    self._up.set()
                 return
             async with contextlib.AsyncExitStack() as stack:
                 stack.push_async_exit(life)  # leaves this life as ``async with`` would
@@ -90,13 +104,24 @@ class RestartableEngine:
                 await stop.wait()
 
     async def restart(self) -> None:
-        """End the current process life and wait until the next one is up."""
-        up = self._up = anyio.Event()
-        assert self._stop is not None, "the engine is not running"
-        self._stop.set()
-        await up.wait()
-        if self._failed is not None:
-            raise RuntimeError(f"the engine did not come back: {self._failed!r}")
+        """End the current process life and wait until the next one is up.
+
+        Restarts from several tasks at once run one after another, each a full restart that
+        waits for its own next life (a shared wake-up slot let a second caller take the first
+        one's, which then waited forever). Raises ``RuntimeError`` when the engine is closing
+        or cannot come back (a restart failed earlier): it never waits for a life that will not
+        come."""
+        assert self._restarting is not None, "the engine is not running"
+        async with self._restarting:
+            if self._closing or self._ended:
+                raise RuntimeError(f"the engine is not running: {self._failed!r}")
+            up = self._up = anyio.Event()
+            lives = self.lives
+            assert self._stop is not None, "the engine is not running"
+            self._stop.set()
+            await up.wait()
+            if self.lives == lives:
+                raise RuntimeError(f"the engine did not come back: {self._failed!r}")
 
     @property
     def current(self) -> Any:

@@ -111,9 +111,14 @@ class Scheduler:
         return len(scopes)
 
     def close(self) -> None:
-        """Every request still running ends with ENGINE_STOPPED at its next token."""
+        """Every request still running ends with ENGINE_STOPPED at its next token; one that
+        reaches :meth:`decode` afterwards (it was still tokenizing) is refused there.
+
+        The pause gate is opened too: a stopped engine has nothing left to resume it, and a
+        request parked on it must wake to see the stop rather than wait forever."""
         self._closed = True
         self.abort_all()
+        self.resume()
 
     # --- decoding ----------------------------------------------------------------------------
 
@@ -128,6 +133,11 @@ class Scheduler:
         """Prefill once, then decode ``params.n`` samples. The caller's one lease covers every
         ``n > 1`` child: they run in a task group inside this call, so none outlives it."""
         rid = request_id or uuid.uuid4().hex
+        # Checked before registering, with no await in between: a request that took its lease
+        # before the stop but got here after it (its prompt was still being tokenized) was not
+        # among those :meth:`close` aborted, and nothing else would ever end it.
+        if self._closed:
+            raise AmbiguousReply(ErrorCode.ENGINE_STOPPED, f"engine {self.engine_id} stopped")
         if rid in self._requests:
             raise CleanRefusal(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
         samples = [Sample() for _ in range(params.n)]

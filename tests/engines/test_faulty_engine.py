@@ -25,6 +25,7 @@ from tests.engines.contract import (
     buckets_of,
     candidate_for,
     publish,
+    wait_until,
 )
 from tests.engines.faulty_engine import (
     Delay,
@@ -105,18 +106,27 @@ async def test_server_error_and_refusal_never_reach_the_engine(
 
 
 async def test_delay_before_sending_and_before_replying(
-    faulty: FaultyEngine, store: ArtifactStore
+    faulty: FaultyEngine, host: RestartableEngine, store: ArtifactStore
 ) -> None:
+    """Delays far longer than the test: the caller gives up (a cancel), never a timer race --
+    a 3 s timeout around a real load under a 5 s delay failed whenever the load itself took
+    over 3 s on a loaded machine."""
     p = candidate_for(store, 3)
     await prepared(faulty, p)
-    faulty.inject("load", Delay(seconds=5.0))
-    with pytest.raises(TimeoutError), anyio.fail_after(0.2):
-        await faulty.load(p.candidate)
-    assert p.name not in await held(faulty)  # the caller gave up before it was sent
-    faulty.inject("load", Delay(seconds=5.0, after=True))
-    with pytest.raises(TimeoutError), anyio.fail_after(3.0):
-        await faulty.load(p.candidate)
-    assert p.name in await held(faulty)  # sent and done; only the reply was late
+    faulty.inject("load", Delay(seconds=3600.0))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(faulty.load, p.candidate)
+        await wait_until(lambda: faulty.count("load") == 1)  # the call is in the wrapper
+        tg.cancel_scope.cancel()  # the caller gives up
+    assert p.name not in await held(faulty)  # ... before it was sent
+    faulty.inject("load", Delay(seconds=3600.0, after=True))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(faulty.load, p.candidate)
+        # sent and done on the engine while the call is still out: only the reply is late
+        await wait_until(lambda: p.name in host.current.loaded_adapters(), timeout=60)
+        assert [c for c in faulty.calls if c.method == "load" and c.n == 2] == []
+        tg.cancel_scope.cancel()
+    assert p.name in await held(faulty)
     faulty.inject("incarnation", Delay(seconds=0.15))
     t = time.monotonic()
     await faulty.incarnation()
@@ -160,9 +170,7 @@ async def test_restart_mid_generation_ends_in_flight_requests(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
-        with anyio.fail_after(5):
-            while host.current.refcount(p.name) == 0:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+        await wait_until(lambda: host.current.in_flight == 1)  # decoding, frozen between tokens
         await host.restart()
     assert [e.code for e in errors] == [ErrorCode.ENGINE_STOPPED]  # type: ignore[attr-defined]
 

@@ -13,62 +13,64 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-import anyio
-import anyio.abc
-
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.server import serve
+from engines.testing import RestartableEngine
 
 LIMITS = ServingLimits(max_lora_rank=64)
 
 
 class HostedEngine:
     """One engine id: a life is a ``LocalEngine`` + its HTTP server on ``port``. A restart
-    ends the life (its adapters are gone with it) and starts the next one on the same port."""
+    ends the life (its adapters are gone with it) and starts the next one on the same port.
+
+    The lives are hosted by :class:`engines.testing.RestartableEngine` (one restart loop for
+    the whole project: concurrent restarts each get their own life, and a restart that cannot
+    come back raises instead of waiting forever). Use as ``async with HostedEngine(...)``."""
 
     def __init__(self, engine_id: str, artifact_root: Path) -> None:
         self.engine_id = engine_id
         self.artifact_root = artifact_root
         self.port = 0
         self.url = ""
-        self.engine: LocalEngine | None = None
-        self.lives = 0
-        self._stop: anyio.Event | None = None
-        self._up: anyio.Event | None = None
+        self._host = RestartableEngine(self._life)
 
-    async def host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        while True:
-            stop = self._stop = anyio.Event()
-            async with (
-                LocalEngine(self.engine_id, limits=LIMITS, artifact_root=self.artifact_root) as e,
-                serve(e, port=self.port) as url,
-            ):
-                self.url, self.engine = url, e
-                self.port = int(url.rsplit(":", 1)[1])
-                self.lives += 1
-                if self.lives == 1:
-                    task_status.started()
-                elif self._up is not None:
-                    self._up.set()
-                await stop.wait()
+    @contextlib.asynccontextmanager
+    async def _life(self) -> AsyncIterator[LocalEngine]:
+        async with (
+            LocalEngine(self.engine_id, limits=LIMITS, artifact_root=self.artifact_root) as e,
+            serve(e, port=self.port) as url,
+        ):
+            self.url = url
+            self.port = int(url.rsplit(":", 1)[1])
+            yield e
+
+    async def __aenter__(self) -> HostedEngine:
+        await self._host.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._host.__aexit__(*exc)
+
+    @property
+    def engine(self) -> LocalEngine:
+        return self._host.current  # type: ignore[no-any-return]
+
+    @property
+    def lives(self) -> int:
+        return self._host.lives
 
     async def restart(self) -> None:
-        up = self._up = anyio.Event()
-        assert self._stop is not None
-        self._stop.set()
-        await up.wait()
+        await self._host.restart()
 
 
 @contextlib.asynccontextmanager
 async def hosted_engines(
     engine_ids: Sequence[str], artifact_root: Path
 ) -> AsyncIterator[dict[str, HostedEngine]]:
-    hosts = {e: HostedEngine(e, artifact_root) for e in engine_ids}
-    async with anyio.create_task_group() as tg:
-        for h in hosts.values():
-            await tg.start(h.host)
-        try:
-            yield hosts
-        finally:
-            tg.cancel_scope.cancel()
+    async with contextlib.AsyncExitStack() as stack:
+        hosts = {}
+        for e in engine_ids:
+            hosts[e] = await stack.enter_async_context(HostedEngine(e, artifact_root))
+        yield hosts
