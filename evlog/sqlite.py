@@ -28,7 +28,7 @@ import os
 import sqlite3
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager, closing, suppress
 from itertools import chain
 from typing import Literal
 
@@ -214,6 +214,7 @@ class SQLiteStore:
         self._transactions = 0
         self._events = 0
         self._slow_paths = 0
+        self._read_only = False  # connect_read_only: one connection, never written
 
     # --- opening and closing ---------------------------------------------------------------
 
@@ -266,6 +267,44 @@ class SQLiteStore:
                 raise _store_error(exc, f"cannot open {path}") from exc
             raise
         return cls(path, writer, reader, last_seq, head_hash, synchronous)
+
+    @classmethod
+    async def connect_read_only(
+        cls, uri: str, *, label: str | None = None, quick_check: bool = True
+    ) -> SQLiteStore:
+        """Open an existing log through a read-only SQLite URI, for the forensic tools.
+
+        ``uri`` must be a ``file:`` URI with ``mode=ro`` (``tools/logfile.py`` chooses it, and
+        ``immutable=1`` where that is safe): no journal-mode switch, no layout, no write of any
+        kind, and SQLite refuses one if a bug tried. The same checks as :meth:`connect`
+        (integrity, layout, tail record) refuse a damaged file. ``label`` names the file in
+        messages (the URI may point at a private copy). Appends raise ``INVALID_INPUT``.
+        """
+        if not uri.startswith("file:") or "mode=ro" not in uri:
+            raise StoreError(
+                INVALID_INPUT, f"a read-only open needs a file: URI with mode=ro: {uri}"
+            )
+        where = label or uri
+        try:
+            await anyio.to_thread.run_sync(_probe_uri, uri)
+        except sqlite3.Error as exc:
+            raise _store_error(exc, f"cannot open {where}") from exc
+        conn: aiosqlite.Connection | None = None
+        try:
+            conn = await aiosqlite.connect(uri, uri=True, isolation_level=None)
+            await conn.execute("PRAGMA query_only = ON")
+            await _check_readable(conn, where, quick_check)
+            last_seq, head_hash = await _check_tail(conn)
+        except BaseException as exc:
+            if conn is not None:
+                with anyio.CancelScope(shield=True), suppress(Exception):
+                    await conn.close()
+            if isinstance(exc, sqlite3.Error):
+                raise _store_error(exc, f"cannot open {where}") from exc
+            raise
+        store = cls(where, conn, conn, last_seq, head_hash, "FULL")
+        store._read_only = True
+        return store
 
     @classmethod
     @asynccontextmanager
@@ -655,10 +694,40 @@ class SQLiteStore:
     def _check_writable(self) -> None:
         if self._closing:
             raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
+        if self._read_only:
+            raise StoreError(INVALID_INPUT, f"{self._path} was opened read-only")
 
 
 def _probe(path: str) -> None:
     sqlite3.connect(path).close()
+
+
+def _probe_uri(uri: str) -> None:
+    with closing(sqlite3.connect(uri, uri=True)) as conn:
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+
+
+async def _check_readable(conn: aiosqlite.Connection, where: str, quick_check: bool) -> None:
+    """The read-only twin of :func:`_prepare_writer`'s checks: integrity, then the layout."""
+    if quick_check:
+        problems = [str(r[0]) for r in await conn.execute_fetchall("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise StoreError(
+                StoreCode.CORRUPT_STORE,
+                f"{where} fails its integrity check: {'; '.join(problems[:5])}",
+                problems=problems[:20],
+            )
+    (app_id,) = next(iter(await conn.execute_fetchall("PRAGMA application_id")))
+    (layout,) = next(iter(await conn.execute_fetchall("PRAGMA user_version")))
+    if app_id != APPLICATION_ID:
+        raise StoreError(
+            StoreCode.CORRUPT_STORE, f"{where} is a SQLite database but not a loraledger log"
+        )
+    if layout != LAYOUT_VERSION:
+        raise StoreError(
+            StoreCode.UNKNOWN_SCHEMA,
+            f"{where} has store layout {layout}; this code reads layout {LAYOUT_VERSION}",
+        )
 
 
 async def _prepare_writer(
