@@ -679,7 +679,7 @@ class SQLiteStore:
 
     async def _fetch(self, sql: str, after: int, upto: int, limit: int) -> list[Row]:
         try:
-            return await self._reader.execute_fetchall(sql, (after, upto, limit))  # type: ignore[return-value]
+            return await _fetch_rows(self._reader, sql, (after, upto, limit))
         except sqlite3.Error as exc:
             raise _store_error(exc, f"cannot read records after {after}") from exc
         except ValueError as exc:  # aiosqlite: the connection closed under the call
@@ -696,6 +696,32 @@ class SQLiteStore:
             raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
         if self._read_only:
             raise StoreError(INVALID_INPUT, f"{self._path} was opened read-only")
+
+
+_TEXT_COLUMNS = "CAST(stream AS BLOB), CAST(type AS BLOB)"
+_NOT_UTF8 = "Could not decode to UTF-8"
+
+
+async def _fetch_rows(conn: aiosqlite.Connection, sql: str, params: Sequence[object]) -> list[Row]:
+    """Rows of ``sql`` (which selects ``_COLUMNS``). Text that is not UTF-8 (never written by
+    the ledger: its strings are Python's) makes sqlite3 fail the whole query without naming
+    the row; the query is then run again with those columns as blobs, a text that decodes
+    comes back as ``str`` and one that does not stays ``bytes``, for :func:`open_row` to
+    refuse as ``CORRUPT_RECORD`` naming its seq, in chain order."""
+    try:
+        return list(await conn.execute_fetchall(sql, params))  # type: ignore[arg-type]
+    except sqlite3.OperationalError as exc:
+        if _NOT_UTF8 not in str(exc):
+            raise
+    lenient = sql.replace("stream, type", _TEXT_COLUMNS, 1)
+    rows = []
+    for row in await conn.execute_fetchall(lenient, params):
+        fixed = list(row)
+        for i in (2, 3):
+            with suppress(UnicodeDecodeError):
+                fixed[i] = fixed[i].decode() if isinstance(fixed[i], bytes) else fixed[i]
+        rows.append(tuple(fixed))
+    return rows  # type: ignore[return-value]
 
 
 def _probe(path: str) -> None:
@@ -778,7 +804,7 @@ async def _prepare_writer(
 async def _check_tail(w: aiosqlite.Connection) -> tuple[int, bytes]:
     """Verify the newest record (content hash and link to its predecessor): cheap, and it
     catches a torn or tampered tail before anything is appended on top of it."""
-    rows: list[Row] = list(await w.execute_fetchall(_TAIL2))  # type: ignore[arg-type]
+    rows = await _fetch_rows(w, _TAIL2, ())
     if not rows:
         return 0, GENESIS_HASH
     tail = rows[0]

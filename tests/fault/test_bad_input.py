@@ -263,6 +263,59 @@ def test_damaged_log_files_get_an_exit_code_and_stay_untouched(
     prop()
 
 
+_DEEP = b"\x91" * 100_000 + b"\xc0"  # a msgpack array nested 100,000 deep
+_CRAFTED: dict[str, dict[str, object]] = {
+    # (seq is the rowid: SQLite itself refuses any other type there)
+    "deep nesting": {"payload": b"\x81\xa7session" + _DEEP},
+    "deep nesting, old schema (upcast path)": {"payload": _DEEP, "schema": 0},
+    "event_id as text": {"event_id": "id"},
+    "stream as an integer": {"stream": 5},
+    "type as a blob": {"type": b"SessionBound"},
+    "schema as text": {"schema": "1"},
+    "recorded_at as text": {"recorded_at": "yesterday"},
+    "payload as text": {"payload": "abc"},
+    "prev_hash as text": {"prev_hash": "x"},
+    "hash as a number": {"hash": 7},
+    "stream not UTF-8": {"stream": b"\xff\x00\xfe"},
+    "type not UTF-8": {"type": b"Session\xffBound"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CRAFTED))
+def test_crafted_hash_valid_records_get_an_exit_code_naming_their_seq(
+    small_log: Path, tmp_path: Path, case: str
+) -> None:
+    """Issue 12: records whose hashes are right but whose content no ledger writes (nesting
+    deeper than any event, a column of another type in a non-STRICT table, text that is not
+    UTF-8) raised ``RecursionError``/``TypeError`` tracebacks, or ``STORE_FAILED`` with no
+    seq. Each is ``CORRUPT_RECORD`` (exit 7) naming the record; ``verify --json`` prints its
+    verdict; replay and audit name the seq; the file is unchanged."""
+    from tests.tools import tamper
+
+    _count("crafted records")
+    log = tmp_path / "crafted.db"
+    tamper.loose_copy(small_log, log)
+    bad = 3
+    columns = dict(_CRAFTED[case])
+    if case.endswith("not UTF-8"):
+        ((column, raw),) = columns.items()
+        tamper.raw_text(log, bad, column, raw)  # type: ignore[arg-type]
+    else:
+        tamper.craft(log, bad, **columns)
+    before = _digest(log)
+    code, out = _cli(["verify", str(log), "--json"])
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out
+    verdict = json.loads(lines[0])
+    assert code == Exit.TAMPERED and verdict["exit_code"] == code, verdict
+    assert verdict["code"] in ("CORRUPT_RECORD", "CHAIN_BROKEN"), verdict
+    assert verdict["first_bad_seq"] == bad, verdict
+    for args in (["replay", str(log), "--at", "2099-01-01"], ["audit", str(log), "--all"]):
+        code, out = _cli(args)
+        assert code == Exit.TAMPERED and f"(seq {bad})" in out, (args, out)
+    assert _digest(log) == before
+
+
 def test_cli_arguments_get_an_exit_code_never_a_traceback(small_log: Path, slow: bool) -> None:
     options = st.sampled_from(
         [
