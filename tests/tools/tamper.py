@@ -13,7 +13,7 @@ from contextlib import closing
 from pathlib import Path
 
 from evlog.events import Event, encode_event
-from evlog.record import chain_hash
+from evlog.record import GENESIS_HASH, chain_hash
 
 _ROW = (
     "SELECT seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash FROM events"
@@ -52,7 +52,7 @@ def reforge(path: Path, seq: int, event: Event) -> None:
             "UPDATE events SET type = ?, payload = ? WHERE seq = ?",
             (type(event).__name__, encode_event(event), seq),
         )
-        (prev,) = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()
+        prev = _hash_before(conn, seq)
         for row in conn.execute(_ROW + " WHERE seq >= ? ORDER BY seq", (seq,)).fetchall():
             new_hash = chain_hash(prev, *row[:7])
             conn.execute(
@@ -60,6 +60,13 @@ def reforge(path: Path, seq: int, event: Event) -> None:
             )
             prev = new_hash
         conn.execute("COMMIT")
+
+
+def _hash_before(conn: sqlite3.Connection, seq: int) -> bytes:
+    if seq == 1:
+        return GENESIS_HASH
+    (prev,) = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()
+    return bytes(prev)
 
 
 def truncate(path: Path, size: int) -> None:
@@ -106,7 +113,7 @@ def craft(path: Path, seq: int, **columns: object) -> None:
         sets = ", ".join(f"{name} = ?" for name in columns)
         conn.execute(f"UPDATE events SET {sets} WHERE seq = ?", (*columns.values(), seq))
         if not {"prev_hash", "hash"} & set(columns):
-            (prev,) = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()
+            prev = _hash_before(conn, seq)
             for row in conn.execute(_ROW + " WHERE seq >= ? ORDER BY seq", (seq,)).fetchall():
                 try:
                     new_hash = chain_hash(prev, *row[:7])
