@@ -30,6 +30,11 @@ and refuses, with a distinct exit code, a missing, empty, cut-short or foreign f
 A main file of 0 bytes whose ``-wal`` holds pages is refused as corrupt before any of this:
 a ledger's main file always holds at least its header page, and SQLite's answer to that
 state is to delete the ``-wal``.
+
+These are tools for another process than the writer's: POSIX locks belong to a process, and
+closing any descriptor of a file drops all of them, so reading a log that a connection of the
+*same* process holds open (the raw reads here open and close its files) would strip that
+connection's locks. The CLI never does; library callers must not either.
 """
 
 from __future__ import annotations
