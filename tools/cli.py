@@ -543,10 +543,6 @@ def serve(
     """
     from tools import serve as service
 
-    if _verbosity == 0:
-        logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
-    else:
-        logconfig.configure(_verbosity, stdlib=True)
     opts = service.ServeOptions(
         db=str(db),
         host=host,
@@ -559,7 +555,11 @@ def serve(
         artifact_root=str(artifact_root) if artifact_root else None,
         served_model=served_model,
     )
-    service.check_options(opts)
+    service.check_options(opts)  # before any side effect, logging set-up included
+    if _verbosity == 0:
+        logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
+    else:
+        logconfig.configure(_verbosity, stdlib=True)
 
     def ready(url: str) -> None:
         if json:
