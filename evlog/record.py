@@ -157,6 +157,8 @@ def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
     schema newer than this code, a missing upcaster) is ``UNKNOWN_SCHEMA``: the log is fine,
     the code is too old.
     """
+    if tuple(map(type, row)) != _ROW_TYPES:
+        _check_types(row, prev_seq)
     seq, event_id, stream, type_name, schema, recorded_at, payload, stored_prev, stored_hash = row
     if seq != prev_seq + 1:
         raise StoreError(
@@ -185,6 +187,10 @@ def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
         raise StoreError(
             StoreCode.CORRUPT_RECORD, f"record {seq} payload does not decode: {exc}", seq=seq
         ) from exc
+    except RecursionError as exc:  # a crafted payload nested deeper than any event is
+        raise StoreError(
+            StoreCode.CORRUPT_RECORD, f"record {seq} payload is nested too deep to decode", seq=seq
+        ) from exc
     if type(event).__name__ != type_name:
         raise StoreError(
             StoreCode.CORRUPT_RECORD,
@@ -203,3 +209,39 @@ def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
         hash=stored_hash,
         event=event,
     )
+
+
+_ROW_TYPES = (int, bytes, str, str, int, float, bytes, bytes, bytes)
+_COLUMN_NAMES = (
+    "seq",
+    "event_id",
+    "stream",
+    "type",
+    "schema",
+    "recorded_at",
+    "payload",
+    "prev_hash",
+    "hash",
+)
+
+
+def _check_types(row: tuple[object, ...], prev_seq: int) -> None:
+    """The slow path of :func:`open_row`'s type check. The ledger's table is STRICT, so a
+    column of another type (or text that is not UTF-8, which the SQLite store hands over as
+    bytes) was put there by something else: ``CORRUPT_RECORD`` naming the record, before the
+    hash code or the decoder trip over it. An integral ``recorded_at`` is accepted (a
+    caller-built row may carry one; the hash covers it as it is)."""
+    seq = row[0] if len(row) and type(row[0]) is int else prev_seq + 1
+    if len(row) != len(_ROW_TYPES):
+        raise StoreError(
+            StoreCode.CORRUPT_RECORD, f"record {seq} has {len(row)} columns, not 9", seq=seq
+        )
+    for name, value, expected in zip(_COLUMN_NAMES, row, _ROW_TYPES, strict=True):
+        if type(value) is expected or (name == "recorded_at" and type(value) is int):
+            continue
+        what = (
+            "is not UTF-8 text"
+            if expected is str and isinstance(value, bytes)
+            else f"holds {type(value).__name__}, not {expected.__name__}"
+        )
+        raise StoreError(StoreCode.CORRUPT_RECORD, f"record {seq}: column {name} {what}", seq=seq)

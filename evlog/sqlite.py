@@ -32,9 +32,9 @@ import os
 import sqlite3
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager, closing, suppress
 from itertools import chain
-from typing import Literal, cast
+from typing import Literal
 
 import aiosqlite
 import anyio
@@ -218,6 +218,7 @@ class SQLiteStore:
         self._transactions = 0
         self._events = 0
         self._slow_paths = 0
+        self._read_only = False  # connect_read_only: one connection, never written
 
     # --- opening and closing ---------------------------------------------------------------
 
@@ -270,6 +271,44 @@ class SQLiteStore:
                 raise _store_error(exc, f"cannot open {path}") from exc
             raise
         return cls(path, writer, reader, last_seq, head_hash, synchronous)
+
+    @classmethod
+    async def connect_read_only(
+        cls, uri: str, *, label: str | None = None, quick_check: bool = True
+    ) -> SQLiteStore:
+        """Open an existing log through a read-only SQLite URI, for the forensic tools.
+
+        ``uri`` must be a ``file:`` URI with ``mode=ro`` (``tools/logfile.py`` chooses it, and
+        ``immutable=1`` where that is safe): no journal-mode switch, no layout, no write of any
+        kind, and SQLite refuses one if a bug tried. The same checks as :meth:`connect`
+        (integrity, layout, tail record) refuse a damaged file. ``label`` names the file in
+        messages (the URI may point at a private copy). Appends raise ``INVALID_INPUT``.
+        """
+        if not uri.startswith("file:") or "mode=ro" not in uri:
+            raise StoreError(
+                INVALID_INPUT, f"a read-only open needs a file: URI with mode=ro: {uri}"
+            )
+        where = label or uri
+        try:
+            await anyio.to_thread.run_sync(_probe_uri, uri)
+        except sqlite3.Error as exc:
+            raise _store_error(exc, f"cannot open {where}") from exc
+        conn: aiosqlite.Connection | None = None
+        try:
+            conn = await aiosqlite.connect(uri, uri=True, isolation_level=None)
+            await conn.execute("PRAGMA query_only = ON")
+            await _check_readable(conn, where, quick_check)
+            last_seq, head_hash = await _check_tail(conn)
+        except BaseException as exc:
+            if conn is not None:
+                with anyio.CancelScope(shield=True), suppress(Exception):
+                    await conn.close()
+            if isinstance(exc, sqlite3.Error):
+                raise _store_error(exc, f"cannot open {where}") from exc
+            raise
+        store = cls(where, conn, conn, last_seq, head_hash, "FULL")
+        store._read_only = True
+        return store
 
     @classmethod
     @asynccontextmanager
@@ -644,8 +683,7 @@ class SQLiteStore:
 
     async def _fetch(self, sql: str, after: int, upto: int, limit: int) -> list[Row]:
         try:
-            rows = await self._reader.execute_fetchall(sql, (after, upto, limit))
-            return cast(list[Row], rows)  # aiosqlite says sqlite3.Row; no row_factory: tuples
+            return await _fetch_rows(self._reader, sql, (after, upto, limit))
         except sqlite3.Error as exc:
             raise _store_error(exc, f"cannot read records after {after}") from exc
         except ValueError as exc:  # aiosqlite: the connection closed under the call
@@ -660,10 +698,66 @@ class SQLiteStore:
     def _check_writable(self) -> None:
         if self._closing:
             raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
+        if self._read_only:
+            raise StoreError(INVALID_INPUT, f"{self._path} was opened read-only")
+
+
+_TEXT_COLUMNS = "CAST(stream AS BLOB), CAST(type AS BLOB)"
+_NOT_UTF8 = "Could not decode to UTF-8"
+
+
+async def _fetch_rows(conn: aiosqlite.Connection, sql: str, params: Sequence[object]) -> list[Row]:
+    """Rows of ``sql`` (which selects ``_COLUMNS``). Text that is not UTF-8 (never written by
+    the ledger: its strings are Python's) makes sqlite3 fail the whole query without naming
+    the row; the query is then run again with those columns as blobs, a text that decodes
+    comes back as ``str`` and one that does not stays ``bytes``, for :func:`open_row` to
+    refuse as ``CORRUPT_RECORD`` naming its seq, in chain order."""
+    try:
+        return list(await conn.execute_fetchall(sql, params))  # type: ignore[arg-type]
+    except sqlite3.OperationalError as exc:
+        if _NOT_UTF8 not in str(exc):
+            raise
+    lenient = sql.replace("stream, type", _TEXT_COLUMNS, 1)
+    rows: list[Row] = []
+    for row in await conn.execute_fetchall(lenient, params):
+        fixed = list(row)
+        for i in (2, 3):
+            with suppress(UnicodeDecodeError):
+                fixed[i] = fixed[i].decode() if isinstance(fixed[i], bytes) else fixed[i]
+        rows.append(tuple(fixed))
+    return rows
 
 
 def _probe(path: str) -> None:
     sqlite3.connect(path).close()
+
+
+def _probe_uri(uri: str) -> None:
+    with closing(sqlite3.connect(uri, uri=True)) as conn:
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+
+
+async def _check_readable(conn: aiosqlite.Connection, where: str, quick_check: bool) -> None:
+    """The read-only twin of :func:`_prepare_writer`'s checks: integrity, then the layout."""
+    if quick_check:
+        problems = [str(r[0]) for r in await conn.execute_fetchall("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise StoreError(
+                StoreCode.CORRUPT_STORE,
+                f"{where} fails its integrity check: {'; '.join(problems[:5])}",
+                problems=problems[:20],
+            )
+    (app_id,) = next(iter(await conn.execute_fetchall("PRAGMA application_id")))
+    (layout,) = next(iter(await conn.execute_fetchall("PRAGMA user_version")))
+    if app_id != APPLICATION_ID:
+        raise StoreError(
+            StoreCode.CORRUPT_STORE, f"{where} is a SQLite database but not a loraledger log"
+        )
+    if layout != LAYOUT_VERSION:
+        raise StoreError(
+            StoreCode.UNKNOWN_SCHEMA,
+            f"{where} has store layout {layout}; this code reads layout {LAYOUT_VERSION}",
+        )
 
 
 async def _prepare_writer(
@@ -714,8 +808,7 @@ async def _prepare_writer(
 async def _check_tail(w: aiosqlite.Connection) -> tuple[int, bytes]:
     """Verify the newest record (content hash and link to its predecessor): cheap, and it
     catches a torn or tampered tail before anything is appended on top of it."""
-    # aiosqlite types rows as sqlite3.Row; without a row_factory they are plain tuples.
-    rows = cast(list[Row], list(await w.execute_fetchall(_TAIL2)))
+    rows = await _fetch_rows(w, _TAIL2, ())
     if not rows:
         return 0, GENESIS_HASH
     tail = rows[0]

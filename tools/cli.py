@@ -26,6 +26,7 @@ from typing import Annotated, Any, TypeVar
 
 import anyio
 import typer
+from rich.text import Text
 
 from evlog.errors import LoraLedgerError
 from tools import logconfig
@@ -87,11 +88,31 @@ def _global(
 
 
 def _fail(exc: ToolError) -> typer.Exit:
+    """One line on stderr. The message often quotes the user (a path, a name): it is plain
+    text, never rich markup (``missing[/x].db`` was a ``MarkupError`` traceback)."""
     where = f" (seq {exc.seq})" if exc.seq is not None else ""
-    stderr_console().print(
-        f"[bold red]error[/]{where}: {exc.message}", markup=True, highlight=False
-    )
+    line = Text.assemble(("error", "bold red"), f"{where}: {exc.message}")
+    stderr_console().print(line, highlight=False, soft_wrap=True)
     return typer.Exit(int(exc.exit_code))
+
+
+def _only(exc: BaseException) -> BaseException:
+    """The single error inside (nested) exception groups of one member (an anyio task group
+    raising one error), so it is classified like the bare error it is."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (``loraledger replay LOG | head``): stop writing there,
+    including the interpreter's last flush, which would print its own ``BrokenPipeError``."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file descriptor (a test runner's buffer)
+        pass
 
 
 def guarded(fn: F) -> F:
@@ -100,15 +121,23 @@ def guarded(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+                sys.stdout.flush()  # a closed pipe shows here, not in click's exit path
+                return result
+            except BaseExceptionGroup as group:
+                raise _only(group) from None
         except typer.Exit:
             raise
+        except BrokenPipeError:  # like a Unix tool killed by SIGPIPE: no message, 128 + 13
+            _quiet_stdout()
+            raise typer.Exit(int(Exit.BROKEN_PIPE)) from None
         except ToolError as exc:
             raise _fail(exc) from None
         except LoraLedgerError as exc:
             raise _fail(ToolError.from_ledger(exc)) from None
         except KeyboardInterrupt:
-            raise typer.Exit(130) from None
+            raise typer.Exit(int(Exit.INTERRUPTED)) from None
         except Exception as exc:
             if _verbosity >= 2:
                 traceback.print_exc(file=sys.stderr)
@@ -267,6 +296,8 @@ def replay(
 
     when = parse_time(at) if at is not None else None
     threshold = parse_duration(stuck_after)
+    if plot is not None and not plot.parent.is_dir():
+        raise ToolError(Exit.USAGE, f"--plot {plot}: no such directory {plot.parent}")
     versions, engines = version or [], engine or []
     with progress_bar("replaying") as update:
         result = _run(
@@ -512,10 +543,6 @@ def serve(
     """
     from tools import serve as service
 
-    if _verbosity == 0:
-        logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
-    else:
-        logconfig.configure(_verbosity, stdlib=True)
     opts = service.ServeOptions(
         db=str(db),
         host=host,
@@ -528,7 +555,11 @@ def serve(
         artifact_root=str(artifact_root) if artifact_root else None,
         served_model=served_model,
     )
-    service.check_options(opts)
+    service.check_options(opts)  # before any side effect, logging set-up included
+    if _verbosity == 0:
+        logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
+    else:
+        logconfig.configure(_verbosity, stdlib=True)
 
     def ready(url: str) -> None:
         if json:

@@ -27,13 +27,15 @@ class Exit(IntEnum):
     UNREACHABLE = 10  # no ledger service answered at --url
     UNSAFE = 11  # refused configuration (listening beyond loopback without a token)
     ENGINE_UNAVAILABLE = 12  # an engine the command needs cannot be set up here
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as the shell reports it)
+    BROKEN_PIPE = 141  # stdout's reader went away (128 + SIGPIPE, as for a Unix tool)
 
 
 EXIT_HELP = (
     "Exit codes: 0 ok, 1 failed, 2 usage, 3 missing file, 4 empty log, 5 not a ledger, "
     "6 corrupt/truncated file, 7 tampered record or broken chain, 8 invariant violated, "
     "9 log newer than this code, 10 service unreachable, 11 unsafe configuration refused, "
-    "12 engine unavailable."
+    "12 engine unavailable, 130 interrupted, 141 output pipe closed."
 )
 
 _BY_LEDGER_CODE = {

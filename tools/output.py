@@ -20,11 +20,22 @@ _encoder = msgspec.json.Encoder()
 _PIPE_WIDTH = 140  # a table piped to a file or a pager keeps its columns instead of folding
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich's own answer is ``SystemExit(1)``; the command's guard gives every closed pipe
+        (a table or ``--json``) the same quiet exit (``Exit.BROKEN_PIPE``)."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def _console(stream: TextIO) -> Console:
+    """``markup=False``: the strings printed carry user text (paths, names from a log) that
+    rich must not read as markup (``[/x]`` raised ``MarkupError``); styles come from ``Text``
+    objects, never from brackets in a string."""
     if stream.isatty():
-        return Console(file=stream, highlight=False)
+        return _Console(file=stream, highlight=False, markup=False)
     width = int(os.environ.get("COLUMNS", _PIPE_WIDTH))
-    return Console(file=stream, highlight=False, width=width, no_color=True)
+    return _Console(file=stream, highlight=False, markup=False, width=width, no_color=True)
 
 
 def stdout_console() -> Console:

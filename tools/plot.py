@@ -103,7 +103,12 @@ def plot_lifetimes(life: Lifetimes, path: str | os.PathLike[str], *, title: str 
             )
         bottom.set_xlim(0, max(end, 1e-3))
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        try:
+            fig.savefig(path, format="png")
+        except OSError as exc:  # a directory, no permission, a full disk: one line, not a bug
+            raise ToolError(
+                Exit.FAILED, f"--plot {os.fspath(path)}: cannot write: {exc.strerror or exc}"
+            ) from None
     finally:
         plt.close(fig)
     return os.fspath(path)

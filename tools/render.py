@@ -42,18 +42,26 @@ def state_text(state: str | None) -> Text:
 def status_view(status: LedgerStatus, *, title: str, at: float | None = None) -> RenderableType:
     """Header facts, then one table of versions and one of engines."""
     default = f"v{status.default}" if status.default is not None else "none"
+    # Text objects, not markup: the deployment name comes from the log (user text).
     lines = [
-        f"deployment {status.deployment or '(not created)'}  epoch {status.epoch}  "
-        f"seq {status.last_seq}" + (f"  recorded {iso(at)}" if at is not None else ""),
-        f"default {default} (revision {status.default_revision})  "
-        f"capacity {status.capacity_used}/{status.capacity}  "
-        f"sessions bound {status.sessions_bound}  tombstones {status.tombstones}  "
-        f"live owners {status.owners}",
+        Text(
+            f"deployment {status.deployment or '(not created)'}  epoch {status.epoch}  "
+            f"seq {status.last_seq}" + (f"  recorded {iso(at)}" if at is not None else "")
+        ),
+        Text(
+            f"default {default} (revision {status.default_revision})  "
+            f"capacity {status.capacity_used}/{status.capacity}  "
+            f"sessions bound {status.sessions_bound}  tombstones {status.tombstones}  "
+            f"live owners {status.owners}"
+        ),
     ]
     if status.blocked_by:
         lines.append(
-            f"[bold red]publication blocked by unresolved versions "
-            f"{', '.join(f'v{v}' for v in status.blocked_by)}[/]"
+            Text(
+                "publication blocked by unresolved versions "
+                f"{', '.join(f'v{v}' for v in status.blocked_by)}",
+                style="bold red",
+            )
         )
     versions = Table(title="versions", title_justify="left", expand=False)
     for column in ("version", "state", "attempt", "revision", "bound", "held by", "adapter"):
@@ -81,9 +89,7 @@ def status_view(status: LedgerStatus, *, title: str, at: float | None = None) ->
             ", ".join(e.strays) or "-",
             e.endpoint or "-",
         )
-    return Group(
-        Text(title, style="bold"), *[Text.from_markup(line) for line in lines], versions, engines
-    )
+    return Group(Text(title, style="bold"), *lines, versions, engines)
 
 
 def timeline_view(subject: str, entries: Sequence[Entry]) -> RenderableType:
@@ -246,7 +252,7 @@ def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
             str(v.generations),
             state_text(v.state),
         )
-    lines: list[str] = []
+    lines: list[str | Text] = []  # plain text, never markup: names come from the log
     published = [v for v in versions if v.published_at is not None]
     lines.append(
         f"- The trainer published {len(published)} versions while sessions generated; "
@@ -263,12 +269,17 @@ def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
             f"{story.spanning} sessions kept their version after it was retired."
         )
     else:
-        lines.append(f"- [bold red]{story.mismatches} generations ran on another version![/]")
+        lines.append(
+            Text(f"- {story.mismatches} generations ran on another version!", style="bold red")
+        )
     idle = [e for e in story.fleet if not story.per_engine.get(e)]
     if idle and story.generations:
         lines.append(
-            f"- [bold yellow]{', '.join(idle)} served no generation: every request routed "
-            f"there was refused (run with -v to see why).[/]"
+            Text(
+                f"- {', '.join(idle)} served no generation: every request routed "
+                "there was refused (run with -v to see why).",
+                style="bold yellow",
+            )
         )
     for vid in story.skipped:
         lines.append(
@@ -292,7 +303,9 @@ def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
                 )
             )
         else:
-            lines.append(f"- [bold red]Engine {r.engine} restarted and was never repaired.[/]")
+            lines.append(
+                Text(f"- Engine {r.engine} restarted and was never repaired.", style="bold red")
+            )
     reclaimed = [v for v in versions if v.reclaimed_at is not None]
     if reclaimed:
         lags = [v.reclaim_lag_s for v in reclaimed if v.reclaim_lag_s is not None]
@@ -310,7 +323,7 @@ def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
     return Group(
         head,
         table,
-        *[Text.from_markup(line) for line in lines],
+        *[line if isinstance(line, Text) else Text(line) for line in lines],
         Text(""),
         *[Text(line) for line in where],
     )

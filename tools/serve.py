@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from publisher.decider import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
 
@@ -103,7 +104,17 @@ def check_listen(host: str, token: str | None) -> None:
 
 
 def check_options(opts: ServeOptions) -> None:
+    """Refuse bad options before anything exists: a deployment name the ledger would refuse
+    once the log file, its artifacts folder and the engines were up (``--deployment 'a b/c'``
+    ended in an ``ExceptionGroup`` and left a db file behind)."""
     check_listen(opts.host, opts.token)
+    for option, value in (("--deployment", opts.deployment), ("--prefix", opts.prefix)):
+        if not NAME_RULE.match(value):
+            raise ToolError(
+                Exit.USAGE,
+                f"{option} {value!r}: letters, digits, '.', '_' and '-' only, starting with a "
+                "letter or digit, at most 64 characters (it becomes part of engine-side names)",
+            )
     if not 0 <= opts.port <= 65535:
         raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
     ids = [e.engine_id for e in opts.engines]

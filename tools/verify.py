@@ -36,7 +36,7 @@ class VerifyResult(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     ok: bool
     exit_code: int
-    stage: str  # "open", "chain", "invariants" or "done"
+    stage: str  # "open", "chain", "invariants", "done", or "internal" (a bug: the problem says)
     records: int = 0
     last_seq: int = 0
     head_hash: str = ""
@@ -99,6 +99,8 @@ async def verify_log(
                 )
     except ToolError as exc:
         return failed("open", exc.exit_code, exc.message, first_bad_seq=exc.seq)
+    except Exception as exc:  # a verdict whatever happens: --json must always print one
+        return failed("internal", Exit.FAILED, f"internal error: {exc!r}")
     return VerifyResult(
         path=where,
         ok=True,

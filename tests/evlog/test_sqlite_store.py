@@ -287,3 +287,55 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
             raw.close()
         report = await store.verify()
         assert (report.ok, report.first_bad_seq, report.code) == (False, 6, StoreCode.CHAIN_BROKEN)
+
+
+# --- read-only opens and crafted rows (issue 12) ----------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_read_only_store_reads_refuses_appends_and_changes_no_byte(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        await store.append(batch_of(3))
+    before = path.read_bytes()
+    with raises_code(INVALID_INPUT):
+        await SQLiteStore.connect_read_only(str(path))  # a plain path: not a read-only URI
+    store = await SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro&immutable=1")
+    try:
+        assert [r.seq for r in await store.read()] == [1, 2, 3]
+        assert (await store.verify()).ok
+        with raises_code(INVALID_INPUT):
+            await store.append(batch_of(1, "x"))
+    finally:
+        await store.close()
+    assert path.read_bytes() == before
+    assert not path.with_name("log.db-wal").exists() and not path.with_name("log.db-shm").exists()
+
+
+@pytest.mark.anyio
+async def test_text_that_is_not_utf8_is_a_corrupt_record_naming_its_seq(tmp_path: Path) -> None:
+    """Issue 12: sqlite3 failed the whole read (``STORE_FAILED``, no seq); the STRICT table
+    takes such TEXT (SQLite does not check the encoding), so a hand edit can put it there."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        await store.append(batch_of(5))
+    conn = _raw(path)
+    try:
+        conn.execute("UPDATE events SET stream = CAST(x'ff00fe' AS TEXT) WHERE seq = 4")
+    finally:
+        conn.close()
+    store = await SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro&immutable=1")
+    try:
+        report = await store.verify()
+        assert (report.ok, report.code, report.first_bad_seq) == (
+            False,
+            StoreCode.CORRUPT_RECORD,
+            4,
+        )
+        assert "not UTF-8" in report.message and report.last_seq == 3
+        with raises_code(StoreCode.CORRUPT_RECORD, seq=4):
+            await store.read()
+    finally:
+        await store.close()

@@ -28,7 +28,10 @@ import hashlib
 import json
 import os
 import shutil
+import sqlite3
+import subprocess
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +264,146 @@ def test_damaged_log_files_get_an_exit_code_and_stay_untouched(
         shutil.rmtree(folder, ignore_errors=True)
 
     prop()
+
+
+_DEEP = b"\x91" * 100_000 + b"\xc0"  # a msgpack array nested 100,000 deep
+_CRAFTED: dict[str, dict[str, object]] = {
+    # (seq is the rowid: SQLite itself refuses any other type there)
+    "deep nesting": {"payload": b"\x81\xa7session" + _DEEP},
+    "deep nesting, old schema (upcast path)": {"payload": _DEEP, "schema": 0},
+    "event_id as text": {"event_id": "id"},
+    "stream as an integer": {"stream": 5},
+    "type as a blob": {"type": b"SessionBound"},
+    "schema as text": {"schema": "1"},
+    "recorded_at as text": {"recorded_at": "yesterday"},
+    "payload as text": {"payload": "abc"},
+    "prev_hash as text": {"prev_hash": "x"},
+    "hash as a number": {"hash": 7},
+    "stream not UTF-8": {"stream": b"\xff\x00\xfe"},
+    "type not UTF-8": {"type": b"Session\xffBound"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CRAFTED))
+def test_crafted_hash_valid_records_get_an_exit_code_naming_their_seq(
+    small_log: Path, tmp_path: Path, case: str
+) -> None:
+    """Issue 12: records whose hashes are right but whose content no ledger writes (nesting
+    deeper than any event, a column of another type in a non-STRICT table, text that is not
+    UTF-8) raised ``RecursionError``/``TypeError`` tracebacks, or ``STORE_FAILED`` with no
+    seq. Each is ``CORRUPT_RECORD`` (exit 7) naming the record; ``verify --json`` prints its
+    verdict; replay and audit name the seq; the file is unchanged."""
+    from tests.tools import tamper
+
+    _count("crafted records")
+    log = tmp_path / "crafted.db"
+    tamper.loose_copy(small_log, log)
+    bad = 3
+    columns = dict(_CRAFTED[case])
+    if case.endswith("not UTF-8"):
+        ((column, raw),) = columns.items()
+        tamper.raw_text(log, bad, column, raw)  # type: ignore[arg-type]
+    else:
+        tamper.craft(log, bad, **columns)
+    before = _digest(log)
+    code, out = _cli(["verify", str(log), "--json"])
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out
+    verdict = json.loads(lines[0])
+    assert code == Exit.TAMPERED and verdict["exit_code"] == code, verdict
+    assert verdict["code"] in ("CORRUPT_RECORD", "CHAIN_BROKEN"), verdict
+    assert verdict["first_bad_seq"] == bad, verdict
+    for args in (["replay", str(log), "--at", "2099-01-01"], ["audit", str(log), "--all"]):
+        code, out = _cli(args)
+        assert code == Exit.TAMPERED and f"(seq {bad})" in out, (args, out)
+    assert _digest(log) == before
+
+
+_MARKUP = ["[/x]", "[bold]", "[/]", "a[/b].db", "[link=https:x]y", "[red", "\\[x]"]
+
+
+@pytest.mark.parametrize("text", _MARKUP)
+def test_user_text_reaches_the_output_as_text_never_as_rich_markup(
+    small_log: Path, tmp_path: Path, text: str
+) -> None:
+    """Issue 12: ``loraledger replay 'missing[/x].db'`` was a ``MarkupError`` traceback
+    (exit 1 instead of 3). Paths, names given on the command line and names read from the
+    log are printed verbatim, in answers and in error lines."""
+    from evlog.events import DeploymentCreated
+    from tests.tools import tamper
+
+    cases: list[tuple[list[str], int]] = [
+        (["replay", str(tmp_path / f"missing{text}.db")], Exit.MISSING),
+        (["verify", str(tmp_path / f"missing{text}.db")], Exit.MISSING),
+        (["replay", str(small_log), "--engine", text, "--version", "1"], Exit.OK),
+        (["audit", str(small_log), "--session", text], Exit.FAILED),
+        (["audit", str(small_log), "--all", "--provenance", str(tmp_path / text)], Exit.MISSING),
+    ]
+    forged = tmp_path / "forged.db"
+    shutil.copyfile(small_log, forged)
+    with closing(sqlite3.connect(forged)) as conn:
+        (created,) = conn.execute(
+            "SELECT seq FROM events WHERE type = 'DeploymentCreated'"
+        ).fetchone()
+    tamper.reforge(forged, created, DeploymentCreated(deployment=text, prefix=text, capacity=2))
+    cases.append((["replay", str(forged)], Exit.OK))
+    for args, expected in cases:
+        _count("cli output")
+        code, out = _cli(args)
+        assert code == expected, (args, out)
+        assert text in out, (args, out)
+
+
+def test_serve_refuses_a_bad_deployment_name_before_creating_anything(tmp_path: Path) -> None:
+    """Issue 12: ``serve --deployment 'a b/c'`` created the log and its artifacts folder,
+    started, and ended in an ``ExceptionGroup``. The name is checked first: usage error, one
+    line, nothing on disk."""
+    for name in ("a b/c", "", "-x", "x" * 65, "a:b", "[/x]"):
+        _count("cli output")
+        db = tmp_path / "serve" / "ledger.db"
+        code, out = _cli(["serve", "--db", str(db), "--deployment", name, "--port", "0"])
+        assert code == Exit.USAGE and "--deployment" in out, (name, out)
+        assert not db.parent.exists() and not db.exists(), name
+    _count("cli output")
+    code, out = _cli(["serve", "--db", str(db), "--prefix", "a/b", "--port", "0"])
+    assert code == Exit.USAGE and "--prefix" in out and not db.parent.exists()
+
+
+def test_replay_plot_to_an_unwritable_path_is_one_line_and_a_code(
+    small_log: Path, tmp_path: Path
+) -> None:
+    """Issue 12: ``replay --plot /nonexistent/x.png`` was an internal error."""
+    pytest.importorskip("matplotlib")
+    for target, expected, why in (
+        (tmp_path / "nonexistent" / "x.png", Exit.USAGE, "no such directory"),
+        (tmp_path, Exit.FAILED, "cannot write"),
+    ):
+        _count("cli output")
+        code, out = _cli(["replay", str(small_log), "--plot", str(target)])
+        assert code == expected and why in out and "internal error" not in out, out
+
+
+def test_replay_into_a_closed_pipe_exits_quietly(small_log: Path) -> None:
+    """Issue 12: ``loraledger replay LOG | head`` printed "internal error: BrokenPipeError".
+    Like a Unix tool killed by SIGPIPE: nothing on stderr, exit 141 (128 + 13). The reader
+    closes its end before the command writes (its start-up alone takes far longer than
+    ``close``), so the first write meets a closed pipe, every time."""
+    from tests.tools.conftest import REPO, console_script, script_env
+
+    for args in (["replay", str(small_log)], ["replay", str(small_log), "--json"]):
+        _count("cli output")
+        child = subprocess.Popen(
+            [*console_script(), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            env=script_env(),
+        )
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()
+        err = child.stderr.read().decode()
+        assert child.wait(timeout=120) == Exit.BROKEN_PIPE, err
+        assert err == "", err
 
 
 def test_cli_arguments_get_an_exit_code_never_a_traceback(small_log: Path, slow: bool) -> None:

@@ -13,7 +13,7 @@ from contextlib import closing
 from pathlib import Path
 
 from evlog.events import Event, encode_event
-from evlog.record import chain_hash
+from evlog.record import GENESIS_HASH, chain_hash
 
 _ROW = (
     "SELECT seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash FROM events"
@@ -52,7 +52,7 @@ def reforge(path: Path, seq: int, event: Event) -> None:
             "UPDATE events SET type = ?, payload = ? WHERE seq = ?",
             (type(event).__name__, encode_event(event), seq),
         )
-        (prev,) = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()
+        prev = _hash_before(conn, seq)
         for row in conn.execute(_ROW + " WHERE seq >= ? ORDER BY seq", (seq,)).fetchall():
             new_hash = chain_hash(prev, *row[:7])
             conn.execute(
@@ -60,6 +60,13 @@ def reforge(path: Path, seq: int, event: Event) -> None:
             )
             prev = new_hash
         conn.execute("COMMIT")
+
+
+def _hash_before(conn: sqlite3.Connection, seq: int) -> bytes:
+    if seq == 1:
+        return GENESIS_HASH
+    (prev,) = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()
+    return bytes(prev)
 
 
 def truncate(path: Path, size: int) -> None:
@@ -72,3 +79,56 @@ def page_size(path: Path) -> int:
         header = f.read(100)
     size = int.from_bytes(header[16:18], "big")
     return 65536 if size == 1 else size
+
+
+def loose_copy(src: Path, dst: Path) -> None:
+    """The same log with its events table re-created without STRICT, so that any column takes
+    any type: what a forger who writes the file with another tool can produce (the ledger's
+    own table refuses it)."""
+    from evlog.sqlite import APPLICATION_ID, LAYOUT_VERSION
+
+    with closing(_connect(src)) as s:
+        rows = s.execute(_ROW + " ORDER BY seq").fetchall()
+    with closing(_connect(dst)) as d:
+        d.execute(
+            "CREATE TABLE events (seq INTEGER PRIMARY KEY, event_id, stream, type, schema, "
+            "recorded_at, payload, prev_hash, hash)"
+        )
+        d.execute(
+            "CREATE TABLE snapshots (code_version TEXT, seq INTEGER, state BLOB, "
+            "PRIMARY KEY (code_version, seq))"
+        )
+        d.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        d.execute(f"PRAGMA user_version = {LAYOUT_VERSION}")
+        d.executemany(f"INSERT INTO events VALUES ({', '.join('?' * 9)})", rows)
+
+
+def craft(path: Path, seq: int, **columns: object) -> None:
+    """Set ``columns`` of record ``seq`` (any values, any types) and recompute its hash and
+    every later one wherever the values can be hashed at all, so the record is hash-valid
+    unless its very columns make hashing impossible. Needs a :func:`loose_copy` for values of
+    another type. ``prev_hash`` and ``hash`` are set as given (no chain is rewritten then)."""
+    with closing(_connect(path)) as conn:
+        conn.execute("BEGIN")
+        sets = ", ".join(f"{name} = ?" for name in columns)
+        conn.execute(f"UPDATE events SET {sets} WHERE seq = ?", (*columns.values(), seq))
+        if not {"prev_hash", "hash"} & set(columns):
+            prev = _hash_before(conn, seq)
+            for row in conn.execute(_ROW + " WHERE seq >= ? ORDER BY seq", (seq,)).fetchall():
+                try:
+                    new_hash = chain_hash(prev, *row[:7])
+                except (TypeError, ValueError):
+                    new_hash = bytes(32)  # columns the chain cannot hash: left so
+                conn.execute(
+                    "UPDATE events SET prev_hash = ?, hash = ? WHERE seq = ?",
+                    (prev, new_hash, row[0]),
+                )
+                prev = new_hash
+        conn.execute("COMMIT")
+
+
+def raw_text(path: Path, seq: int, column: str, raw: bytes) -> None:
+    """Store bytes that are not UTF-8 as the TEXT of ``column`` (Python cannot even read it
+    back as a string, let alone hash it)."""
+    with closing(_connect(path)) as conn:
+        conn.execute(f"UPDATE events SET {column} = CAST(? AS TEXT) WHERE seq = ?", (raw, seq))

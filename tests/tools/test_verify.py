@@ -173,3 +173,20 @@ def test_the_console_script_reports_without_a_traceback(fault_log: Path) -> None
     missing = run_script("replay", os.fspath(fault_log) + ".missing")
     assert missing.returncode == Exit.MISSING
     assert missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_verify_json_prints_a_verdict_even_when_verify_itself_breaks(
+    cli: Cli, fault_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 12: an unexpected exception (a RecursionError on a crafted record was one) left
+    ``verify --json`` with no verdict at all. A planted bug in the invariant replay must still
+    give one JSON object, exit 1, stage ``internal``."""
+
+    class Broken:
+        def __init__(self, **_: object) -> None:
+            raise RecursionError("planted: maximum recursion depth exceeded")
+
+    monkeypatch.setattr("tools.verify.CheckedReplay", Broken)
+    code, report = _verdict(cli, fault_log)
+    assert (code, report["ok"], report["stage"]) == (Exit.FAILED, False, "internal")
+    assert "RecursionError" in str(report["problem"])
