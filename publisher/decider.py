@@ -516,8 +516,9 @@ def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
 
 def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decision:
     """Shared fencing of PREPARED and READY receipts (docs/state-machine.md): version,
-    attempt, fleet, incarnation, digest and name must all match the current attempt. A mismatch
-    is recorded (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
+    attempt, fleet, incarnation, digest and name must all match the current attempt, and the
+    receipts come in order (claim -> PREPARED at this incarnation -> READY). A mismatch is
+    recorded (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
     _deployment(s)
     v = _version(s, cmd.version_id)
     member = _member(s, cmd.engine)
@@ -548,6 +549,20 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
             Code.READY_MISMATCH,
             f"receipt echoes {cmd.lora_name}/{cmd.digest[:16]}, "
             f"expected {v.lora_name}/{v.digest[:16]}",
+        )
+    elif v.claimed_by is None:
+        # The claim makes exactly one transport the owner of the attempt: a receipt before it
+        # comes from no driver the ledger knows of.
+        code, detail = (
+            Code.RECEIPT_OUT_OF_ORDER,
+            f"no transport claimed attempt {v.attempt} of version {v.version_id}",
+        )
+    elif ready and v.prepared.get(cmd.engine) != cmd.incarnation:
+        # READY means "what I prepared at this incarnation is loaded".
+        code, detail = (
+            Code.RECEIPT_OUT_OF_ORDER,
+            f"READY from {cmd.engine} at {cmd.incarnation} without a PREPARED at that "
+            f"incarnation for attempt {v.attempt}",
         )
     else:
         fields = {

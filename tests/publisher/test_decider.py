@@ -5,6 +5,7 @@ The ``Book`` harness checks the invariants after every single decision.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from evlog.events import (
@@ -217,12 +218,48 @@ def test_receipt_from_an_engine_outside_the_fleet_is_fleet_mismatch(book: Book) 
     assert isinstance(recorded[0], ReceiptRejected)
 
 
+def _prepared(book: Book, version_id: int, engine: str) -> c.RecordPrepared:
+    return c.RecordPrepared(**msgspec.structs.asdict(_ready(book, version_id, engine)))
+
+
+def test_ready_without_a_claim_or_prepared_receipt_is_refused_and_recorded(book: Book) -> None:
+    """Regression: READY was accepted for an attempt no transport claimed and no engine had
+    PREPARED (and a commit then succeeded); PREPARED was accepted without a claim."""
+    book.allocate(1)
+    for receipt in (_ready(book, 1, "e0"), _prepared(book, 1, "e0")):
+        recorded = book.refuse(receipt, Code.RECEIPT_OUT_OF_ORDER)
+        assert [type(e) for e in recorded] == [ReceiptRejected]
+        assert recorded[0].code == Code.RECEIPT_OUT_OF_ORDER
+    book.claim(1)
+    book.refuse(_ready(book, 1, "e0"), Code.RECEIPT_OUT_OF_ORDER)  # claimed, not PREPARED
+    for engine in ("e0", "e1"):
+        book.refuse(_ready(book, 1, engine), Code.RECEIPT_OUT_OF_ORDER)
+    book.refuse(c.Commit(version_id=1, attempt=1), Code.NOT_READY)
+    assert book.state.versions[1].ready == {} and book.state.default is None
+
+
+def test_ready_at_an_incarnation_that_never_prepared_is_out_of_order(book: Book) -> None:
+    """READY means "what I prepared at this incarnation is loaded": a PREPARED from the
+    engine's previous life does not count."""
+    book.allocate(1)
+    book.claim(1)
+    book.run(_prepared(book, 1, "e0"))
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    book.refuse(_ready(book, 1, "e0"), Code.RECEIPT_OUT_OF_ORDER)
+    book.run(_prepared(book, 1, "e0"))
+    book.run(_ready(book, 1, "e0"))
+    assert book.state.versions[1].ready == {"e0": "e0-i2"}
+
+
 def test_ready_from_one_engine_never_moves_the_default(book: Book) -> None:
     book.publish(1)
     book.allocate(2)
+    book.claim(2)
+    book.run(_prepared(book, 2, "e0"))
     book.run(_ready(book, 2, "e0"))
     book.refuse(c.Commit(version_id=2, attempt=1), Code.NOT_READY)
     assert book.state.default == 1
+    book.run(_prepared(book, 2, "e1"))
     book.run(_ready(book, 2, "e1"))
     published = book.run(c.Commit(version_id=2, attempt=1))
     assert published.retired == 1 and published.revision == 2
@@ -231,6 +268,8 @@ def test_ready_from_one_engine_never_moves_the_default(book: Book) -> None:
 
 def test_duplicate_ready_is_a_no_op(book: Book) -> None:
     book.allocate(1)
+    book.claim(1)
+    book.run(_prepared(book, 1, "e0"))
     book.run(_ready(book, 1, "e0"))
     before = len(book.events)
     assert book.run(_ready(book, 1, "e0")).no_op

@@ -41,6 +41,7 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
             Code.CAPACITY_ERROR,
             Code.PUBLICATION_IN_PROGRESS,
             Code.READY_MISMATCH,
+            Code.RECEIPT_OUT_OF_ORDER,
             Code.ENGINE_RESTARTED,
             Code.ATTEMPT_CONFLICT,
             Code.FLEET_MISMATCH,

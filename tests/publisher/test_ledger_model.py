@@ -45,6 +45,8 @@ class V:
     digest: str
     state: str = "LOADING"
     attempt: int = 1
+    claimed: bool = False
+    prepared: set[str] = field(default_factory=set)
     ready: set[str] = field(default_factory=set)
     confirmed: set[str] = field(default_factory=set)
     ambiguous: bool = False
@@ -88,14 +90,28 @@ class Model:
             self.versions[vid] = V(digest=dig)
         else:
             v.state, v.attempt, v.ready = "LOADING", v.attempt + 1, set()
+            v.claimed, v.prepared = False, set()
         return "allocated", self.versions[vid].attempt
 
     def ready(self, vid: int, attempt: int, engine: str) -> tuple[str, object]:
+        """A driver's claim, PREPARED and READY in a row: the answer to the READY."""
         v = self.versions[vid]
         if engine in v.ready and attempt == v.attempt and v.state == "LOADING":
             return "no_op", None
         if v.state != "LOADING" or attempt != v.attempt:
             return "error", "ATTEMPT_CONFLICT"
+        v.claimed = True
+        v.prepared.add(engine)
+        v.ready.add(engine)
+        return "ok", None
+
+    def ready_alone(self, vid: int, engine: str) -> tuple[str, object]:
+        """A READY of the current attempt with no claim or PREPARED sent just before."""
+        v = self.versions[vid]
+        if engine in v.ready:
+            return "no_op", None
+        if not v.claimed or engine not in v.prepared:
+            return "error", "RECEIPT_OUT_OF_ORDER"
         v.ready.add(engine)
         return "ok", None
 
@@ -251,10 +267,33 @@ class LedgerMachine(RuleBasedStateMachine):
         attempt = self.model.versions[vid].attempt - (1 if stale else 0)
         kind, detail = self.model.ready(vid, attempt, engine)
         v = self.ledger.state.versions[vid]
+        receipt = dict(
+            version_id=vid,
+            attempt=attempt,
+            engine=engine,
+            incarnation=f"{engine}-1",
+            digest=v.digest,
+            lora_name=v.lora_name,
+        )
+        self.call(c.ClaimTransport(version_id=vid, attempt=attempt, owner="t"))
+        self.call(c.RecordPrepared(**receipt))  # type: ignore[arg-type]
+        result = self.call(c.RecordReady(**receipt))  # type: ignore[arg-type]
+        if kind == "error":
+            self.expect_error(result, str(detail))
+        else:
+            assert result.no_op == (kind == "no_op"), result
+
+    @precondition(lambda self: self.model.loading() is not None)
+    @rule(engine=st.sampled_from(ENGINES))
+    def ready_out_of_order(self, engine: str) -> None:
+        vid = self.model.loading()
+        assert vid is not None
+        kind, detail = self.model.ready_alone(vid, engine)
+        v = self.ledger.state.versions[vid]
         result = self.call(
             c.RecordReady(
                 version_id=vid,
-                attempt=attempt,
+                attempt=v.attempt,
                 engine=engine,
                 incarnation=f"{engine}-1",
                 digest=v.digest,
