@@ -416,13 +416,7 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             f"not {digest[:16]}",
             version_id=version_id,
         )
-    blocked = s.blocked_by()
-    if blocked:
-        raise LedgerError(
-            Code.PUBLICATION_BLOCKED,
-            f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first",
-            versions=blocked,
-        )
+    _not_blocked(s)
     if existing is not None:
         if existing.state in COMPLETED_STATES:
             return Decision(outcome=_allocated(existing, no_op=True))
@@ -477,6 +471,19 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
     return Decision(tuple(events), outcome)
 
 
+def _not_blocked(s: RegistryState) -> None:
+    """The fleet block: while a fatal failure or an ambiguous unload is unresolved, what the
+    engines hold is unknown, so nothing may start a publication or move the default
+    (allocate, claim, commit). Receipts and failures are still recorded: they are evidence."""
+    blocked = s.blocked_by()
+    if blocked:
+        raise LedgerError(
+            Code.PUBLICATION_BLOCKED,
+            f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first",
+            versions=blocked,
+        )
+
+
 def _allocated(v: VersionRecord, *, no_op: bool = False, resumed: bool = False) -> Allocated:
     return Allocated(
         version_id=v.version_id,
@@ -504,6 +511,7 @@ def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
         return Decision(
             outcome=Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner)
         )
+    _not_blocked(s)
     if v.claimed_by is not None:
         raise LedgerError(
             Code.PUBLICATION_IN_PROGRESS,
@@ -607,6 +615,7 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
         raise LedgerError(
             Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
         )
+    _not_blocked(s)
     required = _members(s, v.fleet)
     missing = sorted(e for e in required if v.ready.get(e) != s.engines[e].incarnation)
     if missing or not required:

@@ -18,7 +18,7 @@ from evlog.events import (
     SessionReleased,
     VersionReclaimed,
 )
-from projections.registry import VersionState
+from projections.registry import VersionState, encode_state
 from publisher import commands as c
 from publisher.errors import Code
 from publisher.outcomes import Allocated, Bound, Released, Skipped
@@ -289,6 +289,40 @@ def test_commit_of_a_stale_attempt_or_failed_version(book: Book) -> None:
     book.refuse(c.Commit(version_id=1, attempt=2), Code.ATTEMPT_CONFLICT)
     book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="t"))
     book.refuse(c.Commit(version_id=1, attempt=1), Code.INVALID_STATE)
+
+
+def _ambiguous_reclaim(book: Book, version_id: int) -> None:
+    book.run(c.ClaimReclaim(version_id=version_id))
+    book.run(c.MarkReclaimAmbiguous(version_id=version_id, engine="e1", reason="unload timed out"))
+    assert book.state.blocked_by() == [version_id]
+
+
+def test_ambiguous_reclaim_blocks_the_claim_and_commit_of_a_loading_candidate() -> None:
+    """Regression: while an ambiguous reclaim blocked publication, a LOADING candidate could
+    still be claimed, made READY and committed: the default moved while the fleet's memory
+    state was unknown. Claim and commit are refused like allocate; receipts and the failure
+    of the attempt are still accepted (evidence, and no error path may leave it LOADING)."""
+    book = Book().bootstrap(capacity=4)
+    for version_id in (1, 2, 3):
+        book.publish(version_id)  # 1 and 2 RETIRED, 3 the default
+    book.allocate(4)
+    _ambiguous_reclaim(book, 1)
+    claim = c.ClaimTransport(version_id=4, attempt=1, owner="trainer")
+    assert book.refuse(claim, Code.PUBLICATION_BLOCKED) == []
+    for engine in ("e0", "e1"):  # inventories prove v1 absent: the block is lifted
+        book.run(c.ObserveInventory(engine=engine, incarnation=f"{engine}-i1", adapters=()))
+    assert book.state.blocked_by() == []
+    book.ready_all(4)
+    _ambiguous_reclaim(book, 2)
+    before = (encode_state(book.state), len(book.events))
+    assert book.refuse(c.Commit(version_id=4, attempt=1), Code.PUBLICATION_BLOCKED) == []
+    assert (encode_state(book.state), len(book.events)) == before
+    assert book.state.default == 3
+    names = (book.state.versions[3].lora_name, book.state.versions[4].lora_name)
+    for engine in ("e0", "e1"):
+        book.run(c.ObserveInventory(engine=engine, incarnation=f"{engine}-i1", adapters=names))
+    book.run(c.Commit(version_id=4, attempt=1))
+    assert book.state.default == 4
 
 
 # --- failures and their resolution ---------------------------------------------------------

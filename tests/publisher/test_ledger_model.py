@@ -71,12 +71,15 @@ class Model:
     def bound_to(self, vid: int) -> int:
         return sum(1 for x in self.bound.values() if x == vid)
 
+    def blocked(self) -> bool:
+        return any(x.state == "FAILED_FATAL" or (x.state == "RECLAIMING" and x.ambiguous)
+                   for x in self.versions.values())  # fmt: skip
+
     def allocate(self, vid: int, dig: str) -> tuple[str, object]:
         v = self.versions.get(vid)
         if v is not None and v.digest != dig:
             return "error", "VERSION_CONFLICT"
-        if any(x.state == "FAILED_FATAL" or (x.state == "RECLAIMING" and x.ambiguous)
-               for x in self.versions.values()):  # fmt: skip
+        if self.blocked():
             return "error", "PUBLICATION_BLOCKED"
         if v is not None and v.state in COMPLETED:
             return "no_op", v.attempt
@@ -100,6 +103,8 @@ class Model:
             return "no_op", None
         if v.state != "LOADING" or attempt != v.attempt:
             return "error", "ATTEMPT_CONFLICT"
+        if not v.claimed and self.blocked():  # the claim is refused, so are the receipts
+            return "error", "RECEIPT_OUT_OF_ORDER"
         v.claimed = True
         v.prepared.add(engine)
         v.ready.add(engine)
@@ -123,6 +128,8 @@ class Model:
             return "no_op", None
         if v.state != "LOADING":
             return "error", "INVALID_STATE"
+        if self.blocked():
+            return "error", "PUBLICATION_BLOCKED"
         if v.ready != set(ENGINES):
             return "error", "NOT_READY"
         if self.default is not None:
