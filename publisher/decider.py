@@ -416,12 +416,12 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             f"not {digest[:16]}",
             version_id=version_id,
         )
-    _not_blocked(s)
     if existing is not None:
         if existing.state in COMPLETED_STATES:
             return Decision(outcome=_allocated(existing, no_op=True))
         if existing.state is VersionState.LOADING:
             return Decision(outcome=_allocated(existing, resumed=True))
+    _not_blocked(s)
     # A new id, or a retry of a cleanly failed one: both take a capacity slot again.
     used = s.capacity_used()
     if used >= s.capacity:
@@ -497,20 +497,48 @@ def _allocated(v: VersionRecord, *, no_op: bool = False, resumed: bool = False) 
     )
 
 
+def _fenced(v: VersionRecord, attempt: int) -> None:
+    """Attempt fencing, the step after the input in every command that names an attempt: a
+    message for another attempt than the version's latest is stale, whatever the state."""
+    if attempt != v.attempt:
+        raise LedgerError(
+            Code.ATTEMPT_CONFLICT,
+            f"attempt {attempt} of version {v.version_id} is not current "
+            f"(it is {v.state} at attempt {v.attempt})",
+            version_id=v.version_id,
+        )
+
+
+def _loading(v: VersionRecord, step: str) -> None:
+    """The state step of a publication step (claim, receipt, commit) at the current attempt:
+    only a LOADING version goes on. A FAILED_FATAL one blocks publication until inventories
+    resolve it (``PUBLICATION_BLOCKED``); any other state is ``INVALID_STATE``."""
+    if v.state is VersionState.LOADING:
+        return
+    if v.state is VersionState.FAILED_FATAL:
+        raise LedgerError(
+            Code.PUBLICATION_BLOCKED,
+            f"{step}: attempt {v.attempt} of version {v.version_id} ended FAILED_FATAL; "
+            "it blocks publication until inventories prove it absent",
+            versions=[v.version_id],
+        )
+    raise LedgerError(
+        Code.INVALID_STATE,
+        f"{step}: version {v.version_id} is {v.state} at attempt {v.attempt}, not LOADING",
+        version_id=v.version_id,
+    )
+
+
 def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
     _key(cmd.owner, "owner")
-    if v.state is not VersionState.LOADING:
-        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}, not LOADING")
-    if cmd.attempt != v.attempt:
-        raise LedgerError(
-            Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
-        )
-    if v.claimed_by == cmd.owner:
+    _fenced(v, cmd.attempt)
+    if v.state is VersionState.LOADING and v.claimed_by == cmd.owner:
         return Decision(
             outcome=Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner)
         )
+    _loading(v, "claim")
     _not_blocked(s)
     if v.claimed_by is not None:
         raise LedgerError(
@@ -520,6 +548,48 @@ def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
         )
     event = TransportClaimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner)
     return Decision((event,), Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner))
+
+
+def _receipt_refusal(
+    s: RegistryState, v: VersionRecord, cmd: c.RecordPrepared | c.RecordReady
+) -> tuple[str, str] | None:
+    """The first check a receipt fails, in the table's order (attempt fencing, state, then the
+    receipt's own: fleet, incarnation, echo, protocol order), or None."""
+    ready = isinstance(cmd, c.RecordReady)
+    try:
+        _fenced(v, cmd.attempt)
+        _loading(v, "READY" if ready else "PREPARED")
+    except LedgerError as refusal:
+        return refusal.code, refusal.message
+    incarnation = s.engines[cmd.engine].incarnation
+    if cmd.engine not in v.fleet:
+        return Code.FLEET_MISMATCH, f"{cmd.engine} is not in the attempt's fleet {v.fleet}"
+    if cmd.incarnation != incarnation:
+        return (
+            Code.ENGINE_RESTARTED,
+            f"receipt from incarnation {cmd.incarnation}, engine is at {incarnation}",
+        )
+    if (cmd.digest, cmd.lora_name) != (v.digest, v.lora_name):
+        return (
+            Code.READY_MISMATCH,
+            f"receipt echoes {cmd.lora_name}/{cmd.digest[:16]}, "
+            f"expected {v.lora_name}/{v.digest[:16]}",
+        )
+    if v.claimed_by is None:
+        # The claim makes exactly one transport the owner of the attempt: a receipt before it
+        # comes from no driver the ledger knows of.
+        return (
+            Code.RECEIPT_OUT_OF_ORDER,
+            f"no transport claimed attempt {v.attempt} of version {v.version_id}",
+        )
+    if ready and v.prepared.get(cmd.engine) != cmd.incarnation:
+        # READY means "what I prepared at this incarnation is loaded".
+        return (
+            Code.RECEIPT_OUT_OF_ORDER,
+            f"READY from {cmd.engine} at {cmd.incarnation} without a PREPARED at that "
+            f"incarnation for attempt {v.attempt}",
+        )
+    return None
 
 
 def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decision:
@@ -540,39 +610,8 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
     )
     if duplicate:
         return Decision(outcome=Done(no_op=True))
-    if v.state is not VersionState.LOADING or cmd.attempt != v.attempt:
-        code, detail = (
-            Code.ATTEMPT_CONFLICT,
-            f"receipt for attempt {cmd.attempt}, version is {v.state} at attempt {v.attempt}",
-        )
-    elif cmd.engine not in v.fleet:
-        code, detail = Code.FLEET_MISMATCH, f"{cmd.engine} is not in the attempt's fleet {v.fleet}"
-    elif cmd.incarnation != member.incarnation:
-        code, detail = (
-            Code.ENGINE_RESTARTED,
-            f"receipt from incarnation {cmd.incarnation}, engine is at {member.incarnation}",
-        )
-    elif (cmd.digest, cmd.lora_name) != (v.digest, v.lora_name):
-        code, detail = (
-            Code.READY_MISMATCH,
-            f"receipt echoes {cmd.lora_name}/{cmd.digest[:16]}, "
-            f"expected {v.lora_name}/{v.digest[:16]}",
-        )
-    elif v.claimed_by is None:
-        # The claim makes exactly one transport the owner of the attempt: a receipt before it
-        # comes from no driver the ledger knows of.
-        code, detail = (
-            Code.RECEIPT_OUT_OF_ORDER,
-            f"no transport claimed attempt {v.attempt} of version {v.version_id}",
-        )
-    elif ready and v.prepared.get(cmd.engine) != cmd.incarnation:
-        # READY means "what I prepared at this incarnation is loaded".
-        code, detail = (
-            Code.RECEIPT_OUT_OF_ORDER,
-            f"READY from {cmd.engine} at {cmd.incarnation} without a PREPARED at that "
-            f"incarnation for attempt {v.attempt}",
-        )
-    else:
+    refusal = _receipt_refusal(s, v, cmd)
+    if refusal is None:
         fields = {
             "version_id": v.version_id,
             "attempt": v.attempt,
@@ -584,6 +623,7 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
         else:
             event = EnginePrepared(**fields)
         return Decision((event,), Done())
+    code, detail = refusal
     rejected = ReceiptRejected(
         code=code,
         version_id=v.version_id,
@@ -598,6 +638,7 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
 def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
+    _fenced(v, cmd.attempt)
     if v.state in COMPLETED_STATES:
         # A replay of a committed version returns it; the default never rolls back.
         return Decision(
@@ -609,12 +650,7 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
                 no_op=True,
             )
         )
-    if v.state is not VersionState.LOADING:
-        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}")
-    if cmd.attempt != v.attempt:
-        raise LedgerError(
-            Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
-        )
+    _loading(v, "commit")
     _not_blocked(s)
     required = _members(s, v.fleet)
     missing = sorted(e for e in required if v.ready.get(e) != s.engines[e].incarnation)
@@ -638,17 +674,17 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
 def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
-    if cmd.attempt == v.attempt and v.state in (
-        VersionState.FAILED_RETRYABLE,
-        VersionState.FAILED_FATAL,
-    ):
+    _fenced(v, cmd.attempt)
+    if v.state in (VersionState.FAILED_RETRYABLE, VersionState.FAILED_FATAL):
         return Decision(
             outcome=AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=v.state)
         )
-    if v.state is not VersionState.LOADING or cmd.attempt != v.attempt:
+    if v.state is not VersionState.LOADING:
         raise LedgerError(
-            Code.ATTEMPT_CONFLICT,
-            f"attempt {cmd.attempt} cannot fail: version is {v.state} at attempt {v.attempt}",
+            Code.INVALID_STATE,
+            f"attempt {v.attempt} of version {v.version_id} cannot fail: it committed "
+            f"(the version is {v.state})",
+            version_id=v.version_id,
         )
     clean = bool(cmd.clean) and _members(s, v.fleet) <= set(cmd.absent_on)
     event = AttemptFailed(

@@ -288,7 +288,7 @@ def test_commit_of_a_stale_attempt_or_failed_version(book: Book) -> None:
     book.allocate(1)
     book.refuse(c.Commit(version_id=1, attempt=2), Code.ATTEMPT_CONFLICT)
     book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="t"))
-    book.refuse(c.Commit(version_id=1, attempt=1), Code.INVALID_STATE)
+    book.refuse(c.Commit(version_id=1, attempt=1), Code.PUBLICATION_BLOCKED)
 
 
 def _ambiguous_reclaim(book: Book, version_id: int) -> None:

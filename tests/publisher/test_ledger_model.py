@@ -79,12 +79,12 @@ class Model:
         v = self.versions.get(vid)
         if v is not None and v.digest != dig:
             return "error", "VERSION_CONFLICT"
-        if self.blocked():
-            return "error", "PUBLICATION_BLOCKED"
         if v is not None and v.state in COMPLETED:
             return "no_op", v.attempt
         if v is not None and v.state == "LOADING":
             return "resumed", v.attempt
+        if self.blocked():
+            return "error", "PUBLICATION_BLOCKED"
         if self.used() >= CAPACITY:
             return ("skipped", None) if self.default is not None else ("error", "CAPACITY_ERROR")
         if self.loading() is not None:
@@ -126,6 +126,8 @@ class Model:
             return "error", "UNKNOWN_VERSION"
         if v.state in COMPLETED:
             return "no_op", None
+        if v.state == "FAILED_FATAL":
+            return "error", "PUBLICATION_BLOCKED"
         if v.state != "LOADING":
             return "error", "INVALID_STATE"
         if self.blocked():
@@ -143,7 +145,7 @@ class Model:
         if v.state in ("FAILED_RETRYABLE", "FAILED_FATAL"):
             return "no_op", v.state
         if v.state != "LOADING":
-            return "error", "ATTEMPT_CONFLICT"
+            return "error", "INVALID_STATE"
         v.state = "FAILED_RETRYABLE" if clean else "FAILED_FATAL"
         v.confirmed = set()
         return "ok", v.state
