@@ -274,6 +274,22 @@ class ReceiptRejected(Event):
     detail: str
 
 
+class VerdictConflict(Event):
+    """A failure report whose verdict contradicts how the attempt already ended (a fatal
+    report on a FAILED_RETRYABLE attempt, a clean one on a FAILED_FATAL attempt): refused,
+    never applied, but recorded so the evidence it carries is not dropped and a replay shows
+    it. ``state`` is how the attempt ended; ``clean``, ``code``, ``reason`` and ``absent_on``
+    are the report's."""
+
+    version_id: int
+    attempt: int
+    state: str
+    clean: bool
+    code: str
+    reason: str
+    absent_on: tuple[str, ...] = ()
+
+
 class CommandRecorded(Event):
     """A client command id and the outcome it produced (msgpack bytes of the outcome), so the
     same command id yields the same outcome forever."""
@@ -311,6 +327,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     VersionReclaimed,
     ReclaimAmbiguous,
     ReceiptRejected,
+    VerdictConflict,
     CommandRecorded,
 )
 
@@ -342,6 +359,7 @@ AnyEvent = (
     | VersionReclaimed
     | ReclaimAmbiguous
     | ReceiptRejected
+    | VerdictConflict
     | CommandRecorded
 )
 

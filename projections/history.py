@@ -36,6 +36,7 @@ from evlog.events import (
     SessionReleased,
     SessionsForgotten,
     TransportClaimed,
+    VerdictConflict,
     VersionAllocated,
     VersionPublished,
     VersionReclaimed,
@@ -171,6 +172,9 @@ def _detail(event: Event) -> str:
             return "unloaded on every engine; slot free"
         case ReceiptRejected():
             return f"{event.code} from {event.engine}: {event.detail}"
+        case VerdictConflict():
+            verdict = "clean" if event.clean else "fatal"
+            return f"{verdict} report on attempt {event.attempt} ({event.state}): {event.code}"
         case EngineJoined():
             return f"incarnation {event.incarnation} {event.kind} {event.endpoint}".strip()
         case EngineRestarted():

@@ -43,6 +43,7 @@ from evlog.events import (
     ReclaimAmbiguous,
     SessionBound,
     SessionReleased,
+    VerdictConflict,
     VersionPublished,
     VersionReclaimed,
     VersionRestored,
@@ -60,6 +61,7 @@ KINDS = (
     "skipped",
     "lease_expired",
     "receipt_rejected",
+    "verdict_conflict",
     "engine_restart",
 )
 
@@ -185,6 +187,18 @@ class IncidentFold:
                         at=at,
                         seqs=(seq,),
                         summary=f"publication skipped: {event.code}: {event.message}",
+                    )
+                )
+            case VerdictConflict():
+                verdict = "clean" if event.clean else "fatal"
+                self._found.append(
+                    Incident(
+                        kind="verdict_conflict",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=(seq,),
+                        summary=f"a {verdict} failure report ({event.code}) for attempt "
+                        f"{event.attempt}, which had ended {event.state}: {event.reason}",
                     )
                 )
             case ReceiptRejected():

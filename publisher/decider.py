@@ -50,6 +50,7 @@ from evlog.events import (
     SessionReleased,
     SessionsForgotten,
     TransportClaimed,
+    VerdictConflict,
     VersionAllocated,
     VersionPublished,
     VersionReclaimed,
@@ -671,14 +672,40 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
     return Decision((event,), outcome)
 
 
+def _failed_again(v: VersionRecord, cmd: c.FailAttempt, clean: bool) -> Decision:
+    """A failure report for an attempt that already ended. The same verdict (or a resend of
+    the very report that ended it) is a no-op; a contradicting one -- fatal evidence about an
+    attempt proven absent everywhere, or a clean report about one that may be loaded -- is
+    refused (``VERDICT_CONFLICT``) and recorded, so the evidence is never dropped silently."""
+    ended = AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=v.state)
+    resend = (cmd.code, cmd.reason[:2000]) == (v.failure_code, v.failure_reason)
+    if resend or clean == (v.state is VersionState.FAILED_RETRYABLE):
+        return Decision(outcome=ended)
+    verdict = "clean" if clean else "fatal"
+    detail = (
+        f"a {verdict} failure report ({cmd.code}) for attempt {v.attempt} of version "
+        f"{v.version_id}, which already ended {v.state} ({v.failure_code}): recorded, not applied"
+    )
+    conflict = VerdictConflict(
+        version_id=v.version_id,
+        attempt=v.attempt,
+        state=v.state,
+        clean=clean,
+        code=cmd.code[:200],
+        reason=cmd.reason[:2000],
+        absent_on=tuple(sorted(set(cmd.absent_on))),
+    )
+    refusal = LedgerError(Code.VERDICT_CONFLICT, detail, version_id=v.version_id, state=v.state)
+    return Decision((conflict,), error=refusal)
+
+
 def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
     _fenced(v, cmd.attempt)
+    clean = bool(cmd.clean) and _members(s, v.fleet) <= set(cmd.absent_on)
     if v.state in (VersionState.FAILED_RETRYABLE, VersionState.FAILED_FATAL):
-        return Decision(
-            outcome=AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=v.state)
-        )
+        return _failed_again(v, cmd, clean)
     if v.state is not VersionState.LOADING:
         raise LedgerError(
             Code.INVALID_STATE,
@@ -686,7 +713,6 @@ def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
             f"(the version is {v.state})",
             version_id=v.version_id,
         )
-    clean = bool(cmd.clean) and _members(s, v.fleet) <= set(cmd.absent_on)
     event = AttemptFailed(
         version_id=v.version_id,
         attempt=v.attempt,

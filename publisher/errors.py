@@ -34,6 +34,7 @@ class Code:
     ATTEMPT_CONFLICT = "ATTEMPT_CONFLICT"
     FLEET_MISMATCH = "FLEET_MISMATCH"
     NOT_READY = "NOT_READY"
+    VERDICT_CONFLICT = "VERDICT_CONFLICT"  # a failure report contradicts the recorded ending
     UNKNOWN_VERSION = "UNKNOWN_VERSION"
     INVALID_STATE = "INVALID_STATE"
     # sessions and owners
@@ -76,6 +77,7 @@ class LedgerRefused(
         Code.ATTEMPT_CONFLICT,
         Code.FLEET_MISMATCH,
         Code.NOT_READY,
+        Code.VERDICT_CONFLICT,
         Code.UNKNOWN_VERSION,
         Code.INVALID_STATE,
         Code.SESSION_CLOSED,

@@ -16,6 +16,7 @@ from evlog.events import (
     PublicationSkipped,
     ReceiptRejected,
     SessionReleased,
+    VerdictConflict,
     VersionReclaimed,
 )
 from projections.registry import VersionState, encode_state
@@ -354,6 +355,32 @@ def test_fatal_blocks_publication_until_inventories_prove_absence(book: Book) ->
     assert isinstance(book.events[-1], FatalResolved)
     assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
     assert book.allocate(3).attempt == 1
+
+
+@pytest.mark.parametrize("first_clean", [True, False])
+def test_conflicting_verdict_is_recorded_and_refused_not_dropped(
+    book: Book, first_clean: bool
+) -> None:
+    """Regression: a fatal failure report on an attempt already FAILED_RETRYABLE answered
+    AttemptEnded(FAILED_RETRYABLE) and the fatal evidence was dropped; a clean one on a
+    FAILED_FATAL attempt was ignored the same way. Now it is recorded and refused."""
+    book.allocate(1)
+    everywhere = ("e0", "e1")
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=first_clean, code="FIRST",
+                           reason="first", absent_on=everywhere))  # fmt: skip
+    ended = book.state.versions[1].state
+    report = c.FailAttempt(version_id=1, attempt=1, clean=not first_clean, code="LATE",
+                           reason="a late report", absent_on=everywhere)  # fmt: skip
+    recorded = book.refuse(report, Code.VERDICT_CONFLICT)
+    assert [type(e) for e in recorded] == [VerdictConflict]
+    conflict = recorded[0]
+    assert (conflict.state, conflict.clean, conflict.code) == (ended, not first_clean, "LATE")
+    assert book.state.versions[1].state is ended  # never applied
+    # The same verdict again, or a resend of the report that ended it, is still a no-op.
+    before = len(book.events)
+    resend = c.FailAttempt(version_id=1, attempt=1, clean=first_clean, code="FIRST",
+                           reason="first", absent_on=everywhere)  # fmt: skip
+    assert book.run(resend).state == ended and len(book.events) == before
 
 
 def test_fail_of_a_stale_attempt_is_refused_and_repeat_is_idempotent(book: Book) -> None:

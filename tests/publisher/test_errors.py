@@ -46,6 +46,7 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
             Code.ATTEMPT_CONFLICT,
             Code.FLEET_MISMATCH,
             Code.NOT_READY,
+            Code.VERDICT_CONFLICT,
             Code.UNKNOWN_VERSION,
             Code.INVALID_STATE,
             Code.SESSION_CLOSED,
