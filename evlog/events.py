@@ -139,12 +139,17 @@ class EngineReady(Event):
 
 
 class VersionPublished(Event):
-    """The atomic commit: the version becomes the default; ``retired`` is the old default."""
+    """The atomic commit: the version becomes the default; ``retired`` is the old default.
+    ``rollback``: the new default is a lower version than the one it retires, published on
+    purpose (``allow_rollback``). Schema 2 added ``rollback`` (schema 1 records: False)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     version_id: int
     attempt: int
     revision: int
     retired: int | None = None
+    rollback: bool = False
 
 
 class AttemptFailed(Event):
@@ -425,6 +430,11 @@ def upcaster(type_name: str, from_schema: int) -> Callable[[Upcaster], Upcaster]
 
 def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
+
+
+@upcaster("VersionPublished", 1)
+def _version_published_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "rollback": False}
 
 
 def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:

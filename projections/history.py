@@ -153,7 +153,8 @@ def _detail(event: Event) -> str:
             return f"{event.engine} ({event.incarnation}) attempt {event.attempt}"
         case VersionPublished():
             retired = f", retired v{event.retired}" if event.retired is not None else ""
-            return f"revision {event.revision}{retired}"
+            rollback = " (a rollback)" if event.rollback else ""
+            return f"revision {event.revision}{retired}{rollback}"
         case AttemptFailed():
             kind = "clean" if event.clean else "ambiguous"
             return f"attempt {event.attempt} {kind}: {event.code}: {event.reason}"

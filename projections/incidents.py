@@ -62,6 +62,7 @@ KINDS = (
     "lease_expired",
     "receipt_rejected",
     "verdict_conflict",
+    "rollback",
     "engine_restart",
 )
 
@@ -142,6 +143,17 @@ class IncidentFold:
             case VersionPublished() if event.retired is not None:
                 self._retired_at[event.retired] = (seq, at)
                 self._watch_reclaimable(event.retired, seq, at)
+                if event.rollback:
+                    self._found.append(
+                        Incident(
+                            kind="rollback",
+                            subject=f"v{event.version_id}",
+                            at=at,
+                            seqs=(seq,),
+                            summary=f"rolled the default back from v{event.retired} to "
+                            f"v{event.version_id} (revision {event.revision}), on purpose",
+                        )
+                    )
             case AttemptStarted() if event.attempt >= 2:
                 self._attempts_of(event.version_id).restarts.append(seq)
             case AttemptFailed():

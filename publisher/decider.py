@@ -422,6 +422,20 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             return Decision(outcome=_allocated(existing, no_op=True))
         if existing.state is VersionState.LOADING:
             return Decision(outcome=_allocated(existing, resumed=True))
+    if s.default is not None and version_id < s.default and not cmd.allow_rollback:
+        # Publishing it would silently roll the policy back: refused, and recorded so the
+        # log shows the trainer asked (an explicit rollback passes ``allow_rollback``).
+        message = (
+            f"version {version_id} is lower than the default {s.default}: publishing it would "
+            "roll the policy back (pass allow_rollback=True to mean it)"
+        )
+        refused = PublicationSkipped(
+            version_id=version_id, digest=digest, code=Code.VERSION_REGRESSION, message=message
+        )
+        error = LedgerError(
+            Code.VERSION_REGRESSION, message, version_id=version_id, default=s.default
+        )
+        return Decision((refused,), error=error)
     _not_blocked(s)
     # A new id, or a retry of a cleanly failed one: both take a capacity slot again.
     used = s.capacity_used()
@@ -663,8 +677,15 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
             missing=missing,
         )
     revision = s.default_revision + 1
+    # Lower than the default: only an allocation with allow_rollback gets here (the default
+    # cannot move while this version is LOADING), and the commit records it as a rollback.
+    rollback = s.default is not None and v.version_id < s.default
     event = VersionPublished(
-        version_id=v.version_id, attempt=v.attempt, revision=revision, retired=s.default
+        version_id=v.version_id,
+        attempt=v.attempt,
+        revision=revision,
+        retired=s.default,
+        rollback=rollback,
     )
     outcome = Published(
         version_id=v.version_id, lora_name=v.lora_name, revision=revision, retired=s.default

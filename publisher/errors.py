@@ -24,6 +24,7 @@ class Code:
     # allocate / publication (in the order allocate checks them)
     INVALID_VERSION = "INVALID_VERSION"
     VERSION_CONFLICT = "VERSION_CONFLICT"
+    VERSION_REGRESSION = "VERSION_REGRESSION"  # lower than the default, without allow_rollback
     PUBLICATION_BLOCKED = "PUBLICATION_BLOCKED"
     CAPACITY_ERROR = "CAPACITY_ERROR"
     PUBLICATION_IN_PROGRESS = "PUBLICATION_IN_PROGRESS"
@@ -68,6 +69,7 @@ class LedgerRefused(
     Refused,
     codes=[
         Code.VERSION_CONFLICT,
+        Code.VERSION_REGRESSION,
         Code.PUBLICATION_BLOCKED,
         Code.CAPACITY_ERROR,
         Code.PUBLICATION_IN_PROGRESS,

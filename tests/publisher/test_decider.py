@@ -17,6 +17,7 @@ from evlog.events import (
     ReceiptRejected,
     SessionReleased,
     VerdictConflict,
+    VersionPublished,
     VersionReclaimed,
 )
 from projections.registry import VersionState, encode_state
@@ -72,6 +73,26 @@ def test_replay_of_a_completed_version_is_a_no_op_that_never_moves_the_default(
     assert book.state.default == 2
     replay = book.run(c.Commit(version_id=1, attempt=1))
     assert replay.no_op and book.state.default == 2 and book.state.default_revision == 2
+
+
+def test_publishing_a_step_lower_than_the_default_is_a_recorded_version_regression() -> None:
+    """Regression: publishing step 5 after step 12 committed and silently rolled the policy
+    back. It is refused by default (VERSION_REGRESSION, recorded like a skip); an explicit
+    rollback (allow_rollback) publishes it and the commit is recorded as a rollback."""
+    book = Book().bootstrap(capacity=3)
+    book.publish(12)
+    recorded = book.refuse(c.Allocate(version_id=5, digest=digest_of(5)), Code.VERSION_REGRESSION)
+    assert [type(e) for e in recorded] == [PublicationSkipped]
+    assert recorded[0].code == Code.VERSION_REGRESSION and 5 not in book.state.versions
+    assert book.state.default == 12
+    allocated = book.run(c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=True))
+    assert isinstance(allocated, Allocated) and allocated.attempt == 1
+    book.ready_all(5)
+    published = book.run(c.Commit(version_id=5, attempt=1))
+    assert published.retired == 12 and book.state.default == 5
+    assert isinstance(book.events[-1], VersionPublished) and book.events[-1].rollback
+    book.publish(13)  # going forward again is not a rollback
+    assert not [e for e in book.events if isinstance(e, VersionPublished)][-1].rollback
 
 
 def test_loading_version_returns_the_same_attempt(book: Book) -> None:

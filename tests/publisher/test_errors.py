@@ -37,6 +37,7 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
         code: Refused
         for code in (
             Code.VERSION_CONFLICT,
+            Code.VERSION_REGRESSION,
             Code.PUBLICATION_BLOCKED,
             Code.CAPACITY_ERROR,
             Code.PUBLICATION_IN_PROGRESS,

@@ -75,7 +75,7 @@ class Model:
         return any(x.state == "FAILED_FATAL" or (x.state == "RECLAIMING" and x.ambiguous)
                    for x in self.versions.values())  # fmt: skip
 
-    def allocate(self, vid: int, dig: str) -> tuple[str, object]:
+    def allocate(self, vid: int, dig: str, rollback: bool) -> tuple[str, object]:
         v = self.versions.get(vid)
         if v is not None and v.digest != dig:
             return "error", "VERSION_CONFLICT"
@@ -83,6 +83,8 @@ class Model:
             return "no_op", v.attempt
         if v is not None and v.state == "LOADING":
             return "resumed", v.attempt
+        if self.default is not None and vid < self.default and not rollback:
+            return "error", "VERSION_REGRESSION"
         if self.blocked():
             return "error", "PUBLICATION_BLOCKED"
         if self.used() >= CAPACITY:
@@ -254,10 +256,11 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # --- rules ---------------------------------------------------------------------------------
 
-    @rule(vid=VERSIONS, label=DIGESTS)
-    def allocate(self, vid: int, label: str) -> None:
-        kind, detail = self.model.allocate(vid, digest(label))
-        result = self.call(c.Allocate(version_id=vid, digest=digest(label)))
+    @rule(vid=VERSIONS, label=DIGESTS, rollback=st.booleans())
+    def allocate(self, vid: int, label: str, rollback: bool) -> None:
+        kind, detail = self.model.allocate(vid, digest(label), rollback)
+        command = c.Allocate(version_id=vid, digest=digest(label), allow_rollback=rollback)
+        result = self.call(command)
         if kind == "error":
             self.expect_error(result, str(detail))
         elif kind == "skipped":
@@ -434,7 +437,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(vid=VERSIONS, label=DIGESTS)
     def publish(self, vid: int, label: str) -> None:
-        self.allocate(vid, label)
+        self.allocate(vid, label, rollback=True)  # any order of ids, to reach deep states
         if self.model.loading() == vid:
             for engine in ENGINES:
                 self.ready(engine, stale=False)
