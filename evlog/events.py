@@ -139,12 +139,17 @@ class EngineReady(Event, frozen=True):
 
 
 class VersionPublished(Event, frozen=True):
-    """The atomic commit: the version becomes the default; ``retired`` is the old default."""
+    """The atomic commit: the version becomes the default; ``retired`` is the old default.
+    ``rollback``: the new default is a lower version than the one it retires, published on
+    purpose (``allow_rollback``). Schema 2 added ``rollback`` (schema 1 records: False)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     version_id: int
     attempt: int
     revision: int
     retired: int | None = None
+    rollback: bool = False
 
 
 class AttemptFailed(Event, frozen=True):
@@ -274,6 +279,22 @@ class ReceiptRejected(Event, frozen=True):
     detail: str
 
 
+class VerdictConflict(Event, frozen=True):
+    """A failure report whose verdict contradicts how the attempt already ended (a fatal
+    report on a FAILED_RETRYABLE attempt, a clean one on a FAILED_FATAL attempt): refused,
+    never applied, but recorded so the evidence it carries is not dropped and a replay shows
+    it. ``state`` is how the attempt ended; ``clean``, ``code``, ``reason`` and ``absent_on``
+    are the report's."""
+
+    version_id: int
+    attempt: int
+    state: str
+    clean: bool
+    code: str
+    reason: str
+    absent_on: tuple[str, ...] = ()
+
+
 class CommandRecorded(Event, frozen=True):
     """A client command id and the outcome it produced (msgpack bytes of the outcome), so the
     same command id yields the same outcome forever."""
@@ -311,6 +332,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     VersionReclaimed,
     ReclaimAmbiguous,
     ReceiptRejected,
+    VerdictConflict,
     CommandRecorded,
 )
 
@@ -342,6 +364,7 @@ AnyEvent = (
     | VersionReclaimed
     | ReclaimAmbiguous
     | ReceiptRejected
+    | VerdictConflict
     | CommandRecorded
 )
 
@@ -407,6 +430,11 @@ def upcaster(type_name: str, from_schema: int) -> Callable[[Upcaster], Upcaster]
 
 def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
+
+
+@upcaster("VersionPublished", 1)
+def _version_published_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "rollback": False}
 
 
 def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:

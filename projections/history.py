@@ -36,6 +36,7 @@ from evlog.events import (
     SessionReleased,
     SessionsForgotten,
     TransportClaimed,
+    VerdictConflict,
     VersionAllocated,
     VersionPublished,
     VersionReclaimed,
@@ -152,7 +153,8 @@ def _detail(event: Event) -> str:
             return f"{event.engine} ({event.incarnation}) attempt {event.attempt}"
         case VersionPublished():
             retired = f", retired v{event.retired}" if event.retired is not None else ""
-            return f"revision {event.revision}{retired}"
+            rollback = " (a rollback)" if event.rollback else ""
+            return f"revision {event.revision}{retired}{rollback}"
         case AttemptFailed():
             kind = "clean" if event.clean else "ambiguous"
             return f"attempt {event.attempt} {kind}: {event.code}: {event.reason}"
@@ -171,6 +173,9 @@ def _detail(event: Event) -> str:
             return "unloaded on every engine; slot free"
         case ReceiptRejected():
             return f"{event.code} from {event.engine}: {event.detail}"
+        case VerdictConflict():
+            verdict = "clean" if event.clean else "fatal"
+            return f"{verdict} report on attempt {event.attempt} ({event.state}): {event.code}"
         case EngineJoined():
             return f"incarnation {event.incarnation} {event.kind} {event.endpoint}".strip()
         case EngineRestarted():

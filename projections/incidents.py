@@ -44,6 +44,7 @@ from evlog.events import (
     ReclaimAmbiguous,
     SessionBound,
     SessionReleased,
+    VerdictConflict,
     VersionPublished,
     VersionReclaimed,
     VersionRestored,
@@ -61,6 +62,8 @@ KINDS = (
     "skipped",
     "lease_expired",
     "receipt_rejected",
+    "verdict_conflict",
+    "rollback",
     "engine_restart",
 )
 
@@ -141,6 +144,17 @@ class IncidentFold:
             case VersionPublished() if event.retired is not None:
                 self._retired_at[event.retired] = (seq, at)
                 self._watch_reclaimable(event.retired, seq, at)
+                if event.rollback:
+                    self._found.append(
+                        Incident(
+                            kind="rollback",
+                            subject=f"v{event.version_id}",
+                            at=at,
+                            seqs=(seq,),
+                            summary=f"rolled the default back from v{event.retired} to "
+                            f"v{event.version_id} (revision {event.revision}), on purpose",
+                        )
+                    )
             case AttemptStarted() if event.attempt >= 2:
                 self._attempts_of(event.version_id).restarts.append(seq)
             case AttemptFailed():
@@ -186,6 +200,18 @@ class IncidentFold:
                         at=at,
                         seqs=(seq,),
                         summary=f"publication skipped: {event.code}: {event.message}",
+                    )
+                )
+            case VerdictConflict():
+                verdict = "clean" if event.clean else "fatal"
+                self._found.append(
+                    Incident(
+                        kind="verdict_conflict",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=(seq,),
+                        summary=f"a {verdict} failure report ({event.code}) for attempt "
+                        f"{event.attempt}, which had ended {event.state}: {event.reason}",
                     )
                 )
             case ReceiptRejected():

@@ -47,6 +47,7 @@ from evlog.events import (
     SessionReleased,
     SessionsForgotten,
     TransportClaimed,
+    VerdictConflict,
     VersionAllocated,
     VersionPublished,
     VersionReclaimed,
@@ -166,6 +167,7 @@ class RegistryState(msgspec.Struct, kw_only=True):
     commands: dict[str, RecordedCommand] = msgspec.field(default_factory=dict)
     skipped: int = 0
     rejected_receipts: int = 0
+    verdict_conflicts: int = 0
 
     # --- queries (read-only) ----------------------------------------------------------------
 
@@ -517,6 +519,10 @@ def _receipt_rejected(s: RegistryState, e: ReceiptRejected) -> None:
     s.rejected_receipts += 1
 
 
+def _verdict_conflict(s: RegistryState, e: VerdictConflict) -> None:
+    s.verdict_conflicts += 1
+
+
 def _command_recorded(s: RegistryState, e: CommandRecorded) -> None:
     s.commands[e.command_id] = RecordedCommand(e.fingerprint, e.outcome)
 
@@ -549,6 +555,7 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     VersionReclaimed: _version_reclaimed,
     ReclaimAmbiguous: _reclaim_ambiguous,
     ReceiptRejected: _receipt_rejected,
+    VerdictConflict: _verdict_conflict,
     CommandRecorded: _command_recorded,
 }
 

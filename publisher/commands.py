@@ -76,9 +76,13 @@ class ObserveInventory(Command, frozen=True):
 
 
 class Allocate(Command, frozen=True):
+    """Open an attempt of ``version_id``. A version id lower than the default's would roll the
+    policy back: refused (``VERSION_REGRESSION``, recorded) unless ``allow_rollback``."""
+
     version_id: int
     digest: str
     size_bytes: int = 0
+    allow_rollback: bool = False
 
 
 class ClaimTransport(Command, frozen=True):

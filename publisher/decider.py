@@ -55,6 +55,7 @@ from evlog.events import (
     SessionReleased,
     SessionsForgotten,
     TransportClaimed,
+    VerdictConflict,
     VersionAllocated,
     VersionPublished,
     VersionReclaimed,
@@ -162,9 +163,18 @@ def _well_typed(command: c.Command) -> c.Command:
         raise LedgerError(code, f"{cls.__name__}: {exc}", command=cls.__name__) from None
 
 
+# Optional fields a command gained after logs existed. At their default they are left out of
+# the fingerprint, so a ``command_id`` recorded before the field existed still names the same
+# command when it is sent again (and is not refused as COMMAND_CONFLICT).
+_FIELDS_ADDED_LATER: dict[str, object] = {"allow_rollback": False}
+
+
 def _fingerprint(command: c.Command) -> str:
-    body = msgspec.msgpack.encode(msgspec.structs.replace(command, command_id=None))
-    return hashlib.sha256(body).hexdigest()[:32]
+    body = msgspec.to_builtins(msgspec.structs.replace(command, command_id=None))
+    for name, default in _FIELDS_ADDED_LATER.items():
+        if name in body and body[name] == default:
+            del body[name]
+    return hashlib.sha256(msgspec.msgpack.encode(body)).hexdigest()[:32]
 
 
 # --- validation helpers ----------------------------------------------------------------------
@@ -422,18 +432,26 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             f"not {digest[:16]}",
             version_id=version_id,
         )
-    blocked = s.blocked_by()
-    if blocked:
-        raise LedgerError(
-            Code.PUBLICATION_BLOCKED,
-            f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first",
-            versions=blocked,
-        )
     if existing is not None:
         if existing.state in COMPLETED_STATES:
             return Decision(outcome=_allocated(existing, no_op=True))
         if existing.state is VersionState.LOADING:
             return Decision(outcome=_allocated(existing, resumed=True))
+    if s.default is not None and version_id < s.default and not cmd.allow_rollback:
+        # Publishing it would silently roll the policy back: refused, and recorded so the
+        # log shows the trainer asked (an explicit rollback passes ``allow_rollback``).
+        message = (
+            f"version {version_id} is lower than the default {s.default}: publishing it would "
+            "roll the policy back (pass allow_rollback=True to mean it)"
+        )
+        refused = PublicationSkipped(
+            version_id=version_id, digest=digest, code=Code.VERSION_REGRESSION, message=message
+        )
+        error = LedgerError(
+            Code.VERSION_REGRESSION, message, version_id=version_id, default=s.default
+        )
+        return Decision((refused,), error=error)
+    _not_blocked(s)
     # A new id, or a retry of a cleanly failed one: both take a capacity slot again.
     used = s.capacity_used()
     if used >= s.capacity:
@@ -483,6 +501,19 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
     return Decision(tuple(events), outcome)
 
 
+def _not_blocked(s: RegistryState) -> None:
+    """The fleet block: while a fatal failure or an ambiguous unload is unresolved, what the
+    engines hold is unknown, so nothing may start a publication or move the default
+    (allocate, claim, commit). Receipts and failures are still recorded: they are evidence."""
+    blocked = s.blocked_by()
+    if blocked:
+        raise LedgerError(
+            Code.PUBLICATION_BLOCKED,
+            f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first",
+            versions=blocked,
+        )
+
+
 def _allocated(v: VersionRecord, *, no_op: bool = False, resumed: bool = False) -> Allocated:
     return Allocated(
         version_id=v.version_id,
@@ -496,20 +527,49 @@ def _allocated(v: VersionRecord, *, no_op: bool = False, resumed: bool = False) 
     )
 
 
+def _fenced(v: VersionRecord, attempt: int) -> None:
+    """Attempt fencing, the step after the input in every command that names an attempt: a
+    message for another attempt than the version's latest is stale, whatever the state."""
+    if attempt != v.attempt:
+        raise LedgerError(
+            Code.ATTEMPT_CONFLICT,
+            f"attempt {attempt} of version {v.version_id} is not current "
+            f"(it is {v.state} at attempt {v.attempt})",
+            version_id=v.version_id,
+        )
+
+
+def _loading(v: VersionRecord, step: str) -> None:
+    """The state step of a publication step (claim, receipt, commit) at the current attempt:
+    only a LOADING version goes on. A FAILED_FATAL one blocks publication until inventories
+    resolve it (``PUBLICATION_BLOCKED``); any other state is ``INVALID_STATE``."""
+    if v.state is VersionState.LOADING:
+        return
+    if v.state is VersionState.FAILED_FATAL:
+        raise LedgerError(
+            Code.PUBLICATION_BLOCKED,
+            f"{step}: attempt {v.attempt} of version {v.version_id} ended FAILED_FATAL; "
+            "it blocks publication until inventories prove it absent",
+            versions=[v.version_id],
+        )
+    raise LedgerError(
+        Code.INVALID_STATE,
+        f"{step}: version {v.version_id} is {v.state} at attempt {v.attempt}, not LOADING",
+        version_id=v.version_id,
+    )
+
+
 def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
     _key(cmd.owner, "owner")
-    if v.state is not VersionState.LOADING:
-        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}, not LOADING")
-    if cmd.attempt != v.attempt:
-        raise LedgerError(
-            Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
-        )
-    if v.claimed_by == cmd.owner:
+    _fenced(v, cmd.attempt)
+    if v.state is VersionState.LOADING and v.claimed_by == cmd.owner:
         return Decision(
             outcome=Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner)
         )
+    _loading(v, "claim")
+    _not_blocked(s)
     if v.claimed_by is not None:
         raise LedgerError(
             Code.PUBLICATION_IN_PROGRESS,
@@ -520,10 +580,53 @@ def _claim_transport(s: RegistryState, cmd: c.ClaimTransport) -> Decision:
     return Decision((event,), Claimed(version_id=v.version_id, attempt=v.attempt, owner=cmd.owner))
 
 
-def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decision:
+def _receipt_refusal(
+    s: RegistryState, v: VersionRecord, cmd: c.EngineReceipt
+) -> tuple[str, str] | None:
+    """The first check a receipt fails, in the table's order (attempt fencing, state, then the
+    receipt's own: fleet, incarnation, echo, protocol order), or None."""
+    ready = isinstance(cmd, c.RecordReady)
+    try:
+        _fenced(v, cmd.attempt)
+        _loading(v, "READY" if ready else "PREPARED")
+    except LedgerError as refusal:
+        return refusal.code, refusal.message
+    incarnation = s.engines[cmd.engine].incarnation
+    if cmd.engine not in v.fleet:
+        return Code.FLEET_MISMATCH, f"{cmd.engine} is not in the attempt's fleet {v.fleet}"
+    if cmd.incarnation != incarnation:
+        return (
+            Code.ENGINE_RESTARTED,
+            f"receipt from incarnation {cmd.incarnation}, engine is at {incarnation}",
+        )
+    if (cmd.digest, cmd.lora_name) != (v.digest, v.lora_name):
+        return (
+            Code.READY_MISMATCH,
+            f"receipt echoes {cmd.lora_name}/{cmd.digest[:16]}, "
+            f"expected {v.lora_name}/{v.digest[:16]}",
+        )
+    if v.claimed_by is None:
+        # The claim makes exactly one transport the owner of the attempt: a receipt before it
+        # comes from no driver the ledger knows of.
+        return (
+            Code.RECEIPT_OUT_OF_ORDER,
+            f"no transport claimed attempt {v.attempt} of version {v.version_id}",
+        )
+    if ready and v.prepared.get(cmd.engine) != cmd.incarnation:
+        # READY means "what I prepared at this incarnation is loaded".
+        return (
+            Code.RECEIPT_OUT_OF_ORDER,
+            f"READY from {cmd.engine} at {cmd.incarnation} without a PREPARED at that "
+            f"incarnation for attempt {v.attempt}",
+        )
+    return None
+
+
+def _receipt(s: RegistryState, cmd: c.EngineReceipt) -> Decision:
     """Shared fencing of PREPARED and READY receipts (docs/state-machine.md): version,
-    attempt, fleet, incarnation, digest and name must all match the current attempt. A mismatch
-    is recorded (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
+    attempt, fleet, incarnation, digest and name must all match the current attempt, and the
+    receipts come in order (claim -> PREPARED at this incarnation -> READY). A mismatch is
+    recorded (``ReceiptRejected``) and refused; a duplicate of an applied receipt is a no-op."""
     _deployment(s)
     v = _version(s, cmd.version_id)
     member = _member(s, cmd.engine)
@@ -537,25 +640,8 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
     )
     if duplicate:
         return Decision(outcome=Done(no_op=True))
-    if v.state is not VersionState.LOADING or cmd.attempt != v.attempt:
-        code, detail = (
-            Code.ATTEMPT_CONFLICT,
-            f"receipt for attempt {cmd.attempt}, version is {v.state} at attempt {v.attempt}",
-        )
-    elif cmd.engine not in v.fleet:
-        code, detail = Code.FLEET_MISMATCH, f"{cmd.engine} is not in the attempt's fleet {v.fleet}"
-    elif cmd.incarnation != member.incarnation:
-        code, detail = (
-            Code.ENGINE_RESTARTED,
-            f"receipt from incarnation {cmd.incarnation}, engine is at {member.incarnation}",
-        )
-    elif (cmd.digest, cmd.lora_name) != (v.digest, v.lora_name):
-        code, detail = (
-            Code.READY_MISMATCH,
-            f"receipt echoes {cmd.lora_name}/{cmd.digest[:16]}, "
-            f"expected {v.lora_name}/{v.digest[:16]}",
-        )
-    else:
+    refusal = _receipt_refusal(s, v, cmd)
+    if refusal is None:
         if ready:
             event: Event = EngineReady(
                 version_id=v.version_id,
@@ -573,6 +659,7 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
                 incarnation=cmd.incarnation,
             )
         return Decision((event,), Done())
+    code, detail = refusal
     rejected = ReceiptRejected(
         code=code,
         version_id=v.version_id,
@@ -587,6 +674,7 @@ def _receipt(s: RegistryState, cmd: c.RecordPrepared | c.RecordReady) -> Decisio
 def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
+    _fenced(v, cmd.attempt)
     if v.state in COMPLETED_STATES:
         # A replay of a committed version returns it; the default never rolls back.
         return Decision(
@@ -598,12 +686,8 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
                 no_op=True,
             )
         )
-    if v.state is not VersionState.LOADING:
-        raise LedgerError(Code.INVALID_STATE, f"version {v.version_id} is {v.state}")
-    if cmd.attempt != v.attempt:
-        raise LedgerError(
-            Code.ATTEMPT_CONFLICT, f"attempt {cmd.attempt} is not current ({v.attempt})"
-        )
+    _loading(v, "commit")
+    _not_blocked(s)
     required = _members(s, v.fleet)
     missing = sorted(e for e in required if v.ready.get(e) != s.engines[e].incarnation)
     if missing or not required:
@@ -614,8 +698,15 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
             missing=missing,
         )
     revision = s.default_revision + 1
+    # Lower than the default: only an allocation with allow_rollback gets here (the default
+    # cannot move while this version is LOADING), and the commit records it as a rollback.
+    rollback = s.default is not None and v.version_id < s.default
     event = VersionPublished(
-        version_id=v.version_id, attempt=v.attempt, revision=revision, retired=s.default
+        version_id=v.version_id,
+        attempt=v.attempt,
+        revision=revision,
+        retired=s.default,
+        rollback=rollback,
     )
     outcome = Published(
         version_id=v.version_id, lora_name=v.lora_name, revision=revision, retired=s.default
@@ -623,22 +714,47 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
     return Decision((event,), outcome)
 
 
+def _failed_again(v: VersionRecord, cmd: c.FailAttempt, clean: bool) -> Decision:
+    """A failure report for an attempt that already ended. The same verdict (or a resend of
+    the very report that ended it) is a no-op; a contradicting one -- fatal evidence about an
+    attempt proven absent everywhere, or a clean report about one that may be loaded -- is
+    refused (``VERDICT_CONFLICT``) and recorded, so the evidence is never dropped silently."""
+    ended = AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=v.state)
+    resend = (cmd.code, cmd.reason[:2000]) == (v.failure_code, v.failure_reason)
+    if resend or clean == (v.state is VersionState.FAILED_RETRYABLE):
+        return Decision(outcome=ended)
+    verdict = "clean" if clean else "fatal"
+    detail = (
+        f"a {verdict} failure report ({cmd.code}) for attempt {v.attempt} of version "
+        f"{v.version_id}, which already ended {v.state} ({v.failure_code}): recorded, not applied"
+    )
+    conflict = VerdictConflict(
+        version_id=v.version_id,
+        attempt=v.attempt,
+        state=v.state,
+        clean=clean,
+        code=cmd.code[:200],
+        reason=cmd.reason[:2000],
+        absent_on=tuple(sorted(set(cmd.absent_on))),
+    )
+    refusal = LedgerError(Code.VERDICT_CONFLICT, detail, version_id=v.version_id, state=v.state)
+    return Decision((conflict,), error=refusal)
+
+
 def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
-    if cmd.attempt == v.attempt and v.state in (
-        VersionState.FAILED_RETRYABLE,
-        VersionState.FAILED_FATAL,
-    ):
-        return Decision(
-            outcome=AttemptEnded(version_id=v.version_id, attempt=v.attempt, state=v.state)
-        )
-    if v.state is not VersionState.LOADING or cmd.attempt != v.attempt:
-        raise LedgerError(
-            Code.ATTEMPT_CONFLICT,
-            f"attempt {cmd.attempt} cannot fail: version is {v.state} at attempt {v.attempt}",
-        )
+    _fenced(v, cmd.attempt)
     clean = bool(cmd.clean) and _members(s, v.fleet) <= set(cmd.absent_on)
+    if v.state in (VersionState.FAILED_RETRYABLE, VersionState.FAILED_FATAL):
+        return _failed_again(v, cmd, clean)
+    if v.state is not VersionState.LOADING:
+        raise LedgerError(
+            Code.INVALID_STATE,
+            f"attempt {v.attempt} of version {v.version_id} cannot fail: it committed "
+            f"(the version is {v.state})",
+            version_id=v.version_id,
+        )
     event = AttemptFailed(
         version_id=v.version_id,
         attempt=v.attempt,

@@ -24,15 +24,18 @@ class Code:
     # allocate / publication (in the order allocate checks them)
     INVALID_VERSION = "INVALID_VERSION"
     VERSION_CONFLICT = "VERSION_CONFLICT"
+    VERSION_REGRESSION = "VERSION_REGRESSION"  # lower than the default, without allow_rollback
     PUBLICATION_BLOCKED = "PUBLICATION_BLOCKED"
     CAPACITY_ERROR = "CAPACITY_ERROR"
     PUBLICATION_IN_PROGRESS = "PUBLICATION_IN_PROGRESS"
     # receipts and commit
     READY_MISMATCH = "READY_MISMATCH"
+    RECEIPT_OUT_OF_ORDER = "RECEIPT_OUT_OF_ORDER"  # claim -> PREPARED -> READY, in that order
     ENGINE_RESTARTED = "ENGINE_RESTARTED"
     ATTEMPT_CONFLICT = "ATTEMPT_CONFLICT"
     FLEET_MISMATCH = "FLEET_MISMATCH"
     NOT_READY = "NOT_READY"
+    VERDICT_CONFLICT = "VERDICT_CONFLICT"  # a failure report contradicts the recorded ending
     UNKNOWN_VERSION = "UNKNOWN_VERSION"
     INVALID_STATE = "INVALID_STATE"
     # sessions and owners
@@ -66,14 +69,17 @@ class LedgerRefused(
     Refused,
     codes=[
         Code.VERSION_CONFLICT,
+        Code.VERSION_REGRESSION,
         Code.PUBLICATION_BLOCKED,
         Code.CAPACITY_ERROR,
         Code.PUBLICATION_IN_PROGRESS,
         Code.READY_MISMATCH,
+        Code.RECEIPT_OUT_OF_ORDER,
         Code.ENGINE_RESTARTED,
         Code.ATTEMPT_CONFLICT,
         Code.FLEET_MISMATCH,
         Code.NOT_READY,
+        Code.VERDICT_CONFLICT,
         Code.UNKNOWN_VERSION,
         Code.INVALID_STATE,
         Code.SESSION_CLOSED,

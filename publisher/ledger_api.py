@@ -120,12 +120,24 @@ class LedgerAPI:
     # --- publication ---------------------------------------------------------------------------
 
     async def allocate(
-        self, version_id: int, digest: str, *, size_bytes: int = 0, command_id: str | None = None
+        self,
+        version_id: int,
+        digest: str,
+        *,
+        size_bytes: int = 0,
+        allow_rollback: bool = False,
+        command_id: str | None = None,
     ) -> Allocated | Skipped:
         """Open the next attempt of a version (or return the one under way, or the completed
-        version); a full capacity once something is published is a recorded skip."""
+        version); a full capacity once something is published is a recorded skip. A version
+        lower than the default is refused (``VERSION_REGRESSION``, recorded) unless
+        ``allow_rollback``."""
         command = c.Allocate(
-            version_id=version_id, digest=digest, size_bytes=size_bytes, command_id=command_id
+            version_id=version_id,
+            digest=digest,
+            size_bytes=size_bytes,
+            allow_rollback=allow_rollback,
+            command_id=command_id,
         )
         return await self._run(command, (Allocated, Skipped))
 

@@ -238,8 +238,12 @@ class PublicationDriver:
 
     # --- the API ----------------------------------------------------------------------------
 
-    async def publish(self, adapter: AdapterCopy, *, version_id: int) -> PublicationOutcome:
-        """Publish ``adapter`` as ``version_id`` (see the module docstring)."""
+    async def publish(
+        self, adapter: AdapterCopy, *, version_id: int, allow_rollback: bool = False
+    ) -> PublicationOutcome:
+        """Publish ``adapter`` as ``version_id`` (see the module docstring). A version lower
+        than the default is refused (``VERSION_REGRESSION``) unless ``allow_rollback``: then
+        it becomes the default and the commit is recorded as a rollback."""
         running = self._running.get(version_id)
         if running is not None and running.digest == adapter.digest:
             # Re-entered while this process already drives it: wait, never transfer again.
@@ -253,7 +257,7 @@ class PublicationDriver:
         if running is None:
             self._running[version_id] = mine
         try:
-            outcome = await self._publish(adapter, version_id)
+            outcome = await self._publish(adapter, version_id, allow_rollback)
             mine.outcome = outcome
             return outcome
         except PublicationError as exc:
@@ -275,9 +279,11 @@ class PublicationDriver:
 
     # --- steps ------------------------------------------------------------------------------
 
-    async def _publish(self, adapter: AdapterCopy, version_id: int) -> PublicationOutcome:
+    async def _publish(
+        self, adapter: AdapterCopy, version_id: int, allow_rollback: bool
+    ) -> PublicationOutcome:
         t0 = self._clock()
-        allocated = await self._allocate(adapter, version_id)
+        allocated = await self._allocate(adapter, version_id, allow_rollback)
         if isinstance(allocated, Skipped):
             log.info(
                 "publication.skipped",
@@ -384,12 +390,17 @@ class PublicationDriver:
             engines=tuple(runs[e].timing for e in att.fleet if runs[e].timing is not None),  # type: ignore[misc]
         )
 
-    async def _allocate(self, adapter: AdapterCopy, version_id: int) -> Allocated | Skipped:
+    async def _allocate(
+        self, adapter: AdapterCopy, version_id: int, allow_rollback: bool
+    ) -> Allocated | Skipped:
         for round_ in (1, 2):
             try:
                 return await _shielded(
                     lambda: self._ledger.allocate(
-                        version_id, adapter.digest, size_bytes=adapter.size_bytes
+                        version_id,
+                        adapter.digest,
+                        size_bytes=adapter.size_bytes,
+                        allow_rollback=allow_rollback,
                     )
                 )
             except LoraLedgerError as exc:

@@ -109,9 +109,16 @@ class TrainerClient:
         self.adapter_name = adapter_name
 
     async def publish(
-        self, adapter: Any, config: Mapping[str, Any] | None = None, *, step: int
+        self,
+        adapter: Any,
+        config: Mapping[str, Any] | None = None,
+        *,
+        step: int,
+        allow_rollback: bool = False,
     ) -> PublicationOutcome:
-        """Copy ``adapter`` and publish it as version ``step`` (see the module docstring)."""
+        """Copy ``adapter`` and publish it as version ``step`` (see the module docstring).
+        A step lower than the current default is refused (``VERSION_REGRESSION``) unless
+        ``allow_rollback=True``: an explicit rollback, recorded as one."""
         frozen = await anyio.to_thread.run_sync(
             functools.partial(
                 copy_adapter,
@@ -121,7 +128,9 @@ class TrainerClient:
                 bucket_bytes=self._plane.bucket_bytes,
             )
         )
-        return await self._plane.publisher.publish(frozen, version_id=step)
+        return await self._plane.publisher.publish(
+            frozen, version_id=step, allow_rollback=allow_rollback
+        )
 
     def status(self) -> LedgerStatus:
         """The ledger's status (default version, versions and their states, engines)."""

@@ -54,6 +54,7 @@ async def _bootstrap(ledger: Ledger) -> None:
     assert isinstance(allocated, Allocated), allocated  # a fresh version is never skipped
     await ledger.claim_transport(1, allocated.attempt, "bench")
     for engine in allocated.fleet:
+        await ledger.record_prepared(1, 1, engine, f"{engine}-1", digest, allocated.lora_name)
         await ledger.record_ready(1, 1, engine, f"{engine}-1", digest, allocated.lora_name)
     await ledger.commit(1, 1)
     await ledger.register_owner("worker", ttl_s=3600)

@@ -44,18 +44,18 @@ def _bootstrapped() -> RegistryState:
         _run(state, c.RepairEngine(engine=engine, incarnation=f"{engine}-1"))
     digest = hashlib.sha256(b"mem").hexdigest()
     _run(state, c.Allocate(version_id=1, digest=digest))
+    _run(state, c.ClaimTransport(version_id=1, attempt=1, owner="bench"))
     for engine in ("e0", "e1"):
-        _run(
-            state,
-            c.RecordReady(
-                version_id=1,
-                attempt=1,
-                engine=engine,
-                incarnation=f"{engine}-1",
-                digest=digest,
-                lora_name=state.versions[1].lora_name,
-            ),
+        receipt = dict(
+            version_id=1,
+            attempt=1,
+            engine=engine,
+            incarnation=f"{engine}-1",
+            digest=digest,
+            lora_name=state.versions[1].lora_name,
         )
+        _run(state, c.RecordPrepared(**receipt))  # type: ignore[arg-type]
+        _run(state, c.RecordReady(**receipt))  # type: ignore[arg-type]
     _run(state, c.Commit(version_id=1, attempt=1))
     _run(state, c.RegisterOwner(owner="worker", ttl_s=60.0, now=0.0))
     return state

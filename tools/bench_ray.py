@@ -100,16 +100,16 @@ async def _bootstrap(ledger: RayLedger) -> None:
     allocated: Any = await ledger.execute(c.Allocate(version_id=1, digest=digest))
     await ledger.execute(c.ClaimTransport(version_id=1, attempt=allocated.attempt, owner="b"))
     for engine in allocated.fleet:
-        await ledger.execute(
-            c.RecordReady(
-                version_id=1,
-                attempt=allocated.attempt,
-                engine=engine,
-                incarnation=f"{engine}-1",
-                digest=digest,
-                lora_name=allocated.lora_name,
-            )
+        receipt = dict(
+            version_id=1,
+            attempt=allocated.attempt,
+            engine=engine,
+            incarnation=f"{engine}-1",
+            digest=digest,
+            lora_name=allocated.lora_name,
         )
+        await ledger.execute(c.RecordPrepared(**receipt))
+        await ledger.execute(c.RecordReady(**receipt))
     await ledger.execute(c.Commit(version_id=1, attempt=allocated.attempt))
     await ledger.register_owner(OWNER, ttl_s=24 * 3600)
 

@@ -487,6 +487,7 @@ def _serving_state() -> RegistryState:
             assert hasattr(allocated, "lora_name")
             await ledger.claim_transport(1, 1, "p")
             for e in ("e0", "e1"):
+                await ledger.record_prepared(1, 1, e, f"{e}-1", digest, allocated.lora_name)
                 await ledger.record_ready(1, 1, e, f"{e}-1", digest, allocated.lora_name)
             await ledger.commit(1, 1)
             await ledger.register_owner("w", ttl_s=60)

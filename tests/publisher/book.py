@@ -67,8 +67,15 @@ class Book:
         assert isinstance(outcome, Allocated), outcome
         return outcome
 
+    def claim(self, version_id: int, owner: str = "trainer") -> None:
+        attempt = self.state.versions[version_id].attempt
+        self.run(c.ClaimTransport(version_id=version_id, attempt=attempt, owner=owner))
+
     def ready_all(self, version_id: int) -> None:
+        """Claim the attempt (unless claimed), then PREPARED and READY from every engine."""
         v = self.state.versions[version_id]
+        if v.claimed_by is None:
+            self.claim(version_id)
         for engine in v.fleet:
             incarnation = self.incarnation(engine)
             for receipt in (c.RecordPrepared, c.RecordReady):
@@ -85,9 +92,6 @@ class Book:
 
     def publish(self, version_id: int) -> Published:
         allocated = self.allocate(version_id)
-        self.run(
-            c.ClaimTransport(version_id=version_id, attempt=allocated.attempt, owner="trainer")
-        )
         self.ready_all(version_id)
         outcome = self.run(c.Commit(version_id=version_id, attempt=allocated.attempt))
         assert isinstance(outcome, Published)

@@ -59,14 +59,9 @@ async def publish(ledger: Ledger, version_id: int) -> None:
     await ledger.claim_transport(version_id, allocated.attempt, "crash-child")
     for engine in allocated.fleet:
         incarnation = ledger.state.engines[engine].incarnation
-        await ledger.record_ready(
-            version_id,
-            allocated.attempt,
-            engine,
-            incarnation,
-            allocated.digest,
-            allocated.lora_name,
-        )
+        receipt = (version_id, allocated.attempt, engine, incarnation, allocated.digest)
+        await ledger.record_prepared(*receipt, allocated.lora_name)
+        await ledger.record_ready(*receipt, allocated.lora_name)
     published = await ledger.commit(version_id, allocated.attempt)
     ack("publish", version_id, published.revision, ledger.state.last_seq)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from evlog.events import (
@@ -17,9 +18,11 @@ from evlog.events import (
     PublicationSkipped,
     ReceiptRejected,
     SessionReleased,
+    VerdictConflict,
+    VersionPublished,
     VersionReclaimed,
 )
-from projections.registry import VersionState
+from projections.registry import VersionState, encode_state
 from publisher import commands as c
 from publisher.errors import Code
 from publisher.outcomes import Allocated, Bound, Released, Skipped
@@ -72,6 +75,27 @@ def test_replay_of_a_completed_version_is_a_no_op_that_never_moves_the_default(
     assert book.state.default == 2
     replay = book.run(c.Commit(version_id=1, attempt=1))
     assert replay.no_op and book.state.default == 2 and book.state.default_revision == 2
+
+
+def test_publishing_a_step_lower_than_the_default_is_a_recorded_version_regression() -> None:
+    """Regression: publishing step 5 after step 12 committed and silently rolled the policy
+    back. It is refused by default (VERSION_REGRESSION, recorded like a skip); an explicit
+    rollback (allow_rollback) publishes it and the commit is recorded as a rollback."""
+    book = Book().bootstrap(capacity=3)
+    book.publish(12)
+    recorded = book.refuse(c.Allocate(version_id=5, digest=digest_of(5)), Code.VERSION_REGRESSION)
+    (skip,) = recorded
+    assert isinstance(skip, PublicationSkipped)
+    assert skip.code == Code.VERSION_REGRESSION and 5 not in book.state.versions
+    assert book.state.default == 12
+    allocated = book.run(c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=True))
+    assert isinstance(allocated, Allocated) and allocated.attempt == 1
+    book.ready_all(5)
+    published = book.run(c.Commit(version_id=5, attempt=1))
+    assert published.retired == 12 and book.state.default == 5
+    assert isinstance(book.events[-1], VersionPublished) and book.events[-1].rollback
+    book.publish(13)  # going forward again is not a rollback
+    assert not [e for e in book.events if isinstance(e, VersionPublished)][-1].rollback
 
 
 def test_loading_version_returns_the_same_attempt(book: Book) -> None:
@@ -219,12 +243,49 @@ def test_receipt_from_an_engine_outside_the_fleet_is_fleet_mismatch(book: Book) 
     assert isinstance(recorded[0], ReceiptRejected)
 
 
+def _prepared(book: Book, version_id: int, engine: str) -> c.RecordPrepared:
+    return c.RecordPrepared(**msgspec.structs.asdict(_ready(book, version_id, engine)))
+
+
+def test_ready_without_a_claim_or_prepared_receipt_is_refused_and_recorded(book: Book) -> None:
+    """Regression: READY was accepted for an attempt no transport claimed and no engine had
+    PREPARED (and a commit then succeeded); PREPARED was accepted without a claim."""
+    book.allocate(1)
+    for receipt in (_ready(book, 1, "e0"), _prepared(book, 1, "e0")):
+        recorded = book.refuse(receipt, Code.RECEIPT_OUT_OF_ORDER)
+        (rejected,) = recorded
+        assert isinstance(rejected, ReceiptRejected)
+        assert rejected.code == Code.RECEIPT_OUT_OF_ORDER
+    book.claim(1)
+    book.refuse(_ready(book, 1, "e0"), Code.RECEIPT_OUT_OF_ORDER)  # claimed, not PREPARED
+    for engine in ("e0", "e1"):
+        book.refuse(_ready(book, 1, engine), Code.RECEIPT_OUT_OF_ORDER)
+    book.refuse(c.Commit(version_id=1, attempt=1), Code.NOT_READY)
+    assert book.state.versions[1].ready == {} and book.state.default is None
+
+
+def test_ready_at_an_incarnation_that_never_prepared_is_out_of_order(book: Book) -> None:
+    """READY means "what I prepared at this incarnation is loaded": a PREPARED from the
+    engine's previous life does not count."""
+    book.allocate(1)
+    book.claim(1)
+    book.run(_prepared(book, 1, "e0"))
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    book.refuse(_ready(book, 1, "e0"), Code.RECEIPT_OUT_OF_ORDER)
+    book.run(_prepared(book, 1, "e0"))
+    book.run(_ready(book, 1, "e0"))
+    assert book.state.versions[1].ready == {"e0": "e0-i2"}
+
+
 def test_ready_from_one_engine_never_moves_the_default(book: Book) -> None:
     book.publish(1)
     book.allocate(2)
+    book.claim(2)
+    book.run(_prepared(book, 2, "e0"))
     book.run(_ready(book, 2, "e0"))
     book.refuse(c.Commit(version_id=2, attempt=1), Code.NOT_READY)
     assert book.state.default == 1
+    book.run(_prepared(book, 2, "e1"))
     book.run(_ready(book, 2, "e1"))
     published = book.run(c.Commit(version_id=2, attempt=1))
     assert published.retired == 1 and published.revision == 2
@@ -233,6 +294,8 @@ def test_ready_from_one_engine_never_moves_the_default(book: Book) -> None:
 
 def test_duplicate_ready_is_a_no_op(book: Book) -> None:
     book.allocate(1)
+    book.claim(1)
+    book.run(_prepared(book, 1, "e0"))
     book.run(_ready(book, 1, "e0"))
     before = len(book.events)
     assert book.run(_ready(book, 1, "e0")).no_op
@@ -251,7 +314,41 @@ def test_commit_of_a_stale_attempt_or_failed_version(book: Book) -> None:
     book.allocate(1)
     book.refuse(c.Commit(version_id=1, attempt=2), Code.ATTEMPT_CONFLICT)
     book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="t"))
-    book.refuse(c.Commit(version_id=1, attempt=1), Code.INVALID_STATE)
+    book.refuse(c.Commit(version_id=1, attempt=1), Code.PUBLICATION_BLOCKED)
+
+
+def _ambiguous_reclaim(book: Book, version_id: int) -> None:
+    book.run(c.ClaimReclaim(version_id=version_id))
+    book.run(c.MarkReclaimAmbiguous(version_id=version_id, engine="e1", reason="unload timed out"))
+    assert book.state.blocked_by() == [version_id]
+
+
+def test_ambiguous_reclaim_blocks_the_claim_and_commit_of_a_loading_candidate() -> None:
+    """Regression: while an ambiguous reclaim blocked publication, a LOADING candidate could
+    still be claimed, made READY and committed: the default moved while the fleet's memory
+    state was unknown. Claim and commit are refused like allocate; receipts and the failure
+    of the attempt are still accepted (evidence, and no error path may leave it LOADING)."""
+    book = Book().bootstrap(capacity=4)
+    for version_id in (1, 2, 3):
+        book.publish(version_id)  # 1 and 2 RETIRED, 3 the default
+    book.allocate(4)
+    _ambiguous_reclaim(book, 1)
+    claim = c.ClaimTransport(version_id=4, attempt=1, owner="trainer")
+    assert book.refuse(claim, Code.PUBLICATION_BLOCKED) == []
+    for engine in ("e0", "e1"):  # inventories prove v1 absent: the block is lifted
+        book.run(c.ObserveInventory(engine=engine, incarnation=f"{engine}-i1", adapters=()))
+    assert book.state.blocked_by() == []
+    book.ready_all(4)
+    _ambiguous_reclaim(book, 2)
+    before = (encode_state(book.state), len(book.events))
+    assert book.refuse(c.Commit(version_id=4, attempt=1), Code.PUBLICATION_BLOCKED) == []
+    assert (encode_state(book.state), len(book.events)) == before
+    assert book.state.default == 3
+    names = (book.state.versions[3].lora_name, book.state.versions[4].lora_name)
+    for engine in ("e0", "e1"):
+        book.run(c.ObserveInventory(engine=engine, incarnation=f"{engine}-i1", adapters=names))
+    book.run(c.Commit(version_id=4, attempt=1))
+    assert book.state.default == 4
 
 
 # --- failures and their resolution ---------------------------------------------------------
@@ -283,6 +380,32 @@ def test_fatal_blocks_publication_until_inventories_prove_absence(book: Book) ->
     assert isinstance(book.events[-1], FatalResolved)
     assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
     assert book.allocate(3).attempt == 1
+
+
+@pytest.mark.parametrize("first_clean", [True, False])
+def test_conflicting_verdict_is_recorded_and_refused_not_dropped(
+    book: Book, first_clean: bool
+) -> None:
+    """Regression: a fatal failure report on an attempt already FAILED_RETRYABLE answered
+    AttemptEnded(FAILED_RETRYABLE) and the fatal evidence was dropped; a clean one on a
+    FAILED_FATAL attempt was ignored the same way. Now it is recorded and refused."""
+    book.allocate(1)
+    everywhere = ("e0", "e1")
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=first_clean, code="FIRST",
+                           reason="first", absent_on=everywhere))  # fmt: skip
+    ended = book.state.versions[1].state
+    report = c.FailAttempt(version_id=1, attempt=1, clean=not first_clean, code="LATE",
+                           reason="a late report", absent_on=everywhere)  # fmt: skip
+    recorded = book.refuse(report, Code.VERDICT_CONFLICT)
+    (conflict,) = recorded
+    assert isinstance(conflict, VerdictConflict)
+    assert (conflict.state, conflict.clean, conflict.code) == (ended, not first_clean, "LATE")
+    assert book.state.versions[1].state is ended  # never applied
+    # The same verdict again, or a resend of the report that ended it, is still a no-op.
+    before = len(book.events)
+    resend = c.FailAttempt(version_id=1, attempt=1, clean=first_clean, code="FIRST",
+                           reason="first", absent_on=everywhere)  # fmt: skip
+    assert book.run(resend).state == ended and len(book.events) == before
 
 
 def test_fail_of_a_stale_attempt_is_refused_and_repeat_is_idempotent(book: Book) -> None:
@@ -507,3 +630,14 @@ def test_command_id_yields_the_same_outcome_forever(book: Book) -> None:
     again = book.run(c.Bind(session="s", owner="w1", command_id="k1"))
     assert again == first and len(book.events) == before
     book.refuse(c.Bind(session="other", owner="w1", command_id="k1"), Code.COMMAND_CONFLICT)
+
+
+def test_a_command_id_recorded_before_allow_rollback_existed_still_names_the_same_command() -> None:
+    """Adding ``allow_rollback`` to Allocate must not change the fingerprint of an allocate sent
+    without it: the value below is what the code before the field computed for this command."""
+    from publisher.decider import _fingerprint
+
+    allocate = c.Allocate(version_id=3, digest="a" * 64, size_bytes=7, command_id="k")
+    assert _fingerprint(allocate) == "90b626d303afa0b6040837a97d56e205"
+    rollback = c.Allocate(version_id=3, digest="a" * 64, size_bytes=7, allow_rollback=True)
+    assert _fingerprint(rollback) != _fingerprint(allocate)

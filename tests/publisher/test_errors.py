@@ -37,14 +37,17 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
         code: Refused
         for code in (
             Code.VERSION_CONFLICT,
+            Code.VERSION_REGRESSION,
             Code.PUBLICATION_BLOCKED,
             Code.CAPACITY_ERROR,
             Code.PUBLICATION_IN_PROGRESS,
             Code.READY_MISMATCH,
+            Code.RECEIPT_OUT_OF_ORDER,
             Code.ENGINE_RESTARTED,
             Code.ATTEMPT_CONFLICT,
             Code.FLEET_MISMATCH,
             Code.NOT_READY,
+            Code.VERDICT_CONFLICT,
             Code.UNKNOWN_VERSION,
             Code.INVALID_STATE,
             Code.SESSION_CLOSED,

@@ -43,9 +43,9 @@ async def publish(ledger: Ledger, version_id: int) -> None:
     await ledger.claim_transport(version_id, allocated.attempt, "trainer")
     for engine in allocated.fleet:
         inc = ledger.state.engines[engine].incarnation
-        await ledger.record_ready(
-            version_id, allocated.attempt, engine, inc, allocated.digest, allocated.lora_name
-        )
+        receipt = (version_id, allocated.attempt, engine, inc, allocated.digest)
+        await ledger.record_prepared(*receipt, allocated.lora_name)
+        await ledger.record_ready(*receipt, allocated.lora_name)
     await ledger.commit(version_id, allocated.attempt)
 
 

@@ -46,6 +46,8 @@ class V:
     digest: str
     state: str = "LOADING"
     attempt: int = 1
+    claimed: bool = False
+    prepared: set[str] = field(default_factory=set)
     ready: set[str] = field(default_factory=set)
     confirmed: set[str] = field(default_factory=set)
     ambiguous: bool = False
@@ -70,17 +72,22 @@ class Model:
     def bound_to(self, vid: int) -> int:
         return sum(1 for x in self.bound.values() if x == vid)
 
-    def allocate(self, vid: int, dig: str) -> tuple[str, object]:
+    def blocked(self) -> bool:
+        return any(x.state == "FAILED_FATAL" or (x.state == "RECLAIMING" and x.ambiguous)
+                   for x in self.versions.values())  # fmt: skip
+
+    def allocate(self, vid: int, dig: str, rollback: bool) -> tuple[str, object]:
         v = self.versions.get(vid)
         if v is not None and v.digest != dig:
             return "error", "VERSION_CONFLICT"
-        if any(x.state == "FAILED_FATAL" or (x.state == "RECLAIMING" and x.ambiguous)
-               for x in self.versions.values()):  # fmt: skip
-            return "error", "PUBLICATION_BLOCKED"
         if v is not None and v.state in COMPLETED:
             return "no_op", v.attempt
         if v is not None and v.state == "LOADING":
             return "resumed", v.attempt
+        if self.default is not None and vid < self.default and not rollback:
+            return "error", "VERSION_REGRESSION"
+        if self.blocked():
+            return "error", "PUBLICATION_BLOCKED"
         if self.used() >= CAPACITY:
             return ("skipped", None) if self.default is not None else ("error", "CAPACITY_ERROR")
         if self.loading() is not None:
@@ -89,14 +96,30 @@ class Model:
             self.versions[vid] = V(digest=dig)
         else:
             v.state, v.attempt, v.ready = "LOADING", v.attempt + 1, set()
+            v.claimed, v.prepared = False, set()
         return "allocated", self.versions[vid].attempt
 
     def ready(self, vid: int, attempt: int, engine: str) -> tuple[str, object]:
+        """A driver's claim, PREPARED and READY in a row: the answer to the READY."""
         v = self.versions[vid]
         if engine in v.ready and attempt == v.attempt and v.state == "LOADING":
             return "no_op", None
         if v.state != "LOADING" or attempt != v.attempt:
             return "error", "ATTEMPT_CONFLICT"
+        if not v.claimed and self.blocked():  # the claim is refused, so are the receipts
+            return "error", "RECEIPT_OUT_OF_ORDER"
+        v.claimed = True
+        v.prepared.add(engine)
+        v.ready.add(engine)
+        return "ok", None
+
+    def ready_alone(self, vid: int, engine: str) -> tuple[str, object]:
+        """A READY of the current attempt with no claim or PREPARED sent just before."""
+        v = self.versions[vid]
+        if engine in v.ready:
+            return "no_op", None
+        if not v.claimed or engine not in v.prepared:
+            return "error", "RECEIPT_OUT_OF_ORDER"
         v.ready.add(engine)
         return "ok", None
 
@@ -106,8 +129,12 @@ class Model:
             return "error", "UNKNOWN_VERSION"
         if v.state in COMPLETED:
             return "no_op", None
+        if v.state == "FAILED_FATAL":
+            return "error", "PUBLICATION_BLOCKED"
         if v.state != "LOADING":
             return "error", "INVALID_STATE"
+        if self.blocked():
+            return "error", "PUBLICATION_BLOCKED"
         if v.ready != set(ENGINES):
             return "error", "NOT_READY"
         if self.default is not None:
@@ -121,7 +148,7 @@ class Model:
         if v.state in ("FAILED_RETRYABLE", "FAILED_FATAL"):
             return "no_op", v.state
         if v.state != "LOADING":
-            return "error", "ATTEMPT_CONFLICT"
+            return "error", "INVALID_STATE"
         v.state = "FAILED_RETRYABLE" if clean else "FAILED_FATAL"
         v.confirmed = set()
         return "ok", v.state
@@ -231,10 +258,11 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # --- rules ---------------------------------------------------------------------------------
 
-    @rule(vid=VERSIONS, label=DIGESTS)
-    def allocate(self, vid: int, label: str) -> None:
-        kind, detail = self.model.allocate(vid, digest(label))
-        result = self.call(c.Allocate(version_id=vid, digest=digest(label)))
+    @rule(vid=VERSIONS, label=DIGESTS, rollback=st.booleans())
+    def allocate(self, vid: int, label: str, rollback: bool) -> None:
+        kind, detail = self.model.allocate(vid, digest(label), rollback)
+        command = c.Allocate(version_id=vid, digest=digest(label), allow_rollback=rollback)
+        result = self.call(command)
         if kind == "error":
             self.expect_error(result, str(detail))
         elif kind == "skipped":
@@ -253,10 +281,33 @@ class LedgerMachine(RuleBasedStateMachine):
         attempt = self.model.versions[vid].attempt - (1 if stale else 0)
         kind, detail = self.model.ready(vid, attempt, engine)
         v = self.ledger.state.versions[vid]
+        receipt = dict(
+            version_id=vid,
+            attempt=attempt,
+            engine=engine,
+            incarnation=f"{engine}-1",
+            digest=v.digest,
+            lora_name=v.lora_name,
+        )
+        self.call(c.ClaimTransport(version_id=vid, attempt=attempt, owner="t"))
+        self.call(c.RecordPrepared(**receipt))  # type: ignore[arg-type]
+        result = self.call(c.RecordReady(**receipt))  # type: ignore[arg-type]
+        if kind == "error":
+            self.expect_error(result, str(detail))
+        else:
+            assert result.no_op == (kind == "no_op"), result
+
+    @precondition(lambda self: self.model.loading() is not None)
+    @rule(engine=st.sampled_from(ENGINES))
+    def ready_out_of_order(self, engine: str) -> None:
+        vid = self.model.loading()
+        assert vid is not None
+        kind, detail = self.model.ready_alone(vid, engine)
+        v = self.ledger.state.versions[vid]
         result = self.call(
             c.RecordReady(
                 version_id=vid,
-                attempt=attempt,
+                attempt=v.attempt,
                 engine=engine,
                 incarnation=f"{engine}-1",
                 digest=v.digest,
@@ -388,7 +439,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(vid=VERSIONS, label=DIGESTS)
     def publish(self, vid: int, label: str) -> None:
-        self.allocate(vid, label)
+        self.allocate(vid, label, rollback=True)  # any order of ids, to reach deep states
         if self.model.loading() == vid:
             for engine in ENGINES:
                 self.ready(engine, stale=False)

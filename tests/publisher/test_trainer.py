@@ -11,7 +11,7 @@ import torch
 
 from engines.contract import SamplingParams
 from engines.local.tinymodel import ensure_tiny_model, make_adapter
-from evlog.events import PublicationSkipped
+from evlog.events import PublicationSkipped, VersionPublished
 from publisher.publication import PublicationOutcome
 from publisher.trainer import ErrorKind, PublicationError, TrainerClient, to_builtins
 from tests.publisher.plane_kit import (
@@ -117,3 +117,25 @@ async def test_the_same_step_with_other_weights_is_a_fatal_conflict(tmp_path: Pa
         with pytest.raises(PublicationError) as bad:
             await trainer.publish(t1, config=c1, step=0)
         assert bad.value.code == "INVALID_VERSION"
+
+
+async def test_a_step_below_the_default_is_refused_unless_an_explicit_rollback(
+    tmp_path: Path,
+) -> None:
+    """Regression: step 5 after step 12 committed and silently rolled the policy back."""
+    config, tensors = make_adapter(1)
+    _, older = make_adapter(2)
+    async with local_engines(2) as engines, open_plane(engines, tmp_path, capacity=3) as plane:
+        trainer = TrainerClient(plane)
+        await trainer.publish(tensors, config=config, step=12)
+        with pytest.raises(PublicationError) as info:
+            await trainer.publish(older, config=config, step=5)
+        assert info.value.code == "VERSION_REGRESSION" and info.value.kind == ErrorKind.FATAL
+        refused = of_type(await events(plane.ledger), PublicationSkipped)
+        assert [(e.version_id, e.code) for e in refused] == [(5, "VERSION_REGRESSION")]
+        assert trainer.status().default == 12
+        out = await trainer.publish(older, config=config, step=5, allow_rollback=True)
+        assert out.status == "PUBLISHED" and out.retired == 12
+        assert trainer.status().default == 5
+        commits = of_type(await events(plane.ledger), VersionPublished)
+        assert [(e.version_id, e.rollback) for e in commits] == [(12, False), (5, True)]

@@ -21,7 +21,8 @@ async def create(ledger: Any, *, capacity: int = 4) -> None:
 
 
 async def publish(ledger: Any, version_id: int) -> Published:
-    """Allocate, claim, READY from every engine, commit: what the publication driver records."""
+    """Allocate, claim, PREPARED and READY from every engine, commit: what the publication
+    driver records."""
     digest = hashlib.sha256(f"v{version_id}".encode()).hexdigest()
     allocated = await ledger.execute(c.Allocate(version_id=version_id, digest=digest))
     assert isinstance(allocated, Allocated), allocated
@@ -29,16 +30,16 @@ async def publish(ledger: Any, version_id: int) -> Published:
         c.ClaimTransport(version_id=version_id, attempt=allocated.attempt, owner="test")
     )
     for engine in allocated.fleet:
-        await ledger.execute(
-            c.RecordReady(
-                version_id=version_id,
-                attempt=allocated.attempt,
-                engine=engine,
-                incarnation=f"{engine}-1",
-                digest=digest,
-                lora_name=allocated.lora_name,
-            )
+        receipt = dict(
+            version_id=version_id,
+            attempt=allocated.attempt,
+            engine=engine,
+            incarnation=f"{engine}-1",
+            digest=digest,
+            lora_name=allocated.lora_name,
         )
+        await ledger.execute(c.RecordPrepared(**receipt))  # type: ignore[arg-type]
+        await ledger.execute(c.RecordReady(**receipt))  # type: ignore[arg-type]
     published = await ledger.execute(c.Commit(version_id=version_id, attempt=allocated.attempt))
     assert isinstance(published, Published), published
     return published

@@ -10,7 +10,7 @@ known and the expected incidents, timelines and audits can be stated exactly:
  1000   deployment ``dep`` (capacity 3), engines e0, e1 join and are repaired
  1001   owners w1 (ttl 30 s) and w2 (ttl 5 s) register; v1 published (revision 1)
  1002   s-a, s-b (w1) and s-c (w2) bind to v1
- 1005   v2 attempt 1: e0 READY, a stale receipt from e1 is REJECTED (ENGINE_RESTARTED),
+ 1005   v2 attempt 1: e0 PREPARED, a stale receipt from e1 is REJECTED (ENGINE_RESTARTED),
         then the attempt fails cleanly (absent everywhere)
  1010   v2 attempt 2 published (revision 2): v1 RETIRED with s-a, s-b, s-c still bound
  1011   s-d (w1) binds to v2
@@ -98,7 +98,7 @@ async def write_fault_run(path: Path) -> Path:
         v2 = await ledger.allocate(2, digest(2))
         assert isinstance(v2, Allocated), v2
         await ledger.claim_transport(2, v2.attempt, "trainer")
-        await ledger.record_ready(2, 1, "e0", "e0-i1", v2.digest, v2.lora_name)
+        await ledger.record_prepared(2, 1, "e0", "e0-i1", v2.digest, v2.lora_name)
         with pytest.raises(LoraLedgerError, match="ENGINE_RESTARTED"):
             await ledger.record_ready(2, 1, "e1", "e1-i0", v2.digest, v2.lora_name)
         await ledger.fail_attempt(
