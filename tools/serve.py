@@ -52,6 +52,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8765
     token: str | None = None
+    engine_token: str | None = None  # sent to every engine as a bearer token (their --api-key)
     engines: tuple[EngineSpec, ...] = ()
     deployment: str = "default"
     prefix: str = "policy"
@@ -118,15 +119,20 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptio
     if spec.kind == "sglang":
         from engines.sglang import SGLangEngine
 
-        engine: Any = SGLangEngine(spec.url or "", spec.engine_id)
+        engine: Any = SGLangEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
     elif spec.kind == "vllm":
         from engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(spec.url or "", spec.engine_id, served_model=opts.served_model)
+        engine = VLLMEngine(
+            spec.url or "",
+            spec.engine_id,
+            served_model=opts.served_model,
+            api_key=opts.engine_token,
+        )
     elif spec.url:
         from engines.local.client import LocalHTTPEngine
 
-        engine = LocalHTTPEngine(spec.url, spec.engine_id)
+        engine = LocalHTTPEngine(spec.url, spec.engine_id, api_key=opts.engine_token)
     else:
         try:
             from engines.local.engine import LocalEngine

@@ -437,13 +437,20 @@ class LocalEngine:
             finally:
                 self._names.drop_staging(c.lora_name)
 
-    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+    async def unload(
+        self, lora_name: str, *, attempt: int | None = None, fenced_only: bool = False
+    ) -> UnloadReceipt:
         """Managed unload (reclaim, or cleanup of ``attempt``). An absent name answers
-        ``was_loaded=False`` (idempotent retry); a stale attempt is refused (STALE_ATTEMPT)."""
+        ``was_loaded=False`` (idempotent retry); a stale attempt is refused (STALE_ATTEMPT).
+        ``fenced_only`` (the HTTP face, where any caller may knock): a managed name without an
+        attempt is refused (ATTEMPT_REQUIRED), checked under the control lock so that a name
+        managed meanwhile cannot slip through."""
         self._require_runner()
         try:
             check_name(lora_name)
-            was_loaded = await self._submit(lambda: self._unload_job(lora_name, attempt))
+            was_loaded = await self._submit(
+                lambda: self._unload_job(lora_name, attempt, fenced_only)
+            )
         except EngineError as exc:
             raise self._tag(exc) from None
         return UnloadReceipt(
@@ -453,10 +460,16 @@ class LocalEngine:
             was_loaded=was_loaded,
         )
 
-    async def _unload_job(self, name: str, attempt: int | None) -> bool:
+    async def _unload_job(self, name: str, attempt: int | None, fenced_only: bool) -> bool:
         resident: Resident | None = None
         earlier: Resident | None = None
         async with self._control_lock:
+            if attempt is None and fenced_only and name in self._names.managed:
+                raise CleanRefusal(
+                    ErrorCode.ATTEMPT_REQUIRED,
+                    f"{name} is managed by loraledger: an unload must name the attempt it cleans "
+                    "up (the ledger always does)",
+                )
             if attempt is not None:
                 self._names.fence_cleanup(name, attempt)
             else:
@@ -646,7 +659,7 @@ class LocalEngine:
         runner = self._require_runner()
         scheduler = self._require_scheduler()
         try:
-            check_params(params)
+            check_params(params, max_n=self.limits.max_n)
             resident, lease = await self._acquire(lora_name)
         except EngineError as exc:
             raise self._tag(exc) from None
@@ -729,6 +742,13 @@ class LocalEngine:
                 )
         if not tokens:
             raise CleanRefusal(ErrorCode.BAD_REQUEST, "empty prompt")
+        cost = params.n * (len(tokens) + params.max_tokens)
+        if cost > self.limits.max_request_tokens:
+            raise CleanRefusal(
+                ErrorCode.BAD_REQUEST,
+                f"n ({params.n}) x (prompt ({len(tokens)}) + max_tokens ({params.max_tokens})) "
+                f"= {cost} tokens exceeds the per-request limit {self.limits.max_request_tokens}",
+            )
         if len(tokens) + params.max_tokens > runner.max_length:
             raise CleanRefusal(
                 ErrorCode.BAD_REQUEST,

@@ -42,6 +42,7 @@ CLEAN_CODES = frozenset(
         ErrorCode.NAME_PROTECTED,
         ErrorCode.NAME_RECLAIMED,
         ErrorCode.STALE_ATTEMPT,
+        ErrorCode.ATTEMPT_REQUIRED,
         ErrorCode.NOT_PREPARED,
         ErrorCode.PATH_OUTSIDE_STORE,
         ErrorCode.BAD_REQUEST,
