@@ -222,3 +222,113 @@ def exception_handlers(error_body: ErrorBody) -> dict[Any, Any]:
 def _headers(raw: Iterable[tuple[bytes, bytes]]) -> Iterable[tuple[bytes, bytes]]:
     for name, value in raw:
         yield name.lower(), value
+
+
+# --- connections --------------------------------------------------------------------------------
+
+MAX_CONNECTIONS = 1000
+HEADER_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5
+MAX_HEADER_BYTES = 64 * 1024
+_FD_HEADROOM = 64  # descriptors kept free for the log, the database, the engines
+
+
+def connection_cap(wanted: int = MAX_CONNECTIONS) -> int:
+    """``wanted``, lowered to stay under this process's descriptor limit: a server that hits
+    EMFILE cannot accept even the connection that would have closed another."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return wanted
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return min(wanted, max(8, soft - _FD_HEADROOM))
+
+
+def guarded_protocol(
+    *, max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S
+) -> type[Any]:
+    """uvicorn's h11 protocol with what it lacks against idle and slow clients:
+
+    * a connection beyond ``max_connections`` is answered 503 and closed at once (uvicorn's own
+      ``limit_concurrency`` answers 503 only once a request arrives, so idle connections pile
+      up: 20,000 of them made ``/health`` time out and the accept loop log 196,607 EMFILE
+      tracebacks in 10 s);
+    * a connection that has not completed its request headers ``header_timeout_s`` after it
+      opened, or after its previous reply, is closed (uvicorn times out only idle keep-alive
+      connections, never one that sends nothing, or a byte at a time).
+
+    Refusals are logged at most once per 10 s, with a count, so a flood cannot fill the disk.
+    """
+    import logging
+    import time
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    log = logging.getLogger("loraledger.http")
+    refused = {"count": 0, "logged": 0.0}
+
+    class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
+        _header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                refused["count"] += 1
+                now = time.monotonic()
+                if now - refused["logged"] >= 10.0:
+                    log.warning(
+                        "refusing connections over the cap of %d (%d refused so far)",
+                        max_connections,
+                        refused["count"],
+                    )
+                    refused["logged"] = now
+                transport.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
+                    b"content-length: 0\r\n\r\n"
+                )
+                transport.close()
+                return
+            self._arm(None)
+
+        def _arm(self, cycle: Any) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._expired, cycle)
+
+        def _expired(self, cycle: Any) -> None:
+            self._header_timer = None
+            # still no request, or still the previous one, answered: no new headers arrived
+            current = self.cycle
+            waiting = current is None or (current is cycle and current.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(self.cycle)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def uvicorn_limits(
+    *, max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S
+) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config``: the guarded protocol, the keep-alive timeout
+    and the largest request head h11 will buffer."""
+    return {
+        "http": guarded_protocol(
+            max_connections=connection_cap(max_connections), header_timeout_s=header_timeout_s
+        ),
+        "timeout_keep_alive": KEEP_ALIVE_S,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+    }

@@ -517,6 +517,23 @@ def serve(
     served_model: Annotated[
         str, typer.Option("--served-model", help="Base model name of vLLM engines.")
     ] = "tiny",
+    private_reads: Annotated[
+        bool,
+        typer.Option(
+            "--private-reads",
+            help="Require the token for GET /status and /metrics too (they show engine URLs).",
+        ),
+    ] = False,
+    max_connections: Annotated[
+        int,
+        typer.Option("--max-connections", help="Open connections beyond which one gets 503."),
+    ] = 1000,
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            "--header-timeout", help="Seconds a connection has to send a request's headers."
+        ),
+    ] = 10.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -543,6 +560,9 @@ def serve(
         capacity=capacity,
         artifact_root=str(artifact_root) if artifact_root else None,
         served_model=served_model,
+        private_reads=private_reads,
+        max_connections=max_connections,
+        header_timeout_s=header_timeout,
     )
     service.check_options(opts)
 

@@ -622,6 +622,7 @@ def _config(engine: LocalEngine, token: str | None) -> uvicorn.Config:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=2,
+        **guard.uvicorn_limits(),
     )
 
 
