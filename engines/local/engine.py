@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from engines.artifacts import ArtifactError, read_adapter_dir
+from engines.artifacts import HEADER_ALLOWANCE, ArtifactError, read_adapter_dir
 from engines.contract import (
     AmbiguousReply,
     Bucket,
@@ -417,7 +417,7 @@ class LocalEngine:
                     )
                 else:
                     resolved = resolve_under(self.artifact_root, c.artifact_path)
-                    config, tensors, digest = await self._read_dir(resolved)
+                    config, tensors, digest = await self._read_dir(resolved, c.manifest.total_bytes)
                     path = str(resolved)
                 if digest != c.digest:
                     raise CleanRefusal(
@@ -562,9 +562,24 @@ class LocalEngine:
 
     # --- shared mechanics ---------------------------------------------------------------------
 
-    async def _read_dir(self, path: Path) -> tuple[dict[str, Any], dict[str, TensorData], str]:
+    def _largest_adapter_bytes(self) -> int:
+        """The largest weights file an admissible adapter can have: every module at the rank
+        limit, in the widest dtype accepted (F32), plus the safetensors header."""
+        r = self.limits.max_lora_rank
+        tensors = sum(r * (n_in + n_out) * 4 for n_in, n_out in self._module_shapes.values())
+        return tensors + HEADER_ALLOWANCE
+
+    async def _read_dir(
+        self, path: Path, declared: int | None = None
+    ) -> tuple[dict[str, Any], dict[str, TensorData], str]:
+        """Read an adapter directory, at most ``declared`` weight bytes (the manifest's total,
+        for a candidate) or what any admissible adapter could need."""
+        limit = self._largest_adapter_bytes()
+        if declared is not None:
+            limit = min(limit, declared + HEADER_ALLOWANCE)
+
         def read() -> tuple[dict[str, Any], dict[str, TensorData], str]:
-            config, tensors = read_adapter_dir(path)
+            config, tensors = read_adapter_dir(path, max_weights_bytes=limit)
             return config, tensors, build_manifest(config, tensors).digest
 
         try:
