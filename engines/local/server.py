@@ -29,6 +29,15 @@ bodies of ``/generate`` carry a ``code`` next to ``message``.
 
 The staged endpoints (``/loraledger/*``) are described in :mod:`engines.local.wire`.
 
+Trust (RELIABILITY.md, Security and limits): with a token (``token=``, or
+``LORALEDGER_ENGINE_TOKEN`` / ``--token-file`` for the process) every control route
+(:data:`CONTROL_PATHS`) needs ``Authorization: Bearer``, else 401; without one the server
+refuses to listen beyond loopback (:class:`UnsafeListen`, exit 11). ``/loraledger/unload`` of a
+managed name needs its attempt (``ATTEMPT_REQUIRED``). Every route caps its body (413), parses
+strict JSON (400 for NaN, Infinity, 1e400, 2^80), and a request is capped in ``n`` and tokens
+(:class:`~engines.local.admission.ServingLimits`); connections are capped and slow headers
+timed out (:func:`engines.guard.uvicorn_limits`).
+
 Run in process with :func:`serve` / :func:`running_server` (tests), or as a process:
 ``python -m engines.local.server --port 0 --engine-id e0 --artifact-root DIR`` prints the bound
 port on its first stdout line (and writes ``--port-file`` if given); SIGTERM stops it.
