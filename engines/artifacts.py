@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -119,15 +120,70 @@ def validate_adapter(config: Mapping[str, Any], tensors: Mapping[str, TensorData
             )
 
 
-def read_adapter_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, TensorData]]:
-    """Read and validate any PEFT LoRA directory (config + safetensors)."""
+MAX_CONFIG_BYTES = 1024 * 1024  # an adapter_config.json is a few hundred bytes
+MAX_WEIGHTS_BYTES = 8 * 1024**3  # the default bound when no manifest declares the size
+# A safetensors file is an 8-byte length, a JSON header, then exactly the tensor bytes; the
+# header names every tensor with dtype, shape and offsets: allow generously for it.
+HEADER_ALLOWANCE = 8 + 1024 * 1024
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file (not a symlink, FIFO, device or directory)
+    of at most ``limit`` bytes; otherwise ``INVALID_ADAPTER`` naming why.
+
+    Why each refusal: a file symlink to ``/dev/zero`` grew the engine to 6.7 GB (and SIGTERM
+    could not stop the read); a FIFO blocked the reading thread, and with it every later
+    load; a file symlink pointing outside the artifact root was read (the root confines
+    directories, a symlinked file escaped it). ``O_NOFOLLOW`` refuses the symlink, ``O_NONBLOCK``
+    makes opening a FIFO return at once so ``fstat`` can refuse it, and the read stops at the
+    size ``fstat`` reported (plus one byte, to notice a file that grew)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: the last component is a symlink
+        raise ArtifactError(
+            "INVALID_ADAPTER", f"{path} is not a regular file inside the adapter dir: {exc}"
+        ) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ArtifactError("INVALID_ADAPTER", f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise ArtifactError(
+                "INVALID_ADAPTER", f"{path} holds {info.st_size} bytes, more than {limit}"
+            )
+        chunks, left = [], info.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 16 * 1024 * 1024))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) != info.st_size:
+            raise ArtifactError("INVALID_ADAPTER", f"{path} changed size while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_adapter_dir(
+    path: str | os.PathLike[str], *, max_weights_bytes: int = MAX_WEIGHTS_BYTES
+) -> tuple[dict[str, Any], dict[str, TensorData]]:
+    """Read and validate any PEFT LoRA directory (config + safetensors). Only regular files
+    are read (:func:`read_bounded`), the weights at most ``max_weights_bytes`` (a caller that
+    knows the manifest passes its declared total plus :data:`HEADER_ALLOWANCE`)."""
     root = Path(path)
     try:
-        config = json.loads((root / CONFIG_FILE).read_text())
-        blob = (root / WEIGHTS_FILE).read_bytes()
+        config = json.loads(read_bounded(root / CONFIG_FILE, MAX_CONFIG_BYTES))
+        blob = read_bounded(root / WEIGHTS_FILE, max_weights_bytes)
     except FileNotFoundError as exc:
         raise ArtifactError("INVALID_ADAPTER", f"{root} is not a PEFT adapter: {exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except NotADirectoryError as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{root} is not a directory: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not a JSON object")

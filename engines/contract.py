@@ -44,6 +44,7 @@ class ErrorCode:
     NAME_PROTECTED = "NAME_PROTECTED"  # managed name touched by an ordinary call
     NAME_RECLAIMED = "NAME_RECLAIMED"  # a reclaimed name is never implicitly reloaded
     STALE_ATTEMPT = "STALE_ATTEMPT"
+    ATTEMPT_REQUIRED = "ATTEMPT_REQUIRED"  # an unfenced unload of a managed name (over HTTP)
     NOT_PREPARED = "NOT_PREPARED"
     PATH_OUTSIDE_STORE = "PATH_OUTSIDE_STORE"
     BAD_REQUEST = "BAD_REQUEST"

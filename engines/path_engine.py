@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from engines import http
-from engines.artifacts import ArtifactError, read_adapter_dir
+from engines.artifacts import HEADER_ALLOWANCE, ArtifactError, read_adapter_dir
 from engines.contract import (
     AmbiguousReply,
     Bucket,
@@ -357,7 +357,9 @@ class PathLoadingEngine:
                 ErrorCode.DIGEST_MISMATCH, f"artifact dir {base[:16]} != digest {c.digest[:16]}"
             )
         try:
-            config, tensors = read_adapter_dir(path)
+            config, tensors = read_adapter_dir(
+                path, max_weights_bytes=c.manifest.total_bytes + HEADER_ALLOWANCE
+            )
         except ArtifactError as exc:
             raise self._clean(exc.code, f"{path}: {exc.message}") from exc
         found = build_manifest(config, tensors).digest

@@ -123,7 +123,9 @@ class VLLMEngine(PathLoadingEngine):
     ``prepare`` refuse an over-rank adapter cleanly instead of the server's ambiguous 500.
     ``client`` may be injected (tests, shared pools); otherwise one is owned and closed by
     :meth:`aclose`. The owned client ignores proxy environment variables: a proxy between the
-    control plane and an engine would blur "never sent" and "sent once".
+    control plane and an engine would blur "never sent" and "sent once". ``api_key`` is sent
+    as a bearer token on every request (the server's ``--api-key`` / ``VLLM_API_KEY``, which
+    guards its ``/v1`` routes, adapter loading included).
     """
 
     kind = "vllm"
@@ -137,9 +139,13 @@ class VLLMEngine(PathLoadingEngine):
         served_model: str = "tiny",
         max_lora_rank: int | None = None,
         timeouts: VLLMTimeouts | None = None,
+        api_key: str | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        super().__init__(base_url, engine_id, max_lora_rank=max_lora_rank, client=client)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        super().__init__(
+            base_url, engine_id, max_lora_rank=max_lora_rank, client=client, headers=headers
+        )
         self.served_model = served_model
         self.timeouts = timeouts or VLLMTimeouts()
         self._probe_lock = anyio.Lock()  # one refresh probe at a time, however many callers

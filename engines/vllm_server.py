@@ -127,6 +127,10 @@ class VLLMServer:
     max_model_len: int = MAX_MODEL_LEN
     max_num_seqs: int = MAX_NUM_SEQS
     health_timeout_s: float = HEALTH_TIMEOUT_S
+    # vLLM's --api-key, passed as VLLM_API_KEY (which vLLM reads for it) rather than on the
+    # command line, where every user of the machine could read it (ps). Adapters then need
+    # VLLMEngine(api_key=...).
+    api_key: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -177,6 +181,9 @@ class VLLMServer:
             VLLM_HOST_IP="127.0.0.1",
             PYTHONUNBUFFERED="1",
         )
+        env.pop("VLLM_API_KEY", None)  # only the key given here, never one inherited
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         return env
 
     # --- one life ---------------------------------------------------------------------------

@@ -299,10 +299,24 @@ class LedgerAPI:
         return status_of(self.state)
 
 
+# One renewal reports a worker's requests per (engine, version): a few entries, small counts.
+# The caps bound what one renewal may make the ledger hold and sum (leases are kept in memory
+# per owner, and every reclaim decision adds them up).
+MAX_INFLIGHT_ENTRIES = 1024
+MAX_INFLIGHT_COUNT = 1_000_000
+MAX_ENGINE_ID_CHARS = 256
+
+
 def _check_inflight(inflight: Mapping[tuple[str, int], int]) -> None:
     """Refuse (``INVALID_INPUT``, nothing renewed) counts a reclaim decision could misread: a
     negative count cancelled another reporter's positive one in the reclaim driver's sum (an
-    unload under a running request), and any non-zero one held the version forever."""
+    unload under a running request), and any non-zero one held the version forever. Over the
+    caps above is refused the same way."""
+    if len(inflight) > MAX_INFLIGHT_ENTRIES:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"{len(inflight)} in-flight entries in one renewal; at most {MAX_INFLIGHT_ENTRIES}",
+        )
     for key, count in inflight.items():
         engine, version_id = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
         if (
@@ -313,9 +327,12 @@ def _check_inflight(inflight: Mapping[tuple[str, int], int]) -> None:
             or version_id <= 0
             or not isinstance(count, int)
             or isinstance(count, bool)
-            or count < 0
+            or not 0 <= count <= MAX_INFLIGHT_COUNT
+            or len(engine) > MAX_ENGINE_ID_CHARS
+            or version_id >= 2**63
         ):
             raise LedgerError(
                 Code.INVALID_INPUT,
-                f"in-flight count {key!r}: {count!r} must be (engine, version id > 0): count >= 0",
+                f"in-flight count {key!r}: {count!r} must be (engine, version id > 0): "
+                f"0 <= count <= {MAX_INFLIGHT_COUNT}",
             )

@@ -505,9 +505,24 @@ def serve(
         str | None,
         typer.Option(
             "--token",
-            envvar="LORALEDGER_TOKEN",
-            help="Bearer token required by every state-changing route (POST). Without it "
-            "those routes are refused.",
+            help="Deprecated (visible to every user in ps): use LORALEDGER_TOKEN or "
+            "--token-file. Bearer token required by every state-changing route (POST).",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="File whose first line is the bearer token required by every state-changing "
+            "route (POST); default: $LORALEDGER_TOKEN. Without a token those routes are refused.",
+        ),
+    ] = None,
+    engine_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--engine-token-file",
+            help="File whose first line is the token sent to every engine (their --api-key); "
+            "default: $LORALEDGER_ENGINE_TOKEN.",
         ),
     ] = None,
     engine: Annotated[
@@ -533,6 +548,23 @@ def serve(
     served_model: Annotated[
         str, typer.Option("--served-model", help="Base model name of vLLM engines.")
     ] = "tiny",
+    private_reads: Annotated[
+        bool,
+        typer.Option(
+            "--private-reads",
+            help="Require the token for GET /status and /metrics too (they show engine URLs).",
+        ),
+    ] = False,
+    max_connections: Annotated[
+        int,
+        typer.Option("--max-connections", help="Open connections beyond which one gets 503."),
+    ] = 1000,
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            "--header-timeout", help="Seconds a connection has to send a request's headers."
+        ),
+    ] = 10.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -547,13 +579,17 @@ def serve(
         db=str(db),
         host=host,
         port=port,
-        token=token or None,
+        token=_secret(token, "--token", token_file, "LORALEDGER_TOKEN"),
+        engine_token=_secret(None, "", engine_token_file, "LORALEDGER_ENGINE_TOKEN"),
         engines=service.specs(engine or []),
         deployment=deployment,
         prefix=prefix,
         capacity=capacity,
         artifact_root=str(artifact_root) if artifact_root else None,
         served_model=served_model,
+        private_reads=private_reads,
+        max_connections=max_connections,
+        header_timeout_s=header_timeout,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     if _verbosity == 0:
@@ -568,6 +604,26 @@ def serve(
             print(f"loraledger serve: listening on {url} (log {db}, pid {os.getpid()})", flush=True)
 
     _run(functools.partial(service.serve, opts, verbosity=max(_verbosity, 1), on_ready=ready))
+
+
+def _secret(given: str | None, flag: str, file: Path | None, env_var: str) -> str | None:
+    """A token from ``file``, else ``given`` on the command line (warned: ``ps`` shows it to
+    every user of the machine; kept so existing scripts work), else ``env_var``."""
+    from engines.guard import read_token
+
+    if given and file is not None:
+        raise ToolError(Exit.USAGE, f"give {flag} or --token-file, not both")
+    if given:
+        stderr_console().print(
+            f"warning: {flag} is visible to every user of this machine (ps); "
+            f"use {env_var} or --token-file",
+            markup=False,
+        )
+        return given
+    try:
+        return read_token(env_var, file)
+    except (OSError, ValueError) as exc:
+        raise ToolError(Exit.USAGE, f"--token-file: {exc}") from None
 
 
 # --- engine --------------------------------------------------------------------------------
@@ -586,6 +642,14 @@ def engine(
         Path | None,
         typer.Option("--artifacts", help="Refuse adapter paths outside this directory."),
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="File whose first line is the bearer token the control routes require "
+            "(load, unload, staged transfer, pause, abort); default: $LORALEDGER_ENGINE_TOKEN.",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Run the bundled local engine over HTTP on 127.0.0.1: try loraledger without a GPU.
@@ -601,6 +665,7 @@ def engine(
         engine_id=engine_id,
         port=port,
         artifact_root=str(artifact_root) if artifact_root else None,
+        token=_secret(None, "", token_file, "LORALEDGER_ENGINE_TOKEN"),
     )
     local_engine.check_options(opts)
     quiet_libraries()

@@ -6,8 +6,10 @@ Routes, and who may call them:
 method   path                             access
 =======  ===============================  ==========================================
 GET      ``/health``                      read-only, open
-GET      ``/status``                      read-only, open (``LedgerStatus`` as JSON)
-GET      ``/metrics``                     read-only, open (Prometheus text format)
+GET      ``/status``                      read-only, open unless ``private_reads``
+                                         (``LedgerStatus`` as JSON)
+GET      ``/metrics``                     read-only, open unless ``private_reads``
+                                         (Prometheus text format)
 POST     ``/owners``                      bearer token: register a rollout worker
 POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
@@ -34,10 +36,12 @@ from typing import Any
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engines.guard import BadBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
 from publisher.errors import Code, LedgerError
 from publisher.ledger import Ledger
@@ -97,15 +101,28 @@ def _error(code: str, message: str, status: int, **details: Any) -> Response:
     return _json(body, status, headers)
 
 
+MAX_BODY_BYTES = 1024 * 1024  # the largest body is a renewal: 1024 entries of a few dozen bytes
+
+
+def _error_body(code: str, message: str) -> Any:
+    return {"code": code, "message": message, "details": {}}
+
+
 def build_app(
     ledger: Ledger,
     metrics: LedgerMetrics,
     *,
     token: str | None,
     publish: Publish | None = None,
+    private_reads: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
-    ``POST /versions``; without it that route is refused with ``INVALID_STATE`` (409)."""
+    ``POST /versions``; without it that route is refused with
+    ``INVALID_STATE`` (409). ``private_reads``: ``/status`` and
+    ``/metrics`` need the token too (they show engine URLs and versions); ``/health`` stays
+    open for probes. Every route's body is capped at ``max_body_bytes`` (413) and parsed as
+    strict JSON (NaN, Infinity, 1e400, 2^80: 400)."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:
@@ -131,9 +148,9 @@ def build_app(
             body = None
             if body_type is not None:
                 try:
-                    body = msgspec.json.decode(await request.body(), type=body_type)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    return _error(Code.INVALID_INPUT, f"bad request body: {exc}", 400)
+                    body = strict_decode(await request.body(), body_type)
+                except BadBody as exc:
+                    return _error(Code.INVALID_INPUT, str(exc), 400)
             try:
                 outcome = await handler(request, body)
             except LoraLedgerError as exc:
@@ -155,6 +172,18 @@ def build_app(
                 "routable": list(s.routable_engines()),
             }
         )
+
+    def reader(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        if not private_reads:
+            return handler
+
+        async def endpoint(request: Request) -> Response:
+            refused = authorized(request)
+            return refused if refused is not None else await handler(request)
+
+        return endpoint
 
     async def status(request: Request) -> Response:
         return _json(ledger.status())
@@ -183,12 +212,24 @@ def build_app(
 
     routes = [
         Route("/health", health, methods=["GET"]),
-        Route("/status", status, methods=["GET"]),
-        Route("/metrics", scrape, methods=["GET"]),
+        Route("/status", reader(status), methods=["GET"]),
+        Route("/metrics", reader(scrape), methods=["GET"]),
         Route("/owners", writer(OwnerBody, register), methods=["POST"]),
         Route("/owners/{owner}/renew", writer(RenewBody, renew), methods=["POST"]),
         Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
         Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
         Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(
+                Guard,
+                token=None,  # the routes check it themselves: 403 when none is configured
+                protected=lambda path: False,
+                cap=lambda path: max_body_bytes,
+                error_body=_error_body,
+            )
+        ],
+        exception_handlers=exception_handlers(_error_body),
+    )

@@ -13,7 +13,10 @@ transfer endpoints, so a control plane drives it exactly as it would drive SGLan
 The server itself is :func:`engines.local.server.serve` (the one the tests use); this module
 only adds what a command needs: options checked before the model loads, one "listening" line
 on stdout once it answers, and a clean stop on SIGINT/SIGTERM (exit 0). It listens on
-127.0.0.1 only: its endpoints load, unload and generate without any authentication.
+127.0.0.1 only. Without a token (``LORALEDGER_ENGINE_TOKEN`` or ``--token-file``) its control
+endpoints (load, unload, staged transfer, pause, abort) answer any local process; with one,
+only callers presenting it (``serve`` sends it to every engine), and a managed adapter is
+unloaded only under its attempt's fence whatever the token.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     port: int = DEFAULT_PORT
     artifact_root: str | None = None
     threads: int = 1
+    token: str | None = None  # guards the control routes (load, unload, staged, pause, abort)
 
 
 def check_options(opts: EngineOptions) -> None:
@@ -72,7 +76,7 @@ async def run_engine(
     engine = LocalEngine(opts.engine_id, artifact_root=opts.artifact_root, threads=opts.threads)
     async with engine:
         try:
-            async with serve(engine, host=HOST, port=opts.port) as url:
+            async with serve(engine, host=HOST, port=opts.port, token=opts.token) as url:
                 log.info("engine.listening", engine=opts.engine_id, url=url)
                 if on_ready is not None:
                     on_ready(url)

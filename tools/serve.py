@@ -6,9 +6,12 @@ on the command line, with the HTTP application of ``tools/http_app.py`` on top.
 
 Safety rules, enforced before anything is opened:
 
-* it listens on loopback by default; listening anywhere else **requires a token** (``--token``
-  or ``LORALEDGER_TOKEN``), otherwise it refuses to start (exit 11): an unauthenticated
-  control plane on a network would let anyone bind, release or publish;
+* it listens on loopback by default; listening anywhere else **requires a token**
+  (``LORALEDGER_TOKEN`` or ``--token-file``; ``--token`` still works but is visible in ``ps``
+  and warned about), otherwise it refuses to start (exit 11): an unauthenticated control plane
+  on a network would let anyone bind, release or publish;
+* bodies, connections and slow clients are bounded (``engines/guard.py``; RELIABILITY.md,
+  Security and limits): a flood is refused, not queued;
 * SIGINT/SIGTERM stop it cleanly: the HTTP server drains, the drivers stop, the ledger writes
   its snapshot and closes the log, and the process exits 0 (uvicorn's own signal handling,
   which re-raises the signal after shutdown, is replaced for exactly that reason).
@@ -18,7 +21,6 @@ Every committed event is logged as one line with its seq (``-v``) and counted in
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import signal
@@ -30,6 +32,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from engines.guard import is_loopback, uvicorn_limits
 from publisher.decider import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
@@ -53,6 +56,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8765
     token: str | None = None
+    engine_token: str | None = None  # sent to every engine as a bearer token (their --api-key)
     engines: tuple[EngineSpec, ...] = ()
     deployment: str = "default"
     prefix: str = "policy"
@@ -60,6 +64,9 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     artifact_root: str | None = None
     served_model: str = "tiny"
     synchronous: str = "FULL"
+    private_reads: bool = False  # /status and /metrics need the token too
+    max_connections: int = 1000  # beyond it a connection is answered 503 and closed
+    header_timeout_s: float = 10.0  # to send a request's headers, from connect or last reply
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -83,23 +90,14 @@ def parse_engine(text: str) -> EngineSpec:
     return EngineSpec(engine_id=engine_id, kind=kind, url=url or None)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a hostname: it may resolve anywhere
-
-
 def check_listen(host: str, token: str | None) -> None:
     """Refuse to listen beyond loopback without a token (exit 11)."""
     if not is_loopback(host) and not token:
         raise ToolError(
             Exit.UNSAFE,
             f"refusing to listen on {host!r} without a token: anyone who can reach it could "
-            "bind, release or publish. Pass --token (or set LORALEDGER_TOKEN), or listen on "
-            "127.0.0.1.",
+            "bind, release or publish. Set LORALEDGER_TOKEN (or pass --token-file), or listen "
+            "on 127.0.0.1.",
         )
 
 
@@ -122,6 +120,10 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, f"engine ids must be unique, got {ids}")
     if opts.synchronous not in ("FULL", "NORMAL"):
         raise ToolError(Exit.USAGE, "--synchronous must be FULL or NORMAL")
+    if opts.private_reads and not opts.token:
+        raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
+    if opts.max_connections < 1 or not opts.header_timeout_s > 0:
+        raise ToolError(Exit.USAGE, "--max-connections and --header-timeout must be positive")
 
 
 async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptions) -> Any:
@@ -129,15 +131,20 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptio
     if spec.kind == "sglang":
         from engines.sglang import SGLangEngine
 
-        engine: Any = SGLangEngine(spec.url or "", spec.engine_id)
+        engine: Any = SGLangEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
     elif spec.kind == "vllm":
         from engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(spec.url or "", spec.engine_id, served_model=opts.served_model)
+        engine = VLLMEngine(
+            spec.url or "",
+            spec.engine_id,
+            served_model=opts.served_model,
+            api_key=opts.engine_token,
+        )
     elif spec.url:
         from engines.local.client import LocalHTTPEngine
 
-        engine = LocalHTTPEngine(spec.url, spec.engine_id)
+        engine = LocalHTTPEngine(spec.url, spec.engine_id, api_key=opts.engine_token)
     else:
         try:
             from engines.local.engine import LocalEngine
@@ -224,6 +231,9 @@ def _server(app: Any, opts: ServeOptions, verbosity: int) -> Any:
         lifespan="off",
         access_log=verbosity >= 2,
         timeout_graceful_shutdown=5,
+        **uvicorn_limits(
+            max_connections=opts.max_connections, header_timeout_s=opts.header_timeout_s
+        ),
     )
     return Server(config)
 
@@ -259,7 +269,13 @@ async def serve(
     async with open_plane(opts) as plane:
         ledger = plane.ledger
         metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
-        app = build_app(ledger, metrics, token=opts.token, publish=make_publish(plane))
+        app = build_app(
+            ledger,
+            metrics,
+            token=opts.token,
+            publish=make_publish(plane),
+            private_reads=opts.private_reads,
+        )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_follow, ledger, metrics)

@@ -39,9 +39,14 @@ _UNSUPPORTED_TRUTHY = (
 
 
 class ServingLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """Fixed at engine start, like SGLang's LoRA memory-pool flags."""
+    """Fixed at engine start, like SGLang's LoRA memory-pool flags. ``max_n`` caps the parallel
+    samples of one request and ``max_request_tokens`` the tokens one request may make the
+    model process (every sample's prompt plus its ``max_tokens``, summed over a batch): one
+    request must not hold the model worker for everybody else."""
 
     max_lora_rank: int = 64
+    max_n: int = 64
+    max_request_tokens: int = 32768
     target_modules: tuple[str, ...] = (
         "q_proj",
         "k_proj",

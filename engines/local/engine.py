@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from engines.artifacts import ArtifactError, read_adapter_dir
+from engines.artifacts import HEADER_ALLOWANCE, ArtifactError, read_adapter_dir
 from engines.contract import (
     AmbiguousReply,
     Bucket,
@@ -426,7 +426,7 @@ class LocalEngine:
                     )
                 else:
                     resolved = resolve_under(self.artifact_root, c.artifact_path)
-                    config, tensors, digest = await self._read_dir(resolved)
+                    config, tensors, digest = await self._read_dir(resolved, c.manifest.total_bytes)
                     path = str(resolved)
                 if digest != c.digest:
                     raise CleanRefusal(
@@ -446,13 +446,20 @@ class LocalEngine:
             finally:
                 self._names.drop_staging(c.lora_name)
 
-    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+    async def unload(
+        self, lora_name: str, *, attempt: int | None = None, fenced_only: bool = False
+    ) -> UnloadReceipt:
         """Managed unload (reclaim, or cleanup of ``attempt``). An absent name answers
-        ``was_loaded=False`` (idempotent retry); a stale attempt is refused (STALE_ATTEMPT)."""
+        ``was_loaded=False`` (idempotent retry); a stale attempt is refused (STALE_ATTEMPT).
+        ``fenced_only`` (the HTTP face, where any caller may knock): a managed name without an
+        attempt is refused (ATTEMPT_REQUIRED), checked under the control lock so that a name
+        managed meanwhile cannot slip through."""
         self._require_runner()
         try:
             check_name(lora_name)
-            was_loaded = await self._submit(lambda: self._unload_job(lora_name, attempt))
+            was_loaded = await self._submit(
+                lambda: self._unload_job(lora_name, attempt, fenced_only)
+            )
         except EngineError as exc:
             raise self._tag(exc) from None
         return UnloadReceipt(
@@ -462,10 +469,16 @@ class LocalEngine:
             was_loaded=was_loaded,
         )
 
-    async def _unload_job(self, name: str, attempt: int | None) -> bool:
+    async def _unload_job(self, name: str, attempt: int | None, fenced_only: bool) -> bool:
         resident: Resident | None = None
         earlier: Resident | None = None
         async with self._control_lock:
+            if attempt is None and fenced_only and name in self._names.managed:
+                raise CleanRefusal(
+                    ErrorCode.ATTEMPT_REQUIRED,
+                    f"{name} is managed by loraledger: an unload must name the attempt it cleans "
+                    "up (the ledger always does)",
+                )
             if attempt is not None:
                 self._names.fence_cleanup(name, attempt)
             else:
@@ -558,9 +571,24 @@ class LocalEngine:
 
     # --- shared mechanics ---------------------------------------------------------------------
 
-    async def _read_dir(self, path: Path) -> tuple[dict[str, Any], dict[str, TensorData], str]:
+    def _largest_adapter_bytes(self) -> int:
+        """The largest weights file an admissible adapter can have: every module at the rank
+        limit, in the widest dtype accepted (F32), plus the safetensors header."""
+        r = self.limits.max_lora_rank
+        tensors = sum(r * (n_in + n_out) * 4 for n_in, n_out in self._module_shapes.values())
+        return tensors + HEADER_ALLOWANCE
+
+    async def _read_dir(
+        self, path: Path, declared: int | None = None
+    ) -> tuple[dict[str, Any], dict[str, TensorData], str]:
+        """Read an adapter directory, at most ``declared`` weight bytes (the manifest's total,
+        for a candidate) or what any admissible adapter could need."""
+        limit = self._largest_adapter_bytes()
+        if declared is not None:
+            limit = min(limit, declared + HEADER_ALLOWANCE)
+
         def read() -> tuple[dict[str, Any], dict[str, TensorData], str]:
-            config, tensors = read_adapter_dir(path)
+            config, tensors = read_adapter_dir(path, max_weights_bytes=limit)
             return config, tensors, build_manifest(config, tensors).digest
 
         try:
@@ -655,7 +683,7 @@ class LocalEngine:
         runner = self._require_runner()
         scheduler = self._require_scheduler()
         try:
-            check_params(params)
+            check_params(params, max_n=self.limits.max_n)
             resident, lease = await self._acquire(lora_name)
         except EngineError as exc:
             raise self._tag(exc) from None
@@ -738,6 +766,13 @@ class LocalEngine:
                 )
         if not tokens:
             raise CleanRefusal(ErrorCode.BAD_REQUEST, "empty prompt")
+        cost = params.n * (len(tokens) + params.max_tokens)
+        if cost > self.limits.max_request_tokens:
+            raise CleanRefusal(
+                ErrorCode.BAD_REQUEST,
+                f"n ({params.n}) x (prompt ({len(tokens)}) + max_tokens ({params.max_tokens})) "
+                f"= {cost} tokens exceeds the per-request limit {self.limits.max_request_tokens}",
+            )
         if len(tokens) + params.max_tokens > runner.max_length:
             raise CleanRefusal(
                 ErrorCode.BAD_REQUEST,

@@ -16,6 +16,7 @@ Requests are decoded one sequence per forward (correctness first; no cross-reque
 from __future__ import annotations
 
 import functools
+import math
 import os
 import uuid
 from collections.abc import Callable
@@ -49,16 +50,21 @@ class Decoded:
     cached_tokens: int
 
 
-def check_params(params: SamplingParams) -> None:
+def check_params(params: SamplingParams, *, max_n: int) -> None:
+    """Refuse (BAD_REQUEST) what the sampler cannot use: NaN passes every ``<`` test and then
+    fails inside torch as an internal error, and an ``n`` in the thousands holds the model
+    worker for every other request (n=30000 stalled a small one for 28 s)."""
     problems = []
-    if params.n < 1:
-        problems.append(f"n={params.n} must be >= 1")
+    if not 1 <= params.n <= max_n:
+        problems.append(f"n={params.n} must be in [1, {max_n}]")
     if params.max_tokens < 0:
         problems.append(f"max_tokens={params.max_tokens} must be >= 0")
-    if params.temperature < 0:
-        problems.append(f"temperature={params.temperature} must be >= 0")
-    if not 0 < params.top_p <= 1:
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        problems.append(f"temperature={params.temperature} must be a finite number >= 0")
+    if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
         problems.append(f"top_p={params.top_p} must be in (0, 1]")
+    if params.seed is not None and not 0 <= params.seed < 2**63:
+        problems.append(f"seed={params.seed} must be in [0, 2^63)")
     if problems:
         raise CleanRefusal(ErrorCode.BAD_REQUEST, "; ".join(problems))
 

@@ -29,6 +29,15 @@ bodies of ``/generate`` carry a ``code`` next to ``message``.
 
 The staged endpoints (``/loraledger/*``) are described in :mod:`engines.local.wire`.
 
+Trust (RELIABILITY.md, Security and limits): with a token (``token=``, or
+``LORALEDGER_ENGINE_TOKEN`` / ``--token-file`` for the process) every control route
+(:data:`CONTROL_PATHS`) needs ``Authorization: Bearer``, else 401; without one the server
+refuses to listen beyond loopback (:class:`UnsafeListen`, exit 11). ``/loraledger/unload`` of a
+managed name needs its attempt (``ATTEMPT_REQUIRED``). Every route caps its body (413), parses
+strict JSON (400 for NaN, Infinity, 1e400, 2^80), and a request is capped in ``n`` and tokens
+(:class:`~engines.local.admission.ServingLimits`); connections are capped and slow headers
+timed out (:func:`engines.guard.uvicorn_limits`).
+
 Run in process with :func:`serve` / :func:`running_server` (tests), or as a process:
 ``python -m engines.local.server --port 0 --engine-id e0 --artifact-root DIR`` prints the bound
 port on its first stdout line (and writes ``--port-file`` if given); SIGTERM stops it.
@@ -42,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import signal
 import socket
@@ -56,10 +64,12 @@ import anyio
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from engines import guard
 from engines.contract import (
     Candidate,
     Choice,
@@ -74,8 +84,6 @@ from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 
 _json = msgspec.json.Encoder()
-_candidate = msgspec.json.Decoder(Candidate)
-_unload_req = msgspec.json.Decoder(wire.UnloadRequest)
 _SGLANG_VERSION = "0.5.23"
 # SGLang sampling parameters we do not implement: refusing a non-default value beats silently
 # sampling from another distribution.
@@ -126,9 +134,9 @@ class _BadRequest(Exception):
 
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise _BadRequest(f"body is not JSON: {exc}") from exc
+        body = guard.strict_json(await request.body())
+    except guard.BadBody as exc:
+        raise _BadRequest(str(exc)) from exc
     if not isinstance(body, dict):
         raise _BadRequest("body must be a JSON object")
     return body
@@ -247,7 +255,10 @@ class _App:
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details.")
 
     async def pause_generation(self, request: Request) -> Response:
-        body = await _json_body(request) if await request.body() else {}
+        try:
+            body = await _json_body(request) if await request.body() else {}
+        except _BadRequest as exc:
+            return _reply({"error": {"message": str(exc), "code": ErrorCode.BAD_REQUEST}}, 400)
         mode = body.get("mode", "abort")
         if mode == "abort":
             self.engine.abort_all()
@@ -261,7 +272,10 @@ class _App:
         return _reply({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: Request) -> Response:
-        body = await _json_body(request)
+        try:
+            body = await _json_body(request)
+        except _BadRequest as exc:
+            return _reply({"error": {"message": str(exc), "code": ErrorCode.BAD_REQUEST}}, 400)
         if body.get("abort_all"):
             self.engine.abort_all()
         elif body.get("rid") is not None:
@@ -275,6 +289,15 @@ class _App:
             items, params, return_logprob, namespace = _parse_generate(await _json_body(request))
         except _BadRequest as exc:
             return _reply({"error": {"message": str(exc), "code": ErrorCode.BAD_REQUEST}}, 400)
+        # The batch as a whole (each item is checked exactly once tokenized): a text prompt
+        # counts its minimum, one token, so a batch of a million tiny prompts is refused here.
+        cap = self.engine.limits.max_request_tokens
+        cost = params.n * sum(
+            (len(p) if isinstance(p, list) else 1) + max(params.max_tokens, 0) for p, _, _ in items
+        )
+        if cost > cap:
+            message = f"the batch asks for at least {cost} tokens; the per-request limit is {cap}"
+            return _reply({"error": {"message": message, "code": ErrorCode.BAD_REQUEST}}, 400)
         outputs: list[Generation | None] = [None] * len(items)
         failures: list[EngineError] = []
 
@@ -311,10 +334,10 @@ class _App:
     # --- loraledger staged endpoints --------------------------------------------------------
 
     async def staged_prepare(self, request: Request) -> Response:
-        return await _staged(lambda: self._decode_then(request, _candidate, self.engine.prepare))
+        return await _staged(lambda: self._decode_then(request, Candidate, self.engine.prepare))
 
     async def staged_load(self, request: Request) -> Response:
-        return await _staged(lambda: self._decode_then(request, _candidate, self.engine.load))
+        return await _staged(lambda: self._decode_then(request, Candidate, self.engine.load))
 
     async def staged_bucket(self, request: Request) -> Response:
         async def run() -> Any:
@@ -331,27 +354,29 @@ class _App:
 
     async def staged_unload(self, request: Request) -> Response:
         async def run() -> Any:
-            req = await self._decode(request, _unload_req)
-            return await self.engine.unload(req.lora_name, attempt=req.attempt)
+            req = await self._decode(request, wire.UnloadRequest)
+            # Over HTTP the caller is any process that reaches the port: a managed name is
+            # unloaded only under its attempt's fence (ATTEMPT_REQUIRED otherwise).
+            return await self.engine.unload(req.lora_name, attempt=req.attempt, fenced_only=True)
 
         return await _staged(run)
 
     async def staged_inventory(self, request: Request) -> Response:
         return await _staged(self.engine.inventory)
 
-    async def _decode(self, request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+    async def _decode(self, request: Request, type_: type[Any]) -> Any:
         try:
-            return decoder.decode(await request.body())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"bad request body: {exc}") from exc
+            return guard.strict_decode(await request.body(), type_)
+        except guard.BadBody as exc:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, str(exc)) from exc
 
     async def _decode_then(
         self,
         request: Request,
-        decoder: msgspec.json.Decoder[Any],
+        type_: type[Any],
         action: Callable[[Any], Coroutine[Any, Any, Any]],
     ) -> Any:
-        return await action(await self._decode(request, decoder))
+        return await action(await self._decode(request, type_))
 
 
 async def _staged(action: Callable[[], Coroutine[Any, Any, Any]]) -> Response:
@@ -493,9 +518,46 @@ def _render(
     return out
 
 
-def create_app(engine: LocalEngine) -> Starlette:
-    """The ASGI app for one running engine (the caller owns the engine's lifetime)."""
+# Paths that change what the engine holds or does: with a token configured, only a caller that
+# presents it may reach them. /generate and the read-only routes stay open (a rollout worker
+# generates; a monitor reads), as on SGLang without --admin-api-key.
+CONTROL_PATHS = frozenset(
+    {
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        f"{wire.PREFIX}/prepare",
+        f"{wire.PREFIX}/bucket",
+        f"{wire.PREFIX}/load",
+        f"{wire.PREFIX}/unload",
+        f"{wire.PREFIX}/inventory",
+    }
+)
+MAX_BODY_BYTES = 4 * 1024 * 1024  # every JSON route: a batch of prompts, a candidate manifest
+# A bucket is packed up to 64 MiB, but a tensor larger than that travels alone in its own.
+MAX_BUCKET_BYTES = 256 * 1024 * 1024
+ENGINE_TOKEN_ENV = "LORALEDGER_ENGINE_TOKEN"
+
+
+def _error_body(code: str, message: str) -> Any:
+    return wire.ErrorBody(wire.ErrorDetail(code, message))
+
+
+def create_app(
+    engine: LocalEngine,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_bucket_bytes: int = MAX_BUCKET_BYTES,
+) -> Starlette:
+    """The ASGI app for one running engine (the caller owns the engine's lifetime). ``token``:
+    the bearer token every control route (:data:`CONTROL_PATHS`) then requires; every route's
+    body is capped (``max_bucket_bytes`` for buckets, ``max_body_bytes`` for the rest)."""
     app = _App(engine)
+    bucket_path = f"{wire.PREFIX}/bucket"
     routes = [
         Route("/generate", app.generate, methods=["POST"]),
         Route("/load_lora_adapter", app.load_lora_adapter, methods=["POST"]),
@@ -516,7 +578,19 @@ def create_app(engine: LocalEngine) -> Starlette:
         Route(f"{wire.PREFIX}/unload", app.staged_unload, methods=["POST"]),
         Route(f"{wire.PREFIX}/inventory", app.staged_inventory, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(
+                guard.Guard,
+                token=token,
+                protected=CONTROL_PATHS.__contains__,
+                cap=lambda path: max_bucket_bytes if path == bucket_path else max_body_bytes,
+                error_body=_error_body,
+            )
+        ],
+        exception_handlers=guard.exception_handlers(_error_body),
+    )
 
 
 # --- running it -----------------------------------------------------------------------------
@@ -542,24 +616,40 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _config(engine: LocalEngine) -> uvicorn.Config:
+class UnsafeListen(ValueError):
+    """Listening beyond loopback without a token: anyone who reaches the port could unload."""
+
+
+def check_listen(host: str, token: str | None) -> None:
+    if not guard.is_loopback(host) and not token:
+        raise UnsafeListen(
+            f"refusing to listen on {host!r} without a token: anyone who can reach it could "
+            f"load and unload adapters. Give a token ({ENGINE_TOKEN_ENV} or --token-file), or "
+            "listen on 127.0.0.1."
+        )
+
+
+def _config(engine: LocalEngine, token: str | None) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(engine),
+        create_app(engine, token=token),
         lifespan="off",
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=2,
+        **guard.uvicorn_limits(),
     )
 
 
 @contextlib.asynccontextmanager
 async def serve(
-    engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0
+    engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
 ) -> AsyncIterator[str]:
     """Serve a running engine on ``host`` (loopback by default) and yield its base URL; stops
-    the server (not the engine) on exit."""
+    the server (not the engine) on exit. ``token`` guards the control routes; beyond loopback
+    it is required (:class:`UnsafeListen`)."""
+    check_listen(host, token)
     sock = _bind(host, port)
-    server = _EmbeddedServer(_config(engine))
+    server = _EmbeddedServer(_config(engine, token))
 
     async def run() -> None:
         # Shielded: the server stops only through ``should_exit`` (set on every exit below),
@@ -587,10 +677,17 @@ async def serve(
 
 @contextlib.asynccontextmanager
 async def running_server(
-    engine_id: str = "local", *, host: str = "127.0.0.1", **engine_kwargs: Any
+    engine_id: str = "local",
+    *,
+    host: str = "127.0.0.1",
+    token: str | None = None,
+    **engine_kwargs: Any,
 ) -> AsyncIterator[tuple[LocalEngine, str]]:
     """A fresh engine served on a free loopback port: ``(engine, base_url)``."""
-    async with LocalEngine(engine_id, **engine_kwargs) as engine, serve(engine, host=host) as url:
+    async with (
+        LocalEngine(engine_id, **engine_kwargs) as engine,
+        serve(engine, host=host, token=token) as url,
+    ):
         yield engine, url
 
 
@@ -602,6 +699,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 = any free port (printed on stdout)")
     p.add_argument("--port-file", type=Path, help="also write the bound port here (atomically)")
     p.add_argument("--engine-id", default="local")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help=f"bearer token for the control routes (first line); default: ${ENGINE_TOKEN_ENV}. "
+        "Required to listen beyond loopback",
+    )
     p.add_argument("--artifact-root", type=Path, help="refuse adapter paths outside this dir")
     p.add_argument("--model-dir", type=Path, help="base model (default: the tiny model)")
     p.add_argument("--max-lora-rank", type=int, default=ServingLimits().max_lora_rank)
@@ -625,6 +728,8 @@ async def _main(args: argparse.Namespace) -> None:
         max_lora_rank=args.max_lora_rank,
         target_modules=tuple(m for m in args.lora_target_modules.split(",") if m),
     )
+    token = guard.read_token(ENGINE_TOKEN_ENV, args.token_file)
+    check_listen(args.host, token)
     sock = _bind(args.host, args.port)
     async with LocalEngine(
         args.engine_id,
@@ -635,7 +740,7 @@ async def _main(args: argparse.Namespace) -> None:
         threads=args.threads,
         implicit_reload=not args.no_implicit_reload,
     ) as engine:
-        server = _EmbeddedServer(_config(engine))
+        server = _EmbeddedServer(_config(engine, token))
         async with anyio.create_task_group() as tg:
 
             async def run() -> None:
@@ -667,6 +772,11 @@ async def _stop_on_signal(server: uvicorn.Server) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    try:
+        check_listen(args.host, guard.read_token(ENGINE_TOKEN_ENV, args.token_file))
+    except (UnsafeListen, OSError, ValueError) as exc:
+        print(f"engines.local.server: {exc}", file=sys.stderr)
+        raise SystemExit(11) from None
     started = time.monotonic()
     anyio.run(_main, args)
     print(f"stopped after {time.monotonic() - started:.1f}s", file=sys.stderr)

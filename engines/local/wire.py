@@ -17,9 +17,11 @@ endpoint                            request body                           200 r
 ==================================  =====================================  ======================
 
 A clean refusal is HTTP 400 with :class:`ErrorBody` (``{"error": {"code", "message"}}``); the
-code is one of :class:`~engines.contract.ErrorCode`'s clean codes. An engine that is stopping
-answers 503. Buckets are binary (msgpack): base64 in JSON would inflate a 64 MiB bucket by a
-third and cost a decode pass.
+code is one of :class:`~engines.contract.ErrorCode`'s clean codes (``ATTEMPT_REQUIRED``: an
+unload of a managed name without its attempt). An engine that is stopping answers 503; a
+missing or wrong token 401 and a body over its cap 413 (``{"error": {"code", "message"}}``
+too, read as ambiguous by the client: nothing proves what the engine holds). Buckets are
+binary (msgpack): base64 in JSON would inflate a 64 MiB bucket by a third and cost a decode pass.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ CLEAN_CODES = frozenset(
         ErrorCode.NAME_PROTECTED,
         ErrorCode.NAME_RECLAIMED,
         ErrorCode.STALE_ATTEMPT,
+        ErrorCode.ATTEMPT_REQUIRED,
         ErrorCode.NOT_PREPARED,
         ErrorCode.PATH_OUTSIDE_STORE,
         ErrorCode.BAD_REQUEST,

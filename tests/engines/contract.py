@@ -281,18 +281,18 @@ class EngineContract:
     async def test_unload_then_repeat_is_idempotent(self, eut: EngineUnderTest) -> None:
         p = candidate_for(eut.store, 3)
         await publish(eut.engine, p)
-        receipt = await eut.engine.unload(p.name)
+        receipt = await eut.engine.unload(p.name, attempt=p.candidate.attempt)
         assert receipt.was_loaded is True and receipt.lora_name == p.name
         assert receipt.incarnation == await eut.engine.incarnation()
         assert p.name not in (await eut.engine.inventory()).names()
-        again = await eut.engine.unload(p.name)
+        again = await eut.engine.unload(p.name, attempt=p.candidate.attempt)
         assert again.was_loaded is False
 
     async def test_generation_after_unload(self, eut: EngineUnderTest) -> None:
         p = candidate_for(eut.store, 4)
         await publish(eut.engine, p)
         before = await eut.engine.generate(PROMPT, p.name, GREEDY)
-        await eut.engine.unload(p.name)
+        await eut.engine.unload(p.name, attempt=p.candidate.attempt)
         if eut.caps.implicit_reload:
             # the hazard the gateway must avoid: the name silently comes back from its path
             again = await eut.engine.generate(PROMPT, p.name, GREEDY)
@@ -475,7 +475,7 @@ class EngineContract:
                 results["gen"] = await eut.engine.generate(PROMPT, p.name, GREEDY)
 
             async def unload() -> None:
-                results["unload"] = await eut.engine.unload(p.name)
+                results["unload"] = await eut.engine.unload(p.name, attempt=p.candidate.attempt)
                 unloaded.set()
 
             tg.start_soon(request)
@@ -524,7 +524,7 @@ class EngineContract:
             else:
                 await anyio.sleep(0.3)
             with anyio.fail_after(5):  # a draining unload would wait for the held request
-                receipt = await eut.engine.unload(p.name)
+                receipt = await eut.engine.unload(p.name, attempt=p.candidate.attempt)
             assert receipt.was_loaded is True
             assert "gen" not in results, "the request finished before the unload answered"
             assert p.name not in (await eut.engine.inventory()).names()
@@ -543,7 +543,7 @@ class EngineContract:
             eut.engine.incarnation(),
             eut.engine.inventory(),
             eut.engine.generate(PROMPT, p.name, GREEDY),
-            eut.engine.unload(p.name),
+            eut.engine.unload(p.name, attempt=p.candidate.attempt),
         ]
         for call in calls:
             with pytest.raises(AmbiguousReply):

@@ -278,7 +278,7 @@ async def test_managed_names_refuse_ordinary_calls_over_http(
         r = await load(client, p.name, p.candidate.artifact_path or "")
         assert r.status_code == 400 and r.json()["error_message"].startswith("NAME_PROTECTED: ")
         assert p.name in engine.loaded_adapters()
-        await staged.unload(p.name)
+        await staged.unload(p.name, attempt=p.candidate.attempt)
         await expect_refusal(ErrorCode.NAME_RECLAIMED, ordinary.generate(PROMPT, p.name, GREEDY))
     finally:
         await staged.aclose()
@@ -333,7 +333,7 @@ async def test_a_timed_out_unload_caller_does_not_stop_the_drain(
             )
             await wait_until(lambda: engine.refcount(name) == 1)
             with pytest.raises(AmbiguousReply) as info:
-                await impatient.unload(name)
+                await impatient.unload(name, attempt=p.candidate.attempt if staged else None)
             assert info.value.code == ErrorCode.TIMEOUT
             assert engine.draining() == [name] and engine.model_adapters() != []
             engine.continue_generation()

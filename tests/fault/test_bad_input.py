@@ -16,7 +16,10 @@ Generated (Hypothesis) and mutated inputs for every decoder and entry point:
   random bodies, wrong types, random statuses and huge bodies -- an ``EngineError`` (clean or
   ambiguous) or a well-typed value, nothing else;
 * adapter files (:mod:`engines.artifacts`): corrupt safetensors, config/tensor mismatches,
-  wrong digests, path traversal -- an ``ArtifactError`` with a code, the store unchanged.
+  wrong digests, path traversal -- an ``ArtifactError`` with a code, the store unchanged;
+* every HTTP route of the local engine's server and of ``loraledger serve``, on loopback, with
+  generated bodies, headers and slow clients (``tests/fault/test_bad_input_http.py``, whose
+  cases join the count below).
 
 CI runs ``EXAMPLES`` examples per property, ``--slow`` ``SLOW_EXAMPLES``; the total number of
 inputs tried is printed in the summary.

@@ -1,0 +1,334 @@
+"""What every loraledger HTTP server checks before a handler runs: the token, the body size,
+and that a body's numbers are numbers a handler can use.
+
+Shared by the local engine's server (:mod:`engines.local.server`) and ``loraledger serve``
+(``tools/http_app.py``), so the two cannot drift. Why each check lives here and not in the
+handlers:
+
+* **the bearer token** is checked from the headers alone, before one byte of the body is read:
+  an unauthenticated caller cannot make the server buffer anything;
+* **the body cap** is enforced on the declared ``Content-Length`` (refused at once) and on the
+  bytes actually received (a chunked or lying body is cut off at the cap): without it, one
+  300 MB body took the engine from 946 MB to 1.8 GB RSS;
+* **strict JSON**: Python's ``json`` accepts ``NaN``, ``Infinity`` and ``1e400`` (infinite) and
+  integers of any size; a handler that passes one on (a NaN temperature to the sampler, 2^80 to
+  SQLite) fails with a 500 long after the parse. :func:`strict_json` refuses them at the parse,
+  so every route answers 400 with the reason.
+
+A refusal is a JSON body ``{"code", "message"}`` plus the shape each server's clients read
+(``error_body``), with 401 (token), 413 (body too large) or 400 (bad JSON).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import math
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Integers beyond a signed 64-bit range cannot be stored (SQLite) or used as a count or id.
+INT_LIMIT = 2**63
+UNAUTHORIZED = "UNAUTHORIZED"
+BODY_TOO_LARGE = "BODY_TOO_LARGE"
+BAD_JSON = "BAD_JSON"
+
+ErrorBody = Callable[[str, str], Any]  # (code, message) -> the JSON body a server's clients read
+
+_encode = msgspec.json.Encoder()
+
+
+class BadBody(ValueError):
+    """A body that is not strict JSON (see :func:`strict_json`)."""
+
+
+class BodyTooLarge(Exception):
+    """Raised from ``receive`` once a body passes its cap; turned into a 413 by :class:`Guard`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body over {limit} bytes")
+        self.limit = limit
+
+
+def _no_constant(name: str) -> Any:
+    raise BadBody(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadBody(f"{text[:40]} is out of the range of a 64-bit float")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 20:  # int() of a huge digit string is itself slow: refuse by length first
+        raise BadBody(f"integer {text[:24]}... is out of range (|n| < 2^63)")
+    value = int(text)
+    if not -INT_LIMIT <= value < INT_LIMIT:
+        raise BadBody(f"integer {text} is out of range (|n| < 2^63)")
+    return value
+
+
+def strict_json(body: bytes | str) -> Any:
+    """Parse JSON, refusing NaN/Infinity, floats that overflow to infinity and integers outside
+    a signed 64-bit range (:class:`BadBody`, a ``ValueError``, with the reason)."""
+    try:
+        return json.loads(
+            body,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+        )
+    except BadBody:
+        raise
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadBody(f"body is not JSON: {exc}") from None
+
+
+def strict_decode(body: bytes, type_: type[Any]) -> Any:
+    """:func:`strict_json` then ``msgspec.convert`` to ``type_`` (strict: no str -> int)."""
+    try:
+        return msgspec.convert(strict_json(body), type=type_)
+    except msgspec.ValidationError as exc:
+        raise BadBody(f"bad request body: {exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (a hostname other than localhost may resolve
+    anywhere, so it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(env_var: str, token_file: str | os.PathLike[str] | None) -> str | None:
+    """The token from ``token_file`` (first line, stripped) if given, else from ``env_var``.
+    Never from argv: the command line of a process is visible to every user (``ps``)."""
+    if token_file is not None:
+        text = Path(token_file).read_text(encoding="utf-8").strip()
+        if not text:
+            raise ValueError(f"token file {token_file} is empty")
+        return text
+    return os.environ.get(env_var) or None
+
+
+class Guard:
+    """ASGI middleware: token for ``protected`` paths, body cap per path, JSON refusals.
+
+    ``protected(path) -> bool`` says which paths need the token (when ``token`` is set);
+    ``cap(path) -> int`` the most body bytes a path accepts. ``error_body(code, message)`` builds
+    the refusal in the shape the server's clients read.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        token: str | None,
+        protected: Callable[[str], bool],
+        cap: Callable[[str], int],
+        error_body: ErrorBody,
+    ) -> None:
+        self.app = app
+        self.expected = token.encode() if token else None
+        self.protected = protected
+        self.cap = cap
+        self.error_body = error_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = dict(_headers(scope["headers"]))
+        if self.expected is not None and self.protected(path):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.expected):
+                await self._refuse(
+                    send, 401, UNAUTHORIZED, "a valid bearer token is required for this route"
+                )
+                return
+        limit = self.cap(path)
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit() or len(declared) > 18:
+                await self._refuse(send, 400, BAD_JSON, "Content-Length is not a byte count")
+                return
+            if int(declared) > limit:
+                await self._refuse(
+                    send, 413, BODY_TOO_LARGE, f"request body over {limit} bytes for {path}"
+                )
+                return
+        received = 0
+
+        async def bounded() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded, tracked)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(
+                send, 413, BODY_TOO_LARGE, f"request body over {limit} bytes for {path}"
+            )
+
+    async def _refuse(self, send: Send, status: int, code: str, message: str) -> None:
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="loraledger"'))
+        body = _encode.encode(self.error_body(code, message))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def exception_handlers(error_body: ErrorBody) -> dict[Any, Any]:
+    """Starlette ``exception_handlers`` turning a :class:`BodyTooLarge` raised while a handler
+    reads its body into the 413 (Starlette's outermost middleware would otherwise answer 500)."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    async def too_large(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BodyTooLarge)
+        body = _encode.encode(error_body(BODY_TOO_LARGE, f"request body over {exc.limit} bytes"))
+        return Response(body, 413, {"connection": "close"}, media_type="application/json")
+
+    return {BodyTooLarge: too_large}
+
+
+def _headers(raw: Iterable[tuple[bytes, bytes]]) -> Iterable[tuple[bytes, bytes]]:
+    for name, value in raw:
+        yield name.lower(), value
+
+
+# --- connections --------------------------------------------------------------------------------
+
+MAX_CONNECTIONS = 1000
+HEADER_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5
+MAX_HEADER_BYTES = 64 * 1024
+_FD_HEADROOM = 64  # descriptors kept free for the log, the database, the engines
+
+
+def connection_cap(wanted: int = MAX_CONNECTIONS) -> int:
+    """``wanted``, lowered to stay under this process's descriptor limit: a server that hits
+    EMFILE cannot accept even the connection that would have closed another."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return wanted
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return min(wanted, max(8, soft - _FD_HEADROOM))
+
+
+def guarded_protocol(
+    *, max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S
+) -> type[Any]:
+    """uvicorn's h11 protocol with what it lacks against idle and slow clients:
+
+    * a connection beyond ``max_connections`` is answered 503 and closed at once (uvicorn's own
+      ``limit_concurrency`` answers 503 only once a request arrives, so idle connections pile
+      up: 20,000 of them made ``/health`` time out and the accept loop log 196,607 EMFILE
+      tracebacks in 10 s);
+    * a connection that has not completed its request headers ``header_timeout_s`` after it
+      opened, or after its previous reply, is closed (uvicorn times out only idle keep-alive
+      connections, never one that sends nothing, or a byte at a time).
+
+    Refusals are logged at most once per 10 s, with a count, so a flood cannot fill the disk.
+    """
+    import logging
+    import time
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    log = logging.getLogger("loraledger.http")
+    refused = {"count": 0, "logged": 0.0}
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                refused["count"] += 1
+                now = time.monotonic()
+                if now - refused["logged"] >= 10.0:
+                    log.warning(
+                        "refusing connections over the cap of %d (%d refused so far)",
+                        max_connections,
+                        refused["count"],
+                    )
+                    refused["logged"] = now
+                transport.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
+                    b"content-length: 0\r\n\r\n"
+                )
+                transport.close()
+                return
+            self._arm(None)
+
+        def _arm(self, cycle: Any) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._expired, cycle)
+
+        def _expired(self, cycle: Any) -> None:
+            self._header_timer = None
+            # still no request, or still the previous one, answered: no new headers arrived
+            current = self.cycle
+            waiting = current is None or (current is cycle and current.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(self.cycle)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def uvicorn_limits(
+    *, max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S
+) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config``: the guarded protocol, the keep-alive timeout
+    and the largest request head h11 will buffer."""
+    return {
+        "http": guarded_protocol(
+            max_connections=connection_cap(max_connections), header_timeout_s=header_timeout_s
+        ),
+        "timeout_keep_alive": KEEP_ALIVE_S,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+    }
