@@ -84,10 +84,16 @@ def test_render_is_one_key_value_line() -> None:
 
 @pytest.fixture
 def unconfigured_structlog() -> object:
+    """A process where nobody configured logging: structlog at its defaults, and the stdlib root
+    logger at its default level (an in-process CLI run earlier in the session may have set it)."""
     saved = structlog.get_config()
     was_configured = structlog.is_configured()
+    root = logging.getLogger()
+    root_level = root.level
     structlog.reset_defaults()
+    root.setLevel(logging.WARNING)
     yield
+    root.setLevel(root_level)
     if was_configured:
         structlog.configure(**saved)
 
