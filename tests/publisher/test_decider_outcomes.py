@@ -1,0 +1,237 @@
+"""Decider rules that mutation testing found unchecked (tests/mutation/campaign.py).
+
+Each test is named for the rule; the mutants it kills are those listed under it in
+RELIABILITY.md ("Mutation testing"): an outcome that answers the wrong version, engine or
+owner; a fatal entry or a reclaim that an engine's departure completes; the boundary of a
+lease; the codes of refusals no other test reached.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from evlog.errors import LoraLedgerError
+from evlog.events import (
+    AttemptFailed,
+    EngineLeft,
+    FatalResolved,
+    InFlight,
+    ReclaimAmbiguous,
+    ReclaimClaimed,
+    VersionReclaimed,
+)
+from projections.registry import VersionState
+from publisher import commands as c
+from publisher.errors import Code
+from publisher.outcomes import (
+    Allocated,
+    AttemptEnded,
+    Claimed,
+    Done,
+    Expired,
+    InventoryRecorded,
+    ReclaimGranted,
+    UnloadRecorded,
+)
+from tests.publisher.book import Book, digest_of
+
+
+@pytest.fixture
+def book() -> Book:
+    return Book().bootstrap()
+
+
+def _fatal(book: Book, version_id: int) -> None:
+    """Allocate ``version_id`` and fail it without absence proof: FAILED_FATAL."""
+    book.allocate(version_id)
+    book.run(c.FailAttempt(version_id=version_id, attempt=1, clean=False, code="X", reason="r"))
+    assert book.state.versions[version_id].state is VersionState.FAILED_FATAL
+
+
+def test_every_outcome_names_the_version_engine_and_owner_it_answers(book: Book) -> None:
+    book.publish(1)
+    v2 = book.allocate(2)
+    assert v2 == Allocated(
+        version_id=2,
+        lora_name=book.state.versions[2].lora_name,
+        digest=digest_of(2),
+        attempt=1,
+        fleet=("e0", "e1"),
+        state="LOADING",
+    )
+    assert book.allocate(2) == Allocated(**{**msgspec.structs.asdict(v2), "resumed": True})
+    claimed = book.run(c.ClaimTransport(version_id=2, attempt=1, owner="trainer"))
+    assert claimed == Claimed(version_id=2, attempt=1, owner="trainer")
+    again = book.run(c.ClaimTransport(version_id=2, attempt=1, owner="trainer"))
+    assert again == Claimed(version_id=2, attempt=1, owner="trainer")
+    ended = book.run(c.FailAttempt(version_id=2, attempt=1, clean=True, code="X", reason="r",
+                                   absent_on=("e1", "e0")))  # fmt: skip
+    assert ended == AttemptEnded(version_id=2, attempt=1, state="FAILED_RETRYABLE")
+    assert book.events[-1].absent_on == ("e0", "e1")
+    repeat = book.run(c.FailAttempt(version_id=2, attempt=1, clean=True, code="X", reason="r"))
+    assert repeat == AttemptEnded(version_id=2, attempt=1, state="FAILED_RETRYABLE")
+    book.publish(2)  # attempt 2; version 1 is retired
+    name1 = book.state.versions[1].lora_name
+    granted = book.run(c.ClaimReclaim(version_id=1))
+    assert granted == ReclaimGranted(version_id=1, lora_name=name1, engines=("e0", "e1"))
+    assert book.events[-1].evidence == ()
+    first = book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert first == UnloadRecorded(version_id=1, engine="e0", reclaimed=False)
+    before = len(book.events)
+    repeat_unload = book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert repeat_unload == UnloadRecorded(version_id=1, engine="e0", reclaimed=False)
+    assert len(book.events) == before  # a duplicate unload records nothing
+    last = book.run(c.RecordUnloaded(version_id=1, engine="e1", incarnation="e1-i1"))
+    assert last == UnloadRecorded(version_id=1, engine="e1", reclaimed=True)
+    done = book.run(c.RecordUnloaded(version_id=1, engine="e1", incarnation="e1-i1"))
+    assert done == UnloadRecorded(version_id=1, engine="e1", reclaimed=True)
+    seen = book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert seen == InventoryRecorded(engine="e1")
+
+
+def test_a_fatal_entry_whose_last_missing_proof_leaves_with_its_engine_is_resolved() -> None:
+    book = Book().bootstrap(engines=("e0", "e1", "e2"))
+    book.publish(1)
+    _fatal(book, 2)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    book.run(c.LeaveEngine(engine="e2"))  # e1 has not proved absence yet
+    assert book.state.versions[2].state is VersionState.FAILED_FATAL
+    assert book.events[-1] == EngineLeft(engine="e2")
+    book.run(c.LeaveEngine(engine="e1"))  # the only missing proof leaves with its engine
+    assert book.events[-2:] == [EngineLeft(engine="e1"), FatalResolved(version_id=2, attempt=1)]
+    assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
+
+
+def test_a_reclaim_is_completed_by_a_departure_only_when_the_others_confirmed() -> None:
+    book = Book().bootstrap(engines=("e0", "e1", "e2"))
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    book.run(c.LeaveEngine(engine="e2"))  # e1 has not unloaded yet
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    book.run(c.LeaveEngine(engine="e1"))
+    assert book.events[-1] == VersionReclaimed(version_id=1)
+
+
+def test_refusals_no_other_test_reached_carry_their_codes(book: Book) -> None:
+    book.publish(1)
+    book.refuse(c.ClaimTransport(version_id=1, attempt=1, owner="t"), Code.INVALID_STATE)
+    _fatal(book, 2)
+    book.refuse(
+        c.RestoreVersion(version_id=2, engine="e0", incarnation="e0-i1"), Code.INVALID_STATE
+    )
+    book.refuse(c.ExpireOwner(owner="nobody", now=1.0, last_seen=0.0), Code.UNKNOWN_OWNER)
+    book.refuse(c.ClaimReclaim(version_id=1), Code.NOT_RECLAIMABLE)
+    book.refuse(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"),
+                Code.INVALID_STATE)  # fmt: skip
+    book.refuse(c.MarkReclaimAmbiguous(version_id=1, engine="e0", reason="r"), Code.INVALID_STATE)
+
+
+def test_restoring_a_version_the_engine_holds_is_a_no_op(book: Book) -> None:
+    book.publish(1)
+    before = len(book.events)
+    again = book.run(c.RestoreVersion(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert again == Done(no_op=True) and len(book.events) == before
+
+
+def test_a_lease_expires_exactly_at_its_ttl(book: Book) -> None:
+    """The owner was registered with ttl 10 s: 9.999 s of silence is a live lease, 10 s is not."""
+    book.refuse(c.ExpireOwner(owner="w1", now=109.999, last_seen=100.0), Code.INVALID_INPUT)
+    expired = book.run(c.ExpireOwner(owner="w1", now=110.0, last_seen=100.0))
+    assert expired == Expired(owner="w1", released=0)
+    again = book.run(c.ExpireOwner(owner="w1", now=111.0, last_seen=100.0))
+    assert again == Expired(owner="w1", released=0)
+
+
+@pytest.mark.parametrize(
+    ("command", "field"),
+    [
+        (c.ObserveRestart(engine="e0", incarnation=""), "incarnation"),
+        (c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=("",)), "adapter name"),
+        (c.ClaimTransport(version_id=1, attempt=1, owner=""), "owner"),
+    ],
+)
+def test_a_malformed_field_is_named_in_the_refusal(
+    book: Book, command: c.Command, field: str
+) -> None:
+    book.allocate(1)
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(command)
+    assert info.value.code == Code.INVALID_INPUT
+    assert info.value.details["field"] == field
+
+
+def _refusal(book: Book, command: c.Command) -> LoraLedgerError:
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(command)
+    return info.value
+
+
+def test_refusals_carry_what_holds_them_in_their_details(book: Book) -> None:
+    book.publish(1)
+    book.allocate(2)
+    book.run(c.ClaimTransport(version_id=2, attempt=1, owner="a"))
+    driven = _refusal(book, c.ClaimTransport(version_id=2, attempt=1, owner="b"))
+    assert driven.code == Code.PUBLICATION_IN_PROGRESS and driven.details["owner"] == "a"
+    book.run(c.Bind(session="s1", owner="w1"))
+    book.ready_all(2)
+    book.run(c.Commit(version_id=2, attempt=1))
+    held = _refusal(book, c.ClaimReclaim(version_id=1))
+    assert held.code == Code.NOT_RECLAIMABLE and held.details["bound"] == 1
+    bound = _refusal(book, c.Forget(sessions=("s1",)))
+    assert bound.code == Code.SESSION_STILL_BOUND and bound.details["sessions"] == ["s1"]
+
+
+def test_a_reclaim_claim_records_its_evidence_and_completes_on_an_empty_fleet(book: Book) -> None:
+    book.publish(1)
+    book.publish(2)
+    idle = (InFlight(reporter="w1", engine="*", count=0, at=2.0),)
+    book.run(c.LeaveEngine(engine="e0"))
+    book.run(c.LeaveEngine(engine="e1"))
+    granted = book.run(c.ClaimReclaim(version_id=1, evidence=idle))
+    assert granted.engines == ()
+    assert book.events[-2:] == [
+        ReclaimClaimed(version_id=1, evidence=idle),
+        VersionReclaimed(version_id=1),
+    ]
+
+
+def test_an_engine_that_joined_after_a_version_confirms_its_reclaim_by_inventory() -> None:
+    book = Book().bootstrap()
+    book.publish(1)
+    book.publish(2)
+    book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    book.run(c.RecordUnloaded(version_id=1, engine="e1", incarnation="e1-i1"))
+    outcome = book.run(c.ObserveInventory(engine="e2", incarnation="e2-i1", adapters=()))
+    assert outcome.reclaimed == (1,)
+    assert book.state.versions[1].state is VersionState.RECLAIMED
+
+
+def test_an_adapter_seen_again_withdraws_the_absence_its_engine_proved(book: Book) -> None:
+    book.publish(1)
+    _fatal(book, 2)
+    name = book.state.versions[2].lora_name
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(name,)))
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert book.state.versions[2].state is VersionState.FAILED_FATAL
+
+
+def test_recorded_reasons_are_cut_at_2000_characters(book: Book) -> None:
+    book.publish(1)
+    book.allocate(2)
+    reason = "r" * 2001
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="X", reason=reason))
+    assert book.events[-1] == AttemptFailed(
+        version_id=2, attempt=1, clean=False, code="X", reason="r" * 2000
+    )
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    book.publish(3)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e0", reason=reason))
+    assert book.events[-1] == ReclaimAmbiguous(version_id=1, engine="e0", reason="r" * 2000)
