@@ -14,6 +14,7 @@ import pytest
 from evlog.errors import LoraLedgerError
 from evlog.events import (
     AttemptFailed,
+    CommandRecorded,
     EngineLeft,
     FatalResolved,
     InFlight,
@@ -235,3 +236,14 @@ def test_recorded_reasons_are_cut_at_2000_characters(book: Book) -> None:
     book.run(c.ClaimReclaim(version_id=1))
     book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e0", reason=reason))
     assert book.events[-1] == ReclaimAmbiguous(version_id=1, engine="e0", reason="r" * 2000)
+
+
+def test_a_recorded_command_fingerprint_is_stable_across_releases(book: Book) -> None:
+    """A retry is matched against the fingerprint stored in the log, perhaps by the next
+    release: the fingerprint (a hash of the command without its id) must not change with it,
+    or every retry after an upgrade is refused COMMAND_CONFLICT."""
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1", command_id="k1"))
+    recorded = book.events[-1]
+    assert isinstance(recorded, CommandRecorded)
+    assert recorded.fingerprint == "8d1fd008c7726b2eb762416e5bbd8475"
