@@ -18,8 +18,11 @@ from evlog.events import (
     EngineLeft,
     FatalResolved,
     InFlight,
+    PublicationSkipped,
     ReclaimAmbiguous,
     ReclaimClaimed,
+    SessionReleased,
+    VersionAllocated,
     VersionReclaimed,
 )
 from projections.registry import VersionState
@@ -28,11 +31,15 @@ from publisher.errors import Code
 from publisher.outcomes import (
     Allocated,
     AttemptEnded,
+    Bound,
     Claimed,
     Done,
     Expired,
     InventoryRecorded,
+    Published,
     ReclaimGranted,
+    Released,
+    Skipped,
     UnloadRecorded,
 )
 from tests.publisher.book import Book, digest_of
@@ -247,3 +254,62 @@ def test_a_recorded_command_fingerprint_is_stable_across_releases(book: Book) ->
     recorded = book.events[-1]
     assert isinstance(recorded, CommandRecorded)
     assert recorded.fingerprint == "8d1fd008c7726b2eb762416e5bbd8475"
+
+
+def test_sessions_outcomes_and_events_name_the_session_owner_and_cause(book: Book) -> None:
+    first = book.publish(1)
+    replay = book.run(c.Commit(version_id=1, attempt=1))
+    assert replay == Published(
+        version_id=1, lora_name=first.lora_name, revision=1, retired=None, no_op=True
+    )
+    bound = book.run(c.Bind(session="s", owner="w1"))
+    again = book.run(c.Bind(session="s", owner="w1"))
+    assert again == Bound(**{**msgspec.structs.asdict(bound), "new": False})
+    released = book.run(c.Release(session="s", owner="w1", cause="c" * 64))
+    assert released == Released(session="s", released=True, version_id=1)
+    assert book.events[-1] == SessionReleased(session="s", owner="w1", version_id=1, cause="c" * 64)
+    assert book.run(c.Release(session="s", owner="w1", cause="x")) == Released(
+        session="s", released=False
+    )
+    book.refuse(c.Release(session="s2", owner="w1", cause="c" * 65), Code.INVALID_INPUT)
+    closed = book.run(c.Release(session="s2", owner="w1", cause="closed"))
+    assert closed == Released(session="s2", released=False)
+    assert book.events[-1] == SessionReleased(
+        session="s2", owner="w1", version_id=None, cause="closed"
+    )
+    refused = _refusal(book, c.Bind(session="s2", owner="w1"))
+    assert refused.code == Code.SESSION_CLOSED and refused.details["session"] == "s2"
+
+
+def test_a_session_needs_a_registered_owner_only_for_its_first_bind_or_release(
+    book: Book,
+) -> None:
+    book.publish(1)
+    book.refuse(c.Release(session="s9", owner="stranger", cause="closed"), Code.UNKNOWN_OWNER)
+    book.run(c.Bind(session="s", owner="w1"))
+    # a bound session's retry is answered whoever asks (only an expired owner is refused)
+    assert not book.run(c.Bind(session="s", owner="stranger")).new
+
+
+def test_a_capacity_skip_records_and_answers_what_was_skipped() -> None:
+    book = Book().bootstrap(capacity=1)
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    skipped = book.run(c.Allocate(version_id=2, digest=digest_of(2)))
+    assert isinstance(skipped, Skipped)
+    assert skipped.version_id == 2 and skipped.code == Code.CAPACITY_ERROR and skipped.message
+    recorded = book.events[-1]
+    assert isinstance(recorded, PublicationSkipped)
+    assert (recorded.version_id, recorded.digest) == (2, digest_of(2))
+    assert (recorded.code, recorded.message) == (Code.CAPACITY_ERROR, skipped.message)
+
+
+def test_an_allocation_records_its_size_as_given(book: Book) -> None:
+    book.run(c.Allocate(version_id=1, digest=digest_of(1), size_bytes=0))
+    allocated = [e for e in book.events if isinstance(e, VersionAllocated)]
+    assert [e.size_bytes for e in allocated] == [0]
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=True, code="X", reason="r",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    book.run(c.Allocate(version_id=2, digest=digest_of(2), size_bytes=4096))
+    allocated = [e for e in book.events if isinstance(e, VersionAllocated)]
+    assert [e.size_bytes for e in allocated] == [0, 4096]
