@@ -50,6 +50,9 @@ PACKAGES = ("evlog", "projections", "publisher", "engines", "tools")
 # The decider's validators whose last argument is only a word of their error message (the others
 # also put it in the error's details, as `field`: a machine-read value, not counted as wording).
 LABEL_HELPERS = frozenset({"_time"})
+# Calls that build an error from a message, besides ``...Error(...)`` classes: the registry's
+# ``impossible(subject, state, event, reason)``.
+ERROR_BUILDERS = frozenset({"impossible"})
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
     calls = [_call_name(n) for n in chain if isinstance(n, ast.Call)]
     in_fstring = [i for i, n in enumerate(chain) if isinstance(n, ast.JoinedStr)]
     if in_fstring and any(
-        _call_name(n).endswith("Error") for n in chain[: in_fstring[0]] if isinstance(n, ast.Call)
+        _is_error(_call_name(n)) for n in chain[: in_fstring[0]] if isinstance(n, ast.Call)
     ):
         return True  # a value formatted into an error's message
     if not (isinstance(old, ast.Constant) and isinstance(old.value, str)):
@@ -230,7 +233,11 @@ def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
         return False
     if old.value.lower() != new.value.lower() and f"XX{old.value}XX" != new.value:
         return False
-    return any(name.endswith("Error") for name in calls)
+    return any(_is_error(name) for name in calls)
+
+
+def _is_error(name: str) -> bool:
+    return name.endswith("Error") or name in ERROR_BUILDERS
 
 
 def _call_name(node: ast.Call) -> str:
@@ -324,15 +331,13 @@ def summary(report: Report) -> str:
 
 
 def unexplained_as_toml(report: Report) -> str:
-    """Entries to paste into survivors.toml (kind and reason left for a person to decide)."""
+    """Lines to paste into survivors.toml's ``survivor = [...]`` (a person sets kind and reason)."""
     out = []
     for s in report.classify()["new"]:
-        out.append(
-            "[[survivor]]\n"
-            f"file = {json.dumps(s.file)}\nfunction = {json.dumps(s.function)}\n"
-            f"line = {json.dumps(s.line)}\nchange = {json.dumps(s.change)}\n"
-            'kind = "open"\nreason = ""\n'
-        )
+        fields = {"file": s.file, "function": s.function, "line": s.line, "change": s.change}
+        fields |= {"kind": "open", "reason": "TODO"}
+        inner = ", ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in fields.items())
+        out.append(f"  {{ {inner} }},")
     return "\n".join(out)
 
 
