@@ -16,6 +16,7 @@ from evlog.events import (
     AttemptFailed,
     CommandRecorded,
     EngineLeft,
+    EngineRepaired,
     FatalResolved,
     InFlight,
     PublicationSkipped,
@@ -174,6 +175,7 @@ def test_a_malformed_field_is_named_in_the_refusal(
 def _refusal(book: Book, command: c.Command) -> LoraLedgerError:
     with pytest.raises(LoraLedgerError) as info:
         book.run(command)
+    assert isinstance(info.value.message, str) and info.value.message
     return info.value
 
 
@@ -313,3 +315,83 @@ def test_an_allocation_records_its_size_as_given(book: Book) -> None:
     book.run(c.Allocate(version_id=2, digest=digest_of(2), size_bytes=4096))
     allocated = [e for e in book.events if isinstance(e, VersionAllocated)]
     assert [e.size_bytes for e in allocated] == [0, 4096]
+
+
+@pytest.mark.parametrize(
+    ("command", "code", "details"),
+    [
+        (c.JoinEngine(engine="bad/name", incarnation="i"), Code.INVALID_INPUT, {"field": "engine"}),
+        (c.JoinEngine(engine="e9", incarnation=""), Code.INVALID_INPUT, {"field": "incarnation"}),
+        (c.RegisterOwner(owner="", ttl_s=1.0, now=0.0), Code.INVALID_INPUT, {"field": "owner"}),
+        (c.RegisterOwner(owner="w2", ttl_s=0.0, now=0.0), Code.INVALID_INPUT, {}),
+        (c.RegisterOwner(owner="w2", ttl_s=float("nan"), now=0.0), Code.INVALID_INPUT, {}),
+        (c.Bind(session="s" * 257, owner="w1"), Code.INVALID_INPUT, {"field": "session"}),
+        (c.Release(session="", owner="w1", cause="c"), Code.INVALID_INPUT, {"field": "session"}),
+        (c.Release(session="s7", owner="", cause="c"), Code.INVALID_INPUT, {"field": "owner"}),
+        (c.Bind(session="s", owner="stranger"), Code.UNKNOWN_OWNER, {"owner": "stranger"}),
+        (c.Allocate(version_id=0, digest=digest_of(0)), Code.INVALID_VERSION, {"version_id": 0}),
+        (
+            c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-old"),
+            Code.ENGINE_RESTARTED,
+            {"engine": "e0"},
+        ),
+    ],
+)
+def test_bad_input_is_refused_with_its_code_and_the_field_it_names(
+    book: Book, command: c.Command, code: str, details: dict[str, object]
+) -> None:
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    refused = _refusal(book, command)
+    assert refused.code == code
+    assert {k: refused.details.get(k) for k in details} == details
+
+
+def test_a_key_of_256_characters_is_accepted(book: Book) -> None:
+    book.publish(1)
+    assert book.run(c.Bind(session="s" * 256, owner="w1")).new
+
+
+def test_deployment_and_fleet_names_are_checked_and_recorded() -> None:
+    book = Book()
+    for bad, field in [
+        (c.CreateDeployment(deployment="a/b", prefix="p", capacity=1), "deployment"),
+        (c.CreateDeployment(deployment="d", prefix="p:", capacity=1), "prefix"),
+        (c.CreateDeployment(deployment="d", prefix="p", capacity=1, fleet=("e/0",)), "engine"),
+    ]:
+        assert _refusal(book, bad).details["field"] == field
+    book.refuse(c.CreateDeployment(deployment="d", prefix="p", capacity=0), Code.INVALID_INPUT)
+    book.run(c.CreateDeployment(deployment="d", prefix="p", capacity=1, fleet=("e0",)))
+    assert book.events[-1].fleet == ("e0",)
+    book.run(c.JoinEngine(engine="e0", incarnation="i1", endpoint="http://x", kind="vllm"))
+    assert (book.events[-1].endpoint, book.events[-1].kind) == ("http://x", "vllm")
+
+
+def test_owner_registration_is_idempotent_and_an_expired_owner_is_refused(book: Book) -> None:
+    before = len(book.events)
+    assert book.run(c.RegisterOwner(owner="w1", ttl_s=10.0, now=5.0)) == Done(no_op=True)
+    assert len(book.events) == before
+    book.run(c.RegisterOwner(owner="w2", ttl_s=3.0, now=7.0))
+    assert (book.events[-1].ttl_s, book.events[-1].at) == (3.0, 7.0)
+    book.run(c.ExpireOwner(owner="w1", now=20.0, last_seen=0.0))
+    expired = _refusal(book, c.RegisterOwner(owner="w1", ttl_s=10.0, now=21.0))
+    assert expired.code == Code.LEASE_EXPIRED and expired.details["owner"] == "w1"
+    lost = _refusal(book, c.Bind(session="s", owner="w1"))
+    assert lost.code == Code.LEASE_EXPIRED and lost.details["owner"] == "w1"
+
+
+def test_repairing_a_repaired_engine_is_a_no_op(book: Book) -> None:
+    before = len(book.events)
+    assert book.run(c.RepairEngine(engine="e0", incarnation="e0-i1")) == Done(no_op=True)
+    assert len(book.events) == before
+
+
+def test_a_repair_names_what_is_missing_and_records_the_incarnation(book: Book) -> None:
+    book.publish(1)
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    missing = _refusal(book, c.RepairEngine(engine="e1", incarnation="e1-i2"))
+    assert missing.code == Code.NOT_READY and missing.details["missing"] == [1]
+    book.run(c.RestoreVersion(version_id=1, engine="e1", incarnation="e1-i2"))
+    book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))
+    assert book.events[-1] == EngineRepaired(engine="e1", incarnation="e1-i2")
