@@ -16,10 +16,12 @@ from evlog.events import (
     AttemptFailed,
     CommandRecorded,
     EngineLeft,
+    EngineReady,
     EngineRepaired,
     FatalResolved,
     InFlight,
     PublicationSkipped,
+    ReceiptRejected,
     ReclaimAmbiguous,
     ReclaimClaimed,
     SessionReleased,
@@ -256,6 +258,9 @@ def test_a_recorded_command_fingerprint_is_stable_across_releases(book: Book) ->
     recorded = book.events[-1]
     assert isinstance(recorded, CommandRecorded)
     assert recorded.fingerprint == "8d1fd008c7726b2eb762416e5bbd8475"
+    assert recorded.command_id == "k1"
+    conflict = _refusal(book, c.Bind(session="other", owner="w1", command_id="k1"))
+    assert conflict.code == Code.COMMAND_CONFLICT and conflict.details["command_id"] == "k1"
 
 
 def test_sessions_outcomes_and_events_name_the_session_owner_and_cause(book: Book) -> None:
@@ -395,3 +400,40 @@ def test_a_repair_names_what_is_missing_and_records_the_incarnation(book: Book) 
     book.run(c.RestoreVersion(version_id=1, engine="e1", incarnation="e1-i2"))
     book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))
     assert book.events[-1] == EngineRepaired(engine="e1", incarnation="e1-i2")
+
+
+def test_receipts_record_what_they_carry_and_a_rejection_what_was_wrong(book: Book) -> None:
+    book.publish(1)
+    book.allocate(2)
+    v = book.state.versions[2]
+    receipt = dict(version_id=2, attempt=1, engine="e0", incarnation="e0-i1")
+    book.run(c.RecordPrepared(**receipt, digest=v.digest, lora_name=v.lora_name))
+    before = len(book.events)
+    duplicate = book.run(c.RecordPrepared(**receipt, digest=v.digest, lora_name=v.lora_name))
+    assert duplicate == Done(no_op=True) and len(book.events) == before
+    not_ready = _refusal(book, c.Commit(version_id=2, attempt=1))
+    assert not_ready.code == Code.NOT_READY and not_ready.details["missing"] == ["e0", "e1"]
+    wrong = digest_of("wrong")
+    rejected = _refusal(book, c.RecordReady(**receipt, digest=wrong, lora_name=v.lora_name))
+    detail = f"receipt echoes {v.lora_name}/{wrong[:16]}, expected {v.lora_name}/{v.digest[:16]}"
+    assert rejected.code == Code.READY_MISMATCH and rejected.details["version_id"] == 2
+    assert rejected.message == detail
+    assert book.events[-1] == ReceiptRejected(code=Code.READY_MISMATCH, detail=detail, **receipt)
+    book.run(c.RecordReady(**receipt, digest=v.digest, lora_name=v.lora_name))
+    assert book.events[-1] == EngineReady(**receipt, digest=v.digest, lora_name=v.lora_name)
+
+
+def test_a_forget_refusal_names_at_most_20_bound_sessions(book: Book) -> None:
+    book.publish(1)
+    sessions = tuple(f"s{i:02}" for i in range(25))
+    for session in sessions:
+        book.run(c.Bind(session=session, owner="w1"))
+    refused = _refusal(book, c.Forget(sessions=sessions))
+    assert refused.code == Code.SESSION_STILL_BOUND
+    assert refused.details["sessions"] == list(sessions[:20])
+
+
+def test_a_commit_answers_the_version_it_published(book: Book) -> None:
+    book.publish(1)
+    published = book.publish(2)
+    assert (published.version_id, published.revision, published.retired) == (2, 2, 1)
