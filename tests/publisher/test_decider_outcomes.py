@@ -30,6 +30,7 @@ from evlog.events import (
 )
 from projections.registry import VersionState
 from publisher import commands as c
+from publisher import decider
 from publisher.errors import Code
 from publisher.outcomes import (
     Allocated,
@@ -279,10 +280,10 @@ def test_sessions_outcomes_and_events_name_the_session_owner_and_cause(book: Boo
         session="s", released=False
     )
     book.refuse(c.Release(session="s2", owner="w1", cause="c" * 65), Code.INVALID_INPUT)
-    closed = book.run(c.Release(session="s2", owner="w1", cause="closed"))
+    closed = book.run(c.Release(session="s2", owner="w1", cause="abandoned"))
     assert closed == Released(session="s2", released=False)
     assert book.events[-1] == SessionReleased(
-        session="s2", owner="w1", version_id=None, cause="closed"
+        session="s2", owner="w1", version_id=None, cause="abandoned"
     )
     refused = _refusal(book, c.Bind(session="s2", owner="w1"))
     assert refused.code == Code.SESSION_CLOSED and refused.details["session"] == "s2"
@@ -437,3 +438,45 @@ def test_a_commit_answers_the_version_it_published(book: Book) -> None:
     book.publish(1)
     published = book.publish(2)
     assert (published.version_id, published.revision, published.retired) == (2, 2, 1)
+
+
+def test_allocation_refusals_name_what_holds_them() -> None:
+    book = Book().bootstrap(capacity=1)
+    book.allocate(1)
+    conflict = _refusal(book, c.Allocate(version_id=1, digest=digest_of("other")))
+    assert conflict.code == Code.VERSION_CONFLICT and conflict.details["version_id"] == 1
+    loading = _refusal(book, c.Allocate(version_id=2, digest=digest_of(2)))
+    assert loading.code == Code.CAPACITY_ERROR and loading.details["capacity"] == 1
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="X", reason="r"))
+    blocked = _refusal(book, c.Allocate(version_id=2, digest=digest_of(2)))
+    assert blocked.code == Code.PUBLICATION_BLOCKED and blocked.details["versions"] == [1]
+
+
+def test_a_version_in_progress_is_named_and_a_retry_keeps_its_name() -> None:
+    book = Book().bootstrap(capacity=3)
+    book.publish(1)
+    first = book.allocate(2)
+    busy = _refusal(book, c.Allocate(version_id=3, digest=digest_of(3)))
+    assert busy.code == Code.PUBLICATION_IN_PROGRESS and busy.details["version_id"] == 2
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=True, code="X", reason="r",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    retry = book.allocate(2)
+    assert (retry.lora_name, retry.attempt, retry.version_id) == (first.lora_name, 2, 2)
+
+
+def test_an_ill_typed_command_is_refused_naming_its_kind(book: Book) -> None:
+    refused = _refusal(book, c.Bind(session=5, owner="w1"))  # type: ignore[arg-type]
+    assert refused.code == Code.INVALID_INPUT and refused.details["command"] == "Bind"
+    assert refused.message.startswith("Bind: ")
+
+
+def test_the_first_command_of_a_kind_builds_its_decoder(book: Book) -> None:
+    """``_well_typed`` caches one decoder per command class; a fresh process starts with none
+    (cleared here, and restored, so the rest of the session keeps its warm cache)."""
+    warm = dict(decider._command_decoders)
+    decider._command_decoders.clear()
+    try:
+        assert book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=0.0)) == Done()
+        assert c.RegisterOwner in decider._command_decoders
+    finally:
+        decider._command_decoders.update(warm)
