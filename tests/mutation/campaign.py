@@ -264,7 +264,8 @@ def _describe(workdir: Path, mutant: str) -> Survivor:
     mutated.name = orig_name  # the names differ by construction; compare the rest
     old, new, chain = _first_difference(funcs[orig_name], mutated)
     lines = text.splitlines()
-    line = lines[getattr(old, "lineno", chain[-1].lineno if chain else 1) - 1].strip()
+    located = [n for n in (*chain, old) if hasattr(n, "lineno")]  # a comprehension has none
+    line = lines[located[-1].lineno - 1].strip() if located else ""
     function = local.lstrip("_").replace("ǁ", ".").strip(".") if "ǁ" in local else local[1:]
     return Survivor(
         mutant=mutant,
