@@ -24,7 +24,7 @@ from evlog.events import (
 from evlog.record import Record
 from projections import registry
 from projections.registry import RegistryState, encode_state, evolve
-from projections.transitions import TRANSITIONS, TransitionViolation, VersionState
+from projections.transitions import TRANSITIONS, TransitionViolation, VersionState, next_state
 from publisher import commands as c
 from tests.publisher.book import Book
 from tests.tools.scenario import fault_run_records
@@ -176,3 +176,14 @@ def test_every_event_about_a_version_lifecycle_has_a_step() -> None:
 def test_every_target_is_a_state_and_versions_start_by_allocation() -> None:
     assert all(isinstance(after, VersionState) for after in TRANSITIONS.values())
     assert [event for before, event in TRANSITIONS if before is None] == ["VersionAllocated"]
+
+
+def test_a_step_outside_the_table_names_the_absent_state_and_why() -> None:
+    """Found by mutation testing: no test read the wording of a violation from ``next_state``
+    for a version the log never allocated."""
+    with pytest.raises(TransitionViolation) as info:
+        next_state(7, None, "VersionPublished")
+    assert str(info.value) == (
+        "version 7 is ABSENT: VersionPublished is impossible "
+        "(not a transition of the version lifecycle)"
+    )

@@ -47,6 +47,8 @@ class Book:
         with pytest.raises(LoraLedgerError) as info:
             self.run(command)
         assert info.value.code == code, info.value
+        # every refusal names its problem for a person too, not only by code
+        assert isinstance(info.value.message, str) and info.value.message, info.value
         return self.events[before:]
 
     # --- scenario helpers ---------------------------------------------------------------------

@@ -1,0 +1,375 @@
+"""Mutation campaigns: does the suite fail when a core rule is changed by one token?
+
+Each campaign runs mutmut 3 over one module (or two) against the fast tests that claim to
+check it, in a throwaway copy of the tree (mutmut writes ``mutants/`` next to the sources it
+mutates; a copy keeps the work tree clean and lets campaigns use different test sets). A mutant
+that no test kills is a *survivor*. A survivor is accepted only when ``survivors.toml`` lists it
+with a reason:
+
+- ``equivalent``: no test can kill it, because the mutated program behaves the same (the reason
+  says why);
+- ``open``: a real gap not yet closed by a test (kept so that the gate still catches *new*
+  survivors; RELIABILITY.md lists them as debt).
+
+Survivors are keyed by what changed, not by mutmut's mutant number (which shifts when the code
+above it changes): ``function``, the source ``line`` the change is on, and ``change`` (the
+smallest differing expression, old -> new, as ``ast.unparse`` writes it).
+
+A mutant that only rewrites the wording of an exception's message (mutmut turns ``"text"`` into
+``"XXtextXX"`` or ``"TEXT"``), or of the field name a validator puts in its message
+(``_time(value, "now")``), is counted apart as ``message``: the promise is a stable machine
+code and a message that names the problem, which such a mutant keeps; tests assert codes.
+
+Run (one command; ``--slow`` runs the gated campaigns through ``test_mutation.py``)::
+
+    python -m tests.mutation.campaign decider registry      # or: all
+    pytest --slow tests/mutation
+
+CPU: the decider campaign generates ~1,400 mutants and takes ~10 min on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SURVIVORS_FILE = Path(__file__).with_name("survivors.toml")
+PACKAGES = ("evlog", "projections", "publisher", "engines", "tools")
+# The decider's validators whose last argument is only a word of their error message (the others
+# also put it in the error's details, as `field`: a machine-read value, not counted as wording).
+LABEL_HELPERS = frozenset({"_time"})
+# Calls that build an error from a message, besides ``...Error(...)`` classes: the registry's
+# ``impossible(subject, state, event, reason)``.
+ERROR_BUILDERS = frozenset({"impossible"})
+
+
+@dataclass(frozen=True)
+class Campaign:
+    """Which files to mutate, against which tests, and whether a survivor fails the gate."""
+
+    name: str
+    mutate: tuple[str, ...]
+    tests: tuple[str, ...]
+    gated: bool
+
+
+CAMPAIGNS: dict[str, Campaign] = {
+    c.name: c
+    for c in (
+        Campaign(
+            "decider",
+            ("publisher/decider.py",),
+            (
+                "tests/publisher/test_decider.py",
+                "tests/publisher/test_decider_outcomes.py",
+                "tests/publisher/test_ledger_model.py",
+                "tests/projections",
+            ),
+            gated=True,
+        ),
+        Campaign(
+            "registry",
+            ("projections/registry.py", "projections/transitions.py"),
+            (
+                "tests/publisher/test_decider.py",
+                "tests/publisher/test_decider_outcomes.py",
+                "tests/publisher/test_ledger_model.py",
+                "tests/projections",
+            ),
+            gated=True,
+        ),
+        Campaign(
+            "stores",
+            ("evlog/sqlite.py", "evlog/memory.py"),
+            ("tests/evlog/test_memory_store.py", "tests/evlog/test_sqlite_store.py"),
+            gated=False,
+        ),
+        Campaign("gateway", ("publisher/gateway.py",), ("tests/publisher/test_gateway.py",), False),
+        Campaign(
+            "reclaim",
+            ("publisher/reclaim.py",),
+            ("tests/publisher/test_reclaim.py", "tests/publisher/test_reclaim_inflight.py"),
+            gated=False,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Survivor:
+    """One surviving mutant, described by what it changed."""
+
+    mutant: str
+    file: str
+    function: str
+    line: str
+    change: str
+    message_only: bool
+
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.file, self.function, self.line, self.change)
+
+
+@dataclass
+class Report:
+    campaign: str
+    generated: int = 0
+    killed: int = 0
+    other: dict[str, int] = field(default_factory=dict)
+    survivors: list[Survivor] = field(default_factory=list)
+    accepted: dict[tuple[str, str, str, str], dict[str, str]] = field(default_factory=dict)
+
+    def classify(self) -> dict[str, list[Survivor]]:
+        """Split survivors into message / equivalent / open / unexplained."""
+        out: dict[str, list[Survivor]] = {"message": [], "equivalent": [], "open": [], "new": []}
+        for s in self.survivors:
+            if s.message_only:
+                out["message"].append(s)
+            elif s.key() in self.accepted:
+                out[self.accepted[s.key()]["kind"]].append(s)
+            else:
+                out["new"].append(s)
+        return out
+
+
+def load_accepted() -> dict[tuple[str, str, str, str], dict[str, str]]:
+    """The documented survivors: each with a kind (equivalent/open) and a one-line reason."""
+    data = tomllib.loads(SURVIVORS_FILE.read_text("utf-8"))
+    accepted = {}
+    for entry in data.get("survivor", []):
+        if entry["kind"] not in ("equivalent", "open") or not entry.get("reason"):
+            raise ValueError(f"survivors.toml: {entry} needs kind equivalent|open and a reason")
+        accepted[(entry["file"], entry["function"], entry["line"], entry["change"])] = entry
+    return accepted
+
+
+def _copy_tree(dest: Path, campaign: Campaign) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, dest / pkg, ignore=ignore)
+    shutil.copytree(ROOT / "tests", dest / "tests", ignore=ignore)
+    config = (ROOT / "pyproject.toml").read_text("utf-8")
+    config += "\n[tool.mutmut]\n" + "\n".join(
+        [
+            'source_paths = ["evlog", "projections", "publisher"]',
+            f"only_mutate = {json.dumps(list(campaign.mutate))}",
+            'also_copy = ["engines", "tools"]',
+            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not vllm and not slow", "-q"]',
+            f"pytest_add_cli_args_test_selection = {json.dumps(list(campaign.tests))}",
+            "use_git_change_detection = false",
+        ]
+    )
+    (dest / "pyproject.toml").write_text(config + "\n", "utf-8")
+
+
+def _functions(tree: ast.AST) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    return {
+        n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+
+
+def _first_difference(a: ast.AST, b: ast.AST) -> tuple[ast.AST, ast.AST, list[ast.AST]]:
+    """The smallest pair of differing expressions, and the chain of original ancestors above.
+
+    An operator (``<=`` -> ``<``, ``and`` -> ``or``) has no text of its own: the pair returned
+    is then the expressions that hold it.
+    """
+    chain: list[tuple[ast.AST, ast.AST]] = []
+    while True:
+        if type(a) is not type(b):
+            break
+        diffs = []
+        lengths_differ = False
+        for name, va in ast.iter_fields(a):
+            vb = getattr(b, name, None)
+            if isinstance(va, list) and isinstance(vb, list):
+                if len(va) != len(vb):
+                    lengths_differ = True
+                    break
+                diffs += [(x, y) for x, y in zip(va, vb, strict=True) if _dump(x) != _dump(y)]
+            elif _dump(va) != _dump(vb):
+                diffs.append((va, vb))
+        nodes = [(x, y) for x, y in diffs if isinstance(x, ast.AST) and isinstance(y, ast.AST)]
+        if lengths_differ or len(diffs) != 1 or len(nodes) != 1:
+            break
+        chain.append((a, b))
+        a, b = nodes[0]
+    while chain and not (isinstance(a, ast.expr | ast.stmt) and ast.unparse(a)):
+        a, b = chain.pop()
+    return a, b, [x for x, _ in chain]
+
+
+def _dump(x: object) -> str:
+    return ast.dump(x) if isinstance(x, ast.AST) else repr(x)
+
+
+def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
+    """A string constant reworded inside an ``...Error(...)`` call's message, a value formatted
+    into such a message changed, or a label of a message-only validator
+    (:data:`LABEL_HELPERS`) changed: message wording only."""
+    calls = [_call_name(n) for n in chain if isinstance(n, ast.Call)]
+    in_fstring = [i for i, n in enumerate(chain) if isinstance(n, ast.JoinedStr)]
+    if in_fstring and any(
+        _is_error(_call_name(n)) for n in chain[: in_fstring[0]] if isinstance(n, ast.Call)
+    ):
+        return True  # a value formatted into an error's message
+    if not (isinstance(old, ast.Constant) and isinstance(old.value, str)):
+        return False
+    if calls and calls[-1] in LABEL_HELPERS:
+        return True
+    if not (isinstance(new, ast.Constant) and isinstance(new.value, str)):
+        return False
+    if old.value.lower() != new.value.lower() and f"XX{old.value}XX" != new.value:
+        return False
+    return any(_is_error(name) for name in calls)
+
+
+def _is_error(name: str) -> bool:
+    return name.endswith("Error") or name in ERROR_BUILDERS
+
+
+def _call_name(node: ast.Call) -> str:
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+@functools.cache
+def _parsed(path: Path) -> tuple[str, dict[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    text = path.read_text("utf-8")
+    return text, _functions(ast.parse(text))
+
+
+def _describe(workdir: Path, mutant: str) -> Survivor:
+    """Survivor description from the mutant and the original function in mutants/."""
+    # mutant = "<module>.x_<function>__mutmut_N" or "<module>.xǁClassǁmethod__mutmut_N"
+    head = mutant.rsplit("__mutmut_", 1)[0]
+    module_path, _, local = head.rpartition(".x")
+    path = module_path.replace(".", "/") + ".py"
+    text, funcs = _parsed(workdir / "mutants" / path)
+    orig_name = "x" + local + "__mutmut_orig"
+    mut_name = mutant.rpartition(".")[2]
+    mutated = copy.copy(funcs[mut_name])
+    mutated.name = orig_name  # the names differ by construction; compare the rest
+    old, new, chain = _first_difference(funcs[orig_name], mutated)
+    lines = text.splitlines()
+    located = [n for n in (*chain, old) if hasattr(n, "lineno")]  # a comprehension has none
+    line = lines[located[-1].lineno - 1].strip() if located else ""
+    function = local.lstrip("_").replace("ǁ", ".").strip(".") if "ǁ" in local else local[1:]
+    return Survivor(
+        mutant=mutant,
+        file=path,
+        function=function,
+        line=line,
+        change=f"{_unparse(old)} -> {_unparse(new)}",
+        message_only=_is_message(old, new, chain),
+    )
+
+
+def _unparse(node: ast.AST) -> str:
+    text = ast.unparse(node) if isinstance(node, ast.AST) else repr(node)
+    text = " ".join(text.split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def run_campaign(campaign: Campaign, *, workdir: Path, max_children: int) -> Report:
+    """Copy the tree, run mutmut, and read back every mutant's verdict."""
+    _copy_tree(workdir, campaign)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with (workdir / "mutmut.log").open("w") as log:
+        subprocess.run(
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)],
+            cwd=workdir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
+    report = Report(campaign.name, accepted=load_accepted())
+    # exit codes as mutmut reads them (mutmut.__main__.status_by_exit_code)
+    for path in campaign.mutate:
+        meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text("utf-8"))
+        for mutant, code in meta["exit_code_by_key"].items():
+            report.generated += 1
+            if code in (1, 3):  # a test failed / was interrupted by the mutant
+                report.killed += 1
+            elif code == 0:
+                report.survivors.append(_describe(workdir, mutant))
+            else:
+                status = {None: "not checked", 33: "no tests", 34: "skipped", 36: "timeout"}
+                label = status.get(code, f"exit {code}")
+                report.other[label] = report.other.get(label, 0) + 1
+    return report
+
+
+def summary(report: Report) -> str:
+    """Figures and every survivor, one per line, for the terminal and for RELIABILITY.md."""
+    kinds = report.classify()
+    head = (
+        f"{report.campaign}: {report.generated} mutants, {report.killed} killed, "
+        f"{len(report.survivors)} survived (message {len(kinds['message'])}, "
+        f"equivalent {len(kinds['equivalent'])}, open {len(kinds['open'])}, "
+        f"unexplained {len(kinds['new'])})"
+    )
+    if report.other:
+        head += " " + json.dumps(report.other)
+    rows = [head]
+    for kind in ("new", "open", "equivalent"):
+        for s in kinds[kind]:
+            rows.append(f"  [{kind}] {s.file}::{s.function}  {s.line}\n      {s.change}")
+    return "\n".join(rows)
+
+
+def unexplained_as_toml(report: Report) -> str:
+    """Lines to paste into survivors.toml's ``survivor = [...]`` (a person sets kind and reason)."""
+    out = []
+    for s in report.classify()["new"]:
+        fields = {"file": s.file, "function": s.function, "line": s.line, "change": s.change}
+        fields |= {"kind": "open", "reason": "TODO"}
+        inner = ", ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in fields.items())
+        out.append(f"  {{ {inner} }},")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("campaigns", nargs="+", help=f"all, or some of {sorted(CAMPAIGNS)}")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--keep", type=Path, help="run in this folder and keep it")
+    parser.add_argument("--toml", action="store_true", help="print unexplained as toml entries")
+    args = parser.parse_args(argv)
+    names = sorted(CAMPAIGNS) if args.campaigns == ["all"] else args.campaigns
+    unknown = [n for n in names if n not in CAMPAIGNS]
+    if unknown:
+        parser.error(f"unknown campaign(s) {unknown}; known: {sorted(CAMPAIGNS)}")
+    failed = False
+    for name in names:
+        campaign = CAMPAIGNS[name]
+        if args.keep:
+            workdir = args.keep / name
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir(parents=True)
+            report = run_campaign(campaign, workdir=workdir, max_children=args.max_children)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
+                report = run_campaign(campaign, workdir=Path(tmp), max_children=args.max_children)
+        print(summary(report), flush=True)
+        if args.toml:
+            print(unexplained_as_toml(report))
+        failed |= campaign.gated and bool(report.classify()["new"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
