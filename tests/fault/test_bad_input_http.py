@@ -16,8 +16,7 @@ Bounded: ``EXAMPLES`` cases per property (``--slow``: ``SLOW_EXAMPLES``), each a
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from hypothesis import strategies as st
 from engines.local.server import CONTROL_PATHS, running_server
 from tests.fault.conftest import record_figure
 from tests.fault.test_bad_input import TRIED, _count, _json, _numbers, _settings
-from tools.serve import ServeOptions, serve
+from tests.tools.serving import serving
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
@@ -215,26 +214,6 @@ async def test_every_engine_route_answers_bad_requests_without_a_500(
             assert (await http.get("/health")).status_code == 200
 
 
-@asynccontextmanager
-async def _serving(tmp_path: Path) -> AsyncIterator[str]:
-    opts = ServeOptions(db=str(tmp_path / "fuzz.db"), port=0, token=TOKEN, header_timeout_s=2)
-    urls: list[str] = []
-    listening, stop = anyio.Event(), anyio.Event()
-
-    def ready(url: str) -> None:
-        urls.append(url)
-        listening.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: serve(opts, on_ready=ready, handle_signals=False, stop=stop))
-        with anyio.fail_after(60):
-            await listening.wait()
-        try:
-            yield urls[0]
-        finally:
-            stop.set()
-
-
 @pytest.mark.anyio
 async def test_every_serve_route_answers_bad_requests_without_a_500(
     tmp_path: Path, slow: bool
@@ -262,7 +241,7 @@ async def test_every_serve_route_answers_bad_requests_without_a_500(
 
     collect()
     async with (
-        _serving(tmp_path) as url,
+        serving(tmp_path / "fuzz.db", token=TOKEN, header_timeout_s=2) as url,
         httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http,
     ):
         assert (

@@ -7,8 +7,7 @@ Each test is named after the defect it pins. In process, no engines: every serve
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -17,31 +16,15 @@ import httpx
 import pytest
 
 from tests.tools.conftest import Cli
+from tests.tools.serving import serving
 from tools.exitcodes import Exit
-from tools.serve import ServeOptions, serve
 
 TOKEN = "t0ken-for-limits"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@asynccontextmanager
-async def running(tmp_path: Path, **options: Any) -> AsyncIterator[str]:
-    opts = ServeOptions(db=str(tmp_path / "limits.db"), port=0, token=TOKEN, **options)
-    urls: list[str] = []
-    listening, stop = anyio.Event(), anyio.Event()
-
-    def ready(url: str) -> None:
-        urls.append(url)
-        listening.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: serve(opts, on_ready=ready, handle_signals=False, stop=stop))
-        with anyio.fail_after(60):
-            await listening.wait()
-        try:
-            yield urls[0]
-        finally:
-            stop.set()
+def running(tmp_path: Path, **options: Any) -> AbstractAsyncContextManager[str]:
+    return serving(tmp_path / "limits.db", token=TOKEN, **options)
 
 
 async def raw(url: str, data: bytes, *, read: bool = True) -> bytes:
