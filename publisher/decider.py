@@ -357,6 +357,14 @@ def _repair_engine(s: RegistryState, cmd: c.RepairEngine) -> Decision:
     return Decision((event,), Done())
 
 
+def _held_elsewhere(s: RegistryState, lora_name: str, engine: str) -> bool:
+    """Whether a member other than ``engine`` is known (by its last inventory or receipt) to
+    hold ``lora_name``. A fatal candidate is resolved only when no member holds it, whether the
+    member was in the attempt's fleet or joined after it: resolving it while one does would
+    leave an engine holding a ``FAILED_RETRYABLE`` name that nothing fences any more."""
+    return any(lora_name in m.holds for e, m in s.engines.items() if e != engine)
+
+
 def _completed_by_leaving(s: RegistryState, engine: str) -> list[Event]:
     """Fatal entries and reclaims whose only missing proof was from the engine that leaves:
     an engine that is no longer a member cannot hold anything the fleet serves."""
@@ -365,7 +373,9 @@ def _completed_by_leaving(s: RegistryState, engine: str) -> list[Event]:
     for v in s.versions.values():
         confirmed = set(v.confirmed)
         if v.state is VersionState.FAILED_FATAL:
-            if _members(s, v.fleet) - {engine} <= confirmed:
+            if _members(s, v.fleet) - {engine} <= confirmed and not _held_elsewhere(
+                s, v.lora_name, engine
+            ):
                 events.append(FatalResolved(version_id=v.version_id, attempt=v.attempt))
         elif v.state is VersionState.RECLAIMING and members <= confirmed:
             events.append(VersionReclaimed(version_id=v.version_id))
@@ -395,15 +405,19 @@ def _observe_inventory(s: RegistryState, cmd: c.ObserveInventory) -> Decision:
     for v in s.versions.values():
         if v.state not in (VersionState.FAILED_FATAL, VersionState.RECLAIMING):
             continue
-        if v.state is VersionState.FAILED_FATAL and cmd.engine not in v.fleet:
-            continue
+        # A fatal candidate's absence proofs come from its attempt's fleet (the fold records
+        # only those), but any member's inventory can tell that it still holds the name.
         confirmed = set(v.confirmed)
-        if v.lora_name in present:
-            confirmed.discard(cmd.engine)
-        else:
-            confirmed.add(cmd.engine)
+        if v.state is VersionState.RECLAIMING or cmd.engine in v.fleet:
+            if v.lora_name in present:
+                confirmed.discard(cmd.engine)
+            else:
+                confirmed.add(cmd.engine)
         if v.state is VersionState.FAILED_FATAL:
-            if _members(s, v.fleet) <= confirmed:
+            absent_everywhere = v.lora_name not in present and not _held_elsewhere(
+                s, v.lora_name, cmd.engine
+            )
+            if _members(s, v.fleet) <= confirmed and absent_everywhere:
                 events.append(FatalResolved(version_id=v.version_id, attempt=v.attempt))
                 resolved.append(v.version_id)
         elif set(s.engines) <= confirmed:

@@ -308,7 +308,9 @@ class Reconciler:
         for v in state.versions.values():
             if v.lora_name not in present:
                 continue
-            if v.state is VersionState.FAILED_FATAL and engine_id in v.fleet:
+            if v.state is VersionState.FAILED_FATAL:
+                # on any engine: one that joined after the attempt may hold the candidate too,
+                # and the attempt resolves only once no member does
                 out[v.lora_name] = v.attempt
         member = state.engines.get(engine_id)
         for name in member.strays if member is not None else ():
@@ -494,6 +496,10 @@ class Reconciler:
                 return True
         for version_id in state.blocked_by():
             v = state.versions[version_id]
-            if v.state is VersionState.RECLAIMING or engine_id in v.fleet:
+            if (
+                v.state is VersionState.RECLAIMING
+                or engine_id in v.fleet
+                or v.lora_name in member.holds
+            ):
                 return True
         return False

@@ -117,6 +117,41 @@ def test_a_fatal_entry_whose_last_missing_proof_leaves_with_its_engine_is_resolv
     assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
 
 
+def test_a_fatal_entry_waits_for_an_engine_outside_its_fleet_that_holds_the_candidate() -> None:
+    """The attempt's fleet proving absence is not enough when a member that joined later holds
+    the name: resolving then would leave it holding a FAILED_RETRYABLE name nothing fences."""
+    book = Book().bootstrap(capacity=3)
+    book.publish(1)
+    _fatal(book, 2)
+    name = book.state.versions[2].lora_name
+    book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))
+    seen = book.run(c.ObserveInventory(engine="e2", incarnation="e2-i1", adapters=(name,)))
+    assert seen.resolved == ()
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    seen = book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert seen.resolved == ()  # the fleet proved absence; e2 still holds it
+    assert book.state.versions[2].state is VersionState.FAILED_FATAL
+    seen = book.run(c.ObserveInventory(engine="e2", incarnation="e2-i1", adapters=()))
+    assert seen.resolved == (2,)  # an engine outside the fleet completes the resolution
+    assert book.events[-1] == FatalResolved(version_id=2, attempt=1)
+    assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
+
+
+def test_a_departure_does_not_resolve_a_fatal_entry_another_member_still_holds() -> None:
+    book = Book().bootstrap(capacity=3)
+    book.publish(1)
+    _fatal(book, 2)
+    name = book.state.versions[2].lora_name
+    book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))
+    book.run(c.ObserveInventory(engine="e2", incarnation="e2-i1", adapters=(name,)))
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    book.run(c.LeaveEngine(engine="e1"))  # e1's proof is no longer needed, but e2 holds it
+    assert book.events[-1] == EngineLeft(engine="e1")
+    assert book.state.versions[2].state is VersionState.FAILED_FATAL
+    book.run(c.LeaveEngine(engine="e2"))  # the holder leaves: nothing holds the name any more
+    assert book.events[-2:] == [EngineLeft(engine="e2"), FatalResolved(version_id=2, attempt=1)]
+
+
 def test_a_reclaim_is_completed_by_a_departure_only_when_the_others_confirmed() -> None:
     book = Book().bootstrap(engines=("e0", "e1", "e2"))
     book.publish(1)

@@ -24,6 +24,7 @@ from evlog.events import (
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
 from publisher.adapter_copy import aiter_buckets, plan_buckets
+from publisher.outcomes import Allocated
 from tests.engines.faulty_engine import Delay, FaultyEngine
 from tests.publisher.plane_kit import (
     GREEDY,
@@ -114,6 +115,31 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
         g = await newcomer.generate(PROMPT, v1.lora_name, GREEDY)
         ref = await engines[0].generate(PROMPT, v1.lora_name, GREEDY)
         assert g.token_ids == ref.token_ids  # the same bytes, restored from the artifact store
+
+
+async def test_a_fatal_candidate_on_an_engine_outside_its_fleet_is_unloaded_first(
+    tmp_path: Path,
+) -> None:
+    """A FAILED_FATAL attempt resolves only when no member holds its candidate, so an engine
+    that joined after the attempt and holds the name must be cleaned (attempt-fenced) too, or
+    publication stays blocked behind the fatal entry."""
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e2", limits=LIMITS) as newcomer,
+        open_plane(engines, tmp_path, capacity=3, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        v2 = await ledger.allocate(2, "ab" * 32)
+        assert isinstance(v2, Allocated)
+        await ledger.fail_attempt(2, v2.attempt, clean=False, code="X", reason="lost reply")
+        await load_managed(newcomer, v2.lora_name, 54)
+        report = await plane.add_engine(newcomer)
+        assert report.unloaded == (f"e2:{v2.lora_name}",)
+        assert v2.lora_name not in await names(newcomer)
+        await plane.reconciler.reconcile()  # e0 and e1 prove absence
+        assert ledger.state.versions[2].state is VersionState.FAILED_RETRYABLE
+        assert ledger.state.blocked_by() == []
 
 
 async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path: Path) -> None:
