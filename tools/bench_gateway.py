@@ -705,7 +705,7 @@ async def _run(workdir: Path, p: Settings) -> dict[str, Any]:
             "sse": f"{p.sse_chunks} chunks {p.chunk_interval_ms} ms apart, "
             f"{p.sse_requests} streams per arm",
             "client": "one process; closed loop: one httpx.AsyncClient (one kept-alive "
-            "connection) per simulated client; paced: one pooled httpx.AsyncClient",
+            "connection) per simulated client; paced: such clients reused from a free list",
         },
         "cases": {
             "a": f"direct to the stub ({urls['stub']})",
