@@ -1,4 +1,4 @@
-"""``loraledger bench {store,ledger,publish,memory,ray}``: thin wrappers over ``bench_*``.
+"""``loraledger bench {store,ledger,publish,memory,ray,gateway}``: thin wrappers over ``bench_*``.
 
 The measurements live in ``tools/bench_<name>.py`` (each also runnable with ``python -m``);
 this only chooses the
@@ -72,6 +72,22 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
         {},
         {"concurrencies": (1, 8), "binds": 400, "batched_binds": 4096, "rounds": 1},
         "directory",
+    ),
+    "gateway": (
+        "tools.bench_gateway",
+        "bench_gateway",
+        {},
+        {
+            "concurrencies": (1, 4),
+            "requests": {1: 40, 4: 80},
+            "rounds": 1,
+            "paced_seconds": 0.5,
+            "sse_concurrencies": (1, 4),
+            "sse_requests": 16,
+            "sse_chunks": 4,
+            "chunk_interval_ms": 1.0,
+        },
+        "workdir",
     ),
 }
 
