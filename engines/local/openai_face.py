@@ -24,6 +24,7 @@ rendered with a fixed template (:func:`render_chat`): the tiny model has none of
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -261,6 +262,12 @@ class CompletionStream:
         tokens_in, tokens_out = anyio.create_memory_object_stream[tuple[int, int]](math.inf)
         outcome: list[Generation | EngineError] = []
 
+        def forward(index: int, token: int) -> None:
+            # The writer may be gone (its client disconnected; the generation is being
+            # cancelled at its next token): nobody is left to hear this one.
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                tokens_in.send_nowait((index, token))
+
         async def generate() -> None:
             try:
                 gen = await self.engine.generate(
@@ -270,7 +277,7 @@ class CompletionStream:
                     request_id=p.request_id,
                     cache_salt=p.namespace[0],
                     extra_key=p.namespace[1],
-                    on_token=lambda i, t: tokens_in.send_nowait((i, t)),
+                    on_token=forward,
                 )
                 outcome.append(gen)
             except EngineError as exc:

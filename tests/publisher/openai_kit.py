@@ -176,13 +176,12 @@ class ResetAfterSend:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.url = f"http://127.0.0.1:{port}"
-        async with anyio.create_task_group() as tg:
+        async with listener, anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, self._relay)
             try:
                 yield self.url
             finally:
                 tg.cancel_scope.cancel()
-                await listener.aclose()
 
     async def _relay(self, client: anyio.abc.SocketStream) -> None:
         async with client, await anyio.connect_tcp(*self.target) as upstream:

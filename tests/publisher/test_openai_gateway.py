@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
+from engines.local.tinymodel import make_adapter
 from projections.transitions import VersionState
 from publisher.affinity import rendezvous
 from publisher.gateway import Gateway, LedgerRouting
@@ -26,13 +29,14 @@ from publisher.openai_gateway import (
     openai_app,
 )
 from publisher.sessions import RolloutWorker
+from publisher.trainer import TrainerClient
 from tests.publisher.openai_kit import TOKEN, ResetAfterSend, Rig, rig, serve_app
 from tests.publisher.plane_kit import wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
-MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "the quick brown fox"}]
 
 
 def sync_client(r: Rig, **kwargs: Any) -> openai.OpenAI:
@@ -40,11 +44,12 @@ def sync_client(r: Rig, **kwargs: Any) -> openai.OpenAI:
 
 
 def async_client(r: Rig, **kwargs: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=r.base_url, api_key=TOKEN, **kwargs)
+    kwargs.setdefault("api_key", TOKEN)
+    return openai.AsyncOpenAI(base_url=r.base_url, **kwargs)
 
 
-def session(s: str) -> dict[str, Any]:
-    return {"extra_headers": {"x-session-id": s}}
+def hdr(s: str | None) -> dict[str, str] | None:
+    return {"x-session-id": s} if s else None
 
 
 async def chat_sync(r: Rig, s: str | None, model: str = "policy") -> tuple[dict[str, str], str]:
@@ -57,7 +62,7 @@ async def chat_sync(r: Rig, s: str | None, model: str = "policy") -> tuple[dict[
                 messages=MESSAGES,
                 max_tokens=4,
                 temperature=0,
-                **(session(s) if s else {}),
+                extra_headers=hdr(s),
             )
             reply = raw.parse()
             return dict(raw.headers), reply.choices[0].message.content or ""
@@ -77,7 +82,7 @@ async def stream_async(
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True} if usage else None,
-                **session(s),
+                extra_headers=hdr(s),
             )
         else:
             maker = client.completions.with_streaming_response.create(
@@ -87,7 +92,7 @@ async def stream_async(
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True} if usage else None,
-                **session(s),
+                extra_headers=hdr(s),
             )
         async with maker as response:
             chunks = [chunk async for chunk in await response.parse()]
@@ -152,17 +157,21 @@ async def test_an_explicit_version_must_be_the_bound_one(tmp_path: Path) -> None
         headers, _ = await chat_sync(r, "pinned", model=v1)  # its own version: accepted
         assert headers["x-loraledger-version"] == "1"
         sent = r.gateway.dispatched
-        with sync_client(r) as client, pytest.raises(openai.ConflictError) as info:
-            client.chat.completions.create(
-                model=v2, messages=MESSAGES, max_tokens=2, **session("pinned")
-            )
+
+        def wrong_version() -> None:
+            with sync_client(r) as client:
+                client.chat.completions.create(
+                    model=v2, messages=MESSAGES, max_tokens=2, extra_headers=hdr("pinned")
+                )
+
+        with pytest.raises(openai.ConflictError) as info:
+            await anyio.to_thread.run_sync(wrong_version)  # the sync client, off the loop
         assert info.value.code == "VERSION_NOT_BOUND"
         assert info.value.response.headers["x-should-retry"] == "false"
         assert r.gateway.dispatched == sent  # refused before any engine saw it
-        with sync_client(r) as client, pytest.raises(openai.AuthenticationError):
-            client.with_options(api_key="wrong").chat.completions.create(
-                model="policy", messages=MESSAGES
-            )
+        async with async_client(r, api_key="wrong") as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model="policy", messages=MESSAGES)
 
 
 async def test_a_disconnect_mid_stream_aborts_upstream_and_decrements(tmp_path: Path) -> None:
@@ -176,7 +185,7 @@ async def test_a_disconnect_mid_stream_aborts_upstream_and_decrements(tmp_path: 
                 temperature=0,
                 extra_body={"ignore_eos": True},
                 stream=True,
-                **session("quitter"),
+                extra_headers=hdr("quitter"),
             )
             got = 0
             async for _ in stream:
@@ -209,9 +218,12 @@ async def test_a_reset_after_send_is_ambiguous_and_never_resent(tmp_path: Path) 
             with sync_client(r) as client, pytest.raises(openai.APIStatusError) as info:
                 await anyio.to_thread.run_sync(
                     lambda: client.chat.completions.create(
-                        model="policy", messages=MESSAGES, max_tokens=2, **session("unlucky")
+                        model="policy",
+                        messages=MESSAGES,
+                        max_tokens=2,
+                        extra_headers=hdr("unlucky"),
                     )
-                )
+                )  # the sync client runs off the event loop (the servers live on it)
             assert info.value.status_code == 502
             assert info.value.code == "AMBIGUOUS_DISPATCH"
             assert sum(x.delivered for x in relays.values()) == 1  # exactly one dispatch
@@ -268,7 +280,10 @@ async def test_two_gateways_serve_one_session_on_the_same_version_and_engine(
                     base = r.base_url if turn % 2 == 0 else url_b + "/v1"
                     async with openai.AsyncOpenAI(base_url=base, api_key=TOKEN) as client:
                         raw = await client.chat.completions.with_raw_response.create(
-                            model="policy", messages=MESSAGES, max_tokens=2, **session("shared")
+                            model="policy",
+                            messages=MESSAGES,
+                            max_tokens=2,
+                            extra_headers=hdr("shared"),
                         )
                     seen.append(
                         (raw.headers["x-loraledger-version"], raw.headers["x-loraledger-engine"])
@@ -285,7 +300,7 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
     refused for an unloaded adapter."""
     total = 2_000 if slow else 240
     rng = random.Random(13)
-    async with rig(tmp_path, capacity=2) as r:
+    async with rig(tmp_path, capacity=3) as r:
         await r.publish(1)
         relay = ResetAfterSend(r.urls["e1"])
         outcomes: Counter[str] = Counter()
@@ -294,7 +309,9 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
             faulty = healthy.__class__(engine_id="e1", kind="local", base_url=reset_url)
 
             async def one(i: int) -> None:
-                s = f"load-{i % 40}-{i // 200}"
+                # half are one-turn (bound, served, released: their versions get reclaimed
+                # while others run), half are turns of a few long sessions
+                s = f"load-{i % 8}" if i % 2 else None
                 kind = rng.random()
                 extra: dict[str, Any] = {}
                 if kind < 0.03:
@@ -307,7 +324,7 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
                             max_tokens=50,
                             stream=True,
                             extra_body={"ignore_eos": True},
-                            **session(s),
+                            extra_headers=hdr(s),
                         )
                         async for _ in stream:
                             break
@@ -319,16 +336,22 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
                         messages=MESSAGES,
                         max_tokens=2,
                         extra_body=extra,
-                        **session(s),
+                        extra_headers=hdr(s),
                     )
                     outcomes["ok"] += 1
                 except openai.APIStatusError as exc:
                     outcomes[str(exc.code)] += 1
 
             async def publisher() -> None:
-                for version in (2, 3, 4):
+                for version in (2, 3, 4, 5):
                     await anyio.sleep(0.5)
-                    await r.publish(version)
+                    config, tensors = make_adapter(version)
+                    published = await TrainerClient(r.plane).publish(
+                        tensors, config=config, step=version
+                    )
+                    statuses[str(published.status)] += 1
+
+            statuses: Counter[str] = Counter()
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher)
@@ -342,8 +365,9 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
                             await one(i)
 
                     tg.start_soon(run)
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
         assert sum(outcomes.values()) == total, outcomes
+        assert statuses["PUBLISHED"] >= 2, statuses  # versions changed under the load
         assert outcomes["aborted"] > 0 and outcomes["ok"] > total * 0.7, outcomes
         # injected errors only: never NOT_LOADED / NAME_RECLAIMED (an unload under a request)
         assert set(outcomes) <= {"ok", "aborted", "BAD_REQUEST", "AMBIGUOUS_DISPATCH"}, outcomes
@@ -365,7 +389,9 @@ async def test_sticky_sessions_keep_their_engine_and_its_prefix_cache(tmp_path: 
 
             async def conversation(s: str) -> None:
                 nonlocal same, later, cached, prompt
-                messages: list[dict[str, str]] = [{"role": "user", "content": f"task {s}: go"}]
+                messages: list[ChatCompletionMessageParam] = [
+                    {"role": "user", "content": f"task {s}: go"}
+                ]
                 first = None
                 for turn in range(4):
                     raw = await client.chat.completions.with_raw_response.create(
@@ -373,7 +399,7 @@ async def test_sticky_sessions_keep_their_engine_and_its_prefix_cache(tmp_path: 
                         messages=messages,
                         max_tokens=3,
                         temperature=0,
-                        **session(s),
+                        extra_headers=hdr(s),
                     )
                     reply = raw.parse()
                     engine = raw.headers["x-loraledger-engine"]
