@@ -2,9 +2,12 @@
 
 Four rules, each one a user-visible guarantee (docs/sessions.md):
 
-* **Route only to holders.** A generation for a version goes to a routable engine that holds
-  it (``RoutingView.holders(lora_name)``), least loaded first, round-robin among equals; if
-  none holds it the caller gets ``NO_ROUTE``. Sending an unloaded name to stock SGLang would
+* **Route only to holders, sticky per session.** A generation for a version goes to a
+  routable engine that holds it (``RoutingView.holders(lora_name)``), chosen by rendezvous
+  hashing of the session id over those holders (:mod:`publisher.affinity`), so every turn of a
+  session, from any gateway process, lands on the same engine and its prefix cache; it moves
+  only when that engine stops holding the version or stops being routable. If none holds it
+  the caller gets ``NO_ROUTE``. Sending an unloaded name to stock SGLang would
   silently reload it (docs/engines.md), so "not a holder" is never "try anyway".
 * **At most once.** Once a request may have left this process, its outcome is the engine's
   to tell: a timeout or a lost reply (``AmbiguousReply`` with ``dispatched=True``, or any
@@ -57,6 +60,7 @@ from evlog.errors import (
 )
 from evlog.events import InFlight
 from projections.registry import RegistryState
+from publisher.affinity import least_loaded, rendezvous
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
 from publisher.outcomes import Bound
@@ -272,7 +276,7 @@ class Gateway:
         unreachable: list[str] = []
         while True:
             # No await between choosing and counting (see the module docstring).
-            engine_id = self._choose(bound.lora_name, tried)
+            engine_id = self.admit(bound, tried, tally)
             if engine_id is None:
                 raise DispatchError(
                     DispatchCode.NO_ROUTE,
@@ -287,6 +291,8 @@ class Gateway:
             kwargs: dict[str, Any] = {"request_id": rid, "cache_salt": version_salt(bound)}
             if extra:
                 if not engine.capabilities.extra_body:
+                    self.finish(engine_id, bound.version_id, tally)
+                    self.dispatched -= 1  # refused here: nothing was sent
                     raise InvalidInput(
                         INVALID_INPUT,
                         f"engine {engine_id} takes no extra body fields ({sorted(extra)})",
@@ -295,7 +301,6 @@ class Gateway:
             head = self.routing.default_revision
             started = self._clock()
             key = (engine_id, bound.version_id)
-            self._enter(key, tally)
             try:
                 generation = await engine.generate(prompt, bound.lora_name, params, **kwargs)
             except EngineError as exc:
@@ -311,7 +316,7 @@ class Gateway:
                 # Unknown failure after the call started: it may have been sent.
                 raise self._ambiguous(bound, engine_id, rid, repr(exc)) from exc
             finally:
-                self._exit(key, tally)
+                self.finish(*key, tally)
             row = self._row(bound, generation, engine_id, rid, turn, head, started)
             if not row.attested:
                 # Recorded, never hidden: the trainer must not take this sample as on-policy.
@@ -328,30 +333,47 @@ class Gateway:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _choose(self, lora_name: str, tried: list[str]) -> str | None:
-        """Least loaded holder not tried yet; ties broken round-robin (a rotating start)."""
-        candidates = [
-            e for e in self.routing.holders(lora_name) if e in self.fleet and e not in tried
-        ]
-        if not candidates:
-            return None
-        start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda e: self._load.get(e, 0))
+    # --- dispatch accounting, shared with the OpenAI face ------------------------------------
 
-    def _enter(self, key: tuple[str, int], tally: InFlightCounter | None) -> None:
+    def choose(self, bound: Bound, tried: Sequence[str] = (), *, sticky: bool = True) -> str | None:
+        """The engine for the next try of ``bound``'s request: a routable holder of its
+        version in this fleet, not tried yet; by rendezvous hashing of the session id
+        (``sticky``), else the least loaded (round-robin among equals)."""
+        holders = [e for e in self.routing.holders(bound.lora_name) if e in self.fleet]
+        if sticky:
+            return rendezvous(bound.session, holders, load=self._load, exclude=tried)
+        return least_loaded(holders, load=self._load, exclude=tried, start=next(self._rr))
+
+    def admit(
+        self,
+        bound: Bound,
+        tried: Sequence[str] = (),
+        tally: InFlightCounter | None = None,
+        *,
+        sticky: bool = True,
+    ) -> str | None:
+        """Choose the engine and count the request in flight on it, synchronously (no await
+        between the two, and none between a caller's lease check and this call). Every
+        engine returned must be given back to :meth:`finish` exactly once."""
+        engine_id = self.choose(bound, tried, sticky=sticky)
+        if engine_id is None:
+            return None
+        key = (engine_id, bound.version_id)
         self._inflight.enter(key)
         if tally is not None:
             tally.enter(key)
-        self._load[key[0]] = self._load.get(key[0], 0) + 1
-        self._seen.setdefault(key[1], set()).add(key[0])
+        self._load[engine_id] = self._load.get(engine_id, 0) + 1
+        self._seen.setdefault(bound.version_id, set()).add(engine_id)
         self.dispatched += 1
+        return engine_id
 
-    def _exit(self, key: tuple[str, int], tally: InFlightCounter | None) -> None:
+    def finish(self, engine_id: str, version_id: int, tally: InFlightCounter | None = None) -> None:
+        """The request admitted on ``engine_id`` ended (completion, error, cancellation)."""
+        key = (engine_id, version_id)
         self._inflight.exit(key)
         if tally is not None:
             tally.exit(key)
-        self._load[key[0]] -= 1
+        self._load[engine_id] -= 1
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if exc.clean:

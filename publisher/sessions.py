@@ -184,25 +184,46 @@ class SessionBinder:
         :meth:`Gateway.generate` for its errors). ``turn`` labels the provenance row (default:
         a counter per binder; pass it explicitly to label a retry of the same turn)."""
         self._check_usable()
+        turn = self.next_turn(turn)
+        async with self.turn() as bound:  # no await from its lease check to the increment
+            return await self._worker.gateway.generate(
+                bound,
+                prompt,
+                params,
+                turn=turn,
+                request_id=request_id,
+                extra_body=extra_body,
+                tally=self._worker.inflight,
+            )
+        raise AssertionError("unreachable: turn() raises when its body is cancelled")
+
+    def next_turn(self, turn: int | None = None) -> int:
+        """The turn label of the next generation (a counter per binder; ``turn`` given
+        labels a retry of that turn and moves the counter past it)."""
         if turn is None:
             turn = self._next_turn
         self._next_turn = max(self._next_turn, turn + 1)
+        return turn
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[Bound]:
+        """One generation of this session, as any face sends it (:meth:`generate`, the
+        OpenAI gateway): binds on the first turn (the shared bind), renews the lease, and yields
+        the binding. The body must count its request in flight (``Gateway.admit`` with the
+        worker's ``inflight``) before its first ``await``: the lease check happened just before
+        the yield, so a reclaim decided after it cannot miss the request. ``close`` waits for
+        the body (``cancel=True`` cancels it, and this raises ``SESSION_CLOSED``); the lease's
+        in-flight counts are renewed when it ends."""
+        self._check_usable()
         with anyio.CancelScope() as scope:
             self._enter(scope)
             try:
                 bound = self._bound
                 if bound is None:
                     bound = await self._worker._bind_slots([self])[0].wait()
-                self._worker.ensure_live()  # no await from here to the gateway's increment
-                return await self._worker.gateway.generate(
-                    bound,
-                    prompt,
-                    params,
-                    turn=turn,
-                    request_id=request_id,
-                    extra_body=extra_body,
-                    tally=self._worker.inflight,
-                )
+                self._worker.ensure_live()
+                yield bound
+                return
             finally:
                 self._exit(scope)
                 self._worker.report()  # the lease's in-flight counts are fresh again

@@ -565,12 +565,24 @@ def serve(
             "--header-timeout", help="Seconds a connection has to send a request's headers."
         ),
     ] = 10.0,
+    alias: Annotated[
+        str,
+        typer.Option("--alias", help="The OpenAI model name meaning 'my session's version'."),
+    ] = "policy",
+    provenance: Annotated[
+        Path | None,
+        typer.Option(
+            "--provenance",
+            help="JSON-lines provenance of every OpenAI request (default: next to --db).",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
 
     Read-only and open: GET /health, /status, /metrics. Bearer token: POST /owners,
-    /owners/{owner}/renew, /sessions/{session}/bind, /sessions/{session}/release, /versions.
+    /owners/{owner}/renew, /sessions/{session}/bind, /sessions/{session}/release, /versions,
+    and the OpenAI routes (/v1/chat/completions, /v1/completions, /v1/models; docs/openai.md).
     Stops cleanly on SIGINT/SIGTERM.
     """
     from tools import serve as service
@@ -590,6 +602,8 @@ def serve(
         private_reads=private_reads,
         max_connections=max_connections,
         header_timeout_s=header_timeout,
+        alias=alias,
+        provenance=str(provenance) if provenance else None,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     if _verbosity == 0:

@@ -15,7 +15,14 @@ POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-fl
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
 POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
 POST     ``/versions``                    bearer token: publish an adapter directory
+POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible generation
+         ``/v1/completions``              (binds on a session's first turn)
+GET      ``/v1/models``                   bearer token: the alias and the versions
+POST     ``/v1/sessions/{s}/release``     bearer token: end an OpenAI session
 =======  ===============================  ==========================================
+
+The ``/v1/`` routes are :mod:`publisher.openai_gateway`'s (docs/openai.md), mounted here so a
+laptop runs the ledger and the gateway as one process.
 
 Why a bearer token on every state-changing route and never on the read-only ones: a scraper or
 a dashboard must not hold the power to bind, release or publish, and anything that changes the
@@ -30,7 +37,7 @@ is closed or fenced).
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -39,7 +46,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from engines.guard import BadBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
@@ -116,13 +123,18 @@ def build_app(
     publish: Publish | None = None,
     private_reads: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
+    extra_routes: Sequence[BaseRoute] = (),
+    max_generation_body_bytes: int = 4 * MAX_BODY_BYTES,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
     ``INVALID_STATE`` (409). ``private_reads``: ``/status`` and
     ``/metrics`` need the token too (they show engine URLs and versions); ``/health`` stays
     open for probes. Every route's body is capped at ``max_body_bytes`` (413) and parsed as
-    strict JSON (NaN, Infinity, 1e400, 2^80: 400)."""
+    strict JSON (NaN, Infinity, 1e400, 2^80: 400). ``extra_routes`` (the OpenAI routes of
+    :mod:`publisher.openai_gateway`, under ``/v1/``) check their own token and answer in
+    OpenAI's error shape; their bodies (whole conversations) are capped at
+    ``max_generation_body_bytes``."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:
@@ -219,6 +231,7 @@ def build_app(
         Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
         Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
         Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
+        *extra_routes,
     ]
     return Starlette(
         routes=routes,
@@ -227,7 +240,9 @@ def build_app(
                 Guard,
                 token=None,  # the routes check it themselves: 403 when none is configured
                 protected=lambda path: False,
-                cap=lambda path: max_body_bytes,
+                cap=lambda path: (
+                    max_generation_body_bytes if path.startswith("/v1/") else max_body_bytes
+                ),
                 error_body=_error_body,
             )
         ],

@@ -67,6 +67,10 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     private_reads: bool = False  # /status and /metrics need the token too
     max_connections: int = 1000  # beyond it a connection is answered 503 and closed
     header_timeout_s: float = 10.0  # to send a request's headers, from connect or last reply
+    alias: str = "policy"  # the OpenAI model name meaning "my session's version"
+    provenance: str | None = None  # JSON lines, one per OpenAI request (default: next to db)
+    gateway_owner: str = "openai-serve"  # the owner of the sessions the OpenAI routes bind
+    gateway_ttl_s: float = 30.0
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -106,7 +110,11 @@ def check_options(opts: ServeOptions) -> None:
     once the log file, its artifacts folder and the engines were up (``--deployment 'a b/c'``
     ended in an ``ExceptionGroup`` and left a db file behind)."""
     check_listen(opts.host, opts.token)
-    for option, value in (("--deployment", opts.deployment), ("--prefix", opts.prefix)):
+    for option, value in (
+        ("--deployment", opts.deployment),
+        ("--prefix", opts.prefix),
+        ("--alias", opts.alias),
+    ):
         if not NAME_RULE.match(value):
             raise ToolError(
                 Exit.USAGE,
@@ -194,6 +202,43 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
         raise ToolError.from_ledger(exc, path=str(db)) from None
 
 
+@asynccontextmanager
+async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
+    """The OpenAI routes next to the ledger (docs/openai.md): one gateway (its in-flight
+    counts are reclaim evidence of the plane), one rollout worker owning every session they
+    bind, provenance rows as JSON lines next to the log."""
+    from publisher.gateway import Gateway, LedgerRouting
+    from publisher.openai_gateway import LiveView, OpenAIGateway, OpenAIOptions, engine_routes
+    from publisher.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.sessions import RolloutWorker
+
+    ledger = plane.ledger
+    provenance = opts.provenance or f"{opts.db}.provenance.jsonl"
+    async with ProvenanceRecorder(JsonlSink(provenance)) as recorder:
+        gateway = Gateway(
+            plane.fleet,
+            LedgerRouting(ledger),
+            gateway_id=opts.gateway_owner,
+            recorder=recorder,
+            clock=ledger.clock,
+        )
+        plane.add_inflight_source(gateway)
+        async with RolloutWorker.open(
+            ledger, gateway, owner=opts.gateway_owner, ttl_s=opts.gateway_ttl_s
+        ) as worker:
+            face = OpenAIGateway(
+                worker,
+                LiveView(ledger),
+                engine_routes(plane.fleet),
+                OpenAIOptions(alias=opts.alias, token=opts.token, engine_token=opts.engine_token),
+                clock=ledger.clock,
+            )
+            try:
+                yield face
+            finally:
+                await face.aclose()
+
+
 def make_publish(plane: Any) -> Callable[[int, str], Any]:
     """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``."""
     from engines.artifacts import ArtifactError, read_adapter_dir
@@ -266,7 +311,7 @@ async def serve(
     from tools.metrics import LedgerMetrics
 
     check_options(opts)
-    async with open_plane(opts) as plane:
+    async with open_plane(opts) as plane, openai_face(plane, opts) as face:
         ledger = plane.ledger
         metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
         app = build_app(
@@ -275,6 +320,7 @@ async def serve(
             token=opts.token,
             publish=make_publish(plane),
             private_reads=opts.private_reads,
+            extra_routes=face.routes(),
         )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:

@@ -68,7 +68,7 @@ from engines.local.admission import AdapterPlan, ServingLimits, TensorShape, pla
 from engines.local.model import ModelRunner
 from engines.local.name_table import NameTable, Resident, new_adapter_id
 from engines.local.refs import Lease, RefCounter
-from engines.local.scheduler import Scheduler, check_params
+from engines.local.scheduler import OnToken, Scheduler, check_params
 from engines.local.tinymodel import SERVED_NAME, ensure_tiny_model
 from engines.manifest import (
     ManifestError,
@@ -677,9 +677,11 @@ class LocalEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         extra_key: str | None = None,
+        on_token: OnToken | None = None,
     ) -> Generation:
         """Generate once. ``cache_salt``/``extra_key`` namespace the prefix cache (SGLang's
-        fields); they never select or reveal another adapter's cache entries."""
+        fields); they never select or reveal another adapter's cache entries. ``on_token``
+        (local only: the HTTP server's streaming) hears each token as it is decoded."""
         runner = self._require_runner()
         scheduler = self._require_scheduler()
         try:
@@ -695,6 +697,7 @@ class LocalEngine:
                 params,
                 request_id,
                 f"{cache_salt or ''}\x00{extra_key or ''}",
+                on_token,
             )
         except EngineError as exc:
             raise self._tag(exc) from None
@@ -725,6 +728,12 @@ class LocalEngine:
             request_id=decoded.request_id,
             choices=choices if params.n > 1 else (),
         )
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, decoded on the model worker (the tokenizer is not safe
+        to use from two threads at once)."""
+        runner = self._require_runner()
+        return await self._require_scheduler().run_model(runner.decode, list(token_ids))
 
     async def _acquire(self, name: str | None) -> tuple[Resident | None, Lease | None]:
         if name is None:

@@ -31,6 +31,9 @@ from engines.local.model import DecodeState, ModelRunner
 from engines.local.sampling import pick_token
 
 T = TypeVar("T")
+# Called on the event loop after each decoded token: (sample index, token id). It must not
+# block; the OpenAI face feeds a stream with it.
+OnToken = Callable[[int, int], None]
 
 
 @dataclass
@@ -135,6 +138,7 @@ class Scheduler:
         params: SamplingParams,
         request_id: str | None,
         namespace: str,
+        on_token: OnToken | None = None,
     ) -> Decoded:
         """Prefill once, then decode ``params.n`` samples. The caller's one lease covers every
         ``n > 1`` child: they run in a task group inside this call, so none outlives it."""
@@ -157,11 +161,13 @@ class Scheduler:
                     self.runner.prefill, adapter_id, namespace, tokens
                 )
                 if params.n == 1:
-                    await self._decode(state, adapter_id, params, 0, samples[0])
+                    await self._decode(state, adapter_id, params, 0, samples[0], on_token)
                 else:
                     async with anyio.create_task_group() as tg:
                         for i in range(params.n):
-                            tg.start_soon(self._child, state, adapter_id, params, i, samples[i])
+                            tg.start_soon(
+                                self._child, state, adapter_id, params, i, samples[i], on_token
+                            )
         finally:
             self._running -= 1
             self._requests.pop(rid, None)
@@ -180,9 +186,10 @@ class Scheduler:
         params: SamplingParams,
         index: int,
         sample: Sample,
+        on_token: OnToken | None,
     ) -> None:
         own = await self.run_model(self.runner.fork, state)
-        await self._decode(own, adapter_id, params, index, sample)
+        await self._decode(own, adapter_id, params, index, sample, on_token)
 
     async def _decode(
         self,
@@ -191,6 +198,7 @@ class Scheduler:
         params: SamplingParams,
         index: int,
         sample: Sample,
+        on_token: OnToken | None = None,
     ) -> None:
         generator: torch.Generator | None = None
         if params.temperature > 0:
@@ -202,7 +210,10 @@ class Scheduler:
                 await self._gate.wait()
             if self._closed:
                 return
+            before = len(sample.tokens)
             await self.run_model(step)
+            if on_token is not None and len(sample.tokens) > before:
+                on_token(index, sample.tokens[-1])
 
 
 def _detokenize(runner: ModelRunner, samples: list[Sample]) -> None:

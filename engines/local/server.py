@@ -15,6 +15,9 @@ idealised one:
   ``lora_path`` (the adapter *name*, one per batch item or one for all), ``return_logprob``,
   ``rid``, ``extra_key``/``cache_salt``; replies ``{"text", "output_ids", "meta_info"}`` (a list
   for batches and ``n > 1``); an unknown adapter is 400 ``{"error": {"message": ...}}``;
+* ``POST /v1/completions`` and ``/v1/chat/completions``, streaming or not, with SGLang's
+  adapter selection (``model="<served>:<adapter>"`` or ``lora_path``):
+  :mod:`engines.local.openai_face`;
 * ``GET /v1/models`` (base card + one card per adapter: ``id``, ``root`` = path, ``parent``),
   ``GET /server_info`` (with ``startup_time`` and, as an extension, ``incarnation`` and
   ``engine_id``), ``GET /health``, ``/health_generate``, ``/model_info``, ``/flush_cache``,
@@ -82,6 +85,7 @@ from engines.contract import (
 from engines.local import wire
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
+from engines.local.openai_face import OpenAIFace
 
 _json = msgspec.json.Encoder()
 _SGLANG_VERSION = "0.5.23"
@@ -557,12 +561,15 @@ def create_app(
     the bearer token every control route (:data:`CONTROL_PATHS`) then requires; every route's
     body is capped (``max_bucket_bytes`` for buckets, ``max_body_bytes`` for the rest)."""
     app = _App(engine)
+    openai = OpenAIFace(engine)
     bucket_path = f"{wire.PREFIX}/bucket"
     routes = [
         Route("/generate", app.generate, methods=["POST"]),
         Route("/load_lora_adapter", app.load_lora_adapter, methods=["POST"]),
         Route("/unload_lora_adapter", app.unload_lora_adapter, methods=["POST"]),
         Route("/v1/models", app.models, methods=["GET"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/server_info", app.server_info, methods=["GET"]),
         Route("/get_server_info", app.server_info, methods=["GET"]),
         Route("/model_info", app.model_info, methods=["GET"]),

@@ -89,7 +89,8 @@ def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
         wrong = http.post("/owners", json={"owner": "w1"}, headers={"Authorization": "Bearer x"})
         assert wrong.status_code == 401
         assert http.post("/sessions/s1/bind", json={"owner": "w1"}).status_code == 401
-        assert http.get("/status").json()["owners"] == 0  # nothing happened
+        # nothing happened: the one owner is the OpenAI routes' own (registered at start)
+        assert http.get("/status").json()["owners"] == 1
         ok = http.post("/owners", json={"owner": "w1", "ttl_s": 60}, headers=AUTH)
         assert ok.status_code == 200, ok.text
         # a refusal keeps the ledger's code
@@ -98,11 +99,12 @@ def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
         bad = http.post("/owners", content=b"{not json", headers=AUTH)
         assert (bad.status_code, bad.json()["code"]) == (400, "INVALID_INPUT")
         counted = _metrics(http.get("/metrics").text)
+        # counted from the start of the HTTP service (the OpenAI owner registered before it)
         assert counted[("loraledger_events_appended_total", (("type", "OwnerRegistered"),))] == 1
 
     live = cli("status", "--url", served.url, "--json")
     assert live.returncode == 0, live.stderr
-    assert json.loads(live.stdout)["owners"] == 1
+    assert json.loads(live.stdout)["owners"] == 2  # w1 and the OpenAI routes' owner
     human = cli("status", "--url", served.url)
     assert f"ledger at {served.url}" in human.stdout and "deployment default" in human.stdout
 

@@ -1,0 +1,129 @@
+"""Forwarding an OpenAI request body to an engine's own OpenAI endpoint, once.
+
+vLLM, SGLang and the local engine's HTTP server all serve ``POST /v1/chat/completions`` and
+``POST /v1/completions``; what differs is how a request names its LoRA adapter, request id and
+prefix-cache namespace (docs/engines.md):
+
+========  =============================================  ==========================  ============
+kind      adapter                                        request id                  cache
+========  =============================================  ==========================  ============
+vllm      ``model: <lora_name>``                         ``X-Request-Id`` header     ``cache_salt``
+sglang,   ``lora_path: <lora_name>`` (a bare ``model``   ``rid`` (``/abort_request``  ``cache_salt``
+local     selects nothing on SGLang's OpenAI routes)     takes it) + header          + ``extra_key``
+========  =============================================  ==========================  ============
+
+:func:`engine_body` writes those fields (over whatever the client sent for them);
+:func:`open_upstream` sends the body and classifies what happens like every other engine call
+(:mod:`engines.http`): connection refused is the only failure that proves nothing was sent
+(``dispatched=False``); a timeout, a reset or a 5xx is ambiguous. The request goes out on a
+connection of its own (``Connection: close``, same reason as :mod:`engines.http`: a pooled
+connection the server's keep-alive timer closes just as the request leaves turns a healthy
+request into an ambiguous one). The response is returned *streaming*: the caller reads the
+body chunk by chunk as the engine writes it, and closing it (a client that went away) closes the
+connection, which is how every one of these engines learns to abort the request.
+
+This module imports nothing of the ledger: an engine is addressed by URL, kind and headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from engines.contract import AmbiguousReply, ErrorCode
+from engines.http import ONE_REQUEST_PER_CONNECTION
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+# Fields of a client body that select the adapter, name the request or the cache namespace:
+# the gateway owns them; whatever the client put there is replaced, never forwarded.
+ENGINE_OWNED_FIELDS = frozenset({"model", "lora_path", "lora_id", "rid", "cache_salt", "extra_key"})
+
+
+def engine_body(
+    body: Mapping[str, Any],
+    *,
+    kind: str,
+    lora_name: str,
+    request_id: str,
+    cache_salt: str,
+    include_usage: bool,
+) -> dict[str, Any]:
+    """The body to send to an engine of ``kind`` for ``lora_name``: the client's fields minus
+    the ones the gateway owns, plus this engine's way of naming adapter, request and cache. A
+    stream always asks for usage (``include_usage``: the caller strips that chunk when its
+    client did not ask for it)."""
+    out = {k: v for k, v in body.items() if k not in ENGINE_OWNED_FIELDS}
+    out["model"] = lora_name
+    out["cache_salt"] = cache_salt
+    if kind != "vllm":
+        out["lora_path"] = lora_name
+        out["rid"] = request_id
+        out["extra_key"] = cache_salt
+    if out.get("stream") and include_usage:
+        options = dict(out.get("stream_options") or {})
+        options["include_usage"] = True
+        out["stream_options"] = options
+    return out
+
+
+@asynccontextmanager
+async def open_upstream(
+    client: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    *,
+    engine_id: str,
+    request_id: str,
+    headers: Mapping[str, str] | None = None,
+    timeout: httpx.Timeout | float = 600.0,
+) -> AsyncIterator[httpx.Response]:
+    """POST ``content`` (a JSON body) to ``url`` once and yield the response as soon as its
+    headers arrived, its body still streaming. Raises ``AmbiguousReply``:
+    ``ENGINE_UNREACHABLE`` with ``dispatched=False`` (connection refused: nothing sent, another
+    holder may take it), ``TIMEOUT`` / ``CONNECTION_LOST`` (sent, outcome unknown),
+    ``SERVER_ERROR`` (a 5xx: the engine may have acted). A 4xx is yielded: the caller reads the
+    engine's refusal. Errors while reading the body are the caller's to classify (ambiguous:
+    see :func:`read_failure`)."""
+    sent_headers = {
+        "content-type": "application/json",
+        "x-request-id": request_id,
+        **(headers or {}),
+        **ONE_REQUEST_PER_CONNECTION,
+    }
+    request = client.build_request(
+        "POST", url, content=content, headers=sent_headers, timeout=timeout
+    )
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.ConnectError as exc:
+        raise AmbiguousReply(
+            ErrorCode.ENGINE_UNREACHABLE,
+            f"POST {url}: cannot connect: {exc}",
+            engine_id=engine_id,
+            dispatched=False,
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise read_failure(exc, url, engine_id) from exc
+    try:
+        if response.status_code >= 500:
+            text = (await response.aread())[:300].decode(errors="replace")
+            raise AmbiguousReply(
+                ErrorCode.SERVER_ERROR,
+                f"POST {url}: HTTP {response.status_code}: {text}",
+                engine_id=engine_id,
+                status=response.status_code,
+            )
+        yield response
+    finally:
+        await response.aclose()
+
+
+def read_failure(exc: Exception, url: str, engine_id: str) -> AmbiguousReply:
+    """A failure after the request may have left: ambiguous, never resent."""
+    if isinstance(exc, httpx.TimeoutException):
+        return AmbiguousReply(ErrorCode.TIMEOUT, f"POST {url}: timed out", engine_id=engine_id)
+    return AmbiguousReply(ErrorCode.CONNECTION_LOST, f"POST {url}: {exc!r}", engine_id=engine_id)

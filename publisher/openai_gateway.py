@@ -1,0 +1,753 @@
+"""The OpenAI-compatible face of the gateway: pinning for any stack that speaks OpenAI HTTP.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not) and
+``GET /v1/models``, as Starlette routes any process can mount: ``loraledger serve`` (next to
+the ledger), ``loraledger gateway`` (a separate process against a remote ``serve``), a Ray actor.
+Build them with :func:`openai_routes` (or a whole app with :func:`openai_app`) from an
+:class:`OpenAIGateway`, which holds what the routes need: a :class:`RolloutWorker` (the owner
+of every HTTP session: shared binds, lease, in-flight tally), its :class:`Gateway` (routing,
+in-flight counts, provenance recorder) and a :class:`GatewayView` of the ledger (routing,
+incarnations, the version list).
+
+The rules are the Python path's, reused, not restated (docs/openai.md):
+
+* **Session**: header ``x-session-id``, else the body's ``session_id``. The first generation
+  binds it exactly as ``SessionBinder`` does (one shared bind, durable before anything is
+  sent); with no session id the request is a one-turn session: bound, served, released.
+* **model**: the alias (``policy`` by default) means "my session's version" and is rewritten
+  to the bound engine-side name; a full version name is accepted only if it is the bound one
+  (else ``409 VERSION_NOT_BOUND``).
+* **Routing**: ``Gateway.admit`` -- a routable holder of the version, by rendezvous hashing of
+  the session id (:mod:`publisher.affinity`), counted in flight before the first ``await``.
+* **At most once**: a connection refused (nothing sent) may try the next holder; any failure
+  after a byte may have left is ``502 AMBIGUOUS_DISPATCH`` and is never resent; an engine's
+  clean refusal comes back with the engine's status and code.
+* **Streaming** passes the engine's SSE events through as they arrive (framed, never held);
+  usage is always asked of the engine, and its chunk is dropped when the client did not ask.
+  A client that disconnects cancels the upstream request (its connection is closed).
+* **Headers** before the first byte: ``x-loraledger-version``, ``-digest``, ``-engine``,
+  ``-staleness`` and ``x-request-id`` (the client's or a new one), the provenance key.
+* **Provenance**: one row per request that reached an engine, aborted streams included
+  (``finish_reason`` ``client_abort``, ``engine_error``, ``ambiguous``).
+* **Auth**: like every state-changing route of ``serve`` (a generation binds): a bearer token
+  is required; a gateway started without one refuses them (403 ``WRITES_DISABLED``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import anyio
+import httpx
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
+
+from engines import guard
+from engines.contract import AmbiguousReply
+from engines.openai_http import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    engine_body,
+    open_upstream,
+    read_failure,
+)
+from evlog.errors import INVALID_INPUT, LoraLedgerError, Refused
+from projections.status import LedgerStatus
+from publisher.errors import Code
+from publisher.gateway import DispatchCode, Gateway, RoutingView, version_salt
+from publisher.logs import get_logger
+from publisher.outcomes import Bound
+from publisher.provenance import ProvenanceRow
+from publisher.sessions import RolloutWorker, SessionBinder
+
+log = get_logger("loraledger.openai")
+
+_json = msgspec.json.Encoder()
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_SESSION_CHARS = 256
+SESSION_HEADER = "x-session-id"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class OpenAICode:
+    """The OpenAI face's own codes (the ledger's and the gateway's keep theirs)."""
+
+    VERSION_NOT_BOUND = "VERSION_NOT_BOUND"  # model names a version the session is not bound to
+    ENGINE_NOT_HTTP = "ENGINE_NOT_HTTP"  # a holder has no OpenAI endpoint (in-process engine)
+
+
+class OpenAIError(LoraLedgerError):
+    """A refusal of the OpenAI face."""
+
+
+class OpenAIRefused(
+    OpenAIError, Refused, codes=[OpenAICode.VERSION_NOT_BOUND, OpenAICode.ENGINE_NOT_HTTP]
+):
+    """Refused before anything was sent to an engine."""
+
+
+# HTTP status of each code the routes can answer (anything else: 409, a refusal by the rules).
+STATUS_OF_CODE = {
+    INVALID_INPUT: 400,
+    Code.INVALID_INPUT: 400,
+    Code.UNKNOWN_OWNER: 503,
+    Code.LEASE_EXPIRED: 503,
+    Code.NO_PUBLISHED_VERSION: 503,
+    Code.LEDGER_CLOSED: 503,
+    Code.FENCED: 503,
+    DispatchCode.NO_ROUTE: 503,
+    DispatchCode.AMBIGUOUS_DISPATCH: 502,
+    OpenAICode.ENGINE_NOT_HTTP: 503,
+    "UNAUTHORIZED": 401,
+    "WRITES_DISABLED": 403,
+}
+
+
+# Refusals after which the same request may simply be sent again (nothing was sent, and the
+# condition may pass): the only ones the client is told to retry (``x-should-retry``).
+RETRYABLE_CODES = frozenset({DispatchCode.NO_ROUTE, Code.LEDGER_CLOSED, Code.NO_PUBLISHED_VERSION})
+
+
+def error_body(code: str, message: str, status: int) -> bytes:
+    """OpenAI's error shape, with the machine code in ``code``."""
+    kind = (
+        "authentication_error"
+        if status == 401
+        else "invalid_request_error"
+        if status < 500
+        else "server_error"
+    )
+    return _json.encode({"error": {"message": message, "type": kind, "code": code}})
+
+
+def error_response(code: str, message: str, status: int | None = None) -> Response:
+    status = status or STATUS_OF_CODE.get(code, 409)
+    headers = {"x-should-retry": "true" if code in RETRYABLE_CODES else "false"}
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="loraledger"'
+    return Response(error_body(code, message, status), status, headers, "application/json")
+
+
+class GatewayView(RoutingView, Protocol):
+    """What the OpenAI face reads of the ledger, besides routing: incarnations (provenance)
+    and the status (the version list of ``/v1/models``). ``refresh`` brings a remote view up
+    to date (a no-op in process); it is awaited before a request is refused ``NO_ROUTE``."""
+
+    def incarnation(self, engine: str) -> str: ...
+
+    def status(self) -> LedgerStatus: ...
+
+    async def refresh(self) -> None: ...
+
+
+class LiveView:
+    """A :class:`GatewayView` over an in-process ledger (``serve``): always current."""
+
+    def __init__(self, ledger: Any) -> None:
+        self._ledger = ledger
+
+    def holders(self, lora_name: str) -> tuple[str, ...]:
+        holders: tuple[str, ...] = self._ledger.state.holders(lora_name)
+        return holders
+
+    @property
+    def default_revision(self) -> int:
+        revision: int = self._ledger.state.default_revision
+        return revision
+
+    def incarnation(self, engine: str) -> str:
+        record = self._ledger.state.engines.get(engine)
+        return "" if record is None else str(record.incarnation)
+
+    def status(self) -> LedgerStatus:
+        status: LedgerStatus = self._ledger.status()
+        return status
+
+    async def refresh(self) -> None:
+        return None
+
+
+class EngineRoute(msgspec.Struct, frozen=True, kw_only=True):
+    """How to reach one engine's OpenAI endpoint."""
+
+    engine_id: str
+    kind: str
+    base_url: str
+
+
+class OpenAIOptions(msgspec.Struct, frozen=True, kw_only=True):
+    alias: str = "policy"  # the model name meaning "my session's version"
+    token: str | None = None  # bearer token of the generation routes (None: they are refused)
+    engine_token: str | None = None  # sent to engines as their --api-key
+    upstream_timeout_s: float = 600.0  # the longest silence of an engine mid-request
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class _Ask(msgspec.Struct, frozen=True, kw_only=True):
+    """One client request, parsed."""
+
+    chat: bool
+    body: dict[str, Any]
+    session: str
+    one_turn: bool
+    request_id: str
+    stream: bool
+    wants_usage: bool
+
+
+class _Usage:
+    """What the engine reported, for provenance."""
+
+    __slots__ = ("cached", "completion", "finish", "prompt", "served")
+
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+        self.finish = ""
+        self.served: str | None = None
+
+    def read(self, reply: Any) -> None:
+        if not isinstance(reply, dict):
+            return
+        if isinstance(reply.get("model"), str) and self.served is None:
+            self.served = reply["model"]
+        usage = reply.get("usage")
+        if isinstance(usage, dict):
+            self.prompt = int(usage.get("prompt_tokens") or 0)
+            self.completion = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                self.cached = int(details.get("cached_tokens") or 0)
+        for choice in reply.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                self.finish = str(choice["finish_reason"])
+
+
+class OpenAIGateway:
+    """The OpenAI face over one rollout worker (the owner of every session it binds), its
+    gateway and a view of the ledger. ``engines`` maps engine id to its OpenAI endpoint; an
+    engine of the fleet without one is never routed to by this face."""
+
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        view: GatewayView,
+        engines: Mapping[str, EngineRoute],
+        options: OpenAIOptions | None = None,
+        *,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.worker = worker
+        self.gateway: Gateway = worker.gateway
+        self.view = view
+        self.engines = dict(engines)
+        self.options = options or OpenAIOptions()
+        self._client = client or httpx.AsyncClient(trust_env=False)
+        self._clock = clock
+        self._headers = (
+            {"authorization": f"Bearer {self.options.engine_token}"}
+            if self.options.engine_token
+            else {}
+        )
+        self._timeout = httpx.Timeout(
+            self.options.upstream_timeout_s, connect=self.options.connect_timeout_s
+        )
+        self._token = self.options.token.encode() if self.options.token else None
+        self.requests = 0  # requests answered (any outcome)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # --- routes ----------------------------------------------------------------------------
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route(CHAT_PATH, self._endpoint(chat=True), methods=["POST"]),
+            Route(COMPLETIONS_PATH, self._endpoint(chat=False), methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/sessions/{session}/release", self.release, methods=["POST"]),
+        ]
+
+    def authorized(self, request: Request) -> Response | None:
+        if self._token is None:
+            return error_response(
+                "WRITES_DISABLED",
+                "this service was started without a token: generation routes bind sessions and "
+                "are off (restart it with LORALEDGER_TOKEN or --token-file)",
+            )
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):
+            return error_response("UNAUTHORIZED", "a valid bearer token is required")
+        return None
+
+    async def models(self, request: Request) -> Response:
+        """The alias (what clients should send) plus each version engines serve, with its
+        state; ``routable`` says whether some engine may serve it now."""
+        if (refused := self.authorized(request)) is not None:
+            return refused
+        status = self.view.status()
+        created = int(self._clock())
+        default = next((v for v in status.versions if v.version_id == status.default), None)
+        cards: list[dict[str, Any]] = [
+            {
+                "id": self.options.alias,
+                "object": "model",
+                "created": created,
+                "owned_by": "loraledger",
+                "root": default.lora_name if default else None,
+                "parent": None,
+                "default_version": status.default,
+            }
+        ]
+        for v in status.versions:
+            holders = self.view.holders(v.lora_name)
+            if not holders and v.state not in ("PUBLISHED", "RETIRED"):
+                continue
+            cards.append(
+                {
+                    "id": v.lora_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "loraledger",
+                    "root": v.lora_name,
+                    "parent": self.options.alias,
+                    "version_id": v.version_id,
+                    "digest": v.digest,
+                    "state": v.state,
+                    "routable": bool(holders),
+                }
+            )
+        return Response(
+            _json.encode({"object": "list", "data": cards}), 200, None, "application/json"
+        )
+
+    async def release(self, request: Request) -> Response:
+        """End a session: released once in the ledger (it can never bind again)."""
+        if (refused := self.authorized(request)) is not None:
+            return refused
+        session = request.path_params["session"]
+        try:
+            released = await self.worker.session(session).close()
+        except LoraLedgerError as exc:
+            return error_response(exc.code, exc.message)
+        return Response(_json.encode(released), 200, None, "application/json")
+
+    def _endpoint(self, *, chat: bool) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            if (refused := self.authorized(request)) is not None:
+                return refused
+            try:
+                ask = self._parse(request, await request.body(), chat=chat)
+            except _BadRequest as exc:
+                return error_response(INVALID_INPUT, str(exc), 400)
+            return _Asgi(lambda scope, receive, send: self.serve(ask, receive, send))
+
+        return endpoint
+
+    def _parse(self, request: Request, raw: bytes, *, chat: bool) -> _Ask:
+        if len(raw) > self.options.max_body_bytes:
+            raise _BadRequest(f"the body is over {self.options.max_body_bytes} bytes")
+        try:
+            body = guard.strict_json(raw)
+        except guard.BadBody as exc:
+            raise _BadRequest(str(exc)) from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the body must be a JSON object")
+        if not isinstance(body.get("model"), str):
+            raise _BadRequest(
+                f"model is required: {self.options.alias!r} means your session's version"
+            )
+        in_body = body.pop("session_id", None)
+        session = request.headers.get(SESSION_HEADER) or in_body
+        if session is not None and (
+            not isinstance(session, str)
+            or not 0 < len(session) <= MAX_SESSION_CHARS
+            or not session.isprintable()
+        ):
+            raise _BadRequest(f"a session id is 1-{MAX_SESSION_CHARS} printable characters")
+        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        if not 0 < len(rid) <= 128 or not rid.isprintable():
+            raise _BadRequest("x-request-id must be 1-128 printable characters")
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return _Ask(
+            chat=chat,
+            body=body,
+            session=session or f"{self.gateway.gateway_id}-once-{rid}",
+            one_turn=session is None,
+            request_id=rid,
+            stream=bool(body.get("stream")),
+            wants_usage=wants_usage,
+        )
+
+    # --- one request --------------------------------------------------------------------------
+
+    async def serve(self, ask: _Ask, receive: Receive, send: Send) -> None:
+        """Answer one parsed request on the ASGI ``send``; a client disconnect (``receive``)
+        cancels the work, which closes the upstream connection (the engine aborts)."""
+        self.requests += 1
+        send = _Tracked(send)
+        binder = self.worker.session(ask.session)
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                await self._turn(ask, binder, send)
+                tg.cancel_scope.cancel()
+        finally:
+            if ask.one_turn:
+                with anyio.CancelScope(shield=True):
+                    await self._release_quietly(binder)
+
+    async def _release_quietly(self, binder: SessionBinder) -> None:
+        try:
+            await binder.close()
+        except LoraLedgerError as exc:
+            log.warning("openai.release_failed", session=binder.session_id, code=exc.code)
+
+    async def _turn(self, ask: _Ask, binder: SessionBinder, send: Send) -> None:
+        try:
+            async with binder.turn() as bound:
+                # no await from the lease check in turn() to the admission below
+                refusal = self._check_model(ask, bound)
+                if refusal is not None:
+                    await _send_error(send, *refusal)
+                    return
+                await self._dispatch(ask, bound, binder, send)
+        except LoraLedgerError as exc:
+            await _send_error(send, exc.code, exc.message)
+
+    def _check_model(self, ask: _Ask, bound: Bound) -> tuple[str, str] | None:
+        model = ask.body["model"]
+        if model in (self.options.alias, bound.lora_name):
+            return None
+        return (
+            OpenAICode.VERSION_NOT_BOUND,
+            f"session {ask.session} is bound to {bound.lora_name} (version {bound.version_id}); "
+            f"model {model!r} is not its version: send {self.options.alias!r} or that name",
+        )
+
+    async def _dispatch(self, ask: _Ask, bound: Bound, binder: SessionBinder, send: Send) -> None:
+        gateway, tally = self.gateway, self.worker.inflight
+        turn = binder.next_turn()
+        tried: list[str] = []
+        unreachable: list[str] = []
+        refreshed = False
+        while True:
+            engine_id = gateway.admit(bound, tried, tally)
+            if engine_id is None:
+                if not refreshed:  # a remote view may not show the version's holders yet
+                    refreshed = True
+                    await self.view.refresh()
+                    self.worker.ensure_live()  # the lease check again, right before admit
+                    continue
+                await _send_error(
+                    send,
+                    DispatchCode.NO_ROUTE,
+                    f"no routable engine holds {bound.lora_name}"
+                    + (f" (unreachable: {', '.join(unreachable)})" if unreachable else ""),
+                )
+                return
+            tried.append(engine_id)
+            try:
+                route = self.engines.get(engine_id)
+                if route is None:
+                    unreachable.append(engine_id)
+                    continue
+                head = self.view.default_revision
+                started = self._clock()
+                usage = _Usage()
+                outcome = "ambiguous"
+                try:
+                    outcome = await self._forward(ask, bound, route, usage, send)
+                except AmbiguousReply as exc:
+                    if not exc.dispatched:
+                        unreachable.append(engine_id)
+                        log.warning("openai.not_dispatched", engine=engine_id, rid=ask.request_id)
+                        outcome = ""
+                        continue
+                    outcome = "ambiguous"
+                    await _send_error(
+                        send,
+                        DispatchCode.AMBIGUOUS_DISPATCH,
+                        f"request {ask.request_id} was sent to {engine_id} and its outcome is "
+                        f"unknown ({exc.code}: {exc.message}); it was not resent",
+                    )
+                    log.error(
+                        "openai.ambiguous", engine=engine_id, rid=ask.request_id, code=exc.code
+                    )
+                except anyio.get_cancelled_exc_class():
+                    outcome = "client_abort"
+                    raise
+                except Exception as exc:
+                    # Unknown failure after the call started: it may have been sent.
+                    outcome = "ambiguous"
+                    log.error(
+                        "openai.failed", engine=engine_id, rid=ask.request_id, error=repr(exc)
+                    )
+                    await _send_error(
+                        send,
+                        DispatchCode.AMBIGUOUS_DISPATCH,
+                        f"request {ask.request_id} to {engine_id} failed ({exc!r}); not resent",
+                    )
+                finally:
+                    if outcome:
+                        with anyio.CancelScope(shield=True):
+                            await self._record(
+                                ask, bound, engine_id, turn, head, started, usage, outcome
+                            )
+                return
+            finally:
+                gateway.finish(engine_id, bound.version_id, tally)
+
+    async def _forward(
+        self, ask: _Ask, bound: Bound, route: EngineRoute, usage: _Usage, send: Send
+    ) -> str:
+        """Send once and relay the reply. Returns the provenance outcome: the engine's finish
+        reason, ``engine_error`` (a clean refusal, relayed) or ``ambiguous``."""
+        body = engine_body(
+            ask.body,
+            kind=route.kind,
+            lora_name=bound.lora_name,
+            request_id=ask.request_id,
+            cache_salt=version_salt(bound),
+            include_usage=True,
+        )
+        url = route.base_url + (CHAT_PATH if ask.chat else COMPLETIONS_PATH)
+        async with open_upstream(
+            self._client,
+            url,
+            _json.encode(body),
+            engine_id=route.engine_id,
+            request_id=ask.request_id,
+            headers=self._headers,
+            timeout=self._timeout,
+        ) as response:
+            if response.status_code != 200:
+                return await self._relay_refusal(response, route, send)
+            headers = self._headers_for(ask, bound, route, response)
+            if not ask.stream:
+                try:
+                    payload = await response.aread()
+                except httpx.HTTPError as exc:
+                    raise read_failure(exc, url, route.engine_id) from exc
+                with contextlib.suppress(msgspec.DecodeError):
+                    usage.read(msgspec.json.decode(payload))
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": payload})
+                return usage.finish or "stop"
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            try:
+                await self._relay_stream(ask, response, usage, send)
+            except httpx.HTTPError as exc:
+                # Mid-stream: the status is sent; the error goes in the stream (_send_error).
+                raise read_failure(exc, url, route.engine_id) from exc
+            return usage.finish or "stop"
+
+    async def _relay_stream(
+        self, ask: _Ask, response: httpx.Response, usage: _Usage, send: Send
+    ) -> None:
+        """Pass SSE events on as they arrive. Events are framed (an event cut across two
+        reads waits for its end, nothing longer) so the usage chunk can be read and dropped
+        when the client did not ask for it."""
+        pending = b""
+        async for data in response.aiter_raw():
+            pending += data
+            if b"\n\n" not in pending:
+                continue
+            *events, pending = pending.split(b"\n\n")
+            out = []
+            for event in events:
+                if b'"usage"' in event or b'"finish_reason":"' in event:
+                    usage.read(_event_json(event))
+                    if not ask.wants_usage and b'"choices":[]' in event:
+                        continue  # the usage chunk the client did not ask for
+                elif usage.served is None and event.startswith(b"data: {"):
+                    usage.read(_event_json(event))
+                out.append(event + b"\n\n")
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+        await send({"type": "http.response.body", "body": pending, "more_body": False})
+
+    async def _relay_refusal(self, response: httpx.Response, route: EngineRoute, send: Send) -> str:
+        """A 4xx: the engine refused before generating. Relayed with its status, in OpenAI's
+        shape, its code kept (``GENERATION_FAILED`` when it gave none)."""
+        try:
+            raw = await response.aread()
+            reply = msgspec.json.decode(raw)
+        except (httpx.HTTPError, msgspec.DecodeError):
+            reply = None
+        error = reply.get("error") if isinstance(reply, dict) else None
+        message = (
+            str(error.get("message")) if isinstance(error, dict) else f"HTTP {response.status_code}"
+        )
+        code = str(error.get("code") or "") if isinstance(error, dict) else ""
+        await _send_error(
+            send,
+            code or DispatchCode.GENERATION_FAILED,
+            f"engine {route.engine_id} refused the request: {message}",
+            response.status_code,
+        )
+        return "engine_error"
+
+    def _headers_for(
+        self, ask: _Ask, bound: Bound, route: EngineRoute, response: httpx.Response
+    ) -> list[tuple[bytes, bytes]]:
+        staleness = self.view.default_revision - bound.revision
+        media = response.headers.get("content-type", "application/json")
+        headers = [
+            (b"content-type", media.encode()),
+            (b"x-loraledger-version", str(bound.version_id).encode()),
+            (b"x-loraledger-digest", bound.digest.encode()),
+            (b"x-loraledger-engine", route.engine_id.encode()),
+            (b"x-loraledger-staleness", str(staleness).encode()),
+            (b"x-request-id", ask.request_id.encode()),
+        ]
+        if not ask.one_turn:
+            headers.append((b"x-session-id", ask.session.encode()))
+        if ask.stream:
+            headers.append((b"cache-control", b"no-cache"))
+        return headers
+
+    async def _record(
+        self,
+        ask: _Ask,
+        bound: Bound,
+        engine_id: str,
+        turn: int,
+        head: int,
+        started: float,
+        usage: _Usage,
+        outcome: str,
+    ) -> None:
+        recorder = self.gateway.recorder
+        if recorder is None:
+            return
+        row = ProvenanceRow(
+            session=ask.session,
+            turn=None if ask.one_turn else turn,
+            engine=engine_id,
+            incarnation=self.view.incarnation(engine_id),
+            version_id=bound.version_id,
+            lora_name=bound.lora_name,
+            digest=bound.digest,
+            bound_revision=bound.revision,
+            head_revision=head,
+            head_revision_done=self.view.default_revision,
+            request_id=ask.request_id,
+            prompt_tokens=usage.prompt,
+            completion_tokens=usage.completion,
+            cached_tokens=usage.cached,
+            finish_reason=outcome,
+            started_at=started,
+            finished_at=self._clock(),
+            gateway=self.gateway.gateway_id,
+            served_name=usage.served,
+        )
+        if not row.attested:
+            log.error(
+                "openai.served_other_adapter",
+                engine=engine_id,
+                rid=ask.request_id,
+                bound=bound.lora_name,
+                served=usage.served,
+            )
+        await recorder.record(row)
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class _Asgi(Response):
+    """A Starlette response that hands the ASGI call to a callable (the request's own work)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(scope, receive, send)
+
+
+class _Tracked:
+    """The ASGI ``send`` of one request, remembering whether the response has started (an
+    error after that can only be told inside the stream)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.ended = False
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+
+async def _send_error(send: Send, code: str, message: str, status: int | None = None) -> None:
+    status = status or STATUS_OF_CODE.get(code, 409)
+    if isinstance(send, _Tracked) and send.started:
+        if not send.ended:  # mid-stream: one SSE error event, then the stream ends
+            event = b"data: " + error_body(code, message, status) + b"\n\n"
+            await send({"type": "http.response.body", "body": event})
+        return
+    # The official client retries 408/409/429/5xx unless told otherwise: a resend of an
+    # ambiguous request is a second sample, and a refusal by the rules would only repeat.
+    retry = b"true" if code in RETRYABLE_CODES else b"false"
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"x-should-retry", retry)],
+        }
+    )
+    await send({"type": "http.response.body", "body": error_body(code, message, status)})
+
+
+def _event_json(event: bytes) -> Any:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                return msgspec.json.decode(line[6:])
+            except msgspec.DecodeError:
+                return None
+    return None
+
+
+def engine_routes(fleet: Any) -> dict[str, EngineRoute]:
+    """The OpenAI endpoint of every engine of ``fleet`` that has one (an HTTP adapter: its
+    ``capabilities.endpoint``); in-process engines have none and are left out."""
+    return {
+        e.engine_id: EngineRoute(
+            engine_id=e.engine_id, kind=e.kind, base_url=e.capabilities.endpoint.rstrip("/")
+        )
+        for e in fleet
+        if e.capabilities.endpoint
+    }
+
+
+def openai_routes(face: OpenAIGateway) -> list[BaseRoute]:
+    """The routes to mount in any Starlette app (``serve`` adds them to its own)."""
+    return face.routes()
+
+
+def openai_app(face: OpenAIGateway) -> Starlette:
+    """A Starlette app with only the OpenAI routes (a bare gateway process, a benchmark)."""
+    return Starlette(routes=face.routes())

@@ -1,0 +1,206 @@
+"""The OpenAI gateway on real parts: local engines served over HTTP on loopback, a control
+plane (memory log) over their HTTP adapters, the OpenAI face served by uvicorn on a free
+loopback port, and the official ``openai`` client pointed at it.
+
+Nothing stands in for an engine; :class:`ResetAfterSend` is a real TCP relay that delivers a
+request to the engine and then resets the client's connection (a reply lost after send)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import uvicorn
+
+from engines.local.client import LocalHTTPEngine
+from engines.local.engine import LocalEngine
+from engines.local.server import serve as serve_engine
+from engines.local.tinymodel import make_adapter
+from evlog.memory import MemoryStore
+from publisher.fleet import Fleet
+from publisher.gateway import Gateway, LedgerRouting
+from publisher.openai_gateway import (
+    EngineRoute,
+    LiveView,
+    OpenAIGateway,
+    OpenAIOptions,
+    engine_routes,
+    openai_app,
+)
+from publisher.plane import ControlPlane
+from publisher.provenance import MemorySink, ProvenanceRecorder
+from publisher.sessions import RolloutWorker
+from publisher.trainer import TrainerClient
+from tests.publisher.plane_kit import FAST, LIMITS
+
+TOKEN = "openai-test-token"
+
+
+class _Quiet(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app on a free loopback port; yield its URL; stop it on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = _Quiet(
+        uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=2)
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                with anyio.CancelScope(shield=True):
+                    await server.serve([sock])
+
+            tg.start_soon(run)
+            try:
+                with anyio.fail_after(20):
+                    while not server.started:  # noqa: ASYNC110 -- uvicorn has only the flag
+                        await anyio.sleep(0.005)
+                yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+            finally:
+                server.should_exit = True
+    finally:
+        sock.close()
+
+
+@dataclass
+class Rig:
+    plane: ControlPlane
+    engines: list[LocalEngine]  # the engines themselves (in this process, served over HTTP)
+    urls: dict[str, str]
+    gateway: Gateway
+    worker: RolloutWorker
+    face: OpenAIGateway
+    sink: MemorySink
+    url: str  # the OpenAI face: base_url = url + "/v1"
+    names: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    async def publish(self, version_id: int) -> str:
+        config, tensors = make_adapter(version_id)
+        outcome = await TrainerClient(self.plane).publish(tensors, config=config, step=version_id)
+        assert outcome.status == "PUBLISHED", outcome
+        assert outcome.lora_name is not None
+        self.names[version_id] = outcome.lora_name
+        return outcome.lora_name
+
+    def engine(self, engine_id: str) -> LocalEngine:
+        return next(e for e in self.engines if e.engine_id == engine_id)
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    tmp_path: Path,
+    *,
+    engines: int = 2,
+    capacity: int = 3,
+    routes: dict[str, str] | None = None,
+    owner: str = "openai-gw",
+    ttl_s: float = 30.0,
+) -> AsyncIterator[Rig]:
+    """``engines`` local engines over HTTP, a control plane over them and the OpenAI face.
+    ``routes`` overrides the URL the face uses for an engine (a fault relay in front of it)."""
+    async with contextlib.AsyncExitStack() as stack:
+        local = [
+            await stack.enter_async_context(LocalEngine(f"e{i}", limits=LIMITS))
+            for i in range(engines)
+        ]
+        urls = {e.engine_id: await stack.enter_async_context(serve_engine(e)) for e in local}
+        handles = [
+            await stack.enter_async_context(contextlib.aclosing(LocalHTTPEngine(url, engine_id)))
+            for engine_id, url in urls.items()
+        ]
+        plane = await stack.enter_async_context(
+            ControlPlane.open(
+                MemoryStore(),
+                Fleet(handles),
+                deployment="dep",
+                prefix="agent",
+                capacity=capacity,
+                artifact_root=tmp_path / "artifacts",
+                probe_interval_s=0.05,
+                reclaim_tick_s=0.05,
+                timeouts=FAST,
+                cleanup_timeout=5.0,
+            )
+        )
+        sink = MemorySink()
+        recorder = await stack.enter_async_context(ProvenanceRecorder(sink))
+        gateway = Gateway(
+            plane.fleet, LedgerRouting(plane.ledger), gateway_id=owner, recorder=recorder
+        )
+        plane.add_inflight_source(gateway)
+        worker = await stack.enter_async_context(
+            RolloutWorker.open(plane.ledger, gateway, owner=owner, ttl_s=ttl_s)
+        )
+        table = engine_routes(plane.fleet)
+        for engine_id, url in (routes or {}).items():
+            table[engine_id] = EngineRoute(engine_id=engine_id, kind="local", base_url=url)
+        face = OpenAIGateway(worker, LiveView(plane.ledger), table, OpenAIOptions(token=TOKEN))
+        stack.push_async_callback(face.aclose)
+        url = await stack.enter_async_context(serve_app(openai_app(face)))
+        yield Rig(plane, local, urls, gateway, worker, face, sink, url)
+
+
+class ResetAfterSend:
+    """A TCP relay in front of an engine: it delivers each request to the engine, waits for the
+    engine's first reply bytes, then resets the client's connection (SO_LINGER 0) without
+    relaying them. ``delivered`` counts the connections that reached the engine."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.delivered = 0
+        self.url = ""
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        self.url = f"http://127.0.0.1:{port}"
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, self._relay)
+            try:
+                yield self.url
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _relay(self, client: anyio.abc.SocketStream) -> None:
+        async with client, await anyio.connect_tcp(*self.target) as upstream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await client.receive()
+            head = data.split(b"\r\n\r\n", 1)[0]
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            while len(data) < len(head) + 4 + length:
+                data += await client.receive()
+            await upstream.send(data)
+            self.delivered += 1
+            await upstream.receive()  # the engine answered: the request was there
+            raw = client.extra(anyio.abc.SocketAttribute.raw_socket)
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -1,0 +1,431 @@
+"""The OpenAI gateway with the official ``openai`` client (sync and async, streaming and not)
+against local engines over HTTP on loopback: pinning across turns while versions publish and
+retire, the wrong version refused, a disconnect mid-stream, a reset after send, two gateways on
+one session, counts that never drift, and stickiness with its prefix-cache payoff."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from engines.local.tinymodel import make_adapter
+from projections.transitions import VersionState
+from publisher.affinity import rendezvous
+from publisher.gateway import Gateway, LedgerRouting
+from publisher.openai_gateway import (
+    LiveView,
+    OpenAIGateway,
+    OpenAIOptions,
+    engine_routes,
+    openai_app,
+)
+from publisher.sessions import RolloutWorker
+from publisher.trainer import TrainerClient
+from tests.publisher.openai_kit import TOKEN, ResetAfterSend, Rig, rig, serve_app
+from tests.publisher.plane_kit import wait_for
+from tests.publisher.rollout_kit import ENGINE_WARNINGS
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "the quick brown fox"}]
+
+
+def sync_client(r: Rig, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=r.base_url, api_key=TOKEN, **kwargs)
+
+
+def async_client(r: Rig, **kwargs: Any) -> openai.AsyncOpenAI:
+    kwargs.setdefault("api_key", TOKEN)
+    return openai.AsyncOpenAI(base_url=r.base_url, **kwargs)
+
+
+def hdr(s: str | None) -> dict[str, str] | None:
+    return {"x-session-id": s} if s else None
+
+
+async def chat_sync(r: Rig, s: str | None, model: str = "policy") -> tuple[dict[str, str], str]:
+    """One non-streaming chat turn with the sync client (in a worker thread)."""
+
+    def call() -> tuple[dict[str, str], str]:
+        with sync_client(r) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model=model,
+                messages=MESSAGES,
+                max_tokens=4,
+                temperature=0,
+                extra_headers=hdr(s),
+            )
+            reply = raw.parse()
+            return dict(raw.headers), reply.choices[0].message.content or ""
+
+    return await anyio.to_thread.run_sync(call)
+
+
+async def stream_async(
+    r: Rig, s: str, *, usage: bool = False, chat: bool = True
+) -> tuple[dict[str, str], list[Any]]:
+    async with async_client(r) as client:
+        if chat:
+            maker: Any = client.chat.completions.with_streaming_response.create(
+                model="policy",
+                messages=MESSAGES,
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True} if usage else None,
+                extra_headers=hdr(s),
+            )
+        else:
+            maker = client.completions.with_streaming_response.create(
+                model="policy",
+                prompt="the quick brown fox",
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True} if usage else None,
+                extra_headers=hdr(s),
+            )
+        async with maker as response:
+            chunks = [chunk async for chunk in await response.parse()]
+            return dict(response.headers), chunks
+
+
+async def test_pinned_across_turns_while_versions_publish_and_retire(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        v1 = await r.publish(1)
+        headers, _ = await chat_sync(r, "agent-1")
+        assert headers["x-loraledger-version"] == "1"
+        first_engine = headers["x-loraledger-engine"]
+        assert headers["x-request-id"] and headers["x-loraledger-staleness"] == "0"
+
+        await r.publish(2)  # v1 retires; agent-1 stays on it
+        headers, chunks = await stream_async(r, "agent-1")
+        assert (headers["x-loraledger-version"], headers["x-loraledger-engine"]) == (
+            "1",
+            first_engine,
+        )
+        assert headers["x-loraledger-staleness"] == "1"
+        assert chunks and all(c.usage is None for c in chunks)  # the usage chunk was stripped
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+        newcomer, _ = await chat_sync(r, "agent-2")
+        assert newcomer["x-loraledger-version"] == "2"
+        await r.publish(3)
+        headers, chunks = await stream_async(r, "agent-1", usage=True, chat=False)
+        assert headers["x-loraledger-version"] == "1"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        no_session, _ = await chat_sync(r, None)  # one-turn: the current default, released
+        assert no_session["x-loraledger-version"] == "3"
+
+        # Provenance: one row per request, joinable by request id, with the bound version.
+        rows = {row.request_id: row for row in r.sink.rows}
+        assert rows[headers["x-request-id"]].version_id == 1
+        assert rows[headers["x-request-id"]].staleness == 2
+        assert rows[no_session["x-request-id"]].session.startswith("openai-gw-once-")
+        assert len(r.sink.rows) == 5
+
+        # /v1/models: the alias, then the versions with their state
+        async with async_client(r) as client:
+            models = {m.id: m for m in (await client.models.list()).data}
+        assert models["policy"].model_extra["default_version"] == 3  # type: ignore[index]
+        assert models[v1].model_extra["state"] == "RETIRED"  # type: ignore[index]
+
+        # Releasing agent-1 lets reclaim take v1 (nothing in flight, nobody bound).
+        async with httpx.AsyncClient(base_url=r.url) as plain:
+            reply = await plain.post(
+                "/v1/sessions/agent-1/release", headers={"authorization": f"Bearer {TOKEN}"}
+            )
+        assert reply.status_code == 200 and reply.json()["released"] is True
+        await wait_for(lambda: r.plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        assert r.gateway.inflight_counts() == {} and not r.worker.inflight
+
+
+async def test_an_explicit_version_must_be_the_bound_one(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        v1 = await r.publish(1)
+        await chat_sync(r, "pinned")
+        v2 = await r.publish(2)
+        headers, _ = await chat_sync(r, "pinned", model=v1)  # its own version: accepted
+        assert headers["x-loraledger-version"] == "1"
+        sent = r.gateway.dispatched
+
+        def wrong_version() -> None:
+            with sync_client(r) as client:
+                client.chat.completions.create(
+                    model=v2, messages=MESSAGES, max_tokens=2, extra_headers=hdr("pinned")
+                )
+
+        with pytest.raises(openai.ConflictError) as info:
+            await anyio.to_thread.run_sync(wrong_version)  # the sync client, off the loop
+        assert info.value.code == "VERSION_NOT_BOUND"
+        assert info.value.response.headers["x-should-retry"] == "false"
+        assert r.gateway.dispatched == sent  # refused before any engine saw it
+        async with async_client(r, api_key="wrong") as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model="policy", messages=MESSAGES)
+
+
+async def test_a_disconnect_mid_stream_aborts_upstream_and_decrements(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        await r.publish(1)
+        async with async_client(r) as client:
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=MESSAGES,
+                max_tokens=400,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                stream=True,
+                extra_headers=hdr("quitter"),
+            )
+            got = 0
+            async for _ in stream:
+                got += 1
+                if got == 3:
+                    break
+            assert sum(r.gateway.inflight_counts().values()) == 1
+            await stream.close()  # the client goes away mid-stream
+        await wait_for(lambda: not r.gateway.inflight_counts(), timeout=10)
+        await wait_for(lambda: all(e.in_flight == 0 for e in r.engines), timeout=10)
+        assert not r.worker.inflight
+        row = r.sink.rows[-1]
+        assert row.finish_reason == "client_abort" and row.session == "quitter"
+        # the engine stopped long before 400 tokens: its adapter lease is back
+        assert all(e.refcount(row.lora_name) == 0 for e in r.engines)
+
+
+async def test_a_reset_after_send_is_ambiguous_and_never_resent(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        relays = {e: ResetAfterSend(url) for e, url in r.urls.items()}
+        async with relays["e0"].running() as u0, relays["e1"].running() as u1:
+            r.face.engines["e0"] = r.face.engines["e0"].__class__(
+                engine_id="e0", kind="local", base_url=u0
+            )
+            r.face.engines["e1"] = r.face.engines["e1"].__class__(
+                engine_id="e1", kind="local", base_url=u1
+            )
+            await r.publish(1)
+            # default client: it would retry a 502 unless told not to (x-should-retry)
+            with sync_client(r) as client, pytest.raises(openai.APIStatusError) as info:
+                await anyio.to_thread.run_sync(
+                    lambda: client.chat.completions.create(
+                        model="policy",
+                        messages=MESSAGES,
+                        max_tokens=2,
+                        extra_headers=hdr("unlucky"),
+                    )
+                )  # the sync client runs off the event loop (the servers live on it)
+            assert info.value.status_code == 502
+            assert info.value.code == "AMBIGUOUS_DISPATCH"
+            assert sum(x.delivered for x in relays.values()) == 1  # exactly one dispatch
+            assert not r.gateway.inflight_counts()
+            assert r.sink.rows[-1].finish_reason == "ambiguous"
+
+
+async def test_connection_refused_tries_the_next_holder(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        await r.publish(1)
+        with socket_closed() as dead:
+            r.face.engines["e0"] = r.face.engines["e0"].__class__(
+                engine_id="e0", kind="local", base_url=dead
+            )
+            s = next(f"s{i}" for i in range(100) if rendezvous(f"s{i}", ["e0", "e1"]) == "e0")
+            headers, _ = await chat_sync(r, s)
+        assert headers["x-loraledger-engine"] == "e1"  # e0 refused the connection: nothing sent
+        assert not r.gateway.inflight_counts()
+
+
+class socket_closed:
+    """A loopback URL where nothing listens (connection refused)."""
+
+    def __enter__(self) -> str:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+async def test_two_gateways_serve_one_session_on_the_same_version_and_engine(
+    tmp_path: Path,
+) -> None:
+    async with rig(tmp_path, engines=3) as r:
+        await r.publish(1)
+        other_gateway = Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b")
+        r.plane.add_inflight_source(other_gateway)
+        async with RolloutWorker.open(r.plane.ledger, other_gateway, owner="gw-b") as worker_b:
+            face_b = OpenAIGateway(
+                worker_b,
+                LiveView(r.plane.ledger),
+                engine_routes(r.plane.fleet),
+                OpenAIOptions(token=TOKEN),
+            )
+            async with serve_app(openai_app(face_b)) as url_b:
+                seen = []
+                for turn in range(6):
+                    base = r.base_url if turn % 2 == 0 else url_b + "/v1"
+                    async with openai.AsyncOpenAI(base_url=base, api_key=TOKEN) as client:
+                        raw = await client.chat.completions.with_raw_response.create(
+                            model="policy",
+                            messages=MESSAGES,
+                            max_tokens=2,
+                            extra_headers=hdr("shared"),
+                        )
+                    seen.append(
+                        (raw.headers["x-loraledger-version"], raw.headers["x-loraledger-engine"])
+                    )
+                    if turn == 2:
+                        await r.publish(2)
+                assert len(set(seen)) == 1, seen
+            await face_b.aclose()
+
+
+async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
+    """Many requests with ~5% client aborts and injected engine errors (refusals and resets
+    after send), while versions publish and retire: every count ends at 0 and no request was
+    refused for an unloaded adapter."""
+    total = 2_000 if slow else 240
+    rng = random.Random(13)
+    async with rig(tmp_path, capacity=3) as r:
+        await r.publish(1)
+        relay = ResetAfterSend(r.urls["e1"])
+        outcomes: Counter[str] = Counter()
+        async with relay.running() as reset_url, async_client(r, max_retries=0) as client:
+            healthy = r.face.engines["e1"]
+            faulty = healthy.__class__(engine_id="e1", kind="local", base_url=reset_url)
+
+            async def one(i: int) -> None:
+                # half are one-turn (bound, served, released: their versions get reclaimed
+                # while others run), half are turns of a few long sessions
+                s = f"load-{i % 8}" if i % 2 else None
+                kind = rng.random()
+                extra: dict[str, Any] = {}
+                if kind < 0.03:
+                    extra["frequency_penalty"] = 1.0  # the engine refuses it cleanly
+                try:
+                    if kind > 0.95:  # a client that aborts mid-stream
+                        stream = await client.chat.completions.create(
+                            model="policy",
+                            messages=MESSAGES,
+                            max_tokens=50,
+                            stream=True,
+                            extra_body={"ignore_eos": True},
+                            extra_headers=hdr(s),
+                        )
+                        async for _ in stream:
+                            break
+                        await stream.close()
+                        outcomes["aborted"] += 1
+                        return
+                    await client.chat.completions.create(
+                        model="policy",
+                        messages=MESSAGES,
+                        max_tokens=2,
+                        extra_body=extra,
+                        extra_headers=hdr(s),
+                    )
+                    outcomes["ok"] += 1
+                except openai.APIStatusError as exc:
+                    outcomes[str(exc.code)] += 1
+
+            async def publisher() -> None:
+                for version in (2, 3, 4, 5):
+                    await anyio.sleep(0.5)
+                    config, tensors = make_adapter(version)
+                    published = await TrainerClient(r.plane).publish(
+                        tensors, config=config, step=version
+                    )
+                    statuses[str(published.status)] += 1
+
+            statuses: Counter[str] = Counter()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher)
+                limiter = anyio.CapacityLimiter(16)
+                for i in range(total):
+                    # a reset after send now and then on e1
+                    r.face.engines["e1"] = faulty if rng.random() < 0.05 else healthy
+
+                    async def run(i: int = i) -> None:
+                        async with limiter:
+                            await one(i)
+
+                    tg.start_soon(run)
+                    await anyio.lowlevel.checkpoint()
+        assert sum(outcomes.values()) == total, outcomes
+        assert statuses["PUBLISHED"] >= 2, statuses  # versions changed under the load
+        assert outcomes["aborted"] > 0 and outcomes["ok"] > total * 0.7, outcomes
+        # injected errors only: never NOT_LOADED / NAME_RECLAIMED (an unload under a request)
+        assert set(outcomes) <= {"ok", "aborted", "BAD_REQUEST", "AMBIGUOUS_DISPATCH"}, outcomes
+        await wait_for(lambda: not r.gateway.inflight_counts(), timeout=20)
+        assert not r.worker.inflight
+        await wait_for(lambda: all(e.in_flight == 0 for e in r.engines), timeout=20)
+        for engine in r.engines:
+            assert all(engine.refcount(n) == 0 for n in engine.loaded_adapters())
+
+
+async def test_sticky_sessions_keep_their_engine_and_its_prefix_cache(tmp_path: Path) -> None:
+    """Multi-turn sessions on 2 healthy engines: >= 99% of later turns on the first engine,
+    and a cached-prefix fraction of later turns >= 0.9x a single-engine run."""
+
+    async def workload(r: Rig) -> tuple[float, float]:
+        await r.publish(1)
+        same = later = cached = prompt = 0
+        async with async_client(r) as client:
+
+            async def conversation(s: str) -> None:
+                nonlocal same, later, cached, prompt
+                messages: list[ChatCompletionMessageParam] = [
+                    {"role": "user", "content": f"task {s}: go"}
+                ]
+                first = None
+                for turn in range(4):
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="policy",
+                        messages=messages,
+                        max_tokens=3,
+                        temperature=0,
+                        extra_headers=hdr(s),
+                    )
+                    reply = raw.parse()
+                    engine = raw.headers["x-loraledger-engine"]
+                    if turn == 0:
+                        first = engine
+                    else:
+                        later += 1
+                        same += engine == first
+                        assert reply.usage is not None
+                        details = reply.usage.prompt_tokens_details
+                        cached += (details.cached_tokens or 0) if details else 0
+                        prompt += reply.usage.prompt_tokens
+                    messages += [
+                        {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                        {"role": "user", "content": f"step {turn}"},
+                    ]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(conversation, f"conv-{i}")
+        return same / later, cached / prompt
+
+    async with rig(tmp_path / "two", engines=2) as r:
+        stuck, fraction_two = await workload(r)
+    async with rig(tmp_path / "one", engines=1) as r:
+        _, fraction_one = await workload(r)
+    assert stuck >= 0.99
+    assert fraction_two >= 0.9 * fraction_one, (fraction_two, fraction_one)
+    assert fraction_one > 0.3
