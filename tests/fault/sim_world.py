@@ -305,6 +305,10 @@ class RoutingPort:
     def default_revision(self) -> int:
         return self._state().default_revision
 
+    @property
+    def max_staleness(self) -> int | None:
+        return self._state().max_staleness
+
 
 # --- the actors ------------------------------------------------------------------------------
 
