@@ -68,4 +68,9 @@ async def test_engine_timeline_records_restart_and_repair() -> None:
     history = await _history_of(book)
     events = [e.event for e in history.engines["e1"]]
     assert events[-3:] == ["EngineRestarted", "VersionRestored", "EngineRepaired"]
-    assert history.engines["e1"][-3].detail == "e1-i1 -> e1-i2"
+    assert history.engines["e1"][-3].detail == "e1-i1 -> e1-i2; lost v1; holds nothing"
+    assert history.engines["e1"][-2].detail == "v1 e1 (e1-i2); loaded v1; holds v1"
+    assert (history.engines["e1"][-1].from_state, history.engines["e1"][-1].to_state) == (
+        "not routable",
+        "routable",
+    )
