@@ -126,7 +126,7 @@ def _bound_staleness(s: RegistryState) -> HistogramMetricFamily:
             per_value[behind] = per_value.get(behind, 0) + v.bound
     buckets: list[tuple[str, float]] = []
     for bound in STALENESS_BUCKETS:
-        buckets.append((str(bound), sum(n for k, n in per_value.items() if k <= bound)))
+        buckets.append((str(float(bound)), sum(n for k, n in per_value.items() if k <= bound)))
     total = sum(per_value.values())
     buckets.append(("+Inf", total))
     total_sum = sum(k * n for k, n in per_value.items())
