@@ -167,9 +167,13 @@ class _EngineView(msgspec.Struct, frozen=True):
 def _engine_view(member: EngineMember | None) -> _EngineView:
     if member is None:
         return _EngineView("absent", {}, ())
-    # A member may carry more health than routable/not (a suspension, say): any string field
-    # named ``health`` wins, so an engine timeline shows it without knowing it.
+    # A member may carry more health than routable/not: a ``suspended`` flag (with its
+    # ``suspend_cause``) or a ``health`` string, read if the member has them, so an engine
+    # timeline shows them without this module knowing every event that sets them.
     health = getattr(member, "health", None)
+    if getattr(member, "suspended", False):
+        cause = getattr(member, "suspend_cause", "")
+        health = f"suspended ({cause})" if cause else "suspended"
     if not isinstance(health, str) or not health:
         health = "routable" if member.routable else "not routable"
     return _EngineView(health, dict(member.holds), tuple(member.strays))
