@@ -53,6 +53,7 @@ from anyio.abc import TaskGroup
 
 from engines.contract import SamplingParams
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, StoreCode
+from projections.staleness import TOO_STALE
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.gateway import Gateway, InFlightCounter, Served
@@ -149,6 +150,8 @@ class SessionBinder:
         self._active: set[anyio.CancelScope] = set()
         self._idle: anyio.Event | None = None  # None or set: nothing in flight
         self._next_turn = 0
+        self._release_cause = "closed"
+        self._stale: LedgerError | None = None  # set once a turn was refused as too stale
 
     @property
     def bound(self) -> Bound | None:
@@ -162,6 +165,15 @@ class SessionBinder:
     @property
     def in_flight(self) -> int:
         return len(self._active)
+
+    @property
+    def staleness(self) -> int | None:
+        """Versions published since this session bound (None before it bound): what the next
+        turn's provenance will say, readable before the turn so a framework can apply its own
+        off-policy rule (docs/sessions.md#staleness)."""
+        if self._bound is None:
+            return None
+        return self._worker.gateway.staleness(self._bound)
 
     async def bind(self) -> Bound:
         """The session's binding, binding now if this is the first call (shared with every
@@ -208,25 +220,38 @@ class SessionBinder:
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[Bound]:
         """One generation of this session, as any face sends it (:meth:`generate`, the
-        OpenAI gateway): binds on the first turn (the shared bind), renews the lease, and yields
-        the binding. The body must count its request in flight (``Gateway.admit`` with the
+        OpenAI gateway): binds on the first turn (the shared bind), renews the lease, refuses a
+        turn beyond the deployment's ``max_staleness`` (``SESSION_TOO_STALE``: the session is
+        then released with cause ``too_stale``, nothing was counted or sent), and yields the
+        binding. The body must count its request in flight (``Gateway.admit`` with the
         worker's ``inflight``) before its first ``await``: the lease check happened just before
         the yield, so a reclaim decided after it cannot miss the request. ``close`` waits for
         the body (``cancel=True`` cancels it, and this raises ``SESSION_CLOSED``); the lease's
         in-flight counts are renewed when it ends."""
         self._check_usable()
+        stale: LedgerError | None = None
         with anyio.CancelScope() as scope:
             self._enter(scope)
             try:
                 bound = self._bound
                 if bound is None:
                     bound = await self._worker._bind_slots([self])[0].wait()
-                self._worker.ensure_live()
-                yield bound
-                return
+                self._worker.ensure_live()  # no await from here to the body's increment
+                try:
+                    self._worker.gateway.check_staleness(bound)
+                except LedgerError as refusal:
+                    if refusal.code != Code.SESSION_TOO_STALE:
+                        raise
+                    stale = refusal
+                else:
+                    yield bound
+                    return
             finally:
                 self._exit(scope)
                 self._worker.report()  # the lease's in-flight counts are fresh again
+        if stale is not None:
+            await self._drop_stale(stale)
+            raise stale
         raise LedgerError(
             Code.SESSION_CLOSED,
             f"session {self.session_id} was closed (cancel=True) during this generation",
@@ -243,8 +268,22 @@ class SessionBinder:
 
     # --- internals -----------------------------------------------------------------------------
 
+    async def _drop_stale(self, refusal: LedgerError) -> None:
+        """A turn refused as too stale ends the session: it is released with cause
+        ``too_stale`` (recorded, so its version becomes reclaimable once its other sessions
+        go), and every later call hears the same refusal. The release runs in the worker's
+        task group, so a caller cancelled here cannot leave the session bound."""
+        if self._stale is None:
+            self._stale = refusal
+            self._release_cause = TOO_STALE
+        result = (await self._worker.close_many([self]))[0]
+        if isinstance(result, LoraLedgerError):
+            log.error("sessions.stale_release_failed", session=self.session_id, error=str(result))
+
     def _check_usable(self) -> None:
         self._worker.ensure_live()  # a stale worker hears LEASE_EXPIRED first, always
+        if self._stale is not None:
+            raise self._stale
         if self._closing:
             raise LedgerError(
                 Code.SESSION_CLOSED, f"session {self.session_id} is closed", session=self.session_id
@@ -504,7 +543,10 @@ class RolloutWorker:
                 slot.fail(self._refusal(result))
 
     async def _release_task(self, binders: list[SessionBinder]) -> None:
-        commands = [c.Release(session=b.session_id, owner=self.owner) for b in binders]
+        commands = [
+            c.Release(session=b.session_id, owner=self.owner, cause=b._release_cause)
+            for b in binders
+        ]
         results = await self._settle(commands, binders, "release")
         for binder, result in zip(binders, results, strict=True):
             slot = binder._release_slot
