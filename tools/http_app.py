@@ -15,6 +15,9 @@ POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-fl
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
 POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
 POST     ``/versions``                    bearer token: publish an adapter directory
+POST     ``/engines/{engine}/suspend``    bearer token: an operator quarantines an engine
+POST     ``/engines/{engine}/resume``     bearer token: lift it (served again once repaired)
+POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet
 =======  ===============================  ==========================================
 
 Why a bearer token on every state-changing route and never on the read-only ones: a scraper or
@@ -86,6 +89,12 @@ class ReleaseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cause: str = "closed"
 
 
+class EngineActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An operator's action on an engine; ``detail`` is recorded with a suspension."""
+
+    detail: str = ""
+
+
 class PublishBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version_id: int
     adapter_dir: str
@@ -116,13 +125,15 @@ def build_app(
     publish: Publish | None = None,
     private_reads: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
+    remove_engine: Callable[[str], Awaitable[Any]] | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
     ``INVALID_STATE`` (409). ``private_reads``: ``/status`` and
     ``/metrics`` need the token too (they show engine URLs and versions); ``/health`` stays
     open for probes. Every route's body is capped at ``max_body_bytes`` (413) and parsed as
-    strict JSON (NaN, Infinity, 1e400, 2^80: 400)."""
+    strict JSON (NaN, Infinity, 1e400, 2^80: 400). ``remove_engine`` (the control plane's)
+    removes an engine and drops its handle; without it the ledger records the removal."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:
@@ -210,6 +221,22 @@ def build_app(
             raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
         return await publish(body.version_id, body.adapter_dir)
 
+    async def suspend_engine(request: Request, body: EngineActionBody) -> Any:
+        engine = request.path_params["engine"]
+        return await ledger.suspend_engine(engine, cause="operator", detail=body.detail)
+
+    async def resume_engine(request: Request, body: EngineActionBody) -> Any:
+        return await ledger.resume_engine(request.path_params["engine"], cause="operator")
+
+    async def remove(request: Request, body: EngineActionBody) -> Any:
+        engine = request.path_params["engine"]
+        if engine not in ledger.state.engines:
+            raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
+        if remove_engine is not None:
+            await remove_engine(engine)
+            return {"no_op": False}
+        return await ledger.remove_engine(engine, cause="operator")
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", reader(status), methods=["GET"]),
@@ -219,7 +246,12 @@ def build_app(
         Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
         Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
         Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
-    ]
+        Route("/engines/{engine}/suspend", writer(EngineActionBody, suspend_engine),
+              methods=["POST"]),
+        Route("/engines/{engine}/resume", writer(EngineActionBody, resume_engine),
+              methods=["POST"]),
+        Route("/engines/{engine}/remove", writer(EngineActionBody, remove), methods=["POST"]),
+    ]  # fmt: skip
     return Starlette(
         routes=routes,
         middleware=[

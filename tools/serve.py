@@ -67,6 +67,8 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     private_reads: bool = False  # /status and /metrics need the token too
     max_connections: int = 1000  # beyond it a connection is answered 503 and closed
     header_timeout_s: float = 10.0  # to send a request's headers, from connect or last reply
+    suspend_after_s: float | None = 30.0  # failing probes for this long suspend an engine
+    probe_timeout_s: float = 10.0  # one health probe of an engine
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -165,6 +167,7 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
     """The store, the engines and the ``ControlPlane`` over them, closed in reverse order."""
     from evlog.errors import LoraLedgerError
     from evlog.sqlite import SQLiteStore
+    from publisher.engine_ops import EngineTimeouts
     from publisher.fleet import Fleet
     from publisher.plane import ControlPlane
 
@@ -187,6 +190,8 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
                     prefix=opts.prefix,
                     capacity=opts.capacity,
                     artifact_root=artifact_root,
+                    timeouts=EngineTimeouts(probe=opts.probe_timeout_s),
+                    suspend_after_s=opts.suspend_after_s,
                 )
             )
             yield plane
@@ -275,6 +280,7 @@ async def serve(
             token=opts.token,
             publish=make_publish(plane),
             private_reads=opts.private_reads,
+            remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
         )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:
