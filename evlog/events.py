@@ -92,7 +92,46 @@ class EngineRepaired(Event, frozen=True):
 
 
 class EngineLeft(Event, frozen=True):
+    """An engine stopped being a fleet member. ``cause``: ``fleet`` (the control plane was
+    opened without it) or ``operator`` (removed by hand). Schema 2 added ``cause`` (schema 1
+    records: ``fleet``)."""
+
+    SCHEMA: ClassVar[int] = 2
+
     engine: str
+    cause: str = "fleet"
+
+
+class EngineSuspended(Event, frozen=True):
+    """The engine is quarantined: it gets no new traffic (not routable), and publication and
+    reclaim stop waiting for it. ``cause``: ``unhealthy`` (its probes failed for the
+    configured time), ``lost_adapter`` (a lost version could not be reloaded on it) or
+    ``operator``; ``detail`` says what was seen. It serves again only after a repair proves it
+    holds exactly the versions still needed (:class:`EngineRepaired`)."""
+
+    engine: str
+    incarnation: str
+    cause: str
+    detail: str = ""
+
+
+class EngineResumed(Event, frozen=True):
+    """An operator lifted a suspension. The engine is still not routable: the reconciler
+    repairs it first (:class:`EngineRepaired`)."""
+
+    engine: str
+    incarnation: str
+    cause: str = "operator"
+
+
+class AdapterLost(Event, frozen=True):
+    """An incident: a routable engine's fresh inventory lacks a version it held and that is
+    still needed (the default or a bound version). Routing stops sending the version there at
+    once; the reconciler reloads it (:class:`VersionRestored`) or suspends the engine."""
+
+    version_id: int
+    engine: str
+    incarnation: str
 
 
 class InventoryObserved(Event, frozen=True):
@@ -177,11 +216,16 @@ class AttemptFailed(Event, frozen=True):
 
 
 class FatalResolved(Event, frozen=True):
-    """Inventory evidence showed a FAILED_FATAL candidate absent on every engine it targeted."""
+    """Inventory evidence showed a FAILED_FATAL candidate absent on every active engine it
+    targeted. ``owed_by``: suspended engines that could not prove it absent; each must drop
+    the name before it serves again. Schema 2 added ``owed_by`` (schema 1 records: none)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     version_id: int
     attempt: int
     evidence: tuple[int, ...] = ()  # seqs of the InventoryObserved events relied on
+    owed_by: tuple[str, ...] = ()
 
 
 class SlotHolder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -294,9 +338,14 @@ class EngineUnloaded(Event, frozen=True):
 
 
 class VersionReclaimed(Event, frozen=True):
-    """Every engine confirmed the unload: the slot is free."""
+    """Every active engine confirmed the unload: the slot is free. ``owed_by``: suspended
+    engines that did not confirm; each must drop the name before it serves again. Schema 2
+    added ``owed_by`` (schema 1 records: none)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     version_id: int
+    owed_by: tuple[str, ...] = ()
 
 
 class ReclaimAmbiguous(Event, frozen=True):
@@ -356,6 +405,9 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     VersionRestored,
     EngineRepaired,
     EngineLeft,
+    EngineSuspended,
+    EngineResumed,
+    AdapterLost,
     InventoryObserved,
     VersionAllocated,
     AttemptStarted,
@@ -390,6 +442,9 @@ AnyEvent = (
     | VersionRestored
     | EngineRepaired
     | EngineLeft
+    | EngineSuspended
+    | EngineResumed
+    | AdapterLost
     | InventoryObserved
     | VersionAllocated
     | AttemptStarted
@@ -487,6 +542,21 @@ def _version_published_v1(d: dict[str, Any]) -> dict[str, Any]:
 @upcaster("PublicationSkipped", 1)
 def _publication_skipped_v1(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "holders": []}
+
+
+@upcaster("EngineLeft", 1)
+def _engine_left_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "cause": "fleet"}
+
+
+@upcaster("FatalResolved", 1)
+def _fatal_resolved_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "owed_by": []}
+
+
+@upcaster("VersionReclaimed", 1)
+def _version_reclaimed_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "owed_by": []}
 
 
 def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:

@@ -55,6 +55,29 @@ def violations(state: RegistryState, *, deep: bool = True) -> list[str]:
             elif held.state in (VersionState.RECLAIMED, VersionState.FAILED_RETRYABLE):
                 found.append(f"engine {member.engine} still holds {held.state} {name}")
 
+    needed = [versions[vid] for vid in state.needed_versions()]
+    for member in state.engines.values():
+        if member.suspended and member.routable:
+            found.append(f"engine {member.engine} is suspended and routable")
+        both = sorted(set(member.lacks) & set(member.holds))
+        if both:
+            found.append(f"engine {member.engine} both holds and lacks {both}")
+        if member.routable:
+            # A routable engine serves every needed version of an attempt it took part in,
+            # unless a lost adapter is recorded (routing skips it until it is restored).
+            # A version committed while the engine was being repaired is restored later.
+            missing = [
+                v.version_id
+                for v in needed
+                if member.engine in v.fleet
+                and v.lora_name not in member.holds
+                and v.lora_name not in member.lacks
+            ]
+            if missing:
+                found.append(f"routable engine {member.engine} lacks needed versions {missing}")
+            if member.owes:
+                found.append(f"routable engine {member.engine} still owes {sorted(member.owes)}")
+
     for v in versions.values():
         if v.attempt < 1:
             found.append(f"version {v.version_id} is {v.state} without an attempt")

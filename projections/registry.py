@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from evlog.events import (
+    AdapterLost,
     AttemptFailed,
     AttemptStarted,
     CommandRecorded,
@@ -34,6 +35,8 @@ from evlog.events import (
     EngineReady,
     EngineRepaired,
     EngineRestarted,
+    EngineResumed,
+    EngineSuspended,
     EngineUnloaded,
     Event,
     FatalResolved,
@@ -66,7 +69,7 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-2"  # 2: max_staleness, stalls
+PROJECTION_VERSION = "registry-3"  # 2: max_staleness, stalls; 3: engine health, lost adapters
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -131,6 +134,17 @@ class EngineMember(msgspec.Struct, kw_only=True):
     # Names the last inventory showed that the engine should not hold (unknown, reclaimed, or
     # of a cleanly failed attempt): the reconciler unloads the managed ones.
     strays: tuple[str, ...] = ()
+    # Quarantined (EngineSuspended): never routable, and publication and reclaim do not wait
+    # for it. ``suspend_cause`` is the suspension's cause (``operator`` ones only an operator
+    # lifts; the others end with the repair that makes the engine routable again).
+    suspended: bool = False
+    suspend_cause: str = ""
+    # Needed versions a fresh inventory showed lost (AdapterLost), until restored: routing
+    # does not send them here (they are not in ``holds``).
+    lacks: dict[str, int] = msgspec.field(default_factory=dict)
+    # Names this engine must drop before it serves again (name -> the attempt that fences the
+    # unload): entries reclaimed or resolved while it was suspended and could not confirm.
+    owes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Binding(msgspec.Struct, array_like=True):
@@ -201,6 +215,10 @@ class RegistryState(msgspec.Struct, kw_only=True):
             if v.state is VersionState.FAILED_FATAL
             or (v.state is VersionState.RECLAIMING and v.ambiguous)
         )
+
+    def active_engines(self) -> set[str]:
+        """Members that publication and reclaim wait for: every member not suspended."""
+        return {e.engine for e in self.engines.values() if not e.suspended}
 
     def routable_engines(self) -> tuple[str, ...]:
         return tuple(sorted(e.engine for e in self.engines.values() if e.routable))
@@ -301,10 +319,46 @@ def _engine_restarted(s: RegistryState, e: EngineRestarted) -> None:
     member.routable = False
     member.holds.clear()  # a new process life holds nothing
     member.strays = ()
+    member.lacks.clear()
+    member.owes.clear()
 
 
 def _engine_repaired(s: RegistryState, e: EngineRepaired) -> None:
-    s.engines[e.engine].routable = True
+    member = s.engines[e.engine]
+    member.routable = True
+    # The repair proved the engine holds what it must (an operator's suspension is lifted by
+    # the operator first: the decider refuses to repair it).
+    member.suspended = False
+    member.suspend_cause = ""
+
+
+def _engine_suspended(s: RegistryState, e: EngineSuspended) -> None:
+    member = s.engines[e.engine]
+    member.suspended = True
+    member.suspend_cause = e.cause
+    member.routable = False
+
+
+def _engine_resumed(s: RegistryState, e: EngineResumed) -> None:
+    member = s.engines[e.engine]
+    member.suspended = False
+    member.suspend_cause = ""
+
+
+def _adapter_lost(s: RegistryState, e: AdapterLost) -> None:
+    v = _step(s, e.version_id, "AdapterLost")
+    member = s.engines[e.engine]
+    member.holds.pop(v.lora_name, None)
+    member.lacks[v.lora_name] = v.version_id
+
+
+def _owe(s: RegistryState, engines: tuple[str, ...], v: VersionRecord) -> None:
+    """Engines that could not confirm ``v`` gone (suspended) must drop it before serving."""
+    for engine in engines:
+        member = s.engines.get(engine)
+        if member is not None:
+            member.holds.pop(v.lora_name, None)
+            member.owes[v.lora_name] = v.attempt
 
 
 def _engine_left(s: RegistryState, e: EngineLeft) -> None:
@@ -330,6 +384,10 @@ def _inventory_observed(s: RegistryState, e: InventoryObserved) -> None:
             else:
                 v.confirmed[e.engine] = e.incarnation
     member.strays = tuple(sorted(present - legit))
+    if member.lacks:
+        member.lacks = {n: vid for n, vid in member.lacks.items() if n not in member.holds}
+    if member.owes:
+        member.owes = {n: attempt for n, attempt in member.owes.items() if n in present}
 
 
 def _version_allocated(s: RegistryState, e: VersionAllocated) -> None:
@@ -391,7 +449,9 @@ def _engine_ready(s: RegistryState, e: EngineReady) -> None:
 
 def _version_restored(s: RegistryState, e: VersionRestored) -> None:
     v = _step(s, e.version_id, "VersionRestored")
-    s.engines[e.engine].holds[v.lora_name] = e.version_id
+    member = s.engines[e.engine]
+    member.holds[v.lora_name] = e.version_id
+    member.lacks.pop(v.lora_name, None)
 
 
 def _version_published(s: RegistryState, e: VersionPublished) -> None:
@@ -426,11 +486,21 @@ def _attempt_failed(s: RegistryState, e: AttemptFailed) -> None:
     if e.clean:
         for member in s.engines.values():
             member.holds.pop(v.lora_name, None)
+        # A suspended engine of the attempt could not prove the candidate absent: it owes the
+        # drop (the decider ended the attempt clean on the active engines' proofs).
+        owed = tuple(
+            engine
+            for engine in v.fleet
+            if engine not in e.absent_on and engine in s.engines and s.engines[engine].suspended
+        )
+        _owe(s, owed, v)
 
 
 def _fatal_resolved(s: RegistryState, e: FatalResolved) -> None:
     _check_attempt(s, e.version_id, "FatalResolved", e.attempt)
-    _step(s, e.version_id, "FatalResolved").confirmed = {}
+    v = _step(s, e.version_id, "FatalResolved")
+    v.confirmed = {}
+    _owe(s, e.owed_by, v)
 
 
 def _publication_skipped(s: RegistryState, e: PublicationSkipped) -> None:
@@ -530,6 +600,8 @@ def _version_reclaimed(s: RegistryState, e: VersionReclaimed) -> None:
     v.ambiguous = False
     for member in s.engines.values():
         member.holds.pop(v.lora_name, None)
+        member.lacks.pop(v.lora_name, None)
+    _owe(s, e.owed_by, v)
 
 
 def _reclaim_ambiguous(s: RegistryState, e: ReclaimAmbiguous) -> None:
@@ -556,6 +628,9 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     EngineRestarted: _engine_restarted,
     EngineRepaired: _engine_repaired,
     EngineLeft: _engine_left,
+    EngineSuspended: _engine_suspended,
+    EngineResumed: _engine_resumed,
+    AdapterLost: _adapter_lost,
     InventoryObserved: _inventory_observed,
     VersionAllocated: _version_allocated,
     AttemptStarted: _attempt_started,

@@ -64,6 +64,8 @@ TRANSITIONS: Mapping[tuple[VersionState | None, str], VersionState] = MappingPro
         (_FATAL,        "FatalResolved"):           _RETRYABLE,  # inventories proved absence
         (_PUBLISHED,    "VersionRestored"):         _PUBLISHED,  # repair reloaded it
         (_RETIRED,      "VersionRestored"):         _RETIRED,
+        (_PUBLISHED,    "AdapterLost"):             _PUBLISHED,  # an engine lost it (incident)
+        (_RETIRED,      "AdapterLost"):             _RETIRED,
         (_RETIRED,      "ReclaimClaimed"):          _RECLAIMING,
         (_RECLAIMING,   "EngineUnloaded"):          _RECLAIMING,
         (_RECLAIMING,   "ReclaimAmbiguous"):        _RECLAIMING,

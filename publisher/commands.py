@@ -73,6 +73,30 @@ class LeaveEngine(Command, frozen=True):
     engine: str
 
 
+class SuspendEngine(Command, frozen=True):
+    """Quarantine an engine: ``cause`` ``unhealthy`` (probes failed for the configured time),
+    ``lost_adapter`` or ``operator``. ``incarnation`` empty: whatever it is now (operators)."""
+
+    engine: str
+    cause: str
+    detail: str = ""
+    incarnation: str = ""
+
+
+class ResumeEngine(Command, frozen=True):
+    """Lift a suspension (an operator's, or any): the reconciler then repairs the engine."""
+
+    engine: str
+    cause: str = "operator"
+
+
+class RemoveEngine(Command, frozen=True):
+    """An operator removes an engine from the fleet (``EngineLeft`` with its cause)."""
+
+    engine: str
+    cause: str = "operator"
+
+
 class ObserveInventory(Command, frozen=True):
     engine: str
     incarnation: str
@@ -198,6 +222,9 @@ AnyCommand = (
     | RestoreVersion
     | RepairEngine
     | LeaveEngine
+    | SuspendEngine
+    | ResumeEngine
+    | RemoveEngine
     | ObserveInventory
     | Allocate
     | ClaimTransport

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from evlog.events import (
+    AdapterLost,
     AttemptFailed,
     AttemptStarted,
     CommandRecorded,
@@ -42,6 +43,8 @@ from evlog.events import (
     EngineReady,
     EngineRepaired,
     EngineRestarted,
+    EngineResumed,
+    EngineSuspended,
     EngineUnloaded,
     Event,
     FatalResolved,
@@ -363,6 +366,12 @@ def _repair_engine(s: RegistryState, cmd: c.RepairEngine) -> Decision:
     member = s.engines[cmd.engine]
     if member.routable:
         return Decision(outcome=Done(no_op=True))
+    if member.suspended and member.suspend_cause == OPERATOR:
+        raise LedgerError(
+            Code.ENGINE_SUSPENDED,
+            f"engine {cmd.engine} was suspended by an operator: resume it first",
+            engine=cmd.engine,
+        )
     missing = [vid for vid in s.needed_versions() if s.versions[vid].lora_name not in member.holds]
     if missing:
         raise LedgerError(
@@ -370,33 +379,77 @@ def _repair_engine(s: RegistryState, cmd: c.RepairEngine) -> Decision:
             f"engine {cmd.engine} does not hold needed versions {missing} yet",
             missing=missing,
         )
+    # Exactly the routable versions: nothing reclaimed, resolved or failed may be left on it
+    # (what it owes, the strays its last inventory showed, an unresolved fatal candidate or a
+    # version being reclaimed), or a router could send a request to a name the ledger has let
+    # go of.
+    unwanted = set(member.owes) | set(member.strays)
+    unwanted |= {
+        name
+        for name, vid in member.holds.items()
+        if s.versions[vid].state in (VersionState.FAILED_FATAL, VersionState.RECLAIMING)
+    }
+    if unwanted:
+        raise LedgerError(
+            Code.NOT_READY,
+            f"engine {cmd.engine} still holds names it must drop: {sorted(unwanted)}",
+            unwanted=sorted(unwanted),
+        )
     event = EngineRepaired(engine=cmd.engine, incarnation=cmd.incarnation)
     return Decision((event,), Done())
 
 
 def _held_elsewhere(s: RegistryState, lora_name: str, engine: str) -> bool:
-    """Whether a member other than ``engine`` is known (by its last inventory or receipt) to
-    hold ``lora_name``. A fatal candidate is resolved only when no member holds it, whether the
-    member was in the attempt's fleet or joined after it: resolving it while one does would
-    leave an engine holding a ``FAILED_RETRYABLE`` name that nothing fences any more."""
-    return any(lora_name in m.holds for e, m in s.engines.items() if e != engine)
+    """Whether an active member other than ``engine`` is known (by its last inventory or
+    receipt) to hold ``lora_name``. A fatal candidate is resolved only when no current member
+    holds it, whether the member was in the attempt's fleet or joined after it: resolving it
+    while one does would leave an engine holding a ``FAILED_RETRYABLE`` name that nothing
+    fences any more. A suspended member is not waited for: the resolution records that it owes
+    the drop (``owed_by``), and its repair unloads the name before it serves again."""
+    return any(
+        lora_name in m.holds for e, m in s.engines.items() if e != engine and not m.suspended
+    )
 
 
-def _completed_by_leaving(s: RegistryState, engine: str) -> list[Event]:
-    """Fatal entries and reclaims whose only missing proof was from the engine that leaves:
-    an engine that is no longer a member cannot hold anything the fleet serves."""
-    members = set(s.engines) - {engine}
+def _owed_by(s: RegistryState, v: VersionRecord, active: set[str]) -> tuple[str, ...]:
+    """Members left out of ``active`` that did not prove ``v`` gone: each owes the drop. For a
+    fatal candidate, only engines of its attempt or known to hold it can have it."""
+    confirmed = set(v.confirmed)
+    return tuple(
+        sorted(
+            e
+            for e, m in s.engines.items()
+            if e not in active
+            and e not in confirmed
+            and (v.state is not VersionState.FAILED_FATAL or e in v.fleet or v.lora_name in m.holds)
+        )
+    )
+
+
+def _completed_without(s: RegistryState, engine: str, *, leaving: bool) -> list[Event]:
+    """Fatal entries and reclaims whose only missing proof was from ``engine``, which leaves
+    (an engine that is no longer a member cannot hold anything the fleet serves) or is
+    suspended (it owes the drop instead: ``owed_by``)."""
+    active = s.active_engines() - {engine}
     events: list[Event] = []
     for v in s.versions.values():
         confirmed = set(v.confirmed)
         if v.state is VersionState.FAILED_FATAL:
-            if _members(s, v.fleet) - {engine} <= confirmed and not _held_elsewhere(
+            if _members(s, v.fleet) & active <= confirmed and not _held_elsewhere(
                 s, v.lora_name, engine
             ):
-                events.append(FatalResolved(version_id=v.version_id, attempt=v.attempt))
-        elif v.state is VersionState.RECLAIMING and members <= confirmed:
-            events.append(VersionReclaimed(version_id=v.version_id))
+                owed = tuple(e for e in _owed_by(s, v, active) if not (leaving and e == engine))
+                events.append(
+                    FatalResolved(version_id=v.version_id, attempt=v.attempt, owed_by=owed)
+                )
+        elif v.state is VersionState.RECLAIMING and active <= confirmed:
+            owed = tuple(e for e in _owed_by(s, v, active) if not (leaving and e == engine))
+            events.append(VersionReclaimed(version_id=v.version_id, owed_by=owed))
     return events
+
+
+def _completed_by_leaving(s: RegistryState, engine: str) -> list[Event]:
+    return _completed_without(s, engine, leaving=True)
 
 
 def _leave_engine(s: RegistryState, cmd: c.LeaveEngine) -> Decision:
@@ -407,18 +460,91 @@ def _leave_engine(s: RegistryState, cmd: c.LeaveEngine) -> Decision:
     return Decision((EngineLeft(engine=cmd.engine), *follow), Done())
 
 
+# --- engine health: suspension, resumption, removal --------------------------------------------
+
+OPERATOR = "operator"
+SUSPEND_CAUSES = frozenset({"unhealthy", "lost_adapter", OPERATOR})
+
+
+def _cause(value: str, allowed: frozenset[str]) -> str:
+    if value not in allowed:
+        raise LedgerError(
+            Code.INVALID_INPUT, f"cause {value!r} must be one of {sorted(allowed)}", field="cause"
+        )
+    return value
+
+
+def _suspend_engine(s: RegistryState, cmd: c.SuspendEngine) -> Decision:
+    """Quarantine: the engine leaves routing at once, and every fatal entry or reclaim that
+    waited only for its proof completes now (it owes the drop). A LOADING attempt stops
+    waiting for it too: the commit rule counts only active members."""
+    _deployment(s)
+    member = _member(s, cmd.engine)
+    if cmd.incarnation:
+        _current_incarnation(s, cmd.engine, cmd.incarnation)
+    cause = _cause(cmd.cause, SUSPEND_CAUSES)
+    if member.suspended:
+        return Decision(outcome=Done(no_op=True))
+    event = EngineSuspended(
+        engine=cmd.engine, incarnation=member.incarnation, cause=cause, detail=cmd.detail[:2000]
+    )
+    follow = _completed_without(s, cmd.engine, leaving=False)
+    return Decision((event, *follow), Done())
+
+
+def _resume_engine(s: RegistryState, cmd: c.ResumeEngine) -> Decision:
+    _deployment(s)
+    member = _member(s, cmd.engine)
+    cause = _cause(cmd.cause, SUSPEND_CAUSES)
+    if not member.suspended:
+        return Decision(outcome=Done(no_op=True))
+    if member.suspend_cause == OPERATOR and cause != OPERATOR:
+        raise LedgerError(
+            Code.ENGINE_SUSPENDED,
+            f"engine {cmd.engine} was suspended by an operator: only an operator resumes it",
+            engine=cmd.engine,
+        )
+    event = EngineResumed(engine=cmd.engine, incarnation=member.incarnation, cause=cause)
+    return Decision((event,), Done())
+
+
+def _remove_engine(s: RegistryState, cmd: c.RemoveEngine) -> Decision:
+    _deployment(s)
+    cause = _cause(cmd.cause, frozenset({OPERATOR, "fleet"}))
+    if cmd.engine not in s.engines:
+        return Decision(outcome=Done(no_op=True))
+    follow = _completed_by_leaving(s, cmd.engine)
+    return Decision((EngineLeft(engine=cmd.engine, cause=cause), *follow), Done())
+
+
 def _observe_inventory(s: RegistryState, cmd: c.ObserveInventory) -> Decision:
     _deployment(s)
     _current_incarnation(s, cmd.engine, cmd.incarnation)
     for name in cmd.adapters:
         _key(name, "adapter name")
     present = set(cmd.adapters)
+    member = s.engines[cmd.engine]
     observed = InventoryObserved(
         engine=cmd.engine, incarnation=cmd.incarnation, adapters=tuple(sorted(present))
     )
-    events: list[Event] = [observed]
+    # Lost adapters: a routable engine that held a needed version no longer has it. Recorded
+    # once (the fold drops the name from ``holds``, so the next inventory does not see it as
+    # held), before the inventory, so that routing never sends the version there again.
+    lost: list[Event] = []
+    if member.routable:
+        for version_id in s.needed_versions():
+            name = s.versions[version_id].lora_name
+            if name in member.holds and name not in present:
+                lost.append(
+                    AdapterLost(
+                        version_id=version_id, engine=cmd.engine, incarnation=cmd.incarnation
+                    )
+                )
+    events: list[Event] = []
     resolved: list[int] = []
     reclaimed: list[int] = []
+    active = s.active_engines()
+    proofs_change = False
     for v in s.versions.values():
         if v.state not in (VersionState.FAILED_FATAL, VersionState.RECLAIMING):
             continue
@@ -430,22 +556,45 @@ def _observe_inventory(s: RegistryState, cmd: c.ObserveInventory) -> Decision:
                 confirmed.discard(cmd.engine)
             else:
                 confirmed.add(cmd.engine)
+            proofs_change |= (cmd.engine in v.confirmed) != (cmd.engine in confirmed) or (
+                cmd.engine in confirmed and v.confirmed[cmd.engine] != cmd.incarnation
+            )
         if v.state is VersionState.FAILED_FATAL:
             absent_everywhere = v.lora_name not in present and not _held_elsewhere(
                 s, v.lora_name, cmd.engine
             )
-            if _members(s, v.fleet) <= confirmed and absent_everywhere:
-                events.append(FatalResolved(version_id=v.version_id, attempt=v.attempt))
+            if _members(s, v.fleet) & active <= confirmed and absent_everywhere:
+                events.append(
+                    FatalResolved(
+                        version_id=v.version_id,
+                        attempt=v.attempt,
+                        owed_by=_owed_by(s, v, active | {cmd.engine}),
+                    )
+                )
                 resolved.append(v.version_id)
-        elif set(s.engines) <= confirmed:
-            events.append(VersionReclaimed(version_id=v.version_id))
+        elif active <= confirmed:
+            owed = _owed_by(s, v, active | {cmd.engine})
+            events.append(VersionReclaimed(version_id=v.version_id, owed_by=owed))
             reclaimed.append(v.version_id)
     legit = {v.lora_name for v in s.versions.values() if v.state in HOLDABLE_STATES}
     strays = tuple(sorted(present - legit))
     outcome = InventoryRecorded(
         engine=cmd.engine, resolved=tuple(resolved), reclaimed=tuple(reclaimed), strays=strays
     )
-    return Decision(tuple(events), outcome)
+    holds = {v.lora_name for v in s.versions.values() if v.state in HOLDABLE_STATES} & present
+    unchanged = (
+        not lost
+        and not events
+        and not proofs_change
+        and holds == set(member.holds)
+        and strays == member.strays
+        and not (set(member.lacks) & present)
+        and set(member.owes) <= present
+    )
+    if unchanged:
+        # Only changes are written: an inventory equal to what the ledger knows is no event.
+        return Decision(outcome=msgspec.structs.replace(outcome, no_op=True))
+    return Decision((*lost, observed, *events), outcome)
 
 
 # --- publication -----------------------------------------------------------------------------
@@ -818,7 +967,9 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
         )
     _loading(v, "commit")
     _not_blocked(s)
-    required = _members(s, v.fleet)
+    # A member suspended during the attempt is no longer waited for: it is repaired (the
+    # committed version loaded, or the engine kept out of routing) before it serves again.
+    required = _members(s, v.fleet) & s.active_engines()
     missing = sorted(e for e in required if v.ready.get(e) != s.engines[e].incarnation)
     if missing or not required:
         raise LedgerError(
@@ -838,10 +989,18 @@ def _commit(s: RegistryState, cmd: c.Commit) -> Decision:
         retired=s.default,
         rollback=rollback,
     )
+    # A member that answered READY and whose later inventory no longer lists the candidate
+    # (lost, or read just before the load landed) is recorded as having lost it: routing keeps
+    # away from it and the reconciler restores it, rather than calling it a holder it is not.
+    lost = tuple(
+        AdapterLost(version_id=v.version_id, engine=e, incarnation=s.engines[e].incarnation)
+        for e in sorted(required)
+        if s.engines[e].routable and v.lora_name not in s.engines[e].holds
+    )
     outcome = Published(
         version_id=v.version_id, lora_name=v.lora_name, revision=revision, retired=s.default
     )
-    return Decision((event,), outcome)
+    return Decision((event, *lost), outcome)
 
 
 def _failed_again(v: VersionRecord, cmd: c.FailAttempt, clean: bool) -> Decision:
@@ -875,7 +1034,8 @@ def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
     _deployment(s)
     v = _version(s, cmd.version_id)
     _fenced(v, cmd.attempt)
-    clean = bool(cmd.clean) and _members(s, v.fleet) <= set(cmd.absent_on)
+    # Suspended members cannot prove absence; they owe the drop instead (see the fold).
+    clean = bool(cmd.clean) and _members(s, v.fleet) & s.active_engines() <= set(cmd.absent_on)
     if v.state in (VersionState.FAILED_RETRYABLE, VersionState.FAILED_FATAL):
         return _failed_again(v, cmd, clean)
     if v.state is not VersionState.LOADING:
@@ -1078,9 +1238,11 @@ def _claim_reclaim(s: RegistryState, cmd: c.ClaimReclaim) -> Decision:
             f"version {v.version_id} has requests in flight: {', '.join(busy)}",
         )
     events: list[Event] = [ReclaimClaimed(version_id=v.version_id, evidence=cmd.evidence)]
-    engines = tuple(sorted(s.engines))
+    # Only active members confirm; a suspended one owes the drop once the reclaim completes.
+    engines = tuple(sorted(s.active_engines()))
     if not engines:
-        events.append(VersionReclaimed(version_id=v.version_id))
+        owed = tuple(sorted(s.engines))
+        events.append(VersionReclaimed(version_id=v.version_id, owed_by=owed))
     outcome = ReclaimGranted(version_id=v.version_id, lora_name=v.lora_name, engines=engines)
     return Decision(tuple(events), outcome)
 
@@ -1102,9 +1264,11 @@ def _record_unloaded(s: RegistryState, cmd: c.RecordUnloaded) -> Decision:
     events: list[Event] = [
         EngineUnloaded(version_id=v.version_id, engine=cmd.engine, incarnation=cmd.incarnation)
     ]
-    done = set(s.engines) <= set(v.confirmed) | {cmd.engine}
+    active = s.active_engines()
+    done = active <= set(v.confirmed) | {cmd.engine}
     if done:
-        events.append(VersionReclaimed(version_id=v.version_id))
+        owed = _owed_by(s, v, active | {cmd.engine})
+        events.append(VersionReclaimed(version_id=v.version_id, owed_by=owed))
     return Decision(
         tuple(events),
         UnloadRecorded(version_id=v.version_id, engine=cmd.engine, reclaimed=done),
@@ -1129,6 +1293,9 @@ _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.RestoreVersion: _restore_version,
     c.RepairEngine: _repair_engine,
     c.LeaveEngine: _leave_engine,
+    c.SuspendEngine: _suspend_engine,
+    c.ResumeEngine: _resume_engine,
+    c.RemoveEngine: _remove_engine,
     c.ObserveInventory: _observe_inventory,
     c.Allocate: _allocate,
     c.ClaimTransport: _claim_transport,

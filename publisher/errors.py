@@ -51,6 +51,7 @@ class Code:
     # fleet membership
     UNKNOWN_ENGINE = "UNKNOWN_ENGINE"
     ENGINE_EXISTS = "ENGINE_EXISTS"
+    ENGINE_SUSPENDED = "ENGINE_SUSPENDED"  # repair of a suspended engine, or its resume by a probe
     # deployment and commands
     NOT_INITIALIZED = "NOT_INITIALIZED"
     ALREADY_INITIALIZED = "ALREADY_INITIALIZED"
@@ -93,6 +94,7 @@ class LedgerRefused(
         Code.REQUESTS_IN_FLIGHT,
         Code.UNKNOWN_ENGINE,
         Code.ENGINE_EXISTS,
+        Code.ENGINE_SUSPENDED,
         Code.NOT_INITIALIZED,
         Code.ALREADY_INITIALIZED,
         Code.COMMAND_CONFLICT,

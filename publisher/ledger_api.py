@@ -114,6 +114,24 @@ class LedgerAPI:
         """Remove an engine from the fleet (the proofs still owed by it are owed no more)."""
         return await self._run(c.LeaveEngine(engine=engine), Done)
 
+    async def suspend_engine(
+        self, engine: str, *, cause: str, detail: str = "", incarnation: str = ""
+    ) -> Done:
+        """Quarantine an engine (``unhealthy``, ``lost_adapter`` or ``operator``): no new
+        traffic, and publication and reclaim stop waiting for it until it is repaired."""
+        command = c.SuspendEngine(
+            engine=engine, cause=cause, detail=detail, incarnation=incarnation
+        )
+        return await self._run(command, Done)
+
+    async def resume_engine(self, engine: str, *, cause: str = "operator") -> Done:
+        """Lift a suspension; the engine serves again once the reconciler repaired it."""
+        return await self._run(c.ResumeEngine(engine=engine, cause=cause), Done)
+
+    async def remove_engine(self, engine: str, *, cause: str = "operator") -> Done:
+        """An operator removes an engine from the fleet (recorded with its cause)."""
+        return await self._run(c.RemoveEngine(engine=engine, cause=cause), Done)
+
     async def observe_inventory(
         self, engine: str, incarnation: str, adapters: Iterable[str]
     ) -> InventoryRecorded:

@@ -99,10 +99,13 @@ class UnloadRecorded(Outcome, frozen=True):
 
 
 class InventoryRecorded(Outcome, frozen=True):
+    """``no_op``: the inventory matched what the ledger knew, so nothing was written."""
+
     engine: str
     resolved: tuple[int, ...] = ()
     reclaimed: tuple[int, ...] = ()
     strays: tuple[str, ...] = ()
+    no_op: bool = False
 
 
 AnyOutcome = (

@@ -68,6 +68,7 @@ class ControlPlane:
         delete_artifacts_after_s: float | None,
         publisher_id: str,
         bucket_bytes: int,
+        suspend_after_s: float | None = 30.0,
     ) -> None:
         self.ledger = ledger
         self.fleet = fleet
@@ -83,6 +84,7 @@ class ControlPlane:
             bucket_bytes=bucket_bytes,
             clock=anyio.current_time,
             inflight=lambda engine_id, version_id: self.reclaimer.inflight(engine_id, version_id),
+            suspend_after_s=suspend_after_s,
         )
         self.publisher = PublicationDriver(
             ledger,
@@ -129,6 +131,7 @@ class ControlPlane:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         clock: Callable[[], float] = time.time,
         max_staleness: int | None = None,
+        suspend_after_s: float | None = 30.0,
     ) -> AsyncIterator[ControlPlane]:
         async with Ledger.open(store, clock=clock) as ledger:
             state = ledger.state
@@ -158,6 +161,7 @@ class ControlPlane:
                 delete_artifacts_after_s=delete_artifacts_after_s,
                 publisher_id=publisher_id,
                 bucket_bytes=bucket_bytes,
+                suspend_after_s=suspend_after_s,
             )
             plane.started = await plane.reconciler.start()
             log.info(
@@ -196,8 +200,13 @@ class ControlPlane:
         self.fleet.add(engine)
         return await self.reconciler.reconcile_engine(engine.engine_id)
 
-    async def remove_engine(self, engine_id: str) -> None:
-        """The engine leaves the fleet (a recorded decision); its handle is dropped."""
-        await self.ledger.leave_engine(engine_id)
+    async def remove_engine(self, engine_id: str, *, cause: str = "fleet") -> None:
+        """The engine leaves the fleet (a recorded decision, ``EngineLeft`` with ``cause``:
+        ``operator`` when a person removed it); its handle is dropped, so the reconciler does
+        not join it again."""
+        if cause == "fleet":
+            await self.ledger.leave_engine(engine_id)
+        else:
+            await self.ledger.remove_engine(engine_id, cause=cause)
         self.fleet.remove(engine_id)
         self.reclaimer.wake()

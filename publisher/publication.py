@@ -42,6 +42,10 @@ Failure rules:
   that blocks every later publication. Each call inside is bounded by ``timeouts.cleanup``.
   The ledger calls that create or settle an obligation (allocate, claim, commit) are shielded
   for the same reason: a cancelled waiter would not learn whether it now holds an attempt.
+* An engine **suspended** during the attempt (``EngineSuspended``: its probes failed for too
+  long, or an operator) is no longer waited for: its run is abandoned (its failure does not
+  fail the attempt), the commit needs READY from the active engines only, and the cleanup
+  skips it -- its repair settles what it holds before it serves again.
 * Nothing here pauses generation or flushes a cache, and a failure reclaiming the predecessor
   (the reclaim driver's job, after commit) never turns a committed publication into an error.
 
@@ -178,6 +182,9 @@ class _EngineRun:
     error: BaseException | None = None
     ambiguous: bool = False
     busy: bool = False  # inside an engine call right now (cancellation makes it ambiguous)
+    abandoned: bool = False  # the engine was suspended or left mid-attempt: not waited for
+    scope: anyio.CancelScope | None = None
+    finished: bool = False
 
 
 @dataclasses.dataclass
@@ -232,6 +239,7 @@ class PublicationDriver:
         self._reconciler = reconciler
         self.timeouts = timeouts or EngineTimeouts()
         self.cleanup_timeout = cleanup_timeout
+        self.suspension_poll_s = 0.1
         self.owner = owner
         self._clock = clock
         self._running: dict[int, _Running] = {}
@@ -426,11 +434,18 @@ class PublicationDriver:
     ) -> float:
         """Artifact write + every engine's prepare/transfer/load/confirm, concurrently."""
         artifact = _ArtifactWrite(done=anyio.Event())
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write_artifact, adapter, artifact)
-            for engine_id in att.fleet:
-                tg.start_soon(self._engine_run, att, adapter, artifact, runs[engine_id], t0)
-        failed = [r for r in runs.values() if r.error is not None]
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(self._abandon_suspended, att, runs)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_artifact, adapter, artifact)
+                for engine_id in att.fleet:
+                    tg.start_soon(self._engine_run, att, adapter, artifact, runs[engine_id], t0)
+            watching.cancel_scope.cancel()
+        failed = [
+            r
+            for r in runs.values()
+            if r.error is not None and not r.abandoned and not self._suspended(r.engine)
+        ]
         if failed:
             first = failed[0].error
             code = getattr(first, "code", type(first).__name__)
@@ -444,6 +459,30 @@ class PublicationDriver:
                 clean=True, code=ARTIFACT_WRITE_FAILED, reason=f"artifact store: {artifact.error}"
             )
         return artifact.seconds
+
+    def _suspended(self, engine_id: str) -> bool:
+        """Whether the ledger stopped waiting for the engine (suspended, or no member)."""
+        member = self._ledger.state.engines.get(engine_id)
+        return member is None or member.suspended
+
+    async def _abandon_suspended(self, att: _Attempt, runs: dict[str, _EngineRun]) -> None:
+        """Cancel the run of an engine suspended mid-attempt: a hung engine must not hold the
+        publication until its calls time out. Polls the ledger's state (cheap, in memory)."""
+        while True:
+            for run in runs.values():
+                if run.finished or run.abandoned or run.scope is None:
+                    continue
+                if self._suspended(run.engine):
+                    run.abandoned = True
+                    run.scope.cancel()
+                    log.warning(
+                        "publication.engine_abandoned",
+                        version=att.version_id,
+                        attempt=att.attempt,
+                        engine=run.engine,
+                        reason="suspended",
+                    )
+            await anyio.sleep(self.suspension_poll_s)
 
     async def _write_artifact(self, adapter: AdapterCopy, artifact: _ArtifactWrite) -> None:
         """Once per digest (an existing directory is verified and reused), for every version:
@@ -460,6 +499,18 @@ class PublicationDriver:
             artifact.done.set()
 
     async def _engine_run(
+        self,
+        att: _Attempt,
+        adapter: AdapterCopy,
+        artifact: _ArtifactWrite,
+        run: _EngineRun,
+        t0: float,
+    ) -> None:
+        with anyio.CancelScope() as run.scope:
+            await self._engine_run_once(att, adapter, artifact, run, t0)
+        run.finished = True
+
+    async def _engine_run_once(
         self,
         att: _Attempt,
         adapter: AdapterCopy,
@@ -625,8 +676,8 @@ class PublicationDriver:
         absent: set[str] = set()
 
         async def one(engine_id: str) -> None:
-            if engine_id not in self._fleet:
-                return
+            if engine_id not in self._fleet or self._suspended(engine_id):
+                return  # a suspended engine owes the drop; its repair unloads it
             absence = await unload_and_prove_absent(
                 self._fleet[engine_id],
                 att.lora_name,

@@ -201,6 +201,7 @@ class ReclaimDriver:
             v.state is not VersionState.RECLAIMING
             or v.ambiguous
             or member is None
+            or member.suspended  # not waited for: it owes the drop, its repair unloads it
             or engine_id in v.confirmed
         ):
             return

@@ -28,6 +28,18 @@ docs/engines.md):
   (the log has one writer). It is cleaned off the engines and ended ``FAILED_FATAL`` (its old
   driver's calls may still land), and the inventories read right after resolve it.
 
+**Health** (docs/operations.md): an engine whose probes keep failing for ``suspend_after_s`` is
+suspended (``EngineSuspended``, cause ``unhealthy``): one event when its health changes, never
+one per probe. It gets no new traffic and publication and reclaim stop waiting for it; once
+it answers again it is repaired like a restarted engine -- what it owes (names reclaimed or
+resolved while it was away) unloaded, strays unloaded, needed versions reloaded -- and
+``EngineRepaired`` makes it routable. A needed version lost by a routable engine
+(``AdapterLost``, recorded by the decider from the inventory) is reloaded under its name; a
+restore the engine refuses, or one that keeps failing, suspends the engine (cause
+``lost_adapter``) to be repaired as a whole. Restores back off exponentially (up to
+``restore_backoff_max_s``), and an inventory equal to what the ledger knows writes nothing, so
+a restore that keeps failing does not grow the log.
+
 The health loop (:meth:`Reconciler.run`) probes every engine's ``incarnation()`` each
 ``probe_interval_s`` (or when poked) and reconciles an engine that restarted, is not routable,
 lacks a needed version, or is involved in a blocking entry; every ``full_every_s`` it reconciles
@@ -65,6 +77,8 @@ log = get_logger("loraledger.reconciler")
 
 ORPHANED_ATTEMPT = "ORPHANED_ATTEMPT"
 _READ_TRIES = 3
+# Restores of one version on one engine that may fail before the engine is suspended.
+_RESTORE_TRIES = 3
 
 
 class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,8 +135,19 @@ class Reconciler:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         clock: Callable[[], float] = time.monotonic,
         inflight: Callable[[str, int], int] | None = None,
+        suspend_after_s: float | None = 30.0,
+        restore_backoff_s: float = 1.0,
+        restore_backoff_max_s: float = 60.0,
     ) -> None:
         self._ledger = ledger
+        # None: never suspend on failed probes (an operator still can).
+        self.suspend_after_s = suspend_after_s
+        self.restore_backoff_s = restore_backoff_s
+        self.restore_backoff_max_s = restore_backoff_max_s
+        # engine -> (clock time of the first failed probe of the current run, last error)
+        self._failing: dict[str, tuple[float, str]] = {}
+        # (engine, version) -> (failed restores in a row, clock time before which not to retry)
+        self._restore_backoff: dict[tuple[str, int], tuple[int, float]] = {}
         # requests in flight per (engine, version), as the reclaim driver counts them
         self._inflight = inflight or (lambda engine_id, version_id: 0)
         self._fleet = fleet
@@ -205,7 +230,7 @@ class Reconciler:
     async def _reconcile(self, engine_id: str, rep: _Findings) -> None:
         engine = self._fleet[engine_id]
         inventory = await self._read(engine_id, engine, rep)
-        reclaiming = self._reclaims_to_fence(engine_id)
+        reclaiming = self._reclaims_to_fence(engine_id) + self._owed(engine_id)
         if reclaiming:
             unloaded = [
                 await self._unload(engine_id, engine, name, attempt, rep)
@@ -300,6 +325,13 @@ class Reconciler:
             and not self._inflight(engine_id, v.version_id)
         )
 
+    def _owed(self, engine_id: str) -> list[tuple[str, int]]:
+        """Names the engine owes (reclaimed or resolved while it was suspended), unloaded
+        attempt-fenced before its inventory counts: a load still in flight from before its
+        suspension then cannot land after the proof."""
+        member = self._ledger.state.engines.get(engine_id)
+        return sorted(member.owes.items()) if member is not None else []
+
     def _unwanted(self, engine_id: str, present: set[str]) -> list[tuple[str, int | None]]:
         """Managed names present on the engine that must go, with the attempt that fences
         their cleanup (None: no fence)."""
@@ -350,22 +382,54 @@ class Reconciler:
             v = state.versions[version_id]
             if v.lora_name in member.holds:
                 continue
+            key = (engine_id, version_id)
+            failures, not_before = self._restore_backoff.get(key, (0, 0.0))
+            if self._clock() < not_before:
+                continue  # backing off: a failing restore is retried ever less often
             try:
                 await self._restore(engine_id, engine, incarnation, v)
             except (EngineError, LoraLedgerError, ArtifactError) as exc:
+                failures += 1
+                delay = min(
+                    self.restore_backoff_s * 2 ** (failures - 1), self.restore_backoff_max_s
+                )
+                self._restore_backoff[key] = (failures, self._clock() + delay)
                 rep.add(errors=(f"{engine_id}: restore version {version_id}: {exc}",))
                 log.error(
                     "reconciler.restore_failed",
                     engine=engine_id,
                     version=version_id,
+                    failures=failures,
+                    retry_in_s=delay,
                     error=str(exc),
                 )
+                refused = isinstance(exc, EngineError) and exc.clean
+                if member.routable and (refused or failures >= _RESTORE_TRIES):
+                    await self._suspend_for_loss(engine_id, v, failures, exc)
                 continue
+            self._restore_backoff.pop(key, None)
             rep.add(restored=(f"{engine_id}:{version_id}",))
+        if member.suspended and member.suspend_cause == "operator":
+            return  # only an operator lifts it; the repair waits for the resume
         if not member.routable:
             await self._ledger.repair_engine(engine_id, incarnation)
             rep.add(repaired=(engine_id,))
             log.info("reconciler.repaired", engine=engine_id, seq=self._ledger.state.last_seq)
+
+    async def _suspend_for_loss(
+        self, engine_id: str, v: VersionRecord, failures: int, exc: Exception
+    ) -> None:
+        """The engine lost a needed version and will not (or keeps failing to) reload it under
+        its name: it is suspended and repaired as a whole (a restart clears its fences)."""
+        detail = f"version {v.version_id} lost and not restored after {failures} tries: {exc}"
+        await self._ledger.suspend_engine(engine_id, cause="lost_adapter", detail=detail[:2000])
+        log.warning(
+            "reconciler.suspended",
+            engine=engine_id,
+            cause="lost_adapter",
+            version=v.version_id,
+            seq=self._ledger.state.last_seq,
+        )
 
     async def _restore(
         self, engine_id: str, engine: Engine, incarnation: str, v: VersionRecord
@@ -480,16 +544,46 @@ class Reconciler:
             )
         except (EngineError, LoraLedgerError) as exc:
             log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
+            await self._probe_failed(engine_id, str(exc))
             return
+        self._failing.pop(engine_id, None)
         if self._needs_reconcile(engine_id, incarnation):
             await self.reconcile_engine(engine_id)
+
+    async def _probe_failed(self, engine_id: str, error: str) -> None:
+        """Count the failure; suspend the engine once it has failed for ``suspend_after_s``.
+        The decision is one event (a suspended engine is not suspended again), whatever the
+        number of probes that failed."""
+        now = self._clock()
+        since, _ = self._failing.get(engine_id, (now, error))
+        self._failing[engine_id] = (since, error)
+        member = self._ledger.state.engines.get(engine_id)
+        if self.suspend_after_s is None or member is None or member.suspended:
+            return
+        if now - since < self.suspend_after_s:
+            return
+        detail = f"probes failed for {now - since:.1f} s: {error}"
+        try:
+            await self._ledger.suspend_engine(
+                engine_id, cause="unhealthy", detail=detail[:2000], incarnation=member.incarnation
+            )
+        except LoraLedgerError as exc:  # restarted or left meanwhile: the next probe decides
+            log.warning("reconciler.suspend_refused", engine=engine_id, error=str(exc))
+            return
+        log.warning(
+            "reconciler.suspended",
+            engine=engine_id,
+            cause="unhealthy",
+            detail=detail,
+            seq=self._ledger.state.last_seq,
+        )
 
     def _needs_reconcile(self, engine_id: str, incarnation: str) -> bool:
         state = self._ledger.state
         member = state.engines.get(engine_id)
         if member is None or member.incarnation != incarnation or not member.routable:
             return True
-        if any(name.startswith(self.prefix) for name in member.strays):
+        if any(name.startswith(self.prefix) for name in member.strays) or member.owes:
             return True
         for version_id in state.needed_versions():
             if state.versions[version_id].lora_name not in member.holds:

@@ -59,6 +59,13 @@ bench_app = typer.Typer(
     epilog=EXIT_HELP,
 )
 app.add_typer(bench_app, name="bench")
+fleet_app = typer.Typer(
+    help="An operator's actions on one engine of a running `loraledger serve`, each recorded "
+    "in the log with its cause (operator).",
+    no_args_is_help=True,
+    epilog=EXIT_HELP,
+)
+app.add_typer(fleet_app, name="fleet")
 
 _verbosity = 0
 
@@ -495,6 +502,62 @@ def status(
     stdout_console().print(status_view(live, title=f"ledger at {url}"))
 
 
+# --- fleet (operator actions) ------------------------------------------------------------
+
+UrlOpt = Annotated[
+    str, typer.Option("--url", envvar="LORALEDGER_URL", help="Where `loraledger serve` listens.")
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", envvar="LORALEDGER_TOKEN", help="Bearer token of the service."),
+]
+EngineArg = Annotated[str, typer.Argument(help="The engine id, as in `loraledger status`.")]
+
+
+def _engine_action(url: str, token: str | None, engine: str, action: str, detail: str,
+                   json: bool) -> None:  # fmt: skip
+    from tools.fleet_ops import engine_action
+
+    answer = engine_action(url, engine, action, token=token, detail=detail)
+    if json:
+        emit({"row": action, "engine": engine, **answer})
+    else:
+        done = "already so: nothing recorded" if answer.get("no_op") else "recorded"
+        print(f"{action} {engine}: {done}")
+
+
+@fleet_app.command("suspend")
+@guarded
+def fleet_suspend(
+    engine: EngineArg,
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded in the log).")] = "",
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Quarantine an engine: no new traffic at once, publication and reclaim stop waiting for
+    it, sessions continue on the other holders of their version. Only `resume` lifts it."""
+    _engine_action(url, token, engine, "suspend", reason, json)
+
+
+@fleet_app.command("resume")
+@guarded
+def fleet_resume(
+    engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+) -> None:
+    """Lift a suspension: the engine gets traffic again once the reconciler repaired it."""
+    _engine_action(url, token, engine, "resume", "", json)
+
+
+@fleet_app.command("remove")
+@guarded
+def fleet_remove(
+    engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+) -> None:
+    """Remove an engine from the fleet (an engine that died and will not come back)."""
+    _engine_action(url, token, engine, "remove", "", json)
+
+
 # --- serve ---------------------------------------------------------------------------------
 
 
@@ -596,6 +659,16 @@ def serve(
             help="JSON-lines provenance of every OpenAI request (default: next to --db).",
         ),
     ] = None,
+    suspend_after: Annotated[
+        float,
+        typer.Option(
+            "--suspend-after",
+            help="Seconds of failing health probes after which an engine is suspended (0: never).",
+        ),
+    ] = 30.0,
+    probe_timeout: Annotated[
+        float, typer.Option("--probe-timeout", help="Seconds one engine health probe may take.")
+    ] = 10.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -625,6 +698,8 @@ def serve(
         header_timeout_s=header_timeout,
         alias=alias,
         provenance=str(provenance) if provenance else None,
+        suspend_after_s=suspend_after if suspend_after > 0 else None,
+        probe_timeout_s=probe_timeout,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     if _verbosity == 0:

@@ -19,6 +19,9 @@ POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible genera
          ``/v1/completions``              (binds on a session's first turn)
 GET      ``/v1/models``                   bearer token: the alias and the versions
 POST     ``/v1/sessions/{s}/release``     bearer token: end an OpenAI session
+POST     ``/engines/{engine}/suspend``    bearer token: an operator quarantines an engine
+POST     ``/engines/{engine}/resume``     bearer token: lift it (served again once repaired)
+POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet
 =======  ===============================  ==========================================
 
 The ``/v1/`` routes are :mod:`publisher.openai_gateway`'s (docs/openai.md), mounted here so a
@@ -93,6 +96,12 @@ class ReleaseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cause: str = "closed"
 
 
+class EngineActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An operator's action on an engine; ``detail`` is recorded with a suspension."""
+
+    detail: str = ""
+
+
 class PublishBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version_id: int
     adapter_dir: str
@@ -125,6 +134,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     extra_routes: Sequence[BaseRoute] = (),
     max_generation_body_bytes: int = 4 * MAX_BODY_BYTES,
+    remove_engine: Callable[[str], Awaitable[Any]] | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
@@ -134,7 +144,8 @@ def build_app(
     strict JSON (NaN, Infinity, 1e400, 2^80: 400). ``extra_routes`` (the OpenAI routes of
     :mod:`publisher.openai_gateway`, under ``/v1/``) check their own token and answer in
     OpenAI's error shape; their bodies (whole conversations) are capped at
-    ``max_generation_body_bytes``."""
+    ``max_generation_body_bytes``. ``remove_engine`` (the control plane's) removes an engine
+    and drops its handle; without it the ledger records the removal."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:
@@ -222,6 +233,22 @@ def build_app(
             raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
         return await publish(body.version_id, body.adapter_dir)
 
+    async def suspend_engine(request: Request, body: EngineActionBody) -> Any:
+        engine = request.path_params["engine"]
+        return await ledger.suspend_engine(engine, cause="operator", detail=body.detail)
+
+    async def resume_engine(request: Request, body: EngineActionBody) -> Any:
+        return await ledger.resume_engine(request.path_params["engine"], cause="operator")
+
+    async def remove(request: Request, body: EngineActionBody) -> Any:
+        engine = request.path_params["engine"]
+        if engine not in ledger.state.engines:
+            raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
+        if remove_engine is not None:
+            await remove_engine(engine)
+            return {"no_op": False}
+        return await ledger.remove_engine(engine, cause="operator")
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", reader(status), methods=["GET"]),
@@ -231,6 +258,13 @@ def build_app(
         Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
         Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
         Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
+        Route(
+            "/engines/{engine}/suspend", writer(EngineActionBody, suspend_engine), methods=["POST"]
+        ),
+        Route(
+            "/engines/{engine}/resume", writer(EngineActionBody, resume_engine), methods=["POST"]
+        ),
+        Route("/engines/{engine}/remove", writer(EngineActionBody, remove), methods=["POST"]),
         *extra_routes,
     ]
     return Starlette(

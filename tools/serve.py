@@ -72,6 +72,8 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     provenance: str | None = None  # JSON lines, one per OpenAI request (default: next to db)
     gateway_owner: str = "openai-serve"  # the owner of the sessions the OpenAI routes bind
     gateway_ttl_s: float = 30.0
+    suspend_after_s: float | None = 30.0  # failing probes for this long suspend an engine
+    probe_timeout_s: float = 10.0  # one health probe of an engine
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -176,6 +178,7 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
     """The store, the engines and the ``ControlPlane`` over them, closed in reverse order."""
     from evlog.errors import LoraLedgerError
     from evlog.sqlite import SQLiteStore
+    from publisher.engine_ops import EngineTimeouts
     from publisher.fleet import Fleet
     from publisher.plane import ControlPlane
 
@@ -199,6 +202,8 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
                     capacity=opts.capacity,
                     artifact_root=artifact_root,
                     max_staleness=opts.max_staleness,
+                    timeouts=EngineTimeouts(probe=opts.probe_timeout_s),
+                    suspend_after_s=opts.suspend_after_s,
                 )
             )
             yield plane
@@ -325,6 +330,7 @@ async def serve(
             publish=make_publish(plane),
             private_reads=opts.private_reads,
             extra_routes=face.routes(),
+            remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
         )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:

@@ -60,6 +60,7 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
             Code.REQUESTS_IN_FLIGHT,
             Code.UNKNOWN_ENGINE,
             Code.ENGINE_EXISTS,
+            Code.ENGINE_SUSPENDED,
             Code.NOT_INITIALIZED,
             Code.ALREADY_INITIALIZED,
             Code.COMMAND_CONFLICT,

@@ -153,6 +153,15 @@ async def write_fault_run(path: Path) -> Path:
         held = [ledger.state.versions[v].lora_name for v in (2, 4)]
         await ledger.observe_inventory("e1", "e1-i2", held)
 
+        clock.now = 1330.0  # an incident: e0 lost both versions it serves (external unloads)
+        await ledger.observe_inventory("e0", "e0-i1", [])
+        for version_id in (2, 4):
+            await ledger.restore_version(version_id, "e0", "e0-i1")
+        clock.now = 1340.0  # an operator quarantines e1, then lets it back after a repair
+        await ledger.suspend_engine("e1", cause="operator", detail="maintenance")
+        await ledger.resume_engine("e1")
+        await ledger.repair_engine("e1", "e1-i2")
+
         clock.now = 1400.0
         await ledger.register_owner("w3", ttl_s=30.0)
     return path

@@ -129,11 +129,11 @@ def test_a_truncated_main_with_a_full_wal_is_reported_and_the_wal_kept(
 def test_a_hot_journal_is_rolled_back_in_a_private_copy_only(
     cli: Cli, fault_log_master: Path, tmp_path: Path
 ) -> None:
-    """The committed state (74 events) is what the tools see; the interrupted transaction
+    """The committed state (82 events) is what the tools see; the interrupted transaction
     stays in the original ``-journal`` for whoever investigates."""
     log = make_layout("hot-journal", fault_log_master, tmp_path / "h")
     result = cli("verify", log, "--json")
-    assert result.returncode == 0 and '"records":74' in result.stdout
+    assert result.returncode == 0 and '"records":82' in result.stdout
     assert Path(f"{log}-journal").exists()
 
 

@@ -32,7 +32,7 @@ def _versions(state: dict[str, object]) -> dict[int, str]:
 
 def test_state_at_the_end_at_a_seq_and_at_a_time(cli: Cli, fault_log: Path) -> None:
     end = _state(cli, fault_log)
-    assert (end["seq"], end["log_last_seq"], end["default"]) == (74, 74, 4)
+    assert (end["seq"], end["log_last_seq"], end["default"]) == (82, 82, 4)
     assert _versions(end) == {1: "RECLAIMED", 2: "RETIRED", 3: "RECLAIMED", 4: "PUBLISHED"}
     assert end["sessions_bound"] == 1
 
@@ -54,7 +54,7 @@ def test_human_output_names_the_position_and_the_tables(cli: Cli, fault_log: Pat
     result = cli("replay", fault_log, "--seq", "45")
     assert result.returncode == 0
     out = result.stdout
-    assert "at seq 45 of 74" in out
+    assert "at seq 45 of 82" in out
     assert "publication blocked by unresolved versions v3" in out
     assert "FAILED_FATAL" in out and "versions" in out and "engines" in out
 
@@ -146,7 +146,7 @@ def test_replay_of_a_tampered_log_stops_at_the_bad_seq(cli: Cli, fault_log: Path
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--seq", "75"), "past the end of the log (74)"),
+        (("--seq", "83"), "past the end of the log (82)"),
         (("--seq", "0"), "--seq must be >= 1"),
         (("--seq", "3", "--at", "1000"), "not both"),
         (("--at", "999"), "before the first record"),

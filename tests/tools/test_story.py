@@ -27,7 +27,7 @@ def _row(session: str, version_id: int, engine: str = "e0") -> ProvenanceRow:
 
 def test_the_fault_run_told(records: list[Record]) -> None:
     story = tell(records, [_row("s-a", 1), _row("s-d", 2, "e1"), _row("s-b", 1)])
-    assert (story.events, story.started_at, story.duration_s) == (74, 1000.0, 400.0)
+    assert (story.events, story.started_at, story.duration_s) == (82, 1000.0, 400.0)
     assert story.sessions == 4 and story.owners == 2 and story.sessions_per_version == {1: 3, 2: 1}
     assert (story.generations, story.pinned, story.mismatches) == (3, True, 0)
     assert story.per_engine == {"e0": 2, "e1": 1} and story.fleet == ("e0", "e1")

@@ -38,10 +38,10 @@ def _seq_of(log: Path, type_name: str, nth: int = 0) -> int:
 def test_a_good_log_verifies(cli: Cli, fault_log: Path) -> None:
     code, report = _verdict(cli, fault_log)
     assert code == 0 and report["ok"] is True
-    assert report["records"] == report["last_seq"] == 74
+    assert report["records"] == report["last_seq"] == 82
     assert len(str(report["head_hash"])) == 64
     human = cli("verify", fault_log, "--deep")
-    assert human.returncode == 0 and "74 records, chain intact" in human.stdout
+    assert human.returncode == 0 and "82 records, chain intact" in human.stdout
 
 
 def test_a_flipped_payload_byte_is_tampering_at_that_seq(cli: Cli, fault_log: Path) -> None:
@@ -73,9 +73,9 @@ def test_a_rewritten_prev_hash_is_named(
 
 
 def test_a_tampered_tail_is_refused_at_open(cli: Cli, fault_log: Path) -> None:
-    tamper.flip_payload_byte(fault_log, 74)
+    tamper.flip_payload_byte(fault_log, 82)
     code, report = _verdict(cli, fault_log)
-    assert (code, report["first_bad_seq"], report["stage"]) == (Exit.TAMPERED, 74, "open")
+    assert (code, report["first_bad_seq"], report["stage"]) == (Exit.TAMPERED, 82, "open")
 
 
 def test_a_reforged_chain_is_caught_by_the_invariant_replay(cli: Cli, fault_log: Path) -> None:

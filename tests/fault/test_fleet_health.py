@@ -1,0 +1,285 @@
+"""A fleet that keeps going, with real engine processes (docs/operations.md, "Engine health").
+
+Three ``loraledger engine`` processes, each its own OS process on a loopback port, driven by a
+control plane and a gateway in this process over HTTP:
+
+* one engine frozen with SIGSTOP mid-run: it is suspended, publication commits on the two
+  active engines within (suspension time + one publication), sessions bound before the freeze
+  continue on the other holders, no generation is served by another version than the bound one,
+  and after SIGCONT the engine is repaired (what it owes unloaded, the needed versions loaded)
+  before it gets traffic;
+* one engine killed (SIGKILL) and never restarted, then removed by an operator through the
+  service's token-protected route;
+* an external unload of the default on one engine: one ``AdapterLost``, no traffic to that
+  engine for that version from the next request on, the engine suspended when it refuses the
+  reload, repaired after a restart, and the log grows by a bounded number of events.
+
+Every process is stopped by its PID in a ``finally`` (SIGCONT first: a stopped process cannot
+handle SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from engines.local.client import LocalHTTPEngine
+from evlog.events import AdapterLost, EngineLeft, EngineRepaired, EngineSuspended
+from evlog.sqlite import SQLiteStore
+from projections.registry import VersionState
+from publisher.engine_ops import EngineTimeouts
+from publisher.fleet import Fleet
+from publisher.gateway import Gateway, LedgerRouting
+from publisher.plane import ControlPlane
+from publisher.publication import PublicationError, PublicationStatus
+from tests.publisher.plane_kit import adapter_copy
+from tests.tools.conftest import REPO, console_script, script_env
+from tools.http_app import build_app
+from tools.metrics import LedgerMetrics
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+]
+
+SUSPEND_AFTER_S = 3.0
+TIMEOUTS = EngineTimeouts(probe=2.0, inventory=5, prepare=30, transfer=30, load=30, unload=10)
+TOKEN = "operator-token"
+
+
+class EngineProcess:
+    """``loraledger engine --id ID --port PORT``: one OS process, stopped by its PID."""
+
+    def __init__(self, tmp_path: Path, engine_id: str, port: int = 0) -> None:
+        self.engine_id = engine_id
+        self.out = tmp_path / f"{engine_id}-{time.monotonic_ns()}.out"
+        self.err = self.out.with_suffix(".err")
+        with open(self.out, "wb") as stdout, open(self.err, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [*console_script(), "engine", "--id", engine_id, "--port", str(port), "--json"],
+                cwd=REPO,
+                stdout=stdout,
+                stderr=stderr,
+                env=script_env(),
+            )
+        self.url = ""
+
+    def ready(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.out.read_text().strip():
+            assert self.proc.poll() is None, self.err.read_text(errors="replace")[-2000:]
+            assert time.monotonic() < deadline, "engine not listening"
+            time.sleep(0.05)
+        self.url = str(json.loads(self.out.read_text().splitlines()[0])["url"])
+        return self.url
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot take SIGTERM
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def engine_processes(tmp_path: Path, n: int = 3) -> Iterator[dict[str, EngineProcess]]:
+    procs: dict[str, EngineProcess] = {}
+    try:
+        for i in range(n):
+            procs[f"e{i}"] = EngineProcess(tmp_path, f"e{i}")
+        for p in procs.values():
+            p.ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@contextlib.asynccontextmanager
+async def plane_over(
+    tmp_path: Path, procs: dict[str, EngineProcess], *, full_reconcile_s: float = 3600.0
+) -> AsyncIterator[tuple[ControlPlane, Gateway]]:
+    """``full_reconcile_s``: how often every inventory is read whatever the ledger believes
+    (drift nobody reported, like an external unload, is found by these passes)."""
+    fleet = Fleet(LocalHTTPEngine(p.url, e) for e, p in procs.items())
+    async with (
+        SQLiteStore.open(tmp_path / "fleet.db") as store,
+        ControlPlane.open(
+            store,
+            fleet,
+            deployment="fleet",
+            prefix="policy",
+            capacity=3,
+            artifact_root=tmp_path / "artifacts",
+            timeouts=TIMEOUTS,
+            probe_interval_s=0.2,
+            full_reconcile_s=full_reconcile_s,
+            reclaim_tick_s=0.3,
+            cleanup_timeout=3.0,
+            suspend_after_s=SUSPEND_AFTER_S,
+        ) as plane,
+    ):
+        gateway = Gateway(fleet, LedgerRouting(plane.ledger))
+        plane.add_inflight_source(gateway)
+        yield plane, gateway
+
+
+async def _events(plane: ControlPlane, kind: type) -> list:  # type: ignore[type-arg]
+    return [r.event for r in await plane.ledger.store.read() if isinstance(r.event, kind)]
+
+
+async def _until(what: str, check, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    with anyio.fail_after(timeout):
+        while not check():  # noqa: ASYNC110 -- the ledger's in-memory state: no event to await
+            await anyio.sleep(0.05)
+
+
+async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repaired_before_traffic(
+    tmp_path: Path,
+) -> None:
+    with engine_processes(tmp_path) as procs:
+        async with plane_over(tmp_path, procs) as (plane, gateway):
+            ledger = plane.ledger
+            assert (await plane.publisher.publish(adapter_copy(1), version_id=1)).status == (
+                PublicationStatus.PUBLISHED
+            )
+            await ledger.register_owner("w1", ttl_s=600.0)
+            bound = await ledger.bind("s1", "w1")  # bound to 1 before the freeze
+            assert (await gateway.generate(bound, "hello")).version_id == 1
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
+
+            procs["e2"].signal(signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            outcome = await plane.publisher.publish(adapter_copy(3), version_id=3)
+            took = time.monotonic() - frozen_at
+            assert outcome.status == PublicationStatus.PUBLISHED
+            assert sorted(t.engine for t in outcome.engines) == ["e0", "e1"]
+            # suspension (probe timeouts + SUSPEND_AFTER_S) plus one publication, with slack
+            assert took < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + 10.0, took
+            suspended = await _events(plane, EngineSuspended)
+            assert [(e.engine, e.cause) for e in suspended] == [("e2", "unhealthy")]
+            state = ledger.state
+            v1, v3 = state.versions[1], state.versions[3]
+            assert state.holders(v1.lora_name) == ("e0", "e1")
+            assert state.holders(v3.lora_name) == ("e0", "e1")
+
+            served = [await gateway.generate(bound, f"turn {i}") for i in range(12)]
+            assert {s.engine for s in served} <= {"e0", "e1"}
+            assert all(s.generation.lora_name == v1.lora_name for s in served)
+            assert all(s.provenance.attested for s in served)
+
+            repaired_before = len(await _events(plane, EngineRepaired))
+            procs["e2"].signal(signal.SIGCONT)
+            sent_to_e2_before_repair = 0
+            with anyio.fail_after(60):
+                while not ledger.state.engines["e2"].routable:
+                    s = await gateway.generate(bound, "during repair")
+                    sent_to_e2_before_repair += s.engine == "e2"
+                    await anyio.sleep(0.1)
+            assert sent_to_e2_before_repair == 0
+            assert len(await _events(plane, EngineRepaired)) == repaired_before + 1
+            # repaired: exactly the needed versions (1 bound, 3 the default), nothing owed
+            needed = {ledger.state.versions[v].lora_name for v in ledger.state.needed_versions()}
+            inventory = await plane.fleet["e2"].inventory()
+            managed = {a.lora_name for a in inventory.adapters if a.lora_name.startswith("policy@")}
+            assert managed == needed, (managed, needed)
+            assert ledger.state.engines["e2"].owes == {}
+            served = [await gateway.generate(bound, f"after {i}") for i in range(12)]
+            assert all(s.generation.lora_name == v1.lora_name for s in served)
+            assert "e2" in {s.engine for s in served}  # it serves again
+
+
+async def test_a_killed_engine_is_suspended_and_an_operator_removes_it(tmp_path: Path) -> None:
+    with engine_processes(tmp_path) as procs:
+        async with plane_over(tmp_path, procs) as (plane, _gateway):
+            ledger = plane.ledger
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
+            procs["e2"].signal(signal.SIGKILL)
+            procs["e2"].proc.wait(timeout=10)
+            killed_at = time.monotonic()
+            # A publication that reaches the dead engine before its suspension fails (the
+            # trainer's next step retries); once it is suspended, the entry resolves (e2 owes
+            # the drop) and the retry commits on the two live engines.
+            with contextlib.suppress(PublicationError):
+                await plane.publisher.publish(adapter_copy(2), version_id=2)
+            await _until("suspension", lambda: ledger.state.engines["e2"].suspended)
+            outcome = await plane.publisher.publish(adapter_copy(2), version_id=2)
+            assert time.monotonic() - killed_at < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + 10.0
+            assert outcome.status == PublicationStatus.PUBLISHED
+            assert sorted(t.engine for t in outcome.engines) == ["e0", "e1"]
+            assert ledger.state.engines["e2"].suspended
+
+            metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
+            app = build_app(
+                ledger,
+                metrics,
+                token=TOKEN,
+                remove_engine=lambda e: plane.remove_engine(e, cause="operator"),
+            )
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://ledger") as http:
+                refused = await http.post("/engines/e2/remove", json={})
+                assert refused.status_code == 401  # the token is required
+                removed = await http.post(
+                    "/engines/e2/remove", json={}, headers={"Authorization": f"Bearer {TOKEN}"}
+                )
+                assert removed.status_code == 200, removed.text
+            assert "e2" not in ledger.state.engines and "e2" not in plane.fleet
+            left = await _events(plane, EngineLeft)
+            assert [(e.engine, e.cause) for e in left] == [("e2", "operator")]
+            # the fleet goes on without it
+            assert (await plane.publisher.publish(adapter_copy(3), version_id=3)).status == (
+                PublicationStatus.PUBLISHED
+            )
+
+
+async def test_an_external_unload_is_one_incident_routes_around_and_is_repaired(
+    tmp_path: Path,
+) -> None:
+    with engine_processes(tmp_path) as procs:
+        async with plane_over(tmp_path, procs, full_reconcile_s=1.0) as (plane, gateway):
+            ledger = plane.ledger
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
+            await ledger.register_owner("w1", ttl_s=600.0)
+            bound = await ledger.bind("s1", "w1")
+            v1 = ledger.state.versions[1]
+            # someone else, with their own client, unloads the default from e1
+            outsider = LocalHTTPEngine(procs["e1"].url, "e1")
+            await outsider.unload(v1.lora_name, attempt=v1.attempt)
+            await _until("the incident", lambda: "e1" not in ledger.state.holders(v1.lora_name))
+            served = [await gateway.generate(bound, f"t{i}") for i in range(10)]
+            assert {s.engine for s in served} == {"e0", "e2"}
+            assert all(s.generation.lora_name == v1.lora_name for s in served)
+            # the engine fences an unloaded attempt: the reload is refused, so it is suspended
+            await _until("suspension", lambda: ledger.state.engines["e1"].suspended)
+            assert ledger.state.engines["e1"].suspend_cause == "lost_adapter"
+            at_suspension = ledger.state.last_seq
+            await anyio.sleep(5.0)  # ~25 probes: none of them may add an event
+            assert ledger.state.last_seq - at_suspension <= 2, ledger.state.last_seq
+            lost = await _events(plane, AdapterLost)
+            assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
+            # a restart (same port, new process life) lets it be repaired as a whole
+            port = int(procs["e1"].url.rsplit(":", 1)[1])
+            procs["e1"].stop()
+            procs["e1"] = EngineProcess(tmp_path, "e1", port=port)
+            procs["e1"].ready()
+            await _until("repair", lambda: ledger.state.engines["e1"].routable, timeout=60)
+            assert "e1" in ledger.state.holders(v1.lora_name)
+            assert ledger.state.versions[1].state is VersionState.PUBLISHED

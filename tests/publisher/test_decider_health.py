@@ -1,0 +1,277 @@
+"""Engine health in the decider: suspension, resumption, removal, lost adapters and the
+write-only-changes rule for inventories (docs/state-machine.md, "Engine health").
+
+Every rule is driven through :class:`Book` (decide + evolve, invariants checked after every
+step), so each test also proves the folded state stays lawful: a suspended engine is never
+routable, a routable one holds every needed version it took part in or has it recorded lost.
+"""
+
+from __future__ import annotations
+
+from evlog.events import (
+    AdapterLost,
+    EngineLeft,
+    EngineRepaired,
+    EngineResumed,
+    EngineSuspended,
+    FatalResolved,
+    InventoryObserved,
+    VersionReclaimed,
+)
+from projections.registry import VersionState
+from publisher import commands as c
+from publisher.errors import Code
+from tests.publisher.book import Book
+
+ENGINES = ("e0", "e1", "e2")
+
+
+def _fleet() -> Book:
+    book = Book().bootstrap(capacity=4, engines=ENGINES)
+    book.publish(1)
+    return book
+
+
+def _suspend(book: Book, engine: str, cause: str = "unhealthy") -> list[object]:
+    before = len(book.events)
+    book.run(c.SuspendEngine(engine=engine, cause=cause, detail="probes failed for 5.0 s"))
+    return list(book.events[before:])
+
+
+def _inventory(book: Book, engine: str, *versions: int) -> list[object]:
+    before = len(book.events)
+    names = tuple(book.state.versions[v].lora_name for v in versions)
+    book.run(
+        c.ObserveInventory(engine=engine, incarnation=book.incarnation(engine), adapters=names)
+    )
+    return list(book.events[before:])
+
+
+def test_a_suspended_engine_leaves_routing_at_once_and_once() -> None:
+    book = _fleet()
+    name = book.state.versions[1].lora_name
+    events = _suspend(book, "e2")
+    assert events == [
+        EngineSuspended(
+            engine="e2", incarnation="e2-i1", cause="unhealthy", detail="probes failed for 5.0 s"
+        )
+    ]
+    assert book.state.holders(name) == ("e0", "e1")
+    assert book.state.routable_engines() == ("e0", "e1")
+    assert _suspend(book, "e2", cause="operator") == []  # already suspended: no-op
+
+
+def test_publication_commits_on_the_active_engines_when_a_member_is_suspended_mid_attempt() -> None:
+    book = _fleet()
+    allocated = book.allocate(2)
+    assert allocated.fleet == ENGINES
+    v = book.state.versions[2]
+    book.claim(2)
+    for engine in ("e0", "e1"):
+        for receipt in (c.RecordPrepared, c.RecordReady):
+            book.run(receipt(version_id=2, attempt=1, engine=engine, incarnation=f"{engine}-i1",
+                             digest=v.digest, lora_name=v.lora_name))  # fmt: skip
+    book.refuse(c.Commit(version_id=2, attempt=1), Code.NOT_READY)  # e2 still waited for
+    _suspend(book, "e2")
+    published = book.run(c.Commit(version_id=2, attempt=1))
+    assert published.version_id == 2 and book.state.default == 2
+    # the next allocation's fleet is the active, routable engines
+    assert book.allocate(3).fleet == ("e0", "e1")
+
+
+def test_a_fatal_attempt_waits_only_for_the_active_engines_and_the_suspended_one_owes_it() -> None:
+    book = _fleet()
+    book.allocate(2)
+    book.claim(2)
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="TIMEOUT", reason="e2 hung"))
+    _inventory(book, "e0", 1)
+    _inventory(book, "e1", 1)
+    assert book.state.versions[2].state is VersionState.FAILED_FATAL  # e2 never proved absence
+    events = _suspend(book, "e2")
+    assert isinstance(events[0], EngineSuspended)
+    assert events[1:] == [FatalResolved(version_id=2, attempt=1, owed_by=("e2",))]
+    name = book.state.versions[2].lora_name
+    assert book.state.engines["e2"].owes == {name: 1}
+    assert book.state.blocked_by() == []
+    book.publish(3)  # publication goes on with e2 suspended
+    # e2 comes back: it must drop what it owes before it may serve again
+    book.run(c.RestoreVersion(version_id=3, engine="e2", incarnation="e2-i1"))
+    book.refuse(c.RepairEngine(engine="e2", incarnation="e2-i1"), Code.NOT_READY)
+    _inventory(book, "e2", 1, 3)
+    assert book.state.engines["e2"].owes == {}
+    book.run(c.RepairEngine(engine="e2", incarnation="e2-i1"))
+    assert book.state.engines["e2"].routable and not book.state.engines["e2"].suspended
+
+
+def test_a_clean_failure_ends_on_the_active_engines_proofs() -> None:
+    book = _fleet()
+    book.allocate(2)
+    _suspend(book, "e2")
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=True, code="REFUSED", reason="r",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    v = book.state.versions[2]
+    assert v.state is VersionState.FAILED_RETRYABLE
+    assert book.state.engines["e2"].owes == {v.lora_name: 1}
+
+
+def test_reclaim_confirms_on_the_active_engines_and_records_what_the_suspended_one_owes() -> None:
+    book = _fleet()
+    book.publish(2)
+    _suspend(book, "e2")
+    granted = book.run(c.ClaimReclaim(version_id=1))
+    assert granted.engines == ("e0", "e1")
+    for engine in ("e0", "e1"):
+        book.run(c.RecordUnloaded(version_id=1, engine=engine, incarnation=f"{engine}-i1"))
+    assert book.events[-1] == VersionReclaimed(version_id=1, owed_by=("e2",))
+    assert book.state.engines["e2"].owes == {book.state.versions[1].lora_name: 1}
+
+
+def test_suspending_the_last_engine_a_reclaim_waits_for_completes_it() -> None:
+    book = _fleet()
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    for engine in ("e0", "e1"):
+        book.run(c.RecordUnloaded(version_id=1, engine=engine, incarnation=f"{engine}-i1"))
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    events = _suspend(book, "e2")
+    assert events[1:] == [VersionReclaimed(version_id=1, owed_by=("e2",))]
+
+
+def test_an_operator_suspension_is_lifted_only_by_an_operator_then_a_repair() -> None:
+    book = _fleet()
+    _suspend(book, "e1", cause="operator")
+    book.refuse(c.RepairEngine(engine="e1", incarnation="e1-i1"), Code.ENGINE_SUSPENDED)
+    book.refuse(c.ResumeEngine(engine="e1", cause="unhealthy"), Code.ENGINE_SUSPENDED)
+    book.run(c.ResumeEngine(engine="e1"))
+    assert book.events[-1] == EngineResumed(engine="e1", incarnation="e1-i1", cause="operator")
+    assert not book.state.engines["e1"].routable  # not before the repair
+    book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
+    assert book.events[-1] == EngineRepaired(engine="e1", incarnation="e1-i1")
+    assert book.state.engines["e1"].routable
+    assert book.run(c.ResumeEngine(engine="e1")).no_op
+
+
+def test_an_automatic_suspension_ends_with_the_repair() -> None:
+    book = _fleet()
+    _suspend(book, "e1", cause="unhealthy")
+    book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
+    member = book.state.engines["e1"]
+    assert member.routable and not member.suspended and member.suspend_cause == ""
+
+
+def test_suspension_checks_its_input() -> None:
+    book = _fleet()
+    book.refuse(c.SuspendEngine(engine="nope", cause="operator"), Code.UNKNOWN_ENGINE)
+    book.refuse(c.SuspendEngine(engine="e0", cause="bored"), Code.INVALID_INPUT)
+    book.refuse(
+        c.SuspendEngine(engine="e0", cause="unhealthy", incarnation="e0-old"),
+        Code.ENGINE_RESTARTED,
+    )
+    book.refuse(c.RemoveEngine(engine="e0", cause="bored"), Code.INVALID_INPUT)
+
+
+def test_an_operator_removal_is_recorded_with_its_cause_and_frees_what_waited_for_it() -> None:
+    book = _fleet()
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    for engine in ("e0", "e1"):
+        book.run(c.RecordUnloaded(version_id=1, engine=engine, incarnation=f"{engine}-i1"))
+    before = len(book.events)
+    book.run(c.RemoveEngine(engine="e2"))
+    assert book.events[before:] == [
+        EngineLeft(engine="e2", cause="operator"),
+        VersionReclaimed(version_id=1),  # a removed engine owes nothing: it is gone
+    ]
+    assert book.run(c.RemoveEngine(engine="e2")).no_op
+
+
+def test_an_inventory_equal_to_what_the_ledger_knows_is_not_written() -> None:
+    book = _fleet()
+    assert _inventory(book, "e0", 1) == []
+    outcome = book.run(
+        c.ObserveInventory(
+            engine="e0", incarnation="e0-i1", adapters=(book.state.versions[1].lora_name,)
+        )
+    )
+    assert outcome.no_op
+    stray = _fleet().state.lora_name(9, "f" * 64)
+    events = book.run(
+        c.ObserveInventory(
+            engine="e0",
+            incarnation="e0-i1",
+            adapters=(book.state.versions[1].lora_name, stray),
+        )
+    )
+    assert events.strays == (stray,) and not events.no_op
+    assert isinstance(book.events[-1], InventoryObserved)
+
+
+def test_an_inventory_that_proves_a_reclaim_is_written_even_when_holds_do_not_change() -> None:
+    book = _fleet()
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    # e0's inventory shows only version 2: the ledger already knew it held 1 and 2, so the
+    # proof of 1's absence is a change
+    events = _inventory(book, "e0", 2)
+    assert [type(e) for e in events] == [InventoryObserved]
+    assert "e0" in book.state.versions[1].confirmed
+
+
+def test_a_lost_adapter_is_one_incident_and_routing_stops_sending_the_version_there() -> None:
+    book = _fleet()
+    book.publish(2)
+    book.run(c.RegisterOwner(owner="w2", ttl_s=10.0, now=0.0))
+    book.run(c.Bind(session="s", owner="w1"))  # bound to 2
+    book.publish(3)  # 2 RETIRED but needed (bound), 3 the default
+    name2, name3 = (book.state.versions[v].lora_name for v in (2, 3))
+    events = _inventory(book, "e1", 2)  # e1 lost the default
+    assert events[0] == AdapterLost(version_id=3, engine="e1", incarnation="e1-i1")
+    assert isinstance(events[1], InventoryObserved) and len(events) == 2
+    assert book.state.holders(name3) == ("e0", "e2")
+    assert book.state.holders(name2) == ("e0", "e1", "e2")  # the rest still served there
+    assert book.state.engines["e1"].lacks == {name3: 3}
+    assert _inventory(book, "e1", 2) == []  # the same inventory again: nothing new
+    book.run(c.RestoreVersion(version_id=3, engine="e1", incarnation="e1-i1"))
+    assert book.state.holders(name3) == ENGINES
+    assert book.state.engines["e1"].lacks == {}
+
+
+def test_an_unneeded_version_missing_is_no_incident() -> None:
+    book = _fleet()
+    book.publish(2)  # 1 RETIRED, nobody bound: not needed
+    events = _inventory(book, "e0", 2)
+    assert [type(e) for e in events] == [InventoryObserved]
+
+
+def test_a_suspended_engine_losing_versions_is_no_incident_its_repair_reloads_them() -> None:
+    book = _fleet()
+    _suspend(book, "e2")
+    events = _inventory(book, "e2")
+    assert [type(e) for e in events] == [InventoryObserved]
+    book.refuse(c.RepairEngine(engine="e2", incarnation="e2-i1"), Code.NOT_READY)
+
+
+def test_a_repair_is_refused_while_the_engine_holds_a_stray() -> None:
+    book = _fleet()
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    book.run(c.RestoreVersion(version_id=1, engine="e0", incarnation="e0-i2"))
+    stray = book.state.lora_name(7, "a" * 64)
+    names = (book.state.versions[1].lora_name, stray)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=names))
+    book.refuse(c.RepairEngine(engine="e0", incarnation="e0-i2"), Code.NOT_READY)
+    _inventory(book, "e0", 1)
+    book.run(c.RepairEngine(engine="e0", incarnation="e0-i2"))
+
+
+def test_a_ready_engine_whose_inventory_then_lacks_the_candidate_lost_it_at_commit() -> None:
+    """READY, then an inventory without the candidate (lost, or read before the load landed),
+    then the commit: the engine is recorded as having lost the version (routing keeps away,
+    the reconciler restores it), never left routable as a holder it is not."""
+    book = Book().bootstrap(engines=("e0",))
+    book.allocate(1)
+    book.ready_all(1)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=()))
+    book.run(c.Commit(version_id=1, attempt=1))
+    assert book.events[-1] == AdapterLost(version_id=1, engine="e0", incarnation="e0-i1")
+    assert book.state.holders(book.state.versions[1].lora_name) == ()
+    assert book.state.engines["e0"].lacks == {book.state.versions[1].lora_name: 1}
