@@ -576,6 +576,14 @@ def serve(
             help="JSON-lines provenance of every OpenAI request (default: next to --db).",
         ),
     ] = None,
+    session_idle: Annotated[
+        float,
+        typer.Option(
+            "--session-idle-s",
+            help="Release an OpenAI session after this many seconds without a turn (cause "
+            "'idle'), so its version can be reclaimed; 0: never.",
+        ),
+    ] = 1800.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -604,6 +612,7 @@ def serve(
         header_timeout_s=header_timeout,
         alias=alias,
         provenance=str(provenance) if provenance else None,
+        session_idle_s=session_idle,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     if _verbosity == 0:

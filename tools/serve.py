@@ -21,6 +21,7 @@ Every committed event is logged as one line with its seq (``-v``) and counted in
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -71,6 +72,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     provenance: str | None = None  # JSON lines, one per OpenAI request (default: next to db)
     gateway_owner: str = "openai-serve"  # the owner of the sessions the OpenAI routes bind
     gateway_ttl_s: float = 30.0
+    session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -132,6 +134,8 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
     if opts.max_connections < 1 or not opts.header_timeout_s > 0:
         raise ToolError(Exit.USAGE, "--max-connections and --header-timeout must be positive")
+    if not (math.isfinite(opts.session_idle_s) and opts.session_idle_s >= 0):
+        raise ToolError(Exit.USAGE, "--session-idle-s must be >= 0 (0: never)")
 
 
 async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptions) -> Any:
@@ -224,7 +228,11 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
         )
         plane.add_inflight_source(gateway)
         async with RolloutWorker.open(
-            ledger, gateway, owner=opts.gateway_owner, ttl_s=opts.gateway_ttl_s
+            ledger,
+            gateway,
+            owner=opts.gateway_owner,
+            ttl_s=opts.gateway_ttl_s,
+            idle_release_s=opts.session_idle_s,
         ) as worker:
             face = OpenAIGateway(
                 worker,
