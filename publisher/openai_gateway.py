@@ -464,6 +464,9 @@ class OpenAIGateway:
                 )
                 return
             tried.append(engine_id)
+            # The new count goes with a renewal now: a remote ledger (gateway process) learns
+            # of this request before it is sent, not at the next renewal tick.
+            self.worker.report()
             try:
                 route = self.engines.get(engine_id)
                 if route is None:

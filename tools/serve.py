@@ -28,7 +28,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -138,7 +138,20 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, "--session-idle-s must be >= 0 (0: never)")
 
 
-async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptions) -> Any:
+class EngineOptions(Protocol):
+    """What opening an engine reads of the options (serve's and a gateway's)."""
+
+    @property
+    def engine_token(self) -> str | None: ...
+
+    @property
+    def served_model(self) -> str: ...
+
+    @property
+    def artifact_root(self) -> str | None: ...
+
+
+async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: EngineOptions) -> Any:
     """A live engine handle for ``spec``; closed by ``stack``."""
     if spec.kind == "sglang":
         from engines.sglang import SGLangEngine

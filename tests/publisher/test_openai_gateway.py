@@ -231,6 +231,7 @@ async def test_a_reset_after_send_is_ambiguous_and_never_resent(tmp_path: Path) 
             assert info.value.status_code == 502
             assert info.value.code == "AMBIGUOUS_DISPATCH"
             assert sum(x.delivered for x in relays.values()) == 1  # exactly one dispatch
+            await wait_for(lambda: bool(r.sink.rows))  # recorded after the reply went out
             assert not r.gateway.inflight_counts()
             assert r.sink.rows[-1].finish_reason == "ambiguous"
 
