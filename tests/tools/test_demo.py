@@ -12,7 +12,7 @@ import anyio
 import pytest
 from rich.console import Console
 
-from publisher.provenance import read_rows
+from publisher.provenance import ProvenanceRow, read_rows
 from tests.tools.conftest import Cli, run_script
 from tools.demo import QUICK, DemoRun, DemoStats
 from tools.exitcodes import Exit
@@ -53,13 +53,13 @@ def test_the_story_matches_the_log(quick_run: dict, cli: Cli) -> None:  # type: 
     (restart,) = story["restarts"]
     down = story["started_at"] + restart["at"] - 1.0
     up = story["started_at"] + restart["repaired_at"] + 1.0
-    rows: dict[str, list] = {}  # type: ignore[type-arg]
+    completed: dict[str, list[ProvenanceRow]] = {}
     for row in read_rows(quick_run["provenance"]):
         if row.finish_reason not in ("engine_error", "ambiguous", "client_abort"):
-            rows.setdefault(row.session, []).append(row)
+            completed.setdefault(row.session, []).append(row)
     moved = 0
-    for turns in rows.values():
-        first, *later = sorted(turns, key=lambda r: r.turn)
+    for turns in completed.values():
+        first, *later = sorted(turns, key=lambda r: r.turn or 0)
         for row in later:
             if row.engine != first.engine:
                 moved += 1
