@@ -9,7 +9,7 @@ session in ``x-session-id``; the embedded Python gateway (``SessionBinder.genera
 in-process use (docs/sessions.md):
 
 1. a trainer publishes v1 through the trainer API;
-2. waves of multi-turn chat sessions start on several rollout workers; each session binds on
+2. waves of multi-turn sessions start on several rollout workers; each session binds on
    its first generation and keeps that version (and, by sticky routing, its engine and prefix
    cache) for every later turn (tool waits between turns);
 3. while a wave generates, the trainer publishes the next version (generation never pauses):
@@ -264,20 +264,22 @@ async def run_demo(
             stats.publications.append(result)
             log.info("demo.published", **result)
 
-        async def turn(client: openai.AsyncOpenAI, sid: str, messages: list[Any]) -> str:
+        async def turn(client: openai.AsyncOpenAI, sid: str, prompt: str) -> str:
             """One turn through the OpenAI route, retried as a NEW request after a refusal
-            that may pass (the gateway never resends anything itself)."""
+            that may pass (the gateway never resends anything itself). ``/v1/completions``
+            on the conversation so far: every engine kind serves it (the tiny model has no
+            chat template of its own, which vLLM's chat route would need)."""
             for attempt in range(MAX_TRIES):
                 try:
-                    reply = await client.chat.completions.create(
+                    reply = await client.completions.create(
                         model="policy",
-                        messages=messages,
+                        prompt=prompt,
                         max_tokens=cfg.tokens,
                         temperature=0.0,
                         extra_body={"ignore_eos": True},
                         extra_headers={"x-session-id": sid},
                     )
-                    return reply.choices[0].message.content or ""
+                    return reply.choices[0].text
                 except openai.APIStatusError as exc:
                     code = str(exc.code or exc.status_code)
                     if code in NOT_RETRIED or attempt == MAX_TRIES - 1:
@@ -291,17 +293,14 @@ async def run_demo(
         async def session(k: int, sid: str, bound: anyio.Event, seed: int) -> None:
             own = random.Random(seed)
             task = " ".join(own.choice(WORDS) for _ in range(6))
-            messages: list[Any] = [{"role": "user", "content": f"task {seed % 997}: {task}"}]
+            prompt = f"task {seed % 997}: {task}\n"  # the conversation so far: a growing prefix
             for number in range(cfg.turns):
-                answer = await turn(clients[k], sid, messages)
+                answer = await turn(clients[k], sid, prompt)
                 stats.generations += 1
                 if number == 0:
                     bound.set()
                 await anyio.sleep(own.uniform(0.0, cfg.think_s))  # a tool call
-                messages += [
-                    {"role": "assistant", "content": answer},
-                    {"role": "user", "content": f"tool: {own.choice(WORDS)} ok"},
-                ]
+                prompt += f"{answer}\ntool: {own.choice(WORDS)} ok\n"
             reply = await releasers[k].post(f"/v1/sessions/{sid}/release")
             if reply.status_code != 200:
                 raise ToolError(Exit.FAILED, f"release of {sid}: {reply.text}")
