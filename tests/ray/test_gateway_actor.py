@@ -1,6 +1,6 @@
 """The whole plane started from Python on a local Ray instance: two engine actors (each a local
 engine served over HTTP inside its actor), the ledger actor hosting the control plane, and a
-gateway actor (``start_gateway``) whose HTTP address the official ``openai`` client uses.
+gateway actor per node (``start_gateways``) whose HTTP address the official ``openai`` client uses.
 
 One small test (Ray is slow here): a session's turns stay on one version and one engine while a
 new version publishes; a newcomer gets the new one; ``/v1/models`` shows both; every process is
@@ -19,12 +19,13 @@ import anyio
 import anyio.to_thread
 import openai
 import pytest
+import ray
 
 from engines.local.client import LocalHTTPEngine
 from engines.local.server import running_server
 from engines.local.tinymodel import make_adapter
 from publisher.ray.engine import RayEngine, start_engine, stop_engine
-from publisher.ray.gateway import GatewayConfig, start_gateway, stop_gateway
+from publisher.ray.gateway import GatewayConfig, start_gateways, stop_gateway
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.trainer import RayTrainerClient
 from tests.ray.scenario import LIMITS, PLANE_OPTIONS
@@ -89,8 +90,8 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
             return name
 
         v1 = await publish(1)
-        gateway, url = await anyio.to_thread.run_sync(
-            lambda: start_gateway(
+        started = await anyio.to_thread.run_sync(
+            lambda: start_gateways(
                 GatewayConfig(
                     engines=tuple(engines),
                     token=TOKEN,
@@ -100,6 +101,8 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
                 )
             )
         )
+        assert len(started) == len([n for n in ray.nodes() if n["Alive"]]) == 1  # one per node
+        ((gateway, url),) = started
         assert url.startswith("http://127.0.0.1:")
 
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN) as client:
