@@ -274,3 +274,11 @@ def test_gateway_options_are_refused_before_anything_starts() -> None:
         with pytest.raises(ToolError) as usage:
             check_options(bad)
         assert usage.value.exit_code == Exit.USAGE, bad
+
+    from tools.serve import ServeOptions
+    from tools.serve import check_options as check_serve
+
+    check_serve(ServeOptions(db="x.db", session_idle_s=0))  # 0: never
+    with pytest.raises(ToolError) as idle:
+        check_serve(ServeOptions(db="x.db", session_idle_s=float("inf")))
+    assert idle.value.exit_code == Exit.USAGE and "--session-idle-s" in idle.value.message
