@@ -36,6 +36,17 @@ class DeploymentCreated(Event, frozen=True):
     fleet: tuple[str, ...] = ()
 
 
+class DeploymentConfigured(Event, frozen=True):
+    """The deployment's tunable rules, as the controller that opened the log set them.
+
+    ``max_staleness``: a session whose bound version is more than this many published versions
+    behind the default is refused its next turn (``SESSION_TOO_STALE``) and released (cause
+    ``too_stale``); ``None`` (the default) bounds nothing. It is an event, not process
+    configuration, because it decides what the ledger accepts: a replay must know it."""
+
+    max_staleness: int | None = None
+
+
 class ControllerStarted(Event, frozen=True):
     """A controller process opened the log. ``epoch`` fences out older controllers."""
 
@@ -173,13 +184,45 @@ class FatalResolved(Event, frozen=True):
     evidence: tuple[int, ...] = ()  # seqs of the InventoryObserved events relied on
 
 
+class SlotHolder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One version holding a capacity slot when a publication was skipped, and why it still
+    holds it: ``state`` (its version state), ``bound`` (sessions bound to it), ``reason`` (one
+    of ``default``, ``sessions_bound``, ``awaiting_reclaim`` -- retired and unbound, waiting for
+    the reclaim driver or for requests in flight --, ``reclaim_in_progress``, ``ambiguous``,
+    ``loading``, ``failed_fatal``)."""
+
+    version_id: int
+    state: str
+    bound: int = 0
+    reason: str
+
+
 class PublicationSkipped(Event, frozen=True):
-    """A publication refused before any byte moved (capacity after bootstrap): training goes on."""
+    """A publication refused before any byte moved (capacity after bootstrap): training goes on.
+    ``holders`` (schema 2) names the versions holding the slots and why each still holds one;
+    a schema-1 record reads with none."""
+
+    SCHEMA: ClassVar[int] = 2
 
     version_id: int
     digest: str
     code: str
     message: str
+    holders: tuple[SlotHolder, ...] = ()
+
+
+class PublicationBlocked(Event, frozen=True):
+    """An allocation refused because something else must happen first: ``code`` is the
+    refusal (``PUBLICATION_BLOCKED``, ``PUBLICATION_IN_PROGRESS``, ``FLEET_MISMATCH``,
+    ``CAPACITY_ERROR`` before the first commit), ``blocked_by`` the versions in the way, ``cause``
+    why, in words. Recorded once per stall: the same refusal again (same version, code and
+    blockers) writes nothing, so a retry loop does not grow the log."""
+
+    version_id: int
+    digest: str
+    code: str
+    cause: str
+    blocked_by: tuple[int, ...] = ()
 
 
 # --- owners and sessions -------------------------------------------------------------------
@@ -306,6 +349,7 @@ class CommandRecorded(Event, frozen=True):
 
 ALL_EVENTS: tuple[type[Event], ...] = (
     DeploymentCreated,
+    DeploymentConfigured,
     ControllerStarted,
     EngineJoined,
     EngineRestarted,
@@ -322,6 +366,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     AttemptFailed,
     FatalResolved,
     PublicationSkipped,
+    PublicationBlocked,
     OwnerRegistered,
     OwnerLeaseExpired,
     SessionBound,
@@ -338,6 +383,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
 
 AnyEvent = (
     DeploymentCreated
+    | DeploymentConfigured
     | ControllerStarted
     | EngineJoined
     | EngineRestarted
@@ -354,6 +400,7 @@ AnyEvent = (
     | AttemptFailed
     | FatalResolved
     | PublicationSkipped
+    | PublicationBlocked
     | OwnerRegistered
     | OwnerLeaseExpired
     | SessionBound
@@ -435,6 +482,11 @@ def encode_event(event: Event) -> bytes:
 @upcaster("VersionPublished", 1)
 def _version_published_v1(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "rollback": False}
+
+
+@upcaster("PublicationSkipped", 1)
+def _publication_skipped_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "holders": []}
 
 
 def decode_event(payload: bytes, type_name: str, schema: int) -> AnyEvent:

@@ -17,6 +17,7 @@ import msgspec
 from evlog.events import (
     AttemptFailed,
     AttemptStarted,
+    DeploymentConfigured,
     EngineJoined,
     EngineLeft,
     EnginePrepared,
@@ -28,6 +29,7 @@ from evlog.events import (
     FatalResolved,
     InventoryObserved,
     OwnerLeaseExpired,
+    PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
     ReclaimAmbiguous,
@@ -44,7 +46,7 @@ from evlog.events import (
 )
 from evlog.record import Record
 from projections.lifecycle import advance, versions_touched
-from projections.registry import RegistryState
+from projections.registry import EngineMember, RegistryState
 
 
 class Entry(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,10 +72,18 @@ class History:
         self.engines: dict[str, list[Entry]] = {}
         self.sessions: dict[str, list[Entry]] = {}
         self.owners: dict[str, list[Entry]] = {}
+        # Refused or skipped publications per version, with their records' seq and time: what
+        # ``projections.stalls`` explains.
+        self.stalls: dict[int, list[tuple[int, float, PublicationBlocked | PublicationSkipped]]]
+        self.stalls = {}
         self._only = None if sessions is None else set(sessions)
 
     def apply(self, record: Record) -> None:
         event = record.event
+        engine = getattr(event, "engine", None)
+        if engine == "*":
+            engine = None
+        was = _engine_view(self.registry.engines.get(engine)) if engine is not None else None
         moved = {change.version_id: change for change in advance(self.registry, record)}
         name = type(event).__name__
         for version_id in versions_touched(event):
@@ -96,16 +106,22 @@ class History:
                     detail=_detail(event),
                 )
             )
-        engine = getattr(event, "engine", None)
-        if engine is not None and engine != "*":
+        if engine is not None:
+            now = _engine_view(self.registry.engines.get(engine))
             self.engines.setdefault(engine, []).append(
                 Entry(
                     seq=record.seq,
                     at=record.recorded_at,
                     event=name,
                     subject=engine,
-                    detail=_detail(event),
+                    from_state=was.health if was is not None else None,
+                    to_state=now.health,
+                    detail=_engine_detail(event, was, now),
                 )
+            )
+        if isinstance(event, PublicationBlocked | PublicationSkipped):
+            self.stalls.setdefault(event.version_id, []).append(
+                (record.seq, record.recorded_at, event)
             )
         if isinstance(event, SessionBound | SessionReleased):
             self._session(record, event.session, name, _detail(event))
@@ -140,6 +156,73 @@ class History:
         )
 
 
+class _EngineView(msgspec.Struct, frozen=True):
+    """What an engine timeline line compares before and after an event."""
+
+    health: str  # routable, not routable, absent (not a member) -- or a state a later event adds
+    holds: dict[str, int]  # lora_name -> version id
+    strays: tuple[str, ...]
+
+
+def _engine_view(member: EngineMember | None) -> _EngineView:
+    if member is None:
+        return _EngineView("absent", {}, ())
+    # A member may carry more health than routable/not: a ``suspended`` flag (with its
+    # ``suspend_cause``) or a ``health`` string, read if the member has them, so an engine
+    # timeline shows them without this module knowing every event that sets them.
+    health = getattr(member, "health", None)
+    if getattr(member, "suspended", False):
+        cause = getattr(member, "suspend_cause", "")
+        health = f"suspended ({cause})" if cause else "suspended"
+    if not isinstance(health, str) or not health:
+        health = "routable" if member.routable else "not routable"
+    return _EngineView(health, dict(member.holds), tuple(member.strays))
+
+
+def _versions(names: dict[str, int], keys: Iterable[str]) -> str:
+    return ", ".join(f"v{v}" for v in sorted(names[k] for k in keys))
+
+
+def _engine_detail(event: Event, was: _EngineView | None, now: _EngineView) -> str:
+    """An engine timeline line: the event's own reading, then which versions it loaded and
+    unloaded on the engine and what the engine holds after it (by version, not by count)."""
+    base = _detail(event)
+    if isinstance(event, InventoryObserved):
+        base = f"inventory of {len(event.adapters)} managed names"
+    version_id = getattr(event, "version_id", None)
+    if version_id is not None:
+        base = f"v{version_id} {base}".strip()
+    parts = [base] if base else []
+    before = {} if was is None else was.holds
+    loaded = set(now.holds) - set(before)
+    unloaded = set(before) - set(now.holds)
+    if loaded:
+        parts.append(f"loaded {_versions(now.holds, loaded)}")
+    if unloaded:
+        verb = "lost" if isinstance(event, EngineRestarted | EngineLeft) else "unloaded"
+        parts.append(f"{verb} {_versions(before, unloaded)}")
+    if loaded or unloaded or isinstance(event, InventoryObserved):
+        parts.append(f"holds {_versions(now.holds, now.holds) or 'nothing'}")
+    new_strays = set(now.strays) - set(() if was is None else was.strays)
+    if new_strays:
+        parts.append(f"strays {', '.join(sorted(new_strays))}")
+    return "; ".join(parts)
+
+
+def _fields(event: Event) -> str:
+    """Any event's payload in words, for events this module has no sentence for (so an event
+    type added later still shows what it carries on a timeline)."""
+    parts = []
+    for name in event.__struct_fields__:
+        if name in ("engine", "version_id"):
+            continue  # the timeline's subject already
+        value = getattr(event, name)
+        if isinstance(value, tuple):
+            value = ", ".join(map(str, value)) or "-"
+        parts.append(f"{name} {value}")
+    return ", ".join(parts)
+
+
 def _detail(event: Event) -> str:
     """A short human reading of an event's payload."""
     match event:
@@ -162,6 +245,12 @@ def _detail(event: Event) -> str:
             return f"attempt {event.attempt} proven absent everywhere"
         case PublicationSkipped():
             return f"{event.code}: {event.message}"
+        case PublicationBlocked():
+            blockers = ", ".join(f"v{b}" for b in event.blocked_by)
+            return f"{event.code}" + (f" by {blockers}" if blockers else "") + f": {event.cause}"
+        case DeploymentConfigured():
+            limit = event.max_staleness
+            return f"max_staleness {'unbounded' if limit is None else limit}"
         case ReclaimClaimed():
             busy = sum(x.count for x in event.evidence)
             return f"{len(event.evidence)} in-flight reports, {busy} busy"
@@ -193,4 +282,4 @@ def _detail(event: Event) -> str:
             return f"{bound}, {event.cause}"
         case OwnerLeaseExpired():
             return f"last renewal {event.at - event.last_seen:.1f}s before expiry"
-    return ""
+    return _fields(event)

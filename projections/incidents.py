@@ -16,6 +16,8 @@ Kinds, and why each is worth a line:
 * ``pinned_retired`` -- the sessions that kept a retired version alive longest (they hold its
   capacity slot; the usual answer to "why is v3 still loaded?").
 * ``skipped`` -- a publication refused for capacity: the trainer's update never served.
+* ``blocked`` -- a publication that had to wait (a fatal or ambiguous version blocking the
+  fleet, another one loading, no routable engine), with the versions in the way; once per stall.
 * ``lease_expired`` -- a rollout worker died or stalled; how many sessions it lost.
 * ``receipt_rejected`` -- a stale, restarted or mismatched engine receipt the ledger refused.
 * ``engine_restart`` -- an engine came back as a new process and how long until it was repaired
@@ -39,6 +41,7 @@ from evlog.events import (
     FatalResolved,
     InventoryObserved,
     OwnerLeaseExpired,
+    PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
     ReclaimAmbiguous,
@@ -60,6 +63,7 @@ KINDS = (
     "reclaim_ambiguous",
     "pinned_retired",
     "skipped",
+    "blocked",
     "lease_expired",
     "receipt_rejected",
     "verdict_conflict",
@@ -200,6 +204,19 @@ class IncidentFold:
                         at=at,
                         seqs=(seq,),
                         summary=f"publication skipped: {event.code}: {event.message}",
+                    )
+                )
+            case PublicationBlocked():
+                blockers = ", ".join(f"v{b}" for b in event.blocked_by)
+                self._found.append(
+                    Incident(
+                        kind="blocked",
+                        subject=f"v{event.version_id}",
+                        at=at,
+                        seqs=(seq,),
+                        summary=f"publication refused: {event.code}"
+                        + (f" (in the way: {blockers})" if blockers else "")
+                        + f": {event.cause}",
                     )
                 )
             case VerdictConflict():

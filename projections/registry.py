@@ -26,6 +26,7 @@ from evlog.events import (
     AttemptStarted,
     CommandRecorded,
     ControllerStarted,
+    DeploymentConfigured,
     DeploymentCreated,
     EngineJoined,
     EngineLeft,
@@ -39,6 +40,7 @@ from evlog.events import (
     InventoryObserved,
     OwnerLeaseExpired,
     OwnerRegistered,
+    PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
     ReclaimAmbiguous,
@@ -64,7 +66,7 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-1"
+PROJECTION_VERSION = "registry-2"  # 2: max_staleness, stalls
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -148,11 +150,20 @@ class RecordedCommand(msgspec.Struct, array_like=True):
     outcome: bytes
 
 
+class Stall(msgspec.Struct, array_like=True, frozen=True):
+    """The last recorded refusal of one version's allocation (``PublicationBlocked``): the same
+    refusal again is not recorded twice."""
+
+    code: str
+    blocked_by: tuple[int, ...]
+
+
 class RegistryState(msgspec.Struct, kw_only=True):
     deployment: str | None = None
     prefix: str = ""
     capacity: int = 0
     declared_fleet: tuple[str, ...] = ()
+    max_staleness: int | None = None  # DeploymentConfigured; None: unbounded
     epoch: int = 0
     code_version: str = ""
     last_seq: int = 0
@@ -166,6 +177,7 @@ class RegistryState(msgspec.Struct, kw_only=True):
     owners: dict[str, Owner] = msgspec.field(default_factory=dict)
     commands: dict[str, RecordedCommand] = msgspec.field(default_factory=dict)
     skipped: int = 0
+    stalls: dict[int, Stall] = msgspec.field(default_factory=dict)  # version -> last refusal
     rejected_receipts: int = 0
     verdict_conflicts: int = 0
 
@@ -268,6 +280,10 @@ def _deployment_created(s: RegistryState, e: DeploymentCreated) -> None:
     s.declared_fleet = e.fleet
 
 
+def _deployment_configured(s: RegistryState, e: DeploymentConfigured) -> None:
+    s.max_staleness = e.max_staleness
+
+
 def _controller_started(s: RegistryState, e: ControllerStarted) -> None:
     s.epoch = e.epoch
     s.code_version = e.code_version
@@ -349,6 +365,7 @@ def _attempt_started(s: RegistryState, e: AttemptStarted) -> None:
     v.state = state
     v.attempt = e.attempt
     v.fleet = e.fleet
+    s.stalls.pop(v.version_id, None)  # the stall is over: a later one is a new one
     v.claimed_by = None
     v.prepared = {}
     v.ready = {}
@@ -418,6 +435,10 @@ def _fatal_resolved(s: RegistryState, e: FatalResolved) -> None:
 
 def _publication_skipped(s: RegistryState, e: PublicationSkipped) -> None:
     s.skipped += 1
+
+
+def _publication_blocked(s: RegistryState, e: PublicationBlocked) -> None:
+    s.stalls[e.version_id] = Stall(e.code, e.blocked_by)
 
 
 def _owner_registered(s: RegistryState, e: OwnerRegistered) -> None:
@@ -529,6 +550,7 @@ def _command_recorded(s: RegistryState, e: CommandRecorded) -> None:
 
 _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     DeploymentCreated: _deployment_created,
+    DeploymentConfigured: _deployment_configured,
     ControllerStarted: _controller_started,
     EngineJoined: _engine_joined,
     EngineRestarted: _engine_restarted,
@@ -545,6 +567,7 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     AttemptFailed: _attempt_failed,
     FatalResolved: _fatal_resolved,
     PublicationSkipped: _publication_skipped,
+    PublicationBlocked: _publication_blocked,
     OwnerRegistered: _owner_registered,
     OwnerLeaseExpired: _owner_lease_expired,
     SessionBound: _session_bound,

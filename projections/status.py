@@ -49,6 +49,7 @@ class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True):
     blocked_by: tuple[int, ...]
     versions: tuple[VersionStatus, ...]
     engines: tuple[EngineStatus, ...]
+    max_staleness: int | None = None  # docs/sessions.md#staleness; None: unbounded
 
 
 def status_of(state: RegistryState) -> LedgerStatus:
@@ -65,6 +66,7 @@ def status_of(state: RegistryState) -> LedgerStatus:
         tombstones=len(state.tombstones),
         owners=sum(1 for o in state.owners.values() if not o.expired),
         blocked_by=tuple(state.blocked_by()),
+        max_staleness=state.max_staleness,
         versions=tuple(
             VersionStatus(
                 version_id=v.version_id,

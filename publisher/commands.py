@@ -29,6 +29,13 @@ class CreateDeployment(Command, frozen=True):
     fleet: tuple[str, ...] = ()
 
 
+class ConfigureDeployment(Command, frozen=True):
+    """Set the deployment's tunable rules (``DeploymentConfigured``); the same values again
+    are a no-op. ``max_staleness``: see docs/sessions.md#staleness (None: unbounded)."""
+
+    max_staleness: int | None = None
+
+
 class StartController(Command, frozen=True):
     code_version: str
 
@@ -184,6 +191,7 @@ class MarkReclaimAmbiguous(Command, frozen=True):
 
 AnyCommand = (
     CreateDeployment
+    | ConfigureDeployment
     | StartController
     | JoinEngine
     | ObserveRestart

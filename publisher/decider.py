@@ -34,6 +34,7 @@ from evlog.events import (
     AttemptStarted,
     CommandRecorded,
     ControllerStarted,
+    DeploymentConfigured,
     DeploymentCreated,
     EngineJoined,
     EngineLeft,
@@ -47,6 +48,7 @@ from evlog.events import (
     InventoryObserved,
     OwnerLeaseExpired,
     OwnerRegistered,
+    PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
     ReclaimAmbiguous,
@@ -54,6 +56,7 @@ from evlog.events import (
     SessionBound,
     SessionReleased,
     SessionsForgotten,
+    SlotHolder,
     TransportClaimed,
     VerdictConflict,
     VersionAllocated,
@@ -67,9 +70,11 @@ from projections.registry import (
     SERVING_STATES,
     EngineMember,
     RegistryState,
+    Stall,
     VersionRecord,
     VersionState,
 )
+from projections.staleness import TOO_STALE, staleness, too_stale
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.outcomes import (
@@ -293,6 +298,18 @@ def _create_deployment(s: RegistryState, cmd: c.CreateDeployment) -> Decision:
     return Decision((event,), Done())
 
 
+def _configure_deployment(s: RegistryState, cmd: c.ConfigureDeployment) -> Decision:
+    _deployment(s)
+    limit = cmd.max_staleness
+    if limit is not None and limit < 0:
+        raise LedgerError(
+            Code.INVALID_INPUT, f"max_staleness {limit} must be >= 0 (or None: unbounded)"
+        )
+    if limit == s.max_staleness:
+        return Decision(outcome=Done(no_op=True))
+    return Decision((DeploymentConfigured(max_staleness=limit),), Done())
+
+
 def _start_controller(s: RegistryState, cmd: c.StartController) -> Decision:
     event = ControllerStarted(epoch=s.epoch + 1, code_version=cmd.code_version)
     return Decision((event,), Done())
@@ -465,29 +482,47 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             Code.VERSION_REGRESSION, message, version_id=version_id, default=s.default
         )
         return Decision((refused,), error=error)
-    _not_blocked(s)
+    blocked = s.blocked_by()
+    if blocked:
+        cause = "; ".join(_block_cause(s.versions[b]) for b in blocked)
+        message = f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first"
+        return _stalled(s, cmd, Code.PUBLICATION_BLOCKED, blocked, cause, message)
     # A new id, or a retry of a cleanly failed one: both take a capacity slot again.
     used = s.capacity_used()
     if used >= s.capacity:
-        message = f"capacity {s.capacity} is full ({used} versions hold a slot)"
+        holders = slot_holders(s)
+        message = f"capacity {s.capacity} is full: " + ", ".join(map(_holder_words, holders))
         if s.default is None:
-            raise LedgerError(Code.CAPACITY_ERROR, message, capacity=s.capacity)
+            ids = tuple(h.version_id for h in holders)
+            return _stalled(s, cmd, Code.CAPACITY_ERROR, ids, message, message, capacity=s.capacity)
         skipped = PublicationSkipped(
-            version_id=version_id, digest=digest, code=Code.CAPACITY_ERROR, message=message
+            version_id=version_id,
+            digest=digest,
+            code=Code.CAPACITY_ERROR,
+            message=message,
+            holders=holders,
         )
         return Decision(
             (skipped,), Skipped(version_id=version_id, code=Code.CAPACITY_ERROR, message=message)
         )
     loading = s.loading()
     if loading is not None:
-        raise LedgerError(
+        cause = f"version {loading.version_id} is LOADING (attempt {loading.attempt})"
+        return _stalled(
+            s,
+            cmd,
             Code.PUBLICATION_IN_PROGRESS,
-            f"version {loading.version_id} is LOADING",
+            (loading.version_id,),
+            cause,
+            cause,
             version_id=loading.version_id,
         )
     fleet = s.routable_engines()
     if not fleet:
-        raise LedgerError(Code.FLEET_MISMATCH, "no routable engine to publish to")
+        cause = "no routable engine to publish to" + (
+            f" (members not routable: {', '.join(sorted(s.engines))})" if s.engines else ""
+        )
+        return _stalled(s, cmd, Code.FLEET_MISMATCH, (), cause, cause)
     events: list[Event] = []
     if existing is None:
         lora_name = s.lora_name(version_id, digest)
@@ -513,6 +548,87 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
         state=VersionState.LOADING,
     )
     return Decision(tuple(events), outcome)
+
+
+def _stalled(
+    s: RegistryState,
+    cmd: c.Allocate,
+    code: str,
+    blocked_by: tuple[int, ...] | list[int],
+    cause: str,
+    message: str,
+    **details: Any,
+) -> Decision:
+    """An allocation that must wait: refused, and recorded (``PublicationBlocked``) so the log
+    explains the stall -- once. The same refusal of the same version, while nothing it depends
+    on changed (same code, same blockers), writes nothing: a trainer retrying in a loop must
+    not grow the log."""
+    blockers = tuple(blocked_by)
+    details = {"versions": list(blockers), "cause": cause, **details}
+    refusal = LedgerError(code, message, **details)
+    if s.stalls.get(cmd.version_id) == Stall(code, blockers):
+        return Decision(error=refusal)
+    event = PublicationBlocked(
+        version_id=cmd.version_id,
+        digest=cmd.digest,
+        code=code,
+        blocked_by=blockers,
+        cause=cause[:2000],
+    )
+    return Decision((event,), error=refusal)
+
+
+def _block_cause(v: VersionRecord) -> str:
+    """Why one version blocks the fleet, in words."""
+    if v.state is VersionState.FAILED_FATAL:
+        return (
+            f"version {v.version_id} attempt {v.attempt} ended FAILED_FATAL "
+            f"({v.failure_code}): it may be loaded somewhere until inventories prove it absent"
+        )
+    return (
+        f"version {v.version_id}'s unload was ambiguous: it may still be loaded until "
+        "inventories prove it absent"
+    )
+
+
+def slot_holders(s: RegistryState) -> tuple[SlotHolder, ...]:
+    """Every version taking a capacity slot and why it still holds it, oldest first."""
+    holders = []
+    for v in sorted(s.versions.values(), key=lambda x: x.version_id):
+        if v.state not in HOLDABLE_STATES:
+            continue
+        if v.state is VersionState.PUBLISHED:
+            reason = "default"
+        elif v.state is VersionState.RETIRED:
+            reason = "sessions_bound" if v.bound else "awaiting_reclaim"
+        elif v.state is VersionState.RECLAIMING:
+            reason = "ambiguous" if v.ambiguous else "reclaim_in_progress"
+        elif v.state is VersionState.LOADING:
+            reason = "loading"
+        else:
+            reason = "failed_fatal"
+        holders.append(
+            SlotHolder(version_id=v.version_id, state=v.state, bound=v.bound, reason=reason)
+        )
+    return tuple(holders)
+
+
+_HOLDER_WORDS = {
+    "default": "the default",
+    "sessions_bound": "retired, sessions bound",
+    "awaiting_reclaim": "retired, unbound: awaiting reclaim (requests in flight or unclaimed)",
+    "reclaim_in_progress": "reclaim in progress",
+    "ambiguous": "unload ambiguous",
+    "loading": "loading",
+    "failed_fatal": "failed fatal, may be loaded",
+}
+
+
+def _holder_words(h: SlotHolder) -> str:
+    words = _HOLDER_WORDS.get(h.reason, h.reason)
+    if h.bound:
+        words += f" ({h.bound} sessions)"
+    return f"v{h.version_id} {words}"
 
 
 def _not_blocked(s: RegistryState) -> None:
@@ -895,6 +1011,17 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
         raise LedgerError(Code.INVALID_INPUT, "cause must be a printable string of 1-64 chars")
     binding = s.sessions.get(cmd.session)
     if binding is not None:
+        if cause == TOO_STALE and not too_stale(
+            binding.revision, s.default_revision, s.max_staleness
+        ):
+            # The cause is a claim about the log: a session released as too stale was.
+            behind = staleness(binding.revision, s.default_revision)
+            raise LedgerError(
+                Code.INVALID_INPUT,
+                f"session {cmd.session} is {behind} versions behind the default, within "
+                f"max_staleness {s.max_staleness}: not released as {TOO_STALE}",
+                session=cmd.session,
+            )
         event = SessionReleased(
             session=cmd.session,
             owner=binding.owner,
@@ -995,6 +1122,7 @@ def _mark_reclaim_ambiguous(s: RegistryState, cmd: c.MarkReclaimAmbiguous) -> De
 
 _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.CreateDeployment: _create_deployment,
+    c.ConfigureDeployment: _configure_deployment,
     c.StartController: _start_controller,
     c.JoinEngine: _join_engine,
     c.ObserveRestart: _observe_restart,

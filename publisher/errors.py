@@ -40,6 +40,7 @@ class Code:
     INVALID_STATE = "INVALID_STATE"
     # sessions and owners
     SESSION_CLOSED = "SESSION_CLOSED"
+    SESSION_TOO_STALE = "SESSION_TOO_STALE"  # bound version beyond the deployment's max_staleness
     NO_PUBLISHED_VERSION = "NO_PUBLISHED_VERSION"
     SESSION_STILL_BOUND = "SESSION_STILL_BOUND"
     UNKNOWN_OWNER = "UNKNOWN_OWNER"
@@ -83,6 +84,7 @@ class LedgerRefused(
         Code.UNKNOWN_VERSION,
         Code.INVALID_STATE,
         Code.SESSION_CLOSED,
+        Code.SESSION_TOO_STALE,
         Code.NO_PUBLISHED_VERSION,
         Code.SESSION_STILL_BOUND,
         Code.UNKNOWN_OWNER,

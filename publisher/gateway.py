@@ -60,7 +60,9 @@ from evlog.errors import (
 )
 from evlog.events import InFlight
 from projections.registry import RegistryState
+from projections.staleness import staleness, too_stale
 from publisher.affinity import least_loaded, rendezvous
+from publisher.errors import Code, LedgerError
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
 from publisher.outcomes import Bound
@@ -110,6 +112,11 @@ class RoutingView(Protocol):
     @property
     def default_revision(self) -> int: ...
 
+    @property
+    def max_staleness(self) -> int | None:
+        """The deployment's bound on a session's staleness (None: unbounded)."""
+        ...
+
 
 class LedgerRouting:
     """A :class:`RoutingView` over an in-process ledger. It reads ``ledger.state`` on every
@@ -127,6 +134,11 @@ class LedgerRouting:
     def default_revision(self) -> int:
         state: RegistryState = self._ledger.state
         return state.default_revision
+
+    @property
+    def max_staleness(self) -> int | None:
+        state: RegistryState = self._ledger.state
+        return state.max_staleness
 
 
 class Served(msgspec.Struct, frozen=True, kw_only=True):
@@ -249,6 +261,34 @@ class Gateway:
             for engine in sorted(engines)
         ]
 
+    # --- staleness ---------------------------------------------------------------------------
+
+    def staleness(self, bound: Bound) -> int:
+        """How many versions were published since ``bound``'s session bound, as of now: what
+        the next generation's provenance will say (docs/sessions.md#staleness). A framework
+        with its own off-policy rule reads it before each turn."""
+        return staleness(bound.revision, self.routing.default_revision)
+
+    def check_staleness(self, bound: Bound) -> int:
+        """The session's staleness, or ``SESSION_TOO_STALE`` when it exceeds the deployment's
+        ``max_staleness``: the turn must not be dispatched (the caller records the release,
+        :class:`publisher.sessions.SessionBinder` does)."""
+        head = self.routing.default_revision
+        limit = self.routing.max_staleness
+        if too_stale(bound.revision, head, limit):
+            behind = staleness(bound.revision, head)
+            raise LedgerError(
+                Code.SESSION_TOO_STALE,
+                f"session {bound.session} is bound to version {bound.version_id}, {behind} "
+                f"versions behind the default (max_staleness {limit}): drop or restart the "
+                "episode under a new session id",
+                session=bound.session,
+                version_id=bound.version_id,
+                staleness=behind,
+                max_staleness=limit,
+            )
+        return staleness(bound.revision, head)
+
     # --- generation --------------------------------------------------------------------------
 
     async def generate(
@@ -268,7 +308,10 @@ class Gateway:
         Raises ``DispatchError``: ``NO_ROUTE`` (no routable holder, or none reachable),
         ``AMBIGUOUS_DISPATCH`` (sent, outcome unknown: never resent), ``GENERATION_FAILED``
         (a clean refusal: nothing generated); ``InvalidInput`` (extra body fields for an
-        engine that takes none: its ``capabilities.extra_body`` is False)."""
+        engine that takes none: its ``capabilities.extra_body`` is False); ``LedgerError``
+        ``SESSION_TOO_STALE`` (the session is beyond the deployment's ``max_staleness``:
+        nothing dispatched)."""
+        self.check_staleness(bound)  # before anything is counted or sent
         params = DEFAULT_PARAMS if params is None else params
         rid = request_id or f"{self.gateway_id}-{self._prefix}-{next(self._ids)}"
         extra = _client_fields(extra_body)

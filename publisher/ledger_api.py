@@ -84,6 +84,12 @@ class LedgerAPI:
         )
         return await self._run(command, Done)
 
+    async def configure_deployment(self, *, max_staleness: int | None = None) -> Done:
+        """Set the deployment's tunable rules (recorded; a no-op when unchanged):
+        ``max_staleness`` bounds how many versions a session may fall behind the default
+        before its next turn is refused (``SESSION_TOO_STALE``); None: unbounded."""
+        return await self._run(c.ConfigureDeployment(max_staleness=max_staleness), Done)
+
     async def join_engine(
         self, engine: str, incarnation: str, *, endpoint: str = "", kind: str = "local"
     ) -> Done:

@@ -164,6 +164,11 @@ class LiveView:
         revision: int = self._ledger.state.default_revision
         return revision
 
+    @property
+    def max_staleness(self) -> int | None:
+        limit: int | None = self._ledger.state.max_staleness
+        return limit
+
     def incarnation(self, engine: str) -> str:
         record = self._ledger.state.engines.get(engine)
         return "" if record is None else str(record.incarnation)
@@ -448,6 +453,9 @@ class OpenAIGateway:
         tried: list[str] = []
         unreachable: list[str] = []
         refreshed = False
+        # An error reply is sent only once the request's provenance row is written and its
+        # in-flight count is down: a client that saw the 502 can rely on both.
+        failure: tuple[str, str] | None = None
         while True:
             engine_id = gateway.admit(bound, tried, tally)
             if engine_id is None:
@@ -488,8 +496,7 @@ class OpenAIGateway:
                         outcome = ""
                         continue
                     outcome = "ambiguous"
-                    await _send_error(
-                        send,
+                    failure = (
                         DispatchCode.AMBIGUOUS_DISPATCH,
                         f"request {ask.request_id} was sent to {engine_id} and its outcome is "
                         f"unknown ({exc.code}: {exc.message}); it was not resent",
@@ -506,8 +513,7 @@ class OpenAIGateway:
                     log.error(
                         "openai.failed", engine=engine_id, rid=ask.request_id, error=repr(exc)
                     )
-                    await _send_error(
-                        send,
+                    failure = (
                         DispatchCode.AMBIGUOUS_DISPATCH,
                         f"request {ask.request_id} to {engine_id} failed ({exc!r}); not resent",
                     )
@@ -517,9 +523,11 @@ class OpenAIGateway:
                             await self._record(
                                 ask, bound, engine_id, turn, head, started, usage, outcome
                             )
-                return
+                break
             finally:
                 gateway.finish(engine_id, bound.version_id, tally)
+        if failure is not None:
+            await _send_error(send, *failure)
 
     async def _forward(
         self, ask: _Ask, bound: Bound, route: EngineRoute, usage: _Usage, send: Send

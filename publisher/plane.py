@@ -7,6 +7,8 @@ artifact_root=...) as plane:``
 1. opens the :class:`~publisher.ledger.Ledger` on ``store`` (replay + a new controller epoch)
    and creates the deployment if the log is new (a reopened log keeps its own rules: a
    different deployment or prefix is refused, since every engine-side name depends on them);
+   ``max_staleness`` (docs/sessions.md#staleness) is the opener's, recorded as
+   ``DeploymentConfigured`` when it differs from the log's;
 2. runs the reconciler's start-up pass: engines without a handle leave, orphaned ``LOADING``
    attempts end, every engine of ``fleet`` is joined or found restarted, observed, cleaned and
    repaired (routable only after that);
@@ -126,6 +128,7 @@ class ControlPlane:
         publisher_id: str = "publisher",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         clock: Callable[[], float] = time.time,
+        max_staleness: int | None = None,
     ) -> AsyncIterator[ControlPlane]:
         async with Ledger.open(store, clock=clock) as ledger:
             state = ledger.state
@@ -141,6 +144,8 @@ class ControlPlane:
                 )
             elif state.capacity != capacity:
                 log.warning("plane.capacity_from_log", log=state.capacity, asked=capacity)
+            # The opener's setting rules from now on, and the log says so (a no-op if equal).
+            await ledger.configure_deployment(max_staleness=max_staleness)
             plane = cls(
                 ledger,
                 fleet,

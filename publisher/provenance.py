@@ -29,20 +29,26 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evlog.errors import INVALID_INPUT, InvalidInput, StoreCode, StoreError
+from projections.staleness import staleness
 from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.provenance")
 
-SCHEMA = 1
+# 2: ``staleness`` is a stored field (schema-1 files, which carry only the revisions, read
+# with it computed from them: the same number).
+SCHEMA = 2
 
 
 class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One completed generation. Every token of it came from ``version_id`` (a request is
     never switched between versions), so the token span is the whole completion.
 
-    ``head_revision - bound_revision`` is the policy lag (in commits) of this sample when it
-    was dispatched; ``head_revision_done`` is the same measure when it finished."""
+    ``staleness`` (docs/sessions.md#staleness) is how many versions were published between
+    the bound one and the default when this sample was dispatched: ``head_revision -
+    bound_revision``, stored under that one name (``head_revision`` / ``head_revision_done``
+    are the default's revision at dispatch and at completion, the raw inputs). Left out, it is
+    computed from the revisions, so rows written before it existed read the same."""
 
     session: str
     turn: int | None
@@ -66,10 +72,13 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # What the engine said it ran (None: the engine does not say). A value other than
     # ``lora_name`` means the sample is not from the bound policy.
     served_name: str | None = None
+    staleness: int = -1  # -1: not given, computed from the revisions below
 
-    @property
-    def staleness(self) -> int:
-        return self.head_revision - self.bound_revision
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            msgspec.structs.force_setattr(
+                self, "staleness", staleness(self.bound_revision, self.head_revision)
+            )
 
     @property
     def attested(self) -> bool:

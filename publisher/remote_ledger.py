@@ -340,6 +340,10 @@ class HttpLedger:
     def default_revision(self) -> int:
         return self._now.status.default_revision
 
+    @property
+    def max_staleness(self) -> int | None:
+        return self._now.status.max_staleness
+
     def incarnation(self, engine: str) -> str:
         return self._now.incarnations.get(engine, "")
 

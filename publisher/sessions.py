@@ -53,6 +53,7 @@ from anyio.abc import TaskGroup
 
 from engines.contract import SamplingParams
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, StoreCode
+from projections.staleness import TOO_STALE
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.gateway import Gateway, InFlightCounter, Served
@@ -151,6 +152,8 @@ class SessionBinder:
         self._active: set[anyio.CancelScope] = set()
         self._idle: anyio.Event | None = None  # None or set: nothing in flight
         self._next_turn = 0
+        self._release_cause = "closed"
+        self._stale: LedgerError | None = None  # set once a turn was refused as too stale
         self.last_used = anyio.current_time()  # the end of its last turn (anyio's clock)
         self._idle_closed = False  # closed by the worker's idle release
 
@@ -166,6 +169,15 @@ class SessionBinder:
     @property
     def in_flight(self) -> int:
         return len(self._active)
+
+    @property
+    def staleness(self) -> int | None:
+        """Versions published since this session bound (None before it bound): what the next
+        turn's provenance will say, readable before the turn so a framework can apply its own
+        off-policy rule (docs/sessions.md#staleness)."""
+        if self._bound is None:
+            return None
+        return self._worker.gateway.staleness(self._bound)
 
     async def bind(self) -> Bound:
         """The session's binding, binding now if this is the first call (shared with every
@@ -212,25 +224,38 @@ class SessionBinder:
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[Bound]:
         """One generation of this session, as any face sends it (:meth:`generate`, the
-        OpenAI gateway): binds on the first turn (the shared bind), renews the lease, and yields
-        the binding. The body must count its request in flight (``Gateway.admit`` with the
+        OpenAI gateway): binds on the first turn (the shared bind), renews the lease, refuses a
+        turn beyond the deployment's ``max_staleness`` (``SESSION_TOO_STALE``: the session is
+        then released with cause ``too_stale``, nothing was counted or sent), and yields the
+        binding. The body must count its request in flight (``Gateway.admit`` with the
         worker's ``inflight``) before its first ``await``: the lease check happened just before
         the yield, so a reclaim decided after it cannot miss the request. ``close`` waits for
         the body (``cancel=True`` cancels it, and this raises ``SESSION_CLOSED``); the lease's
         in-flight counts are renewed when it ends."""
         self._check_usable()
+        stale: LedgerError | None = None
         with anyio.CancelScope() as scope:
             self._enter(scope)
             try:
                 bound = self._bound
                 if bound is None:
                     bound = await self._worker._bind_slots([self])[0].wait()
-                self._worker.ensure_live()
-                yield bound
-                return
+                self._worker.ensure_live()  # no await from here to the body's increment
+                try:
+                    self._worker.gateway.check_staleness(bound)
+                except LedgerError as refusal:
+                    if refusal.code != Code.SESSION_TOO_STALE:
+                        raise
+                    stale = refusal
+                else:
+                    yield bound
+                    return
             finally:
                 self._exit(scope)
                 self._worker.report()  # the lease's in-flight counts are fresh again
+        if stale is not None:
+            await self._drop_stale(stale)
+            raise stale
         raise LedgerError(
             Code.SESSION_CLOSED,
             f"session {self.session_id} was closed (cancel=True) during this generation",
@@ -247,8 +272,22 @@ class SessionBinder:
 
     # --- internals -----------------------------------------------------------------------------
 
+    async def _drop_stale(self, refusal: LedgerError) -> None:
+        """A turn refused as too stale ends the session: it is released with cause
+        ``too_stale`` (recorded, so its version becomes reclaimable once its other sessions
+        go), and every later call hears the same refusal. The release runs in the worker's
+        task group, so a caller cancelled here cannot leave the session bound."""
+        if self._stale is None:
+            self._stale = refusal
+            self._release_cause = TOO_STALE
+        result = (await self._worker.close_many([self]))[0]
+        if isinstance(result, LoraLedgerError):
+            log.error("sessions.stale_release_failed", session=self.session_id, error=str(result))
+
     def _check_usable(self) -> None:
         self._worker.ensure_live()  # a stale worker hears LEASE_EXPIRED first, always
+        if self._stale is not None:
+            raise self._stale
         if self._closing or self.session_id in self._worker._idle_released:
             if self._idle_closed or self.session_id in self._worker._idle_released:
                 raise LedgerError(
@@ -420,7 +459,7 @@ class RolloutWorker:
         return results
 
     async def close_many(
-        self, binders: Iterable[SessionBinder], *, cancel: bool = False, cause: str = "closed"
+        self, binders: Iterable[SessionBinder], *, cancel: bool = False, cause: str | None = None
     ) -> list[Released | LoraLedgerError]:
         """Close a group: stop new generations, wait for (``cancel``: cancel) the running
         ones, then release all of them in one ledger round trip. Refusals come back in place;
@@ -437,7 +476,10 @@ class RolloutWorker:
             binder._release_slot = _Slot()
             self._releases.add(binder._release_slot)
         if fresh:
-            self._spawn(self._release_task, fresh, cause)
+            if cause is not None:  # recorded in the log (SessionReleased.cause)
+                for binder in fresh:
+                    binder._release_cause = cause
+            self._spawn(self._release_task, fresh)
         results: list[Released | LoraLedgerError] = []
         for binder in group:
             assert binder._release_slot is not None
@@ -583,8 +625,11 @@ class RolloutWorker:
                 binder._bind_slot = None
                 slot.fail(self._refusal(result))
 
-    async def _release_task(self, binders: list[SessionBinder], cause: str = "closed") -> None:
-        commands = [c.Release(session=b.session_id, owner=self.owner, cause=cause) for b in binders]
+    async def _release_task(self, binders: list[SessionBinder]) -> None:
+        commands = [
+            c.Release(session=b.session_id, owner=self.owner, cause=b._release_cause)
+            for b in binders
+        ]
         results = await self._settle(commands, binders, "release")
         for binder, result in zip(binders, results, strict=True):
             slot = binder._release_slot
@@ -592,7 +637,7 @@ class RolloutWorker:
             self._releases.discard(slot)
             if isinstance(result, Released):
                 slot.set(result)
-                if cause == IDLE_CAUSE:  # forgotten later (release_idle), not in this batch
+                if binder._release_cause == IDLE_CAUSE:  # forgotten later (release_idle)
                     self._idle_released[binder.session_id] = anyio.current_time()
                 else:
                     self._finished.append(binder.session_id)

@@ -252,8 +252,10 @@ def replay(
         str | None,
         typer.Option(
             "--at",
-            help="Rebuild the state as of this time: ISO 8601 (UTC if no zone) or unix "
-            "seconds; resolves to the last seq recorded at or before it.",
+            help="Rebuild the state as of this time: ISO 8601 (UTC if no zone), unix "
+            "seconds, a time of day (13:06:13: UTC, on the date of the log's last record) or "
+            "a relative time (-5m, -2h, -30s: before the log's last record); resolves to the "
+            "last seq recorded at or before it.",
         ),
     ] = None,
     version: Annotated[
@@ -290,11 +292,11 @@ def replay(
     from projections.status import status_of
     from tools.plot import plot_lifetimes
     from tools.progress import progress_bar
-    from tools.render import incidents_view, status_view, timeline_view
+    from tools.render import incidents_view, stalls_view, status_view, timeline_view
     from tools.replay import replay as run_replay
-    from tools.timefmt import iso, parse_duration, parse_time
+    from tools.timefmt import iso, parse_at, parse_duration
 
-    when = parse_time(at) if at is not None else None
+    when = parse_at(at) if at is not None else None
     threshold = parse_duration(stuck_after)
     if plot is not None and not plot.parent.is_dir():
         raise ToolError(Exit.USAGE, f"--plot {plot}: no such directory {plot.parent}")
@@ -337,6 +339,9 @@ def replay(
         for subject, entries in timelines:
             for entry in entries:
                 emit(to_json(entry, row="timeline", subject_of=subject))
+        for stalls in result.stalls.values():
+            for stall in stalls:
+                emit(to_json(stall, row="stall"))
         for incident in result.incidents or []:
             emit(to_json(incident, row="incident"))
         if written is not None:
@@ -344,9 +349,15 @@ def replay(
         return
     out = stdout_console()
     limit = "" if result.seq == result.log_last_seq else f" of {result.log_last_seq}"
-    out.print(status_view(status, title=f"{log} at seq {result.seq}{limit}", at=result.at))
+    asked = ""
+    if at is not None and result.asked_at is not None:
+        asked = f" (--at {at} = {iso(result.asked_at)})"
+    title = f"{log} at seq {result.seq}{limit}{asked}"
+    out.print(status_view(status, title=title, at=result.at))
     for subject, entries in timelines:
         out.print(timeline_view(subject, entries))
+        if subject.startswith("v") and result.stalls.get(int(subject[1:])):
+            out.print(stalls_view(subject, result.stalls[int(subject[1:])]))
     if result.incidents is not None:
         out.print(incidents_view(result.incidents))
     if written is not None:
@@ -541,6 +552,15 @@ def serve(
     capacity: Annotated[
         int, typer.Option("--capacity", help="Versions that may hold a slot at once.")
     ] = 3,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(
+            "--max-staleness",
+            help="Refuse a session's next turn (SESSION_TOO_STALE) once its version is more "
+            "than this many published versions behind the default (recorded in the log; "
+            "default: unbounded).",
+        ),
+    ] = None,
     artifact_root: Annotated[
         Path | None,
         typer.Option("--artifacts", help="Artifact store directory (default: next to --db)."),
@@ -605,6 +625,7 @@ def serve(
         deployment=deployment,
         prefix=prefix,
         capacity=capacity,
+        max_staleness=max_staleness,
         artifact_root=str(artifact_root) if artifact_root else None,
         served_model=served_model,
         private_reads=private_reads,

@@ -7,9 +7,14 @@ Two sources, chosen so no number can drift from the truth:
   engine (from the owners' lease renewals and any in-process gateway), routable engines, the
   head seq and epoch. Nothing is incremented by hand, so nothing can be forgotten.
 * **Counters and the latency histogram are fed from the log itself** (:meth:`observe` gets
-  every committed record): events appended per type, and publish latency measured from a
-  version's allocation to its commit using the records' ``recorded_at`` (the same numbers a
-  later ``replay`` shows).
+  every committed record): events appended per type, sessions released per cause (``too_stale``
+  among them), and publish latency measured from a version's allocation to its commit using the
+  records' ``recorded_at`` (the same numbers a later ``replay`` shows).
+* **Staleness** (docs/sessions.md#staleness), two histograms: of the sessions bound now (read
+  from the state at scrape time: a session's staleness is its version's distance from the
+  default revision), and of the generations served (``loraledger_generation_staleness``), fed
+  by the gateways of this process through :class:`StalenessSink` around their provenance sink
+  (generations are not in the log, so a service without an in-process gateway shows it empty).
 
 Each service gets its own ``CollectorRegistry`` (never the process-global one), so tests and
 embedded uses can run several.
@@ -17,17 +22,21 @@ embedded uses can run several.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from evlog.events import InFlight, VersionAllocated, VersionPublished
+from evlog.events import InFlight, SessionReleased, VersionAllocated, VersionPublished
 from evlog.record import Record
-from projections.registry import RegistryState, VersionState
+from projections.registry import SERVING_STATES, RegistryState, VersionState
+from projections.staleness import staleness
+from publisher.provenance import ProvenanceRow, Sink
 
 PUBLISH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# In published versions: 0 is on-policy; async RL bounds typically sit at 1-8.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 _LIVE = (
     VersionState.LOADING,
     VersionState.PUBLISHED,
@@ -98,6 +107,35 @@ class _StateCollector(Collector):
             "Commits of a new default so far.",
             value=s.default_revision,
         )
+        yield _bound_staleness(s)
+        if s.max_staleness is not None:
+            yield GaugeMetricFamily(
+                "loraledger_max_staleness",
+                "The deployment's bound on a session's staleness (absent: unbounded).",
+                value=s.max_staleness,
+            )
+
+
+def _bound_staleness(s: RegistryState) -> HistogramMetricFamily:
+    """Sessions bound now, by staleness: every session of a version bound at its revision (a
+    bind takes the default), so the histogram is one pass over the versions, not the sessions."""
+    per_value: dict[int, int] = {}
+    for v in s.versions.values():
+        if v.state in SERVING_STATES and v.bound and v.revision is not None:
+            behind = staleness(v.revision, s.default_revision)
+            per_value[behind] = per_value.get(behind, 0) + v.bound
+    buckets: list[tuple[str, float]] = []
+    for bound in STALENESS_BUCKETS:
+        buckets.append((str(float(bound)), sum(n for k, n in per_value.items() if k <= bound)))
+    total = sum(per_value.values())
+    buckets.append(("+Inf", total))
+    total_sum = sum(k * n for k, n in per_value.items())
+    family = HistogramMetricFamily(
+        "loraledger_bound_session_staleness",
+        "Sessions bound now, by staleness (versions published since they bound).",
+    )
+    family.add_metric([], buckets, total_sum)
+    return family
 
 
 class LedgerMetrics:
@@ -124,7 +162,24 @@ class LedgerMetrics:
             buckets=PUBLISH_BUCKETS,
             registry=self.registry,
         )
+        self.generation_staleness = Histogram(
+            "loraledger_generation_staleness",
+            "Staleness of served generations at dispatch (versions published between the "
+            "session's version and the default), from this process's gateways.",
+            buckets=STALENESS_BUCKETS,
+            registry=self.registry,
+        )
+        self.released = Counter(
+            "loraledger_sessions_released",
+            "Sessions released since this service started, per cause (closed, lease_expired, "
+            "too_stale, ...).",
+            ["cause"],
+            registry=self.registry,
+        )
         self._allocated: dict[int, float] = {}
+
+    def observe_generation(self, row: ProvenanceRow) -> None:
+        self.generation_staleness.observe(row.staleness)
 
     def add_inflight(self, report: InFlightReport) -> None:
         self._inflight.append(report)
@@ -134,7 +189,24 @@ class LedgerMetrics:
         self.events.labels(record.type).inc()
         if isinstance(event, VersionAllocated):
             self._allocated[event.version_id] = record.recorded_at
+        elif isinstance(event, SessionReleased):
+            self.released.labels(event.cause).inc()
         elif isinstance(event, VersionPublished):
             started = self._allocated.pop(event.version_id, None)
             if started is not None:
                 self.publish_latency.observe(max(record.recorded_at - started, 0.0))
+
+
+class StalenessSink:
+    """A provenance sink that counts every row's staleness in ``metrics`` before handing the
+    rows on: wrap a gateway's sink with it (``ProvenanceRecorder(StalenessSink(sink,
+    metrics))``) to expose the staleness of the generations it serves."""
+
+    def __init__(self, inner: Sink, metrics: LedgerMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    def write(self, rows: Sequence[ProvenanceRow]) -> None:
+        for row in rows:
+            self.metrics.observe_generation(row)
+        self.inner.write(rows)

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from projections.history import Entry
 from projections.incidents import Incident
+from projections.stalls import Stall
 from projections.status import LedgerStatus
 from tools.audit import AuditReport
 from tools.demo import DemoRun
@@ -53,6 +54,11 @@ def status_view(status: LedgerStatus, *, title: str, at: float | None = None) ->
             f"capacity {status.capacity_used}/{status.capacity}  "
             f"sessions bound {status.sessions_bound}  tombstones {status.tombstones}  "
             f"live owners {status.owners}"
+            + (
+                f"  max_staleness {status.max_staleness}"
+                if status.max_staleness is not None
+                else ""
+            )
         ),
     ]
     if status.blocked_by:
@@ -79,13 +85,15 @@ def status_view(status: LedgerStatus, *, title: str, at: float | None = None) ->
     engines = Table(title="engines", title_justify="left", expand=False)
     for column in ("engine", "kind", "incarnation", "routable", "holds", "strays", "endpoint"):
         engines.add_column(column)
+    version_of = {v.lora_name: v.version_id for v in status.versions}
     for e in status.engines:
+        held = sorted((version_of.get(name, 0), name) for name in e.holds)
         engines.add_row(
             e.engine,
             e.kind,
             e.incarnation,
             Text("yes", style="green") if e.routable else Text("no", style="bold red"),
-            str(len(e.holds)),
+            ", ".join(f"v{vid}" if vid else name for vid, name in held) or "-",
             ", ".join(e.strays) or "-",
             e.endpoint or "-",
         )
@@ -107,6 +115,42 @@ def timeline_view(subject: str, entries: Sequence[Entry]) -> RenderableType:
             state_text(e.from_state) if changed else Text(""),
             state_text(e.to_state) if changed else Text(""),
             e.detail,
+        )
+    return table
+
+
+def stalls_view(subject: str, stalls: Sequence[Stall]) -> RenderableType:
+    """Why a version stalled: each refusal or skip, what stood in the way, when it cleared."""
+    table = Table(title=f"why {subject} stalled", title_justify="left")
+    for column in ("seq", "time", "refused", "in the way", "cleared", "went on"):
+        table.add_column(column, justify="right" if column == "seq" else "left")
+    for st in stalls:
+        ways: list[str] = []
+        cleared: list[str] = []
+        for o in st.obstacles:
+            why = f" {o.reason.replace('_', ' ')}" if o.reason else ""
+            bound = f" ({o.bound} sessions)" if o.bound else ""
+            ways.append(f"v{o.version_id} {o.state or '?'}{why}{bound}")
+            if o.cleared_seq is None:
+                cleared.append(f"v{o.version_id}: not in this range")
+            else:
+                after = span(None if o.cleared_at is None else o.cleared_at - st.at)
+                cleared.append(
+                    f"v{o.version_id} -> {o.cleared_to} at seq {o.cleared_seq} "
+                    f"({o.cleared_by}, {after} later)"
+                )
+        went_on = (
+            "-"
+            if st.went_on_seq is None or st.went_on_at is None
+            else f"seq {st.went_on_seq} ({span(st.went_on_at - st.at)} later)"
+        )
+        table.add_row(
+            str(st.seq),
+            iso(st.at),
+            Text(f"{st.code}: {st.cause}"),
+            Text("\n".join(ways) or "-"),
+            Text("\n".join(cleared) or "-"),
+            went_on,
         )
     return table
 
@@ -164,7 +208,7 @@ def audit_view(report: AuditReport) -> RenderableType:
     for g in report.generations:
         detail = (
             f"turn {g.turn} on {g.engine} v{g.version_id}: {g.prompt_tokens}+"
-            f"{g.completion_tokens} tokens, {g.finish_reason}, lag {g.staleness} "
+            f"{g.completion_tokens} tokens, {g.finish_reason}, staleness {g.staleness} "
             f"(req {g.request_id})"
         )
         rows.append((g.started_at, -1, "generation", detail, Text("")))

@@ -23,8 +23,10 @@ from projections.history import Entry, History
 from projections.incidents import Incident, IncidentFold
 from projections.lifetimes import LifetimeFold, Lifetimes
 from projections.registry import RegistryState, evolve
+from projections.stalls import Stall, explain
 from tools.exitcodes import Exit, ToolError
 from tools.logfile import open_log
+from tools.timefmt import AtResolver
 
 Progress = Callable[[int, int], None]  # (records done, records in total)
 PROGRESS_EVERY = 4096
@@ -35,7 +37,9 @@ class ReplayResult(msgspec.Struct, kw_only=True):
     seq: int  # the last record applied
     at: float | None  # when it was recorded
     log_last_seq: int  # where the log ends (the replay may stop earlier)
+    asked_at: float | None = None  # the moment --at meant, resolved against the log
     versions: dict[int, list[Entry]] = msgspec.field(default_factory=dict)
+    stalls: dict[int, list[Stall]] = msgspec.field(default_factory=dict)  # per --version
     engines: dict[str, list[Entry]] = msgspec.field(default_factory=dict)
     incidents: list[Incident] | None = None
     lifetimes: Lifetimes | None = None
@@ -45,7 +49,7 @@ async def replay(
     path: str | os.PathLike[str],
     *,
     until_seq: int | None = None,
-    at: float | None = None,
+    at: float | AtResolver | None = None,
     versions: Sequence[int] = (),
     engines: Sequence[str] = (),
     incidents: bool = False,
@@ -62,6 +66,12 @@ async def replay(
         last = store.last_seq
         if until_seq is not None and until_seq > last:
             raise ToolError(Exit.USAGE, f"--seq {until_seq} is past the end of the log ({last})")
+        if callable(at):
+            # A time of day or a relative time: resolved against the log's last record.
+            tail = await store.read(after=max(0, last - 1), limit=1)
+            if not tail:
+                raise ToolError(Exit.USAGE, "--at: the log is empty")
+            at = at(tail[0].recorded_at)
         folds = _Folds(versions, engines, incidents, stuck_after, pinned_top, lifetimes)
         total = until_seq or last
         applied: Record | None = None
@@ -83,7 +93,9 @@ async def replay(
             )
         if progress is not None:
             progress(applied.seq, applied.seq)
-        return folds.result(applied, last, versions, engines)
+        result = folds.result(applied, last, versions, engines)
+        result.asked_at = at
+        return result
 
 
 class _Folds:
@@ -127,6 +139,7 @@ class _Folds:
             at=applied.recorded_at,
             log_last_seq=last,
             versions={v: history.versions.get(v, []) for v in versions} if history else {},
+            stalls={v: explain(history, v) for v in versions} if history else {},
             engines={e: history.engines.get(e, []) for e in engines} if history else {},
             incidents=self.incidents.finish() if self.incidents is not None else None,
             lifetimes=self.lifetimes.finish() if self.lifetimes is not None else None,

@@ -62,6 +62,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     deployment: str = "default"
     prefix: str = "policy"
     capacity: int = 3
+    max_staleness: int | None = None  # recorded as DeploymentConfigured (docs/sessions.md)
     artifact_root: str | None = None
     served_model: str = "tiny"
     synchronous: str = "FULL"
@@ -130,6 +131,8 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, f"engine ids must be unique, got {ids}")
     if opts.synchronous not in ("FULL", "NORMAL"):
         raise ToolError(Exit.USAGE, "--synchronous must be FULL or NORMAL")
+    if opts.max_staleness is not None and opts.max_staleness < 0:
+        raise ToolError(Exit.USAGE, f"--max-staleness {opts.max_staleness} must be >= 0")
     if opts.private_reads and not opts.token:
         raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
     if opts.max_connections < 1 or not opts.header_timeout_s > 0:
@@ -212,6 +215,7 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
                     prefix=opts.prefix,
                     capacity=opts.capacity,
                     artifact_root=artifact_root,
+                    max_staleness=opts.max_staleness,
                 )
             )
             yield plane

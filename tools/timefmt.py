@@ -5,12 +5,23 @@ every machine and every log, and exactly what ``--at`` accepts back, so a time c
 output replays that moment. ``--at`` also takes unix seconds (what ``recorded_at`` stores) and
 ISO with an explicit offset; an ISO time without a zone is read as UTC (never the local zone of
 whoever runs the command, which would make the same command mean different moments).
+
+Two shorter forms need the log to mean something, so :func:`parse_at` turns them into a
+function of the log's last record time (:func:`resolve_at`):
+
+* a **time of day** (``13:06``, ``13:06:13``, ``13:06:13.250``, optionally ``Z``): UTC, on the
+  UTC date of the log's last record (the day an on-call engineer is looking at; for an earlier
+  day give the full ISO time);
+* a **relative** time (``-5m``, ``-2h``, ``-30s``, ``-1.5h``): that long before the log's last
+  record, not before the wall clock now, so the same command on a copy of the log means the
+  same moment.
 """
 
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from collections.abc import Callable
+from datetime import UTC, datetime, time
 
 from tools.exitcodes import Exit, ToolError
 
@@ -31,11 +42,53 @@ def parse_time(text: str) -> float:
     except ValueError:
         raise ToolError(
             Exit.USAGE,
-            f"cannot read time {text!r}: give unix seconds or ISO 8601 (e.g. 2026-11-30T09:19:31Z)",
+            f"cannot read time {text!r}: give unix seconds, ISO 8601 (e.g. "
+            "2026-11-30T09:19:31Z), a time of day (13:06:13, UTC on the log's last day) or a "
+            "relative time (-5m: before the log's last record)",
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
+
+
+_TIME_OF_DAY = re.compile(r"^\d{1,2}:\d{2}(:\d{2}(\.\d{1,6})?)?[Zz]?$")
+
+# When --at is resolved against the log: the last record's time -> the moment meant.
+AtResolver = Callable[[float], float]
+
+
+def parse_at(text: str) -> AtResolver:
+    """What ``--at`` means, as a function of the log's last record time: a time of day (on
+    that record's UTC date), a relative ``-5m`` (before it), or an absolute time (unix seconds,
+    ISO 8601: the log does not matter). Bad input is a usage error, raised here, before the
+    log is opened."""
+    raw = text.strip()
+    if raw.startswith("-") and not _is_number(raw):
+        back = parse_duration(raw[1:])
+        return lambda last: last - back
+    if _TIME_OF_DAY.match(raw):
+        try:
+            clock = time.fromisoformat(raw.rstrip("Zz"))
+        except ValueError:
+            raise ToolError(
+                Exit.USAGE, f"cannot read time of day {text!r}: use HH:MM[:SS]"
+            ) from None
+
+        def on_the_logs_day(last: float) -> float:
+            day = datetime.fromtimestamp(last, tz=UTC).date()
+            return datetime.combine(day, clock, tzinfo=UTC).timestamp()
+
+        return on_the_logs_day
+    moment = parse_time(raw)
+    return lambda last: moment
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_duration(text: str) -> float:

@@ -109,6 +109,10 @@ class RayView:
     def default_revision(self) -> int:
         return self._ledger.routing.default_revision
 
+    @property
+    def max_staleness(self) -> int | None:
+        return self._ledger.routing.max_staleness
+
     def incarnation(self, engine: str) -> str:
         return next((e.incarnation for e in self._status.engines if e.engine == engine), "")
 

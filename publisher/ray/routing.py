@@ -30,6 +30,7 @@ class RoutingTable(msgspec.Struct, frozen=True, kw_only=True):
     serial: int
     default_revision: int
     holders: dict[str, tuple[str, ...]]
+    max_staleness: int | None = None
 
     @property
     def mark(self) -> Mark:
@@ -49,6 +50,7 @@ class RoutingTracker:
         key = (
             state.epoch,
             state.default_revision,
+            state.max_staleness,
             tuple((e.engine, e.routable, tuple(e.holds)) for e in state.engines.values()),
         )
         if self._table is None or key != self._key:
@@ -64,6 +66,7 @@ class RoutingTracker:
                 serial=self._serial,
                 default_revision=state.default_revision,
                 holders={name: tuple(engines) for name, engines in holders.items()},
+                max_staleness=state.max_staleness,
             )
         return self._table
 
@@ -104,3 +107,7 @@ class RemoteRouting:
     @property
     def default_revision(self) -> int:
         return 0 if self._table is None else self._table.default_revision
+
+    @property
+    def max_staleness(self) -> int | None:
+        return None if self._table is None else self._table.max_staleness

@@ -10,6 +10,9 @@ Nothing is modelled. What a seed chooses:
 * the rollout workers (2, each running sessions of a few turns through the gateway); one of
   them may die without closing its sessions, so its owner lease expires and the ledger
   releases them;
+* the deployment's ``max_staleness`` (unbounded, 0 or 1): a turn of a session whose version
+  fell further behind is refused before dispatch (``SESSION_TOO_STALE``), the session is
+  released as ``too_stale`` and the rollout restarts the episode under a new session id;
 * controller crashes (0-2): at a seeded time the controller process "dies" -- its store and
   engine handles are severed at that instant (a dead process touches nothing more), its tasks
   are cancelled -- and a new controller opens the same log.
@@ -56,12 +59,13 @@ from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.testing import RestartableEngine
 from evlog.errors import LoraLedgerError, StoreCode, StoreError
-from evlog.events import SessionBound
+from evlog.events import SessionBound, SessionReleased
 from evlog.memory import MemoryLog, MemoryStore
 from evlog.record import Pending
 from evlog.store import Snapshot
 from projections import invariants
 from projections.registry import RegistryState, VersionState, evolve
+from projections.staleness import TOO_STALE, too_stale
 from publisher import commands as c
 from publisher.engine_ops import EngineTimeouts
 from publisher.errors import Code
@@ -109,6 +113,7 @@ class SimConfig:
     crashes: tuple[float, ...]  # virtual times of controller crashes
     death: float | None  # virtual time one worker dies without closing its sessions
     fault_rate: float
+    max_staleness: int | None = None  # the deployment's bound (None: unbounded)
 
     @classmethod
     def from_seed(cls, seed: int) -> SimConfig:
@@ -122,6 +127,7 @@ class SimConfig:
             crashes=tuple(sorted(rng.uniform(5, 200) for _ in range(rng.choice((0, 1, 1, 2))))),
             death=rng.choice((None, rng.uniform(10, 150))),
             fault_rate=rng.choice((0.0, 0.05, 0.15, 0.3)),
+            max_staleness=rng.choice((None, None, 0, 1)),  # drawn last: earlier draws unchanged
         )
 
 
@@ -242,6 +248,8 @@ class World:
     sink: MemorySink = field(default_factory=MemorySink)
     calm: bool = False
     up: anyio.Event = field(default_factory=anyio.Event)
+    # (session, turn) of every turn refused as too stale, and the sessions they ended
+    stale_turns: list[tuple[str, int]] = field(default_factory=list)
 
     # --- what the rest of the system reaches through the network --------------------------
 
@@ -305,6 +313,10 @@ class RoutingPort:
     def default_revision(self) -> int:
         return self._state().default_revision
 
+    @property
+    def max_staleness(self) -> int | None:
+        return self._state().max_staleness
+
 
 # --- the actors ------------------------------------------------------------------------------
 
@@ -338,6 +350,7 @@ async def controller(world: World, gateway: Gateway) -> None:
                     lease_check_s=1.0,
                     cleanup_timeout=10.0,
                     clock=sim_clock,
+                    max_staleness=world.cfg.max_staleness,
                 ) as plane:
                     plane.add_inflight_source(gateway)
                     world.plane = plane
@@ -401,9 +414,20 @@ async def rollout(world: World, gateway: Gateway, port: ControllerPort, index: i
         async with RolloutWorker.open(port, gateway, owner=owner, ttl_s=TTL_S, retry=retry) as w:
             for s in range(world.cfg.sessions):
                 session = w.session(f"{owner}-s{s}")
+                restarts = 0
                 for turn in range(world.cfg.turns):
                     await anyio.sleep(rng.uniform(0.5, 8.0))
-                    await _generate(world, session, owner, turn)
+                    try:
+                        await _generate(world, session, owner, turn)
+                    except LoraLedgerError as exc:
+                        if exc.code != Code.SESSION_TOO_STALE:
+                            raise
+                        # Too stale: the episode restarts under a new session id. The refused
+                        # session's release is made sure of (a controller may have been down).
+                        world.stale_turns.append((session.session_id, turn))
+                        await _with_retries(session.close)
+                        restarts += 1
+                        session = w.session(f"{owner}-s{s}-r{restarts}")
                 await _with_retries(session.close)
     if life.cancelled_caught:
         world.notes.append(f"worker {owner} died at t={anyio.current_time():.1f}")
@@ -416,7 +440,7 @@ async def _generate(world: World, session: Any, owner: str, turn: int) -> None:
             await session.generate(PROMPT, PARAMS, turn=turn)
             return
         except LoraLedgerError as exc:
-            if exc.code in (Code.LEASE_EXPIRED, Code.SESSION_CLOSED):
+            if exc.code in (Code.LEASE_EXPIRED, Code.SESSION_CLOSED, Code.SESSION_TOO_STALE):
                 raise
             if exc.code == DispatchCode.GENERATION_FAILED and exc.details.get("engine_code") in (
                 ErrorCode.NAME_RECLAIMED,
@@ -462,6 +486,7 @@ class SimResult:
     generations: int
     engine_calls: int
     faults: int
+    stale_refusals: int = 0  # turns refused as too stale (max_staleness)
 
     @property
     def crashes(self) -> int:
@@ -528,6 +553,7 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
         generations=len(world.sink.rows),
         engine_calls=sum(f.count() for f in world.faulty),
         faults=sum(1 for f in world.faulty for call in f.calls if call.fault is not None),
+        stale_refusals=len(world.stale_turns),
     )
 
 
@@ -578,7 +604,17 @@ async def check_end_state(world: World) -> None:
     assert report.ok, report
     records = await store.read()
     state = RegistryState()
+    released_as: dict[str, str] = {}
     for r in records:
+        if isinstance(r.event, SessionReleased):
+            released_as[r.event.session] = r.event.cause
+            if r.event.cause == TOO_STALE:
+                # Released as too stale only when it was (by the log, before the release).
+                binding = state.sessions[r.event.session]
+                assert too_stale(binding.revision, state.default_revision, state.max_staleness), (
+                    "released as too stale within the bound",
+                    r.seq,
+                )
         evolve(state, r.event, r.seq)
         found = invariants.violations(state, deep=True)
         assert not found, f"after seq {r.seq} ({r.type}): {found}"
@@ -600,9 +636,18 @@ async def check_end_state(world: World) -> None:
     bound = {
         r.event.session: r.event.version_id for r in records if isinstance(r.event, SessionBound)
     }
+    served = {(row.session, row.turn) for row in world.sink.rows}
     for row in world.sink.rows:
         assert bound.get(row.session) == row.version_id, ("pinning", row)
         assert row.served_name == row.lora_name, ("served another adapter", row)
+        if cfg.max_staleness is not None:  # nothing served beyond the bound
+            assert row.staleness <= cfg.max_staleness, ("served too stale", row)
+    for session, turn in world.stale_turns:
+        assert cfg.max_staleness is not None, ("refused as too stale without a bound", session)
+        assert (session, turn) not in served, ("a refused turn was served", session, turn)
+        # Released (so its version could be reclaimed): as too stale, or by its lease's expiry
+        # when the controller was out of reach until the worker was gone.
+        assert released_as.get(session) in (TOO_STALE, "lease_expired"), (session, released_as)
     assert not world.violations, world.violations
 
 
@@ -651,4 +696,5 @@ if __name__ == "__main__":
     print(result.cfg)
     print("\n".join(result.notes))
     print(f"events {len(result.rows)} lives {result.lives} generations {result.generations}")
+    print(f"stale refusals {result.stale_refusals}")
     print(f"digest {result.digest()}")

@@ -65,7 +65,14 @@ def _seed_range(slow: bool) -> range:
 def test_seeds_keep_every_promise(slow: bool) -> None:
     seeds = _seed_range(slow)
     failures: list[str] = []
-    totals = {"events": 0, "crashes": 0, "faults": 0, "expiries": 0, "generations": 0}
+    totals = {
+        "events": 0,
+        "crashes": 0,
+        "faults": 0,
+        "expiries": 0,
+        "generations": 0,
+        "stale refusals": 0,
+    }
     for seed in seeds:
         try:
             result = run_seed(seed)
@@ -84,16 +91,19 @@ def test_seeds_keep_every_promise(slow: bool) -> None:
         totals["faults"] += result.faults
         totals["expiries"] += result.expiries
         totals["generations"] += result.generations
+        totals["stale refusals"] += result.stale_refusals
     passed = len(seeds) - len(failures)
     record_figure("simulation seeds passed", f"{passed}/{len(seeds)}")
     record_figure(
         "simulated",
         ", ".join(f"{n} {what}" for what, n in totals.items())
-        + " (controller crashes, injected engine faults, owner lease expiries)",
+        + " (controller crashes, injected engine faults, owner lease expiries, turns refused "
+        "as too stale)",
     )
     assert not failures, "\n\n".join(failures[:3])
     if not os.environ.get("LORALEDGER_SIM_SEEDS"):  # a rerun of one seed need not cover all
         assert totals["crashes"] and totals["faults"] and totals["expiries"], totals
+        assert totals["stale refusals"], totals
 
 
 def _digest_in_subprocess(seed: int, hash_seed: str) -> str:

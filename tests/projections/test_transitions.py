@@ -160,6 +160,7 @@ def test_every_event_about_a_version_lifecycle_has_a_step() -> None:
         "SessionBound",
         "SessionReleased",
         "PublicationSkipped",
+        "PublicationBlocked",
         "ReceiptRejected",
         "VerdictConflict",
     }

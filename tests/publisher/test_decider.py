@@ -15,6 +15,7 @@ from evlog.events import (
     CommandRecorded,
     FatalResolved,
     InFlight,
+    PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
     SessionReleased,
@@ -119,8 +120,12 @@ def test_capacity_error_at_bootstrap_and_skip_after(book: Book) -> None:
     # Bootstrap (no default yet): a capacity refusal is an error, not a skip.
     small = Book().bootstrap(capacity=1)
     small.allocate(1)  # LOADING: the only slot is taken
-    assert small.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.CAPACITY_ERROR) == []
-    assert 2 not in small.state.versions  # nothing recorded, nothing allocated
+    recorded = small.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.CAPACITY_ERROR)
+    # Recorded once (the stall and its slot holder), nothing allocated.
+    assert [(type(e), getattr(e, "blocked_by", None)) for e in recorded] == [
+        (PublicationBlocked, (1,))
+    ]
+    assert 2 not in small.state.versions
     small.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="timeout"))
     # FAILED_FATAL keeps its slot; once resolved the slot frees.
     assert small.state.capacity_used() == 1
@@ -526,7 +531,7 @@ def test_reclaim_waits_for_the_last_binding_and_is_handed_out_once(book: Book) -
     book.publish(2)
     book.refuse(c.ClaimReclaim(version_id=1), Code.NOT_RECLAIMABLE)  # still bound
     book.run(c.Release(session="s", owner="w1"))
-    assert book.state.reclaimable() == [1]
+    assert 1 in book.state.reclaimable() and book.state.versions[1].bound == 0
     busy = InFlight(reporter="w1", engine="e0", count=1, at=1.0)
     book.refuse(c.ClaimReclaim(version_id=1, evidence=(busy,)), Code.REQUESTS_IN_FLIGHT)
     idle = InFlight(reporter="w1", engine="*", count=0, at=2.0)
@@ -641,3 +646,82 @@ def test_a_command_id_recorded_before_allow_rollback_existed_still_names_the_sam
     assert _fingerprint(allocate) == "90b626d303afa0b6040837a97d56e205"
     rollback = c.Allocate(version_id=3, digest="a" * 64, size_bytes=7, allow_rollback=True)
     assert _fingerprint(rollback) != _fingerprint(allocate)
+
+
+# --- stalls explained by the log -------------------------------------------------------------
+
+
+def test_a_blocked_publication_is_recorded_once_per_stall_with_its_blockers() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.allocate(2)
+    book.ready_all(2)
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="TIMEOUT", reason="t"))
+    allocate3 = c.Allocate(version_id=3, digest=digest_of(3))
+    (blocked,) = book.refuse(allocate3, Code.PUBLICATION_BLOCKED)
+    assert isinstance(blocked, PublicationBlocked)
+    assert (blocked.version_id, blocked.code, blocked.blocked_by) == (
+        3,
+        "PUBLICATION_BLOCKED",
+        (2,),
+    )
+    assert "version 2" in blocked.cause and "FAILED_FATAL" in blocked.cause
+    # The trainer retries in a loop: the same refusal writes nothing more.
+    for _ in range(5):
+        assert book.refuse(allocate3, Code.PUBLICATION_BLOCKED) == []
+    # The blockers change (the fatal entry is resolved, another publication is LOADING):
+    # a new stall, recorded once.
+    for engine in ("e0", "e1"):
+        book.run(c.ObserveInventory(engine=engine, incarnation=book.incarnation(engine),
+                                    adapters=()))  # fmt: skip
+    book.allocate(4)
+    (busy,) = book.refuse(allocate3, Code.PUBLICATION_IN_PROGRESS)
+    assert isinstance(busy, PublicationBlocked) and busy.blocked_by == (4,)
+    assert "version 4 is LOADING" in busy.cause
+    assert book.refuse(allocate3, Code.PUBLICATION_IN_PROGRESS) == []
+    # Once allocated, the stall is over: the same refusal later is a new stall.
+    assert 3 in book.state.stalls
+    book.run(c.FailAttempt(version_id=4, attempt=1, clean=True, code="X", reason="r",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    book.allocate(3)
+    assert 3 not in book.state.stalls
+
+
+def test_no_routable_engine_is_a_recorded_stall_naming_the_members() -> None:
+    book = Book().bootstrap()
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    (event,) = book.refuse(c.Allocate(version_id=1, digest=digest_of(1)), Code.FLEET_MISMATCH)
+    assert isinstance(event, PublicationBlocked) and event.blocked_by == ()
+    assert "e0" in event.cause and "e1" in event.cause
+
+
+def test_a_skip_names_every_slot_holder_and_why_it_holds(book: Book) -> None:
+    book.publish(1)
+    book.run(c.Bind(session="s1", owner="w1"))
+    book.run(c.Bind(session="s2", owner="w1"))
+    book.publish(2)  # capacity 2: v1 retired with 2 sessions, v2 the default
+    outcome = book.run(c.Allocate(version_id=3, digest=digest_of(3)))
+    assert isinstance(outcome, Skipped)
+    skipped = book.events[-1]
+    assert isinstance(skipped, PublicationSkipped)
+    assert [(h.version_id, h.reason, h.bound) for h in skipped.holders] == [
+        (1, "sessions_bound", 2),
+        (2, "default", 0),
+    ]
+    assert "v1 retired, sessions bound (2 sessions)" in skipped.message
+    assert "v2 the default" in skipped.message
+
+
+def test_a_session_too_stale_may_be_released_as_such_and_only_then() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.run(c.ConfigureDeployment(max_staleness=1))
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    book.publish(2)  # one behind: within the bound
+    book.refuse(c.Release(session="s", owner="w1", cause="too_stale"), Code.INVALID_INPUT)
+    assert "s" in book.state.sessions
+    book.publish(3)  # two behind: beyond it
+    released = book.run(c.Release(session="s", owner="w1", cause="too_stale"))
+    assert isinstance(released, Released) and released.released
+    assert 1 in book.state.reclaimable() and book.state.versions[1].bound == 0

@@ -51,6 +51,7 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
             Code.UNKNOWN_VERSION,
             Code.INVALID_STATE,
             Code.SESSION_CLOSED,
+            Code.SESSION_TOO_STALE,
             Code.NO_PUBLISHED_VERSION,
             Code.SESSION_STILL_BOUND,
             Code.UNKNOWN_OWNER,

@@ -18,7 +18,7 @@ from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from projections import invariants
 from projections.recovery import recover, save_snapshot
-from projections.registry import RegistryState, encode_state
+from projections.registry import PROJECTION_VERSION, RegistryState, encode_state
 from publisher import commands as c
 from publisher.errors import Code
 from publisher.ledger import Ledger
@@ -184,7 +184,7 @@ async def test_replay_is_deterministic_and_snapshot_equals_full_replay(tmp_path:
         from_snapshot = encode_state(await recover(store, use_snapshot=True))
         assert full_a == full_b == from_snapshot
         # and the snapshot was really used: it is older than the end of the log
-        snap = await store.load_snapshot("registry-1")
+        snap = await store.load_snapshot(PROJECTION_VERSION)
         assert snap is not None and snap.seq == midway < store.last_seq
         at_midway = await recover(store, use_snapshot=False, until=midway)
         assert at_midway.last_seq == midway and "late" not in at_midway.sessions
@@ -308,7 +308,7 @@ async def test_periodic_snapshots_are_written() -> None:
         await publish(ledger, 1)
         for i in range(40):
             await ledger.bind(f"s{i}", "w")
-    snap = await store.load_snapshot("registry-1")
+    snap = await store.load_snapshot(PROJECTION_VERSION)
     assert snap is not None and snap.seq > 20
 
 

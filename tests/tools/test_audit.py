@@ -78,7 +78,7 @@ def test_a_session_history_with_its_generations(cli: Cli, fault_log: Path, tmp_p
     out = human.stdout
     assert "session s-b (owner w1) -> v1" in out
     assert "while bound" in out and "RELEASED" in out and "turn 1 on e0 v1" in out
-    assert "lag 1" in out  # turn 1 ran one commit behind the head
+    assert "staleness 1" in out  # turn 1 ran one publication behind the default
 
 
 def test_a_generation_on_another_version_is_a_mismatch(

@@ -85,7 +85,9 @@ def test_the_injected_faults_are_the_incidents(cli: Cli, faulty_log: Path) -> No
         ("retried", "v3"),
         ("reclaim_ambiguous", "v1"),
         ("pinned_retired", "session s-1"),  # s-1 kept v1 after v3 replaced it
+        ("blocked", "v3"),  # v3's first allocation met v2's fatal block: recorded, once
     }, incidents
+    assert "in the way: v2" in str(found[("blocked", "v3")]["summary"])
     fatal = found[("fatal", "v2")]
     assert fatal["resolved"] is True and "CONNECTION_LOST" in str(fatal["summary"])
     assert len(fatal["seqs"]) >= 4  # the failure, both inventories, the resolution

@@ -160,3 +160,40 @@ def test_bad_arguments_are_usage_errors(
     result = cli("replay", fault_log, *args)
     assert result.returncode == Exit.USAGE
     assert message in result.stderr
+
+
+def test_at_takes_a_time_of_day_and_a_relative_time(cli: Cli, fault_log: Path) -> None:
+    # The log's last record is at t=1400 s (1970-01-01T00:23:20Z): a time of day is read on
+    # that UTC date, a relative time before that record.
+    assert _state(cli, fault_log, "--at", "00:20:00")["seq"] == 48
+    assert _state(cli, fault_log, "--at", "00:19:59.900Z")["seq"] == 45
+    assert _state(cli, fault_log, "--at", "-200s")["seq"] == 48
+    human = cli("replay", fault_log, "--at", "-200s")
+    assert "(--at -200s = 1970-01-01T00:20:00.000Z)" in human.stdout
+    bad = cli("replay", fault_log, "--at", "25:99")
+    assert bad.returncode == Exit.USAGE and "time" in bad.stderr
+
+
+def test_why_a_version_stalled_names_the_slot_holders_and_when_each_cleared(
+    cli: Cli, fault_log: Path
+) -> None:
+    result = cli("replay", fault_log, "--version", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    (stall,) = [r for r in _rows(result.stdout) if r["row"] == "stall"]
+    assert (stall["version_id"], stall["code"], stall["event"]) == (
+        5,
+        "CAPACITY_ERROR",
+        "PublicationSkipped",
+    )
+    holders = {o["version_id"]: o for o in stall["obstacles"]}
+    assert {v: (o["state"], o["reason"]) for v, o in holders.items()} == {
+        2: ("RETIRED", "sessions_bound"),
+        3: ("RETIRED", "awaiting_reclaim"),
+        4: ("PUBLISHED", "default"),
+    }
+    assert holders[2]["bound"] == 1 and holders[2]["cleared_seq"] is None  # s-d never left
+    assert (holders[3]["cleared_by"], holders[3]["cleared_to"]) == ("ReclaimClaimed", "RECLAIMING")
+    assert holders[3]["cleared_seq"] > stall["seq"]
+    human = cli("replay", fault_log, "--version", "5").stdout
+    assert "why v5 stalled" in human and "sessions bound" in human  # (wrapped to the width)
+    assert "awaiting reclaim" in human and "RECLAIMING" in human

@@ -1,0 +1,101 @@
+"""The staleness bound (docs/sessions.md#staleness) on real local engines and a real ledger:
+a long session is refused at the turn after the default moved more than ``max_staleness``
+versions past its own, the refusal is recorded (released, cause ``too_stale``), nothing is
+dispatched, and its version becomes reclaimable; off by default, nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from evlog.errors import LoraLedgerError
+from evlog.events import DeploymentConfigured, SessionReleased
+from evlog.memory import MemoryStore
+from projections.registry import VersionState
+from publisher.errors import Code
+from publisher.outcomes import Bound
+from publisher.sessions import RolloutWorker, SessionBinder
+from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, rig
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+
+
+async def _events(store: MemoryStore, kind: type) -> list:  # type: ignore[type-arg]
+    return [rec.event async for rec in store.iterate(after=0) if isinstance(rec.event, kind)]
+
+
+async def test_a_long_session_is_refused_at_the_right_turn_and_its_version_reclaimed() -> None:
+    async with rig(wrap=Recording) as r:
+        await r.ledger.configure_deployment(max_staleness=2)
+        await r.publish(1)
+        async with RolloutWorker.open(r.ledger, r.gateway, owner="w1") as w:
+            long = w.session("long")
+            first = await long.generate(PROMPT, SHORT)
+            assert (first.version_id, first.staleness, long.staleness) == (1, 0, 0)
+            await r.publish(2)
+            await r.publish(3)  # two versions behind: still within the bound
+            assert long.staleness == 2 and r.gateway.staleness(first_bound(long)) == 2
+            served = await long.generate(PROMPT, SHORT)
+            assert (served.version_id, served.staleness) == (1, 2)
+            await r.publish(4)  # three behind: the next turn is refused before dispatch
+            assert long.staleness == 3
+            sent = sum(len(e.calls) for e in r.fleet)  # type: ignore[attr-defined, misc]
+            with pytest.raises(LoraLedgerError) as info:
+                await long.generate(PROMPT, SHORT)
+            refusal = info.value
+            assert refusal.code == Code.SESSION_TOO_STALE
+            assert refusal.details["staleness"] == 3 and refusal.details["max_staleness"] == 2
+            assert sum(len(e.calls) for e in r.fleet) == sent  # type: ignore[attr-defined, misc]
+            # Recorded: released as too stale, once; later turns hear the same refusal.
+            released = await _events(r.store, SessionReleased)
+            assert [(e.session, e.version_id, e.cause) for e in released] == [
+                ("long", 1, "too_stale")
+            ]
+            with pytest.raises(LoraLedgerError) as again:
+                await long.generate(PROMPT, SHORT)
+            assert again.value.code == Code.SESSION_TOO_STALE
+            assert len(await _events(r.store, SessionReleased)) == 1
+            # A fresh session binds the default and serves.
+            fresh = await w.session("fresh").generate(PROMPT, SHORT)
+            assert (fresh.version_id, fresh.staleness) == (4, 0)
+        # The refused session no longer pins version 1: reclaim takes it.
+        assert r.ledger.state.versions[1].bound == 0
+        assert 1 in await r.reclaimer().sweep()
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+
+
+def first_bound(binder: SessionBinder) -> Bound:
+    assert binder.bound is not None
+    return binder.bound
+
+
+async def test_off_by_default_a_session_serves_however_far_behind() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with RolloutWorker.open(r.ledger, r.gateway, owner="w1") as w:
+            long = w.session("long")
+            await long.generate(PROMPT, SHORT)
+            for version in range(2, 7):
+                await r.publish(version)
+            served = await long.generate(PROMPT, SHORT)
+            assert (served.version_id, served.staleness) == (1, 5)
+        assert r.ledger.state.max_staleness is None
+        assert await _events(r.store, DeploymentConfigured) == []
+        assert [e.cause for e in await _events(r.store, SessionReleased)] == []
+
+
+async def test_the_setting_is_recorded_once_and_a_false_too_stale_release_is_refused() -> None:
+    async with rig() as r:
+        await r.ledger.configure_deployment(max_staleness=1)
+        assert (await r.ledger.configure_deployment(max_staleness=1)).no_op
+        with pytest.raises(LoraLedgerError) as bad:
+            await r.ledger.configure_deployment(max_staleness=-1)
+        assert bad.value.code == Code.INVALID_INPUT
+        assert [e.max_staleness for e in await _events(r.store, DeploymentConfigured)] == [1]
+        await r.publish(1)
+        await r.ledger.register_owner("w1", ttl_s=30.0)
+        await r.ledger.bind("s", "w1")
+        # Not stale at all: a release claiming too_stale would make the log lie.
+        with pytest.raises(LoraLedgerError) as lie:
+            await r.ledger.release("s", "w1", cause="too_stale")
+        assert lie.value.code == Code.INVALID_INPUT
+        assert "s" in r.ledger.state.sessions
