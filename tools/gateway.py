@@ -149,7 +149,7 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     await face.aclose()
     except LedgerUnreachable as exc:
         raise ToolError(
-            Exit.FAILED, f"the ledger at {opts.ledger} cannot be reached: {exc}"
+            Exit.UNREACHABLE, f"the ledger at {opts.ledger} cannot be reached: {exc}"
         ) from None
     except LoraLedgerError as exc:
         raise ToolError(

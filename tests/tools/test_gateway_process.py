@@ -275,6 +275,15 @@ def test_gateway_options_are_refused_before_anything_starts() -> None:
             check_options(bad)
         assert usage.value.exit_code == Exit.USAGE, bad
 
+    from tools.gateway import GatewayOptions as G
+    from tools.gateway import run_gateway
+
+    with pytest.raises(ToolError) as nobody:  # nothing listens there: exit 10, said so
+        anyio.run(lambda: run_gateway(G(ledger="http://127.0.0.1:9", token="t", port=0), stop=None))
+    assert (
+        nobody.value.exit_code == Exit.UNREACHABLE and "cannot be reached" in nobody.value.message
+    )
+
     from tools.serve import ServeOptions
     from tools.serve import check_options as check_serve
 
