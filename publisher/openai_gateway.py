@@ -461,7 +461,10 @@ class OpenAIGateway:
             if engine_id is None:
                 if not refreshed:  # a remote view may not show the version's holders yet
                     refreshed = True
-                    await self.view.refresh()
+                    try:
+                        await self.view.refresh()
+                    except Exception as exc:  # the ledger unreachable: answer from what we have
+                        log.warning("openai.refresh_failed", rid=ask.request_id, error=repr(exc))
                     self.worker.ensure_live()  # the lease check again, right before admit
                     continue
                 await _send_error(
@@ -472,6 +475,9 @@ class OpenAIGateway:
                 )
                 return
             tried.append(engine_id)
+            # The new count goes with a renewal now: a remote ledger (gateway process) learns
+            # of this request before it is sent, not at the next renewal tick.
+            self.worker.report()
             try:
                 route = self.engines.get(engine_id)
                 if route is None:

@@ -68,6 +68,8 @@ T = TypeVar("T")
 RETRYABLE_CODES = frozenset({StoreCode.STORE_FAILED})
 # Refusals that end this owner: its sessions are gone, it must not act any more.
 OWNER_LOST_CODES = frozenset({Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER})
+# The release cause of a session that went ``idle_release_s`` without a turn.
+IDLE_CAUSE = "idle"
 
 
 class LedgerPort(Protocol):
@@ -152,6 +154,8 @@ class SessionBinder:
         self._next_turn = 0
         self._release_cause = "closed"
         self._stale: LedgerError | None = None  # set once a turn was refused as too stale
+        self.last_used = anyio.current_time()  # the end of its last turn (anyio's clock)
+        self._idle_closed = False  # closed by the worker's idle release
 
     @property
     def bound(self) -> Bound | None:
@@ -284,7 +288,16 @@ class SessionBinder:
         self._worker.ensure_live()  # a stale worker hears LEASE_EXPIRED first, always
         if self._stale is not None:
             raise self._stale
-        if self._closing:
+        if self._closing or self.session_id in self._worker._idle_released:
+            if self._idle_closed or self.session_id in self._worker._idle_released:
+                raise LedgerError(
+                    Code.SESSION_CLOSED,
+                    f"session {self.session_id} was released after "
+                    f"{self._worker.idle_release_s:g} s without a turn (cause idle): its "
+                    "version may be reclaimed; start a new session id",
+                    session=self.session_id,
+                    cause=IDLE_CAUSE,
+                )
             raise LedgerError(
                 Code.SESSION_CLOSED, f"session {self.session_id} is closed", session=self.session_id
             )
@@ -296,6 +309,7 @@ class SessionBinder:
 
     def _exit(self, scope: anyio.CancelScope) -> None:
         self._active.discard(scope)
+        self.last_used = anyio.current_time()
         if not self._active and self._idle is not None:
             self._idle.set()
 
@@ -328,9 +342,17 @@ class RolloutWorker:
         renew_every: float | None = None,
         forget_batch: int = 256,
         retry: RetryPolicy | None = None,
+        idle_release_s: float = 0.0,
+        idle_tombstone_s: float = 86400.0,
     ) -> None:
         if not (math.isfinite(ttl_s) and ttl_s > 0) or forget_batch < 1:
             raise InvalidInput(INVALID_INPUT, "ttl_s must be > 0 and forget_batch >= 1")
+        if not (math.isfinite(idle_release_s) and idle_release_s >= 0) or not (
+            math.isfinite(idle_tombstone_s) and idle_tombstone_s >= 0
+        ):
+            raise InvalidInput(
+                INVALID_INPUT, "idle_release_s and idle_tombstone_s must be finite and >= 0"
+            )
         self.ledger = ledger
         self.gateway = gateway
         self.owner = owner
@@ -349,6 +371,13 @@ class RolloutWorker:
         self.inflight = InFlightCounter()
         self.forgotten = 0
         self.renewals = 0
+        # Idle release (0: never): a session this worker bound with no turn for that long is
+        # released (cause ``idle``); its tombstone is kept ``idle_tombstone_s`` so a late turn
+        # is refused SESSION_CLOSED rather than bound afresh, then forgotten.
+        self.idle_release_s = idle_release_s
+        self.idle_tombstone_s = idle_tombstone_s
+        self._idle_released: dict[str, float] = {}  # session -> when (anyio's clock)
+        self.idle_releases = 0
 
     @classmethod
     @asynccontextmanager
@@ -362,6 +391,8 @@ class RolloutWorker:
         renew_every: float | None = None,
         forget_batch: int = 256,
         retry: RetryPolicy | None = None,
+        idle_release_s: float = 0.0,
+        idle_tombstone_s: float = 86400.0,
     ) -> AsyncIterator[RolloutWorker]:
         worker = cls(
             ledger,
@@ -371,12 +402,16 @@ class RolloutWorker:
             renew_every=renew_every,
             forget_batch=forget_batch,
             retry=retry,
+            idle_release_s=idle_release_s,
+            idle_tombstone_s=idle_tombstone_s,
         )
         worker._forget_lock = anyio.Lock()
         await worker._with_retry(lambda: worker.ledger.register_owner(owner, ttl_s=ttl_s))
         async with anyio.create_task_group() as tg:
             worker._tg = tg
             tg.start_soon(worker._renew_loop)
+            if idle_release_s > 0:
+                tg.start_soon(worker._idle_loop)
             try:
                 yield worker
                 await worker._finish_cleanup()
@@ -424,7 +459,7 @@ class RolloutWorker:
         return results
 
     async def close_many(
-        self, binders: Iterable[SessionBinder], *, cancel: bool = False
+        self, binders: Iterable[SessionBinder], *, cancel: bool = False, cause: str | None = None
     ) -> list[Released | LoraLedgerError]:
         """Close a group: stop new generations, wait for (``cancel``: cancel) the running
         ones, then release all of them in one ledger round trip. Refusals come back in place;
@@ -441,6 +476,9 @@ class RolloutWorker:
             binder._release_slot = _Slot()
             self._releases.add(binder._release_slot)
         if fresh:
+            if cause is not None:  # recorded in the log (SessionReleased.cause)
+                for binder in fresh:
+                    binder._release_cause = cause
             self._spawn(self._release_task, fresh)
         results: list[Released | LoraLedgerError] = []
         for binder in group:
@@ -495,6 +533,51 @@ class RolloutWorker:
                 cause=exc.code,
             )
             log.error("sessions.owner_lost", owner=self.owner, code=exc.code)
+
+    async def release_idle(self, now: float | None = None) -> int:
+        """Release every bound session of this worker with no turn in flight and none ended
+        in the last ``idle_release_s`` (cause ``idle``), and forget the tombstones of idle
+        releases older than ``idle_tombstone_s``. Returns how many it released. ``now`` is
+        anyio's clock (given by a test); the idle loop calls this every quarter of the idle
+        time (at most 30 s), so a session goes 1-1.25 idle periods before its release.
+
+        Why here and not in the ledger: only the faces see turns (a turn after the first never
+        reaches the ledger), and an OpenAI client never says its episode ended. The choice and
+        the ``_closing`` flag are set with no ``await`` between, so a turn starting later is
+        refused ``SESSION_CLOSED``, and one that started before is waited for by the close."""
+        now = anyio.current_time() if now is None else now
+        for session, at in list(self._idle_released.items()):
+            if now - at >= self.idle_tombstone_s:
+                del self._idle_released[session]
+                self._finished.append(session)
+        if self.idle_release_s <= 0 or self._lost is not None:
+            return 0
+        idle: list[SessionBinder] = []
+        for session, binder in list(self._binders.items()):
+            if binder._closing or binder._active or now - binder.last_used < self.idle_release_s:
+                continue
+            if binder._bound is None:
+                if binder._bind_slot is None:  # never bound (a failed bind): nothing to release
+                    del self._binders[session]
+                continue  # a bind in flight is not idle
+            binder._idle_closed = True
+            idle.append(binder)
+        if not idle:
+            return 0
+        results = await self.close_many(idle, cause=IDLE_CAUSE)
+        released = sum(isinstance(r, Released) for r in results)
+        self.idle_releases += released
+        log.info("sessions.idle_released", owner=self.owner, count=released, of=len(idle))
+        return released
+
+    async def _idle_loop(self) -> None:
+        period = min(self.idle_release_s / 4, 30.0)
+        while self._lost is None:
+            await anyio.sleep(period)
+            try:
+                await self.release_idle()
+            except LoraLedgerError as exc:
+                log.warning("sessions.idle_release_failed", owner=self.owner, error=repr(exc))
 
     async def _renew_loop(self) -> None:
         while self._lost is None:
@@ -554,7 +637,10 @@ class RolloutWorker:
             self._releases.discard(slot)
             if isinstance(result, Released):
                 slot.set(result)
-                self._finished.append(binder.session_id)
+                if binder._release_cause == IDLE_CAUSE:  # forgotten later (release_idle)
+                    self._idle_released[binder.session_id] = anyio.current_time()
+                else:
+                    self._finished.append(binder.session_id)
                 if self._binders.get(binder.session_id) is binder:
                     del self._binders[binder.session_id]
             else:
@@ -683,5 +769,7 @@ class RolloutWorker:
         """On a normal exit: let pending releases land, then forget every tombstone."""
         for slot in list(self._releases):
             await slot.done.wait()
+        self._finished.extend(self._idle_released)  # no one is left to refuse their late turns
+        self._idle_released.clear()
         if self._lost is None:
             await self.flush_forgets()

@@ -16,8 +16,8 @@ the engines started first serve the training loop, whose log the rollout worker,
 commands and ``serve`` then use. Any other info string fails, and so does a ``python`` or
 ``bash`` block that is not run, unless :data:`NOT_RUN` names it with the reason.
 
-The README's ports (30001, 30002 for the engines, 8765 for ``serve``) are used as written; if
-one is taken on this machine the test says so instead of running somewhere else.
+The README's ports (30001, 30002 for the engines, 8766 and 8765 for the two ``serve``) are used
+as written; if one is taken on this machine the test says so instead of running elsewhere.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ NOT_RUN = {
 }
 RUN_KINDS = ("python", "bash")
 SHOWN_KINDS = ("text",)
-PORTS = (30001, 30002, SERVE_PORT)
+PORTS = (30001, 30002, 8766, SERVE_PORT)  # 8766: the OpenAI example's service
 BLOCK_TIMEOUT_S = 600.0
 SERVER_START_S = 240.0
 

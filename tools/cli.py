@@ -669,6 +669,14 @@ def serve(
     probe_timeout: Annotated[
         float, typer.Option("--probe-timeout", help="Seconds one engine health probe may take.")
     ] = 10.0,
+    session_idle: Annotated[
+        float,
+        typer.Option(
+            "--session-idle-s",
+            help="Release an OpenAI session after this many seconds without a turn (cause "
+            "'idle'), so its version can be reclaimed; 0: never.",
+        ),
+    ] = 1800.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -700,6 +708,7 @@ def serve(
         provenance=str(provenance) if provenance else None,
         suspend_after_s=suspend_after if suspend_after > 0 else None,
         probe_timeout_s=probe_timeout,
+        session_idle_s=session_idle,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     if _verbosity == 0:
@@ -714,6 +723,118 @@ def serve(
             print(f"loraledger serve: listening on {url} (log {db}, pid {os.getpid()})", flush=True)
 
     _run(functools.partial(service.serve, opts, verbosity=max(_verbosity, 1), on_ready=ready))
+
+
+@app.command()
+@guarded
+def gateway(
+    ledger: Annotated[
+        str, typer.Option("--ledger", help="Base URL of the running `loraledger serve`.")
+    ],
+    host: Annotated[
+        str,
+        typer.Option("--host", help="Listen address. Beyond loopback a token is required."),
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 8766,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="File whose first line is the ledger's bearer token, also the one clients "
+            "must send; default: $LORALEDGER_TOKEN.",
+        ),
+    ] = None,
+    engine_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--engine-token-file",
+            help="File whose first line is the token sent to every engine; default: "
+            "$LORALEDGER_ENGINE_TOKEN.",
+        ),
+    ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine",
+            help="How this process reaches an engine of the ledger's fleet, ID=KIND:URL as for "
+            "serve (repeatable); default: each engine's endpoint as the ledger reports it.",
+        ),
+    ] = None,
+    alias: Annotated[
+        str,
+        typer.Option("--alias", help="The OpenAI model name meaning 'my session's version'."),
+    ] = "policy",
+    owner: Annotated[
+        str | None,
+        typer.Option(
+            "--owner",
+            help="This gateway's owner id in the ledger (default gateway-HOST-PID); the same "
+            "id, back within its lease, resumes its sessions.",
+        ),
+    ] = None,
+    ttl: Annotated[float, typer.Option("--ttl-s", help="Lease of the owner, seconds.")] = 30.0,
+    session_idle: Annotated[
+        float,
+        typer.Option(
+            "--session-idle-s",
+            help="Release a session after this many seconds without a turn here; 0: never.",
+        ),
+    ] = 1800.0,
+    refresh: Annotated[
+        float,
+        typer.Option("--refresh-s", help="Seconds between reads of the ledger's routing."),
+    ] = 1.0,
+    provenance: Annotated[
+        Path | None,
+        typer.Option(
+            "--provenance", help="JSON-lines provenance (default: ./OWNER.provenance.jsonl)."
+        ),
+    ] = None,
+    max_connections: Annotated[
+        int,
+        typer.Option("--max-connections", help="Open connections beyond which one gets 503."),
+    ] = 1000,
+    json: JsonOpt = False,
+) -> None:
+    """Serve the OpenAI routes in front of a remote `loraledger serve` (docs/openai.md).
+
+    Sessions bind in the ledger (durably, before anything is sent), in-flight counts travel
+    with this process's lease renewals, and routing comes from the ledger's status. Several
+    gateway processes agree on a session's version and engine without talking to each other.
+    Stops cleanly on SIGINT/SIGTERM.
+    """
+    from tools import gateway as front
+    from tools import serve as service
+
+    opts = front.GatewayOptions(
+        ledger=ledger.rstrip("/"),
+        host=host,
+        port=port,
+        token=_secret(None, "", token_file, "LORALEDGER_TOKEN"),
+        engine_token=_secret(None, "", engine_token_file, "LORALEDGER_ENGINE_TOKEN"),
+        engines=service.specs(engine or []),
+        alias=alias,
+        owner=owner,
+        ttl_s=ttl,
+        session_idle_s=session_idle,
+        refresh_s=refresh,
+        provenance=str(provenance) if provenance else None,
+        max_connections=max_connections,
+    )
+    front.check_options(opts)
+    logconfig.configure(max(_verbosity, 1), stdlib=True)
+
+    def ready(url: str, owner_id: str) -> None:
+        if json:
+            emit({"row": "listening", "url": url, "owner": owner_id, "pid": os.getpid()})
+        else:
+            print(
+                f"loraledger gateway: listening on {url} (ledger {opts.ledger}, owner "
+                f"{owner_id}, pid {os.getpid()})",
+                flush=True,
+            )
+
+    _run(functools.partial(front.run_gateway, opts, verbosity=max(_verbosity, 1), on_ready=ready))
 
 
 def _secret(given: str | None, flag: str, file: Path | None, env_var: str) -> str | None:

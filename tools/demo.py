@@ -1,18 +1,25 @@
 """``loraledger demo``: the whole system, end to end, in about a minute on 2 cores.
 
 What runs (all real: a SQLite ledger on disk, two local engines running a tiny transformer with
-peft adapters, the ``ControlPlane`` with its reclaim driver and reconciler, rollout workers with
-owner leases, the generation gateway writing provenance):
+peft adapters, each served over HTTP on loopback, the ``ControlPlane`` with its reclaim driver
+and reconciler, and the OpenAI routes of the gateway, one loopback server per rollout worker
+(each its own owner with a lease) writing provenance). The rollout workers are what users run:
+the official ``openai`` client (``AsyncOpenAI``) with ``base_url`` on the gateway and the
+session in ``x-session-id``; the embedded Python gateway (``SessionBinder.generate``) stays for
+in-process use (docs/sessions.md):
 
 1. a trainer publishes v1 through the trainer API;
-2. waves of multi-turn sessions start on several rollout workers; each session binds on its
-   first generation and keeps that version for every later turn (tool waits between turns);
+2. waves of multi-turn sessions start on several rollout workers; each session binds on
+   its first generation and keeps that version (and, by sticky routing, its engine and prefix
+   cache) for every later turn (tool waits between turns);
 3. while a wave generates, the trainer publishes the next version (generation never pauses):
    new sessions bind to it, running ones stay pinned to theirs;
 4. in the middle, engine e1 is restarted: the reconciler notices the new incarnation, reloads
    the versions still needed and only then routes to it again (requests that were on it fail
-   and the rollout retries them as new requests);
-5. as the last session of an old version closes, the reclaim driver unloads it everywhere;
+   ``AMBIGUOUS_DISPATCH``, never resent by the gateway, and the rollout retries them as new
+   requests);
+5. as the last session of an old version is released (``POST /v1/sessions/{id}/release``), the
+   reclaim driver unloads it everywhere;
 6. the story is then told **from the log** (``tools/story.py``), with the commands to try on it.
 
 ``--quick`` is the same story, smaller (the CI test runs it). ``--engine vllm`` needs the real
@@ -26,25 +33,34 @@ import random
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 
-from evlog.errors import LoraLedgerError
-from publisher.gateway import DispatchCode
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
 
 log = get_logger("loraledger.demo")
 
-RETRIED_CODES = frozenset(
-    {DispatchCode.NO_ROUTE, DispatchCode.AMBIGUOUS_DISPATCH, DispatchCode.GENERATION_FAILED}
+# Refusals by the rules: a retry would only repeat them (anything else is retried as a new
+# request: NO_ROUTE, AMBIGUOUS_DISPATCH, an engine's refusal during its restart).
+NOT_RETRIED = frozenset(
+    {
+        "VERSION_NOT_BOUND",
+        "SESSION_CLOSED",
+        "LEASE_EXPIRED",
+        "UNAUTHORIZED",
+        "WRITES_DISABLED",
+        "INVALID_INPUT",
+    }
 )
 MAX_TRIES = 40
+TOKEN = "demo-token"  # the gateways listen on loopback only; the OpenAI routes need one
+WORDS = ("search", "read", "compute", "write", "check", "plan", "open", "list", "sum", "test")
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,15 +159,20 @@ async def run_demo(
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoRun:
     """Run the story into ``directory`` (a fresh folder); returns where everything is."""
+    import httpx
+    import openai
+
     from engines.local.admission import ServingLimits
-    from engines.local.engine import LocalEngine
+    from engines.local.client import LocalHTTPEngine
     from engines.local.tinymodel import make_adapter
     from engines.testing import RestartableEngine
     from evlog.sqlite import SQLiteStore
     from publisher.fleet import Fleet
     from publisher.gateway import Gateway, LedgerRouting
+    from publisher.openai_gateway import LiveView, OpenAIGateway, OpenAIOptions, engine_routes
     from publisher.plane import ControlPlane
     from publisher.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.sessions import RolloutWorker
     from publisher.trainer import PublicationError, TrainerClient
 
     # peft warns each time the adapter it last applied is freed: its bookkeeping, not news.
@@ -173,12 +194,15 @@ async def run_demo(
             members.append(await _vllm_engine(stack, directory, vllm_python))
         hosts = []
         for i in range(len(members), 2):
+            port: dict[str, int] = {}
 
-            def factory(i: int = i) -> LocalEngine:
-                return LocalEngine(f"e{i}", limits=limits)
+            def factory(i: int = i, port: dict[str, int] = port) -> Any:
+                return _served_local_engine(f"e{i}", limits, port)
 
             hosts.append(await stack.enter_async_context(RestartableEngine(factory)))
-        members.extend(hosts)
+            member = LocalHTTPEngine(f"http://127.0.0.1:{port['port']}", f"e{i}")
+            stack.push_async_callback(member.aclose)
+            members.append(member)
         plane = await stack.enter_async_context(
             ControlPlane.open(
                 store,
@@ -202,14 +226,31 @@ async def run_demo(
         rng = random.Random(cfg.seed)
         retried: Counter[str] = Counter()
 
-        from publisher.sessions import RolloutWorker
-
-        workers = [
-            await stack.enter_async_context(
+        # One OpenAI gateway face per rollout worker (each its own owner and lease, as separate
+        # gateway processes would be), all over one Gateway: one set of in-flight counts.
+        routes = engine_routes(plane.fleet)
+        clients: list[openai.AsyncOpenAI] = []
+        releasers: list[httpx.AsyncClient] = []
+        for k in range(cfg.workers):
+            worker = await stack.enter_async_context(
                 RolloutWorker.open(ledger, gateway, owner=f"worker-{k}", ttl_s=10.0)
             )
-            for k in range(cfg.workers)
-        ]
+            face = OpenAIGateway(worker, LiveView(ledger), routes, OpenAIOptions(token=TOKEN))
+            stack.push_async_callback(face.aclose)
+            url = await stack.enter_async_context(_loopback(face))
+            # The client's own retries are off: the rollout below retries, and counts.
+            clients.append(
+                await stack.enter_async_context(
+                    openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
+                )
+            )
+            releasers.append(
+                await stack.enter_async_context(
+                    httpx.AsyncClient(
+                        base_url=url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
+                    )
+                )
+            )
 
         async def publish(step: int) -> None:
             config, tensors = make_adapter(step, r=8)
@@ -223,42 +264,58 @@ async def run_demo(
             stats.publications.append(result)
             log.info("demo.published", **result)
 
-        async def session(worker: Any, sid: str, bound: anyio.Event, seed: int) -> None:
-            own = random.Random(seed)
-            binder = worker.session(sid)
-            prompt = [11 + own.randrange(200), 7, 42, 3]
-            params_tokens = cfg.tokens
-            from engines.contract import SamplingParams
+        async def turn(client: openai.AsyncOpenAI, sid: str, prompt: str) -> str:
+            """One turn through the OpenAI route, retried as a NEW request after a refusal
+            that may pass (the gateway never resends anything itself). ``/v1/completions``
+            on the conversation so far: every engine kind serves it (the tiny model has no
+            chat template of its own, which vLLM's chat route would need)."""
+            for attempt in range(MAX_TRIES):
+                try:
+                    reply = await client.completions.create(
+                        model="policy",
+                        prompt=prompt,
+                        max_tokens=cfg.tokens,
+                        temperature=0.0,
+                        extra_body={"ignore_eos": True},
+                        extra_headers={"x-session-id": sid},
+                    )
+                    return reply.choices[0].text
+                except openai.APIStatusError as exc:
+                    code = str(exc.code or exc.status_code)
+                    if code in NOT_RETRIED or attempt == MAX_TRIES - 1:
+                        raise ToolError(
+                            Exit.FAILED, f"session {sid}: {exc.status_code} {code}: {exc.message}"
+                        ) from None
+                    retried[code] += 1
+                    await anyio.sleep(0.05 * (attempt + 1))
+            raise AssertionError("unreachable")
 
-            params = SamplingParams(max_tokens=params_tokens, temperature=0.0, ignore_eos=True)
-            for turn in range(cfg.turns):
-                for attempt in range(MAX_TRIES):
-                    try:
-                        served = await binder.generate(prompt, params, turn=turn)
-                        break
-                    except LoraLedgerError as exc:
-                        if exc.code not in RETRIED_CODES or attempt == MAX_TRIES - 1:
-                            raise
-                        retried[exc.code] += 1
-                        await anyio.sleep(0.05 * (attempt + 1))
+        async def session(k: int, sid: str, bound: anyio.Event, seed: int) -> None:
+            own = random.Random(seed)
+            task = " ".join(own.choice(WORDS) for _ in range(6))
+            prompt = f"task {seed % 997}: {task}\n"  # the conversation so far: a growing prefix
+            for number in range(cfg.turns):
+                answer = await turn(clients[k], sid, prompt)
                 stats.generations += 1
-                if turn == 0:
+                if number == 0:
                     bound.set()
-                prompt = [*prompt, *served.generation.token_ids][-400:]
                 await anyio.sleep(own.uniform(0.0, cfg.think_s))  # a tool call
-            await binder.close()
+                prompt += f"{answer}\ntool: {own.choice(WORDS)} ok\n"
+            reply = await releasers[k].post(f"/v1/sessions/{sid}/release")
+            if reply.status_code != 200:
+                raise ToolError(Exit.FAILED, f"release of {sid}: {reply.text}")
             finished[0] += 1
             progress("sessions", finished[0], total_sessions)
 
         async def wave(number: int, tg: Any) -> list[anyio.Event]:
             """Sessions started right after version ``number`` was published."""
             flags = []
-            for k, worker in enumerate(workers):
+            for k in range(cfg.workers):
                 for i in range(cfg.sessions):
                     flag = anyio.Event()
                     flags.append(flag)
                     sid = f"wave{number}-worker{k}-s{i}"
-                    tg.start_soon(session, worker, sid, flag, rng.randrange(1 << 30))
+                    tg.start_soon(session, k, sid, flag, rng.randrange(1 << 30))
             return flags
 
         restart_wave = cfg.waves // 2
@@ -289,6 +346,67 @@ async def run_demo(
         plot=plot,
         stats=stats,
     )
+
+
+@asynccontextmanager
+async def _served_local_engine(
+    engine_id: str, limits: Any, port: dict[str, int]
+) -> AsyncIterator[Any]:
+    """One life of a local engine, served over HTTP on loopback. Every life listens on the
+    port of the first (``port``), so a restarted engine is found at the same URL with a new
+    incarnation, as a restarted engine process would be."""
+    from engines.local.engine import LocalEngine
+    from engines.local.server import serve
+
+    async with (
+        LocalEngine(engine_id, limits=limits) as engine,
+        serve(engine, port=port.get("port", 0)) as url,
+    ):
+        port["port"] = int(url.rsplit(":", 1)[1])
+        yield engine
+
+
+@asynccontextmanager
+async def _loopback(face: Any) -> AsyncIterator[str]:
+    """The OpenAI routes of ``face`` on a free loopback port (uvicorn); yields the URL."""
+    import socket
+
+    import uvicorn
+
+    from engines.guard import uvicorn_limits
+    from publisher.openai_gateway import openai_app
+
+    class Quiet(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # the demo's signals are the CLI's
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    server = Quiet(
+        uvicorn.Config(
+            openai_app(face),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            **uvicorn_limits(),
+        )
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, [sock])
+            with anyio.fail_after(20):
+                while not server.started:  # noqa: ASYNC110 -- uvicorn has only the flag
+                    await anyio.sleep(0.005)
+            try:
+                yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+            finally:
+                server.should_exit = True
+    finally:
+        sock.close()
 
 
 async def _vllm_engine(stack: AsyncExitStack, directory: Path, python: Path | None) -> Any:

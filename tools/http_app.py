@@ -14,6 +14,7 @@ POST     ``/owners``                      bearer token: register a rollout worke
 POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
 POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
+POST     ``/sessions/forget``             bearer token: forget released sessions' tombstones
 POST     ``/versions``                    bearer token: publish an adapter directory
 POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible generation
          ``/v1/completions``              (binds on a session's first turn)
@@ -100,6 +101,10 @@ class EngineActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An operator's action on an engine; ``detail`` is recorded with a suspension."""
 
     detail: str = ""
+
+
+class ForgetBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    sessions: list[str]
 
 
 class PublishBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -228,6 +233,9 @@ def build_app(
     async def release(request: Request, body: ReleaseBody) -> Any:
         return await ledger.release(request.path_params["session"], body.owner, cause=body.cause)
 
+    async def forget(request: Request, body: ForgetBody) -> Any:
+        return await ledger.forget(body.sessions)
+
     async def publish_version(request: Request, body: PublishBody) -> Any:
         if publish is None:
             raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
@@ -257,6 +265,7 @@ def build_app(
         Route("/owners/{owner}/renew", writer(RenewBody, renew), methods=["POST"]),
         Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
         Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
+        Route("/sessions/forget", writer(ForgetBody, forget), methods=["POST"]),
         Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
         Route(
             "/engines/{engine}/suspend", writer(EngineActionBody, suspend_engine), methods=["POST"]

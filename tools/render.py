@@ -267,7 +267,9 @@ def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
     head = Text.assemble(
         ("What happened", "bold"),
         f" (told from the log: {story.events} events over {story.duration_s:.1f}s; "
-        f"{story.generations} generations in the provenance file; wall time {stats.wall_s:.0f}s "
+        f"{story.generations} generations in the provenance file"
+        + (f" and {story.failed_requests} failed requests" if story.failed_requests else "")
+        + f"; wall time {stats.wall_s:.0f}s "
         f"on {fleet})",
     )
     table = Table(title="versions", title_justify="left")
@@ -315,6 +317,16 @@ def story_view(story: Story, run: DemoRun, *, fleet: str) -> RenderableType:
     else:
         lines.append(
             Text(f"- {story.mismatches} generations ran on another version!", style="bold red")
+        )
+    if story.later_turns:
+
+        def frac(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.2f}"
+
+        lines.append(
+            f"- Sticky routing: {story.later_on_first_engine} of {story.later_turns} later turns "
+            "ran on their session's first engine; cached share of their prompts "
+            f"{frac(story.cached_same)} there vs {frac(story.cached_moved)} on another engine."
         )
     idle = [e for e in story.fleet if not story.per_engine.get(e)]
     if idle and story.generations:

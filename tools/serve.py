@@ -21,13 +21,14 @@ Every committed event is logged as one line with its seq (``-v``) and counted in
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -74,6 +75,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     gateway_ttl_s: float = 30.0
     suspend_after_s: float | None = 30.0  # failing probes for this long suspend an engine
     probe_timeout_s: float = 10.0  # one health probe of an engine
+    session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -137,9 +139,24 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
     if opts.max_connections < 1 or not opts.header_timeout_s > 0:
         raise ToolError(Exit.USAGE, "--max-connections and --header-timeout must be positive")
+    if not (math.isfinite(opts.session_idle_s) and opts.session_idle_s >= 0):
+        raise ToolError(Exit.USAGE, "--session-idle-s must be >= 0 (0: never)")
 
 
-async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptions) -> Any:
+class EngineOptions(Protocol):
+    """What opening an engine reads of the options (serve's and a gateway's)."""
+
+    @property
+    def engine_token(self) -> str | None: ...
+
+    @property
+    def served_model(self) -> str: ...
+
+    @property
+    def artifact_root(self) -> str | None: ...
+
+
+async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: EngineOptions) -> Any:
     """A live engine handle for ``spec``; closed by ``stack``."""
     if spec.kind == "sglang":
         from engines.sglang import SGLangEngine
@@ -233,7 +250,11 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
         )
         plane.add_inflight_source(gateway)
         async with RolloutWorker.open(
-            ledger, gateway, owner=opts.gateway_owner, ttl_s=opts.gateway_ttl_s
+            ledger,
+            gateway,
+            owner=opts.gateway_owner,
+            ttl_s=opts.gateway_ttl_s,
+            idle_release_s=opts.session_idle_s,
         ) as worker:
             face = OpenAIGateway(
                 worker,

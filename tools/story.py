@@ -32,6 +32,9 @@ from projections.lifecycle import advance
 from projections.registry import RegistryState, VersionState
 from publisher.provenance import ProvenanceRow
 
+# finish reasons of provenance rows whose request did not complete (docs/openai.md)
+FAILED_OUTCOMES = frozenset({"engine_error", "ambiguous", "client_abort"})
+
 
 class VersionStory(msgspec.Struct, frozen=True, kw_only=True):
     version_id: int
@@ -78,6 +81,15 @@ class Story(msgspec.Struct, frozen=True, kw_only=True):
     sessions_open: int  # bound and never released at the end of the log
     spanning: int  # sessions still bound to their version when it was retired (kept pinned)
     example_session: str | None  # the longest held of them, else the first (a first audit)
+    # provenance rows of requests that reached an engine and did not complete (an engine's
+    # refusal, an ambiguous dispatch, a client abort): retried by the rollout as new requests
+    failed_requests: int = 0
+    # stickiness: completed later turns (after a session's first), how many ran on the engine
+    # of its first turn, and the cached-prompt fraction of those on it and of those moved
+    later_turns: int = 0
+    later_on_first_engine: int = 0
+    cached_same: float | None = None
+    cached_moved: float | None = None
 
 
 def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story:
@@ -142,13 +154,20 @@ def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story
     served: Counter[int] = Counter()
     engines: Counter[str] = Counter()
     mismatches = 0
-    total = 0
+    total = failed = 0
+    turns: dict[str, list[ProvenanceRow]] = {}
     for row in rows:
+        if bound_to.get(row.session) != row.version_id:
+            mismatches += 1
+        if row.finish_reason in FAILED_OUTCOMES:
+            failed += 1
+            continue
         total += 1
         served[row.version_id] += 1
         engines[row.engine] += 1
-        if bound_to.get(row.session) != row.version_id:
-            mismatches += 1
+        if row.turn is not None:
+            turns.setdefault(row.session, []).append(row)
+    sticky = _stickiness(turns.values())
 
     versions = []
     for vid, v in sorted(state.versions.items()):
@@ -195,7 +214,35 @@ def tell(records: Sequence[Record], rows: Iterable[ProvenanceRow] = ()) -> Story
         sessions_open=len(state.sessions),
         spanning=len(held),
         example_session=example,
+        failed_requests=failed,
+        later_turns=sticky[0],
+        later_on_first_engine=sticky[1],
+        cached_same=sticky[2],
+        cached_moved=sticky[3],
     )
+
+
+def _stickiness(
+    sessions: Iterable[list[ProvenanceRow]],
+) -> tuple[int, int, float | None, float | None]:
+    """(later turns, those on the session's first engine, cached-prompt fraction of those on
+    it, of those moved): what sticky routing buys, read from provenance alone."""
+    later = same = 0
+    tokens = {True: [0, 0], False: [0, 0]}  # on the first engine? -> [cached, prompt]
+    for rows in sessions:
+        first, *rest = sorted(rows, key=lambda r: (r.turn, r.started_at))
+        for row in rest:
+            on_first = row.engine == first.engine
+            later += 1
+            same += on_first
+            tokens[on_first][0] += row.cached_tokens
+            tokens[on_first][1] += row.prompt_tokens
+
+    def fraction(on_first: bool) -> float | None:
+        cached, prompt = tokens[on_first]
+        return cached / prompt if prompt else None
+
+    return later, same, fraction(True), fraction(False)
 
 
 def _restart(engine: str, r: dict[str, object], repaired: float | None) -> RestartStory:

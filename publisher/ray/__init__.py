@@ -7,6 +7,8 @@ the in-process API for trainers and rollout workers; engines as actors.
 :class:`~publisher.ray.client.RayLedger`       rollout side: ``LedgerPort`` + ``RoutingView``
 :class:`~publisher.ray.trainer.RayTrainerClient`  trainer side: ``publish(adapter, step=)``
 :func:`~publisher.ray.engine.start_engine`     an engine in its own actor, as a ``RayEngine``
+:func:`~publisher.ray.gateway.start_gateway`   an OpenAI gateway actor (``start_gateways``: one
+                                                per node); returns its HTTP address
 :func:`~publisher.ray.local.local_ray`         a loopback-only local Ray instance (tests, bench)
 :class:`~publisher.ray.hosting.PortalHost`     keep an ``async with`` open for an actor's life
 =========================================  =================================================
@@ -24,6 +26,8 @@ _LAZY = {
     "DEFAULT_NAMESPACE": "publisher.ray.link",
     "DEFAULT_LEDGER_NAME": "publisher.ray.ledger_actor",
     "EngineActor": "publisher.ray.engine",
+    "GatewayActor": "publisher.ray.gateway",
+    "GatewayConfig": "publisher.ray.gateway",
     "LOOPBACK": "publisher.ray.local",
     "LedgerActor": "publisher.ray.ledger_actor",
     "LedgerConfig": "publisher.ray.ledger_actor",
@@ -34,8 +38,11 @@ _LAZY = {
     "RayTrainerClient": "publisher.ray.trainer",
     "local_ray": "publisher.ray.local",
     "start_engine": "publisher.ray.engine",
+    "start_gateway": "publisher.ray.gateway",
+    "start_gateways": "publisher.ray.gateway",
     "start_ledger": "publisher.ray.ledger_actor",
     "stop_engine": "publisher.ray.engine",
+    "stop_gateway": "publisher.ray.gateway",
     "stop_ledger": "publisher.ray.ledger_actor",
 }
 

@@ -53,6 +53,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     kind: str
     transport: str
+    endpoint: str = ""  # the hosted engine's own HTTP address, if it has one
 
 
 async def _one(bucket: Bucket) -> AsyncIterator[Bucket]:
@@ -73,7 +74,12 @@ class EngineActor:
 
     async def describe(self) -> EngineInfo:
         engine = self._engine
-        return EngineInfo(engine_id=engine.engine_id, kind=engine.kind, transport=engine.transport)
+        return EngineInfo(
+            engine_id=engine.engine_id,
+            kind=engine.kind,
+            transport=engine.transport,
+            endpoint=engine.capabilities.endpoint,
+        )
 
     async def incarnation(self) -> str:
         return await self._host.call(self._engine.incarnation)
@@ -128,23 +134,33 @@ class RayEngine:
     with :meth:`connect` (asks the actor who it is) or directly when that is known.
 
     It declares no optional capability: ``generate`` carries no ``extra_body`` across the
-    actor, and the engine has no address of its own on this side (the actor is the way in)."""
+    actor. ``endpoint`` is the hosted engine's own HTTP address when it has one (an HTTP
+    adapter in the actor): the OpenAI gateway actor sends generations there directly."""
 
-    capabilities = EngineCapabilities()
-
-    def __init__(self, handle: ActorHandle, engine_id: str, kind: str, transport: Transport):
+    def __init__(
+        self,
+        handle: ActorHandle,
+        engine_id: str,
+        kind: str,
+        transport: Transport,
+        endpoint: str = "",
+    ):
         self.handle = handle
         self.engine_id = engine_id
         self.kind = kind
         self.transport: Transport = transport
+        self.capabilities = EngineCapabilities(endpoint=endpoint)
 
     @classmethod
     async def connect(cls, handle: ActorHandle) -> RayEngine:
         info: EngineInfo = await cls._remote(handle, "describe", "?")
-        return cls(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+        return cls(handle, info.engine_id, info.kind, info.transport, info.endpoint)  # type: ignore[arg-type]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (RayEngine, (self.handle, self.engine_id, self.kind, self.transport))
+        return (
+            RayEngine,
+            (self.handle, self.engine_id, self.kind, self.transport, self.capabilities.endpoint),
+        )
 
     def __repr__(self) -> str:
         return f"RayEngine({self.engine_id!r}, kind={self.kind!r})"
@@ -230,7 +246,7 @@ def start_engine(
         options["lifetime"] = "detached"
     handle = ray.remote(EngineActor).options(**options).remote(factory)
     info: EngineInfo = ray.get(handle.describe.remote(), timeout=timeout)
-    return RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+    return RayEngine(handle, info.engine_id, info.kind, info.transport, info.endpoint)  # type: ignore[arg-type]
 
 
 def stop_engine(engine: RayEngine, *, timeout: float = 30.0) -> None:

@@ -115,6 +115,7 @@ async def rig(
     routes: dict[str, str] | None = None,
     owner: str = "openai-gw",
     ttl_s: float = 30.0,
+    idle_release_s: float = 0.0,
 ) -> AsyncIterator[Rig]:
     """``engines`` local engines over HTTP, a control plane over them and the OpenAI face.
     ``routes`` overrides the URL the face uses for an engine (a fault relay in front of it)."""
@@ -149,7 +150,9 @@ async def rig(
         )
         plane.add_inflight_source(gateway)
         worker = await stack.enter_async_context(
-            RolloutWorker.open(plane.ledger, gateway, owner=owner, ttl_s=ttl_s)
+            RolloutWorker.open(
+                plane.ledger, gateway, owner=owner, ttl_s=ttl_s, idle_release_s=idle_release_s
+            )
         )
         table = engine_routes(plane.fleet)
         for engine_id, url in (routes or {}).items():

@@ -18,6 +18,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engines.local.tinymodel import make_adapter
+from evlog.errors import LoraLedgerError
+from evlog.events import SessionReleased
 from projections.transitions import VersionState
 from publisher.affinity import rendezvous
 from publisher.gateway import Gateway, LedgerRouting
@@ -432,3 +434,69 @@ async def test_sticky_sessions_keep_their_engine_and_its_prefix_cache(tmp_path: 
     assert stuck >= 0.99
     assert fraction_two >= 0.9 * fraction_one, (fraction_two, fraction_one)
     assert fraction_one > 0.3
+
+
+async def _released_causes(r: Rig) -> dict[str, str]:
+    return {
+        rec.event.session: rec.event.cause
+        async for rec in r.plane.ledger.store.iterate(after=0)
+        if isinstance(rec.event, SessionReleased)
+    }
+
+
+async def test_an_idle_session_is_released_and_a_late_turn_is_refused(tmp_path: Path) -> None:
+    """OpenAI clients never release: a session with no turn for ``idle_release_s`` is released
+    by the gateway (cause ``idle``) so its version can be reclaimed; a session that keeps
+    turning stays bound; a late turn on the released one is a 409 the client does not retry."""
+    async with rig(tmp_path, idle_release_s=0.4) as r:
+        await r.publish(1)
+        await chat_sync(r, "quiet")
+        await chat_sync(r, "busy")
+        with anyio.fail_after(10):
+            while "quiet" not in await _released_causes(r):
+                await chat_sync(r, "busy")  # a turn every few ms keeps "busy" bound
+                await anyio.sleep(0.05)
+        causes = await _released_causes(r)
+        assert causes == {"quiet": "idle"}
+        assert "busy" in r.plane.ledger.state.sessions
+
+        before = r.face.requests
+        with pytest.raises(openai.ConflictError) as refused:
+            await chat_sync(r, "quiet")
+        assert r.face.requests == before + 1  # x-should-retry: false, so the client did not
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert refused.value.code == "SESSION_CLOSED"
+        assert "idle" in refused.value.message
+
+        # Once "busy" goes quiet too, nothing pins v1: a new version lets reclaim take it.
+        await wait_for(lambda: "busy" not in r.plane.ledger.state.sessions)
+        await r.publish(2)
+        await wait_for(lambda: r.plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        assert (await _released_causes(r))["busy"] == "idle"
+
+
+async def test_idle_release_takes_time_as_data(tmp_path: Path) -> None:
+    """``release_idle(now)``: nothing before the idle time, never a session with a turn in
+    flight, and the idle tombstone is forgotten only after ``idle_tombstone_s`` (until then a
+    late turn is refused without asking the ledger)."""
+    async with rig(tmp_path) as r:
+        await r.publish(1)
+        worker = r.worker
+        worker.idle_release_s, worker.idle_tombstone_s = 100.0, 1000.0
+        await chat_sync(r, "a")
+        await chat_sync(r, "b")
+        t0 = anyio.current_time()
+        assert await worker.release_idle(now=t0 + 99) == 0
+        binder = worker.session("b")
+        async with binder.turn():  # "b" has a turn in flight: never idle
+            assert await worker.release_idle(now=t0 + 101) == 1
+        assert set(r.plane.ledger.state.sessions) == {"b"}
+        assert await worker.release_idle(now=anyio.current_time() + 101) == 1
+        assert not r.plane.ledger.state.sessions
+        with pytest.raises(LoraLedgerError) as late:
+            await worker.session("a").bind()
+        assert late.value.code == "SESSION_CLOSED" and late.value.details["cause"] == "idle"
+
+        assert await worker.release_idle(now=anyio.current_time() + 2000) == 0
+        await worker.flush_forgets()  # the tombstones are gone: the ids would bind afresh
+        assert not r.plane.ledger.state.tombstones

@@ -140,8 +140,12 @@ async def test_the_proxy_serves_what_the_engine_in_process_serves(eut: EngineUnd
 
 def test_the_proxy_declares_no_optional_capability() -> None:
     """``generate`` carries no ``extra_body`` across the actor (the gateway refuses extra
-    fields for a proxied engine) and the proxy has no address of its own to record."""
-    assert RayEngine.capabilities == EngineCapabilities()
+    fields for a proxied engine); its address is the hosted engine's own, if it has one (an
+    HTTP adapter in the actor, which the OpenAI gateway actor reaches directly)."""
+    handle: Any = None
+    assert RayEngine(handle, "e0", "local", "staged").capabilities == EngineCapabilities()
+    served = RayEngine(handle, "e0", "local", "staged", "http://127.0.0.1:9")
+    assert served.capabilities == EngineCapabilities(endpoint="http://127.0.0.1:9")
 
 
 @pytest.mark.anyio

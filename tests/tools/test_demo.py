@@ -12,7 +12,7 @@ import anyio
 import pytest
 from rich.console import Console
 
-from publisher.provenance import read_rows
+from publisher.provenance import ProvenanceRow, read_rows
 from tests.tools.conftest import Cli, run_script
 from tools.demo import QUICK, DemoRun, DemoStats
 from tools.exitcodes import Exit
@@ -43,6 +43,28 @@ def test_the_story_matches_the_log(quick_run: dict, cli: Cli) -> None:  # type: 
     assert story["sessions"] == sessions and story["owners"] == cfg.workers
     assert story["generations"] == sessions * cfg.turns
     assert story["pinned"] is True and story["mismatches"] == 0 and story["sessions_open"] == 0
+    # failed requests are exactly the ones the rollout retried (each retry is a new request)
+    assert story["failed_requests"] <= sum(quick_run["rollout"]["retried"].values())
+
+    # sticky routing: later turns stay on their session's first engine and find their prefix
+    # in its cache; the only ones that move are turns of e1's sessions during its restart
+    assert story["later_turns"] == sessions * (cfg.turns - 1)
+    assert story["cached_same"] is not None and story["cached_same"] > 0.3
+    (restart,) = story["restarts"]
+    down = story["started_at"] + restart["at"] - 1.0
+    up = story["started_at"] + restart["repaired_at"] + 1.0
+    completed: dict[str, list[ProvenanceRow]] = {}
+    for row in read_rows(quick_run["provenance"]):
+        if row.finish_reason not in ("engine_error", "ambiguous", "client_abort"):
+            completed.setdefault(row.session, []).append(row)
+    moved = 0
+    for turns in completed.values():
+        first, *later = sorted(turns, key=lambda r: r.turn or 0)
+        for row in later:
+            if row.engine != first.engine:
+                moved += 1
+                assert first.engine == "e1" and down <= row.started_at <= up, (first, row)
+    assert story["later_on_first_engine"] == story["later_turns"] - moved
 
     # the log is intact and every state along it legal
     assert cli("verify", log, "--deep").returncode == 0
@@ -87,7 +109,10 @@ def test_the_story_matches_the_log(quick_run: dict, cli: Cli) -> None:  # type: 
     assert audit.returncode == 0, audit.stdout[-2000:]
     lives = _json_lines(audit.stdout)
     assert len(lives) == sessions
-    assert sum(len(r["generations"]) for r in lives) == story["generations"]
+    # every request that reached an engine has its row, the failed ones (retried) included
+    assert (
+        sum(len(r["generations"]) for r in lives) == story["generations"] + story["failed_requests"]
+    )
     per_version: dict[int, int] = {}
     for r in lives:
         assert r["released_seq"] is not None
@@ -128,6 +153,7 @@ def test_the_human_story(quick_run: dict) -> None:  # type: ignore[type-arg]
     assert "told from the log" in text and f"{story.generations} generations" in text
     assert "Engine e1 restarted" in text and "made it routable again" in text
     assert "0 mismatches" in text and "Reclaim: v1" in text
+    assert f"{story.later_on_first_engine} of {story.later_turns} later turns" in text
     assert "served no generation" not in text  # both engines served
     assert set(story.per_engine) == {"e0", "e1"} == set(story.fleet)
 

@@ -1,0 +1,147 @@
+"""The whole plane started from Python on a local Ray instance: two engine actors (each a local
+engine served over HTTP inside its actor), the ledger actor hosting the control plane, and a
+gateway actor per node (``start_gateways``) whose HTTP address the official ``openai`` client uses.
+
+One small test (Ray is slow here): a session's turns stay on one version and one engine while a
+new version publishes; a newcomer gets the new one; ``/v1/models`` shows both; every process is
+stopped by its handle."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import openai
+import pytest
+import ray
+
+from engines.local.client import LocalHTTPEngine
+from engines.local.server import running_server
+from engines.local.tinymodel import make_adapter
+from publisher.ray.engine import RayEngine, start_engine, stop_engine
+from publisher.ray.gateway import GatewayConfig, start_gateways, stop_gateway
+from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
+from publisher.ray.trainer import RayTrainerClient
+from tests.ray.scenario import LIMITS, PLANE_OPTIONS
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings(
+        "ignore:Adapter .* was active which is now deleted:UserWarning",
+        "ignore:.*is_gradient_checkpointing.*:FutureWarning",
+    ),
+]
+TOKEN = "ray-gateway-token"
+NAMESPACE = "loraledger"
+
+
+@contextlib.asynccontextmanager
+async def http_local_engine(engine_id: str) -> AsyncIterator[LocalHTTPEngine]:
+    """What an engine actor hosts here: a local engine served on loopback in the actor's
+    process, managed through its HTTP adapter (so it has an OpenAI endpoint)."""
+    async with (
+        running_server(engine_id, limits=LIMITS) as (_, url),
+        contextlib.aclosing(LocalHTTPEngine(url, engine_id)) as client,
+    ):
+        yield client
+
+
+async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    ledger_name = f"ledger-{tag}"
+    engines: list[RayEngine] = []
+    gateway: Any = None
+    try:
+        for i in range(2):
+            factory = functools.partial(http_local_engine, f"e{i}")
+            start = functools.partial(
+                start_engine, factory, name=f"{tag}-e{i}", namespace=NAMESPACE
+            )
+            engine = await anyio.to_thread.run_sync(start)
+            assert engine.capabilities.endpoint.startswith("http://127.0.0.1:")
+            engines.append(engine)
+        config = LedgerConfig(
+            path=str(tmp_path / "ledger.db"),
+            plane=PlaneConfig(
+                deployment="dep",
+                prefix="agent",
+                capacity=4,
+                artifact_root=str(tmp_path / "artifacts"),
+                engines=tuple(engines),
+                options=PLANE_OPTIONS,
+            ),
+        )
+        await anyio.to_thread.run_sync(
+            lambda: start_ledger(config, name=ledger_name, namespace=NAMESPACE)
+        )
+        trainer = RayTrainerClient(ledger_name, namespace=NAMESPACE)
+
+        async def publish(step: int) -> str:
+            adapter_config, tensors = make_adapter(step)
+            outcome = await trainer.publish(tensors, adapter_config, step=step)
+            assert outcome.status == "PUBLISHED", outcome
+            name: str = outcome.lora_name
+            return name
+
+        v1 = await publish(1)
+        started = await anyio.to_thread.run_sync(
+            lambda: start_gateways(
+                GatewayConfig(
+                    engines=tuple(engines),
+                    token=TOKEN,
+                    ledger_name=ledger_name,
+                    namespace=NAMESPACE,
+                    status_refresh_s=0.2,
+                )
+            )
+        )
+        assert len(started) == len([n for n in ray.nodes() if n["Alive"]]) == 1  # one per node
+        ((gateway, url),) = started
+        assert url.startswith("http://127.0.0.1:")
+
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN) as client:
+            seen = []
+            for turn in range(4):
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": f"turn {turn}"}],
+                    max_tokens=3,
+                    extra_headers={"x-session-id": "ray-episode"},
+                )
+                seen.append(
+                    (raw.headers["x-loraledger-version"], raw.headers["x-loraledger-engine"])
+                )
+                assert raw.parse().choices[0].message.content is not None
+                if turn == 1:
+                    v2 = await publish(2)
+            assert len(set(seen)) == 1 and seen[0][0] == "1", seen
+
+            async with client.chat.completions.with_streaming_response.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                stream=True,
+                extra_headers={"x-session-id": "newcomer"},
+            ) as response:
+                assert response.headers["x-loraledger-version"] == "2"
+                chunks = [chunk async for chunk in await response.parse()]
+            assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+            models = {m.id for m in (await client.models.list()).data}
+            assert {"policy", v1, v2} <= models
+            with pytest.raises(openai.AuthenticationError):
+                await client.with_options(api_key="nope", max_retries=0).models.list()
+        stats = await gateway.stats.remote()
+        assert stats["requests"] == 5 and stats["inflight"] == 0
+    finally:
+        if gateway is not None:
+            await anyio.to_thread.run_sync(lambda: stop_gateway(gateway))
+        await anyio.to_thread.run_sync(lambda: stop_ledger(ledger_name, namespace=NAMESPACE))
+        for engine in engines:
+            await anyio.to_thread.run_sync(functools.partial(stop_engine, engine))

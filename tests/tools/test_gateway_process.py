@@ -1,0 +1,293 @@
+"""``loraledger gateway``: the HTTP ledger port it stands on, and two gateway processes (real
+subprocesses, port 0, stopped by PID) in front of one ``serve``, with the official client.
+
+* one session's turns, alternating between the processes while a new version publishes, all
+  land on the same version and the same engine (one bind in the ledger, rendezvous routing);
+* a request in flight on a gateway process holds back the reclaim of its version after its
+  session was released: the count travels with the process's lease renewals to serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+from anyio.abc import Process
+
+from engines.local.server import running_server
+from evlog.errors import Refused
+from publisher import commands as c
+from publisher.errors import Code
+from publisher.outcomes import Bound, Forgotten, Released
+from publisher.remote_ledger import HttpLedger, RemoteCode, RemoteLedgerError
+from tests.publisher.plane_kit import LIMITS
+from tests.publisher.rollout_kit import ENGINE_WARNINGS
+from tests.tools.serving import serving
+from tests.tools.test_serve import _adapter_dir
+from tools.serve import parse_engine
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+TOKEN = "gateway-process-token"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@asynccontextmanager
+async def gateway_process(
+    ledger: str, token_file: Path, tmp_path: Path, name: str
+) -> AsyncIterator[str]:
+    """``loraledger gateway`` on port 0 in a subprocess; yield its URL (read from its JSON
+    ``listening`` row); SIGTERM it by PID on exit and check it stopped cleanly."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LORALEDGER_TOKEN", None)
+    argv = [
+        sys.executable,
+        "-m",
+        "tools.cli",
+        "gateway",
+        "--ledger",
+        ledger,
+        "--token-file",
+        str(token_file),
+        "--port",
+        "0",
+        "--owner",
+        name,
+        "--refresh-s",
+        "0.2",
+        "--provenance",
+        str(tmp_path / f"{name}.provenance.jsonl"),
+        "--json",
+    ]
+    process: Process = await anyio.open_process(argv, cwd=ROOT, env=env)
+    try:
+        assert process.stdout is not None
+        line = b""
+        with anyio.fail_after(60):
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive(1)
+        row = json.loads(line)
+        assert row["row"] == "listening" and row["owner"] == name and row["pid"] == process.pid
+        url: str = row["url"]
+        yield url
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        with anyio.fail_after(30):
+            code = await process.wait()
+        await process.aclose()
+    assert code == 0, f"{name} exited {code}"
+
+
+async def _inflight(http: httpx.AsyncClient) -> int:
+    text = (await http.get("/metrics")).text
+    return sum(
+        int(float(n)) for n in re.findall(r"^loraledger_inflight_requests\{.*\} (\S+)$", text, re.M)
+    )
+
+
+async def _state(http: httpx.AsyncClient, version_id: int) -> str:
+    status = (await http.get("/status")).json()
+    state: str = next(v["state"] for v in status["versions"] if v["version_id"] == version_id)
+    return state
+
+
+async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    adapters = [_adapter_dir(tmp_path, seed) for seed in (1, 2)]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with AsyncExitStack() as stack:
+        engines = {}
+        specs = []
+        for engine_id in ("e0", "e1"):
+            engine, url = await stack.enter_async_context(running_server(engine_id, limits=LIMITS))
+            engines[engine_id] = engine
+            specs.append(parse_engine(f"{engine_id}=local:{url}"))
+        ledger = await stack.enter_async_context(
+            serving(tmp_path / "ledger.db", token=TOKEN, engines=tuple(specs))
+        )
+        http = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
+        )
+        reply = await http.post(
+            "/versions", json={"version_id": 1, "adapter_dir": str(adapters[0])}
+        )
+        assert reply.status_code == 200, reply.text
+        url_a = await stack.enter_async_context(
+            gateway_process(ledger, token_file, tmp_path, "gw-a")
+        )
+        url_b = await stack.enter_async_context(
+            gateway_process(ledger, token_file, tmp_path, "gw-b")
+        )
+        clients = [
+            await stack.enter_async_context(openai.AsyncOpenAI(base_url=u + "/v1", api_key=TOKEN))
+            for u in (url_a, url_b)
+        ]
+
+        # Concurrent first turns of one session through both processes: one binding.
+        async def turn(client: openai.AsyncOpenAI, out: list[tuple[str, str]]) -> None:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=2,
+                extra_headers={"x-session-id": "shared"},
+            )
+            out.append((raw.headers["x-loraledger-version"], raw.headers["x-loraledger-engine"]))
+
+        seen: list[tuple[str, str]] = []
+        async with anyio.create_task_group() as tg:
+            for client in clients * 2:
+                tg.start_soon(turn, client, seen)
+        reply = await http.post(
+            "/versions", json={"version_id": 2, "adapter_dir": str(adapters[1])}
+        )
+        assert reply.status_code == 200, reply.text
+        for i in range(4):
+            await turn(clients[i % 2], seen)
+        assert len(seen) == 8 and len(set(seen)) == 1 and seen[0][0] == "1", seen
+        engine_of_shared = seen[0][1]
+
+        # A newcomer binds v2 through either process.
+        raw = await clients[1].chat.completions.with_raw_response.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert raw.headers["x-loraledger-version"] == "2"
+
+        # Reclaim waits for a request in flight on gateway process B.
+        stream = await clients[1].chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "the quick brown fox"}],
+            max_tokens=300,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            extra_headers={"x-session-id": "shared"},
+        )
+        chunks = stream.__aiter__()
+        await chunks.__anext__()
+        engines[engine_of_shared].pause_generation()  # the request stays in flight, mid-stream
+        with anyio.fail_after(10):
+            while await _inflight(http) != 1:  # noqa: ASYNC110 -- B's renewal reached serve
+                await anyio.sleep(0.05)
+        # Release the session (the binding no longer holds v1): only the count does.
+        reply = await http.post("/sessions/shared/release", json={"owner": "gw-a"})
+        assert reply.status_code == 200 and reply.json()["released"] is True, reply.text
+        await anyio.sleep(1.5)  # several reclaim ticks of serve
+        assert await _state(http, 1) == "RETIRED"
+        engines[engine_of_shared].continue_generation()
+        got = 1
+        async for _ in chunks:
+            got += 1
+        assert got > 10
+        with anyio.fail_after(30):
+            while await _state(http, 1) != "RECLAIMED":  # noqa: ASYNC110 -- a remote state
+                await anyio.sleep(0.1)
+        assert await _inflight(http) == 0
+
+    # Every request of both processes has its provenance row, v1 for the session.
+    rows = [
+        json.loads(line)
+        for name in ("gw-a", "gw-b")
+        for line in (tmp_path / f"{name}.provenance.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 10
+    assert {r["version_id"] for r in rows if r["session"] == "shared"} == {1}
+
+
+async def test_the_http_ledger_answers_like_the_ledger(tmp_path: Path) -> None:
+    """The port a gateway process uses: outcomes and refusals in place with the ledger's own
+    classes and codes, a lost lease learned from a renewal, forget over the new route, and a
+    wrong token refused at once."""
+    adapter = _adapter_dir(tmp_path, 1)
+    async with (
+        running_server("e0", limits=LIMITS) as (_, u0),
+        serving(
+            tmp_path / "ledger.db", token=TOKEN, engines=(parse_engine(f"e0=local:{u0}"),)
+        ) as url,
+        HttpLedger.connect(url, token=TOKEN, refresh_interval=0.1, renew_interval=0.05) as ledger,
+    ):
+        await ledger.register_owner("w", ttl_s=30)
+        (early,) = await ledger.execute_many([c.Bind(session="s0", owner="w")])
+        assert isinstance(early, Refused) and early.code == Code.NO_PUBLISHED_VERSION
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as h:
+            reply = await h.post(
+                "/versions", json={"version_id": 1, "adapter_dir": str(adapter)}, timeout=60
+            )
+            assert reply.status_code == 200, reply.text
+        bound, again, stranger = await ledger.execute_many(
+            [
+                c.Bind(session="s1", owner="w"),
+                c.Bind(session="s1", owner="w"),
+                c.Bind(session="s2", owner="nobody"),
+            ]
+        )
+        assert isinstance(bound, Bound) and isinstance(again, Bound)
+        assert bound.version_id == again.version_id == 1 and {bound.new, again.new} == {True, False}
+        assert isinstance(stranger, Refused) and stranger.code == Code.UNKNOWN_OWNER
+        await ledger.refresh()
+        assert ledger.holders(bound.lora_name) == ("e0",) and ledger.default_revision == 1
+        assert ledger.incarnation("e0") and ledger.status().sessions_bound == 1
+
+        released, forgotten = await ledger.execute_many(
+            [c.Release(session="s1", owner="w", cause="idle"), c.Forget(sessions=("s0",))]
+        )
+        assert isinstance(released, Released) and released.released
+        assert isinstance(forgotten, Forgotten)
+        (forget,) = await ledger.execute_many([c.Forget(sessions=("s1",))])
+        assert isinstance(forget, Forgotten) and forget.count == 1
+
+        ledger.renew_lease("ghost", {("e0", 1): 1})  # never registered: the ledger says so
+        with anyio.fail_after(5), pytest.raises(Refused) as lost:  # noqa: PT012
+            while True:
+                ledger.renew_lease("ghost")
+                await anyio.sleep(0.05)
+        assert lost.value.code == Code.UNKNOWN_OWNER
+
+        async with HttpLedger.connect(url, token="wrong") as stranger_client:
+            with pytest.raises(RemoteLedgerError) as refused:
+                await stranger_client.register_owner("x")
+            assert refused.value.code == RemoteCode.LEDGER_ANSWER
+
+
+def test_gateway_options_are_refused_before_anything_starts() -> None:
+    from tools.exitcodes import Exit, ToolError
+    from tools.gateway import GatewayOptions, check_options
+
+    with pytest.raises(ToolError) as unsafe:
+        check_options(GatewayOptions(ledger="http://127.0.0.1:1", host="0.0.0.0"))
+    assert unsafe.value.exit_code == Exit.UNSAFE
+    for bad in (
+        GatewayOptions(ledger="http://127.0.0.1:1"),  # no token: it could not bind
+        GatewayOptions(ledger="127.0.0.1:1", token="t"),
+        GatewayOptions(ledger="http://127.0.0.1:1", token="t", refresh_s=0),
+        GatewayOptions(ledger="http://127.0.0.1:1", token="t", session_idle_s=-1),
+    ):
+        with pytest.raises(ToolError) as usage:
+            check_options(bad)
+        assert usage.value.exit_code == Exit.USAGE, bad
+
+    from tools.gateway import GatewayOptions as G
+    from tools.gateway import run_gateway
+
+    with pytest.raises(ToolError) as nobody:  # nothing listens there: exit 10, said so
+        anyio.run(lambda: run_gateway(G(ledger="http://127.0.0.1:9", token="t", port=0), stop=None))
+    assert (
+        nobody.value.exit_code == Exit.UNREACHABLE and "cannot be reached" in nobody.value.message
+    )
+
+    from tools.serve import ServeOptions
+    from tools.serve import check_options as check_serve
+
+    check_serve(ServeOptions(db="x.db", session_idle_s=0))  # 0: never
+    with pytest.raises(ToolError) as idle:
+        check_serve(ServeOptions(db="x.db", session_idle_s=float("inf")))
+    assert idle.value.exit_code == Exit.USAGE and "--session-idle-s" in idle.value.message

@@ -1,0 +1,234 @@
+"""``loraledger gateway``: the OpenAI routes in a process of their own, in front of a remote
+``loraledger serve`` (docs/openai.md, "Gateway processes").
+
+A node can run several: each registers its own owner with the ledger, binds sessions there
+(durably, before anything is sent; concurrent first turns of one session share one bind),
+forwards its in-flight counts with its lease renewals (serve's reclaim waits for them) and
+routes from a snapshot of the ledger's status, refreshed every ``--refresh-s`` and whenever a
+turn finds no holder. Rendezvous hashing makes every process pick the same engine for a
+session without talking to the others.
+
+Safety rules are serve's: loopback unless a token is given (the same token is the clients'
+bearer and the one presented to the ledger), bounded bodies and connections, SIGINT/SIGTERM
+stop it cleanly (in-flight requests drain, the last counts reach the ledger).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+
+from tools.exitcodes import Exit, ToolError
+from tools.logconfig import get_logger
+from tools.serve import (
+    ENGINE_KINDS,
+    EngineSpec,
+    _open_engine,
+    _server,
+    _stop_on_signals,
+    _stop_when,
+    check_listen,
+)
+
+log = get_logger("loraledger.gateway")
+
+
+class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
+    ledger: str  # the base URL of ``loraledger serve``
+    host: str = "127.0.0.1"
+    port: int = 8766
+    token: str | None = None
+    engine_token: str | None = None
+    engines: tuple[EngineSpec, ...] = ()  # empty: each engine's endpoint from the ledger
+    served_model: str = "tiny"  # vLLM's base model name
+    artifact_root: str | None = None  # unused (no in-process engine here); read by _open_engine
+    alias: str = "policy"
+    owner: str | None = None  # default gateway-<host>-<pid>
+    ttl_s: float = 30.0
+    session_idle_s: float = 1800.0
+    refresh_s: float = 1.0
+    renew_s: float = 0.5
+    provenance: str | None = None  # default ./<owner>.provenance.jsonl
+    max_connections: int = 1000
+    header_timeout_s: float = 10.0
+
+    @property
+    def owner_id(self) -> str:
+        return self.owner or f"gateway-{socket.gethostname()}-{os.getpid()}"
+
+
+def check_options(opts: GatewayOptions) -> None:
+    check_listen(opts.host, opts.token)
+    if not opts.ledger.startswith(("http://", "https://")):
+        raise ToolError(Exit.USAGE, f"--ledger {opts.ledger!r} is not an http(s) URL")
+    if not opts.token:
+        raise ToolError(
+            Exit.USAGE,
+            "a gateway needs the ledger's token (LORALEDGER_TOKEN or --token-file): it binds "
+            "and releases sessions there",
+        )
+    if not 0 <= opts.port <= 65535:
+        raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
+    for option, value in (
+        ("--session-idle-s", opts.session_idle_s),
+        ("--ttl-s", opts.ttl_s),
+        ("--refresh-s", opts.refresh_s),
+    ):
+        if not (math.isfinite(value) and value >= 0) or (
+            option != "--session-idle-s" and not value
+        ):
+            raise ToolError(Exit.USAGE, f"{option} must be a finite number > 0")
+    for spec in opts.engines:
+        if not spec.url:
+            raise ToolError(
+                Exit.USAGE, f"--engine {spec.engine_id}: a gateway reaches engines by URL"
+            )
+
+
+def engine_specs(opts: GatewayOptions, status: Any) -> tuple[EngineSpec, ...]:
+    """The engines this process reaches: ``--engine``, else each engine of the ledger's fleet
+    at the endpoint the ledger reports (a fleet member with none cannot be reached)."""
+    if opts.engines:
+        return opts.engines
+    return tuple(
+        EngineSpec(engine_id=e.engine, kind=e.kind, url=e.endpoint.rstrip("/"))
+        for e in status.engines
+        if e.endpoint and e.kind in ENGINE_KINDS
+    )
+
+
+@asynccontextmanager
+async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
+    """The ledger client, the owner's rollout worker and the OpenAI face over them."""
+    from evlog.errors import LoraLedgerError
+    from publisher.fleet import Fleet
+    from publisher.gateway import Gateway
+    from publisher.openai_gateway import OpenAIGateway, OpenAIOptions, engine_routes
+    from publisher.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.remote_ledger import HttpLedger, LedgerUnreachable
+    from publisher.sessions import RolloutWorker
+
+    owner = opts.owner_id
+    provenance = opts.provenance or f"{owner}.provenance.jsonl"
+    try:
+        async with (
+            AsyncExitStack() as stack,
+            HttpLedger.connect(
+                opts.ledger,
+                token=opts.token,
+                renew_interval=opts.renew_s,
+                refresh_interval=opts.refresh_s,
+            ) as ledger,
+            ProvenanceRecorder(JsonlSink(provenance)) as recorder,
+        ):
+            fleet = Fleet()
+            for spec in engine_specs(opts, ledger.status()):
+                fleet.add(await _open_engine(stack, spec, opts))
+            gateway = Gateway(fleet, ledger, gateway_id=owner, recorder=recorder)
+            async with RolloutWorker.open(
+                ledger, gateway, owner=owner, ttl_s=opts.ttl_s, idle_release_s=opts.session_idle_s
+            ) as worker:
+                face = OpenAIGateway(
+                    worker,
+                    ledger,
+                    engine_routes(fleet),
+                    OpenAIOptions(
+                        alias=opts.alias, token=opts.token, engine_token=opts.engine_token
+                    ),
+                )
+                try:
+                    yield face
+                finally:
+                    await face.aclose()
+    except LedgerUnreachable as exc:
+        raise ToolError(
+            Exit.UNREACHABLE, f"the ledger at {opts.ledger} cannot be reached: {exc}"
+        ) from None
+    except LoraLedgerError as exc:
+        raise ToolError(
+            Exit.FAILED, f"the ledger at {opts.ledger} refused: {exc.code}: {exc.message}"
+        ) from None
+
+
+async def run_gateway(
+    opts: GatewayOptions,
+    *,
+    verbosity: int = 0,
+    on_ready: Callable[[str, str], None] | None = None,
+    handle_signals: bool = True,
+    stop: anyio.Event | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM (or ``stop``); ``on_ready(url, owner)`` once listening."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    from engines.guard import Guard, exception_handlers
+    from publisher.openai_gateway import MAX_BODY_BYTES, error_body
+
+    check_options(opts)
+    async with gateway_face(opts) as face:
+
+        def _error(code: str, message: str) -> Any:
+            return msgspec.json.decode(error_body(code, message, 400))
+
+        app = Starlette(
+            routes=face.routes(),
+            middleware=[
+                Middleware(
+                    Guard,
+                    token=None,  # the routes check it (OpenAI's error shape)
+                    protected=lambda path: False,
+                    cap=lambda path: MAX_BODY_BYTES,
+                    error_body=_error,
+                )
+            ],
+            exception_handlers=exception_handlers(_error),
+        )
+        serve_opts = _ServeShape(opts)
+        server = _server(app, serve_opts, verbosity)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            if handle_signals:
+                tg.start_soon(_stop_on_signals, server)
+            if stop is not None:
+                tg.start_soon(_stop_when, stop, server)
+            tg.start_soon(_announce, server, opts, on_ready)
+            await server.serve()
+            tg.cancel_scope.cancel()
+        if not server.started:
+            raise ToolError(
+                Exit.FAILED, f"could not listen on {opts.host}:{opts.port} (see the log above)"
+            )
+    log.info("gateway.stopped", owner=opts.owner_id)
+
+
+class _ServeShape:
+    """The listening options ``tools.serve._server`` reads."""
+
+    def __init__(self, opts: GatewayOptions) -> None:
+        self.host, self.port = opts.host, opts.port
+        self.max_connections, self.header_timeout_s = opts.max_connections, opts.header_timeout_s
+
+
+async def _announce(
+    server: Any, opts: GatewayOptions, on_ready: Callable[[str, str], None] | None
+) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        await anyio.sleep(0.02)
+    port = opts.port
+    for s in server.servers:
+        for sock in s.sockets:
+            port = sock.getsockname()[1]
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    url = f"http://{host}:{port}"
+    log.info("gateway.listening", url=url, ledger=opts.ledger, owner=opts.owner_id)
+    if on_ready is not None:
+        on_ready(url, opts.owner_id)
