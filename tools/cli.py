@@ -681,6 +681,81 @@ def engine(
     _run(functools.partial(local_engine.run_engine, opts, on_ready=ready))
 
 
+# --- check-engine --------------------------------------------------------------------------
+
+
+@app.command("check-engine")
+@guarded
+def check_engine(
+    url: Annotated[str, typer.Argument(help="The engine's base URL, e.g. http://127.0.0.1:30000")],
+    kind: Annotated[
+        str,
+        typer.Option(
+            "--kind", help="sglang, vllm or local (the bundled engine, staged and path loads)."
+        ),
+    ] = "sglang",
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            help="Base model directory (or its config.json), for the throwaway adapters' "
+            "shapes; default: the model path the server reports, read on this host.",
+        ),
+    ] = None,
+    artifacts: Annotated[
+        Path | None,
+        typer.Option(
+            "--artifacts",
+            help="Where the throwaway adapter directories go; the engine must read them at the "
+            "same path (default: a temporary directory on this host, deleted afterwards).",
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--api-key-file",
+            help="File whose first line is the engine's API key; default: "
+            "$LORALEDGER_ENGINE_TOKEN.",
+        ),
+    ] = None,
+    long_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--long-tokens",
+            help="Length of the request kept running during the unload (default: most of "
+            "the context, at most 1024).",
+        ),
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Check that a live engine behaves the way loraledger relies on (docs/engines.md).
+
+    Publishes throwaway adapters, checks load/list, digest confirmation, same-name reloads,
+    unload under a running request, refusal after unload, implicit reloads, prefix-cache
+    isolation between versions and tensor vs path loads, then unloads everything it loaded.
+    Exit 0 when everything the ledger needs holds, 1 when something does not, 12 when the
+    engine cannot be reached.
+    """
+    from tools import check_engine as checker
+
+    opts = checker.CheckOptions(
+        kind=kind,
+        url=url,
+        model=str(model) if model else None,
+        artifacts=str(artifacts) if artifacts else None,
+        api_key=_secret(None, "", api_key_file, "LORALEDGER_ENGINE_TOKEN"),
+        long_tokens=long_tokens,
+    )
+    checker.check_options(opts)
+    report = _run(checker.check_engine, opts)
+    if json:
+        emit(checker.as_json(report))
+    else:
+        stdout_console().print(checker.render(report))
+    if not report.ok:
+        raise typer.Exit(int(Exit.FAILED))
+
+
 # --- bench ---------------------------------------------------------------------------------
 
 
