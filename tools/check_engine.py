@@ -728,6 +728,23 @@ def _vllm_admitted(client: httpx.AsyncClient, timeout: float) -> Callable[[], Aw
     return admitted
 
 
+def _has_tensor_route(info: Mapping[str, Any]) -> bool:
+    """SGLang >= 0.5.17 with one data-parallel replica and no registry eviction: the tensor
+    transport's conditions (:mod:`engines.sglang_tensors`)."""
+    from engines.tensor_wire import FIRST_VERSION
+
+    parts = str(info.get("version", "")).split(".")[:3]
+    try:
+        version = tuple(int(p) for p in parts)
+    except ValueError:
+        return False
+    return (
+        version >= FIRST_VERSION
+        and int(info.get("dp_size") or 1) == 1
+        and info.get("max_loaded_loras") is None
+    )
+
+
 async def build_target(opts: CheckOptions, live: _Live) -> Target:
     """Probe the server, pick the adapters and hooks for its kind."""
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
@@ -779,6 +796,11 @@ async def build_target(opts: CheckOptions, live: _Live) -> Target:
             alternate = path_engine
         else:
             engine = path_engine
+            if _has_tensor_route(info):
+                from engines.sglang_tensors import SGLangTensorEngine
+
+                alternate = SGLangTensorEngine(opts.url, "check-tensors", api_key=opts.api_key)
+                live.engines.append(alternate)
         live.engines.append(path_engine)
     live.engines.append(engine)
     config = _model_config(opts.model or model_path)

@@ -529,9 +529,10 @@ def serve(
         list[str] | None,
         typer.Option(
             "--engine",
-            help="A fleet member, ID=KIND:URL with KIND sglang, vllm or local, e.g. "
-            "e0=sglang:http://127.0.0.1:30000; e1=local: runs a local engine in process "
-            "(repeatable).",
+            help="A fleet member, ID=KIND:URL with KIND sglang (adapters by path), "
+            "sglang-tensors (SGLang >= 0.5.17's tensor route: no shared filesystem), vllm or "
+            "local, e.g. e0=sglang:http://127.0.0.1:30000; e1=local: runs a local engine in "
+            "process (repeatable).",
         ),
     ] = None,
     deployment: Annotated[

@@ -39,7 +39,7 @@ from tools.logconfig import get_logger
 
 log = get_logger("loraledger.serve")
 
-ENGINE_KINDS = ("sglang", "vllm", "local")
+ENGINE_KINDS = ("sglang", "sglang-tensors", "vllm", "local")
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -132,6 +132,10 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServeOptio
         from engines.sglang import SGLangEngine
 
         engine: Any = SGLangEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
+    elif spec.kind == "sglang-tensors":  # SGLang >= 0.5.17 fed by its tensor route
+        from engines.sglang_tensors import SGLangTensorEngine
+
+        engine = SGLangTensorEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
     elif spec.kind == "vllm":
         from engines.vllm import VLLMEngine
 

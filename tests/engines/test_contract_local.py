@@ -4,7 +4,10 @@
 * ``sglang-face``: :class:`SGLangEngine` (artifact transport) against the local engine's
   SGLang-compatible HTTP face -- the stand-in for a GPU SGLang server, including its implicit
   reload of unloaded names;
-* ``staged-http``: :class:`LocalHTTPEngine` driving the staged endpoints over HTTP.
+* ``staged-http``: :class:`LocalHTTPEngine` driving the staged endpoints over HTTP;
+* ``sglang-tensors``: :class:`SGLangTensorEngine` (staged transport) against the same SGLang
+  face's ``/load_lora_adapter_from_tensors``: a tensor-loaded adapter is never implicitly
+  reloaded, so the generation-after-unload test expects a refusal.
 
 All servers listen on 127.0.0.1 and are stopped by the factory that started them.
 """
@@ -21,6 +24,7 @@ from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
 from engines.local.server import running_server
 from engines.sglang import SGLangEngine
+from engines.sglang_tensors import SGLangTensorEngine
 from tests.engines.contract import (
     Capabilities,
     EngineContract,
@@ -89,8 +93,29 @@ async def staged_http(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
             await client.aclose()
 
 
+@contextlib.asynccontextmanager
+async def sglang_tensors(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
+    store = _store(tmp_path)
+    async with running_server("sgt-0", limits=LIMITS, artifact_root=store.root) as (engine, url):
+        client = SGLangTensorEngine(url, "sgt-0")
+        try:
+            yield EngineUnderTest(
+                engine=client,
+                caps=Capabilities(),
+                store=store,
+                **_wired(engine),  # type: ignore[arg-type]
+            )
+        finally:
+            await client.aclose()
+
+
 eut = contract_fixture(
-    {"local": in_process, "sglang-face": sglang_face, "staged-http": staged_http}
+    {
+        "local": in_process,
+        "sglang-face": sglang_face,
+        "staged-http": staged_http,
+        "sglang-tensors": sglang_tensors,
+    }
 )
 
 
