@@ -2,8 +2,9 @@
 
 * The installed command against a local engine *process* over HTTP, on both of its faces: the
   SGLang face (``--kind sglang``: path loads, stock SGLang's implicit reload reproduced, so the
-  hazard is reported but is not a failure; path and tensor-route loads compared) and the staged face (``--kind local``: staged and
-  path loads compared token for token). Both pass, and the engine holds nothing afterwards.
+  hazard is reported but is not a failure; path and tensor-route loads compared) and the
+  staged face (``--kind local``: staged and path loads compared token for token). Both pass,
+  and the engine holds nothing afterwards.
 * The checks against deliberately misbehaving engines (the fault wrapper around a real local
   engine served over HTTP): an unload that answers without acting, and a restart in the middle
   of the incarnation probe. Each makes a property the ledger needs fail, the report says which,
