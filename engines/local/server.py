@@ -589,8 +589,9 @@ CONTROL_PATHS = frozenset(
 MAX_BODY_BYTES = 4 * 1024 * 1024  # every JSON route: a batch of prompts, a candidate manifest
 # A bucket is packed up to 64 MiB, but a tensor larger than that travels alone in its own.
 MAX_BUCKET_BYTES = 256 * 1024 * 1024
-# The tensor route carries a whole adapter as base64, once per TP rank.
-MAX_TENSOR_BODY_BYTES = 1024 * 1024 * 1024
+# The tensor route carries a whole adapter as base64, once per TP rank: 256 MiB holds a
+# 190 MiB adapter at TP 1; larger ones need ``max_tensor_body_bytes`` raised.
+MAX_TENSOR_BODY_BYTES = 256 * 1024 * 1024
 ENGINE_TOKEN_ENV = "LORALEDGER_ENGINE_TOKEN"
 
 
