@@ -18,6 +18,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from engines.artifacts import ArtifactStore
 from engines.local.admission import ServingLimits
 from engines.local.client import LocalHTTPEngine
@@ -121,3 +123,39 @@ eut = contract_fixture(
 
 class TestLocalEngines(EngineContract):
     pass
+
+
+# --- agent + engine (no shared filesystem) -------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def agent_and_engine(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
+    """An engine whose artifact root only its agent writes; the harness's store is the
+    trainer's side and is never given to the engine."""
+    from engines.agent import Agent, AgentEngine, serve_agent
+
+    host = tmp_path / "engine-host"
+    host.mkdir()
+    async with running_server("ag-0", limits=LIMITS, artifact_root=host) as (engine, url):
+        agent = Agent(SGLangEngine(url, "ag-0"), ArtifactStore(host))
+        async with serve_agent(agent) as agent_url:
+            member = AgentEngine(agent_url, SGLangEngine(url, "ag-0"))
+            try:
+                yield EngineUnderTest(
+                    engine=member,
+                    caps=Capabilities(implicit_reload=True),
+                    store=_store(tmp_path),
+                    **_wired(engine),  # type: ignore[arg-type]
+                )
+            finally:
+                await member.aclose()
+                await agent.engine.aclose()
+
+
+agent_eut = contract_fixture({"agent": agent_and_engine})
+
+
+class TestAgentAndEngine(EngineContract):
+    @pytest.fixture
+    def eut(self, agent_eut: EngineUnderTest) -> EngineUnderTest:
+        return agent_eut
