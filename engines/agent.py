@@ -380,8 +380,16 @@ class AgentEngine:
 # --- running it ----------------------------------------------------------------------------------
 
 
-def engine_adapter(kind: str, url: str, engine_id: str, *, api_key: str | None = None) -> Any:
-    """The path-loading adapter for ``kind`` (``sglang`` or ``vllm``)."""
+def engine_adapter(
+    kind: str,
+    url: str,
+    engine_id: str,
+    *,
+    api_key: str | None = None,
+    served_model: str = "tiny",
+) -> Any:
+    """The path-loading adapter for ``kind`` (``sglang`` or ``vllm``, whose base model is
+    served as ``served_model``)."""
     if kind == "sglang":
         from engines.sglang import SGLangEngine
 
@@ -389,7 +397,7 @@ def engine_adapter(kind: str, url: str, engine_id: str, *, api_key: str | None =
     if kind == "vllm":
         from engines.vllm import VLLMEngine
 
-        return VLLMEngine(url, engine_id, api_key=api_key)
+        return VLLMEngine(url, engine_id, api_key=api_key, served_model=served_model)
     raise ValueError(f"an agent serves a path-loading engine (sglang, vllm), not {kind!r}")
 
 
@@ -455,11 +463,12 @@ async def run(
     token: str | None = None,
     engine_token: str | None = None,
     exit_after_write: bool = False,
+    served_model: str = "tiny",
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Run an agent for ``engine`` (``KIND:URL``) until SIGINT/SIGTERM."""
     kind, _, url = engine.partition(":")
-    adapter = engine_adapter(kind, url, engine_id, api_key=engine_token)
+    adapter = engine_adapter(kind, url, engine_id, api_key=engine_token, served_model=served_model)
     store = ArtifactStore(artifacts)
     agent = Agent(adapter, store, after_write=_die_after_write if exit_after_write else None)
     try:
@@ -480,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--id", default="agent", help="the fleet member's engine id")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--served-model", default="tiny", help="vLLM's --served-model-name")
     p.add_argument("--exit-after-write", action="store_true", help="fault mode (tests)")
     args = p.parse_args(argv)
     token = guard.read_token("LORALEDGER_AGENT_TOKEN", None)
@@ -498,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
             token=token,
             engine_token=engine_token,
             exit_after_write=args.exit_after_write,
+            served_model=args.served_model,
             on_ready=ready,
         )
     )

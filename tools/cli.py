@@ -530,9 +530,10 @@ def serve(
         typer.Option(
             "--engine",
             help="A fleet member, ID=KIND:URL with KIND sglang (adapters by path), "
-            "sglang-tensors (SGLang >= 0.5.17's tensor route: no shared filesystem), vllm or "
-            "local, e.g. e0=sglang:http://127.0.0.1:30000; e1=local: runs a local engine in "
-            "process (repeatable).",
+            "sglang-tensors (SGLang >= 0.5.17's tensor route: no shared filesystem), vllm, "
+            "local, or agent (URL = AGENT_URL,sglang:URL or AGENT_URL,vllm:URL: an engine fed "
+            "by its host's `loraledger agent`), e.g. e0=sglang:http://127.0.0.1:30000; "
+            "e1=local: runs a local engine in process (repeatable).",
         ),
     ] = None,
     deployment: Annotated[
@@ -680,6 +681,77 @@ def engine(
             )
 
     _run(functools.partial(local_engine.run_engine, opts, on_ready=ready))
+
+
+# --- agent ---------------------------------------------------------------------------------
+
+
+@app.command()
+@guarded
+def agent(
+    engine_spec: Annotated[
+        str,
+        typer.Option("--engine", help="The engine beside it, KIND:URL with KIND sglang or vllm."),
+    ],
+    artifacts: Annotated[
+        Path,
+        typer.Option("--artifacts", help="This host's artifact directory (the engine reads it)."),
+    ],
+    engine_id: Annotated[str, typer.Option("--id", help="The fleet member's engine id.")] = "e0",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 30100,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="File whose first line is the bearer token its routes require; default: "
+            "$LORALEDGER_AGENT_TOKEN. Required to listen beyond loopback.",
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option("--host", help="Listen address.")] = "127.0.0.1",
+    served_model: Annotated[
+        str, typer.Option("--served-model", help="vLLM's --served-model-name.")
+    ] = "tiny",
+    json: JsonOpt = False,
+) -> None:
+    """Run the engine-host agent beside an SGLang or vLLM server: no shared filesystem.
+
+    It receives a version's buckets over loraledger's staged protocol, verifies them, writes
+    the PEFT directory on this host's disk and asks its engine to load that path
+    (docs/engines.md, The engine-host agent). Join it to the ledger as
+    ID=agent:AGENT_URL,KIND:ENGINE_URL. Stops cleanly on SIGINT/SIGTERM.
+    """
+    from engines import agent as host_agent
+
+    kind, _, url = engine_spec.partition(":")
+    if kind not in ("sglang", "vllm") or not url.startswith(("http://", "https://")):
+        raise ToolError(Exit.USAGE, f"--engine {engine_spec!r}: expected sglang:URL or vllm:URL")
+    if not artifacts.is_dir():
+        raise ToolError(Exit.USAGE, f"--artifacts {artifacts} is not a directory")
+    token = _secret(None, "", token_file, "LORALEDGER_AGENT_TOKEN")
+
+    def ready(base: str) -> None:
+        if json:
+            emit({"row": "listening", "engine": engine_id, "url": base, "pid": os.getpid()})
+        else:
+            print(f"loraledger agent: {engine_id} listening on {base} (pid {os.getpid()})")
+
+    try:
+        _run(
+            functools.partial(
+                host_agent.run,
+                engine=engine_spec,
+                artifacts=str(artifacts),
+                engine_id=engine_id,
+                host=host,
+                port=port,
+                token=token,
+                engine_token=_secret(None, "", None, "LORALEDGER_ENGINE_TOKEN"),
+                served_model=served_model,
+                on_ready=ready,
+            )
+        )
+    except ValueError as exc:
+        raise ToolError(Exit.UNSAFE, str(exc)) from None
 
 
 # --- check-engine --------------------------------------------------------------------------
