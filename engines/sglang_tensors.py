@@ -186,9 +186,17 @@ class SGLangTensorEngine(SGLangEngine):
         ]
         if compute_digest(candidate.manifest.config, infos) != candidate.digest:
             raise self._clean(ErrorCode.DIGEST_MISMATCH, f"{name}: received content differs")
-        body = await anyio.to_thread.run_sync(self._body, candidate, staging)
+        body = await anyio.to_thread.run_sync(
+            lambda: msgspec.json.encode(self._body(candidate, staging))
+        )
         try:
-            response = await self._send("POST", ROUTE, timeout=self.timeouts.control, json=body)
+            response = await self._send(
+                "POST",
+                ROUTE,
+                timeout=self.timeouts.control,
+                content=body,
+                headers={"content-type": "application/json"},
+            )
         except AmbiguousReply as exc:
             raise await self._probable_restart(exc, staging) from exc
         status, reply = response.status_code, self._lora_update(response, f"load {name}")
