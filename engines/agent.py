@@ -46,7 +46,7 @@ import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -89,6 +89,7 @@ from engines.path_engine import AttemptFence
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_BUCKET_BYTES = 256 * 1024 * 1024
 EXIT_AFTER_WRITE = 71  # the fault mode's exit status
+T = TypeVar("T")
 
 
 @dataclass
@@ -375,6 +376,96 @@ class AgentEngine:
     async def aclose(self) -> None:
         await self.agent.aclose()
         await self.engine.aclose()
+
+
+class HostedAgentEngine:
+    """Agent and engine adapter in one process, as one :class:`~engines.contract.Engine`
+    (staged transport): the Ray form. Host it on the engine's node in an engine actor
+    (``publisher.ray.engine.start_engine(functools.partial(hosted_agent, ...))``, scheduled
+    there by the deployment's node resources): buckets then travel through Ray's object store
+    to that node, where the agent writes and its engine loads, with no HTTP agent process and no
+    shared filesystem. Incarnation, inventory and generation go to the engine."""
+
+    transport: Transport = "staged"
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    @property
+    def engine_id(self) -> str:
+        return self.agent.engine.engine_id
+
+    @property
+    def kind(self) -> str:
+        return self.agent.engine.kind
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(endpoint=self.agent.engine.capabilities.endpoint)
+
+    async def incarnation(self) -> str:
+        return await self.agent.engine.incarnation()
+
+    async def inventory(self) -> Inventory:
+        return await self.agent.engine.inventory()
+
+    async def prepare(self, candidate: Candidate) -> Receipt:
+        return await self._tagged(self.agent.prepare(candidate))
+
+    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
+        async for bucket in buckets:
+            upload = wire.BucketUpload(
+                lora_name=candidate.lora_name,
+                attempt=candidate.attempt,
+                digest=candidate.digest,
+                bucket=bucket,
+            )
+            await self._tagged(self.agent.receive_bucket(upload))
+
+    async def load(self, candidate: Candidate) -> Receipt:
+        return await self._tagged(self.agent.load(candidate))
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        return await self._tagged(self.agent.unload(lora_name, attempt))
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Generation:
+        return await self.agent.engine.generate(
+            prompt, lora_name, params, request_id=request_id, cache_salt=cache_salt
+        )
+
+    async def _tagged(self, call: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await call
+        except EngineError as exc:
+            exc.engine_id = self.engine_id
+            raise
+
+    async def aclose(self) -> None:
+        await self.agent.engine.aclose()
+
+    async def __aenter__(self) -> HostedAgentEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def hosted_agent(
+    engine: str, artifacts: str, engine_id: str, *, served_model: str = "tiny"
+) -> HostedAgentEngine:
+    """A :class:`HostedAgentEngine` for ``engine`` (``KIND:URL``) writing into ``artifacts``:
+    the factory an engine actor takes (it is its own async context manager)."""
+    kind, _, url = engine.partition(":")
+    adapter = engine_adapter(kind, url, engine_id, served_model=served_model)
+    return HostedAgentEngine(Agent(adapter, ArtifactStore(artifacts)))
 
 
 # --- running it ----------------------------------------------------------------------------------

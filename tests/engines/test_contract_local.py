@@ -159,3 +159,33 @@ class TestAgentAndEngine(EngineContract):
     @pytest.fixture
     def eut(self, agent_eut: EngineUnderTest) -> EngineUnderTest:
         return agent_eut
+
+
+@contextlib.asynccontextmanager
+async def hosted_agent_and_engine(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
+    """The agent in the caller's process (the form a Ray engine actor hosts on the engine's
+    node): same engine, same separate artifact root."""
+    from engines.agent import Agent, HostedAgentEngine
+
+    host = tmp_path / "engine-host"
+    host.mkdir()
+    async with running_server("ha-0", limits=LIMITS, artifact_root=host) as (engine, url):
+        member = HostedAgentEngine(Agent(SGLangEngine(url, "ha-0"), ArtifactStore(host)))
+        try:
+            yield EngineUnderTest(
+                engine=member,
+                caps=Capabilities(implicit_reload=True),
+                store=_store(tmp_path),
+                **_wired(engine),  # type: ignore[arg-type]
+            )
+        finally:
+            await member.aclose()
+
+
+hosted_eut = contract_fixture({"hosted-agent": hosted_agent_and_engine})
+
+
+class TestHostedAgent(EngineContract):
+    @pytest.fixture
+    def eut(self, hosted_eut: EngineUnderTest) -> EngineUnderTest:
+        return hosted_eut
