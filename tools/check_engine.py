@@ -29,8 +29,11 @@ left_as_found         yes       the engine holds exactly what it held before the
 ====================  ========  ==================================================================
 
 The engine is left as it was found: every throwaway adapter is unloaded (and its directory
-deleted) in a ``finally``, whatever failed. Nothing here restarts the engine; the incarnation
-check proves the id is usable, and a restart's effect is what the reconciler handles.
+deleted) in a ``finally``, whatever failed. The engine is restarted only when asked
+(``--restart-command``, :attr:`Target.restart`): then ``restart_detected`` (needed) checks that
+the incarnation changes across the restart and ``restart_forgets`` (reported) whether the
+restarted engine still lists what was loaded before it. A restart drops every adapter the
+engine held, so give it an engine that holds nothing, or ``left_as_found`` says what was lost.
 
 The checks take an :class:`Target` (the engine adapters plus optional hooks), so tests can run
 them against a deliberately misbehaving engine (the fault wrapper); :func:`check_engine` builds
@@ -213,6 +216,8 @@ class Target:
     release: Callable[[], Awaitable[None]] | None = None
     admitted: Callable[[], Awaitable[bool]] | None = None
     long_tokens: int = 256
+    restart: Callable[[], Awaitable[None]] | None = None  # restarts the engine (and returns)
+    restart_timeout: float = 600.0
     rank: int = 8
     targets: tuple[str, ...] = ("q_proj", "v_proj")
 
@@ -573,6 +578,48 @@ async def _tensor_vs_path(run: _Run) -> None:
     )
 
 
+async def _restart(run: _Run, restart: Callable[[], Awaitable[None]]) -> None:
+    """Restart the engine: the ledger needs the incarnation to change (its repair trigger)."""
+    engine = run.target.engine
+    r = await run.publish(7, "rs")
+    before = await engine.incarnation()
+    try:
+        await restart()
+    except Exception as exc:
+        raise _Broken(f"the restart command failed: {exc}") from exc
+    after = before
+    with anyio.move_on_after(run.target.restart_timeout):
+        while after == before:
+            try:
+                after = await engine.incarnation()
+            except EngineError:  # down while it restarts
+                after = before
+            if after == before:
+                await anyio.sleep(0.5)
+    changed = after != before
+    run.note(
+        "restart_detected",
+        changed,
+        f"the incarnation changed across the restart ({before!r} -> {after!r})"
+        if changed
+        else f"the incarnation stayed {before!r} across the restart: a restarted engine would "
+        "be routed to as if it still held its versions",
+    )
+    if not changed:
+        return
+    kept = r.name in (await engine.inventory()).names()
+    if not kept:
+        run.loaded.discard((0, r.name))
+    run.note(
+        "restart_forgets",
+        not kept,
+        "the restarted engine holds nothing loaded before (the reconciler restores it)"
+        if not kept
+        else "the restarted engine still lists an adapter loaded before the restart",
+        required=False,
+    )
+
+
 async def _clean_up(run: _Run) -> None:
     """Unload everything this run may have left (shielded: it runs even when cancelled)."""
     for index, name in sorted(run.loaded):
@@ -593,6 +640,8 @@ async def run_checks(target: Target) -> Report:
             await _unload_in_flight(run)
             await _prefix_cache(run)
             await _tensor_vs_path(run)
+            if target.restart is not None:
+                await _restart(run, target.restart)
     except (EngineError, _Broken) as exc:
         run.note("run", False, f"the check run stopped: {exc}")
     finally:
@@ -631,6 +680,7 @@ class CheckOptions(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     served_model: str | None = None  # vLLM's --served-model-name (default: read /v1/models)
     long_tokens: int | None = None
+    restart_command: str | None = None  # a shell command that restarts the engine
     timeout: float = 60.0
 
 
@@ -805,6 +855,19 @@ async def build_target(opts: CheckOptions, live: _Live) -> Target:
     live.engines.append(engine)
     config = _model_config(opts.model or model_path)
     long_tokens = opts.long_tokens or max(8, min(1024, context - 64))
+    restart = None
+    if opts.restart_command:
+        command = opts.restart_command
+
+        async def restart() -> None:
+            import subprocess
+
+            done = await anyio.to_thread.run_sync(
+                lambda: subprocess.run(command, shell=True, capture_output=True, text=True)
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[-300:]}")
+
     return Target(
         engine=engine,
         store=store,
@@ -817,6 +880,7 @@ async def build_target(opts: CheckOptions, live: _Live) -> Target:
         release=release,
         admitted=admitted,
         long_tokens=long_tokens,
+        restart=restart,
         rank=rank,
         targets=targets,
     )

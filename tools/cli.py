@@ -799,6 +799,14 @@ def check_engine(
             "the context, at most 1024).",
         ),
     ] = None,
+    restart_command: Annotated[
+        str | None,
+        typer.Option(
+            "--restart-command",
+            help="A shell command that restarts the engine (and returns): also checks that a "
+            "restart changes its incarnation. Use it on an engine that holds nothing.",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Check that a live engine behaves the way loraledger relies on (docs/engines.md).
@@ -818,6 +826,7 @@ def check_engine(
         artifacts=str(artifacts) if artifacts else None,
         api_key=_secret(None, "", api_key_file, "LORALEDGER_ENGINE_TOKEN"),
         long_tokens=long_tokens,
+        restart_command=restart_command,
     )
     checker.check_options(opts)
     report = _run(checker.check_engine, opts)

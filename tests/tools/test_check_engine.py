@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -151,6 +152,29 @@ def test_the_table_names_every_check(engine_process: tuple[str, Path]) -> None:
     assert "HAZARD" in result.stdout and "every property the ledger needs holds" in result.stdout
 
 
+def test_a_failing_restart_command_fails_the_check(engine_process: tuple[str, Path]) -> None:
+    url, root = engine_process
+    result = run_script(
+        "check-engine",
+        url,
+        "--kind",
+        "local",
+        "--artifacts",
+        root,
+        "--restart-command",
+        "echo no restart here >&2; exit 3",
+        "--json",
+        timeout=300,
+    )
+    findings = _by_check(json.loads(result.stdout))
+    assert result.returncode == 1
+    assert findings["run"]["holds"] is False
+    assert "exit 3" in str(findings["run"]["detail"]) and "no restart here" in str(
+        findings["run"]["detail"]
+    )
+    assert findings["left_as_found"]["holds"] is True and _adapters(url) == []
+
+
 def test_an_unreachable_engine_is_one_line_and_exit_12(tmp_path: Path) -> None:
     result = run_script("check-engine", "http://127.0.0.1:9", "--kind", "sglang")
     assert result.returncode == 12
@@ -240,3 +264,60 @@ def _rendered(report: Report) -> str:
     console = Console(width=200, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(render(report))
     return console.export_text()
+
+
+# --- restarts (``--restart-command``; in process: a restartable local engine) ---------------
+
+
+class StuckIncarnation:
+    """A misbehaving engine (test double around a real one): it reports the incarnation of its
+    first life forever, so a restart is invisible, as with an engine whose id is not per life."""
+
+    def __init__(self, inner: RestartableEngine) -> None:
+        self.inner = inner
+        self.first: str | None = None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def incarnation(self) -> str:
+        now = await self.inner.incarnation()
+        self.first = self.first or now
+        return self.first
+
+    async def inventory(self) -> object:
+        inventory = await self.inner.inventory()
+        return msgspec.structs.replace(inventory, incarnation=await self.incarnation())
+
+
+def _restartable(root: Path) -> RestartableEngine:
+    from engines.local.engine import LocalEngine
+
+    return RestartableEngine(
+        lambda: LocalEngine("rs0", limits=ServingLimits(max_lora_rank=32), artifact_root=root)
+    )
+
+
+@pytest.mark.anyio
+async def test_a_restart_changes_the_incarnation_and_forgets_adapters(tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    root.mkdir()
+    async with _restartable(root) as host:
+        target = _target(host, root)  # type: ignore[arg-type]
+        target.kind, target.restart = "local", host.restart
+        report = await run_checks(target)
+    findings = {f.check: f for f in report.findings}
+    assert report.ok, report.failures
+    assert findings["restart_detected"].holds is True
+    assert findings["restart_forgets"].holds is True and not findings["restart_forgets"].required
+
+
+@pytest.mark.anyio
+async def test_an_incarnation_that_survives_a_restart_fails_loudly(tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    root.mkdir()
+    async with _restartable(root) as host:
+        target = _target(StuckIncarnation(host), root)  # type: ignore[arg-type]
+        target.kind, target.restart, target.restart_timeout = "local", host.restart, 2.0
+        report = await run_checks(target)
+    assert "restart_detected" in _failed(report) and not report.ok
