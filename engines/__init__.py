@@ -28,6 +28,11 @@ _FACE = {
     "LocalHTTPEngine": "engines.local.client",
     "SGLangEngine": "engines.sglang",
     "VLLMEngine": "engines.vllm",
+    # without a shared filesystem: SGLang's tensor route (torch only when it sends), and the
+    # engine-host agent beside a path-loading engine (over HTTP, or hosted in one process)
+    "SGLangTensorEngine": "engines.sglang_tensors",
+    "AgentEngine": "engines.agent",
+    "HostedAgentEngine": "engines.agent",
     # the bundled local engine, in process (needs the engine extra: torch, transformers, peft)
     "LocalEngine": "engines.local.engine",
     "ServingLimits": "engines.local.admission",

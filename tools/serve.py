@@ -40,7 +40,7 @@ from tools.logconfig import get_logger
 
 log = get_logger("loraledger.serve")
 
-ENGINE_KINDS = ("sglang", "vllm", "local")
+ENGINE_KINDS = ("sglang", "sglang-tensors", "vllm", "local", "agent")
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -162,6 +162,26 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: EngineOpti
         from engines.sglang import SGLangEngine
 
         engine: Any = SGLangEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
+    elif spec.kind == "sglang-tensors":  # SGLang >= 0.5.17 fed by its tensor route
+        from engines.sglang_tensors import SGLangTensorEngine
+
+        engine = SGLangTensorEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
+    elif spec.kind == "agent":  # AGENT_URL,KIND:ENGINE_URL: an engine fed by its host's agent
+        from engines.agent import AgentEngine, engine_adapter
+
+        agent_url, _, inner = (spec.url or "").partition(",")
+        inner_kind, _, inner_url = inner.partition(":")
+        try:
+            inner_engine = engine_adapter(
+                inner_kind,
+                inner_url,
+                spec.engine_id,
+                api_key=opts.engine_token,
+                served_model=opts.served_model,
+            )
+        except ValueError as exc:
+            raise ToolError(Exit.USAGE, f"--engine {spec.engine_id}: {exc}") from None
+        engine = AgentEngine(agent_url, inner_engine, api_key=opts.engine_token)
     elif spec.kind == "vllm":
         from engines.vllm import VLLMEngine
 

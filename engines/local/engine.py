@@ -78,6 +78,7 @@ from engines.manifest import (
     compute_digest,
     tensor_checksum,
 )
+from engines.tensor_wire import TENSOR_ROOT
 
 T = TypeVar("T")
 
@@ -552,10 +553,51 @@ class LocalEngine:
             raise self._tag(exc) from None
         return self.loaded_adapters()
 
+    async def load_tensors_ordinary(
+        self, lora_name: str, config: dict[str, Any], tensors: dict[str, TensorData]
+    ) -> dict[str, str]:
+        """SGLang ``/load_lora_adapter_from_tensors`` (decoded and checksummed by the face):
+        register an ordinary name whose weights came in the request. It lists with root
+        ``__tensor__`` and, having no path, is never implicitly reloaded."""
+        self._require_runner()
+
+        async def job() -> None:
+            async with self._compat_lock:
+                check_name(lora_name)
+                self._names.check_ordinary_load(lora_name)
+                plan = plan_adapter(config, shapes_of(tensors), self._module_shapes, self.limits)
+                digest = build_manifest(config, tensors).digest
+                async with self._control_lock:
+                    self._names.check_ordinary_load(lora_name)
+                    await self._install(
+                        lora_name,
+                        plan,
+                        tensors,
+                        digest=digest,
+                        path=None,
+                        managed=False,
+                        attempt=None,
+                    )
+
+        try:
+            await self._submit(job)
+        except ManifestError as exc:
+            raise self._tag(CleanRefusal(ErrorCode.INVALID_ADAPTER, str(exc))) from None
+        except EngineError as exc:
+            raise self._tag(exc) from None
+        return self.loaded_adapters()
+
     async def _implicit_reload(self, name: str) -> None:
         """Stock SGLang (0.5.23) reloads an unloaded ordinary name from its old path when a
-        request names it; reproduced for ordinary names only, never managed ones."""
+        request names it; reproduced for ordinary names only, never managed ones. An adapter
+        loaded from tensors has no path and fails, as in SGLang."""
         path = self._names.history[name]
+        if path == TENSOR_ROOT:
+            raise CleanRefusal(
+                ErrorCode.NOT_LOADED,
+                f"Failed to implicitly load LoRA adapter {name}: it was loaded from tensors "
+                f"({TENSOR_ROOT}) and cannot be reloaded",
+            )
 
         async def job() -> None:
             async with self._compat_lock:

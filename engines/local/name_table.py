@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from engines.contract import Candidate, CleanRefusal, ErrorCode
 from engines.local.refs import Lease, RefCounter
 from engines.manifest import TensorData
+from engines.tensor_wire import TENSOR_ROOT
 
 
 @dataclass(eq=False)
@@ -220,7 +221,7 @@ class NameTable:
         if resident.managed:
             self.reclaimed.discard(name)
         else:
-            self.history[name] = resident.path or ""
+            self.history[name] = resident.path or TENSOR_ROOT
 
     def unregister(self, name: str) -> Resident:
         """Remove the name at once: the counter closes (no new holder), the resident drains."""
@@ -241,7 +242,7 @@ class NameTable:
         return None
 
     def loaded_paths(self) -> dict[str, str]:
-        return {n: r.path or "__tensor__" for n, r in self.residents.items()}
+        return {n: r.path or TENSOR_ROOT for n, r in self.residents.items()}
 
     @staticmethod
     def _check_attempt(name: str, attempt: int, fence: Fence | None) -> None:

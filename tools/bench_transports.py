@@ -1,0 +1,167 @@
+"""Transport benchmark (BENCHMARKS.md, Transports): publication of one adapter to 2 engines
+over HTTP by path (a shared filesystem), through an engine-host agent, and through SGLang's
+tensor route, each next to the same run's cost of writing the bytes twice durably.
+
+Method (one process, one run, so the numbers are comparable):
+
+* **Engines**: 2 local engines, each served over loopback HTTP (their SGLang face), each with
+  its own artifact root, and a ``ControlPlane`` over an SQLite ledger (``synchronous=FULL``)
+  whose artifact store is a third directory. All on the same disk.
+* **Adapter**: the tiny model's LoRA of :mod:`tools.bench_publish` (``size_mib`` MiB of
+  float32 exactly); one fresh version per publication.
+* **Transports**:
+
+  - ``path``: :class:`~engines.sglang.SGLangEngine`; each engine reads the version's directory
+    from the control plane's store (what a shared filesystem gives);
+  - ``agent``: :class:`~engines.agent.AgentEngine`; buckets (64 MiB) stream to each host's
+    agent (in this process, over loopback), which verifies them, writes and fsyncs the
+    directory into its host's root, then asks its engine to load that path;
+  - ``tensor``: :class:`~engines.sglang_tensors.SGLangTensorEngine`; buckets verified in the
+    client, then one ``/load_lora_adapter_from_tensors`` request per engine (base64 of a
+    by-value pickle, sha256 per tensor checked by the engine).
+
+  Every transport also writes the version's directory into the control plane's store (the
+  source for restores and repairs), as the publication driver always does.
+* **Reference**: the bytes written twice to files with fsync (``tools.bench_publish``), median
+  of ``repeats`` interleaved with the publications.
+
+Run: ``python -m tools.bench_transports [--size-mib 64] [--repeats 3] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tools.bench_publish import RANK_PER_MIB, machine, write_twice
+
+TRANSPORTS = ("path", "agent", "tensor")
+
+
+async def bench_transports(
+    *, size_mib: int = 64, repeats: int = 3, workdir: str | None = None
+) -> dict[str, Any]:
+    from engines.agent import Agent, AgentEngine, serve_agent
+    from engines.artifacts import ArtifactStore
+    from engines.local.admission import ServingLimits
+    from engines.local.engine import LocalEngine
+    from engines.local.server import serve
+    from engines.local.tinymodel import make_adapter
+    from engines.sglang import SGLangEngine
+    from engines.sglang_tensors import SGLangTensorEngine
+    from evlog.sqlite import SQLiteStore
+    from publisher.adapter_copy import AdapterCopy
+    from publisher.fleet import Fleet
+    from publisher.plane import ControlPlane
+
+    rank = size_mib * RANK_PER_MIB
+    limits = ServingLimits(max_lora_rank=max(64, rank))
+    targets = ("k_proj", "o_proj", "q_proj", "v_proj")
+    body_cap = 2 * (size_mib * 1024 * 1024 * 4 // 3) + 64 * 1024 * 1024
+    seeds = iter(range(1000, 10_000))
+
+    def adapter() -> AdapterCopy:
+        config, tensors = make_adapter(next(seeds), r=rank, targets=targets)
+        return AdapterCopy.from_state_dict(tensors, config)
+
+    results: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    write_s: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="bench-transports-", dir=workdir) as tmp:
+        root = Path(tmp)
+        for transport in TRANSPORTS:
+            async with contextlib.AsyncExitStack() as stack:
+                members: list[Any] = []
+                for i in range(2):
+                    host = root / transport / f"host{i}"
+                    host.mkdir(parents=True)
+                    # the path transport's engines read the control plane's store
+                    allowed = root / transport / "trainer" if transport == "path" else host
+                    engine = await stack.enter_async_context(
+                        LocalEngine(f"e{i}", limits=limits, artifact_root=allowed)
+                    )
+                    url = await stack.enter_async_context(
+                        serve(engine, max_tensor_body_bytes=body_cap)
+                    )
+                    if transport == "path":
+                        member: Any = SGLangEngine(url, f"e{i}")
+                    elif transport == "tensor":
+                        member = SGLangTensorEngine(url, f"e{i}")
+                    else:
+                        agent = Agent(SGLangEngine(url, f"e{i}"), ArtifactStore(host))
+                        agent_url = await stack.enter_async_context(serve_agent(agent))
+                        member = AgentEngine(agent_url, SGLangEngine(url, f"e{i}"))
+                        stack.push_async_callback(agent.engine.aclose)
+                    stack.push_async_callback(member.aclose)
+                    members.append(member)
+                (root / transport / "trainer").mkdir(exist_ok=True)
+                store = await stack.enter_async_context(
+                    SQLiteStore.open(root / transport / "ledger.db", synchronous="FULL")
+                )
+                plane = await stack.enter_async_context(
+                    ControlPlane.open(
+                        store,
+                        Fleet(members),
+                        deployment="bench",
+                        prefix="bench",
+                        capacity=repeats + 2,
+                        artifact_root=root / transport / "trainer",
+                        reclaim_tick_s=0.1,
+                    )
+                )
+                for i in range(repeats):
+                    copy = await anyio.to_thread.run_sync(adapter)
+                    write_s.append(
+                        await anyio.to_thread.run_sync(write_twice, dict(copy.tensors), root)
+                    )
+                    t = time.perf_counter()
+                    await plane.publisher.publish(copy, version_id=1 + i)
+                    results[transport].append(time.perf_counter() - t)
+    reference = statistics.median(write_s)
+    return {
+        "machine": machine(),
+        "size_mib": size_mib,
+        "repeats": repeats,
+        "write_twice_fsync_s": reference,
+        "publish_s": {t: statistics.median(v) for t, v in results.items()},
+        "publish_all_s": results,
+        "ratio_to_write_twice": {t: statistics.median(v) / reference for t, v in results.items()},
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"publication of {result['size_mib']} MiB to 2 engines over HTTP "
+        f"(median of {result['repeats']}), vs writing the bytes twice with fsync "
+        f"({result['write_twice_fsync_s'] * 1e3:.0f} ms):"
+    ]
+    for t in TRANSPORTS:
+        lines.append(
+            f"  {t:7s} {result['publish_s'][t] * 1e3:8.0f} ms  "
+            f"{result['ratio_to_write_twice'][t]:.2f}x the durable double write"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.bench_transports")
+    p.add_argument("--size-mib", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    result = anyio.run(
+        lambda: bench_transports(size_mib=args.size_mib, repeats=args.repeats, workdir=args.dir)
+    )
+    print(json.dumps(result, indent=2) if args.json else render(result))
+
+
+if __name__ == "__main__":
+    main()
