@@ -97,7 +97,16 @@ CAMPAIGNS: dict[str, Campaign] = {
             ("tests/evlog/test_memory_store.py", "tests/evlog/test_sqlite_store.py"),
             gated=False,
         ),
-        Campaign("gateway", ("publisher/gateway.py",), ("tests/publisher/test_gateway.py",), False),
+        Campaign(
+            "gateway",
+            ("publisher/gateway.py",),
+            (
+                "tests/publisher/test_gateway.py",
+                "tests/publisher/test_errors.py",  # each dispatch code's family
+                "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
+            ),
+            gated=False,
+        ),
         Campaign(
             "reclaim",
             ("publisher/reclaim.py",),
