@@ -54,6 +54,9 @@ LABEL_HELPERS = frozenset({"_time"})
 # Calls that build an error from a message, besides ``...Error(...)`` classes: the registry's
 # ``impossible(subject, state, event, reason)``.
 ERROR_BUILDERS = frozenset({"impossible"})
+# A mutant that only changes the arguments of a log call (the event name, a field) is counted
+# apart as ``log``: log lines are diagnostics for a person, not a promise the tests hold.
+LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "exception", "critical"})
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             ("publisher/gateway.py",),
             (
                 "tests/publisher/test_gateway.py",
+                "tests/publisher/test_gateway_dispatch.py",
                 "tests/publisher/test_errors.py",  # each dispatch code's family
                 "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
             ),
@@ -110,7 +114,11 @@ CAMPAIGNS: dict[str, Campaign] = {
         Campaign(
             "reclaim",
             ("publisher/reclaim.py",),
-            ("tests/publisher/test_reclaim.py", "tests/publisher/test_reclaim_inflight.py"),
+            (
+                "tests/publisher/test_reclaim.py",
+                "tests/publisher/test_reclaim_inflight.py",
+                "tests/publisher/test_reclaim_answers.py",
+            ),
             gated=False,
         ),
     )
@@ -127,6 +135,7 @@ class Survivor:
     line: str
     change: str
     message_only: bool
+    log_only: bool = False
 
     def key(self) -> tuple[str, str, str, str]:
         return (self.file, self.function, self.line, self.change)
@@ -143,10 +152,18 @@ class Report:
 
     def classify(self) -> dict[str, list[Survivor]]:
         """Split survivors into message / equivalent / open / unexplained."""
-        out: dict[str, list[Survivor]] = {"message": [], "equivalent": [], "open": [], "new": []}
+        out: dict[str, list[Survivor]] = {
+            "message": [],
+            "log": [],
+            "equivalent": [],
+            "open": [],
+            "new": [],
+        }
         for s in self.survivors:
             if s.message_only:
                 out["message"].append(s)
+            elif s.log_only:
+                out["log"].append(s)
             elif s.key() in self.accepted:
                 out[self.accepted[s.key()]["kind"]].append(s)
             else:
@@ -248,6 +265,17 @@ def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
     return any(_is_error(name) for name in calls)
 
 
+def _is_log_call(node: ast.AST) -> bool:
+    """A call of the module's structlog logger (``log.info(...)``, ``log.warning(...)``)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "log"
+        and node.func.attr in LOG_LEVELS
+    )
+
+
 def _is_error(name: str) -> bool:
     return name.endswith("Error") or name in ERROR_BUILDERS
 
@@ -286,6 +314,7 @@ def _describe(workdir: Path, mutant: str) -> Survivor:
         line=line,
         change=f"{_unparse(old)} -> {_unparse(new)}",
         message_only=_is_message(old, new, chain),
+        log_only=any(_is_log_call(n) for n in (*chain, old)),
     )
 
 
@@ -313,6 +342,10 @@ def recheck_survivors(campaign: Campaign, *, workdir: Path, max_children: int) -
     for path in campaign.mutate:
         if (workdir / path).read_bytes() != (ROOT / path).read_bytes():
             raise SystemExit(f"{path} changed since the run in {workdir}: run the campaign again")
+    kept = tomllib.loads((workdir / "pyproject.toml").read_text("utf-8"))["tool"]["mutmut"]
+    if kept["pytest_add_cli_args_test_selection"] != list(campaign.tests):
+        # mutmut would reset every verdict anyway when its test selection changes
+        raise SystemExit(f"the {campaign.name} campaign's test files changed: run it again")
     shutil.rmtree(workdir / "tests")
     shutil.copytree(ROOT / "tests", workdir / "tests", ignore=_IGNORE)
     # mutmut maps each function to the tests that call it once, and then only for new tests:
@@ -372,6 +405,7 @@ def summary(report: Report) -> str:
     head = (
         f"{report.campaign}: {report.generated} mutants, {report.killed} killed, "
         f"{len(report.survivors)} survived (message {len(kinds['message'])}, "
+        f"log {len(kinds['log'])}, "
         f"equivalent {len(kinds['equivalent'])}, open {len(kinds['open'])}, "
         f"unexplained {len(kinds['new'])})"
     )
