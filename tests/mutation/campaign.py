@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,9 @@ LABEL_HELPERS = frozenset({"_time"})
 # Calls that build an error from a message, besides ``...Error(...)`` classes: the registry's
 # ``impossible(subject, state, event, reason)``.
 ERROR_BUILDERS = frozenset({"impossible"})
+# A mutant that only changes the arguments of a log call (the event name, a field) is counted
+# apart as ``log``: log lines are diagnostics for a person, not a promise the tests hold.
+LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "exception", "critical"})
 
 
 @dataclass(frozen=True)
@@ -96,11 +100,25 @@ CAMPAIGNS: dict[str, Campaign] = {
             ("tests/evlog/test_memory_store.py", "tests/evlog/test_sqlite_store.py"),
             gated=False,
         ),
-        Campaign("gateway", ("publisher/gateway.py",), ("tests/publisher/test_gateway.py",), False),
+        Campaign(
+            "gateway",
+            ("publisher/gateway.py",),
+            (
+                "tests/publisher/test_gateway.py",
+                "tests/publisher/test_gateway_dispatch.py",
+                "tests/publisher/test_errors.py",  # each dispatch code's family
+                "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
+            ),
+            gated=False,
+        ),
         Campaign(
             "reclaim",
             ("publisher/reclaim.py",),
-            ("tests/publisher/test_reclaim.py", "tests/publisher/test_reclaim_inflight.py"),
+            (
+                "tests/publisher/test_reclaim.py",
+                "tests/publisher/test_reclaim_inflight.py",
+                "tests/publisher/test_reclaim_answers.py",
+            ),
             gated=False,
         ),
     )
@@ -117,6 +135,7 @@ class Survivor:
     line: str
     change: str
     message_only: bool
+    log_only: bool = False
 
     def key(self) -> tuple[str, str, str, str]:
         return (self.file, self.function, self.line, self.change)
@@ -133,10 +152,18 @@ class Report:
 
     def classify(self) -> dict[str, list[Survivor]]:
         """Split survivors into message / equivalent / open / unexplained."""
-        out: dict[str, list[Survivor]] = {"message": [], "equivalent": [], "open": [], "new": []}
+        out: dict[str, list[Survivor]] = {
+            "message": [],
+            "log": [],
+            "equivalent": [],
+            "open": [],
+            "new": [],
+        }
         for s in self.survivors:
             if s.message_only:
                 out["message"].append(s)
+            elif s.log_only:
+                out["log"].append(s)
             elif s.key() in self.accepted:
                 out[self.accepted[s.key()]["kind"]].append(s)
             else:
@@ -155,11 +182,13 @@ def load_accepted() -> dict[tuple[str, str, str, str], dict[str, str]]:
     return accepted
 
 
+_IGNORE = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+
+
 def _copy_tree(dest: Path, campaign: Campaign) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
     for pkg in PACKAGES:
-        shutil.copytree(ROOT / pkg, dest / pkg, ignore=ignore)
-    shutil.copytree(ROOT / "tests", dest / "tests", ignore=ignore)
+        shutil.copytree(ROOT / pkg, dest / pkg, ignore=_IGNORE)
+    shutil.copytree(ROOT / "tests", dest / "tests", ignore=_IGNORE)
     config = (ROOT / "pyproject.toml").read_text("utf-8")
     config += "\n[tool.mutmut]\n" + "\n".join(
         [
@@ -236,6 +265,17 @@ def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
     return any(_is_error(name) for name in calls)
 
 
+def _is_log_call(node: ast.AST) -> bool:
+    """A call of the module's structlog logger (``log.info(...)``, ``log.warning(...)``)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "log"
+        and node.func.attr in LOG_LEVELS
+    )
+
+
 def _is_error(name: str) -> bool:
     return name.endswith("Error") or name in ERROR_BUILDERS
 
@@ -274,6 +314,7 @@ def _describe(workdir: Path, mutant: str) -> Survivor:
         line=line,
         change=f"{_unparse(old)} -> {_unparse(new)}",
         message_only=_is_message(old, new, chain),
+        log_only=any(_is_log_call(n) for n in (*chain, old)),
     )
 
 
@@ -286,31 +327,76 @@ def _unparse(node: ast.AST) -> str:
 def run_campaign(campaign: Campaign, *, workdir: Path, max_children: int) -> Report:
     """Copy the tree, run mutmut, and read back every mutant's verdict."""
     _copy_tree(workdir, campaign)
+    _mutmut(workdir, [], max_children=max_children)
+    return read_report(campaign, workdir)
+
+
+def recheck_survivors(campaign: Campaign, *, workdir: Path, max_children: int) -> Report:
+    """Run the survivors of a kept campaign (``--keep``) again against the tests as they are now,
+    with the mutants that run did not reach (it may have been stopped).
+
+    For the loop of killing survivors: a killed mutant stays killed when tests are only added,
+    so only the survivors need a new verdict (minutes instead of the whole campaign). Refused
+    when a mutated source changed since that run (its mutants are stale: run it in full). The
+    gate always runs the whole campaign."""
+    for path in campaign.mutate:
+        if (workdir / path).read_bytes() != (ROOT / path).read_bytes():
+            raise SystemExit(f"{path} changed since the run in {workdir}: run the campaign again")
+    kept = tomllib.loads((workdir / "pyproject.toml").read_text("utf-8"))["tool"]["mutmut"]
+    if kept["pytest_add_cli_args_test_selection"] != list(campaign.tests):
+        # mutmut would reset every verdict anyway when its test selection changes
+        raise SystemExit(f"the {campaign.name} campaign's test files changed: run it again")
+    shutil.rmtree(workdir / "tests")
+    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=_IGNORE)
+    # mutmut maps each function to the tests that call it once, and then only for new tests:
+    # a test changed since would keep its old map, so the map is rebuilt (one traced run).
+    (workdir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    todo = [
+        mutant
+        for path in campaign.mutate
+        for mutant, code in _verdicts(workdir, path).items()
+        if code in (0, 33, None)  # survived, no test reached it, or not checked (a run stopped)
+    ]
+    if todo:
+        _mutmut(workdir, todo, max_children=max_children)
+    return read_report(campaign, workdir)
+
+
+def _mutmut(workdir: Path, mutants: list[str], *, max_children: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with (workdir / "mutmut.log").open("w") as log:
+    with (workdir / "mutmut.log").open("a") as log:
         subprocess.run(
-            [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)],
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *mutants],
             cwd=workdir,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             check=True,
         )
+
+
+def read_report(campaign: Campaign, workdir: Path) -> Report:
+    """Every mutant's verdict, as mutmut recorded it in ``mutants/<file>.meta``."""
+    from mutmut.stats import status_by_exit_code  # the dev extra; only a run needs it
+
     report = Report(campaign.name, accepted=load_accepted())
-    # exit codes as mutmut reads them (mutmut.__main__.status_by_exit_code)
     for path in campaign.mutate:
-        meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text("utf-8"))
-        for mutant, code in meta["exit_code_by_key"].items():
+        for mutant, code in _verdicts(workdir, path).items():
             report.generated += 1
-            if code in (1, 3):  # a test failed / was interrupted by the mutant
+            status = status_by_exit_code[code]
+            if status == "killed":  # a test failed, or pytest stopped on the mutant
                 report.killed += 1
-            elif code == 0:
+            elif status == "survived":
                 report.survivors.append(_describe(workdir, mutant))
-            else:
-                status = {None: "not checked", 33: "no tests", 34: "skipped", 36: "timeout"}
-                label = status.get(code, f"exit {code}")
-                report.other[label] = report.other.get(label, 0) + 1
+            else:  # timeout (counted as killed by mutmut: the suite would hang), no tests, ...
+                report.other[status] = report.other.get(status, 0) + 1
     return report
+
+
+def _verdicts(workdir: Path, path: str) -> dict[str, int | None]:
+    meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text("utf-8"))
+    verdicts: dict[str, int | None] = meta["exit_code_by_key"]
+    return verdicts
 
 
 def summary(report: Report) -> str:
@@ -319,6 +405,7 @@ def summary(report: Report) -> str:
     head = (
         f"{report.campaign}: {report.generated} mutants, {report.killed} killed, "
         f"{len(report.survivors)} survived (message {len(kinds['message'])}, "
+        f"log {len(kinds['log'])}, "
         f"equivalent {len(kinds['equivalent'])}, open {len(kinds['open'])}, "
         f"unexplained {len(kinds['new'])})"
     )
@@ -347,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("campaigns", nargs="+", help=f"all, or some of {sorted(CAMPAIGNS)}")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it")
+    parser.add_argument(
+        "--recheck",
+        type=Path,
+        help="rerun only the survivors of a run kept in this folder, against today's tests",
+    )
     parser.add_argument("--toml", action="store_true", help="print unexplained as toml entries")
     args = parser.parse_args(argv)
     names = sorted(CAMPAIGNS) if args.campaigns == ["all"] else args.campaigns
@@ -356,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name in names:
         campaign = CAMPAIGNS[name]
-        if args.keep:
+        started = time.monotonic()
+        if args.recheck:
+            report = recheck_survivors(
+                campaign, workdir=args.recheck / name, max_children=args.max_children
+            )
+        elif args.keep:
             workdir = args.keep / name
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(parents=True)
@@ -365,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
                 report = run_campaign(campaign, workdir=Path(tmp), max_children=args.max_children)
         print(summary(report), flush=True)
+        print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
         if args.toml:
             print(unexplained_as_toml(report))
         failed |= campaign.gated and bool(report.classify()["new"])

@@ -1,0 +1,311 @@
+"""What the gateway tells its caller about each dispatch, on real local engines and a real ledger:
+every failure names the request, the engine and the version (a trainer that gets
+``AMBIGUOUS_DISPATCH`` must be able to find the sample the engine may still produce), in-flight
+evidence covers an empty fleet and a worker's own tally, request ids are unique per gateway, and
+the provenance row is the engine's generation, field for field.
+
+Written from the gateway mutation campaign's survivors (``python -m tests.mutation.campaign
+gateway``): each test holds what a surviving mutant changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import structlog.testing
+
+from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
+from engines.local.engine import LocalEngine
+from evlog.errors import LoraLedgerError
+from evlog.events import InFlight
+from publisher.fleet import Fleet
+from publisher.gateway import DEFAULT_PARAMS, DispatchCode, Gateway, InFlightCounter
+from publisher.outcomes import Bound
+from tests.publisher.rollout_kit import (
+    ENGINE_WARNINGS,
+    PROMPT,
+    SHORT,
+    EchoesAnother,
+    LosesReply,
+    Recording,
+    Rig,
+    Unreachable,
+    rig,
+)
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+
+
+class Refuses(Recording):
+    """Refuses every generation cleanly, before running it (nothing generated)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        raise CleanRefusal(ErrorCode.BAD_REQUEST, "prompt too long", engine_id=self.engine_id)
+
+
+class Breaks(Recording):
+    """Fails with an error no engine adapter raises (a bug under the call): it may have sent."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        raise RuntimeError("socket closed mid-read")
+
+
+class KeepsParams(Recording):
+    """Records the sampling parameters each generation was asked with."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        super().__init__(inner)
+        self.params: list[SamplingParams] = []
+
+    async def generate(
+        self, prompt: str | Sequence[int], lora_name: str | None, params: SamplingParams, **kw: Any
+    ) -> Generation:
+        self.params.append(params)
+        return await super().generate(prompt, lora_name, params, **kw)
+
+
+class NamesItsOwnId(Recording):
+    """Answers with the engine's own id for the request (as an OpenAI server's ``cmpl-...``)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        real = await super().generate(*args, **kwargs)
+        return msgspec.structs.replace(real, request_id="cmpl-engine-side")
+
+
+class NamesNoId(Recording):
+    """Answers without a request id."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        real = await super().generate(*args, **kwargs)
+        return msgspec.structs.replace(real, request_id=None)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():  # noqa: ASYNC110 -- polling gateway counters
+            await anyio.sleep(0.002)
+
+
+def only(kind: type[Recording]) -> Callable[[LocalEngine], Any]:
+    return kind
+
+
+async def _bound(r: Rig) -> Bound:
+    await r.ledger.register_owner("w", ttl_s=60.0)
+    return await r.ledger.bind("s1", "w")
+
+
+async def _refusal(r: Rig, bound: Bound, **kwargs: Any) -> LoraLedgerError:
+    with pytest.raises(LoraLedgerError) as info:
+        await r.gateway.generate(bound, PROMPT, SHORT, **kwargs)
+    return info.value
+
+
+async def test_no_route_names_the_version_and_the_engines_that_could_not_be_reached() -> None:
+    async with rig(engines=1, wrap=only(Unreachable)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        error = await _refusal(r, bound)
+        assert (error.code, error.message) == (
+            DispatchCode.NO_ROUTE,
+            f"no routable engine holds {bound.lora_name} (unreachable: e0)",
+        )
+        assert error.details == {
+            "lora_name": bound.lora_name,
+            "version_id": 1,
+            "unreachable": ["e0"],
+        }
+    async with rig(engines=1) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        nobody = msgspec.structs.replace(bound, lora_name="agent@dep-9-0000000000000000")
+        error = await _refusal(r, nobody)
+        assert error.message == "no routable engine holds agent@dep-9-0000000000000000"
+        assert error.details["unreachable"] == []
+
+
+async def test_a_clean_refusal_names_the_engine_its_code_and_the_request() -> None:
+    async with rig(engines=1, wrap=only(Refuses)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        error = await _refusal(r, bound, request_id="req-7")
+        assert (error.code, error.message) == (
+            DispatchCode.GENERATION_FAILED,
+            "engine e0 refused the generation cleanly: BAD_REQUEST: prompt too long",
+        )
+        assert error.details == {
+            "engine": "e0",
+            "engine_code": "BAD_REQUEST",
+            "request_id": "req-7",
+            "version_id": 1,
+        }
+        assert r.gateway.inflight_counts() == {}
+
+
+@pytest.mark.parametrize(
+    ("kind", "engine_code", "reason"),
+    [
+        (LosesReply, "TIMEOUT", "TIMEOUT: reply lost after the engine ran it"),
+        (Breaks, "", "RuntimeError('socket closed mid-read')"),
+    ],
+)
+async def test_an_ambiguous_dispatch_names_what_the_caller_needs_to_find_the_sample(
+    kind: type[Recording], engine_code: str, reason: str
+) -> None:
+    async with rig(engines=1, wrap=only(kind)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        error = await _refusal(r, bound, request_id="req-9")
+        assert (error.code, error.message) == (
+            DispatchCode.AMBIGUOUS_DISPATCH,
+            f"request req-9 was sent to e0 and its outcome is unknown ({reason}); "
+            "it was not resent",
+        )
+        assert error.details == {
+            "engine": "e0",
+            "engine_code": engine_code,
+            "request_id": "req-9",
+            "version_id": 1,
+            "session": "s1",
+        }
+        assert r.gateway.inflight_counts() == {}
+
+
+async def test_evidence_of_an_empty_fleet_is_one_zero_for_every_engine() -> None:
+    """A claim must record what it relied on even when no engine is left: a wildcard zero."""
+    gateway = Gateway(Fleet(), routing=None, gateway_id="g", clock=lambda: 42.5)  # type: ignore[arg-type]
+    assert gateway.inflight_evidence(3) == [InFlight(reporter="g", engine="*", count=0, at=42.5)]
+
+
+async def test_evidence_keeps_an_engine_the_version_was_sent_to_after_it_leaves_the_fleet() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        served = await r.gateway.generate(bound, PROMPT, SHORT)
+        r.fleet.remove(served.engine)
+        reported = {x.engine for x in r.gateway.inflight_evidence(1)}
+        assert reported == {"e0", "e1"}
+        assert {x.engine for x in r.gateway.inflight_evidence(2)} == set(r.fleet.ids())
+
+
+async def test_a_workers_tally_counts_its_requests_and_returns_to_zero() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        tally = InFlightCounter()
+        served = await r.gateway.generate(bound, PROMPT, SHORT, tally=tally)
+        assert not tally and tally.counts() == {}
+        assert r.gateway.inflight(served.engine, 1) == 0
+        assert r.gateway.dispatched == 1
+        await r.gateway.generate(bound, PROMPT, SHORT, tally=tally)
+        assert r.gateway.dispatched == 2
+
+
+async def test_request_ids_are_unique_per_gateway_and_counted_from_one() -> None:
+    async with rig(engines=1) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        first = await r.gateway.generate(bound, PROMPT, SHORT)
+        second = await r.gateway.generate(bound, PROMPT, SHORT)
+        other = Gateway(r.fleet, r.gateway.routing)
+        third = await other.generate(bound, PROMPT, SHORT)
+        ids = [s.provenance.request_id for s in (first, second, third)]
+        assert re.fullmatch(r"gw-[0-9a-f]{12}-1", ids[0]), ids
+        assert ids[1] == ids[0][:-1] + "2"
+        assert re.fullmatch(r"gateway-[0-9a-f]{12}-1", ids[2]), ids
+        assert ids[2][8:20] != ids[0][3:15]  # each gateway process draws its own prefix
+
+
+async def test_a_generation_without_params_uses_the_defaults() -> None:
+    async with rig(engines=1, wrap=only(KeepsParams)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        await r.gateway.generate(bound, PROMPT)
+        engine = r.fleet["e0"]
+        assert isinstance(engine, KeepsParams)
+        assert engine.params == [DEFAULT_PARAMS]
+
+
+async def test_the_provenance_row_is_the_generation_field_for_field() -> None:
+    async with rig(engines=1) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        r.clock.advance(3.0)
+        served = await r.gateway.generate(bound, PROMPT, SHORT)
+        g, row = served.generation, served.provenance
+        assert (row.incarnation, row.prompt_tokens, row.cached_tokens, row.finish_reason) == (
+            g.incarnation,
+            g.prompt_tokens,
+            g.cached_tokens,
+            g.finish_reason,
+        )
+        assert g.prompt_tokens > 0 and g.finish_reason in ("stop", "length")
+        assert (row.started_at, row.finished_at) == (r.clock(), r.clock())
+        assert (row.head_revision, row.head_revision_done, row.gateway) == (1, 1, "gw")
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"), [(NamesItsOwnId, "cmpl-engine-side"), (NamesNoId, "r-5")]
+)
+async def test_the_row_keeps_the_engines_request_id_or_else_the_gateways(
+    kind: type[Recording], expected: str
+) -> None:
+    async with rig(engines=1, wrap=only(kind)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        served = await r.gateway.generate(bound, PROMPT, SHORT, request_id="r-5")
+        assert served.provenance.request_id == expected
+
+
+async def test_requests_go_to_the_least_loaded_holder_and_are_counted_while_they_run() -> None:
+    """e0 is held busy by a request; e1 served one and is idle again: the next request goes to
+    e1 even where the round-robin start points at e0, and the counts name the busy pair only."""
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        tally = InFlightCounter()
+        r.local["e0"].pause_generation()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(r.gateway.generate, bound, PROMPT, SHORT, tally=tally))
+            await wait_for(lambda: r.gateway.inflight("e0", 1) == 1)
+            assert bool(tally) and tally.get("e0", 1) == 1
+            assert (r.gateway.inflight("e1", 1), r.gateway.inflight("e0", 2)) == (0, 0)
+            second = await r.gateway.generate(bound, PROMPT, SHORT)  # round robin: e1
+            third = await r.gateway.generate(bound, PROMPT, SHORT)  # round robin: e0, busy
+            assert (second.engine, third.engine) == ("e1", "e1")
+            r.local["e0"].continue_generation()
+        assert not tally and r.gateway.inflight_counts() == {}
+
+
+async def test_extra_fields_for_an_engine_that_takes_none_name_the_engine_and_fields() -> None:
+    async with rig(engines=1) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        with pytest.raises(LoraLedgerError) as info:
+            await r.gateway.generate(bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1})
+        assert info.value.message == "engine e0 takes no extra body fields (['seed', 'top_k'])"
+
+
+@pytest.mark.parametrize(("kind", "logged"), [(EchoesAnother, True), (Recording, False)])
+async def test_a_result_from_another_adapter_is_logged_as_an_error(
+    kind: type[Recording], logged: bool
+) -> None:
+    async with rig(engines=1, wrap=only(kind)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        with structlog.testing.capture_logs() as logs:
+            await r.gateway.generate(bound, PROMPT, SHORT)
+        wrong = [x for x in logs if x["event"] == "gateway.served_other_adapter"]
+        assert len(wrong) == int(logged)
+        if logged:
+            assert (wrong[0]["log_level"], wrong[0]["engine"], wrong[0]["bound"]) == (
+                "error",
+                "e0",
+                bound.lora_name,
+            )
