@@ -37,6 +37,7 @@ from engines.local.client import LocalHTTPEngine
 from evlog.events import AdapterLost, EngineLeft, EngineRepaired, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
+from publisher.affinity import rendezvous
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
 from publisher.gateway import Gateway, LedgerRouting
@@ -151,6 +152,12 @@ async def _until(what: str, check, timeout: float = 30.0) -> None:  # type: igno
             await anyio.sleep(0.05)
 
 
+def sticky_to(engine: str, engines: list[str]) -> str:
+    """A session id whose turns go to ``engine`` while it holds the version (rendezvous
+    routing keeps a session on one engine: see publisher/affinity.py)."""
+    return next(f"s{i}" for i in range(1000) if rendezvous(f"s{i}", engines) == engine)
+
+
 async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repaired_before_traffic(
     tmp_path: Path,
 ) -> None:
@@ -161,8 +168,10 @@ async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repair
                 PublicationStatus.PUBLISHED
             )
             await ledger.register_owner("w1", ttl_s=600.0)
-            bound = await ledger.bind("s1", "w1")  # bound to 1 before the freeze
-            assert (await gateway.generate(bound, "hello")).version_id == 1
+            # bound to 1 before the freeze, on a session whose sticky engine is e2
+            bound = await ledger.bind(sticky_to("e2", ["e0", "e1", "e2"]), "w1")
+            first = await gateway.generate(bound, "hello")
+            assert (first.version_id, first.engine) == (1, "e2")
             await plane.publisher.publish(adapter_copy(2), version_id=2)
 
             procs["e2"].signal(signal.SIGSTOP)
@@ -203,7 +212,7 @@ async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repair
             assert ledger.state.engines["e2"].owes == {}
             served = [await gateway.generate(bound, f"after {i}") for i in range(12)]
             assert all(s.generation.lora_name == v1.lora_name for s in served)
-            assert "e2" in {s.engine for s in served}  # it serves again
+            assert {s.engine for s in served} == {"e2"}  # it serves again: the session is back
 
 
 async def test_a_killed_engine_is_suspended_and_an_operator_removes_it(tmp_path: Path) -> None:
@@ -258,13 +267,18 @@ async def test_an_external_unload_is_one_incident_routes_around_and_is_repaired(
             ledger = plane.ledger
             await plane.publisher.publish(adapter_copy(1), version_id=1)
             await ledger.register_owner("w1", ttl_s=600.0)
-            bound = await ledger.bind("s1", "w1")
+            bound = await ledger.bind(sticky_to("e1", ["e0", "e1", "e2"]), "w1")
             v1 = ledger.state.versions[1]
+            assert (await gateway.generate(bound, "before")).engine == "e1"
             # someone else, with their own client, unloads the default from e1
             outsider = LocalHTTPEngine(procs["e1"].url, "e1")
             await outsider.unload(v1.lora_name, attempt=v1.attempt)
             await _until("the incident", lambda: "e1" not in ledger.state.holders(v1.lora_name))
-            served = [await gateway.generate(bound, f"t{i}") for i in range(10)]
+            # the session moves off e1 at once; other sessions never reach e1 either
+            served = [await gateway.generate(bound, f"t{i}") for i in range(5)]
+            others = [await ledger.bind(f"o{i}", "w1") for i in range(10)]
+            served += [await gateway.generate(b, "other") for b in others]
+            assert "e1" not in {s.engine for s in served}
             assert {s.engine for s in served} == {"e0", "e2"}
             assert all(s.generation.lora_name == v1.lora_name for s in served)
             # the engine fences an unloaded attempt: the reload is refused, so it is suspended
