@@ -78,6 +78,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             (
                 "tests/publisher/test_decider.py",
                 "tests/publisher/test_decider_outcomes.py",
+                "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
                 "tests/publisher/test_ledger_model.py",
                 "tests/projections",
             ),
@@ -89,6 +90,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             (
                 "tests/publisher/test_decider.py",
                 "tests/publisher/test_decider_outcomes.py",
+                "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
                 "tests/publisher/test_ledger_model.py",
                 "tests/projections",
             ),

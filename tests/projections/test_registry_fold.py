@@ -490,6 +490,7 @@ def _eventful_run() -> list[Event]:
     fatally and resolved, v1 a refused rollback; an engine restarted, repaired and one left."""
     book = Book().bootstrap(capacity=3, engines=("e0", "e1"))
     book.run(c.StartController(code_version="build-1", command_id="start-1"))
+    book.run(c.ConfigureDeployment(max_staleness=2))
     book.run(
         c.JoinEngine(engine="e2", incarnation="e2-i1", endpoint="http://127.0.0.1:7", kind="vllm")
     )
@@ -506,6 +507,8 @@ def _eventful_run() -> list[Event]:
     book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=("agent@dep-99-x",)))
     book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
+    # the stray must be gone before the repair (a routable engine holds only what is wanted)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,)))
     book.run(c.RepairEngine(engine="e0", incarnation="e0-i2"))
     book.run(c.ClaimReclaim(version_id=2))
     book.run(c.MarkReclaimAmbiguous(version_id=2, engine="e1", reason="timed out"))
@@ -535,8 +538,15 @@ def _eventful_run() -> list[Event]:
         ),
         Code.VERDICT_CONFLICT,
     )
+    book.refuse(c.Allocate(version_id=5, digest=digest_of(5)), Code.PUBLICATION_BLOCKED)
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,)))
+    # e1 suspended: v4 resolves on e0's proof alone, and e1 owes the drop until its inventory
+    book.run(c.SuspendEngine(engine="e1", cause="unhealthy", detail="probes failed"))
     book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=(v3,)))
+    book.run(c.ResumeEngine(engine="e1", cause="unhealthy"))
+    book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=()))  # v3 lost there
+    book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
     book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=5.0))
     book.run(c.Bind(session="s2", owner="w2"))
     book.run(c.ExpireOwner(owner="w2", now=9.0, last_seen=5.0))
