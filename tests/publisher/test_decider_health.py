@@ -8,6 +8,9 @@ routable, a routable one holds every needed version it took part in or has it re
 
 from __future__ import annotations
 
+import pytest
+
+from evlog.errors import LoraLedgerError
 from evlog.events import (
     AdapterLost,
     EngineLeft,
@@ -275,3 +278,64 @@ def test_a_ready_engine_whose_inventory_then_lacks_the_candidate_lost_it_at_comm
     assert book.events[-1] == AdapterLost(version_id=1, engine="e0", incarnation="e0-i1")
     assert book.state.holders(book.state.versions[1].lora_name) == ()
     assert book.state.engines["e0"].lacks == {book.state.versions[1].lora_name: 1}
+
+
+# --- written from the mutation rerun over the engine-health functions --------------------------
+
+
+def test_suspension_checks_the_incarnation_it_names_and_caps_its_detail() -> None:
+    """A probe's suspension names the life it saw fail: a stale one is refused (a restarted
+    engine is judged afresh), the current one is accepted; the detail a person reads is kept
+    to 2,000 characters, and a second suspension is a no-op that writes nothing."""
+    book = _fleet()
+    book.refuse(
+        c.SuspendEngine(engine="e2", cause="unhealthy", incarnation="e2-i0"),
+        Code.ENGINE_RESTARTED,
+    )
+    book.run(c.SuspendEngine(engine="e2", cause="unhealthy", detail="x" * 3000, incarnation="e2-i1"))
+    event = book.events[-1]
+    assert isinstance(event, EngineSuspended) and event.detail == "x" * 2000
+    before = len(book.events)
+    assert book.run(c.SuspendEngine(engine="e2", cause="operator")).no_op is True
+    assert len(book.events) == before
+    assert book.state.engines["e2"].suspend_cause == "unhealthy"
+
+
+def test_a_bad_cause_is_refused_naming_the_field() -> None:
+    book = _fleet()
+    for command in (
+        c.SuspendEngine(engine="e2", cause="bored"),
+        c.ResumeEngine(engine="e2", cause="bored"),
+        c.RemoveEngine(engine="e2", cause="unhealthy"),
+    ):
+        with pytest.raises(LoraLedgerError) as info:
+            book.run(command)
+        assert info.value.code == Code.INVALID_INPUT
+        assert info.value.details == {"field": "cause"}
+
+
+def test_a_resumption_records_its_cause_and_clears_the_suspension() -> None:
+    book = _fleet()
+    _suspend(book, "e2", cause="unhealthy")
+    book.run(c.ResumeEngine(engine="e2", cause="unhealthy"))
+    assert book.events[-1] == EngineResumed(engine="e2", incarnation="e2-i1", cause="unhealthy")
+    member = book.state.engines["e2"]
+    assert (member.suspended, member.suspend_cause, member.routable) == (False, "", False)
+    assert book.state.active_engines() == set(ENGINES)
+
+
+def test_an_operators_suspension_is_lifted_only_by_an_operator_naming_the_engine() -> None:
+    book = _fleet()
+    _suspend(book, "e2", cause="operator")
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.ResumeEngine(engine="e2", cause="unhealthy"))
+    assert info.value.code == Code.ENGINE_SUSPENDED
+    assert info.value.details == {"engine": "e2"}
+    assert book.state.engines["e2"].suspended is True
+
+
+def test_an_engine_removed_by_the_fleet_records_that_cause() -> None:
+    book = _fleet()
+    book.run(c.RemoveEngine(engine="e2", cause="fleet"))
+    assert book.events[-1] == EngineLeft(engine="e2", cause="fleet")
+    assert "e2" not in book.state.engines
