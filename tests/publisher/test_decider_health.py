@@ -339,3 +339,93 @@ def test_an_engine_removed_by_the_fleet_records_that_cause() -> None:
     book.run(c.RemoveEngine(engine="e2", cause="fleet"))
     assert book.events[-1] == EngineLeft(engine="e2", cause="fleet")
     assert "e2" not in book.state.engines
+
+
+def test_a_repair_names_the_operators_suspension_and_what_must_be_dropped_first() -> None:
+    book = _fleet()
+    _suspend(book, "e2", cause="operator")
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.RepairEngine(engine="e2", incarnation="e2-i1"))
+    assert (info.value.code, info.value.details) == (Code.ENGINE_SUSPENDED, {"engine": "e2"})
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    stray = "agent@dep-99-x"
+    v1 = book.state.versions[1].lora_name
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i2", adapters=(v1, stray)))
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))
+    assert (info.value.code, info.value.details) == (Code.NOT_READY, {"unwanted": [stray]})
+    assert book.state.engines["e1"].routable is False
+
+
+def test_a_fatal_entry_resolved_by_inventory_owes_only_where_the_candidate_can_be() -> None:
+    """A suspended member owes a fatal candidate's drop only if it took part in the attempt or
+    is known to hold the name: e3 (joined after, never showed it) owes nothing, e2 (its
+    inventory listed the candidate) owes it."""
+    book = _fleet()
+    for engine in ("e3",):
+        book.run(c.JoinEngine(engine=engine, incarnation=f"{engine}-i1"))  # not routable
+    book.allocate(2)  # fleet e0, e1, e2
+    book.claim(2)
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="X", reason="r"))
+    v1, v2 = (book.state.versions[v].lora_name for v in (1, 2))
+    book.run(c.ObserveInventory(engine="e2", incarnation="e2-i1", adapters=(v1, v2)))
+    _suspend(book, "e2")
+    _suspend(book, "e3")
+    _inventory(book, "e0", 1)
+    events = _inventory(book, "e1", 1)
+    assert events[-1] == FatalResolved(version_id=2, attempt=1, owed_by=("e2",))
+    assert book.state.engines["e2"].owes == {v2: 1}
+    assert book.state.engines["e3"].owes == {}
+
+
+def test_a_reclaim_completed_by_inventory_records_every_suspended_member_as_owing() -> None:
+    """A reclaim needs every member's proof, so every suspended member that gave none owes the
+    drop, in the attempt's fleet or not; an inventory that shows exactly the owed name again,
+    and nothing else new, writes nothing."""
+    book = _fleet()
+    book.publish(2)
+    book.run(c.JoinEngine(engine="e3", incarnation="e3-i1"))  # joined after both versions
+    _suspend(book, "e2")
+    _suspend(book, "e3")
+    book.run(c.ClaimReclaim(version_id=1))
+    _inventory(book, "e0", 2)
+    events = _inventory(book, "e1", 2)
+    assert events[-1] == VersionReclaimed(version_id=1, owed_by=("e2", "e3"))
+    v1 = book.state.versions[1].lora_name
+    assert book.state.engines["e2"].owes == {v1: 1}
+    assert len(_inventory(book, "e2", 1)) == 1  # the owed name still there: recorded once
+    assert _inventory(book, "e2", 1) == []
+    assert book.state.engines["e2"].owes == {v1: 1}
+
+
+def test_a_proof_renewed_by_a_new_incarnation_is_recorded() -> None:
+    """A member that proved a reclaimed name absent, restarted, and shows the same inventory
+    in its new life: the proof now stands for the new incarnation, so the inventory is
+    written although the names are the same."""
+    book = _fleet()
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    _inventory(book, "e0", 2)
+    assert book.state.versions[1].confirmed == {"e0": "e0-i1"}
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    events = _inventory(book, "e0")  # holds nothing: the same as after the restart
+    assert [type(e) for e in events] == [InventoryObserved]
+    assert book.state.versions[1].confirmed == {"e0": "e0-i2"}
+    assert _inventory(book, "e0") == []
+
+
+def test_an_inventory_that_proves_one_reclaim_of_several_is_recorded() -> None:
+    """e2 joined after v1 and v2 (it never held them). Its inventory already proved v2 absent;
+    the same inventory after v1's reclaim claim is a new proof for v1 only, and must be written
+    although nothing changes for the later version."""
+    book = Book().bootstrap(capacity=5)
+    book.publish(1)
+    book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))  # member, not routable
+    book.publish(2)
+    book.publish(3)
+    book.run(c.ClaimReclaim(version_id=2))
+    assert [type(e) for e in _inventory(book, "e2")] == [InventoryObserved]
+    book.run(c.ClaimReclaim(version_id=1))
+    assert [type(e) for e in _inventory(book, "e2")] == [InventoryObserved]
+    assert book.state.versions[1].confirmed == {"e2": "e2-i1"}
+    assert _inventory(book, "e2") == []
