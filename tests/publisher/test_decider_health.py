@@ -292,7 +292,9 @@ def test_suspension_checks_the_incarnation_it_names_and_caps_its_detail() -> Non
         c.SuspendEngine(engine="e2", cause="unhealthy", incarnation="e2-i0"),
         Code.ENGINE_RESTARTED,
     )
-    book.run(c.SuspendEngine(engine="e2", cause="unhealthy", detail="x" * 3000, incarnation="e2-i1"))
+    book.run(
+        c.SuspendEngine(engine="e2", cause="unhealthy", detail="x" * 3000, incarnation="e2-i1")
+    )
     event = book.events[-1]
     assert isinstance(event, EngineSuspended) and event.detail == "x" * 2000
     before = len(book.events)

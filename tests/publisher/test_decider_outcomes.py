@@ -603,3 +603,71 @@ def test_every_slot_holder_is_named_with_the_reason_it_still_holds() -> None:
         (4, "PUBLISHED", "default", 0),
         (5, "FAILED_FATAL", "failed_fatal", 0),
     ]
+
+
+def test_a_stall_without_routable_engines_says_so_in_exact_words() -> None:
+    """The recorded cause is what ``loraledger status`` shows: the bare sentence with no member
+    at all, the members listed (comma separated) when some exist."""
+    book = Book()
+    book.run(c.CreateDeployment(deployment="dep", prefix="agent", capacity=2))
+    (event,) = book.refuse(c.Allocate(version_id=1, digest=digest_of(1)), Code.FLEET_MISMATCH)
+    assert isinstance(event, PublicationBlocked)
+    assert event.cause == "no routable engine to publish to"
+    for engine in ("e1", "e0"):
+        book.run(c.JoinEngine(engine=engine, incarnation=f"{engine}-i1"))
+    # another version's stall (the same one again is not recorded twice)
+    (event,) = book.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.FLEET_MISMATCH)
+    assert isinstance(event, PublicationBlocked)
+    assert event.cause == "no routable engine to publish to (members not routable: e0, e1)"
+
+
+def test_a_stall_behind_two_blockers_names_both_causes() -> None:
+    book = Book().bootstrap(capacity=6)
+    book.publish(1)
+    book.publish(2)
+    book.allocate(3)
+    book.claim(3)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e1", reason="timed out"))
+    book.run(c.FailAttempt(version_id=3, attempt=1, clean=False, code="LOAD_TIMEOUT", reason="r"))
+    (event,) = book.refuse(c.Allocate(version_id=4, digest=digest_of(4)), Code.PUBLICATION_BLOCKED)
+    assert isinstance(event, PublicationBlocked) and event.blocked_by == (1, 3)
+    assert event.cause == (
+        "version 1's unload was ambiguous: it may still be loaded until inventories prove it "
+        "absent; version 3 attempt 1 ended FAILED_FATAL (LOAD_TIMEOUT): it may be loaded "
+        "somewhere until inventories prove it absent"
+    )
+
+
+def test_a_regression_refusal_names_the_version_and_the_default() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(2)
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Allocate(version_id=1, digest=digest_of(1)))
+    assert info.value.code == Code.VERSION_REGRESSION
+    assert info.value.details == {"version_id": 1, "default": 2}
+    assert info.value.message == (
+        "version 1 is lower than the default 2: publishing it would roll the policy back "
+        "(pass allow_rollback=True to mean it)"
+    )
+
+
+def test_a_full_capacity_lists_every_holder_comma_separated() -> None:
+    book = Book().bootstrap(capacity=2)
+    book.publish(1)
+    book.run(c.Bind(session="s1", owner="w1"))
+    book.publish(2)
+    assert isinstance(book.run(c.Allocate(version_id=3, digest=digest_of(3))), Skipped)
+    skipped = book.events[-1]
+    assert isinstance(skipped, PublicationSkipped)
+    assert skipped.message == (
+        "capacity 2 is full: v1 retired, sessions bound (1 sessions), v2 the default"
+    )
+
+
+def test_a_reclaimed_version_holds_no_slot_and_hides_none_after_it() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.publish(2)
+    book.reclaim(1)
+    assert [(h.version_id, h.reason) for h in decider.slot_holders(book.state)] == [(2, "default")]
