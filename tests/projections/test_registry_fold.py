@@ -573,3 +573,49 @@ def test_every_state_of_a_run_reads_back_from_its_snapshot() -> None:
         for later, rest in enumerate(events[seq:], seq + 1):
             evolve(restored, rest, later)
         assert encode_state(restored) == encode_state(end), (seq, type(event).__name__)
+
+
+# --- written from the mutation rerun over the engine-health fold ------------------------------
+
+
+def test_the_fold_withdraws_a_proof_when_the_adapter_is_seen_again() -> None:
+    book = _published_twice()
+    book.run(c.Release(session="s1", owner="w1"))
+    book.run(c.ClaimReclaim(version_id=1))
+    v2 = book.state.versions[2].lora_name
+    v1 = book.state.versions[1].lora_name
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(v2,)))
+    assert book.state.versions[1].confirmed == {"e0": "e0-i1"}
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(v1, v2)))
+    assert book.state.versions[1].confirmed == {}
+
+
+def test_a_reclaimed_version_is_no_longer_lacking_anywhere() -> None:
+    """A member that lost a retired version lacks it until restored; once the version is
+    reclaimed there is nothing to restore, so the lack goes with it."""
+    book = _published_twice()
+    v1, v2 = (book.state.versions[v].lora_name for v in (1, 2))
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(v2,)))
+    assert book.state.engines["e0"].lacks == {v1: 1}  # needed: s1 is bound to it
+    book.run(c.Release(session="s1", owner="w1"))
+    book.reclaim(1)
+    assert book.state.versions[1].state is VersionState.RECLAIMED
+    assert book.state.engines["e0"].lacks == {}
+
+
+def test_a_suspended_member_that_proved_the_candidate_absent_owes_nothing() -> None:
+    book = Book().bootstrap(capacity=3, engines=("e0", "e1", "e2"))
+    book.publish(1)
+    book.allocate(2)
+    book.claim(2)
+    book.run(c.SuspendEngine(engine="e2", cause="unhealthy"))
+    book.run(c.SuspendEngine(engine="e1", cause="unhealthy"))
+    book.run(
+        c.FailAttempt(
+            version_id=2, attempt=1, clean=True, code="X", reason="r", absent_on=("e0", "e2")
+        )
+    )
+    assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
+    name = book.state.versions[2].lora_name
+    assert book.state.engines["e2"].owes == {}  # proved it absent
+    assert book.state.engines["e1"].owes == {name: 1}  # gave no proof
