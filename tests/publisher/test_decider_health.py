@@ -431,3 +431,14 @@ def test_an_inventory_that_proves_one_reclaim_of_several_is_recorded() -> None:
     assert [type(e) for e in _inventory(book, "e2")] == [InventoryObserved]
     assert book.state.versions[1].confirmed == {"e2": "e2-i1"}
     assert _inventory(book, "e2") == []
+
+
+def test_a_reclaim_claimed_while_every_member_is_suspended_completes_owed_by_all() -> None:
+    book = _fleet()
+    book.publish(2)
+    for engine in ENGINES:
+        _suspend(book, engine)
+    book.run(c.ClaimReclaim(version_id=1))
+    assert book.events[-1] == VersionReclaimed(version_id=1, owed_by=ENGINES)
+    name = book.state.versions[1].lora_name
+    assert all(book.state.engines[e].owes == {name: 1} for e in ENGINES)
