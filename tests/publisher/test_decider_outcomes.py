@@ -671,3 +671,42 @@ def test_a_reclaimed_version_holds_no_slot_and_hides_none_after_it() -> None:
     book.publish(2)
     book.reclaim(1)
     assert [(h.version_id, h.reason) for h in decider.slot_holders(book.state)] == [(2, "default")]
+
+
+def test_a_refused_commit_names_the_step_and_a_committed_attempt_cannot_fail() -> None:
+    """A commit of a version that is not LOADING says it was the commit that was refused (the
+    same check guards claims and receipts); failing an attempt that committed is refused
+    naming the version."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.allocate(2)
+    book.run(
+        c.FailAttempt(
+            version_id=2, attempt=1, clean=True, code="X", reason="r", absent_on=("e0", "e1")
+        )
+    )
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Commit(version_id=2, attempt=1))
+    assert info.value.code == Code.INVALID_STATE
+    assert info.value.message == "commit: version 2 is FAILED_RETRYABLE at attempt 1, not LOADING"
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="X", reason="r"))
+    assert (info.value.code, info.value.details) == (Code.INVALID_STATE, {"version_id": 1})
+    assert info.value.message == (
+        "attempt 1 of version 1 cannot fail: it committed (the version is PUBLISHED)"
+    )
+
+
+def test_a_release_as_too_stale_within_the_bound_is_refused_saying_how_far_behind() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.run(c.ConfigureDeployment(max_staleness=1))
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    book.publish(2)
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Release(session="s", owner="w1", cause="too_stale"))
+    assert (info.value.code, info.value.details) == (Code.INVALID_INPUT, {"session": "s"})
+    assert info.value.message == (
+        "session s is 1 versions behind the default, within max_staleness 1: "
+        "not released as too_stale"
+    )
