@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import fnmatch
 import functools
 import json
 import os
@@ -78,6 +79,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             (
                 "tests/publisher/test_decider.py",
                 "tests/publisher/test_decider_outcomes.py",
+                "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
                 "tests/publisher/test_ledger_model.py",
                 "tests/projections",
             ),
@@ -89,6 +91,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             (
                 "tests/publisher/test_decider.py",
                 "tests/publisher/test_decider_outcomes.py",
+                "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
                 "tests/publisher/test_ledger_model.py",
                 "tests/projections",
             ),
@@ -324,11 +327,45 @@ def _unparse(node: ast.AST) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def run_campaign(campaign: Campaign, *, workdir: Path, max_children: int) -> Report:
-    """Copy the tree, run mutmut, and read back every mutant's verdict."""
+def changed_functions(campaign: Campaign, since: str) -> list[str]:
+    """Mutant-name patterns of the functions of ``campaign`` whose code differs from revision
+    ``since`` (new ones included): a rerun after a change checks only what changed (mutmut
+    names mutants ``<module>.x_<function>__mutmut_N`` or ``<module>.xǁClassǁmethod__mutmut_N``)."""
+
+    def functions(text: str) -> dict[str, str]:
+        found = {}
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                found["_" + node.name] = ast.dump(node)
+            elif isinstance(node, ast.ClassDef):
+                for m in node.body:
+                    if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef):
+                        found[f"ǁ{node.name}ǁ{m.name}"] = ast.dump(m)
+        return found
+
+    patterns = []
+    for path in campaign.mutate:
+        old = subprocess.run(
+            ["git", "show", f"{since}:{path}"], cwd=ROOT, capture_output=True, text=True
+        )
+        before = functions(old.stdout) if old.returncode == 0 else {}
+        module = path.removesuffix(".py").replace("/", ".")
+        for name, dump in functions((ROOT / path).read_text("utf-8")).items():
+            if before.get(name) != dump:
+                patterns.append(f"{module}.x{name}__mutmut_*")
+    return patterns
+
+
+def run_campaign(
+    campaign: Campaign, *, workdir: Path, max_children: int, only: list[str] | None = None
+) -> Report:
+    """Copy the tree, run mutmut (on the mutants matching ``only``, or all), and read back
+    every mutant's verdict."""
     _copy_tree(workdir, campaign)
-    _mutmut(workdir, [], max_children=max_children)
-    return read_report(campaign, workdir)
+    if only == []:
+        return read_report(campaign, workdir, only)  # nothing changed: nothing to run
+    _mutmut(workdir, only or [], max_children=max_children)
+    return read_report(campaign, workdir, only)
 
 
 def recheck_survivors(campaign: Campaign, *, workdir: Path, max_children: int) -> Report:
@@ -375,13 +412,16 @@ def _mutmut(workdir: Path, mutants: list[str], *, max_children: int) -> None:
         )
 
 
-def read_report(campaign: Campaign, workdir: Path) -> Report:
-    """Every mutant's verdict, as mutmut recorded it in ``mutants/<file>.meta``."""
+def read_report(campaign: Campaign, workdir: Path, only: list[str] | None = None) -> Report:
+    """Every mutant's verdict (of those matching ``only``, when given), as mutmut recorded it
+    in ``mutants/<file>.meta``."""
     from mutmut.stats import status_by_exit_code  # the dev extra; only a run needs it
 
     report = Report(campaign.name, accepted=load_accepted())
     for path in campaign.mutate:
         for mutant, code in _verdicts(workdir, path).items():
+            if only is not None and not any(fnmatch.fnmatchcase(mutant, p) for p in only):
+                continue
             report.generated += 1
             status = status_by_exit_code[code]
             if status == "killed":  # a test failed, or pytest stopped on the mutant
@@ -439,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="rerun only the survivors of a run kept in this folder, against today's tests",
     )
+    parser.add_argument(
+        "--changed-since",
+        metavar="REV",
+        help="only the mutants of functions whose code differs from git revision REV",
+    )
     parser.add_argument("--toml", action="store_true", help="print unexplained as toml entries")
     args = parser.parse_args(argv)
     names = sorted(CAMPAIGNS) if args.campaigns == ["all"] else args.campaigns
@@ -449,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         campaign = CAMPAIGNS[name]
         started = time.monotonic()
+        only = changed_functions(campaign, args.changed_since) if args.changed_since else None
         if args.recheck:
             report = recheck_survivors(
                 campaign, workdir=args.recheck / name, max_children=args.max_children
@@ -457,10 +503,14 @@ def main(argv: list[str] | None = None) -> int:
             workdir = args.keep / name
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(parents=True)
-            report = run_campaign(campaign, workdir=workdir, max_children=args.max_children)
+            report = run_campaign(
+                campaign, workdir=workdir, max_children=args.max_children, only=only
+            )
         else:
             with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
-                report = run_campaign(campaign, workdir=Path(tmp), max_children=args.max_children)
+                report = run_campaign(
+                    campaign, workdir=Path(tmp), max_children=args.max_children, only=only
+                )
         print(summary(report), flush=True)
         print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
         if args.toml:

@@ -490,6 +490,7 @@ def _eventful_run() -> list[Event]:
     fatally and resolved, v1 a refused rollback; an engine restarted, repaired and one left."""
     book = Book().bootstrap(capacity=3, engines=("e0", "e1"))
     book.run(c.StartController(code_version="build-1", command_id="start-1"))
+    book.run(c.ConfigureDeployment(max_staleness=2))
     book.run(
         c.JoinEngine(engine="e2", incarnation="e2-i1", endpoint="http://127.0.0.1:7", kind="vllm")
     )
@@ -506,6 +507,8 @@ def _eventful_run() -> list[Event]:
     book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=("agent@dep-99-x",)))
     book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
+    # the stray must be gone before the repair (a routable engine holds only what is wanted)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,)))
     book.run(c.RepairEngine(engine="e0", incarnation="e0-i2"))
     book.run(c.ClaimReclaim(version_id=2))
     book.run(c.MarkReclaimAmbiguous(version_id=2, engine="e1", reason="timed out"))
@@ -535,8 +538,15 @@ def _eventful_run() -> list[Event]:
         ),
         Code.VERDICT_CONFLICT,
     )
+    book.refuse(c.Allocate(version_id=5, digest=digest_of(5)), Code.PUBLICATION_BLOCKED)
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,)))
+    # e1 suspended: v4 resolves on e0's proof alone, and e1 owes the drop until its inventory
+    book.run(c.SuspendEngine(engine="e1", cause="unhealthy", detail="probes failed"))
     book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=(v3,)))
+    book.run(c.ResumeEngine(engine="e1", cause="unhealthy"))
+    book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=()))  # v3 lost there
+    book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
     book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=5.0))
     book.run(c.Bind(session="s2", owner="w2"))
     book.run(c.ExpireOwner(owner="w2", now=9.0, last_seen=5.0))
@@ -563,3 +573,49 @@ def test_every_state_of_a_run_reads_back_from_its_snapshot() -> None:
         for later, rest in enumerate(events[seq:], seq + 1):
             evolve(restored, rest, later)
         assert encode_state(restored) == encode_state(end), (seq, type(event).__name__)
+
+
+# --- written from the mutation rerun over the engine-health fold ------------------------------
+
+
+def test_the_fold_withdraws_a_proof_when_the_adapter_is_seen_again() -> None:
+    book = _published_twice()
+    book.run(c.Release(session="s1", owner="w1"))
+    book.run(c.ClaimReclaim(version_id=1))
+    v2 = book.state.versions[2].lora_name
+    v1 = book.state.versions[1].lora_name
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(v2,)))
+    assert book.state.versions[1].confirmed == {"e0": "e0-i1"}
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(v1, v2)))
+    assert book.state.versions[1].confirmed == {}
+
+
+def test_a_reclaimed_version_is_no_longer_lacking_anywhere() -> None:
+    """A member that lost a retired version lacks it until restored; once the version is
+    reclaimed there is nothing to restore, so the lack goes with it."""
+    book = _published_twice()
+    v1, v2 = (book.state.versions[v].lora_name for v in (1, 2))
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(v2,)))
+    assert book.state.engines["e0"].lacks == {v1: 1}  # needed: s1 is bound to it
+    book.run(c.Release(session="s1", owner="w1"))
+    book.reclaim(1)
+    assert book.state.versions[1].state is VersionState.RECLAIMED
+    assert book.state.engines["e0"].lacks == {}
+
+
+def test_a_suspended_member_that_proved_the_candidate_absent_owes_nothing() -> None:
+    book = Book().bootstrap(capacity=3, engines=("e0", "e1", "e2"))
+    book.publish(1)
+    book.allocate(2)
+    book.claim(2)
+    book.run(c.SuspendEngine(engine="e2", cause="unhealthy"))
+    book.run(c.SuspendEngine(engine="e1", cause="unhealthy"))
+    book.run(
+        c.FailAttempt(
+            version_id=2, attempt=1, clean=True, code="X", reason="r", absent_on=("e0", "e2")
+        )
+    )
+    assert book.state.versions[2].state is VersionState.FAILED_RETRYABLE
+    name = book.state.versions[2].lora_name
+    assert book.state.engines["e2"].owes == {}  # proved it absent
+    assert book.state.engines["e1"].owes == {name: 1}  # gave no proof

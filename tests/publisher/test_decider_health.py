@@ -8,6 +8,9 @@ routable, a routable one holds every needed version it took part in or has it re
 
 from __future__ import annotations
 
+import pytest
+
+from evlog.errors import LoraLedgerError
 from evlog.events import (
     AdapterLost,
     EngineLeft,
@@ -275,3 +278,167 @@ def test_a_ready_engine_whose_inventory_then_lacks_the_candidate_lost_it_at_comm
     assert book.events[-1] == AdapterLost(version_id=1, engine="e0", incarnation="e0-i1")
     assert book.state.holders(book.state.versions[1].lora_name) == ()
     assert book.state.engines["e0"].lacks == {book.state.versions[1].lora_name: 1}
+
+
+# --- written from the mutation rerun over the engine-health functions --------------------------
+
+
+def test_suspension_checks_the_incarnation_it_names_and_caps_its_detail() -> None:
+    """A probe's suspension names the life it saw fail: a stale one is refused (a restarted
+    engine is judged afresh), the current one is accepted; the detail a person reads is kept
+    to 2,000 characters, and a second suspension is a no-op that writes nothing."""
+    book = _fleet()
+    book.refuse(
+        c.SuspendEngine(engine="e2", cause="unhealthy", incarnation="e2-i0"),
+        Code.ENGINE_RESTARTED,
+    )
+    book.run(
+        c.SuspendEngine(engine="e2", cause="unhealthy", detail="x" * 3000, incarnation="e2-i1")
+    )
+    event = book.events[-1]
+    assert isinstance(event, EngineSuspended) and event.detail == "x" * 2000
+    before = len(book.events)
+    assert book.run(c.SuspendEngine(engine="e2", cause="operator")).no_op is True
+    assert len(book.events) == before
+    assert book.state.engines["e2"].suspend_cause == "unhealthy"
+
+
+def test_a_bad_cause_is_refused_naming_the_field() -> None:
+    book = _fleet()
+    for command in (
+        c.SuspendEngine(engine="e2", cause="bored"),
+        c.ResumeEngine(engine="e2", cause="bored"),
+        c.RemoveEngine(engine="e2", cause="unhealthy"),
+    ):
+        with pytest.raises(LoraLedgerError) as info:
+            book.run(command)
+        assert info.value.code == Code.INVALID_INPUT
+        assert info.value.details == {"field": "cause"}
+
+
+def test_a_resumption_records_its_cause_and_clears_the_suspension() -> None:
+    book = _fleet()
+    _suspend(book, "e2", cause="unhealthy")
+    book.run(c.ResumeEngine(engine="e2", cause="unhealthy"))
+    assert book.events[-1] == EngineResumed(engine="e2", incarnation="e2-i1", cause="unhealthy")
+    member = book.state.engines["e2"]
+    assert (member.suspended, member.suspend_cause, member.routable) == (False, "", False)
+    assert book.state.active_engines() == set(ENGINES)
+
+
+def test_an_operators_suspension_is_lifted_only_by_an_operator_naming_the_engine() -> None:
+    book = _fleet()
+    _suspend(book, "e2", cause="operator")
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.ResumeEngine(engine="e2", cause="unhealthy"))
+    assert info.value.code == Code.ENGINE_SUSPENDED
+    assert info.value.details == {"engine": "e2"}
+    assert book.state.engines["e2"].suspended is True
+
+
+def test_an_engine_removed_by_the_fleet_records_that_cause() -> None:
+    book = _fleet()
+    book.run(c.RemoveEngine(engine="e2", cause="fleet"))
+    assert book.events[-1] == EngineLeft(engine="e2", cause="fleet")
+    assert "e2" not in book.state.engines
+
+
+def test_a_repair_names_the_operators_suspension_and_what_must_be_dropped_first() -> None:
+    book = _fleet()
+    _suspend(book, "e2", cause="operator")
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.RepairEngine(engine="e2", incarnation="e2-i1"))
+    assert (info.value.code, info.value.details) == (Code.ENGINE_SUSPENDED, {"engine": "e2"})
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    stray = "agent@dep-99-x"
+    v1 = book.state.versions[1].lora_name
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i2", adapters=(v1, stray)))
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.RepairEngine(engine="e1", incarnation="e1-i2"))
+    assert (info.value.code, info.value.details) == (Code.NOT_READY, {"unwanted": [stray]})
+    assert book.state.engines["e1"].routable is False
+
+
+def test_a_fatal_entry_resolved_by_inventory_owes_only_where_the_candidate_can_be() -> None:
+    """A suspended member owes a fatal candidate's drop only if it took part in the attempt or
+    is known to hold the name: e3 (joined after, never showed it) owes nothing, e2 (its
+    inventory listed the candidate) owes it."""
+    book = _fleet()
+    for engine in ("e3",):
+        book.run(c.JoinEngine(engine=engine, incarnation=f"{engine}-i1"))  # not routable
+    book.allocate(2)  # fleet e0, e1, e2
+    book.claim(2)
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="X", reason="r"))
+    v1, v2 = (book.state.versions[v].lora_name for v in (1, 2))
+    book.run(c.ObserveInventory(engine="e2", incarnation="e2-i1", adapters=(v1, v2)))
+    _suspend(book, "e2")
+    _suspend(book, "e3")
+    _inventory(book, "e0", 1)
+    events = _inventory(book, "e1", 1)
+    assert events[-1] == FatalResolved(version_id=2, attempt=1, owed_by=("e2",))
+    assert book.state.engines["e2"].owes == {v2: 1}
+    assert book.state.engines["e3"].owes == {}
+
+
+def test_a_reclaim_completed_by_inventory_records_every_suspended_member_as_owing() -> None:
+    """A reclaim needs every member's proof, so every suspended member that gave none owes the
+    drop, in the attempt's fleet or not; an inventory that shows exactly the owed name again,
+    and nothing else new, writes nothing."""
+    book = _fleet()
+    book.publish(2)
+    book.run(c.JoinEngine(engine="e3", incarnation="e3-i1"))  # joined after both versions
+    _suspend(book, "e2")
+    _suspend(book, "e3")
+    book.run(c.ClaimReclaim(version_id=1))
+    _inventory(book, "e0", 2)
+    events = _inventory(book, "e1", 2)
+    assert events[-1] == VersionReclaimed(version_id=1, owed_by=("e2", "e3"))
+    v1 = book.state.versions[1].lora_name
+    assert book.state.engines["e2"].owes == {v1: 1}
+    assert len(_inventory(book, "e2", 1)) == 1  # the owed name still there: recorded once
+    assert _inventory(book, "e2", 1) == []
+    assert book.state.engines["e2"].owes == {v1: 1}
+
+
+def test_a_proof_renewed_by_a_new_incarnation_is_recorded() -> None:
+    """A member that proved a reclaimed name absent, restarted, and shows the same inventory
+    in its new life: the proof now stands for the new incarnation, so the inventory is
+    written although the names are the same."""
+    book = _fleet()
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    _inventory(book, "e0", 2)
+    assert book.state.versions[1].confirmed == {"e0": "e0-i1"}
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    events = _inventory(book, "e0")  # holds nothing: the same as after the restart
+    assert [type(e) for e in events] == [InventoryObserved]
+    assert book.state.versions[1].confirmed == {"e0": "e0-i2"}
+    assert _inventory(book, "e0") == []
+
+
+def test_an_inventory_that_proves_one_reclaim_of_several_is_recorded() -> None:
+    """e2 joined after v1 and v2 (it never held them). Its inventory already proved v2 absent;
+    the same inventory after v1's reclaim claim is a new proof for v1 only, and must be written
+    although nothing changes for the later version."""
+    book = Book().bootstrap(capacity=5)
+    book.publish(1)
+    book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))  # member, not routable
+    book.publish(2)
+    book.publish(3)
+    book.run(c.ClaimReclaim(version_id=2))
+    assert [type(e) for e in _inventory(book, "e2")] == [InventoryObserved]
+    book.run(c.ClaimReclaim(version_id=1))
+    assert [type(e) for e in _inventory(book, "e2")] == [InventoryObserved]
+    assert book.state.versions[1].confirmed == {"e2": "e2-i1"}
+    assert _inventory(book, "e2") == []
+
+
+def test_a_reclaim_claimed_while_every_member_is_suspended_completes_owed_by_all() -> None:
+    book = _fleet()
+    book.publish(2)
+    for engine in ENGINES:
+        _suspend(book, engine)
+    book.run(c.ClaimReclaim(version_id=1))
+    assert book.events[-1] == VersionReclaimed(version_id=1, owed_by=ENGINES)
+    name = book.state.versions[1].lora_name
+    assert all(book.state.engines[e].owes == {name: 1} for e in ENGINES)

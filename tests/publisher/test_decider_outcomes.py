@@ -17,11 +17,13 @@ from evlog.errors import LoraLedgerError
 from evlog.events import (
     AttemptFailed,
     CommandRecorded,
+    DeploymentConfigured,
     EngineLeft,
     EngineReady,
     EngineRepaired,
     FatalResolved,
     InFlight,
+    PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
     ReclaimAmbiguous,
@@ -518,3 +520,193 @@ def test_the_first_command_of_a_kind_builds_its_decoder(book: Book) -> None:
         assert c.RegisterOwner in decider._command_decoders
     finally:
         decider._command_decoders.update(warm)
+
+
+# --- written from the mutation rerun over the stall and configuration functions ----------------
+
+
+def test_max_staleness_is_configured_from_zero_up_and_cleared_with_none(book: Book) -> None:
+    """0 is a bound (a session must be on the default), a negative one is bad input, the same
+    value again writes nothing, and None lifts the bound."""
+    assert book.refuse(c.ConfigureDeployment(max_staleness=-1), Code.INVALID_INPUT) == []
+    book.run(c.ConfigureDeployment(max_staleness=0))
+    assert book.events[-1] == DeploymentConfigured(max_staleness=0)
+    assert book.state.max_staleness == 0
+    before = len(book.events)
+    assert book.run(c.ConfigureDeployment(max_staleness=0)).no_op is True
+    assert len(book.events) == before
+    assert book.run(c.ConfigureDeployment(max_staleness=None)).no_op is False
+    assert book.events[-1] == DeploymentConfigured(max_staleness=None)
+    assert book.state.max_staleness is None
+
+
+def test_a_stall_records_its_cause_cut_at_2000_characters_and_answers_it_whole() -> None:
+    """The refusal's details carry the whole cause (the caller reads it once); the log keeps
+    2,000 characters of it, as every recorded reason."""
+    engines = tuple(f"engine-{i:02d}-" + "n" * 52 for i in range(40))  # 62 of 64 characters
+    book = Book()
+    book.run(c.CreateDeployment(deployment="dep", prefix="agent", capacity=2))
+    for engine in engines:
+        book.run(c.JoinEngine(engine=engine, incarnation="i1"))  # members, none routable
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Allocate(version_id=1, digest=digest_of(1)))
+    assert info.value.code == Code.FLEET_MISMATCH
+    cause = info.value.details["cause"]
+    assert len(cause) > 2000 and all(engine in cause for engine in engines)
+    assert info.value.details["versions"] == []
+    event = book.events[-1]
+    assert isinstance(event, PublicationBlocked) and event.cause == cause[:2000]
+
+
+def test_an_ambiguous_unload_blocks_with_its_own_cause() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e1", reason="timed out"))
+    (event,) = book.refuse(c.Allocate(version_id=3, digest=digest_of(3)), Code.PUBLICATION_BLOCKED)
+    assert isinstance(event, PublicationBlocked) and event.blocked_by == (1,)
+    assert event.cause == (
+        "version 1's unload was ambiguous: it may still be loaded until inventories prove it absent"
+    )
+
+
+def test_every_slot_holder_is_named_with_the_reason_it_still_holds() -> None:
+    """``slot_holders`` explains a full capacity: each holdable state has its own reason (what
+    an operator must do differs: wait, release sessions, reclaim, reconcile), oldest first."""
+    book = Book().bootstrap(capacity=8)
+    book.publish(1)
+    book.run(c.Bind(session="s1", owner="w1"))
+    for version_id in (2, 3, 4):
+        book.publish(version_id)
+    book.run(c.ClaimReclaim(version_id=2))
+    book.allocate(5)
+
+    def holders() -> list[tuple[int, str, str, int]]:
+        return [
+            (h.version_id, h.state, h.reason, h.bound) for h in decider.slot_holders(book.state)
+        ]
+
+    assert holders() == [
+        (1, "RETIRED", "sessions_bound", 1),
+        (2, "RECLAIMING", "reclaim_in_progress", 0),
+        (3, "RETIRED", "awaiting_reclaim", 0),
+        (4, "PUBLISHED", "default", 0),
+        (5, "LOADING", "loading", 0),
+    ]
+    book.claim(5)  # before the block: a claim waits for it
+    book.run(c.ClaimReclaim(version_id=3))
+    book.run(c.MarkReclaimAmbiguous(version_id=3, engine="e1", reason="timed out"))
+    book.run(c.FailAttempt(version_id=5, attempt=1, clean=False, code="X", reason="r"))
+    assert holders()[2:] == [
+        (3, "RECLAIMING", "ambiguous", 0),
+        (4, "PUBLISHED", "default", 0),
+        (5, "FAILED_FATAL", "failed_fatal", 0),
+    ]
+
+
+def test_a_stall_without_routable_engines_says_so_in_exact_words() -> None:
+    """The recorded cause is what ``loraledger status`` shows: the bare sentence with no member
+    at all, the members listed (comma separated) when some exist."""
+    book = Book()
+    book.run(c.CreateDeployment(deployment="dep", prefix="agent", capacity=2))
+    (event,) = book.refuse(c.Allocate(version_id=1, digest=digest_of(1)), Code.FLEET_MISMATCH)
+    assert isinstance(event, PublicationBlocked)
+    assert event.cause == "no routable engine to publish to"
+    for engine in ("e1", "e0"):
+        book.run(c.JoinEngine(engine=engine, incarnation=f"{engine}-i1"))
+    # another version's stall (the same one again is not recorded twice)
+    (event,) = book.refuse(c.Allocate(version_id=2, digest=digest_of(2)), Code.FLEET_MISMATCH)
+    assert isinstance(event, PublicationBlocked)
+    assert event.cause == "no routable engine to publish to (members not routable: e0, e1)"
+
+
+def test_a_stall_behind_two_blockers_names_both_causes() -> None:
+    book = Book().bootstrap(capacity=6)
+    book.publish(1)
+    book.publish(2)
+    book.allocate(3)
+    book.claim(3)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e1", reason="timed out"))
+    book.run(c.FailAttempt(version_id=3, attempt=1, clean=False, code="LOAD_TIMEOUT", reason="r"))
+    (event,) = book.refuse(c.Allocate(version_id=4, digest=digest_of(4)), Code.PUBLICATION_BLOCKED)
+    assert isinstance(event, PublicationBlocked) and event.blocked_by == (1, 3)
+    assert event.cause == (
+        "version 1's unload was ambiguous: it may still be loaded until inventories prove it "
+        "absent; version 3 attempt 1 ended FAILED_FATAL (LOAD_TIMEOUT): it may be loaded "
+        "somewhere until inventories prove it absent"
+    )
+
+
+def test_a_regression_refusal_names_the_version_and_the_default() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(2)
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Allocate(version_id=1, digest=digest_of(1)))
+    assert info.value.code == Code.VERSION_REGRESSION
+    assert info.value.details == {"version_id": 1, "default": 2}
+    assert info.value.message == (
+        "version 1 is lower than the default 2: publishing it would roll the policy back "
+        "(pass allow_rollback=True to mean it)"
+    )
+
+
+def test_a_full_capacity_lists_every_holder_comma_separated() -> None:
+    book = Book().bootstrap(capacity=2)
+    book.publish(1)
+    book.run(c.Bind(session="s1", owner="w1"))
+    book.publish(2)
+    assert isinstance(book.run(c.Allocate(version_id=3, digest=digest_of(3))), Skipped)
+    skipped = book.events[-1]
+    assert isinstance(skipped, PublicationSkipped)
+    assert skipped.message == (
+        "capacity 2 is full: v1 retired, sessions bound (1 sessions), v2 the default"
+    )
+
+
+def test_a_reclaimed_version_holds_no_slot_and_hides_none_after_it() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.publish(2)
+    book.reclaim(1)
+    assert [(h.version_id, h.reason) for h in decider.slot_holders(book.state)] == [(2, "default")]
+
+
+def test_a_refused_commit_names_the_step_and_a_committed_attempt_cannot_fail() -> None:
+    """A commit of a version that is not LOADING says it was the commit that was refused (the
+    same check guards claims and receipts); failing an attempt that committed is refused
+    naming the version."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.allocate(2)
+    book.run(
+        c.FailAttempt(
+            version_id=2, attempt=1, clean=True, code="X", reason="r", absent_on=("e0", "e1")
+        )
+    )
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Commit(version_id=2, attempt=1))
+    assert info.value.code == Code.INVALID_STATE
+    assert info.value.message == "commit: version 2 is FAILED_RETRYABLE at attempt 1, not LOADING"
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="X", reason="r"))
+    assert (info.value.code, info.value.details) == (Code.INVALID_STATE, {"version_id": 1})
+    assert info.value.message == (
+        "attempt 1 of version 1 cannot fail: it committed (the version is PUBLISHED)"
+    )
+
+
+def test_a_release_as_too_stale_within_the_bound_is_refused_saying_how_far_behind() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.run(c.ConfigureDeployment(max_staleness=1))
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    book.publish(2)
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Release(session="s", owner="w1", cause="too_stale"))
+    assert (info.value.code, info.value.details) == (Code.INVALID_INPUT, {"session": "s"})
+    assert info.value.message == (
+        "session s is 1 versions behind the default, within max_staleness 1: "
+        "not released as too_stale"
+    )
