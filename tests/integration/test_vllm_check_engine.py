@@ -38,13 +38,18 @@ async def test_vllm_passes_the_check(vllm_server: VLLMServer, tmp_path: Path) ->
         "digest_confirmed",
         "adapter_applied",
         "same_name_reload",
-        "unload_in_flight",
         "refused_after_unload",
         "prefix_cache",
         "left_as_found",
     ):
         assert findings[needed].holds is True, findings[needed]
-    assert findings["unload_drains"].holds is False, findings["unload_drains"]
+    # On a loaded CPU the tiny model can finish the long request before the unload is sent:
+    # the check then says "inconclusive" (None, not required) rather than guess; when it did
+    # overlap, the request must have finished on its adapter, and vLLM's unload never drains.
+    in_flight = findings["unload_in_flight"]
+    assert in_flight.holds is not False, in_flight
+    if in_flight.holds:
+        assert findings["unload_drains"].holds is False, findings["unload_drains"]
     assert findings["no_implicit_reload"].holds is True
     assert findings["tensor_vs_path"].holds is None  # vLLM loads from disk only
     assert list(artifacts.iterdir()) == []

@@ -10,7 +10,6 @@ gateway``): each test holds what a surviving mutant changed.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -263,23 +262,20 @@ async def test_the_row_keeps_the_engines_request_id_or_else_the_gateways(
         assert served.provenance.request_id == expected
 
 
-async def test_requests_go_to_the_least_loaded_holder_and_are_counted_while_they_run() -> None:
-    """e0 is held busy by a request; e1 served one and is idle again: the next request goes to
-    e1 even where the round-robin start points at e0, and the counts name the busy pair only."""
+async def test_the_unsticky_choice_is_the_least_loaded_holder_and_counts_while_it_runs() -> None:
+    """``sticky=False`` (a session's turns are otherwise pinned to one engine by rendezvous
+    hashing, load breaking ties only): a request admitted on one engine makes the other the
+    choice, whatever the round-robin start, and the counts name the busy pair only."""
     async with rig() as r:
         await r.publish(1)
         bound = await _bound(r)
         tally = InFlightCounter()
-        r.local["e0"].pause_generation()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(r.gateway.generate, bound, PROMPT, SHORT, tally=tally))
-            await wait_for(lambda: r.gateway.inflight("e0", 1) == 1)
-            assert bool(tally) and tally.get("e0", 1) == 1
-            assert (r.gateway.inflight("e1", 1), r.gateway.inflight("e0", 2)) == (0, 0)
-            second = await r.gateway.generate(bound, PROMPT, SHORT)  # round robin: e1
-            third = await r.gateway.generate(bound, PROMPT, SHORT)  # round robin: e0, busy
-            assert (second.engine, third.engine) == ("e1", "e1")
-            r.local["e0"].continue_generation()
+        busy = r.gateway.admit(bound, tally=tally, sticky=False)
+        assert busy is not None and tally.get(busy, 1) == 1
+        idle = ({"e0", "e1"} - {busy}).pop()
+        assert [r.gateway.choose(bound, sticky=False) for _ in range(2)] == [idle, idle]
+        assert (r.gateway.inflight(busy, 1), r.gateway.inflight(idle, 1)) == (1, 0)
+        r.gateway.finish(busy, 1, tally)
         assert not tally and r.gateway.inflight_counts() == {}
 
 
