@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -50,14 +49,13 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engines import guard
+from engines import embedded, guard
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import (
     Bucket,
@@ -492,12 +490,6 @@ def engine_adapter(
     raise ValueError(f"an agent serves a path-loading engine (sglang, vllm), not {kind!r}")
 
 
-class _Embedded(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        yield
-
-
 @contextlib.asynccontextmanager
 async def serve_agent(
     agent: Agent, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
@@ -505,38 +497,8 @@ async def serve_agent(
     """Serve ``agent`` and yield its base URL; stops on exit (tests and the process)."""
     if not guard.is_loopback(host) and not token:
         raise ValueError(f"refusing to listen on {host!r} without a token")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    config = uvicorn.Config(
-        create_app(agent, token=token),
-        lifespan="off",
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,
-        **guard.uvicorn_limits(),
-    )
-    server = _Embedded(config)
-
-    async def run() -> None:
-        with anyio.CancelScope(shield=True):
-            await server.serve([sock])
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            try:
-                while not server.started:
-                    if server.should_exit:
-                        raise RuntimeError("uvicorn failed to start")
-                    await anyio.sleep(0.005)
-                yield f"http://{host}:{sock.getsockname()[1]}"
-            finally:
-                server.should_exit = True
-    finally:
-        sock.close()
+    async with embedded.serving(create_app(agent, token=token), host=host, port=port) as url:
+        yield url
 
 
 def _die_after_write() -> None:

@@ -35,6 +35,7 @@ from tools.serve import (
     _stop_on_signals,
     _stop_when,
     check_listen,
+    listening_url,
 )
 
 log = get_logger("loraledger.gateway")
@@ -219,16 +220,9 @@ class _ServeShape:
 async def _announce(
     server: Any, opts: GatewayOptions, on_ready: Callable[[str, str], None] | None
 ) -> None:
-    while not server.started:
-        if server.should_exit:
-            return
-        await anyio.sleep(0.02)
-    port = opts.port
-    for s in server.servers:
-        for sock in s.sockets:
-            port = sock.getsockname()[1]
-    host = f"[{opts.host}]" if ":" in opts.host else opts.host
-    url = f"http://{host}:{port}"
+    url = await listening_url(server, opts.host, opts.port)
+    if url is None:
+        return
     log.info("gateway.listening", url=url, ledger=opts.ledger, owner=opts.owner_id)
     if on_ready is not None:
         on_ready(url, opts.owner_id)

@@ -395,19 +395,26 @@ async def _stop_when(stop: anyio.Event, server: Any) -> None:
     server.should_exit = True
 
 
-async def _announce(
-    server: Any, opts: ServeOptions, on_ready: Callable[[str], None] | None
-) -> None:
+async def listening_url(server: Any, host: str, port: int) -> str | None:
+    """Wait until uvicorn ``server`` accepts connections and return its URL (the port the OS
+    chose when ``port`` is 0), or None when it stopped before it ever started."""
     while not server.started:
         if server.should_exit:
-            return
+            return None
         await anyio.sleep(0.02)
-    port = opts.port
     for s in server.servers:
         for sock in s.sockets:
             port = sock.getsockname()[1]
-    host = f"[{opts.host}]" if ":" in opts.host else opts.host
-    url = f"http://{host}:{port}"
+    bracketed = f"[{host}]" if ":" in host else host
+    return f"http://{bracketed}:{port}"
+
+
+async def _announce(
+    server: Any, opts: ServeOptions, on_ready: Callable[[str], None] | None
+) -> None:
+    url = await listening_url(server, opts.host, opts.port)
+    if url is None:
+        return
     log.info("serve.listening", url=url, db=opts.db)
     if on_ready is not None:
         on_ready(url)

@@ -56,7 +56,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -72,7 +71,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from engines import guard
+from engines import embedded, guard
 from engines.contract import (
     Candidate,
     Choice,
@@ -663,26 +662,6 @@ def create_app(
 # --- running it -----------------------------------------------------------------------------
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: inside a test process, the process owns signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Accepted connections inherit it: a reply is written as headers + body, and with Nagle
-    # plus the client's delayed ACK every small JSON reply would wait ~40 ms.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
 class UnsafeListen(ValueError):
     """Listening beyond loopback without a token: anyone who reaches the port could unload."""
 
@@ -694,17 +673,6 @@ def check_listen(host: str, token: str | None) -> None:
             f"load and unload adapters. Give a token ({ENGINE_TOKEN_ENV} or --token-file), or "
             "listen on 127.0.0.1."
         )
-
-
-def _config(engine: LocalEngine, token: str | None, **app_options: Any) -> uvicorn.Config:
-    return uvicorn.Config(
-        create_app(engine, token=token, **app_options),
-        lifespan="off",
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,
-        **guard.uvicorn_limits(),
-    )
 
 
 @contextlib.asynccontextmanager
@@ -720,31 +688,10 @@ async def serve(
     the server (not the engine) on exit. ``token`` guards the control routes; beyond loopback
     it is required (:class:`UnsafeListen`). ``app_options`` go to :func:`create_app`."""
     check_listen(host, token)
-    sock = _bind(host, port)
-    server = _EmbeddedServer(_config(engine, token, **app_options))
-
-    async def run() -> None:
-        # Shielded: the server stops only through ``should_exit`` (set on every exit below),
-        # so uvicorn's shutdown always runs, even when the enclosing scope is cancelled.
-        # Cancelled mid-serve, it left its listener registered with the event loop while
-        # ``sock`` was closed: the next server of that loop whose socket reused the file
-        # descriptor accepted connections and never answered them.
-        with anyio.CancelScope(shield=True):
-            await server.serve([sock])
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            try:
-                while not server.started:
-                    if server.should_exit:
-                        raise RuntimeError("uvicorn failed to start")
-                    await anyio.sleep(0.005)
-                yield f"http://{host}:{sock.getsockname()[1]}"
-            finally:
-                server.should_exit = True
-    finally:
-        sock.close()
+    async with embedded.serving(
+        create_app(engine, token=token, **app_options), host=host, port=port
+    ) as url:
+        yield url
 
 
 @contextlib.asynccontextmanager
@@ -812,7 +759,7 @@ async def _main(args: argparse.Namespace) -> None:
     )
     token = guard.read_token(ENGINE_TOKEN_ENV, args.token_file)
     check_listen(args.host, token)
-    sock = _bind(args.host, args.port)
+    sock = embedded.bind_listener(args.host, args.port)
     async with LocalEngine(
         args.engine_id,
         model_dir=args.model_dir,
@@ -823,7 +770,9 @@ async def _main(args: argparse.Namespace) -> None:
         implicit_reload=not args.no_implicit_reload,
     ) as engine:
         on_bad_payload = _die if args.exit_on_bad_tensor_payload else None
-        server = _EmbeddedServer(_config(engine, token, on_bad_payload=on_bad_payload))
+        server = embedded.EmbeddedServer(
+            embedded.embedded_config(create_app(engine, token=token, on_bad_payload=on_bad_payload))
+        )
         async with anyio.create_task_group() as tg:
 
             async def run() -> None:
