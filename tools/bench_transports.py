@@ -55,7 +55,7 @@ async def bench_transports(
     from engines.local.engine import LocalEngine
     from engines.local.server import serve
     from engines.local.tinymodel import make_adapter
-    from engines.sglang import SGLangEngine
+    from engines.sglang import SGLangEngine, SGLangTimeouts
     from engines.sglang_tensors import SGLangTensorEngine
     from evlog.sqlite import SQLiteStore
     from publisher.adapter_copy import AdapterCopy
@@ -67,6 +67,9 @@ async def bench_transports(
     targets = ("k_proj", "o_proj", "q_proj", "v_proj")
     body_cap = 2 * (size_mib * 1024 * 1024 * 4 // 3) + 64 * 1024 * 1024
     seeds = iter(range(1000, 10_000))
+    # A load moves the whole adapter in one request: at 512 MiB on a loaded 2-core machine the
+    # default 60 s control timeout is shorter than the work itself.
+    timeouts = SGLangTimeouts(control=max(60.0, 2.0 * size_mib))
 
     def adapter() -> AdapterCopy:
         config, tensors = make_adapter(next(seeds), r=rank, targets=targets)
@@ -91,13 +94,17 @@ async def bench_transports(
                         serve(engine, max_tensor_body_bytes=body_cap)
                     )
                     if transport == "path":
-                        member: Any = SGLangEngine(url, f"e{i}")
+                        member: Any = SGLangEngine(url, f"e{i}", timeouts=timeouts)
                     elif transport == "tensor":
-                        member = SGLangTensorEngine(url, f"e{i}")
+                        member = SGLangTensorEngine(url, f"e{i}", timeouts=timeouts)
                     else:
-                        agent = Agent(SGLangEngine(url, f"e{i}"), ArtifactStore(host))
+                        agent = Agent(
+                            SGLangEngine(url, f"e{i}", timeouts=timeouts), ArtifactStore(host)
+                        )
                         agent_url = await stack.enter_async_context(serve_agent(agent))
-                        member = AgentEngine(agent_url, SGLangEngine(url, f"e{i}"))
+                        member = AgentEngine(
+                            agent_url, SGLangEngine(url, f"e{i}", timeouts=timeouts)
+                        )
                         stack.push_async_callback(agent.engine.aclose)
                     stack.push_async_callback(member.aclose)
                     members.append(member)

@@ -189,8 +189,11 @@ class _App:
         dies and takes the server with it. Here it is a 500, after ``on_bad_payload`` (the
         process form exits there, so the caller sees the connection drop and a restarted
         server: a new incarnation holding nothing)."""
+        body = await request.body()
         try:
-            req = guard.strict_decode(await request.body(), TensorLoadRequest)
+            # In a worker thread, like decode_request below: a 512 MiB adapter is a ~1.4 GB
+            # JSON body, seconds of parsing that would otherwise stall every other request.
+            req = await anyio.to_thread.run_sync(guard.strict_decode, body, TensorLoadRequest)
         except guard.BadBody as exc:
             return _lora_update(self.engine, False, f"invalid request: {exc}")
         if self.sglang_info.get("dp_size", 1) != 1:  # SGLang asserts it: an unhandled 500
