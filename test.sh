@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[engine,ray,plot,dev]' 2>&1 \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[engine,ray,postgres,plot,dev]' 2>&1 \
   | { grep -v "is ignored" || true; }
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .
