@@ -565,9 +565,13 @@ def fleet_remove(
 @guarded
 def serve(
     db: Annotated[
-        Path,
-        typer.Option("--db", help="The ledger log (SQLite, local disk; created if absent)."),
-    ] = Path("loraledger.db"),
+        str,
+        typer.Option(
+            "--db",
+            help="The ledger log, created if absent: a SQLite file on a disk that outlives "
+            "this machine, or postgresql://user@host/db (docs/stores.md).",
+        ),
+    ] = "loraledger.db",
     host: Annotated[
         str,
         typer.Option("--host", help="Listen address. Beyond loopback a --token is required."),
@@ -691,7 +695,7 @@ def serve(
     from tools import serve as service
 
     opts = service.ServeOptions(
-        db=str(db),
+        db=db,
         host=host,
         port=port,
         token=_secret(token, "--token", token_file, "LORALEDGER_TOKEN"),
