@@ -216,25 +216,34 @@ class PostgresStore:
         self._transactions = 0
         self._events = 0
         self._slow_paths = 0
+        self._read_only = False
 
     # --- opening and closing ---------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, url: str) -> PostgresStore:
+    async def connect(cls, url: str, *, read_only: bool = False) -> PostgresStore:
+        """Open the log in the database ``url`` names; see the class docstring.
+
+        ``read_only`` (the forensic tools: replay, audit, verify): every session is read-only
+        (``default_transaction_read_only``, so the server itself refuses a write), no layout is
+        created (a database without one is refused: ``CORRUPT_STORE``), appends are refused
+        with ``INVALID_INPUT``.
+        """
         if backend_of(url)[0] != "postgres":
             raise StoreError(INVALID_INPUT, f"not a postgresql:// URL: {redact(url)}")
         where = redact(url)
+        session = {**_SESSION, "default_transaction_read_only": "on"} if read_only else _SESSION
         writer: asyncpg.Connection | None = None
         readers: asyncpg.Pool | None = None
         try:
-            writer = await _connect(url)
-            await _prepare(writer, where)
+            writer = await _connect(url, session)
+            await _prepare(writer, where, create=not read_only)
             last_seq, head_hash = await _check_tail(writer)
             readers = await asyncpg.create_pool(
                 url,
                 min_size=1,
                 max_size=_READERS,
-                server_settings=_SESSION,
+                server_settings=session,
                 timeout=_CONNECT_TIMEOUT_S,
             )
         except BaseException as exc:
@@ -245,7 +254,9 @@ class PostgresStore:
             if isinstance(exc, _FAILURES):
                 raise _store_error(exc, f"cannot open {where}") from exc
             raise
-        return cls(url, writer, readers, last_seq, head_hash)
+        store = cls(url, writer, readers, last_seq, head_hash)
+        store._read_only = read_only
+        return store
 
     @classmethod
     @asynccontextmanager
@@ -611,16 +622,20 @@ class PostgresStore:
     def _check_writable(self) -> None:
         if self._closing:
             raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
+        if self._read_only:
+            raise StoreError(INVALID_INPUT, f"{self.url} was opened read-only")
 
 
-async def _connect(url: str) -> asyncpg.Connection:
-    return await asyncpg.connect(url, server_settings=_SESSION, timeout=_CONNECT_TIMEOUT_S)
+async def _connect(url: str, session: dict[str, str] = _SESSION) -> asyncpg.Connection:
+    return await asyncpg.connect(url, server_settings=session, timeout=_CONNECT_TIMEOUT_S)
 
 
-async def _prepare(w: asyncpg.Connection, where: str) -> None:
-    """The layout: created in a database without any of our tables, checked otherwise."""
+async def _prepare(w: asyncpg.Connection, where: str, *, create: bool) -> None:
+    """The layout: created in a database without any of our tables (unless ``create`` is
+    False: then such a database is refused), checked otherwise."""
     async with w.transaction():
-        await w.execute("SELECT pg_advisory_xact_lock($1)", _LAYOUT_LOCK)
+        if create:
+            await w.execute("SELECT pg_advisory_xact_lock($1)", _LAYOUT_LOCK)
         present = {
             r[0]
             for r in await w.fetch(
@@ -629,6 +644,10 @@ async def _prepare(w: asyncpg.Connection, where: str) -> None:
                 list(_TABLES),
             )
         }
+        if not present and not create:
+            raise StoreError(
+                StoreCode.CORRUPT_STORE, f"{where} holds no loraledger log (no tables)", empty=True
+            )
         if not present:
             for statement in _LAYOUT:
                 await w.execute(statement)

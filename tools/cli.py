@@ -73,7 +73,10 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="Machine output: JSON (one object per line) on stdout.")
 ]
 LogArg = Annotated[
-    Path, typer.Argument(help="The ledger log (a SQLite file written by the ledger).")
+    str,
+    typer.Argument(
+        help="The ledger log: a SQLite file written by the ledger, or a postgresql:// URL."
+    ),
 ]
 
 
@@ -331,7 +334,9 @@ def replay(
     written = None
     if plot is not None and result.lifetimes is not None:
         written = plot_lifetimes(
-            result.lifetimes, plot, title=f"{log.name} up to seq {result.seq} ({iso(result.at)})"
+            result.lifetimes,
+            plot,
+            title=f"{Path(log).name} up to seq {result.seq} ({iso(result.at)})",
         )
     if json:
         emit(

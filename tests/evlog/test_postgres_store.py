@@ -181,6 +181,27 @@ async def test_a_newer_layout_is_refused(postgres_url: str) -> None:
         await PostgresStore.connect(postgres_url)
 
 
+async def test_a_read_only_store_reads_and_refuses_appends(postgres_url: str) -> None:
+    with raises_code(StoreCode.CORRUPT_STORE):  # no layout is created by a reader
+        await PostgresStore.connect(postgres_url, read_only=True)
+    assert (
+        await _sql(postgres_url, "SELECT 1 FROM pg_tables WHERE tablename LIKE 'loraledger%'") == []
+    )
+    async with _opened(postgres_url) as store:
+        await store.append(batch_of(3))
+    reader = await PostgresStore.connect(postgres_url, read_only=True)
+    try:
+        assert [r.seq for r in await reader.read()] == [1, 2, 3]
+        assert (await reader.verify()).ok
+        with raises_code(INVALID_INPUT):
+            await reader.append(batch_of(1, "x"))
+        # the server refuses a write on its sessions too, whatever the code above did
+        with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
+            await reader._writer.execute("DELETE FROM loraledger_events")
+    finally:
+        await reader.close()
+
+
 async def test_bad_urls_and_unreachable_servers_are_refused(postgres_url: str) -> None:
     with raises_code(INVALID_INPUT):
         await PostgresStore.connect("/a/path.db")

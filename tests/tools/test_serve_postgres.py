@@ -1,7 +1,8 @@
 """``loraledger serve --db postgresql://...``: the real console script on a log in a real
 PostgreSQL database (the session's throwaway server), stopped by its PID and started again:
-the second life resumes the same log. Defaults that sit "next to the log" go to the working
-directory, and a location the store does not know is a usage error before anything opens."""
+the second life resumes the same log, and ``verify``/``replay`` read it. Defaults that sit
+"next to the log" go to the working directory, and a location the store does not know is a
+usage error before anything opens."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def _serve_once(url: str, workdir: Path, act: Any) -> None:
             proc.wait(timeout=10)
 
 
-def test_serve_on_postgres_resumes_the_same_log(postgres_url: str, tmp_path: Path) -> None:
+def test_serve_on_postgres_resumes_the_same_log(
+    postgres_url: str, tmp_path: Path, cli: Cli
+) -> None:
     seen: dict[str, Any] = {}
 
     def first(base: str) -> None:
@@ -78,6 +81,19 @@ def test_serve_on_postgres_resumes_the_same_log(postgres_url: str, tmp_path: Pat
             return report.records
 
     assert anyio.run(verify) >= seen["second"]["last_seq"]
+
+    # the read-only tools take the URL too
+    checked = cli("verify", postgres_url, "--json")
+    assert checked.returncode == 0, (checked.stdout, checked.stderr)
+    assert json.loads(checked.stdout)["ok"] is True
+    replayed = cli("replay", postgres_url, "--json")
+    assert replayed.returncode == 0, replayed.stderr
+
+
+def test_the_read_only_tools_refuse_a_database_without_a_log(postgres_url: str, cli: Cli) -> None:
+    empty = cli("verify", postgres_url)
+    assert empty.returncode == Exit.EMPTY, (empty.stdout, empty.stderr)
+    assert "no ledger" in empty.stderr + empty.stdout
 
 
 def test_an_unknown_store_location_is_a_usage_error(cli: Cli, tmp_path: Path) -> None:
