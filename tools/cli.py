@@ -1082,7 +1082,8 @@ def check_engine(
 
 
 def _bench_command(name: str, summary: str) -> None:
-    """Register ``loraledger bench NAME``: every bench takes the same three options."""
+    """Register ``loraledger bench NAME``: every bench takes the same options (``--store``
+    only where the bench function has a ``store`` parameter)."""
 
     def command(
         quick: Annotated[
@@ -1092,10 +1093,18 @@ def _bench_command(name: str, summary: str) -> None:
             Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
         ] = None,
         json: JsonOpt = False,
+        store: Annotated[
+            str | None,
+            typer.Option(
+                "--store",
+                help="Event store, for the benches that take one (ledger): sqlite (default) "
+                "or postgres (a throwaway local server this run starts).",
+            ),
+        ] = None,
     ) -> None:
         from tools.bench import run_bench
 
-        run_bench(name, quick=quick, directory=directory, json=json)
+        run_bench(name, quick=quick, directory=directory, json=json, store=store)
 
     command.__doc__ = summary
     command.__name__ = f"bench_{name}"
@@ -1104,7 +1113,8 @@ def _bench_command(name: str, summary: str) -> None:
 
 for _name, _summary in {
     "store": "Event store: group-committed appends and a verified replay vs raw sqlite3.",
-    "ledger": "Ledger service: durable bind+release sessions/s vs raw sqlite3; recovery time.",
+    "ledger": "Ledger service: durable bind+release sessions/s vs raw sqlite3 (or asyncpg with "
+    "--store postgres); recovery time.",
     "publish": "Publication to two local engines vs copying the bytes; longest generation gap.",
     "memory": "Projection memory after a million sessions bound, released and forgotten.",
     "ray": "Binds/s through the Ray ledger actor vs the seed's dict actor; batched calls.",
