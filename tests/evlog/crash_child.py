@@ -13,9 +13,9 @@ once so the kills land inside merged (group-committed) transactions too.
 the next write statement* (a SQLite progress handler on the store's writer connection), after
 letting the event loop run everything already ready: any appender a store answered before that
 statement's COMMIT prints its acknowledgement first, and the kill then loses its events. On
-PostgreSQL the kill lands once the next group's INSERT was sent and the loop ran two passes
-(the server may still commit it: the client is gone, not the server). The parent's kill lands
-at a random instant instead, which rarely hits that window.
+PostgreSQL the kill lands inside the next group's transaction, between its INSERT and its
+COMMIT (the server rolls it back). The parent's kill lands at a random instant instead, which
+rarely hits that window.
 """
 
 from __future__ import annotations
@@ -57,21 +57,22 @@ async def arm_kill_inside_next_statement(store: SQLiteStore) -> None:
     await store._writer.set_progress_handler(handler, 1)  # the store's one writer connection
 
 
-def arm_kill_inside_next_group_pg(store: PostgresStore) -> None:
-    """SIGKILL this process once the next group's INSERT is on its way to the server and the
-    event loop ran two more passes (any appender answered before the COMMIT came back prints
-    first)."""
+def arm_kill_inside_next_transaction_pg(store: PostgresStore) -> None:
+    """SIGKILL this process inside the next group's transaction: its rows inserted, its COMMIT
+    not sent, once the event loop ran two more passes (any appender a store answered before
+    that COMMIT prints first, and the server then rolls the transaction back: its events are
+    lost). The group is sent down the slow path, an explicit transaction, for that."""
     write_rows = store._write_rows
     loop = asyncio.get_running_loop()
 
     async def write_then_die(w: Any, plan: AppendPlan) -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(write_rows, w, plan)
-            passed = asyncio.Event()
-            loop.call_soon(loop.call_soon, passed.set)
-            await passed.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
+        await write_rows(w, plan)
+        passed = asyncio.Event()
+        loop.call_soon(loop.call_soon, passed.set)
+        await passed.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
 
+    store._suspect = True  # re-plan inside a transaction: BEGIN, LOCK, INSERT, (kill), COMMIT
     store._write_rows = write_then_die  # type: ignore[method-assign]
 
 
@@ -80,7 +81,7 @@ async def arm_kill(store: EventStore) -> None:
         await arm_kill_inside_next_statement(store)
     else:
         assert isinstance(store, PostgresStore)
-        arm_kill_inside_next_group_pg(store)
+        arm_kill_inside_next_transaction_pg(store)
 
 
 async def main(location: str, synchronous: str, appenders: int, run: str, kill_after: int) -> None:
