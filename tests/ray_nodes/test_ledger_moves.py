@@ -10,7 +10,6 @@ local Ray instance alive for all its tests, and a process holds one Ray connecti
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import anyio
 import pytest
 import ray
-from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
 from evlog.errors import LoraLedgerError
@@ -27,12 +25,11 @@ from publisher.errors import Code
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, LedgerInfo, start_ledger
 from publisher.ray.link import DEFAULT_NAMESPACE
-from publisher.ray.local import LOOPBACK
+from publisher.ray.local import LOOPBACK, loopback_only
 from tests.ray.kit import create, publish
 
 pytestmark = pytest.mark.anyio
 
-_SINGLE_MACHINE = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 _NODE = {
     "num_cpus": 1,
     "node_ip_address": LOOPBACK,
@@ -46,27 +43,21 @@ def two_nodes() -> Iterator[tuple[Cluster, Any, Any]]:
     and ``zone-b``; everything is shut down after the test."""
     if ray.is_initialized():
         pytest.fail("Ray is already initialized in this process")
-    saved_env = os.environ.get(_SINGLE_MACHINE)
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_SINGLE_MACHINE] = "0"  # loopback-only servers (see publisher/ray/local.py)
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**_NODE, "num_cpus": 0, "include_dashboard": False},
-    )
-    try:
-        node_a = cluster.add_node(**_NODE, resources={"zone-a": 1})
-        node_b = cluster.add_node(**_NODE, resources={"zone-b": 1})
-        ray.init(address=cluster.address, namespace=DEFAULT_NAMESPACE, log_to_driver=False)
-        yield cluster, node_a, node_b
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(_SINGLE_MACHINE, None)
-        else:
-            os.environ[_SINGLE_MACHINE] = saved_env
+    with loopback_only():
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={**_NODE, "num_cpus": 0, "include_dashboard": False},
+        )
+        try:
+            node_a = cluster.add_node(**_NODE, resources={"zone-a": 1})
+            node_b = cluster.add_node(**_NODE, resources={"zone-b": 1})
+            ray.init(address=cluster.address, namespace=DEFAULT_NAMESPACE, log_to_driver=False)
+            nodes = (cluster.head_node, node_a, node_b)
+            assert {node.node_ip_address for node in nodes} == {LOOPBACK}
+            yield cluster, node_a, node_b
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 async def _bind_all(ledger: RayLedger, names: list[str]) -> dict[str, Any]:
