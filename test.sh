@@ -20,7 +20,7 @@ if ! .venv/bin/python -c 'import sys; from tools.pg_server import find_bin_dir a
     mkdir -p /etc/postgresql-common
     [ -e /etc/postgresql-common/createcluster.conf ] \
       || echo "create_main_cluster = false" >/etc/postgresql-common/createcluster.conf
-    export DEBIAN_FRONTEND=noninteractive
+    export DEBIAN_FRONTEND=noninteractive UCF_FORCE_CONFFOLD=1  # keep our createcluster.conf
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold \
       -o Dpkg::Options::=--force-confdef postgresql >/dev/null
