@@ -1,7 +1,8 @@
 """The append-only log: event vocabulary, record envelope, hash chain and stores.
 
-The backends are imported on first use (``evlog.SQLiteStore``), so the pure parts of the
-package (events, records, the store contract) stay free of I/O imports for the projections.
+The backends are imported on first use (``evlog.SQLiteStore``, ``evlog.open_store``), so the
+pure parts of the package (events, records, the store contract) stay free of I/O imports for
+the projections.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from evlog.store import EventStore, Snapshot, VerifyReport
 
 if TYPE_CHECKING:
     from evlog.memory import MemoryLog, MemoryStore
+    from evlog.postgres import PostgresStore
     from evlog.sqlite import SQLiteStore
+    from evlog.stores import open_store
 
 __all__ = [
     "GENESIS_HASH",
@@ -35,6 +38,7 @@ __all__ = [
     "MemoryLog",
     "MemoryStore",
     "Pending",
+    "PostgresStore",
     "Record",
     "Refused",
     "SQLiteStore",
@@ -43,10 +47,17 @@ __all__ = [
     "StoreError",
     "Unavailable",
     "VerifyReport",
+    "open_store",
     "pending",
 ]
 
-_LAZY = {"MemoryLog": "evlog.memory", "MemoryStore": "evlog.memory", "SQLiteStore": "evlog.sqlite"}
+_LAZY = {
+    "MemoryLog": "evlog.memory",
+    "MemoryStore": "evlog.memory",
+    "PostgresStore": "evlog.postgres",
+    "SQLiteStore": "evlog.sqlite",
+    "open_store": "evlog.stores",
+}
 
 
 def __getattr__(name: str) -> Any:

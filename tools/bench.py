@@ -92,6 +92,11 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
 }
 
 
+STORES = ("sqlite", "postgres")
+# The full PostgreSQL replay log: a fifth of SQLite's million (filling it costs minutes here).
+POSTGRES_REPLAY_EVENTS = 200_000
+
+
 def machine() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -118,12 +123,24 @@ def _function(name: str) -> Callable[..., Any]:  # a sync or an async bench, fou
     return getattr(module, function)  # type: ignore[no-any-return]
 
 
-def run_bench(name: str, *, quick: bool, directory: Path | None, json: bool) -> dict[str, Any]:
+def run_bench(
+    name: str, *, quick: bool, directory: Path | None, json: bool, store: str | None = None
+) -> dict[str, Any]:
     fn = _function(name)
     _, _, full, small, scratch = BENCHES[name]
     kwargs = dict(small if quick else full)
     if directory is not None and scratch:
         kwargs[scratch] = str(directory)
+    if store is not None:
+        if "store" not in inspect.signature(fn).parameters:
+            raise ToolError(Exit.USAGE, f"bench {name} has no --store choice")
+        if store not in STORES:
+            raise ToolError(Exit.USAGE, f"--store must be one of {', '.join(STORES)}")
+        kwargs["store"] = store
+        if store == "postgres":
+            kwargs.pop("modes", None)  # SQLite's synchronous modes
+            if not quick:
+                kwargs["replay_events"] = POSTGRES_REPLAY_EVENTS
     run = inspect.iscoroutinefunction(fn)
     result: dict[str, Any] = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)
     out = {"bench": name, "quick": quick, **result, "machine": machine()}

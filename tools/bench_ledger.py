@@ -11,7 +11,15 @@
    tail; the store is opened without ``quick_check`` for the snapshot case (that full-file
    scan costs ~0.4 s per million events; the tail record is still verified).
 
-Run ``python -m tools.bench_ledger`` or ``loraledger bench ledger``.
+With ``store="postgres"`` (``loraledger bench ledger --store postgres``) the same two parts run
+against a PostgreSQL log on a throwaway server this run starts on 127.0.0.1
+(``tools/pg_server.py``: PostgreSQL's defaults, ``fsync=on``, ``synchronous_commit=on``), a
+fresh database per run. The reference is then raw asyncpg: ``executemany`` of the very rows the
+ledger wrote into an identical table of another fresh database on the same server, one call
+(one transaction, atomic) per batch of the size the ledger's group commit reached, reported
+as events/s and sessions/s with the ratio.
+
+Run ``python -m tools.bench_ledger`` or ``loraledger bench ledger [--store postgres]``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import anyio
 from evlog.events import Event, SessionBound, SessionReleased, SessionsForgotten
 from evlog.record import pending
 from evlog.sqlite import SQLiteStore, Synchronous
+from evlog.store import EventStore
 from projections.recovery import recover, save_snapshot
 from publisher.ledger import Ledger
 from publisher.outcomes import Allocated
@@ -60,13 +69,13 @@ async def _bootstrap(ledger: Ledger) -> None:
     await ledger.register_owner("worker", ttl_s=3600)
 
 
-async def _sessions(
-    path: str, concurrency: int, sessions: int, sync: Synchronous
-) -> dict[str, Any]:
-    async with (
-        SQLiteStore.open(path, synchronous=sync) as store,
-        Ledger.open(store, snapshot_on_close=False) as ledger,
-    ):
+async def _drive(
+    store: EventStore, concurrency: int, sessions: int
+) -> tuple[int, int, float, int, float]:
+    """Bind and release ``sessions`` sessions from ``concurrency`` tasks through a ledger on
+    ``store``: (sessions done, first seq written, seconds, events written, mean events per
+    commit)."""
+    async with Ledger.open(store, snapshot_on_close=False) as ledger:
         await _bootstrap(ledger)
         first_seq = store.last_seq
         batches, events = ledger.batches, ledger.events_written
@@ -83,9 +92,16 @@ async def _sessions(
             for k in range(concurrency):
                 tg.start_soon(worker, k)
         seconds = time.perf_counter() - start
-        done = per_task * concurrency
         written = ledger.events_written - events
         mean_batch = written / max(ledger.batches - batches, 1)
+    return per_task * concurrency, first_seq, seconds, written, mean_batch
+
+
+async def _sessions(
+    path: str, concurrency: int, sessions: int, sync: Synchronous
+) -> dict[str, Any]:
+    async with SQLiteStore.open(path, synchronous=sync) as store:
+        done, first_seq, seconds, written, mean_batch = await _drive(store, concurrency, sessions)
     rows = _rows_after(path, first_seq)
     assert len(rows) == written, (len(rows), written)
     ref_path = path + ".ref"
@@ -115,25 +131,30 @@ def _rows_after(path: str, seq: int) -> list[tuple[Any, ...]]:
         conn.close()
 
 
+async def _fill(store: EventStore, events: int) -> None:
+    """A log of about ``events`` session events: bind, release, a forget per 1,000."""
+    async with Ledger.open(store, snapshot_on_close=False) as ledger:
+        await _bootstrap(ledger)
+    batch: list[Event] = []
+    session = 0
+    while store.last_seq + len(batch) < events:
+        names = [f"r{session + i}" for i in range(1000)]
+        session += 1000
+        batch += [SessionBound(session=n, owner="worker", version_id=1, revision=1)
+                  for n in names]  # fmt: skip
+        batch += [SessionReleased(session=n, owner="worker", version_id=1) for n in names]
+        batch.append(SessionsForgotten(sessions=tuple(names)))
+        if len(batch) >= 20_000:
+            await store.append([pending(e) for e in batch])
+            batch = []
+    if batch:
+        await store.append([pending(e) for e in batch])
+
+
 async def _recovery(path: str, events: int) -> dict[str, Any]:
     """Build a log of session traffic, then time a full replay and a snapshot recovery."""
     async with SQLiteStore.open(path, synchronous="NORMAL") as store:
-        async with Ledger.open(store, snapshot_on_close=False) as ledger:
-            await _bootstrap(ledger)
-        batch: list[Event] = []
-        session = 0
-        while store.last_seq + len(batch) < events:
-            names = [f"r{session + i}" for i in range(1000)]
-            session += 1000
-            batch += [SessionBound(session=n, owner="worker", version_id=1, revision=1)
-                      for n in names]  # fmt: skip
-            batch += [SessionReleased(session=n, owner="worker", version_id=1) for n in names]
-            batch.append(SessionsForgotten(sessions=tuple(names)))
-            if len(batch) >= 20_000:
-                await store.append([pending(e) for e in batch])
-                batch = []
-        if batch:
-            await store.append([pending(e) for e in batch])
+        await _fill(store, events)
         total = store.last_seq
     async with SQLiteStore.open(path, quick_check=False) as store:
         start = time.perf_counter()
@@ -153,6 +174,136 @@ async def _recovery(path: str, events: int) -> dict[str, Any]:
     }
 
 
+_PG_REFERENCE_TABLE = (
+    "CREATE TABLE loraledger_events (seq bigint PRIMARY KEY, event_id bytea NOT NULL UNIQUE, "
+    "stream text NOT NULL, type text NOT NULL, schema integer NOT NULL, "
+    "recorded_at double precision NOT NULL, payload bytea NOT NULL, prev_hash bytea NOT NULL, "
+    "hash bytea NOT NULL)"
+)
+_PG_COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
+
+
+async def _pg_reference(url: str, rows: list[tuple[Any, ...]], batch: int) -> float:
+    """Raw asyncpg into an identical table: one ``executemany`` (one transaction) per batch."""
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(_PG_REFERENCE_TABLE)
+        insert = (
+            f"INSERT INTO loraledger_events ({_PG_COLUMNS}) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+        )
+        start = time.perf_counter()
+        for i in range(0, len(rows), batch):
+            await conn.executemany(insert, rows[i : i + batch])
+        return time.perf_counter() - start
+    finally:
+        await conn.close()
+
+
+async def _pg_rows_after(url: str, seq: int) -> list[tuple[Any, ...]]:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        found = await conn.fetch(
+            f"SELECT {_PG_COLUMNS} FROM loraledger_events WHERE seq > $1 ORDER BY seq", seq
+        )
+        return [tuple(r) for r in found]
+    finally:
+        await conn.close()
+
+
+async def _pg_sessions(server: Any, run: str, concurrency: int, sessions: int) -> dict[str, Any]:
+    from evlog.postgres import PostgresStore
+    from tools.pg_server import create_database
+
+    url = await create_database(server, f"ledger_{run}")
+    async with PostgresStore.open(url) as store:
+        done, first_seq, seconds, written, mean_batch = await _drive(store, concurrency, sessions)
+    rows = await _pg_rows_after(url, first_seq)
+    assert len(rows) == written, (len(rows), written)
+    reference = await create_database(server, f"reference_{run}")
+    ref_seconds = await _pg_reference(reference, rows, max(1, round(mean_batch)))
+    ledger_rate = done / seconds
+    reference_rate = (len(rows) / ref_seconds) / 2  # two events per session
+    return {
+        "store": "postgres",
+        "concurrency": concurrency,
+        "sessions": done,
+        "sessions_per_s": round(ledger_rate),
+        "events_per_s": round(written / seconds),
+        "mean_events_per_commit": round(mean_batch, 1),
+        "reference_sessions_per_s": round(reference_rate),
+        "reference_events_per_s": round(len(rows) / ref_seconds),
+        "ratio": round(ledger_rate / reference_rate, 3),
+    }
+
+
+async def _pg_recovery(server: Any, events: int) -> dict[str, Any]:
+    from evlog.postgres import PostgresStore
+    from tools.pg_server import create_database
+
+    url = await create_database(server, "replay")
+    async with PostgresStore.open(url) as store:
+        await _fill(store, events)
+        total = store.last_seq
+    async with PostgresStore.open(url) as store:
+        start = time.perf_counter()
+        state = await recover(store, use_snapshot=False)
+        full = time.perf_counter() - start
+        await save_snapshot(store, state)
+    start = time.perf_counter()
+    async with PostgresStore.open(url) as store:
+        snap_state = await recover(store, use_snapshot=True)
+    from_snapshot = time.perf_counter() - start
+    assert snap_state.last_seq == state.last_seq == total
+    return {
+        "events": total,
+        "full_replay_s": round(full, 3),
+        "events_per_s": round(total / full),
+        "snapshot_recovery_s": round(from_snapshot, 4),
+    }
+
+
+async def _bench_postgres(
+    concurrencies: Sequence[int],
+    counts: dict[int, int],
+    replay_events: int,
+    directory: str | None,
+) -> dict[str, Any]:
+    from tools.exitcodes import Exit, ToolError
+    from tools.pg_server import PostgresUnavailable, temporary_server
+
+    try:
+        with temporary_server(directory=directory) as server:
+            runs = [
+                await _pg_sessions(server, f"c{n}", n, counts.get(n, 1000 * n))
+                for n in concurrencies
+            ]
+            replay = await _pg_recovery(server, replay_events) if replay_events else None
+            version = await _server_version(server)
+    except PostgresUnavailable as exc:
+        raise ToolError(Exit.FAILED, str(exc)) from None
+    return {
+        "machine": machine(),
+        "server": f"{version} on 127.0.0.1 (same machine), fsync=on, synchronous_commit=on",
+        "sessions": runs,
+        "recovery": replay,
+    }
+
+
+async def _server_version(server: Any) -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(server.url())
+    try:
+        return str(await conn.fetchval("SELECT split_part(version(), ' on ', 1)"))
+    finally:
+        await conn.close()
+
+
 async def bench_ledger(
     *,
     concurrencies: Sequence[int] = (1, 16, 256),
@@ -160,8 +311,14 @@ async def bench_ledger(
     sessions: dict[int, int] | None = None,
     replay_events: int = 1_000_000,
     directory: str | None = None,
+    store: str = "sqlite",
 ) -> dict[str, Any]:
+    """``store`` is ``sqlite`` (``modes`` apply) or ``postgres`` (a throwaway server)."""
     counts = {**DEFAULT_SESSIONS, **(sessions or {})}
+    if store == "postgres":
+        return await _bench_postgres(concurrencies, counts, replay_events, directory)
+    if store != "sqlite":
+        raise ValueError(f"store must be sqlite or postgres, got {store!r}")
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         runs = []
         for sync in modes:
@@ -178,10 +335,14 @@ async def bench_ledger(
 
 def _print(result: dict[str, Any]) -> None:
     print(f"machine: {result['machine']}")
-    print("durable bind+release (sessions/s), ledger vs raw sqlite3 executemany of the same rows")
+    raw = "asyncpg" if result.get("server") else "sqlite3"
+    print(f"durable bind+release (sessions/s), ledger vs raw {raw} executemany of the same rows")
+    if result.get("server"):
+        print(f"server: {result['server']}")
     for r in result["sessions"]:
         print(
-            f"  {r['synchronous']:6} x{r['concurrency']:<4} {r['sessions_per_s']:>8} /s  "
+            f"  {r.get('synchronous', r.get('store')):8} x{r['concurrency']:<4} "
+            f"{r['sessions_per_s']:>8} /s  "
             f"reference {r['reference_sessions_per_s']:>8} /s  ratio {r['ratio']:.2f}  "
             f"({r['mean_events_per_commit']} events/commit, {r['sessions']} sessions)"
         )
@@ -198,11 +359,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 256])
     parser.add_argument("--modes", nargs="*", default=["FULL", "NORMAL"])
     parser.add_argument("--replay-events", type=int, default=1_000_000)
+    parser.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = anyio.run(
         lambda: bench_ledger(
-            concurrencies=args.concurrency, modes=args.modes, replay_events=args.replay_events
+            concurrencies=args.concurrency,
+            modes=args.modes,
+            replay_events=args.replay_events,
+            store=args.store,
         )
     )
     print(json.dumps(result, indent=2)) if args.json else _print(result)

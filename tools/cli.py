@@ -73,7 +73,10 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="Machine output: JSON (one object per line) on stdout.")
 ]
 LogArg = Annotated[
-    Path, typer.Argument(help="The ledger log (a SQLite file written by the ledger).")
+    str,
+    typer.Argument(
+        help="The ledger log: a SQLite file written by the ledger, or a postgresql:// URL."
+    ),
 ]
 
 
@@ -331,7 +334,9 @@ def replay(
     written = None
     if plot is not None and result.lifetimes is not None:
         written = plot_lifetimes(
-            result.lifetimes, plot, title=f"{log.name} up to seq {result.seq} ({iso(result.at)})"
+            result.lifetimes,
+            plot,
+            title=f"{Path(log).name} up to seq {result.seq} ({iso(result.at)})",
         )
     if json:
         emit(
@@ -565,9 +570,13 @@ def fleet_remove(
 @guarded
 def serve(
     db: Annotated[
-        Path,
-        typer.Option("--db", help="The ledger log (SQLite, local disk; created if absent)."),
-    ] = Path("loraledger.db"),
+        str,
+        typer.Option(
+            "--db",
+            help="The ledger log, created if absent: a SQLite file on a disk that outlives "
+            "this machine, or postgresql://user@host/db (docs/stores.md).",
+        ),
+    ] = "loraledger.db",
     host: Annotated[
         str,
         typer.Option("--host", help="Listen address. Beyond loopback a --token is required."),
@@ -691,7 +700,7 @@ def serve(
     from tools import serve as service
 
     opts = service.ServeOptions(
-        db=str(db),
+        db=db,
         host=host,
         port=port,
         token=_secret(token, "--token", token_file, "LORALEDGER_TOKEN"),
@@ -1073,7 +1082,8 @@ def check_engine(
 
 
 def _bench_command(name: str, summary: str) -> None:
-    """Register ``loraledger bench NAME``: every bench takes the same three options."""
+    """Register ``loraledger bench NAME``: every bench takes the same options (``--store``
+    only where the bench function has a ``store`` parameter)."""
 
     def command(
         quick: Annotated[
@@ -1083,10 +1093,18 @@ def _bench_command(name: str, summary: str) -> None:
             Path | None, typer.Option("--dir", help="Scratch directory (default: a temp dir).")
         ] = None,
         json: JsonOpt = False,
+        store: Annotated[
+            str | None,
+            typer.Option(
+                "--store",
+                help="Event store, for the benches that take one (ledger): sqlite (default) "
+                "or postgres (a throwaway local server this run starts).",
+            ),
+        ] = None,
     ) -> None:
         from tools.bench import run_bench
 
-        run_bench(name, quick=quick, directory=directory, json=json)
+        run_bench(name, quick=quick, directory=directory, json=json, store=store)
 
     command.__doc__ = summary
     command.__name__ = f"bench_{name}"
@@ -1095,7 +1113,8 @@ def _bench_command(name: str, summary: str) -> None:
 
 for _name, _summary in {
     "store": "Event store: group-committed appends and a verified replay vs raw sqlite3.",
-    "ledger": "Ledger service: durable bind+release sessions/s vs raw sqlite3; recovery time.",
+    "ledger": "Ledger service: durable bind+release sessions/s vs raw sqlite3 (or asyncpg with "
+    "--store postgres); recovery time.",
     "publish": "Publication to two local engines vs copying the bytes; longest generation gap.",
     "memory": "Projection memory after a million sessions bound, released and forgotten.",
     "ray": "Binds/s through the Ray ledger actor vs the seed's dict actor; batched calls.",

@@ -31,6 +31,10 @@ A main file of 0 bytes whose ``-wal`` holds pages is refused as corrupt before a
 a ledger's main file always holds at least its header page, and SQLite's answer to that
 state is to delete the ``-wal``.
 
+A ``postgresql://`` URL is opened with :meth:`PostgresStore.connect` ``read_only=True`` instead:
+the server's snapshot isolation gives a consistent read next to a live writer, and the
+sessions are read-only, so the server itself refuses any write.
+
 These are tools for another process than the writer's: POSIX locks belong to a process, and
 closing any descriptor of a file drops all of them, so reading a log that a connection of the
 *same* process holds open (the raw reads here open and close its files) would strip that
@@ -51,6 +55,8 @@ from pathlib import Path
 
 from evlog.errors import LoraLedgerError
 from evlog.sqlite import APPLICATION_ID, SQLiteStore
+from evlog.store import EventStore
+from evlog.stores import describe, is_shared
 from tools.exitcodes import Exit, ToolError
 
 _MAGIC = b"SQLite format 3\x00"
@@ -215,9 +221,14 @@ def _classify(p: Path, exc: sqlite3.DatabaseError) -> ToolError:
 @asynccontextmanager
 async def open_log(
     path: str | os.PathLike[str], *, allow_empty: bool = False
-) -> AsyncIterator[SQLiteStore]:
-    """The store at ``path``, read-only, checked by :func:`preflight` and by the store's own
-    open checks. ``allow_empty`` accepts a ledger with no events (``verify`` reports it)."""
+) -> AsyncIterator[EventStore]:
+    """The store at ``path`` (a file, or a ``postgresql://`` URL), read-only, checked by
+    :func:`preflight` (files) and by the store's own open checks. ``allow_empty`` accepts a
+    ledger with no events (``verify`` reports it)."""
+    if is_shared(path):
+        async with _open_database(os.fspath(path), allow_empty) as pg:
+            yield pg
+        return
     p = preflight(path)
     with _readable(p) as uri:
         _check_ledger(p, uri)
@@ -231,3 +242,22 @@ async def open_log(
             yield store
         finally:
             await store.close()
+
+
+@asynccontextmanager
+async def _open_database(url: str, allow_empty: bool) -> AsyncIterator[EventStore]:
+    from evlog.postgres import PostgresStore
+
+    where = describe(url)
+    try:
+        store = await PostgresStore.connect(url, read_only=True)
+    except LoraLedgerError as exc:
+        if exc.details.get("empty"):
+            raise ToolError(Exit.EMPTY, f"{where}: no ledger was written here") from None
+        raise ToolError.from_ledger(exc, path=where) from None
+    try:
+        if store.last_seq == 0 and not allow_empty:
+            raise ToolError(Exit.EMPTY, f"{where}: the ledger holds no events yet")
+        yield store
+    finally:
+        await store.close()

@@ -1,6 +1,7 @@
 """``loraledger serve``: the ledger as a long-lived service.
 
-One process owns the log (SQLite on local disk, one writer) and runs the ``ControlPlane``
+One process owns the log (a SQLite file on local disk, or a PostgreSQL database named by a
+``postgresql://`` URL: docs/stores.md; one writer either way) and runs the ``ControlPlane``
 (publication, the reclaim driver, the reconciler, owner-lease expiry) over the engines named
 on the command line, with the HTTP application of ``tools/http_app.py`` on top.
 
@@ -27,13 +28,14 @@ import re
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 import msgspec
 
 from engines.guard import is_loopback, uvicorn_limits
+from evlog.errors import StoreError
+from evlog.stores import backend_of, describe
 from publisher.decider import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
@@ -133,6 +135,12 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, f"engine ids must be unique, got {ids}")
     if opts.synchronous not in ("FULL", "NORMAL"):
         raise ToolError(Exit.USAGE, "--synchronous must be FULL or NORMAL")
+    try:
+        backend, _ = backend_of(opts.db)
+    except StoreError as exc:
+        raise ToolError(Exit.USAGE, f"--db: {exc.message}") from None
+    if backend == "postgres" and opts.synchronous != "FULL":
+        raise ToolError(Exit.USAGE, "--synchronous is a SQLite setting (PostgreSQL: always on)")
     if opts.max_staleness is not None and opts.max_staleness < 0:
         raise ToolError(Exit.USAGE, f"--max-staleness {opts.max_staleness} must be >= 0")
     if opts.private_reads and not opts.token:
@@ -210,22 +218,28 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: EngineOpti
     return engine
 
 
+def beside_log(opts: ServeOptions, suffix: str) -> str:
+    """A default file next to the log: beside a SQLite file, or ``loraledger<suffix>`` in the
+    working directory for a PostgreSQL log (which has no directory of its own)."""
+    backend, where = backend_of(opts.db)
+    return f"{where}{suffix}" if backend == "sqlite" else f"loraledger{suffix}"
+
+
 @asynccontextmanager
 async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
     """The store, the engines and the ``ControlPlane`` over them, closed in reverse order."""
     from evlog.errors import LoraLedgerError
-    from evlog.sqlite import SQLiteStore
+    from evlog.stores import open_store
     from publisher.engine_ops import EngineTimeouts
     from publisher.fleet import Fleet
     from publisher.plane import ControlPlane
 
-    db = Path(opts.db)
-    artifact_root = opts.artifact_root or str(db.with_name(db.name + ".artifacts"))
+    artifact_root = opts.artifact_root or beside_log(opts, ".artifacts")
     os.makedirs(artifact_root, exist_ok=True)
     try:
         async with AsyncExitStack() as stack:
             store = await stack.enter_async_context(
-                SQLiteStore.open(db, synchronous=opts.synchronous)  # type: ignore[arg-type]
+                open_store(opts.db, synchronous=opts.synchronous)  # type: ignore[arg-type]
             )
             fleet = Fleet()
             for spec in opts.engines:
@@ -245,7 +259,7 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
             )
             yield plane
     except LoraLedgerError as exc:
-        raise ToolError.from_ledger(exc, path=str(db)) from None
+        raise ToolError.from_ledger(exc, path=describe(opts.db)) from None
 
 
 @asynccontextmanager
@@ -259,7 +273,7 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
     from publisher.sessions import RolloutWorker
 
     ledger = plane.ledger
-    provenance = opts.provenance or f"{opts.db}.provenance.jsonl"
+    provenance = opts.provenance or beside_log(opts, ".provenance.jsonl")
     async with ProvenanceRecorder(JsonlSink(provenance)) as recorder:
         gateway = Gateway(
             plane.fleet,
@@ -415,7 +429,7 @@ async def _announce(
     url = await listening_url(server, opts.host, opts.port)
     if url is None:
         return
-    log.info("serve.listening", url=url, db=opts.db)
+    log.info("serve.listening", url=url, db=describe(opts.db))
     if on_ready is not None:
         on_ready(url)
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import msgspec
 
 from evlog.errors import LoraLedgerError
-from evlog.sqlite import SQLiteStore
+from evlog.store import EventStore
+from evlog.stores import describe
 from projections.recovery import CheckedReplay
 from tools.exitcodes import Exit, ToolError
 from tools.logfile import open_log
@@ -50,7 +51,7 @@ async def verify_log(
     path: str | os.PathLike[str], *, deep: bool = False, progress: Progress | None = None
 ) -> VerifyResult:
     start = time.perf_counter()
-    where = str(path)
+    where = describe(path)
 
     def failed(stage: str, exit_code: Exit, problem: str, **fields: object) -> VerifyResult:
         return VerifyResult(
@@ -114,7 +115,7 @@ async def verify_log(
 
 
 async def _replay_checked(
-    store: SQLiteStore, deep: bool, last: int, progress: Progress | None
+    store: EventStore, deep: bool, last: int, progress: Progress | None
 ) -> tuple[int, str] | None:
     """Apply every event, checking invariants; the first (seq, problem) found, or None."""
     replay = CheckedReplay(deep=deep)

@@ -1,4 +1,5 @@
-"""The ledger as ONE named, detached Ray actor: the single writer of one SQLite log.
+"""The ledger as ONE named, detached Ray actor: the single writer of one log (SQLite or
+PostgreSQL).
 
 Why one actor: the ledger's guarantees (group commit, decisions in one order, fencing) rest on
 a single writer per log, and a Ray actor is a single process at a stable name that every
@@ -12,13 +13,17 @@ by a :class:`~publisher.ray.hosting.PortalHost`. It is an async actor: calls fro
 run concurrently and land in the ledger's queue together, so group commit works across Ray
 exactly as in process (one fsync for every call that arrived meanwhile).
 
-Restart story. The actor's only durable state is its SQLite file, on the disk of the node it
-was first placed on (a hard node affinity keeps every later incarnation there). ``__init__``
-opens that file, verifies the chain tail, replays (from the newest snapshot) and appends a new
-``ControllerStarted``: every binding, owner and version comes back from the log. This happens
-whether Ray restarts the actor after a crash (``max_restarts``, the default is unlimited) or an
-operator kills it and calls :func:`start_ledger` again under the same name. Callers ride over
-the gap through :class:`~publisher.ray.link.ActorLink` (their calls are idempotent).
+Restart story. The actor's only durable state is its log. A SQLite file lives on the disk of
+the node the actor was first placed on (a hard node affinity keeps every later incarnation
+there, and that disk must survive the node: docs/stores.md); a PostgreSQL log
+(``path="postgresql://..."``) lives on a server every node reaches, so the actor is placed
+anywhere (or where ``node_id``/``resources`` say) and a later incarnation on another node
+resumes the same log. ``__init__`` opens the log, verifies the chain tail, replays (from the
+newest snapshot) and appends a new ``ControllerStarted``: every binding, owner and version
+comes back from the log. This happens whether Ray restarts the actor after a crash
+(``max_restarts``, the default is unlimited) or an operator kills it and calls
+:func:`start_ledger` again under the same name. Callers ride over the gap through
+:class:`~publisher.ray.link.ActorLink` (their calls are idempotent).
 
 Each method answers with outcomes and refusals as values where a batch is involved
 (``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingTable` when the
@@ -44,7 +49,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evlog.errors import LoraLedgerError
-from evlog.sqlite import SQLiteStore, Synchronous
+from evlog.sqlite import Synchronous
+from evlog.stores import describe, is_shared, open_store
 from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
@@ -82,7 +88,9 @@ class PlaneConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LedgerConfig:
     """Where the log lives and what the actor hosts (a bare ledger when ``plane`` is None:
-    for deployments whose publication runs elsewhere, and for the benchmark)."""
+    for deployments whose publication runs elsewhere, and for the benchmark). ``path`` is a
+    SQLite file or a ``postgresql://`` URL (:func:`evlog.stores.open_store`); ``synchronous``
+    applies to SQLite only."""
 
     path: str
     synchronous: Synchronous = "FULL"
@@ -165,7 +173,7 @@ class _Service:
     async def info(self) -> LedgerInfo:
         state = self.ledger.state
         return LedgerInfo(
-            path=self.config.path,
+            path=describe(self.config.path),
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
             epoch=state.epoch,
@@ -177,14 +185,16 @@ class _Service:
 
 @asynccontextmanager
 async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
-    async with SQLiteStore.open(config.path, synchronous=config.synchronous) as store:
+    async with open_store(config.path, synchronous=config.synchronous) as store:
         if config.plane is None:
             async with (
                 Ledger.open(store, snapshot_every=config.snapshot_every) as ledger,
                 anyio.create_task_group() as tg,
             ):
                 tg.start_soon(_expire_leases, ledger, config.lease_check_s)
-                log.info("ray.ledger_serving", path=config.path, seq=ledger.state.last_seq)
+                log.info(
+                    "ray.ledger_serving", path=describe(config.path), seq=ledger.state.last_seq
+                )
                 try:
                     yield _Service(ledger, None, config)
                 finally:
@@ -202,7 +212,9 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
             artifact_root=p.artifact_root,
             **dict(p.options),
         ) as plane:
-            log.info("ray.plane_serving", path=config.path, seq=plane.ledger.state.last_seq)
+            log.info(
+                "ray.plane_serving", path=describe(config.path), seq=plane.ledger.state.last_seq
+            )
             yield _Service(plane.ledger, plane, config)
 
 
@@ -261,15 +273,27 @@ def start_ledger(
     name: str = DEFAULT_LEDGER_NAME,
     namespace: str = DEFAULT_NAMESPACE,
     node_id: str | None = None,
+    resources: Mapping[str, float] | None = None,
     max_restarts: int = -1,
     timeout: float = 300.0,
 ) -> ActorHandle:
-    """Start the ledger actor ``namespace/name`` on ``node_id`` (default: this node, whose
-    disk holds ``config.path``) or return the one already running under that name, once it
-    has replayed its log (blocking). A running actor serving another file is refused."""
-    path = str(Path(config.path).resolve())
+    """Start the ledger actor ``namespace/name`` or return the one already running under that
+    name, once it has replayed its log (blocking). A running actor serving another log is
+    refused.
+
+    Placement: a SQLite log pins the actor to ``node_id`` (default: this node, whose disk holds
+    ``config.path``) with a hard node affinity, so Ray never restarts it away from its file. A
+    PostgreSQL log leaves the actor free: Ray's default placement, or ``node_id`` (hard
+    affinity) and ``resources`` (custom resources it needs, e.g. ``{"ledger-zone": 0.01}``)
+    when given."""
+    shared = is_shared(config.path)
+    path = config.path if shared else str(Path(config.path).resolve())
     config = dataclasses.replace(config, path=path)
-    node = node_id or ray.get_runtime_context().get_node_id()
+    if shared and node_id is None:
+        placement: Any = "DEFAULT"
+    else:
+        node = node_id or ray.get_runtime_context().get_node_id()
+        placement = NodeAffinitySchedulingStrategy(node, soft=False)
     actor = ray.remote(LedgerActor).options(
         name=name,
         namespace=namespace,
@@ -279,7 +303,8 @@ def start_ledger(
         max_task_retries=0,  # callers retry through ActorLink; Ray must not resend alone
         max_concurrency=1000,
         num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        resources=dict(resources or {}),
+        scheduling_strategy=placement,
     )
     # An actor killed a moment ago may still hold the name: the lookup then finds it dying.
     # Ask again until the name is free (a creation that failed by itself is reported at once).
@@ -292,12 +317,12 @@ def start_ledger(
             if exc.actor_init_failed or attempt == _DYING_RETRIES:
                 raise  # this actor's own __init__ failed (e.g. a corrupt log): say why
             time.sleep(_DYING_WAIT_S)
-    if info.path != path:
+    if info.path != describe(path):
         raise LedgerError(
             Code.ALREADY_INITIALIZED,
-            f"ledger actor {namespace}/{name} already serves {info.path}, not {path}",
+            f"ledger actor {namespace}/{name} already serves {info.path}, not {describe(path)}",
         )
-    log.info("ray.ledger_started", name=name, path=path, epoch=info.epoch, pid=info.pid)
+    log.info("ray.ledger_started", name=name, path=describe(path), epoch=info.epoch, pid=info.pid)
     return handle
 
 

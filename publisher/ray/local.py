@@ -31,6 +31,25 @@ _SINGLE_MACHINE = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR  # "0": loopback-onl
 
 
 @contextmanager
+def loopback_only() -> Iterator[None]:
+    """Ray's single-machine mode for the block (see the module docstring): every Ray process
+    started meanwhile listens on loopback only. Also what a test needs to run several Ray
+    nodes on one machine (``ray.cluster_utils.Cluster``) without leaving loopback."""
+    saved_env = os.environ.get(_SINGLE_MACHINE)
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_SINGLE_MACHINE] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_SINGLE_MACHINE, None)
+        else:
+            os.environ[_SINGLE_MACHINE] = saved_env
+
+
+@contextmanager
 def local_ray(
     *,
     num_cpus: int = 2,
@@ -41,11 +60,7 @@ def local_ray(
     """Start a local loopback-only Ray instance for the block; yields its address info."""
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process: shut it down first")
-    saved_env = os.environ.get(_SINGLE_MACHINE)
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_SINGLE_MACHINE] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
+    with loopback_only():
         context = ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -62,9 +77,3 @@ def local_ray(
             yield info
         finally:
             ray.shutdown()
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(_SINGLE_MACHINE, None)
-        else:
-            os.environ[_SINGLE_MACHINE] = saved_env

@@ -1,6 +1,8 @@
-"""Child process of ``test_store_crash``: appends to a SQLite log until it is killed.
+"""Child process of ``test_store_crash``: appends to a log until it is killed.
 
-``python -m tests.evlog.crash_child PATH SYNCHRONOUS APPENDERS RUN [KILL_AFTER]``
+``python -m tests.evlog.crash_child LOCATION SYNCHRONOUS APPENDERS RUN [KILL_AFTER]``
+
+``LOCATION`` is a SQLite path or a ``postgresql://`` URL (``evlog.open_store``).
 
 Prints ``open <last_seq>`` once the store is open, then one line ``<seq> <event_id hex>`` per
 event, written only after the ``append`` that stored it returned: a line the parent reads is
@@ -10,8 +12,10 @@ once so the kills land inside merged (group-committed) transactions too.
 ``KILL_AFTER`` > 0: once that many events are acknowledged, the child SIGKILLs itself *inside
 the next write statement* (a SQLite progress handler on the store's writer connection), after
 letting the event loop run everything already ready: any appender a store answered before that
-statement's COMMIT prints its acknowledgement first, and the kill then loses its events. The
-parent's kill lands at a random instant instead, which rarely hits that window.
+statement's COMMIT prints its acknowledgement first, and the kill then loses its events. On
+PostgreSQL the kill lands inside the next group's transaction, between its INSERT and its
+COMMIT (the server rolls it back). The parent's kill lands at a random instant instead, which
+rarely hits that window.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 import anyio
 
 from evlog.events import SessionBound
+from evlog.postgres import PostgresStore
 from evlog.record import pending
 from evlog.sqlite import SQLiteStore
+from evlog.store import AppendPlan, EventStore
+from evlog.stores import open_store
 
 
 async def arm_kill_inside_next_statement(store: SQLiteStore) -> None:
@@ -49,9 +57,36 @@ async def arm_kill_inside_next_statement(store: SQLiteStore) -> None:
     await store._writer.set_progress_handler(handler, 1)  # the store's one writer connection
 
 
-async def main(path: str, synchronous: str, appenders: int, run: str, kill_after: int) -> None:
+def arm_kill_inside_next_transaction_pg(store: PostgresStore) -> None:
+    """SIGKILL this process inside the next group's transaction: its rows inserted, its COMMIT
+    not sent, once the event loop ran two more passes (any appender a store answered before
+    that COMMIT prints first, and the server then rolls the transaction back: its events are
+    lost). The group is sent down the slow path, an explicit transaction, for that."""
+    write_rows = store._write_rows
+    loop = asyncio.get_running_loop()
+
+    async def write_then_die(w: Any, plan: AppendPlan) -> None:
+        await write_rows(w, plan)
+        passed = asyncio.Event()
+        loop.call_soon(loop.call_soon, passed.set)
+        await passed.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    store._suspect = True  # re-plan inside a transaction: BEGIN, LOCK, INSERT, (kill), COMMIT
+    store._write_rows = write_then_die  # type: ignore[method-assign]
+
+
+async def arm_kill(store: EventStore) -> None:
+    if isinstance(store, SQLiteStore):
+        await arm_kill_inside_next_statement(store)
+    else:
+        assert isinstance(store, PostgresStore)
+        arm_kill_inside_next_transaction_pg(store)
+
+
+async def main(location: str, synchronous: str, appenders: int, run: str, kill_after: int) -> None:
     out = sys.stdout
-    async with SQLiteStore.open(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
+    async with open_store(location, synchronous=synchronous) as store:  # type: ignore[arg-type]
         out.write(f"open {store.last_seq}\n")
         out.flush()
         acknowledged = 0
@@ -76,7 +111,7 @@ async def main(path: str, synchronous: str, appenders: int, run: str, kill_after
                 i += 1
                 before, acknowledged = acknowledged, acknowledged + len(seqs)
                 if before < kill_after <= acknowledged:
-                    await arm_kill_inside_next_statement(store)
+                    await arm_kill(store)
 
         async with anyio.create_task_group() as tg:
             for k in range(appenders):

@@ -1,4 +1,5 @@
-"""kill -9 at many points of a SQLite log's life: no acknowledged event is ever lost.
+"""kill -9 at many points of a log's life (SQLite, and PostgreSQL on a real server): no
+acknowledged event is ever lost.
 
 A child process (``crash_child``) appends with several concurrent appenders and prints each
 event only after its append returned. The test SIGKILLs it at a random point (during open,
@@ -24,8 +25,10 @@ import time
 from pathlib import Path
 
 import anyio
+import asyncpg
 
-from evlog.sqlite import SQLiteStore
+from evlog.stores import is_shared, open_store
+from tests.conftest import run_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 30.0
@@ -59,7 +62,7 @@ class _Lines:
 
 
 def _run_and_kill(
-    path: Path, synchronous: str, run: int, rng: random.Random, stderr_path: Path
+    location: str, synchronous: str, run: int, rng: random.Random, stderr_path: Path
 ) -> list[str]:
     inside_a_write = run % 4 == 1
     target = rng.choice([0, 1, rng.randint(2, 60), rng.randint(60, 1500)])
@@ -69,7 +72,7 @@ def _run_and_kill(
                 sys.executable,
                 "-m",
                 "tests.evlog.crash_child",
-                str(path),
+                location,
                 synchronous,
                 "4",
                 str(run),
@@ -107,19 +110,34 @@ def _run_and_kill(
             proc.stdout.close()
 
 
-def _check(path: Path, acked: dict[int, str]) -> int:
-    conn = sqlite3.connect(path)
-    try:
-        stored = {seq: eid.hex() for seq, eid in conn.execute("SELECT seq, event_id FROM events")}
-    finally:
-        conn.close()
+def _stored_ids(location: str) -> dict[int, str]:
+    if not is_shared(location):
+        conn = sqlite3.connect(location)
+        try:
+            return {seq: eid.hex() for seq, eid in conn.execute("SELECT seq, event_id FROM events")}
+        finally:
+            conn.close()
+
+    async def fetch() -> dict[int, str]:
+        conn = await asyncpg.connect(location)
+        try:
+            rows = await conn.fetch("SELECT seq, event_id FROM loraledger_events")
+            return {seq: eid.hex() for seq, eid in rows}
+        finally:
+            await conn.close()
+
+    return run_blocking(fetch)
+
+
+def _check(location: str, acked: dict[int, str]) -> int:
+    stored = _stored_ids(location)
     count = len(stored)
     assert count == max(stored, default=0), "a hole in the seqs"
     lost = {seq: eid for seq, eid in acked.items() if stored.get(seq) != eid}
     assert not lost, f"acknowledged but lost or changed: {sorted(lost)[:10]}"
 
     async def verify() -> None:
-        async with SQLiteStore.open(path) as store:
+        async with open_store(location) as store:
             assert store.last_seq == count
             report = await store.verify()
             assert report.ok and report.records == count, report
@@ -128,15 +146,13 @@ def _check(path: Path, acked: dict[int, str]) -> int:
     return count
 
 
-def test_acknowledged_events_survive_kill_9(tmp_path: Path, slow: bool) -> None:
-    path = tmp_path / "crash.db"
+def _kill_many_times(location: str, modes: tuple[str, ...], kills: int, tmp_path: Path) -> None:
     rng = random.Random(20240611)
-    kills = 100 if slow else 20
     acked: dict[int, str] = {}
     grew = 0
     for run in range(kills):
-        synchronous = "FULL" if run % 2 == 0 else "NORMAL"
-        lines = _run_and_kill(path, synchronous, run, rng, tmp_path / f"stderr-{run}.txt")
+        synchronous = modes[run % len(modes)]
+        lines = _run_and_kill(location, synchronous, run, rng, tmp_path / f"stderr-{run}.txt")
         for line in lines:
             if line.startswith("open "):
                 # the reopened log starts at or after everything acknowledged so far
@@ -146,7 +162,19 @@ def test_acknowledged_events_survive_kill_9(tmp_path: Path, slow: bool) -> None:
             assert int(seq) not in acked, f"seq {seq} acknowledged twice"
             acked[int(seq)] = eid
         before = grew
-        grew = _check(path, acked)
+        grew = _check(location, acked)
         assert grew >= before
         print(f"run {run} {synchronous}: {len(lines)} lines, {len(acked)} acked, {grew} stored")
     assert len(acked) > kills, "the children acknowledged almost nothing: the test proved little"
+
+
+def test_acknowledged_events_survive_kill_9(tmp_path: Path, slow: bool) -> None:
+    _kill_many_times(str(tmp_path / "crash.db"), ("FULL", "NORMAL"), 100 if slow else 20, tmp_path)
+
+
+def test_acknowledged_events_survive_kill_9_on_postgres(
+    postgres_url: str, tmp_path: Path, slow: bool
+) -> None:
+    """The same kills with the log on a PostgreSQL server (a client killed mid-group: the
+    server rolls back an open transaction, or commits a statement it already had)."""
+    _kill_many_times(postgres_url, ("FULL",), 100 if slow else 20, tmp_path)

@@ -1,0 +1,695 @@
+"""``PostgresStore``: the ``EventStore`` contract on a PostgreSQL database, through asyncpg.
+
+Why PostgreSQL beside SQLite: a SQLite log lives on one node's disk and dies with it; a
+PostgreSQL log lives on a server (replicated, backed up, managed) that any node reaches, so
+the ledger can be started on another node and resume the same log (docs/stores.md).
+
+Layout (created in an empty database, checked in an existing one): ``loraledger_events`` with
+``seq bigint PRIMARY KEY`` and ``event_id bytea UNIQUE`` (idempotency and positions live in
+the database, so a duplicate is recognised forever and two writers can never both commit the
+same seq), ``loraledger_snapshots`` keyed by ``(code_version, seq)``, and a one-row
+``loraledger_layout`` that marks the database as a loraledger log and names its layout
+version.
+
+Durability: an append is answered only after its transaction's COMMIT returned, with
+``synchronous_commit = on`` set on the writer's session (PostgreSQL's default; set explicitly
+so a server configured otherwise cannot weaken it): the commit's WAL is flushed to the
+server's disk (and to the synchronous standbys, if the server names any) before the answer.
+A server running with ``fsync = off`` cannot keep that promise; nothing a client sets can.
+
+Group commit, as in ``SQLiteStore``: an appender queues its call; if no group is being
+written it becomes the leader and writes every queued call as ONE transaction, answers them
+all after COMMIT, and hands the leadership on. The common group is one statement (an INSERT
+over ``unnest`` of one array per column) in autocommit mode: one round trip, atomic and
+durable when it returns. Positions and the hash chain are computed from the cached tail;
+the seq primary key and the event_id unique index turn every wrong assumption (a duplicate
+id, another writer having moved the tail) into a unique violation that leaves nothing
+written, after which the group is re-planned on the slow path: inside a transaction that
+first takes ``EXCLUSIVE`` on the events table (other writers wait, readers do not), reads the
+tail and looks the ids up.
+
+A second writer on the same log is therefore detected and handled correctly, only slowly,
+exactly as with SQLite; the ledger above fences a stale one by ``expected_seq``
+(``SEQ_CONFLICT`` from here becomes ``FENCED`` there, after the newer ledger's
+``ControllerStarted``). No lock is held for the store's life on purpose: a writer whose node
+vanished keeps its session (and any session lock) until TCP notices, minutes later, and the
+successor must not wait for that to resume the log.
+
+Reads run on a small pool of their own connections, so followers and replays never queue
+behind the writer. ``follow`` wakes on this store's commits (as SQLite's does); records
+another process appends are read when this store next commits or a follower re-reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import asyncpg
+import msgspec
+
+from evlog.errors import INVALID_INPUT, StoreCode, StoreError
+from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
+from evlog.store import (
+    SNAPSHOTS_KEPT,
+    AppendPlan,
+    AppendRequest,
+    CommitSignal,
+    Snapshot,
+    VerifyReport,
+    plan_appends,
+)
+from evlog.stores import backend_of, describe
+
+APPLICATION = "loraledger"
+LAYOUT_VERSION = 1
+
+_COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
+_LAYOUT = (
+    """CREATE TABLE loraledger_layout (
+        application text NOT NULL,
+        layout integer NOT NULL
+    )""",
+    """CREATE TABLE loraledger_events (
+        seq bigint PRIMARY KEY,
+        event_id bytea NOT NULL UNIQUE,
+        stream text NOT NULL,
+        type text NOT NULL,
+        schema integer NOT NULL,
+        recorded_at double precision NOT NULL,
+        payload bytea NOT NULL,
+        prev_hash bytea NOT NULL,
+        hash bytea NOT NULL
+    )""",
+    """CREATE TABLE loraledger_snapshots (
+        code_version text NOT NULL,
+        seq bigint NOT NULL,
+        state bytea NOT NULL,
+        PRIMARY KEY (code_version, seq)
+    )""",
+)
+_TABLES = ("loraledger_layout", "loraledger_events", "loraledger_snapshots")
+# Serialises creating the layout between two stores opening an empty database at once.
+_LAYOUT_LOCK = 0x4C4C4752
+_INSERT_GROUP = (
+    f"INSERT INTO loraledger_events ({_COLUMNS}) SELECT * FROM unnest("
+    "$1::bigint[], $2::bytea[], $3::text[], $4::text[], $5::integer[], "
+    "$6::double precision[], $7::bytea[], $8::bytea[], $9::bytea[])"
+)
+_RANGE = (
+    f"SELECT {_COLUMNS} FROM loraledger_events WHERE seq > $1 AND seq <= $2 ORDER BY seq LIMIT $3"
+)
+# From the predecessor on (``seq >= after``): its hash anchors the first record's link.
+_RANGE_FROM = (
+    f"SELECT {_COLUMNS} FROM loraledger_events WHERE seq >= $1 AND seq <= $2 ORDER BY seq LIMIT $3"
+)
+_TAIL2 = f"SELECT {_COLUMNS} FROM loraledger_events ORDER BY seq DESC LIMIT 2"
+_TAIL = "SELECT seq, hash FROM loraledger_events ORDER BY seq DESC LIMIT 1"
+_LOOKUP = "SELECT event_id, seq FROM loraledger_events WHERE event_id = ANY($1::bytea[])"
+_SAVE_SNAPSHOT = (
+    "INSERT INTO loraledger_snapshots (code_version, seq, state) VALUES ($1, $2, $3) "
+    "ON CONFLICT (code_version, seq) DO UPDATE SET state = EXCLUDED.state"
+)
+_PRUNE_SNAPSHOTS = (
+    "DELETE FROM loraledger_snapshots WHERE code_version = $1 AND seq NOT IN "
+    "(SELECT seq FROM loraledger_snapshots WHERE code_version = $1 ORDER BY seq DESC LIMIT $2)"
+)
+_LOAD_SNAPSHOT = (
+    "SELECT code_version, seq, state FROM loraledger_snapshots WHERE code_version = $1 "
+    "ORDER BY seq DESC LIMIT 1"
+)
+
+_MAX_SEQ = 2**63 - 1
+_CHUNK = 4096  # rows per read round trip: bounded memory for a replay, few round trips
+_MAX_GROUP_EVENTS = 8192  # bound one transaction (latency of the first caller, memory)
+_NO_IDS: dict[bytes, int] = {}
+_READERS = 4  # pooled read connections
+_SESSION = {"synchronous_commit": "on", "application_name": "loraledger"}
+# The read pool runs only the range reads below (``seq > a ORDER BY seq LIMIT n``). Without
+# fresh statistics (a log that just grew) or under a generic plan, PostgreSQL estimates such a
+# range at a few rows and scans the whole tail then sorts it, per chunk: a replay becomes
+# quadratic (the benchmark's 200k-event replay: 17,000 events/s that way, 127,000 with these).
+# Only the primary key's index scan yields seq order directly; these make it the plan.
+_READ_PLANS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "enable_sort": "off"}
+_CONNECT_TIMEOUT_S = 30.0
+
+
+class WriteStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters of the writer since open: ``events / transactions`` is the mean group size."""
+
+    transactions: int
+    events: int
+    slow_paths: int
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for logs, messages and ``describe`` replies."""
+    return describe(url)
+
+
+class _Call:
+    """One queued write: an append (``batch``) or a snapshot save (``snapshot``)."""
+
+    __slots__ = ("batch", "expected_seq", "leader", "outcome", "snapshot", "taken", "woken")
+
+    def __init__(
+        self, batch: Sequence[Pending], expected_seq: int | None, snapshot: Snapshot | None
+    ) -> None:
+        self.batch = batch
+        self.expected_seq = expected_seq
+        self.snapshot = snapshot
+        # asyncpg binds the store to asyncio; a bare future is the cheapest wake-up.
+        self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.leader = False
+        self.taken = False
+        self.outcome: list[int] | StoreError | None = None
+
+
+def _wake(call: _Call) -> None:
+    if not call.woken.done():
+        call.woken.set_result(None)
+
+
+def _columns(rows: list[Row]) -> list[list[Any]]:
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+def _store_error(exc: BaseException, doing: str) -> StoreError:
+    return StoreError(StoreCode.STORE_FAILED, f"{doing}: {exc}", cause=type(exc).__name__)
+
+
+_FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
+
+
+class PostgresStore:
+    """An ``EventStore`` on a PostgreSQL database (see the module docstring).
+
+    Open with ``async with PostgresStore.open(url) as store`` (or ``await
+    PostgresStore.connect(url)`` and ``await store.close()``), ``url`` a libpq-style
+    ``postgresql://user[:password]@host[:port]/database[?options]``. Opening creates the layout
+    in a database without one, checks it otherwise (a database holding other tables named
+    like ours, or a newer layout, is refused: ``CORRUPT_STORE``/``UNKNOWN_SCHEMA``) and
+    verifies the tail record's hash and link (``CORRUPT_RECORD``/``CHAIN_BROKEN``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        writer: asyncpg.Connection,
+        readers: asyncpg.Pool,
+        last_seq: int,
+        head_hash: bytes,
+    ) -> None:
+        # Use connect()/open(): the constructor only assembles already-checked parts.
+        self._url = url
+        self._writer = writer
+        self._readers = readers
+        self._last_seq = last_seq
+        self._head_hash = head_hash
+        self._queue: deque[_Call] = deque()
+        self._leading = False
+        self._closing = False
+        self._closed = False
+        self._idle: anyio.Event | None = None
+        self._committed = CommitSignal()
+        # After a failed write the cached tail may be wrong: re-read it inside the next one.
+        self._suspect = False
+        self._transactions = 0
+        self._events = 0
+        self._slow_paths = 0
+        self._read_only = False
+
+    # --- opening and closing ---------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str, *, read_only: bool = False) -> PostgresStore:
+        """Open the log in the database ``url`` names; see the class docstring.
+
+        ``read_only`` (the forensic tools: replay, audit, verify): every session is read-only
+        (``default_transaction_read_only``, so the server itself refuses a write), no layout is
+        created (a database without one is refused: ``CORRUPT_STORE``), appends are refused
+        with ``INVALID_INPUT``.
+        """
+        if backend_of(url)[0] != "postgres":
+            raise StoreError(INVALID_INPUT, f"not a postgresql:// URL: {redact(url)}")
+        where = redact(url)
+        session = {**_SESSION, "default_transaction_read_only": "on"} if read_only else _SESSION
+        writer: asyncpg.Connection | None = None
+        readers: asyncpg.Pool | None = None
+        try:
+            writer = await _connect(url, session)
+            await _prepare(writer, where, create=not read_only)
+            last_seq, head_hash = await _check_tail(writer)
+            readers = await asyncpg.create_pool(
+                url,
+                min_size=1,
+                max_size=_READERS,
+                server_settings={**session, **_READ_PLANS},
+                timeout=_CONNECT_TIMEOUT_S,
+            )
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                if writer is not None:
+                    with suppress(Exception):
+                        await writer.close(timeout=5)
+            if isinstance(exc, _FAILURES):
+                raise _store_error(exc, f"cannot open {where}") from exc
+            raise
+        store = cls(url, writer, readers, last_seq, head_hash)
+        store._read_only = read_only
+        return store
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, url: str) -> AsyncIterator[PostgresStore]:
+        store = await cls.connect(url)
+        try:
+            yield store
+        finally:
+            await store.close()
+
+    async def close(self) -> None:
+        """Refuse new calls, let the calls already queued commit, end followers, close."""
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            self._closing = True
+            while self._leading:
+                if self._idle is None:
+                    self._idle = anyio.Event()
+                await self._idle.wait()
+            self._closed = True
+            self._committed.fire()
+            with suppress(Exception):
+                await self._writer.close(timeout=5)
+            with suppress(Exception):
+                await self._readers.close()
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The database's URL without its password."""
+        return redact(self._url)
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    @property
+    def head_hash(self) -> bytes:
+        return self._head_hash
+
+    @property
+    def stats(self) -> WriteStats:
+        return WriteStats(
+            transactions=self._transactions, events=self._events, slow_paths=self._slow_paths
+        )
+
+    # --- writes ----------------------------------------------------------------------------
+
+    async def append(
+        self, batch: Sequence[Pending], *, expected_seq: int | None = None
+    ) -> list[int]:
+        self._check_writable()
+        if not batch:
+            await anyio.lowlevel.checkpoint()
+            return []
+        return await self._submit(_Call(batch, expected_seq, None))
+
+    async def save_snapshot(self, snapshot: Snapshot) -> None:
+        self._check_writable()
+        await self._submit(_Call((), None, snapshot))
+
+    async def _submit(self, call: _Call) -> list[int]:
+        self._queue.append(call)
+        if self._leading:
+            try:
+                await call.woken
+            except BaseException:
+                self._withdraw(call)
+                raise
+        else:
+            self._leading = True
+            call.leader = True
+        if call.leader:
+            # The group is written for every caller in it: the leader being cancelled must
+            # not abandon the others mid-transaction.
+            with anyio.CancelScope(shield=True):
+                await self._lead()
+        outcome = call.outcome
+        if isinstance(outcome, StoreError):
+            raise outcome
+        assert outcome is not None, "a call is answered only once resolved"
+        return outcome
+
+    def _withdraw(self, call: _Call) -> None:
+        """A waiting caller was cancelled: a call not taken yet is dropped (never written); one
+        already taken is written anyway (its caller retries with the same ids)."""
+        if call.taken:
+            return
+        self._queue.remove(call)
+        if call.leader:
+            self._promote_next()
+
+    def _promote_next(self) -> None:
+        if self._queue:
+            head = self._queue[0]
+            head.leader = True
+            _wake(head)
+        else:
+            self._leading = False
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _lead(self) -> None:
+        queue = self._queue
+        group: list[_Call] = []
+        size = 0
+        while queue and (not group or size + len(queue[0].batch) <= _MAX_GROUP_EVENTS):
+            call = queue.popleft()
+            call.taken = True
+            group.append(call)
+            size += len(call.batch)
+        try:
+            await self._write_group(group)
+        finally:
+            for call in group:
+                if call.outcome is None:
+                    call.outcome = StoreError(StoreCode.STORE_FAILED, "the write was interrupted")
+                _wake(call)
+            self._promote_next()
+
+    async def _write_group(self, group: list[_Call]) -> None:
+        appends = [c for c in group if c.snapshot is None]
+        saves = [c for c in group if c.snapshot is not None]
+        requests: list[AppendRequest] = [(c.batch, c.expected_seq) for c in appends]
+        try:
+            if self._writer.is_closed():  # the server went away and came back, or a failover
+                self._writer = await _connect(self._url)
+                self._suspect = True
+            w = self._writer
+            if not self._suspect:
+                plan = plan_appends(requests, self._last_seq, self._head_hash, _NO_IDS)
+                # A refused call may be a retry of stored events: only the slow path can tell.
+                if not any(isinstance(o, StoreError) for o in plan.outcomes):
+                    try:
+                        await self._write(w, plan, saves)
+                    except asyncpg.UniqueViolationError:
+                        pass  # nothing was written; re-plan from what the database holds
+                    else:
+                        self._settle(plan, appends, saves)
+                        return
+            self._slow_paths += 1
+            async with w.transaction():
+                # Writers wait for each other here; readers (ACCESS SHARE) never do.
+                await w.execute("LOCK TABLE loraledger_events IN EXCLUSIVE MODE")
+                plan = await self._plan_in_transaction(w, requests)
+                await self._write_rows(w, plan)
+                if saves:
+                    await self._write_snapshots(w, saves, plan.last_seq)
+            self._suspect = False
+            self._settle(plan, appends, saves)
+        except BaseException as exc:
+            self._suspect = True
+            if not isinstance(exc, Exception):
+                raise
+            error = (
+                exc
+                if isinstance(exc, StoreError)
+                else _store_error(exc, "append failed, outcome unknown")
+            )
+            for call in group:
+                call.outcome = error
+
+    async def _plan_in_transaction(
+        self, w: asyncpg.Connection, requests: list[AppendRequest]
+    ) -> AppendPlan:
+        """Slow path, inside the locked transaction: the tail and the stored ids are read, not
+        assumed, so the plan is right whatever the cache or another writer did."""
+        tail = await w.fetchrow(_TAIL)
+        last_seq, head_hash = (tail[0], tail[1]) if tail else (0, GENESIS_HASH)
+        ids = list({p.event_id for batch, _ in requests for p in batch})
+        found = await w.fetch(_LOOKUP, ids) if ids else []
+        stored = {eid: seq for eid, seq in found}
+        return plan_appends(requests, last_seq, head_hash, stored)
+
+    async def _write(self, w: asyncpg.Connection, plan: AppendPlan, saves: list[_Call]) -> None:
+        """Fast path: rows only is ONE autocommitted statement (atomic, durable on return);
+        with snapshot saves, one explicit transaction."""
+        if not saves:
+            await self._write_rows(w, plan)
+            return
+        async with w.transaction():
+            await self._write_rows(w, plan)
+            await self._write_snapshots(w, saves, plan.last_seq)
+
+    @staticmethod
+    async def _write_rows(w: asyncpg.Connection, plan: AppendPlan) -> None:
+        if plan.rows:
+            await w.execute(_INSERT_GROUP, *_columns(plan.rows))
+
+    @staticmethod
+    async def _write_snapshots(w: asyncpg.Connection, saves: list[_Call], last_seq: int) -> None:
+        valid: list[tuple[str, int, bytes]] = []
+        for call in saves:
+            call.outcome = None  # an earlier, rolled-back attempt may have judged it
+            snap = call.snapshot
+            assert snap is not None
+            if 0 <= snap.seq <= last_seq:
+                valid.append((snap.code_version, snap.seq, snap.state))
+            else:
+                call.outcome = StoreError(
+                    INVALID_INPUT,
+                    f"snapshot at seq {snap.seq} is outside the log (last seq {last_seq})",
+                    seq=snap.seq,
+                )
+        if valid:
+            await w.executemany(_SAVE_SNAPSHOT, valid)
+            await w.executemany(_PRUNE_SNAPSHOTS, {(v[0], SNAPSHOTS_KEPT) for v in valid})
+
+    def _settle(self, plan: AppendPlan, appends: list[_Call], saves: list[_Call]) -> None:
+        for call, outcome in zip(appends, plan.outcomes, strict=True):
+            call.outcome = outcome
+        for call in saves:
+            if call.outcome is None:
+                call.outcome = []  # saved (a refused save already holds its error)
+        self._transactions += 1
+        if plan.rows:
+            self._events += len(plan.rows)
+            self._last_seq = plan.last_seq
+            self._head_hash = plan.head_hash
+            self._committed.fire()
+
+    # --- reads -----------------------------------------------------------------------------
+
+    async def read(
+        self, after: int = 0, until: int | None = None, limit: int | None = None
+    ) -> list[Record]:
+        return await self._read(after, until, limit, None)
+
+    async def iterate(self, after: int = 0, until: int | None = None) -> AsyncIterator[Record]:
+        prev_hash: bytes | None = None
+        while True:
+            records = await self._read(after, until, _CHUNK, prev_hash)
+            for record in records:
+                yield record
+            if len(records) < _CHUNK:
+                return
+            after, prev_hash = records[-1].seq, records[-1].hash
+
+    async def follow(self, after: int = 0) -> AsyncIterator[Record]:
+        prev_hash: bytes | None = None
+        while not self._closed:
+            # Taken before the read: a commit landing during the read sets this very event.
+            wake = self._committed.next()
+            try:
+                records = await self._read(after, None, _CHUNK, prev_hash)
+            except StoreError as exc:
+                if exc.code == StoreCode.STORE_CLOSED:
+                    return
+                raise
+            if not records:
+                await wake.wait()
+                continue
+            for record in records:
+                yield record
+            after, prev_hash = records[-1].seq, records[-1].hash
+
+    async def verify(self) -> VerifyReport:
+        """Walk every stored row (past this store's own tail if another writer appended) and
+        check that the head this store committed is still there."""
+        self._check_open()
+        known_seq, known_hash = self._last_seq, self._head_hash
+        prev_seq, prev_hash, count = 0, GENESIS_HASH, 0
+
+        def report(code: str, message: str, bad: int | None) -> VerifyReport:
+            return VerifyReport(
+                ok=False,
+                records=count,
+                last_seq=prev_seq,
+                head_hash=prev_hash,
+                first_bad_seq=bad,
+                code=code,
+                message=message,
+            )
+
+        try:
+            while True:
+                rows = await self._fetch(_RANGE, prev_seq, _MAX_SEQ, _CHUNK)
+                for row in rows:
+                    open_row(row, prev_seq, prev_hash)
+                    if row[0] == known_seq and row[8] != known_hash:
+                        return report(
+                            StoreCode.CHAIN_BROKEN,
+                            f"record {known_seq} is not the one that was committed (rewritten)",
+                            known_seq,
+                        )
+                    prev_seq, prev_hash = row[0], row[8]
+                    count += 1
+                if len(rows) < _CHUNK:
+                    break
+        except StoreError as exc:
+            if exc.code == StoreCode.STORE_CLOSED:
+                raise
+            return report(exc.code, exc.message, exc.details.get("seq", prev_seq + 1))
+        if prev_seq < known_seq:
+            return report(
+                StoreCode.CHAIN_BROKEN,
+                f"the log ends at record {prev_seq} but record {known_seq} was committed",
+                prev_seq + 1,
+            )
+        return VerifyReport(ok=True, records=count, last_seq=prev_seq, head_hash=prev_hash)
+
+    async def load_snapshot(self, code_version: str) -> Snapshot | None:
+        self._check_open()
+        try:
+            row = await self._readers.fetchrow(_LOAD_SNAPSHOT, code_version)
+        except _FAILURES as exc:
+            raise self._read_error(exc, "cannot read snapshots") from exc
+        if row is None:
+            return None
+        return Snapshot(code_version=row[0], seq=row[1], state=row[2])
+
+    async def _read(
+        self, after: int, until: int | None, limit: int | None, prev_hash: bytes | None
+    ) -> list[Record]:
+        """Verified records after ``after``; see ``SQLiteStore._read`` (same reasoning)."""
+        self._check_open()
+        if after < 0:
+            raise StoreError(INVALID_INPUT, f"after must be >= 0, got {after}")
+        if (limit is not None and limit <= 0) or (until is not None and until <= after):
+            await anyio.lowlevel.checkpoint()
+            return []
+        upto = _MAX_SEQ if until is None else until
+        if prev_hash is not None or after == 0:
+            rows = await self._fetch(_RANGE, after, upto, limit)
+            prev = GENESIS_HASH if prev_hash is None else prev_hash
+        else:
+            rows = await self._fetch(_RANGE_FROM, after, upto, None if limit is None else limit + 1)
+            if not rows:
+                return []
+            if rows[0][0] != after:
+                raise StoreError(StoreCode.CHAIN_BROKEN, f"record {after} is missing", seq=after)
+            prev = rows[0][8]
+            rows = rows[1:]
+        out: list[Record] = []
+        append = out.append
+        prev_seq = after
+        for row in rows:
+            append(open_row(row, prev_seq, prev))
+            prev_seq, prev = row[0], row[8]
+        return out
+
+    async def _fetch(self, sql: str, after: int, upto: int, limit: int | None) -> list[Row]:
+        try:
+            rows = await self._readers.fetch(sql, after, upto, limit)
+        except _FAILURES as exc:
+            raise self._read_error(exc, f"cannot read records after {after}") from exc
+        return [tuple(r) for r in rows]
+
+    def _read_error(self, exc: BaseException, doing: str) -> StoreError:
+        if self._closed:  # the pool closed under the call
+            return StoreError(StoreCode.STORE_CLOSED, "the store is closed")
+        return _store_error(exc, doing)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
+
+    def _check_writable(self) -> None:
+        if self._closing:
+            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
+        if self._read_only:
+            raise StoreError(INVALID_INPUT, f"{self.url} was opened read-only")
+
+
+async def _connect(url: str, session: dict[str, str] = _SESSION) -> asyncpg.Connection:
+    return await asyncpg.connect(url, server_settings=session, timeout=_CONNECT_TIMEOUT_S)
+
+
+async def _prepare(w: asyncpg.Connection, where: str, *, create: bool) -> None:
+    """The layout: created in a database without any of our tables (unless ``create`` is
+    False: then such a database is refused), checked otherwise."""
+    async with w.transaction():
+        if create:
+            await w.execute("SELECT pg_advisory_xact_lock($1)", _LAYOUT_LOCK)
+        present = {
+            r[0]
+            for r in await w.fetch(
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_schema = current_schema() AND table_name = ANY($1::text[])",
+                list(_TABLES),
+            )
+        }
+        if not present and not create:
+            raise StoreError(
+                StoreCode.CORRUPT_STORE, f"{where} holds no loraledger log (no tables)", empty=True
+            )
+        if not present:
+            for statement in _LAYOUT:
+                await w.execute(statement)
+            await w.execute(
+                "INSERT INTO loraledger_layout (application, layout) VALUES ($1, $2)",
+                APPLICATION,
+                LAYOUT_VERSION,
+            )
+            return
+        marks = (
+            await w.fetch("SELECT application, layout FROM loraledger_layout")
+            if "loraledger_layout" in present
+            else []
+        )
+        if len(present) != len(_TABLES) or len(marks) != 1 or marks[0][0] != APPLICATION:
+            raise StoreError(
+                StoreCode.CORRUPT_STORE,
+                f"{where} holds tables named like a loraledger log's but is not one "
+                f"(found {sorted(present)})",
+            )
+        if marks[0][1] != LAYOUT_VERSION:
+            raise StoreError(
+                StoreCode.UNKNOWN_SCHEMA,
+                f"{where} has store layout {marks[0][1]}; this code reads layout {LAYOUT_VERSION}",
+            )
+
+
+async def _check_tail(w: asyncpg.Connection) -> tuple[int, bytes]:
+    """Verify the newest record (content hash and link to its predecessor): cheap, and it
+    catches a tampered tail before anything is appended on top of it."""
+    rows: list[Row] = [tuple(r) for r in await w.fetch(_TAIL2)]
+    if not rows:
+        return 0, GENESIS_HASH
+    tail = rows[0]
+    if len(rows) > 1:
+        open_row(tail, rows[1][0], rows[1][8])
+    else:
+        open_row(tail, 0, GENESIS_HASH)
+    return tail[0], tail[8]
