@@ -100,6 +100,10 @@ async def _stats(call: Callable[[], Awaitable[Any]]) -> dict[str, Any] | None:
     return msgspec.to_builtins(value)  # type: ignore[no-any-return]
 
 
+async def _transfer_stats(engine: Any) -> Any:
+    return await engine.transfer_stats()
+
+
 def machine() -> str:
     import ray
 
@@ -234,7 +238,9 @@ async def bench_ray_publish(
                     if local_outcome.digest != ray_outcome.digest:
                         raise RuntimeError("the two halves published different adapters")
             ledger_bytes = await _stats(lambda: link.call("pull_stats"))
-            engine_bytes = {e.engine_id: await _stats(e.transfer_stats) for e in fleet}
+            engine_bytes = {
+                e.engine_id: await _stats(functools.partial(_transfer_stats, e)) for e in fleet
+            }
         finally:
             if trainer is not None:
                 ray.kill(trainer, no_restart=True)
