@@ -100,6 +100,25 @@ async def _stats(call: Callable[[], Awaitable[Any]]) -> dict[str, Any] | None:
     return msgspec.to_builtins(value)  # type: ignore[no-any-return]
 
 
+def _phases(path: str, outcomes: list[Any]) -> dict[str, Any]:
+    """Where a publication's time went (medians over the rounds, milliseconds): each engine's
+    prepare / transfer (for an engine actor: its pull, digest check and staging) / load /
+    confirm, and the concurrent artifact write (on Ray: the ledger's pull and write)."""
+
+    def ms(values: list[float]) -> float:
+        return round(statistics.median(values) * 1e3, 1)
+
+    timings = [t for o in outcomes for t in o.engines]
+    return {
+        "path": path,
+        "prepare": ms([t.prepare_s for t in timings]),
+        "transfer": ms([t.transfer_s for t in timings]),
+        "load": ms([t.load_s for t in timings]),
+        "confirm": ms([t.confirm_s for t in timings]),
+        "artifact": ms([o.artifact_s for o in outcomes]),
+    }
+
+
 async def _transfer_stats(engine: Any) -> Any:
     return await engine.transfer_stats()
 
@@ -152,6 +171,7 @@ async def bench_ray_publish(
     store_mib = max(512, 4 * size_mib * (engines + 2))
     in_process_s: list[float] = []
     ray_s: list[float] = []
+    phases: dict[str, list[Any]] = {"in process (reference)": [], "through Ray": []}
     size_bytes = 0
 
     with (
@@ -237,6 +257,8 @@ async def bench_ray_publish(
                             raise RuntimeError(f"version {step} was not published: {outcome}")
                     if local_outcome.digest != ray_outcome.digest:
                         raise RuntimeError("the two halves published different adapters")
+                    phases["in process (reference)"].append(local_outcome)
+                    phases["through Ray"].append(ray_outcome)
             ledger_bytes = await _stats(lambda: link.call("pull_stats"))
             engine_bytes = {
                 e.engine_id: await _stats(functools.partial(_transfer_stats, e)) for e in fleet
@@ -272,6 +294,7 @@ async def bench_ray_publish(
             },
         ],
         "ratio_ray_vs_in_process": med_ray / med_local,
+        "phases_ms": [_phases(path, outcomes) for path, outcomes in phases.items()],
         "ledger_actor_bytes": ledger_bytes,
         "engine_actor_bytes": engine_bytes,
         "ray_machine": machine(),
@@ -288,6 +311,12 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"{row['path']}: {row['publish_ms']:.0f} ms (all: {row['all_ms']} ms), "
             f"ratio {row['ratio']:.2f}x"
+        )
+    for p in result["phases_ms"]:
+        lines.append(
+            f"  {p['path']}: prepare {p['prepare']:.0f} ms, transfer {p['transfer']:.0f} ms, "
+            f"load {p['load']:.0f} ms, confirm {p['confirm']:.0f} ms, artifact write "
+            f"{p['artifact']:.0f} ms (medians)"
         )
     lines.append(f"ledger actor: {result['ledger_actor_bytes']}")
     for engine, stats in result["engine_actor_bytes"].items():

@@ -11,6 +11,8 @@ What is proven, each from the component's own account rather than from a mock:
 * the engines hold the version under the adapter's digest (their own inventories);
 * an object whose bytes do not hash to the descriptor's digest is refused by every engine
   before anything is staged, and the attempt ends FAILED_RETRYABLE with nothing loaded;
+* an object whose owner (the trainer) died is refused cleanly by every engine
+  (``ADAPTER_BYTES_LOST``): FAILED_RETRYABLE, nothing loaded;
 * after the trainer process is gone (and its objects with it), a restarted engine is restored
   from the durable copy and becomes routable again.
 """
@@ -210,6 +212,52 @@ async def test_bytes_that_do_not_match_the_digest_are_refused_by_every_engine(
             assert (await d.holds(engine)) == {outcome.lora_name: genuine.digest}
 
 
+async def _until_owner_died(ref: ray.ObjectRef) -> None:
+    """Wait until Ray freed an object whose owner process ended (about a second)."""
+    with anyio.fail_after(30):
+        while True:
+            try:
+                await anyio.to_thread.run_sync(lambda: ray.get(ref, timeout=10))
+            except OwnerDiedError:
+                return
+            await anyio.sleep(0.2)
+
+
+async def _until_dead(actor: Any) -> None:
+    ray.kill(actor, no_restart=True)
+    with anyio.fail_after(30):
+        while True:
+            try:
+                await actor.keep.remote(0)
+            except RayActorError:
+                return
+            await anyio.sleep(0.05)
+
+
+async def test_bytes_whose_owner_died_are_refused_cleanly_and_nothing_is_loaded(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """The trainer owns its objects (docs/publication.md): if it dies mid-publication, the
+    engines' pulls fail cleanly and the attempt ends FAILED_RETRYABLE."""
+    config, tensors = adapter(4)
+    genuine = AdapterCopy.from_state_dict(tensors, config)
+    async with deployment(tmp_path) as d:
+        owner = ray.remote(TrainerActor).options(num_cpus=0).remote(d.ledger_name)
+        (ref,) = await owner.keep.remote(4)
+        await _until_dead(owner)
+        await _until_owner_died(ref)
+        orphaned = AdapterDescriptor(manifest=genuine.manifest, ref=ref)
+        with pytest.raises(PublicationError) as failed:
+            await d.link.call("publish", orphaned, 4)
+        err = failed.value
+        assert (err.kind, err.details["cause"]) == ("RETRYABLE", "ADAPTER_BYTES_LOST"), err
+        assert err.details["state"] == "FAILED_RETRYABLE"
+        for engine in d.engines:
+            assert (await d.holds(engine)) == {}
+            stats = await engine.transfer_stats()
+            assert (stats.pulls, stats.refused_pulls) == (1, 1), stats
+
+
 async def test_a_restarted_engine_is_restored_after_the_trainer_is_gone(
     ray_instance: Any, tmp_path: Path
 ) -> None:
@@ -222,21 +270,8 @@ async def test_a_restarted_engine_is_restored_after_the_trainer_is_gone(
         (kept,) = await trainer.keep.remote(3)
 
         # The trainer process ends, and every object it owned with it.
-        ray.kill(trainer, no_restart=True)
-        with anyio.fail_after(30):
-            while True:
-                try:
-                    await trainer.keep.remote(3)
-                except RayActorError:
-                    break
-                await anyio.sleep(0.05)
-        with anyio.fail_after(30):  # Ray frees them once it learned of the death (~1 s)
-            while True:
-                try:
-                    await anyio.to_thread.run_sync(lambda: ray.get(kept, timeout=10))
-                except OwnerDiedError:
-                    break
-                await anyio.sleep(0.2)
+        await _until_dead(trainer)
+        await _until_owner_died(kept)
 
         # Engine e1's process dies; Ray restarts it empty, as a new incarnation.
         e1 = d.engines[1]
