@@ -34,17 +34,20 @@ import pytest
 import ray
 from ray.exceptions import OwnerDiedError, RayActorError
 
+from engines.contract import Candidate, CleanRefusal
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import TensorData
 from publisher.adapter_copy import AdapterCopy
 from publisher.engine_ops import EngineTimeouts
+from publisher.engine_protocol import stage_and_load
 from publisher.publication import PublicationError
 from publisher.ray.adapter_objects import AdapterDescriptor, put_adapter
 from publisher.ray.engine import RayEngine, start_engine, stop_engine
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.link import ActorLink
+from publisher.ray.stored_adapter import ObjectPayload
 from publisher.ray.trainer import RayTrainerClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -304,3 +307,34 @@ def _greedy() -> Any:
     from engines.contract import SamplingParams
 
     return SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+async def test_an_engine_in_the_ledgers_process_gets_the_pulled_bytes_verified(
+    ray_instance: Any,
+) -> None:
+    """The payload's other way (an engine that is not an actor, e.g. in the ledger's own
+    process): the bytes are pulled here, verified and bucketed; through the whole staged
+    procedure, and refused before staging when they do not hash to the digest."""
+    config, tensors = adapter(5)
+    copy = AdapterCopy.from_state_dict(tensors, config)
+    name, first = next(iter(sorted(tensors.items())))
+    tampered = {**tensors, name: msgspec.structs.replace(first, data=bytes(first.nbytes))}
+    candidate = Candidate(
+        lora_name="pulled-5", digest=copy.digest, attempt=1, manifest=copy.manifest
+    )
+    async with LocalEngine("local-0", limits=LIMITS) as engine:
+        with pytest.raises(CleanRefusal) as refused:
+            await stage_and_load(
+                engine, candidate, ObjectPayload(ray.put(tampered), 256 * 1024), timeouts=TIMEOUTS
+            )
+        assert refused.value.code == "DIGEST_MISMATCH"
+        assert (await engine.inventory()).names() == frozenset()
+        loaded = await stage_and_load(
+            engine,
+            msgspec.structs.replace(candidate, attempt=2),
+            ObjectPayload(ray.put(dict(tensors)), 256 * 1024),
+            timeouts=TIMEOUTS,
+        )
+        assert loaded.ready.digest == copy.digest
+        entries = {a.lora_name: a.digest for a in loaded.inventory.adapters}
+        assert entries == {"pulled-5": copy.digest}
