@@ -32,6 +32,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError
 
+from engines.artifacts import ArtifactError
 from engines.contract import Bucket, Candidate, CleanRefusal, ErrorCode
 from engines.manifest import Manifest, ManifestError, TensorData, build_manifest, compute_digest
 from evlog.errors import INVALID_INPUT, InvalidInput
@@ -117,15 +118,17 @@ async def pull_tensors(ref: ray.ObjectRef, engine_id: str) -> dict[str, TensorDa
 
 
 def fetch_tensors(ref: ray.ObjectRef, timeout: float) -> dict[str, TensorData]:
-    """Blocking :func:`pull_tensors` for a worker thread (the ledger's durable copy). A lost or
-    late object raises (the artifact write fails, and the attempt with it)."""
+    """Blocking :func:`pull_tensors` for a worker thread (the ledger's durable copy). A lost,
+    late or malformed object raises :class:`~engines.artifacts.ArtifactError` (the artifact
+    write fails, and the attempt with it)."""
     try:
-        value = ray.get(ref, timeout=timeout)
+        return _as_tensors(ray.get(ref, timeout=timeout), "")
     except (ObjectLostError, GetTimeoutError) as exc:
-        raise _refused(
-            "", ADAPTER_BYTES_LOST, f"the adapter's bytes are gone: {type(exc).__name__}"
+        raise ArtifactError(
+            ADAPTER_BYTES_LOST, f"the adapter's bytes are gone: {type(exc).__name__}"
         ) from exc
-    return _as_tensors(value, "")
+    except CleanRefusal as exc:
+        raise ArtifactError(exc.code, exc.message) from exc
 
 
 def verified_buckets(
