@@ -50,6 +50,7 @@ from engines.contract import (
     UnloadReceipt,
 )
 from publisher.adapter_copy import aiter_buckets
+from publisher.adapter_source import Payload
 from publisher.engine_ops import CallWatch, EngineTimeouts, call
 
 READY_UNCONFIRMED = "READY_UNCONFIRMED"
@@ -122,7 +123,7 @@ def confirms(inventory: Inventory, lora_name: str, digest: str, incarnation: str
 async def stage_and_load(
     engine: Engine,
     candidate: Candidate,
-    buckets: Iterable[Bucket],
+    buckets: Iterable[Bucket] | Payload,
     *,
     timeouts: EngineTimeouts,
     incarnation: str | None = None,
@@ -135,8 +136,10 @@ async def stage_and_load(
     The calls, each bounded by its entry of ``timeouts``: ``prepare`` (the engine validates the
     candidate and fences the attempt), ``on_prepared(receipt)`` (the caller records it before
     any byte moves), ``transfer`` of ``buckets`` (empty for an engine that loads the candidate's
-    artifact directory by path), ``load`` (registers the immutable name), then a fresh
-    ``inventory``. A receipt of the wrong phase is a malformed reply (ambiguous).
+    artifact directory by path; a :class:`~publisher.adapter_source.Payload` sends its bytes
+    its own way, e.g. an engine actor pulling them from Ray's object store), ``load``
+    (registers the immutable name), then a fresh ``inventory``. A receipt of the wrong phase is
+    a malformed reply (ambiguous).
 
     Confirmed means: the inventory, read in the ready receipt's incarnation, lists the name with
     the receipt's digest -- and, when the caller gives ``incarnation``, the receipt is from that
@@ -163,13 +166,14 @@ async def stage_and_load(
     if on_prepared is not None:
         await on_prepared(prepared)
     prepared_at = clock()
-    await call(
-        engine_id,
-        "transfer",
-        timeouts.transfer,
-        lambda: engine.transfer(candidate, aiter_buckets(buckets)),
-        watch=watch,
-    )
+
+    async def send() -> None:
+        if isinstance(buckets, Payload):
+            await buckets.send(engine, candidate)
+        else:
+            await engine.transfer(candidate, aiter_buckets(buckets))
+
+    await call(engine_id, "transfer", timeouts.transfer, send, watch=watch)
     transferred_at = clock()
     ready: Receipt = await call(
         engine_id, "load", timeouts.load, lambda: engine.load(candidate), watch=watch

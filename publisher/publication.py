@@ -71,7 +71,7 @@ from engines.artifacts import ArtifactStore
 from engines.contract import Candidate, EngineError, Receipt
 from evlog.errors import LoraLedgerError, StoreCode
 from projections.registry import VersionState
-from publisher.adapter_copy import AdapterCopy
+from publisher.adapter_source import AdapterSource
 from publisher.engine_ops import EngineTimeouts
 from publisher.engine_protocol import stage_and_load, unload_and_prove_absent
 from publisher.errors import Code
@@ -247,7 +247,7 @@ class PublicationDriver:
     # --- the API ----------------------------------------------------------------------------
 
     async def publish(
-        self, adapter: AdapterCopy, *, version_id: int, allow_rollback: bool = False
+        self, adapter: AdapterSource, *, version_id: int, allow_rollback: bool = False
     ) -> PublicationOutcome:
         """Publish ``adapter`` as ``version_id`` (see the module docstring). A version lower
         than the default is refused (``VERSION_REGRESSION``) unless ``allow_rollback``: then
@@ -288,7 +288,7 @@ class PublicationDriver:
     # --- steps ------------------------------------------------------------------------------
 
     async def _publish(
-        self, adapter: AdapterCopy, version_id: int, allow_rollback: bool
+        self, adapter: AdapterSource, version_id: int, allow_rollback: bool
     ) -> PublicationOutcome:
         t0 = self._clock()
         allocated = await self._allocate(adapter, version_id, allow_rollback)
@@ -399,7 +399,7 @@ class PublicationDriver:
         )
 
     async def _allocate(
-        self, adapter: AdapterCopy, version_id: int, allow_rollback: bool
+        self, adapter: AdapterSource, version_id: int, allow_rollback: bool
     ) -> Allocated | Skipped:
         for round_ in (1, 2):
             try:
@@ -428,7 +428,7 @@ class PublicationDriver:
     async def _transfer_and_load(
         self,
         att: _Attempt,
-        adapter: AdapterCopy,
+        adapter: AdapterSource,
         runs: dict[str, _EngineRun],
         t0: float,
     ) -> float:
@@ -484,13 +484,15 @@ class PublicationDriver:
                     )
             await anyio.sleep(self.suspension_poll_s)
 
-    async def _write_artifact(self, adapter: AdapterCopy, artifact: _ArtifactWrite) -> None:
+    async def _write_artifact(self, adapter: AdapterSource, artifact: _ArtifactWrite) -> None:
         """Once per digest (an existing directory is verified and reused), for every version:
         artifact engines load it, and a restarted engine is repaired from it."""
         t = self._clock()
         try:
+            # ``tensors`` is read in the worker thread: a source whose bytes are elsewhere (Ray's
+            # object store) fetches them there, never on the event loop.
             artifact.path = await anyio.to_thread.run_sync(
-                self._artifacts.put, adapter.manifest, dict(adapter.tensors)
+                lambda: self._artifacts.put(adapter.manifest, dict(adapter.tensors))
             )
         except Exception as exc:
             artifact.error = exc
@@ -501,7 +503,7 @@ class PublicationDriver:
     async def _engine_run(
         self,
         att: _Attempt,
-        adapter: AdapterCopy,
+        adapter: AdapterSource,
         artifact: _ArtifactWrite,
         run: _EngineRun,
         t0: float,
@@ -513,7 +515,7 @@ class PublicationDriver:
     async def _engine_run_once(
         self,
         att: _Attempt,
-        adapter: AdapterCopy,
+        adapter: AdapterSource,
         artifact: _ArtifactWrite,
         run: _EngineRun,
         t0: float,
@@ -539,7 +541,7 @@ class PublicationDriver:
     async def _one_engine(
         self,
         att: _Attempt,
-        adapter: AdapterCopy,
+        adapter: AdapterSource,
         artifact: _ArtifactWrite,
         run: _EngineRun,
         t0: float,

@@ -1,4 +1,5 @@
-"""``loraledger bench {store,ledger,publish,memory,ray,gateway}``: thin wrappers over ``bench_*``.
+"""``loraledger bench {store,ledger,publish,memory,ray,ray-publish,gateway}``: thin wrappers
+over ``bench_*``.
 
 The measurements live in ``tools/bench_<name>.py`` (each also runnable with ``python -m``);
 this only chooses the
@@ -72,6 +73,13 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
         {},
         {"concurrencies": (1, 8), "binds": 400, "batched_binds": 4096, "rounds": 1},
         "directory",
+    ),
+    "ray-publish": (
+        "tools.bench_ray_publish",
+        "bench_ray_publish",
+        {},
+        {"size_mib": 4, "repeats": 1},
+        "workdir",
     ),
     "gateway": (
         "tools.bench_gateway",

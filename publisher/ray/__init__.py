@@ -23,6 +23,7 @@ from typing import Any
 
 _LAZY = {
     "ActorLink": "publisher.ray.link",
+    "AdapterDescriptor": "publisher.ray.adapter_objects",
     "DEFAULT_NAMESPACE": "publisher.ray.link",
     "DEFAULT_LEDGER_NAME": "publisher.ray.ledger_actor",
     "EngineActor": "publisher.ray.engine",
@@ -37,6 +38,7 @@ _LAZY = {
     "RayLedger": "publisher.ray.client",
     "RayTrainerClient": "publisher.ray.trainer",
     "local_ray": "publisher.ray.local",
+    "put_adapter": "publisher.ray.adapter_objects",
     "start_engine": "publisher.ray.engine",
     "start_gateway": "publisher.ray.gateway",
     "start_gateways": "publisher.ray.gateway",

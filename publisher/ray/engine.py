@@ -16,6 +16,11 @@ What the proxy preserves of the contract:
   engine operation, the local engine's own rule).
 * **Staged transfer streams.** ``transfer`` sends one bucket per round trip as the caller's
   iterator yields them, so at most one bucket is in flight in the object store per transfer.
+* **Or the actor pulls.** ``transfer_object`` hands the actor the ref of an adapter the trainer
+  put in the object store (:mod:`publisher.ray.adapter_objects`): the actor fetches the bytes
+  itself (node to node, not through the caller), refuses them cleanly (``DIGEST_MISMATCH``)
+  unless they hash to the candidate's digest, and only then stages them. This is how a
+  publication on Ray reaches engines without the ledger actor carrying any byte.
 
 The proxy pickles (an actor handle and three strings), so it can be handed to other actors.
 """
@@ -26,6 +31,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Any
 
+import anyio.to_thread
 import msgspec
 import ray
 from ray.actor import ActorHandle
@@ -35,6 +41,7 @@ from engines.contract import (
     AmbiguousReply,
     Bucket,
     Candidate,
+    CleanRefusal,
     Engine,
     EngineCapabilities,
     ErrorCode,
@@ -45,6 +52,8 @@ from engines.contract import (
     Transport,
     UnloadReceipt,
 )
+from publisher.adapter_copy import aiter_buckets
+from publisher.ray.adapter_objects import pull_tensors, verified_buckets
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE, unwrap
 
@@ -54,6 +63,18 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
     transport: str
     endpoint: str = ""  # the hosted engine's own HTTP address, if it has one
+
+
+class TransferStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Adapter bytes that reached an engine actor, by way (observability; the tests' proof
+    that publication bytes bypass the ledger): ``inline_bytes`` came inside ``transfer_bucket``
+    calls (from whoever called), ``pulled_bytes`` were fetched from the object store by the
+    actor itself and verified; ``refused_pulls`` counts pulls refused (wrong digest, lost)."""
+
+    inline_bytes: int = 0
+    pulled_bytes: int = 0
+    pulls: int = 0
+    refused_pulls: int = 0
 
 
 async def _one(bucket: Bucket) -> AsyncIterator[Bucket]:
@@ -71,6 +92,7 @@ class EngineActor:
         self._host: PortalHost[Engine] = PortalHost(factory, name="engine")
         self._engine = self._host.value
         self._generate_calls = 0
+        self._inline_bytes = self._pulled_bytes = self._pulls = self._refused_pulls = 0
 
     async def describe(self) -> EngineInfo:
         engine = self._engine
@@ -91,7 +113,39 @@ class EngineActor:
         return await self._host.call(self._engine.prepare, candidate)
 
     async def transfer_bucket(self, candidate: Candidate, bucket: Bucket) -> None:
+        self._inline_bytes += sum(t.tensor.nbytes for t in bucket.tensors)
         await self._host.call(self._engine.transfer, candidate, _one(bucket))
+
+    async def transfer_object(
+        self,
+        candidate: Candidate,
+        refs: list[ray.ObjectRef],
+        bucket_bytes: int,
+    ) -> None:
+        """The staged ``transfer`` step with the bytes pulled from the object store: ``refs``
+        holds one ref (in a list, so Ray hands it over unresolved and the pull happens here,
+        where its failure is classified). The digest is recomputed from the pulled bytes before
+        the engine sees any of them; a mismatch or a lost object is a clean refusal."""
+        engine_id = self._engine.engine_id
+        self._pulls += 1
+        try:
+            tensors = await pull_tensors(refs[0], engine_id)
+            buckets = await anyio.to_thread.run_sync(
+                verified_buckets, tensors, candidate, bucket_bytes, engine_id
+            )
+        except CleanRefusal:
+            self._refused_pulls += 1
+            raise
+        self._pulled_bytes += sum(t.nbytes for t in tensors.values())
+        await self._host.call(self._engine.transfer, candidate, aiter_buckets(buckets))
+
+    async def transfer_stats(self) -> TransferStats:
+        return TransferStats(
+            inline_bytes=self._inline_bytes,
+            pulled_bytes=self._pulled_bytes,
+            pulls=self._pulls,
+            refused_pulls=self._refused_pulls,
+        )
 
     async def load(self, candidate: Candidate) -> Receipt:
         return await self._host.call(self._engine.load, candidate)
@@ -193,6 +247,20 @@ class RayEngine:
     async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
         async for bucket in buckets:
             await self._call("transfer_bucket", candidate, bucket)
+
+    async def transfer_object(
+        self,
+        candidate: Candidate,
+        ref: ray.ObjectRef,
+        bucket_bytes: int,
+    ) -> None:
+        """``transfer`` of an adapter in the object store: the actor pulls and verifies it
+        (:meth:`EngineActor.transfer_object`); only the ref crosses from this process."""
+        await self._call("transfer_object", candidate, [ref], bucket_bytes)
+
+    async def transfer_stats(self) -> TransferStats:
+        """How many adapter bytes reached the engine actor, inline and pulled."""
+        return await self._call("transfer_stats")  # type: ignore[no-any-return]
 
     async def load(self, candidate: Candidate) -> Receipt:
         return await self._call("load", candidate)  # type: ignore[no-any-return]

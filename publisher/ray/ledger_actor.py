@@ -58,11 +58,12 @@ from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.logs import get_logger
 from publisher.outcomes import Done, Outcome
+from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
-from publisher.ray.trainer import AdapterWire, rebuild_copy
+from publisher.ray.stored_adapter import PullStats, StoredAdapter
 
 DEFAULT_LEDGER_NAME = "ledger"
 _DYING_RETRIES = 25
@@ -135,6 +136,7 @@ class _Service:
         self.plane = plane
         self.config = config
         self.routing = RoutingTracker()
+        self.pulls = PullStats()
 
     async def execute_many(self, commands: Sequence[c.Command], mark: Mark | None) -> Reply:
         results = await self.ledger.execute_many(commands)
@@ -160,15 +162,22 @@ class _Service:
     async def status(self) -> LedgerStatus:
         return self.ledger.status()
 
-    async def publish(self, wire: AdapterWire, step: int) -> Any:
+    async def publish(self, descriptor: AdapterDescriptor, step: int) -> Any:
+        """Publish the adapter the descriptor points to. Only the descriptor came in: the
+        engine actors pull the bytes from the object store and verify them; this process pulls
+        them once more, off its loop, for the durable copy (publisher/ray/stored_adapter.py)."""
         if self.plane is None:
             raise LedgerError(
                 Code.INVALID_STATE, "this ledger actor hosts no control plane: nothing publishes"
             )
-        from publisher.trainer import TrainerClient
+        stored = StoredAdapter(
+            check_descriptor(descriptor), bucket_bytes=self.plane.bucket_bytes, stats=self.pulls
+        )
+        self.pulls.descriptors += 1
+        return await self.plane.publisher.publish(stored, version_id=step)
 
-        adapter = await anyio.to_thread.run_sync(rebuild_copy, wire, self.plane.bucket_bytes)
-        return await TrainerClient(self.plane).publish(adapter, step=step)
+    async def pull_stats(self) -> PullStats:
+        return dataclasses.replace(self.pulls)
 
     async def info(self) -> LedgerInfo:
         state = self.ledger.state
@@ -255,8 +264,12 @@ class LedgerActor:
     async def status(self) -> LedgerStatus:
         return await self._host.call(self._service.status)
 
-    async def publish(self, wire: AdapterWire, step: int) -> Any:
-        return await self._host.call(self._service.publish, wire, step)
+    async def publish(self, descriptor: AdapterDescriptor, step: int) -> Any:
+        return await self._host.call(self._service.publish, descriptor, step)
+
+    async def pull_stats(self) -> PullStats:
+        """Descriptors received and adapter bytes this process pulled (durable copies)."""
+        return await self._host.call(self._service.pull_stats)
 
     async def describe(self) -> LedgerInfo:
         return await self._host.call(self._service.info)

@@ -4,14 +4,17 @@ publishes through the control plane hosted by the ledger actor.
 
 The adapter is copied HERE, in the trainer's process, before anything crosses Ray: the owned,
 frozen copy (docs/publication.md) must be made where the live parameters are, or later
-optimizer steps could change what is sent. What travels is plain data (:class:`AdapterWire`:
-canonical config, the copied tensors, the digest); the actor rebuilds the copy from it and
-refuses it if the digest it computes differs (the bytes changed on the way).
+optimizer steps could change what is sent. Its tensors then go into Ray's object store once
+(:func:`~publisher.ray.adapter_objects.put_adapter`, owned by this process), and the ledger
+actor gets only a descriptor (manifest + ref): the engine actors pull the bytes themselves and
+refuse them unless they hash to the digest. The ref is held until ``publish`` returns, i.e.
+until the publication ended (why this process owns it: :mod:`publisher.ray.adapter_objects`).
 
 A publish that meets a ledger restart is sent again through the
-:class:`~publisher.ray.link.ActorLink`: publication is idempotent per step (``NO_OP`` for a
-completed version, the same attempt for one still loading, a new attempt after the restarted
-plane ended an orphaned one), so asking again never publishes twice.
+:class:`~publisher.ray.link.ActorLink`, with the same descriptor (this process still owns the
+object): publication is idempotent per step (``NO_OP`` for a completed version, the same
+attempt for one still loading, a new attempt after the restarted plane ended an orphaned one),
+so asking again never publishes twice.
 """
 
 from __future__ import annotations
@@ -21,37 +24,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import anyio.to_thread
-import msgspec
 
-from engines.manifest import TensorData
-from evlog.errors import INVALID_INPUT, InvalidInput
 from projections.status import LedgerStatus
-from publisher.adapter_copy import AdapterCopy
+from publisher.ray.adapter_objects import put_adapter
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
-
-
-class AdapterWire(msgspec.Struct, frozen=True, kw_only=True):
-    """An adapter copy as plain data, for one trip to the ledger actor."""
-
-    config: dict[str, Any]
-    tensors: dict[str, TensorData]
-    digest: str
-
-
-def wire_of(adapter: AdapterCopy) -> AdapterWire:
-    return AdapterWire(config=adapter.config, tensors=dict(adapter.tensors), digest=adapter.digest)
-
-
-def rebuild_copy(wire: AdapterWire, bucket_bytes: int) -> AdapterCopy:
-    """The copy again (bucketed for this plane), checked against the sender's digest."""
-    adapter = AdapterCopy(wire.config, wire.tensors, bucket_bytes=bucket_bytes)
-    if adapter.digest != wire.digest:
-        raise InvalidInput(
-            INVALID_INPUT,
-            f"the adapter hashes to {adapter.digest[:16]} here, the trainer sent "
-            f"{wire.digest[:16]}: its bytes changed in transit",
-        )
-    return adapter
 
 
 class RayTrainerClient:
@@ -88,7 +64,9 @@ class RayTrainerClient:
                 bucket_bytes=2**62,  # bucketing happens in the actor, for its engines
             )
         )
-        return await self._link.call("publish", wire_of(frozen), step)
+        descriptor = await anyio.to_thread.run_sync(put_adapter, frozen)
+        del frozen  # the object store holds the bytes now; the descriptor keeps them alive
+        return await self._link.call("publish", descriptor, step)
 
     async def status(self) -> LedgerStatus:
         """The ledger's status (one round trip; in process this read is local)."""

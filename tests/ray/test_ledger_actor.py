@@ -6,6 +6,7 @@ binding from the log."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import anyio
@@ -19,9 +20,10 @@ from publisher import commands as c
 from publisher.adapter_copy import AdapterCopy
 from publisher.errors import Code, LedgerInvalidInput, LedgerRefused
 from publisher.outcomes import Bound, Released
+from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
-from publisher.ray.trainer import RayTrainerClient, rebuild_copy, wire_of
+from publisher.ray.trainer import RayTrainerClient
 from tests.ray.kit import ENGINES, create, publish
 
 pytestmark = pytest.mark.anyio
@@ -266,18 +268,22 @@ async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
     assert refused.value.code == Code.INVALID_STATE
 
 
-def test_an_adapter_changed_on_the_way_is_refused() -> None:
+def test_a_descriptor_whose_manifest_lies_is_refused(ray_instance: Any) -> None:
+    """The ledger records the descriptor's digest, so its manifest must hash to it (the bytes
+    themselves are checked by every engine that pulls them: tests/ray/test_adapter_objects.py)."""
     config, tensors = make_adapter(2)
     adapter = AdapterCopy.from_state_dict(tensors, config)
-    wire = wire_of(adapter)
-    rebuilt = rebuild_copy(wire, bucket_bytes=4096)
-    assert rebuilt.digest == adapter.digest
-    assert len(rebuilt.buckets) > 1  # re-bucketed for the plane, same digest
-    name, tensor = next(iter(wire.tensors.items()))
-    flipped = bytes([tensor.data[0] ^ 1]) + tensor.data[1:]
-    tampered = msgspec.structs.replace(
-        wire, tensors={**wire.tensors, name: msgspec.structs.replace(tensor, data=flipped)}
+    descriptor = put_adapter(adapter)
+    assert check_descriptor(descriptor) is descriptor
+    assert (descriptor.digest, descriptor.size_bytes) == (adapter.digest, adapter.size_bytes)
+    info = descriptor.manifest.tensors[0]
+    lying = msgspec.structs.replace(
+        descriptor.manifest,
+        tensors=(msgspec.structs.replace(info, sha256="0" * 64), *descriptor.manifest.tensors[1:]),
     )
     with pytest.raises(LoraLedgerError) as refused:
-        rebuild_copy(tampered, bucket_bytes=4096)
+        check_descriptor(dataclasses.replace(descriptor, manifest=lying))
     assert refused.value.code == Code.INVALID_INPUT
+    with pytest.raises(LoraLedgerError) as not_one:
+        check_descriptor(adapter)
+    assert not_one.value.code == Code.INVALID_INPUT
