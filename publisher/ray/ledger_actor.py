@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -48,7 +48,7 @@ from evlog.sqlite import SQLiteStore, Synchronous
 from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet
+from publisher.fleet import Fleet, FleetError
 from publisher.ledger import Ledger
 from publisher.logs import get_logger
 from publisher.outcomes import Done, Outcome
@@ -57,6 +57,9 @@ from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
 from publisher.ray.trainer import AdapterWire, rebuild_copy
+
+if TYPE_CHECKING:
+    from publisher.reconciler import ReconcileReport
 
 DEFAULT_LEDGER_NAME = "ledger"
 _DYING_RETRIES = 25
@@ -108,6 +111,20 @@ class RenewReply:
     routing: RoutingTable | None
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetView:
+    """The ledger actor's engine handles, by id, at fleet ``version`` of controller ``epoch``
+    (the ``fleet_mark`` of the routing tables sent from then on)."""
+
+    epoch: int
+    version: int
+    engines: tuple[RayEngine, ...]
+
+    @property
+    def mark(self) -> Mark:
+        return (self.epoch, self.version)
+
+
 class LedgerInfo(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     node_id: str
@@ -130,7 +147,7 @@ class _Service:
 
     async def execute_many(self, commands: Sequence[c.Command], mark: Mark | None) -> Reply:
         results = await self.ledger.execute_many(commands)
-        return Reply(results, self.routing.newer_than(self.ledger.state, mark))
+        return Reply(results, self.routing.newer_than(self.ledger.state, mark, self.fleet_version))
 
     async def register_owner(self, owner: str, ttl_s: float) -> Done:
         return await self.ledger.register_owner(owner, ttl_s=ttl_s)
@@ -144,10 +161,12 @@ class _Service:
                 self.ledger.renew_lease(owner, inflight)
             except LoraLedgerError as exc:
                 lost[owner] = exc
-        return RenewReply(lost, self.routing.newer_than(self.ledger.state, mark))
+        return RenewReply(
+            lost, self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
+        )
 
     async def routing_table(self) -> RoutingTable:
-        return self.routing.current(self.ledger.state)
+        return self.routing.current(self.ledger.state, self.fleet_version)
 
     async def status(self) -> LedgerStatus:
         return self.ledger.status()
@@ -161,6 +180,58 @@ class _Service:
 
         adapter = await anyio.to_thread.run_sync(rebuild_copy, wire, self.plane.bucket_bytes)
         return await TrainerClient(self.plane).publish(adapter, step=step)
+
+    # --- fleet membership at runtime (docs/engines.md#engines-as-ray-actors) ------------------
+
+    @property
+    def fleet_version(self) -> int:
+        return 0 if self.plane is None else int(self.plane.fleet.version)
+
+    def _plane_for(self, action: str) -> Any:
+        if self.plane is None:
+            raise LedgerError(
+                Code.INVALID_STATE, f"this ledger actor hosts no control plane: cannot {action}"
+            )
+        return self.plane
+
+    async def fleet_view(self) -> FleetView:
+        engines = () if self.plane is None else tuple(self.plane.fleet)
+        return FleetView(epoch=self.ledger.state.epoch, version=self.fleet_version, engines=engines)
+
+    async def add_engine(self, engine: RayEngine) -> ReconcileReport:
+        plane = self._plane_for("add an engine")
+        report: ReconcileReport = await plane.add_engine(engine)
+        log.info("ray.engine_added", engine=engine.engine_id, report=str(report))
+        return report
+
+    async def replace_engine(self, engine: RayEngine) -> ReconcileReport:
+        plane = self._plane_for("replace an engine")
+        if (
+            engine.engine_id not in plane.fleet
+            and engine.engine_id not in self.ledger.state.engines
+        ):
+            raise FleetError(
+                Code.UNKNOWN_ENGINE,
+                f"engine {engine.engine_id!r} is not in the fleet: add it instead",
+            )
+        report: ReconcileReport = await plane.replace_engine(engine)
+        log.info("ray.engine_replaced", engine=engine.engine_id, report=str(report))
+        return report
+
+    async def remove_engine(self, engine_id: str, cause: str) -> None:
+        plane = self._plane_for("remove an engine")
+        if engine_id not in plane.fleet and engine_id not in self.ledger.state.engines:
+            raise FleetError(Code.UNKNOWN_ENGINE, f"engine {engine_id!r} is not in the fleet")
+        await plane.remove_engine(engine_id, cause=cause)
+        log.info("ray.engine_removed", engine=engine_id, cause=cause)
+
+    async def engine_failed(self, engine_id: str, code: str) -> None:
+        """A caller's call to ``engine_id`` failed in a way that says something about the
+        engine (it is gone, unreachable, or does not hold what routing says): look now rather
+        than at the next probe tick. Only a hint: the reconciler's own probe decides."""
+        if self.plane is not None and engine_id in self.plane.fleet:
+            log.info("ray.engine_failure_reported", engine=engine_id, code=code)
+            self.plane.reconciler.poke()
 
     async def info(self) -> LedgerInfo:
         state = self.ledger.state
@@ -248,6 +319,32 @@ class LedgerActor:
 
     async def describe(self) -> LedgerInfo:
         return await self._host.call(self._service.info)
+
+    # --- fleet membership at runtime ------------------------------------------------------------
+
+    async def fleet_view(self) -> FleetView:
+        """The engine handles the hosted plane uses now, with the fleet's version."""
+        return await self._host.call(self._service.fleet_view)
+
+    async def add_engine(self, engine: RayEngine) -> ReconcileReport:
+        """A new engine joins (``EngineJoined``), is observed and repaired, and serves once
+        routable; the answer says what the reconciliation did. ``ENGINE_EXISTS`` if the
+        fleet already has an engine under its id (use :meth:`replace_engine`)."""
+        return await self._host.call(self._service.add_engine, engine)
+
+    async def replace_engine(self, engine: RayEngine) -> ReconcileReport:
+        """A new handle for engine ``engine.engine_id`` (a new actor): from now on every call
+        of the plane goes to it; its new incarnation is recorded as a restart
+        (``EngineRestarted``) and repaired before it serves."""
+        return await self._host.call(self._service.replace_engine, engine)
+
+    async def remove_engine(self, engine_id: str, cause: str = "operator") -> None:
+        """The engine leaves the fleet (``EngineLeft`` with ``cause``); its handle is dropped."""
+        await self._host.call(self._service.remove_engine, engine_id, cause)
+
+    async def engine_failed(self, engine_id: str, code: str) -> None:
+        """A client's hint that a call to ``engine_id`` failed (see ``_Service``)."""
+        await self._host.call(self._service.engine_failed, engine_id, code)
 
     async def close(self) -> None:
         """Close the ledger cleanly (queued calls commit, a snapshot is saved); the actor
