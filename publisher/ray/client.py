@@ -118,6 +118,7 @@ class RayLedger:
         self.fleet = Fleet()  # mirrors the ledger actor's handles (see the module docstring)
         self.fleet_mark: Mark | None = None  # (epoch, version) of the view mirrored
         self.fleet_refreshes = 0  # views fetched (observability, tests)
+        self.fleet_hosted = False  # whether the ledger actor hosts a plane (has a fleet)
         self._fleet_wanted = anyio.Event()
         self._fleet_listeners: list[Callable[[], None]] = []
         self._reported: set[str] = set()  # engines whose failure report is on its way
@@ -306,8 +307,11 @@ class RayLedger:
         self.fleet_refreshes += 1
         if self.fleet_mark is not None and view.mark < self.fleet_mark:
             return  # an older view overtaken by a newer one
-        changed = apply_view(self.fleet, view.engines)
+        self.fleet_hosted = view.plane
         self.fleet_mark = view.mark
+        if not view.plane:
+            return  # a bare ledger has no fleet: the mirror holds what its owner put there
+        changed = apply_view(self.fleet, view.engines)
         if changed:
             log.info("ray.fleet_mirrored", engines=self.fleet.ids(), mark=list(view.mark))
             for listener in list(self._fleet_listeners):

@@ -119,6 +119,7 @@ class FleetView:
     epoch: int
     version: int
     engines: tuple[RayEngine, ...]
+    plane: bool = True  # False: a bare ledger, which has no fleet (clients keep their own)
 
     @property
     def mark(self) -> Mark:
@@ -196,7 +197,12 @@ class _Service:
 
     async def fleet_view(self) -> FleetView:
         engines = () if self.plane is None else tuple(self.plane.fleet)
-        return FleetView(epoch=self.ledger.state.epoch, version=self.fleet_version, engines=engines)
+        return FleetView(
+            epoch=self.ledger.state.epoch,
+            version=self.fleet_version,
+            engines=engines,
+            plane=self.plane is not None,
+        )
 
     async def add_engine(self, engine: RayEngine) -> ReconcileReport:
         plane = self._plane_for("add an engine")
