@@ -98,6 +98,12 @@ class EngineActor:
             endpoint=engine.capabilities.endpoint,
         )
 
+    async def actor_name(self) -> tuple[str, str]:
+        """This actor's name and namespace (``""`` for an unnamed actor): how a restarted
+        ledger actor finds it again (publisher/ray/engine_book.py)."""
+        context = ray.get_runtime_context()
+        return context.get_actor_name() or "", context.namespace
+
     async def incarnation(self) -> str:
         return await self._host.call(self._engine.incarnation)
 

@@ -18,7 +18,11 @@ opens that file, verifies the chain tail, replays (from the newest snapshot) and
 ``ControllerStarted``: every binding, owner and version comes back from the log. This happens
 whether Ray restarts the actor after a crash (``max_restarts``, the default is unlimited) or an
 operator kills it and calls :func:`start_ledger` again under the same name. Callers ride over
-the gap through :class:`~publisher.ray.link.ActorLink` (their calls are idempotent).
+the gap through :class:`~publisher.ray.link.ActorLink` (their calls are idempotent). The
+fleet's runtime changes (engines added, replaced, removed through this actor) come back too:
+the actor keeps which engine actor serves each changed id in the engine book
+(:mod:`publisher.ray.engine_book`) and opens its plane with the configured engines plus the
+book's changes.
 
 Each method answers with outcomes and refusals as values where a batch is involved
 (``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingTable` when the
@@ -53,6 +57,7 @@ from publisher.ledger import Ledger
 from publisher.logs import get_logger
 from publisher.outcomes import Done, Outcome
 from publisher.ray.engine import RayEngine
+from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
@@ -140,11 +145,14 @@ class _Service:
     """What the actor's methods run, on the hosted loop (the ledger is not thread-safe: every
     access happens on that loop)."""
 
-    def __init__(self, ledger: Ledger, plane: Any, config: LedgerConfig) -> None:
+    def __init__(
+        self, ledger: Ledger, plane: Any, config: LedgerConfig, book: EngineBook | None = None
+    ) -> None:
         self.ledger = ledger
         self.plane = plane
         self.config = config
         self.routing = RoutingTracker()
+        self.book = book  # where runtime fleet changes are kept for a restart
 
     async def execute_many(self, commands: Sequence[c.Command], mark: Mark | None) -> Reply:
         results = await self.ledger.execute_many(commands)
@@ -207,6 +215,7 @@ class _Service:
     async def add_engine(self, engine: RayEngine) -> ReconcileReport:
         plane = self._plane_for("add an engine")
         report: ReconcileReport = await plane.add_engine(engine)
+        await self._book(engine)
         log.info("ray.engine_added", engine=engine.engine_id, report=str(report))
         return report
 
@@ -221,6 +230,7 @@ class _Service:
                 f"engine {engine.engine_id!r} is not in the fleet: add it instead",
             )
         report: ReconcileReport = await plane.replace_engine(engine)
+        await self._book(engine)
         log.info("ray.engine_replaced", engine=engine.engine_id, report=str(report))
         return report
 
@@ -229,7 +239,20 @@ class _Service:
         if engine_id not in plane.fleet and engine_id not in self.ledger.state.engines:
             raise FleetError(Code.UNKNOWN_ENGINE, f"engine {engine_id!r} is not in the fleet")
         await plane.remove_engine(engine_id, cause=cause)
+        if self.book is not None:
+            await anyio.to_thread.run_sync(self.book.record, engine_id, None)
         log.info("ray.engine_removed", engine=engine_id, cause=cause)
+
+    async def _book(self, engine: RayEngine) -> None:
+        """Keep the engine's actor in the book, so a restarted ledger actor serves it again."""
+        if self.book is None:
+            return
+        book = self.book
+        entry = await anyio.to_thread.run_sync(entry_for, engine)
+        if entry is None:
+            await anyio.to_thread.run_sync(book.forget, engine.engine_id)
+        else:
+            await anyio.to_thread.run_sync(book.record, engine.engine_id, entry)
 
     async def engine_failed(self, engine_id: str, code: str) -> None:
         """A caller's call to ``engine_id`` failed in a way that says something about the
@@ -270,9 +293,18 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
         from publisher.plane import ControlPlane
 
         p = config.plane
+        # The configured fleet, with the changes made at runtime by an earlier life of this
+        # actor (publisher/ray/engine_book.py).
+        book = await anyio.to_thread.run_sync(EngineBook.of_this_actor, config.path)
+        engines: list[RayEngine] = list(p.engines)
+        if book is not None:
+            entries = await anyio.to_thread.run_sync(book.read)
+            if entries:
+                engines = await anyio.to_thread.run_sync(fleet_with_book, p.engines, entries)
+                log.info("ray.engine_book_applied", engines=sorted(e.engine_id for e in engines))
         async with ControlPlane.open(
             store,
-            Fleet(p.engines),
+            Fleet(engines),
             deployment=p.deployment,
             prefix=p.prefix,
             capacity=p.capacity,
@@ -280,7 +312,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
             **dict(p.options),
         ) as plane:
             log.info("ray.plane_serving", path=config.path, seq=plane.ledger.state.last_seq)
-            yield _Service(plane.ledger, plane, config)
+            yield _Service(plane.ledger, plane, config, book)
 
 
 async def _expire_leases(ledger: Ledger, every_s: float) -> None:

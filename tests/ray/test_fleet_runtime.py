@@ -2,9 +2,9 @@
 engines, the ledger actor hosting the control plane, a rollout-worker actor whose gateway
 routes over ``RayLedger.fleet``, and a trainer client publishing from the test's process.
 
-Nothing here restarts the ledger or the rollout actor: each test checks the ledger's process
-and epoch are the ones it started with, and the rollout actor learns every change from the
-ledger's membership view.
+Nothing here restarts the ledger or the rollout actor (but the last test, on purpose): each
+checks the ledger's process and epoch are the ones it started with, and the rollout actor
+learns every change from the ledger's membership view.
 
 * an engine actor killed for good is suspended at the first failed probe (``ENGINE_GONE``),
   long before ``suspend_after_s``; only turns that were on their way to it fail, each
@@ -13,7 +13,8 @@ ledger's membership view.
 * an added engine receives the routable version, then the rollout actor's traffic;
 * a clean ``NOT_LOADED`` from an engine that restarted empty is served by the other holder,
   and its report has the reconciler repair the engine without waiting for a probe tick;
-* an engine actor Ray restarts (``max_restarts=1``) is repaired before it serves again.
+* an engine actor Ray restarts (``max_restarts=1``) is repaired before it serves again;
+* the runtime changes (added, replaced, removed) survive a restart of the ledger actor.
 
 Detection and recovery times are printed (``-s``), not asserted: the machine is shared.
 """
@@ -444,3 +445,53 @@ async def test_an_engine_ray_restarts_is_repaired_before_it_serves_again(
     kinds = [type(e) for e in events if getattr(e, "engine", None) == "e0"]
     restart = kinds.index(EngineRestarted)
     assert EngineRepaired in kinds[restart:]
+
+
+async def test_runtime_changes_survive_a_restart_of_the_ledger_actor(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """The ledger actor is created with e0 and e1; at runtime e0 is replaced, e2 added and e1
+    removed; Ray then restarts the ledger actor with its original arguments. The restarted
+    plane serves the runtime fleet, not the configured one: nothing leaves or joins again."""
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        ray.kill(rig.engines[0].handle, no_restart=True)
+        replacement = await anyio.to_thread.run_sync(
+            functools.partial(rig.engine, "e0", suffix="-b")
+        )
+        await rig.ledger.replace_engine.remote(replacement)
+        added = await anyio.to_thread.run_sync(functools.partial(rig.engine, "e2"))
+        await rig.ledger.add_engine.remote(added)
+        await rig.ledger.remove_engine.remote("e1")
+        before = await rig.status()
+        assert sorted((e.engine, e.routable) for e in before.engines) == [
+            ("e0", True),
+            ("e2", True),
+        ]
+
+        ray.kill(rig.ledger, no_restart=False)  # Ray restarts it: same arguments, same log
+        with anyio.fail_after(120):
+            while True:
+                with contextlib.suppress(ray.exceptions.RayActorError):
+                    info = await rig.ledger.describe.remote()
+                    if info.epoch > before.epoch:
+                        break
+                await anyio.sleep(0.2)
+        after = await rig.wait_for(
+            "the runtime fleet routable",
+            lambda s: (
+                sorted((e.engine, e.routable) for e in s.engines) == [("e0", True), ("e2", True)]
+            ),
+        )
+        assert after
+        status = await rig.status()
+        incarnations = {e.engine: e.incarnation for e in status.engines}
+        assert incarnations == {
+            "e0": await replacement.incarnation(),
+            "e2": await added.incarnation(),
+        }
+        served = await rig.attempt([f"r{i}" for i in range(8)], 0)
+        assert all(o.code == "" and o.engine in ("e0", "e2") for o in served), served
+    events = await rig.log()
+    restart = max(i for i, e in enumerate(events) if type(e).__name__ == "ControllerStarted")
+    after_restart = [type(e).__name__ for e in events[restart:] if hasattr(e, "engine")]
+    assert "EngineLeft" not in after_restart and "EngineJoined" not in after_restart
