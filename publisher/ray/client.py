@@ -346,8 +346,11 @@ class RayLedger:
             self._fleet_wanted = anyio.Event()
             try:
                 await self.refresh_fleet()
-            except LoraLedgerError as exc:
-                log.warning("ray.fleet_refresh_failed", error=exc.message)
+            except Exception as exc:
+                # The ledger unreachable for reconnect_timeout, or an unexpected answer: the
+                # mirror stays as it is (routing still says which engines are routable) and is
+                # asked for again; this client's other work must not stop for it.
+                log.warning("ray.fleet_refresh_failed", error=repr(exc))
                 await anyio.sleep(self.renew_interval)
                 self._fleet_wanted.set()
 

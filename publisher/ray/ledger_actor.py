@@ -248,11 +248,16 @@ class _Service:
         if self.book is None:
             return
         book = self.book
-        entry = await anyio.to_thread.run_sync(entry_for, engine)
-        if entry is None:
-            await anyio.to_thread.run_sync(book.forget, engine.engine_id)
-        else:
-            await anyio.to_thread.run_sync(book.record, engine.engine_id, entry)
+        try:
+            entry = await anyio.to_thread.run_sync(entry_for, engine)
+            if entry is None:
+                await anyio.to_thread.run_sync(book.forget, engine.engine_id)
+            else:
+                await anyio.to_thread.run_sync(book.record, engine.engine_id, entry)
+        except Exception as exc:
+            # The change itself is made and recorded in the log; only a restart of this actor
+            # would not find the engine's actor again. Loud, but not a failed change.
+            log.error("ray.engine_book_not_written", engine=engine.engine_id, error=repr(exc))
 
     async def engine_failed(self, engine_id: str, code: str) -> None:
         """A caller's call to ``engine_id`` failed in a way that says something about the
