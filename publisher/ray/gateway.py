@@ -259,6 +259,7 @@ class GatewayActor:
             "inflight": sum(face.gateway.inflight_counts().values()),
             "owner": face.worker.owner,
             "idle_releases": face.worker.idle_releases,
+            "engines": sorted(face.engines),  # the engines it has a route to now
         }
 
     def close(self) -> None:
