@@ -544,8 +544,11 @@ class Reconciler:
                 engine_id, "incarnation", self.timeouts.probe, engine.incarnation
             )
         except (EngineError, LoraLedgerError) as exc:
-            log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
             gone = isinstance(exc, EngineError) and exc.code == ErrorCode.ENGINE_GONE
+            member = self._ledger.state.engines.get(engine_id)
+            if gone and member is not None and member.suspended:
+                return  # known dead and already out of service: nothing new to say or do
+            log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
             await self._probe_failed(engine_id, str(exc), gone=gone)
             return
         self._failing.pop(engine_id, None)
