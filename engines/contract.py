@@ -55,6 +55,10 @@ class ErrorCode:
     CONNECTION_LOST = "CONNECTION_LOST"
     MALFORMED_REPLY = "MALFORMED_REPLY"
     ENGINE_STOPPED = "ENGINE_STOPPED"
+    # The engine's process is gone for good (a Ray engine actor that died and will not be
+    # restarted): no later call can reach this handle. The call that found out may have run;
+    # a call made after it was known is refused before sending (``dispatched`` False).
+    ENGINE_GONE = "ENGINE_GONE"
 
 
 class EngineError(Exception):

@@ -33,8 +33,15 @@ class InFlightSource(Protocol):
 
 
 class Fleet:
+    """Mutable on purpose, through three calls only: :meth:`add`, :meth:`replace` and
+    :meth:`remove`. Every holder of the object (the drivers of a control plane, a gateway)
+    sees a change at its next lookup, and :attr:`version` counts the changes, so a process
+    that mirrors another's fleet (a Ray client of the ledger actor) can tell that it is
+    behind. Membership itself is the ledger's (events); this is only where the handles are."""
+
     def __init__(self, engines: Iterable[Engine] = ()) -> None:
         self._engines: dict[str, Engine] = {}
+        self.version = 0  # bumped by every add, replace and remove
         for engine in engines:
             self.add(engine)
 
@@ -42,13 +49,18 @@ class Fleet:
         if engine.engine_id in self._engines:
             raise FleetError(Code.ENGINE_EXISTS, f"engine {engine.engine_id} is already here")
         self._engines[engine.engine_id] = engine
+        self.version += 1
 
     def replace(self, engine: Engine) -> None:
-        """Swap the handle of an engine (a restarted process behind a new handle)."""
+        """Swap the handle of an engine (a restarted process behind a new handle), or add it."""
         self._engines[engine.engine_id] = engine
+        self.version += 1
 
     def remove(self, engine_id: str) -> Engine | None:
-        return self._engines.pop(engine_id, None)
+        engine = self._engines.pop(engine_id, None)
+        if engine is not None:
+            self.version += 1
+        return engine
 
     def __getitem__(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)

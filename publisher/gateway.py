@@ -12,9 +12,13 @@ Four rules, each one a user-visible guarantee (docs/sessions.md):
 * **At most once.** Once a request may have left this process, its outcome is the engine's
   to tell: a timeout or a lost reply (``AmbiguousReply`` with ``dispatched=True``, or any
   unexpected failure) becomes ``AMBIGUOUS_DISPATCH`` and nothing below the caller resends it
-  (a resend could produce a second, different sample the trainer never sees). Only a provable
-  non-dispatch (``dispatched=False``: connection refused) is tried on another holder. A clean
-  refusal is ``GENERATION_FAILED``: nothing was generated, the caller may retry at will.
+  (a resend could produce a second, different sample the trainer never sees). Only what
+  provably did not run is tried on another holder of the same version, once per holder
+  (:func:`try_elsewhere`): a request that never left (``dispatched=False``: connection
+  refused, a Ray engine actor known dead), or a clean ``NOT_LOADED`` (the engine answered
+  that it does not hold the name: a restarted, empty engine routing has not caught up with).
+  Any other clean refusal is ``GENERATION_FAILED``: nothing was generated, the caller may
+  retry at will; when no holder is left, the last clean refusal is that answer.
 * **Count what is in flight.** Per (engine, version), incremented before dispatch and
   decremented in a ``finally`` (cancellation included). The reclaim driver asks
   :meth:`Gateway.inflight_evidence` before claiming a version, and rollout workers carry the
@@ -49,7 +53,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engines.contract import EngineError, Generation, SamplingParams
+from engines.contract import EngineError, ErrorCode, Generation, SamplingParams
 from evlog.errors import (
     INVALID_INPUT,
     Ambiguous,
@@ -100,6 +104,29 @@ class DispatchUnavailable(DispatchError, Unavailable, codes=[DispatchCode.NO_ROU
 
 class DispatchAmbiguous(DispatchError, Ambiguous, codes=[DispatchCode.AMBIGUOUS_DISPATCH]):
     """The request may have reached an engine and its outcome is unknown: it was not resent."""
+
+
+# Clean refusals that say the engine does not hold the name (not that the request is bad):
+# another holder may serve it. NAME_RECLAIMED is left out on purpose: an engine that unloaded a
+# version a session is still bound to is a premature reclaim, which must surface, not be hidden.
+HOLDER_REFUSALS = frozenset({ErrorCode.NOT_LOADED})
+
+
+def try_elsewhere(exc: EngineError) -> bool:
+    """Whether a generation that failed with ``exc`` may go to another holder: only when it
+    provably did not run -- never sent (``dispatched`` False), or refused cleanly by an
+    engine that does not hold the name. An ambiguous failure (sent, outcome unknown) never
+    qualifies, whatever its code."""
+    if not exc.dispatched:
+        return True
+    return exc.clean and exc.code in HOLDER_REFUSALS
+
+
+def says_about_engine(exc: EngineError) -> bool:
+    """Whether a failed generation is evidence about the engine (unreachable, gone, restarted,
+    lost its adapter) rather than about the request (a bad parameter): the former is reported
+    through the gateway's ``on_engine_failure`` hook."""
+    return not exc.clean or exc.code in HOLDER_REFUSALS
 
 
 class RoutingView(Protocol):
@@ -211,7 +238,10 @@ class Gateway:
     call from many tasks at once.
 
     ``gateway_id`` names this reporter in in-flight evidence and provenance; ``clock`` stamps
-    evidence and rows (pass the ledger's clock to keep one time base)."""
+    evidence and rows (pass the ledger's clock to keep one time base). ``on_engine_failure``
+    hears every failed generation that says something about its engine
+    (:func:`says_about_engine`), synchronously: on Ray, ``RayLedger.engine_failed`` refreshes
+    the fleet and has the ledger's reconciler probe the engine at once."""
 
     def __init__(
         self,
@@ -221,8 +251,10 @@ class Gateway:
         gateway_id: str = "gateway",
         recorder: ProvenanceRecorder | None = None,
         clock: Callable[[], float] = time.time,
+        on_engine_failure: Callable[[str, EngineError], None] | None = None,
     ) -> None:
         self.fleet = fleet
+        self.on_engine_failure = on_engine_failure
         self.routing = routing
         self.gateway_id = gateway_id
         self.recorder = recorder
@@ -317,10 +349,13 @@ class Gateway:
         extra = _client_fields(extra_body)
         tried: list[str] = []
         unreachable: list[str] = []
+        refused: tuple[EngineError, str] | None = None  # the last clean refusal, and by whom
         while True:
             # No await between choosing and counting (see the module docstring).
             engine_id = self.admit(bound, tried, tally)
             if engine_id is None:
+                if refused is not None:
+                    raise self._failure(refused[0], bound, refused[1], rid) from refused[0]
                 raise DispatchError(
                     DispatchCode.NO_ROUTE,
                     f"no routable engine holds {bound.lora_name}"
@@ -347,11 +382,20 @@ class Gateway:
             try:
                 generation = await engine.generate(prompt, bound.lora_name, params, **kwargs)
             except EngineError as exc:
-                if not exc.dispatched:
-                    # Provably never sent: another holder may take it.
-                    unreachable.append(engine_id)
+                if says_about_engine(exc) and self.on_engine_failure is not None:
+                    self.on_engine_failure(engine_id, exc)
+                if try_elsewhere(exc):
+                    # Provably did not run: another holder may take it (once per holder).
+                    if exc.dispatched:
+                        refused = (exc, engine_id)
+                    else:
+                        unreachable.append(engine_id)
                     log.warning(
-                        "gateway.not_dispatched", engine=engine_id, request_id=rid, code=exc.code
+                        "gateway.tried_elsewhere",
+                        engine=engine_id,
+                        request_id=rid,
+                        code=exc.code,
+                        dispatched=exc.dispatched,
                     )
                     continue
                 raise self._failure(exc, bound, engine_id, rid) from exc

@@ -23,8 +23,9 @@ with virtual time (tests/fault/simloop.py) drives every timer of the plane consi
 
 Exposes ``plane.ledger``, ``plane.fleet``, ``plane.artifacts``, ``plane.publisher``,
 ``plane.reclaimer``, ``plane.reconciler``; :meth:`add_inflight_source` registers a gateway's
-in-flight counts with the reclaim driver; :meth:`add_engine` / :meth:`remove_engine` change the
-fleet (as ledger events).
+in-flight counts with the reclaim driver; :meth:`add_engine` / :meth:`replace_engine` /
+:meth:`remove_engine` change the fleet at runtime (as ledger events; the drivers share
+``plane.fleet``, so each sees the change at its next call).
 """
 
 from __future__ import annotations
@@ -199,6 +200,17 @@ class ControlPlane:
         needed version)."""
         self.fleet.add(engine)
         return await self.reconciler.reconcile_engine(engine.engine_id)
+
+    async def replace_engine(self, engine: Engine) -> ReconcileReport:
+        """A new handle for a fleet member (its process was replaced: a new actor, a new
+        server behind another address), or a new member. The handle is swapped first, so
+        publication, reclaim and the health loop use it from the next call on; then the
+        engine is reconciled: a new process answers a new incarnation, which is recorded as
+        a restart (``EngineRestarted``: not routable) and repaired before it serves."""
+        self.fleet.replace(engine)
+        report = await self.reconciler.reconcile_engine(engine.engine_id)
+        self.reclaimer.wake()
+        return report
 
     async def remove_engine(self, engine_id: str, *, cause: str = "fleet") -> None:
         """The engine leaves the fleet (a recorded decision, ``EngineLeft`` with ``cause``:

@@ -30,13 +30,14 @@ docs/engines.md):
 
 **Health** (docs/operations.md): an engine whose probes keep failing for ``suspend_after_s`` is
 suspended (``EngineSuspended``, cause ``unhealthy``): one event when its health changes, never
-one per probe. It gets no new traffic and publication and reclaim stop waiting for it; once
-it answers again it is repaired like a restarted engine -- what it owes (names reclaimed or
-resolved while it was away) unloaded, strays unloaded, needed versions reloaded -- and
-``EngineRepaired`` makes it routable. A needed version lost by a routable engine
-(``AdapterLost``, recorded by the decider from the inventory) is reloaded under its name; a
-restore the engine refuses, or one that keeps failing, suspends the engine (cause
-``lost_adapter``) to be repaired as a whole. Restores back off exponentially (up to
+one per probe; a probe that proves the engine gone for good (``ENGINE_GONE``, a dead Ray engine
+actor) suspends it at the first failure. It gets no new traffic and publication and reclaim
+stop waiting for it; once it answers again it is repaired like a restarted engine -- what it
+owes (names reclaimed or resolved while it was away) unloaded, strays unloaded, needed
+versions reloaded -- and ``EngineRepaired`` makes it routable. A needed version lost by a
+routable engine (``AdapterLost``, recorded by the decider from the inventory) is reloaded
+under its name; a restore the engine refuses, or one that keeps failing, suspends the engine
+(cause ``lost_adapter``) to be repaired as a whole. Restores back off exponentially (up to
 ``restore_backoff_max_s``), and an inventory equal to what the ledger knows writes nothing, so
 a restore that keeps failing does not grow the log.
 
@@ -543,26 +544,32 @@ class Reconciler:
                 engine_id, "incarnation", self.timeouts.probe, engine.incarnation
             )
         except (EngineError, LoraLedgerError) as exc:
+            gone = isinstance(exc, EngineError) and exc.code == ErrorCode.ENGINE_GONE
+            member = self._ledger.state.engines.get(engine_id)
+            if gone and member is not None and member.suspended:
+                return  # known dead and already out of service: nothing new to say or do
             log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
-            await self._probe_failed(engine_id, str(exc))
+            await self._probe_failed(engine_id, str(exc), gone=gone)
             return
         self._failing.pop(engine_id, None)
         if self._needs_reconcile(engine_id, incarnation):
             await self.reconcile_engine(engine_id)
 
-    async def _probe_failed(self, engine_id: str, error: str) -> None:
-        """Count the failure; suspend the engine once it has failed for ``suspend_after_s``.
-        The decision is one event (a suspended engine is not suspended again), whatever the
-        number of probes that failed."""
+    async def _probe_failed(self, engine_id: str, error: str, *, gone: bool = False) -> None:
+        """Count the failure; suspend the engine once it has failed for ``suspend_after_s``,
+        or at once when the failure proves the engine's process is gone for good
+        (``ENGINE_GONE``: a Ray engine actor that died and will not restart -- waiting could
+        only keep it routable for nothing). The decision is one event (a suspended engine is
+        not suspended again), whatever the number of probes that failed."""
         now = self._clock()
         since, _ = self._failing.get(engine_id, (now, error))
         self._failing[engine_id] = (since, error)
         member = self._ledger.state.engines.get(engine_id)
         if self.suspend_after_s is None or member is None or member.suspended:
             return
-        if now - since < self.suspend_after_s:
+        if now - since < self.suspend_after_s and not gone:
             return
-        detail = f"probes failed for {now - since:.1f} s: {error}"
+        detail = f"{'gone' if gone else 'probes failed'} for {now - since:.1f} s: {error}"
         try:
             await self._ledger.suspend_engine(
                 engine_id, cause="unhealthy", detail=detail[:2000], incarnation=member.incarnation

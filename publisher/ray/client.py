@@ -8,7 +8,8 @@ It has the API rollout code uses in process -- it is a
 :class:`~publisher.gateway.Gateway` run unchanged in a Ray actor::
 
     async with RayLedger.connect("ledger") as ledger:
-        gateway = Gateway(Fleet(engines), ledger.routing, gateway_id="w1")
+        gateway = Gateway(ledger.fleet, ledger.routing, gateway_id="w1",
+                          on_engine_failure=ledger.engine_failed)
         async with RolloutWorker.open(ledger, gateway, owner="w1") as worker:
             served = await worker.session("s1").generate(prompt)
 
@@ -27,6 +28,14 @@ Three things differ from in process, each for a reason:
   forwards the newest renewal of every owner to the ledger, at most one round trip at a time
   and at most every ``renew_interval`` seconds, and learns expiries from the reply. A worker
   therefore learns it lost its lease one renewal later than in process.
+* **The fleet is the ledger's.** :attr:`RayLedger.fleet` is a :class:`~publisher.fleet.Fleet`
+  mirroring the ledger actor's engine handles (its membership view, fetched at connect): every
+  routing table carries the actor's fleet version, and when it differs from the mirror's (an
+  engine added, replaced or removed) the view is fetched again and the mirror changed in
+  place, so a gateway built on ``ledger.fleet`` routes to a replacement actor without a
+  restart of its process. A failed engine call reported through :meth:`engine_failed` (the
+  gateway's ``on_engine_failure`` hook) also refreshes it, and tells the ledger actor, whose
+  reconciler then probes at once (a dead actor is suspended at its first failed probe).
 * **Restarts are ridden out.** Every call goes through an
   :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
@@ -40,22 +49,25 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
+from engines.contract import EngineError
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
+from publisher.fleet import Fleet
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
-from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
+from publisher.ray.engine import RayEngine
+from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, FleetView, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
-from publisher.ray.routing import RemoteRouting
+from publisher.ray.routing import Mark, RemoteRouting, RoutingTable
 
 log = get_logger("loraledger.ray")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
@@ -103,6 +115,13 @@ class RayLedger:
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
+        self.fleet = Fleet()  # mirrors the ledger actor's handles (see the module docstring)
+        self.fleet_mark: Mark | None = None  # (epoch, version) of the view mirrored
+        self.fleet_refreshes = 0  # views fetched (observability, tests)
+        self.fleet_hosted = False  # whether the ledger actor hosts a plane (has a fleet)
+        self._fleet_wanted = anyio.Event()
+        self._fleet_listeners: list[Callable[[], None]] = []
+        self._reported: set[str] = set()  # engines whose failure report is on its way
 
     @classmethod
     @asynccontextmanager
@@ -127,9 +146,11 @@ class RayLedger:
             reconnect_timeout=reconnect_timeout,
         )
         await client.refresh_routing()
+        await client.refresh_fleet()
         async with anyio.create_task_group() as tg:
             client._tg = tg
             tg.start_soon(client._renewer)
+            tg.start_soon(client._fleet_keeper)
             try:
                 yield client
             finally:
@@ -204,7 +225,7 @@ class RayLedger:
                     if cause is not exc:
                         raise
                     continue
-                self.routing.update(reply.routing)
+                self._routing_seen(reply.routing)
                 start = 0
                 for request in group:
                     end = start + len(request.commands)
@@ -257,15 +278,99 @@ class RayLedger:
             else:
                 for owner, error in reply.lost.items():
                     self._lost.setdefault(owner, error)
-                self.routing.update(reply.routing)
+                self._routing_seen(reply.routing)
             await anyio.sleep(self.renew_interval)
 
     # --- reads -------------------------------------------------------------------------------
 
     async def refresh_routing(self) -> None:
         """Fetch the current routing now (replies carry it anyway when it changed)."""
-        self.routing.update(await self.link.call("routing"))
+        self._routing_seen(await self.link.call("routing"))
 
     async def status(self) -> LedgerStatus:
         """The ledger's status (one round trip; in process this read is local)."""
         return await self.link.call("status")  # type: ignore[no-any-return]
+
+    # --- the fleet, as the ledger actor has it --------------------------------------------------
+
+    def _routing_seen(self, table: RoutingTable | None) -> None:
+        self.routing.update(table)
+        current = self.routing.table
+        if current is not None and current.fleet_mark != self.fleet_mark:
+            self._fleet_wanted.set()
+
+    async def refresh_fleet(self) -> None:
+        """Fetch the ledger actor's membership view and mirror it in :attr:`fleet` in place:
+        new ids added, a handle of another actor replaced, ids the view lacks removed. A
+        handle of the same actor is kept (with what its calls learned, e.g. that it is gone)."""
+        view: FleetView = await self.link.call("fleet_view")
+        self.fleet_refreshes += 1
+        if self.fleet_mark is not None and view.mark < self.fleet_mark:
+            return  # an older view overtaken by a newer one
+        self.fleet_hosted = view.plane
+        self.fleet_mark = view.mark
+        if not view.plane:
+            return  # a bare ledger has no fleet: the mirror holds what its owner put there
+        changed = apply_view(self.fleet, view.engines)
+        if changed:
+            log.info("ray.fleet_mirrored", engines=self.fleet.ids(), mark=list(view.mark))
+            for listener in list(self._fleet_listeners):
+                listener()
+
+    def on_fleet_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every change of :attr:`fleet` (e.g. to rebuild routes)."""
+        self._fleet_listeners.append(listener)
+
+    def engine_failed(self, engine_id: str, error: EngineError) -> None:
+        """A call to ``engine_id`` failed (the gateway's ``on_engine_failure`` hook): fetch the
+        membership again and tell the ledger actor, at most one report per engine in flight.
+        Synchronous: it only schedules the work on this client's task group."""
+        self._fleet_wanted.set()
+        if self._tg is None or engine_id in self._reported:
+            return
+        self._reported.add(engine_id)
+        self._tg.start_soon(self._report, engine_id, error.code)
+
+    async def _report(self, engine_id: str, code: str) -> None:
+        try:
+            await self.link.call("engine_failed", engine_id, code)
+        except LoraLedgerError as exc:
+            log.warning("ray.engine_report_failed", engine=engine_id, error=exc.message)
+        finally:
+            self._reported.discard(engine_id)
+
+    async def _fleet_keeper(self) -> None:
+        """Fetch the view whenever a table or a failure said the mirror may be behind."""
+        while True:
+            await self._fleet_wanted.wait()
+            self._fleet_wanted = anyio.Event()
+            try:
+                await self.refresh_fleet()
+            except Exception as exc:
+                # The ledger unreachable for reconnect_timeout, or an unexpected answer: the
+                # mirror stays as it is (routing still says which engines are routable) and is
+                # asked for again; this client's other work must not stop for it.
+                log.warning("ray.fleet_refresh_failed", error=repr(exc))
+                await anyio.sleep(self.renew_interval)
+                self._fleet_wanted.set()
+
+
+def apply_view(fleet: Fleet, engines: Iterable[RayEngine]) -> bool:
+    """Make ``fleet`` hold exactly ``engines`` (by id), changing it in place; a handle of the
+    same actor as the one held is kept. Whether anything changed."""
+    wanted = {engine.engine_id: engine for engine in engines}
+    changed = False
+    for engine_id in fleet.ids():
+        if engine_id not in wanted:
+            fleet.remove(engine_id)
+            changed = True
+    for engine_id, engine in wanted.items():
+        held = fleet[engine_id] if engine_id in fleet else None  # noqa: SIM401 -- no .get
+        if held is None or _actor_of(held) != _actor_of(engine):
+            fleet.replace(engine)
+            changed = True
+    return changed
+
+
+def _actor_of(engine: object) -> str:
+    return getattr(engine, "actor_id", "") or f"object-{id(engine)}"

@@ -11,6 +11,17 @@ What the proxy preserves of the contract:
   died, restarted or is unreachable) proves nothing about what the engine did, so it is an
   :class:`~engines.contract.AmbiguousReply` with ``dispatched=True``: the gateway never
   resends the generation, and the publication driver treats the step as ambiguous.
+* **A dead actor is remembered, and told apart.** Ray raises ``ActorDiedError`` only for an
+  actor that will not come back (killed for good, restarts used up): the call that found out
+  is ambiguous with code ``ENGINE_GONE``, and every later call on this handle is refused
+  *before anything is sent* (``ENGINE_GONE``, ``dispatched=False``), so a gateway tries
+  another holder and the reconciler's probe suspends the engine at once instead of counting
+  failed probes for ``suspend_after_s`` (docs/engines.md#engines-as-ray-actors).
+  ``ActorUnavailableError`` (the actor is restarting, or unreachable for a moment) is
+  ``CONNECTION_LOST``; until a call on the handle succeeds again, a generation is preceded by
+  an incarnation probe (at most ``recheck_timeout`` seconds) and refused unsent
+  (``ENGINE_UNREACHABLE``, ``dispatched=False``) if the actor still does not answer: a turn
+  is then served by another holder instead of being lost in the restart.
 * **Bounded calls stay bounded.** The drivers wrap engine calls in deadlines; cancelling the
   await of a Ray call cancels nothing in the engine (a cancelled caller never half-does an
   engine operation, the local engine's own rule).
@@ -27,15 +38,17 @@ The proxy pickles (an actor handle and three strings), so it can be handed to ot
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import msgspec
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engines.contract import (
     AmbiguousReply,
@@ -52,10 +65,14 @@ from engines.contract import (
     Transport,
     UnloadReceipt,
 )
+from evlog.errors import INVALID_INPUT, InvalidInput
 from publisher.adapter_copy import aiter_buckets
 from publisher.ray.adapter_objects import pull_tensors, verified_buckets
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE, unwrap
+
+# How long a generation on a handle that was just unavailable waits for a probe first.
+RECHECK_TIMEOUT_S = 1.0
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +119,12 @@ class EngineActor:
             transport=engine.transport,
             endpoint=engine.capabilities.endpoint,
         )
+
+    async def actor_name(self) -> tuple[str, str]:
+        """This actor's name and namespace (``""`` for an unnamed actor): how a restarted
+        ledger actor finds it again (publisher/ray/engine_book.py)."""
+        context = ray.get_runtime_context()
+        return context.get_actor_name() or "", context.namespace
 
     async def incarnation(self) -> str:
         return await self._host.call(self._engine.incarnation)
@@ -189,7 +212,11 @@ class RayEngine:
 
     It declares no optional capability: ``generate`` carries no ``extra_body`` across the
     actor. ``endpoint`` is the hosted engine's own HTTP address when it has one (an HTTP
-    adapter in the actor): the OpenAI gateway actor sends generations there directly."""
+    adapter in the actor): the OpenAI gateway actor sends generations there directly.
+
+    Each proxy object remembers what its calls learned about the actor (gone for good, or
+    unavailable since the last answer; see the module docstring); a copy sent to another
+    process starts with a clean slate and learns it again from its own first call."""
 
     def __init__(
         self,
@@ -204,10 +231,13 @@ class RayEngine:
         self.kind = kind
         self.transport: Transport = transport
         self.capabilities = EngineCapabilities(endpoint=endpoint)
+        self.recheck_timeout = RECHECK_TIMEOUT_S
+        self._gone: str | None = None  # why the actor is known dead for good
+        self._unavailable = False  # the last transport failure left it restarting/unreachable
 
     @classmethod
     async def connect(cls, handle: ActorHandle) -> RayEngine:
-        info: EngineInfo = await cls._remote(handle, "describe", "?")
+        info: EngineInfo = await handle.describe.remote()
         return cls(handle, info.engine_id, info.kind, info.transport, info.endpoint)  # type: ignore[arg-type]
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -217,23 +247,70 @@ class RayEngine:
         )
 
     def __repr__(self) -> str:
-        return f"RayEngine({self.engine_id!r}, kind={self.kind!r})"
+        return f"RayEngine({self.engine_id!r}, kind={self.kind!r}, actor={self.actor_id[:12]})"
 
-    @staticmethod
-    async def _remote(handle: ActorHandle, method: str, engine_id: str, *args: Any) -> Any:
-        try:
-            return await getattr(handle, method).remote(*args)
-        except RayTaskError as exc:
-            raise unwrap(exc) from None
-        except RayActorError as exc:
-            raise AmbiguousReply(
-                ErrorCode.CONNECTION_LOST,
-                f"engine actor of {engine_id} failed during {method}: {exc}",
-                engine_id=engine_id,
-            ) from exc
+    @property
+    def actor_id(self) -> str:
+        """The Ray actor behind this handle (a replacement actor has another id)."""
+        actor_id = getattr(self.handle, "_actor_id", None)
+        return actor_id.hex() if actor_id is not None else ""
+
+    @property
+    def gone(self) -> bool:
+        """Whether a call found the actor dead for good (``ActorDiedError``)."""
+        return self._gone is not None
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await self._remote(self.handle, method, self.engine_id, *args)
+        if self._gone is not None:
+            raise AmbiguousReply(
+                ErrorCode.ENGINE_GONE,
+                f"engine actor of {self.engine_id} is gone ({self._gone}); {method} not sent",
+                engine_id=self.engine_id,
+                dispatched=False,
+            )
+        try:
+            result = await getattr(self.handle, method).remote(*args)
+        except RayTaskError as exc:
+            self._unavailable = False  # the actor answered (with an error)
+            raise unwrap(exc) from None
+        except ActorDiedError as exc:
+            self._gone = str(exc).splitlines()[-1][:300]
+            raise AmbiguousReply(
+                ErrorCode.ENGINE_GONE,
+                f"engine actor of {self.engine_id} died during {method}: {self._gone}",
+                engine_id=self.engine_id,
+            ) from exc
+        except RayActorError as exc:  # ActorUnavailableError and any other transport loss
+            self._unavailable = isinstance(exc, ActorUnavailableError) or self._unavailable
+            raise AmbiguousReply(
+                ErrorCode.CONNECTION_LOST,
+                f"engine actor of {self.engine_id} failed during {method}: {exc}",
+                engine_id=self.engine_id,
+            ) from exc
+        self._unavailable = False
+        return result
+
+    async def _reachable_before_sending(self, method: str) -> None:
+        """After an ``ActorUnavailableError``: prove the actor answers again before a call
+        that must not be lost (a generation), or refuse it unsent."""
+        if not self._unavailable or self._gone is not None:
+            return
+        try:
+            with anyio.fail_after(self.recheck_timeout):
+                await self._call("incarnation")
+        except (AmbiguousReply, TimeoutError) as exc:
+            code = (
+                exc.code
+                if isinstance(exc, AmbiguousReply) and exc.code == ErrorCode.ENGINE_GONE
+                else ErrorCode.ENGINE_UNREACHABLE
+            )
+            raise AmbiguousReply(
+                code,
+                f"engine actor of {self.engine_id} did not answer a probe since it was "
+                f"unavailable; {method} not sent",
+                engine_id=self.engine_id,
+                dispatched=False,
+            ) from exc
 
     async def incarnation(self) -> str:
         return await self._call("incarnation")  # type: ignore[no-any-return]
@@ -277,7 +354,10 @@ class RayEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Generation:
-        """Sent once; a transport failure is ambiguous (``dispatched=True``), never resent."""
+        """Sent once; a transport failure is ambiguous (``dispatched=True``), never resent.
+        Refused unsent (``dispatched=False``) when the actor is known gone, or was unavailable
+        and does not answer a probe now."""
+        await self._reachable_before_sending("generate")
         return await self._call(  # type: ignore[no-any-return]
             "generate", prompt, lora_name, params, request_id, cache_salt
         )
@@ -298,18 +378,46 @@ def start_engine(
     max_restarts: int = 0,
     detached: bool = False,
     timeout: float = 300.0,
+    num_cpus: float = 0,
+    num_gpus: float = 0,
+    resources: Mapping[str, float] | None = None,
+    scheduling_strategy: Any = None,
+    node_id: str | None = None,
+    max_concurrency: int = 1000,
 ) -> RayEngine:
-    """Start an :class:`EngineActor` named ``name`` and return its proxy once the engine is
-    up (blocking). ``max_restarts > 0`` lets Ray restart a crashed engine: it comes back as
-    a new incarnation, which the control plane's reconciler repairs before routing to it."""
+    """Start an :class:`EngineActor` named ``name`` in ``namespace`` and return its proxy once
+    the engine is up (blocking).
+
+    Placement: ``num_cpus`` / ``num_gpus`` / ``resources`` are the actor's Ray resource
+    request (the engine's process holds them for its life: give a GPU engine its GPUs here,
+    so Ray sets ``CUDA_VISIBLE_DEVICES`` for it); ``scheduling_strategy`` is any Ray
+    scheduling strategy (a placement group's, ``"SPREAD"``, a node affinity), and
+    ``node_id`` is the shorthand for a hard node affinity (not both). ``max_restarts > 0``
+    lets Ray restart a crashed engine: it comes back as a new incarnation behind the same
+    handle, which the control plane's reconciler repairs before routing to it; with the
+    default 0 a crash is final and the engine is suspended (docs/engines.md)."""
+    if node_id is not None and scheduling_strategy is not None:
+        raise InvalidInput(INVALID_INPUT, "give node_id or scheduling_strategy, not both")
+    if num_cpus < 0 or num_gpus < 0 or max_concurrency < 1:
+        raise InvalidInput(
+            INVALID_INPUT, "num_cpus and num_gpus must be >= 0, max_concurrency >= 1"
+        )
     options: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
         "max_restarts": max_restarts,
         "max_task_retries": 0,  # never let Ray resend a generation
-        "max_concurrency": 1000,
-        "num_cpus": 0,
+        "max_concurrency": max_concurrency,
+        "num_cpus": num_cpus,
     }
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    if resources:
+        options["resources"] = dict(resources)
+    if node_id is not None:
+        scheduling_strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
     if detached:
         options["lifetime"] = "detached"
     handle = ray.remote(EngineActor).options(**options).remote(factory)

@@ -4,8 +4,7 @@ A Ray-based trainer starts the whole plane from Python -- engine actors, the led
 (hosting the control plane) and, with :func:`start_gateway` (or :func:`start_gateways`, one per
 alive node), gateway actors whose HTTP address any OpenAI client uses as its ``base_url``::
 
-    handle, url = start_gateway(GatewayConfig(ledger_name="ledger", engines=engines,
-                                              token=token))
+    handle, url = start_gateway(GatewayConfig(ledger_name="ledger", token=token))
     client = openai.OpenAI(base_url=url + "/v1", api_key=token)
 
 Each actor hosts, on a private event loop (:class:`~publisher.ray.hosting.PortalHost`), what
@@ -18,8 +17,12 @@ any free port; the actual address is what :func:`start_gateway` returns).
 
 Engines are reached over HTTP at each engine actor's ``endpoint`` (an HTTP adapter hosted in
 the actor) or at ``routes`` given explicitly; an engine with neither is never routed to by this
-face. The rules (pinning, at most once, stickiness, headers, provenance) are the OpenAI face's
-(docs/openai.md); nothing is restated here.
+face. Which engines exist is the ledger actor's answer, not this actor's configuration: the
+gateway uses the client's mirrored fleet (``RayLedger.fleet``) and rebuilds its routes whenever
+the ledger adds, replaces or removes an engine. ``engines`` is used only in front of a bare
+ledger actor (one that hosts no control plane, hence no fleet). The rules (pinning, at most
+once, stickiness, headers, provenance) are the OpenAI face's (docs/openai.md); nothing is
+restated here.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class GatewayConfig:
     """What one gateway actor serves. ``routes`` (engine id -> OpenAI base URL) overrides an
     engine actor's own ``endpoint``; ``owner`` defaults to ``gateway-<node>-<random>``."""
 
-    engines: tuple[RayEngine, ...]
     token: str | None
+    engines: tuple[RayEngine, ...] = ()  # only for a bare ledger actor (see the module doc)
     ledger_name: str = DEFAULT_LEDGER_NAME
     namespace: str = DEFAULT_NAMESPACE
     routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -132,6 +135,16 @@ class RayView:
                 log.warning("ray.gateway_refresh_failed", error=repr(exc))
 
 
+def routes_of(fleet: Fleet, explicit: Mapping[str, str]) -> dict[str, EngineRoute]:
+    """Each engine's OpenAI endpoint: its own (``capabilities.endpoint``), or the one given in
+    ``explicit`` (engine id -> base URL) for an engine of the fleet."""
+    routes = engine_routes(fleet)
+    for engine_id, url in explicit.items():
+        kind = fleet[engine_id].kind if engine_id in fleet else "local"
+        routes[engine_id] = EngineRoute(engine_id=engine_id, kind=kind, base_url=url.rstrip("/"))
+    return routes
+
+
 class _Quiet(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
@@ -143,11 +156,6 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
     """Everything one gateway actor runs, for the life of the block: yields its URL and face."""
     config.check()
     owner = config.owner or f"gateway-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-    fleet = Fleet(config.engines)
-    routes = engine_routes(fleet)
-    for engine_id, url in config.routes.items():
-        kind = next((e.kind for e in config.engines if e.engine_id == engine_id), "local")
-        routes[engine_id] = EngineRoute(engine_id=engine_id, kind=kind, base_url=url.rstrip("/"))
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.port))
@@ -160,13 +168,24 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
         ledger = await stack.enter_async_context(
             RayLedger.connect(config.ledger_name, namespace=config.namespace)
         )
+        fleet = ledger.fleet
+        if not ledger.fleet_hosted:
+            for engine in config.engines:
+                if engine.engine_id not in fleet:
+                    fleet.add(engine)
         view = RayView(ledger, await ledger.status())
         recorder = None
         if config.provenance:
             recorder = await stack.enter_async_context(
                 ProvenanceRecorder(JsonlSink(config.provenance))
             )
-        gateway = Gateway(fleet, ledger.routing, gateway_id=owner, recorder=recorder)
+        gateway = Gateway(
+            fleet,
+            ledger.routing,
+            gateway_id=owner,
+            recorder=recorder,
+            on_engine_failure=ledger.engine_failed,
+        )
         worker = await stack.enter_async_context(
             RolloutWorker.open(
                 ledger,
@@ -179,11 +198,17 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
         face = OpenAIGateway(
             worker,
             view,
-            routes,
+            routes_of(fleet, config.routes),
             OpenAIOptions(alias=config.alias, token=config.token, engine_token=config.engine_token),
             clock=time.time,
         )
         stack.push_async_callback(face.aclose)
+
+        def rebuild_routes() -> None:
+            face.engines = routes_of(fleet, config.routes)
+            log.info("ray.gateway_routes", engines=sorted(face.engines))
+
+        ledger.on_fleet_change(rebuild_routes)
         server = _Quiet(
             uvicorn.Config(
                 openai_app(face),
@@ -234,6 +259,7 @@ class GatewayActor:
             "inflight": sum(face.gateway.inflight_counts().values()),
             "owner": face.worker.owner,
             "idle_releases": face.worker.idle_releases,
+            "engines": sorted(face.engines),  # the engines it has a route to now
         }
 
     def close(self) -> None:

@@ -13,17 +13,20 @@ by a :class:`~publisher.ray.hosting.PortalHost`. It is an async actor: calls fro
 run concurrently and land in the ledger's queue together, so group commit works across Ray
 exactly as in process (one fsync for every call that arrived meanwhile).
 
-Restart story. The actor's only durable state is its log. A SQLite file lives on the disk of
-the node the actor was first placed on (a hard node affinity keeps every later incarnation
-there, and that disk must survive the node: docs/stores.md); a PostgreSQL log
+Restart story. The actor's durable state is its log (plus the engine book, below). A SQLite file
+lives on the disk of the node the actor was first placed on (a hard node affinity keeps every
+later incarnation there, and that disk must survive the node: docs/stores.md); a PostgreSQL log
 (``path="postgresql://..."``) lives on a server every node reaches, so the actor is placed
 anywhere (or where ``node_id``/``resources`` say) and a later incarnation on another node
 resumes the same log. ``__init__`` opens the log, verifies the chain tail, replays (from the
-newest snapshot) and appends a new ``ControllerStarted``: every binding, owner and version
-comes back from the log. This happens whether Ray restarts the actor after a crash
-(``max_restarts``, the default is unlimited) or an operator kills it and calls
-:func:`start_ledger` again under the same name. Callers ride over the gap through
-:class:`~publisher.ray.link.ActorLink` (their calls are idempotent).
+newest snapshot) and appends a new ``ControllerStarted``: every binding, owner and version comes
+back from the log. This happens whether Ray restarts the actor after a crash (``max_restarts``,
+the default is unlimited) or an operator kills it and calls :func:`start_ledger` again under the
+same name. Callers ride over the gap through :class:`~publisher.ray.link.ActorLink` (their calls
+are idempotent). The fleet's runtime changes (engines added, replaced, removed through this
+actor) come back too: the actor keeps which engine actor serves each changed id in the engine
+book (:mod:`publisher.ray.engine_book`) and opens its plane with the configured engines plus the
+book's changes.
 
 Each method answers with outcomes and refusals as values where a batch is involved
 (``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingTable` when the
@@ -38,7 +41,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -54,16 +57,20 @@ from evlog.stores import describe, is_shared, open_store
 from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet
+from publisher.fleet import Fleet, FleetError
 from publisher.ledger import Ledger
 from publisher.logs import get_logger
 from publisher.outcomes import Done, Outcome
 from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
+from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
 from publisher.ray.stored_adapter import PullStats, StoredAdapter
+
+if TYPE_CHECKING:
+    from publisher.reconciler import ReconcileReport
 
 DEFAULT_LEDGER_NAME = "ledger"
 _DYING_RETRIES = 25
@@ -117,6 +124,21 @@ class RenewReply:
     routing: RoutingTable | None
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetView:
+    """The ledger actor's engine handles, by id, at fleet ``version`` of controller ``epoch``
+    (the ``fleet_mark`` of the routing tables sent from then on)."""
+
+    epoch: int
+    version: int
+    engines: tuple[RayEngine, ...]
+    plane: bool = True  # False: a bare ledger, which has no fleet (clients keep their own)
+
+    @property
+    def mark(self) -> Mark:
+        return (self.epoch, self.version)
+
+
 class LedgerInfo(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     node_id: str
@@ -131,16 +153,19 @@ class _Service:
     """What the actor's methods run, on the hosted loop (the ledger is not thread-safe: every
     access happens on that loop)."""
 
-    def __init__(self, ledger: Ledger, plane: Any, config: LedgerConfig) -> None:
+    def __init__(
+        self, ledger: Ledger, plane: Any, config: LedgerConfig, book: EngineBook | None = None
+    ) -> None:
         self.ledger = ledger
         self.plane = plane
         self.config = config
         self.routing = RoutingTracker()
         self.pulls = PullStats()
+        self.book = book  # where runtime fleet changes are kept for a restart
 
     async def execute_many(self, commands: Sequence[c.Command], mark: Mark | None) -> Reply:
         results = await self.ledger.execute_many(commands)
-        return Reply(results, self.routing.newer_than(self.ledger.state, mark))
+        return Reply(results, self.routing.newer_than(self.ledger.state, mark, self.fleet_version))
 
     async def register_owner(self, owner: str, ttl_s: float) -> Done:
         return await self.ledger.register_owner(owner, ttl_s=ttl_s)
@@ -154,10 +179,12 @@ class _Service:
                 self.ledger.renew_lease(owner, inflight)
             except LoraLedgerError as exc:
                 lost[owner] = exc
-        return RenewReply(lost, self.routing.newer_than(self.ledger.state, mark))
+        return RenewReply(
+            lost, self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
+        )
 
     async def routing_table(self) -> RoutingTable:
-        return self.routing.current(self.ledger.state)
+        return self.routing.current(self.ledger.state, self.fleet_version)
 
     async def status(self) -> LedgerStatus:
         return self.ledger.status()
@@ -178,6 +205,83 @@ class _Service:
 
     async def pull_stats(self) -> PullStats:
         return dataclasses.replace(self.pulls)
+
+    # --- fleet membership at runtime (docs/engines.md#engines-as-ray-actors) ------------------
+
+    @property
+    def fleet_version(self) -> int:
+        return 0 if self.plane is None else int(self.plane.fleet.version)
+
+    def _plane_for(self, action: str) -> Any:
+        if self.plane is None:
+            raise LedgerError(
+                Code.INVALID_STATE, f"this ledger actor hosts no control plane: cannot {action}"
+            )
+        return self.plane
+
+    async def fleet_view(self) -> FleetView:
+        engines = () if self.plane is None else tuple(self.plane.fleet)
+        return FleetView(
+            epoch=self.ledger.state.epoch,
+            version=self.fleet_version,
+            engines=engines,
+            plane=self.plane is not None,
+        )
+
+    async def add_engine(self, engine: RayEngine) -> ReconcileReport:
+        plane = self._plane_for("add an engine")
+        report: ReconcileReport = await plane.add_engine(engine)
+        await self._book(engine)
+        log.info("ray.engine_added", engine=engine.engine_id, report=str(report))
+        return report
+
+    async def replace_engine(self, engine: RayEngine) -> ReconcileReport:
+        plane = self._plane_for("replace an engine")
+        if (
+            engine.engine_id not in plane.fleet
+            and engine.engine_id not in self.ledger.state.engines
+        ):
+            raise FleetError(
+                Code.UNKNOWN_ENGINE,
+                f"engine {engine.engine_id!r} is not in the fleet: add it instead",
+            )
+        report: ReconcileReport = await plane.replace_engine(engine)
+        await self._book(engine)
+        log.info("ray.engine_replaced", engine=engine.engine_id, report=str(report))
+        return report
+
+    async def remove_engine(self, engine_id: str, cause: str) -> None:
+        plane = self._plane_for("remove an engine")
+        if engine_id not in plane.fleet and engine_id not in self.ledger.state.engines:
+            raise FleetError(Code.UNKNOWN_ENGINE, f"engine {engine_id!r} is not in the fleet")
+        await plane.remove_engine(engine_id, cause=cause)
+        if self.book is not None:
+            await anyio.to_thread.run_sync(self.book.record, engine_id, None)
+        log.info("ray.engine_removed", engine=engine_id, cause=cause)
+
+    async def _book(self, engine: RayEngine) -> None:
+        """Keep the engine's actor in the book, so a restarted ledger actor serves it again."""
+        if self.book is None:
+            return
+        book = self.book
+        try:
+            entry = await anyio.to_thread.run_sync(entry_for, engine)
+            if entry is None:
+                await anyio.to_thread.run_sync(book.forget, engine.engine_id)
+            else:
+                await anyio.to_thread.run_sync(book.record, engine.engine_id, entry)
+        except Exception as exc:
+            # The change itself is made and recorded in the log; only a restart of this actor
+            # would not find the engine's actor again. Loud, but not a failed change.
+            log.error("ray.engine_book_not_written", engine=engine.engine_id, error=repr(exc))
+
+    async def engine_failed(self, engine_id: str, code: str) -> None:
+        """A caller's call to ``engine_id`` failed in a way that says something about the
+        engine (it is gone, unreachable, or does not hold what routing says): look now rather
+        than at the next probe tick. Only a hint: the reconciler's own probe decides."""
+        if self.plane is not None and engine_id in self.plane.fleet:
+            log.info("ray.engine_failure_reported", engine=engine_id, code=code)
+            self.plane.reconciler.poke()
 
     async def info(self) -> LedgerInfo:
         state = self.ledger.state
@@ -212,9 +316,18 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
         from publisher.plane import ControlPlane
 
         p = config.plane
+        # The configured fleet, with the changes made at runtime by an earlier life of this
+        # actor (publisher/ray/engine_book.py).
+        book = await anyio.to_thread.run_sync(EngineBook.of_this_actor, config.path)
+        engines: list[RayEngine] = list(p.engines)
+        if book is not None:
+            entries = await anyio.to_thread.run_sync(book.read)
+            if entries:
+                engines = await anyio.to_thread.run_sync(fleet_with_book, p.engines, entries)
+                log.info("ray.engine_book_applied", engines=sorted(e.engine_id for e in engines))
         async with ControlPlane.open(
             store,
-            Fleet(p.engines),
+            Fleet(engines),
             deployment=p.deployment,
             prefix=p.prefix,
             capacity=p.capacity,
@@ -224,7 +337,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
             log.info(
                 "ray.plane_serving", path=describe(config.path), seq=plane.ledger.state.last_seq
             )
-            yield _Service(plane.ledger, plane, config)
+            yield _Service(plane.ledger, plane, config, book)
 
 
 async def _expire_leases(ledger: Ledger, every_s: float) -> None:
@@ -273,6 +386,32 @@ class LedgerActor:
 
     async def describe(self) -> LedgerInfo:
         return await self._host.call(self._service.info)
+
+    # --- fleet membership at runtime ------------------------------------------------------------
+
+    async def fleet_view(self) -> FleetView:
+        """The engine handles the hosted plane uses now, with the fleet's version."""
+        return await self._host.call(self._service.fleet_view)
+
+    async def add_engine(self, engine: RayEngine) -> ReconcileReport:
+        """A new engine joins (``EngineJoined``), is observed and repaired, and serves once
+        routable; the answer says what the reconciliation did. ``ENGINE_EXISTS`` if the
+        fleet already has an engine under its id (use :meth:`replace_engine`)."""
+        return await self._host.call(self._service.add_engine, engine)
+
+    async def replace_engine(self, engine: RayEngine) -> ReconcileReport:
+        """A new handle for engine ``engine.engine_id`` (a new actor): from now on every call
+        of the plane goes to it; its new incarnation is recorded as a restart
+        (``EngineRestarted``) and repaired before it serves."""
+        return await self._host.call(self._service.replace_engine, engine)
+
+    async def remove_engine(self, engine_id: str, cause: str = "operator") -> None:
+        """The engine leaves the fleet (``EngineLeft`` with ``cause``); its handle is dropped."""
+        await self._host.call(self._service.remove_engine, engine_id, cause)
+
+    async def engine_failed(self, engine_id: str, code: str) -> None:
+        """A client's hint that a call to ``engine_id`` failed (see ``_Service``)."""
+        await self._host.call(self._service.engine_failed, engine_id, code)
 
     async def close(self) -> None:
         """Close the ledger cleanly (queued calls commit, a snapshot is saved); the actor

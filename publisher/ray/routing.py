@@ -31,23 +31,32 @@ class RoutingTable(msgspec.Struct, frozen=True, kw_only=True):
     default_revision: int
     holders: dict[str, tuple[str, ...]]
     max_staleness: int | None = None
+    # The ledger actor's fleet version (handles added, replaced, removed): a client whose
+    # mirrored fleet is older fetches the membership view again (publisher/ray/client.py).
+    fleet_version: int = 0
 
     @property
     def mark(self) -> Mark:
         return (self.epoch, self.serial)
 
+    @property
+    def fleet_mark(self) -> Mark:
+        return (self.epoch, self.fleet_version)
+
 
 class RoutingTracker:
     """Actor side: the current table, rebuilt only when the routing-relevant part of the
-    state changed (engines, what they hold, whether they are routable, the head revision)."""
+    state changed (engines, what they hold, whether they are routable, the head revision) or
+    the fleet's handles did (``fleet_version``)."""
 
     def __init__(self) -> None:
         self._key: object = None
         self._table: RoutingTable | None = None
         self._serial = 0
 
-    def current(self, state: RegistryState) -> RoutingTable:
+    def current(self, state: RegistryState, fleet_version: int = 0) -> RoutingTable:
         key = (
+            fleet_version,
             state.epoch,
             state.default_revision,
             state.max_staleness,
@@ -67,13 +76,16 @@ class RoutingTracker:
                 default_revision=state.default_revision,
                 holders={name: tuple(engines) for name, engines in holders.items()},
                 max_staleness=state.max_staleness,
+                fleet_version=fleet_version,
             )
         return self._table
 
-    def newer_than(self, state: RegistryState, mark: Mark | None) -> RoutingTable | None:
+    def newer_than(
+        self, state: RegistryState, mark: Mark | None, fleet_version: int = 0
+    ) -> RoutingTable | None:
         """The current table if the caller's ``mark`` is not it, else None (nothing to
         send)."""
-        table = self.current(state)
+        table = self.current(state, fleet_version)
         return None if mark == table.mark else table
 
 

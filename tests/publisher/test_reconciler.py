@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from engines.artifacts import ArtifactStore
-from engines.contract import Candidate
+from engines.contract import AmbiguousReply, Candidate, ErrorCode
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
@@ -17,6 +18,8 @@ from evlog.events import (
     EngineJoined,
     EngineLeft,
     EngineRepaired,
+    EngineRestarted,
+    EngineSuspended,
     InventoryObserved,
     VersionReclaimed,
     VersionRestored,
@@ -171,3 +174,73 @@ async def test_engines_without_a_handle_leave_at_start(tmp_path: Path) -> None:
             v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
             assert plane.ledger.state.versions[2].fleet == ("e0",)
             assert v2.lora_name not in await names(engines[1])
+
+
+class DeadActor:
+    """What the Ray proxy of an engine actor that died for good answers (a double: a Ray actor
+    cannot die here): every call is refused before it is sent, ``ENGINE_GONE``."""
+
+    def __init__(self, engine: LocalEngine, code: str = ErrorCode.ENGINE_GONE) -> None:
+        self.engine_id, self.kind, self.transport = engine.engine_id, engine.kind, "staged"
+        self.capabilities = engine.capabilities
+        self.code = code
+
+    def __getattr__(self, name: str) -> Any:
+        async def refused(*args: Any, **kwargs: Any) -> Any:
+            raise AmbiguousReply(self.code, "engine actor is gone", engine_id=self.engine_id)
+
+        return refused
+
+
+async def test_an_engine_gone_for_good_is_suspended_at_its_first_failed_probe(
+    tmp_path: Path,
+) -> None:
+    async with (
+        local_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=0.05, suspend_after_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        plane.fleet.replace(DeadActor(engines[0]))  # type: ignore[arg-type]
+        await wait_for(lambda: ledger.state.engines["e0"].suspended, timeout=10)
+        suspended = of_type(await events(ledger), EngineSuspended)
+        assert [(e.engine, e.cause) for e in suspended] == [("e0", "unhealthy")]
+        assert "ENGINE_GONE" in suspended[0].detail
+        assert ledger.state.routable_engines() == ("e1",)
+
+
+async def test_an_unreachable_engine_waits_for_suspend_after_s(tmp_path: Path) -> None:
+    """The counter-case: a lost connection proves nothing about the process, so failed probes
+    are counted for ``suspend_after_s`` before the engine is suspended."""
+    async with (
+        local_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=0.05, suspend_after_s=IDLE) as plane,
+    ):
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        plane.fleet.replace(DeadActor(engines[0], ErrorCode.CONNECTION_LOST))  # type: ignore[arg-type]
+        passes = plane.reconciler.passes
+        await anyio.sleep(0.5)  # about ten probes
+        assert not plane.ledger.state.engines["e0"].suspended
+        assert plane.reconciler.passes == passes  # probes only, no full pass meanwhile
+
+
+async def test_a_replaced_handle_is_a_restart_repaired_before_it_serves(tmp_path: Path) -> None:
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e0", limits=LIMITS) as successor,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
+        seq = ledger.state.last_seq
+        report = await plane.replace_engine(successor)
+        assert (report.restarted, report.restored, report.repaired) == (
+            ("e0",),
+            ("e0:1",),
+            ("e0",),
+        )
+        assert plane.fleet["e0"] is successor
+        kinds = [type(e) for e in await events(ledger, after=seq)]
+        assert kinds == [EngineRestarted, VersionRestored, EngineRepaired]
+        assert ledger.state.engines["e0"].incarnation == await successor.incarnation()
+        assert v1.lora_name in await names(successor)

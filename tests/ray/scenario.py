@@ -90,6 +90,17 @@ class Turn(msgspec.Struct, frozen=True, order=True):
     token_ids: tuple[int, ...]
 
 
+class Outcome(msgspec.Struct, frozen=True):
+    """One attempted turn: where it was served, or the code it failed with."""
+
+    session: str
+    turn: int
+    engine: str = ""
+    incarnation: str = ""
+    version_id: int = 0
+    code: str = ""
+
+
 class SessionRunner:
     """One rollout worker's sessions: a turn for several sessions at once, and closing."""
 
@@ -111,6 +122,32 @@ class SessionRunner:
                 lora_name=served.lora_name,
                 token_ids=tuple(served.generation.token_ids),
             )
+
+        async with anyio.create_task_group() as tg:
+            for session in sessions:
+                tg.start_soon(one, session)
+        return [done[s] for s in sessions]
+
+    async def attempt(self, sessions: Sequence[str], turn: int) -> list[Outcome]:
+        """A turn for each session, concurrently, each failure kept as its code (for tests
+        that count the turns a fault cost)."""
+        done: dict[str, Outcome] = {}
+
+        async def one(session: str) -> None:
+            try:
+                served = await self.worker.session(session).generate(
+                    prompt(session, turn), PARAMS, turn=turn
+                )
+            except LoraLedgerError as exc:
+                done[session] = Outcome(session=session, turn=turn, code=exc.code)
+            else:
+                done[session] = Outcome(
+                    session=session,
+                    turn=turn,
+                    engine=served.engine,
+                    incarnation=served.provenance.incarnation,
+                    version_id=served.version_id,
+                )
 
         async with anyio.create_task_group() as tg:
             for session in sessions:
@@ -291,28 +328,42 @@ class TrainerActor:
 
 
 @contextlib.asynccontextmanager
-async def _rollout(
-    owner: str, ledger_name: str, namespace: str, engines: tuple[RayEngine, ...]
-) -> AsyncIterator[SessionRunner]:
+async def _rollout(owner: str, ledger_name: str, namespace: str) -> AsyncIterator[SessionRunner]:
+    # The engines are the ledger's (ledger.fleet mirrors its handles), never this actor's
+    # constructor arguments: an engine added or replaced later is routed to without a restart.
     async with RayLedger.connect(ledger_name, namespace=namespace) as ledger:
-        gateway = Gateway(Fleet(engines), ledger.routing, gateway_id=owner)
+        gateway = Gateway(
+            ledger.fleet, ledger.routing, gateway_id=owner, on_engine_failure=ledger.engine_failed
+        )
         async with RolloutWorker.open(ledger, gateway, owner=owner) as worker:
             yield SessionRunner(worker, ledger)
 
 
 class RolloutActor:
-    """A rollout worker process: a RayLedger client, a gateway over engine actors and a
-    RolloutWorker, held open for the actor's life by a PortalHost."""
+    """A rollout worker process: a RayLedger client, a gateway over the ledger's engine
+    actors and a RolloutWorker, held open for the actor's life by a PortalHost."""
 
-    def __init__(
-        self, owner: str, ledger_name: str, namespace: str, engines: tuple[RayEngine, ...]
-    ) -> None:
+    def __init__(self, owner: str, ledger_name: str, namespace: str) -> None:
         self._host: PortalHost[SessionRunner] = PortalHost(
-            lambda: _rollout(owner, ledger_name, namespace, engines), name="rollout worker"
+            lambda: _rollout(owner, ledger_name, namespace), name="rollout worker"
         )
 
     async def turn(self, sessions: list[str], turn: int) -> list[Turn]:
         return await self._host.call(self._host.value.turn, sessions, turn)
+
+    async def attempt(self, sessions: list[str], turn: int) -> list[Outcome]:
+        return await self._host.call(self._host.value.attempt, sessions, turn)
+
+    async def routes_to(self, engine_id: str) -> bool:
+        """Whether this actor's routing table has ``engine_id`` routable for some version."""
+        ledger = self._host.value.ledger
+        table = ledger.routing.table
+        return table is not None and any(engine_id in h for h in table.holders.values())
+
+    async def mirror(self) -> dict[str, str]:
+        """The engine handles this actor's gateway routes to: id -> Ray actor id."""
+        fleet = self._host.value.worker.gateway.fleet
+        return {e.engine_id: getattr(e, "actor_id", "") for e in fleet}
 
     async def close(self, sessions: list[str]) -> list[bool]:
         return await self._host.call(self._host.value.close, sessions)
@@ -369,7 +420,7 @@ class RayEnv:
         self.workers = [
             ray.remote(RolloutActor)
             .options(num_cpus=0)
-            .remote(f"w{k}", self.ledger_name, self.namespace, tuple(self.engines))
+            .remote(f"w{k}", self.ledger_name, self.namespace)
             for k in range(WORKERS)
         ]
         ray.get([w.reconnects.remote() for w in self.workers], timeout=300)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,28 +152,50 @@ def test_the_proxy_declares_no_optional_capability() -> None:
 
 @pytest.mark.anyio
 async def test_a_dead_engine_actor_is_ambiguous_never_clean(ray_instance: Any) -> None:
+    """The call that finds the actor dead may have run (ambiguous, ``dispatched``); every later
+    call on that proxy is refused before it is sent (``ENGINE_GONE``, not dispatched), so the
+    gateway may try another holder and the reconciler suspends the engine at once. A fresh
+    proxy (another process's copy) learns it from its own first call, which stays ambiguous:
+    nothing proves that call was not sent."""
     with _dedicated_engine("doomed") as engine:
         assert await engine.incarnation()
+        copy = pickle.loads(pickle.dumps(engine))  # another process's proxy, as Ray sends it
         ray.kill(engine.handle, no_restart=True)
         # ray.kill is asynchronous: a call may still reach the actor before it dies (that
         # answer is a real one). Once a call is lost, it is ambiguous, never a clean refusal
         # (any other error propagates and fails the test).
+        found: AmbiguousReply | None = None
         with anyio.fail_after(30):
-            while True:
+            while found is None:
                 try:
                     await engine.incarnation()
-                except AmbiguousReply:
-                    break
+                except AmbiguousReply as exc:
+                    found = exc
                 await anyio.sleep(0.05)
+        assert (found.code, found.dispatched) == (ErrorCode.ENGINE_GONE, True)
+        assert engine.gone
         for call in (
             engine.incarnation(),
             engine.inventory(),
             engine.unload("agent@dep-1-0123456789abcdef"),
+            engine.generate("hello", None, GREEDY),
         ):
-            with pytest.raises(AmbiguousReply) as lost:
+            with pytest.raises(AmbiguousReply) as refused:
                 await call
-            assert lost.value.code == ErrorCode.CONNECTION_LOST
+            assert (refused.value.code, refused.value.dispatched) == (ErrorCode.ENGINE_GONE, False)
+        assert not copy.gone
         with pytest.raises(AmbiguousReply) as lost_generation:
-            await engine.generate("hello", None, GREEDY)
-        # the gateway must not resend: the request may have run
-        assert lost_generation.value.dispatched is True
+            await copy.generate("hello", None, GREEDY)
+        # the gateway must not resend: as far as this proxy can tell, the request may have run
+        assert (lost_generation.value.code, lost_generation.value.dispatched) == (
+            ErrorCode.ENGINE_GONE,
+            True,
+        )
+        assert copy.gone
+
+
+def test_start_engine_refuses_two_placements() -> None:
+    from evlog.errors import InvalidInput
+
+    with pytest.raises(InvalidInput):
+        start_engine(lambda: None, name="x", node_id="n", scheduling_strategy="SPREAD")  # type: ignore[arg-type,return-value]

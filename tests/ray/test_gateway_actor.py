@@ -77,7 +77,7 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
                 options=PLANE_OPTIONS,
             ),
         )
-        await anyio.to_thread.run_sync(
+        ledger = await anyio.to_thread.run_sync(
             lambda: start_ledger(config, name=ledger_name, namespace=NAMESPACE)
         )
         trainer = RayTrainerClient(ledger_name, namespace=NAMESPACE)
@@ -92,8 +92,7 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
         v1 = await publish(1)
         started = await anyio.to_thread.run_sync(
             lambda: start_gateways(
-                GatewayConfig(
-                    engines=tuple(engines),
+                GatewayConfig(  # no engines: the gateway takes the ledger's fleet
                     token=TOKEN,
                     ledger_name=ledger_name,
                     namespace=NAMESPACE,
@@ -139,6 +138,30 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
                 await client.with_options(api_key="nope", max_retries=0).models.list()
         stats = await gateway.stats.remote()
         assert stats["requests"] == 5 and stats["inflight"] == 0
+        assert stats["engines"] == ["e0", "e1"]
+
+        # an engine added at runtime: the running gateway actor routes to it, no restart
+        factory = functools.partial(http_local_engine, "e2")
+        start = functools.partial(start_engine, factory, name=f"{tag}-e2", namespace=NAMESPACE)
+        engines.append(await anyio.to_thread.run_sync(start))
+        report = await ledger.add_engine.remote(engines[-1])
+        assert report.repaired == ("e2",)
+        with anyio.fail_after(30):
+            while (await gateway.stats.remote())["engines"] != ["e0", "e1", "e2"]:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        served_by: set[str] = set()
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN) as client:
+            for k in range(40):
+                completion = await client.completions.with_raw_response.create(
+                    model="policy",
+                    prompt="hello",
+                    max_tokens=2,
+                    extra_headers={"x-session-id": f"after-add-{k}"},
+                )
+                served_by.add(completion.headers["x-loraledger-engine"])
+                if "e2" in served_by:
+                    break
+        assert "e2" in served_by, served_by
     finally:
         if gateway is not None:
             await anyio.to_thread.run_sync(lambda: stop_gateway(gateway))

@@ -1,0 +1,497 @@
+"""The fleet changes at runtime on Ray (issue 16), with real actors: engine actors hosting local
+engines, the ledger actor hosting the control plane, a rollout-worker actor whose gateway
+routes over ``RayLedger.fleet``, and a trainer client publishing from the test's process.
+
+Nothing here restarts the ledger or the rollout actor (but the last test, on purpose): each
+checks the ledger's process and epoch are the ones it started with, and the rollout actor
+learns every change from the ledger's membership view.
+
+* an engine actor killed for good is suspended at the first failed probe (``ENGINE_GONE``),
+  long before ``suspend_after_s``; only turns that were on their way to it fail, each
+  ``AMBIGUOUS_DISPATCH``; publication goes on; an operator's ``remove`` takes it out;
+* a replacement actor joins under the same id, is repaired, and serves the rollout actor;
+* an added engine receives the routable version, then the rollout actor's traffic;
+* a clean ``NOT_LOADED`` from an engine that restarted empty is served by the other holder,
+  and its report has the reconciler repair the engine without waiting for a probe tick;
+* an engine actor Ray restarts (``max_restarts=1``) is repaired before it serves again;
+* the runtime changes (added, replaced, removed) survive a restart of the ledger actor.
+
+Detection and recovery times are printed (``-s``), not asserted: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+import ray
+
+from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.testing import RestartableEngine
+from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSuspended
+from evlog.sqlite import SQLiteStore
+from projections.status import EngineStatus, LedgerStatus
+from publisher.gateway import DispatchCode
+from publisher.ray.client import RayLedger
+from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, start_engine, stop_engine
+from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
+from publisher.ray.trainer import RayTrainerClient
+from tests.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings(
+        "ignore:Adapter .* was active which is now deleted:UserWarning",
+        "ignore:.*is_gradient_checkpointing.*:FutureWarning",
+    ),
+]
+NAMESPACE = "loraledger"
+# Far beyond any wait below: a suspension seen here came from the ENGINE_GONE path, not from
+# failed probes being counted for suspend_after_s.
+SUSPEND_AFTER_S = 600.0
+
+
+class RestartableEngineActor(EngineActor):
+    """An engine actor whose engine can restart inside it: a new, empty engine life with a new
+    incarnation behind the same live actor (what a crashed and supervised server looks like
+    between two probes)."""
+
+    async def restart_engine(self) -> str:
+        await self._host.call(self._engine.restart)  # type: ignore[attr-defined]
+        return await self._host.call(self._engine.incarnation)
+
+
+def _restartable(engine_id: str) -> RestartableEngine:
+    return RestartableEngine(functools.partial(LocalEngine, engine_id, limits=LIMITS))
+
+
+class FleetRig:
+    """Engines, the ledger actor (with its plane), one rollout actor and a trainer client."""
+
+    def __init__(self, tmp: Path, *, options: dict[str, Any] | None = None) -> None:
+        self.tag = uuid.uuid4().hex[:8]
+        self.ledger_name = f"ledger-{self.tag}"
+        self.path = tmp / "ledger.db"
+        self.artifacts = tmp / "artifacts"
+        self.options = {**PLANE_OPTIONS, "suspend_after_s": SUSPEND_AFTER_S, **(options or {})}
+        self.engines: list[RayEngine] = []
+        self.ledger: Any = None
+        self.rollout: Any = None
+        self.client: RayLedger | None = None
+        self.trainer = RayTrainerClient(self.ledger_name, namespace=NAMESPACE)
+        self.pid_epoch: tuple[int, int] = (0, 0)
+
+    def engine(self, engine_id: str, *, suffix: str = "", max_restarts: int = 0) -> RayEngine:
+        engine = start_engine(
+            functools.partial(LocalEngine, engine_id, limits=LIMITS),
+            name=f"{self.tag}-{engine_id}{suffix}",
+            namespace=NAMESPACE,
+            max_restarts=max_restarts,
+        )
+        self.engines.append(engine)
+        return engine
+
+    def restartable_engine(self, engine_id: str) -> RayEngine:
+        handle = (
+            ray.remote(RestartableEngineActor)
+            .options(name=f"{self.tag}-{engine_id}", namespace=NAMESPACE, num_cpus=0)
+            .remote(functools.partial(_restartable, engine_id))
+        )
+        info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
+        engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+        self.engines.append(engine)
+        return engine
+
+    def start(self, engines: Sequence[RayEngine]) -> None:
+        config = LedgerConfig(
+            path=str(self.path),
+            plane=PlaneConfig(
+                deployment="dep",
+                prefix="agent",
+                capacity=4,
+                artifact_root=str(self.artifacts),
+                engines=tuple(engines),
+                options=self.options,
+            ),
+        )
+        self.ledger = start_ledger(config, name=self.ledger_name, namespace=NAMESPACE)
+        info = ray.get(self.ledger.describe.remote(), timeout=60)
+        self.pid_epoch = (info.pid, info.epoch)
+        self.rollout = (
+            ray.remote(RolloutActor).options(num_cpus=0).remote("w0", self.ledger_name, NAMESPACE)
+        )
+        ray.get(self.rollout.mirror.remote(), timeout=300)
+
+    def stop(self) -> None:
+        if self.rollout is not None:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                ray.get(self.rollout.stop.remote(), timeout=60)
+            ray.kill(self.rollout, no_restart=True)
+        if self.ledger is not None:
+            stop_ledger(self.ledger_name, namespace=NAMESPACE)
+        for engine in self.engines:
+            stop_engine(engine, timeout=5)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def status(self) -> LedgerStatus:
+        assert self.client is not None
+        return await self.client.status()
+
+    async def member(self, engine_id: str) -> EngineStatus | None:
+        status = await self.status()
+        return next((e for e in status.engines if e.engine == engine_id), None)
+
+    async def wait_for(
+        self, what: str, predicate: Callable[[LedgerStatus], bool], timeout: float = 60.0
+    ) -> float:
+        """Poll the ledger's status until ``predicate`` holds; the monotonic time it did."""
+        with anyio.fail_after(timeout):
+            while not predicate(await self.status()):  # noqa: ASYNC110 -- polling an actor
+                await anyio.sleep(0.05)
+        return time.monotonic()
+
+    async def until_rollout_routes_to(self, engine_id: str, timeout: float = 30.0) -> None:
+        """Routing reaches the rollout actor with its next ledger reply (a lease renewal):
+        wait for the table that has ``engine_id`` routable again."""
+        with anyio.fail_after(timeout):
+            while not await self.rollout.routes_to.remote(engine_id):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+
+    async def attempt(self, sessions: Sequence[str], turn: int) -> list[Outcome]:
+        return await self.rollout.attempt.remote(list(sessions), turn)  # type: ignore[no-any-return]
+
+    async def publish(self, step: int) -> Any:
+        config, tensors = make_adapter(step)
+        return await self.trainer.publish(tensors, config, step=step)
+
+    async def same_ledger_process(self) -> bool:
+        info = await self.ledger.describe.remote()
+        return (info.pid, info.epoch) == self.pid_epoch
+
+    async def log(self) -> list[Any]:
+        """Every event of the log (after the ledger actor was stopped)."""
+        async with SQLiteStore.open(self.path) as store:
+            return [record.event for record in await store.read()]
+
+
+@contextlib.asynccontextmanager
+async def fleet_rig(
+    tmp: Path,
+    make: Callable[[FleetRig], Sequence[RayEngine]],
+    *,
+    options: dict[str, Any] | None = None,
+) -> AsyncIterator[FleetRig]:
+    rig = FleetRig(tmp, options=options)
+    try:
+        engines = await anyio.to_thread.run_sync(make, rig)
+        await anyio.to_thread.run_sync(rig.start, engines)
+        async with RayLedger.connect(rig.ledger_name, namespace=NAMESPACE) as client:
+            rig.client = client
+            published = await rig.publish(1)
+            assert published.status == "PUBLISHED", published
+            yield rig
+    finally:
+        rig.client = None
+        await anyio.to_thread.run_sync(rig.stop)
+
+
+def routable(status: LedgerStatus, engine_id: str) -> bool:
+    return any(e.engine == engine_id and e.routable for e in status.engines)
+
+
+def two_engines(rig: FleetRig) -> list[RayEngine]:
+    return [rig.engine("e0"), rig.engine("e1")]
+
+
+SESSIONS = [f"s{i}" for i in range(12)]
+
+
+async def test_an_engine_actor_killed_for_good_is_suspended_and_leaves_routing(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        first = await rig.attempt(SESSIONS, 0)
+        assert all(o.code == "" for o in first), first
+        on_e0 = [o.session for o in first if o.engine == "e0"]
+        assert on_e0, "rendezvous put no session on e0"
+
+        doomed = rig.engines[0]
+        killed_at = time.monotonic()
+        ray.kill(doomed.handle, no_restart=True)
+        outcomes: list[Outcome] = []
+        suspended_at: float | None = None
+        turn = 1
+        with anyio.fail_after(60):
+            # turns go on while the kill lands: count what it costs
+            while suspended_at is None or turn < 4:
+                outcomes += await rig.attempt(SESSIONS, turn)
+                turn += 1
+                if suspended_at is None and not routable(await rig.status(), "e0"):
+                    suspended_at = time.monotonic()
+        detection = suspended_at - killed_at
+        failed = Counter(o.code for o in outcomes if o.code)
+        print(
+            f"\nkilled for good: suspended after {detection:.2f} s; {len(on_e0)} of "
+            f"{len(SESSIONS)} sessions on it; {len(outcomes)} turns, failed {dict(failed)}"
+        )
+        # Only turns that were on their way to e0 can fail, and only as ambiguous: nothing that
+        # may have run was resent, and no turn failed for a reason the gateway could avoid.
+        assert set(failed) <= {DispatchCode.AMBIGUOUS_DISPATCH}
+        assert sum(failed.values()) <= len(on_e0)
+        assert {o.engine for o in outcomes[-len(SESSIONS) :]} == {"e1"}
+
+        # publication does not wait for the dead engine, nor fail on it
+        second = await rig.publish(2)
+        assert second.status == "PUBLISHED", second
+        late = await rig.attempt(["late-0", "late-1"], 0)
+        assert [(o.engine, o.version_id, o.code) for o in late] == [("e1", 2, "")] * 2
+
+        # an operator removes it; the rollout actor's mirror drops it
+        await rig.ledger.remove_engine.remote("e0")
+        assert await rig.member("e0") is None
+        with anyio.fail_after(30):
+            while "e0" in await rig.rollout.mirror.remote():  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert await rig.same_ledger_process()
+    events = await rig.log()
+    suspensions = [e for e in events if isinstance(e, EngineSuspended) and e.engine == "e0"]
+    assert len(suspensions) == 1
+    assert suspensions[0].cause == "unhealthy"
+    assert "ENGINE_GONE" in suspensions[0].detail
+    assert [e.cause for e in events if isinstance(e, EngineLeft)] == ["operator"]
+
+
+async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        first = await rig.attempt(SESSIONS, 0)
+        on_e0 = {o.session for o in first if o.engine == "e0"}
+        assert on_e0 and all(o.code == "" for o in first), first
+        old = rig.engines[0]
+        ray.kill(old.handle, no_restart=True)
+        await rig.wait_for("e0 suspended", lambda s: not routable(s, "e0"))
+
+        replacement = await anyio.to_thread.run_sync(
+            functools.partial(rig.engine, "e0", suffix="-b")
+        )
+        started = time.monotonic()
+        report = await rig.ledger.replace_engine.remote(replacement)
+        print(f"\nreplacement routable after {time.monotonic() - started:.2f} s: {report}")
+        assert report.restarted == ("e0",)
+        assert report.restored == ("e0:1",)
+        assert report.repaired == ("e0",)
+        member = await rig.member("e0")
+        assert member is not None and member.routable
+        assert member.incarnation == await replacement.incarnation()
+
+        # the rollout actor, started before the replacement, routes to the new actor
+        with anyio.fail_after(30):
+            while (await rig.rollout.mirror.remote()).get("e0") != replacement.actor_id:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        again = await rig.attempt(sorted(on_e0), 1)
+        assert [(o.engine, o.incarnation, o.code) for o in again] == [
+            ("e0", member.incarnation, "")
+        ] * len(on_e0)
+        assert await replacement.generate_calls() == len(on_e0)
+        assert await rig.same_ledger_process()
+    events = await rig.log()
+    e0 = [type(e).__name__ for e in events if getattr(e, "engine", None) == "e0"]
+    # suspended when it died, then the new actor's incarnation: a restart, repaired
+    assert e0[-4:] == ["EngineSuspended", "EngineRestarted", "VersionRestored", "EngineRepaired"]
+
+
+async def test_an_added_engine_gets_the_routable_versions_then_traffic(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        first = await rig.attempt(SESSIONS, 0)
+        assert all(o.code == "" for o in first), first
+        added = await anyio.to_thread.run_sync(functools.partial(rig.engine, "e2"))
+        report = await rig.ledger.add_engine.remote(added)
+        assert (report.joined, report.restored, report.repaired) == (("e2",), ("e2:1",), ("e2",))
+        status = await rig.status()
+        v1 = next(v for v in status.versions if v.version_id == 1)
+        assert routable(status, "e2")
+        assert "e2" in v1.holders
+
+        with anyio.fail_after(30):
+            while "e2" not in await rig.rollout.mirror.remote():  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        newcomers = [f"n{i}" for i in range(12)]
+        served = await rig.attempt(newcomers, 0)
+        assert all(o.code == "" for o in served), served
+        on_e2 = [o for o in served if o.engine == "e2"]
+        assert on_e2, "rendezvous over three holders put no new session on e2"
+        assert await added.generate_calls() == len(on_e2)
+        assert await rig.same_ledger_process()
+
+
+async def test_a_clean_refusal_of_an_engine_that_restarted_empty_is_served_elsewhere(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """The engine restarts inside its live actor between two probes, and probes are rare here
+    (30 s): the first turn sent to it meets the fresh engine's NOT_LOADED, is served by the
+    other holder, and its report has the reconciler look at once."""
+    slow_probes = {"probe_interval_s": 30.0, "full_reconcile_s": 120.0}
+    async with fleet_rig(
+        tmp_path,
+        lambda rig: [rig.restartable_engine("e0"), rig.engine("e1")],
+        options=slow_probes,
+    ) as rig:
+        first = await rig.attempt(SESSIONS, 0)
+        on_e0 = sorted(o.session for o in first if o.engine == "e0")
+        assert on_e0 and all(o.code == "" for o in first), first
+        e0 = rig.engines[0]
+        before = await e0.generate_calls()
+        new_incarnation = await e0.handle.restart_engine.remote()
+        restarted_at = time.monotonic()
+
+        one = await rig.attempt(on_e0[:1], 1)
+        assert [(o.engine, o.code) for o in one] == [("e1", "")]
+        assert await e0.generate_calls() == before + 1  # asked once, refused, not resent there
+        repaired_at = await rig.wait_for(
+            "e0 repaired",
+            lambda s: any(
+                e.engine == "e0" and e.routable and e.incarnation == new_incarnation
+                for e in s.engines
+            ),
+            timeout=25,  # well inside the 30 s probe interval: the report did it
+        )
+        print(f"\nrestarted empty: repaired {repaired_at - restarted_at:.2f} s after the restart")
+        await rig.until_rollout_routes_to("e0")
+        back = await rig.attempt(on_e0, 2)
+        assert [(o.engine, o.incarnation, o.code) for o in back] == [
+            ("e0", new_incarnation, "")
+        ] * len(on_e0)
+
+
+async def test_an_engine_ray_restarts_is_repaired_before_it_serves_again(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    async with fleet_rig(
+        tmp_path, lambda rig: [rig.engine("e0", max_restarts=1), rig.engine("e1")]
+    ) as rig:
+        first = await rig.attempt(SESSIONS, 0)
+        assert all(o.code == "" for o in first), first
+        old = await rig.member("e0")
+        assert old is not None
+        e0 = rig.engines[0]
+        answered_at: list[float] = []
+
+        async def first_answer() -> None:
+            """When the restarted actor first answers a probe of its own (for the figures)."""
+            while True:
+                with contextlib.suppress(ray.exceptions.RayActorError):
+                    if await e0.handle.incarnation.remote() != old.incarnation:
+                        answered_at.append(time.monotonic())
+                        return
+                await anyio.sleep(0.05)
+
+        killed_at = time.monotonic()
+        ray.kill(e0.handle, no_restart=False)  # Ray restarts it: same handle, new process
+        outcomes: list[Outcome] = []
+        noticed_at: float | None = None
+        back_at: float | None = None
+        turn = 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first_answer)
+            with anyio.fail_after(120):
+                while not answered_at:
+                    outcomes += await rig.attempt(SESSIONS, turn)
+                    turn += 1
+        with anyio.fail_after(120):
+            while back_at is None or turn < 3:
+                outcomes += await rig.attempt(SESSIONS, turn)
+                turn += 1
+                member = await rig.member("e0")
+                assert member is not None
+                if noticed_at is None and member.incarnation != old.incarnation:
+                    noticed_at = time.monotonic()
+                if noticed_at is not None and back_at is None and member.routable:
+                    back_at = time.monotonic()
+                    new = member
+        assert noticed_at is not None and back_at is not None
+        failed = Counter(o.code for o in outcomes if o.code)
+        print(
+            f"\nRay-restarted: the new process answered after {answered_at[0] - killed_at:.2f} s, "
+            f"its incarnation was recorded after {noticed_at - killed_at:.2f} s, "
+            f"routable after {back_at - killed_at:.2f} s; {len(outcomes)} turns, failed "
+            f"{dict(failed)}"
+        )
+        # a turn in flight at the kill (or sent into the restart) is ambiguous; none failed
+        # because the fresh engine refused it (tried elsewhere)
+        assert set(failed) <= {DispatchCode.AMBIGUOUS_DISPATCH}
+        # served by e0 after the kill only once repaired: on the new incarnation, never the old
+        served_by_e0 = [o for o in outcomes if o.engine == "e0"]
+        assert {o.incarnation for o in served_by_e0} <= {old.incarnation, new.incarnation}
+        await rig.until_rollout_routes_to("e0")
+        last = await rig.attempt(SESSIONS, turn)
+        assert all(o.code == "" for o in last), last
+        assert {o.incarnation for o in last if o.engine == "e0"} == {new.incarnation}
+        assert await rig.same_ledger_process()
+    events = await rig.log()
+    kinds = [type(e) for e in events if getattr(e, "engine", None) == "e0"]
+    restart = kinds.index(EngineRestarted)
+    assert EngineRepaired in kinds[restart:]
+
+
+async def test_runtime_changes_survive_a_restart_of_the_ledger_actor(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """The ledger actor is created with e0 and e1; at runtime e0 is replaced, e2 added and e1
+    removed; Ray then restarts the ledger actor with its original arguments. The restarted
+    plane serves the runtime fleet, not the configured one: nothing leaves or joins again."""
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        ray.kill(rig.engines[0].handle, no_restart=True)
+        replacement = await anyio.to_thread.run_sync(
+            functools.partial(rig.engine, "e0", suffix="-b")
+        )
+        await rig.ledger.replace_engine.remote(replacement)
+        added = await anyio.to_thread.run_sync(functools.partial(rig.engine, "e2"))
+        await rig.ledger.add_engine.remote(added)
+        await rig.ledger.remove_engine.remote("e1")
+        before = await rig.status()
+        assert sorted((e.engine, e.routable) for e in before.engines) == [
+            ("e0", True),
+            ("e2", True),
+        ]
+
+        ray.kill(rig.ledger, no_restart=False)  # Ray restarts it: same arguments, same log
+        with anyio.fail_after(120):
+            while True:
+                with contextlib.suppress(ray.exceptions.RayActorError):
+                    info = await rig.ledger.describe.remote()
+                    if info.epoch > before.epoch:
+                        break
+                await anyio.sleep(0.2)
+        after = await rig.wait_for(
+            "the runtime fleet routable",
+            lambda s: (
+                sorted((e.engine, e.routable) for e in s.engines) == [("e0", True), ("e2", True)]
+            ),
+        )
+        assert after
+        status = await rig.status()
+        incarnations = {e.engine: e.incarnation for e in status.engines}
+        assert incarnations == {
+            "e0": await replacement.incarnation(),
+            "e2": await added.incarnation(),
+        }
+        served = await rig.attempt([f"r{i}" for i in range(8)], 0)
+        assert all(o.code == "" and o.engine in ("e0", "e2") for o in served), served
+    events = await rig.log()
+    restart = max(i for i, e in enumerate(events) if type(e).__name__ == "ControllerStarted")
+    after_restart = [type(e).__name__ for e in events[restart:] if hasattr(e, "engine")]
+    assert "EngineLeft" not in after_restart and "EngineJoined" not in after_restart
