@@ -17,16 +17,15 @@ so a server configured otherwise cannot weaken it): the commit's WAL is flushed 
 server's disk (and to the synchronous standbys, if the server names any) before the answer.
 A server running with ``fsync = off`` cannot keep that promise; nothing a client sets can.
 
-Group commit, as in ``SQLiteStore``: an appender queues its call; if no group is being
-written it becomes the leader and writes every queued call as ONE transaction, answers them
-all after COMMIT, and hands the leadership on. The common group is one statement (an INSERT
-over ``unnest`` of one array per column) in autocommit mode: one round trip, atomic and
-durable when it returns. Positions and the hash chain are computed from the cached tail;
-the seq primary key and the event_id unique index turn every wrong assumption (a duplicate
-id, another writer having moved the tail) into a unique violation that leaves nothing
-written, after which the group is re-planned on the slow path: inside a transaction that
-first takes ``EXCLUSIVE`` on the events table (other writers wait, readers do not), reads the
-tail and looks the ids up.
+Group commit through the same combining writer as ``SQLiteStore`` (:mod:`evlog.group_commit`):
+every call queued while a group is written becomes ONE transaction of the next. The common
+group is one statement (an INSERT over ``unnest`` of one array per column) in autocommit mode:
+one round trip, atomic and durable when it returns. Positions and the hash chain are computed
+from the cached tail; the seq primary key and the event_id unique index turn every wrong
+assumption (a duplicate id, another writer having moved the tail) into a unique violation that
+leaves nothing written, after which the group is re-planned on the slow path: inside a
+transaction that first takes ``EXCLUSIVE`` on the events table (other writers wait, readers do
+not), reads the tail and looks the ids up.
 
 A second writer on the same log is therefore detected and handled correctly, only slowly,
 exactly as with SQLite; the ledger above fences a stale one by ``expected_seq``
@@ -43,7 +42,6 @@ another process appends are read when this store next commits or a follower re-r
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -51,9 +49,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import asyncpg
-import msgspec
 
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
+from evlog.group_commit import GroupCommit, Write, WriteStats
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
 from evlog.store import (
     SNAPSHOTS_KEPT,
@@ -126,7 +124,6 @@ _LOAD_SNAPSHOT = (
 
 _MAX_SEQ = 2**63 - 1
 _CHUNK = 4096  # rows per read round trip: bounded memory for a replay, few round trips
-_MAX_GROUP_EVENTS = 8192  # bound one transaction (latency of the first caller, memory)
 _NO_IDS: dict[bytes, int] = {}
 _READERS = 4  # pooled read connections
 _SESSION = {"synchronous_commit": "on", "application_name": "loraledger"}
@@ -139,40 +136,9 @@ _READ_PLANS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "enable_sort
 _CONNECT_TIMEOUT_S = 30.0
 
 
-class WriteStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of the writer since open: ``events / transactions`` is the mean group size."""
-
-    transactions: int
-    events: int
-    slow_paths: int
-
-
 def redact(url: str) -> str:
     """``url`` without its password, for logs, messages and ``describe`` replies."""
     return describe(url)
-
-
-class _Call:
-    """One queued write: an append (``batch``) or a snapshot save (``snapshot``)."""
-
-    __slots__ = ("batch", "expected_seq", "leader", "outcome", "snapshot", "taken", "woken")
-
-    def __init__(
-        self, batch: Sequence[Pending], expected_seq: int | None, snapshot: Snapshot | None
-    ) -> None:
-        self.batch = batch
-        self.expected_seq = expected_seq
-        self.snapshot = snapshot
-        # asyncpg binds the store to asyncio; a bare future is the cheapest wake-up.
-        self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.leader = False
-        self.taken = False
-        self.outcome: list[int] | StoreError | None = None
-
-
-def _wake(call: _Call) -> None:
-    if not call.woken.done():
-        call.woken.set_result(None)
 
 
 def _columns(rows: list[Row]) -> list[list[Any]]:
@@ -211,11 +177,9 @@ class PostgresStore:
         self._readers = readers
         self._last_seq = last_seq
         self._head_hash = head_hash
-        self._queue: deque[_Call] = deque()
-        self._leading = False
+        self._group = GroupCommit(self._write_group)
         self._closing = False
         self._closed = False
-        self._idle: anyio.Event | None = None
         self._committed = CommitSignal()
         # After a failed write the cached tail may be wrong: re-read it inside the next one.
         self._suspect = False
@@ -279,10 +243,7 @@ class PostgresStore:
             return
         with anyio.CancelScope(shield=True):
             self._closing = True
-            while self._leading:
-                if self._idle is None:
-                    self._idle = anyio.Event()
-                await self._idle.wait()
+            await self._group.wait_idle()
             self._closed = True
             self._committed.fire()
             with suppress(Exception):
@@ -320,73 +281,13 @@ class PostgresStore:
         if not batch:
             await anyio.lowlevel.checkpoint()
             return []
-        return await self._submit(_Call(batch, expected_seq, None))
+        return await self._group.submit(Write(batch, expected_seq, None))
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
         self._check_writable()
-        await self._submit(_Call((), None, snapshot))
+        await self._group.submit(Write((), None, snapshot))
 
-    async def _submit(self, call: _Call) -> list[int]:
-        self._queue.append(call)
-        if self._leading:
-            try:
-                await call.woken
-            except BaseException:
-                self._withdraw(call)
-                raise
-        else:
-            self._leading = True
-            call.leader = True
-        if call.leader:
-            # The group is written for every caller in it: the leader being cancelled must
-            # not abandon the others mid-transaction.
-            with anyio.CancelScope(shield=True):
-                await self._lead()
-        outcome = call.outcome
-        if isinstance(outcome, StoreError):
-            raise outcome
-        assert outcome is not None, "a call is answered only once resolved"
-        return outcome
-
-    def _withdraw(self, call: _Call) -> None:
-        """A waiting caller was cancelled: a call not taken yet is dropped (never written); one
-        already taken is written anyway (its caller retries with the same ids)."""
-        if call.taken:
-            return
-        self._queue.remove(call)
-        if call.leader:
-            self._promote_next()
-
-    def _promote_next(self) -> None:
-        if self._queue:
-            head = self._queue[0]
-            head.leader = True
-            _wake(head)
-        else:
-            self._leading = False
-            if self._idle is not None:
-                self._idle.set()
-                self._idle = None
-
-    async def _lead(self) -> None:
-        queue = self._queue
-        group: list[_Call] = []
-        size = 0
-        while queue and (not group or size + len(queue[0].batch) <= _MAX_GROUP_EVENTS):
-            call = queue.popleft()
-            call.taken = True
-            group.append(call)
-            size += len(call.batch)
-        try:
-            await self._write_group(group)
-        finally:
-            for call in group:
-                if call.outcome is None:
-                    call.outcome = StoreError(StoreCode.STORE_FAILED, "the write was interrupted")
-                _wake(call)
-            self._promote_next()
-
-    async def _write_group(self, group: list[_Call]) -> None:
+    async def _write_group(self, group: list[Write]) -> None:
         appends = [c for c in group if c.snapshot is None]
         saves = [c for c in group if c.snapshot is not None]
         requests: list[AppendRequest] = [(c.batch, c.expected_seq) for c in appends]
@@ -440,7 +341,7 @@ class PostgresStore:
         stored = {eid: seq for eid, seq in found}
         return plan_appends(requests, last_seq, head_hash, stored)
 
-    async def _write(self, w: asyncpg.Connection, plan: AppendPlan, saves: list[_Call]) -> None:
+    async def _write(self, w: asyncpg.Connection, plan: AppendPlan, saves: list[Write]) -> None:
         """Fast path: rows only is ONE autocommitted statement (atomic, durable on return);
         with snapshot saves, one explicit transaction."""
         if not saves:
@@ -456,7 +357,7 @@ class PostgresStore:
             await w.execute(_INSERT_GROUP, *_columns(plan.rows))
 
     @staticmethod
-    async def _write_snapshots(w: asyncpg.Connection, saves: list[_Call], last_seq: int) -> None:
+    async def _write_snapshots(w: asyncpg.Connection, saves: list[Write], last_seq: int) -> None:
         valid: list[tuple[str, int, bytes]] = []
         for call in saves:
             call.outcome = None  # an earlier, rolled-back attempt may have judged it
@@ -474,7 +375,7 @@ class PostgresStore:
             await w.executemany(_SAVE_SNAPSHOT, valid)
             await w.executemany(_PRUNE_SNAPSHOTS, {(v[0], SNAPSHOTS_KEPT) for v in valid})
 
-    def _settle(self, plan: AppendPlan, appends: list[_Call], saves: list[_Call]) -> None:
+    def _settle(self, plan: AppendPlan, appends: list[Write], saves: list[Write]) -> None:
         for call, outcome in zip(appends, plan.outcomes, strict=True):
             call.outcome = outcome
         for call in saves:

@@ -6,10 +6,10 @@ allocated inside the write transaction, so a reader can never see seq n+1 before
 across restarts). Snapshots live beside the log, keyed by ``(code_version, seq)``.
 
 Writes go through ONE writer connection and are group-committed by *combining*, without a
-background task: an appender queues its call; if no call is being written, it becomes the
-leader, writes every call already queued as one transaction, answers them all after COMMIT and
-hands the leadership to the first call queued meanwhile. So concurrent appenders share fsyncs
-(the only way to be fast with ``synchronous=FULL``) and nothing outlives the callers.
+background task (:mod:`evlog.group_commit`: the first caller leads and writes every queued
+call as one transaction; the others are answered after its COMMIT). So concurrent appenders
+share fsyncs (the only way to be fast with ``synchronous=FULL``) and nothing outlives the
+callers.
 
 A group costs ONE aiosqlite thread hop on the fast path (a hop is ~24 us on an idle 2-core VM,
 several times that under load): the whole group is one multi-row INSERT run in autocommit mode,
@@ -20,17 +20,15 @@ the tail) into an IntegrityError that leaves nothing written, after which the gr
 re-planned on the slow path, which reads the tail and looks the ids up inside an explicit
 ``BEGIN IMMEDIATE`` transaction.
 
-Why one module of ~700 lines: the combining writer, its slow path, the read path and the
+Why one module of ~700 lines: the group writer, its slow path, the read path and the
 file checks share one discipline (who may touch the writer connection, and the cached tail the
 fast path trusts); split across files, those invariants would have no single place to be read.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, closing, suppress
 from itertools import chain
@@ -40,9 +38,9 @@ import aiosqlite
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import msgspec
 
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
+from evlog.group_commit import GroupCommit, Write, WriteStats
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
 from evlog.store import (
     SNAPSHOTS_KEPT,
@@ -113,40 +111,9 @@ _LOAD_SNAPSHOT = (
 
 _MAX_SEQ = 2**63 - 1
 _CHUNK = 4096  # rows per read hop: bounded memory for a replay, few hops
-_MAX_GROUP_EVENTS = 8192  # bound one transaction (latency of the first caller, memory)
 _ID_LOOKUP = 500  # ids per ``IN (...)`` on the slow path
 _NO_IDS: dict[bytes, int] = {}
 _CORRUPTION = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
-
-
-class WriteStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of the writer since open: ``events / transactions`` is the mean group size."""
-
-    transactions: int
-    events: int
-    slow_paths: int
-
-
-class _Call:
-    """One queued write: an append (``batch``) or a snapshot save (``snapshot``)."""
-
-    __slots__ = ("batch", "expected_seq", "leader", "outcome", "snapshot", "taken", "woken")
-    # ``outcome`` is None until the call is resolved: its seqs ([] for a saved snapshot) or the
-    # StoreError its caller raises.
-
-    def __init__(
-        self, batch: Sequence[Pending], expected_seq: int | None, snapshot: Snapshot | None
-    ) -> None:
-        self.batch = batch
-        self.expected_seq = expected_seq
-        self.snapshot = snapshot
-        # A bare asyncio future, not an anyio Event: aiosqlite binds this store to asyncio
-        # anyway, and an Event costs ~4 us per call, a fifth of the per-event budget at 256
-        # appenders. Cancellation still flows through anyio scopes (they cancel the task).
-        self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.leader = False
-        self.taken = False
-        self.outcome: list[int] | StoreError | None = None
 
 
 def _one_statement(rows: list[Row]) -> tuple[str, list[object]]:
@@ -155,12 +122,6 @@ def _one_statement(rows: list[Row]) -> tuple[str, list[object]]:
     if size > len(rows):
         params.extend(_PAD_ROW * (size - len(rows)))
     return _ONE_STATEMENT[size], params
-
-
-def _wake(call: _Call) -> None:
-    # A cancelled waiter's future is already done; its caller withdraws (see ``_withdraw``).
-    if not call.woken.done():
-        call.woken.set_result(None)
 
 
 def _store_error(exc: BaseException, doing: str) -> StoreError:
@@ -207,11 +168,9 @@ class SQLiteStore:
         self._last_seq = last_seq
         self._head_hash = head_hash
         self._synchronous = synchronous
-        self._queue: deque[_Call] = deque()
-        self._leading = False
+        self._group = GroupCommit(self._write_group)
         self._closing = False
         self._closed = False
-        self._idle: anyio.Event | None = None
         self._committed = CommitSignal()
         # After a failed write the cached tail may be wrong: re-read it inside the next one.
         self._suspect = False
@@ -334,10 +293,7 @@ class SQLiteStore:
             return
         with anyio.CancelScope(shield=True):
             self._closing = True
-            while self._leading:
-                if self._idle is None:
-                    self._idle = anyio.Event()
-                await self._idle.wait()
+            await self._group.wait_idle()
             self._closed = True
             self._committed.fire()
             for conn in (self._writer, self._reader):
@@ -377,74 +333,13 @@ class SQLiteStore:
         if not batch:
             await anyio.lowlevel.checkpoint()
             return []
-        return await self._submit(_Call(batch, expected_seq, None))
+        return await self._group.submit(Write(batch, expected_seq, None))
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
         self._check_writable()
-        await self._submit(_Call((), None, snapshot))
+        await self._group.submit(Write((), None, snapshot))
 
-    async def _submit(self, call: _Call) -> list[int]:
-        self._queue.append(call)
-        if self._leading:
-            try:
-                await call.woken
-            except BaseException:
-                self._withdraw(call)
-                raise
-        else:
-            self._leading = True
-            call.leader = True
-        if call.leader:
-            # The group is written for every caller in it: the leader being cancelled must
-            # not abandon the others mid-transaction.
-            with anyio.CancelScope(shield=True):
-                await self._lead()
-        outcome = call.outcome
-        if isinstance(outcome, StoreError):
-            raise outcome
-        assert outcome is not None, "a call is answered only once resolved"
-        return outcome
-
-    def _withdraw(self, call: _Call) -> None:
-        """A waiting caller was cancelled. If its call was not taken yet, it is dropped (never
-        written); if it had just been made leader, the leadership passes on. A call already
-        taken is written anyway: the caller cannot know, and retries with the same ids."""
-        if call.taken:
-            return
-        self._queue.remove(call)
-        if call.leader:
-            self._promote_next()
-
-    def _promote_next(self) -> None:
-        if self._queue:
-            head = self._queue[0]
-            head.leader = True
-            _wake(head)
-        else:
-            self._leading = False
-            if self._idle is not None:
-                self._idle.set()
-                self._idle = None
-
-    async def _lead(self) -> None:
-        queue = self._queue
-        group: list[_Call] = []
-        size = 0
-        while queue and (not group or size + len(queue[0].batch) <= _MAX_GROUP_EVENTS):
-            call = queue.popleft()
-            call.taken = True
-            group.append(call)
-            size += len(call.batch)
-        try:
-            await self._write_group(group)
-        finally:
-            for call in group:
-                if call.outcome is None:
-                    call.outcome = StoreError(StoreCode.STORE_FAILED, "the write was interrupted")
-                _wake(call)
-            self._promote_next()
-
-    async def _write_group(self, group: list[_Call]) -> None:
+    async def _write_group(self, group: list[Write]) -> None:
         appends = [c for c in group if c.snapshot is None]
         saves = [c for c in group if c.snapshot is not None]
         requests: list[AppendRequest] = [(c.batch, c.expected_seq) for c in appends]
@@ -496,7 +391,7 @@ class SQLiteStore:
             stored.update((eid, seq) for eid, seq in found)
         return plan_appends(requests, last_seq, head_hash, stored)
 
-    async def _write(self, plan: AppendPlan, saves: list[_Call], *, in_transaction: bool) -> None:
+    async def _write(self, plan: AppendPlan, saves: list[Write], *, in_transaction: bool) -> None:
         """Write ``plan`` and ``saves`` durably (returns after COMMIT).
 
         The common case, rows only and at most ``_ONE_STATEMENT_ROWS`` of them, is ONE
@@ -525,7 +420,7 @@ class SQLiteStore:
                     await w.rollback()
             raise
 
-    async def _write_snapshots(self, saves: list[_Call], last_seq: int) -> None:
+    async def _write_snapshots(self, saves: list[Write], last_seq: int) -> None:
         valid: list[tuple[str, int, bytes]] = []
         for call in saves:
             call.outcome = None  # an earlier, rolled-back attempt may have judged it
@@ -544,7 +439,7 @@ class SQLiteStore:
             versions = {(v[0], SNAPSHOTS_KEPT) for v in valid}
             await self._writer.executemany(_PRUNE_SNAPSHOTS, versions)
 
-    def _settle(self, plan: AppendPlan, appends: list[_Call], saves: list[_Call]) -> None:
+    def _settle(self, plan: AppendPlan, appends: list[Write], saves: list[Write]) -> None:
         for call, outcome in zip(appends, plan.outcomes, strict=True):
             call.outcome = outcome
         for call in saves:
