@@ -42,7 +42,7 @@ another process appends are read when this store next commits or a follower re-r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -50,16 +50,15 @@ import anyio
 import anyio.lowlevel
 import asyncpg
 
+from evlog.chained_store import ChainedStore
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
-from evlog.group_commit import GroupCommit, Write, WriteStats
-from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
+from evlog.group_commit import Write
+from evlog.record import GENESIS_HASH, Row, open_row
 from evlog.store import (
     SNAPSHOTS_KEPT,
     AppendPlan,
     AppendRequest,
-    CommitSignal,
     Snapshot,
-    VerifyReport,
     plan_appends,
 )
 from evlog.stores import backend_of, describe
@@ -122,8 +121,6 @@ _LOAD_SNAPSHOT = (
     "ORDER BY seq DESC LIMIT 1"
 )
 
-_MAX_SEQ = 2**63 - 1
-_CHUNK = 4096  # rows per read round trip: bounded memory for a replay, few round trips
 _NO_IDS: dict[bytes, int] = {}
 _READERS = 4  # pooled read connections
 _SESSION = {"synchronous_commit": "on", "application_name": "loraledger"}
@@ -152,7 +149,7 @@ def _store_error(exc: BaseException, doing: str) -> StoreError:
 _FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
 
 
-class PostgresStore:
+class PostgresStore(ChainedStore):
     """An ``EventStore`` on a PostgreSQL database (see the module docstring).
 
     Open with ``async with PostgresStore.open(url) as store`` (or ``await
@@ -172,21 +169,10 @@ class PostgresStore:
         head_hash: bytes,
     ) -> None:
         # Use connect()/open(): the constructor only assembles already-checked parts.
+        super().__init__(last_seq, head_hash)
         self._url = url
         self._writer = writer
         self._readers = readers
-        self._last_seq = last_seq
-        self._head_hash = head_hash
-        self._group = GroupCommit(self._write_group)
-        self._closing = False
-        self._closed = False
-        self._committed = CommitSignal()
-        # After a failed write the cached tail may be wrong: re-read it inside the next one.
-        self._suspect = False
-        self._transactions = 0
-        self._events = 0
-        self._slow_paths = 0
-        self._read_only = False
 
     # --- opening and closing ---------------------------------------------------------------
 
@@ -259,33 +245,10 @@ class PostgresStore:
         return redact(self._url)
 
     @property
-    def last_seq(self) -> int:
-        return self._last_seq
-
-    @property
-    def head_hash(self) -> bytes:
-        return self._head_hash
-
-    @property
-    def stats(self) -> WriteStats:
-        return WriteStats(
-            transactions=self._transactions, events=self._events, slow_paths=self._slow_paths
-        )
+    def name(self) -> str:
+        return self.url
 
     # --- writes ----------------------------------------------------------------------------
-
-    async def append(
-        self, batch: Sequence[Pending], *, expected_seq: int | None = None
-    ) -> list[int]:
-        self._check_writable()
-        if not batch:
-            await anyio.lowlevel.checkpoint()
-            return []
-        return await self._group.submit(Write(batch, expected_seq, None))
-
-    async def save_snapshot(self, snapshot: Snapshot) -> None:
-        self._check_writable()
-        await self._group.submit(Write((), None, snapshot))
 
     async def _write_group(self, group: list[Write]) -> None:
         appends = [c for c in group if c.snapshot is None]
@@ -375,98 +338,7 @@ class PostgresStore:
             await w.executemany(_SAVE_SNAPSHOT, valid)
             await w.executemany(_PRUNE_SNAPSHOTS, {(v[0], SNAPSHOTS_KEPT) for v in valid})
 
-    def _settle(self, plan: AppendPlan, appends: list[Write], saves: list[Write]) -> None:
-        for call, outcome in zip(appends, plan.outcomes, strict=True):
-            call.outcome = outcome
-        for call in saves:
-            if call.outcome is None:
-                call.outcome = []  # saved (a refused save already holds its error)
-        self._transactions += 1
-        if plan.rows:
-            self._events += len(plan.rows)
-            self._last_seq = plan.last_seq
-            self._head_hash = plan.head_hash
-            self._committed.fire()
-
     # --- reads -----------------------------------------------------------------------------
-
-    async def read(
-        self, after: int = 0, until: int | None = None, limit: int | None = None
-    ) -> list[Record]:
-        return await self._read(after, until, limit, None)
-
-    async def iterate(self, after: int = 0, until: int | None = None) -> AsyncIterator[Record]:
-        prev_hash: bytes | None = None
-        while True:
-            records = await self._read(after, until, _CHUNK, prev_hash)
-            for record in records:
-                yield record
-            if len(records) < _CHUNK:
-                return
-            after, prev_hash = records[-1].seq, records[-1].hash
-
-    async def follow(self, after: int = 0) -> AsyncIterator[Record]:
-        prev_hash: bytes | None = None
-        while not self._closed:
-            # Taken before the read: a commit landing during the read sets this very event.
-            wake = self._committed.next()
-            try:
-                records = await self._read(after, None, _CHUNK, prev_hash)
-            except StoreError as exc:
-                if exc.code == StoreCode.STORE_CLOSED:
-                    return
-                raise
-            if not records:
-                await wake.wait()
-                continue
-            for record in records:
-                yield record
-            after, prev_hash = records[-1].seq, records[-1].hash
-
-    async def verify(self) -> VerifyReport:
-        """Walk every stored row (past this store's own tail if another writer appended) and
-        check that the head this store committed is still there."""
-        self._check_open()
-        known_seq, known_hash = self._last_seq, self._head_hash
-        prev_seq, prev_hash, count = 0, GENESIS_HASH, 0
-
-        def report(code: str, message: str, bad: int | None) -> VerifyReport:
-            return VerifyReport(
-                ok=False,
-                records=count,
-                last_seq=prev_seq,
-                head_hash=prev_hash,
-                first_bad_seq=bad,
-                code=code,
-                message=message,
-            )
-
-        try:
-            while True:
-                rows = await self._fetch(_RANGE, prev_seq, _MAX_SEQ, _CHUNK)
-                for row in rows:
-                    open_row(row, prev_seq, prev_hash)
-                    if row[0] == known_seq and row[8] != known_hash:
-                        return report(
-                            StoreCode.CHAIN_BROKEN,
-                            f"record {known_seq} is not the one that was committed (rewritten)",
-                            known_seq,
-                        )
-                    prev_seq, prev_hash = row[0], row[8]
-                    count += 1
-                if len(rows) < _CHUNK:
-                    break
-        except StoreError as exc:
-            if exc.code == StoreCode.STORE_CLOSED:
-                raise
-            return report(exc.code, exc.message, exc.details.get("seq", prev_seq + 1))
-        if prev_seq < known_seq:
-            return report(
-                StoreCode.CHAIN_BROKEN,
-                f"the log ends at record {prev_seq} but record {known_seq} was committed",
-                prev_seq + 1,
-            )
-        return VerifyReport(ok=True, records=count, last_seq=prev_seq, head_hash=prev_hash)
 
     async def load_snapshot(self, code_version: str) -> Snapshot | None:
         self._check_open()
@@ -478,37 +350,13 @@ class PostgresStore:
             return None
         return Snapshot(code_version=row[0], seq=row[1], state=row[2])
 
-    async def _read(
-        self, after: int, until: int | None, limit: int | None, prev_hash: bytes | None
-    ) -> list[Record]:
-        """Verified records after ``after``; see ``SQLiteStore._read`` (same reasoning)."""
-        self._check_open()
-        if after < 0:
-            raise StoreError(INVALID_INPUT, f"after must be >= 0, got {after}")
-        if (limit is not None and limit <= 0) or (until is not None and until <= after):
-            await anyio.lowlevel.checkpoint()
-            return []
-        upto = _MAX_SEQ if until is None else until
-        if prev_hash is not None or after == 0:
-            rows = await self._fetch(_RANGE, after, upto, limit)
-            prev = GENESIS_HASH if prev_hash is None else prev_hash
+    async def _fetch(
+        self, after: int, upto: int, limit: int | None, *, with_predecessor: bool = False
+    ) -> list[Row]:
+        if with_predecessor:
+            sql, limit = _RANGE_FROM, None if limit is None else limit + 1
         else:
-            rows = await self._fetch(_RANGE_FROM, after, upto, None if limit is None else limit + 1)
-            if not rows:
-                return []
-            if rows[0][0] != after:
-                raise StoreError(StoreCode.CHAIN_BROKEN, f"record {after} is missing", seq=after)
-            prev = rows[0][8]
-            rows = rows[1:]
-        out: list[Record] = []
-        append = out.append
-        prev_seq = after
-        for row in rows:
-            append(open_row(row, prev_seq, prev))
-            prev_seq, prev = row[0], row[8]
-        return out
-
-    async def _fetch(self, sql: str, after: int, upto: int, limit: int | None) -> list[Row]:
+            sql = _RANGE
         try:
             rows = await self._readers.fetch(sql, after, upto, limit)
         except _FAILURES as exc:
@@ -521,16 +369,6 @@ class PostgresStore:
         return _store_error(exc, doing)
 
     # --- internals -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
-
-    def _check_writable(self) -> None:
-        if self._closing:
-            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
-        if self._read_only:
-            raise StoreError(INVALID_INPUT, f"{self.url} was opened read-only")
 
 
 async def _connect(url: str, session: dict[str, str] = _SESSION) -> asyncpg.Connection:

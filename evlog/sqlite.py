@@ -20,7 +20,7 @@ the tail) into an IntegrityError that leaves nothing written, after which the gr
 re-planned on the slow path, which reads the tail and looks the ids up inside an explicit
 ``BEGIN IMMEDIATE`` transaction.
 
-Why one module of ~700 lines: the group writer, its slow path, the read path and the
+Why one module of ~550 lines: the group writer, its slow path, the read path and the
 file checks share one discipline (who may touch the writer connection, and the cached tail the
 fast path trusts); split across files, those invariants would have no single place to be read.
 """
@@ -39,16 +39,15 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from evlog.chained_store import ChainedStore
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
-from evlog.group_commit import GroupCommit, Write, WriteStats
-from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
+from evlog.group_commit import Write
+from evlog.record import GENESIS_HASH, Row, open_row
 from evlog.store import (
     SNAPSHOTS_KEPT,
     AppendPlan,
     AppendRequest,
-    CommitSignal,
     Snapshot,
-    VerifyReport,
     plan_appends,
 )
 
@@ -109,8 +108,6 @@ _LOAD_SNAPSHOT = (
     "ORDER BY seq DESC LIMIT 1"
 )
 
-_MAX_SEQ = 2**63 - 1
-_CHUNK = 4096  # rows per read hop: bounded memory for a replay, few hops
 _ID_LOOKUP = 500  # ids per ``IN (...)`` on the slow path
 _NO_IDS: dict[bytes, int] = {}
 _CORRUPTION = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
@@ -134,7 +131,7 @@ def _store_error(exc: BaseException, doing: str) -> StoreError:
     return StoreError(code, f"{doing}: {exc}", cause=type(exc).__name__)
 
 
-class SQLiteStore:
+class SQLiteStore(ChainedStore):
     """An ``EventStore`` on one SQLite file.
 
     ``synchronous="FULL"`` (default) fsyncs the WAL at every commit: an acknowledged append
@@ -162,22 +159,11 @@ class SQLiteStore:
         synchronous: Synchronous,
     ) -> None:
         # Use connect()/open(): the constructor only assembles already-checked parts.
+        super().__init__(last_seq, head_hash)
         self._path = path
         self._writer = writer
         self._reader = reader
-        self._last_seq = last_seq
-        self._head_hash = head_hash
         self._synchronous = synchronous
-        self._group = GroupCommit(self._write_group)
-        self._closing = False
-        self._closed = False
-        self._committed = CommitSignal()
-        # After a failed write the cached tail may be wrong: re-read it inside the next one.
-        self._suspect = False
-        self._transactions = 0
-        self._events = 0
-        self._slow_paths = 0
-        self._read_only = False  # connect_read_only: one connection, never written
 
     # --- opening and closing ---------------------------------------------------------------
 
@@ -307,37 +293,14 @@ class SQLiteStore:
         return self._path
 
     @property
+    def name(self) -> str:
+        return self._path
+
+    @property
     def synchronous(self) -> Synchronous:
         return self._synchronous
 
-    @property
-    def last_seq(self) -> int:
-        return self._last_seq
-
-    @property
-    def head_hash(self) -> bytes:
-        return self._head_hash
-
-    @property
-    def stats(self) -> WriteStats:
-        return WriteStats(
-            transactions=self._transactions, events=self._events, slow_paths=self._slow_paths
-        )
-
     # --- writes ----------------------------------------------------------------------------
-
-    async def append(
-        self, batch: Sequence[Pending], *, expected_seq: int | None = None
-    ) -> list[int]:
-        self._check_writable()
-        if not batch:
-            await anyio.lowlevel.checkpoint()
-            return []
-        return await self._group.submit(Write(batch, expected_seq, None))
-
-    async def save_snapshot(self, snapshot: Snapshot) -> None:
-        self._check_writable()
-        await self._group.submit(Write((), None, snapshot))
 
     async def _write_group(self, group: list[Write]) -> None:
         appends = [c for c in group if c.snapshot is None]
@@ -439,99 +402,7 @@ class SQLiteStore:
             versions = {(v[0], SNAPSHOTS_KEPT) for v in valid}
             await self._writer.executemany(_PRUNE_SNAPSHOTS, versions)
 
-    def _settle(self, plan: AppendPlan, appends: list[Write], saves: list[Write]) -> None:
-        for call, outcome in zip(appends, plan.outcomes, strict=True):
-            call.outcome = outcome
-        for call in saves:
-            if call.outcome is None:
-                call.outcome = []  # saved (a refused save already holds its error)
-        self._transactions += 1
-        if plan.rows:
-            self._events += len(plan.rows)
-            self._last_seq = plan.last_seq
-            self._head_hash = plan.head_hash
-            self._committed.fire()
-
     # --- reads -----------------------------------------------------------------------------
-
-    async def read(
-        self, after: int = 0, until: int | None = None, limit: int | None = None
-    ) -> list[Record]:
-        return await self._read(after, until, limit, None)
-
-    async def iterate(self, after: int = 0, until: int | None = None) -> AsyncIterator[Record]:
-        prev_hash: bytes | None = None
-        while True:
-            records = await self._read(after, until, _CHUNK, prev_hash)
-            for record in records:
-                yield record
-            if len(records) < _CHUNK:
-                return
-            after, prev_hash = records[-1].seq, records[-1].hash
-
-    async def follow(self, after: int = 0) -> AsyncIterator[Record]:
-        prev_hash: bytes | None = None
-        while not self._closed:
-            # Taken before the read: a commit landing during the read sets this very event,
-            # so no wake-up is lost.
-            wake = self._committed.next()
-            try:
-                records = await self._read(after, None, _CHUNK, prev_hash)
-            except StoreError as exc:
-                if exc.code == StoreCode.STORE_CLOSED:
-                    return
-                raise
-            if not records:
-                await wake.wait()
-                continue
-            for record in records:
-                yield record
-            after, prev_hash = records[-1].seq, records[-1].hash
-
-    async def verify(self) -> VerifyReport:
-        """Walk every stored row (to the end of the file, past this store's own tail if another
-        writer appended) and check that the head this store committed is still there."""
-        self._check_open()
-        known_seq, known_hash = self._last_seq, self._head_hash
-        prev_seq, prev_hash, count = 0, GENESIS_HASH, 0
-
-        def report(code: str, message: str, bad: int | None) -> VerifyReport:
-            return VerifyReport(
-                ok=False,
-                records=count,
-                last_seq=prev_seq,
-                head_hash=prev_hash,
-                first_bad_seq=bad,
-                code=code,
-                message=message,
-            )
-
-        try:
-            while True:
-                rows = await self._fetch(_RANGE, prev_seq, _MAX_SEQ, _CHUNK)
-                for row in rows:
-                    open_row(row, prev_seq, prev_hash)
-                    if row[0] == known_seq and row[8] != known_hash:
-                        return report(
-                            StoreCode.CHAIN_BROKEN,
-                            f"record {known_seq} is not the one that was committed (rewritten)",
-                            known_seq,
-                        )
-                    prev_seq, prev_hash = row[0], row[8]
-                    count += 1
-                if len(rows) < _CHUNK:
-                    break
-        except StoreError as exc:
-            if exc.code == StoreCode.STORE_CLOSED:
-                raise
-            return report(exc.code, exc.message, exc.details.get("seq", prev_seq + 1))
-        if prev_seq < known_seq:
-            return report(
-                StoreCode.CHAIN_BROKEN,
-                f"the log ends at record {prev_seq} but record {known_seq} was committed",
-                prev_seq + 1,
-            )
-        return VerifyReport(ok=True, records=count, last_seq=prev_seq, head_hash=prev_hash)
 
     async def load_snapshot(self, code_version: str) -> Snapshot | None:
         self._check_open()
@@ -544,57 +415,21 @@ class SQLiteStore:
         version, seq, state = rows[0]
         return Snapshot(code_version=version, seq=seq, state=state)
 
-    async def _read(
-        self, after: int, until: int | None, limit: int | None, prev_hash: bytes | None
-    ) -> list[Record]:
-        """Verified records after ``after``. ``prev_hash`` is the hash of record ``after`` when
-        the caller already holds it (chunked reads); otherwise the predecessor row is fetched
-        in the same query, so the first record is verified against its real predecessor."""
-        self._check_open()
-        if after < 0:
-            raise StoreError(INVALID_INPUT, f"after must be >= 0, got {after}")
-        if (limit is not None and limit <= 0) or (until is not None and until <= after):
-            await anyio.lowlevel.checkpoint()
-            return []
-        upto = _MAX_SEQ if until is None else until
-        if prev_hash is not None or after == 0:
-            rows = await self._fetch(_RANGE, after, upto, -1 if limit is None else limit)
-            prev = GENESIS_HASH if prev_hash is None else prev_hash
+    async def _fetch(
+        self, after: int, upto: int, limit: int | None, *, with_predecessor: bool = False
+    ) -> list[Row]:
+        if with_predecessor:
+            sql, limit = _RANGE_FROM, None if limit is None else limit + 1
         else:
-            rows = await self._fetch(_RANGE_FROM, after, upto, -1 if limit is None else limit + 1)
-            if not rows:
-                return []
-            if rows[0][0] != after:
-                raise StoreError(StoreCode.CHAIN_BROKEN, f"record {after} is missing", seq=after)
-            prev = rows[0][8]
-            rows = rows[1:]
-        out: list[Record] = []
-        append = out.append
-        prev_seq = after
-        for row in rows:
-            append(open_row(row, prev_seq, prev))
-            prev_seq, prev = row[0], row[8]
-        return out
-
-    async def _fetch(self, sql: str, after: int, upto: int, limit: int) -> list[Row]:
+            sql = _RANGE
         try:
-            return await _fetch_rows(self._reader, sql, (after, upto, limit))
+            return await _fetch_rows(
+                self._reader, sql, (after, upto, -1 if limit is None else limit)
+            )
         except sqlite3.Error as exc:
             raise _store_error(exc, f"cannot read records after {after}") from exc
         except ValueError as exc:  # aiosqlite: the connection closed under the call
             raise StoreError(StoreCode.STORE_CLOSED, "the store is closed") from exc
-
-    # --- internals -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
-
-    def _check_writable(self) -> None:
-        if self._closing:
-            raise StoreError(StoreCode.STORE_CLOSED, "the store is closed")
-        if self._read_only:
-            raise StoreError(INVALID_INPUT, f"{self._path} was opened read-only")
 
 
 _TEXT_COLUMNS = "CAST(stream AS BLOB), CAST(type AS BLOB)"
