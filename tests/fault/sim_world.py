@@ -72,7 +72,7 @@ from publisher.errors import Code
 from publisher.fleet import Fleet
 from publisher.gateway import DispatchCode, Gateway
 from publisher.ledger import Ledger
-from publisher.outcomes import Done, Outcome
+from publisher.outcomes import Deregistered, Done, Outcome
 from publisher.plane import ControlPlane
 from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.publication import PublicationError
@@ -271,13 +271,26 @@ class ControllerPort:
     def __init__(self, world: World) -> None:
         self._world = world
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        return await self._remote(lambda ledger: ledger.register_owner(owner, ttl_s=ttl_s))
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+    ) -> Done:
+        return await self._remote(
+            lambda ledger: ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+        )
+
+    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+        return await self._remote(
+            lambda ledger: ledger.deregister_owner(owner, incarnation=incarnation)
+        )
 
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
     ) -> None:
-        self._world.ledger().renew_lease(owner, inflight)
+        self._world.ledger().renew_lease(owner, inflight, incarnation=incarnation)
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         results = await self._remote(lambda ledger: ledger.execute_many(commands))
