@@ -1,8 +1,8 @@
 """RayLedger: the ledger, as a process other than the ledger actor sees it.
 
 It has the API rollout code uses in process -- it is a
-:class:`~publisher.sessions.LedgerPort` (``register_owner``, ``renew_lease``,
-``execute_many``) plus ``execute`` and the session commands (``bind``, ``release``,
+:class:`~publisher.sessions.LedgerPort` (``register_owner``, ``deregister_owner``,
+``renew_lease``, ``execute_many``) plus ``execute`` and the session commands (``bind``, ``release``,
 ``forget``) -- and it provides the :class:`~publisher.gateway.RoutingView` a gateway needs
 (:attr:`RayLedger.routing`). So a :class:`~publisher.sessions.RolloutWorker` and a
 :class:`~publisher.gateway.Gateway` run unchanged in a Ray actor::
@@ -52,7 +52,7 @@ from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
+from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.ray.routing import RemoteRouting
@@ -100,6 +100,7 @@ class RayLedger:
         self._senders = 0
         self._tg: TaskGroup | None = None
         self._renewals: dict[str, dict[tuple[str, int], int]] = {}
+        self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
@@ -170,11 +171,16 @@ class RayLedger:
             raise LedgerError(Code.INVALID_STATE, f"{type(command).__name__} answered {outcome!r}")
         return outcome
 
-    async def bind(self, session: str, owner: str) -> Bound:
-        return await self._typed(c.Bind(session=session, owner=owner), Bound)
+    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
+        return await self._typed(
+            c.Bind(session=session, owner=owner, incarnation=incarnation), Bound
+        )
 
-    async def release(self, session: str, owner: str, *, cause: str = "closed") -> Released:
-        return await self._typed(c.Release(session=session, owner=owner, cause=cause), Released)
+    async def release(
+        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
+    ) -> Released:
+        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
+        return await self._typed(command, Released)
 
     async def forget(self, sessions: Iterable[str]) -> Forgotten:
         return await self._typed(c.Forget(sessions=tuple(sessions)), Forgotten)
@@ -222,21 +228,39 @@ class RayLedger:
 
     # --- owners and leases -----------------------------------------------------------------------
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        outcome: Done = await self.link.call("register_owner", owner, ttl_s)
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+    ) -> Done:
+        """Register ``owner``'s life ``incarnation`` (idempotent for the same one: the link
+        may send it again across a ledger restart)."""
+        outcome: Done = await self.link.call("register_owner", owner, ttl_s, incarnation)
         self._lost.pop(owner, None)
         return outcome
 
+    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+        """A clean exit: the ledger releases the owner's sessions still bound
+        (``owner_exited``) and no renewal of it is forwarded any more (idempotent)."""
+        outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation)
+        self._renewals.pop(owner, None)
+        self._incarnations.pop(owner, None)
+        return outcome
+
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
     ) -> None:
-        """Record a renewal of ``owner`` with its in-flight counts per (engine, version) and
-        have it forwarded (see the module docstring). Raises ``LEASE_EXPIRED`` /
-        ``UNKNOWN_OWNER`` once the ledger refused a renewal of this owner."""
+        """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
+        per (engine, version) and have it forwarded (see the module docstring). Raises the
+        refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...) once the ledger refused a renewal
+        of this owner."""
         lost = self._lost.get(owner)
         if lost is not None:
             raise lost
         self._renewals[owner] = {key: n for key, n in (inflight or {}).items() if n}
+        self._incarnations[owner] = incarnation
         self._renew_wanted.set()
 
     async def _renewer(self) -> None:
@@ -245,8 +269,9 @@ class RayLedger:
             self._renew_wanted = anyio.Event()
             renewals, self._renewals = self._renewals, {}
             try:
+                incarnations = {owner: self._incarnations.get(owner, "") for owner in renewals}
                 reply: RenewReply = await self.link.call(
-                    "renew_leases", renewals, self.routing.mark
+                    "renew_leases", renewals, self.routing.mark, incarnations
                 )
             except LoraLedgerError as exc:
                 # Unreachable for reconnect_timeout: keep the newest renewals for next time.
