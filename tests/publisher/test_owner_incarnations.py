@@ -174,7 +174,7 @@ def _records(events: list[Event]) -> list[Record]:
             payload=b"",
             prev_hash=b"",
             hash=b"",
-            event=e,
+            event=e,  # type: ignore[arg-type]  # the book keeps Event, each one of AnyEvent
         )
         for i, e in enumerate(events, 1)
     ]

@@ -45,8 +45,8 @@ from publisher.outcomes import Bound, Released
 from publisher.plane import ControlPlane
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, stop_engine
-from publisher.ray.hosting import PortalHost
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
+from publisher.ray.rollout import RayRollout
 from publisher.ray.trainer import RayTrainerClient
 from publisher.sessions import RolloutWorker
 from publisher.trainer import TrainerClient
@@ -290,38 +290,43 @@ class TrainerActor:
         return self.client.reconnects
 
 
-@contextlib.asynccontextmanager
-async def _rollout(
-    owner: str, ledger_name: str, namespace: str, engines: tuple[RayEngine, ...]
-) -> AsyncIterator[SessionRunner]:
-    async with RayLedger.connect(ledger_name, namespace=namespace) as ledger:
-        gateway = Gateway(Fleet(engines), ledger.routing, gateway_id=owner)
-        async with RolloutWorker.open(ledger, gateway, owner=owner) as worker:
-            yield SessionRunner(worker, ledger)
+async def _turn(worker: RolloutWorker, sessions: list[str], turn: int) -> list[Turn]:
+    return await SessionRunner(worker).turn(sessions, turn)
+
+
+async def _close(worker: RolloutWorker, sessions: list[str]) -> list[bool]:
+    return await SessionRunner(worker).close(sessions)
+
+
+async def _reconnects(worker: RolloutWorker) -> int:
+    ledger = worker.ledger
+    assert isinstance(ledger, RayLedger)
+    return ledger.link.reconnects
 
 
 class RolloutActor:
-    """A rollout worker process: a RayLedger client, a gateway over engine actors and a
-    RolloutWorker, held open for the actor's life by a PortalHost."""
+    """A rollout worker process as the README writes one: a RayRollout made in ``__init__``
+    (a RayLedger client, a gateway over engine actors and a RolloutWorker, connected once),
+    used from every method."""
 
     def __init__(
         self, owner: str, ledger_name: str, namespace: str, engines: tuple[RayEngine, ...]
     ) -> None:
-        self._host: PortalHost[SessionRunner] = PortalHost(
-            lambda: _rollout(owner, ledger_name, namespace, engines), name="rollout worker"
+        self.rollout = RayRollout(
+            owner, engines, ledger=ledger_name, namespace=namespace, connect="eager"
         )
 
     async def turn(self, sessions: list[str], turn: int) -> list[Turn]:
-        return await self._host.call(self._host.value.turn, sessions, turn)
+        return await self.rollout.run(_turn, sessions, turn)
 
     async def close(self, sessions: list[str]) -> list[bool]:
-        return await self._host.call(self._host.value.close, sessions)
+        return await self.rollout.run(_close, sessions)
 
     async def reconnects(self) -> int:
-        return self._host.value.ledger.link.reconnects  # type: ignore[no-any-return]
+        return await self.rollout.run(_reconnects)
 
     async def stop(self) -> None:
-        await anyio.to_thread.run_sync(self._host.close)
+        await self.rollout.close()  # a clean exit: deregisters
 
 
 class RayEnv:
