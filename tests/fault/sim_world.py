@@ -658,9 +658,11 @@ async def check_end_state(world: World) -> None:
     for session, turn in world.stale_turns:
         assert cfg.max_staleness is not None, ("refused as too stale without a bound", session)
         assert (session, turn) not in served, ("a refused turn was served", session, turn)
-        # Released (so its version could be reclaimed): as too stale, or by its lease's expiry
-        # when the controller was out of reach until the worker was gone.
-        assert released_as.get(session) in (TOO_STALE, "lease_expired"), (session, released_as)
+        # Released (so its version could be reclaimed): as too stale, or, when the controller
+        # was out of reach until the worker was gone, by its lease's expiry or by the worker's
+        # clean exit (its deregistration releases what it still held).
+        ended = (TOO_STALE, "lease_expired", "owner_exited")
+        assert released_as.get(session) in ended, (session, released_as)
     assert not world.violations, world.violations
 
 
