@@ -24,6 +24,9 @@ What differs from in process, and why:
   records the newest in-flight counts and raises only what is already known (the owner
   expired); a background task forwards them, at most one round trip at a time and at most
   every ``renew_interval`` seconds. The counts are what serve's reclaim waits for.
+* **A clean exit ends the owners it registered** (as ``RayLedger`` does): leaving
+  :meth:`HttpLedger.connect` normally deregisters the owners registered through it that did not
+  deregister yet (``deregister_on_exit=False`` keeps them for a later process).
 * **Routing is a snapshot**, refreshed every ``refresh_interval`` seconds and on demand
   (:meth:`refresh`, which the OpenAI face awaits before answering ``NO_ROUTE``: a bind may
   name a version published after the last snapshot). Concurrent refreshes share one read.
@@ -150,6 +153,7 @@ class HttpLedger:
         self._refreshing: anyio.Event | None = None
         self._renewals: dict[str, dict[tuple[str, int], int]] = {}
         self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
+        self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self._tg: TaskGroup | None = None
@@ -166,9 +170,11 @@ class HttpLedger:
         renew_interval: float = 0.5,
         refresh_interval: float = 1.0,
         timeout_s: float = 10.0,
+        deregister_on_exit: bool = True,
     ) -> AsyncIterator[HttpLedger]:
         """Read the status once (a wrong URL or token fails here, not on the first turn), then
-        run the renewal and refresh tasks for the life of the block."""
+        run the renewal and refresh tasks for the life of the block. A normal exit deregisters
+        the owners registered here (see the module docstring)."""
         ledger = cls(
             url,
             token=token,
@@ -184,6 +190,8 @@ class HttpLedger:
                 tg.start_soon(ledger._refresher)
                 try:
                     yield ledger
+                    if deregister_on_exit:
+                        await ledger._deregister_remaining()
                 finally:
                     ledger._tg = None
                     with anyio.CancelScope(shield=True):
@@ -221,6 +229,7 @@ class HttpLedger:
         body = {"owner": owner, "ttl_s": ttl_s, "incarnation": incarnation}
         done = await self._call("/owners", body, Done)
         self._lost.pop(owner, None)
+        self._registered[owner] = incarnation
         assert isinstance(done, Done)
         return done
 
@@ -232,7 +241,19 @@ class HttpLedger:
         assert isinstance(outcome, Deregistered)
         self._renewals.pop(owner, None)
         self._incarnations.pop(owner, None)
+        if self._registered.get(owner) == incarnation:
+            del self._registered[owner]
         return outcome
+
+    async def _deregister_remaining(self) -> None:
+        """End every life registered here that did not end yet (best effort, as RayLedger)."""
+        for owner, incarnation in list(self._registered.items()):
+            try:
+                await self.deregister_owner(owner, incarnation=incarnation)
+            except (LoraLedgerError, LedgerUnreachable) as exc:
+                self._registered.pop(owner, None)
+                if not isinstance(exc, LoraLedgerError) or exc.code not in OWNER_LOST:
+                    log.warning("remote.deregister_failed", owner=owner, error=str(exc))
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         """Each command as its own route, all at once; refusals come back in place. A

@@ -27,6 +27,11 @@ Three things differ from in process, each for a reason:
   forwards the newest renewal of every owner to the ledger, at most one round trip at a time
   and at most every ``renew_interval`` seconds, and learns expiries from the reply. A worker
   therefore learns it lost its lease one renewal later than in process.
+* **A clean exit ends the owners it registered.** Leaving :meth:`RayLedger.connect` normally
+  deregisters every owner registered through this client and not deregistered yet (their
+  sessions still bound are released, ``owner_exited``), so a process that exits cleanly leaves
+  no lease to expire. (A :class:`~publisher.sessions.RolloutWorker` already deregistered itself
+  when its own block ended.) ``deregister_on_exit=False`` keeps them for a later process.
 * **Restarts are ridden out.** Every call goes through an
   :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
@@ -56,6 +61,7 @@ from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Re
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.ray.routing import RemoteRouting
+from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.ray")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
@@ -101,6 +107,7 @@ class RayLedger:
         self._tg: TaskGroup | None = None
         self._renewals: dict[str, dict[tuple[str, int], int]] = {}
         self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
+        self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
@@ -116,9 +123,11 @@ class RayLedger:
         max_batch: int = 4096,
         renew_interval: float = 0.5,
         reconnect_timeout: float = 60.0,
+        deregister_on_exit: bool = True,
     ) -> AsyncIterator[RayLedger]:
         """Resolve the actor, fetch the routing, and run the sender and renewal tasks for the
-        life of the block (calls still waiting when it exits fail with ``LEDGER_CLOSED``)."""
+        life of the block (calls still waiting when it exits fail with ``LEDGER_CLOSED``). A
+        normal exit deregisters the owners registered here (see the module docstring)."""
         client = cls(
             name,
             namespace=namespace,
@@ -133,6 +142,8 @@ class RayLedger:
             tg.start_soon(client._renewer)
             try:
                 yield client
+                if deregister_on_exit:
+                    await client._deregister_remaining()
             finally:
                 client._tg = None
                 tg.cancel_scope.cancel()
@@ -235,6 +246,7 @@ class RayLedger:
         may send it again across a ledger restart)."""
         outcome: Done = await self.link.call("register_owner", owner, ttl_s, incarnation)
         self._lost.pop(owner, None)
+        self._registered[owner] = incarnation
         return outcome
 
     async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
@@ -243,7 +255,21 @@ class RayLedger:
         outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation)
         self._renewals.pop(owner, None)
         self._incarnations.pop(owner, None)
+        if self._registered.get(owner) == incarnation:
+            del self._registered[owner]
         return outcome
+
+    async def _deregister_remaining(self) -> None:
+        """End every life registered here that did not end yet. Best effort: a life that
+        ended otherwise (replaced, expired) has nothing to end, and a ledger out of reach
+        leaves the rest to their leases (logged)."""
+        for owner, incarnation in list(self._registered.items()):
+            try:
+                await self.deregister_owner(owner, incarnation=incarnation)
+            except LoraLedgerError as exc:
+                self._registered.pop(owner, None)
+                if exc.code not in OWNER_LOST_CODES:
+                    log.warning("ray.deregister_failed", owner=owner, error=exc.message)
 
     def renew_lease(
         self,

@@ -179,3 +179,29 @@ async def test_a_clean_shutdown_is_not_an_incident_and_a_killed_actor_still_is(
     found = incidents(records)
     assert [i.subject for i in found if i.kind == "lease_expired"] == ["owner killed"]
     assert not any("clean" in i.subject for i in found)
+
+
+async def test_a_clients_clean_exit_deregisters_the_owners_it_registered(
+    ledger_factory: Any,
+) -> None:
+    """Without a RolloutWorker (owners registered on the client itself): leaving
+    ``RayLedger.connect`` normally ends them too, unless told to keep them."""
+    lut = ledger_factory()
+    async with RayLedger.connect(lut.name) as driver:
+        await create(driver)
+        await publish(driver, 1)
+        async with RayLedger.connect(lut.name) as client:
+            await client.register_owner("direct", ttl_s=600.0, incarnation="d")
+            await client.bind("d1", "direct", incarnation="d")
+        assert (await driver.status()).sessions_bound == 0
+        async with RayLedger.connect(lut.name, deregister_on_exit=False) as client:
+            await client.register_owner("kept", ttl_s=600.0, incarnation="k")
+            await client.bind("k1", "kept", incarnation="k")
+        assert (await driver.status()).sessions_bound == 1  # kept for a later process
+    records = await _records(Path(lut.config.path))
+    ended = [r.event.owner for r in records if isinstance(r.event, OwnerDeregistered)]
+    assert ended == ["direct"]
+    causes = {
+        r.event.session: r.event.cause for r in records if isinstance(r.event, SessionReleased)
+    }
+    assert causes == {"d1": "owner_exited"}
