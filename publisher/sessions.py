@@ -37,11 +37,11 @@ Rules and why:
   (``owner_restarted``) and the predecessor is fenced out (``OWNER_RESTARTED`` on its next
   renewal, bind or release). A retry of the same registration is a no-op.
 * **A clean exit deregisters.** Leaving ``RolloutWorker.open`` normally lets pending releases
-  land, deregisters the owner (its sessions still bound are released, cause ``owner_exited``:
-  a clean end, not an incident) and forgets its tombstones. A worker that dies (an exception,
-  cancellation, a killed process) leaves them bound until its lease expires (an incident), or
-  until its next incarnation registers. To hand sessions to a later worker on purpose, open
-  it with the same ``incarnation`` and ``deregister_on_exit=False``.
+  land (and forgets their tombstones), then deregisters the owner: its sessions still bound
+  are released, cause ``owner_exited`` (a clean end, not an incident). A worker that dies (an
+  exception, cancellation, a killed process) leaves them bound until its lease expires (an
+  incident), or until its next incarnation registers. To hand sessions to a later worker on
+  purpose, open it with the same ``incarnation`` and ``deregister_on_exit=False``.
 
 Why one module of ~600 lines: the worker and the binder share the slot and retry machinery
 and one ordering rule (lease check, then the in-flight increment, with no ``await`` between);
@@ -795,20 +795,15 @@ class RolloutWorker:
 
     async def deregister(self) -> Deregistered | None:
         """End this incarnation cleanly: the ledger releases the sessions still bound (cause
-        ``owner_exited``, not an incident) and drops the lease now, and their tombstones are
-        forgotten. Called by a normal exit from :meth:`open`; afterwards every call raises
-        ``OWNER_DEREGISTERED``. Idempotent. A ledger that cannot be reached (after the retry
-        policy) is logged and answered None: the lease then expires as for a crash. A worker
-        that was replaced or whose lease expired has nothing to end (None)."""
+        ``owner_exited``, not an incident) and drops the lease now. Called by a normal exit
+        from :meth:`open`; afterwards every call raises ``OWNER_DEREGISTERED``. Idempotent.
+        A ledger that cannot be reached (after the retry policy) is logged and answered None:
+        the lease then expires as for a crash. A worker that was replaced or whose lease
+        expired has nothing to end (None)."""
         if self.deregistered is not None:
             return self.deregistered
         if self._lost is not None:
             return None
-        bound = [
-            session
-            for session, b in self._binders.items()
-            if b._bound is not None and not b._closing
-        ]
         try:
             outcome: Deregistered = await self._with_retry(
                 lambda: self.ledger.deregister_owner(self.owner, incarnation=self.incarnation)
@@ -831,12 +826,10 @@ class RolloutWorker:
             "open a new worker to act again",
             owner=self.owner,
         )
+        # The tombstones of the sessions it released stay (unlike those of sessions closed
+        # here, forgotten at exit): another process may still send a turn of one, which must be
+        # refused SESSION_CLOSED, never bound afresh to another version.
         log.info("sessions.deregistered", owner=self.owner, released=outcome.released)
-        self._finished.extend(bound)  # released by the ledger: forget their tombstones too
-        try:
-            await self.flush_forgets()
-        except Exception as exc:  # tombstones only: kept in the log, never a failure to exit
-            log.warning("sessions.forget_failed", owner=self.owner, error=repr(exc))
         return outcome
 
     # --- forgetting tombstones -------------------------------------------------------------------
