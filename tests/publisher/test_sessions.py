@@ -440,6 +440,29 @@ async def test_a_dead_workers_lease_expires_releases_its_sessions_and_unblocks_r
         assert all(r.names[1] not in e.loaded_adapters() for e in r.local.values())
 
 
+async def test_a_clean_exit_deregisters_and_frees_the_version_at_once() -> None:
+    """The same worker as above, leaving its block normally: no lease to wait for, no expiry
+    recorded; what it left bound is released as ``owner_exited`` and v1 is reclaimable now."""
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+            await w.session("orphan").generate(PROMPT, SHORT)
+            await w.session("closed").generate(PROMPT, SHORT)
+            await w.session("closed").close()
+        assert w.deregistered is not None and w.deregistered.released == 1
+        await r.publish(2)
+        assert await r.reclaimer().sweep() == [1]  # no clock advanced: nothing expired
+        assert [e.cause for _, e in await events_of(r.store, SessionReleased)] == [
+            "closed",
+            "owner_exited",
+        ]
+        r.clock.advance(60.0)
+        assert await r.ledger.expire_leases() == []
+        with pytest.raises(LoraLedgerError) as info:
+            await w.session("late").generate(PROMPT, SHORT)
+        assert info.value.code == Code.OWNER_DEREGISTERED
+
+
 async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> None:
     async with rig(wrap=Recording) as r:
         await r.publish(1)
