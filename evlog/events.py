@@ -273,10 +273,31 @@ class PublicationBlocked(Event, frozen=True):
 
 
 class OwnerRegistered(Event, frozen=True):
-    """A rollout worker took a lease. Renewals are not logged; only the expiry decision is."""
+    """A rollout worker took a lease. Renewals are not logged; only the expiry decision is.
+
+    ``incarnation``: the token of this process life of the owner, made by the caller (a uuid
+    per worker start). Registering an owner id again under another incarnation starts a new
+    life: ``replaced`` names the incarnation it follows, and when that one was still live its
+    sessions are released right after this event (cause ``owner_restarted``), so a restarted
+    worker never leaves its predecessor's sessions pinning their versions. Schema 2 added
+    ``incarnation`` and ``replaced`` (schema 1 records: ``""`` and None)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     owner: str
     ttl_s: float
+    at: float
+    incarnation: str = ""
+    replaced: str | None = None
+
+
+class OwnerDeregistered(Event, frozen=True):
+    """The owner's ``incarnation`` ended cleanly (the worker closed): its sessions still bound
+    are released right after this event (cause ``owner_exited``). A clean end, never an
+    incident; its lease is not waited for."""
+
+    owner: str
+    incarnation: str
     at: float
 
 
@@ -295,9 +316,20 @@ class SessionBound(Event, frozen=True):
     revision: int
 
 
+# Release causes the ledger itself writes when an owner's life ends (others come from callers:
+# ``closed``, ``idle``, ``too_stale``). Only ``lease_expired`` is an incident: the other two are
+# a worker that said it ended (``owner_exited``) or a new life of it that took over
+# (``owner_restarted``, reported once per restart, with the restart).
+LEASE_EXPIRED_CAUSE = "lease_expired"
+OWNER_RESTARTED_CAUSE = "owner_restarted"
+OWNER_EXITED_CAUSE = "owner_exited"
+
+
 class SessionReleased(Event, frozen=True):
     """Tombstones the session (it can never bind again). ``version_id`` is None when the
-    session was closed before it ever bound."""
+    session was closed before it ever bound. ``cause``: the caller's (``closed``, ``idle``,
+    ``too_stale``) or the ledger's when the owner's life ended (``lease_expired``,
+    ``owner_restarted``, ``owner_exited``)."""
 
     session: str
     owner: str
@@ -421,6 +453,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     PublicationBlocked,
     OwnerRegistered,
     OwnerLeaseExpired,
+    OwnerDeregistered,
     SessionBound,
     SessionReleased,
     SessionsForgotten,
@@ -458,6 +491,7 @@ AnyEvent = (
     | PublicationBlocked
     | OwnerRegistered
     | OwnerLeaseExpired
+    | OwnerDeregistered
     | SessionBound
     | SessionReleased
     | SessionsForgotten
@@ -547,6 +581,11 @@ def _publication_skipped_v1(d: dict[str, Any]) -> dict[str, Any]:
 @upcaster("EngineLeft", 1)
 def _engine_left_v1(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "cause": "fleet"}
+
+
+@upcaster("OwnerRegistered", 1)
+def _owner_registered_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "incarnation": "", "replaced": None}
 
 
 @upcaster("FatalResolved", 1)

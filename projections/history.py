@@ -28,7 +28,9 @@ from evlog.events import (
     Event,
     FatalResolved,
     InventoryObserved,
+    OwnerDeregistered,
     OwnerLeaseExpired,
+    OwnerRegistered,
     PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
@@ -128,7 +130,7 @@ class History:
         elif isinstance(event, SessionsForgotten):
             for session in event.sessions:
                 self._session(record, session, name, "tombstone forgotten")
-        elif isinstance(event, OwnerLeaseExpired):
+        elif isinstance(event, OwnerLeaseExpired | OwnerDeregistered | OwnerRegistered):
             self.owners.setdefault(event.owner, []).append(
                 Entry(
                     seq=record.seq,
@@ -282,4 +284,13 @@ def _detail(event: Event) -> str:
             return f"{bound}, {event.cause}"
         case OwnerLeaseExpired():
             return f"last renewal {event.at - event.last_seen:.1f}s before expiry"
+        case OwnerRegistered():
+            life = f"incarnation {event.incarnation or '(unnamed)'}, ttl {event.ttl_s:g}s"
+            return (
+                life
+                if event.replaced is None
+                else f"{life}, replaces {event.replaced or '(unnamed)'}"
+            )
+        case OwnerDeregistered():
+            return f"incarnation {event.incarnation or '(unnamed)'} exited cleanly"
     return _fields(event)

@@ -19,6 +19,9 @@ Kinds, and why each is worth a line:
 * ``blocked`` -- a publication that had to wait (a fatal or ambiguous version blocking the
   fleet, another one loading, no routable engine), with the versions in the way; once per stall.
 * ``lease_expired`` -- a rollout worker died or stalled; how many sessions it lost.
+* ``owner_restarted`` -- a new incarnation of a live owner took over (a worker restarted, e.g.
+  by Ray, before its lease ran out): its predecessor died; how many sessions it lost. A clean
+  exit (``OwnerDeregistered``, releases with cause ``owner_exited``) is not an incident.
 * ``receipt_rejected`` -- a stale, restarted or mismatched engine receipt the ledger refused.
 * ``engine_restart`` -- an engine came back as a new process and how long until it was repaired
   (routable again with every needed version).
@@ -33,6 +36,8 @@ from typing import TypedDict, Unpack
 import msgspec
 
 from evlog.events import (
+    LEASE_EXPIRED_CAUSE,
+    OWNER_RESTARTED_CAUSE,
     AttemptFailed,
     AttemptStarted,
     EngineLeft,
@@ -41,6 +46,7 @@ from evlog.events import (
     FatalResolved,
     InventoryObserved,
     OwnerLeaseExpired,
+    OwnerRegistered,
     PublicationBlocked,
     PublicationSkipped,
     ReceiptRejected,
@@ -69,6 +75,7 @@ KINDS = (
     "verdict_conflict",
     "rollback",
     "engine_restart",
+    "owner_restarted",
 )
 
 # States that must be short-lived. RETIRED is watched separately: only while nothing is bound.
@@ -125,6 +132,8 @@ class IncidentFold:
         self._ambiguous: dict[int, _Open] = {}
         self._restarts: dict[str, _Open] = {}
         self._leases: dict[str, _Open] = {}
+        self._owner_restarts: list[_Open] = []
+        self._restarting: dict[str, _Open] = {}  # owner -> its latest restart, collecting releases
         self._inventory: dict[str, tuple[int, float]] = {}  # engine -> its latest (seq, at)
         self._bindings: dict[str, tuple[int, int, float]] = {}  # session -> (vid, seq, at)
         self._retired_at: dict[int, tuple[int, float]] = {}
@@ -137,6 +146,8 @@ class IncidentFold:
     def apply(self, record: Record) -> None:
         seq, at, event = record.seq, record.recorded_at, record.event
         self._last_at, self._last_seq = at, seq
+        if isinstance(event, OwnerRegistered):
+            self._owner_registered(event, seq, at)  # before the fold: was the owner live?
         for change in advance(self.registry, record):
             self._state_changed(change.version_id, change.before, change.after, seq, at)
         match event:
@@ -302,6 +313,8 @@ class IncidentFold:
             found.append(self._freeze(entry, None, "not repaired yet: not routable"))
         for entry in self._leases.values():
             found.append(self._lease_incident(entry))
+        for entry in self._owner_restarts:
+            found.append(self._lease_incident(entry))
         for vid, attempts in sorted(self._attempts.items()):
             if attempts.restarts:
                 found.append(self._retried(vid, attempts))
@@ -344,11 +357,16 @@ class IncidentFold:
 
     def _released(self, event: SessionReleased, seq: int, at: float) -> None:
         binding = self._bindings.pop(event.session, None)
-        if event.cause == "lease_expired":
-            entry = self._leases.get(event.owner)
-            if entry is not None:
-                entry.count += 1
-                _add_seq(entry, seq)
+        ended = (
+            self._leases.get(event.owner)
+            if event.cause == LEASE_EXPIRED_CAUSE
+            else self._restarting.get(event.owner)
+            if event.cause == OWNER_RESTARTED_CAUSE
+            else None
+        )
+        if ended is not None:
+            ended.count += 1
+            _add_seq(ended, seq)
         if binding is None:
             return
         vid, bound_seq, bound_at = binding
@@ -364,6 +382,24 @@ class IncidentFold:
                 elif item[:2] > self._pinned[0][:2]:
                     heapq.heapreplace(self._pinned, item)
         self._watch_reclaimable(vid, seq, at)
+
+    def _owner_registered(self, event: OwnerRegistered, seq: int, at: float) -> None:
+        """A new incarnation of an owner that was still live: the one it replaces died without
+        a clean exit (a restarted worker). A new life after an expiry or a deregistration is
+        not one: that end was already reported (or was clean)."""
+        before = self.registry.owners.get(event.owner)
+        if before is None or not before.live:
+            return
+        entry = _Open(
+            kind="owner_restarted",
+            subject=f"owner {event.owner}",
+            at=at,
+            seqs=[seq],
+            summary=f"restarted ({event.replaced or '(unnamed)'} -> "
+            f"{event.incarnation or '(unnamed)'}) before its lease ran out",
+        )
+        self._owner_restarts.append(entry)
+        self._restarting[event.owner] = entry
 
     def _pinned_incident(
         self,

@@ -41,6 +41,7 @@ from evlog.events import (
     Event,
     FatalResolved,
     InventoryObserved,
+    OwnerDeregistered,
     OwnerLeaseExpired,
     OwnerRegistered,
     PublicationBlocked,
@@ -69,7 +70,8 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-3"  # 2: max_staleness, stalls; 3: engine health, lost adapters
+PROJECTION_VERSION = "registry-4"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
+# 4: owner incarnations and clean deregistration
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -154,9 +156,21 @@ class Binding(msgspec.Struct, array_like=True):
 
 
 class Owner(msgspec.Struct, kw_only=True):
+    """One owner id's current life (``incarnation``) and how it ended, if it did: its lease
+    ran out (``expired``) or it deregistered (``exited``). ``retired``: the incarnations it
+    had before, which may never register or act again (a zombie of a restarted worker, a
+    late retry of its registration)."""
+
     ttl_s: float
     registered_at: float
     expired: bool = False
+    incarnation: str = ""
+    exited: bool = False
+    retired: tuple[str, ...] = ()
+
+    @property
+    def live(self) -> bool:
+        return not (self.expired or self.exited)
 
 
 class RecordedCommand(msgspec.Struct, array_like=True):
@@ -512,7 +526,17 @@ def _publication_blocked(s: RegistryState, e: PublicationBlocked) -> None:
 
 
 def _owner_registered(s: RegistryState, e: OwnerRegistered) -> None:
-    s.owners[e.owner] = Owner(ttl_s=e.ttl_s, registered_at=e.at)
+    # A new life of a known owner: the sessions of the one it replaces are released by the
+    # SessionReleased events that follow (the decider wrote them in the same decision).
+    before = s.owners.get(e.owner)
+    retired = () if before is None else (*before.retired, before.incarnation)
+    s.owners[e.owner] = Owner(
+        ttl_s=e.ttl_s, registered_at=e.at, incarnation=e.incarnation, retired=retired
+    )
+
+
+def _owner_deregistered(s: RegistryState, e: OwnerDeregistered) -> None:
+    s.owners[e.owner].exited = True
 
 
 def _owner_lease_expired(s: RegistryState, e: OwnerLeaseExpired) -> None:
@@ -645,6 +669,7 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     PublicationBlocked: _publication_blocked,
     OwnerRegistered: _owner_registered,
     OwnerLeaseExpired: _owner_lease_expired,
+    OwnerDeregistered: _owner_deregistered,
     SessionBound: _session_bound,
     SessionReleased: _session_released,
     SessionsForgotten: _sessions_forgotten,

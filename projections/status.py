@@ -64,7 +64,7 @@ def status_of(state: RegistryState) -> LedgerStatus:
         default_revision=state.default_revision,
         sessions_bound=len(state.sessions),
         tombstones=len(state.tombstones),
-        owners=sum(1 for o in state.owners.values() if not o.expired),
+        owners=sum(1 for o in state.owners.values() if o.live),
         blocked_by=tuple(state.blocked_by()),
         max_staleness=state.max_staleness,
         versions=tuple(

@@ -165,28 +165,52 @@ class FailAttempt(Command, frozen=True):
 
 
 class RegisterOwner(Command, frozen=True):
+    """Start (or, same ``incarnation`` again, confirm) a life of ``owner``. ``incarnation`` is
+    the caller's token for this process life (a uuid made when the worker starts; ``""``:
+    the one unnamed life of callers that never name one). Another incarnation of a live owner
+    replaces it and releases its sessions (``owner_restarted``)."""
+
     owner: str
     ttl_s: float
     now: float
+    incarnation: str = ""
+
+
+class DeregisterOwner(Command, frozen=True):
+    """A clean exit: end ``owner``'s life ``incarnation`` (``""``: whichever is current) and
+    release its sessions still bound (``owner_exited``), without waiting for its lease."""
+
+    owner: str
+    now: float
+    incarnation: str = ""
 
 
 class ExpireOwner(Command, frozen=True):
-    """Record that ``owner`` stopped renewing (evidence: ``last_seen``, ``now``)."""
+    """Record that ``owner`` stopped renewing (evidence: ``last_seen``, ``now``).
+    ``incarnation``: the life whose lease ran out (``""``: whichever is current); a newer one
+    registered meanwhile is not expired (``OWNER_RESTARTED``)."""
 
     owner: str
     now: float
     last_seen: float
+    incarnation: str = ""
 
 
 class Bind(Command, frozen=True):
+    """``incarnation`` (``""``: not checked) fences a stale life of the owner out."""
+
     session: str
     owner: str
+    incarnation: str = ""
 
 
 class Release(Command, frozen=True):
+    """``incarnation`` (``""``: not checked) fences a stale life of the owner out."""
+
     session: str
     owner: str
     cause: str = "closed"
+    incarnation: str = ""
 
 
 class Forget(Command, frozen=True):
@@ -233,6 +257,7 @@ AnyCommand = (
     | Commit
     | FailAttempt
     | RegisterOwner
+    | DeregisterOwner
     | ExpireOwner
     | Bind
     | Release

@@ -30,6 +30,9 @@ from typing import Any
 import msgspec
 
 from evlog.events import (
+    LEASE_EXPIRED_CAUSE,
+    OWNER_EXITED_CAUSE,
+    OWNER_RESTARTED_CAUSE,
     AdapterLost,
     AttemptFailed,
     AttemptStarted,
@@ -49,6 +52,7 @@ from evlog.events import (
     Event,
     FatalResolved,
     InventoryObserved,
+    OwnerDeregistered,
     OwnerLeaseExpired,
     OwnerRegistered,
     PublicationBlocked,
@@ -85,6 +89,7 @@ from publisher.outcomes import (
     AttemptEnded,
     Bound,
     Claimed,
+    Deregistered,
     Done,
     Expired,
     Forgotten,
@@ -175,11 +180,18 @@ def _well_typed(command: c.Command) -> c.Command:
 # the fingerprint, so a ``command_id`` recorded before the field existed still names the same
 # command when it is sent again (and is not refused as COMMAND_CONFLICT).
 _FIELDS_ADDED_LATER: dict[str, object] = {"allow_rollback": False}
+# ``incarnation`` came later to the owner and session commands only (the engine commands
+# always had theirs, and their fingerprints include it).
+_OWNER_FIELDS_ADDED_LATER: dict[str, object] = {"incarnation": ""}
+_GAINED_AN_INCARNATION = (c.RegisterOwner, c.ExpireOwner, c.Bind, c.Release)
 
 
 def _fingerprint(command: c.Command) -> str:
     body = msgspec.to_builtins(msgspec.structs.replace(command, command_id=None))
-    for name, default in _FIELDS_ADDED_LATER.items():
+    later = dict(_FIELDS_ADDED_LATER)
+    if isinstance(command, _GAINED_AN_INCARNATION):
+        later.update(_OWNER_FIELDS_ADDED_LATER)
+    for name, default in later.items():
         if name in body and body[name] == default:
             del body[name]
     return hashlib.sha256(msgspec.msgpack.encode(body)).hexdigest()[:32]
@@ -1061,28 +1073,97 @@ def _fail_attempt(s: RegistryState, cmd: c.FailAttempt) -> Decision:
 
 
 def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:
+    """A new life of an owner id replaces the live one at once: a worker restarted under the
+    same id (a Ray actor with ``max_restarts``) must not leave its predecessor's sessions
+    pinning their versions until a lease runs out. The same incarnation again is a retry of a
+    lost reply (a no-op, nothing released); an incarnation that was replaced may never come
+    back (``OWNER_RESTARTED``), or a late retry of a dead worker's registration would release
+    the sessions of the live one."""
     _deployment(s)
     _key(cmd.owner, "owner")
     ttl = _time(cmd.ttl_s, "ttl_s")
     if ttl <= 0:
         raise LedgerError(Code.INVALID_INPUT, f"lease ttl {ttl} must be > 0")
+    if cmd.incarnation:
+        _key(cmd.incarnation, "incarnation")
     owner = s.owners.get(cmd.owner)
     if owner is not None:
-        if owner.expired:
-            raise LedgerError(
-                Code.LEASE_EXPIRED,
-                f"owner {cmd.owner} lost its lease; register under a new owner id",
-                owner=cmd.owner,
-            )
-        return Decision(outcome=Done(no_op=True))
-    event = OwnerRegistered(owner=cmd.owner, ttl_s=ttl, at=_time(cmd.now, "now"))
-    return Decision((event,), Done())
+        if owner.incarnation == cmd.incarnation:
+            if owner.expired:
+                raise LedgerError(
+                    Code.LEASE_EXPIRED,
+                    f"owner {cmd.owner} lost its lease; register a new incarnation "
+                    "(or under a new owner id)",
+                    owner=cmd.owner,
+                )
+            if owner.exited:
+                raise _deregistered(cmd.owner, owner.incarnation)
+            return Decision(outcome=Done(no_op=True))
+        if cmd.incarnation in owner.retired:
+            raise _replaced(cmd.owner, cmd.incarnation, owner.incarnation)
+    event = OwnerRegistered(
+        owner=cmd.owner,
+        ttl_s=ttl,
+        at=_time(cmd.now, "now"),
+        incarnation=cmd.incarnation,
+        replaced=None if owner is None else owner.incarnation,
+    )
+    released = (
+        () if owner is None or not owner.live else _release_all(s, cmd.owner, OWNER_RESTARTED_CAUSE)
+    )
+    return Decision((event, *released), Done())
 
 
-def check_lease(s: RegistryState, owner_id: str, *, required: bool) -> None:
-    """The lease rule, for commands and for the ledger's (unlogged) lease renewals alike: an
-    owner whose lease expired is refused (``LEASE_EXPIRED``: its sessions were released), and
-    so is an unknown one where ``required`` (``UNKNOWN_OWNER``)."""
+def _release_all(s: RegistryState, owner: str, cause: str) -> tuple[SessionReleased, ...]:
+    """A release of every session ``owner`` holds bound, with the ledger's ``cause``."""
+    return tuple(
+        SessionReleased(session=session, owner=owner, version_id=binding.version_id, cause=cause)
+        for session, binding in s.sessions.items()
+        if binding.owner == owner
+    )
+
+
+def _replaced(owner: str, incarnation: str, current: str) -> LedgerError:
+    return LedgerError(
+        Code.OWNER_RESTARTED,
+        f"owner {owner} was restarted: incarnation {incarnation!r} was replaced by "
+        f"{current!r} and its sessions were released",
+        owner=owner,
+    )
+
+
+def _deregistered(owner: str, incarnation: str) -> LedgerError:
+    return LedgerError(
+        Code.OWNER_DEREGISTERED,
+        f"owner {owner} (incarnation {incarnation!r}) deregistered: its sessions were "
+        "released; register a new incarnation to act again",
+        owner=owner,
+    )
+
+
+def _fence_incarnation(s: RegistryState, owner_id: str, incarnation: str) -> None:
+    """Refuse a life of ``owner_id`` that is not its current one (``""`` is not checked): a
+    replaced one is ``OWNER_RESTARTED``, one never registered ``UNKNOWN_OWNER``."""
+    if not incarnation:
+        return
+    owner = s.owners.get(owner_id)
+    if owner is None or owner.incarnation == incarnation:
+        return
+    if incarnation in owner.retired:
+        raise _replaced(owner_id, incarnation, owner.incarnation)
+    raise LedgerError(
+        Code.UNKNOWN_OWNER,
+        f"owner {owner_id!r} has no incarnation {incarnation!r}",
+        owner=owner_id,
+    )
+
+
+def check_lease(s: RegistryState, owner_id: str, *, required: bool, incarnation: str = "") -> None:
+    """The lease rule, for commands and for the ledger's (unlogged) lease renewals alike: a
+    replaced incarnation is refused (``OWNER_RESTARTED``), and so is an owner whose lease
+    expired (``LEASE_EXPIRED``: its sessions were released), one that deregistered
+    (``OWNER_DEREGISTERED``), and an unknown one where ``required`` (``UNKNOWN_OWNER``).
+    ``incarnation`` ``""``: any life of the owner (callers that never name one)."""
     owner = s.owners.get(owner_id)
     if owner is None:
         if required:
@@ -1090,12 +1171,37 @@ def check_lease(s: RegistryState, owner_id: str, *, required: bool) -> None:
                 Code.UNKNOWN_OWNER, f"owner {owner_id!r} is not registered", owner=owner_id
             )
         return
+    _fence_incarnation(s, owner_id, incarnation)
     if owner.expired:
         raise LedgerError(
             Code.LEASE_EXPIRED,
             f"owner {owner_id} lost its lease: its sessions were released",
             owner=owner_id,
         )
+    if owner.exited:
+        raise _deregistered(owner_id, owner.incarnation)
+
+
+def _deregister_owner(s: RegistryState, cmd: c.DeregisterOwner) -> Decision:
+    """A clean exit ends the owner's life now, not one lease later, and is recorded as a
+    clean end (never an incident). Idempotent: a life that already ended (deregistered, or
+    its lease expired first) answers ``no_op``. A replaced life cannot deregister its
+    successor (``OWNER_RESTARTED``)."""
+    _deployment(s)
+    _is_str(cmd.owner, "owner")
+    owner = s.owners.get(cmd.owner)
+    if owner is None:
+        raise LedgerError(
+            Code.UNKNOWN_OWNER, f"owner {cmd.owner!r} is not registered", owner=cmd.owner
+        )
+    _fence_incarnation(s, cmd.owner, cmd.incarnation)
+    if not owner.live:
+        return Decision(outcome=Deregistered(owner=cmd.owner, released=0, no_op=True))
+    event = OwnerDeregistered(
+        owner=cmd.owner, incarnation=owner.incarnation, at=_time(cmd.now, "now")
+    )
+    released = _release_all(s, cmd.owner, OWNER_EXITED_CAUSE)
+    return Decision((event, *released), Deregistered(owner=cmd.owner, released=len(released)))
 
 
 def _expire_owner(s: RegistryState, cmd: c.ExpireOwner) -> Decision:
@@ -1103,7 +1209,8 @@ def _expire_owner(s: RegistryState, cmd: c.ExpireOwner) -> Decision:
     owner = s.owners.get(cmd.owner)
     if owner is None:
         raise LedgerError(Code.UNKNOWN_OWNER, f"owner {cmd.owner!r} is not registered")
-    if owner.expired:
+    _fence_incarnation(s, cmd.owner, cmd.incarnation)
+    if not owner.live:  # expired already, or it deregistered before its lease ran out
         return Decision(outcome=Expired(owner=cmd.owner, released=0))
     now, last_seen = _time(cmd.now, "now"), _time(cmd.last_seen, "last_seen")
     if now - last_seen < owner.ttl_s:
@@ -1111,18 +1218,9 @@ def _expire_owner(s: RegistryState, cmd: c.ExpireOwner) -> Decision:
             Code.INVALID_INPUT,
             f"lease of {cmd.owner} is still valid ({now - last_seen:.3f}s < {owner.ttl_s}s)",
         )
-    events: list[Event] = [OwnerLeaseExpired(owner=cmd.owner, at=now, last_seen=last_seen)]
-    for session, binding in s.sessions.items():
-        if binding.owner == cmd.owner:
-            events.append(
-                SessionReleased(
-                    session=session,
-                    owner=cmd.owner,
-                    version_id=binding.version_id,
-                    cause="lease_expired",
-                )
-            )
-    return Decision(tuple(events), Expired(owner=cmd.owner, released=len(events) - 1))
+    released = _release_all(s, cmd.owner, LEASE_EXPIRED_CAUSE)
+    event = OwnerLeaseExpired(owner=cmd.owner, at=now, last_seen=last_seen)
+    return Decision((event, *released), Expired(owner=cmd.owner, released=len(released)))
 
 
 def _bound(s: RegistryState, session: str, version_id: int, revision: int, new: bool) -> Bound:
@@ -1143,7 +1241,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
     _deployment(s)
     _is_str(cmd.session, "session")
     _is_str(cmd.owner, "owner")
-    check_lease(s, cmd.owner, required=False)
+    check_lease(s, cmd.owner, required=False, incarnation=cmd.incarnation)
     binding = s.sessions.get(cmd.session)
     if binding is not None:
         return Decision(
@@ -1154,7 +1252,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
             Code.SESSION_CLOSED, f"session {cmd.session} was released", session=cmd.session
         )
     _key(cmd.session, "session")
-    check_lease(s, cmd.owner, required=True)
+    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
     if s.default is None:
         raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
     event = SessionBound(
@@ -1169,6 +1267,8 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
     cause = cmd.cause
     if not isinstance(cause, str) or not 0 < len(cause) <= 64 or not cause.isprintable():
         raise LedgerError(Code.INVALID_INPUT, "cause must be a printable string of 1-64 chars")
+    _is_str(cmd.owner, "owner")
+    _fence_incarnation(s, cmd.owner, cmd.incarnation)
     binding = s.sessions.get(cmd.session)
     if binding is not None:
         if cause == TOO_STALE and not too_stale(
@@ -1196,7 +1296,7 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
     # Closed before its first bind: tombstone it so it can never bind.
     _key(cmd.session, "session")
     _key(cmd.owner, "owner")
-    check_lease(s, cmd.owner, required=True)
+    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
     event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
     return Decision((event,), Released(session=cmd.session, released=False))
 
@@ -1304,6 +1404,7 @@ _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.Commit: _commit,
     c.FailAttempt: _fail_attempt,
     c.RegisterOwner: _register_owner,
+    c.DeregisterOwner: _deregister_owner,
     c.ExpireOwner: _expire_owner,
     c.Bind: _bind,
     c.Release: _release,

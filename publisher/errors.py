@@ -45,6 +45,8 @@ class Code:
     SESSION_STILL_BOUND = "SESSION_STILL_BOUND"
     UNKNOWN_OWNER = "UNKNOWN_OWNER"
     LEASE_EXPIRED = "LEASE_EXPIRED"
+    OWNER_RESTARTED = "OWNER_RESTARTED"  # a newer incarnation of the owner replaced this one
+    OWNER_DEREGISTERED = "OWNER_DEREGISTERED"  # this incarnation ended cleanly (DeregisterOwner)
     # reclaim
     NOT_RECLAIMABLE = "NOT_RECLAIMABLE"
     REQUESTS_IN_FLIGHT = "REQUESTS_IN_FLIGHT"
@@ -90,6 +92,8 @@ class LedgerRefused(
         Code.SESSION_STILL_BOUND,
         Code.UNKNOWN_OWNER,
         Code.LEASE_EXPIRED,
+        Code.OWNER_RESTARTED,
+        Code.OWNER_DEREGISTERED,
         Code.NOT_RECLAIMABLE,
         Code.REQUESTS_IN_FLIGHT,
         Code.UNKNOWN_ENGINE,

@@ -32,6 +32,11 @@ class LeaseBook:
         """Start (or restart after a controller restart) a lease at ``now``."""
         self._leases.setdefault(owner, Lease(last_seen=now))
 
+    def restart(self, owner: str, now: float) -> None:
+        """A new incarnation of ``owner``: a fresh lease, and none of its predecessor's
+        in-flight counts (they were that process's; the new one reports its own)."""
+        self._leases[owner] = Lease(last_seen=now)
+
     def renew(
         self, owner: str, now: float, inflight: Mapping[tuple[str, int], int] | None = None
     ) -> None:

@@ -139,7 +139,7 @@ class Ledger(LedgerAPI):
         )
         now = clock()
         for owner, record in state.owners.items():
-            if not record.expired:
+            if record.live:
                 ledger.leases.grant(owner, now)
         send, receive = anyio.create_memory_object_stream[_Call](max_buffer_size=max_queued)
         ledger._send = send

@@ -27,6 +27,7 @@ from publisher.outcomes import (
     AttemptEnded,
     Bound,
     Claimed,
+    Deregistered,
     Done,
     Expired,
     Forgotten,
@@ -249,20 +250,46 @@ class LedgerAPI:
 
     # --- owners and sessions -------------------------------------------------------------------
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        """Register a session owner; its lease starts now and must be renewed within ``ttl_s``."""
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+    ) -> Done:
+        """Register a session owner; its lease starts now and must be renewed within ``ttl_s``.
+
+        ``incarnation`` names this process life of the owner (a uuid per worker start; the
+        worker makes one). Another incarnation of a live owner replaces it: the predecessor's
+        sessions are released (``owner_restarted``) and it is fenced out
+        (``OWNER_RESTARTED``). The same incarnation again is a no-op (a retry)."""
         now = self.clock()
-        outcome = await self._run(c.RegisterOwner(owner=owner, ttl_s=ttl_s, now=now), Done)
-        self.leases.grant(owner, now)
+        command = c.RegisterOwner(owner=owner, ttl_s=ttl_s, now=now, incarnation=incarnation)
+        outcome = await self._run(command, Done)
+        if outcome.no_op:
+            self.leases.grant(owner, now)
+        else:
+            self.leases.restart(owner, now)
+        return outcome
+
+    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+        """A clean exit: end ``owner``'s life (``incarnation``; ``""``: the current one) and
+        release its sessions still bound (``owner_exited``) now, without waiting for its lease
+        to run out. Recorded as a clean end, not an incident. Idempotent."""
+        command = c.DeregisterOwner(owner=owner, now=self.clock(), incarnation=incarnation)
+        outcome = await self._run(command, Deregistered)
+        if not outcome.no_op:
+            self.leases.drop(owner)
         return outcome
 
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
     ) -> None:
         """Renew ``owner``'s lease (not logged) and record its in-flight counts per
-        (engine, version_id). A stale worker gets ``LEASE_EXPIRED`` / ``UNKNOWN_OWNER``, by
-        the same rule the decider applies to its commands."""
-        check_lease(self.state, owner, required=True)
+        (engine, version_id). A stale worker gets ``OWNER_RESTARTED`` (a newer incarnation
+        replaced ``incarnation``), ``LEASE_EXPIRED``, ``OWNER_DEREGISTERED`` or
+        ``UNKNOWN_OWNER``, by the same rule the decider applies to its commands."""
+        check_lease(self.state, owner, required=True, incarnation=incarnation)
         if inflight is not None:
             _check_inflight(inflight)
         self.leases.renew(owner, self.clock(), inflight)
@@ -270,11 +297,18 @@ class LedgerAPI:
     async def expire_leases(self) -> list[Expired]:
         """Record the expiry of every owner whose lease ran out (called periodically)."""
         now = self.clock()
-        ttls = {o: r.ttl_s for o, r in self.state.owners.items() if not r.expired}
+        live = {o: r for o, r in self.state.owners.items() if r.live}
         expired: list[Expired] = []
-        for owner, last_seen in self.leases.overdue(now, ttls):
-            command = c.ExpireOwner(owner=owner, now=now, last_seen=last_seen)
-            outcome = await self._run(command, Expired)
+        for owner, last_seen in self.leases.overdue(now, {o: r.ttl_s for o, r in live.items()}):
+            command = c.ExpireOwner(
+                owner=owner, now=now, last_seen=last_seen, incarnation=live[owner].incarnation
+            )
+            try:
+                outcome = await self._run(command, Expired)
+            except LedgerError as refusal:
+                if refusal.code != Code.OWNER_RESTARTED:
+                    raise
+                continue  # a new incarnation registered meanwhile: its lease is a fresh one
             self.leases.drop(owner)
             expired.append(outcome)
             log.warning("ledger.lease_expired", owner=owner, released=outcome.released)
@@ -284,13 +318,18 @@ class LedgerAPI:
         """The in-flight counts the live owners last renewed with, for ``claim_reclaim``."""
         return self.leases.inflight(version_id)
 
-    async def bind(self, session: str, owner: str) -> Bound:
-        """Bind a session to the default version, for good (later calls answer the same)."""
-        return await self._run(c.Bind(session=session, owner=owner), Bound)
+    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
+        """Bind a session to the default version, for good (later calls answer the same).
+        ``incarnation`` (``""``: unchecked) fences out a replaced life of the owner."""
+        command = c.Bind(session=session, owner=owner, incarnation=incarnation)
+        return await self._run(command, Bound)
 
-    async def release(self, session: str, owner: str, *, cause: str = "closed") -> Released:
+    async def release(
+        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
+    ) -> Released:
         """Release a session: it is tombstoned and can never bind again."""
-        return await self._run(c.Release(session=session, owner=owner, cause=cause), Released)
+        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
+        return await self._run(command, Released)
 
     async def forget(self, sessions: Iterable[str]) -> Forgotten:
         """Drop released sessions' tombstones (refused, nothing dropped, if one is bound)."""

@@ -86,6 +86,15 @@ class Expired(Outcome, frozen=True):
     released: int
 
 
+class Deregistered(Outcome, frozen=True):
+    """A clean exit: ``released`` sessions still bound were released (``owner_exited``);
+    ``no_op``: this incarnation had already ended (deregistered, or its lease expired)."""
+
+    owner: str
+    released: int
+    no_op: bool = False
+
+
 class ReclaimGranted(Outcome, frozen=True):
     version_id: int
     lora_name: str
@@ -119,6 +128,7 @@ AnyOutcome = (
     | Released
     | Forgotten
     | Expired
+    | Deregistered
     | ReclaimGranted
     | UnloadRecorded
     | InventoryRecorded

@@ -1,10 +1,11 @@
 """HttpLedger: a ledger served by ``loraledger serve``, as a gateway process sees it.
 
-It is a :class:`~publisher.sessions.LedgerPort` (``register_owner``, ``renew_lease``,
-``execute_many``) over serve's routes (``POST /owners``, ``/owners/{o}/renew``,
-``/sessions/{s}/bind``, ``/sessions/{s}/release``, ``/sessions/forget``) and a
-:class:`~publisher.openai_gateway.GatewayView` (holders, default revision, incarnations,
-status) read from ``GET /status``. So a :class:`~publisher.sessions.RolloutWorker` and an
+It is a :class:`~publisher.sessions.LedgerPort` (``register_owner``, ``deregister_owner``,
+``renew_lease``, ``execute_many``) over serve's routes (``POST /owners``, ``/owners/{o}/renew``,
+``/owners/{o}/deregister``, ``/sessions/{s}/bind``, ``/sessions/{s}/release``,
+``/sessions/forget``) and a :class:`~publisher.openai_gateway.GatewayView` (holders, default
+revision, incarnations, status) read from ``GET /status``. So a
+:class:`~publisher.sessions.RolloutWorker` and an
 :class:`~publisher.openai_gateway.OpenAIGateway` run unchanged in a separate process
 (``loraledger gateway``, docs/openai.md)::
 
@@ -23,6 +24,9 @@ What differs from in process, and why:
   records the newest in-flight counts and raises only what is already known (the owner
   expired); a background task forwards them, at most one round trip at a time and at most
   every ``renew_interval`` seconds. The counts are what serve's reclaim waits for.
+* **A clean exit ends the owners it registered** (as ``RayLedger`` does): leaving
+  :meth:`HttpLedger.connect` normally deregisters the owners registered through it that did not
+  deregister yet (``deregister_on_exit=False`` keeps them for a later process).
 * **Routing is a snapshot**, refreshed every ``refresh_interval`` seconds and on demand
   (:meth:`refresh`, which the OpenAI face awaits before answering ``NO_ROUTE``: a bind may
   name a version published after the last snapshot). Concurrent refreshes share one read.
@@ -53,12 +57,14 @@ from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
+from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 
 log = get_logger("loraledger.remote")
 
 _json = msgspec.json.Encoder()
-OWNER_LOST = frozenset({Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER})
+OWNER_LOST = frozenset(
+    {Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER, Code.OWNER_RESTARTED, Code.OWNER_DEREGISTERED}
+)
 
 
 class RemoteCode:
@@ -146,6 +152,8 @@ class HttpLedger:
         self._snapshot: _Snapshot | None = None
         self._refreshing: anyio.Event | None = None
         self._renewals: dict[str, dict[tuple[str, int], int]] = {}
+        self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
+        self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self._tg: TaskGroup | None = None
@@ -162,9 +170,11 @@ class HttpLedger:
         renew_interval: float = 0.5,
         refresh_interval: float = 1.0,
         timeout_s: float = 10.0,
+        deregister_on_exit: bool = True,
     ) -> AsyncIterator[HttpLedger]:
         """Read the status once (a wrong URL or token fails here, not on the first turn), then
-        run the renewal and refresh tasks for the life of the block."""
+        run the renewal and refresh tasks for the life of the block. A normal exit deregisters
+        the owners registered here (see the module docstring)."""
         ledger = cls(
             url,
             token=token,
@@ -180,6 +190,8 @@ class HttpLedger:
                 tg.start_soon(ledger._refresher)
                 try:
                     yield ledger
+                    if deregister_on_exit:
+                        await ledger._deregister_remaining()
                 finally:
                     ledger._tg = None
                     with anyio.CancelScope(shield=True):
@@ -211,11 +223,37 @@ class HttpLedger:
                 RemoteCode.LEDGER_ANSWER, f"{self.url}{path} answered {reply.text!r}: {exc}"
             ) from None
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        done = await self._call("/owners", {"owner": owner, "ttl_s": ttl_s}, Done)
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+    ) -> Done:
+        body = {"owner": owner, "ttl_s": ttl_s, "incarnation": incarnation}
+        done = await self._call("/owners", body, Done)
         self._lost.pop(owner, None)
+        self._registered[owner] = incarnation
         assert isinstance(done, Done)
         return done
+
+    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+        """A clean exit (``POST /owners/{owner}/deregister``): its sessions still bound are
+        released (``owner_exited``) and no renewal of it is forwarded any more."""
+        path = f"/owners/{_segment(owner)}/deregister"
+        outcome = await self._call(path, {"incarnation": incarnation}, Deregistered)
+        assert isinstance(outcome, Deregistered)
+        self._renewals.pop(owner, None)
+        self._incarnations.pop(owner, None)
+        if self._registered.get(owner) == incarnation:
+            del self._registered[owner]
+        return outcome
+
+    async def _deregister_remaining(self) -> None:
+        """End every life registered here that did not end yet (best effort, as RayLedger)."""
+        for owner, incarnation in list(self._registered.items()):
+            try:
+                await self.deregister_owner(owner, incarnation=incarnation)
+            except (LoraLedgerError, LedgerUnreachable) as exc:
+                self._registered.pop(owner, None)
+                if not isinstance(exc, LoraLedgerError) or exc.code not in OWNER_LOST:
+                    log.warning("remote.deregister_failed", owner=owner, error=str(exc))
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         """Each command as its own route, all at once; refusals come back in place. A
@@ -241,10 +279,15 @@ class HttpLedger:
     async def _command(self, command: c.Command) -> Outcome:
         if isinstance(command, c.Bind):
             path = f"/sessions/{_segment(command.session)}/bind"
-            return await self._call(path, {"owner": command.owner}, Bound)
+            body = {"owner": command.owner, "incarnation": command.incarnation}
+            return await self._call(path, body, Bound)
         if isinstance(command, c.Release):
             path = f"/sessions/{_segment(command.session)}/release"
-            body = {"owner": command.owner, "cause": command.cause}
+            body = {
+                "owner": command.owner,
+                "cause": command.cause,
+                "incarnation": command.incarnation,
+            }
             return await self._call(path, body, Released)
         if isinstance(command, c.Forget):
             return await self._call("/sessions/forget", {"sessions": command.sessions}, Forgotten)
@@ -256,14 +299,20 @@ class HttpLedger:
     # --- leases ----------------------------------------------------------------------------
 
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
     ) -> None:
-        """Record a renewal of ``owner`` with its in-flight counts and have it forwarded.
-        Raises ``LEASE_EXPIRED`` / ``UNKNOWN_OWNER`` once the ledger refused one."""
+        """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
+        and have it forwarded. Raises the refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``,
+        ...) once the ledger refused one."""
         lost = self._lost.get(owner)
         if lost is not None:
             raise lost
         self._renewals[owner] = {key: n for key, n in (inflight or {}).items() if n}
+        self._incarnations[owner] = incarnation
         self._renew_wanted.set()
 
     async def _renewer(self) -> None:
@@ -280,7 +329,8 @@ class HttpLedger:
                 "inflight": [
                     {"engine": engine, "version_id": version, "count": n}
                     for (engine, version), n in sorted(counts.items())
-                ]
+                ],
+                "incarnation": self._incarnations.get(owner, ""),
             }
             try:
                 reply = await self._post(f"/owners/{_segment(owner)}/renew", body)

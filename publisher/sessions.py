@@ -31,8 +31,17 @@ Rules and why:
   ``LEASE_EXPIRED``. The check and the gateway's in-flight increment run with no ``await`` in
   between, so a reclaim decided after the expiry cannot miss a request this worker started.
 
-A worker that stops without closing its sessions leaves them bound: the same owner id, back
-within its lease, resumes them; otherwise the lease expires and the ledger releases them.
+* **One incarnation per worker life.** A worker registers its owner id under an incarnation
+  token made when it starts (a uuid, or the one given). The ledger treats a second
+  incarnation of a live owner as a restart: the predecessor's sessions are released at once
+  (``owner_restarted``) and the predecessor is fenced out (``OWNER_RESTARTED`` on its next
+  renewal, bind or release). A retry of the same registration is a no-op.
+* **A clean exit deregisters.** Leaving ``RolloutWorker.open`` normally lets pending releases
+  land (and forgets their tombstones), then deregisters the owner: its sessions still bound
+  are released, cause ``owner_exited`` (a clean end, not an incident). A worker that dies (an
+  exception, cancellation, a killed process) leaves them bound until its lease expires (an
+  incident), or until its next incarnation registers. To hand sessions to a later worker on
+  purpose, open it with the same ``incarnation`` and ``deregister_on_exit=False``.
 
 Why one module of ~600 lines: the worker and the binder share the slot and retry machinery
 and one ordering rule (lease check, then the in-flight increment, with no ``await`` between);
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -58,7 +68,7 @@ from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.gateway import Gateway, InFlightCounter, Served
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
+from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 
 log = get_logger("loraledger.sessions")
 
@@ -67,19 +77,29 @@ T = TypeVar("T")
 # Refusals that only say "the write did not happen, ask again" (idempotent commands only).
 RETRYABLE_CODES = frozenset({StoreCode.STORE_FAILED})
 # Refusals that end this owner: its sessions are gone, it must not act any more.
-OWNER_LOST_CODES = frozenset({Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER})
+OWNER_LOST_CODES = frozenset(
+    {Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER, Code.OWNER_RESTARTED, Code.OWNER_DEREGISTERED}
+)
 # The release cause of a session that went ``idle_release_s`` without a turn.
 IDLE_CAUSE = "idle"
 
 
 class LedgerPort(Protocol):
     """What a worker needs from the ledger. The in-process :class:`~publisher.ledger.Ledger`
-    satisfies it; a Ray client implements the same four calls."""
+    satisfies it; the Ray and HTTP clients implement the same four calls."""
 
-    async def register_owner(self, owner: str, *, ttl_s: float = ...) -> Done: ...
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = ..., incarnation: str = ...
+    ) -> Done: ...
+
+    async def deregister_owner(self, owner: str, *, incarnation: str = ...) -> Deregistered: ...
 
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = ...,
     ) -> None: ...
 
     async def execute_many(
@@ -344,6 +364,8 @@ class RolloutWorker:
         retry: RetryPolicy | None = None,
         idle_release_s: float = 0.0,
         idle_tombstone_s: float = 86400.0,
+        incarnation: str | None = None,
+        deregister_on_exit: bool = True,
     ) -> None:
         if not (math.isfinite(ttl_s) and ttl_s > 0) or forget_batch < 1:
             raise InvalidInput(INVALID_INPUT, "ttl_s must be > 0 and forget_batch >= 1")
@@ -356,6 +378,11 @@ class RolloutWorker:
         self.ledger = ledger
         self.gateway = gateway
         self.owner = owner
+        # This life of the owner: made here, at the edge (never by the ledger), so every
+        # start of a worker -- a Ray actor restarted by Ray included -- is a new incarnation.
+        self.incarnation = incarnation if incarnation is not None else uuid.uuid4().hex
+        self.deregister_on_exit = deregister_on_exit
+        self.deregistered: Deregistered | None = None
         self.ttl_s = ttl_s
         self.renew_every = ttl_s / 3 if renew_every is None else renew_every
         self.forget_batch = forget_batch
@@ -393,7 +420,12 @@ class RolloutWorker:
         retry: RetryPolicy | None = None,
         idle_release_s: float = 0.0,
         idle_tombstone_s: float = 86400.0,
+        incarnation: str | None = None,
+        deregister_on_exit: bool = True,
     ) -> AsyncIterator[RolloutWorker]:
+        """Register (a new incarnation unless ``incarnation`` is given), run the background
+        work for the life of the block, and on a normal exit deregister (see the module
+        docstring; ``deregister_on_exit=False`` leaves the sessions bound under the lease)."""
         worker = cls(
             ledger,
             gateway,
@@ -404,9 +436,13 @@ class RolloutWorker:
             retry=retry,
             idle_release_s=idle_release_s,
             idle_tombstone_s=idle_tombstone_s,
+            incarnation=incarnation,
+            deregister_on_exit=deregister_on_exit,
         )
         worker._forget_lock = anyio.Lock()
-        await worker._with_retry(lambda: worker.ledger.register_owner(owner, ttl_s=ttl_s))
+        await worker._with_retry(
+            lambda: worker.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=worker.incarnation)
+        )
         async with anyio.create_task_group() as tg:
             worker._tg = tg
             tg.start_soon(worker._renew_loop)
@@ -415,9 +451,13 @@ class RolloutWorker:
             try:
                 yield worker
                 await worker._finish_cleanup()
+                worker.report()  # the last word on this worker's in-flight counts
+                if worker.deregister_on_exit:
+                    await worker.deregister()
             finally:
                 worker._tg = None
-                worker.report()  # the last word on this worker's in-flight counts
+                if worker.deregistered is None:
+                    worker.report()
                 tg.cancel_scope.cancel()  # renewals stop; unfinished binds fail their waiters
 
     # --- sessions ------------------------------------------------------------------------------
@@ -502,7 +542,9 @@ class RolloutWorker:
         if self._lost is not None:
             raise self._lost
         try:
-            self.ledger.renew_lease(self.owner, self.inflight.counts())
+            self.ledger.renew_lease(
+                self.owner, self.inflight.counts(), incarnation=self.incarnation
+            )
         except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
                 self._owner_lost(exc)
@@ -524,6 +566,14 @@ class RolloutWorker:
             log.warning("sessions.report_failed", owner=self.owner, error=repr(exc))
 
     def _owner_lost(self, exc: LoraLedgerError) -> None:
+        if self._lost is None and exc.code == Code.OWNER_RESTARTED:
+            self._lost = LedgerError(
+                Code.OWNER_RESTARTED,
+                f"owner {self.owner} was restarted: a newer incarnation replaced this worker "
+                f"({self.incarnation}) and its sessions were released. Stop this worker.",
+                owner=self.owner,
+            )
+            log.error("sessions.owner_replaced", owner=self.owner, incarnation=self.incarnation)
         if self._lost is None:
             self._lost = LedgerError(
                 Code.LEASE_EXPIRED,
@@ -611,7 +661,10 @@ class RolloutWorker:
         return [b._bind_slot for b in binders]  # type: ignore[misc]
 
     async def _bind_task(self, binders: list[SessionBinder]) -> None:
-        commands = [c.Bind(session=b.session_id, owner=self.owner) for b in binders]
+        commands = [
+            c.Bind(session=b.session_id, owner=self.owner, incarnation=self.incarnation)
+            for b in binders
+        ]
         results = await self._settle(commands, binders, "bind")
         for binder, result in zip(binders, results, strict=True):
             slot = binder._bind_slot
@@ -627,7 +680,12 @@ class RolloutWorker:
 
     async def _release_task(self, binders: list[SessionBinder]) -> None:
         commands = [
-            c.Release(session=b.session_id, owner=self.owner, cause=b._release_cause)
+            c.Release(
+                session=b.session_id,
+                owner=self.owner,
+                cause=b._release_cause,
+                incarnation=self.incarnation,
+            )
             for b in binders
         ]
         results = await self._settle(commands, binders, "release")
@@ -732,6 +790,47 @@ class RolloutWorker:
                     raise
                 await anyio.sleep(policy.delay(attempt))
         raise AssertionError("unreachable")
+
+    # --- the end -------------------------------------------------------------------------------
+
+    async def deregister(self) -> Deregistered | None:
+        """End this incarnation cleanly: the ledger releases the sessions still bound (cause
+        ``owner_exited``, not an incident) and drops the lease now. Called by a normal exit
+        from :meth:`open`; afterwards every call raises ``OWNER_DEREGISTERED``. Idempotent.
+        A ledger that cannot be reached (after the retry policy) is logged and answered None:
+        the lease then expires as for a crash. A worker that was replaced or whose lease
+        expired has nothing to end (None)."""
+        if self.deregistered is not None:
+            return self.deregistered
+        if self._lost is not None:
+            return None
+        try:
+            outcome: Deregistered = await self._with_retry(
+                lambda: self.ledger.deregister_owner(self.owner, incarnation=self.incarnation)
+            )
+        except LoraLedgerError as exc:
+            if exc.code in OWNER_LOST_CODES:
+                self._owner_lost(exc)
+                return None
+            log.warning("sessions.deregister_failed", owner=self.owner, error=repr(exc))
+            return None
+        except Exception as exc:
+            if not self.retry.retryable(exc):
+                raise
+            log.warning("sessions.deregister_failed", owner=self.owner, error=repr(exc))
+            return None
+        self.deregistered = outcome
+        self._lost = LedgerError(
+            Code.OWNER_DEREGISTERED,
+            f"rollout worker {self.owner} deregistered (incarnation {self.incarnation}): "
+            "open a new worker to act again",
+            owner=self.owner,
+        )
+        # The tombstones of the sessions it released stay (unlike those of sessions closed
+        # here, forgotten at exit): another process may still send a turn of one, which must be
+        # refused SESSION_CLOSED, never bound afresh to another version.
+        log.info("sessions.deregistered", owner=self.owner, released=outcome.released)
+        return outcome
 
     # --- forgetting tombstones -------------------------------------------------------------------
 

@@ -693,8 +693,9 @@ def serve(
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
 
     Read-only and open: GET /health, /status, /metrics. Bearer token: POST /owners,
-    /owners/{owner}/renew, /sessions/{session}/bind, /sessions/{session}/release, /versions,
-    and the OpenAI routes (/v1/chat/completions, /v1/completions, /v1/models; docs/openai.md).
+    /owners/{owner}/renew, /owners/{owner}/deregister, /sessions/{session}/bind,
+    /sessions/{session}/release, /versions, and the OpenAI routes (/v1/chat/completions,
+    /v1/completions, /v1/models; docs/openai.md).
     Stops cleanly on SIGINT/SIGTERM.
     """
     from tools import serve as service

@@ -12,6 +12,7 @@ GET      ``/metrics``                     read-only, open unless ``private_reads
                                          (Prometheus text format)
 POST     ``/owners``                      bearer token: register a rollout worker
 POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
+POST     ``/owners/{owner}/deregister``   bearer token: a clean exit (its sessions released)
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
 POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
 POST     ``/sessions/forget``             bearer token: forget released sessions' tombstones
@@ -76,6 +77,11 @@ _STATUS_OF_CODE = {
 class OwnerBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     owner: str
     ttl_s: float = 30.0
+    incarnation: str = ""  # this life of the owner (docs/sessions.md#owner-incarnations)
+
+
+class DeregisterBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    incarnation: str = ""  # "": whichever life is current
 
 
 class InFlightCount(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -86,15 +92,18 @@ class InFlightCount(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class RenewBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inflight: list[InFlightCount] = msgspec.field(default_factory=list)
+    incarnation: str = ""  # "": not checked
 
 
 class BindBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     owner: str
+    incarnation: str = ""  # "": not checked
 
 
 class ReleaseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     owner: str
     cause: str = "closed"
+    incarnation: str = ""  # "": not checked
 
 
 class EngineActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -220,18 +229,30 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def register(request: Request, body: OwnerBody) -> Any:
-        return await ledger.register_owner(body.owner, ttl_s=body.ttl_s)
+        return await ledger.register_owner(
+            body.owner, ttl_s=body.ttl_s, incarnation=body.incarnation
+        )
+
+    async def deregister(request: Request, body: DeregisterBody) -> Any:
+        owner = request.path_params["owner"]
+        return await ledger.deregister_owner(owner, incarnation=body.incarnation)
 
     async def renew(request: Request, body: RenewBody) -> Any:
         counts = {(x.engine, x.version_id): x.count for x in body.inflight}
-        ledger.renew_lease(request.path_params["owner"], counts)
+        ledger.renew_lease(request.path_params["owner"], counts, incarnation=body.incarnation)
         return {"ok": True}
 
     async def bind(request: Request, body: BindBody) -> Any:
-        return await ledger.bind(request.path_params["session"], body.owner)
+        session = request.path_params["session"]
+        return await ledger.bind(session, body.owner, incarnation=body.incarnation)
 
     async def release(request: Request, body: ReleaseBody) -> Any:
-        return await ledger.release(request.path_params["session"], body.owner, cause=body.cause)
+        return await ledger.release(
+            request.path_params["session"],
+            body.owner,
+            cause=body.cause,
+            incarnation=body.incarnation,
+        )
 
     async def forget(request: Request, body: ForgetBody) -> Any:
         return await ledger.forget(body.sessions)
@@ -263,6 +284,7 @@ def build_app(
         Route("/metrics", reader(scrape), methods=["GET"]),
         Route("/owners", writer(OwnerBody, register), methods=["POST"]),
         Route("/owners/{owner}/renew", writer(RenewBody, renew), methods=["POST"]),
+        Route("/owners/{owner}/deregister", writer(DeregisterBody, deregister), methods=["POST"]),
         Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
         Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
         Route("/sessions/forget", writer(ForgetBody, forget), methods=["POST"]),

@@ -5,6 +5,8 @@ the in-process API for trainers and rollout workers; engines as actors.
 :func:`~publisher.ray.ledger_actor.start_ledger`  start (or find) the ledger actor; it hosts a
                                                 bare ledger or a whole control plane
 :class:`~publisher.ray.client.RayLedger`       rollout side: ``LedgerPort`` + ``RoutingView``
+:class:`~publisher.ray.rollout.RayRollout`     a rollout worker for a Ray actor's whole life:
+                                                connect once, call from any method
 :class:`~publisher.ray.trainer.RayTrainerClient`  trainer side: ``publish(adapter, step=)``
 :func:`~publisher.ray.engine.start_engine`     an engine in its own actor, as a ``RayEngine``
 :func:`~publisher.ray.gateway.start_gateway`   an OpenAI gateway actor (``start_gateways``: one
@@ -36,6 +38,7 @@ _LAZY = {
     "PortalHost": "publisher.ray.hosting",
     "RayEngine": "publisher.ray.engine",
     "RayLedger": "publisher.ray.client",
+    "RayRollout": "publisher.ray.rollout",
     "RayTrainerClient": "publisher.ray.trainer",
     "local_ray": "publisher.ray.local",
     "put_adapter": "publisher.ray.adapter_objects",

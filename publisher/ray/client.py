@@ -1,8 +1,8 @@
 """RayLedger: the ledger, as a process other than the ledger actor sees it.
 
 It has the API rollout code uses in process -- it is a
-:class:`~publisher.sessions.LedgerPort` (``register_owner``, ``renew_lease``,
-``execute_many``) plus ``execute`` and the session commands (``bind``, ``release``,
+:class:`~publisher.sessions.LedgerPort` (``register_owner``, ``deregister_owner``,
+``renew_lease``, ``execute_many``) plus ``execute`` and the session commands (``bind``, ``release``,
 ``forget``) -- and it provides the :class:`~publisher.gateway.RoutingView` a gateway needs
 (:attr:`RayLedger.routing`). So a :class:`~publisher.sessions.RolloutWorker` and a
 :class:`~publisher.gateway.Gateway` run unchanged in a Ray actor::
@@ -36,6 +36,11 @@ Three things differ from in process, each for a reason:
   restart of its process. A failed engine call reported through :meth:`engine_failed` (the
   gateway's ``on_engine_failure`` hook) also refreshes it, and tells the ledger actor, whose
   reconciler then probes at once (a dead actor is suspended at its first failed probe).
+* **A clean exit ends the owners it registered.** Leaving :meth:`RayLedger.connect` normally
+  deregisters every owner registered through this client and not deregistered yet (their
+  sessions still bound are released, ``owner_exited``), so a process that exits cleanly leaves
+  no lease to expire. (A :class:`~publisher.sessions.RolloutWorker` already deregistered itself
+  when its own block ended.) ``deregister_on_exit=False`` keeps them for a later process.
 * **Restarts are ridden out.** Every call goes through an
   :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
@@ -63,11 +68,12 @@ from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.fleet import Fleet
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Done, Forgotten, Outcome, Released
+from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 from publisher.ray.engine import RayEngine
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, FleetView, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.ray.routing import Mark, RemoteRouting, RoutingTable
+from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.ray")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
@@ -112,6 +118,8 @@ class RayLedger:
         self._senders = 0
         self._tg: TaskGroup | None = None
         self._renewals: dict[str, dict[tuple[str, int], int]] = {}
+        self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
+        self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
@@ -134,9 +142,11 @@ class RayLedger:
         max_batch: int = 4096,
         renew_interval: float = 0.5,
         reconnect_timeout: float = 60.0,
+        deregister_on_exit: bool = True,
     ) -> AsyncIterator[RayLedger]:
         """Resolve the actor, fetch the routing, and run the sender and renewal tasks for the
-        life of the block (calls still waiting when it exits fail with ``LEDGER_CLOSED``)."""
+        life of the block (calls still waiting when it exits fail with ``LEDGER_CLOSED``). A
+        normal exit deregisters the owners registered here (see the module docstring)."""
         client = cls(
             name,
             namespace=namespace,
@@ -153,6 +163,8 @@ class RayLedger:
             tg.start_soon(client._fleet_keeper)
             try:
                 yield client
+                if deregister_on_exit:
+                    await client._deregister_remaining()
             finally:
                 client._tg = None
                 tg.cancel_scope.cancel()
@@ -191,11 +203,16 @@ class RayLedger:
             raise LedgerError(Code.INVALID_STATE, f"{type(command).__name__} answered {outcome!r}")
         return outcome
 
-    async def bind(self, session: str, owner: str) -> Bound:
-        return await self._typed(c.Bind(session=session, owner=owner), Bound)
+    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
+        return await self._typed(
+            c.Bind(session=session, owner=owner, incarnation=incarnation), Bound
+        )
 
-    async def release(self, session: str, owner: str, *, cause: str = "closed") -> Released:
-        return await self._typed(c.Release(session=session, owner=owner, cause=cause), Released)
+    async def release(
+        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
+    ) -> Released:
+        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
+        return await self._typed(command, Released)
 
     async def forget(self, sessions: Iterable[str]) -> Forgotten:
         return await self._typed(c.Forget(sessions=tuple(sessions)), Forgotten)
@@ -243,21 +260,54 @@ class RayLedger:
 
     # --- owners and leases -----------------------------------------------------------------------
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        outcome: Done = await self.link.call("register_owner", owner, ttl_s)
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+    ) -> Done:
+        """Register ``owner``'s life ``incarnation`` (idempotent for the same one: the link
+        may send it again across a ledger restart)."""
+        outcome: Done = await self.link.call("register_owner", owner, ttl_s, incarnation)
         self._lost.pop(owner, None)
+        self._registered[owner] = incarnation
         return outcome
 
+    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+        """A clean exit: the ledger releases the owner's sessions still bound
+        (``owner_exited``) and no renewal of it is forwarded any more (idempotent)."""
+        outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation)
+        self._renewals.pop(owner, None)
+        self._incarnations.pop(owner, None)
+        if self._registered.get(owner) == incarnation:
+            del self._registered[owner]
+        return outcome
+
+    async def _deregister_remaining(self) -> None:
+        """End every life registered here that did not end yet. Best effort: a life that
+        ended otherwise (replaced, expired) has nothing to end, and a ledger out of reach
+        leaves the rest to their leases (logged)."""
+        for owner, incarnation in list(self._registered.items()):
+            try:
+                await self.deregister_owner(owner, incarnation=incarnation)
+            except LoraLedgerError as exc:
+                self._registered.pop(owner, None)
+                if exc.code not in OWNER_LOST_CODES:
+                    log.warning("ray.deregister_failed", owner=owner, error=exc.message)
+
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
     ) -> None:
-        """Record a renewal of ``owner`` with its in-flight counts per (engine, version) and
-        have it forwarded (see the module docstring). Raises ``LEASE_EXPIRED`` /
-        ``UNKNOWN_OWNER`` once the ledger refused a renewal of this owner."""
+        """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
+        per (engine, version) and have it forwarded (see the module docstring). Raises the
+        refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...) once the ledger refused a renewal
+        of this owner."""
         lost = self._lost.get(owner)
         if lost is not None:
             raise lost
         self._renewals[owner] = {key: n for key, n in (inflight or {}).items() if n}
+        self._incarnations[owner] = incarnation
         self._renew_wanted.set()
 
     async def _renewer(self) -> None:
@@ -266,8 +316,9 @@ class RayLedger:
             self._renew_wanted = anyio.Event()
             renewals, self._renewals = self._renewals, {}
             try:
+                incarnations = {owner: self._incarnations.get(owner, "") for owner in renewals}
                 reply: RenewReply = await self.link.call(
-                    "renew_leases", renewals, self.routing.mark
+                    "renew_leases", renewals, self.routing.mark, incarnations
                 )
             except LoraLedgerError as exc:
                 # Unreachable for reconnect_timeout: keep the newest renewals for next time.

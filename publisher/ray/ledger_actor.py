@@ -60,7 +60,7 @@ from publisher.errors import Code, LedgerError
 from publisher.fleet import Fleet, FleetError
 from publisher.ledger import Ledger
 from publisher.logs import get_logger
-from publisher.outcomes import Done, Outcome
+from publisher.outcomes import Deregistered, Done, Outcome
 from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
 from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
@@ -118,7 +118,8 @@ class Reply:
 
 @dataclasses.dataclass(frozen=True)
 class RenewReply:
-    """Owners whose renewal was refused (``LEASE_EXPIRED``/``UNKNOWN_OWNER``), and routing."""
+    """Owners whose renewal was refused (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...), and
+    routing."""
 
     lost: dict[str, LoraLedgerError]
     routing: RoutingTable | None
@@ -167,16 +168,22 @@ class _Service:
         results = await self.ledger.execute_many(commands)
         return Reply(results, self.routing.newer_than(self.ledger.state, mark, self.fleet_version))
 
-    async def register_owner(self, owner: str, ttl_s: float) -> Done:
-        return await self.ledger.register_owner(owner, ttl_s=ttl_s)
+    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
+        return await self.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+
+    async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
+        return await self.ledger.deregister_owner(owner, incarnation=incarnation)
 
     async def renew_leases(
-        self, renewals: Mapping[str, Mapping[tuple[str, int], int]], mark: Mark | None
+        self,
+        renewals: Mapping[str, Mapping[tuple[str, int], int]],
+        mark: Mark | None,
+        incarnations: Mapping[str, str],
     ) -> RenewReply:
         lost: dict[str, LoraLedgerError] = {}
         for owner, inflight in renewals.items():
             try:
-                self.ledger.renew_lease(owner, inflight)
+                self.ledger.renew_lease(owner, inflight, incarnation=incarnations.get(owner, ""))
             except LoraLedgerError as exc:
                 lost[owner] = exc
         return RenewReply(
@@ -363,13 +370,19 @@ class LedgerActor:
     async def execute_many(self, commands: list[c.Command], mark: Mark | None = None) -> Reply:
         return await self._host.call(self._service.execute_many, commands, mark)
 
-    async def register_owner(self, owner: str, ttl_s: float = 30.0) -> Done:
-        return await self._host.call(self._service.register_owner, owner, ttl_s)
+    async def register_owner(self, owner: str, ttl_s: float = 30.0, incarnation: str = "") -> Done:
+        return await self._host.call(self._service.register_owner, owner, ttl_s, incarnation)
+
+    async def deregister_owner(self, owner: str, incarnation: str = "") -> Deregistered:
+        return await self._host.call(self._service.deregister_owner, owner, incarnation)
 
     async def renew_leases(
-        self, renewals: dict[str, dict[tuple[str, int], int]], mark: Mark | None = None
+        self,
+        renewals: dict[str, dict[tuple[str, int], int]],
+        mark: Mark | None = None,
+        incarnations: dict[str, str] | None = None,
     ) -> RenewReply:
-        return await self._host.call(self._service.renew_leases, renewals, mark)
+        return await self._host.call(self._service.renew_leases, renewals, mark, incarnations or {})
 
     async def routing(self) -> RoutingTable:
         return await self._host.call(self._service.routing_table)

@@ -72,7 +72,7 @@ from publisher.errors import Code
 from publisher.fleet import Fleet
 from publisher.gateway import DispatchCode, Gateway
 from publisher.ledger import Ledger
-from publisher.outcomes import Done, Outcome
+from publisher.outcomes import Deregistered, Done, Outcome
 from publisher.plane import ControlPlane
 from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.publication import PublicationError
@@ -271,13 +271,26 @@ class ControllerPort:
     def __init__(self, world: World) -> None:
         self._world = world
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0) -> Done:
-        return await self._remote(lambda ledger: ledger.register_owner(owner, ttl_s=ttl_s))
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+    ) -> Done:
+        return await self._remote(
+            lambda ledger: ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+        )
+
+    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+        return await self._remote(
+            lambda ledger: ledger.deregister_owner(owner, incarnation=incarnation)
+        )
 
     def renew_lease(
-        self, owner: str, inflight: Mapping[tuple[str, int], int] | None = None
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
     ) -> None:
-        self._world.ledger().renew_lease(owner, inflight)
+        self._world.ledger().renew_lease(owner, inflight, incarnation=incarnation)
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         results = await self._remote(lambda ledger: ledger.execute_many(commands))
@@ -645,9 +658,11 @@ async def check_end_state(world: World) -> None:
     for session, turn in world.stale_turns:
         assert cfg.max_staleness is not None, ("refused as too stale without a bound", session)
         assert (session, turn) not in served, ("a refused turn was served", session, turn)
-        # Released (so its version could be reclaimed): as too stale, or by its lease's expiry
-        # when the controller was out of reach until the worker was gone.
-        assert released_as.get(session) in (TOO_STALE, "lease_expired"), (session, released_as)
+        # Released (so its version could be reclaimed): as too stale, or, when the controller
+        # was out of reach until the worker was gone, by its lease's expiry or by the worker's
+        # clean exit (its deregistration releases what it still held).
+        ended = (TOO_STALE, "lease_expired", "owner_exited")
+        assert released_as.get(session) in ended, (session, released_as)
     assert not world.violations, world.violations
 
 

@@ -550,6 +550,12 @@ def _eventful_run() -> list[Event]:
     book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=5.0))
     book.run(c.Bind(session="s2", owner="w2"))
     book.run(c.ExpireOwner(owner="w2", now=9.0, last_seen=5.0))
+    # owner incarnations: a restart releases the predecessor's session, a clean exit the rest
+    book.run(c.RegisterOwner(owner="w3", ttl_s=60.0, now=10.0, incarnation="a"))
+    book.run(c.Bind(session="s3", owner="w3", incarnation="a"))
+    book.run(c.RegisterOwner(owner="w3", ttl_s=60.0, now=11.0, incarnation="b"))
+    book.run(c.Bind(session="s4", owner="w3", incarnation="b"))
+    book.run(c.DeregisterOwner(owner="w3", now=12.0, incarnation="b"))
     book.run(c.LeaveEngine(engine="e2"))
     return book.events
 

@@ -56,6 +56,8 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
             Code.SESSION_STILL_BOUND,
             Code.UNKNOWN_OWNER,
             Code.LEASE_EXPIRED,
+            Code.OWNER_RESTARTED,
+            Code.OWNER_DEREGISTERED,
             Code.NOT_RECLAIMABLE,
             Code.REQUESTS_IN_FLIGHT,
             Code.UNKNOWN_ENGINE,

@@ -59,11 +59,14 @@ class Port:
         self.waiting = 0
         self.lose_release_replies = 0
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0):  # type: ignore[no-untyped-def]
-        return await self.ledger.register_owner(owner, ttl_s=ttl_s)
+    async def register_owner(self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""):  # type: ignore[no-untyped-def]
+        return await self.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
 
-    def renew_lease(self, owner, inflight=None) -> None:  # type: ignore[no-untyped-def]
-        self.ledger.renew_lease(owner, inflight)
+    async def deregister_owner(self, owner: str, *, incarnation: str = ""):  # type: ignore[no-untyped-def]
+        return await self.ledger.deregister_owner(owner, incarnation=incarnation)
+
+    def renew_lease(self, owner, inflight=None, *, incarnation: str = "") -> None:  # type: ignore[no-untyped-def]
+        self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         self.calls.append(list(commands))
@@ -419,7 +422,8 @@ async def test_workers_sharing_a_gateway_report_their_own_requests_and_fresh_cou
 async def test_a_dead_workers_lease_expires_releases_its_sessions_and_unblocks_reclaim() -> None:
     async with rig() as r:
         await r.publish(1)
-        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+        # A worker that dies never says goodbye: deregister_on_exit=False leaves as it does.
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600, deregister_on_exit=False) as w:
             await w.session("orphan").generate(PROMPT, SHORT)
         # the worker is gone without closing "orphan"; v1 is retired but still pinned
         await r.publish(2)
@@ -434,6 +438,29 @@ async def test_a_dead_workers_lease_expires_releases_its_sessions_and_unblocks_r
         assert await driver.sweep() == [1]
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
         assert all(r.names[1] not in e.loaded_adapters() for e in r.local.values())
+
+
+async def test_a_clean_exit_deregisters_and_frees_the_version_at_once() -> None:
+    """The same worker as above, leaving its block normally: no lease to wait for, no expiry
+    recorded; what it left bound is released as ``owner_exited`` and v1 is reclaimable now."""
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+            await w.session("orphan").generate(PROMPT, SHORT)
+            await w.session("closed").generate(PROMPT, SHORT)
+            await w.session("closed").close()
+        assert w.deregistered is not None and w.deregistered.released == 1
+        await r.publish(2)
+        assert await r.reclaimer().sweep() == [1]  # no clock advanced: nothing expired
+        assert [e.cause for _, e in await events_of(r.store, SessionReleased)] == [
+            "closed",
+            "owner_exited",
+        ]
+        r.clock.advance(60.0)
+        assert await r.ledger.expire_leases() == []
+        with pytest.raises(LoraLedgerError) as info:
+            await w.session("late").generate(PROMPT, SHORT)
+        assert info.value.code == Code.OWNER_DEREGISTERED
 
 
 async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> None:
@@ -461,6 +488,15 @@ async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> N
             # nothing dispatched
             assert sum(len(e.calls) for e in r.fleet) == sent  # type: ignore[attr-defined, misc]
         assert len(await events_of(r.store, SessionBound)) == 1
+        # the expired life cannot come back (a late retry of its registration) ...
         with pytest.raises(LoraLedgerError) as info:
-            await r.ledger.register_owner("w1", ttl_s=10.0)
+            await r.ledger.register_owner("w1", ttl_s=10.0, incarnation=w.incarnation)
         assert info.value.code == Code.LEASE_EXPIRED
+        # ... but a new life of the owner id may start (a worker restarted after its lease ran
+        # out): it binds afresh, and "s" stays released
+        async with worker_on(r, "w1", ttl_s=10.0) as again:
+            assert again.incarnation != w.incarnation
+            await again.session("s-again").generate(PROMPT, SHORT)
+            with pytest.raises(LoraLedgerError) as info:
+                await again.session("s").generate(PROMPT, SHORT)
+            assert info.value.code == Code.SESSION_CLOSED

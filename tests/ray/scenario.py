@@ -45,8 +45,8 @@ from publisher.outcomes import Bound, Released
 from publisher.plane import ControlPlane
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, stop_engine
-from publisher.ray.hosting import PortalHost
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
+from publisher.ray.rollout import RayRollout
 from publisher.ray.trainer import RayTrainerClient
 from publisher.sessions import RolloutWorker
 from publisher.trainer import TrainerClient
@@ -327,52 +327,67 @@ class TrainerActor:
         return self.client.reconnects
 
 
-@contextlib.asynccontextmanager
-async def _rollout(owner: str, ledger_name: str, namespace: str) -> AsyncIterator[SessionRunner]:
-    # The engines are the ledger's (ledger.fleet mirrors its handles), never this actor's
-    # constructor arguments: an engine added or replaced later is routed to without a restart.
-    async with RayLedger.connect(ledger_name, namespace=namespace) as ledger:
-        gateway = Gateway(
-            ledger.fleet, ledger.routing, gateway_id=owner, on_engine_failure=ledger.engine_failed
-        )
-        async with RolloutWorker.open(ledger, gateway, owner=owner) as worker:
-            yield SessionRunner(worker, ledger)
+async def _turn(worker: RolloutWorker, sessions: list[str], turn: int) -> list[Turn]:
+    return await SessionRunner(worker).turn(sessions, turn)
+
+
+async def _close(worker: RolloutWorker, sessions: list[str]) -> list[bool]:
+    return await SessionRunner(worker).close(sessions)
+
+
+async def _reconnects(worker: RolloutWorker) -> int:
+    ledger = worker.ledger
+    assert isinstance(ledger, RayLedger)
+    return ledger.link.reconnects
+
+
+async def _attempt(worker: RolloutWorker, sessions: list[str], turn: int) -> list[Outcome]:
+    return await SessionRunner(worker).attempt(sessions, turn)
+
+
+async def _routes_to(worker: RolloutWorker, engine_id: str) -> bool:
+    ledger = worker.ledger
+    assert isinstance(ledger, RayLedger)
+    table = ledger.routing.table
+    return table is not None and any(engine_id in h for h in table.holders.values())
+
+
+async def _mirror(worker: RolloutWorker) -> dict[str, str]:
+    return {e.engine_id: getattr(e, "actor_id", "") for e in worker.gateway.fleet}
 
 
 class RolloutActor:
-    """A rollout worker process: a RayLedger client, a gateway over the ledger's engine
-    actors and a RolloutWorker, held open for the actor's life by a PortalHost."""
+    """A rollout worker process as the README writes one: a RayRollout made in ``__init__``
+    (a RayLedger client, a gateway over the ledger's engine actors and a RolloutWorker,
+    connected once), used from every method."""
 
     def __init__(self, owner: str, ledger_name: str, namespace: str) -> None:
-        self._host: PortalHost[SessionRunner] = PortalHost(
-            lambda: _rollout(owner, ledger_name, namespace), name="rollout worker"
-        )
+        # No engines argument: the gateway routes over the ledger's fleet (RayLedger.fleet), so
+        # an engine added or replaced later is routed to without a restart of this actor.
+        self.rollout = RayRollout(owner, ledger=ledger_name, namespace=namespace, connect="eager")
 
     async def turn(self, sessions: list[str], turn: int) -> list[Turn]:
-        return await self._host.call(self._host.value.turn, sessions, turn)
+        return await self.rollout.run(_turn, sessions, turn)
 
     async def attempt(self, sessions: list[str], turn: int) -> list[Outcome]:
-        return await self._host.call(self._host.value.attempt, sessions, turn)
+        return await self.rollout.run(_attempt, sessions, turn)
 
     async def routes_to(self, engine_id: str) -> bool:
         """Whether this actor's routing table has ``engine_id`` routable for some version."""
-        ledger = self._host.value.ledger
-        table = ledger.routing.table
-        return table is not None and any(engine_id in h for h in table.holders.values())
+        return await self.rollout.run(_routes_to, engine_id)
 
     async def mirror(self) -> dict[str, str]:
         """The engine handles this actor's gateway routes to: id -> Ray actor id."""
-        fleet = self._host.value.worker.gateway.fleet
-        return {e.engine_id: getattr(e, "actor_id", "") for e in fleet}
+        return await self.rollout.run(_mirror)
 
     async def close(self, sessions: list[str]) -> list[bool]:
-        return await self._host.call(self._host.value.close, sessions)
+        return await self.rollout.run(_close, sessions)
 
     async def reconnects(self) -> int:
-        return self._host.value.ledger.link.reconnects  # type: ignore[no-any-return]
+        return await self.rollout.run(_reconnects)
 
     async def stop(self) -> None:
-        await anyio.to_thread.run_sync(self._host.close)
+        await self.rollout.close()  # a clean exit: deregisters
 
 
 class RayEnv:

@@ -160,6 +160,11 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
             model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert raw.headers["x-loraledger-version"] == "2"
+        # Renewals are forwarded at most every renew_s: wait until serve heard that the
+        # newcomer's request ended, so the count awaited below is the stream's, not its.
+        with anyio.fail_after(10):
+            while await _inflight(http) != 0:  # noqa: ASYNC110 -- B's renewal reached serve
+                await anyio.sleep(0.05)
 
         # Reclaim waits for a request in flight on gateway process B.
         stream = await clients[1].chat.completions.create(
