@@ -27,6 +27,15 @@ Four rules, each one a user-visible guarantee (docs/sessions.md):
   for every engine) is sent instead, so two versions can never share prefix-cache entries
   (docs/engines.md) whatever the client asks.
 
+**A refusal that says the adapter is gone** (``NOT_LOADED``, ``NAME_RECLAIMED`` from an engine
+the routing lists as a holder) means the engine may have lost a committed version behind the
+ledger's back. The gateway reports it (``on_missing(engine, lora_name)``; in process, the
+reconciler's :meth:`~publisher.reconciler.Reconciler.suspect`), so that engine's inventory is
+read at once rather than at the next full pass: the loss is recorded (``AdapterLost``) and
+routing moves off the engine within moments. The refusal itself stays ``GENERATION_FAILED``
+for the caller and is not resent here: it was clean (nothing generated), the caller may retry
+at will, and its retry is routed by the updated ledger.
+
 Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
 that served it, the revision the session bound at, the head revision at dispatch and at
 completion (staleness), the engine, the request id, and the adapter name the engine echoed (a
@@ -49,7 +58,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engines.contract import EngineError, Generation, SamplingParams
+from engines.contract import EngineError, ErrorCode, Generation, SamplingParams
 from evlog.errors import (
     INVALID_INPUT,
     Ambiguous,
@@ -73,6 +82,8 @@ log = get_logger("loraledger.gateway")
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
 DEFAULT_PARAMS = SamplingParams()
+# Clean refusals meaning "this engine does not hold the adapter": a possible lost adapter.
+MISSING_CODES = frozenset({ErrorCode.NOT_LOADED, ErrorCode.NAME_RECLAIMED})
 
 
 class DispatchCode:
@@ -211,7 +222,9 @@ class Gateway:
     call from many tasks at once.
 
     ``gateway_id`` names this reporter in in-flight evidence and provenance; ``clock`` stamps
-    evidence and rows (pass the ledger's clock to keep one time base)."""
+    evidence and rows (pass the ledger's clock to keep one time base); ``on_missing(engine,
+    lora_name)`` is told of every refusal meaning the engine lacks the adapter (see the module
+    docstring; it must not block: it only wakes whoever checks)."""
 
     def __init__(
         self,
@@ -221,8 +234,10 @@ class Gateway:
         gateway_id: str = "gateway",
         recorder: ProvenanceRecorder | None = None,
         clock: Callable[[], float] = time.time,
+        on_missing: Callable[[str, str], None] | None = None,
     ) -> None:
         self.fleet = fleet
+        self.on_missing = on_missing
         self.routing = routing
         self.gateway_id = gateway_id
         self.recorder = recorder
@@ -354,6 +369,8 @@ class Gateway:
                         "gateway.not_dispatched", engine=engine_id, request_id=rid, code=exc.code
                     )
                     continue
+                if exc.clean and exc.code in MISSING_CODES:
+                    self.report_missing(engine_id, bound.lora_name)
                 raise self._failure(exc, bound, engine_id, rid) from exc
             except Exception as exc:
                 # Unknown failure after the call started: it may have been sent.
@@ -417,6 +434,13 @@ class Gateway:
         if tally is not None:
             tally.exit(key)
         self._load[engine_id] -= 1
+
+    def report_missing(self, engine_id: str, lora_name: str) -> None:
+        """``engine_id`` refused a generation of ``lora_name`` as not loaded: tell
+        ``on_missing`` (the reconciler reads that engine's inventory now)."""
+        log.warning("gateway.adapter_missing", engine=engine_id, lora_name=lora_name)
+        if self.on_missing is not None:
+            self.on_missing(engine_id, lora_name)
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if exc.clean:
