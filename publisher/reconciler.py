@@ -166,6 +166,7 @@ class Reconciler:
         self._poked: anyio.Event | None = None
         # Engines a gateway saw refuse a generation as not loaded: read at the next wake.
         self._suspects: set[str] = set()
+        self._suspected_at: dict[str, float] = {}  # engine -> when it last woke the loop
         self.passes = 0
 
     @property
@@ -183,11 +184,18 @@ class Reconciler:
         engine may have lost a committed version (an external unload, an eviction). Its
         inventory is read at the health loop's next wake -- now -- instead of at the next full
         pass, so the loss is recorded (``AdapterLost``), routed around and repaired within
-        moments. Cheap and idempotent: many refusals before the wake are one read, and an
-        inventory that shows nothing new writes nothing."""
-        if engine_id in self._fleet:
+        moments. Cheap and idempotent: many refusals before the wake are one read, an
+        inventory that shows nothing new writes nothing, and an engine wakes the loop at most
+        once per ``probe_interval_s`` (a flood of refusals is read at the regular ticks, not
+        in a storm of passes)."""
+        if engine_id not in self._fleet:
+            return
+        self._suspects.add(engine_id)
+        now = self._clock()
+        last = self._suspected_at.get(engine_id)
+        if last is None or now - last >= self.probe_interval_s:
+            self._suspected_at[engine_id] = now
             log.info("reconciler.suspect", engine=engine_id, lora_name=lora_name)
-            self._suspects.add(engine_id)
             self.poke()
 
     def _lock(self, engine_id: str) -> anyio.Lock:
