@@ -12,6 +12,8 @@ tested reconciler's. Engine faults come from :class:`~tests.engines.faulty_engin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -25,6 +27,7 @@ from evlog.events import (
     Event,
     InventoryObserved,
 )
+from projections.registry import VersionRecord
 from publisher.plane import ControlPlane
 from publisher.reconciler import Reconciler
 from tests.engines.faulty_engine import FaultyEngine, ServerError
@@ -81,13 +84,12 @@ def reconciler_for(
     )
 
 
-async def log_after(plane: ControlPlane, seq: int) -> list[Event]:
-    return await events(plane.ledger, after=seq)
-
-
-async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
+@contextlib.asynccontextmanager
+async def published_on_two(
     tmp_path: Path,
-) -> None:
+) -> AsyncIterator[tuple[list[FaultyEngine], ControlPlane, VersionRecord]]:
+    """Two engines behind fault wrappers, v1 published on both; the plane's own health loop
+    idle and never suspending (the test drives its own reconciler)."""
     async with (
         faulty_engines(2) as engines,
         open_plane(
@@ -95,7 +97,17 @@ async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
         ) as plane,
     ):
         await plane.publisher.publish(adapter_copy(1), version_id=1)
-        v1 = plane.ledger.state.versions[1]
+        yield engines, plane, plane.ledger.state.versions[1]
+
+
+async def log_after(plane: ControlPlane, seq: int) -> list[Event]:
+    return await events(plane.ledger, after=seq)
+
+
+async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
+    tmp_path: Path,
+) -> None:
+    async with published_on_two(tmp_path) as (engines, plane, v1):
         clock = Clock()
         reconciler = reconciler_for(plane, clock)
         engines[1].inject("incarnation", ServerError(), times=1000)
@@ -121,14 +133,7 @@ async def test_an_engine_answering_again_is_routable_only_after_its_repair(tmp_p
     """Suspended while unreachable; it comes back as a new process (it lost every adapter) and
     cannot reload the default for a while: it stays out of routing, each failed restore
     writes nothing, and retries back off; once the reload goes through it is repaired."""
-    async with (
-        faulty_engines(2) as engines,
-        open_plane(
-            engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE, suspend_after_s=None
-        ) as plane,
-    ):
-        await plane.publisher.publish(adapter_copy(1), version_id=1)
-        v1 = plane.ledger.state.versions[1]
+    async with published_on_two(tmp_path) as (engines, plane, v1):
         clock = Clock()
         reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=8.0)
         sick = engines[1]
@@ -175,14 +180,7 @@ async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
     """A lost adapter whose reload fails ambiguously: retried with back-off, then (after the
     configured number of tries) the engine is suspended to be repaired as a whole -- one
     ``AdapterLost``, one ``EngineSuspended``, nothing per retry."""
-    async with (
-        faulty_engines(2) as engines,
-        open_plane(
-            engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE, suspend_after_s=None
-        ) as plane,
-    ):
-        await plane.publisher.publish(adapter_copy(1), version_id=1)
-        v1 = plane.ledger.state.versions[1]
+    async with published_on_two(tmp_path) as (engines, plane, v1):
         clock = Clock()
         reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=4.0)
         sick = engines[1]
