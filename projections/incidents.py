@@ -25,24 +25,36 @@ Kinds, and why each is worth a line:
 * ``receipt_rejected`` -- a stale, restarted or mismatched engine receipt the ledger refused.
 * ``engine_restart`` -- an engine came back as a new process and how long until it was repaired
   (routable again with every needed version).
+* ``engine_suspended`` -- an engine was quarantined (its probes failed, it lost an adapter it
+  would not reload, or an operator said so), until a repair made it routable again or it was
+  removed; an operator's resumption is listed with it.
+* ``adapter_lost`` -- a committed version vanished from an engine that should hold it (an
+  external unload, an eviction), until it was reloaded there, the engine was repaired as a
+  whole, or it left.
+
+The last two come from :class:`EngineHealthFold`, which needs no registry: ``verify`` runs it
+alongside its checked replay.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
-from typing import TypedDict, Unpack
+from collections.abc import Callable, Iterable
+from typing import Any, TypedDict, Unpack
 
 import msgspec
 
 from evlog.events import (
     LEASE_EXPIRED_CAUSE,
     OWNER_RESTARTED_CAUSE,
+    AdapterLost,
     AttemptFailed,
     AttemptStarted,
     EngineLeft,
     EngineRepaired,
     EngineRestarted,
+    EngineResumed,
+    EngineSuspended,
     FatalResolved,
     InventoryObserved,
     OwnerLeaseExpired,
@@ -76,6 +88,8 @@ KINDS = (
     "rollback",
     "engine_restart",
     "owner_restarted",
+    "engine_suspended",
+    "adapter_lost",
 )
 
 # States that must be short-lived. RETIRED is watched separately: only while nothing is bound.
@@ -114,6 +128,158 @@ class _Attempts(msgspec.Struct, kw_only=True):
     published: tuple[int, int, float] | None = None  # (seq, attempt, at)
 
 
+def fact(kind: str, subject: str, at: float, seq: int, summary: str) -> Incident:
+    """A one-off incident shown by one record (a skip, a refusal, a rejected receipt)."""
+    return Incident(kind=kind, subject=subject, at=at, seqs=(seq,), summary=summary)
+
+
+def opened(kind: str, subject: str, at: float, seq: int, summary: str) -> _Open:
+    """An incident that stays open until a later record closes it; ``seq`` started it."""
+    return _Open(kind=kind, subject=subject, at=at, seqs=[seq], summary=summary)
+
+
+def freeze(entry: _Open, closed_at: float | None, resolution: str, last_at: float) -> Incident:
+    """``entry`` as an incident: resolved at ``closed_at``, or still open at ``last_at``."""
+    end = last_at if closed_at is None else closed_at
+    return Incident(
+        kind=entry.kind,
+        subject=entry.subject,
+        at=entry.at,
+        seqs=tuple(entry.seqs),
+        summary=entry.summary,
+        duration_s=end - entry.at,
+        resolved=closed_at is not None,
+        resolution=resolution,
+    )
+
+
+class EngineHealthFold:
+    """``engine_suspended`` and ``adapter_lost`` incidents, from the engine events alone.
+
+    A suspension opens at ``EngineSuspended`` and closes at the ``EngineRepaired`` that made the
+    engine routable again, or at ``EngineLeft`` (removed); a restart or an operator's
+    ``EngineResumed`` in between is listed with it. A lost adapter opens at ``AdapterLost`` and
+    closes when the version is reloaded there (``VersionRestored``), when the engine is repaired
+    as a whole after a suspension or restart (``EngineRepaired``), or when it leaves; the
+    suspension it may escalate to is listed with it."""
+
+    def __init__(self) -> None:
+        self.found: list[Incident] = []
+        self._suspended: dict[str, _Open] = {}
+        self._lost: dict[tuple[str, int], _Open] = {}
+        self._last_at = 0.0
+
+    def apply(self, record: Record) -> None:
+        seq, at, event = record.seq, record.recorded_at, record.event
+        self._last_at = at
+        match event:
+            case EngineSuspended():
+                detail = f": {event.detail}" if event.detail else ""
+                self._suspended[event.engine] = opened(
+                    "engine_suspended",
+                    event.engine,
+                    at,
+                    seq,
+                    f"suspended ({event.cause}){detail}; no new traffic",
+                )
+                self._touch(event.engine, seq, lost_only=True)
+            case AdapterLost():
+                self._lost[(event.engine, event.version_id)] = opened(
+                    "adapter_lost",
+                    event.engine,
+                    at,
+                    seq,
+                    f"v{event.version_id} missing from its inventory ({event.incarnation})"
+                    "; no longer routed there",
+                )
+            case VersionRestored():
+                entry = self._lost.pop((event.engine, event.version_id), None)
+                if entry is not None:
+                    _add_seq(entry, seq)
+                    after = " after the engine restarted" if entry.count else ""
+                    self._close(entry, at, f"reloaded under its name{after}")
+            case EngineResumed():
+                entry = self._suspended.get(event.engine)
+                if entry is not None:
+                    _add_seq(entry, seq)
+                    entry.count += 1  # resumed by an operator: the repair follows
+            case EngineRestarted():
+                self._touch(event.engine, seq, restarted=True)
+            case EngineRepaired():
+                self._end(event.engine, seq, at, "repaired: holds exactly the needed versions")
+            case EngineLeft():
+                how = "removed by an operator" if event.cause == "operator" else "left the fleet"
+                self._end(event.engine, seq, at, how)
+            case _:
+                pass
+
+    def finish(self) -> list[Incident]:
+        """Every incident found, the open ones measured up to the last record."""
+        found = list(self.found)
+        found += [
+            freeze(e, None, "still suspended", self._last_at) for e in self._suspended.values()
+        ]
+        found += [freeze(e, None, "not restored yet", self._last_at) for e in self._lost.values()]
+        return found
+
+    def _touch(
+        self, engine: str, seq: int, *, lost_only: bool = False, restarted: bool = False
+    ) -> None:
+        """List ``seq`` with the engine's open incidents (``restarted``: the engine's restart,
+        counted on its lost adapters)."""
+        lost = [e for (eng, _), e in self._lost.items() if eng == engine]
+        for entry in lost:
+            entry.count += restarted
+        suspended = self._suspended.get(engine)
+        for entry in lost + ([suspended] if suspended and not lost_only else []):
+            _add_seq(entry, seq)
+
+    def _end(self, engine: str, seq: int, at: float, how: str) -> None:
+        entry = self._suspended.pop(engine, None)
+        if entry is not None:
+            _add_seq(entry, seq)
+            resumed = "resumed by an operator, then " if entry.count else ""
+            self._close(entry, at, resumed + how)
+        for key in [k for k in self._lost if k[0] == engine]:
+            lost = self._lost.pop(key)
+            _add_seq(lost, seq)
+            self._close(lost, at, f"engine {how}" if "repaired" in how else how)
+
+    def _close(self, entry: _Open, at: float, resolution: str) -> None:
+        self.found.append(freeze(entry, at, resolution, self._last_at))
+
+
+def _skipped(e: PublicationSkipped) -> str:
+    return f"publication skipped: {e.code}: {e.message}"
+
+
+def _blocked(e: PublicationBlocked) -> str:
+    blockers = ", ".join(f"v{b}" for b in e.blocked_by)
+    way = f" (in the way: {blockers})" if blockers else ""
+    return f"publication refused: {e.code}{way}: {e.cause}"
+
+
+def _verdict_conflict(e: VerdictConflict) -> str:
+    verdict = "clean" if e.clean else "fatal"
+    return (
+        f"a {verdict} failure report ({e.code}) for attempt {e.attempt}, which had ended "
+        f"{e.state}: {e.reason}"
+    )
+
+
+def _receipt_rejected(e: ReceiptRejected) -> str:
+    return f"{e.code} from {e.engine} ({e.incarnation}) attempt {e.attempt}: {e.detail}"
+
+
+# One-off facts about a version, one record each: the kind and how its summary reads.
+_ONE_OFF: dict[type, tuple[str, Callable[[Any], str]]] = {
+    PublicationSkipped: ("skipped", _skipped),
+    PublicationBlocked: ("blocked", _blocked),
+    VerdictConflict: ("verdict_conflict", _verdict_conflict),
+    ReceiptRejected: ("receipt_rejected", _receipt_rejected),
+}
+
+
 class IncidentFold:
     """Fold records; ``finish()`` returns every incident, ordered by time then seq.
 
@@ -138,6 +304,7 @@ class IncidentFold:
         self._bindings: dict[str, tuple[int, int, float]] = {}  # session -> (vid, seq, at)
         self._retired_at: dict[int, tuple[int, float]] = {}
         self._pinned: list[tuple[float, int, Incident]] = []  # min-heap of the longest
+        self._health = EngineHealthFold()
         self._last_at = 0.0
         self._last_seq = 0
 
@@ -150,6 +317,7 @@ class IncidentFold:
             self._owner_registered(event, seq, at)  # before the fold: was the owner live?
         for change in advance(self.registry, record):
             self._state_changed(change.version_id, change.before, change.after, seq, at)
+        self._health.apply(record)
         match event:
             case SessionBound():
                 self._bindings[event.session] = (event.version_id, seq, at)
@@ -161,12 +329,12 @@ class IncidentFold:
                 self._watch_reclaimable(event.retired, seq, at)
                 if event.rollback:
                     self._found.append(
-                        Incident(
-                            kind="rollback",
-                            subject=f"v{event.version_id}",
-                            at=at,
-                            seqs=(seq,),
-                            summary=f"rolled the default back from v{event.retired} to "
+                        fact(
+                            "rollback",
+                            f"v{event.version_id}",
+                            at,
+                            seq,
+                            f"rolled the default back from v{event.retired} to "
                             f"v{event.version_id} (revision {event.revision}), on purpose",
                         )
                     )
@@ -177,13 +345,12 @@ class IncidentFold:
                     (seq, event.attempt, event.code, event.clean, at)
                 )
                 if not event.clean:
-                    self._fatal[event.version_id] = _Open(
-                        kind="fatal",
-                        subject=f"v{event.version_id}",
-                        at=at,
-                        seqs=[seq],
-                        summary=f"attempt {event.attempt} ended ambiguous: "
-                        f"{event.code}: {event.reason}",
+                    self._fatal[event.version_id] = opened(
+                        "fatal",
+                        f"v{event.version_id}",
+                        at,
+                        seq,
+                        f"attempt {event.attempt} ended ambiguous: {event.code}: {event.reason}",
                     )
             case InventoryObserved():
                 self._inventory[event.engine] = (seq, at)
@@ -192,12 +359,12 @@ class IncidentFold:
             case ReclaimAmbiguous():
                 entry = self._ambiguous.get(event.version_id)
                 if entry is None:
-                    self._ambiguous[event.version_id] = _Open(
-                        kind="reclaim_ambiguous",
-                        subject=f"v{event.version_id}",
-                        at=at,
-                        seqs=[seq],
-                        summary=f"unload on {event.engine} ambiguous: {event.reason}",
+                    self._ambiguous[event.version_id] = opened(
+                        "reclaim_ambiguous",
+                        f"v{event.version_id}",
+                        at,
+                        seq,
+                        f"unload on {event.engine} ambiguous: {event.reason}",
                     )
                 else:
                     _add_seq(entry, seq)
@@ -207,67 +374,26 @@ class IncidentFold:
                     self._add_evidence(entry, at)
                     _add_seq(entry, seq)
                     self._close(entry, at, "unload confirmed on every engine; slot freed")
-            case PublicationSkipped():
-                self._found.append(
-                    Incident(
-                        kind="skipped",
-                        subject=f"v{event.version_id}",
-                        at=at,
-                        seqs=(seq,),
-                        summary=f"publication skipped: {event.code}: {event.message}",
-                    )
-                )
-            case PublicationBlocked():
-                blockers = ", ".join(f"v{b}" for b in event.blocked_by)
-                self._found.append(
-                    Incident(
-                        kind="blocked",
-                        subject=f"v{event.version_id}",
-                        at=at,
-                        seqs=(seq,),
-                        summary=f"publication refused: {event.code}"
-                        + (f" (in the way: {blockers})" if blockers else "")
-                        + f": {event.cause}",
-                    )
-                )
-            case VerdictConflict():
-                verdict = "clean" if event.clean else "fatal"
-                self._found.append(
-                    Incident(
-                        kind="verdict_conflict",
-                        subject=f"v{event.version_id}",
-                        at=at,
-                        seqs=(seq,),
-                        summary=f"a {verdict} failure report ({event.code}) for attempt "
-                        f"{event.attempt}, which had ended {event.state}: {event.reason}",
-                    )
-                )
-            case ReceiptRejected():
-                self._found.append(
-                    Incident(
-                        kind="receipt_rejected",
-                        subject=f"v{event.version_id}",
-                        at=at,
-                        seqs=(seq,),
-                        summary=f"{event.code} from {event.engine} ({event.incarnation}) "
-                        f"attempt {event.attempt}: {event.detail}",
-                    )
-                )
+            case (
+                PublicationSkipped() | PublicationBlocked() | VerdictConflict() | ReceiptRejected()
+            ):
+                kind, summary = _ONE_OFF[type(event)]
+                self._found.append(fact(kind, f"v{event.version_id}", at, seq, summary(event)))
             case OwnerLeaseExpired():
-                self._leases[event.owner] = _Open(
-                    kind="lease_expired",
-                    subject=f"owner {event.owner}",
-                    at=at,
-                    seqs=[seq],
-                    summary=f"no renewal for {event.at - event.last_seen:.1f}s",
+                self._leases[event.owner] = opened(
+                    "lease_expired",
+                    f"owner {event.owner}",
+                    at,
+                    seq,
+                    f"no renewal for {event.at - event.last_seen:.1f}s",
                 )
             case EngineRestarted():
-                self._restarts[event.engine] = _Open(
-                    kind="engine_restart",
-                    subject=event.engine,
-                    at=at,
-                    seqs=[seq],
-                    summary=f"restarted ({event.old} -> {event.new}): lost every adapter",
+                self._restarts[event.engine] = opened(
+                    "engine_restart",
+                    event.engine,
+                    at,
+                    seq,
+                    f"restarted ({event.old} -> {event.new}): lost every adapter",
                 )
             case VersionRestored():
                 entry = self._restarts.get(event.engine)
@@ -315,6 +441,7 @@ class IncidentFold:
             found.append(self._lease_incident(entry))
         for entry in self._owner_restarts:
             found.append(self._lease_incident(entry))
+        found.extend(self._health.finish())
         for vid, attempts in sorted(self._attempts.items()):
             if attempts.restarts:
                 found.append(self._retried(vid, attempts))
@@ -451,25 +578,16 @@ class IncidentFold:
         self._found.append(self._freeze(entry, at, resolution))
 
     def _freeze(self, entry: _Open, closed_at: float | None, resolution: str) -> Incident:
-        end = self._last_at if closed_at is None else closed_at
-        return Incident(
-            kind=entry.kind,
-            subject=entry.subject,
-            at=entry.at,
-            seqs=tuple(entry.seqs),
-            summary=entry.summary,
-            duration_s=end - entry.at,
-            resolved=closed_at is not None,
-            resolution=resolution,
-        )
+        return freeze(entry, closed_at, resolution, self._last_at)
 
     def _lease_incident(self, entry: _Open) -> Incident:
+        summary = f"{entry.summary}; {entry.count} sessions released"
         return Incident(
             kind=entry.kind,
             subject=entry.subject,
             at=entry.at,
             seqs=tuple(entry.seqs),
-            summary=f"{entry.summary}; {entry.count} sessions released",
+            summary=summary,
         )
 
     def _stuck(

@@ -120,14 +120,19 @@ class CheckedReplay:
         *,
         until: int | None = None,
         progress: Callable[[int], None] | None = None,
+        observe: Callable[[Record], None] | None = None,
     ) -> ReplayFault | None:
         """Replay the store's records after the state's ``last_seq`` up to ``until``; the first
-        fault, or None. ``progress(seq)`` is called every ``PROGRESS_EVERY`` seqs. A store
-        error (a record that does not decode) is raised as the store raised it."""
+        fault, or None. ``progress(seq)`` is called every ``PROGRESS_EVERY`` seqs;
+        ``observe(record)`` after each record applied without a fault (another fold fed from
+        the same pass). A store error (a record that does not decode) is raised as the store
+        raised it."""
         async for record in store.iterate(after=self.state.last_seq, until=until):
             fault = self.apply(record)
             if fault is not None:
                 return fault
+            if observe is not None:
+                observe(record)
             if progress is not None and record.seq % PROGRESS_EVERY == 0:
                 progress(record.seq)
         return self.finish()

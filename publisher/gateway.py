@@ -31,6 +31,15 @@ Four rules, each one a user-visible guarantee (docs/sessions.md):
   for every engine) is sent instead, so two versions can never share prefix-cache entries
   (docs/engines.md) whatever the client asks.
 
+**A refusal that says the adapter is gone** (``NOT_LOADED``, ``NAME_RECLAIMED`` from an engine
+the routing lists as a holder) means the engine may have lost a committed version behind the
+ledger's back. The gateway reports it (``on_missing(engine, lora_name)``; in process, the
+reconciler's :meth:`~publisher.reconciler.Reconciler.suspect`), so that engine's inventory is
+read at once rather than at the next full pass: the loss is recorded (``AdapterLost``) and
+routing moves off the engine within moments. The refusal itself stays ``GENERATION_FAILED``
+for the caller and is not resent here: it was clean (nothing generated), the caller may retry
+at will, and its retry is routed by the updated ledger.
+
 Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
 that served it, the revision the session bound at, the head revision at dispatch and at
 completion (staleness), the engine, the request id, and the adapter name the engine echoed (a
@@ -77,6 +86,8 @@ log = get_logger("loraledger.gateway")
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
 DEFAULT_PARAMS = SamplingParams()
+# Clean refusals meaning "this engine does not hold the adapter": a possible lost adapter.
+MISSING_CODES = frozenset({ErrorCode.NOT_LOADED, ErrorCode.NAME_RECLAIMED})
 
 
 class DispatchCode:
@@ -238,10 +249,12 @@ class Gateway:
     call from many tasks at once.
 
     ``gateway_id`` names this reporter in in-flight evidence and provenance; ``clock`` stamps
-    evidence and rows (pass the ledger's clock to keep one time base). ``on_engine_failure``
-    hears every failed generation that says something about its engine
-    (:func:`says_about_engine`), synchronously: on Ray, ``RayLedger.engine_failed`` refreshes
-    the fleet and has the ledger's reconciler probe the engine at once."""
+    evidence and rows (pass the ledger's clock to keep one time base). Two hooks, both called
+    synchronously and neither allowed to block: ``on_engine_failure(engine, error)`` hears every
+    failed generation that says something about its engine (:func:`says_about_engine`; on Ray,
+    ``RayLedger.engine_failed`` refreshes the fleet and has the ledger's reconciler probe the
+    engine at once); ``on_missing(engine, lora_name)`` hears every refusal meaning the engine
+    lacks the adapter (see the module docstring; in process, the reconciler's ``suspect``)."""
 
     def __init__(
         self,
@@ -252,9 +265,11 @@ class Gateway:
         recorder: ProvenanceRecorder | None = None,
         clock: Callable[[], float] = time.time,
         on_engine_failure: Callable[[str, EngineError], None] | None = None,
+        on_missing: Callable[[str, str], None] | None = None,
     ) -> None:
         self.fleet = fleet
         self.on_engine_failure = on_engine_failure
+        self.on_missing = on_missing
         self.routing = routing
         self.gateway_id = gateway_id
         self.recorder = recorder
@@ -384,6 +399,10 @@ class Gateway:
             except EngineError as exc:
                 if says_about_engine(exc) and self.on_engine_failure is not None:
                     self.on_engine_failure(engine_id, exc)
+                if exc.clean and exc.code in MISSING_CODES:
+                    # Reported whether or not another holder takes the request: the engine
+                    # may have lost a committed version, and that is checked now.
+                    self.report_missing(engine_id, bound.lora_name)
                 if try_elsewhere(exc):
                     # Provably did not run: another holder may take it (once per holder).
                     if exc.dispatched:
@@ -461,6 +480,13 @@ class Gateway:
         if tally is not None:
             tally.exit(key)
         self._load[engine_id] -= 1
+
+    def report_missing(self, engine_id: str, lora_name: str) -> None:
+        """``engine_id`` refused a generation of ``lora_name`` as not loaded: tell
+        ``on_missing`` (the reconciler reads that engine's inventory now)."""
+        log.warning("gateway.adapter_missing", engine=engine_id, lora_name=lora_name)
+        if self.on_missing is not None:
+            self.on_missing(engine_id, lora_name)
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if exc.clean:

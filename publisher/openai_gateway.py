@@ -63,7 +63,7 @@ from engines.openai_http import (
 from evlog.errors import INVALID_INPUT, LoraLedgerError, Refused
 from projections.status import LedgerStatus
 from publisher.errors import Code
-from publisher.gateway import DispatchCode, Gateway, RoutingView, version_salt
+from publisher.gateway import MISSING_CODES, DispatchCode, Gateway, RoutingView, version_salt
 from publisher.logs import get_logger
 from publisher.outcomes import Bound
 from publisher.provenance import ProvenanceRow
@@ -553,7 +553,7 @@ class OpenAIGateway:
             timeout=self._timeout,
         ) as response:
             if response.status_code != 200:
-                return await self._relay_refusal(response, route, send)
+                return await self._relay_refusal(response, route, bound.lora_name, send)
             headers = self._headers_for(ask, bound, route, response)
             if not ask.stream:
                 try:
@@ -598,9 +598,12 @@ class OpenAIGateway:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         await send({"type": "http.response.body", "body": pending, "more_body": False})
 
-    async def _relay_refusal(self, response: httpx.Response, route: EngineRoute, send: Send) -> str:
+    async def _relay_refusal(
+        self, response: httpx.Response, route: EngineRoute, lora_name: str, send: Send
+    ) -> str:
         """A 4xx: the engine refused before generating. Relayed with its status, in OpenAI's
-        shape, its code kept (``GENERATION_FAILED`` when it gave none)."""
+        shape, its code kept (``GENERATION_FAILED`` when it gave none). A refusal saying the
+        engine lacks ``lora_name`` is reported to the gateway (a possibly lost adapter)."""
         try:
             raw = await response.aread()
             reply = msgspec.json.decode(raw)
@@ -611,6 +614,9 @@ class OpenAIGateway:
             str(error.get("message")) if isinstance(error, dict) else f"HTTP {response.status_code}"
         )
         code = str(error.get("code") or "") if isinstance(error, dict) else ""
+        if code in MISSING_CODES or response.status_code == 404:
+            # The engine does not hold the version (vLLM: 404 "model does not exist").
+            self.gateway.report_missing(route.engine_id, lora_name)
         await _send_error(
             send,
             code or DispatchCode.GENERATION_FAILED,

@@ -45,7 +45,10 @@ The health loop (:meth:`Reconciler.run`) probes every engine's ``incarnation()``
 ``probe_interval_s`` (or when poked) and reconciles an engine that restarted, is not routable,
 lacks a needed version, or is involved in a blocking entry; every ``full_every_s`` it reconciles
 every engine anyway, so drift nobody reported (a stray loaded behind our back, SGLang's implicit
-reload of an unloaded name) is found and undone too. Engines are driven through
+reload of an unloaded name) is found and undone too. Drift somebody *did* report -- a gateway
+whose generation an engine refused as not loaded (:meth:`Reconciler.suspect`) -- wakes the loop
+at once and that engine is reconciled in full: a lost adapter is recorded and routed around
+within moments, not at the next full pass. Engines are driven through
 :mod:`publisher.engine_protocol` (restore: ``stage_and_load``; every cleanup: ``unload_fenced``),
 every call bounded (:mod:`publisher.engine_ops`); one engine's failure never stops the others or
 the loop.
@@ -162,6 +165,9 @@ class Reconciler:
         self._clock = clock
         self._locks: dict[str, anyio.Lock] = {}
         self._poked: anyio.Event | None = None
+        # Engines a gateway saw refuse a generation as not loaded: read at the next wake.
+        self._suspects: set[str] = set()
+        self._suspected_at: dict[str, float] = {}  # engine -> when it last woke the loop
         self.passes = 0
 
     @property
@@ -173,6 +179,25 @@ class Reconciler:
         """Ask the health loop to look at every engine now rather than at its next tick."""
         if self._poked is not None:
             self._poked.set()
+
+    def suspect(self, engine_id: str, lora_name: str = "") -> None:
+        """A gateway saw ``engine_id`` refuse a generation of ``lora_name`` as not loaded: the
+        engine may have lost a committed version (an external unload, an eviction). Its
+        inventory is read at the health loop's next wake -- now -- instead of at the next full
+        pass, so the loss is recorded (``AdapterLost``), routed around and repaired within
+        moments. Cheap and idempotent: many refusals before the wake are one read, an
+        inventory that shows nothing new writes nothing, and an engine wakes the loop at most
+        once per ``probe_interval_s`` (a flood of refusals is read at the regular ticks, not
+        in a storm of passes)."""
+        if engine_id not in self._fleet:
+            return
+        self._suspects.add(engine_id)
+        now = self._clock()
+        last = self._suspected_at.get(engine_id)
+        if last is None or now - last >= self.probe_interval_s:
+            self._suspected_at[engine_id] = now
+            log.info("reconciler.suspect", engine=engine_id, lora_name=lora_name)
+            self.poke()
 
     def _lock(self, engine_id: str) -> anyio.Lock:
         lock = self._locks.get(engine_id)
@@ -520,24 +545,28 @@ class Reconciler:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Probe every engine each ``probe_interval_s`` (or when poked), forever."""
+        """Probe every engine each ``probe_interval_s`` (or when poked), forever; engines
+        under suspicion (:meth:`suspect`) get a full reconcile, not just a probe."""
         self._poked = anyio.Event()
         task_status.started()
         while True:
             with anyio.move_on_after(self.probe_interval_s):
                 await self._poked.wait()
             self._poked = anyio.Event()
+            suspects, self._suspects = self._suspects, set()
             if self._clock() - self._last_full >= self.full_every_s:
                 await self.reconcile()
             else:
-                await self.health_check()
+                await self.health_check(suspects)
 
-    async def health_check(self) -> None:
+    async def health_check(self, suspects: set[str] | frozenset[str] = frozenset()) -> None:
+        """Probe every engine; reconcile those that need it by the ledger, and ``suspects``
+        (their inventory is read whatever the ledger believes)."""
         async with anyio.create_task_group() as tg:
             for engine_id in self._fleet.ids():
-                tg.start_soon(self._check, engine_id)
+                tg.start_soon(self._check, engine_id, engine_id in suspects)
 
-    async def _check(self, engine_id: str) -> None:
+    async def _check(self, engine_id: str, suspected: bool = False) -> None:
         try:
             engine = self._fleet[engine_id]
             incarnation = await call(
@@ -552,7 +581,7 @@ class Reconciler:
             await self._probe_failed(engine_id, str(exc), gone=gone)
             return
         self._failing.pop(engine_id, None)
-        if self._needs_reconcile(engine_id, incarnation):
+        if suspected or self._needs_reconcile(engine_id, incarnation):
             await self.reconcile_engine(engine_id)
 
     async def _probe_failed(self, engine_id: str, error: str, *, gone: bool = False) -> None:

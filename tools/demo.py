@@ -219,7 +219,11 @@ async def run_demo(
         recorder = await stack.enter_async_context(ProvenanceRecorder(JsonlSink(prov_path)))
         ledger = plane.ledger
         gateway = Gateway(
-            plane.fleet, LedgerRouting(ledger), gateway_id="demo-gateway", recorder=recorder
+            plane.fleet,
+            LedgerRouting(ledger),
+            gateway_id="demo-gateway",
+            recorder=recorder,
+            on_missing=plane.reconciler.suspect,
         )
         plane.add_inflight_source(gateway)
         trainer = TrainerClient(plane)

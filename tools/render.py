@@ -155,10 +155,14 @@ def stalls_view(subject: str, stalls: Sequence[Stall]) -> RenderableType:
     return table
 
 
-def incidents_view(found: Sequence[Incident]) -> RenderableType:
+def _health_view(found: Sequence[Incident]) -> RenderableType:
+    return incidents_view(found, title=f"{len(found)} engine-health incidents")
+
+
+def incidents_view(found: Sequence[Incident], *, title: str = "") -> RenderableType:
     if not found:
         return Text("no incidents", style="green")
-    table = Table(title=f"{len(found)} incidents", title_justify="left")
+    table = Table(title=title or f"{len(found)} incidents", title_justify="left")
     for column in ("time", "kind", "subject", "what", "lasted", "outcome", "seqs"):
         table.add_column(column)
     for i in found:
@@ -236,15 +240,21 @@ def audit_view(report: AuditReport) -> RenderableType:
 
 def verify_view(result: VerifyResult) -> RenderableType:
     if result.ok:
-        return Text(
+        verdict = Text(
             f"OK {result.path}: {result.records} records, chain intact, every invariant holds "
             f"at every seq (head {result.head_hash[:16]}, {result.seconds:.2f}s)",
             style="green",
         )
+        if not result.incidents:
+            return verdict
+        # Intact, but engines were quarantined or lost adapters: say which, and when.
+        return Group(verdict, _health_view(result.incidents))
     where = f" at seq {result.first_bad_seq}" if result.first_bad_seq is not None else ""
-    lines = [
+    lines: list[RenderableType] = [
         Text(f"FAILED {result.path}{where} [{result.stage}]: {result.problem}", style="bold red")
     ]
+    if result.incidents:
+        lines.append(_health_view(result.incidents))
     if result.stage in ("chain", "invariants") and result.records:
         lines.append(
             Text(

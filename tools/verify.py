@@ -11,6 +11,11 @@ Two checks, in this order, because they answer different questions:
    decided something illegal (a bug), or someone re-forged the chain; either way the seq
    names where.
 
+On the way, the engine-health incidents (``engine_suspended``, ``adapter_lost``: see
+``projections.incidents``) are collected from the same pass and listed with the verdict: an
+intact log can still record an engine that lost an adapter or was quarantined, and whoever
+checks a log wants to see that first.
+
 Nothing here raises for a bad log: the result says what failed, where, and which exit code
 reports it, so ``--json`` can describe a broken file as precisely as a good one.
 """
@@ -24,8 +29,10 @@ from collections.abc import Callable
 import msgspec
 
 from evlog.errors import LoraLedgerError
+from evlog.record import Record
 from evlog.store import EventStore
 from evlog.stores import describe
+from projections.incidents import EngineHealthFold, Incident
 from projections.recovery import CheckedReplay
 from tools.exitcodes import Exit, ToolError
 from tools.logfile import open_log
@@ -45,6 +52,8 @@ class VerifyResult(msgspec.Struct, frozen=True, kw_only=True):
     code: str | None = None
     problem: str = ""
     seconds: float = 0.0
+    # engine-health incidents of the records replayed (all of them when ``ok``)
+    incidents: tuple[Incident, ...] = ()
 
 
 async def verify_log(
@@ -85,7 +94,8 @@ async def verify_log(
                 )
             if progress is not None:
                 progress("chain", report.last_seq, report.last_seq)
-            bad = await _replay_checked(store, deep, report.last_seq, progress)
+            health = EngineHealthFold()
+            bad = await _replay_checked(store, deep, report.last_seq, progress, health.apply)
             if bad is not None:
                 seq, problem = bad
                 return failed(
@@ -97,6 +107,7 @@ async def verify_log(
                     head_hash=report.head_hash.hex(),
                     first_bad_seq=seq,
                     code="INVARIANT",
+                    incidents=tuple(health.finish()),
                 )
     except ToolError as exc:
         return failed("open", exc.exit_code, exc.message, first_bad_seq=exc.seq)
@@ -111,17 +122,23 @@ async def verify_log(
         last_seq=report.last_seq,
         head_hash=report.head_hash.hex(),
         seconds=round(time.perf_counter() - start, 3),
+        incidents=tuple(health.finish()),
     )
 
 
 async def _replay_checked(
-    store: EventStore, deep: bool, last: int, progress: Progress | None
+    store: EventStore,
+    deep: bool,
+    last: int,
+    progress: Progress | None,
+    observe: Callable[[Record], None],
 ) -> tuple[int, str] | None:
-    """Apply every event, checking invariants; the first (seq, problem) found, or None."""
+    """Apply every event, checking invariants (each applied record also goes to
+    ``observe``); the first (seq, problem) found, or None."""
     replay = CheckedReplay(deep=deep)
     report = None if progress is None else lambda seq: progress("invariants", seq, last)
     try:
-        fault = await replay.run(store, until=last, progress=report)
+        fault = await replay.run(store, until=last, progress=report, observe=observe)
     except LoraLedgerError as exc:  # the file changed under us between the two passes
         return exc.details.get("seq", replay.state.last_seq + 1), f"{exc.code}: {exc.message}"
     if fault is not None:

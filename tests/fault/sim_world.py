@@ -15,12 +15,20 @@ Nothing is modelled. What a seed chooses:
   released as ``too_stale`` and the rollout restarts the episode under a new session id;
 * controller crashes (0-2): at a seeded time the controller process "dies" -- its store and
   engine handles are severed at that instant (a dead process touches nothing more), its tasks
-  are cancelled -- and a new controller opens the same log.
+  are cancelled -- and a new controller opens the same log;
+* engine health: one engine may freeze (as under SIGSTOP: every call to it, the gateway's
+  included, hangs until it thaws) for longer than the reconciler's ``suspend_after_s``, so it
+  is suspended, and then either thaws and is repaired or is removed by an operator while
+  suspended; and an outsider may unload the default from an engine that holds it (a lost
+  adapter: the engine fences the name, so the reload is refused and the engine is suspended
+  until the operator restarts it).
 
-After the chaos, a calm phase: a last controller life on fault-free handles, until the system
-settles. :func:`check_end_state` then asserts the promises (see its docstring), and every
-refusal the run met that breaks one (a generation that found its pinned version unloaded) is
-collected in :attr:`World.violations`.
+An operator (:func:`operator`) acts as on-call would: restarts an engine suspended for a lost
+adapter, removes the frozen engine when the seed says so. After the chaos, a calm phase: a last
+controller life on fault-free handles, until the system settles. :func:`check_end_state`
+then asserts the promises (see its docstring), and every refusal the run met that breaks one
+(a generation that found its pinned version unloaded) is collected in
+:attr:`World.violations`.
 
 ``python -m tests.fault.sim_world SEED`` runs one seed with the plane's logs on stderr.
 """
@@ -59,7 +67,16 @@ from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.testing import RestartableEngine
 from evlog.errors import LoraLedgerError, StoreCode, StoreError
-from evlog.events import SessionBound, SessionReleased
+from evlog.events import (
+    AdapterLost,
+    AttemptStarted,
+    EngineLeft,
+    EngineRepaired,
+    EngineSuspended,
+    SessionBound,
+    SessionReleased,
+    VersionPublished,
+)
 from evlog.memory import MemoryLog, MemoryStore
 from evlog.record import Pending
 from evlog.store import Snapshot
@@ -99,6 +116,14 @@ TIMEOUTS = EngineTimeouts(probe=2, inventory=5, prepare=10, transfer=20, load=20
 CHAOS_S = 600.0  # virtual seconds of the scenario, at most
 CALM_S = 900.0  # virtual seconds the calm phase may take to settle
 TTL_S = 20.0
+SUSPEND_AFTER_S = 30.0  # the reconciler's: probes failing this long suspend an engine
+RESTART_AFTER_S = 15.0  # how long the operator takes to restart a lost-adapter suspension
+# Events naming one engine during one health incident (a suspension until the engine is
+# repaired or leaves, a lost adapter until restored or suspended): what a repair writes (an
+# inventory or two, the owed unloads, a restore per needed version, the repair), never one
+# per probe or per retry. An incident lasting minutes with per-probe events would write
+# dozens.
+INCIDENT_EVENTS_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -114,21 +139,41 @@ class SimConfig:
     death: float | None  # virtual time one worker dies without closing its sessions
     fault_rate: float
     max_staleness: int | None = None  # the deployment's bound (None: unbounded)
+    # (engine index, start, seconds): the engine freezes, long enough to be suspended
+    freeze: tuple[int, float, float] | None = None
+    remove_frozen: bool = False  # the operator removes the frozen engine while suspended
+    lost: tuple[int, float] | None = None  # (engine index, time): the default is unloaded
 
     @classmethod
     def from_seed(cls, seed: int) -> SimConfig:
         rng = random.Random(f"config-{seed}")
+        engines = rng.choice((1, 2, 2, 3))
         return cls(
             seed=seed,
-            engines=rng.choice((1, 2, 2, 3)),
+            engines=engines,
             versions=rng.choice((3, 4)),
             sessions=rng.randint(2, 3),
             turns=rng.randint(1, 3),
             crashes=tuple(sorted(rng.uniform(5, 200) for _ in range(rng.choice((0, 1, 1, 2))))),
             death=rng.choice((None, rng.uniform(10, 150))),
             fault_rate=rng.choice((0.0, 0.05, 0.15, 0.3)),
-            max_staleness=rng.choice((None, None, 0, 1)),  # drawn last: earlier draws unchanged
+            max_staleness=rng.choice((None, None, 0, 1)),
+            **_health(rng, engines),  # drawn last: earlier draws unchanged
         )
+
+
+def _health(rng: random.Random, engines: int) -> dict[str, Any]:
+    """The engine-health faults of a seed: a freeze (fleets of 2 or more, so another engine
+    serves meanwhile), with or without the operator removing the frozen engine, and a lost
+    adapter, each in about a third of the seeds."""
+    freeze = None
+    if engines >= 2 and rng.random() < 0.35:
+        freeze = (rng.randrange(engines), rng.uniform(5.0, 80.0), rng.uniform(45.0, 120.0))
+    remove = freeze is not None and rng.random() < 0.35
+    lost = None
+    if rng.random() < 0.35:
+        lost = (rng.randrange(engines), rng.uniform(20.0, 200.0))
+    return {"freeze": freeze, "remove_frozen": remove, "lost": lost}
 
 
 def fault_menu(rate: float, restartable: bool) -> dict[str, list[tuple[float, Fault]]]:
@@ -158,9 +203,8 @@ def fault_menu(rate: float, restartable: bool) -> dict[str, list[tuple[float, Fa
     return menu
 
 
-class Severable:
-    """A controller life's handle on an engine. Once the life dies every call fails at once,
-    as from a process that no longer exists: nothing reaches the engine."""
+class Relay:
+    """An engine handle that passes every call on to ``inner`` once :meth:`_gate` lets it."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
@@ -168,19 +212,12 @@ class Severable:
         self.kind = inner.kind
         self.transport = inner.transport
         self.capabilities = inner.capabilities
-        self.severed = False
 
-    def _check(self) -> None:
-        if self.severed:
-            raise AmbiguousReply(
-                ErrorCode.ENGINE_UNREACHABLE,
-                "this controller died",
-                engine_id=self.engine_id,
-                dispatched=False,
-            )
+    async def _gate(self) -> None:
+        """Before every call: raise, or wait, or let it through."""
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        self._check()
+        await self._gate()
         return await fn()
 
     async def incarnation(self) -> str:
@@ -207,7 +244,43 @@ class Severable:
         return await self._call(lambda: self.inner.generate(prompt, lora_name, params, **kw))
 
     async def aclose(self) -> None:
-        """The engine outlives its controller."""
+        """The engine outlives its handles."""
+
+
+class Severable(Relay):
+    """A controller life's handle on an engine. Once the life dies every call fails at once,
+    as from a process that no longer exists: nothing reaches the engine."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner)
+        self.severed = False
+
+    async def _gate(self) -> None:
+        if self.severed:
+            raise AmbiguousReply(
+                ErrorCode.ENGINE_UNREACHABLE,
+                "this controller died",
+                engine_id=self.engine_id,
+                dispatched=False,
+            )
+
+
+class Freezable(Relay):
+    """An engine that may freeze (SIGSTOP): a call made while it is frozen hangs until it
+    thaws, then goes through -- unless its caller gave up first (a timeout: nothing then
+    reaches the engine). Everyone reaches the engine through it: controllers and gateway."""
+
+    def __init__(self, inner: Engine, frozen: tuple[float, float] | None = None) -> None:
+        super().__init__(inner)
+        self.frozen = frozen  # (from, until), virtual seconds
+
+    def is_frozen(self) -> bool:
+        now = anyio.current_time()
+        return self.frozen is not None and self.frozen[0] <= now < self.frozen[1]
+
+    async def _gate(self) -> None:
+        if self.frozen is not None and self.is_frozen():
+            await anyio.sleep(self.frozen[1] - anyio.current_time())
 
 
 class SeveredStore(MemoryStore):
@@ -239,6 +312,11 @@ class World:
     log: MemoryLog = field(default_factory=MemoryLog)
     hosts: list[RestartableEngine] = field(default_factory=list)
     faulty: list[FaultyEngine] = field(default_factory=list)
+    fronts: list[Freezable] = field(default_factory=list)  # what controllers and gateway call
+    removed: set[str] = field(default_factory=set)  # engines an operator removed
+    # (engine, version) the outsider unloaded: that version's NAME_RECLAIMED there is no
+    # premature unload of ours
+    unloaded_outside: set[tuple[str, int]] = field(default_factory=set)
     plane: ControlPlane | None = None
     life_scope: anyio.CancelScope | None = None
     lives: int = 0
@@ -250,6 +328,7 @@ class World:
     up: anyio.Event = field(default_factory=anyio.Event)
     # (session, turn) of every turn refused as too stale, and the sessions they ended
     stale_turns: list[tuple[str, int]] = field(default_factory=list)
+    health: HealthWatch | None = None  # the health promises' counts, once checked
 
     # --- what the rest of the system reaches through the network --------------------------
 
@@ -342,7 +421,9 @@ async def controller(world: World, gateway: Gateway) -> None:
         calm = world.calm
         store = SeveredStore(world.log)
         handles = [
-            Severable(h if calm else f) for h, f in zip(world.hosts, world.faulty, strict=True)
+            Severable(h if calm else f)
+            for h, f in zip(world.hosts, world.fronts, strict=True)
+            if h.engine_id not in world.removed
         ]
         crash_at = crashes.pop(0) if crashes and not calm else None
         crashed = False
@@ -364,6 +445,7 @@ async def controller(world: World, gateway: Gateway) -> None:
                     cleanup_timeout=10.0,
                     clock=sim_clock,
                     max_staleness=world.cfg.max_staleness,
+                    suspend_after_s=SUSPEND_AFTER_S,
                 ) as plane:
                     plane.add_inflight_source(gateway)
                     world.plane = plane
@@ -469,6 +551,8 @@ def _premature_unload(world: World, session_id: str, exc: LoraLedgerError) -> No
     bound to it (the ledger must never reclaim a version a bound session uses)."""
     if world.plane is None:
         return
+    if (exc.details.get("engine"), exc.details.get("version_id")) in world.unloaded_outside:
+        return  # the outsider's doing, not ours: a lost adapter
     binding = world.plane.ledger.state.sessions.get(session_id)
     if binding is not None and binding.version_id == exc.details.get("version_id"):
         world.violations.append(
@@ -487,6 +571,96 @@ async def _with_retries(fn: Callable[[], Awaitable[T]]) -> T | None:
     raise AssertionError("a close never succeeded")
 
 
+CANARY_TURNS = 8  # one-turn sessions the canary sends per run, at most
+
+
+async def canary(world: World, gateway: Gateway, port: ControllerPort) -> None:
+    """Traffic where the health promises bite: while the live ledger shows an engine
+    suspended or lacking a needed version, a one-turn session every 2 s (at most
+    :data:`CANARY_TURNS` per run). Routing must keep each off that engine; the rollout
+    workers alone rarely send a new request in those windows. Stops when the calm begins."""
+    retry = RetryPolicy(attempts=60, first_delay=0.5, max_delay=5.0)
+    await world.wait_up()
+    async with RolloutWorker.open(port, gateway, owner="canary", ttl_s=TTL_S, retry=retry) as w:
+        sent = 0
+        while not world.calm and sent < CANARY_TURNS:
+            await anyio.sleep(2.0)
+            plane = world.plane
+            if plane is None or not plane.ledger.state.default:
+                continue
+            state = plane.ledger.state
+            needed = set(state.needed_versions())
+            if not any(
+                m.suspended or needed & set(m.lacks.values()) for m in state.engines.values()
+            ):
+                continue
+            session = w.session(f"canary-{sent}")
+            sent += 1
+            try:
+                await _generate(world, session, "canary", 0)
+            except LoraLedgerError as exc:
+                if exc.code not in (Code.SESSION_TOO_STALE, Code.LEASE_EXPIRED):
+                    raise
+            await _with_retries(session.close)
+
+
+async def outsider(world: World) -> None:
+    """At the seeded time, someone else unloads the default from one engine, straight on the
+    engine (as with their own client), if it holds it: a lost adapter. The engine fences the
+    name's attempt, so the reconciler's reload is refused and the engine is suspended."""
+    assert world.cfg.lost is not None
+    index, at = world.cfg.lost
+    await anyio.sleep(at)
+    plane = await world.wait_up()
+    state = plane.ledger.state
+    if state.default is None or world.fronts[index].is_frozen():
+        return
+    v = state.versions[state.default]
+    engine: LocalEngine = world.hosts[index].current
+    if v.lora_name not in engine.loaded_adapters():
+        return
+    world.unloaded_outside.add((engine.engine_id, v.version_id))
+    await engine.unload(v.lora_name, attempt=v.attempt)
+    world.notes.append(f"outsider unloaded v{v.version_id} from {engine.engine_id} at t={at:.1f}")
+
+
+async def operator(world: World) -> None:
+    """On call: restarts an engine suspended for a lost adapter (a restart clears its fences;
+    the reconciler then repairs it), and removes the frozen engine once it is suspended when
+    the seed says so. Looks every few seconds; a controller down is looked at again later."""
+    suspended_at: dict[str, float] = {}
+    frozen = world.cfg.freeze
+    while True:
+        await anyio.sleep(5.0)
+        plane = world.plane
+        if plane is None:
+            continue
+        now = anyio.current_time()
+        for engine_id, member in list(plane.ledger.state.engines.items()):
+            if not member.suspended:
+                suspended_at.pop(engine_id, None)
+                continue
+            since = suspended_at.setdefault(engine_id, now)
+            index = int(engine_id[1:])
+            try:
+                if member.suspend_cause == "lost_adapter" and now - since >= RESTART_AFTER_S:
+                    suspended_at.pop(engine_id)
+                    world.notes.append(f"operator restarts {engine_id} at t={now:.1f}")
+                    await world.hosts[index].restart()
+                elif (
+                    member.suspend_cause == "unhealthy"
+                    and world.cfg.remove_frozen
+                    and frozen is not None
+                    and frozen[0] == index
+                    and engine_id not in world.removed
+                ):
+                    world.removed.add(engine_id)  # from now on no controller life opens it
+                    world.notes.append(f"operator removes {engine_id} at t={now:.1f}")
+                    await plane.remove_engine(engine_id, cause="operator")
+            except LoraLedgerError as exc:  # a controller that died under the call
+                world.notes.append(f"operator: {exc.code}")
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -500,6 +674,11 @@ class SimResult:
     engine_calls: int
     faults: int
     stale_refusals: int = 0  # turns refused as too stale (max_staleness)
+    suspensions: int = 0  # EngineSuspended events
+    lost_adapters: int = 0  # AdapterLost events
+    removals: int = 0  # engines an operator removed
+    published_while_suspended: int = 0  # commits while an engine was suspended
+    largest_incident: int = 0  # the most events naming an engine in one health incident
 
     @property
     def crashes(self) -> int:
@@ -529,6 +708,11 @@ async def _engines(world: World) -> AsyncIterator[None]:
             )
             world.hosts.append(host)
             world.faulty.append(await stack.enter_async_context(faulty))
+            freeze = world.cfg.freeze
+            window = None
+            if freeze is not None and freeze[0] == i:
+                window = (freeze[1], freeze[1] + freeze[2])
+            world.fronts.append(Freezable(faulty, window))
         yield
 
 
@@ -536,17 +720,24 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
     world = World(cfg=cfg, workdir=workdir)
     async with _engines(world), ProvenanceRecorder(world.sink) as recorder:
         gateway = Gateway(
-            Fleet(world.faulty),
+            Fleet(world.fronts),
             RoutingPort(world),
             gateway_id="gw",
             recorder=recorder,
             clock=sim_clock,
+            on_missing=lambda engine, name: _suspect(world, engine, name),
         )
         port = ControllerPort(world)
         async with anyio.create_task_group() as tg:
             tg.start_soon(controller, world, gateway)
+            tg.start_soon(operator, world)
+            tg.start_soon(canary, world, gateway, port)
             with anyio.move_on_after(CHAOS_S):
                 async with anyio.create_task_group() as actors:
+                    if cfg.lost is not None:
+                        actors.start_soon(outsider, world)
+                    if cfg.freeze is not None:  # the chaos lasts at least until the thaw
+                        actors.start_soon(anyio.sleep, cfg.freeze[1] + cfg.freeze[2])
                     actors.start_soon(trainer, world)
                     for index in range(2):
                         actors.start_soon(rollout, world, gateway, port, index)
@@ -567,7 +758,19 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
         engine_calls=sum(f.count() for f in world.faulty),
         faults=sum(1 for f in world.faulty for call in f.calls if call.fault is not None),
         stale_refusals=len(world.stale_turns),
+        suspensions=world.health.suspensions if world.health else 0,
+        lost_adapters=world.health.lost if world.health else 0,
+        removals=world.health.removed if world.health else 0,
+        published_while_suspended=world.health.published_while_suspended if world.health else 0,
+        largest_incident=world.health.largest if world.health else 0,
     )
+
+
+def _suspect(world: World, engine_id: str, lora_name: str) -> None:
+    """The gateway's report of a generation refused as not loaded reaches the live
+    controller's reconciler (none while no controller runs: its full pass finds the loss)."""
+    if world.plane is not None:
+        world.plane.reconciler.suspect(engine_id, lora_name)
 
 
 async def _settle(world: World) -> None:
@@ -589,12 +792,90 @@ async def _settled(world: World) -> bool:
     if any(not e.routable or set(e.holds) != {name} or e.strays for e in s.engines.values()):
         return False
     for host in world.hosts:
-        if (await host.inventory()).names() != {name}:
+        if host.engine_id not in world.removed and (await host.inventory()).names() != {name}:
             return False
     return plane.ledger.store.last_seq >= s.last_seq
 
 
 _FINAL_STATES = frozenset({VersionState.RECLAIMED, VersionState.FAILED_RETRYABLE})
+
+
+class HealthWatch:
+    """The engine-health promises, checked on the log as it is replayed (fed every record
+    after it is applied to ``state``):
+
+    * a suspended engine is in no attempt's fleet (publication does not wait for it), and
+      publication goes on while one is suspended (``published_while_suspended`` counts it);
+    * an engine becomes routable again only by a repair (``EngineRepaired``) that the log
+      shows proven: it holds every needed version, owes nothing, holds no stray;
+    * each health incident -- a suspension until repair or removal, a lost adapter until
+      restored or escalated -- writes at most :data:`INCIDENT_EVENTS_MAX` events naming the
+      engine: one per health change, never one per probe or retry;
+    * when each engine was a routable holder of each served name (:meth:`served_by_holder`):
+      a generation that started on an engine while it was suspended, or after it was known
+      to have lost the version, breaks that."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names  # the names generations were served under
+        self.published_while_suspended = 0
+        self.suspensions = 0
+        self.lost = 0
+        self.removed = 0
+        self.largest = 0  # the most events one health incident wrote
+        self._incident: dict[str, list[int]] = {}  # engine -> seqs naming it, incident open
+        self._holding: dict[tuple[str, str], float] = {}  # (engine, name) -> holder since
+        self._spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
+
+    def before(self, state: RegistryState, event: Any, seq: int) -> None:
+        if isinstance(event, AttemptStarted):
+            waited = [e for e in event.fleet if e in state.engines and state.engines[e].suspended]
+            assert not waited, ("an attempt waits for suspended engines", seq, waited)
+
+    def after(self, state: RegistryState, event: Any, seq: int, at: float) -> None:
+        engine = getattr(event, "engine", None)
+        if isinstance(event, EngineSuspended):
+            self.suspensions += 1
+            self._incident.setdefault(event.engine, [])
+        elif isinstance(event, AdapterLost):
+            self.lost += 1
+            self._incident.setdefault(event.engine, [])
+        elif isinstance(event, VersionPublished):
+            if any(m.suspended for m in state.engines.values()):
+                self.published_while_suspended += 1
+        elif isinstance(event, EngineLeft) and event.cause == "operator":
+            self.removed += 1
+        if isinstance(event, EngineRepaired):
+            member = state.engines[event.engine]
+            needed = {state.versions[v].lora_name for v in state.needed_versions()}
+            assert needed <= set(member.holds), ("repaired without a needed version", seq)
+            assert not member.owes and not member.strays, ("repaired, not clean", seq, member)
+        if isinstance(engine, str) and engine in self._incident:
+            seqs = self._incident[engine]
+            seqs.append(seq)
+            self.largest = max(self.largest, len(seqs))
+            assert len(seqs) <= INCIDENT_EVENTS_MAX, (
+                f"{len(seqs)} events about {engine} in one health incident",
+                seqs,
+            )
+            now = state.engines.get(engine)
+            wanted = set(state.needed_versions())
+            if now is None or (now.routable and not wanted & set(now.lacks.values())):
+                del self._incident[engine]  # repaired (or restored), or gone
+        for name in self.names:
+            holders = set(state.holders(name))
+            for key in [k for k in self._holding if k[1] == name and k[0] not in holders]:
+                self._spans.setdefault(key, []).append((self._holding.pop(key), at))
+            for e in holders:
+                self._holding.setdefault((e, name), at)
+
+    def served_by_holder(self, engine: str, name: str, started: float) -> bool:
+        """Whether ``engine`` was a routable holder of ``name`` at ``started`` by the log (the
+        records of that very instant count both ways: routing may have read either side)."""
+        spans = self._spans.get((engine, name), [])
+        since = self._holding.get((engine, name))
+        if since is not None:
+            spans = [*spans, (since, float("inf"))]
+        return any(start <= started <= end for start, end in spans)
 
 
 async def check_end_state(world: World) -> None:
@@ -607,6 +888,10 @@ async def check_end_state(world: World) -> None:
       only), it is routable, and nothing is loaded twice, draining or half-staged;
     * pinning: every generation served was served by the version its session was first bound
       to (by the log), under that version's name as the engine echoed it;
+    * routing: every generation started on an engine that the log shows a routable holder of
+      its version at that moment -- none on a suspended engine, none on an engine after its
+      loss of the version was recorded -- and the health promises of :class:`HealthWatch`;
+    * an engine the operator removed is no member;
     * no premature unload was observed (see :func:`_premature_unload`)."""
     cfg = world.cfg
     assert world.published == set(range(1, cfg.versions + 1)), ("unpublished", world.published)
@@ -618,7 +903,9 @@ async def check_end_state(world: World) -> None:
     records = await store.read()
     state = RegistryState()
     released_as: dict[str, str] = {}
+    health = world.health = HealthWatch({row.lora_name for row in world.sink.rows})
     for r in records:
+        health.before(state, r.event, r.seq)
         if isinstance(r.event, SessionReleased):
             released_as[r.event.session] = r.event.cause
             if r.event.cause == TOO_STALE:
@@ -629,6 +916,7 @@ async def check_end_state(world: World) -> None:
                     r.seq,
                 )
         evolve(state, r.event, r.seq)
+        health.after(state, r.event, r.seq, r.recorded_at)
         found = invariants.violations(state, deep=True)
         assert not found, f"after seq {r.seq} ({r.type}): {found}"
     assert state.default == cfg.versions, ("default", state.default)
@@ -639,6 +927,9 @@ async def check_end_state(world: World) -> None:
     name = state.versions[cfg.versions].lora_name
     for host in world.hosts:
         engine: LocalEngine = host.current
+        if engine.engine_id in world.removed:
+            assert engine.engine_id not in state.engines, ("removed, still a member", engine)
+            continue
         member = state.engines[engine.engine_id]
         inventory = await engine.inventory()
         assert member.routable and member.incarnation == inventory.incarnation, member
@@ -653,6 +944,10 @@ async def check_end_state(world: World) -> None:
     for row in world.sink.rows:
         assert bound.get(row.session) == row.version_id, ("pinning", row)
         assert row.served_name == row.lora_name, ("served another adapter", row)
+        assert health.served_by_holder(row.engine, row.lora_name, row.started_at), (
+            "served by an engine that was not a routable holder",
+            row,
+        )
         if cfg.max_staleness is not None:  # nothing served beyond the bound
             assert row.staleness <= cfg.max_staleness, ("served too stale", row)
     for session, turn in world.stale_turns:
@@ -712,4 +1007,9 @@ if __name__ == "__main__":
     print("\n".join(result.notes))
     print(f"events {len(result.rows)} lives {result.lives} generations {result.generations}")
     print(f"stale refusals {result.stale_refusals}")
+    print(
+        f"suspensions {result.suspensions} lost adapters {result.lost_adapters} "
+        f"removals {result.removals} published while suspended "
+        f"{result.published_while_suspended}"
+    )
     print(f"digest {result.digest()}")

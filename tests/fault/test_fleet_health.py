@@ -10,9 +10,11 @@ control plane and a gateway in this process over HTTP:
   before it gets traffic;
 * one engine killed (SIGKILL) and never restarted, then removed by an operator through the
   service's token-protected route;
-* an external unload of the default on one engine: one ``AdapterLost``, no traffic to that
-  engine for that version from the next request on, the engine suspended when it refuses the
-  reload, repaired after a restart, and the log grows by a bounded number of events.
+* an external unload of the default on one engine: the next request there is refused cleanly
+  (never resent), the gateway reports the refusal and the reconciler records one
+  ``AdapterLost`` within a second (no full reconcile pass runs), no traffic reaches that engine
+  for that version from then on, the engine is suspended when it refuses the reload, repaired
+  after a restart, and the log grows by a bounded number of events.
 
 Every process is stopped by its PID in a ``finally`` (SIGCONT first: a stopped process cannot
 handle SIGTERM).
@@ -33,6 +35,7 @@ import anyio
 import httpx
 import pytest
 
+from engines.contract import ErrorCode
 from engines.local.client import LocalHTTPEngine
 from evlog.events import AdapterLost, EngineLeft, EngineRepaired, EngineSuspended
 from evlog.sqlite import SQLiteStore
@@ -40,9 +43,10 @@ from projections.registry import VersionState
 from publisher.affinity import rendezvous
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
+from publisher.gateway import DispatchCode, DispatchError, Gateway, LedgerRouting
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationError, PublicationStatus
+from tests.fault.conftest import record_figure
 from tests.publisher.plane_kit import adapter_copy
 from tests.tools.conftest import REPO, console_script, script_env
 from tools.http_app import build_app
@@ -137,7 +141,7 @@ async def plane_over(
             suspend_after_s=SUSPEND_AFTER_S,
         ) as plane,
     ):
-        gateway = Gateway(fleet, LedgerRouting(plane.ledger))
+        gateway = Gateway(fleet, LedgerRouting(plane.ledger), on_missing=plane.reconciler.suspect)
         plane.add_inflight_source(gateway)
         yield plane, gateway
 
@@ -262,8 +266,10 @@ async def test_a_killed_engine_is_suspended_and_an_operator_removes_it(tmp_path:
 async def test_an_external_unload_is_one_incident_routes_around_and_is_repaired(
     tmp_path: Path,
 ) -> None:
+    """No full reconcile pass runs here (every hour): the loss is found because the gateway
+    reports the engine's refusal of the next request to the reconciler."""
     with engine_processes(tmp_path) as procs:
-        async with plane_over(tmp_path, procs, full_reconcile_s=1.0) as (plane, gateway):
+        async with plane_over(tmp_path, procs) as (plane, gateway):
             ledger = plane.ledger
             await plane.publisher.publish(adapter_copy(1), version_id=1)
             await ledger.register_owner("w1", ttl_s=600.0)
@@ -273,7 +279,23 @@ async def test_an_external_unload_is_one_incident_routes_around_and_is_repaired(
             # someone else, with their own client, unloads the default from e1
             outsider = LocalHTTPEngine(procs["e1"].url, "e1")
             await outsider.unload(v1.lora_name, attempt=v1.attempt)
-            await _until("the incident", lambda: "e1" not in ledger.state.holders(v1.lora_name))
+            await anyio.sleep(1.0)  # ~5 probes: a probe alone does not read the inventory
+            assert "e1" in ledger.state.holders(v1.lora_name)
+            # the next request on e1 is refused cleanly, sent once, never resent elsewhere
+            sent = gateway.dispatched
+            with pytest.raises(DispatchError) as refused:
+                await gateway.generate(bound, "refused")
+            noticed_at = time.monotonic()
+            assert refused.value.code == DispatchCode.GENERATION_FAILED
+            assert refused.value.details["engine_code"] == ErrorCode.NAME_RECLAIMED
+            assert gateway.dispatched == sent + 1
+            # ... and the reconciler reads e1's inventory at once: routing moves within ~1 s
+            await _until(
+                "the incident", lambda: "e1" not in ledger.state.holders(v1.lora_name), 2.0
+            )
+            detected_s = time.monotonic() - noticed_at
+            assert detected_s < 1.0, detected_s
+            record_figure("lost adapter routed around after the refusal", f"{detected_s:.3f} s")
             # the session moves off e1 at once; other sessions never reach e1 either
             served = [await gateway.generate(bound, f"t{i}") for i in range(5)]
             others = [await ledger.bind(f"o{i}", "w1") for i in range(10)]

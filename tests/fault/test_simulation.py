@@ -3,8 +3,10 @@
 Each seed runs :func:`tests.fault.sim_world.simulate` (the control plane, drivers, gateway,
 rollout workers and in-process engines; lost replies, delays, 5xx, refusals, duplicated and
 reordered control messages, engine restarts, controller crashes, an owner lease expiry) on a
-virtual-time loop, and checks every promise at the end (:func:`~tests.fault.sim_world.
-check_end_state`). CI runs ``SEEDS`` seeds, ``--slow`` ``SLOW_SEEDS``.
+virtual-time loop, with engine-health faults (an engine frozen long enough to be suspended,
+then repaired or removed by an operator; an adapter unloaded behind the ledger's back), and
+checks every promise at the end (:func:`~tests.fault.sim_world.check_end_state`). CI runs
+``SEEDS`` seeds, ``--slow`` ``SLOW_SEEDS``.
 
 A failure names its seed and how to rerun it alone; ``LORALEDGER_SIM_SEEDS=START:COUNT``
 runs another range. A seed reproduces its run byte for byte, in any process
@@ -25,7 +27,7 @@ import pytest
 import structlog
 
 from tests.fault.conftest import record_figure
-from tests.fault.sim_world import SimConfig, SimResult, run_seed
+from tests.fault.sim_world import INCIDENT_EVENTS_MAX, SimConfig, SimResult, run_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 300
@@ -72,7 +74,12 @@ def test_seeds_keep_every_promise(slow: bool) -> None:
         "expiries": 0,
         "generations": 0,
         "stale refusals": 0,
+        "suspensions": 0,
+        "lost adapters": 0,
+        "removals": 0,
+        "commits while suspended": 0,
     }
+    largest = 0  # the most events one health incident wrote, over every seed
     for seed in seeds:
         try:
             result = run_seed(seed)
@@ -92,18 +99,30 @@ def test_seeds_keep_every_promise(slow: bool) -> None:
         totals["expiries"] += result.expiries
         totals["generations"] += result.generations
         totals["stale refusals"] += result.stale_refusals
+        totals["suspensions"] += result.suspensions
+        totals["lost adapters"] += result.lost_adapters
+        totals["removals"] += result.removals
+        totals["commits while suspended"] += result.published_while_suspended
+        largest = max(largest, result.largest_incident)
     passed = len(seeds) - len(failures)
     record_figure("simulation seeds passed", f"{passed}/{len(seeds)}")
     record_figure(
         "simulated",
         ", ".join(f"{n} {what}" for what, n in totals.items())
         + " (controller crashes, injected engine faults, owner lease expiries, turns refused "
-        "as too stale)",
+        "as too stale, engines suspended, adapters lost, engines removed by the operator, "
+        "versions published while an engine was suspended)",
+    )
+    record_figure(
+        "largest health incident",
+        f"{largest} events naming the engine (bound {INCIDENT_EVENTS_MAX})",
     )
     assert not failures, "\n\n".join(failures[:3])
     if not os.environ.get("LORALEDGER_SIM_SEEDS"):  # a rerun of one seed need not cover all
         assert totals["crashes"] and totals["faults"] and totals["expiries"], totals
         assert totals["stale refusals"], totals
+        health = ("suspensions", "lost adapters", "removals", "commits while suspended")
+        assert all(totals[what] for what in health), totals
 
 
 def _digest_in_subprocess(seed: int, hash_seed: str) -> str:

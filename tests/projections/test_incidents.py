@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from evlog.record import Record
-from projections.incidents import IncidentFold, incidents
-from tests.tools.scenario import fault_run_records
+from projections.incidents import EngineHealthFold, IncidentFold, incidents
+from tests.tools.scenario import fault_run_records, health_run_records
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,9 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
         ("skipped", "v5"),
         ("engine_restart", "e1"),
         ("reclaim_ambiguous", "v3"),
+        ("adapter_lost", "e0"),
+        ("adapter_lost", "e0"),
+        ("engine_suspended", "e1"),
     ]
     by = {(i.kind, i.subject, i.at): i for i in found}
 
@@ -86,6 +91,31 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
         records, "VersionReclaimed", version_id=3
     )
 
+    # e0 lost v2 and v4 (external unloads): one incident each, closed by the reload
+    lost = [i for i in found if i.kind == "adapter_lost"]
+    assert [i.summary.split(" ")[0] for i in lost] == ["v2", "v4"]
+    assert [i.seqs for i in lost] == [
+        (
+            _seq_of(records, "AdapterLost", version_id=v),
+            _seq_of(records, "VersionRestored", version_id=v, engine="e0"),
+        )
+        for v in (2, 4)
+    ]
+    assert all(i.resolution == "reloaded under its name" for i in lost)
+    # an operator's maintenance of e1: suspended, resumed, repaired
+    maintenance = by[("engine_suspended", "e1", 1340.0)]
+    assert maintenance.summary.startswith("suspended (operator): maintenance")
+    assert maintenance.resolution == (
+        "resumed by an operator, then repaired: holds exactly the needed versions"
+    )
+    at_1340 = tuple(r.seq for r in records if r.recorded_at == 1340.0)
+    assert [r.type for r in records if r.seq in at_1340] == [
+        "EngineSuspended",
+        "EngineResumed",
+        "EngineRepaired",
+    ]
+    assert maintenance.seqs == at_1340
+
     # s-d is still bound to retired v2 at the end of the log: measured to the last record.
     pinned = by[("pinned_retired", "session s-d", 1210.0)]
     assert (pinned.duration_s, pinned.resolved) == (190.0, False)
@@ -110,3 +140,67 @@ def test_a_prefix_reports_open_incidents_as_unresolved(records: list[Record]) ->
     fatal = [i for i in found if i.kind == "fatal"]
     assert len(fatal) == 1 and fatal[0].resolved is False
     assert "still FAILED_FATAL" in fatal[0].resolution
+
+
+def test_engine_health_incidents_open_close_and_name_their_seqs(tmp_path: Path) -> None:
+    """The health run of ``scenario.py``: a lost adapter escalated to a suspension and repaired
+    after a restart, a suspension ended by an operator's removal, one still open."""
+    records = health_run_records(tmp_path / "health.db")
+    found = [i for i in incidents(records) if i.kind in ("adapter_lost", "engine_suspended")]
+    seq = {(r.type, r.recorded_at): r.seq for r in records}
+    rows = [(i.kind, i.subject, i.at, i.seqs, i.resolved, i.resolution) for i in found]
+    assert rows == [
+        (
+            "adapter_lost",
+            "e1",
+            2010.0,
+            (
+                seq[("AdapterLost", 2010.0)],
+                seq[("EngineSuspended", 2012.0)],
+                seq[("EngineRestarted", 2020.0)],
+                seq[("VersionRestored", 2020.0)],
+            ),
+            True,
+            "reloaded under its name after the engine restarted",
+        ),
+        (
+            "engine_suspended",
+            "e1",
+            2012.0,
+            (
+                seq[("EngineSuspended", 2012.0)],
+                seq[("EngineRestarted", 2020.0)],
+                seq[("EngineRepaired", 2025.0)],
+            ),
+            True,
+            "repaired: holds exactly the needed versions",
+        ),
+        (
+            "engine_suspended",
+            "e2",
+            2030.0,
+            (seq[("EngineSuspended", 2030.0)], seq[("EngineLeft", 2060.0)]),
+            True,
+            "removed by an operator",
+        ),
+        (
+            "engine_suspended",
+            "e0",
+            2100.0,
+            (seq[("EngineSuspended", 2100.0)],),
+            False,
+            "still suspended",
+        ),
+    ]
+    by = {(i.subject, i.at): i for i in found}
+    assert by[("e1", 2012.0)].summary == (
+        "suspended (lost_adapter): version 1 lost and not restored after 1 tries: "
+        "NAME_RECLAIMED; no new traffic"
+    )
+    assert by[("e1", 2012.0)].duration_s == 13.0
+    assert by[("e0", 2100.0)].duration_s == 10.0  # open: measured to the last record
+    # the registry-free fold alone (what verify runs) finds exactly the same
+    alone = EngineHealthFold()
+    for record in records:
+        alone.apply(record)
+    assert sorted(alone.finish(), key=lambda i: (i.at, i.seqs)) == found

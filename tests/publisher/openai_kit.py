@@ -146,7 +146,11 @@ async def rig(
         sink = MemorySink()
         recorder = await stack.enter_async_context(ProvenanceRecorder(sink))
         gateway = Gateway(
-            plane.fleet, LedgerRouting(plane.ledger), gateway_id=owner, recorder=recorder
+            plane.fleet,
+            LedgerRouting(plane.ledger),
+            gateway_id=owner,
+            recorder=recorder,
+            on_missing=plane.reconciler.suspect,
         )
         plane.add_inflight_source(gateway)
         worker = await stack.enter_async_context(

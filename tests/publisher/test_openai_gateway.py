@@ -249,6 +249,31 @@ async def test_connection_refused_tries_the_next_holder(tmp_path: Path) -> None:
         assert not r.gateway.inflight_counts()
 
 
+async def test_a_refusal_for_a_lost_adapter_is_relayed_once_and_moves_routing(
+    tmp_path: Path,
+) -> None:
+    """The default unloaded from e0 behind the ledger's back: the session's next turn is refused
+    by e0 (relayed with its code, sent once, never resent), the face reports the refusal, and
+    the reconciler reads e0's inventory at once (its full pass is 30 s away): the turn after
+    goes to e1."""
+    async with rig(tmp_path) as r:
+        name = await r.publish(1)
+        v1 = r.plane.ledger.state.versions[1]
+        s = next(f"s{i}" for i in range(100) if rendezvous(f"s{i}", ["e0", "e1"]) == "e0")
+        headers, _ = await chat_sync(r, s)
+        assert headers["x-loraledger-engine"] == "e0"
+        await r.engine("e0").unload(name, attempt=v1.attempt)
+        sent = r.gateway.dispatched
+        with pytest.raises(openai.BadRequestError) as refused:
+            await chat_sync(r, s)
+        assert refused.value.code == "NAME_RECLAIMED"
+        assert r.gateway.dispatched == sent + 1
+        await wait_for(lambda: "e0" not in r.plane.ledger.state.holders(name), 2.0)
+        headers, _ = await chat_sync(r, s)
+        assert headers["x-loraledger-engine"] == "e1"
+        assert not r.gateway.inflight_counts()
+
+
 class socket_closed:
     """A loopback URL where nothing listens (connection refused)."""
 

@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 from typer.testing import CliRunner
 
-from tests.tools.scenario import write_fault_run_sync
+from tests.tools.scenario import write_fault_run_sync, write_health_run
 from tools.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +31,20 @@ def fault_log(fault_log_master: Path, tmp_path: Path) -> Path:
     """A private copy of the fault run (the writer closed it, so the file is complete)."""
     copy = tmp_path / "fault.db"
     shutil.copyfile(fault_log_master, copy)
+    return copy
+
+
+@pytest.fixture(scope="session")
+def health_log_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The health run of ``scenario.py`` (read-only: copy it with ``health_log``)."""
+    return anyio.run(write_health_run, tmp_path_factory.mktemp("health") / "health.db")
+
+
+@pytest.fixture
+def health_log(health_log_master: Path, tmp_path: Path) -> Path:
+    """A private copy of the health run."""
+    copy = tmp_path / "health.db"
+    shutil.copyfile(health_log_master, copy)
     return copy
 
 

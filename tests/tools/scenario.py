@@ -167,6 +167,63 @@ async def write_fault_run(path: Path) -> Path:
     return path
 
 
+async def write_health_run(path: Path) -> Path:
+    """A run where engines fall sick, written by the real ledger (``HEALTH`` says when):
+
+    ====== ================================================================================
+     t (s)  what happens
+    ====== ================================================================================
+     2000   deployment ``health`` (capacity 3), e0, e1, e2 join and are repaired; v1 published
+     2010   e1's inventory lacks v1: ``AdapterLost``; 2012 e1 refuses the reload: suspended
+            (``lost_adapter``); 2020 it restarts (e1-i2), v1 is restored, 2025 repaired
+     2030   e2's probes fail: suspended (``unhealthy``); 2031 v2 published on e0 and e1;
+            2060 an operator removes e2
+     2100   e0 suspended (``unhealthy``), never repaired: still suspended at the end
+     2110   owner w1 registers (the last record)
+    ====== ================================================================================
+    """
+    clock = Clock(2000.0)
+    async with SQLiteStore.open(path) as store, Ledger.open(store, clock=clock) as ledger:
+        engines = ("e0", "e1", "e2")
+        await ledger.create_deployment("health", prefix="agent", capacity=3, fleet=engines)
+        for engine in engines:
+            await ledger.join_engine(engine, f"{engine}-i1")
+            await ledger.repair_engine(engine, f"{engine}-i1")
+        await publish(ledger, 1)
+        clock.now = 2010.0
+        await ledger.observe_inventory("e1", "e1-i1", [])
+        clock.now = 2012.0
+        detail = "version 1 lost and not restored after 1 tries: NAME_RECLAIMED"
+        await ledger.suspend_engine("e1", cause="lost_adapter", detail=detail)
+        clock.now = 2020.0
+        await ledger.observe_restart("e1", "e1-i2")
+        await ledger.restore_version(1, "e1", "e1-i2")
+        clock.now = 2025.0
+        await ledger.repair_engine("e1", "e1-i2")
+        clock.now = 2030.0
+        await ledger.suspend_engine("e2", cause="unhealthy", detail="probes failed for 30.0 s")
+        clock.now = 2031.0
+        await publish(ledger, 2)
+        clock.now = 2060.0
+        await ledger.remove_engine("e2", cause="operator")
+        clock.now = 2100.0
+        await ledger.suspend_engine("e0", cause="unhealthy", detail="probes failed for 30.0 s")
+        clock.now = 2110.0
+        await ledger.register_owner("w1", ttl_s=30.0)
+    return path
+
+
+def health_run_records(path: Path) -> list[Record]:
+    """Write the health run (synchronously) and read it back."""
+
+    async def run() -> list[Record]:
+        await write_health_run(path)
+        async with SQLiteStore.open(path) as store:
+            return await store.read()
+
+    return anyio.run(run)
+
+
 def fault_run_records(path: Path) -> list[Record]:
     """Write the run (synchronously, for module-scoped fixtures) and read it back."""
 

@@ -106,6 +106,36 @@ def test_incidents_with_threshold(cli: Cli, fault_log: Path) -> None:
     assert "incidents" in human.stdout and "engine_restart" in human.stdout
 
 
+def test_incidents_list_lost_adapters_and_suspensions(cli: Cli, health_log: Path) -> None:
+    result = cli("replay", health_log, "--incidents", "--json")
+    incidents = [r for r in _rows(result.stdout) if r["row"] == "incident"]
+    health = [
+        (r["kind"], r["subject"], r["resolution"])
+        for r in incidents
+        if r["kind"] in ("adapter_lost", "engine_suspended")
+    ]
+    assert health == [
+        ("adapter_lost", "e1", "reloaded under its name after the engine restarted"),
+        ("engine_suspended", "e1", "repaired: holds exactly the needed versions"),
+        ("engine_suspended", "e2", "removed by an operator"),
+        ("engine_suspended", "e0", "still suspended"),
+    ]
+    human = cli("replay", health_log, "--incidents")
+    out = " ".join(human.stdout.split())
+    assert "adapter_lost" in out and "engine_suspended" in out
+    assert "suspended (lost_adapter)" in out and "removed by an operator" in out
+    # replayed up to before the repair, e1's suspension is still open
+    e1 = next(r for r in incidents if (r["kind"], r["subject"]) == ("engine_suspended", "e1"))
+    repaired = e1["seqs"][-1]  # its last seq: the EngineRepaired that closed it
+    early = cli("replay", health_log, "--incidents", "--json", "--seq", str(repaired - 1))
+    open_ones = [
+        (r["kind"], r["subject"], r["resolved"])
+        for r in _rows(early.stdout)
+        if r.get("kind") == "engine_suspended"
+    ]
+    assert open_ones == [("engine_suspended", "e1", False)]
+
+
 def test_plot_writes_a_png_of_the_expected_size(cli: Cli, fault_log: Path, tmp_path: Path) -> None:
     import matplotlib
 

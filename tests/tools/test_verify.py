@@ -39,9 +39,36 @@ def test_a_good_log_verifies(cli: Cli, fault_log: Path) -> None:
     code, report = _verdict(cli, fault_log)
     assert code == 0 and report["ok"] is True
     assert report["records"] == report["last_seq"] == 82
+    kinds = [i["kind"] for i in report["incidents"]]  # type: ignore[attr-defined]
+    assert kinds == ["adapter_lost", "adapter_lost", "engine_suspended"]
     assert len(str(report["head_hash"])) == 64
     human = cli("verify", fault_log, "--deep")
     assert human.returncode == 0 and "82 records, chain intact" in human.stdout
+
+
+def test_verify_lists_the_engine_health_incidents_of_an_intact_log(
+    cli: Cli, health_log: Path
+) -> None:
+    """Lost adapters and suspensions are no corruption, but whoever checks a log sees them."""
+    code, report = _verdict(cli, health_log)
+    assert code == 0 and report["ok"] is True
+    incidents = report["incidents"]
+    assert isinstance(incidents, list)
+    rows = [(i["kind"], i["subject"], i["resolved"], i["resolution"]) for i in incidents]
+    assert rows == [
+        ("adapter_lost", "e1", True, "reloaded under its name after the engine restarted"),
+        ("engine_suspended", "e1", True, "repaired: holds exactly the needed versions"),
+        ("engine_suspended", "e2", True, "removed by an operator"),
+        ("engine_suspended", "e0", False, "still suspended"),
+    ]
+    assert incidents[0]["seqs"][0] == _seq_of(health_log, "AdapterLost")
+    human = cli("verify", health_log)
+    assert human.returncode == 0
+    out = " ".join(human.stdout.split())
+    assert "chain intact" in out and "4 engine-health incidents" in out
+    # table cells wrap: single-line cells only
+    for text in ("adapter_lost", "engine_suspended", "removed by an operator", "still suspended"):
+        assert text in out, text
 
 
 def test_a_flipped_payload_byte_is_tampering_at_that_seq(cli: Cli, fault_log: Path) -> None:

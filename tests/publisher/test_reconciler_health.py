@@ -1,0 +1,232 @@
+"""The reconciler's health decisions, on real local engines: a suspension is one event however
+many probes fail, restores back off without writing an event per retry, and a suspended engine
+is routable again only once a repair proved what it holds; a generation refused as not loaded
+gets that engine's inventory read at once.
+
+Each test drives its own :class:`Reconciler` over the plane's ledger with a clock it sets
+(``Clock``), one ``health_check`` per simulated probe: the plane's own health loop is idle (one
+probe an hour) and never suspends (``suspend_after_s=None``), so every decision here is the
+tested reconciler's. Engine faults come from :class:`~tests.engines.faulty_engine.FaultyEngine`
+(the injection wrapper around a real, restartable local engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from engines.testing import RestartableEngine
+from evlog.events import (
+    AdapterLost,
+    EngineRestarted,
+    EngineSuspended,
+    Event,
+    InventoryObserved,
+)
+from projections.registry import VersionRecord
+from publisher.plane import ControlPlane
+from publisher.reconciler import Reconciler
+from tests.engines.faulty_engine import FaultyEngine, ServerError
+from tests.publisher.plane_kit import (
+    FAST,
+    PEFT_WARNINGS,
+    adapter_copy,
+    events,
+    faulty_engines,
+    open_plane,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
+
+IDLE = 3600.0
+SUSPEND_AFTER_S = 10.0
+
+
+class Clock:
+    """The reconciler's clock, moved by the test (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def host(engine: FaultyEngine) -> RestartableEngine:
+    """The restartable local engine behind the fault wrapper."""
+    inner = engine.inner
+    assert isinstance(inner, RestartableEngine)
+    return inner
+
+
+def reconciler_for(
+    plane: ControlPlane,
+    clock: Clock,
+    *,
+    restore_backoff_s: float = 1.0,
+    restore_backoff_max_s: float = 60.0,
+) -> Reconciler:
+    return Reconciler(
+        plane.ledger,
+        plane.fleet,
+        plane.artifacts,
+        timeouts=FAST,
+        clock=clock,
+        full_every_s=IDLE,
+        suspend_after_s=SUSPEND_AFTER_S,
+        restore_backoff_s=restore_backoff_s,
+        restore_backoff_max_s=restore_backoff_max_s,
+    )
+
+
+@contextlib.asynccontextmanager
+async def published_on_two(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[list[FaultyEngine], ControlPlane, VersionRecord]]:
+    """Two engines behind fault wrappers, v1 published on both; the plane's own health loop
+    idle and never suspending (the test drives its own reconciler)."""
+    async with (
+        faulty_engines(2) as engines,
+        open_plane(
+            engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE, suspend_after_s=None
+        ) as plane,
+    ):
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        yield engines, plane, plane.ledger.state.versions[1]
+
+
+async def log_after(plane: ControlPlane, seq: int) -> list[Event]:
+    return await events(plane.ledger, after=seq)
+
+
+async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
+    tmp_path: Path,
+) -> None:
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock)
+        engines[1].inject("incarnation", ServerError(), times=1000)
+        seq = plane.ledger.state.last_seq
+        for second in range(int(SUSPEND_AFTER_S)):  # failing, not yet for long enough
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert await log_after(plane, seq) == []
+        assert plane.ledger.state.engines["e1"].routable
+        for second in range(int(SUSPEND_AFTER_S), 40):  # 30 more failed probes
+            clock.now = float(second)
+            await reconciler.health_check()
+        written = await log_after(plane, seq)
+        assert len(written) == 1, written  # one health change, not one event per probe
+        (suspended,) = written
+        assert isinstance(suspended, EngineSuspended)
+        assert (suspended.engine, suspended.cause) == ("e1", "unhealthy")
+        assert "probes failed for 10.0 s" in suspended.detail
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
+
+
+async def test_an_engine_answering_again_is_routable_only_after_its_repair(tmp_path: Path) -> None:
+    """Suspended while unreachable; it comes back as a new process (it lost every adapter) and
+    cannot reload the default for a while: it stays out of routing, each failed restore
+    writes nothing, and retries back off; once the reload goes through it is repaired."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=8.0)
+        sick = engines[1]
+        sick.inject("incarnation", ServerError(), times=1000)
+        for second in range(12):
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert plane.ledger.state.engines["e1"].suspended
+        # it comes back as a new process, and every load fails for now (ambiguous 5xx)
+        sick.clear()
+        await host(sick).restart()
+        sick.inject("load", ServerError(), times=1000)
+        loads = sick.count("load")
+        seq = plane.ledger.state.last_seq
+        for second in range(12, 72):  # a minute of probes, one a second
+            clock.now = float(second)
+            await reconciler.health_check()
+            assert "e1" not in plane.ledger.state.holders(v1.lora_name)
+        written = await log_after(plane, seq)
+        # the restart and what its first inventory proved: nothing per failed restore
+        assert [type(e) for e in written] in (
+            [EngineRestarted],
+            [EngineRestarted, InventoryObserved],
+        )
+        tries = sick.count("load") - loads
+        # backing off 1, 2, 4, 8, 8, ... s: about 10 tries in 60 s, not 60
+        assert 5 <= tries <= 12, tries
+        assert plane.ledger.state.engines["e1"].suspended
+        # the engine loads again: the next retry restores the default, then the repair
+        sick.clear()
+        clock.now += 8.0
+        await reconciler.health_check()
+        state = plane.ledger.state
+        assert state.engines["e1"].routable and not state.engines["e1"].suspended
+        assert state.holders(v1.lora_name) == ("e0", "e1")
+        kinds = [type(e).__name__ for e in await log_after(plane, seq)]
+        assert kinds[-2:] == ["VersionRestored", "EngineRepaired"], kinds
+        assert (await sick.inventory()).names() >= {v1.lora_name}
+
+
+async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
+    tmp_path: Path,
+) -> None:
+    """A lost adapter whose reload fails ambiguously: retried with back-off, then (after the
+    configured number of tries) the engine is suspended to be repaired as a whole -- one
+    ``AdapterLost``, one ``EngineSuspended``, nothing per retry."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=4.0)
+        sick = engines[1]
+        # the engine loses the default without a fence (an eviction), and every reload fails
+        # before it reaches the engine (an ambiguous 5xx)
+        await host(sick).current.unload(v1.lora_name)
+        sick.inject("prepare", ServerError(), times=1000)
+        seq = plane.ledger.state.last_seq
+        for second in range(30):
+            clock.now = float(second)
+            reconciler.suspect("e1", v1.lora_name)  # a gateway saw it refuse, every second
+            await reconciler.health_check({"e1"})
+        written = await log_after(plane, seq)
+        kinds = [type(e) for e in written]
+        assert kinds.count(AdapterLost) == 1 and kinds.count(EngineSuspended) == 1, kinds
+        assert len(written) <= 3, kinds  # the loss (+ its inventory), the suspension
+        suspended = next(e for e in written if isinstance(e, EngineSuspended))
+        assert suspended.cause == "lost_adapter" and "after 3 tries" in suspended.detail
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
+
+
+async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -> None:
+    """The health loop of the plane, not a hand-driven one: an hour between probes and full
+    passes, yet a reported refusal gets the engine's inventory read and the loss recorded."""
+    async with (
+        faulty_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE) as plane,
+    ):
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        v1 = plane.ledger.state.versions[1]
+        await host(engines[1]).current.unload(v1.lora_name, attempt=1)
+        await anyio.sleep(0.2)
+        assert "e1" in plane.ledger.state.holders(v1.lora_name)  # nobody looked yet
+        plane.reconciler.suspect("e1", v1.lora_name)
+        await wait_for(lambda: "e1" not in plane.ledger.state.holders(v1.lora_name), 2.0)
+        lost = [e for e in await events(plane.ledger) if isinstance(e, AdapterLost)]
+        assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
+        # one incident however many refusals are reported meanwhile; an engine outside the
+        # fleet is ignored, not an error
+        # ... and a flood of reports wakes the loop once per probe interval, not once each
+        seq = plane.ledger.state.last_seq
+        reads = engines[1].count("inventory")
+        for _ in range(20):
+            plane.reconciler.suspect("e1", v1.lora_name)
+            plane.reconciler.suspect("e9")
+            await anyio.sleep(0.02)
+        written = await events(plane.ledger, after=seq)
+        assert not [e for e in written if isinstance(e, AdapterLost)], written
+        assert engines[1].count("inventory") == reads
