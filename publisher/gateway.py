@@ -358,7 +358,6 @@ class Gateway:
         engine that takes none: its ``capabilities.extra_body`` is False); ``LedgerError``
         ``SESSION_TOO_STALE`` (the session is beyond the deployment's ``max_staleness``:
         nothing dispatched)."""
-        self.check_staleness(bound)  # before anything is counted or sent
         params = DEFAULT_PARAMS if params is None else params
         rid = request_id or f"{self.gateway_id}-{self._prefix}-{next(self._ids)}"
         extra = _client_fields(extra_body)
@@ -366,6 +365,10 @@ class Gateway:
         unreachable: list[str] = []
         refused: tuple[EngineError, str] | None = None  # the last clean refusal, and by whom
         while True:
+            # Before every try, not only the first: a try on another holder may start after
+            # new versions were published during the failed one, and what is served must be
+            # within the bound when it is dispatched.
+            self.check_staleness(bound)
             # No await between choosing and counting (see the module docstring).
             engine_id = self.admit(bound, tried, tally)
             if engine_id is None:

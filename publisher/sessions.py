@@ -268,8 +268,15 @@ class SessionBinder:
                         raise
                     stale = refusal
                 else:
-                    yield bound
-                    return
+                    try:
+                        yield bound
+                    except LedgerError as refusal:
+                        # The gateway checks again before a try on another holder.
+                        if refusal.code != Code.SESSION_TOO_STALE:
+                            raise
+                        stale = refusal
+                    else:
+                        return
             finally:
                 self._exit(scope)
                 self._worker.report()  # the lease's in-flight counts are fresh again

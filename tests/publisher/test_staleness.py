@@ -100,3 +100,46 @@ async def test_the_setting_is_recorded_once_and_a_false_too_stale_release_is_ref
             await r.ledger.release("s", "w1", cause="too_stale")
         assert lie.value.code == Code.INVALID_INPUT
         assert "s" in r.ledger.state.sessions
+
+
+class PublishesThenRefuses(Recording):
+    """A double for an engine that restarted empty behind routing's back: it refuses the name
+    cleanly (``NOT_LOADED``, nothing run), so the gateway tries another holder; before it
+    answers, the trainer publishes (``during``), as happens when the refusal is slow."""
+
+    during: list[object] = []
+
+    async def generate(self, prompt, lora_name, *args, **kw):  # type: ignore[no-untyped-def]
+        from engines.contract import CleanRefusal, ErrorCode
+
+        self.calls.append({"lora_name": lora_name, "request_id": kw.get("request_id")})
+        for step in self.during:
+            await step()  # type: ignore[operator]
+        self.during.clear()
+        raise CleanRefusal(ErrorCode.NOT_LOADED, f"{lora_name} is not loaded", engine_id="e0")
+
+
+async def test_a_try_on_another_holder_is_checked_against_the_bound_again() -> None:
+    """Found by the simulation (seed 137): the bound was checked once, before the first try;
+    versions published while that try failed made the retry on another holder serve beyond
+    ``max_staleness``. Now every try is checked, and the session is released as too stale."""
+    from publisher.affinity import rendezvous
+
+    wrap = lambda e: PublishesThenRefuses(e) if e.engine_id == "e0" else Recording(e)  # noqa: E731
+    async with rig(wrap=wrap) as r:
+        await r.ledger.configure_deployment(max_staleness=1)
+        await r.publish(1)
+        session = next(
+            s for s in (f"s{i}" for i in range(1000)) if rendezvous(s, ("e0", "e1")) == "e0"
+        )
+        async with RolloutWorker.open(r.ledger, r.gateway, owner="w1") as w:
+            binder = w.session(session)
+            await binder.bind()
+            PublishesThenRefuses.during[:] = [lambda: r.publish(2), lambda: r.publish(3)]
+            with pytest.raises(LoraLedgerError) as info:
+                await binder.generate(PROMPT, SHORT)
+            assert info.value.code == Code.SESSION_TOO_STALE
+            e1 = r.fleet["e1"]
+            assert isinstance(e1, Recording) and e1.calls == []  # the retry was never sent
+            released = await _events(r.store, SessionReleased)
+            assert [(e.session, e.cause) for e in released] == [(session, "too_stale")]
