@@ -279,6 +279,33 @@ async def test_the_unsticky_choice_is_the_least_loaded_holder_and_counts_while_i
         assert not tally and r.gateway.inflight_counts() == {}
 
 
+async def test_load_counts_each_request_in_flight_and_nothing_once_it_finished() -> None:
+    """The load least-loaded routing reads: each admitted request adds one to its engine, each
+    finished one takes it back. An engine that served and is idle again is the equal of one
+    that never served (equals take turns), and of two busy engines the less busy is chosen
+    until it is as busy as the other."""
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        assert r.gateway.admit(bound, tried=["e1"]) == "e0"  # placed on e0: e1 excluded
+        r.gateway.finish("e0", 1)
+        turns = []
+        for _ in range(2):
+            engine = r.gateway.admit(bound, sticky=False)
+            assert engine is not None
+            turns.append(engine)
+            r.gateway.finish(engine, 1)
+        assert sorted(turns) == ["e0", "e1"]
+        for _ in range(3):
+            assert r.gateway.admit(bound, tried=["e1"]) == "e0"
+        assert r.gateway.admit(bound, tried=["e0"]) == "e1"
+        assert [r.gateway.admit(bound, sticky=False) for _ in range(2)] == ["e1", "e1"]
+        assert (r.gateway.inflight("e0", 1), r.gateway.inflight("e1", 1)) == (3, 3)
+        for engine in ("e0", "e1") * 3:
+            r.gateway.finish(engine, 1)
+        assert r.gateway.inflight_counts() == {}
+
+
 async def test_extra_fields_for_an_engine_that_takes_none_name_the_engine_and_fields() -> None:
     async with rig(engines=1) as r:
         await r.publish(1)
