@@ -10,18 +10,25 @@ reclaim``, RELIABILITY.md "Mutation testing").
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from engines.artifacts import ArtifactStore
 from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
 from evlog.errors import LoraLedgerError
+from evlog.events import EngineUnloaded, ReclaimAmbiguous
+from projections.registry import VersionState
+from publisher.engine_ops import EngineTimeouts
 from publisher.errors import Code
 from publisher.ledger import Ledger
 from publisher.reclaim import ReclaimDriver
 from tests.publisher.plane_kit import wait_for
-from tests.publisher.rollout_kit import ENGINE_WARNINGS, Rig, rig
+from tests.publisher.rollout_kit import ENGINE_WARNINGS, Clock, Rig, rig
 from tests.publisher.test_reclaim_answers import Pokes, Unloads, e1_is
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
@@ -119,3 +126,161 @@ async def test_a_ledger_closed_under_a_running_driver_stops_it() -> None:
         assert [s.code for s in stopped] == [Code.LEDGER_CLOSED]
         assert pokes.restart == 0
         assert _gated(r, "e1").unloads == [(r.names[1], 1)]  # sent once, not again every tick
+
+
+# --- unload answers at their edges ------------------------------------------------------------
+
+
+async def test_an_unload_that_hangs_becomes_ambiguous_when_its_timeout_runs_out() -> None:
+    async with rig(wrap=e1_is(Hangs)) as r:
+        name = await _retired(r)
+        pokes = Pokes()
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            timeouts=EngineTimeouts(unload=0.2),
+            on_ambiguous=pokes.on_ambiguous,
+        )
+        with anyio.fail_after(10):
+            assert await driver.sweep() == []
+        v1 = r.ledger.state.versions[1]
+        assert (v1.state, v1.ambiguous, list(v1.confirmed)) == (
+            VersionState.RECLAIMING,
+            True,
+            ["e0"],
+        )
+        marked = [(e.engine, e.reason) for e in await _events(r, ReclaimAmbiguous)]
+        assert len(marked) == 1 and marked[0][0] == "e1"
+        assert marked[0][1].startswith("TIMEOUT"), marked
+        assert pokes.ambiguous == 1
+        assert r.fleet["e1"].unloads == [(name, v1.attempt)]  # type: ignore[attr-defined]
+
+
+async def test_a_refused_record_pokes_the_reconciler_only_for_a_restart() -> None:
+    """e1 leaves the fleet while its unload is in flight: recording the unload is refused
+    (e1 is no member any more), which is not a restart; e0's proof then completes the reclaim."""
+    async with rig(wrap=lambda engine: Gated(engine)) as r:
+        await _retired(r)
+        pokes = Pokes()
+        driver = pokes.driver(r)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(driver.sweep)
+            await _gated(r, "e0").started.wait()
+            await _gated(r, "e1").started.wait()
+            await r.ledger.leave_engine("e1")
+            _gated(r, "e1").gate.set()
+            await anyio.sleep(0.05)  # e1's record is refused meanwhile
+            _gated(r, "e0").gate.set()
+        v1 = r.ledger.state.versions[1]
+        assert v1.state is VersionState.RECLAIMED
+        assert [e.engine for e in await _events(r, EngineUnloaded)] == ["e0"]
+        assert (pokes.restart, pokes.ambiguous) == (0, 0)
+
+
+# --- artifact collection ----------------------------------------------------------------------
+
+
+def _artifacts(root: Path, *seeds: int) -> tuple[ArtifactStore, dict[int, str]]:
+    """A store holding the adapters the rig publishes for ``seeds``, by seed -> digest."""
+    store = ArtifactStore(root)
+    digests = {}
+    for seed in seeds:
+        config, tensors = make_adapter(seed)
+        manifest = build_manifest(config, tensors)
+        store.put(manifest, tensors)
+        digests[seed] = manifest.digest
+    return store, digests
+
+
+async def test_an_artifact_goes_a_grace_period_after_its_own_reclaim(tmp_path: Path) -> None:
+    artifacts, digest = _artifacts(tmp_path, 1, 2, 3)
+    clock = Clock(1_000.0)
+    async with rig() as r:
+        await r.ledger.register_owner("w", ttl_s=600)
+        await r.publish(1)
+        await r.ledger.bind("s", "w")
+        await r.publish(2)
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            artifacts=artifacts,
+            delete_artifacts_after_s=10.0,
+            clock=clock,
+        )
+        assert await driver.sweep() == []  # v1 retired but bound: seen, not reclaimed
+        clock.advance(100.0)
+        await r.ledger.release("s", "w")
+        assert await driver.sweep() == [1]
+        assert artifacts.contains(digest[1])  # the grace period starts at the reclaim
+        clock.advance(9.5)
+        await driver.sweep()
+        assert artifacts.contains(digest[1])
+        clock.advance(0.5)  # exactly the grace period
+        await driver.sweep()
+        assert not artifacts.contains(digest[1])
+        # v2, reclaimed later, gets its own grace period, not the one of v1
+        await r.publish(3)
+        assert await driver.sweep() == [2]
+        assert artifacts.contains(digest[2])
+        clock.advance(10.0)
+        await driver.sweep()
+        assert not artifacts.contains(digest[2])
+        assert artifacts.contains(digest[3])  # the default
+        assert driver.deleted == {digest[1], digest[2]}
+
+
+async def test_a_digest_still_live_keeps_its_artifact_and_holds_back_no_other(
+    tmp_path: Path,
+) -> None:
+    artifacts, digest = _artifacts(tmp_path, 1, 2)
+    clock = Clock(1_000.0)
+    async with rig() as r:
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            artifacts=artifacts,
+            delete_artifacts_after_s=10.0,
+            clock=clock,
+        )
+        await r.publish(1, seed=1)
+        await r.publish(2, seed=2)
+        assert await driver.sweep() == [1]
+        await r.publish(3, seed=1)  # the bytes of v1 again, under a new version
+        assert await driver.sweep() == [2]
+        clock.advance(10.0)
+        await driver.sweep()
+        assert artifacts.contains(digest[1])  # v3 serves from it: kept past its grace period
+        assert not artifacts.contains(digest[2])  # checked after v1, deleted all the same
+        assert driver.deleted == {digest[2]}
+
+
+@pytest.mark.parametrize("with_store", [True, False], ids=["no grace period", "no store"])
+async def test_artifacts_are_kept_without_a_store_or_a_grace_period(
+    tmp_path: Path, with_store: bool
+) -> None:
+    artifacts, digest = _artifacts(tmp_path, 1)
+    clock = Clock(1_000.0)
+    async with rig() as r:
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            artifacts=artifacts if with_store else None,
+            delete_artifacts_after_s=None if with_store else 0.0,
+            clock=clock,
+        )
+        await _retired(r)
+        assert await driver.sweep() == [1]
+        clock.advance(1e6)
+        assert await driver.sweep() == []
+        assert artifacts.contains(digest[1]) and driver.deleted == set()
+
+
+async def test_the_driver_ticks_at_the_documented_default() -> None:
+    """docs/operations.md: without a ledger event, a sweep runs every 0.5 s by default (in-flight
+    counts fall without one); the plane passes its ``reclaim_tick_s``, of the same default."""
+    async with rig() as r:
+        assert ReclaimDriver(r.ledger, r.fleet).tick_s == 0.5
