@@ -140,8 +140,11 @@ async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         await SQLiteStore.connect(tmp_path / "a.db", synchronous="OFF")  # type: ignore[arg-type]
     with raises_code(INVALID_INPUT):
         await SQLiteStore.connect(":memory:")
-    with raises_code(StoreCode.STORE_FAILED):
-        await SQLiteStore.connect(tmp_path / "missing-dir" / "a.db")
+    missing = tmp_path / "missing-dir" / "a.db"
+    with raises_code(StoreCode.STORE_FAILED) as info:
+        await SQLiteStore.connect(missing)
+    assert info.value.message == f"cannot open {missing}: unable to open database file"
+    assert info.value.details == {"cause": "OperationalError"}
 
 
 @pytest.mark.anyio
@@ -277,6 +280,7 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
                 StoreCode.CHAIN_BROKEN,
             )
             assert report.records == 5
+            assert report.message == "the log ends at record 5 but record 6 was committed"
             # put back a different record 6, consistently hashed onto record 5
             forged = rehashed(row, payload=bound(77).payload)
             raw.execute(
@@ -287,6 +291,7 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
             raw.close()
         report = await store.verify()
         assert (report.ok, report.first_bad_seq, report.code) == (False, 6, StoreCode.CHAIN_BROKEN)
+        assert report.message == "record 6 is not the one that was committed (rewritten)"
 
 
 # --- read-only opens and crafted rows (issue 12) ----------------------------------------------
@@ -339,3 +344,155 @@ async def test_text_that_is_not_utf8_is_a_corrupt_record_naming_its_seq(tmp_path
             await store.read()
     finally:
         await store.close()
+
+
+# --- connection settings, and files that open but cannot be read (mutation campaign) ---------
+
+
+async def _pragma(conn: Any, name: str) -> object:
+    rows = await conn.execute_fetchall(f"PRAGMA {name}")
+    return next(iter(rows))[0]
+
+
+@pytest.mark.anyio
+async def test_the_connections_keep_their_settings(tmp_path: Path) -> None:
+    """The writer: WAL, a 5 s lock wait, a WAL bounded to 64 MiB after checkpoints. The reader:
+    query-only (a bug that wrote through it fails loudly instead of racing the writer), the
+    same lock wait, reads through a 256 MiB map. A read-only open is query-only too."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        await store.append(batch_of(2))
+        writer, reader = store._writer, store._reader
+        assert await _pragma(writer, "journal_mode") == "wal"
+        assert await _pragma(writer, "busy_timeout") == 5000
+        assert await _pragma(writer, "journal_size_limit") == 67108864
+        assert await _pragma(reader, "query_only") == 1
+        assert await _pragma(reader, "busy_timeout") == 5000
+        assert await _pragma(reader, "mmap_size") == 268435456
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            await reader.execute("DELETE FROM events")
+        assert [r.seq for r in await store.read()] == [1, 2]
+    store = await SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro")
+    try:
+        assert await _pragma(store._reader, "query_only") == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_read_only_open_needs_a_read_only_uri_and_names_its_label(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        await store.append(batch_of(2))
+    for uri in (str(path), path.as_uri(), f"{path}?mode=ro"):  # a path, or no mode=ro
+        with raises_code(INVALID_INPUT) as info:
+            await SQLiteStore.connect_read_only(uri)
+        assert uri in info.value.message
+    uri = f"{path.as_uri()}?mode=ro"
+    store = await SQLiteStore.connect_read_only(uri)
+    assert store.path == uri  # no label: the URI names it
+    await store.close()
+    store = await SQLiteStore.connect_read_only(uri, label="the copy")
+    assert (store.path, store.synchronous, store.last_seq) == ("the copy", "FULL", 2)
+    await store.close()
+    missing = f"{(tmp_path / 'missing.db').as_uri()}?mode=ro"
+    with raises_code(StoreCode.STORE_FAILED) as failed:
+        await SQLiteStore.connect_read_only(missing, label="lost.db")
+    assert failed.value.message.startswith("cannot open lost.db: ")
+    assert failed.value.details == {"cause": "OperationalError"}
+
+
+def _foreign(path: Path, *, application_id: int, user_version: int, events: bool = False) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA application_id = {application_id}")
+    conn.execute(f"PRAGMA user_version = {user_version}")
+    conn.execute("CREATE TABLE other (x)" if not events else "CREATE TABLE events (x)")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "read-only"])
+async def test_a_file_that_is_not_this_layout_is_refused_naming_it(
+    tmp_path: Path, read_only: bool
+) -> None:
+    """Another application's database, a newer layout of ours, a damaged page, and our identity
+    over tables that are not ours: each refused at open with its own code, naming the file."""
+
+    async def open_and_close(path: Path, **kw: Any) -> None:
+        if read_only:
+            uri = f"{path.as_uri()}?mode=ro"
+            store = await SQLiteStore.connect_read_only(uri, label=f"<{path.name}>", **kw)
+        else:
+            store = await SQLiteStore.connect(path, **kw)
+        await store.close()
+
+    def named(path: Path) -> str:
+        return f"<{path.name}>" if read_only else str(path)
+
+    other = tmp_path / "other.db"
+    _foreign(other, application_id=7, user_version=1)
+    newer = tmp_path / "newer.db"
+    _foreign(newer, application_id=0x4C4C4752, user_version=2)
+    hollow = tmp_path / "hollow.db"
+    _foreign(hollow, application_id=0x4C4C4752, user_version=1)
+    for path, code in (
+        (other, StoreCode.CORRUPT_STORE),
+        (newer, StoreCode.UNKNOWN_SCHEMA),
+        (hollow, StoreCode.STORE_FAILED),  # no events table: the tail cannot be read
+    ):
+        with raises_code(code) as info:
+            await open_and_close(path)
+        assert named(path) in info.value.message, info.value.message
+    assert "no such table: events" in info.value.message
+    assert info.value.details == {"cause": "OperationalError"}
+
+    damaged = tmp_path / "damaged.db"
+    async with _opened(damaged) as store:
+        await store.append(batch_of(400))
+    conn = sqlite3.connect(damaged)
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    (root,) = conn.execute(
+        "SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'events'"
+    ).fetchone()
+    conn.close()
+    with damaged.open("r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(b"\xff" * 16)
+    with raises_code(StoreCode.CORRUPT_STORE) as info:
+        await open_and_close(damaged)  # the integrity check runs by default
+    assert named(damaged) in info.value.message and "integrity" in info.value.message
+    problems = info.value.details["problems"]
+    assert problems and all(isinstance(p, str) for p in problems)
+    await open_and_close(damaged, quick_check=False)  # only the tail is checked
+
+
+@pytest.mark.anyio
+async def test_reads_that_fail_below_the_store_are_store_failed(tmp_path: Path) -> None:
+    """A table dropped behind the store's back: a read and a snapshot load fail with
+    STORE_FAILED naming what was being read and the cause; verify reports it, before record 1."""
+    path = tmp_path / "log.db"
+    async with _opened(path) as store:
+        await store.append(batch_of(3))
+        raw = _raw(path)
+        try:
+            raw.execute("DROP TABLE snapshots")
+            raw.execute("DROP TABLE events")
+        finally:
+            raw.close()
+        with raises_code(StoreCode.STORE_FAILED) as info:
+            await store.read()
+        assert info.value.message.startswith("cannot read records after 0: no such table")
+        assert info.value.details == {"cause": "OperationalError"}
+        with raises_code(StoreCode.STORE_FAILED) as info:
+            await store.load_snapshot("v1")
+        assert info.value.message.startswith("cannot read snapshots: no such table")
+        assert info.value.details == {"cause": "OperationalError"}
+        report = await store.verify()
+        assert (report.ok, report.code, report.first_bad_seq, report.records) == (
+            False,
+            StoreCode.STORE_FAILED,
+            1,
+            0,
+        )
+        assert "no such table" in report.message
