@@ -258,6 +258,25 @@ class StoreContract:
             assert await store.append([first[1]]) == [2]
             assert store.last_seq == 5
 
+    @pytest.mark.anyio
+    async def test_a_batch_of_any_size_is_stored_whole(self, location: Any) -> None:
+        """Sizes around the powers of two and the thousand-row marks a backend may batch its
+        statements by; then a retry of a 1,500-event batch, every id recognised."""
+        sizes = (1, 2, 3, 511, 512, 513, 1023, 1024, 1025)
+        async with self.opened(location) as store:
+            last = 0
+            for size in sizes:
+                got = await store.append(batch_of(size, f"size{size}"), expected_seq=last)
+                assert got == list(range(last + 1, last + size + 1)), size
+                last += size
+            big = batch_of(1500, "big")
+            first = await store.append(big)
+            assert first == list(range(last + 1, last + 1501))
+            assert await store.append(big) == first
+            assert await store.append(big[::-1]) == first[::-1]
+            report = await store.verify()
+            assert (report.ok, report.records) == (True, last + 1500)
+
     # --- concurrency -----------------------------------------------------------------------
 
     @pytest.mark.anyio

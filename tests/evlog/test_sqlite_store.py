@@ -496,3 +496,38 @@ async def test_reads_that_fail_below_the_store_are_store_failed(tmp_path: Path) 
             0,
         )
         assert "no such table" in report.message
+
+
+@pytest.mark.anyio
+async def test_after_a_failed_write_the_next_group_rereads_the_tail_then_trusts_it_again(
+    tmp_path: Path,
+) -> None:
+    """A write that fails below the store (here a trigger that aborts every insert: a real
+    SQLite error) answers STORE_FAILED, outcome unknown, naming the cause; the cached tail is
+    then suspect, so the next group reads it inside its transaction (the slow path), and the
+    one after trusts it again. On an empty log: the slow path starts the chain at seq 1."""
+    path = tmp_path / "log.db"
+    async with _opened(path) as store:
+        raw = _raw(path)
+        try:
+            raw.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'no'); END"
+            )
+        finally:
+            raw.close()
+        with raises_code(StoreCode.STORE_FAILED) as info:
+            await store.append(batch_of(2, "lost"))
+        assert info.value.message.startswith("append failed, outcome unknown: ")
+        assert info.value.details == {"cause": "IntegrityError"}
+        assert store.last_seq == 0
+        failed_slow = store.stats.slow_paths  # the fast path's error is retried slowly first
+        raw = _raw(path)
+        try:
+            raw.execute("DROP TRIGGER refuse")
+        finally:
+            raw.close()
+        assert await store.append(batch_of(2, "a"), expected_seq=0) == [1, 2]
+        assert store.stats.slow_paths == failed_slow + 1
+        assert await store.append(batch_of(2, "b"), expected_seq=2) == [3, 4]
+        assert store.stats.slow_paths == failed_slow + 1
+        assert (await store.verify()).ok
