@@ -16,7 +16,7 @@ import pytest
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.record import Row
-from evlog.sqlite import SQLiteStore
+from evlog.sqlite import SQLiteStore, _store_error
 from evlog.store import EventStore
 from tests.evlog.contract import StoreContract, batch_of, bound, raises_code, rehashed
 
@@ -531,3 +531,26 @@ async def test_after_a_failed_write_the_next_group_rereads_the_tail_then_trusts_
         assert await store.append(batch_of(2, "b"), expected_seq=2) == [3, 4]
         assert store.stats.slow_paths == failed_slow + 1
         assert (await store.verify()).ok
+
+
+def test_sqlite_errors_are_classified_by_their_sqlite_code() -> None:
+    """A damaged file's codes (SQLITE_CORRUPT, SQLITE_NOTADB) are CORRUPT_STORE; any other
+    error, including one sqlite3 raises without an SQLite code (a ProgrammingError), is
+    STORE_FAILED; both name what was being done, the error and its class."""
+    corrupt = sqlite3.DatabaseError("database disk image is malformed")
+    corrupt.sqlite_errorcode = sqlite3.SQLITE_CORRUPT  # type: ignore[attr-defined]
+    notadb = sqlite3.DatabaseError("file is not a database")
+    notadb.sqlite_errorcode = sqlite3.SQLITE_NOTADB  # type: ignore[attr-defined]
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+    cases = [
+        (corrupt, StoreCode.CORRUPT_STORE),
+        (notadb, StoreCode.CORRUPT_STORE),
+        (busy, StoreCode.STORE_FAILED),
+        (sqlite3.ProgrammingError("Cannot operate on a closed database."), StoreCode.STORE_FAILED),
+        (OSError("disk full"), StoreCode.STORE_FAILED),
+    ]
+    for exc, code in cases:
+        err = _store_error(exc, "reading x")
+        assert (err.code, err.message) == (code, f"reading x: {exc}")
+        assert err.details == {"cause": type(exc).__name__}
