@@ -5,8 +5,9 @@ writer, cancellation inside the group commit, closing while appends are queued."
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -554,3 +555,108 @@ def test_sqlite_errors_are_classified_by_their_sqlite_code() -> None:
         err = _store_error(exc, "reading x")
         assert (err.code, err.message) == (code, f"reading x: {exc}")
         assert err.details == {"cause": type(exc).__name__}
+
+
+def _connection_threads() -> int:
+    """aiosqlite's one thread per open connection (it ends when the connection closes)."""
+    return sum("_connection_worker_thread" in t.name for t in threading.enumerate())
+
+
+@pytest.mark.anyio
+async def test_a_refused_open_leaves_no_connection_open(tmp_path: Path) -> None:
+    before = _connection_threads()
+    newer = tmp_path / "newer.db"
+    _foreign(newer, application_id=0x4C4C4752, user_version=2)
+    with raises_code(StoreCode.UNKNOWN_SCHEMA):
+        await SQLiteStore.connect_read_only(f"{newer.as_uri()}?mode=ro")
+    with raises_code(StoreCode.UNKNOWN_SCHEMA):
+        await SQLiteStore.connect(newer)
+    hollow = tmp_path / "hollow.db"  # fails after both connections opened: at the tail
+    _foreign(hollow, application_id=0x4C4C4752, user_version=1)
+    with raises_code(StoreCode.STORE_FAILED):
+        await SQLiteStore.connect(hollow)
+    assert _connection_threads() == before
+
+
+@contextmanager
+def _write_lock(path: Path) -> Iterator[None]:
+    """Another connection holds the file's write lock: the store's writer waits on it (its
+    busy timeout), so a group stays mid-write for as long as the test says."""
+    raw = _raw(path)
+    raw.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        raw.execute("COMMIT")
+        raw.close()
+
+
+@pytest.mark.anyio
+async def test_a_caller_cancelled_before_its_call_was_taken_is_never_written(
+    tmp_path: Path,
+) -> None:
+    """While the leader writes, w1 and w2 queue; w1 is cancelled: it is dropped (never written)
+    and the leadership passes to w2, which writes its own batch."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        answered: dict[str, list[int]] = {}
+        scope = anyio.CancelScope()
+
+        async def append(tag: str, scope: anyio.CancelScope | None = None) -> None:
+            with scope or anyio.CancelScope():
+                answered[tag] = await store.append(batch_of(2, tag))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                with _write_lock(path):
+                    tg.start_soon(append, "leader")
+                    await _until_queued(store, 0)  # the leader took its call, waits on the lock
+                    tg.start_soon(append, "w1", scope)
+                    tg.start_soon(append, "w2")
+                    await _until_queued(store, 2)
+                    scope.cancel()
+                    await _until_queued(store, 1)
+        assert answered == {"leader": [1, 2], "w2": [3, 4]}
+        owners = [r.event.owner for r in await store.read()]  # type: ignore[union-attr]
+        assert owners == ["leader", "leader", "w2", "w2"]
+
+
+@pytest.mark.anyio
+async def test_a_leader_cancelled_while_it_writes_still_answers_its_group(tmp_path: Path) -> None:
+    """The group is written for every caller in it: the leader's cancellation does not
+    interrupt the write (a shielded scope), so the others in its group get their seqs."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        answered: dict[str, list[int] | str] = {}
+        scopes = {tag: anyio.CancelScope() for tag in ("first", "second", "w1", "w2", "w3")}
+
+        async def append(tag: str) -> None:
+            with scopes[tag]:
+                try:
+                    answered[tag] = await store.append(batch_of(2, tag))
+                except LoraLedgerError as exc:
+                    answered[tag] = exc.code
+                if tag == "first":
+                    scopes["second"].cancel()  # the next leader, woken but not yet writing
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                with _write_lock(path):
+                    tg.start_soon(append, "first")
+                    await _until_queued(store, 0)
+                    for tag in ("second", "w1", "w2", "w3"):
+                        tg.start_soon(append, tag)
+                    await _until_queued(store, 4)
+        assert answered["first"] == [1, 2]
+        assert {tag: answered.get(tag) for tag in ("w1", "w2", "w3")} == {
+            "w1": [5, 6],
+            "w2": [7, 8],
+            "w3": [9, 10],
+        }
+        assert store.last_seq == 10 and (await store.verify()).ok
+
+
+async def _until_queued(store: SQLiteStore, n: int) -> None:
+    """Let the event loop run until a leader writes and ``n`` calls wait in the queue."""
+    while not store._leading or len(store._queue) != n:
+        await anyio.lowlevel.checkpoint()
