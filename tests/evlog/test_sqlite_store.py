@@ -4,6 +4,7 @@ writer, cancellation inside the group commit, closing while appends are queued."
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 
@@ -660,3 +662,97 @@ async def _until_queued(store: SQLiteStore, n: int) -> None:
     """Let the event loop run until a leader writes and ``n`` calls wait in the queue."""
     while not store._leading or len(store._queue) != n:
         await anyio.lowlevel.checkpoint()
+
+
+class _SecondGroup:
+    """Stages a group of several calls mid-write: ``first`` writes alone while ``second``, w1 and
+    w2 queue; when ``first`` is answered it takes the file's write lock again, so ``second``
+    leads [second, w1, w2] and waits on the lock inside its write until :meth:`release`."""
+
+    def __init__(self, path: Path, store: SQLiteStore) -> None:
+        self.store = store
+        self.raw = _raw(path)
+        self.answered: dict[str, list[int] | str] = {}
+        self.scopes = {tag: anyio.CancelScope() for tag in ("first", "second", "w1", "w2")}
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.batches = {tag: batch_of(2, tag) for tag in self.scopes}
+
+    async def append(self, tag: str) -> None:
+        self.tasks[tag] = asyncio.current_task()  # type: ignore[assignment]
+        with self.scopes[tag]:
+            try:
+                self.answered[tag] = await self.store.append(self.batches[tag])
+            except LoraLedgerError as exc:
+                self.answered[tag] = f"{exc.code}: {exc.message}"
+            except asyncio.CancelledError:
+                if self.scopes[tag].cancel_called:
+                    raise  # anyio's own cancellation: its scope catches it
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                self.answered[tag] = "cancelled under the shield"
+            if tag == "first":
+                self.raw.execute("BEGIN IMMEDIATE")
+
+    async def stage(self, tg: anyio.abc.TaskGroup) -> None:
+        self.raw.execute("BEGIN IMMEDIATE")
+        tg.start_soon(self.append, "first")
+        await _until_queued(self.store, 0)
+        for tag in ("second", "w1", "w2"):
+            tg.start_soon(self.append, tag)
+        await _until_queued(self.store, 3)
+        self.raw.execute("COMMIT")  # first writes; second then takes its group and waits
+        while "first" not in self.answered or self.store._queue:  # noqa: ASYNC110 -- store state
+            await anyio.sleep(0.001)
+
+    def release(self) -> None:
+        self.raw.execute("COMMIT")
+        self.raw.close()
+
+
+@pytest.mark.anyio
+async def test_a_caller_cancelled_after_its_call_was_taken_is_written_anyway(
+    tmp_path: Path,
+) -> None:
+    """w1 is cancelled while the group holding its call is being written: its events land (it
+    cannot know, and a retry with the same ids is answered with their seqs)."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        staged = _SecondGroup(path, store)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await staged.stage(tg)
+                staged.scopes["w1"].cancel()
+                await anyio.sleep(0.01)
+                staged.release()
+        assert staged.answered == {"first": [1, 2], "second": [3, 4], "w2": [7, 8]}
+        owners = [r.event.owner for r in await store.read()]  # type: ignore[union-attr]
+        assert owners == ["first"] * 2 + ["second"] * 2 + ["w1"] * 2 + ["w2"] * 2
+        assert await store.append(staged.batches["w1"]) == [5, 6]  # the retry
+
+
+@pytest.mark.anyio
+async def test_a_group_interrupted_under_the_shield_answers_store_failed(tmp_path: Path) -> None:
+    """A bare asyncio cancellation of the leader reaches through anyio's shield: the others in
+    its group are answered STORE_FAILED (the write may have landed), never left waiting or told
+    they were written, and the next group re-reads the tail."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        staged = _SecondGroup(path, store)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await staged.stage(tg)
+                staged.tasks["second"].cancel()
+                while len(staged.answered) < 4:  # noqa: ASYNC110 -- answers, no event
+                    await anyio.sleep(0.001)
+                staged.release()
+        interrupted = "STORE_FAILED: the write was interrupted"
+        assert staged.answered == {
+            "first": [1, 2],
+            "second": "cancelled under the shield",
+            "w1": interrupted,
+            "w2": interrupted,
+        }
+        slow = store.stats.slow_paths
+        with anyio.fail_after(10):
+            got = await store.append(batch_of(1, "after"))
+        assert store.stats.slow_paths == slow + 1  # the tail was suspect: re-read
+        assert got == [store.last_seq] and (await store.verify()).ok
