@@ -19,8 +19,8 @@ import pytest
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.record import Row
-from evlog.sqlite import SQLiteStore, _store_error
-from evlog.store import EventStore
+from evlog.sqlite import SQLiteStore, WriteStats, _store_error
+from evlog.store import EventStore, Snapshot
 from tests.evlog.contract import StoreContract, batch_of, bound, raises_code, rehashed
 
 _COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
@@ -141,8 +141,9 @@ async def test_a_damaged_page_is_refused_at_open(tmp_path: Path) -> None:
 async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with raises_code(INVALID_INPUT):
         await SQLiteStore.connect(tmp_path / "a.db", synchronous="OFF")  # type: ignore[arg-type]
-    with raises_code(INVALID_INPUT):
-        await SQLiteStore.connect(":memory:")
+    for name in (":memory:", f"file:{tmp_path / 'a.db'}"):  # a reader must share the file
+        with raises_code(INVALID_INPUT):
+            await SQLiteStore.connect(name)
     missing = tmp_path / "missing-dir" / "a.db"
     with raises_code(StoreCode.STORE_FAILED) as info:
         await SQLiteStore.connect(missing)
@@ -182,6 +183,23 @@ async def test_queued_appends_are_merged_into_few_transactions(tmp_path: Path) -
         assert stats.transactions <= 5, stats
         assert stats.slow_paths == 0
         assert sorted(s for seqs in got for s in seqs) == list(range(1, 101))
+
+
+@pytest.mark.anyio
+async def test_the_write_statistics_count_transactions_events_and_slow_paths(
+    tmp_path: Path,
+) -> None:
+    async with _opened(tmp_path / "a.db") as store:
+        assert store.stats == WriteStats(transactions=0, events=0, slow_paths=0)
+        await store.append(batch_of(3, "a"))
+        await store.append(batch_of(2, "b"))
+        await store.append([bound(1, "c")])
+        assert store.stats == WriteStats(transactions=3, events=6, slow_paths=0)
+        first = batch_of(2, "d")
+        await store.append(first)
+        assert await store.append(first) == [7, 8]  # a duplicate: its ids collide, re-planned
+        await store.save_snapshot(Snapshot(code_version="v", seq=8, state=b""))
+        assert store.stats == WriteStats(transactions=6, events=8, slow_paths=1)
 
 
 @pytest.mark.anyio
