@@ -17,6 +17,7 @@ import anyio
 import pytest
 
 from engines.artifacts import ArtifactStore
+from engines.contract import AmbiguousReply, ErrorCode
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
@@ -95,8 +96,16 @@ async def _retired(r: Rig) -> str:
 
 
 async def test_a_fenced_controller_stops_its_driver_before_unloading_anything() -> None:
+    """v1 is RECLAIMING (e0 confirmed, e1 still owes its unload) and v2 reclaimable when a
+    second controller takes the log over: the fenced driver's claim of v2 is refused as FENCED,
+    which stops it there -- it does not go on to send v1's unload to e1."""
     async with rig(wrap=e1_is(Unloads)) as r:
-        await _retired(r)
+        name = await _retired(r)
+        await r.ledger.claim_reclaim(1)
+        receipt = await r.local["e0"].unload(name)
+        await r.ledger.record_unloaded(1, "e0", receipt.incarnation)
+        await r.publish(3)  # v2 retired too
+        assert r.ledger.state.reclaimable() == [2]
         async with Ledger.open(r.store):  # a second controller takes the log over
             driver = ReclaimDriver(r.ledger, r.fleet, sources=[r.gateway], tick_s=0.05)
             stop = await _stopped_with(driver)
@@ -104,15 +113,36 @@ async def test_a_fenced_controller_stops_its_driver_before_unloading_anything() 
         assert [e.unloads for e in r.fleet if isinstance(e, Unloads)] == [[], []]
 
 
-async def test_a_ledger_closed_under_a_running_driver_stops_it() -> None:
-    """The ledger closes while an unload is in flight: recording it is refused with
-    LEDGER_CLOSED, which ends the driver instead of a retry every tick."""
-    async with rig(wrap=lambda engine: Gated(engine)) as r:
+class GatedTimesOut(Gated):
+    """Once the gate opens, the unload's reply is lost: an ambiguous unload."""
+
+    async def answer(self, lora_name: str, attempt: int | None) -> Any:
+        self.started.set()
+        await self.gate.wait()
+        raise AmbiguousReply(ErrorCode.TIMEOUT, "no reply in 5 s", engine_id=self.engine_id)
+
+
+@pytest.mark.parametrize(
+    "e1_kind", [Gated, GatedTimesOut], ids=["record refused", "ambiguity refused"]
+)
+async def test_a_ledger_closed_under_a_running_driver_stops_it(e1_kind: type[Gated]) -> None:
+    """The ledger closes while e1's unload is in flight: recording its answer (a receipt, or
+    the ambiguity of a lost reply) is refused with LEDGER_CLOSED, which ends the driver instead
+    of a retry every tick."""
+    async with rig(
+        wrap=lambda engine: (e1_kind if engine.engine_id == "e1" else Gated)(engine)
+    ) as r:
         await _retired(r)
         pokes = Pokes()
         async with anyio.create_task_group() as tg:
             async with Ledger.open(r.store) as ledger:  # this controller's own ledger
-                driver = ReclaimDriver(ledger, r.fleet, tick_s=0.05, on_restart=pokes.on_restart)
+                driver = ReclaimDriver(
+                    ledger,
+                    r.fleet,
+                    tick_s=0.05,
+                    on_restart=pokes.on_restart,
+                    on_ambiguous=pokes.on_ambiguous,
+                )
                 stopped: list[LoraLedgerError] = []
 
                 async def run() -> None:
@@ -124,7 +154,7 @@ async def test_a_ledger_closed_under_a_running_driver_stops_it() -> None:
                 await wait_for(lambda: "e0" in ledger.state.versions[1].confirmed)
             _gated(r, "e1").gate.set()  # answers after the ledger closed
         assert [s.code for s in stopped] == [Code.LEDGER_CLOSED]
-        assert pokes.restart == 0
+        assert (pokes.restart, pokes.ambiguous) == (0, 0)
         assert _gated(r, "e1").unloads == [(r.names[1], 1)]  # sent once, not again every tick
 
 
