@@ -559,11 +559,11 @@ def test_sqlite_errors_are_classified_by_their_sqlite_code() -> None:
     error, including one sqlite3 raises without an SQLite code (a ProgrammingError), is
     STORE_FAILED; both name what was being done, the error and its class."""
     corrupt = sqlite3.DatabaseError("database disk image is malformed")
-    corrupt.sqlite_errorcode = sqlite3.SQLITE_CORRUPT  # type: ignore[attr-defined]
+    corrupt.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
     notadb = sqlite3.DatabaseError("file is not a database")
-    notadb.sqlite_errorcode = sqlite3.SQLITE_NOTADB  # type: ignore[attr-defined]
+    notadb.sqlite_errorcode = sqlite3.SQLITE_NOTADB
     busy = sqlite3.OperationalError("database is locked")
-    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
     cases = [
         (corrupt, StoreCode.CORRUPT_STORE),
         (notadb, StoreCode.CORRUPT_STORE),
