@@ -382,6 +382,7 @@ async def test_the_connections_keep_their_settings(tmp_path: Path) -> None:
     same lock wait, reads through a 256 MiB map. A read-only open is query-only too."""
     path = tmp_path / "log.db"
     async with SQLiteStore.open(path) as store:
+        assert store.path == str(path)
         await store.append(batch_of(2))
         writer, reader = store._writer, store._reader
         assert await _pragma(writer, "journal_mode") == "wal"
@@ -547,8 +548,13 @@ async def test_after_a_failed_write_the_next_group_rereads_the_tail_then_trusts_
             raw.execute("DROP TRIGGER refuse")
         finally:
             raw.close()
+        # the next group (a snapshot save) takes the slow path, which writes saves too
+        await store.save_snapshot(Snapshot(code_version="v", seq=0, state=b"s"))
+        assert store.stats.slow_paths == failed_slow + 1
         assert await store.append(batch_of(2, "a"), expected_seq=0) == [1, 2]
         assert store.stats.slow_paths == failed_slow + 1
+        assert await store.load_snapshot("v") == Snapshot(code_version="v", seq=0, state=b"s")
+        assert [r.event.owner for r in await store.read()] == ["a", "a"]  # type: ignore[union-attr]
         assert await store.append(batch_of(2, "b"), expected_seq=2) == [3, 4]
         assert store.stats.slow_paths == failed_slow + 1
         assert (await store.verify()).ok
@@ -776,3 +782,49 @@ async def test_a_group_interrupted_under_the_shield_answers_store_failed(tmp_pat
             got = await store.append(batch_of(1, "after"))
         assert store.stats.slow_paths == slow + 1  # the tail was suspect: re-read
         assert got == [store.last_seq] and (await store.verify()).ok
+
+
+@pytest.mark.anyio
+async def test_close_cancelled_still_closes_both_connections(tmp_path: Path) -> None:
+    """close() is shielded: a caller cancelled while closing leaves no connection open."""
+    before = _connection_threads()
+    store = await SQLiteStore.connect(tmp_path / "a.db")
+    assert _connection_threads() == before + 2
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await store.close()
+    with anyio.fail_after(5):  # a closed connection's thread ends just after close() returns
+        while _connection_threads() > before:  # noqa: ASYNC110 -- threads have no event
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("sizes", "groups"),
+    [((4096, 4095, 1), 1), ((4096, 4096, 1), 2), ((8193,), 1)],
+    ids=["8192 events merge", "8193 split", "one call over the bound"],
+)
+async def test_a_group_holds_at_most_8192_events_but_always_its_first_call(
+    tmp_path: Path, sizes: tuple[int, ...], groups: int
+) -> None:
+    """Calls queued behind a write are merged up to 8,192 events per transaction (bounding the
+    first caller's wait and the memory of a group); a single call above the bound is written
+    alone, whole."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        answered: dict[int, list[int]] = {}
+
+        async def append(k: int, size: int) -> None:
+            answered[k] = await store.append(batch_of(size, f"c{k}"))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                with _write_lock(path):
+                    tg.start_soon(append, -1, 1)
+                    await _until_queued(store, 0)  # the first caller writes alone, held
+                    for k, size in enumerate(sizes):
+                        tg.start_soon(append, k, size)
+                    await _until_queued(store, len(sizes))
+        assert store.stats.transactions == 1 + groups
+        assert [len(answered[k]) for k in range(len(sizes))] == list(sizes)
+        assert store.last_seq == 1 + sum(sizes) and (await store.verify()).ok
