@@ -23,6 +23,7 @@ from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
+from publisher.affinity import rendezvous
 from publisher.fleet import Fleet
 from publisher.gateway import DEFAULT_PARAMS, DispatchCode, Gateway, InFlightCounter
 from publisher.outcomes import Bound
@@ -310,9 +311,31 @@ async def test_extra_fields_for_an_engine_that_takes_none_name_the_engine_and_fi
     async with rig(engines=1) as r:
         await r.publish(1)
         bound = await _bound(r)
+        tally = InFlightCounter()
         with pytest.raises(LoraLedgerError) as info:
-            await r.gateway.generate(bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1})
+            await r.gateway.generate(
+                bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1}, tally=tally
+            )
         assert info.value.message == "engine e0 takes no extra body fields (['seed', 'top_k'])"
+        # refused before anything was sent: counted nowhere, the worker's tally included
+        assert not tally and r.gateway.inflight_counts() == {} and r.gateway.dispatched == 0
+
+
+async def test_the_choice_is_sticky_by_default_and_never_an_engine_already_tried() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        sticky = rendezvous(bound.session, ("e0", "e1"))
+        assert [r.gateway.choose(bound) for _ in range(3)] == [sticky] * 3  # no rotation
+        tally = InFlightCounter()
+        assert not tally
+        assert r.gateway.admit(bound, tried=["e0"], tally=tally) == "e1"
+        assert tally  # one request in flight
+        # e0 is the less loaded, but this request's try on it already failed
+        assert r.gateway.choose(bound, tried=["e0"], sticky=False) == "e1"
+        assert r.gateway.choose(bound, tried=["e0", "e1"], sticky=False) is None
+        r.gateway.finish("e1", 1, tally)
+        assert not tally
 
 
 @pytest.mark.parametrize(("kind", "logged"), [(EchoesAnother, True), (Recording, False)])
