@@ -89,6 +89,10 @@ class ReclaimDriver:
         self._seen_reclaimed: dict[int, float] = {}
         self.deleted: set[str] = set()
         self.sweeps = 0
+        # The ledger closed or fenced this controller: every later sweep raises it (``run``
+        # stops). Kept rather than raised inside an unload task, which would cancel the
+        # other unloads mid-call.
+        self._lost: LoraLedgerError | None = None
 
     def add_source(self, source: InFlightSource) -> None:
         self._sources.append(source)
@@ -171,6 +175,8 @@ class ReclaimDriver:
                     for engine_id in sorted(state.engines):
                         if engine_id not in state.versions[version_id].confirmed:
                             tg.start_soon(self._unload, version_id, engine_id)
+        if self._lost is not None:
+            raise self._lost
         await self._collect_artifacts()
         after = {v.version_id for v in state.versions.values() if v.state is VersionState.RECLAIMED}
         return sorted(after - before)
@@ -182,6 +188,8 @@ class ReclaimDriver:
         try:
             granted = await self._ledger.claim_reclaim(version_id, evidence)
         except LoraLedgerError as exc:
+            if self._must_stop(exc):
+                raise
             # bound again or busy by now (a race with a bind/dispatch): the next sweep decides
             log.info("reclaim.not_claimed", version=version_id, code=exc.code)
             return
@@ -227,6 +235,8 @@ class ReclaimDriver:
         try:
             outcome = await self._ledger.record_unloaded(version_id, engine_id, incarnation)
         except LoraLedgerError as exc:
+            if self._must_stop(exc):
+                return
             log.warning(
                 "reclaim.unload_not_recorded", version=version_id, engine=engine_id, code=exc.code
             )
@@ -245,6 +255,8 @@ class ReclaimDriver:
         try:
             await self._ledger.mark_reclaim_ambiguous(version_id, engine_id, reason)
         except LoraLedgerError as exc:
+            if self._must_stop(exc):
+                return
             log.warning("reclaim.ambiguous_not_recorded", version=version_id, code=exc.code)
             return
         log.warning(
@@ -256,6 +268,15 @@ class ReclaimDriver:
         )
         if self._on_ambiguous is not None:
             self._on_ambiguous()
+
+    def _must_stop(self, exc: LoraLedgerError) -> bool:
+        """A refusal that ends this controller (its ledger closed, or another controller fenced
+        it) rather than one the next sweep retries: kept for :meth:`sweep` to raise."""
+        if exc.code not in (Code.LEDGER_CLOSED, Code.FENCED):
+            return False
+        if self._lost is None:
+            self._lost = exc
+        return True
 
     async def _collect_artifacts(self) -> None:
         if self._artifacts is None or self.delete_artifacts_after_s is None:

@@ -26,7 +26,7 @@ from evlog.events import (
     VersionPublished,
 )
 from evlog.record import GENESIS_HASH, Pending, Record, Row, chain_hash, new_event_id, pending
-from evlog.store import SNAPSHOTS_KEPT, EventStore, Snapshot
+from evlog.store import SNAPSHOTS_KEPT, EventStore, Snapshot, VerifyReport
 
 # --- helpers -------------------------------------------------------------------------------
 
@@ -66,13 +66,24 @@ async def collect(it: AsyncIterator[Record]) -> list[Record]:
 def raises_code(
     code: str, seq: int | None = None
 ) -> Iterator[pytest.ExceptionInfo[LoraLedgerError]]:
-    """``pytest.raises`` for a LoraLedgerError with ``code`` (and, if given, ``details['seq']``)."""
+    """``pytest.raises`` for a LoraLedgerError with ``code`` (and, if given, ``details['seq']``)
+    and a message, which names the problem (the seq, when given)."""
     with pytest.raises(LoraLedgerError) as info:
         yield info
     err = info.value
     assert err.code == code, f"expected {code}, got {err.code}: {err.message}"
+    assert isinstance(err.message, str) and err.message, err
+    if seq is not None:
+        assert str(seq) in err.message, err.message
     if seq is not None:
         assert err.details.get("seq") == seq, (err.details, err.message)
+
+
+def assert_bad(report: VerifyReport, code: str, first_bad_seq: int, records: int) -> None:
+    """A failed verification: what broke, where (named in its message too), what is trusted."""
+    assert (report.ok, report.code, report.first_bad_seq) == (False, code, first_bad_seq), report
+    assert (report.records, report.last_seq) == (records, first_bad_seq - 1), report
+    assert f"record {first_bad_seq}" in report.message, report.message
 
 
 class StoreContract:
@@ -114,7 +125,9 @@ class StoreContract:
             assert store.last_seq == 0
             assert store.head_hash == GENESIS_HASH
             assert await store.read() == []
+            assert await store.read(after=3) == [] and await store.read(after=3, limit=2) == []
             assert await collect(store.iterate()) == []
+            assert await collect(store.iterate(after=3)) == []
             report = await store.verify()
             assert report.ok and report.records == 0 and report.last_seq == 0
             assert report.head_hash == GENESIS_HASH
@@ -244,6 +257,25 @@ class StoreContract:
             assert await store.append(first, expected_seq=0) == [1, 2, 3]
             assert await store.append([first[1]]) == [2]
             assert store.last_seq == 5
+
+    @pytest.mark.anyio
+    async def test_a_batch_of_any_size_is_stored_whole(self, location: Any) -> None:
+        """Sizes around the powers of two and the thousand-row marks a backend may batch its
+        statements by; then a retry of a 1,500-event batch, every id recognised."""
+        sizes = (1, 2, 3, 511, 512, 513, 1023, 1024, 1025)
+        async with self.opened(location) as store:
+            last = 0
+            for size in sizes:
+                got = await store.append(batch_of(size, f"size{size}"), expected_seq=last)
+                assert got == list(range(last + 1, last + size + 1)), size
+                last += size
+            big = batch_of(1500, "big")
+            first = await store.append(big)
+            assert first == list(range(last + 1, last + 1501))
+            assert await store.append(big) == first
+            assert await store.append(big[::-1]) == first[::-1]
+            report = await store.verify()
+            assert (report.ok, report.records) == (True, last + 1500)
 
     # --- concurrency -----------------------------------------------------------------------
 
@@ -381,6 +413,7 @@ class StoreContract:
             assert await seqs(after=3) == list(range(4, 11))
             assert await seqs(after=3, until=6) == [4, 5, 6]
             assert await seqs(until=2) == [1, 2]
+            assert await seqs(limit=3) == [1, 2, 3]
             assert await seqs(after=2, limit=3) == [3, 4, 5]
             assert await seqs(after=8, limit=5) == [9, 10]
             assert await seqs(after=4, until=9, limit=2) == [5, 6]
@@ -401,6 +434,9 @@ class StoreContract:
             part = [r.seq for r in await collect(store.iterate(after=10, until=4500))]
             assert part == list(range(11, 4501))
             assert [r.seq for r in await collect(store.iterate(after=5001))] == [5002, 5003]
+            report = await store.verify()  # the chain across chunk boundaries, to the end
+            assert (report.ok, report.records, report.last_seq) == (True, 5003, 5003)
+            assert report.head_hash == store.head_hash
 
     # --- corruption ------------------------------------------------------------------------
 
@@ -421,9 +457,7 @@ class StoreContract:
                     pass
             assert [r.seq for r in await store.read(until=4)] == [1, 2, 3, 4]
             report = await store.verify()
-            assert not report.ok
-            assert (report.first_bad_seq, report.code) == (5, StoreCode.CORRUPT_RECORD)
-            assert (report.records, report.last_seq) == (4, 4)
+            assert_bad(report, StoreCode.CORRUPT_RECORD, 5, records=4)
             assert report.head_hash == self.raw_row(location, 4)[8]
 
     @pytest.mark.anyio
@@ -436,13 +470,7 @@ class StoreContract:
             self.rewrite(location, 4, **rehashed(self.raw_row(location, 4), payload=forged))
             with raises_code(StoreCode.CHAIN_BROKEN, seq=5):
                 await store.read()
-            report = await store.verify()
-            assert (report.ok, report.first_bad_seq, report.code) == (
-                False,
-                5,
-                StoreCode.CHAIN_BROKEN,
-            )
-            assert report.records == 4
+            assert_bad(await store.verify(), StoreCode.CHAIN_BROKEN, 5, records=4)
 
     @pytest.mark.anyio
     async def test_a_record_spliced_onto_another_predecessor_is_refused(
@@ -453,8 +481,7 @@ class StoreContract:
             self.rewrite(location, 6, **rehashed(self.raw_row(location, 6), prev_hash=b"\x01" * 32))
             with raises_code(StoreCode.CHAIN_BROKEN, seq=6):
                 await store.read(after=2)
-            report = await store.verify()
-            assert (report.first_bad_seq, report.code) == (6, StoreCode.CHAIN_BROKEN)
+            assert_bad(await store.verify(), StoreCode.CHAIN_BROKEN, 6, records=5)
 
     @pytest.mark.anyio
     async def test_a_missing_record_is_named(self, location: Any) -> None:
@@ -465,12 +492,10 @@ class StoreContract:
                 await store.read()
             with raises_code(StoreCode.CHAIN_BROKEN, seq=5):
                 await store.read(after=5)  # its successor cannot be linked either
-            report = await store.verify()
-            assert (report.first_bad_seq, report.code, report.records) == (
-                5,
-                StoreCode.CHAIN_BROKEN,
-                4,
-            )
+            # an empty range reads nothing, so nothing is missing from it
+            assert await store.read(after=5, until=5) == []
+            assert await store.read(after=5, limit=0) == []
+            assert_bad(await store.verify(), StoreCode.CHAIN_BROKEN, 5, records=4)
 
     @pytest.mark.anyio
     async def test_an_undecodable_or_mislabelled_payload_is_corrupt(self, location: Any) -> None:
@@ -482,8 +507,7 @@ class StoreContract:
             self.rewrite(location, 5, **rehashed(self.raw_row(location, 5), type="SessionReleased"))
             with raises_code(StoreCode.CORRUPT_RECORD, seq=5):
                 await store.read(after=4)
-            report = await store.verify()
-            assert (report.first_bad_seq, report.code) == (3, StoreCode.CORRUPT_RECORD)
+            assert_bad(await store.verify(), StoreCode.CORRUPT_RECORD, 3, records=2)
 
     @pytest.mark.anyio
     async def test_a_tampered_tail_is_refused_at_open(self, location: Any) -> None:
@@ -499,7 +523,40 @@ class StoreContract:
             async with self.opened(location):
                 pass
 
+    @pytest.mark.anyio
+    async def test_a_log_of_one_record_reopens_and_its_tail_is_checked(self, location: Any) -> None:
+        """The tail check at open links the newest record to its predecessor, or to the genesis
+        hash when it is the only one."""
+        async with self.opened(location) as store:
+            assert await store.append(batch_of(1, "only")) == [1]
+            head = store.head_hash
+        async with self.opened(location) as store:
+            assert (store.last_seq, store.head_hash) == (1, head)
+            assert [r.seq for r in await store.read()] == [1]
+        self.rewrite(location, 1, **rehashed(self.raw_row(location, 1), prev_hash=b"\x07" * 32))
+        with raises_code(StoreCode.CHAIN_BROKEN, seq=1):
+            async with self.opened(location):
+                pass
+
     # --- snapshots -------------------------------------------------------------------------
+
+    @pytest.mark.anyio
+    async def test_a_snapshot_may_stand_at_any_seq_of_the_log_and_nowhere_else(
+        self, location: Any
+    ) -> None:
+        """Seq 0 (the empty state) and the last seq are inside the log; -1 and last + 1 not."""
+        async with self.opened(location) as store:
+            await store.save_snapshot(Snapshot(code_version="v1", seq=0, state=b"empty"))
+            assert await store.load_snapshot("v1") == Snapshot(
+                code_version="v1", seq=0, state=b"empty"
+            )
+            await store.append(batch_of(3, "a"))
+            await store.save_snapshot(Snapshot(code_version="v1", seq=3, state=b"tail"))
+            assert (await store.load_snapshot("v1")).seq == 3  # type: ignore[union-attr]
+            for seq in (-1, 4):
+                with raises_code(INVALID_INPUT, seq=seq):
+                    await store.save_snapshot(Snapshot(code_version="v2", seq=seq, state=b"x"))
+            assert await store.load_snapshot("v2") is None
 
     @pytest.mark.anyio
     async def test_snapshots_newest_per_code_version(self, location: Any) -> None:
@@ -598,5 +655,4 @@ class StoreContract:
             await store.append([bound(0), newer, bound(2)])
             with raises_code(StoreCode.UNKNOWN_SCHEMA, seq=2):
                 await store.read()
-            report = await store.verify()
-            assert (report.first_bad_seq, report.code) == (2, StoreCode.UNKNOWN_SCHEMA)
+            assert_bad(await store.verify(), StoreCode.UNKNOWN_SCHEMA, 2, records=1)

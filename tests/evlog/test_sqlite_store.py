@@ -4,20 +4,23 @@ writer, cancellation inside the group commit, closing while appends are queued."
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.record import Row
-from evlog.sqlite import SQLiteStore
-from evlog.store import EventStore
+from evlog.sqlite import SQLiteStore, WriteStats, _store_error
+from evlog.store import EventStore, Snapshot
 from tests.evlog.contract import StoreContract, batch_of, bound, raises_code, rehashed
 
 _COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
@@ -138,10 +141,14 @@ async def test_a_damaged_page_is_refused_at_open(tmp_path: Path) -> None:
 async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with raises_code(INVALID_INPUT):
         await SQLiteStore.connect(tmp_path / "a.db", synchronous="OFF")  # type: ignore[arg-type]
-    with raises_code(INVALID_INPUT):
-        await SQLiteStore.connect(":memory:")
-    with raises_code(StoreCode.STORE_FAILED):
-        await SQLiteStore.connect(tmp_path / "missing-dir" / "a.db")
+    for name in (":memory:", f"file:{tmp_path / 'a.db'}"):  # a reader must share the file
+        with raises_code(INVALID_INPUT):
+            await SQLiteStore.connect(name)
+    missing = tmp_path / "missing-dir" / "a.db"
+    with raises_code(StoreCode.STORE_FAILED) as info:
+        await SQLiteStore.connect(missing)
+    assert info.value.message == f"cannot open {missing}: unable to open database file"
+    assert info.value.details == {"cause": "OperationalError"}
 
 
 @pytest.mark.anyio
@@ -176,6 +183,23 @@ async def test_queued_appends_are_merged_into_few_transactions(tmp_path: Path) -
         assert stats.transactions <= 5, stats
         assert stats.slow_paths == 0
         assert sorted(s for seqs in got for s in seqs) == list(range(1, 101))
+
+
+@pytest.mark.anyio
+async def test_the_write_statistics_count_transactions_events_and_slow_paths(
+    tmp_path: Path,
+) -> None:
+    async with _opened(tmp_path / "a.db") as store:
+        assert store.stats == WriteStats(transactions=0, events=0, slow_paths=0)
+        await store.append(batch_of(3, "a"))
+        await store.append(batch_of(2, "b"))
+        await store.append([bound(1, "c")])
+        assert store.stats == WriteStats(transactions=3, events=6, slow_paths=0)
+        first = batch_of(2, "d")
+        await store.append(first)
+        assert await store.append(first) == [7, 8]  # a duplicate: its ids collide, re-planned
+        await store.save_snapshot(Snapshot(code_version="v", seq=8, state=b""))
+        assert store.stats == WriteStats(transactions=6, events=8, slow_paths=1)
 
 
 @pytest.mark.anyio
@@ -277,6 +301,7 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
                 StoreCode.CHAIN_BROKEN,
             )
             assert report.records == 5
+            assert report.message == "the log ends at record 5 but record 6 was committed"
             # put back a different record 6, consistently hashed onto record 5
             forged = rehashed(row, payload=bound(77).payload)
             raw.execute(
@@ -287,6 +312,7 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
             raw.close()
         report = await store.verify()
         assert (report.ok, report.first_bad_seq, report.code) == (False, 6, StoreCode.CHAIN_BROKEN)
+        assert report.message == "record 6 is not the one that was committed (rewritten)"
 
 
 # --- read-only opens and crafted rows (issue 12) ----------------------------------------------
@@ -339,3 +365,466 @@ async def test_text_that_is_not_utf8_is_a_corrupt_record_naming_its_seq(tmp_path
             await store.read()
     finally:
         await store.close()
+
+
+# --- connection settings, and files that open but cannot be read (mutation campaign) ---------
+
+
+async def _pragma(conn: Any, name: str) -> object:
+    rows = await conn.execute_fetchall(f"PRAGMA {name}")
+    return next(iter(rows))[0]
+
+
+@pytest.mark.anyio
+async def test_the_connections_keep_their_settings(tmp_path: Path) -> None:
+    """The writer: WAL, a 5 s lock wait, a WAL bounded to 64 MiB after checkpoints. The reader:
+    query-only (a bug that wrote through it fails loudly instead of racing the writer), the
+    same lock wait, reads through a 256 MiB map. A read-only open is query-only too."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        assert store.path == str(path)
+        await store.append(batch_of(2))
+        writer, reader = store._writer, store._reader
+        assert await _pragma(writer, "journal_mode") == "wal"
+        assert await _pragma(writer, "busy_timeout") == 5000
+        assert await _pragma(writer, "journal_size_limit") == 67108864
+        assert await _pragma(reader, "query_only") == 1
+        assert await _pragma(reader, "busy_timeout") == 5000
+        assert await _pragma(reader, "mmap_size") == 268435456
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            await reader.execute("DELETE FROM events")
+        assert [r.seq for r in await store.read()] == [1, 2]
+    store = await SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro")
+    try:
+        assert await _pragma(store._reader, "query_only") == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_read_only_open_needs_a_read_only_uri_and_names_its_label(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        await store.append(batch_of(2))
+    for uri in (str(path), path.as_uri(), f"{path}?mode=ro"):  # a path, or no mode=ro
+        with raises_code(INVALID_INPUT) as info:
+            await SQLiteStore.connect_read_only(uri)
+        assert uri in info.value.message
+    uri = f"{path.as_uri()}?mode=ro"
+    store = await SQLiteStore.connect_read_only(uri)
+    assert store.path == uri  # no label: the URI names it
+    await store.close()
+    store = await SQLiteStore.connect_read_only(uri, label="the copy")
+    assert (store.path, store.synchronous, store.last_seq) == ("the copy", "FULL", 2)
+    await store.close()
+    missing = f"{(tmp_path / 'missing.db').as_uri()}?mode=ro"
+    with raises_code(StoreCode.STORE_FAILED) as failed:
+        await SQLiteStore.connect_read_only(missing, label="lost.db")
+    assert failed.value.message.startswith("cannot open lost.db: ")
+    assert failed.value.details == {"cause": "OperationalError"}
+
+
+def _foreign(path: Path, *, application_id: int, user_version: int, events: bool = False) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA application_id = {application_id}")
+    conn.execute(f"PRAGMA user_version = {user_version}")
+    conn.execute("CREATE TABLE other (x)" if not events else "CREATE TABLE events (x)")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "read-only"])
+async def test_a_file_that_is_not_this_layout_is_refused_naming_it(
+    tmp_path: Path, read_only: bool
+) -> None:
+    """Another application's database, a newer layout of ours, a damaged page, and our identity
+    over tables that are not ours: each refused at open with its own code, naming the file."""
+
+    async def open_and_close(path: Path, **kw: Any) -> None:
+        if read_only:
+            uri = f"{path.as_uri()}?mode=ro"
+            store = await SQLiteStore.connect_read_only(uri, label=f"<{path.name}>", **kw)
+        else:
+            store = await SQLiteStore.connect(path, **kw)
+        await store.close()
+
+    def named(path: Path) -> str:
+        return f"<{path.name}>" if read_only else str(path)
+
+    other = tmp_path / "other.db"
+    _foreign(other, application_id=7, user_version=1)
+    newer = tmp_path / "newer.db"
+    _foreign(newer, application_id=0x4C4C4752, user_version=2)
+    hollow = tmp_path / "hollow.db"
+    _foreign(hollow, application_id=0x4C4C4752, user_version=1)
+    for path, code in (
+        (other, StoreCode.CORRUPT_STORE),
+        (newer, StoreCode.UNKNOWN_SCHEMA),
+        (hollow, StoreCode.STORE_FAILED),  # no events table: the tail cannot be read
+    ):
+        with raises_code(code) as info:
+            await open_and_close(path)
+        assert named(path) in info.value.message, info.value.message
+    assert "no such table: events" in info.value.message
+    assert info.value.details == {"cause": "OperationalError"}
+
+    damaged = tmp_path / "damaged.db"
+    async with _opened(damaged) as store:
+        await store.append(batch_of(400))
+    conn = sqlite3.connect(damaged)
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    (root,) = conn.execute(
+        "SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'events'"
+    ).fetchone()
+    conn.close()
+    with damaged.open("r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(b"\xff" * 16)
+    with raises_code(StoreCode.CORRUPT_STORE) as info:
+        await open_and_close(damaged)  # the integrity check runs by default
+    assert named(damaged) in info.value.message and "integrity" in info.value.message
+    problems = info.value.details["problems"]
+    assert problems and all(isinstance(p, str) for p in problems)
+    await open_and_close(damaged, quick_check=False)  # only the tail is checked
+
+
+@pytest.mark.anyio
+async def test_reads_that_fail_below_the_store_are_store_failed(tmp_path: Path) -> None:
+    """A table dropped behind the store's back: a read and a snapshot load fail with
+    STORE_FAILED naming what was being read and the cause; verify reports it, before record 1."""
+    path = tmp_path / "log.db"
+    async with _opened(path) as store:
+        await store.append(batch_of(3))
+        raw = _raw(path)
+        try:
+            raw.execute("DROP TABLE snapshots")
+            raw.execute("DROP TABLE events")
+        finally:
+            raw.close()
+        with raises_code(StoreCode.STORE_FAILED) as info:
+            await store.read()
+        assert info.value.message.startswith("cannot read records after 0: no such table")
+        assert info.value.details == {"cause": "OperationalError"}
+        with raises_code(StoreCode.STORE_FAILED) as info:
+            await store.load_snapshot("v1")
+        assert info.value.message.startswith("cannot read snapshots: no such table")
+        assert info.value.details == {"cause": "OperationalError"}
+        report = await store.verify()
+        assert (report.ok, report.code, report.first_bad_seq, report.records) == (
+            False,
+            StoreCode.STORE_FAILED,
+            1,
+            0,
+        )
+        assert "no such table" in report.message
+
+
+@pytest.mark.anyio
+async def test_after_a_failed_write_the_next_group_rereads_the_tail_then_trusts_it_again(
+    tmp_path: Path,
+) -> None:
+    """A write that fails below the store (here a trigger that aborts every insert: a real
+    SQLite error) answers STORE_FAILED, outcome unknown, naming the cause; the cached tail is
+    then suspect, so the next group reads it inside its transaction (the slow path), and the
+    one after trusts it again. On an empty log: the slow path starts the chain at seq 1."""
+    path = tmp_path / "log.db"
+    async with _opened(path) as store:
+        raw = _raw(path)
+        try:
+            raw.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'no'); END"
+            )
+        finally:
+            raw.close()
+        with raises_code(StoreCode.STORE_FAILED) as info:
+            await store.append(batch_of(2, "lost"))
+        assert info.value.message.startswith("append failed, outcome unknown: ")
+        assert info.value.details == {"cause": "IntegrityError"}
+        assert store.last_seq == 0
+        failed_slow = store.stats.slow_paths  # the fast path's error is retried slowly first
+        raw = _raw(path)
+        try:
+            raw.execute("DROP TRIGGER refuse")
+        finally:
+            raw.close()
+        # the next group (a snapshot save) takes the slow path, which writes saves too
+        await store.save_snapshot(Snapshot(code_version="v", seq=0, state=b"s"))
+        assert store.stats.slow_paths == failed_slow + 1
+        assert await store.append(batch_of(2, "a"), expected_seq=0) == [1, 2]
+        assert store.stats.slow_paths == failed_slow + 1
+        assert await store.load_snapshot("v") == Snapshot(code_version="v", seq=0, state=b"s")
+        assert [r.event.owner for r in await store.read()] == ["a", "a"]  # type: ignore[union-attr]
+        assert await store.append(batch_of(2, "b"), expected_seq=2) == [3, 4]
+        assert store.stats.slow_paths == failed_slow + 1
+        assert (await store.verify()).ok
+
+
+def test_sqlite_errors_are_classified_by_their_sqlite_code() -> None:
+    """A damaged file's codes (SQLITE_CORRUPT, SQLITE_NOTADB) are CORRUPT_STORE; any other
+    error, including one sqlite3 raises without an SQLite code (a ProgrammingError), is
+    STORE_FAILED; both name what was being done, the error and its class."""
+    corrupt = sqlite3.DatabaseError("database disk image is malformed")
+    corrupt.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+    notadb = sqlite3.DatabaseError("file is not a database")
+    notadb.sqlite_errorcode = sqlite3.SQLITE_NOTADB
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
+    cases = [
+        (corrupt, StoreCode.CORRUPT_STORE),
+        (notadb, StoreCode.CORRUPT_STORE),
+        (busy, StoreCode.STORE_FAILED),
+        (sqlite3.ProgrammingError("Cannot operate on a closed database."), StoreCode.STORE_FAILED),
+        (OSError("disk full"), StoreCode.STORE_FAILED),
+    ]
+    for exc, code in cases:
+        err = _store_error(exc, "reading x")
+        assert (err.code, err.message) == (code, f"reading x: {exc}")
+        assert err.details == {"cause": type(exc).__name__}
+
+
+def _connection_threads() -> int:
+    """aiosqlite's one thread per open connection (it ends when the connection closes)."""
+    return sum("_connection_worker_thread" in t.name for t in threading.enumerate())
+
+
+@pytest.mark.anyio
+async def test_a_refused_open_leaves_no_connection_open(tmp_path: Path) -> None:
+    before = _connection_threads()
+    newer = tmp_path / "newer.db"
+    _foreign(newer, application_id=0x4C4C4752, user_version=2)
+    with raises_code(StoreCode.UNKNOWN_SCHEMA):
+        await SQLiteStore.connect_read_only(f"{newer.as_uri()}?mode=ro")
+    with raises_code(StoreCode.UNKNOWN_SCHEMA):
+        await SQLiteStore.connect(newer)
+    hollow = tmp_path / "hollow.db"  # fails after both connections opened: at the tail
+    _foreign(hollow, application_id=0x4C4C4752, user_version=1)
+    with raises_code(StoreCode.STORE_FAILED):
+        await SQLiteStore.connect(hollow)
+    with anyio.fail_after(5):  # a closed connection's thread ends just after close() returns
+        while _connection_threads() > before:  # noqa: ASYNC110 -- threads have no event
+            await anyio.sleep(0.01)
+
+
+@contextmanager
+def _write_lock(path: Path) -> Iterator[None]:
+    """Another connection holds the file's write lock: the store's writer waits on it (its
+    busy timeout), so a group stays mid-write for as long as the test says."""
+    raw = _raw(path)
+    raw.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        raw.execute("COMMIT")
+        raw.close()
+
+
+@pytest.mark.anyio
+async def test_a_caller_cancelled_before_its_call_was_taken_is_never_written(
+    tmp_path: Path,
+) -> None:
+    """While the leader writes, w1 and w2 queue; w1 is cancelled: it is dropped (never written)
+    and the leadership passes to w2, which writes its own batch."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        answered: dict[str, list[int]] = {}
+        scope = anyio.CancelScope()
+
+        async def append(tag: str, scope: anyio.CancelScope | None = None) -> None:
+            with scope or anyio.CancelScope():
+                answered[tag] = await store.append(batch_of(2, tag))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                with _write_lock(path):
+                    tg.start_soon(append, "leader")
+                    await _until_queued(store, 0)  # the leader took its call, waits on the lock
+                    tg.start_soon(append, "w1", scope)
+                    tg.start_soon(append, "w2")
+                    await _until_queued(store, 2)
+                    scope.cancel()
+                    await _until_queued(store, 1)
+        assert answered == {"leader": [1, 2], "w2": [3, 4]}
+        owners = [r.event.owner for r in await store.read()]  # type: ignore[union-attr]
+        assert owners == ["leader", "leader", "w2", "w2"]
+
+
+@pytest.mark.anyio
+async def test_a_leader_cancelled_while_it_writes_still_answers_its_group(tmp_path: Path) -> None:
+    """The group is written for every caller in it: the leader's cancellation does not
+    interrupt the write (a shielded scope), so the others in its group get their seqs."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        answered: dict[str, list[int] | str] = {}
+        scopes = {tag: anyio.CancelScope() for tag in ("first", "second", "w1", "w2", "w3")}
+
+        async def append(tag: str) -> None:
+            with scopes[tag]:
+                try:
+                    answered[tag] = await store.append(batch_of(2, tag))
+                except LoraLedgerError as exc:
+                    answered[tag] = exc.code
+                if tag == "first":
+                    scopes["second"].cancel()  # the next leader, woken but not yet writing
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                with _write_lock(path):
+                    tg.start_soon(append, "first")
+                    await _until_queued(store, 0)
+                    for tag in ("second", "w1", "w2", "w3"):
+                        tg.start_soon(append, tag)
+                    await _until_queued(store, 4)
+        assert answered["first"] == [1, 2]
+        assert {tag: answered.get(tag) for tag in ("w1", "w2", "w3")} == {
+            "w1": [5, 6],
+            "w2": [7, 8],
+            "w3": [9, 10],
+        }
+        assert store.last_seq == 10 and (await store.verify()).ok
+
+
+async def _until_queued(store: SQLiteStore, n: int) -> None:
+    """Let the event loop run until a leader writes and ``n`` calls wait in the queue."""
+    while not store._leading or len(store._queue) != n:
+        await anyio.lowlevel.checkpoint()
+
+
+class _SecondGroup:
+    """Stages a group of several calls mid-write: ``first`` writes alone while ``second``, w1 and
+    w2 queue; when ``first`` is answered it takes the file's write lock again, so ``second``
+    leads [second, w1, w2] and waits on the lock inside its write until :meth:`release`."""
+
+    def __init__(self, path: Path, store: SQLiteStore) -> None:
+        self.store = store
+        self.raw = _raw(path)
+        self.answered: dict[str, list[int] | str] = {}
+        self.scopes = {tag: anyio.CancelScope() for tag in ("first", "second", "w1", "w2")}
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.batches = {tag: batch_of(2, tag) for tag in self.scopes}
+
+    async def append(self, tag: str) -> None:
+        self.tasks[tag] = asyncio.current_task()  # type: ignore[assignment]
+        with self.scopes[tag]:
+            try:
+                self.answered[tag] = await self.store.append(self.batches[tag])
+            except LoraLedgerError as exc:
+                self.answered[tag] = f"{exc.code}: {exc.message}"
+            except asyncio.CancelledError:
+                if self.scopes[tag].cancel_called:
+                    raise  # anyio's own cancellation: its scope catches it
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                self.answered[tag] = "cancelled under the shield"
+            if tag == "first":
+                self.raw.execute("BEGIN IMMEDIATE")
+
+    async def stage(self, tg: anyio.abc.TaskGroup) -> None:
+        self.raw.execute("BEGIN IMMEDIATE")
+        tg.start_soon(self.append, "first")
+        await _until_queued(self.store, 0)
+        for tag in ("second", "w1", "w2"):
+            tg.start_soon(self.append, tag)
+        await _until_queued(self.store, 3)
+        self.raw.execute("COMMIT")  # first writes; second then takes its group and waits
+        while "first" not in self.answered or self.store._queue:  # noqa: ASYNC110 -- store state
+            await anyio.sleep(0.001)
+
+    def release(self) -> None:
+        self.raw.execute("COMMIT")
+        self.raw.close()
+
+
+@pytest.mark.anyio
+async def test_a_caller_cancelled_after_its_call_was_taken_is_written_anyway(
+    tmp_path: Path,
+) -> None:
+    """w1 is cancelled while the group holding its call is being written: its events land (it
+    cannot know, and a retry with the same ids is answered with their seqs)."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        staged = _SecondGroup(path, store)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await staged.stage(tg)
+                staged.scopes["w1"].cancel()
+                await anyio.sleep(0.01)
+                staged.release()
+        assert staged.answered == {"first": [1, 2], "second": [3, 4], "w2": [7, 8]}
+        owners = [r.event.owner for r in await store.read()]  # type: ignore[union-attr]
+        assert owners == ["first"] * 2 + ["second"] * 2 + ["w1"] * 2 + ["w2"] * 2
+        assert await store.append(staged.batches["w1"]) == [5, 6]  # the retry
+
+
+@pytest.mark.anyio
+async def test_a_group_interrupted_under_the_shield_answers_store_failed(tmp_path: Path) -> None:
+    """A bare asyncio cancellation of the leader reaches through anyio's shield: the others in
+    its group are answered STORE_FAILED (the write may have landed), never left waiting or told
+    they were written, and the next group re-reads the tail."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        staged = _SecondGroup(path, store)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await staged.stage(tg)
+                staged.tasks["second"].cancel()
+                while len(staged.answered) < 4:  # noqa: ASYNC110 -- answers, no event
+                    await anyio.sleep(0.001)
+                staged.release()
+        interrupted = "STORE_FAILED: the write was interrupted"
+        assert staged.answered == {
+            "first": [1, 2],
+            "second": "cancelled under the shield",
+            "w1": interrupted,
+            "w2": interrupted,
+        }
+        slow = store.stats.slow_paths
+        with anyio.fail_after(10):
+            got = await store.append(batch_of(1, "after"))
+        assert store.stats.slow_paths == slow + 1  # the tail was suspect: re-read
+        assert got == [store.last_seq] and (await store.verify()).ok
+
+
+@pytest.mark.anyio
+async def test_close_cancelled_still_closes_both_connections(tmp_path: Path) -> None:
+    """close() is shielded: a caller cancelled while closing leaves no connection open."""
+    before = _connection_threads()
+    store = await SQLiteStore.connect(tmp_path / "a.db")
+    assert _connection_threads() == before + 2
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await store.close()
+    with anyio.fail_after(5):  # a closed connection's thread ends just after close() returns
+        while _connection_threads() > before:  # noqa: ASYNC110 -- threads have no event
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("sizes", "groups"),
+    [((4096, 4095, 1), 1), ((4096, 4096, 1), 2), ((8193,), 1)],
+    ids=["8192 events merge", "8193 split", "one call over the bound"],
+)
+async def test_a_group_holds_at_most_8192_events_but_always_its_first_call(
+    tmp_path: Path, sizes: tuple[int, ...], groups: int
+) -> None:
+    """Calls queued behind a write are merged up to 8,192 events per transaction (bounding the
+    first caller's wait and the memory of a group); a single call above the bound is written
+    alone, whole."""
+    path = tmp_path / "a.db"
+    async with _opened(path) as store:
+        answered: dict[int, list[int]] = {}
+
+        async def append(k: int, size: int) -> None:
+            answered[k] = await store.append(batch_of(size, f"c{k}"))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                with _write_lock(path):
+                    tg.start_soon(append, -1, 1)
+                    await _until_queued(store, 0)  # the first caller writes alone, held
+                    for k, size in enumerate(sizes):
+                        tg.start_soon(append, k, size)
+                    await _until_queued(store, len(sizes))
+        assert store.stats.transactions == 1 + groups
+        assert [len(answered[k]) for k in range(len(sizes))] == list(sizes)
+        assert store.last_seq == 1 + sum(sizes) and (await store.verify()).ok

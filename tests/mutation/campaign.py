@@ -111,6 +111,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_gateway_dispatch.py",
                 "tests/publisher/test_errors.py",  # each dispatch code's family
                 "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
+                "tests/publisher/test_staleness.py",  # check_staleness, staleness
             ),
             gated=False,
         ),
@@ -121,6 +122,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_reclaim.py",
                 "tests/publisher/test_reclaim_inflight.py",
                 "tests/publisher/test_reclaim_answers.py",
+                "tests/publisher/test_reclaim_driver.py",  # the loop, timeouts, artifacts
             ),
             gated=False,
         ),

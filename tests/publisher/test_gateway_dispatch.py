@@ -23,6 +23,7 @@ from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
+from publisher.affinity import rendezvous
 from publisher.fleet import Fleet
 from publisher.gateway import DEFAULT_PARAMS, DispatchCode, Gateway, InFlightCounter
 from publisher.outcomes import Bound
@@ -279,13 +280,62 @@ async def test_the_unsticky_choice_is_the_least_loaded_holder_and_counts_while_i
         assert not tally and r.gateway.inflight_counts() == {}
 
 
+async def test_load_counts_each_request_in_flight_and_nothing_once_it_finished() -> None:
+    """The load least-loaded routing reads: each admitted request adds one to its engine, each
+    finished one takes it back. An engine that served and is idle again is the equal of one
+    that never served (equals take turns), and of two busy engines the less busy is chosen
+    until it is as busy as the other."""
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        assert r.gateway.admit(bound, tried=["e1"]) == "e0"  # placed on e0: e1 excluded
+        r.gateway.finish("e0", 1)
+        turns = []
+        for _ in range(2):
+            engine = r.gateway.admit(bound, sticky=False)
+            assert engine is not None
+            turns.append(engine)
+            r.gateway.finish(engine, 1)
+        assert sorted(turns) == ["e0", "e1"]
+        for _ in range(3):
+            assert r.gateway.admit(bound, tried=["e1"]) == "e0"
+        assert r.gateway.admit(bound, tried=["e0"]) == "e1"
+        assert [r.gateway.admit(bound, sticky=False) for _ in range(2)] == ["e1", "e1"]
+        assert (r.gateway.inflight("e0", 1), r.gateway.inflight("e1", 1)) == (3, 3)
+        for engine in ("e0", "e1") * 3:
+            r.gateway.finish(engine, 1)
+        assert r.gateway.inflight_counts() == {}
+
+
 async def test_extra_fields_for_an_engine_that_takes_none_name_the_engine_and_fields() -> None:
     async with rig(engines=1) as r:
         await r.publish(1)
         bound = await _bound(r)
+        tally = InFlightCounter()
         with pytest.raises(LoraLedgerError) as info:
-            await r.gateway.generate(bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1})
+            await r.gateway.generate(
+                bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1}, tally=tally
+            )
         assert info.value.message == "engine e0 takes no extra body fields (['seed', 'top_k'])"
+        # refused before anything was sent: counted nowhere, the worker's tally included
+        assert not tally and r.gateway.inflight_counts() == {} and r.gateway.dispatched == 0
+
+
+async def test_the_choice_is_sticky_by_default_and_never_an_engine_already_tried() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        sticky = rendezvous(bound.session, ("e0", "e1"))
+        assert [r.gateway.choose(bound) for _ in range(3)] == [sticky] * 3  # no rotation
+        tally = InFlightCounter()
+        assert not tally
+        assert r.gateway.admit(bound, tried=["e0"], tally=tally) == "e1"
+        assert tally  # one request in flight
+        # e0 is the less loaded, but this request's try on it already failed
+        assert r.gateway.choose(bound, tried=["e0"], sticky=False) == "e1"
+        assert r.gateway.choose(bound, tried=["e0", "e1"], sticky=False) is None
+        r.gateway.finish("e1", 1, tally)
+        assert not tally
 
 
 @pytest.mark.parametrize(("kind", "logged"), [(EchoesAnother, True), (Recording, False)])

@@ -43,7 +43,16 @@ async def test_a_long_session_is_refused_at_the_right_turn_and_its_version_recla
                 await long.generate(PROMPT, SHORT)
             refusal = info.value
             assert refusal.code == Code.SESSION_TOO_STALE
-            assert refusal.details["staleness"] == 3 and refusal.details["max_staleness"] == 2
+            assert refusal.details == {
+                "session": first_bound(long).session,
+                "version_id": 1,
+                "staleness": 3,
+                "max_staleness": 2,
+            }
+            assert refusal.message == (
+                f"session {first_bound(long).session} is bound to version 1, 3 versions behind "
+                "the default (max_staleness 2): drop or restart the episode under a new session id"
+            )
             assert sum(len(e.calls) for e in r.fleet) == sent  # type: ignore[attr-defined, misc]
             # Recorded: released as too stale, once; later turns hear the same refusal.
             released = await _events(r.store, SessionReleased)

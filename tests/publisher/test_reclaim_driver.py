@@ -1,0 +1,316 @@
+"""The reclaim driver's loop and its edges, on real local engines and a real ledger: a closed or
+fenced ledger stops the driver; an unload that hangs becomes an ambiguous reclaim when its
+timeout runs out; a refusal to record an unload pokes the reconciler only when the engine
+restarted; artifact directories go a grace period after *their own* reclaim, and only with a
+store and a grace period configured.
+
+Written from the reclaim mutation campaign's open survivors (``python -m tests.mutation.campaign
+reclaim``, RELIABILITY.md "Mutation testing").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from engines.artifacts import ArtifactStore
+from engines.contract import AmbiguousReply, ErrorCode
+from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
+from evlog.errors import LoraLedgerError
+from evlog.events import EngineUnloaded, ReclaimAmbiguous
+from projections.registry import VersionState
+from publisher.engine_ops import EngineTimeouts
+from publisher.errors import Code
+from publisher.ledger import Ledger
+from publisher.reclaim import ReclaimDriver
+from tests.publisher.plane_kit import wait_for
+from tests.publisher.rollout_kit import ENGINE_WARNINGS, Clock, Rig, rig
+from tests.publisher.test_reclaim_answers import Pokes, Unloads, e1_is
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+
+
+class Gated(Unloads):
+    """Unloads for real once the test opens its gate: the unload is in flight meanwhile."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        super().__init__(inner)
+        self.started = anyio.Event()
+        self.gate = anyio.Event()
+
+    async def answer(self, lora_name: str, attempt: int | None) -> Any:
+        self.started.set()
+        await self.gate.wait()
+        return await self.inner.unload(lora_name, attempt=attempt)
+
+
+class Hangs(Unloads):
+    """An engine whose unload never answers (a leaked reference under SGLang's draining
+    unload, docs/engines.md): only the caller's timeout ends the call."""
+
+    async def answer(self, lora_name: str, attempt: int | None) -> Any:
+        await anyio.sleep_forever()
+
+
+def _gated(r: Rig, engine: str) -> Gated:
+    wrapped = r.fleet[engine]
+    assert isinstance(wrapped, Gated)
+    return wrapped
+
+
+async def _events(r: Rig, kind: type[Any]) -> list[Any]:
+    return [rec.event async for rec in r.store.iterate() if isinstance(rec.event, kind)]
+
+
+async def _stopped_with(driver: ReclaimDriver) -> LoraLedgerError:
+    """Run the driver until it stops (it must, within seconds) and return why."""
+    with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
+        await driver.run()
+    stops = info.value.subgroup(lambda e: isinstance(e, LoraLedgerError))
+    assert stops is not None, info.value
+    leaves = list(_leaves(stops))
+    assert len(leaves) == 1, leaves
+    assert isinstance(leaves[0], LoraLedgerError)
+    return leaves[0]
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for inner in group.exceptions for leaf in _leaves(inner)]
+    return [group]
+
+
+async def _retired(r: Rig) -> str:
+    """v1 published, then retired by v2: reclaimable (nothing bound, nothing in flight)."""
+    await r.publish(1)
+    await r.publish(2)
+    return r.names[1]
+
+
+# --- the loop stops with its ledger -----------------------------------------------------------
+
+
+async def test_a_fenced_controller_stops_its_driver_before_unloading_anything() -> None:
+    """v1 is RECLAIMING (e0 confirmed, e1 still owes its unload) and v2 reclaimable when a
+    second controller takes the log over: the fenced driver's claim of v2 is refused as FENCED,
+    which stops it there -- it does not go on to send v1's unload to e1."""
+    async with rig(wrap=e1_is(Unloads)) as r:
+        name = await _retired(r)
+        await r.ledger.claim_reclaim(1)
+        receipt = await r.local["e0"].unload(name)
+        await r.ledger.record_unloaded(1, "e0", receipt.incarnation)
+        await r.publish(3)  # v2 retired too
+        assert r.ledger.state.reclaimable() == [2]
+        async with Ledger.open(r.store):  # a second controller takes the log over
+            driver = ReclaimDriver(r.ledger, r.fleet, sources=[r.gateway], tick_s=0.05)
+            stop = await _stopped_with(driver)
+        assert stop.code == Code.FENCED
+        assert [e.unloads for e in r.fleet if isinstance(e, Unloads)] == [[], []]
+
+
+class GatedTimesOut(Gated):
+    """Once the gate opens, the unload's reply is lost: an ambiguous unload."""
+
+    async def answer(self, lora_name: str, attempt: int | None) -> Any:
+        self.started.set()
+        await self.gate.wait()
+        raise AmbiguousReply(ErrorCode.TIMEOUT, "no reply in 5 s", engine_id=self.engine_id)
+
+
+@pytest.mark.parametrize(
+    "e1_kind", [Gated, GatedTimesOut], ids=["record refused", "ambiguity refused"]
+)
+async def test_a_ledger_closed_under_a_running_driver_stops_it(e1_kind: type[Gated]) -> None:
+    """The ledger closes while e1's unload is in flight: recording its answer (a receipt, or
+    the ambiguity of a lost reply) is refused with LEDGER_CLOSED, which ends the driver instead
+    of a retry every tick."""
+    async with rig(
+        wrap=lambda engine: (e1_kind if engine.engine_id == "e1" else Gated)(engine)
+    ) as r:
+        await _retired(r)
+        pokes = Pokes()
+        async with anyio.create_task_group() as tg:
+            async with Ledger.open(r.store) as ledger:  # this controller's own ledger
+                driver = ReclaimDriver(
+                    ledger,
+                    r.fleet,
+                    tick_s=0.05,
+                    on_restart=pokes.on_restart,
+                    on_ambiguous=pokes.on_ambiguous,
+                )
+                stopped: list[LoraLedgerError] = []
+
+                async def run() -> None:
+                    stopped.append(await _stopped_with(driver))
+
+                tg.start_soon(run)
+                _gated(r, "e0").gate.set()
+                await _gated(r, "e1").started.wait()
+                await wait_for(lambda: "e0" in ledger.state.versions[1].confirmed)
+            _gated(r, "e1").gate.set()  # answers after the ledger closed
+        assert [s.code for s in stopped] == [Code.LEDGER_CLOSED]
+        assert (pokes.restart, pokes.ambiguous) == (0, 0)
+        assert _gated(r, "e1").unloads == [(r.names[1], 1)]  # sent once, not again every tick
+
+
+# --- unload answers at their edges ------------------------------------------------------------
+
+
+async def test_an_unload_that_hangs_becomes_ambiguous_when_its_timeout_runs_out() -> None:
+    async with rig(wrap=e1_is(Hangs)) as r:
+        name = await _retired(r)
+        pokes = Pokes()
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            timeouts=EngineTimeouts(unload=0.2),
+            on_ambiguous=pokes.on_ambiguous,
+        )
+        with anyio.fail_after(10):
+            assert await driver.sweep() == []
+        v1 = r.ledger.state.versions[1]
+        assert (v1.state, v1.ambiguous, list(v1.confirmed)) == (
+            VersionState.RECLAIMING,
+            True,
+            ["e0"],
+        )
+        marked = [(e.engine, e.reason) for e in await _events(r, ReclaimAmbiguous)]
+        assert len(marked) == 1 and marked[0][0] == "e1"
+        assert marked[0][1].startswith("TIMEOUT"), marked
+        assert pokes.ambiguous == 1
+        assert r.fleet["e1"].unloads == [(name, v1.attempt)]  # type: ignore[attr-defined]
+
+
+async def test_a_refused_record_pokes_the_reconciler_only_for_a_restart() -> None:
+    """e1 leaves the fleet while its unload is in flight: recording the unload is refused
+    (e1 is no member any more), which is not a restart; e0's proof then completes the reclaim."""
+    async with rig(wrap=lambda engine: Gated(engine)) as r:
+        await _retired(r)
+        pokes = Pokes()
+        driver = pokes.driver(r)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(driver.sweep)
+            await _gated(r, "e0").started.wait()
+            await _gated(r, "e1").started.wait()
+            await r.ledger.leave_engine("e1")
+            _gated(r, "e1").gate.set()
+            await anyio.sleep(0.05)  # e1's record is refused meanwhile
+            _gated(r, "e0").gate.set()
+        v1 = r.ledger.state.versions[1]
+        assert v1.state is VersionState.RECLAIMED
+        assert [e.engine for e in await _events(r, EngineUnloaded)] == ["e0"]
+        assert (pokes.restart, pokes.ambiguous) == (0, 0)
+
+
+# --- artifact collection ----------------------------------------------------------------------
+
+
+def _artifacts(root: Path, *seeds: int) -> tuple[ArtifactStore, dict[int, str]]:
+    """A store holding the adapters the rig publishes for ``seeds``, by seed -> digest."""
+    store = ArtifactStore(root)
+    digests = {}
+    for seed in seeds:
+        config, tensors = make_adapter(seed)
+        manifest = build_manifest(config, tensors)
+        store.put(manifest, tensors)
+        digests[seed] = manifest.digest
+    return store, digests
+
+
+async def test_an_artifact_goes_a_grace_period_after_its_own_reclaim(tmp_path: Path) -> None:
+    artifacts, digest = _artifacts(tmp_path, 1, 2, 3)
+    clock = Clock(1_000.0)
+    async with rig() as r:
+        await r.ledger.register_owner("w", ttl_s=600)
+        await r.publish(1)
+        await r.ledger.bind("s", "w")
+        await r.publish(2)
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            artifacts=artifacts,
+            delete_artifacts_after_s=10.0,
+            clock=clock,
+        )
+        assert await driver.sweep() == []  # v1 retired but bound: seen, not reclaimed
+        clock.advance(100.0)
+        await r.ledger.release("s", "w")
+        assert await driver.sweep() == [1]
+        assert artifacts.contains(digest[1])  # the grace period starts at the reclaim
+        clock.advance(9.5)
+        await driver.sweep()
+        assert artifacts.contains(digest[1])
+        clock.advance(0.5)  # exactly the grace period
+        await driver.sweep()
+        assert not artifacts.contains(digest[1])
+        # v2, reclaimed later, gets its own grace period, not the one of v1
+        await r.publish(3)
+        assert await driver.sweep() == [2]
+        assert artifacts.contains(digest[2])
+        clock.advance(10.0)
+        await driver.sweep()
+        assert not artifacts.contains(digest[2])
+        assert artifacts.contains(digest[3])  # the default
+        assert driver.deleted == {digest[1], digest[2]}
+
+
+async def test_a_digest_still_live_keeps_its_artifact_and_holds_back_no_other(
+    tmp_path: Path,
+) -> None:
+    artifacts, digest = _artifacts(tmp_path, 1, 2)
+    clock = Clock(1_000.0)
+    async with rig() as r:
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            artifacts=artifacts,
+            delete_artifacts_after_s=10.0,
+            clock=clock,
+        )
+        await r.publish(1, seed=1)
+        await r.publish(2, seed=2)
+        assert await driver.sweep() == [1]
+        await r.publish(3, seed=1)  # the bytes of v1 again, under a new version
+        assert await driver.sweep() == [2]
+        clock.advance(10.0)
+        await driver.sweep()
+        assert artifacts.contains(digest[1])  # v3 serves from it: kept past its grace period
+        assert not artifacts.contains(digest[2])  # checked after v1, deleted all the same
+        assert driver.deleted == {digest[2]}
+
+
+@pytest.mark.parametrize("with_store", [True, False], ids=["no grace period", "no store"])
+async def test_artifacts_are_kept_without_a_store_or_a_grace_period(
+    tmp_path: Path, with_store: bool
+) -> None:
+    artifacts, digest = _artifacts(tmp_path, 1)
+    clock = Clock(1_000.0)
+    async with rig() as r:
+        driver = ReclaimDriver(
+            r.ledger,
+            r.fleet,
+            sources=[r.gateway],
+            artifacts=artifacts if with_store else None,
+            delete_artifacts_after_s=None if with_store else 0.0,
+            clock=clock,
+        )
+        await _retired(r)
+        assert await driver.sweep() == [1]
+        clock.advance(1e6)
+        assert await driver.sweep() == []
+        assert artifacts.contains(digest[1]) and driver.deleted == set()
+
+
+async def test_the_driver_ticks_at_the_documented_default() -> None:
+    """docs/operations.md: without a ledger event, a sweep runs every 0.5 s by default (in-flight
+    counts fall without one); the plane passes its ``reclaim_tick_s``, of the same default."""
+    async with rig() as r:
+        assert ReclaimDriver(r.ledger, r.fleet).tick_s == 0.5
