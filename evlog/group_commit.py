@@ -84,6 +84,16 @@ class GroupCommit:
         self._leading = False
         self._idle: anyio.Event | None = None
 
+    @property
+    def leading(self) -> bool:
+        """Whether a group is being written now (its leader holds the writer)."""
+        return self._leading
+
+    @property
+    def queued(self) -> int:
+        """How many writes wait for the next group."""
+        return len(self._queue)
+
     async def submit(self, write: Write) -> list[int]:
         """Queue ``write``, wait until a group containing it was written, and return its seqs
         (or raise its :class:`StoreError`)."""

@@ -18,8 +18,9 @@ import anyio.lowlevel
 import pytest
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
+from evlog.group_commit import WriteStats
 from evlog.record import Row
-from evlog.sqlite import SQLiteStore, WriteStats, _store_error
+from evlog.sqlite import SQLiteStore, _store_error
 from evlog.store import EventStore, Snapshot
 from tests.evlog.contract import StoreContract, batch_of, bound, raises_code, rehashed
 
@@ -686,7 +687,7 @@ async def test_a_leader_cancelled_while_it_writes_still_answers_its_group(tmp_pa
 
 async def _until_queued(store: SQLiteStore, n: int) -> None:
     """Let the event loop run until a leader writes and ``n`` calls wait in the queue."""
-    while not store._leading or len(store._queue) != n:
+    while not store._group.leading or store._group.queued != n:
         await anyio.lowlevel.checkpoint()
 
 
@@ -726,7 +727,7 @@ class _SecondGroup:
             tg.start_soon(self.append, tag)
         await _until_queued(self.store, 3)
         self.raw.execute("COMMIT")  # first writes; second then takes its group and waits
-        while "first" not in self.answered or self.store._queue:  # noqa: ASYNC110 -- store state
+        while "first" not in self.answered or self.store._group.queued:  # noqa: ASYNC110 -- store state
             await anyio.sleep(0.001)
 
     def release(self) -> None:

@@ -99,7 +99,12 @@ CAMPAIGNS: dict[str, Campaign] = {
         ),
         Campaign(
             "stores",
-            ("evlog/sqlite.py", "evlog/memory.py", "evlog/group_commit.py"),
+            (
+                "evlog/sqlite.py",
+                "evlog/memory.py",
+                "evlog/group_commit.py",
+                "evlog/chained_store.py",
+            ),
             ("tests/evlog/test_memory_store.py", "tests/evlog/test_sqlite_store.py"),
             gated=False,
         ),
