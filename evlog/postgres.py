@@ -53,6 +53,7 @@ import asyncpg
 from evlog.chained_store import ChainedStore
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.group_commit import Write
+from evlog.locations import backend_of, describe
 from evlog.record import GENESIS_HASH, Row, open_row
 from evlog.store import (
     SNAPSHOTS_KEPT,
@@ -61,7 +62,6 @@ from evlog.store import (
     Snapshot,
     plan_appends,
 )
-from evlog.stores import backend_of, describe
 
 APPLICATION = "loraledger"
 LAYOUT_VERSION = 1

@@ -1,0 +1,57 @@
+"""Naming a log: one location string gives both the backend and where the log is.
+
+* ``postgresql://user@host:5432/db`` (or ``postgres://``): a log on a PostgreSQL server that
+  outlives any one node;
+* ``sqlite:///abs/path.db``, ``sqlite://relative.db`` or a plain path: a SQLite file on this
+  node's disk.
+
+Anything else with a ``scheme://`` is refused (``INVALID_INPUT``) rather than taken for a file
+name. Kept apart from :mod:`evlog.stores` (which opens them) so that a backend can name and
+redact its own location without importing the opener.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from evlog.errors import INVALID_INPUT, StoreError
+
+SQLITE_PREFIX = "sqlite://"
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+Backend = Literal["sqlite", "postgres"]
+
+
+def backend_of(location: str | os.PathLike[str]) -> tuple[Backend, str]:
+    """Which backend ``location`` names, and what that backend opens (a path or a URL)."""
+    where = os.fspath(location)
+    if where.startswith(SQLITE_PREFIX):
+        return "sqlite", where[len(SQLITE_PREFIX) :]
+    scheme, sep, _ = where.partition("://")
+    if not sep:
+        return "sqlite", where
+    if scheme.lower() in POSTGRES_SCHEMES:
+        return "postgres", where
+    raise StoreError(
+        INVALID_INPUT,
+        f"unknown store location scheme {scheme!r}: use a file path, sqlite:// or postgresql://",
+    )
+
+
+def is_shared(location: str | os.PathLike[str]) -> bool:
+    """True when the log lives on a server any node reaches (not on this node's disk)."""
+    return backend_of(location)[0] == "postgres"
+
+
+def describe(location: str | os.PathLike[str]) -> str:
+    """``location`` fit for logs and messages (a URL's password removed)."""
+    backend, where = backend_of(location)
+    if backend == "sqlite":
+        return where
+    parts = urlsplit(where)
+    if parts.password is None:
+        return where
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}"))
