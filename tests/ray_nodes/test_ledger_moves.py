@@ -92,7 +92,9 @@ async def test_a_ledger_on_postgres_restarted_on_another_node_loses_nothing(
     assert first.node_id == node_a.node_id
 
     names = [f"s{i}" for i in range(30)]
-    async with RayLedger.connect(name, reconnect_timeout=120) as ledger:
+    # deregister_on_exit=False: w1 stands for a worker that lives on while the ledger moves
+    # (a clean exit of this client would end w1 and release its sessions).
+    async with RayLedger.connect(name, reconnect_timeout=120, deregister_on_exit=False) as ledger:
         await create(ledger)
         await ledger.register_owner("w1", ttl_s=600)
         await publish(ledger, 1)
