@@ -187,7 +187,9 @@ class ChainedStore:
         except StoreError as exc:
             if exc.code == StoreCode.STORE_CLOSED:
                 raise
-            return report(exc.code, exc.message, exc.details.get("seq", prev_seq + 1))
+            # Every check of open_row concerns the record after the last good one (a missing
+            # position is named before anything else), and so does a read that fails.
+            return report(exc.code, exc.message, prev_seq + 1)
         if prev_seq < known_seq:
             return report(
                 StoreCode.CHAIN_BROKEN,

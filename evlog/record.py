@@ -161,11 +161,7 @@ def open_row(row: Row, prev_seq: int, prev_hash: bytes) -> Record:
         _check_types(row, prev_seq)
     seq, event_id, stream, type_name, schema, recorded_at, payload, stored_prev, stored_hash = row
     if seq != prev_seq + 1:
-        raise StoreError(
-            StoreCode.CHAIN_BROKEN,
-            f"record {prev_seq + 1} is missing (the next stored record is {seq})",
-            seq=prev_seq + 1,
-        )
+        raise _missing(prev_seq, seq)
     if (
         chain_hash(stored_prev, seq, event_id, stream, type_name, schema, recorded_at, payload)
         != stored_hash
@@ -225,13 +221,23 @@ _COLUMN_NAMES = (
 )
 
 
+def _missing(prev_seq: int, next_seq: int) -> StoreError:
+    return StoreError(
+        StoreCode.CHAIN_BROKEN,
+        f"record {prev_seq + 1} is missing (the next stored record is {next_seq})",
+        seq=prev_seq + 1,
+    )
+
+
 def _check_types(row: tuple[object, ...], prev_seq: int) -> None:
     """The slow path of :func:`open_row`'s type check. The ledger's table is STRICT, so a
     column of another type (or text that is not UTF-8, which the SQLite store hands over as
     bytes) was put there by something else: ``CORRUPT_RECORD`` naming the record, before the
     hash code or the decoder trip over it. An integral ``recorded_at`` is accepted (a
     caller-built row may carry one; the hash covers it as it is)."""
-    seq = row[0] if len(row) and type(row[0]) is int else prev_seq + 1
+    seq = prev_seq + 1
+    if len(row) and type(row[0]) is int and row[0] != seq:
+        raise _missing(prev_seq, row[0])  # the missing position first, as in open_row
     if len(row) != len(_ROW_TYPES):
         raise StoreError(
             StoreCode.CORRUPT_RECORD, f"record {seq} has {len(row)} columns, not 9", seq=seq

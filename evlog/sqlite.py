@@ -186,7 +186,7 @@ class SQLiteStore(ChainedStore):
             raise StoreError(
                 INVALID_INPUT, f"synchronous must be FULL or NORMAL, got {synchronous!r}"
             )
-        if path == ":memory:" or path.startswith("file:"):
+        if path in ("", ":memory:") or path.startswith("file:"):
             raise StoreError(
                 INVALID_INPUT, "SQLiteStore needs a file path (a reader shares the file)"
             )
@@ -207,11 +207,7 @@ class SQLiteStore(ChainedStore):
             for pragma in ("query_only = ON", "busy_timeout = 5000", "mmap_size = 268435456"):
                 await reader.execute(f"PRAGMA {pragma}")
         except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                for conn in opened:
-                    # Already failing: the first error is the one to report.
-                    with suppress(Exception):
-                        await conn.close()
+            await _close_quietly(opened)
             if isinstance(exc, sqlite3.Error):
                 raise _store_error(exc, f"cannot open {path}") from exc
             raise
@@ -245,9 +241,7 @@ class SQLiteStore(ChainedStore):
             await _check_readable(conn, where, quick_check)
             last_seq, head_hash = await _check_tail(conn)
         except BaseException as exc:
-            if conn is not None:
-                with anyio.CancelScope(shield=True), suppress(Exception):
-                    await conn.close()
+            await _close_quietly([] if conn is None else [conn])
             if isinstance(exc, sqlite3.Error):
                 raise _store_error(exc, f"cannot open {where}") from exc
             raise
@@ -282,9 +276,7 @@ class SQLiteStore(ChainedStore):
             await self._group.wait_idle()
             self._closed = True
             self._committed.fire()
-            for conn in (self._writer, self._reader):
-                with suppress(Exception):
-                    await conn.close()
+            await _close_quietly([self._writer, self._reader])
 
     # --- state -----------------------------------------------------------------------------
 
@@ -329,9 +321,7 @@ class SQLiteStore(ChainedStore):
             # Even a cancellation that bypassed the shield (a bare asyncio cancel) must not
             # leave the transaction open under the next group.
             self._suspect = True
-            if w.in_transaction:
-                with anyio.CancelScope(shield=True), suppress(Exception):
-                    await w.rollback()
+            await _roll_back_quietly(w)
             if not isinstance(exc, Exception):
                 raise
             for call in group:
@@ -378,9 +368,7 @@ class SQLiteStore(ChainedStore):
                 await self._write_snapshots(saves, plan.last_seq)
             await w.execute("COMMIT")
         except BaseException:
-            if w.in_transaction:
-                with anyio.CancelScope(shield=True), suppress(Exception):
-                    await w.rollback()
+            await _roll_back_quietly(w)
             raise
 
     async def _write_snapshots(self, saves: list[Write], last_seq: int) -> None:
@@ -530,9 +518,35 @@ async def _prepare_writer(
             )
         await w.execute("COMMIT")
     except BaseException:
-        with anyio.CancelScope(shield=True), suppress(Exception):
-            await w.rollback()
+        await _roll_back_quietly(w)
         raise
+
+
+async def _close_quietly(conns: Sequence[aiosqlite.Connection]) -> None:
+    """Close every connection of ``conns``, on a path that is already failing or closing.
+
+    Shielded: a close interrupted by a cancellation would leave the remaining connections'
+    threads running (and the file open) for the life of the process. Quiet: a close that
+    fails must neither hide the error being reported nor stop the next connection's close.
+    """
+    with anyio.CancelScope(shield=True):
+        for conn in conns:
+            with suppress(Exception):
+                await conn.close()
+
+
+async def _roll_back_quietly(w: aiosqlite.Connection) -> None:
+    """End the writer's open transaction, if any, after a failed write or layout check.
+
+    Without it the next group would run inside the failed one's transaction. Quiet: the
+    write's own error is the one to report (a rollback that fails too leaves the store
+    ``_suspect``, so the next group re-reads the tail). Not shielded: a group is written under
+    the group-commit leader's shield, and an open that fails closes the connection next, which
+    rolls back as well.
+    """
+    if w.in_transaction:
+        with suppress(Exception):
+            await w.rollback()
 
 
 async def _check_tail(w: aiosqlite.Connection) -> tuple[int, bytes]:

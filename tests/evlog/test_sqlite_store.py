@@ -368,6 +368,35 @@ async def test_text_that_is_not_utf8_is_a_corrupt_record_naming_its_seq(tmp_path
         await store.close()
 
 
+@pytest.mark.anyio
+async def test_a_missing_record_is_named_before_its_successors_bad_text(tmp_path: Path) -> None:
+    """Record 3 removed and record 4's text damaged: the first thing wrong in chain order is the
+    missing position, so both the read and the verify name record 3 (not record 4)."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        await store.append(batch_of(5))
+    conn = _raw(path)
+    try:
+        conn.execute("DELETE FROM events WHERE seq = 3")
+        conn.execute("UPDATE events SET stream = CAST(x'ff00fe' AS TEXT) WHERE seq = 4")
+    finally:
+        conn.close()
+    store = await SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro&immutable=1")
+    try:
+        with raises_code(StoreCode.CHAIN_BROKEN, seq=3):
+            await store.read()
+        report = await store.verify()
+        assert (report.ok, report.code, report.first_bad_seq, report.last_seq) == (
+            False,
+            StoreCode.CHAIN_BROKEN,
+            3,
+            2,
+        )
+        assert "record 3 is missing" in report.message
+    finally:
+        await store.close()
+
+
 # --- connection settings, and files that open but cannot be read (mutation campaign) ---------
 
 
