@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import anyio.lowlevel
 
+from evlog.append_plan import AppendPlan
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.group_commit import GroupCommit, Write, WriteStats
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
-from evlog.store import AppendPlan, CommitSignal, Snapshot, VerifyReport
+from evlog.store import CommitSignal, Snapshot, VerifyReport
 
 MAX_SEQ = 2**63 - 1
 CHUNK = 4096  # rows per read: bounded memory for a replay, few round trips

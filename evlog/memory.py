@@ -17,9 +17,10 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.lowlevel
 
+from evlog.append_plan import plan_appends
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.record import GENESIS_HASH, Pending, Record, Row, open_row
-from evlog.store import SNAPSHOTS_KEPT, CommitSignal, Snapshot, VerifyReport, plan_appends
+from evlog.store import SNAPSHOTS_KEPT, CommitSignal, Snapshot, VerifyReport
 
 _CHUNK = 1024
 

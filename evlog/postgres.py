@@ -50,18 +50,13 @@ import anyio
 import anyio.lowlevel
 import asyncpg
 
+from evlog.append_plan import AppendPlan, AppendRequest, plan_appends
 from evlog.chained_store import ChainedStore
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.group_commit import Write
 from evlog.locations import backend_of, describe
 from evlog.record import GENESIS_HASH, Row, open_row
-from evlog.store import (
-    SNAPSHOTS_KEPT,
-    AppendPlan,
-    AppendRequest,
-    Snapshot,
-    plan_appends,
-)
+from evlog.store import SNAPSHOTS_KEPT, Snapshot
 
 APPLICATION = "loraledger"
 LAYOUT_VERSION = 1

@@ -39,17 +39,12 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from evlog.append_plan import AppendPlan, AppendRequest, plan_appends
 from evlog.chained_store import ChainedStore
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
 from evlog.group_commit import Write
 from evlog.record import GENESIS_HASH, Row, open_row
-from evlog.store import (
-    SNAPSHOTS_KEPT,
-    AppendPlan,
-    AppendRequest,
-    Snapshot,
-    plan_appends,
-)
+from evlog.store import SNAPSHOTS_KEPT, Snapshot
 
 Synchronous = Literal["FULL", "NORMAL"]
 

@@ -18,20 +18,19 @@ Guarantees:
   (``CHAIN_BROKEN``) raises ``StoreError`` naming the seq.
 * ``follow`` yields committed records after a seq and wakes on new commits (no polling).
 
-:func:`plan_appends` is the single definition of how a group of append calls resolves against
-the log (duplicates, ``expected_seq``, positions, chain); both backends call it.
+How a group of append calls resolves against the log (duplicates, ``expected_seq``,
+positions, chain) is defined once, in :mod:`evlog.append_plan`; every backend calls it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import anyio
 import msgspec
 
-from evlog.errors import StoreCode, StoreError
-from evlog.record import Pending, Record, Row, seal_row
+from evlog.record import Pending, Record
 
 SNAPSHOTS_KEPT = 2
 """Snapshots kept per code version (the newest ones). A snapshot is a cache that saves replay
@@ -112,10 +111,6 @@ class EventStore(Protocol):
     async def close(self) -> None: ...
 
 
-AppendRequest = tuple[Sequence[Pending], int | None]
-"""One ``append`` call: its batch and its ``expected_seq``."""
-
-
 class CommitSignal:
     """How followers wait for the next commit without polling: one event per wait round,
     replaced once it fires. A follower takes :meth:`next` *before* reading, so a commit that
@@ -133,67 +128,3 @@ class CommitSignal:
         if self._event is not None:
             self._event.set()
             self._event = None
-
-
-class AppendPlan(NamedTuple):
-    """What a group of append calls does to the log: the rows to insert (in seq order), one
-    outcome per call (its seqs, or the refusal it gets), and the new tail."""
-
-    rows: list[Row]
-    outcomes: list[list[int] | StoreError]
-    last_seq: int
-    head_hash: bytes
-
-
-def plan_appends(
-    requests: Sequence[AppendRequest],
-    last_seq: int,
-    head_hash: bytes,
-    stored: Mapping[bytes, int],
-) -> AppendPlan:
-    """Resolve ``requests`` in order, as if each ran alone right after the previous one.
-
-    Pure: ``stored`` maps the event ids already in the log to their seq (it must hold at least
-    the ids named by ``requests``; an empty mapping asserts there are none). An id stored or
-    given a seq earlier in the group, or earlier in its own batch, keeps that seq and is not
-    stored again. ``expected_seq`` is compared with the tail *at that call's turn*, so calls
-    merged into one transaction behave exactly like calls committed one by one; a refused call
-    contributes nothing and does not affect the calls after it. A call whose events are all
-    already stored is answered with their seqs even when its ``expected_seq`` is stale: it is a
-    retry of an append that committed.
-    """
-    rows: list[Row] = []
-    outcomes: list[list[int] | StoreError] = []
-    assigned: dict[bytes, int] = {}
-    for batch, expected in requests:
-        seq = last_seq
-        prev = head_hash
-        local: dict[bytes, int] = {}
-        fresh: list[Row] = []
-        seqs: list[int] = []
-        for p in batch:
-            eid = p.event_id
-            known = stored.get(eid) or assigned.get(eid) or local.get(eid)
-            if known is None:
-                seq += 1
-                row = seal_row(p, seq, prev)
-                prev = row[8]
-                fresh.append(row)
-                local[eid] = known = seq
-            seqs.append(known)
-        if fresh and expected is not None and expected != last_seq:
-            outcomes.append(
-                StoreError(
-                    StoreCode.SEQ_CONFLICT,
-                    f"expected the log to end at seq {expected}, it ends at {last_seq}",
-                    expected=expected,
-                    actual=last_seq,
-                )
-            )
-            continue
-        rows.extend(fresh)
-        assigned.update(local)
-        last_seq = seq
-        head_hash = prev
-        outcomes.append(seqs)
-    return AppendPlan(rows, outcomes, last_seq, head_hash)

@@ -29,11 +29,12 @@ from typing import Any
 
 import anyio
 
+from evlog.append_plan import AppendPlan
 from evlog.events import SessionBound
 from evlog.postgres import PostgresStore
 from evlog.record import pending
 from evlog.sqlite import SQLiteStore
-from evlog.store import AppendPlan, EventStore
+from evlog.store import EventStore
 from evlog.stores import open_store
 
 
