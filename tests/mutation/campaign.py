@@ -104,9 +104,17 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "evlog/memory.py",
                 "evlog/group_commit.py",
                 "evlog/chained_store.py",
+                "evlog/append_plan.py",  # plan_appends: positions, idempotency, expected_seq
+                "evlog/record.py",  # open_row: what a read verifies, in which order
             ),
-            ("tests/evlog/test_memory_store.py", "tests/evlog/test_sqlite_store.py"),
-            gated=False,
+            (
+                "tests/evlog/test_memory_store.py",
+                "tests/evlog/test_sqlite_store.py",
+                "tests/evlog/test_sqlite_failures.py",  # cleanup when an open/write/close fails
+                "tests/evlog/test_upcasters.py",  # decode_event under open_row
+                "tests/evlog/test_record.py",  # event ids, pending_many
+            ),
+            gated=True,
         ),
         Campaign(
             "gateway",
@@ -118,7 +126,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
                 "tests/publisher/test_staleness.py",  # check_staleness, staleness
             ),
-            gated=False,
+            gated=True,
         ),
         Campaign(
             "reclaim",
@@ -159,6 +167,15 @@ class Report:
     other: dict[str, int] = field(default_factory=dict)
     survivors: list[Survivor] = field(default_factory=list)
     accepted: dict[tuple[str, str, str, str], dict[str, str]] = field(default_factory=dict)
+    # Set when every mutant of the campaign was judged (not a --changed-since run): only then
+    # can an accepted entry that no survivor matches be called stale.
+    mutated: tuple[str, ...] = ()
+
+    def stale(self) -> list[tuple[str, str, str, str]]:
+        """Entries of survivors.toml for this campaign's files that no survivor matches any
+        more (the code moved or a test now kills them): the file must say what is true."""
+        found = {s.key() for s in self.survivors}
+        return [k for k in self.accepted if k[0] in self.mutated and k not in found]
 
     def classify(self) -> dict[str, list[Survivor]]:
         """Split survivors into message / equivalent / open / unexplained."""
@@ -208,6 +225,10 @@ def _copy_tree(dest: Path, campaign: Campaign) -> None:
             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not vllm and not slow", "-q"]',
             f"pytest_add_cli_args_test_selection = {json.dumps(list(campaign.tests))}",
             "use_git_change_detection = false",
+            # A mutant that hangs (a stranded group-commit leader, a lost wake-up) costs mutmut's
+            # wall timeout, (its tests' time + 1 s) x this; the default 15 made the stores
+            # campaign spend most of its time waiting. Timeouts count as killed either way.
+            "timeout_multiplier = 4.0",
         ]
     )
     (dest / "pyproject.toml").write_text(config + "\n", "utf-8")
@@ -424,7 +445,9 @@ def read_report(campaign: Campaign, workdir: Path, only: list[str] | None = None
     in ``mutants/<file>.meta``."""
     from mutmut.stats import status_by_exit_code  # the dev extra; only a run needs it
 
-    report = Report(campaign.name, accepted=load_accepted())
+    report = Report(
+        campaign.name, accepted=load_accepted(), mutated=campaign.mutate if only is None else ()
+    )
     for path in campaign.mutate:
         for mutant, code in _verdicts(workdir, path).items():
             if only is not None and not any(fnmatch.fnmatchcase(mutant, p) for p in only):
@@ -456,12 +479,17 @@ def summary(report: Report) -> str:
         f"equivalent {len(kinds['equivalent'])}, open {len(kinds['open'])}, "
         f"unexplained {len(kinds['new'])})"
     )
+    stale = report.stale()
+    if stale:
+        head += f"; {len(stale)} stale survivors.toml entries"
     if report.other:
         head += " " + json.dumps(report.other)
     rows = [head]
     for kind in ("new", "open", "equivalent"):
         for s in kinds[kind]:
             rows.append(f"  [{kind}] {s.file}::{s.function}  {s.line}\n      {s.change}")
+    for file, function, line, change in stale:
+        rows.append(f"  [stale] {file}::{function}  {line}\n      {change}")
     return "\n".join(rows)
 
 
@@ -522,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
         if args.toml:
             print(unexplained_as_toml(report))
-        failed |= campaign.gated and bool(report.classify()["new"])
+        failed |= campaign.gated and bool(report.classify()["new"] or report.stale())
     return 1 if failed else 0
 
 
