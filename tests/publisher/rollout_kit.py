@@ -147,11 +147,13 @@ async def rig(
     wrap: Callable[[LocalEngine], Engine] | None = None,
     recorder_capacity: int = 8192,
     timeout: float = 60.0,
+    store: MemoryStore | None = None,
 ) -> AsyncIterator[Rig]:
     """``timeout`` bounds the whole test: a broken guarantee must fail it, never hang it
-    (e.g. an unload that waits forever for a request it should never have run under)."""
+    (e.g. an unload that waits forever for a request it should never have run under).
+    ``store``: the log to use (a test's own MemoryStore subclass); a fresh one by default."""
     clock = Clock()
-    store = MemoryStore()
+    store = MemoryStore() if store is None else store
     with anyio.fail_after(timeout):
         async with _rig(clock, store, engines, capacity, wrap, recorder_capacity) as r:
             yield r

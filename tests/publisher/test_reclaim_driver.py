@@ -2,7 +2,9 @@
 fenced ledger stops the driver; an unload that hangs becomes an ambiguous reclaim when its
 timeout runs out; a refusal to record an unload pokes the reconciler only when the engine
 restarted; artifact directories go a grace period after *their own* reclaim, and only with a
-store and a grace period configured.
+store and a grace period configured; a ledger decision that lands between a sweep's read of the
+state and an unload task's first step (the version reclaimed or made ambiguous, the engine
+removed, suspended or confirmed) stops that unload.
 
 Written from the reclaim mutation campaign's open survivors (``python -m tests.mutation.campaign
 reclaim``, RELIABILITY.md "Mutation testing").
@@ -10,6 +12,8 @@ reclaim``, RELIABILITY.md "Mutation testing").
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,11 @@ from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from evlog.errors import LoraLedgerError
-from evlog.events import EngineUnloaded, ReclaimAmbiguous
-from projections.registry import VersionState
+from evlog.events import EngineUnloaded, InFlight, ReclaimAmbiguous
+from evlog.memory import MemoryStore
+from evlog.record import Pending
+from projections.registry import RegistryState, VersionState
+from publisher import commands as c
 from publisher.engine_ops import EngineTimeouts
 from publisher.errors import Code
 from publisher.ledger import Ledger
@@ -206,6 +213,210 @@ async def test_a_refused_record_pokes_the_reconciler_only_for_a_restart() -> Non
         assert v1.state is VersionState.RECLAIMED
         assert [e.engine for e in await _events(r, EngineUnloaded)] == ["e0"]
         assert (pokes.restart, pokes.ambiguous) == (0, 0)
+
+
+# --- a ledger decision between the sweep's filter and an unload's first step ----------------
+#
+# A sweep reads the ledger's state, picks what to unload (every engine of a RECLAIMING,
+# unambiguous version that has not confirmed) and starts one task per unload; each task's first
+# step checks the state again. The two reads differ when a ledger decision lands in between:
+# the writer decides a batch the moment it takes it while the previous batch's COMMIT is still
+# in flight (pipelining), so a command queued just before the sweep runs is decided after the
+# sweep's filter and before the unload tasks' first steps. Each case below stages exactly that:
+# a COMMIT is held in flight (``HeldStore``), the sweep is started, and the decision's commands
+# are queued before it runs.
+
+
+class HeldStore(MemoryStore):
+    """A real memory log whose appends wait at ``gate`` while ``holding``; ``held`` is set as
+    soon as one waits there (a COMMIT in flight, for as long as the test says)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = False
+        self.held = anyio.Event()
+        self.gate = anyio.Event()
+
+    async def append(
+        self, batch: Sequence[Pending], *, expected_seq: int | None = None
+    ) -> list[int]:
+        if self.holding:
+            self.held.set()
+            await self.gate.wait()
+        return await super().append(batch, expected_seq=expected_seq)
+
+
+class Releases(Unloads):
+    """Unloads for real, first releasing the COMMIT the test held: the driver records the unload
+    next, and that record queues behind the held COMMIT."""
+
+    def __init__(self, inner: LocalEngine, store: HeldStore) -> None:
+        super().__init__(inner)
+        self.store = store
+
+    async def answer(self, lora_name: str, attempt: int | None) -> Any:
+        self.store.gate.set()
+        return await self.inner.unload(lora_name, attempt=attempt)
+
+
+class Watch:
+    """The driver's in-flight source: one request in flight on v2 (RETIRED, so the sweep asks
+    about it while it decides what to claim, in the same step as its filter), none on v1 (an
+    unload task asks right after its first check). Each question records whether the staged
+    decision had landed in the ledger by then."""
+
+    def __init__(self, ledger: Ledger, landed: Callable[[RegistryState], bool]) -> None:
+        self.ledger = ledger
+        self.landed = landed
+        self.asked: list[tuple[int, bool]] = []
+
+    def inflight_evidence(self, version_id: int) -> list[InFlight]:
+        self.asked.append((version_id, self.landed(self.ledger.state)))
+        count = 1 if version_id == 2 else 0
+        return [InFlight(reporter="watch", engine="e0", count=count, at=0.0)]
+
+
+async def _confirm(r: Rig, engine: str) -> None:
+    """``engine`` unloaded v1 and the ledger recorded it (an earlier sweep's work)."""
+    receipt = await r.local[engine].unload(r.names[1])
+    await r.ledger.record_unloaded(1, engine, receipt.incarnation)
+
+
+async def _unloaded_by_hand(r: Rig, engine: str) -> None:
+    """``engine`` dropped v1 already; its proof is what the staged decision records."""
+    await r.local[engine].unload(r.names[1])
+
+
+async def _nothing(r: Rig) -> None:
+    return None
+
+
+def _incarnation(s: RegistryState, engine: str) -> str:
+    return s.engines[engine].incarnation
+
+
+@dataclass(frozen=True)
+class Between:
+    """A decision landing between the sweep's filter and the unload tasks' first steps: what
+    happened before the sweep, the commands decided in that window (one batch), how to see that
+    they landed, which engines the driver must still send v1's unload to, and v1's end state."""
+
+    before: Callable[[Rig], Awaitable[None]]
+    commands: Callable[[RegistryState], list[c.Command]]
+    landed: Callable[[RegistryState], bool]
+    unloaded: list[str]
+    final: tuple[VersionState, bool]  # v1's state, ambiguous
+
+
+BETWEEN = {
+    # e1 suspended (which completes v1: e0 had confirmed, e1 owes the drop) and resumed in one
+    # batch (a failed health check and an operator's resumption queued during one COMMIT): e1 is
+    # an active, unconfirmed member again, but v1 is RECLAIMED -- the driver has nothing to do.
+    "reclaimed": Between(
+        before=lambda r: _confirm(r, "e0"),
+        commands=lambda s: [
+            c.SuspendEngine(engine="e1", cause="unhealthy"),
+            c.ResumeEngine(engine="e1", cause="unhealthy"),
+        ],
+        landed=lambda s: s.versions[1].state is VersionState.RECLAIMED,
+        unloaded=[],
+        final=(VersionState.RECLAIMED, False),
+    ),
+    # The reclaim is marked ambiguous: nothing is unloaded until an inventory decides.
+    "ambiguous": Between(
+        before=_nothing,
+        commands=lambda s: [
+            c.MarkReclaimAmbiguous(version_id=1, engine="e0", reason="TIMEOUT: reply lost")
+        ],
+        landed=lambda s: s.versions[1].ambiguous,
+        unloaded=[],
+        final=(VersionState.RECLAIMING, True),
+    ),
+    # An operator removes e1: it is no member any more (e0's proof completes v1).
+    "removed": Between(
+        before=_nothing,
+        commands=lambda s: [c.RemoveEngine(engine="e1")],
+        landed=lambda s: "e1" not in s.engines,
+        unloaded=["e0"],
+        final=(VersionState.RECLAIMED, False),
+    ),
+    # e1 is suspended: it owes the drop and its repair unloads it; an unload sent to a sick
+    # engine could only hang or fail and make the reclaim ambiguous.
+    "suspended": Between(
+        before=_nothing,
+        commands=lambda s: [c.SuspendEngine(engine="e1", cause="unhealthy")],
+        landed=lambda s: s.engines["e1"].suspended,
+        unloaded=["e0"],
+        final=(VersionState.RECLAIMED, False),
+    ),
+    # e1's proof that it dropped v1 is recorded: it is not asked again.
+    "confirmed": Between(
+        before=lambda r: _unloaded_by_hand(r, "e1"),
+        commands=lambda s: [
+            c.RecordUnloaded(version_id=1, engine="e1", incarnation=_incarnation(s, "e1"))
+        ],
+        landed=lambda s: "e1" in s.versions[1].confirmed,
+        unloaded=["e0"],
+        final=(VersionState.RECLAIMED, False),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BETWEEN.values(), ids=BETWEEN.keys())
+async def test_a_decision_landing_after_the_sweep_read_the_state_stops_that_unload(
+    case: Between,
+) -> None:
+    store = HeldStore()
+    async with rig(store=store, wrap=lambda engine: Releases(engine, store)) as r:
+        await r.publish(1)
+        await r.publish(2)
+        await r.publish(3)  # v1 and v2 RETIRED
+        await r.ledger.claim_reclaim(1)  # v1 RECLAIMING: e0 and e1 owe their unload proofs
+        await case.before(r)
+        commands = case.commands(r.ledger.state)
+        assert not case.landed(r.ledger.state)
+        watch = Watch(r.ledger, case.landed)
+        driver = ReclaimDriver(r.ledger, r.fleet, sources=[watch])
+        outcomes: list[Any] = []
+
+        async def sweep() -> None:
+            try:
+                await driver.sweep()
+            finally:
+                store.gate.set()  # nothing unloaded (or the sweep failed): no COMMIT to wait for
+
+        store.holding = True
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(r.ledger.register_owner, "w")  # its COMMIT stays in flight ...
+            await store.held.wait()
+            assert r.ledger.queue_statistics().tasks_waiting_receive == 1  # ... the writer idle
+            tg.start_soon(sweep)  # runs next: it reads the state before the decision ...
+            # ... which is queued now, and decided at once, right after the sweep's filter
+            outcomes.extend(await r.ledger.execute_many(commands))
+        assert not [o for o in outcomes if isinstance(o, LoraLedgerError)], outcomes
+        # The interleaving happened: the sweep's filter read the state before the decision
+        # (v2's question comes in the same step), every unload task after it.
+        assert watch.asked[0] == (2, False), watch.asked
+        assert all(landed for _version, landed in watch.asked[1:]), watch.asked
+        assert [e.engine_id for e in r.fleet if isinstance(e, Unloads) and e.unloads] == (
+            case.unloaded
+        )
+        v1 = r.ledger.state.versions[1]
+        assert (v1.state, v1.ambiguous) == case.final
+
+
+async def test_a_suspended_member_is_not_sent_the_unload_it_owes() -> None:
+    """Unlike the other checks of an unload task, this one is no repeat of the sweep's filter:
+    the sweep starts a task for every member that has not confirmed, suspended or not, so a
+    suspension that landed long before the sweep is stopped here too."""
+    async with rig(wrap=lambda engine: Unloads(engine)) as r:
+        await _retired(r)
+        await r.ledger.claim_reclaim(1)
+        await r.ledger.suspend_engine("e1", cause="unhealthy")
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMING  # e0 owes its proof
+        assert await r.reclaimer().sweep() == [1]
+        assert [e.engine_id for e in r.fleet if isinstance(e, Unloads) and e.unloads] == ["e0"]
+        assert r.names[1] in r.ledger.state.engines["e1"].owes  # its repair drops it
 
 
 # --- artifact collection ----------------------------------------------------------------------
