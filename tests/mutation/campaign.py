@@ -137,7 +137,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_reclaim_answers.py",
                 "tests/publisher/test_reclaim_driver.py",  # the loop, timeouts, artifacts
             ),
-            gated=False,
+            gated=True,
         ),
     )
 }
