@@ -29,12 +29,18 @@ Three things differ from in process, each for a reason:
   and at most every ``renew_interval`` seconds, and learns expiries from the reply. A worker
   therefore learns it lost its lease one renewal later than in process.
 * **The fleet is the ledger's.** :attr:`RayLedger.fleet` is a :class:`~publisher.fleet.Fleet`
-  mirroring the ledger actor's engine handles (its membership view, fetched at connect): every
-  routing table carries the actor's fleet version, and when it differs from the mirror's (an
-  engine added, replaced or removed) the view is fetched again and the mirror changed in
-  place, so a gateway built on ``ledger.fleet`` routes to a replacement actor without a
-  restart of its process. A failed engine call reported through :meth:`engine_failed` (the
-  gateway's ``on_engine_failure`` hook) also refreshes it, and tells the ledger actor, whose
+  mirroring the ledger actor's engine handles (its membership view, fetched at connect) and
+  changed in place, so a gateway built on ``ledger.fleet`` routes to a replacement actor
+  without a restart of its process. Each command batch and lease renewal tells the actor which
+  fleet version the mirror holds (:attr:`fleet_mark`), and a reply whose routing comes from a
+  newer one carries the new handles too, mirrored *before* the table is taken
+  (:meth:`_routing_seen`): the handles a gateway dispatches to are never older than the
+  routing it chose by, so a turn routed on a table from after a ``replace_engine`` -- a
+  session's first turn, routed on its bind's reply, included -- never meets the replaced
+  actor's handle. (Fetched afterwards, as a separate call, the handle arrived one round trip
+  after the table, and such a first turn could meet the dead actor: ``AMBIGUOUS_DISPATCH``,
+  never resent.) A failed engine call reported through :meth:`engine_failed` (the gateway's
+  ``on_engine_failure`` hook) also refreshes the mirror, and tells the ledger actor, whose
   reconciler then probes at once (a dead actor is suspended at its first failed probe).
 * **A clean exit ends the owners it registered.** Leaving :meth:`RayLedger.connect` normally
   deregisters every owner registered through this client and not deregistered yet (their
@@ -155,8 +161,7 @@ class RayLedger:
             renew_interval=renew_interval,
             reconnect_timeout=reconnect_timeout,
         )
-        await client.refresh_routing()
-        await client.refresh_fleet()
+        await client.refresh_routing()  # and the fleet: the mirror is empty (fleet_mark None)
         async with anyio.create_task_group() as tg:
             client._tg = tg
             tg.start_soon(client._renewer)
@@ -229,7 +234,9 @@ class RayLedger:
                 commands = [command for request in group for command in request.commands]
                 try:
                     self.round_trips += 1
-                    reply: Reply = await self.link.call("execute_many", commands, self.routing.mark)
+                    reply: Reply = await self.link.call(
+                        "execute_many", commands, self.routing.mark, self.fleet_mark
+                    )
                 except BaseException as exc:
                     cause = (
                         LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
@@ -242,7 +249,7 @@ class RayLedger:
                     if cause is not exc:
                         raise
                     continue
-                self._routing_seen(reply.routing)
+                self._routing_seen(reply.routing, reply.fleet)
                 start = 0
                 for request in group:
                     end = start + len(request.commands)
@@ -318,7 +325,7 @@ class RayLedger:
             try:
                 incarnations = {owner: self._incarnations.get(owner, "") for owner in renewals}
                 reply: RenewReply = await self.link.call(
-                    "renew_leases", renewals, self.routing.mark, incarnations
+                    "renew_leases", renewals, self.routing.mark, incarnations, self.fleet_mark
                 )
             except LoraLedgerError as exc:
                 # Unreachable for reconnect_timeout: keep the newest renewals for next time.
@@ -329,14 +336,20 @@ class RayLedger:
             else:
                 for owner, error in reply.lost.items():
                     self._lost.setdefault(owner, error)
-                self._routing_seen(reply.routing)
+                self._routing_seen(reply.routing, reply.fleet)
             await anyio.sleep(self.renew_interval)
 
     # --- reads -------------------------------------------------------------------------------
 
     async def refresh_routing(self) -> None:
-        """Fetch the current routing now (replies carry it anyway when it changed)."""
-        self._routing_seen(await self.link.call("routing"))
+        """Fetch the current routing now (replies carry it anyway when it changed). A table
+        from a fleet newer than the mirror is taken only once the view is fetched too (the
+        view asked for after the table is at least as new), for the reason of
+        :meth:`_routing_seen`."""
+        table: RoutingTable = await self.link.call("routing")
+        if self.fleet_mark is None or table.fleet_mark > self.fleet_mark:
+            await self.refresh_fleet()
+        self._routing_seen(table)
 
     async def status(self) -> LedgerStatus:
         """The ledger's status (one round trip; in process this read is local)."""
@@ -344,20 +357,35 @@ class RayLedger:
 
     # --- the fleet, as the ledger actor has it --------------------------------------------------
 
-    def _routing_seen(self, table: RoutingTable | None) -> None:
+    def _routing_seen(self, table: RoutingTable | None, view: FleetView | None = None) -> None:
+        """Take a reply's routing and handles, the handles first and with no await between:
+        a gateway reads both synchronously when it chooses and dispatches, and a table that
+        routes to an engine again (a replacement, repaired) must never be read next to the
+        replaced actor's handle. The actor sends ``view`` whenever the table's fleet is not the
+        one this client said it mirrors, so the mirror is never found behind below; if it ever
+        were, the view is fetched as a separate call (the keeper), as a safety net."""
+        if view is not None:
+            self._mirror(view)
         self.routing.update(table)
         current = self.routing.table
-        if current is not None and current.fleet_mark != self.fleet_mark:
+        if current is not None and (
+            self.fleet_mark is None or current.fleet_mark > self.fleet_mark
+        ):
             self._fleet_wanted.set()
 
     async def refresh_fleet(self) -> None:
-        """Fetch the ledger actor's membership view and mirror it in :attr:`fleet` in place:
-        new ids added, a handle of another actor replaced, ids the view lacks removed. A
-        handle of the same actor is kept (with what its calls learned, e.g. that it is gone)."""
+        """Fetch the ledger actor's membership view and mirror it (:meth:`_mirror`)."""
         view: FleetView = await self.link.call("fleet_view")
         self.fleet_refreshes += 1
+        self._mirror(view)
+
+    def _mirror(self, view: FleetView) -> None:
+        """Mirror ``view`` in :attr:`fleet` in place: new ids added, a handle of another actor
+        replaced, ids the view lacks removed. A handle of the same actor is kept (with what its
+        calls learned, e.g. that it is gone). An older view than the one mirrored (replies
+        can arrive out of order) changes nothing."""
         if self.fleet_mark is not None and view.mark < self.fleet_mark:
-            return  # an older view overtaken by a newer one
+            return
         self.fleet_hosted = view.plane
         self.fleet_mark = view.mark
         if not view.plane:

@@ -30,7 +30,9 @@ book's changes.
 
 Each method answers with outcomes and refusals as values where a batch is involved
 (``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingTable` when the
-routing changed since the caller's ``mark``.
+routing changed since the caller's ``mark``, with the fleet's handles (a :class:`FleetView`)
+when they changed since the caller's ``fleet_mark``: a client takes both from one reply, so it
+never routes on a table newer than its handles (:meth:`_Service.fleet_for`).
 """
 
 from __future__ import annotations
@@ -110,19 +112,23 @@ class LedgerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """Outcomes (refusals in place) plus the routing, if it changed since the caller's mark."""
+    """Outcomes (refusals in place) plus the routing, if it changed since the caller's mark,
+    and the fleet's handles, if they changed since the caller's fleet mark (see
+    :meth:`_Service.fleet_for`)."""
 
     results: list[Outcome | LoraLedgerError]
     routing: RoutingTable | None
+    fleet: FleetView | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RenewReply:
     """Owners whose renewal was refused (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...), and
-    routing."""
+    routing and handles, as in :class:`Reply`."""
 
     lost: dict[str, LoraLedgerError]
     routing: RoutingTable | None
+    fleet: FleetView | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +170,13 @@ class _Service:
         self.pulls = PullStats()
         self.book = book  # where runtime fleet changes are kept for a restart
 
-    async def execute_many(self, commands: Sequence[c.Command], mark: Mark | None) -> Reply:
+    async def execute_many(
+        self, commands: Sequence[c.Command], mark: Mark | None, fleet_mark: Mark | None
+    ) -> Reply:
         results = await self.ledger.execute_many(commands)
-        return Reply(results, self.routing.newer_than(self.ledger.state, mark, self.fleet_version))
+        # Table and view read together (no await between): the view is the table's fleet.
+        table = self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
+        return Reply(results, table, self.fleet_for(fleet_mark))
 
     async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
         return await self.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
@@ -179,6 +189,7 @@ class _Service:
         renewals: Mapping[str, Mapping[tuple[str, int], int]],
         mark: Mark | None,
         incarnations: Mapping[str, str],
+        fleet_mark: Mark | None,
     ) -> RenewReply:
         lost: dict[str, LoraLedgerError] = {}
         for owner, inflight in renewals.items():
@@ -186,9 +197,8 @@ class _Service:
                 self.ledger.renew_lease(owner, inflight, incarnation=incarnations.get(owner, ""))
             except LoraLedgerError as exc:
                 lost[owner] = exc
-        return RenewReply(
-            lost, self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
-        )
+        table = self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
+        return RenewReply(lost, table, self.fleet_for(fleet_mark))
 
     async def routing_table(self) -> RoutingTable:
         return self.routing.current(self.ledger.state, self.fleet_version)
@@ -227,6 +237,9 @@ class _Service:
         return self.plane
 
     async def fleet_view(self) -> FleetView:
+        return self._view()
+
+    def _view(self) -> FleetView:
         engines = () if self.plane is None else tuple(self.plane.fleet)
         return FleetView(
             epoch=self.ledger.state.epoch,
@@ -234,6 +247,25 @@ class _Service:
             engines=engines,
             plane=self.plane is not None,
         )
+
+    def fleet_for(self, fleet_mark: Mark | None) -> FleetView | None:
+        """The membership view to send with a reply whose caller mirrors the fleet at
+        ``fleet_mark``: None when that is the current mark (nothing changed) or when the
+        caller mirrors nothing (None).
+
+        Why the handles travel with the reply: a routing table that makes a replaced engine
+        routable again reaches the caller in this same reply, and the caller routes on it
+        right away (a session's first turn is dispatched as soon as its bind answers). Were the
+        new handle fetched afterwards, that turn could still find the old actor's handle in
+        the caller's mirror -- usually a dead actor, so the turn fails ``AMBIGUOUS_DISPATCH``
+        and is never resent. With the view here, the caller mirrors it before it takes the table:
+        the handles it dispatches to are never older than the routing it chose by. Sent once
+        per change and caller (its next call carries the new mark), so a publication, which
+        changes routing but not the fleet, sends no handle."""
+        if fleet_mark is None:
+            return None
+        view = self._view()
+        return None if view.mark == tuple(fleet_mark) else view
 
     async def add_engine(self, engine: RayEngine) -> ReconcileReport:
         plane = self._plane_for("add an engine")
@@ -367,8 +399,12 @@ class LedgerActor:
         self._host: PortalHost[_Service] = PortalHost(lambda: _serve(config), name="ledger")
         self._service = self._host.value
 
-    async def execute_many(self, commands: list[c.Command], mark: Mark | None = None) -> Reply:
-        return await self._host.call(self._service.execute_many, commands, mark)
+    async def execute_many(
+        self, commands: list[c.Command], mark: Mark | None = None, fleet_mark: Mark | None = None
+    ) -> Reply:
+        """Decide ``commands``; the reply carries the routing if it changed since ``mark``, and
+        the fleet's handles if they changed since ``fleet_mark`` (the caller's mirror)."""
+        return await self._host.call(self._service.execute_many, commands, mark, fleet_mark)
 
     async def register_owner(self, owner: str, ttl_s: float = 30.0, incarnation: str = "") -> Done:
         return await self._host.call(self._service.register_owner, owner, ttl_s, incarnation)
@@ -381,8 +417,11 @@ class LedgerActor:
         renewals: dict[str, dict[tuple[str, int], int]],
         mark: Mark | None = None,
         incarnations: dict[str, str] | None = None,
+        fleet_mark: Mark | None = None,
     ) -> RenewReply:
-        return await self._host.call(self._service.renew_leases, renewals, mark, incarnations or {})
+        return await self._host.call(
+            self._service.renew_leases, renewals, mark, incarnations or {}, fleet_mark
+        )
 
     async def routing(self) -> RoutingTable:
         return await self._host.call(self._service.routing_table)

@@ -31,8 +31,9 @@ class RoutingTable(msgspec.Struct, frozen=True, kw_only=True):
     default_revision: int
     holders: dict[str, tuple[str, ...]]
     max_staleness: int | None = None
-    # The ledger actor's fleet version (handles added, replaced, removed): a client whose
-    # mirrored fleet is older fetches the membership view again (publisher/ray/client.py).
+    # The ledger actor's fleet version (handles added, replaced, removed). A reply that carries
+    # a table from a fleet newer than the caller's mirror carries that fleet's handles too
+    # (publisher/ray/ledger_actor.py, _Service.fleet_for).
     fleet_version: int = 0
 
     @property

@@ -361,10 +361,22 @@ class RolloutActor:
     (a RayLedger client, a gateway over the ledger's engine actors and a RolloutWorker,
     connected once), used from every method."""
 
-    def __init__(self, owner: str, ledger_name: str, namespace: str) -> None:
+    def __init__(
+        self,
+        owner: str,
+        ledger_name: str,
+        namespace: str,
+        worker_options: dict[str, Any] | None = None,
+    ) -> None:
         # No engines argument: the gateway routes over the ledger's fleet (RayLedger.fleet), so
         # an engine added or replaced later is routed to without a restart of this actor.
-        self.rollout = RayRollout(owner, ledger=ledger_name, namespace=namespace, connect="eager")
+        self.rollout = RayRollout(
+            owner,
+            ledger=ledger_name,
+            namespace=namespace,
+            connect="eager",
+            worker_options=worker_options,
+        )
 
     async def turn(self, sessions: list[str], turn: int) -> list[Turn]:
         return await self.rollout.run(_turn, sessions, turn)

@@ -1,15 +1,19 @@
 """The pure parts of runtime membership on Ray, without a Ray instance: how a client's fleet
-mirrors the ledger actor's view (in place, keeping a handle of the same actor), and when a
-routing table tells a client its mirror is behind."""
+mirrors the ledger actor's view (in place, keeping a handle of the same actor), when a
+routing table tells a client its mirror is behind, and that a reply's handles are mirrored
+before its table is taken."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from projections.registry import RegistryState
 from publisher.fleet import Fleet
-from publisher.ray.client import apply_view
-from publisher.ray.routing import RoutingTracker
+from publisher.ray.client import RayLedger, apply_view
+from publisher.ray.ledger_actor import FleetView
+from publisher.ray.routing import RoutingTable, RoutingTracker
 
 
 @dataclasses.dataclass
@@ -60,3 +64,32 @@ def test_a_fleet_change_alone_makes_a_new_routing_table() -> None:
     assert second is not None
     assert second.mark > first.mark
     assert (second.fleet_version, second.fleet_mark) == (2, (state.epoch, 2))
+
+
+@pytest.mark.anyio
+async def test_a_replies_handles_are_mirrored_before_its_table_is_read() -> None:
+    """The table that routes to a replaced engine again and the replacement's handle come in
+    one reply: once the client took it, a gateway reading routing and fleet (synchronously,
+    as it does) finds the new actor's handle, with nothing left to fetch."""
+    client = RayLedger("not-started")
+    client.fleet.add(Handle("e0", "dead-actor"))  # type: ignore[arg-type]
+    client.fleet_mark = (1, 1)
+    table = RoutingTable(
+        epoch=1, serial=7, default_revision=1, holders={"v1": ("e0",)}, fleet_version=2
+    )
+    view = FleetView(epoch=1, version=2, engines=(Handle("e0", "replacement"),))  # type: ignore[arg-type]
+    client._routing_seen(table, view)
+    assert client.routing.holders("v1") == ("e0",)
+    assert client.fleet["e0"].actor_id == "replacement"  # type: ignore[attr-defined]
+    assert client.fleet_mark == table.fleet_mark
+    assert not client._fleet_wanted.is_set()  # nothing left to fetch
+
+    # an older view crossing it (replies arrive out of order) changes nothing
+    stale = FleetView(epoch=1, version=1, engines=(Handle("e0", "dead-actor"),))  # type: ignore[arg-type]
+    client._routing_seen(None, stale)
+    assert client.fleet["e0"].actor_id == "replacement"  # type: ignore[attr-defined]
+
+    # a table ahead of the mirror without its view (never sent so): fetched as a safety net
+    ahead = RoutingTable(epoch=2, serial=1, default_revision=1, holders={}, fleet_version=1)
+    client._routing_seen(ahead)
+    assert client._fleet_wanted.is_set()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 import uuid
 from collections import Counter
@@ -41,12 +42,14 @@ from engines.testing import RestartableEngine
 from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.status import EngineStatus, LedgerStatus
-from publisher.gateway import DispatchCode
+from publisher.affinity import rendezvous
+from publisher.gateway import DispatchCode, Gateway
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, start_engine, stop_engine
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.trainer import RayTrainerClient
-from tests.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor
+from publisher.sessions import RolloutWorker
+from tests.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor, SessionRunner
 
 pytestmark = [
     pytest.mark.anyio,
@@ -310,6 +313,86 @@ async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
     e0 = [type(e).__name__ for e in events if getattr(e, "engine", None) == "e0"]
     # suspended when it died, then the new actor's incarnation: a restart, repaired
     assert e0[-4:] == ["EngineSuspended", "EngineRestarted", "VersionRestored", "EngineRepaired"]
+
+
+def sessions_on(engine_id: str, holders: Sequence[str], prefix: str, n: int) -> list[str]:
+    """The first ``n`` session ids ``prefix-<i>`` that rendezvous puts on ``engine_id``."""
+    ids = (f"{prefix}-{i}" for i in itertools.count())
+    return list(itertools.islice((s for s in ids if rendezvous(s, holders) == engine_id), n))
+
+
+async def test_the_very_next_turn_after_a_replace_is_served_by_the_replacement(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """No waiting for any mirror: e0's engine actor is killed, ``replace_engine`` returns, and
+    the next turn -- the first turn of a session that rendezvous puts on e0, from a rollout
+    actor (another process) and from a worker on this process's client (the caller's side)
+    -- is served by the new actor. Neither client hears from the ledger between the swap and
+    that turn (renewals 200 s apart): the reply to the session's bind brings the routing that
+    has e0 back, and the turn is dispatched right after it.
+
+    Before the handles travelled with that reply, the turn met the dead actor's handle unless
+    the mirror's own refresh (one round trip, started when the reply came) happened to win
+    the race against the dispatch (``AMBIGUOUS_DISPATCH``, never resent): about half the time
+    on this machine, hence three rounds, each replacing the actor the previous one put in."""
+    quiet_ttl_s = 600.0  # renewals 200 s apart: only the turn's own bind reaches the ledger
+    rounds = 3
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        assert rig.client is not None
+        client = rig.client
+        rollout = (
+            ray.remote(RolloutActor)
+            .options(num_cpus=0)
+            .remote("w1", rig.ledger_name, NAMESPACE, {"ttl_s": quiet_ttl_s})
+        )
+        gateway = Gateway(
+            client.fleet,
+            client.routing,
+            gateway_id="driver",
+            on_engine_failure=client.engine_failed,
+        )
+        sessions = iter(sessions_on("e0", ["e0", "e1"], "after", 2 * rounds))
+        served: list[dict[str, tuple[str, str, str]]] = []
+        expected: list[dict[str, tuple[str, str, str]]] = []
+        try:
+            async with RolloutWorker.open(
+                client, gateway, owner="driver", ttl_s=quiet_ttl_s
+            ) as worker:
+                current = rig.engines[0]
+                assert (await rollout.mirror.remote())["e0"] == current.actor_id
+                for k in range(rounds):
+                    ray.kill(current.handle, no_restart=True)
+                    current = await anyio.to_thread.run_sync(
+                        functools.partial(rig.engine, "e0", suffix=f"-r{k}")
+                    )
+                    report = await rig.ledger.replace_engine.remote(current)
+                    assert report.repaired == ("e0",)
+                    remote_session, local_session = next(sessions), next(sessions)
+                    outcomes: dict[str, Outcome] = {}
+
+                    async def remote(session: str, into: dict[str, Outcome]) -> None:
+                        [into["rollout actor"]] = await rollout.attempt.remote([session], 0)
+
+                    async def local(session: str, into: dict[str, Outcome]) -> None:
+                        [into["this process"]] = await SessionRunner(worker).attempt([session], 0)
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(remote, remote_session, outcomes)
+                        tg.start_soon(local, local_session, outcomes)
+                    served.append(
+                        {who: (o.engine, o.incarnation, o.code) for who, o in outcomes.items()}
+                    )
+                    new = ("e0", await current.incarnation(), "")
+                    expected.append({"rollout actor": new, "this process": new})
+                    assert await current.generate_calls() == sum(
+                        o.engine == "e0" for o in outcomes.values()
+                    )
+            assert served == expected
+            assert await rig.same_ledger_process()
+        finally:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                await rollout.stop.remote()
+            ray.kill(rollout, no_restart=True)
 
 
 async def test_an_added_engine_gets_the_routable_versions_then_traffic(
