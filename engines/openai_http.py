@@ -15,12 +15,14 @@ local     selects nothing on SGLang's OpenAI routes)     takes it) + header     
 :func:`engine_body` writes those fields (over whatever the client sent for them);
 :func:`open_upstream` sends the body and classifies what happens like every other engine call
 (:mod:`engines.http`): connection refused is the only failure that proves nothing was sent
-(``dispatched=False``); a timeout, a reset or a 5xx is ambiguous. The request goes out on a
-connection of its own (``Connection: close``, same reason as :mod:`engines.http`: a pooled
-connection the server's keep-alive timer closes just as the request leaves turns a healthy
-request into an ambiguous one). The response is returned *streaming*: the caller reads the
-body chunk by chunk as the engine writes it, and closing it (a client that went away) closes the
-connection, which is how every one of these engines learns to abort the request.
+(``dispatched=False``); a timeout, a reset or a 5xx is ambiguous; a 4xx is the engine's
+refusal, read by :func:`refusal_of` with the rule of that engine's own adapter. The request
+goes out on a connection of its own (``Connection: close``, same reason as
+:mod:`engines.http`: a pooled connection the server's keep-alive timer closes just as the
+request leaves turns a healthy request into an ambiguous one). The response is returned
+*streaming*: the caller reads the body chunk by chunk as the engine writes it, and closing it (a
+client that went away) closes the connection, which is how every one of these engines learns to
+abort the request.
 
 This module imports nothing of the ledger: an engine is addressed by URL, kind and headers.
 """
@@ -33,7 +35,8 @@ from typing import Any
 
 import httpx
 
-from engines.contract import AmbiguousReply, ErrorCode
+from engines import sglang, vllm
+from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
 from engines.http import ONE_REQUEST_PER_CONNECTION
 
 CHAT_PATH = "/v1/chat/completions"
@@ -127,3 +130,31 @@ def read_failure(exc: Exception, url: str, engine_id: str) -> AmbiguousReply:
     if isinstance(exc, httpx.TimeoutException):
         return AmbiguousReply(ErrorCode.TIMEOUT, f"POST {url}: timed out", engine_id=engine_id)
     return AmbiguousReply(ErrorCode.CONNECTION_LOST, f"POST {url}: {exc!r}", engine_id=engine_id)
+
+
+def refusal_of(
+    status: int, reply: object, *, kind: str, lora_name: str, engine_id: str
+) -> CleanRefusal:
+    """What an engine's 4xx reply to a forwarded generation of ``lora_name`` means, read by the
+    rule its own adapter applies to the same reply (:func:`engines.vllm.generation_refusal`,
+    :func:`engines.sglang.generation_refusal`, the local engine answering in SGLang's terms), so
+    both paths agree on what ``NOT_LOADED`` is: vLLM's 404 "model does not exist", SGLang's
+    400 "not loaded" texts, the local engine's coded 400. A 4xx that rule does not recognise
+    keeps the engine's own string code, or none (``code`` empty): it is still a refusal before
+    anything ran (vLLM and SGLang validate before scheduling), only not one the gateway acts on.
+    ``reply`` is the decoded body: ``{"error": {...}}`` (vLLM, the local engine) or the error
+    object itself (SGLang's OpenAI routes)."""
+    error = reply.get("error", reply) if isinstance(reply, dict) else None
+    if not isinstance(error, dict) or "message" not in error:
+        return CleanRefusal("", f"HTTP {status}", engine_id=engine_id, status=status)
+    message = str(error["message"])
+    given = error.get("code")
+    if kind == "vllm":
+        code = vllm.generation_refusal(
+            status, str(error.get("type") or ""), message, error.get("param"), lora_name
+        )
+    else:
+        code = sglang.generation_refusal(status, given, message)
+    if code is None:
+        code = given if isinstance(given, str) else ""
+    return CleanRefusal(code, message, engine_id=engine_id, status=status)

@@ -94,6 +94,24 @@ _NOT_LOADED = (
     "adapters are not loaded",
     "Failed to implicitly load LoRA adapter",
 )
+
+
+def generation_refusal(status: int, code: Any, message: str) -> str | None:
+    """The clean code of a reply refusing a generation (``/generate``, or the OpenAI routes of
+    SGLang and of the local engine, which answer in SGLang's terms), or ``None`` when it proves
+    nothing (the caller treats it as ambiguous). Only a 400 refuses before running anything: a
+    code we know (a loraledger-aware server's), or SGLang's texts for an adapter it does not
+    hold, which are ``NOT_LOADED``. Shared with the OpenAI gateway, which reads the refusals
+    of the engines' own routes by the same rule."""
+    if status != 400:
+        return None
+    if isinstance(code, str) and (code in _PREFIXABLE or code == ErrorCode.NOT_LOADED):
+        return code
+    if any(text in message for text in _NOT_LOADED):
+        return ErrorCode.NOT_LOADED
+    return None
+
+
 # Body keys this adapter owns; a caller's ``extra_body`` can never set them.
 _OWNED_KEYS = frozenset(
     {
@@ -357,26 +375,21 @@ class SGLangEngine(PathLoadingEngine):
         response = await self._send("POST", "/generate", timeout=self.timeouts.generate, json=body)
         if response.status_code == 200:
             return self._parse_generation(response, lora_name, params, incarnation)
-        if response.status_code == 400:
-            error = self._error_of(response)
-            if error is not None:
-                code, message = error
-                if code is not None:
-                    raise self._clean(code, message, status=400)
-                if any(text in message for text in _NOT_LOADED):
-                    raise self._clean(ErrorCode.NOT_LOADED, message, status=400)
+        error = self._error_of(response)
+        if error is not None:
+            code = generation_refusal(response.status_code, *error)
+            if code is not None:
+                raise self._clean(code, error[1], status=400)
         raise self._unrecognised(f"generate on {lora_name}", response)
 
-    def _error_of(self, response: httpx.Response) -> tuple[str | None, str] | None:
-        """``(clean code or None, message)`` of ``{"error": {"message", "code"?}}``."""
+    def _error_of(self, response: httpx.Response) -> tuple[Any, str] | None:
+        """``(code or None, message)`` of ``{"error": {"message", "code"?}}``."""
         try:
             err = response.json()["error"]
             message = str(err["message"])
         except (ValueError, KeyError, TypeError):
             return None
-        code = err.get("code") if isinstance(err, dict) else None
-        clean = code if code in _PREFIXABLE or code == ErrorCode.NOT_LOADED else None
-        return clean, message
+        return (err.get("code") if isinstance(err, dict) else None), message
 
     def _parse_generation(
         self,

@@ -114,6 +114,27 @@ class VLLMTimeouts:
     incarnation_ttl: float = 5.0
 
 
+def generation_refusal(
+    status: int, err_type: str, message: str, param: Any, model: str
+) -> str | None:
+    """The clean code of vLLM's error reply to a generation naming ``model``, or ``None`` when
+    the reply proves nothing (the caller treats it as ambiguous).
+
+    Shared by :meth:`VLLMEngine.generate` and the OpenAI gateway (which forwards clients'
+    requests to vLLM's own routes and must read its refusals by the same rule):
+
+    * 404 ``NotFoundError`` "The model `<model>` does not exist." -- ``NOT_LOADED``: the name is
+      not registered, refused before anything is scheduled (same text on ``/v1/completions``
+      and ``/v1/chat/completions``);
+    * 400 ``BadRequestError`` naming a ``param`` -- ``BAD_REQUEST``: request validation, also
+      before anything is scheduled."""
+    if status == 404 and err_type == "NotFoundError" and f"`{model}` does not exist" in message:
+        return ErrorCode.NOT_LOADED
+    if status == 400 and err_type == "BadRequestError" and param:
+        return ErrorCode.BAD_REQUEST
+    return None
+
+
 class VLLMEngine(PathLoadingEngine):
     """One vLLM OpenAI server as a fleet member (artifact transport: adapters load by path).
 
@@ -309,16 +330,9 @@ class VLLMEngine(PathLoadingEngine):
         if response.status_code == 200:
             return self._parse_completion(response, model, params, request_id, incarnation)
         err_type, message, param = self._error_of(response)
-        if (
-            response.status_code == 404
-            and err_type == "NotFoundError"
-            and f"`{model}` does not exist" in message
-        ):
-            raise self._clean(ErrorCode.NOT_LOADED, message, status=404)
-        # vLLM's request validation errors name the offending parameter; they happen before
-        # anything is scheduled.
-        if response.status_code == 400 and err_type == "BadRequestError" and param:
-            raise self._clean(ErrorCode.BAD_REQUEST, message, status=400)
+        code = generation_refusal(response.status_code, err_type, message, param, model)
+        if code is not None:
+            raise self._clean(code, message, status=response.status_code)
         raise self._unrecognised(f"generate on {model}", response)
 
     async def _recent_incarnation(self) -> str:
