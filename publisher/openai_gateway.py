@@ -19,9 +19,12 @@ The rules are the Python path's, reused, not restated (docs/openai.md):
   (else ``409 VERSION_NOT_BOUND``).
 * **Routing**: ``Gateway.admit`` -- a routable holder of the version, by rendezvous hashing of
   the session id (:mod:`publisher.affinity`), counted in flight before the first ``await``.
-* **At most once**: a connection refused (nothing sent) may try the next holder; any failure
-  after a byte may have left is ``502 AMBIGUOUS_DISPATCH`` and is never resent; an engine's
-  clean refusal comes back with the engine's status and code.
+* **At most once**: what provably did not run may try the next holder, once per holder, by
+  the Python path's rule (:func:`publisher.gateway.try_elsewhere`): a connection refused
+  (nothing sent), or a clean ``NOT_LOADED`` (the engine does not hold the name; nothing has
+  been sent to the client yet either). Any failure after a byte may have left is
+  ``502 AMBIGUOUS_DISPATCH`` and is never resent; any other clean refusal comes back with the
+  engine's status and code, and so does the last ``NOT_LOADED`` when no holder is left.
 * **Streaming** passes the engine's SSE events through as they arrive (framed, never held);
   usage is always asked of the engine, and its chunk is dropped when the client did not ask.
   A client that disconnects cancels the upstream request (its connection is closed).
@@ -52,18 +55,26 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from engines import guard
-from engines.contract import AmbiguousReply
+from engines.contract import AmbiguousReply, CleanRefusal
 from engines.openai_http import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     engine_body,
     open_upstream,
     read_failure,
+    refusal_of,
 )
 from evlog.errors import INVALID_INPUT, LoraLedgerError, Refused
 from projections.status import LedgerStatus
 from publisher.errors import Code
-from publisher.gateway import MISSING_CODES, DispatchCode, Gateway, RoutingView, version_salt
+from publisher.gateway import (
+    MISSING_CODES,
+    DispatchCode,
+    Gateway,
+    RoutingView,
+    try_elsewhere,
+    version_salt,
+)
 from publisher.logs import get_logger
 from publisher.outcomes import Bound
 from publisher.provenance import ProvenanceRow
@@ -208,6 +219,15 @@ class _Ask(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     stream: bool
     wants_usage: bool
+
+
+class _Refused(msgspec.Struct, frozen=True, kw_only=True):
+    """A clean refusal tried elsewhere, kept in case it becomes the answer (no holder left)."""
+
+    refusal: CleanRefusal
+    engine_id: str
+    head: int
+    started: float
 
 
 class _Usage:
@@ -455,7 +475,8 @@ class OpenAIGateway:
         refreshed = False
         # An error reply is sent only once the request's provenance row is written and its
         # in-flight count is down: a client that saw the 502 can rely on both.
-        failure: tuple[str, str] | None = None
+        failure: tuple[str, str] | tuple[str, str, int] | None = None
+        refused: _Refused | None = None  # the last refusal tried elsewhere
         while True:
             engine_id = gateway.admit(bound, tried, tally)
             if engine_id is None:
@@ -467,6 +488,9 @@ class OpenAIGateway:
                         log.warning("openai.refresh_failed", rid=ask.request_id, error=repr(exc))
                     self.worker.ensure_live()  # the lease check again, right before admit
                     continue
+                if refused is not None:  # every holder refused: the last one is the answer
+                    await self._answer_refused(ask, bound, turn, refused, send)
+                    return
                 await _send_error(
                     send,
                     DispatchCode.NO_ROUTE,
@@ -488,7 +512,27 @@ class OpenAIGateway:
                 usage = _Usage()
                 outcome = "ambiguous"
                 try:
-                    outcome = await self._forward(ask, bound, route, usage, send)
+                    result = await self._forward(ask, bound, route, usage, send)
+                    if isinstance(result, str):
+                        outcome = result
+                    elif try_elsewhere(result):
+                        # The engine does not hold the name and ran nothing; nothing went to
+                        # the client: the next holder may serve it. Like the Python path, no
+                        # row for this attempt unless its refusal becomes the answer.
+                        outcome = ""
+                        refused = _Refused(
+                            refusal=result, engine_id=engine_id, head=head, started=started
+                        )
+                        log.warning(
+                            "openai.tried_elsewhere",
+                            engine=engine_id,
+                            rid=ask.request_id,
+                            code=result.code,
+                        )
+                        continue
+                    else:
+                        outcome = "engine_error"
+                        failure = _refusal_reply(result)
                 except AmbiguousReply as exc:
                     if not exc.dispatched:
                         unreachable.append(engine_id)
@@ -529,11 +573,30 @@ class OpenAIGateway:
         if failure is not None:
             await _send_error(send, *failure)
 
+    async def _answer_refused(
+        self, ask: _Ask, bound: Bound, turn: int, refused: _Refused, send: Send
+    ) -> None:
+        """No holder is left after a refusal tried elsewhere: that refusal is the answer (the
+        Python path raises the last one), with its ``engine_error`` row written first."""
+        with anyio.CancelScope(shield=True):
+            await self._record(
+                ask,
+                bound,
+                refused.engine_id,
+                turn,
+                refused.head,
+                refused.started,
+                _Usage(),
+                "engine_error",
+            )
+        await _send_error(send, *_refusal_reply(refused.refusal))
+
     async def _forward(
         self, ask: _Ask, bound: Bound, route: EngineRoute, usage: _Usage, send: Send
-    ) -> str:
-        """Send once and relay the reply. Returns the provenance outcome: the engine's finish
-        reason, ``engine_error`` (a clean refusal, relayed) or ``ambiguous``."""
+    ) -> str | CleanRefusal:
+        """Send once and relay the reply. Returns the provenance outcome (the engine's finish
+        reason) of a reply relayed, or the engine's clean refusal (a 4xx), of which nothing has
+        been sent to the client: the caller decides between another holder and relaying it."""
         body = engine_body(
             ask.body,
             kind=route.kind,
@@ -553,7 +616,7 @@ class OpenAIGateway:
             timeout=self._timeout,
         ) as response:
             if response.status_code != 200:
-                return await self._relay_refusal(response, route, bound.lora_name, send)
+                return await self._read_refusal(response, route, bound.lora_name)
             headers = self._headers_for(ask, bound, route, response)
             if not ask.stream:
                 try:
@@ -598,32 +661,28 @@ class OpenAIGateway:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         await send({"type": "http.response.body", "body": pending, "more_body": False})
 
-    async def _relay_refusal(
-        self, response: httpx.Response, route: EngineRoute, lora_name: str, send: Send
-    ) -> str:
-        """A 4xx: the engine refused before generating. Relayed with its status, in OpenAI's
-        shape, its code kept (``GENERATION_FAILED`` when it gave none). A refusal saying the
-        engine lacks ``lora_name`` is reported to the gateway (a possibly lost adapter)."""
+    async def _read_refusal(
+        self, response: httpx.Response, route: EngineRoute, lora_name: str
+    ) -> CleanRefusal:
+        """A 4xx: the engine refused before generating, read by its adapter's rule
+        (:func:`engines.openai_http.refusal_of`: vLLM's 404 "model does not exist" is
+        ``NOT_LOADED``). A refusal saying the engine lacks ``lora_name`` (``NOT_LOADED``,
+        ``NAME_RECLAIMED``) is reported to the gateway at once, whether or not another holder
+        then serves the request: the engine may have lost a committed version."""
         try:
-            raw = await response.aread()
-            reply = msgspec.json.decode(raw)
+            reply = msgspec.json.decode(await response.aread())
         except (httpx.HTTPError, msgspec.DecodeError):
             reply = None
-        error = reply.get("error") if isinstance(reply, dict) else None
-        message = (
-            str(error.get("message")) if isinstance(error, dict) else f"HTTP {response.status_code}"
-        )
-        code = str(error.get("code") or "") if isinstance(error, dict) else ""
-        if code in MISSING_CODES or response.status_code == 404:
-            # The engine does not hold the version (vLLM: 404 "model does not exist").
-            self.gateway.report_missing(route.engine_id, lora_name)
-        await _send_error(
-            send,
-            code or DispatchCode.GENERATION_FAILED,
-            f"engine {route.engine_id} refused the request: {message}",
+        refusal = refusal_of(
             response.status_code,
+            reply,
+            kind=route.kind,
+            lora_name=lora_name,
+            engine_id=route.engine_id,
         )
-        return "engine_error"
+        if refusal.code in MISSING_CODES:
+            self.gateway.report_missing(route.engine_id, lora_name)
+        return refusal
 
     def _headers_for(
         self, ask: _Ask, bound: Bound, route: EngineRoute, response: httpx.Response
@@ -719,6 +778,16 @@ class _Tracked:
         elif not message.get("more_body", False):
             self.ended = True
         await self._send(message)
+
+
+def _refusal_reply(refusal: CleanRefusal) -> tuple[str, str, int]:
+    """An engine's clean refusal as the client gets it: the engine's status, its code
+    (``GENERATION_FAILED`` when it gave none) and its message."""
+    return (
+        refusal.code or DispatchCode.GENERATION_FAILED,
+        f"engine {refusal.engine_id} refused the request: {refusal.message}",
+        refusal.status,
+    )
 
 
 async def _send_error(send: Send, code: str, message: str, status: int | None = None) -> None:

@@ -38,6 +38,7 @@ from publisher.plane import ControlPlane
 from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.sessions import RolloutWorker
 from publisher.trainer import TrainerClient
+from tests.fault.engine_host import HostedEngine
 from tests.publisher.plane_kit import FAST, LIMITS
 
 TOKEN = "openai-test-token"
@@ -89,6 +90,7 @@ class Rig:
     sink: MemorySink
     url: str  # the OpenAI face: base_url = url + "/v1"
     names: dict[int, str] = field(default_factory=dict)
+    hosts: dict[str, HostedEngine] = field(default_factory=dict)  # rig(restartable=True)
 
     @property
     def base_url(self) -> str:
@@ -116,15 +118,30 @@ async def rig(
     owner: str = "openai-gw",
     ttl_s: float = 30.0,
     idle_release_s: float = 0.0,
+    restartable: bool = False,
+    probe_interval_s: float = 0.05,
 ) -> AsyncIterator[Rig]:
     """``engines`` local engines over HTTP, a control plane over them and the OpenAI face.
-    ``routes`` overrides the URL the face uses for an engine (a fault relay in front of it)."""
+    ``routes`` overrides the URL the face uses for an engine (a fault relay in front of it).
+    ``restartable``: each engine is a :class:`HostedEngine` (``Rig.hosts``), restartable in
+    place (same port, a new process life holding nothing); ``Rig.engines`` are their first
+    lives. ``probe_interval_s``: the plane's health probe (a long one leaves a restart unseen
+    until something reports the engine)."""
+    hosts: dict[str, HostedEngine] = {}
     async with contextlib.AsyncExitStack() as stack:
-        local = [
-            await stack.enter_async_context(LocalEngine(f"e{i}", limits=LIMITS))
-            for i in range(engines)
-        ]
-        urls = {e.engine_id: await stack.enter_async_context(serve_engine(e)) for e in local}
+        if restartable:
+            for i in range(engines):
+                hosts[f"e{i}"] = await stack.enter_async_context(
+                    HostedEngine(f"e{i}", tmp_path / "artifacts")
+                )
+            local = [h.engine for h in hosts.values()]
+            urls = {engine_id: h.url for engine_id, h in hosts.items()}
+        else:
+            local = [
+                await stack.enter_async_context(LocalEngine(f"e{i}", limits=LIMITS))
+                for i in range(engines)
+            ]
+            urls = {e.engine_id: await stack.enter_async_context(serve_engine(e)) for e in local}
         handles = [
             await stack.enter_async_context(contextlib.aclosing(LocalHTTPEngine(url, engine_id)))
             for engine_id, url in urls.items()
@@ -137,7 +154,7 @@ async def rig(
                 prefix="agent",
                 capacity=capacity,
                 artifact_root=tmp_path / "artifacts",
-                probe_interval_s=0.05,
+                probe_interval_s=probe_interval_s,
                 reclaim_tick_s=0.05,
                 timeouts=FAST,
                 cleanup_timeout=5.0,
@@ -164,7 +181,7 @@ async def rig(
         face = OpenAIGateway(worker, LiveView(plane.ledger), table, OpenAIOptions(token=TOKEN))
         stack.push_async_callback(face.aclose)
         url = await stack.enter_async_context(serve_app(openai_app(face)))
-        yield Rig(plane, local, urls, gateway, worker, face, sink, url)
+        yield Rig(plane, local, urls, gateway, worker, face, sink, url, hosts=hosts)
 
 
 class ResetAfterSend:

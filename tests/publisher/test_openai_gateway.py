@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from engines.local.tinymodel import make_adapter
 from evlog.errors import LoraLedgerError
-from evlog.events import SessionReleased
+from evlog.events import EngineRestarted, SessionReleased
 from projections.transitions import VersionState
 from publisher.affinity import rendezvous
 from publisher.gateway import Gateway, LedgerRouting
@@ -33,7 +33,7 @@ from publisher.openai_gateway import (
 from publisher.sessions import RolloutWorker
 from publisher.trainer import TrainerClient
 from tests.publisher.openai_kit import TOKEN, ResetAfterSend, Rig, rig, serve_app
-from tests.publisher.plane_kit import wait_for
+from tests.publisher.plane_kit import events, wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
@@ -267,11 +267,90 @@ async def test_a_refusal_for_a_lost_adapter_is_relayed_once_and_moves_routing(
         with pytest.raises(openai.BadRequestError) as refused:
             await chat_sync(r, s)
         assert refused.value.code == "NAME_RECLAIMED"
-        assert r.gateway.dispatched == sent + 1
+        assert r.gateway.dispatched == sent + 1  # not tried on e1: a premature reclaim surfaces
+        await wait_for(lambda: len(r.sink.rows) == 2)
+        assert (r.sink.rows[-1].engine, r.sink.rows[-1].finish_reason) == ("e0", "engine_error")
         await wait_for(lambda: "e0" not in r.plane.ledger.state.holders(name), 2.0)
         headers, _ = await chat_sync(r, s)
         assert headers["x-loraledger-engine"] == "e1"
         assert not r.gateway.inflight_counts()
+
+
+IDLE = 3600.0  # the plane's probe interval when only a report may get an engine read
+
+
+def going_to(engine_id: str, holders: list[str]) -> str:
+    """A session id whose first choice (rendezvous) among ``holders`` is ``engine_id``."""
+    return next(f"s{i}" for i in range(1000) if rendezvous(f"s{i}", holders) == engine_id)
+
+
+async def turn(r: Rig, s: str, stream: bool) -> dict[str, str]:
+    """One chat turn, streaming or not; the reply's headers."""
+    if stream:
+        headers, chunks = await stream_async(r, s)
+        assert chunks and chunks[-1].choices[0].finish_reason
+        return headers
+    headers, _ = await chat_sync(r, s)
+    return headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_not_loaded_refusal_is_served_by_the_other_holder(
+    tmp_path: Path, stream: bool
+) -> None:
+    """e0 restarted empty and the ledger does not know yet (its probe is an hour away): e0
+    refuses the session's turn ``NOT_LOADED`` before anything ran, so the face serves it on
+    e1, the other holder, as the Python gateway does -- once per holder, one provenance row
+    (e1's), every count back to 0 -- and reports the refusal: the reconciler reads e0 at once
+    and records its restart."""
+    async with rig(tmp_path, restartable=True, probe_interval_s=IDLE) as r:
+        name = await r.publish(1)
+        s = going_to("e0", ["e0", "e1"])
+        assert (await turn(r, s, stream))["x-loraledger-engine"] == "e0"
+        await r.hosts["e0"].restart()
+        assert "e0" in r.plane.ledger.state.holders(name)  # routing has not caught up
+        await wait_for(lambda: len(r.sink.rows) == 1)
+        sent = r.gateway.dispatched
+        headers = await turn(r, s, stream)
+        assert headers["x-loraledger-engine"] == "e1"
+        assert headers["x-loraledger-version"] == "1"
+        assert r.gateway.dispatched == sent + 2  # e0 once (refused), e1 once (served)
+        assert not r.gateway.inflight_counts() and not r.worker.inflight
+        await wait_for(lambda: len(r.sink.rows) == 2)
+        row = r.sink.rows[-1]
+        assert (row.engine, row.request_id, row.version_id) == ("e1", headers["x-request-id"], 1)
+        assert row.finish_reason in ("stop", "length")
+        # reported: e0 is read now, not at the next probe, and its new life recorded (then
+        # repaired: the plane loads the version again, so the holders are no witness)
+        life = r.hosts["e0"].engine.incarnation_id
+        await wait_for(lambda: r.plane.ledger.state.engines["e0"].incarnation == life, 5.0)
+        restarts = [e for e in await events(r.plane.ledger) if isinstance(e, EngineRestarted)]
+        assert [e.engine for e in restarts] == ["e0"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_when_every_holder_refuses_the_last_refusal_is_relayed(
+    tmp_path: Path, stream: bool
+) -> None:
+    """Both holders restarted empty: each is tried once, and the client gets the last one's
+    clean refusal (the engine's 400 ``NOT_LOADED``, not retryable), not ``NO_ROUTE`` nor a
+    5xx, after its one ``engine_error`` row is written and every count is back to 0."""
+    async with rig(tmp_path, restartable=True, probe_interval_s=IDLE) as r:
+        await r.publish(1)
+        s = going_to("e0", ["e0", "e1"])
+        for host in r.hosts.values():
+            await host.restart()
+        sent = r.gateway.dispatched
+        with pytest.raises(openai.BadRequestError) as refused:
+            await turn(r, s, stream)
+        assert refused.value.status_code == 400
+        assert refused.value.code == "NOT_LOADED"
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert "engine e1 refused" in refused.value.message  # the last holder tried
+        assert r.gateway.dispatched == sent + 2
+        assert not r.gateway.inflight_counts() and not r.worker.inflight
+        await wait_for(lambda: bool(r.sink.rows))
+        assert [(row.engine, row.finish_reason) for row in r.sink.rows] == [("e1", "engine_error")]
 
 
 class socket_closed:
