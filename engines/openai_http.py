@@ -140,8 +140,9 @@ def refusal_of(
     :func:`engines.sglang.generation_refusal`, the local engine answering in SGLang's terms), so
     both paths agree on what ``NOT_LOADED`` is: vLLM's 404 "model does not exist", SGLang's
     400 "not loaded" texts, the local engine's coded 400. A 4xx that rule does not recognise
-    keeps the engine's own string code, or none (``code`` empty): it is still a refusal before
-    anything ran (vLLM and SGLang validate before scheduling), only not one the gateway acts on.
+    keeps the code the engine gave, if any (vLLM and SGLang give the HTTP status): it is still a
+    refusal before anything ran (both validate before scheduling), only not one the gateway
+    acts on.
     ``reply`` is the decoded body: ``{"error": {...}}`` (vLLM, the local engine) or the error
     object itself (SGLang's OpenAI routes)."""
     error = reply.get("error", reply) if isinstance(reply, dict) else None
@@ -155,6 +156,6 @@ def refusal_of(
         )
     else:
         code = sglang.generation_refusal(status, given, message)
-    if code is None:
-        code = given if isinstance(given, str) else ""
+    if code is None:  # as the engine gave it (vLLM's and SGLang's is the HTTP status)
+        code = str(given) if given not in (None, "") else ""
     return CleanRefusal(code, message, engine_id=engine_id, status=status)

@@ -31,7 +31,7 @@ def vllm(status: int, err_type: str, message: str, param: str | None = None) -> 
             ErrorCode.NOT_LOADED,
         ),
         # ... but a 404 about another name proves nothing about ours
-        ("vllm", 404, vllm(404, "NotFoundError", "The model `other` does not exist."), ""),
+        ("vllm", 404, vllm(404, "NotFoundError", "The model `other` does not exist."), "404"),
         ("vllm", 400, vllm(400, "BadRequestError", "bad", "temperature"), ErrorCode.BAD_REQUEST),
         # SGLang's OpenAI routes: the error object itself, its code the HTTP status
         (
@@ -59,9 +59,10 @@ def vllm(status: int, err_type: str, message: str, param: str | None = None) -> 
             {"error": {"message": "not loaded", "code": "NOT_LOADED"}},
             ErrorCode.NOT_LOADED,
         ),
-        # unrecognised: the engine's own string code is kept, a number is not a code
+        # unrecognised: the code the engine gave is kept (vLLM's: the HTTP status)
         ("local", 400, {"error": {"message": "n too big", "code": "TOO_MANY"}}, "TOO_MANY"),
-        ("vllm", 422, vllm(422, "UnprocessableEntity", "bad body"), ""),
+        ("vllm", 422, vllm(422, "UnprocessableEntity", "bad body"), "422"),
+        ("local", 400, {"error": {"message": "no code"}}, ""),
         ("sglang", 400, None, ""),  # not JSON
     ],
 )
