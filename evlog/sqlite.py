@@ -229,14 +229,15 @@ class SQLiteStore(ChainedStore):
             await anyio.to_thread.run_sync(_probe_uri, uri)
         except sqlite3.Error as exc:
             raise _store_error(exc, f"cannot open {where}") from exc
-        conn: aiosqlite.Connection | None = None
+        opened: list[aiosqlite.Connection] = []
         try:
             conn = await aiosqlite.connect(uri, uri=True, isolation_level=None)
+            opened.append(conn)
             await conn.execute("PRAGMA query_only = ON")
             await _check_readable(conn, where, quick_check)
             last_seq, head_hash = await _check_tail(conn)
         except BaseException as exc:
-            await _close_quietly([] if conn is None else [conn])
+            await _close_quietly(opened)
             if isinstance(exc, sqlite3.Error):
                 raise _store_error(exc, f"cannot open {where}") from exc
             raise

@@ -220,6 +220,26 @@ async def test_a_failing_rollback_leaves_the_writes_own_error(
         assert [r.seq for r in await store.read()] == [1, 2, 3, 4, 5]
 
 
+async def test_after_a_failed_first_write_the_chain_still_starts_at_seq_1(tmp_path: Path) -> None:
+    """The slow path reads the tail of an empty log as (0, genesis), not as what the cache
+    says: the first record written after a failure is record 1, chained to genesis."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'no'); END"
+        )
+        conn.close()
+        with raises_code(StoreCode.STORE_FAILED):
+            await store.append(batch_of(2, "lost"))
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("DROP TRIGGER refuse")
+        conn.close()
+        assert await store.append(batch_of(2, "a")) == [1, 2]
+        assert [r.seq for r in await store.read()] == [1, 2]
+        assert (await store.verify()).ok
+
+
 # --- reading and closing ------------------------------------------------------------------------
 
 
@@ -273,6 +293,41 @@ async def test_a_failing_close_still_closes_both_connections(
     await store.append(batch_of(2))
     _fail_after(monkeypatch, "close")
     await store.close()  # the injected failures are not the caller's business
+    assert len(connections) == 2 and all([await _is_closed(c) for c in connections])
+    with raises_code(StoreCode.STORE_CLOSED):
+        await store.read()
+
+
+async def test_a_close_cancelled_while_a_group_is_written_waits_for_it_then_closes(
+    tmp_path: Path, connections: list[aiosqlite.Connection]
+) -> None:
+    """close() is shielded as a whole: cancelled while a group waits for the file's write lock
+    (held here by another connection), it still lets that group commit and answer, then closes
+    both connections; nothing is left half-closed."""
+    path = tmp_path / "log.db"
+    store = await SQLiteStore.connect(path)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the store's next write waits for it (busy_timeout)
+    answered: list[list[int]] = []
+
+    async def append() -> None:
+        answered.append(await store.append(batch_of(1)))
+
+    async def release() -> None:
+        await anyio.wait_all_tasks_blocked()  # close() is waiting for the group by now
+        other.rollback()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(append)
+            await anyio.wait_all_tasks_blocked()  # the group is in flight, on the lock
+            tg.start_soon(release)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await store.close()
+    finally:
+        other.close()
+    assert answered == [[1]]
     assert len(connections) == 2 and all([await _is_closed(c) for c in connections])
     with raises_code(StoreCode.STORE_CLOSED):
         await store.read()
