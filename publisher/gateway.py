@@ -31,14 +31,19 @@ Four rules, each one a user-visible guarantee (docs/sessions.md):
   for every engine) is sent instead, so two versions can never share prefix-cache entries
   (docs/engines.md) whatever the client asks.
 
-**A refusal that says the adapter is gone** (``NOT_LOADED``, ``NAME_RECLAIMED`` from an engine
-the routing lists as a holder) means the engine may have lost a committed version behind the
-ledger's back. The gateway reports it (``on_missing(engine, lora_name)``; in process, the
-reconciler's :meth:`~publisher.reconciler.Reconciler.suspect`), so that engine's inventory is
-read at once rather than at the next full pass: the loss is recorded (``AdapterLost``) and
-routing moves off the engine within moments. The refusal itself stays ``GENERATION_FAILED``
-for the caller and is not resent here: it was clean (nothing generated), the caller may retry
-at will, and its retry is routed by the updated ledger.
+**A failure that says something about the engine** (:func:`says_about_engine`: it could not
+be reached, is gone, failed ambiguously, or refused because it lacks the adapter) is reported
+through the gateway's one hook, ``on_engine_trouble(engine, error)``
+(:meth:`Gateway.report_trouble`), by this gateway and by its OpenAI face alike, so whoever
+keeps the fleet true looks at that engine now rather than at its next periodic pass. The
+receiver reads the error: in process the reconciler's
+:meth:`~publisher.reconciler.Reconciler.engine_trouble` (a missing adapter: that engine's
+inventory is read at once, the loss recorded as ``AdapterLost`` and routed around within
+moments; anything else: the engine is probed at once, and a failed probe counts towards its
+suspension), on Ray ``RayLedger.engine_failed``, which forwards the error to the ledger actor's
+reconciler. A refusal about the request itself (``BAD_REQUEST``) says nothing about the engine
+and is not reported. The failure itself is answered to the caller as below and is not resent
+here; a clean refusal's retry is routed by the updated ledger.
 
 Every result carries its provenance (:class:`publisher.provenance.ProvenanceRow`): the version
 that served it, the revision the session bound at, the head revision at dispatch and at
@@ -134,10 +139,21 @@ def try_elsewhere(exc: EngineError) -> bool:
 
 
 def says_about_engine(exc: EngineError) -> bool:
-    """Whether a failed generation is evidence about the engine (unreachable, gone, restarted,
-    lost its adapter) rather than about the request (a bad parameter): the former is reported
-    through the gateway's ``on_engine_failure`` hook."""
-    return not exc.clean or exc.code in HOLDER_REFUSALS
+    """Whether a failed generation is evidence about the engine rather than about the request:
+    every failure that is not a clean refusal (unreachable, gone, timed out, lost reply, 5xx:
+    the engine may be down or restarted, only a probe can tell), and the clean refusals that say
+    it lacks the adapter (:data:`MISSING_CODES`: it may have lost a committed version). Any
+    other clean refusal (``BAD_REQUEST``, an invalid name) proves the engine answered and holds
+    what it should: nothing to look at. The former is reported through the gateway's
+    ``on_engine_trouble`` hook."""
+    return not exc.clean or exc.code in MISSING_CODES
+
+
+def lacks_adapter(exc: EngineError) -> bool:
+    """Whether ``exc`` is the engine's own clean answer that it does not hold the adapter asked
+    for: the receiver of ``on_engine_trouble`` reads its inventory, not just its health (a
+    probe alone cannot see a lost adapter)."""
+    return exc.clean and exc.code in MISSING_CODES
 
 
 class RoutingView(Protocol):
@@ -249,12 +265,16 @@ class Gateway:
     call from many tasks at once.
 
     ``gateway_id`` names this reporter in in-flight evidence and provenance; ``clock`` stamps
-    evidence and rows (pass the ledger's clock to keep one time base). Two hooks, both called
-    synchronously and neither allowed to block: ``on_engine_failure(engine, error)`` hears every
-    failed generation that says something about its engine (:func:`says_about_engine`; on Ray,
-    ``RayLedger.engine_failed`` refreshes the fleet and has the ledger's reconciler probe the
-    engine at once); ``on_missing(engine, lora_name)`` hears every refusal meaning the engine
-    lacks the adapter (see the module docstring; in process, the reconciler's ``suspect``)."""
+    evidence and rows (pass the ledger's clock to keep one time base).
+
+    ``on_engine_trouble(engine, error)`` hears every failed generation that says something
+    about its engine (:func:`says_about_engine`), from :meth:`generate` and from the OpenAI face
+    (:meth:`report_trouble`). One hook, not one per kind of trouble, so that a deployment wires
+    one receiver and that receiver hears everything (two hooks let callers wire one and silently
+    drop the other kind): in process ``plane.reconciler.engine_trouble``, on Ray
+    ``RayLedger.engine_failed``. It is called synchronously, inside the failing dispatch, and
+    must not block or await: a receiver only schedules work (the reconciler's loop, a Ray
+    call), so a report never delays the caller's answer or another holder's try."""
 
     def __init__(
         self,
@@ -264,12 +284,10 @@ class Gateway:
         gateway_id: str = "gateway",
         recorder: ProvenanceRecorder | None = None,
         clock: Callable[[], float] = time.time,
-        on_engine_failure: Callable[[str, EngineError], None] | None = None,
-        on_missing: Callable[[str, str], None] | None = None,
+        on_engine_trouble: Callable[[str, EngineError], None] | None = None,
     ) -> None:
         self.fleet = fleet
-        self.on_engine_failure = on_engine_failure
-        self.on_missing = on_missing
+        self.on_engine_trouble = on_engine_trouble
         self.routing = routing
         self.gateway_id = gateway_id
         self.recorder = recorder
@@ -400,12 +418,9 @@ class Gateway:
             try:
                 generation = await engine.generate(prompt, bound.lora_name, params, **kwargs)
             except EngineError as exc:
-                if says_about_engine(exc) and self.on_engine_failure is not None:
-                    self.on_engine_failure(engine_id, exc)
-                if exc.clean and exc.code in MISSING_CODES:
-                    # Reported whether or not another holder takes the request: the engine
-                    # may have lost a committed version, and that is checked now.
-                    self.report_missing(engine_id, bound.lora_name)
+                # Reported whether or not another holder takes the request: the engine may
+                # be down or have lost a committed version, and that is checked now.
+                self.report_trouble(engine_id, exc)
                 if try_elsewhere(exc):
                     # Provably did not run: another holder may take it (once per holder).
                     if exc.dispatched:
@@ -484,12 +499,19 @@ class Gateway:
             tally.exit(key)
         self._load[engine_id] -= 1
 
-    def report_missing(self, engine_id: str, lora_name: str) -> None:
-        """``engine_id`` refused a generation of ``lora_name`` as not loaded: tell
-        ``on_missing`` (the reconciler reads that engine's inventory now)."""
-        log.warning("gateway.adapter_missing", engine=engine_id, lora_name=lora_name)
-        if self.on_missing is not None:
-            self.on_missing(engine_id, lora_name)
+    def report_trouble(self, engine_id: str, error: EngineError) -> None:
+        """A generation sent to ``engine_id`` failed with ``error``: tell ``on_engine_trouble``
+        when the failure says something about the engine (:func:`says_about_engine`), so its
+        receiver looks at that engine now; a refusal about the request is not reported. Both
+        faces call it for every engine failure, so the filter lives here, once."""
+        if not says_about_engine(error):
+            return
+        if lacks_adapter(error):
+            log.warning(
+                "gateway.adapter_missing", engine=engine_id, code=error.code, msg=error.message
+            )
+        if self.on_engine_trouble is not None:
+            self.on_engine_trouble(engine_id, error)
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if exc.clean:

@@ -25,6 +25,10 @@ The rules are the Python path's, reused, not restated (docs/openai.md):
   been sent to the client yet either). Any failure after a byte may have left is
   ``502 AMBIGUOUS_DISPATCH`` and is never resent; any other clean refusal comes back with the
   engine's status and code, and so does the last ``NOT_LOADED`` when no holder is left.
+* **Engine trouble**: every failure that says something about the engine (connection refused,
+  a reply lost or timed out, a 5xx, a ``NOT_LOADED``/``NAME_RECLAIMED`` refusal) is reported
+  through the gateway's one hook (``Gateway.report_trouble`` -> ``on_engine_trouble``), exactly
+  as the Python path reports it, so the reconciler looks at that engine now.
 * **Streaming** passes the engine's SSE events through as they arrive (framed, never held);
   usage is always asked of the engine, and its chunk is dropped when the client did not ask.
   A client that disconnects cancels the upstream request (its connection is closed).
@@ -68,7 +72,6 @@ from evlog.errors import INVALID_INPUT, LoraLedgerError, Refused
 from projections.status import LedgerStatus
 from publisher.errors import Code
 from publisher.gateway import (
-    MISSING_CODES,
     DispatchCode,
     Gateway,
     RoutingView,
@@ -515,25 +518,32 @@ class OpenAIGateway:
                     result = await self._forward(ask, bound, route, usage, send)
                     if isinstance(result, str):
                         outcome = result
-                    elif try_elsewhere(result):
-                        # The engine does not hold the name and ran nothing; nothing went to
-                        # the client: the next holder may serve it. Like the Python path, no
-                        # row for this attempt unless its refusal becomes the answer.
-                        outcome = ""
-                        refused = _Refused(
-                            refusal=result, engine_id=engine_id, head=head, started=started
-                        )
-                        log.warning(
-                            "openai.tried_elsewhere",
-                            engine=engine_id,
-                            rid=ask.request_id,
-                            code=result.code,
-                        )
-                        continue
                     else:
+                        # Reported whether or not another holder then serves the request: a
+                        # missing adapter may be a committed version the engine lost (a
+                        # refusal about the request itself is not reported: see the gateway).
+                        gateway.report_trouble(engine_id, result)
+                        if try_elsewhere(result):
+                            # The engine does not hold the name and ran nothing; nothing went
+                            # to the client: the next holder may serve it. Like the Python
+                            # path, no row for this attempt unless its refusal is the answer.
+                            outcome = ""
+                            refused = _Refused(
+                                refusal=result, engine_id=engine_id, head=head, started=started
+                            )
+                            log.warning(
+                                "openai.tried_elsewhere",
+                                engine=engine_id,
+                                rid=ask.request_id,
+                                code=result.code,
+                            )
+                            continue
                         outcome = "engine_error"
                         failure = _refusal_reply(result)
                 except AmbiguousReply as exc:
+                    # Unreachable (nothing sent) or sent with its outcome unknown: either way
+                    # the engine may be down or restarted, and a probe now tells.
+                    gateway.report_trouble(engine_id, exc)
                     if not exc.dispatched:
                         unreachable.append(engine_id)
                         log.warning("openai.not_dispatched", engine=engine_id, rid=ask.request_id)
@@ -666,23 +676,18 @@ class OpenAIGateway:
     ) -> CleanRefusal:
         """A 4xx: the engine refused before generating, read by its adapter's rule
         (:func:`engines.openai_http.refusal_of`: vLLM's 404 "model does not exist" is
-        ``NOT_LOADED``). A refusal saying the engine lacks ``lora_name`` (``NOT_LOADED``,
-        ``NAME_RECLAIMED``) is reported to the gateway at once, whether or not another holder
-        then serves the request: the engine may have lost a committed version."""
+        ``NOT_LOADED``), so both faces report the same refusals as engine trouble."""
         try:
             reply = msgspec.json.decode(await response.aread())
         except (httpx.HTTPError, msgspec.DecodeError):
             reply = None
-        refusal = refusal_of(
+        return refusal_of(
             response.status_code,
             reply,
             kind=route.kind,
             lora_name=lora_name,
             engine_id=route.engine_id,
         )
-        if refusal.code in MISSING_CODES:
-            self.gateway.report_missing(route.engine_id, lora_name)
-        return refusal
 
     def _headers_for(
         self, ask: _Ask, bound: Bound, route: EngineRoute, response: httpx.Response

@@ -45,10 +45,13 @@ The health loop (:meth:`Reconciler.run`) probes every engine's ``incarnation()``
 ``probe_interval_s`` (or when poked) and reconciles an engine that restarted, is not routable,
 lacks a needed version, or is involved in a blocking entry; every ``full_every_s`` it reconciles
 every engine anyway, so drift nobody reported (a stray loaded behind our back, SGLang's implicit
-reload of an unloaded name) is found and undone too. Drift somebody *did* report -- a gateway
-whose generation an engine refused as not loaded (:meth:`Reconciler.suspect`) -- wakes the loop
-at once and that engine is reconciled in full: a lost adapter is recorded and routed around
-within moments, not at the next full pass. Engines are driven through
+reload of an unloaded name) is found and undone too. Trouble somebody *did* report -- a
+gateway whose generation failed in a way that says something about the engine
+(:meth:`Reconciler.engine_trouble`, the gateway's ``on_engine_trouble`` hook) -- wakes the loop
+at once: an engine that refused as not loaded is reconciled in full (a lost adapter is recorded
+and routed around within moments, not at the next full pass), an engine that could not be
+reached or failed ambiguously is probed (a failed probe counts towards its suspension, a new
+incarnation is a restart, repaired before it serves). Engines are driven through
 :mod:`publisher.engine_protocol` (restore: ``stage_and_load``; every cleanup: ``unload_fenced``),
 every call bounded (:mod:`publisher.engine_ops`); one engine's failure never stops the others or
 the loop.
@@ -72,6 +75,7 @@ from publisher.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
 from publisher.engine_ops import EngineTimeouts, call, managed_names, managed_prefix
 from publisher.engine_protocol import inventory_confirms, stage_and_load, unload_fenced
 from publisher.fleet import Fleet
+from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
@@ -167,7 +171,7 @@ class Reconciler:
         self._poked: anyio.Event | None = None
         # Engines a gateway saw refuse a generation as not loaded: read at the next wake.
         self._suspects: set[str] = set()
-        self._suspected_at: dict[str, float] = {}  # engine -> when it last woke the loop
+        self._reported_at: dict[str, float] = {}  # engine -> when a report last woke the loop
         self.passes = 0
 
     @property
@@ -180,23 +184,37 @@ class Reconciler:
         if self._poked is not None:
             self._poked.set()
 
-    def suspect(self, engine_id: str, lora_name: str = "") -> None:
-        """A gateway saw ``engine_id`` refuse a generation of ``lora_name`` as not loaded: the
-        engine may have lost a committed version (an external unload, an eviction). Its
-        inventory is read at the health loop's next wake -- now -- instead of at the next full
-        pass, so the loss is recorded (``AdapterLost``), routed around and repaired within
-        moments. Cheap and idempotent: many refusals before the wake are one read, an
-        inventory that shows nothing new writes nothing, and an engine wakes the loop at most
-        once per ``probe_interval_s`` (a flood of refusals is read at the regular ticks, not
-        in a storm of passes)."""
+    def engine_trouble(self, engine_id: str, error: EngineError) -> None:
+        """A caller's generation on ``engine_id`` failed with ``error`` in a way that says
+        something about the engine (the gateway's ``on_engine_trouble`` hook: every such
+        failure, of the Python path and the OpenAI face). The health loop wakes now rather than
+        at its next tick, and what it does depends on what the error says:
+
+        * the engine refused because it lacks the adapter (``NOT_LOADED``, ``NAME_RECLAIMED``:
+          :func:`~publisher.gateway.lacks_adapter`): it may have lost a committed version (an
+          external unload, an eviction), which a probe cannot see, so its inventory is read in
+          full and the loss is recorded (``AdapterLost``), routed around and repaired within
+          moments instead of at the next full pass;
+        * anything else (unreachable, gone, a timeout, a lost reply, a 5xx): the engine is
+          probed -- the loop's own probe, nothing else -- so a failed probe counts towards its
+          suspension (``ENGINE_GONE`` suspends at once) and a new incarnation is a restart,
+          repaired before it serves.
+
+        Only a hint, never a verdict: the probe and the inventory decide, so a report about a
+        healthy engine costs one probe and writes nothing. Synchronous and non-blocking (it
+        only marks the engine and sets the loop's event), cheap and idempotent: many reports
+        before the wake are one read, and an engine wakes the loop at most once per
+        ``probe_interval_s`` (a flood of failures is handled at the regular ticks, not in a
+        storm of passes). An engine outside this fleet is ignored."""
         if engine_id not in self._fleet:
             return
-        self._suspects.add(engine_id)
+        if lacks_adapter(error):
+            self._suspects.add(engine_id)
         now = self._clock()
-        last = self._suspected_at.get(engine_id)
+        last = self._reported_at.get(engine_id)
         if last is None or now - last >= self.probe_interval_s:
-            self._suspected_at[engine_id] = now
-            log.info("reconciler.suspect", engine=engine_id, lora_name=lora_name)
+            self._reported_at[engine_id] = now
+            log.info("reconciler.engine_trouble", engine=engine_id, code=error.code)
             self.poke()
 
     def _lock(self, engine_id: str) -> anyio.Lock:
@@ -546,7 +564,8 @@ class Reconciler:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Probe every engine each ``probe_interval_s`` (or when poked), forever; engines
-        under suspicion (:meth:`suspect`) get a full reconcile, not just a probe."""
+        reported lacking an adapter (:meth:`engine_trouble`) get a full reconcile, not just a
+        probe."""
         self._poked = anyio.Event()
         task_status.started()
         while True:

@@ -223,7 +223,7 @@ async def run_demo(
             LedgerRouting(ledger),
             gateway_id="demo-gateway",
             recorder=recorder,
-            on_missing=plane.reconciler.suspect,
+            on_engine_trouble=plane.reconciler.engine_trouble,
         )
         plane.add_inflight_source(gateway)
         trainer = TrainerClient(plane)

@@ -281,7 +281,7 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
             gateway_id=opts.gateway_owner,
             recorder=recorder,
             clock=ledger.clock,
-            on_missing=plane.reconciler.suspect,
+            on_engine_trouble=plane.reconciler.engine_trouble,
         )
         plane.add_inflight_source(gateway)
         async with RolloutWorker.open(

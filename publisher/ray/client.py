@@ -9,7 +9,7 @@ It has the API rollout code uses in process -- it is a
 
     async with RayLedger.connect("ledger") as ledger:
         gateway = Gateway(ledger.fleet, ledger.routing, gateway_id="w1",
-                          on_engine_failure=ledger.engine_failed)
+                          on_engine_trouble=ledger.engine_failed)
         async with RolloutWorker.open(ledger, gateway, owner="w1") as worker:
             served = await worker.session("s1").generate(prompt)
 
@@ -40,8 +40,10 @@ Three things differ from in process, each for a reason:
   actor's handle. (Fetched afterwards, as a separate call, the handle arrived one round trip
   after the table, and such a first turn could meet the dead actor: ``AMBIGUOUS_DISPATCH``,
   never resent.) A failed engine call reported through :meth:`engine_failed` (the gateway's
-  ``on_engine_failure`` hook) also refreshes the mirror, and tells the ledger actor, whose
-  reconciler then probes at once (a dead actor is suspended at its first failed probe).
+  ``on_engine_trouble`` hook) also refreshes the mirror, and goes to the ledger actor's
+  reconciler (:meth:`~publisher.reconciler.Reconciler.engine_trouble`), which probes the engine
+  at once (a dead actor is suspended at its first failed probe) or, for a refusal saying it
+  lacks the adapter, reads its inventory at once (a lost adapter is recorded and routed around).
 * **A clean exit ends the owners it registered.** Leaving :meth:`RayLedger.connect` normally
   deregisters every owner registered through this client and not deregistered yet (their
   sessions still bound are released, ``owner_exited``), so a process that exits cleanly leaves
@@ -73,6 +75,7 @@ from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
 from publisher.fleet import Fleet
+from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 from publisher.ray.engine import RayEngine
@@ -135,7 +138,8 @@ class RayLedger:
         self.fleet_hosted = False  # whether the ledger actor hosts a plane (has a fleet)
         self._fleet_wanted = anyio.Event()
         self._fleet_listeners: list[Callable[[], None]] = []
-        self._reported: set[str] = set()  # engines whose failure report is on its way
+        # (engine, lacks the adapter) whose trouble report is on its way
+        self._reported: set[tuple[str, bool]] = set()
 
     @classmethod
     @asynccontextmanager
@@ -401,22 +405,29 @@ class RayLedger:
         self._fleet_listeners.append(listener)
 
     def engine_failed(self, engine_id: str, error: EngineError) -> None:
-        """A call to ``engine_id`` failed (the gateway's ``on_engine_failure`` hook): fetch the
-        membership again and tell the ledger actor, at most one report per engine in flight.
-        Synchronous: it only schedules the work on this client's task group."""
+        """A generation on ``engine_id`` failed in a way that says something about the engine
+        (the gateway's ``on_engine_trouble`` hook): fetch the membership again (the failure may
+        be a replaced actor's handle) and send ``error`` itself to the ledger actor, whose
+        reconciler reads it (:meth:`~publisher.reconciler.Reconciler.engine_trouble`: a missing
+        adapter gets the engine's inventory read, anything else a probe). At most one report
+        per engine and kind (lacks the adapter or not) in flight: a report of one kind never
+        hides one of the other. Synchronous: it only schedules the work on this client's task
+        group."""
         self._fleet_wanted.set()
-        if self._tg is None or engine_id in self._reported:
+        key = (engine_id, lacks_adapter(error))
+        if self._tg is None or key in self._reported:
             return
-        self._reported.add(engine_id)
-        self._tg.start_soon(self._report, engine_id, error.code)
+        self._reported.add(key)
+        self._tg.start_soon(self._report, key, error)
 
-    async def _report(self, engine_id: str, code: str) -> None:
+    async def _report(self, key: tuple[str, bool], error: EngineError) -> None:
+        engine_id = key[0]
         try:
-            await self.link.call("engine_failed", engine_id, code)
+            await self.link.call("engine_failed", engine_id, error)
         except LoraLedgerError as exc:
             log.warning("ray.engine_report_failed", engine=engine_id, error=exc.message)
         finally:
-            self._reported.discard(engine_id)
+            self._reported.discard(key)
 
     async def _fleet_keeper(self) -> None:
         """Fetch the view whenever a table or a failure said the mirror may be behind."""

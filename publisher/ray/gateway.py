@@ -184,7 +184,7 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
             ledger.routing,
             gateway_id=owner,
             recorder=recorder,
-            on_engine_failure=ledger.engine_failed,
+            on_engine_trouble=ledger.engine_failed,
         )
         worker = await stack.enter_async_context(
             RolloutWorker.open(

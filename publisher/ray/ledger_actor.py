@@ -53,6 +53,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from engines.contract import EngineError
 from evlog.errors import LoraLedgerError
 from evlog.sqlite import Synchronous
 from evlog.stores import describe, is_shared, open_store
@@ -314,13 +315,16 @@ class _Service:
             # would not find the engine's actor again. Loud, but not a failed change.
             log.error("ray.engine_book_not_written", engine=engine.engine_id, error=repr(exc))
 
-    async def engine_failed(self, engine_id: str, code: str) -> None:
-        """A caller's call to ``engine_id`` failed in a way that says something about the
-        engine (it is gone, unreachable, or does not hold what routing says): look now rather
-        than at the next probe tick. Only a hint: the reconciler's own probe decides."""
+    async def engine_failed(self, engine_id: str, error: EngineError) -> None:
+        """A caller's generation on ``engine_id`` failed in a way that says something about the
+        engine (it is gone, unreachable, or does not hold what routing says): handed to the
+        reconciler as the in-process gateway hands it
+        (:meth:`~publisher.reconciler.Reconciler.engine_trouble`), which reads the error -- a
+        missing adapter gets the engine's inventory read now, anything else a probe now. Only
+        a hint: the probe and the inventory decide."""
         if self.plane is not None and engine_id in self.plane.fleet:
-            log.info("ray.engine_failure_reported", engine=engine_id, code=code)
-            self.plane.reconciler.poke()
+            log.info("ray.engine_trouble_reported", engine=engine_id, code=error.code)
+            self.plane.reconciler.engine_trouble(engine_id, error)
 
     async def info(self) -> LedgerInfo:
         state = self.ledger.state
@@ -461,9 +465,11 @@ class LedgerActor:
         """The engine leaves the fleet (``EngineLeft`` with ``cause``); its handle is dropped."""
         await self._host.call(self._service.remove_engine, engine_id, cause)
 
-    async def engine_failed(self, engine_id: str, code: str) -> None:
-        """A client's hint that a call to ``engine_id`` failed (see ``_Service``)."""
-        await self._host.call(self._service.engine_failed, engine_id, code)
+    async def engine_failed(self, engine_id: str, error: EngineError) -> None:
+        """A client's hint that a generation on ``engine_id`` failed with ``error`` (an
+        :class:`~engines.contract.EngineError`, sent as is: its class says whether the engine
+        answered cleanly); see ``_Service``."""
+        await self._host.call(self._service.engine_failed, engine_id, error)
 
     async def close(self) -> None:
         """Close the ledger cleanly (queued calls commit, a snapshot is saved); the actor

@@ -55,6 +55,7 @@ from engines.contract import (
     Bucket,
     Candidate,
     Engine,
+    EngineError,
     ErrorCode,
     Generation,
     Inventory,
@@ -725,7 +726,7 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
             gateway_id="gw",
             recorder=recorder,
             clock=sim_clock,
-            on_missing=lambda engine, name: _suspect(world, engine, name),
+            on_engine_trouble=lambda engine, error: _engine_trouble(world, engine, error),
         )
         port = ControllerPort(world)
         async with anyio.create_task_group() as tg:
@@ -766,11 +767,12 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
     )
 
 
-def _suspect(world: World, engine_id: str, lora_name: str) -> None:
-    """The gateway's report of a generation refused as not loaded reaches the live
-    controller's reconciler (none while no controller runs: its full pass finds the loss)."""
+def _engine_trouble(world: World, engine_id: str, error: EngineError) -> None:
+    """The gateway's report of a generation that failed because of its engine (refused as not
+    loaded, unreachable, ambiguous) reaches the live controller's reconciler (none while no
+    controller runs: its start-up pass and probes find what happened meanwhile)."""
     if world.plane is not None:
-        world.plane.reconciler.suspect(engine_id, lora_name)
+        world.plane.reconciler.engine_trouble(engine_id, error)
 
 
 async def _settle(world: World) -> None:

@@ -141,7 +141,9 @@ async def plane_over(
             suspend_after_s=SUSPEND_AFTER_S,
         ) as plane,
     ):
-        gateway = Gateway(fleet, LedgerRouting(plane.ledger), on_missing=plane.reconciler.suspect)
+        gateway = Gateway(
+            fleet, LedgerRouting(plane.ledger), on_engine_trouble=plane.reconciler.engine_trouble
+        )
         plane.add_inflight_source(gateway)
         yield plane, gateway
 

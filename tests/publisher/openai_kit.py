@@ -79,6 +79,33 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
         sock.close()
 
 
+class ServerTask:
+    """An engine's HTTP server in a task of its own, so a test can stop it while everything
+    entered after it (the plane, the face) keeps running: a server context entered in the rig's
+    stack could only be left in stack order."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine = engine
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[str]) -> None:
+        try:
+            async with serve_engine(self.engine) as url:
+                task_status.started(url)
+                await self._stop.wait()
+        finally:
+            self._stopped.set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self) -> None:
+        """Stop the server and return once its socket is closed."""
+        self.request_stop()
+        await self._stopped.wait()
+
+
 @dataclass
 class Rig:
     plane: ControlPlane
@@ -91,6 +118,14 @@ class Rig:
     url: str  # the OpenAI face: base_url = url + "/v1"
     names: dict[int, str] = field(default_factory=dict)
     hosts: dict[str, HostedEngine] = field(default_factory=dict)  # rig(restartable=True)
+    # each engine's HTTP server (rig(restartable=False)): see stop_serving
+    servers: dict[str, ServerTask] = field(default_factory=dict)
+
+    async def stop_serving(self, engine_id: str) -> None:
+        """Stop ``engine_id``'s HTTP server: nothing listens on its port any more (every call,
+        the face's and the plane's alike, is refused at connect), as after its server process
+        died. The engine object itself is closed with the rig."""
+        await self.servers[engine_id].stop()
 
     @property
     def base_url(self) -> str:
@@ -120,14 +155,17 @@ async def rig(
     idle_release_s: float = 0.0,
     restartable: bool = False,
     probe_interval_s: float = 0.05,
+    suspend_after_s: float | None = 30.0,
 ) -> AsyncIterator[Rig]:
     """``engines`` local engines over HTTP, a control plane over them and the OpenAI face.
     ``routes`` overrides the URL the face uses for an engine (a fault relay in front of it).
     ``restartable``: each engine is a :class:`HostedEngine` (``Rig.hosts``), restartable in
     place (same port, a new process life holding nothing); ``Rig.engines`` are their first
     lives. ``probe_interval_s``: the plane's health probe (a long one leaves a restart unseen
-    until something reports the engine)."""
+    until something reports the engine); ``suspend_after_s``: how long its probes may fail
+    before the engine is suspended (0: at the first failed probe)."""
     hosts: dict[str, HostedEngine] = {}
+    servers: dict[str, ServerTask] = {}
     async with contextlib.AsyncExitStack() as stack:
         if restartable:
             for i in range(engines):
@@ -141,7 +179,12 @@ async def rig(
                 await stack.enter_async_context(LocalEngine(f"e{i}", limits=LIMITS))
                 for i in range(engines)
             ]
-            urls = {e.engine_id: await stack.enter_async_context(serve_engine(e)) for e in local}
+            tasks = await stack.enter_async_context(anyio.create_task_group())
+            for engine in local:  # left before the task group is: a running server stops
+                servers[engine.engine_id] = ServerTask(engine)
+                stack.callback(servers[engine.engine_id].request_stop)
+            # one task per server: a test may stop one (Rig.stop_serving)
+            urls = {engine_id: await tasks.start(s.run) for engine_id, s in servers.items()}
         handles = [
             await stack.enter_async_context(contextlib.aclosing(LocalHTTPEngine(url, engine_id)))
             for engine_id, url in urls.items()
@@ -155,6 +198,7 @@ async def rig(
                 capacity=capacity,
                 artifact_root=tmp_path / "artifacts",
                 probe_interval_s=probe_interval_s,
+                suspend_after_s=suspend_after_s,
                 reclaim_tick_s=0.05,
                 timeouts=FAST,
                 cleanup_timeout=5.0,
@@ -167,7 +211,7 @@ async def rig(
             LedgerRouting(plane.ledger),
             gateway_id=owner,
             recorder=recorder,
-            on_missing=plane.reconciler.suspect,
+            on_engine_trouble=plane.reconciler.engine_trouble,
         )
         plane.add_inflight_source(gateway)
         worker = await stack.enter_async_context(
@@ -181,7 +225,9 @@ async def rig(
         face = OpenAIGateway(worker, LiveView(plane.ledger), table, OpenAIOptions(token=TOKEN))
         stack.push_async_callback(face.aclose)
         url = await stack.enter_async_context(serve_app(openai_app(face)))
-        yield Rig(plane, local, urls, gateway, worker, face, sink, url, hosts=hosts)
+        yield Rig(
+            plane, local, urls, gateway, worker, face, sink, url, hosts=hosts, servers=servers
+        )
 
 
 class ResetAfterSend:

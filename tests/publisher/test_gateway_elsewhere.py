@@ -16,7 +16,7 @@ from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCod
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from publisher.affinity import rendezvous
-from publisher.gateway import DispatchCode, says_about_engine, try_elsewhere
+from publisher.gateway import DispatchCode, lacks_adapter, says_about_engine, try_elsewhere
 from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
@@ -86,24 +86,31 @@ def test_only_what_provably_did_not_run_goes_elsewhere(error: EngineError, elsew
 
 
 @pytest.mark.parametrize(
-    ("error", "about_engine"),
+    ("error", "about_engine", "missing"),
     [
-        (CleanRefusal(ErrorCode.NOT_LOADED, "not loaded"), True),
-        (AmbiguousReply(ErrorCode.ENGINE_GONE, "dead"), True),
-        (AmbiguousReply(ErrorCode.TIMEOUT, "no reply"), True),
-        (CleanRefusal(ErrorCode.BAD_REQUEST, "bad prompt"), False),
+        (CleanRefusal(ErrorCode.NOT_LOADED, "not loaded"), True, True),
+        (CleanRefusal(ErrorCode.NAME_RECLAIMED, "reclaimed"), True, True),
+        (AmbiguousReply(ErrorCode.ENGINE_UNREACHABLE, "refused", dispatched=False), True, False),
+        (AmbiguousReply(ErrorCode.ENGINE_GONE, "dead"), True, False),
+        (AmbiguousReply(ErrorCode.TIMEOUT, "no reply"), True, False),
+        (AmbiguousReply(ErrorCode.SERVER_ERROR, "503"), True, False),
+        (CleanRefusal(ErrorCode.BAD_REQUEST, "bad prompt"), False, False),
+        (CleanRefusal(ErrorCode.INVALID_NAME, "bad name"), False, False),
     ],
 )
 def test_failures_about_the_engine_are_told_apart_from_bad_requests(
-    error: EngineError, about_engine: bool
+    error: EngineError, about_engine: bool, missing: bool
 ) -> None:
+    """What the gateway reports through ``on_engine_trouble`` (about the engine), and which of
+    those its receiver answers with an inventory read rather than a probe (a missing adapter)."""
     assert says_about_engine(error) is about_engine
+    assert lacks_adapter(error) is missing
 
 
 async def test_a_clean_not_loaded_is_served_by_the_other_holder() -> None:
     async with rig(wrap=on("e0", RestartedEmpty)) as r:
         heard: list[tuple[str, str]] = []
-        r.gateway.on_engine_failure = lambda engine, exc: heard.append((engine, exc.code))
+        r.gateway.on_engine_trouble = lambda engine, exc: heard.append((engine, exc.code))
         await r.publish(1)
         bound = await _bound(r, session_going_to("e0"))
         served = await r.gateway.generate(bound, PROMPT, SHORT, request_id="req-1")

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from engines.local.tinymodel import make_adapter
 from evlog.errors import LoraLedgerError
-from evlog.events import EngineRestarted, SessionReleased
+from evlog.events import EngineRestarted, EngineSuspended, SessionReleased
 from projections.transitions import VersionState
 from publisher.affinity import rendezvous
 from publisher.gateway import Gateway, LedgerRouting
@@ -326,6 +326,33 @@ async def test_a_not_loaded_refusal_is_served_by_the_other_holder(
         await wait_for(lambda: r.plane.ledger.state.engines["e0"].incarnation == life, 5.0)
         restarts = [e for e in await events(r.plane.ledger) if isinstance(e, EngineRestarted)]
         assert [e.engine for e in restarts] == ["e0"]
+
+
+async def test_an_engine_unreachable_over_http_is_reported_and_probed_at_once(
+    tmp_path: Path,
+) -> None:
+    """e0's HTTP server stops (nothing listens on its port any more) and the ledger does not
+    know: its probe is an hour away. The session's turn finds e0 refusing the connection and is
+    served by e1 (nothing was sent to e0), and the face reports the failure through the
+    gateway's hook: the reconciler probes e0 at once, and that failed probe suspends it
+    (``suspend_after_s=0``: at the first failed probe), so routing moves off e0 now, not at the
+    next tick."""
+    async with rig(tmp_path, probe_interval_s=IDLE, suspend_after_s=0.0) as r:
+        name = await r.publish(1)
+        s = going_to("e0", ["e0", "e1"])
+        assert (await turn(r, s, False))["x-loraledger-engine"] == "e0"
+        await r.stop_serving("e0")
+        await anyio.sleep(0.3)
+        assert r.plane.ledger.state.engines["e0"].routable  # nobody has looked yet
+        sent = r.gateway.dispatched
+        headers = await turn(r, s, False)
+        assert headers["x-loraledger-engine"] == "e1"
+        assert r.gateway.dispatched == sent + 2  # e0 tried once (refused at connect), e1 served
+        await wait_for(lambda: r.plane.ledger.state.engines["e0"].suspended, 5.0)
+        suspended = [e for e in await events(r.plane.ledger) if isinstance(e, EngineSuspended)]
+        assert [(e.engine, e.cause) for e in suspended] == [("e0", "unhealthy")]
+        assert r.plane.ledger.state.holders(name) == ("e1",)
+        assert not r.gateway.inflight_counts() and not r.worker.inflight
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from engines.contract import CleanRefusal, ErrorCode
 from engines.testing import RestartableEngine
 from evlog.events import (
     AdapterLost,
@@ -28,6 +29,8 @@ from evlog.events import (
     InventoryObserved,
 )
 from projections.registry import VersionRecord
+from publisher.affinity import rendezvous
+from publisher.gateway import DispatchError, Gateway, LedgerRouting
 from publisher.plane import ControlPlane
 from publisher.reconciler import Reconciler
 from tests.engines.faulty_engine import FaultyEngine, ServerError
@@ -62,6 +65,11 @@ def host(engine: FaultyEngine) -> RestartableEngine:
     inner = engine.inner
     assert isinstance(inner, RestartableEngine)
     return inner
+
+
+def not_loaded(v: VersionRecord) -> CleanRefusal:
+    """What a gateway reports when an engine refuses a generation of ``v`` as not loaded."""
+    return CleanRefusal(ErrorCode.NOT_LOADED, f"{v.lora_name} is not loaded")
 
 
 def reconciler_for(
@@ -191,7 +199,7 @@ async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
         seq = plane.ledger.state.last_seq
         for second in range(30):
             clock.now = float(second)
-            reconciler.suspect("e1", v1.lora_name)  # a gateway saw it refuse, every second
+            reconciler.engine_trouble("e1", not_loaded(v1))  # a gateway saw it refuse, each second
             await reconciler.health_check({"e1"})
         written = await log_after(plane, seq)
         kinds = [type(e) for e in written]
@@ -214,7 +222,7 @@ async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -
         await host(engines[1]).current.unload(v1.lora_name, attempt=1)
         await anyio.sleep(0.2)
         assert "e1" in plane.ledger.state.holders(v1.lora_name)  # nobody looked yet
-        plane.reconciler.suspect("e1", v1.lora_name)
+        plane.reconciler.engine_trouble("e1", not_loaded(v1))
         await wait_for(lambda: "e1" not in plane.ledger.state.holders(v1.lora_name), 2.0)
         lost = [e for e in await events(plane.ledger) if isinstance(e, AdapterLost)]
         assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
@@ -224,9 +232,62 @@ async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -
         seq = plane.ledger.state.last_seq
         reads = engines[1].count("inventory")
         for _ in range(20):
-            plane.reconciler.suspect("e1", v1.lora_name)
-            plane.reconciler.suspect("e9")
+            plane.reconciler.engine_trouble("e1", not_loaded(v1))
+            plane.reconciler.engine_trouble("e9", not_loaded(v1))
             await anyio.sleep(0.02)
         written = await events(plane.ledger, after=seq)
         assert not [e for e in written if isinstance(e, AdapterLost)], written
         assert engines[1].count("inventory") == reads
+
+
+async def test_a_missing_adapter_and_an_engine_failure_both_reach_the_reconciler_through_one_hook(
+    tmp_path: Path,
+) -> None:
+    """A gateway wired the way ``serve`` wires it (``on_engine_trouble`` = the plane's
+    reconciler), the plane's probes and full passes an hour apart, suspension at the first
+    failed probe: a refusal for a lost adapter gets that engine's inventory read at once (the
+    loss recorded, routing moves), and an ambiguous failure on another engine gets it probed at
+    once (the failed probe suspends it). Nothing else would have looked within the hour."""
+    async with (
+        faulty_engines(2) as engines,
+        open_plane(
+            engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE, suspend_after_s=0.0
+        ) as plane,
+    ):
+        gateway = Gateway(
+            plane.fleet,
+            LedgerRouting(plane.ledger),
+            on_engine_trouble=plane.reconciler.engine_trouble,
+        )
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        v1 = plane.ledger.state.versions[1]
+        await plane.ledger.register_owner("w", ttl_s=600.0)
+        # 1. e1 loses the version behind the ledger's back; a turn there is refused
+        await host(engines[1]).current.unload(v1.lora_name, attempt=v1.attempt)
+        bound = await plane.ledger.bind(going_to("e1", ["e0", "e1"]), "w")
+        with pytest.raises(DispatchError) as refused:
+            await gateway.generate(bound, "hello")
+        assert refused.value.details["engine_code"] in (
+            ErrorCode.NOT_LOADED,
+            ErrorCode.NAME_RECLAIMED,
+        )
+        await wait_for(lambda: "e1" not in plane.ledger.state.holders(v1.lora_name), 2.0)
+        lost = [e for e in await events(plane.ledger) if isinstance(e, AdapterLost)]
+        assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
+        # 2. e0 stops answering (its probes fail too); a turn there fails ambiguously
+        engines[0].inject("generate", ServerError())
+        engines[0].inject("incarnation", ServerError(), times=1000)
+        await anyio.sleep(0.2)
+        assert plane.ledger.state.engines["e0"].routable  # nobody has looked yet
+        bound = await plane.ledger.bind("on-e0", "w")
+        with pytest.raises(DispatchError) as failed:
+            await gateway.generate(bound, "hello")
+        assert failed.value.details["engine"] == "e0"
+        await wait_for(lambda: plane.ledger.state.engines["e0"].suspended, 2.0)
+        suspended = [e for e in await events(plane.ledger) if isinstance(e, EngineSuspended)]
+        assert ("e0", "unhealthy") in [(e.engine, e.cause) for e in suspended]
+
+
+def going_to(engine_id: str, holders: list[str]) -> str:
+    """A session id whose first choice (rendezvous) among ``holders`` is ``engine_id``."""
+    return next(f"s{i}" for i in range(1000) if rendezvous(f"s{i}", holders) == engine_id)

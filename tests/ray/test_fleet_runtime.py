@@ -349,7 +349,7 @@ async def test_the_very_next_turn_after_a_replace_is_served_by_the_replacement(
             client.fleet,
             client.routing,
             gateway_id="driver",
-            on_engine_failure=client.engine_failed,
+            on_engine_trouble=client.engine_failed,
         )
         sessions = iter(sessions_on("e0", ["e0", "e1"], "after", 2 * rounds))
         served: list[dict[str, tuple[str, str, str]]] = []
