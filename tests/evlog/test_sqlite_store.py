@@ -613,9 +613,17 @@ def test_sqlite_errors_are_classified_by_their_sqlite_code() -> None:
         assert err.details == {"cause": type(exc).__name__}
 
 
-def _connection_threads() -> int:
-    """aiosqlite's one thread per open connection (it ends when the connection closes)."""
-    return sum("_connection_worker_thread" in t.name for t in threading.enumerate())
+def _connection_threads() -> set[threading.Thread]:
+    """aiosqlite's one thread per open connection (it ends just after the connection closes).
+    Compared as sets, not counts: a thread of an earlier test may still be ending, and a count
+    taken before it ends would be off by one (a flaky failure the mutation runs found)."""
+    return {t for t in threading.enumerate() if "_connection_worker_thread" in t.name}
+
+
+async def _all_end(threads: set[threading.Thread]) -> None:
+    with anyio.fail_after(5):
+        while any(t.is_alive() for t in threads):  # noqa: ASYNC110 -- threads have no event
+            await anyio.sleep(0.01)
 
 
 @pytest.mark.anyio
@@ -631,9 +639,7 @@ async def test_a_refused_open_leaves_no_connection_open(tmp_path: Path) -> None:
     _foreign(hollow, application_id=0x4C4C4752, user_version=1)
     with raises_code(StoreCode.STORE_FAILED):
         await SQLiteStore.connect(hollow)
-    with anyio.fail_after(5):  # a closed connection's thread ends just after close() returns
-        while _connection_threads() > before:  # noqa: ASYNC110 -- threads have no event
-            await anyio.sleep(0.01)
+    await _all_end(_connection_threads() - before)
 
 
 @contextmanager
@@ -819,13 +825,12 @@ async def test_close_cancelled_still_closes_both_connections(tmp_path: Path) -> 
     """close() is shielded: a caller cancelled while closing leaves no connection open."""
     before = _connection_threads()
     store = await SQLiteStore.connect(tmp_path / "a.db")
-    assert _connection_threads() == before + 2
+    mine = _connection_threads() - before
+    assert len(mine) == 2
     with anyio.CancelScope() as scope:
         scope.cancel()
         await store.close()
-    with anyio.fail_after(5):  # a closed connection's thread ends just after close() returns
-        while _connection_threads() > before:  # noqa: ASYNC110 -- threads have no event
-            await anyio.sleep(0.01)
+    await _all_end(mine)
 
 
 @pytest.mark.anyio
