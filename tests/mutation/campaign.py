@@ -112,7 +112,8 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/evlog/test_sqlite_store.py",
                 "tests/evlog/test_sqlite_failures.py",  # cleanup when an open/write/close fails
                 "tests/evlog/test_upcasters.py",  # decode_event under open_row
-                "tests/evlog/test_record.py",  # event ids, pending_many
+                "tests/evlog/test_record.py",  # event ids, pending_many, a row's checks
+                "tests/evlog/test_append_plan.py",  # a group's calls resolved together
             ),
             gated=True,
         ),
@@ -222,12 +223,15 @@ def _copy_tree(dest: Path, campaign: Campaign) -> None:
             'source_paths = ["evlog", "projections", "publisher"]',
             f"only_mutate = {json.dumps(list(campaign.mutate))}",
             'also_copy = ["engines", "tools"]',
-            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not vllm and not slow", "-q"]',
+            # --timeout: a mutant that hangs a test (a stranded group-commit leader, a lost
+            # wake-up) fails it after 30 s instead of costing mutmut's wall timeout, which is a
+            # multiple of the time of every test that covers the function (minutes).
+            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not vllm and not slow", '
+            '"-q", "--timeout", "30"]',
             f"pytest_add_cli_args_test_selection = {json.dumps(list(campaign.tests))}",
             "use_git_change_detection = false",
-            # A mutant that hangs (a stranded group-commit leader, a lost wake-up) costs mutmut's
-            # wall timeout, (its tests' time + 1 s) x this; the default 15 made the stores
-            # campaign spend most of its time waiting. Timeouts count as killed either way.
+            # mutmut's own wall timeout, (its tests' time + 1 s) x this, for what --timeout
+            # cannot interrupt. Timeouts count as killed either way.
             "timeout_multiplier = 4.0",
         ]
     )
