@@ -126,6 +126,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_errors.py",  # each dispatch code's family
                 "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
                 "tests/publisher/test_staleness.py",  # check_staleness, staleness
+                "tests/publisher/test_gateway_elsewhere.py",  # tried elsewhere, engine trouble
             ),
             gated=True,
         ),

@@ -16,7 +16,13 @@ from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCod
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from publisher.affinity import rendezvous
-from publisher.gateway import DispatchCode, lacks_adapter, says_about_engine, try_elsewhere
+from publisher.gateway import (
+    DispatchCode,
+    Gateway,
+    lacks_adapter,
+    says_about_engine,
+    try_elsewhere,
+)
 from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
@@ -124,15 +130,41 @@ async def test_a_clean_not_loaded_is_served_by_the_other_holder() -> None:
         assert r.gateway.inflight_counts() == {}
 
 
+async def test_the_hook_given_at_construction_hears_an_unreachable_engine() -> None:
+    """How deployments wire it (serve, demo, Ray): the constructor's ``on_engine_trouble``."""
+    async with rig(wrap=on("e0", Unreachable)) as r:
+        heard: list[tuple[str, str]] = []
+        gateway = Gateway(
+            r.fleet,
+            r.gateway.routing,
+            on_engine_trouble=lambda engine, exc: heard.append((engine, exc.code)),
+        )
+        await r.publish(1)
+        bound = await _bound(r, session_going_to("e0"))
+        served = await gateway.generate(bound, PROMPT, SHORT, request_id="req-3")
+        assert served.engine == "e1"
+        assert heard == [("e0", ErrorCode.ENGINE_UNREACHABLE)]
+
+
 async def test_when_every_holder_refuses_the_last_refusal_is_the_answer() -> None:
     async with rig(wrap=lambda e: RestartedEmpty(e)) as r:
+        heard: list[tuple[str, str]] = []
+        r.gateway.on_engine_trouble = lambda engine, exc: heard.append((engine, exc.code))
         await r.publish(1)
         bound = await _bound(r, session_going_to("e0"))
         with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(bound, PROMPT, SHORT, request_id="req-2")
         assert info.value.code == DispatchCode.GENERATION_FAILED
-        assert info.value.details["engine"] == "e1"
-        assert info.value.details["engine_code"] == ErrorCode.NOT_LOADED
+        assert info.value.details == {
+            "engine": "e1",
+            "engine_code": ErrorCode.NOT_LOADED,
+            "request_id": "req-2",
+            "version_id": 1,
+        }
+        assert info.value.message.startswith("engine e1 refused the generation cleanly: ")
+        cause = info.value.__cause__
+        assert isinstance(cause, CleanRefusal) and cause.engine_id == "e1"
+        assert heard == [("e0", ErrorCode.NOT_LOADED), ("e1", ErrorCode.NOT_LOADED)]
         assert (calls(r, "e0"), calls(r, "e1")) == (1, 1)
         assert r.gateway.inflight_counts() == {}
 
