@@ -81,6 +81,8 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_decider_outcomes.py",
                 "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
                 "tests/publisher/test_ledger_model.py",
+                "tests/publisher/test_owner_incarnations.py",  # incarnations, deregistration
+                "tests/publisher/test_check_order.py",  # one check order, cell by cell
                 "tests/projections",
             ),
             gated=True,
@@ -93,6 +95,8 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/test_decider_outcomes.py",
                 "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
                 "tests/publisher/test_ledger_model.py",
+                "tests/publisher/test_owner_incarnations.py",  # incarnations, deregistration
+                "tests/publisher/test_check_order.py",  # one check order, cell by cell
                 "tests/projections",
             ),
             gated=True,
@@ -218,12 +222,14 @@ def _copy_tree(dest: Path, campaign: Campaign) -> None:
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, dest / pkg, ignore=_IGNORE)
     shutil.copytree(ROOT / "tests", dest / "tests", ignore=_IGNORE)
+    # test_check_order.py reads the state machine's table from docs/state-machine.md
+    shutil.copytree(ROOT / "docs", dest / "docs", ignore=_IGNORE)
     config = (ROOT / "pyproject.toml").read_text("utf-8")
     config += "\n[tool.mutmut]\n" + "\n".join(
         [
             'source_paths = ["evlog", "projections", "publisher"]',
             f"only_mutate = {json.dumps(list(campaign.mutate))}",
-            'also_copy = ["engines", "tools"]',
+            'also_copy = ["engines", "tools", "docs"]',
             # --timeout: a mutant that hangs a test (a stranded group-commit leader, a lost
             # wake-up) fails it after 30 s instead of costing mutmut's wall timeout, which is a
             # multiple of the time of every test that covers the function (minutes).
