@@ -231,10 +231,12 @@ def _copy_tree(dest: Path, campaign: Campaign) -> None:
             f"only_mutate = {json.dumps(list(campaign.mutate))}",
             'also_copy = ["engines", "tools", "docs"]',
             # --timeout: a mutant that hangs a test (a stranded group-commit leader, a lost
-            # wake-up) fails it after 30 s instead of costing mutmut's wall timeout, which is a
-            # multiple of the time of every test that covers the function (minutes).
+            # wake-up) fails it after 60 s instead of costing mutmut's wall timeout, which is a
+            # multiple of the time of every test that covers the function (minutes). The
+            # slowest test takes 5 s on two idle cores; on cores overloaded by other jobs a
+            # healthy test can pass 30 s, and its "kill" then shows as a stale entry.
             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not vllm and not slow", '
-            '"-q", "--timeout", "30"]',
+            '"-q", "--timeout", "60"]',
             f"pytest_add_cli_args_test_selection = {json.dumps(list(campaign.tests))}",
             "use_git_change_detection = false",
             # mutmut's own wall timeout, (its tests' time + 1 s) x this, for what --timeout

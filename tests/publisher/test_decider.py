@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from evlog.errors import LoraLedgerError
 from evlog.events import (
     AttemptFailed,
     CommandRecorded,
@@ -25,6 +26,7 @@ from evlog.events import (
 )
 from projections.registry import VersionState, encode_state
 from publisher import commands as c
+from publisher.decider import check_lease
 from publisher.errors import Code
 from publisher.outcomes import Allocated, Bound, Released, Skipped
 from tests.publisher.book import Book, digest_of
@@ -252,6 +254,26 @@ def _prepared(book: Book, version_id: int, engine: str) -> c.RecordPrepared:
     return c.RecordPrepared(**msgspec.structs.asdict(_ready(book, version_id, engine)))
 
 
+def test_a_receipt_or_claim_for_a_fatally_failed_attempt_names_its_step_and_the_blocker(
+    book: Book,
+) -> None:
+    """After a fatal failure the attempt blocks publication: a late receipt is recorded with
+    the step it was (READY or PREPARED) and why; a claim is refused naming the blocking
+    version, which a caller reads to wait for its resolution."""
+    book.allocate(1)
+    book.claim(1)
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="t"))
+    for receipt, step in ((_ready(book, 1, "e0"), "READY"), (_prepared(book, 1, "e0"), "PREPARED")):
+        (rejected,) = book.refuse(receipt, Code.PUBLICATION_BLOCKED)
+        assert isinstance(rejected, ReceiptRejected)
+        assert rejected.detail.startswith(f"{step}: attempt 1 of version 1 ended FAILED_FATAL;")
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.ClaimTransport(version_id=1, attempt=1, owner="other"))
+    assert info.value.code == Code.PUBLICATION_BLOCKED
+    assert info.value.details == {"versions": [1]}
+    assert info.value.message.startswith("claim: attempt 1 of version 1 ended FAILED_FATAL;")
+
+
 def test_ready_without_a_claim_or_prepared_receipt_is_refused_and_recorded(book: Book) -> None:
     """Regression: READY was accepted for an attempt no transport claimed and no engine had
     PREPARED (and a commit then succeeded); PREPARED was accepted without a claim."""
@@ -399,18 +421,51 @@ def test_conflicting_verdict_is_recorded_and_refused_not_dropped(
     book.run(c.FailAttempt(version_id=1, attempt=1, clean=first_clean, code="FIRST",
                            reason="first", absent_on=everywhere))  # fmt: skip
     ended = book.state.versions[1].state
-    report = c.FailAttempt(version_id=1, attempt=1, clean=not first_clean, code="LATE",
-                           reason="a late report", absent_on=everywhere)  # fmt: skip
-    recorded = book.refuse(report, Code.VERDICT_CONFLICT)
-    (conflict,) = recorded
-    assert isinstance(conflict, VerdictConflict)
-    assert (conflict.state, conflict.clean, conflict.code) == (ended, not first_clean, "LATE")
+    # Its code and reason are bounded as every recorded text is; absent_on is kept as a set.
+    report = c.FailAttempt(version_id=1, attempt=1, clean=not first_clean, code="L" * 201,
+                           reason="r" * 2001, absent_on=("e1", "e0", "e1"))  # fmt: skip
+    before = len(book.events)
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(report)
+    (conflict,) = book.events[before:]
+    assert conflict == VerdictConflict(
+        version_id=1,
+        attempt=1,
+        state=ended,
+        clean=not first_clean,
+        code="L" * 200,
+        reason="r" * 2000,
+        absent_on=everywhere,
+    )
+    assert info.value.code == Code.VERDICT_CONFLICT
+    assert info.value.details == {"version_id": 1, "state": ended}
+    late, first = ("clean", "fatal") if not first_clean else ("fatal", "clean")
+    assert info.value.message.startswith(f"a {late} failure report (")
+    assert f"attempt 1 of version 1, which already ended {ended} (FIRST)" in info.value.message
+    assert first != late
     assert book.state.versions[1].state is ended  # never applied
     # The same verdict again, or a resend of the report that ended it, is still a no-op.
     before = len(book.events)
     resend = c.FailAttempt(version_id=1, attempt=1, clean=first_clean, code="FIRST",
                            reason="first", absent_on=everywhere)  # fmt: skip
     assert book.run(resend).state == ended and len(book.events) == before
+
+
+def test_a_resend_of_the_ending_report_is_a_no_op_whatever_its_verdict_now(book: Book) -> None:
+    """The report that ended an attempt, sent again, is recognised by its code and its reason as
+    stored (bounded to 2,000 characters), even when its verdict now reads the other way (an
+    engine it named absent was suspended since, so it can no longer prove a clean failure)."""
+    book.allocate(1)
+    long_reason = "why " * 700  # 2,800 characters: stored as its first 2,000
+    first = c.FailAttempt(version_id=1, attempt=1, clean=True, code="GONE", reason=long_reason,
+                          absent_on=("e0", "e1"))  # fmt: skip
+    book.run(first)
+    assert book.state.versions[1].state is VersionState.FAILED_RETRYABLE
+    before = len(book.events)
+    fatal_now = c.FailAttempt(version_id=1, attempt=1, clean=False, code="GONE",
+                              reason=long_reason, absent_on=("e0", "e1"))  # fmt: skip
+    assert book.run(fatal_now).state == VersionState.FAILED_RETRYABLE
+    assert len(book.events) == before
 
 
 def test_fail_of_a_stale_attempt_is_refused_and_repeat_is_idempotent(book: Book) -> None:
@@ -725,3 +780,41 @@ def test_a_session_too_stale_may_be_released_as_such_and_only_then() -> None:
     released = book.run(c.Release(session="s", owner="w1", cause="too_stale"))
     assert isinstance(released, Released) and released.released
     assert 1 in book.state.reclaimable() and book.state.versions[1].bound == 0
+
+
+def test_a_replaced_or_ended_life_of_an_owner_is_refused_by_name(book: Book) -> None:
+    """An owner's old incarnation cannot bind, release or deregister once a new one registered
+    (``OWNER_RESTARTED``, naming both lives); a deregistered owner's calls are refused
+    (``OWNER_DEREGISTERED``); an unknown owner or incarnation is ``UNKNOWN_OWNER``. Each error
+    names the owner in its details, for the caller's log and retry logic."""
+    book.publish(1)
+    book.run(c.RegisterOwner(owner="w", ttl_s=10.0, now=1.0, incarnation="i1"))
+    book.run(c.Bind(session="s1", owner="w", incarnation="i1"))
+    book.run(c.RegisterOwner(owner="w", ttl_s=10.0, now=2.0, incarnation="i2"))  # a restart
+    for stale in (
+        c.Bind(session="s2", owner="w", incarnation="i1"),
+        c.Release(session="s1", owner="w", incarnation="i1"),
+        c.DeregisterOwner(owner="w", now=3.0, incarnation="i1"),
+    ):
+        with pytest.raises(LoraLedgerError) as info:
+            book.run(stale)
+        assert info.value.code == Code.OWNER_RESTARTED, stale
+        assert info.value.details == {"owner": "w"}
+        assert "incarnation 'i1' was replaced by 'i2'" in info.value.message
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Bind(session="s2", owner="w", incarnation="i9"))
+    assert (info.value.code, info.value.details) == (Code.UNKNOWN_OWNER, {"owner": "w"})
+    assert "no incarnation 'i9'" in info.value.message
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.DeregisterOwner(owner="ghost", now=3.0))
+    assert (info.value.code, info.value.details) == (Code.UNKNOWN_OWNER, {"owner": "ghost"})
+    assert "'ghost' is not registered" in info.value.message
+    book.run(c.DeregisterOwner(owner="w", now=4.0, incarnation="i2"))
+    with pytest.raises(LoraLedgerError) as info:
+        book.run(c.Bind(session="s3", owner="w", incarnation="i2"))
+    assert (info.value.code, info.value.details) == (Code.OWNER_DEREGISTERED, {"owner": "w"})
+    assert "incarnation 'i2'" in info.value.message
+    # A live owner passes the lease rule whether or not the caller names its life.
+    book.run(c.RegisterOwner(owner="v", ttl_s=10.0, now=5.0, incarnation="j1"))
+    check_lease(book.state, "v", required=True)
+    check_lease(book.state, "v", required=True, incarnation="j1")
