@@ -818,3 +818,27 @@ def test_a_replaced_or_ended_life_of_an_owner_is_refused_by_name(book: Book) -> 
     book.run(c.RegisterOwner(owner="v", ttl_s=10.0, now=5.0, incarnation="j1"))
     check_lease(book.state, "v", required=True)
     check_lease(book.state, "v", required=True, incarnation="j1")
+
+
+def test_a_clean_failure_forgets_the_candidate_on_every_engine_that_held_it(book: Book) -> None:
+    """The attempt proven absent everywhere: no engine is still counted as holding its name
+    (the registry would otherwise route to, or wait on, a candidate that is gone)."""
+    book.allocate(1)
+    name = book.state.versions[1].lora_name
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(name,)))
+    assert name in book.state.engines["e0"].holds
+    book.run(c.FailAttempt(version_id=1, attempt=1, clean=True, code="X", reason="r",
+                           absent_on=("e0", "e1")))  # fmt: skip
+    assert book.state.versions[1].state is VersionState.FAILED_RETRYABLE
+    assert all(name not in e.holds for e in book.state.engines.values())
+
+
+def test_only_retired_versions_nobody_is_bound_to_are_reclaimable(book: Book) -> None:
+    book.publish(1)  # the default, nobody bound: serving, not reclaimable
+    assert book.state.reclaimable() == []
+    book.run(c.Bind(session="s1", owner="w1"))  # bound to version 1
+    book.publish(2)  # version 1 retires with a session still bound to it
+    assert book.state.versions[1].state is VersionState.RETIRED
+    assert book.state.versions[1].bound == 1 and book.state.reclaimable() == []
+    book.run(c.Release(session="s1", owner="w1"))
+    assert book.state.reclaimable() == [1]
