@@ -28,4 +28,5 @@ if ! .venv/bin/python -c 'import sys; from tools.pg_server import find_bin_dir a
     echo "test.sh: no PostgreSQL server binaries; install Debian's postgresql package" >&2
   fi
 fi
-exec .venv/bin/python -m pytest "$@"
+# --durations: every run names its slowest tests, so the suite's wall time stays watched.
+exec .venv/bin/python -m pytest --durations=25 "$@"

@@ -26,7 +26,7 @@ def test_the_survivors_file_is_well_formed() -> None:
 @pytest.mark.parametrize("name", [n for n, c in campaign.CAMPAIGNS.items() if c.gated])
 def test_no_unexplained_mutant_survives(name: str, tmp_path: Path, slow: bool) -> None:
     if not slow:
-        pytest.skip("mutation campaigns run under --slow (7 to 55 min each on two cores)")
+        pytest.skip("mutation campaigns run under --slow (3 to 30 min each on two idle cores)")
     pytest.importorskip("mutmut", reason="mutation testing needs the dev extra (mutmut)")
     report = campaign.run_campaign(
         campaign.CAMPAIGNS[name], workdir=tmp_path, max_children=os.cpu_count() or 1

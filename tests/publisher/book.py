@@ -44,12 +44,18 @@ class Book:
     def refuse(self, command: c.Command, code: str) -> list[Event]:
         """Assert the command is refused with ``code``; return the events it recorded."""
         before = len(self.events)
+        self.refusal(command, code)
+        return self.events[before:]
+
+    def refusal(self, command: c.Command, code: str) -> LoraLedgerError:
+        """Assert the command is refused with ``code``; return the error, whose details a
+        caller's retry logic reads (the version, the owner, the field at fault)."""
         with pytest.raises(LoraLedgerError) as info:
             self.run(command)
         assert info.value.code == code, info.value
         # every refusal names its problem for a person too, not only by code
         assert isinstance(info.value.message, str) and info.value.message, info.value
-        return self.events[before:]
+        return info.value
 
     # --- scenario helpers ---------------------------------------------------------------------
 

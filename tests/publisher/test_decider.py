@@ -86,10 +86,15 @@ def test_publishing_a_step_lower_than_the_default_is_a_recorded_version_regressi
     rollback (allow_rollback) publishes it and the commit is recorded as a rollback."""
     book = Book().bootstrap(capacity=3)
     book.publish(12)
-    recorded = book.refuse(c.Allocate(version_id=5, digest=digest_of(5)), Code.VERSION_REGRESSION)
-    (skip,) = recorded
-    assert isinstance(skip, PublicationSkipped)
-    assert skip.code == Code.VERSION_REGRESSION and 5 not in book.state.versions
+    before = len(book.events)
+    error = book.refusal(c.Allocate(version_id=5, digest=digest_of(5)), Code.VERSION_REGRESSION)
+    assert error.details == {"version_id": 5, "default": 12}
+    assert "version 5 is lower than the default 12" in error.message
+    (skip,) = book.events[before:]  # the log says which version the trainer asked for, and why
+    assert skip == PublicationSkipped(
+        version_id=5, digest=digest_of(5), code=Code.VERSION_REGRESSION, message=error.message
+    )
+    assert 5 not in book.state.versions
     assert book.state.default == 12
     allocated = book.run(c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=True))
     assert isinstance(allocated, Allocated) and allocated.attempt == 1
@@ -206,7 +211,10 @@ def test_claim_grants_one_transport_owner_per_attempt(book: Book) -> None:
     book.run(c.ClaimTransport(version_id=1, attempt=1, owner="a"))
     assert book.run(c.ClaimTransport(version_id=1, attempt=1, owner="a")).owner == "a"
     book.refuse(c.ClaimTransport(version_id=1, attempt=1, owner="b"), Code.PUBLICATION_IN_PROGRESS)
-    book.refuse(c.ClaimTransport(version_id=1, attempt=2, owner="a"), Code.ATTEMPT_CONFLICT)
+    stale = book.refusal(
+        c.ClaimTransport(version_id=1, attempt=2, owner="a"), Code.ATTEMPT_CONFLICT
+    )
+    assert stale.details == {"version_id": 1}
     book.refuse(c.ClaimTransport(version_id=9, attempt=1, owner="a"), Code.UNKNOWN_VERSION)
 
 
@@ -339,9 +347,12 @@ def test_restart_after_ready_invalidates_the_receipt(book: Book) -> None:
 
 def test_commit_of_a_stale_attempt_or_failed_version(book: Book) -> None:
     book.allocate(1)
-    book.refuse(c.Commit(version_id=1, attempt=2), Code.ATTEMPT_CONFLICT)
+    stale = book.refusal(c.Commit(version_id=1, attempt=2), Code.ATTEMPT_CONFLICT)
+    assert stale.details == {"version_id": 1}
+    assert stale.message == "attempt 2 of version 1 is not current (it is LOADING at attempt 1)"
     book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="T", reason="t"))
-    book.refuse(c.Commit(version_id=1, attempt=1), Code.PUBLICATION_BLOCKED)
+    blocked = book.refusal(c.Commit(version_id=1, attempt=1), Code.PUBLICATION_BLOCKED)
+    assert blocked.details == {"versions": [1]}
 
 
 def _ambiguous_reclaim(book: Book, version_id: int) -> None:
@@ -362,6 +373,7 @@ def test_ambiguous_reclaim_blocks_the_claim_and_commit_of_a_loading_candidate() 
     _ambiguous_reclaim(book, 1)
     claim = c.ClaimTransport(version_id=4, attempt=1, owner="trainer")
     assert book.refuse(claim, Code.PUBLICATION_BLOCKED) == []
+    assert book.refusal(claim, Code.PUBLICATION_BLOCKED).details == {"versions": [1]}
     for engine in ("e0", "e1"):  # inventories prove v1 absent: the block is lifted
         book.run(c.ObserveInventory(engine=engine, incarnation=f"{engine}-i1", adapters=()))
     assert book.state.blocked_by() == []
@@ -370,6 +382,8 @@ def test_ambiguous_reclaim_blocks_the_claim_and_commit_of_a_loading_candidate() 
     before = (encode_state(book.state), len(book.events))
     assert book.refuse(c.Commit(version_id=4, attempt=1), Code.PUBLICATION_BLOCKED) == []
     assert (encode_state(book.state), len(book.events)) == before
+    blocked = book.refusal(c.Commit(version_id=4, attempt=1), Code.PUBLICATION_BLOCKED)
+    assert blocked.details == {"versions": [2]}  # the version whose unload must be resolved
     assert book.state.default == 3
     names = (book.state.versions[3].lora_name, book.state.versions[4].lora_name)
     for engine in ("e0", "e1"):
@@ -795,6 +809,7 @@ def test_a_replaced_or_ended_life_of_an_owner_is_refused_by_name(book: Book) -> 
         c.Bind(session="s2", owner="w", incarnation="i1"),
         c.Release(session="s1", owner="w", incarnation="i1"),
         c.DeregisterOwner(owner="w", now=3.0, incarnation="i1"),
+        c.RegisterOwner(owner="w", ttl_s=10.0, now=3.0, incarnation="i1"),  # a late retry
     ):
         with pytest.raises(LoraLedgerError) as info:
             book.run(stale)
@@ -810,14 +825,29 @@ def test_a_replaced_or_ended_life_of_an_owner_is_refused_by_name(book: Book) -> 
     assert (info.value.code, info.value.details) == (Code.UNKNOWN_OWNER, {"owner": "ghost"})
     assert "'ghost' is not registered" in info.value.message
     book.run(c.DeregisterOwner(owner="w", now=4.0, incarnation="i2"))
-    with pytest.raises(LoraLedgerError) as info:
-        book.run(c.Bind(session="s3", owner="w", incarnation="i2"))
-    assert (info.value.code, info.value.details) == (Code.OWNER_DEREGISTERED, {"owner": "w"})
-    assert "incarnation 'i2'" in info.value.message
+    for ended in (
+        c.Bind(session="s3", owner="w", incarnation="i2"),
+        c.RegisterOwner(owner="w", ttl_s=10.0, now=5.0, incarnation="i2"),  # a late retry
+    ):
+        error = book.refusal(ended, Code.OWNER_DEREGISTERED)
+        assert error.details == {"owner": "w"}, ended
+        assert "owner w (incarnation 'i2') deregistered" in error.message, ended
     # A live owner passes the lease rule whether or not the caller names its life.
     book.run(c.RegisterOwner(owner="v", ttl_s=10.0, now=5.0, incarnation="j1"))
     check_lease(book.state, "v", required=True)
     check_lease(book.state, "v", required=True, incarnation="j1")
+
+
+def test_an_owner_incarnation_that_is_no_key_is_refused_by_field(book: Book) -> None:
+    """An incarnation is an id like the owner's (non-empty, printable, at most 256 characters):
+    the refusal names the field, so a client sees which of its ids is wrong."""
+    for bad in ("x" * 257, "line\nbreak"):
+        error = book.refusal(
+            c.RegisterOwner(owner="w", ttl_s=10.0, now=1.0, incarnation=bad), Code.INVALID_INPUT
+        )
+        assert error.details == {"field": "incarnation"}
+        assert error.message.startswith("incarnation must be a non-empty printable string")
+    assert "w" not in book.state.owners
 
 
 def test_a_clean_failure_forgets_the_candidate_on_every_engine_that_held_it(book: Book) -> None:

@@ -689,6 +689,7 @@ def test_a_refused_commit_names_the_step_and_a_committed_attempt_cannot_fail() -
         book.run(c.Commit(version_id=2, attempt=1))
     assert info.value.code == Code.INVALID_STATE
     assert info.value.message == "commit: version 2 is FAILED_RETRYABLE at attempt 1, not LOADING"
+    assert info.value.details == {"version_id": 2}
     with pytest.raises(LoraLedgerError) as info:
         book.run(c.FailAttempt(version_id=1, attempt=1, clean=False, code="X", reason="r"))
     assert (info.value.code, info.value.details) == (Code.INVALID_STATE, {"version_id": 1})
