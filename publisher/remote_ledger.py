@@ -30,6 +30,11 @@ What differs from in process, and why:
 * **Routing is a snapshot**, refreshed every ``refresh_interval`` seconds and on demand
   (:meth:`refresh`, which the OpenAI face awaits before answering ``NO_ROUTE``: a bind may
   name a version published after the last snapshot). Concurrent refreshes share one read.
+* **Engine trouble is forwarded** (as ``RayLedger`` does): the gateway's ``on_engine_trouble``
+  hook is :meth:`engine_failed`, which posts the error to ``/engines/{e}/trouble`` in the
+  background; serve's reconciler reads it (a missing adapter: that engine's inventory at once;
+  anything else: a probe at once), so what one gateway process saw is acted on within moments,
+  not at the next full pass.
 * **Lost replies**: a transport failure is raised as :class:`LedgerUnreachable`, a
   ``ConnectionError``, which the worker's retry policy retries (every command sent here is
   idempotent in the ledger: a bind answers the same binding, a release ``released=False``).
@@ -52,10 +57,12 @@ import httpx
 import msgspec
 from anyio.abc import TaskGroup
 
+from engines.contract import EngineError
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused, StoreError
 from projections.status import LedgerStatus
 from publisher import commands as c
 from publisher.errors import Code, LedgerError
+from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 
@@ -157,8 +164,10 @@ class HttpLedger:
         self._renew_wanted = anyio.Event()
         self._lost: dict[str, LoraLedgerError] = {}
         self._tg: TaskGroup | None = None
+        self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
         self.refreshes = 0
         self.renewals_sent = 0
+        self.reports_heard = 0  # engine trouble reports serve answered
 
     @classmethod
     @asynccontextmanager
@@ -346,6 +355,39 @@ class HttpLedger:
                     self._lost.setdefault(owner, refusal)
                 else:
                     log.warning("remote.renew_refused", owner=owner, code=refusal.code)
+
+    # --- engine trouble ----------------------------------------------------------------------
+
+    def engine_failed(self, engine_id: str, error: EngineError) -> None:
+        """A generation on ``engine_id`` failed in a way that says something about the engine
+        (the gateway's ``on_engine_trouble`` hook): tell serve, whose reconciler reads it.
+
+        Synchronous and never raising: the gateway calls it on the path of a failing request,
+        which must not wait for, or fail because of, a hint. At most one report per engine
+        and kind (lacks the adapter or not) is in flight, so a flood of failures is one round
+        trip at a time and a report of one kind never hides one of the other. A report that
+        is lost or refused is logged: serve's own probes and full passes find what it said."""
+        key = (engine_id, lacks_adapter(error))
+        if self._tg is None or key in self._reporting:
+            return
+        self._reporting.add(key)
+        self._tg.start_soon(self._report, key, error)
+
+    async def _report(self, key: tuple[str, bool], error: EngineError) -> None:
+        engine_id = key[0]
+        body = {"code": error.code[:64], "clean": error.clean, "message": error.message[:1024]}
+        try:
+            reply = await self._post(f"/engines/{_segment(engine_id)}/trouble", body)
+        except LedgerUnreachable as exc:
+            log.warning("remote.trouble_report_failed", engine=engine_id, error=str(exc))
+            return
+        finally:
+            self._reporting.discard(key)
+        if reply.status_code == 200:
+            self.reports_heard += 1
+        else:
+            refused = _refusal(reply, self.url)
+            log.warning("remote.trouble_report_refused", engine=engine_id, code=refused.code)
 
     # --- the view --------------------------------------------------------------------------
 

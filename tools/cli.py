@@ -694,7 +694,8 @@ def serve(
 
     Read-only and open: GET /health, /status, /metrics. Bearer token: POST /owners,
     /owners/{owner}/renew, /owners/{owner}/deregister, /sessions/{session}/bind,
-    /sessions/{session}/release, /versions, and the OpenAI routes (/v1/chat/completions,
+    /sessions/{session}/release, /sessions/forget, /versions,
+    /engines/{engine}/{suspend,resume,remove,trouble}, and the OpenAI routes (/v1/chat/completions,
     /v1/completions, /v1/models; docs/openai.md).
     Stops cleanly on SIGINT/SIGTERM.
     """

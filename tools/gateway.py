@@ -132,7 +132,13 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
             fleet = Fleet()
             for spec in engine_specs(opts, ledger.status()):
                 fleet.add(await _open_engine(stack, spec, opts))
-            gateway = Gateway(fleet, ledger, gateway_id=owner, recorder=recorder)
+            gateway = Gateway(
+                fleet,
+                ledger,
+                gateway_id=owner,
+                recorder=recorder,
+                on_engine_trouble=ledger.engine_failed,  # serve's reconciler hears it
+            )
             async with RolloutWorker.open(
                 ledger, gateway, owner=owner, ttl_s=opts.ttl_s, idle_release_s=opts.session_idle_s
             ) as worker:

@@ -24,6 +24,8 @@ POST     ``/v1/sessions/{s}/release``     bearer token: end an OpenAI session
 POST     ``/engines/{engine}/suspend``    bearer token: an operator quarantines an engine
 POST     ``/engines/{engine}/resume``     bearer token: lift it (served again once repaired)
 POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet
+POST     ``/engines/{engine}/trouble``    bearer token: a gateway process saw a generation
+                                         on it fail (a hint for the reconciler)
 =======  ===============================  ==========================================
 
 The ``/v1/`` routes are :mod:`publisher.openai_gateway`'s (docs/openai.md), mounted here so a
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -53,6 +55,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from engines.contract import AmbiguousReply, CleanRefusal, EngineError
 from engines.guard import BadBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
 from publisher.errors import Code, LedgerError
@@ -112,6 +115,16 @@ class EngineActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detail: str = ""
 
 
+class TroubleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A failed generation as a gateway process saw it: the engine's error code, whether the
+    engine answered cleanly (a refusal) or not (unreachable, timed out, a lost reply, a 5xx),
+    and its message for the log. Only a hint: the reconciler's probe and inventory decide."""
+
+    code: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,64}$")]  # printable ASCII, no space
+    clean: bool
+    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
 class ForgetBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sessions: list[str]
 
@@ -149,6 +162,7 @@ def build_app(
     extra_routes: Sequence[BaseRoute] = (),
     max_generation_body_bytes: int = 4 * MAX_BODY_BYTES,
     remove_engine: Callable[[str], Awaitable[Any]] | None = None,
+    report_trouble: Callable[[str, EngineError], None] | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
@@ -159,7 +173,9 @@ def build_app(
     :mod:`publisher.openai_gateway`, under ``/v1/``) check their own token and answer in
     OpenAI's error shape; their bodies (whole conversations) are capped at
     ``max_generation_body_bytes``. ``remove_engine`` (the control plane's) removes an engine
-    and drops its handle; without it the ledger records the removal."""
+    and drops its handle; without it the ledger records the removal. ``report_trouble`` (the
+    reconciler's ``engine_trouble``) hears what gateway processes report; without it a report
+    is answered ``{"heard": false}``: nobody here watches the engines."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:
@@ -278,6 +294,16 @@ def build_app(
             return {"no_op": False}
         return await ledger.remove_engine(engine, cause="operator")
 
+    async def trouble(request: Request, body: TroubleBody) -> Any:
+        engine = request.path_params["engine"]
+        if engine not in ledger.state.engines:
+            raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
+        if report_trouble is None:
+            return {"heard": False}
+        kind = CleanRefusal if body.clean else AmbiguousReply
+        report_trouble(engine, kind(body.code, body.message, engine_id=engine))
+        return {"heard": True}
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", reader(status), methods=["GET"]),
@@ -296,6 +322,7 @@ def build_app(
             "/engines/{engine}/resume", writer(EngineActionBody, resume_engine), methods=["POST"]
         ),
         Route("/engines/{engine}/remove", writer(EngineActionBody, remove), methods=["POST"]),
+        Route("/engines/{engine}/trouble", writer(TroubleBody, trouble), methods=["POST"]),
         *extra_routes,
     ]
     return Starlette(

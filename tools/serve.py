@@ -387,6 +387,7 @@ async def serve(
             private_reads=opts.private_reads,
             extra_routes=face.routes(),
             remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
+            report_trouble=plane.reconciler.engine_trouble,
         )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:

@@ -63,6 +63,7 @@ SERVE_ROUTES = [
     ("POST", "/sessions/{p}/bind"),
     ("POST", "/sessions/{p}/release"),
     ("POST", "/versions"),
+    ("POST", "/engines/{p}/trouble"),
 ]
 _NON_NUMBERS = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400", str(2**80), "-0"])
 

@@ -206,6 +206,73 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
     assert {r["version_id"] for r in rows if r["session"] == "shared"} == {1}
 
 
+async def test_a_gateway_process_reports_a_lost_adapter_to_serve(tmp_path: Path) -> None:
+    """An adapter unloaded behind the ledger's back is found within moments of the next request
+    through a separate gateway process: the engine refuses the turn, the process posts the
+    refusal to serve (``/engines/{e}/trouble``) and serve's reconciler reads that engine's
+    inventory at once. Serve's own probes do not read inventories and its full pass is 30 s
+    away, so without the report the loss would stay unseen for this test's whole life."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with AsyncExitStack() as stack:
+        engine, engine_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
+        ledger = await stack.enter_async_context(
+            serving(
+                tmp_path / "ledger.db",
+                token=TOKEN,
+                engines=(parse_engine(f"e0=local:{engine_url}"),),
+            )
+        )
+        http = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
+        )
+        reply = await http.post(
+            "/versions", json={"version_id": 1, "adapter_dir": str(_adapter_dir(tmp_path, 1))}
+        )
+        assert reply.status_code == 200, reply.text
+        url = await stack.enter_async_context(gateway_process(ledger, token_file, tmp_path, "gw"))
+        client = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
+        )
+
+        async def turn(session: str) -> str:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=2,
+                extra_headers={"x-session-id": session},
+            )
+            return raw.headers["x-loraledger-engine"]
+
+        async def holders() -> list[str]:
+            status = (await http.get("/status")).json()
+            (v1,) = (v for v in status["versions"] if v["version_id"] == 1)
+            return list(v1["holders"])
+
+        assert await turn("before") == "e0"
+        lora_name = (await http.get("/status")).json()["versions"][0]["lora_name"]
+        await engine.unload(lora_name, attempt=1)  # someone else's hand, not the ledger's
+        await anyio.sleep(1.0)  # several of serve's probes: none of them reads the inventory
+        assert await holders() == ["e0"]
+        with pytest.raises(openai.APIStatusError):  # refused by the engine, never resent
+            await turn("after")
+        with anyio.fail_after(5):
+            while "e0" in await holders():  # noqa: ASYNC110 -- a remote state
+                await anyio.sleep(0.05)
+
+        # The route itself: a fleet member and a well-formed error, from a token holder.
+        report = {"code": "TIMEOUT", "clean": False, "message": "no reply in 30 s"}
+        reply = await http.post("/engines/e0/trouble", json=report)
+        assert (reply.status_code, reply.json()) == (200, {"heard": True})
+        reply = await http.post("/engines/ghost/trouble", json=report)
+        assert (reply.status_code, reply.json()["code"]) == (404, "UNKNOWN_ENGINE")
+        reply = await http.post("/engines/e0/trouble", json={**report, "code": "no spaces"})
+        assert (reply.status_code, reply.json()["code"]) == (400, "INVALID_INPUT")
+        reply = await http.post("/engines/e0/trouble", json=report, headers={"Authorization": ""})
+        assert reply.status_code == 401
+
+
 async def test_the_http_ledger_answers_like_the_ledger(tmp_path: Path) -> None:
     """The port a gateway process uses: outcomes and refusals in place with the ledger's own
     classes and codes, a lost lease learned from a renewal, forget over the new route, and a
