@@ -167,7 +167,6 @@ class HttpLedger:
         self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
         self.refreshes = 0
         self.renewals_sent = 0
-        self.reports_heard = 0  # engine trouble reports serve answered
 
     @classmethod
     @asynccontextmanager
@@ -383,9 +382,7 @@ class HttpLedger:
             return
         finally:
             self._reporting.discard(key)
-        if reply.status_code == 200:
-            self.reports_heard += 1
-        else:
+        if reply.status_code != 200:
             refused = _refusal(reply, self.url)
             log.warning("remote.trouble_report_refused", engine=engine_id, code=refused.code)
 

@@ -285,19 +285,22 @@ def build_app(
     async def resume_engine(request: Request, body: EngineActionBody) -> Any:
         return await ledger.resume_engine(request.path_params["engine"], cause="operator")
 
-    async def remove(request: Request, body: EngineActionBody) -> Any:
-        engine = request.path_params["engine"]
+    def member(request: Request) -> str:
+        """The ``{engine}`` of the path, which must be a fleet member."""
+        engine: str = request.path_params["engine"]
         if engine not in ledger.state.engines:
             raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
+        return engine
+
+    async def remove(request: Request, body: EngineActionBody) -> Any:
+        engine = member(request)
         if remove_engine is not None:
             await remove_engine(engine)
             return {"no_op": False}
         return await ledger.remove_engine(engine, cause="operator")
 
     async def trouble(request: Request, body: TroubleBody) -> Any:
-        engine = request.path_params["engine"]
-        if engine not in ledger.state.engines:
-            raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
+        engine = member(request)
         if report_trouble is None:
             return {"heard": False}
         kind = CleanRefusal if body.clean else AmbiguousReply
