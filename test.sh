@@ -28,11 +28,5 @@ if ! .venv/bin/python -c 'import sys; from tools.pg_server import find_bin_dir a
     echo "test.sh: no PostgreSQL server binaries; install Debian's postgresql package" >&2
   fi
 fi
-# Two workers (pytest-xdist): most of the suite's wall time is spent waiting on processes it
-# starts, so two cores run it in far less time; tests that share something machine-wide stay
-# on one worker (tests/conftest.py). A --slow run keeps one process: its mutation gate wants
-# the cores to itself (a test slowed past its timeout would count a mutant as killed).
-# --durations: every run names its slowest tests.
-workers=2
-for arg in "$@"; do [ "$arg" = --slow ] && workers=0; done
-exec .venv/bin/python -m pytest -n "$workers" --durations=25 "$@"
+# --durations: every run names its slowest tests, so the suite's wall time stays watched.
+exec .venv/bin/python -m pytest --durations=25 "$@"
