@@ -21,9 +21,10 @@ What differs from in process, and why:
   The ledger decides: every gateway process gets the same binding for a session.
 * **Lease renewals are local and forwarded** (as ``RayLedger`` does): ``renew_lease`` must be
   synchronous (a worker checks its lease right before it counts a request in flight), so it
-  records the newest in-flight counts and raises only what is already known (the owner
-  expired); a background task forwards them, at most one round trip at a time and at most
-  every ``renew_interval`` seconds. The counts are what serve's reclaim waits for.
+  records the newest in-flight counts per life ``(owner, incarnation)`` and raises only what
+  is already known of that life (it expired, was replaced); a background task forwards them,
+  at most one round trip at a time and at most every ``renew_interval`` seconds.
+  The counts are what serve's reclaim waits for.
 * **A clean exit ends the owners it registered** (as ``RayLedger`` does): leaving
   :meth:`HttpLedger.connect` normally deregisters the owners registered through it that did not
   deregister yet (``deregister_on_exit=False`` keeps them for a later process).
@@ -65,6 +66,7 @@ from publisher.errors import Code, LedgerError
 from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
 from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
+from publisher.renewals import PendingRenewals
 
 log = get_logger("loraledger.remote")
 
@@ -158,11 +160,8 @@ class HttpLedger:
         )
         self._snapshot: _Snapshot | None = None
         self._refreshing: anyio.Event | None = None
-        self._renewals: dict[str, dict[tuple[str, int], int]] = {}
-        self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
+        self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
-        self._renew_wanted = anyio.Event()
-        self._lost: dict[str, LoraLedgerError] = {}
         self._tg: TaskGroup | None = None
         self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
         self.refreshes = 0
@@ -236,7 +235,7 @@ class HttpLedger:
     ) -> Done:
         body = {"owner": owner, "ttl_s": ttl_s, "incarnation": incarnation}
         done = await self._call("/owners", body, Done)
-        self._lost.pop(owner, None)
+        self._renewals.registered((owner, incarnation))
         self._registered[owner] = incarnation
         assert isinstance(done, Done)
         return done
@@ -247,8 +246,7 @@ class HttpLedger:
         path = f"/owners/{_segment(owner)}/deregister"
         outcome = await self._call(path, {"incarnation": incarnation}, Deregistered)
         assert isinstance(outcome, Deregistered)
-        self._renewals.pop(owner, None)
-        self._incarnations.pop(owner, None)
+        self._renewals.ended((owner, incarnation))
         if self._registered.get(owner) == incarnation:
             del self._registered[owner]
         return outcome
@@ -315,43 +313,35 @@ class HttpLedger:
     ) -> None:
         """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
         and have it forwarded. Raises the refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``,
-        ...) once the ledger refused one."""
-        lost = self._lost.get(owner)
-        if lost is not None:
-            raise lost
-        self._renewals[owner] = {key: n for key, n in (inflight or {}).items() if n}
-        self._incarnations[owner] = incarnation
-        self._renew_wanted.set()
+        ...) once the ledger refused this life (see publisher/renewals.py)."""
+        self._renewals.record(owner, incarnation, inflight)
 
     async def _renewer(self) -> None:
         while True:
-            await self._renew_wanted.wait()
+            await self._renewals.wanted.wait()
             await self._flush_renewals()
             await anyio.sleep(self.renew_interval)
 
     async def _flush_renewals(self) -> None:
-        self._renew_wanted = anyio.Event()
-        renewals, self._renewals = self._renewals, {}
-        for owner, counts in renewals.items():
+        for (owner, incarnation), counts in self._renewals.take().items():
             body = {
                 "inflight": [
                     {"engine": engine, "version_id": version, "count": n}
                     for (engine, version), n in sorted(counts.items())
                 ],
-                "incarnation": self._incarnations.get(owner, ""),
+                "incarnation": incarnation,
             }
             try:
                 reply = await self._post(f"/owners/{_segment(owner)}/renew", body)
             except LedgerUnreachable as exc:
                 log.warning("remote.renew_failed", owner=owner, error=str(exc))
-                self._renewals.setdefault(owner, counts)  # the newest is sent next time
-                self._renew_wanted.set()
+                self._renewals.keep((owner, incarnation), counts)  # the newest goes next time
                 continue
             self.renewals_sent += 1
             if reply.status_code != 200:
                 refusal = _refusal(reply, self.url)
                 if refusal.code in OWNER_LOST:
-                    self._lost.setdefault(owner, refusal)
+                    self._renewals.refused((owner, incarnation), refusal)
                 else:
                     log.warning("remote.renew_refused", owner=owner, code=refusal.code)
 

@@ -25,7 +25,8 @@ Three things differ from in process, each for a reason:
 * **Lease renewals are local and forwarded.** ``renew_lease`` must be synchronous (a worker
   checks its lease right before the gateway counts a request in flight), so it records the
   renewal and raises only what the client already knows (the owner expired); a background task
-  forwards the newest renewal of every owner to the ledger, at most one round trip at a time
+  forwards the newest renewal of every owner's life (``(owner, incarnation)``: see
+  publisher/renewals.py) to the ledger, at most one round trip at a time
   and at most every ``renew_interval`` seconds, and learns expiries from the reply. A worker
   therefore learns it lost its lease one renewal later than in process.
 * **The fleet is the ledger's.** :attr:`RayLedger.fleet` is a :class:`~publisher.fleet.Fleet`
@@ -82,6 +83,7 @@ from publisher.ray.engine import RayEngine
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, FleetView, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.ray.routing import Mark, RemoteRouting, RoutingTable
+from publisher.renewals import PendingRenewals
 from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.ray")
@@ -126,11 +128,8 @@ class RayLedger:
         self._queue: deque[_Request] = deque()
         self._senders = 0
         self._tg: TaskGroup | None = None
-        self._renewals: dict[str, dict[tuple[str, int], int]] = {}
-        self._incarnations: dict[str, str] = {}  # owner -> the incarnation its renewals name
+        self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
-        self._renew_wanted = anyio.Event()
-        self._lost: dict[str, LoraLedgerError] = {}
         self.round_trips = 0  # execute_many round trips sent (coalescing shows here)
         self.fleet = Fleet()  # mirrors the ledger actor's handles (see the module docstring)
         self.fleet_mark: Mark | None = None  # (epoch, version) of the view mirrored
@@ -277,7 +276,7 @@ class RayLedger:
         """Register ``owner``'s life ``incarnation`` (idempotent for the same one: the link
         may send it again across a ledger restart)."""
         outcome: Done = await self.link.call("register_owner", owner, ttl_s, incarnation)
-        self._lost.pop(owner, None)
+        self._renewals.registered((owner, incarnation))
         self._registered[owner] = incarnation
         return outcome
 
@@ -285,8 +284,7 @@ class RayLedger:
         """A clean exit: the ledger releases the owner's sessions still bound
         (``owner_exited``) and no renewal of it is forwarded any more (idempotent)."""
         outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation)
-        self._renewals.pop(owner, None)
-        self._incarnations.pop(owner, None)
+        self._renewals.ended((owner, incarnation))
         if self._registered.get(owner) == incarnation:
             del self._registered[owner]
         return outcome
@@ -313,33 +311,25 @@ class RayLedger:
         """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
         per (engine, version) and have it forwarded (see the module docstring). Raises the
         refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...) once the ledger refused a renewal
-        of this owner."""
-        lost = self._lost.get(owner)
-        if lost is not None:
-            raise lost
-        self._renewals[owner] = {key: n for key, n in (inflight or {}).items() if n}
-        self._incarnations[owner] = incarnation
-        self._renew_wanted.set()
+        of this life (see publisher/renewals.py)."""
+        self._renewals.record(owner, incarnation, inflight)
 
     async def _renewer(self) -> None:
         while True:
-            await self._renew_wanted.wait()
-            self._renew_wanted = anyio.Event()
-            renewals, self._renewals = self._renewals, {}
+            await self._renewals.wanted.wait()
+            renewals = self._renewals.take()
             try:
-                incarnations = {owner: self._incarnations.get(owner, "") for owner in renewals}
                 reply: RenewReply = await self.link.call(
-                    "renew_leases", renewals, self.routing.mark, incarnations, self.fleet_mark
+                    "renew_leases", renewals, self.routing.mark, self.fleet_mark
                 )
             except LoraLedgerError as exc:
                 # Unreachable for reconnect_timeout: keep the newest renewals for next time.
                 log.warning("ray.renew_failed", error=exc.message)
-                for owner, counts in renewals.items():
-                    self._renewals.setdefault(owner, counts)
-                self._renew_wanted.set()
+                for life, counts in renewals.items():
+                    self._renewals.keep(life, counts)
             else:
-                for owner, error in reply.lost.items():
-                    self._lost.setdefault(owner, error)
+                for life, error in reply.lost.items():
+                    self._renewals.refused(life, error)
                 self._routing_seen(reply.routing, reply.fleet)
             await anyio.sleep(self.renew_interval)
 

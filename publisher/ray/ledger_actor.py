@@ -71,6 +71,7 @@ from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
 from publisher.ray.stored_adapter import PullStats, StoredAdapter
+from publisher.renewals import Life
 
 if TYPE_CHECKING:
     from publisher.reconciler import ReconcileReport
@@ -124,10 +125,10 @@ class Reply:
 
 @dataclasses.dataclass(frozen=True)
 class RenewReply:
-    """Owners whose renewal was refused (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...), and
-    routing and handles, as in :class:`Reply`."""
+    """Lives ``(owner, incarnation)`` whose renewal was refused (``LEASE_EXPIRED``,
+    ``OWNER_RESTARTED``, ...), and routing and handles, as in :class:`Reply`."""
 
-    lost: dict[str, LoraLedgerError]
+    lost: dict[Life, LoraLedgerError]
     routing: RoutingTable | None
     fleet: FleetView | None = None
 
@@ -187,17 +188,16 @@ class _Service:
 
     async def renew_leases(
         self,
-        renewals: Mapping[str, Mapping[tuple[str, int], int]],
+        renewals: Mapping[Life, Mapping[tuple[str, int], int]],
         mark: Mark | None,
-        incarnations: Mapping[str, str],
         fleet_mark: Mark | None,
     ) -> RenewReply:
-        lost: dict[str, LoraLedgerError] = {}
-        for owner, inflight in renewals.items():
+        lost: dict[Life, LoraLedgerError] = {}
+        for (owner, incarnation), inflight in renewals.items():
             try:
-                self.ledger.renew_lease(owner, inflight, incarnation=incarnations.get(owner, ""))
+                self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
             except LoraLedgerError as exc:
-                lost[owner] = exc
+                lost[(owner, incarnation)] = exc
         table = self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
         return RenewReply(lost, table, self.fleet_for(fleet_mark))
 
@@ -418,14 +418,13 @@ class LedgerActor:
 
     async def renew_leases(
         self,
-        renewals: dict[str, dict[tuple[str, int], int]],
+        renewals: dict[Life, dict[tuple[str, int], int]],
         mark: Mark | None = None,
-        incarnations: dict[str, str] | None = None,
         fleet_mark: Mark | None = None,
     ) -> RenewReply:
-        return await self._host.call(
-            self._service.renew_leases, renewals, mark, incarnations or {}, fleet_mark
-        )
+        """Renew each life ``(owner, incarnation)`` with its in-flight counts; the lives
+        refused come back by name (see publisher/renewals.py)."""
+        return await self._host.call(self._service.renew_leases, renewals, mark, fleet_mark)
 
     async def routing(self) -> RoutingTable:
         return await self._host.call(self._service.routing_table)

@@ -1,11 +1,13 @@
-"""Helpers shared by the Ray tests: publish a version by recording it (no engines needed when
-only the ledger is under test)."""
+"""Helpers shared by the Ray tests and the remote clients' tests: publish a version by
+recording it (no engines needed when only the ledger is under test), and read what a remote
+client learned of a life's renewals."""
 
 from __future__ import annotations
 
 import hashlib
 from typing import Any
 
+from evlog.errors import LoraLedgerError
 from publisher import commands as c
 from publisher.outcomes import Allocated, Published
 
@@ -43,3 +45,13 @@ async def publish(ledger: Any, version_id: int) -> Published:
     published = await ledger.execute(c.Commit(version_id=version_id, attempt=allocated.attempt))
     assert isinstance(published, Published), published
     return published
+
+
+def renewal_refused(client: Any, owner: str, incarnation: str, code: str) -> bool:
+    """Whether ``client`` (``RayLedger`` or ``HttpLedger``) already refuses a renewal of
+    ``(owner, incarnation)`` with ``code``: what it learned from a forwarded one's answer."""
+    try:
+        client.renew_lease(owner, incarnation=incarnation)
+    except LoraLedgerError as exc:
+        return exc.code == code
+    return False

@@ -24,7 +24,8 @@ from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
 from publisher.ray.trainer import RayTrainerClient
-from tests.ray.kit import ENGINES, create, publish
+from tests.engines.contract import wait_until
+from tests.ray.kit import ENGINES, create, publish, renewal_refused
 
 pytestmark = pytest.mark.anyio
 
@@ -162,6 +163,27 @@ async def test_leases_are_renewed_through_the_client_and_expiry_is_learned(
         status = await ledger.status()
         assert status.owners == 1
         assert status.sessions_bound == 1  # "dead"'s session was released by the expiry
+
+
+async def test_a_zombie_life_is_refused_and_its_successor_is_not(ledger_factory: Any) -> None:
+    """Two lives of one owner renewing through one client (a worker restarted in the same
+    process, its predecessor still renewing): the refusal is charged to the replaced life only,
+    even when both renewed in the same window (publisher/renewals.py)."""
+    lut = ledger_factory(lease_check_s=0.1)
+    async with RayLedger.connect(lut.name, renew_interval=0.05) as ledger:
+        await create(ledger)
+        await publish(ledger, 1)
+        await ledger.register_owner("w", ttl_s=1.0, incarnation="one")
+        await ledger.register_owner("w", ttl_s=1.0, incarnation="two")  # replaces "one"
+        ledger.renew_lease("w", {("e0", 1): 2}, incarnation="two")
+        ledger.renew_lease("w", {("e0", 1): 5}, incarnation="one")  # the same window
+        await wait_until(lambda: renewal_refused(ledger, "w", "one", Code.OWNER_RESTARTED))
+        # two ttls of renewals by the successor alone keep it alive, never refused
+        with anyio.fail_after(10):
+            for _ in range(20):
+                ledger.renew_lease("w", {("e0", 1): 2}, incarnation="two")
+                await anyio.sleep(0.1)
+        assert (await ledger.bind("s", "w", incarnation="two")).new
 
 
 async def _bind_all(ledger: RayLedger, names: list[str], owner: str) -> dict[str, Any]:

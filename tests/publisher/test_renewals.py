@@ -1,0 +1,48 @@
+"""``PendingRenewals``, the per-life book both remote clients forward renewals from: each
+life ``(owner, incarnation)`` keeps its own newest counts and its own refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from evlog.errors import LoraLedgerError
+from publisher.errors import Code, LedgerRefused
+from publisher.renewals import PendingRenewals
+
+
+def test_each_life_keeps_its_newest_counts_and_zeros_are_dropped() -> None:
+    book = PendingRenewals()
+    book.record("w", "one", {("e0", 1): 5})
+    book.record("w", "two", {("e0", 1): 2, ("e1", 1): 0})
+    book.record("w", "one", {("e0", 1): 4})  # newer than the first of its life
+    assert book.wanted.is_set()
+    assert book.take() == {("w", "one"): {("e0", 1): 4}, ("w", "two"): {("e0", 1): 2}}
+    assert not book.wanted.is_set() and book.take() == {}
+
+
+def test_a_forward_kept_after_a_failure_never_hides_a_newer_renewal() -> None:
+    book = PendingRenewals()
+    book.record("w", "one", {("e0", 1): 5})
+    taken = book.take()
+    book.record("w", "one", {("e0", 1): 1})  # recorded while the forward was on the way
+    for life, counts in taken.items():
+        book.keep(life, counts)  # it did not reach the ledger
+    book.keep(("w", "two"), {("e0", 2): 3})
+    assert book.wanted.is_set()
+    assert book.take() == {("w", "one"): {("e0", 1): 1}, ("w", "two"): {("e0", 2): 3}}
+
+
+def test_a_refusal_is_charged_to_its_life_only_until_it_registers_again() -> None:
+    book = PendingRenewals()
+    first = LedgerRefused(Code.OWNER_RESTARTED, "owner w was restarted")
+    book.refused(("w", "one"), first)
+    book.refused(("w", "one"), LedgerRefused(Code.LEASE_EXPIRED, "later"))  # the first stays
+    book.record("w", "two", None)  # the successor is untouched
+    with pytest.raises(LoraLedgerError) as zombie:
+        book.record("w", "one", {("e0", 1): 1})
+    assert zombie.value is first
+    assert book.take() == {("w", "two"): {}}
+    book.registered(("w", "one"))
+    book.record("w", "one", None)
+    book.ended(("w", "one"))
+    assert book.take() == {}
