@@ -411,7 +411,9 @@ class OpenAIGateway:
         return _Ask(
             chat=chat,
             body=body,
-            session=session or f"{self.gateway.gateway_id}-once-{rid}",
+            # Named here, never after the client's x-request-id: an SDK resends the same
+            # headers after a retryable refusal, and a released session never binds again.
+            session=session or f"{self.gateway.gateway_id}-once-{uuid.uuid4().hex}",
             one_turn=session is None,
             request_id=rid,
             stream=bool(body.get("stream")),

@@ -631,3 +631,27 @@ async def test_idle_release_takes_time_as_data(tmp_path: Path) -> None:
         assert await worker.release_idle(now=anyio.current_time() + 2000) == 0
         await worker.flush_forgets()  # the tombstones are gone: the ids would bind afresh
         assert not r.plane.ledger.state.tombstones
+
+
+async def test_requests_without_a_session_never_share_one_under_a_request_id(
+    tmp_path: Path,
+) -> None:
+    """A request without a session id is a one-turn session the gateway names: never after
+    the client's ``x-request-id``. The SDK resends the same headers after a retryable
+    refusal, and a proxy may stamp one id on many requests; neither may meet the tombstone
+    of the first request's released session (``SESSION_CLOSED``)."""
+    async with rig(tmp_path) as r:
+        same = {"x-request-id": "stamped-by-a-proxy"}
+        async with async_client(r, max_retries=0) as client:
+            with pytest.raises(openai.APIStatusError) as early:
+                await client.chat.completions.create(
+                    model="policy", messages=MESSAGES, max_tokens=2, extra_headers=same
+                )
+            assert early.value.response.headers["x-should-retry"] == "true"
+            await r.publish(1)
+            for _ in range(2):  # the SDK's retry, then the proxy's next request
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="policy", messages=MESSAGES, max_tokens=2, extra_headers=same
+                )
+                assert raw.headers["x-request-id"] == "stamped-by-a-proxy"
+                assert raw.headers["x-loraledger-version"] == "1"
