@@ -781,8 +781,8 @@ def gateway(
         str | None,
         typer.Option(
             "--owner",
-            help="This gateway's owner id in the ledger (default gateway-HOST-PID); the same "
-            "id, back within its lease, resumes its sessions.",
+            help="This gateway's owner id in the ledger (default gateway-HOST-PID-RANDOM, one "
+            "per process); a restart under the same id releases its predecessor's sessions.",
         ),
     ] = None,
     ttl: Annotated[float, typer.Option("--ttl-s", help="Lease of the owner, seconds.")] = 30.0,

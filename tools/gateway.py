@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -40,6 +41,12 @@ from tools.serve import (
 
 log = get_logger("loraledger.gateway")
 
+# Drawn once per process: with the host and the pid, the default owner id. Host and pid alone
+# repeat across containers that share the host's network (every one is pid 1), and two
+# gateways under one owner id are two lives of one owner: the second would release the first's
+# sessions and fence it out.
+PROCESS_TAG = uuid.uuid4().hex[:8]
+
 
 class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
     ledger: str  # the base URL of ``loraledger serve``
@@ -51,7 +58,7 @@ class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
     served_model: str = "tiny"  # vLLM's base model name
     artifact_root: str | None = None  # unused (no in-process engine here); read by _open_engine
     alias: str = "policy"
-    owner: str | None = None  # default gateway-<host>-<pid>
+    owner: str | None = None  # default gateway-<host>-<pid>-<random>: see PROCESS_TAG
     ttl_s: float = 30.0
     session_idle_s: float = 1800.0
     refresh_s: float = 1.0
@@ -62,7 +69,7 @@ class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def owner_id(self) -> str:
-        return self.owner or f"gateway-{socket.gethostname()}-{os.getpid()}"
+        return self.owner or f"gateway-{socket.gethostname()}-{os.getpid()}-{PROCESS_TAG}"
 
 
 def check_options(opts: GatewayOptions) -> None:

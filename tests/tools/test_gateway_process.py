@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -363,3 +364,26 @@ def test_gateway_options_are_refused_before_anything_starts() -> None:
     with pytest.raises(ToolError) as idle:
         check_serve(ServeOptions(db="x.db", session_idle_s=float("inf")))
     assert idle.value.exit_code == Exit.USAGE and "--session-idle-s" in idle.value.message
+
+
+def test_default_owner_ids_differ_where_host_and_pid_repeat() -> None:
+    """Containers on the host's network share its name and are each pid 1: their gateways'
+    default owner ids must still differ (one id would make them two lives of one owner, the
+    second fencing the first out), and stay the same within one process."""
+    probe = (
+        "import os, socket\n"
+        "os.getpid = lambda: 1\n"
+        "socket.gethostname = lambda: 'node'\n"
+        "from tools.gateway import GatewayOptions\n"
+        "a, b = GatewayOptions(ledger='x'), GatewayOptions(ledger='y')\n"
+        "assert a.owner_id == b.owner_id, (a.owner_id, b.owner_id)\n"
+        "print(a.owner_id)\n"
+    )
+    ids = [
+        subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert all(i.startswith("gateway-node-1-") for i in ids), ids
+    assert ids[0] != ids[1]
