@@ -69,11 +69,19 @@ class EngineJoined(Event, frozen=True):
 
 class EngineRestarted(Event, frozen=True):
     """A new process life of an engine was observed: it lost every adapter and is not routable
-    until the versions still needed have been loaded again (:class:`EngineRepaired`)."""
+    until the versions still needed have been loaded again (:class:`EngineRepaired`).
+
+    ``endpoint`` and ``kind``: where the new life serves and what it is, when they changed
+    (the server came back behind another address: gateways read the endpoint from the
+    ledger); ``None``: unchanged. Schema 2 added them (schema 1 records: unchanged)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     engine: str
     old: str
     new: str
+    endpoint: str | None = None
+    kind: str | None = None
 
 
 class VersionRestored(Event, frozen=True):
@@ -581,6 +589,11 @@ def _publication_skipped_v1(d: dict[str, Any]) -> dict[str, Any]:
 @upcaster("EngineLeft", 1)
 def _engine_left_v1(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "cause": "fleet"}
+
+
+@upcaster("EngineRestarted", 1)
+def _engine_restarted_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "endpoint": None, "kind": None}
 
 
 @upcaster("OwnerRegistered", 1)

@@ -330,6 +330,10 @@ def _engine_joined(s: RegistryState, e: EngineJoined) -> None:
 def _engine_restarted(s: RegistryState, e: EngineRestarted) -> None:
     member = s.engines[e.engine]
     member.incarnation = e.new
+    if e.endpoint is not None:
+        member.endpoint = e.endpoint
+    if e.kind is not None:
+        member.kind = e.kind
     member.routable = False
     member.holds.clear()  # a new process life holds nothing
     member.strays = ()

@@ -48,10 +48,13 @@ class JoinEngine(Command, frozen=True):
 
 
 class ObserveRestart(Command, frozen=True):
-    """A new incarnation was seen (health probe or a receipt): the engine lost everything."""
+    """A new incarnation was seen (health probe or a receipt): the engine lost everything.
+    ``endpoint`` and ``kind``: the handle's, recorded if they changed (``None``: unknown)."""
 
     engine: str
     incarnation: str
+    endpoint: str | None = None
+    kind: str | None = None
 
 
 class RestoreVersion(Command, frozen=True):

@@ -354,7 +354,13 @@ def _observe_restart(s: RegistryState, cmd: c.ObserveRestart) -> Decision:
     _key(cmd.incarnation, "incarnation")
     if member.incarnation == cmd.incarnation:
         return Decision(outcome=Done(no_op=True))
-    event = EngineRestarted(engine=cmd.engine, old=member.incarnation, new=cmd.incarnation)
+    event = EngineRestarted(
+        engine=cmd.engine,
+        old=member.incarnation,
+        new=cmd.incarnation,
+        endpoint=cmd.endpoint if cmd.endpoint != member.endpoint else None,
+        kind=cmd.kind if cmd.kind != member.kind else None,
+    )
     return Decision((event,), Done())
 
 

@@ -98,9 +98,20 @@ class LedgerAPI:
         command = c.JoinEngine(engine=engine, incarnation=incarnation, endpoint=endpoint, kind=kind)
         return await self._run(command, Done)
 
-    async def observe_restart(self, engine: str, incarnation: str) -> Done:
-        """A new process life of an engine: it lost every adapter, unroutable until repaired."""
-        return await self._run(c.ObserveRestart(engine=engine, incarnation=incarnation), Done)
+    async def observe_restart(
+        self,
+        engine: str,
+        incarnation: str,
+        *,
+        endpoint: str | None = None,
+        kind: str | None = None,
+    ) -> Done:
+        """A new process life of an engine: it lost every adapter, unroutable until repaired.
+        Its ``endpoint`` and ``kind`` are recorded if they changed."""
+        command = c.ObserveRestart(
+            engine=engine, incarnation=incarnation, endpoint=endpoint, kind=kind
+        )
+        return await self._run(command, Done)
 
     async def restore_version(self, version_id: int, engine: str, incarnation: str) -> Done:
         """Repair reloaded a still-needed version on an engine."""

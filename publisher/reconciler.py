@@ -325,7 +325,9 @@ class Reconciler:
             log.info("reconciler.joined", engine=engine_id, seq=ledger.state.last_seq)
         elif member.incarnation != incarnation:
             old = member.incarnation
-            await ledger.observe_restart(engine_id, incarnation)
+            await ledger.observe_restart(
+                engine_id, incarnation, endpoint=engine.capabilities.endpoint, kind=engine.kind
+            )
             rep.add(restarted=(engine_id,))
             log.warning(
                 "reconciler.restarted",

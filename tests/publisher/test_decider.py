@@ -14,6 +14,7 @@ from evlog.errors import LoraLedgerError
 from evlog.events import (
     AttemptFailed,
     CommandRecorded,
+    EngineRestarted,
     FatalResolved,
     InFlight,
     PublicationBlocked,
@@ -676,6 +677,29 @@ def test_join_restart_and_leave(book: Book) -> None:
     book.run(c.LeaveEngine(engine="e1"))  # the last missing confirmation leaves the fleet
     assert book.state.versions[1].state is VersionState.RECLAIMED
     assert book.run(c.LeaveEngine(engine="e1")).no_op
+
+
+def test_a_restart_records_where_the_new_life_serves_only_when_it_moved(book: Book) -> None:
+    """Gateways read each engine's endpoint from the ledger: a server that came back behind
+    another address must not leave them sending to the old one."""
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2", endpoint="", kind="local"))
+    assert book.events[-1] == EngineRestarted(engine="e0", old="e0-i1", new="e0-i2")
+    moved = c.ObserveRestart(engine="e0", incarnation="e0-i3", endpoint="http://h:9", kind="vllm")
+    book.run(moved)
+    assert book.events[-1] == EngineRestarted(
+        engine="e0", old="e0-i2", new="e0-i3", endpoint="http://h:9", kind="vllm"
+    )
+    member = book.state.engines["e0"]
+    assert (member.endpoint, member.kind) == ("http://h:9", "vllm")
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i4"))  # not said: kept
+    assert (member.endpoint, member.kind) == ("http://h:9", "vllm")
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i5", endpoint="http://h:8"))
+    assert book.events[-1] == EngineRestarted(
+        engine="e0", old="e0-i4", new="e0-i5", endpoint="http://h:8"
+    )
+    assert (member.endpoint, member.kind) == ("http://h:8", "vllm")
+    bad = c.ObserveRestart(engine="e0", incarnation="e0-i6", endpoint=5)  # type: ignore[arg-type]
+    book.refuse(bad, Code.INVALID_INPUT)
 
 
 def test_inventory_records_strays(book: Book) -> None:

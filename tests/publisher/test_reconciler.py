@@ -3,6 +3,7 @@ deployment unloaded (and only those), drift found by the periodic full pass."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ import pytest
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, Candidate, ErrorCode
+from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
+from engines.local.server import running_server
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from evlog.events import (
@@ -244,3 +247,27 @@ async def test_a_replaced_handle_is_a_restart_repaired_before_it_serves(tmp_path
         assert kinds == [EngineRestarted, VersionRestored, EngineRepaired]
         assert ledger.state.engines["e0"].incarnation == await successor.incarnation()
         assert v1.lora_name in await names(successor)
+
+
+async def test_a_restart_behind_another_address_moves_the_recorded_endpoint(
+    tmp_path: Path,
+) -> None:
+    """A server that came back behind another address (a new handle, or serve restarted with
+    a new ``--engine`` URL) is recorded there with its restart: gateway processes started
+    without ``--engine`` read each engine's endpoint from the ledger's status."""
+    async with (
+        running_server("e0", limits=LIMITS) as (_, old_url),
+        running_server("e0", limits=LIMITS) as (_, new_url),
+        contextlib.AsyncExitStack() as handles,
+    ):
+        old, new = LocalHTTPEngine(old_url, "e0"), LocalHTTPEngine(new_url, "e0")
+        handles.push_async_callback(old.aclose)
+        handles.push_async_callback(new.aclose)
+        async with open_plane([old], tmp_path, probe_interval_s=IDLE) as plane:
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
+            assert [e.endpoint for e in plane.ledger.status().engines] == [old_url]
+            report = await plane.replace_engine(new)
+            assert (report.restarted, report.repaired) == (("e0",), ("e0",))
+            assert [e.endpoint for e in plane.ledger.status().engines] == [new_url]
+            [restart] = of_type(await events(plane.ledger), EngineRestarted)
+            assert (restart.endpoint, restart.kind) == (new_url, None)  # the kind is the same
