@@ -210,6 +210,53 @@ async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
 
 
+@pytest.mark.parametrize("failures_in_new_life", [0, 1])
+async def test_a_restarted_engine_owes_nothing_to_its_previous_lifes_back_off(
+    tmp_path: Path, failures_in_new_life: int
+) -> None:
+    """The restore back-off belongs to one life of the engine. e1 loses the default and every
+    reload fails: it is suspended (``lost_adapter``) and its retries back off to the longest
+    wait. Then it is restarted -- a new, empty, healthy process: the first repair pass restores
+    the default and makes it routable, with no waiting out the old life's minute; and a new
+    life whose first reload fails waits the first delay (1 s), not the old life's longest."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=60.0)
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)  # an eviction: no fence
+        sick.inject("prepare", ServerError(), times=1000)
+        for second in range(64):  # tries at 0, 1, 3, 7, 15, 31 and 63 s; the next waits 60 s
+            clock.now = float(second)
+            await reconciler.health_check({"e1"})
+        state = plane.ledger.state
+        assert state.engines["e1"].suspended and state.engines["e1"].suspend_cause == "lost_adapter"
+        prepares = sick.count("prepare")
+        for second in range(64, 70):  # the old life is backing off: no try for a while
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert sick.count("prepare") == prepares
+        # the operator restarts it: a new process, every adapter gone, loads working again
+        # (but for ``failures_in_new_life`` ambiguous failures)
+        sick.clear()
+        await host(sick).restart()
+        if failures_in_new_life:
+            sick.inject("prepare", ServerError(), times=failures_in_new_life)
+        seq = plane.ledger.state.last_seq
+        for _ in range(failures_in_new_life):
+            await reconciler.health_check()  # fails once; the next try is 1 s away
+            assert "e1" not in plane.ledger.state.holders(v1.lora_name)
+            clock.now += 1.0
+        await reconciler.health_check()
+        state = plane.ledger.state
+        assert state.engines["e1"].routable and not state.engines["e1"].suspended
+        assert state.holders(v1.lora_name) == ("e0", "e1")
+        kinds = [type(e).__name__ for e in await log_after(plane, seq)]
+        assert kinds[0] == "EngineRestarted", kinds
+        assert kinds[-2:] == ["VersionRestored", "EngineRepaired"], kinds
+        assert (await sick.inventory()).names() >= {v1.lora_name}
+        assert sick.count("prepare") > prepares + failures_in_new_life
+
+
 async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -> None:
     """The health loop of the plane, not a hand-driven one: an hour between probes and full
     passes, yet a reported refusal gets the engine's inventory read and the loss recorded."""
