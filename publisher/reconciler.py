@@ -153,7 +153,8 @@ class Reconciler:
         self.suspend_after_s = suspend_after_s
         self.restore_backoff_s = restore_backoff_s
         self.restore_backoff_max_s = restore_backoff_max_s
-        # engine -> (clock time of the first failed probe of the current run, last error)
+        # engine -> (clock time of the first failed probe of the current run, last error); any
+        # answer to a probe ends the run (`_check`, `_read`)
         self._failing: dict[str, tuple[float, str]] = {}
         # (engine, incarnation, version) -> (failed restores in a row, clock time before which
         # not to retry). One life's back-off: a restarted engine is a new, empty process that
@@ -302,6 +303,9 @@ class Reconciler:
         to = self.timeouts
         for _ in range(_READ_TRIES):
             incarnation = await call(engine_id, "incarnation", to.probe, engine.incarnation)
+            # An answer ends a run of failed probes, whichever pass got it (a full pass may be
+            # the first to reach a restarted engine): a later failure starts a new run.
+            self._failing.pop(engine_id, None)
             await self._membership(engine_id, engine, incarnation, rep)
             inventory = await call(engine_id, "inventory", to.inventory, engine.inventory)
             if inventory.incarnation == incarnation:

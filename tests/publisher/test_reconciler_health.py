@@ -137,6 +137,33 @@ async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
 
 
+async def test_an_answer_to_a_full_pass_ends_a_run_of_failed_probes(tmp_path: Path) -> None:
+    """Probes fail for a while (not yet long enough to suspend); the engine comes back as a new
+    process and a full pass -- not a probe -- is the first to reach it, and repairs it. That
+    answer ends the failure run: a single failed probe afterwards is the start of a new run, not
+    the continuation of the old one that would suspend the healthy engine at once."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock)
+        sick = engines[1]
+        sick.inject("incarnation", ServerError(), times=int(SUSPEND_AFTER_S))
+        for second in range(int(SUSPEND_AFTER_S)):  # failing for 9 s: not suspended yet
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert plane.ledger.state.engines["e1"].routable
+        await host(sick).restart()
+        clock.now = SUSPEND_AFTER_S
+        report = await reconciler.reconcile()  # the full pass sees the new life and repairs it
+        assert report.restarted == ("e1",) and report.repaired == ("e1",), report
+        seq = plane.ledger.state.last_seq
+        sick.inject("incarnation", ServerError())  # one blip of the new life
+        clock.now += 1.0
+        await reconciler.health_check()
+        assert await log_after(plane, seq) == []
+        assert plane.ledger.state.engines["e1"].routable
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1")
+
+
 async def test_an_engine_answering_again_is_routable_only_after_its_repair(tmp_path: Path) -> None:
     """Suspended while unreachable; it comes back as a new process (it lost every adapter) and
     cannot reload the default for a while: it stays out of routing, each failed restore
