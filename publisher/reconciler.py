@@ -38,8 +38,9 @@ versions reloaded -- and ``EngineRepaired`` makes it routable. A needed version 
 routable engine (``AdapterLost``, recorded by the decider from the inventory) is reloaded
 under its name; a restore the engine refuses, or one that keeps failing, suspends the engine
 (cause ``lost_adapter``) to be repaired as a whole. Restores back off exponentially (up to
-``restore_backoff_max_s``), and an inventory equal to what the ledger knows writes nothing, so
-a restore that keeps failing does not grow the log.
+``restore_backoff_max_s``) within one life of the engine (a restarted engine owes nothing to
+its previous life's failures: its first repair restores at once), and an inventory equal to
+what the ledger knows writes nothing, so a restore that keeps failing does not grow the log.
 
 The health loop (:meth:`Reconciler.run`) probes every engine's ``incarnation()`` each
 ``probe_interval_s`` (or when poked) and reconciles an engine that restarted, is not routable,
@@ -152,10 +153,13 @@ class Reconciler:
         self.suspend_after_s = suspend_after_s
         self.restore_backoff_s = restore_backoff_s
         self.restore_backoff_max_s = restore_backoff_max_s
-        # engine -> (clock time of the first failed probe of the current run, last error)
+        # engine -> (clock time of the first failed probe of the current run, last error); any
+        # answer to a probe ends the run (`_check`, `_read`)
         self._failing: dict[str, tuple[float, str]] = {}
-        # (engine, version) -> (failed restores in a row, clock time before which not to retry)
-        self._restore_backoff: dict[tuple[str, int], tuple[int, float]] = {}
+        # (engine, incarnation, version) -> (failed restores in a row, clock time before which
+        # not to retry). One life's back-off: a restarted engine is a new, empty process that
+        # owes nothing to its previous life's failures (its entries go at its next repair).
+        self._restore_backoff: dict[tuple[str, str, int], tuple[int, float]] = {}
         # requests in flight per (engine, version), as the reclaim driver counts them
         self._inflight = inflight or (lambda engine_id, version_id: 0)
         self._fleet = fleet
@@ -299,6 +303,9 @@ class Reconciler:
         to = self.timeouts
         for _ in range(_READ_TRIES):
             incarnation = await call(engine_id, "incarnation", to.probe, engine.incarnation)
+            # An answer ends a run of failed probes, whichever pass got it (a full pass may be
+            # the first to reach a restarted engine): a later failure starts a new run.
+            self._failing.pop(engine_id, None)
             await self._membership(engine_id, engine, incarnation, rep)
             inventory = await call(engine_id, "inventory", to.inventory, engine.inventory)
             if inventory.incarnation == incarnation:
@@ -424,11 +431,12 @@ class Reconciler:
         member = state.engines.get(engine_id)
         if member is None or member.incarnation != incarnation:
             return
+        self._forget_other_lives(engine_id, incarnation)
         for version_id in state.needed_versions():
             v = state.versions[version_id]
             if v.lora_name in member.holds:
                 continue
-            key = (engine_id, version_id)
+            key = (engine_id, incarnation, version_id)
             failures, not_before = self._restore_backoff.get(key, (0, 0.0))
             if self._clock() < not_before:
                 continue  # backing off: a failing restore is retried ever less often
@@ -461,6 +469,14 @@ class Reconciler:
             await self._ledger.repair_engine(engine_id, incarnation)
             rep.add(repaired=(engine_id,))
             log.info("reconciler.repaired", engine=engine_id, seq=self._ledger.state.last_seq)
+
+    def _forget_other_lives(self, engine_id: str, incarnation: str) -> None:
+        """Drop the restore back-off of the engine's earlier lives. A restart (or a replacement)
+        is a new process: the old life's delays -- up to ``restore_backoff_max_s`` -- would
+        keep a healthy engine out of routing (the ledger refuses the repair while a needed
+        version is missing) and start its first failure at the longest wait."""
+        for key in [k for k in self._restore_backoff if k[0] == engine_id and k[1] != incarnation]:
+            del self._restore_backoff[key]
 
     async def _suspend_for_loss(
         self, engine_id: str, v: VersionRecord, failures: int, exc: Exception

@@ -137,6 +137,33 @@ async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
 
 
+async def test_an_answer_to_a_full_pass_ends_a_run_of_failed_probes(tmp_path: Path) -> None:
+    """Probes fail for a while (not yet long enough to suspend); the engine comes back as a new
+    process and a full pass -- not a probe -- is the first to reach it, and repairs it. That
+    answer ends the failure run: a single failed probe afterwards is the start of a new run, not
+    the continuation of the old one that would suspend the healthy engine at once."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock)
+        sick = engines[1]
+        sick.inject("incarnation", ServerError(), times=int(SUSPEND_AFTER_S))
+        for second in range(int(SUSPEND_AFTER_S)):  # failing for 9 s: not suspended yet
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert plane.ledger.state.engines["e1"].routable
+        await host(sick).restart()
+        clock.now = SUSPEND_AFTER_S
+        report = await reconciler.reconcile()  # the full pass sees the new life and repairs it
+        assert report.restarted == ("e1",) and report.repaired == ("e1",), report
+        seq = plane.ledger.state.last_seq
+        sick.inject("incarnation", ServerError())  # one blip of the new life
+        clock.now += 1.0
+        await reconciler.health_check()
+        assert await log_after(plane, seq) == []
+        assert plane.ledger.state.engines["e1"].routable
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1")
+
+
 async def test_an_engine_answering_again_is_routable_only_after_its_repair(tmp_path: Path) -> None:
     """Suspended while unreachable; it comes back as a new process (it lost every adapter) and
     cannot reload the default for a while: it stays out of routing, each failed restore
@@ -208,6 +235,53 @@ async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
         suspended = next(e for e in written if isinstance(e, EngineSuspended))
         assert suspended.cause == "lost_adapter" and "after 3 tries" in suspended.detail
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
+
+
+@pytest.mark.parametrize("failures_in_new_life", [0, 1])
+async def test_a_restarted_engine_owes_nothing_to_its_previous_lifes_back_off(
+    tmp_path: Path, failures_in_new_life: int
+) -> None:
+    """The restore back-off belongs to one life of the engine. e1 loses the default and every
+    reload fails: it is suspended (``lost_adapter``) and its retries back off to the longest
+    wait. Then it is restarted -- a new, empty, healthy process: the first repair pass restores
+    the default and makes it routable, with no waiting out the old life's minute; and a new
+    life whose first reload fails waits the first delay (1 s), not the old life's longest."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=60.0)
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)  # an eviction: no fence
+        sick.inject("prepare", ServerError(), times=1000)
+        for second in range(64):  # tries at 0, 1, 3, 7, 15, 31 and 63 s; the next waits 60 s
+            clock.now = float(second)
+            await reconciler.health_check({"e1"})
+        state = plane.ledger.state
+        assert state.engines["e1"].suspended and state.engines["e1"].suspend_cause == "lost_adapter"
+        prepares = sick.count("prepare")
+        for second in range(64, 70):  # the old life is backing off: no try for a while
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert sick.count("prepare") == prepares
+        # the operator restarts it: a new process, every adapter gone, loads working again
+        # (but for ``failures_in_new_life`` ambiguous failures)
+        sick.clear()
+        await host(sick).restart()
+        if failures_in_new_life:
+            sick.inject("prepare", ServerError(), times=failures_in_new_life)
+        seq = plane.ledger.state.last_seq
+        for _ in range(failures_in_new_life):
+            await reconciler.health_check()  # fails once; the next try is 1 s away
+            assert "e1" not in plane.ledger.state.holders(v1.lora_name)
+            clock.now += 1.0
+        await reconciler.health_check()
+        state = plane.ledger.state
+        assert state.engines["e1"].routable and not state.engines["e1"].suspended
+        assert state.holders(v1.lora_name) == ("e0", "e1")
+        kinds = [type(e).__name__ for e in await log_after(plane, seq)]
+        assert kinds[0] == "EngineRestarted", kinds
+        assert kinds[-2:] == ["VersionRestored", "EngineRepaired"], kinds
+        assert (await sick.inventory()).names() >= {v1.lora_name}
+        assert sick.count("prepare") > prepares + failures_in_new_life
 
 
 async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -> None:
