@@ -5,8 +5,9 @@ A node can run several: each registers its own owner with the ledger, binds sess
 (durably, before anything is sent; concurrent first turns of one session share one bind),
 forwards its in-flight counts with its lease renewals (serve's reclaim waits for them) and
 routes from a snapshot of the ledger's status, refreshed every ``--refresh-s`` and whenever a
-turn finds no holder. Rendezvous hashing makes every process pick the same engine for a
-session without talking to the others.
+turn finds no holder; without ``--engine`` it reaches each engine at the endpoint the ledger
+records, and follows an engine that came back behind another address. Rendezvous hashing
+makes every process pick the same engine for a session without talking to the others.
 
 Safety rules are serve's: loopback unless a token is given (the same token is the clients'
 bearer and the one presented to the ledger), bounded bodies and connections, SIGINT/SIGTERM
@@ -137,8 +138,10 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
             ProvenanceRecorder(JsonlSink(provenance)) as recorder,
         ):
             fleet = Fleet()
+            opened: dict[str, EngineSpec] = {}
             for spec in engine_specs(opts, ledger.status()):
                 fleet.add(await _open_engine(stack, spec, opts))
+                opened[spec.engine_id] = spec
             gateway = Gateway(
                 fleet,
                 ledger,
@@ -158,7 +161,13 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     ),
                 )
                 try:
-                    yield face
+                    async with anyio.create_task_group() as tg:
+                        if not opts.engines:  # the ledger says where engines are: follow it
+                            tg.start_soon(
+                                _follow_endpoints, ledger, fleet, face, stack, opts, opened
+                            )
+                        yield face
+                        tg.cancel_scope.cancel()
                 finally:
                     await face.aclose()
     except LedgerUnreachable as exc:
@@ -169,6 +178,45 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
         raise ToolError(
             Exit.FAILED, f"the ledger at {opts.ledger} refused: {exc.code}: {exc.message}"
         ) from None
+
+
+async def _follow_endpoints(
+    ledger: Any,
+    fleet: Any,
+    face: Any,
+    stack: AsyncExitStack,
+    opts: GatewayOptions,
+    opened: dict[str, EngineSpec],
+) -> None:
+    """Keep reaching each engine where the ledger says it serves (no ``--engine`` given).
+
+    An engine that came back behind another address (its restart records the new endpoint)
+    or joined after this process started is followed at the next status read: a new handle
+    and a new OpenAI route. The ledger's routing still decides whether it gets traffic (a
+    restarted engine is not routable until repaired). The handle it replaces stays open until
+    the gateway stops, so a request already sent on it finishes there."""
+    from publisher.openai_gateway import engine_routes
+
+    while True:
+        await anyio.sleep(opts.refresh_s)
+        for spec in engine_specs(opts, ledger.status()):
+            if opened.get(spec.engine_id) == spec:
+                continue
+            before = opened.get(spec.engine_id)
+            opened[spec.engine_id] = spec  # once per change, whatever comes of it
+            try:
+                engine = await _open_engine(stack, spec, opts)
+            except ToolError as exc:
+                log.error("gateway.engine_unusable", engine=spec.engine_id, error=exc.message)
+                continue
+            fleet.replace(engine)
+            face.engines.update(engine_routes([engine]))
+            log.info(
+                "gateway.engine_followed",
+                engine=spec.engine_id,
+                url=spec.url,
+                before=before.url if before is not None else None,
+            )
 
 
 async def run_gateway(

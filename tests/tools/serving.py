@@ -15,7 +15,8 @@ from tools.serve import ServeOptions, serve
 @asynccontextmanager
 async def serving(db: Path, *, token: str, **options: Any) -> AsyncIterator[str]:
     """Yield the base URL once the service listens; stop it (and wait for it) on exit."""
-    opts = ServeOptions(db=str(db), port=0, token=token, **options)
+    options.setdefault("port", 0)  # a fixed port: a restart the same clients reach again
+    opts = ServeOptions(db=str(db), token=token, **options)
     urls: list[str] = []
     listening, stop = anyio.Event(), anyio.Event()
 

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -387,3 +388,81 @@ def test_default_owner_ids_differ_where_host_and_pid_repeat() -> None:
     ]
     assert all(i.startswith("gateway-node-1-") for i in ids), ids
     assert ids[0] != ids[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_a_gateway_follows_an_engine_that_came_back_behind_another_address(
+    tmp_path: Path,
+) -> None:
+    """Engines come back at new addresses (a rescheduled pod): serve, restarted with the
+    engine's new URL, records it with the restart, and a gateway process started without
+    ``--engine`` (it read the old address from the ledger) follows it at its next status
+    read. The session keeps its version, served by the new process; nobody restarts the
+    gateway."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    adapter = _adapter_dir(tmp_path, 1)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    port = _free_port()
+    db = tmp_path / "ledger.db"
+    async with AsyncExitStack() as stack:
+        before = AsyncExitStack()  # the engine's first life and the first serve
+        _, old_url = await before.enter_async_context(running_server("e0", limits=LIMITS))
+        spec = parse_engine(f"e0=local:{old_url}")
+        ledger = await before.enter_async_context(
+            serving(db, token=TOKEN, engines=(spec,), port=port)
+        )
+        async with httpx.AsyncClient(base_url=ledger, trust_env=False, headers=auth) as http:
+            reply = await http.post(
+                "/versions", json={"version_id": 1, "adapter_dir": str(adapter)}
+            )
+            assert reply.status_code == 200, reply.text
+        gateway = await stack.enter_async_context(
+            gateway_process(ledger, token_file, tmp_path, "gw")  # no --engine
+        )
+        client = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=TOKEN, max_retries=0)
+        )
+
+        async def turn() -> dict[str, str]:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=2,
+                extra_headers={"x-session-id": "s"},
+            )
+            return dict(raw.headers)
+
+        assert (await turn())["x-loraledger-version"] == "1"
+        await before.aclose()  # serve and the engine's first life are gone
+
+        _, new_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
+        spec = parse_engine(f"e0=local:{new_url}")
+        again = await stack.enter_async_context(
+            serving(db, token=TOKEN, engines=(spec,), port=port)
+        )
+        assert again == ledger
+        async with httpx.AsyncClient(base_url=ledger, trust_env=False) as http:
+            with anyio.fail_after(30):
+                while True:
+                    [e0] = (await http.get("/status")).json()["engines"]
+                    if e0["routable"] and e0["endpoint"] == new_url:
+                        break
+                    await anyio.sleep(0.1)
+        refusals: list[int] = []
+        with anyio.fail_after(30):
+            while True:  # the gateway reads the status every 0.2 s (--refresh-s)
+                try:
+                    headers = await turn()
+                    break
+                except openai.APIStatusError as exc:
+                    refusals.append(exc.status_code)  # NO_ROUTE until it follows
+                    await anyio.sleep(0.1)
+        assert set(refusals) <= {503}, refusals
+        assert (headers["x-loraledger-version"], headers["x-loraledger-engine"]) == ("1", "e0")
