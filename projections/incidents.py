@@ -34,8 +34,8 @@ Kinds, and why each is worth a line:
   resumption, before a repair, ends it and opens the next.
 * ``adapter_lost`` -- a committed version vanished from an engine that should hold it (an
   external unload, an eviction), until it was reloaded there, showed up again in that life's
-  inventory (loaded outside the ledger), the engine was repaired as a whole, or it left. Lost
-  again later, it is a new incident.
+  inventory (loaded outside the ledger), the engine was repaired as a whole, it left, or the
+  version was reclaimed (no longer needed). Lost again later, it is a new incident.
 
 An incident of a subject never hides another one of the same subject: one still open when the
 next begins is closed there, its resolution saying so (:func:`reopen`).
@@ -192,8 +192,10 @@ class EngineHealthFold:
     ``AdapterLost`` and closes when the version is reloaded there (``VersionRestored``), when
     the same process life of the engine, not suspended, shows it in its inventory again (loaded
     outside the ledger: the ledger routes it there again), when the engine is repaired as a
-    whole after a suspension or restart (``EngineRepaired``), or when it leaves; the suspension
-    it may escalate to is listed with it."""
+    whole after a suspension or restart (``EngineRepaired``), when it leaves, or when the
+    version is reclaimed (no longer needed anywhere: nothing will restore it, and an incident
+    left open would claim it is still missing); the suspension it may escalate to is listed
+    with it."""
 
     def __init__(self) -> None:
         self.found: list[Incident] = []
@@ -247,6 +249,8 @@ class EngineHealthFold:
                 )
             case InventoryObserved():
                 self._seen(event, seq, at)
+            case VersionReclaimed():
+                self._reclaimed(event.version_id, seq, at)
             case VersionRestored():
                 entry = self._lost.pop((event.engine, event.version_id), None)
                 if entry is not None:
@@ -291,6 +295,13 @@ class EngineHealthFold:
                 entry = self._lost.pop(key)
                 _add_seq(entry, seq)
                 self._close(entry, at, "back in its inventory without a reload by the ledger")
+
+    def _reclaimed(self, version_id: int, seq: int, at: float) -> None:
+        """A reclaimed version is needed nowhere: nothing will restore it where it was lost."""
+        for key in [k for k in self._lost if k[1] == version_id]:
+            lost = self._lost.pop(key)
+            _add_seq(lost, seq)
+            self._close(lost, at, "reclaimed: no longer needed")
 
     def _keep(self, superseded: Incident | None) -> None:
         if superseded is not None:

@@ -229,6 +229,9 @@ async def write_repeat_run(path: Path) -> Path:
             its probes fail again before its repair: suspended again; 3055 repaired
      3060   e0's inventory lacks v1: ``AdapterLost``; 3062 it shows v1 again (loaded outside
             the ledger); 3064 it lacks v1 again; 3066 v1 restored
+     3070   owner w4 registers, s-3 binds to v1; 3071 v2 published: v1 RETIRED, still needed
+            by s-3; 3072 e0's inventory lacks v1 again; 3073 s-3 released (v1 no longer
+            needed, never restored); 3074 v1 reclaimed
      3100   owner w3 registers (the last record)
     ====== ================================================================================
     """
@@ -271,6 +274,18 @@ async def write_repeat_run(path: Path) -> Path:
             await ledger.observe_inventory("e0", "e0-i1", held)
         clock.now = 3066.0
         await ledger.restore_version(1, "e0", "e0-i1")
+
+        clock.now = 3070.0
+        await ledger.register_owner("w4", ttl_s=600.0)
+        await ledger.bind("s-3", "w4")
+        clock.now = 3071.0
+        await publish(ledger, 2)
+        clock.now = 3072.0
+        await ledger.observe_inventory("e0", "e0-i1", [ledger.state.versions[2].lora_name])
+        clock.now = 3073.0
+        await ledger.release("s-3", "w4")
+        clock.now = 3074.0
+        await reclaim(ledger, 1)
 
         clock.now = 3100.0
         await ledger.register_owner("w3", ttl_s=30.0)
