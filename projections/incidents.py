@@ -18,19 +18,27 @@ Kinds, and why each is worth a line:
 * ``skipped`` -- a publication refused for capacity: the trainer's update never served.
 * ``blocked`` -- a publication that had to wait (a fatal or ambiguous version blocking the
   fleet, another one loading, no routable engine), with the versions in the way; once per stall.
-* ``lease_expired`` -- a rollout worker died or stalled; how many sessions it lost.
+* ``lease_expired`` -- a rollout worker died or stalled; how many sessions it lost. One per
+  life: an owner id that comes back under a new incarnation and expires again has two.
 * ``owner_restarted`` -- a new incarnation of a live owner took over (a worker restarted, e.g.
   by Ray, before its lease ran out): its predecessor died; how many sessions it lost. A clean
   exit (``OwnerDeregistered``, releases with cause ``owner_exited``) is not an incident.
 * ``receipt_rejected`` -- a stale, restarted or mismatched engine receipt the ledger refused.
 * ``engine_restart`` -- an engine came back as a new process and how long until it was repaired
-  (routable again with every needed version).
+  (routable again with every needed version). One per restart: an engine that restarts again
+  before its repair (a crash loop) has one per process life, each but the last ended by the
+  next restart.
 * ``engine_suspended`` -- an engine was quarantined (its probes failed, it lost an adapter it
   would not reload, or an operator said so), until a repair made it routable again or it was
-  removed; an operator's resumption is listed with it.
+  removed; an operator's resumption is listed with it, and a new suspension after that
+  resumption, before a repair, ends it and opens the next.
 * ``adapter_lost`` -- a committed version vanished from an engine that should hold it (an
-  external unload, an eviction), until it was reloaded there, the engine was repaired as a
-  whole, or it left.
+  external unload, an eviction), until it was reloaded there, showed up again in that life's
+  inventory (loaded outside the ledger), the engine was repaired as a whole, it left, or the
+  version was reclaimed (no longer needed). Lost again later, it is a new incident.
+
+An incident of a subject never hides another one of the same subject: one still open when the
+next begins is closed there, its resolution saying so (:func:`reopen`).
 
 The last two come from :class:`EngineHealthFold`, which needs no registry: ``verify`` runs it
 alongside its checked replay.
@@ -40,7 +48,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import msgspec
 
@@ -66,6 +74,7 @@ from evlog.events import (
     SessionBound,
     SessionReleased,
     VerdictConflict,
+    VersionAllocated,
     VersionPublished,
     VersionReclaimed,
     VersionRestored,
@@ -95,11 +104,14 @@ KINDS = (
 # States that must be short-lived. RETIRED is watched separately: only while nothing is bound.
 _TRANSIENT = frozenset({VersionState.LOADING, VersionState.RECLAIMING, VersionState.FAILED_FATAL})
 _MAX_SEQS = 12  # seqs listed per incident (a lease expiry may release thousands of sessions)
+_K = TypeVar("_K")  # what an open incident is kept under: an engine, (engine, version), ...
 
 
 class Incident(msgspec.Struct, frozen=True, kw_only=True):
-    """One anomaly. ``seqs`` are the records that show it (first the one that started it);
-    ``resolved`` is None for one-off facts (a skip, a rejected receipt)."""
+    """One anomaly. ``seqs`` are the records that show it (first the one that started it).
+    ``resolved`` is None for one-off facts (a skip, a rejected receipt), True once it ended
+    (``resolution`` says how: repaired, removed, or ended by the next incident of the same
+    subject) and False while it is still open at the last record."""
 
     kind: str
     subject: str
@@ -153,45 +165,92 @@ def freeze(entry: _Open, closed_at: float | None, resolution: str, last_at: floa
     )
 
 
+def reopen(
+    open_: dict[_K, _Open], key: _K, entry: _Open, resolution: Callable[[_Open], str]
+) -> Incident | None:
+    """Open ``entry`` under ``key``; an incident of the same subject still open there ends
+    where ``entry`` starts (its record listed with it), as ``resolution(it)`` says.
+
+    One subject can have a second incident before its first one ended (an engine restarted
+    again before its repair, suspended again after a resumption): overwriting the open one
+    would drop it from the report without a trace, so it is closed out and returned."""
+    previous = open_.get(key)
+    open_[key] = entry
+    if previous is None:
+        return None
+    _add_seq(previous, entry.seqs[0])
+    return freeze(previous, entry.at, resolution(previous), entry.at)
+
+
 class EngineHealthFold:
     """``engine_suspended`` and ``adapter_lost`` incidents, from the engine events alone.
 
     A suspension opens at ``EngineSuspended`` and closes at the ``EngineRepaired`` that made the
-    engine routable again, or at ``EngineLeft`` (removed); a restart or an operator's
-    ``EngineResumed`` in between is listed with it. A lost adapter opens at ``AdapterLost`` and
-    closes when the version is reloaded there (``VersionRestored``), when the engine is repaired
-    as a whole after a suspension or restart (``EngineRepaired``), or when it leaves; the
-    suspension it may escalate to is listed with it."""
+    engine routable again, at ``EngineLeft`` (removed), or at the next ``EngineSuspended`` when
+    an operator resumed it and it was suspended again before that repair; a restart or an
+    operator's ``EngineResumed`` in between is listed with it. A lost adapter opens at
+    ``AdapterLost`` and closes when the version is reloaded there (``VersionRestored``), when
+    the same process life of the engine, not suspended, shows it in its inventory again (loaded
+    outside the ledger: the ledger routes it there again), when the engine is repaired as a
+    whole after a suspension or restart (``EngineRepaired``), when it leaves, or when the
+    version is reclaimed (no longer needed anywhere: nothing will restore it, and an incident
+    left open would claim it is still missing); the suspension it may escalate to is listed
+    with it."""
 
     def __init__(self) -> None:
         self.found: list[Incident] = []
         self._suspended: dict[str, _Open] = {}
         self._lost: dict[tuple[str, int], _Open] = {}
+        self._lost_in: dict[tuple[str, int], str] = {}  # the incarnation that last lost it
+        self._names: dict[int, str] = {}  # version id -> its adapter name (VersionAllocated)
         self._last_at = 0.0
 
     def apply(self, record: Record) -> None:
         seq, at, event = record.seq, record.recorded_at, record.event
         self._last_at = at
         match event:
+            case VersionAllocated():
+                self._names[event.version_id] = event.lora_name
             case EngineSuspended():
                 detail = f": {event.detail}" if event.detail else ""
-                self._suspended[event.engine] = opened(
-                    "engine_suspended",
-                    event.engine,
-                    at,
-                    seq,
-                    f"suspended ({event.cause}){detail}; no new traffic",
+                again = f"suspended again ({event.cause}) before a repair"
+                self._keep(
+                    reopen(
+                        self._suspended,
+                        event.engine,
+                        opened(
+                            "engine_suspended",
+                            event.engine,
+                            at,
+                            seq,
+                            f"suspended ({event.cause}){detail}; no new traffic",
+                        ),
+                        lambda e: ("resumed by an operator, then " if e.count else "") + again,
+                    )
                 )
                 self._touch(event.engine, seq, lost_only=True)
             case AdapterLost():
-                self._lost[(event.engine, event.version_id)] = opened(
-                    "adapter_lost",
-                    event.engine,
-                    at,
-                    seq,
-                    f"v{event.version_id} missing from its inventory ({event.incarnation})"
-                    "; no longer routed there",
+                key = (event.engine, event.version_id)
+                self._lost_in[key] = event.incarnation
+                self._keep(
+                    reopen(
+                        self._lost,
+                        key,
+                        opened(
+                            "adapter_lost",
+                            event.engine,
+                            at,
+                            seq,
+                            f"v{event.version_id} missing from its inventory "
+                            f"({event.incarnation}); no longer routed there",
+                        ),
+                        lambda _: "lost again before it was restored",
+                    )
                 )
+            case InventoryObserved():
+                self._seen(event, seq, at)
+            case VersionReclaimed():
+                self._reclaimed(event.version_id, seq, at)
             case VersionRestored():
                 entry = self._lost.pop((event.engine, event.version_id), None)
                 if entry is not None:
@@ -221,6 +280,32 @@ class EngineHealthFold:
         ]
         found += [freeze(e, None, "not restored yet", self._last_at) for e in self._lost.values()]
         return found
+
+    def _seen(self, event: InventoryObserved, seq: int, at: float) -> None:
+        """A lost version back in the inventory of the life that lost it, while that engine is
+        not suspended: the ledger holds it as loaded there again and routes to it (someone
+        loaded it outside the ledger). A later life, or a suspended engine, serves nothing
+        before its repair, which closes the incident instead."""
+        if event.engine in self._suspended:
+            return
+        present = set(event.adapters)
+        for key in [k for k in self._lost if k[0] == event.engine]:
+            name = self._names.get(key[1])
+            if name in present and self._lost_in.get(key) == event.incarnation:
+                entry = self._lost.pop(key)
+                _add_seq(entry, seq)
+                self._close(entry, at, "back in its inventory without a reload by the ledger")
+
+    def _reclaimed(self, version_id: int, seq: int, at: float) -> None:
+        """A reclaimed version is needed nowhere: nothing will restore it where it was lost."""
+        for key in [k for k in self._lost if k[1] == version_id]:
+            lost = self._lost.pop(key)
+            _add_seq(lost, seq)
+            self._close(lost, at, "reclaimed: no longer needed")
+
+    def _keep(self, superseded: Incident | None) -> None:
+        if superseded is not None:
+            self.found.append(superseded)
 
     def _touch(
         self, engine: str, seq: int, *, lost_only: bool = False, restarted: bool = False
@@ -296,10 +381,13 @@ class IncidentFold:
         self._attempts: dict[int, _Attempts] = {}
         self._fatal: dict[int, _Open] = {}
         self._ambiguous: dict[int, _Open] = {}
-        self._restarts: dict[str, _Open] = {}
-        self._leases: dict[str, _Open] = {}
+        self._restarts: dict[str, _Open] = {}  # engine -> its restart not repaired yet
+        # One incident per ended life of an owner (an owner id lives again under a new
+        # incarnation); owner -> its latest expiry / restart, collecting the releases that follow.
+        self._lease_expiries: list[_Open] = []
+        self._expiring: dict[str, _Open] = {}
         self._owner_restarts: list[_Open] = []
-        self._restarting: dict[str, _Open] = {}  # owner -> its latest restart, collecting releases
+        self._restarting: dict[str, _Open] = {}
         self._inventory: dict[str, tuple[int, float]] = {}  # engine -> its latest (seq, at)
         self._bindings: dict[str, tuple[int, int, float]] = {}  # session -> (vid, seq, at)
         self._retired_at: dict[int, tuple[int, float]] = {}
@@ -380,21 +468,23 @@ class IncidentFold:
                 kind, summary = _ONE_OFF[type(event)]
                 self._found.append(fact(kind, f"v{event.version_id}", at, seq, summary(event)))
             case OwnerLeaseExpired():
-                self._leases[event.owner] = opened(
-                    "lease_expired",
-                    f"owner {event.owner}",
-                    at,
-                    seq,
-                    f"no renewal for {event.at - event.last_seen:.1f}s",
-                )
+                self._lease_expired(event, seq, at)
             case EngineRestarted():
-                self._restarts[event.engine] = opened(
-                    "engine_restart",
+                again = f"restarted again ({event.old} -> {event.new}) before it was repaired"
+                superseded = reopen(
+                    self._restarts,
                     event.engine,
-                    at,
-                    seq,
-                    f"restarted ({event.old} -> {event.new}): lost every adapter",
+                    opened(
+                        "engine_restart",
+                        event.engine,
+                        at,
+                        seq,
+                        f"restarted ({event.old} -> {event.new}): lost every adapter",
+                    ),
+                    lambda _: again,
                 )
+                if superseded is not None:
+                    self._found.append(superseded)
             case VersionRestored():
                 entry = self._restarts.get(event.engine)
                 if entry is not None:
@@ -437,7 +527,7 @@ class IncidentFold:
             found.append(self._freeze(entry, None, "still undecided: no inventory proved it"))
         for entry in self._restarts.values():
             found.append(self._freeze(entry, None, "not repaired yet: not routable"))
-        for entry in self._leases.values():
+        for entry in self._lease_expiries:
             found.append(self._lease_incident(entry))
         for entry in self._owner_restarts:
             found.append(self._lease_incident(entry))
@@ -485,7 +575,7 @@ class IncidentFold:
     def _released(self, event: SessionReleased, seq: int, at: float) -> None:
         binding = self._bindings.pop(event.session, None)
         ended = (
-            self._leases.get(event.owner)
+            self._expiring.get(event.owner)
             if event.cause == LEASE_EXPIRED_CAUSE
             else self._restarting.get(event.owner)
             if event.cause == OWNER_RESTARTED_CAUSE
@@ -509,6 +599,21 @@ class IncidentFold:
                 elif item[:2] > self._pinned[0][:2]:
                     heapq.heapreplace(self._pinned, item)
         self._watch_reclaimable(vid, seq, at)
+
+    def _lease_expired(self, event: OwnerLeaseExpired, seq: int, at: float) -> None:
+        """An expiry ends one life of the owner: an incident of its own, even when an earlier
+        life of the same owner id expired too (the releases that follow are counted here)."""
+        owner = self.registry.owners.get(event.owner)
+        life = f" (incarnation {owner.incarnation})" if owner and owner.incarnation else ""
+        entry = opened(
+            "lease_expired",
+            f"owner {event.owner}",
+            at,
+            seq,
+            f"no renewal for {event.at - event.last_seen:.1f}s{life}",
+        )
+        self._lease_expiries.append(entry)
+        self._expiring[event.owner] = entry
 
     def _owner_registered(self, event: OwnerRegistered, seq: int, at: float) -> None:
         """A new incarnation of an owner that was still live: the one it replaces died without

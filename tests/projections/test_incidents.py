@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from evlog.events import AdapterLost, stream_of
 from evlog.record import Record
 from projections.incidents import EngineHealthFold, IncidentFold, incidents
-from tests.tools.scenario import fault_run_records, health_run_records
+from tests.tools.scenario import fault_run_records, health_run_records, repeat_run_records
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +205,190 @@ def test_engine_health_incidents_open_close_and_name_their_seqs(tmp_path: Path) 
     for record in records:
         alone.apply(record)
     assert sorted(alone.finish(), key=lambda i: (i.at, i.seqs)) == found
+
+
+# --- a second incident of one subject before the first one ended (the repeat run) ----------
+
+
+class Repeat:
+    """The repeat run of ``scenario.py``, folded: two expired lives of one owner, an engine
+    restarted twice before its repair (a crash loop), suspended again after a resumption before
+    its repair, and one version lost twice on one engine."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.records = records
+        self.found = incidents(records)
+        self.seq = {(r.type, r.recorded_at): r.seq for r in records}
+
+    def rows(self, kind: str) -> list[tuple[object, ...]]:
+        return [
+            (i.subject, i.at, i.seqs, i.duration_s, i.resolved, i.resolution)
+            for i in self.found
+            if i.kind == kind
+        ]
+
+
+@pytest.fixture(scope="module")
+def repeat(tmp_path_factory: pytest.TempPathFactory) -> Repeat:
+    return Repeat(repeat_run_records(tmp_path_factory.mktemp("repeat") / "repeat.db"))
+
+
+def test_each_expired_life_of_an_owner_is_an_incident(repeat: Repeat) -> None:
+    released = {
+        r.event.session: r.seq  # type: ignore[union-attr]
+        for r in repeat.records
+        if r.type == "SessionReleased"
+    }
+    assert repeat.rows("lease_expired") == [
+        ("owner w", at, (repeat.seq[("OwnerLeaseExpired", at)], released[s]), None, None, "")
+        for at, s in ((3010.0, "s-1"), (3020.0, "s-2"))
+    ]
+    # told apart by the life that ended, each with the sessions it lost
+    assert [i.summary for i in repeat.found if i.kind == "lease_expired"] == [
+        f"no renewal for 9.0s (incarnation {life}); 1 sessions released" for life in "ab"
+    ]
+
+
+def test_a_crash_loop_lists_every_restart(repeat: Repeat) -> None:
+    seq = repeat.seq
+    assert repeat.rows("engine_restart") == [
+        (
+            "e1",
+            3030.0,
+            (seq[("EngineRestarted", 3030.0)], seq[("EngineRestarted", 3032.0)]),
+            2.0,
+            True,
+            "restarted again (e1-i2 -> e1-i3) before it was repaired",
+        ),
+        (
+            "e1",
+            3032.0,
+            (
+                seq[("EngineRestarted", 3032.0)],
+                seq[("VersionRestored", 3032.0)],
+                seq[("EngineRepaired", 3035.0)],
+            ),
+            3.0,
+            True,
+            "repaired: 1 needed versions reloaded, routable",
+        ),
+    ]
+    restarts = [i.summary for i in repeat.found if i.kind == "engine_restart"]
+    assert [s.split(":")[0] for s in restarts] == [
+        "restarted (e1-i1 -> e1-i2)",
+        "restarted (e1-i2 -> e1-i3)",
+    ]
+
+
+def test_a_suspension_after_a_resumption_before_the_repair_is_a_new_incident(
+    repeat: Repeat,
+) -> None:
+    seq = repeat.seq
+    assert repeat.rows("engine_suspended") == [
+        (
+            "e0",
+            3040.0,
+            (
+                seq[("EngineSuspended", 3040.0)],
+                seq[("EngineResumed", 3045.0)],
+                seq[("EngineSuspended", 3050.0)],
+            ),
+            10.0,
+            True,
+            "resumed by an operator, then suspended again (unhealthy) before a repair",
+        ),
+        (
+            "e0",
+            3050.0,
+            (seq[("EngineSuspended", 3050.0)], seq[("EngineRepaired", 3055.0)]),
+            5.0,
+            True,
+            "repaired: holds exactly the needed versions",
+        ),
+    ]
+    _same_without_the_registry(repeat)
+
+
+def test_a_version_lost_again_after_it_reappeared_is_a_new_incident(repeat: Repeat) -> None:
+    """v1 vanished from e0, showed up in its inventory again (loaded outside the ledger: the
+    ledger routes it there again), then vanished again: two losses, the first one ended by the
+    inventory that showed it back."""
+    seq = repeat.seq
+    assert repeat.rows("adapter_lost")[:2] == [
+        (
+            "e0",
+            3060.0,
+            (seq[("AdapterLost", 3060.0)], seq[("InventoryObserved", 3062.0)]),
+            2.0,
+            True,
+            "back in its inventory without a reload by the ledger",
+        ),
+        (
+            "e0",
+            3064.0,
+            (seq[("AdapterLost", 3064.0)], seq[("VersionRestored", 3066.0)]),
+            2.0,
+            True,
+            "reloaded under its name",
+        ),
+    ]
+    _same_without_the_registry(repeat)
+
+
+def test_a_lost_version_reclaimed_before_its_restore_is_no_longer_missing(
+    repeat: Repeat,
+) -> None:
+    """v1, retired, lost on e0 while a session still needed it, then released and reclaimed:
+    nothing will restore it, so the loss ends at the reclaim instead of staying open (``not
+    restored yet``) for the rest of the log."""
+    seq = repeat.seq
+    assert repeat.rows("adapter_lost")[2:] == [
+        (
+            "e0",
+            3072.0,
+            (seq[("AdapterLost", 3072.0)], seq[("VersionReclaimed", 3074.0)]),
+            2.0,
+            True,
+            "reclaimed: no longer needed",
+        ),
+    ]
+    _same_without_the_registry(repeat)
+
+
+def _same_without_the_registry(repeat: Repeat) -> None:
+    """The registry-free fold (what verify runs) finds the same health incidents."""
+    alone = EngineHealthFold()
+    for record in repeat.records:
+        alone.apply(record)
+    health = [i for i in repeat.found if i.kind in ("engine_suspended", "adapter_lost")]
+    assert sorted(alone.finish(), key=lambda i: (i.at, i.seqs)) == health
+
+
+def test_a_loss_recorded_again_while_open_ends_the_open_one() -> None:
+    """The ledger records a loss once while it is open, but the fold does not rely on it: a
+    log with a second ``AdapterLost`` of the same version on the same engine and nothing in
+    between (hand-made: no ledger writes one) still lists both losses."""
+    events = [AdapterLost(version_id=1, engine="e0", incarnation="e0-i1")] * 2
+    records = [
+        Record(
+            seq=seq,
+            event_id=b"",
+            stream=stream_of(event),
+            type="AdapterLost",
+            schema=1,
+            recorded_at=float(seq),
+            payload=b"",
+            prev_hash=b"",
+            hash=b"",
+            event=event,
+        )
+        for seq, event in enumerate(events, 1)
+    ]
+    fold = EngineHealthFold()
+    for record in records:
+        fold.apply(record)
+    rows = [(i.at, i.seqs, i.resolved, i.resolution) for i in fold.finish()]
+    assert rows == [
+        (1.0, (1, 2), True, "lost again before it was restored"),
+        (2.0, (2,), False, "not restored yet"),
+    ]

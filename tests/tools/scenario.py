@@ -213,6 +213,96 @@ async def write_health_run(path: Path) -> Path:
     return path
 
 
+async def write_repeat_run(path: Path) -> Path:
+    """A run where the same subject has a second incident before its first one ended (each
+    must be listed on its own, ``REPEAT`` says when):
+
+    ====== ================================================================================
+     t (s)  what happens
+    ====== ================================================================================
+     3000   deployment ``repeat`` (capacity 3), e0, e1 join and are repaired; v1 published
+     3001   owner w (incarnation a, ttl 5 s) registers, s-1 binds; 3010 its lease expires
+     3011   w comes back as incarnation b, s-2 binds; 3020 its lease expires too
+     3030   e1 restarts (e1-i2), 3032 restarts again (e1-i3) before its repair: a crash
+            loop; v1 restored, 3035 repaired
+     3040   e0's probes fail: suspended (``unhealthy``); 3045 an operator resumes it; 3050
+            its probes fail again before its repair: suspended again; 3055 repaired
+     3060   e0's inventory lacks v1: ``AdapterLost``; 3062 it shows v1 again (loaded outside
+            the ledger); 3064 it lacks v1 again; 3066 v1 restored
+     3070   owner w4 registers, s-3 binds to v1; 3071 v2 published: v1 RETIRED, still needed
+            by s-3; 3072 e0's inventory lacks v1 again; 3073 s-3 released (v1 no longer
+            needed, never restored); 3074 v1 reclaimed
+     3100   owner w3 registers (the last record)
+    ====== ================================================================================
+    """
+    clock = Clock(3000.0)
+    async with SQLiteStore.open(path) as store, Ledger.open(store, clock=clock) as ledger:
+        await ledger.create_deployment("repeat", prefix="agent", capacity=3, fleet=("e0", "e1"))
+        for engine in ("e0", "e1"):
+            await ledger.join_engine(engine, f"{engine}-i1")
+            await ledger.repair_engine(engine, f"{engine}-i1")
+        await publish(ledger, 1)
+        for start, life, session in ((3001.0, "a", "s-1"), (3011.0, "b", "s-2")):
+            clock.now = start
+            await ledger.register_owner("w", ttl_s=5.0, incarnation=life)
+            await ledger.bind(session, "w", incarnation=life)
+            clock.now = start + 9.0
+            expired = await ledger.expire_leases()
+            assert [(e.owner, e.released) for e in expired] == [("w", 1)], expired
+
+        clock.now = 3030.0
+        await ledger.observe_restart("e1", "e1-i2")
+        clock.now = 3032.0
+        await ledger.observe_restart("e1", "e1-i3")
+        await ledger.restore_version(1, "e1", "e1-i3")
+        clock.now = 3035.0
+        await ledger.repair_engine("e1", "e1-i3")
+
+        probes = "probes failed for 30.0 s"
+        clock.now = 3040.0
+        await ledger.suspend_engine("e0", cause="unhealthy", detail=probes)
+        clock.now = 3045.0
+        await ledger.resume_engine("e0")
+        clock.now = 3050.0
+        await ledger.suspend_engine("e0", cause="unhealthy", detail=probes)
+        clock.now = 3055.0
+        await ledger.repair_engine("e0", "e0-i1")
+
+        v1 = ledger.state.versions[1].lora_name
+        for at, held in ((3060.0, []), (3062.0, [v1]), (3064.0, [])):
+            clock.now = at
+            await ledger.observe_inventory("e0", "e0-i1", held)
+        clock.now = 3066.0
+        await ledger.restore_version(1, "e0", "e0-i1")
+
+        clock.now = 3070.0
+        await ledger.register_owner("w4", ttl_s=600.0)
+        await ledger.bind("s-3", "w4")
+        clock.now = 3071.0
+        await publish(ledger, 2)
+        clock.now = 3072.0
+        await ledger.observe_inventory("e0", "e0-i1", [ledger.state.versions[2].lora_name])
+        clock.now = 3073.0
+        await ledger.release("s-3", "w4")
+        clock.now = 3074.0
+        await reclaim(ledger, 1)
+
+        clock.now = 3100.0
+        await ledger.register_owner("w3", ttl_s=30.0)
+    return path
+
+
+def repeat_run_records(path: Path) -> list[Record]:
+    """Write the repeat run (synchronously) and read it back."""
+
+    async def run() -> list[Record]:
+        await write_repeat_run(path)
+        async with SQLiteStore.open(path) as store:
+            return await store.read()
+
+    return anyio.run(run)
+
+
 def health_run_records(path: Path) -> list[Record]:
     """Write the health run (synchronously) and read it back."""
 

@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
 from tests.tools import tamper
 from tests.tools.conftest import Cli
+from tests.tools.scenario import write_repeat_run
 from tools.exitcodes import Exit
 from tools.plot import DPI, SIZE_INCHES, STATE_COLOURS
 
@@ -134,6 +136,84 @@ def test_incidents_list_lost_adapters_and_suspensions(cli: Cli, health_log: Path
         if r.get("kind") == "engine_suspended"
     ]
     assert open_ones == [("engine_suspended", "e1", False)]
+
+
+def test_incidents_list_each_repeat_of_one_subject(cli: Cli, tmp_path: Path) -> None:
+    """Two expired lives of one owner, a crash loop (two restarts before a repair), two
+    suspensions and two losses of one version on one engine: every one is a row."""
+    log = anyio.run(write_repeat_run, tmp_path / "repeat.db")
+    result = cli("replay", log, "--incidents", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [
+        (r["kind"], r["subject"], r["summary"].split(":")[0], r["resolution"])
+        for r in _rows(result.stdout)
+        if r["row"] == "incident" and r["kind"] != "pinned_retired"
+    ]
+    assert rows == [
+        (
+            "lease_expired",
+            "owner w",
+            "no renewal for 9.0s (incarnation a); 1 sessions released",
+            "",
+        ),
+        (
+            "lease_expired",
+            "owner w",
+            "no renewal for 9.0s (incarnation b); 1 sessions released",
+            "",
+        ),
+        (
+            "engine_restart",
+            "e1",
+            "restarted (e1-i1 -> e1-i2)",
+            "restarted again (e1-i2 -> e1-i3) before it was repaired",
+        ),
+        (
+            "engine_restart",
+            "e1",
+            "restarted (e1-i2 -> e1-i3)",
+            "repaired: 1 needed versions reloaded, routable",
+        ),
+        (
+            "engine_suspended",
+            "e0",
+            "suspended (unhealthy)",
+            "resumed by an operator, then suspended again (unhealthy) before a repair",
+        ),
+        (
+            "engine_suspended",
+            "e0",
+            "suspended (unhealthy)",
+            "repaired: holds exactly the needed versions",
+        ),
+        (
+            "adapter_lost",
+            "e0",
+            "v1 missing from its inventory (e0-i1); no longer routed there",
+            "back in its inventory without a reload by the ledger",
+        ),
+        (
+            "adapter_lost",
+            "e0",
+            "v1 missing from its inventory (e0-i1); no longer routed there",
+            "reloaded under its name",
+        ),
+        (
+            "adapter_lost",
+            "e0",
+            "v1 missing from its inventory (e0-i1); no longer routed there",
+            "reclaimed: no longer needed",
+        ),
+    ]
+    # the table a person reads has a row for each too (its cells wrap: count the kinds)
+    human = cli("replay", log, "--incidents").stdout
+    counts = {kind: human.count(kind) for kind, *_ in rows}
+    assert counts == {
+        "lease_expired": 2,
+        "engine_restart": 2,
+        "engine_suspended": 2,
+        "adapter_lost": 3,
+    }
 
 
 def test_plot_writes_a_png_of_the_expected_size(cli: Cli, fault_log: Path, tmp_path: Path) -> None:
