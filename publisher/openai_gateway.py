@@ -219,7 +219,8 @@ class _Ask(msgspec.Struct, frozen=True, kw_only=True):
     body: dict[str, Any]
     session: str
     one_turn: bool
-    request_id: str
+    request_id: str  # the client's x-request-id (or a new one): echoed, the provenance key
+    engine_request_id: str  # what the engine sees: unique among its running requests
     stream: bool
     wants_usage: bool
 
@@ -403,9 +404,14 @@ class OpenAIGateway:
             or not session.isprintable()
         ):
             raise _BadRequest(f"a session id is 1-{MAX_SESSION_CHARS} printable characters")
-        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        given = request.headers.get(REQUEST_ID_HEADER)
+        rid = given or uuid.uuid4().hex
         if not 0 < len(rid) <= 128 or not rid.isprintable():
             raise _BadRequest("x-request-id must be 1-128 printable characters")
+        # A client's id is a label (a trace id in default headers, a proxy's stamp, an SDK
+        # retry while the first try is being aborted): engines key running requests by their
+        # id (vLLM refuses a duplicate; SGLang aborts by prefix), so theirs is made unique.
+        engine_rid = f"{given}-{uuid.uuid4().hex[:12]}" if given else rid
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         return _Ask(
@@ -416,6 +422,7 @@ class OpenAIGateway:
             session=session or f"{self.gateway.gateway_id}-once-{uuid.uuid4().hex}",
             one_turn=session is None,
             request_id=rid,
+            engine_request_id=engine_rid,
             stream=bool(body.get("stream")),
             wants_usage=wants_usage,
         )
@@ -426,7 +433,7 @@ class OpenAIGateway:
         """Answer one parsed request on the ASGI ``send``; a client disconnect (``receive``)
         cancels the work, which closes the upstream connection (the engine aborts)."""
         self.requests += 1
-        send = _Tracked(send)
+        send = _Tracked(send, ask.request_id)
         binder = self.worker.session(ask.session)
         try:
             async with anyio.create_task_group() as tg:
@@ -613,7 +620,7 @@ class OpenAIGateway:
             ask.body,
             kind=route.kind,
             lora_name=bound.lora_name,
-            request_id=ask.request_id,
+            request_id=ask.engine_request_id,
             cache_salt=version_salt(bound),
             include_usage=True,
         )
@@ -623,7 +630,7 @@ class OpenAIGateway:
             url,
             _json.encode(body),
             engine_id=route.engine_id,
-            request_id=ask.request_id,
+            request_id=ask.engine_request_id,
             headers=self._headers,
             timeout=self._timeout,
         ) as response:
@@ -736,6 +743,9 @@ class OpenAIGateway:
             head_revision=head,
             head_revision_done=self.view.default_revision,
             request_id=ask.request_id,
+            engine_request_id=(
+                None if ask.engine_request_id == ask.request_id else ask.engine_request_id
+            ),
             prompt_tokens=usage.prompt,
             completion_tokens=usage.completion,
             cached_tokens=usage.cached,
@@ -774,8 +784,9 @@ class _Tracked:
     """The ASGI ``send`` of one request, remembering whether the response has started (an
     error after that can only be told inside the stream)."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, request_id: str) -> None:
         self._send = send
+        self.request_id = request_id  # on every reply, errors included
         self.started = False
         self.ended = False
 
@@ -807,13 +818,10 @@ async def _send_error(send: Send, code: str, message: str, status: int | None = 
     # The official client retries 408/409/429/5xx unless told otherwise: a resend of an
     # ambiguous request is a second sample, and a refusal by the rules would only repeat.
     retry = b"true" if code in RETRYABLE_CODES else b"false"
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"x-should-retry", retry)],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"x-should-retry", retry)]
+    if isinstance(send, _Tracked):  # the id that a provenance row of it, if any, is under
+        headers.append((b"x-request-id", send.request_id.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": error_body(code, message, status)})
 
 

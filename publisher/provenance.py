@@ -73,6 +73,9 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # ``lora_name`` means the sample is not from the bound policy.
     served_name: str | None = None
     staleness: int = -1  # -1: not given, computed from the revisions below
+    # The id the engine saw, when it is not ``request_id`` (the OpenAI face makes a client's
+    # x-request-id unique per request for the engine): joins the engine's own logs.
+    engine_request_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.staleness < 0:

@@ -655,3 +655,62 @@ async def test_requests_without_a_session_never_share_one_under_a_request_id(
                 )
                 assert raw.headers["x-request-id"] == "stamped-by-a-proxy"
                 assert raw.headers["x-loraledger-version"] == "1"
+
+
+async def test_one_request_id_on_two_running_requests_is_a_label_not_a_key(
+    tmp_path: Path,
+) -> None:
+    """A trace id in a framework's default headers (or a proxy's stamp) lands on concurrent
+    requests. Engines key running requests by id (the local engine and vLLM refuse a
+    duplicate; SGLang aborts by prefix), so the engine sees a unique id; the client's id is
+    echoed and keys both provenance rows, each naming the id its engine saw."""
+    async with rig(tmp_path, engines=1) as r:
+        await r.publish(1)
+        trace = {"x-request-id": "trace-42"}
+        async with async_client(r, max_retries=0) as client:
+            maker = client.chat.completions.with_streaming_response.create(
+                model="policy",
+                messages=MESSAGES,
+                max_tokens=64,
+                stream=True,
+                extra_headers={**trace, "x-session-id": "episode-a"},
+            )
+            async with maker as first:
+                chunks = (await first.parse()).__aiter__()
+                await chunks.__anext__()  # the first request is running on the engine
+                second = await client.chat.completions.with_raw_response.create(
+                    model="policy",
+                    messages=MESSAGES,
+                    max_tokens=2,
+                    extra_headers={**trace, "x-session-id": "episode-b"},
+                )
+                assert second.headers["x-request-id"] == "trace-42"
+                async for _ in chunks:
+                    pass
+                assert first.headers["x-request-id"] == "trace-42"
+        await wait_for(lambda: len(r.sink.rows) == 2)
+        rows = {row.session: row for row in r.sink.rows}
+        assert {row.request_id for row in rows.values()} == {"trace-42"}
+        seen = {row.engine_request_id for row in rows.values()}
+        assert len(seen) == 2 and all(s and s.startswith("trace-42-") for s in seen), seen
+        assert {row.finish_reason for row in rows.values()} <= {"stop", "length"}
+
+
+async def test_an_error_reply_names_the_request_id_its_provenance_row_is_under(
+    tmp_path: Path,
+) -> None:
+    async with rig(tmp_path, engines=1) as r:
+        await r.publish(1)
+        async with async_client(r, max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(
+                    model="policy",
+                    messages=MESSAGES,
+                    max_tokens=10**9,  # the engine refuses it: over its context
+                    extra_headers={"x-session-id": "ep-1"},
+                )
+        rid = refused.value.response.headers["x-request-id"]
+        await wait_for(lambda: len(r.sink.rows) == 1)
+        [row] = r.sink.rows
+        assert (row.request_id, row.finish_reason) == (rid, "engine_error")
+        assert row.engine_request_id is None  # the gateway made the id: the engine saw it
