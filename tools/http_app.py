@@ -62,7 +62,8 @@ from publisher.errors import Code, LedgerError
 from publisher.ledger import Ledger
 from tools.metrics import LedgerMetrics
 
-Publish = Callable[[int, str], Awaitable[Any]]  # (version id, adapter dir) -> outcome struct
+# (version id, adapter dir, allow rollback) -> outcome struct
+Publish = Callable[[int, str, bool], Awaitable[Any]]
 
 _encoder = msgspec.json.Encoder()
 _STATUS_OF_CODE = {
@@ -132,6 +133,7 @@ class ForgetBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PublishBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version_id: int
     adapter_dir: str
+    allow_rollback: bool = False  # a version lower than the default, on purpose
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -276,7 +278,7 @@ def build_app(
     async def publish_version(request: Request, body: PublishBody) -> Any:
         if publish is None:
             raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
-        return await publish(body.version_id, body.adapter_dir)
+        return await publish(body.version_id, body.adapter_dir, body.allow_rollback)
 
     async def suspend_engine(request: Request, body: EngineActionBody) -> Any:
         engine = request.path_params["engine"]

@@ -304,20 +304,23 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
                 await face.aclose()
 
 
-def make_publish(plane: Any) -> Callable[[int, str], Any]:
-    """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``."""
+def make_publish(plane: Any) -> Callable[[int, str, bool], Any]:
+    """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``
+    (``allow_rollback``: a version lower than the default, on purpose)."""
     from engines.artifacts import ArtifactError, read_adapter_dir
     from evlog.errors import INVALID_INPUT, InvalidInput
     from publisher.trainer import TrainerClient
 
     trainer = TrainerClient(plane)
 
-    async def publish(version_id: int, adapter_dir: str) -> Any:
+    async def publish(version_id: int, adapter_dir: str, allow_rollback: bool) -> Any:
         try:
             config, tensors = await anyio.to_thread.run_sync(read_adapter_dir, adapter_dir)
         except (ArtifactError, OSError) as exc:
             raise InvalidInput(INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
-        return await trainer.publish(tensors, config=config, step=version_id)
+        return await trainer.publish(
+            tensors, config=config, step=version_id, allow_rollback=allow_rollback
+        )
 
     return publish
 

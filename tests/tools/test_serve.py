@@ -225,6 +225,31 @@ async def test_publish_bind_and_inflight_show_in_metrics(tmp_path: Path) -> None
         await serve(opts, on_ready=ready, handle_signals=False, stop=stop)
 
 
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
+async def test_a_rollback_over_http_is_refused_until_it_is_meant(tmp_path: Path) -> None:
+    """The refusal says "pass allow_rollback=True to mean it": the route takes that field."""
+    from tests.tools.serving import serving
+
+    adapters = [_adapter_dir(tmp_path, seed) for seed in (1, 2)]
+    engines = (parse_engine("e0=local:"),)
+    async with (
+        serving(tmp_path / "roll.db", token=TOKEN, engines=engines) as url,
+        httpx.AsyncClient(base_url=url, trust_env=False, timeout=60, headers=AUTH) as http,
+    ):
+        first = await http.post(
+            "/versions", json={"version_id": 5, "adapter_dir": str(adapters[0])}
+        )
+        assert first.status_code == 200, first.text
+        back = {"version_id": 3, "adapter_dir": str(adapters[1])}
+        refused = await http.post("/versions", json=back)
+        assert (refused.status_code, refused.json()["code"]) == (409, "VERSION_REGRESSION")
+        meant = await http.post("/versions", json={**back, "allow_rollback": True})
+        assert meant.status_code == 200, meant.text
+        assert (meant.json()["version_id"], meant.json()["retired"]) == (3, 5)
+        assert (await http.get("/status")).json()["default"] == 3
+
+
 class _Process:
     """A console-script process that prints one JSON "listening" row on stdout when ready."""
 
