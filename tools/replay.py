@@ -26,7 +26,7 @@ from projections.registry import RegistryState, evolve
 from projections.stalls import Stall, explain
 from tools.exitcodes import Exit, ToolError
 from tools.logfile import open_log
-from tools.timefmt import AtResolver
+from tools.timefmt import AtResolver, iso
 
 Progress = Callable[[int, int], None]  # (records done, records in total)
 PROGRESS_EVERY = 4096
@@ -89,7 +89,7 @@ async def replay(
             first = (await store.read(limit=1))[0]
             raise ToolError(
                 Exit.USAGE,
-                f"--at is before the first record (seq 1 was recorded at {first.recorded_at})",
+                f"--at is before the first record (seq 1 was recorded at {iso(first.recorded_at)})",
             )
         if progress is not None:
             progress(applied.seq, applied.seq)

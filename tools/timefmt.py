@@ -6,6 +6,11 @@ output replays that moment. ``--at`` also takes unix seconds (what ``recorded_at
 ISO with an explicit offset; an ISO time without a zone is read as UTC (never the local zone of
 whoever runs the command, which would make the same command mean different moments).
 
+A time written to some precision means all of it: ``...:53.765Z`` is the whole millisecond
+that printed that way (times print truncated), ``13:06:13`` the whole second, ``13:06`` the
+whole minute. So ``--at`` with a time copied from any output includes the record that printed
+it. Unix seconds are exact.
+
 Two shorter forms need the log to mean something, so :func:`parse_at` turns them into a
 function of the log's last record time (:func:`resolve_at`):
 
@@ -19,6 +24,7 @@ function of the log's last record time (:func:`resolve_at`):
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime, time
@@ -76,11 +82,28 @@ def parse_at(text: str) -> AtResolver:
 
         def on_the_logs_day(last: float) -> float:
             day = datetime.fromtimestamp(last, tz=UTC).date()
-            return datetime.combine(day, clock, tzinfo=UTC).timestamp()
+            return _through(datetime.combine(day, clock, tzinfo=UTC).timestamp(), raw)
 
         return on_the_logs_day
-    moment = parse_time(raw)
+    moment = parse_time(raw) if _is_number(raw) else _through(parse_time(raw), raw)
     return lambda last: moment
+
+
+_WRITTEN_TIME = re.compile(r"\d{1,2}:\d{2}(?::\d{2}(?:\.(\d+))?)?")
+
+
+def _through(moment: float, text: str) -> float:
+    """The last instant ``text`` (which parsed to ``moment``) can mean: the end of the
+    minute, second or fraction it was written to (see the module docstring)."""
+    written = _WRITTEN_TIME.search(text)
+    if written is None:  # a date alone: its midnight
+        return moment
+    digits = written.group(1)
+    if digits is not None:
+        step = 10.0 ** -len(digits)
+    else:
+        step = 1.0 if written.group(0).count(":") == 2 else 60.0
+    return math.nextafter(moment + step, -math.inf)
 
 
 def _is_number(text: str) -> bool:
