@@ -153,7 +153,7 @@ def run_bench(
     result: dict[str, Any] = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)
     out = {"bench": name, "quick": quick, **result, "machine": machine()}
     if json:
-        emit(out)
+        emit({"row": "bench", **out})
     else:
         stdout_console().print(view(out))
     return out

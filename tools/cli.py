@@ -470,7 +470,7 @@ def verify(
     with progress_bar("verifying") as update:
         result = _run(functools.partial(verify_log, log, deep=deep, progress=update))
     if json:
-        emit(to_json(result))
+        emit(to_json(result, row="verify"))
     else:
         stdout_console().print(verify_view(result))
     if not result.ok:
@@ -502,7 +502,7 @@ def status(
 
     live = fetch_status(url, token=token, timeout=timeout)
     if json:
-        emit(to_json(live))
+        emit(to_json(live, row="status"))
         return
     stdout_console().print(status_view(live, title=f"ledger at {url}"))
 
@@ -1073,7 +1073,7 @@ def check_engine(
     checker.check_options(opts)
     report = _run(checker.check_engine, opts)
     if json:
-        emit(checker.as_json(report))
+        emit({"row": "check", **checker.as_json(report)})
     else:
         stdout_console().print(checker.render(report))
     if not report.ok:

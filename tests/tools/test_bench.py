@@ -15,7 +15,7 @@ def test_bench_ledger_quick_reports_ratios_and_the_machine(cli: Cli) -> None:
     result = cli("bench", "ledger", "--quick", "--json")
     assert result.returncode == 0, result.stderr
     (out,) = [json.loads(line) for line in result.stdout.splitlines()]
-    assert out["bench"] == "ledger" and out["quick"] is True
+    assert out["row"] == "bench" and out["bench"] == "ledger" and out["quick"] is True
     assert f"{os.cpu_count()} cores" in out["machine"]
     runs = out["sessions"]
     assert [r["concurrency"] for r in runs] == [1, 16]

@@ -94,7 +94,9 @@ def _check(url: str, root: Path, kind: str) -> tuple[int, dict[str, object]]:
         "check-engine", url, "--kind", kind, "--artifacts", root, "--json", timeout=300
     )
     assert result.stdout, result.stderr
-    return result.returncode, json.loads(result.stdout)
+    data = json.loads(result.stdout)
+    assert data["row"] == "check"  # every --json row names its kind
+    return result.returncode, data
 
 
 def _by_check(data: dict[str, object]) -> dict[str, dict[str, object]]:

@@ -104,7 +104,8 @@ def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
 
     live = cli("status", "--url", served.url, "--json")
     assert live.returncode == 0, live.stderr
-    assert json.loads(live.stdout)["owners"] == 2  # w1 and the OpenAI routes' owner
+    row = json.loads(live.stdout)
+    assert (row["row"], row["owners"]) == ("status", 2)  # w1 and the OpenAI routes' owner
     human = cli("status", "--url", served.url)
     assert f"ledger at {served.url}" in human.stdout and "deployment default" in human.stdout
 

@@ -25,7 +25,9 @@ def _verdict(cli: Cli, log: Path) -> tuple[int, dict[str, object]]:
     assert "Traceback" not in result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 1, result.stdout
-    return result.returncode, json.loads(lines[0])
+    report: dict[str, object] = json.loads(lines[0])
+    assert report["row"] == "verify"  # every --json row names its kind
+    return result.returncode, report
 
 
 def _seq_of(log: Path, type_name: str, nth: int = 0) -> int:
