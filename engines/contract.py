@@ -160,9 +160,17 @@ class InventoryEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Inventory(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine holds at ``incarnation``: ``adapters`` are registered (servable);
+    ``staged`` names have bytes received for a prepared attempt that were never loaded --
+    memory only an attempt-fenced unload (or that attempt's load) frees. An engine that
+    stages nothing engine-side (SGLang, vLLM by path) reports none. Reporting them is what
+    lets the reconciler find staging that a lost or ignored cleanup left behind
+    (docs/engines.md)."""
+
     engine_id: str
     incarnation: str
     adapters: tuple[InventoryEntry, ...]
+    staged: tuple[str, ...] = ()
 
     def names(self) -> frozenset[str]:
         return frozenset(a.lora_name for a in self.adapters)

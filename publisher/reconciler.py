@@ -18,7 +18,9 @@ docs/engines.md):
   under the name); a fatal candidate still present is unloaded (attempt-fenced), and strays
   (managed names the engine should not hold: a reclaimed name that came back, a cleanly failed
   candidate that landed late) are unloaded, fenced by their version's last attempt when the
-  ledger knows the name; then the inventory is observed again, which releases the entries.
+  ledger knows the name, and so are names the inventory reports *staged* (bytes never loaded)
+  for a version that is over; then the inventory is observed again, which releases the
+  entries.
 * **Repair**: every version still needed (the default and every bound version) is loaded again
   on an engine that lacks it -- from the artifact store, which holds a verified directory for
   every version (staged engines get its bytes as buckets) -- confirmed by a fresh inventory and
@@ -88,6 +90,15 @@ ORPHANED_ATTEMPT = "ORPHANED_ATTEMPT"
 _READ_TRIES = 3
 # Restores of one version on one engine that may fail before the engine is suspended.
 _RESTORE_TRIES = 3
+# Versions nothing loads any more: what an engine still has staged for them is a leftover.
+_OVER = frozenset(
+    {
+        VersionState.RECLAIMING,
+        VersionState.RECLAIMED,
+        VersionState.FAILED_RETRYABLE,
+        VersionState.FAILED_FATAL,
+    }
+)
 
 
 class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -289,6 +300,7 @@ class Reconciler:
             inventory = await self._read(engine_id, engine, rep)
         await self._observe(engine_id, inventory, rep)
         unwanted = self._unwanted(engine_id, set(managed_names(inventory, self.prefix)))
+        unwanted += self._stale_staging(inventory, {name for name, _ in unwanted})
         if unwanted:
             for name, attempt in unwanted:
                 if await self._unload(engine_id, engine, name, attempt, rep):
@@ -407,6 +419,35 @@ class Reconciler:
                 known = state.version_by_name(name)
                 out.setdefault(name, known.attempt if known is not None else None)
         return sorted(out.items())
+
+    def _stale_staging(
+        self, inventory: Inventory, chosen: set[str]
+    ) -> list[tuple[str, int | None]]:
+        """Names the engine holds bytes staged under (prepared, never loaded) that nothing will
+        ever load, with the attempt that fences their cleanup: a version that is over
+        (reclaimed, failed, or being reclaimed) by its last attempt; a name the ledger never
+        allocated unfenced, as a stray.
+
+        A failed restore leaves its staging on purpose (no cleanup may fence the committed
+        attempt out), counting on the reclaim's fenced unload to drop it. That unload can be
+        answered without being carried out (an engine that acknowledged and did nothing), and
+        then nothing else would ever look: the reclaim is confirmed, and staging is not an
+        adapter (found by the simulation, --slow seed 1585). So each pass reads the staging an
+        inventory reports. Left alone: staging of a ``LOADING`` version (its publication or the
+        orphan cleanup owns it) and of a version still published or retired (a restore's next
+        prepare replaces it, a load consumes it, the reclaim drops it; a fenced unload there
+        would shut the committed attempt out of the engine for good)."""
+        state = self._ledger.state
+        out: list[tuple[str, int | None]] = []
+        for name in inventory.staged:
+            if not name.startswith(self.prefix) or name in chosen or name in inventory.names():
+                continue
+            v = state.version_by_name(name)
+            if v is None:
+                out.append((name, None))
+            elif v.state in _OVER:
+                out.append((name, v.attempt))
+        return sorted(out, key=lambda item: item[0])
 
     async def _unload(
         self, engine_id: str, engine: Engine, name: str, attempt: int | None, rep: _Findings

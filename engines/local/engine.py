@@ -273,6 +273,7 @@ class LocalEngine:
                 InventoryEntry(lora_name=r.lora_name, digest=r.digest, path=r.path)
                 for r in sorted(self._names.residents.values(), key=lambda r: r.lora_name)
             ),
+            staged=tuple(sorted(self._names.staging)),
         )
 
     def loaded_adapters(self) -> dict[str, str]:

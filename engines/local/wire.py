@@ -13,7 +13,8 @@ endpoint                            request body                           200 r
                                     ``application/msgpack``)
 ``POST /loraledger/load``           ``Candidate`` (JSON)                   ``Receipt`` (ready)
 ``POST /loraledger/unload``         :class:`UnloadRequest` (JSON)          ``UnloadReceipt``
-``GET /loraledger/inventory``       --                                     ``Inventory`` (digests)
+``GET /loraledger/inventory``       --                                     ``Inventory`` (digests,
+                                                                           staged names)
 ==================================  =====================================  ======================
 
 A clean refusal is HTTP 400 with :class:`ErrorBody` (``{"error": {"code", "message"}}``); the

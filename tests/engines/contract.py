@@ -74,6 +74,9 @@ class Capabilities:
     reports_cached_tokens: bool = True
     # the adapter refuses cleanup/prepare of an attempt older than the newest one
     attempt_fencing: bool = True
+    # bytes staged engine-side for a prepared attempt show in ``Inventory.staged`` (the local
+    # engine's staged faces); an engine that stages nothing engine-side reports none
+    reports_staging: bool = False
 
 
 @dataclass
@@ -417,6 +420,30 @@ class EngineContract:
             {ErrorCode.STALE_ATTEMPT, ErrorCode.NOT_PREPARED}, eut.engine.load(p.candidate)
         )
         assert (await eut.engine.inventory()).adapters == ()
+
+    async def test_staged_bytes_show_in_the_inventory_until_loaded_or_cleaned(
+        self, eut: EngineUnderTest
+    ) -> None:
+        """Bytes staged for a prepared attempt are engine memory that only that attempt's load
+        or an attempt-fenced unload frees. The inventory lists them (``staged``, never among
+        the servable ``adapters``), so a cleanup that was lost or ignored can be found."""
+        p = candidate_for(eut.store, 16)
+        q = candidate_for(eut.store, 17)
+        for staged in (p, q):
+            await eut.engine.prepare(staged.candidate)
+            sent = buckets_of(staged.tensors) if eut.engine.transport == "staged" else []
+            await eut.engine.transfer(staged.candidate, aiter_list(sent))
+        inventory = await eut.engine.inventory()
+        assert inventory.adapters == ()
+        if not eut.caps.reports_staging:
+            assert inventory.staged == ()
+            return
+        assert inventory.staged == tuple(sorted((p.name, q.name)))
+        await eut.engine.load(p.candidate)
+        assert (await eut.engine.unload(q.name, attempt=1)).was_loaded is False
+        inventory = await eut.engine.inventory()
+        assert inventory.names() == {p.name}
+        assert inventory.staged == ()
 
     async def test_republish_same_attempt_is_idempotent(self, eut: EngineUnderTest) -> None:
         p = candidate_for(eut.store, 14)

@@ -57,7 +57,7 @@ async def in_process(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
     async with LocalEngine("local-0", limits=LIMITS, artifact_root=store.root) as engine:
         yield EngineUnderTest(
             engine=engine,
-            caps=Capabilities(reclaimed_refusal=True),
+            caps=Capabilities(reclaimed_refusal=True, reports_staging=True),
             store=store,
             **_wired(engine),  # type: ignore[arg-type]
         )
@@ -87,7 +87,7 @@ async def staged_http(tmp_path: Path) -> AsyncIterator[EngineUnderTest]:
         try:
             yield EngineUnderTest(
                 engine=client,
-                caps=Capabilities(reclaimed_refusal=True),
+                caps=Capabilities(reclaimed_refusal=True, reports_staging=True),
                 store=store,
                 **_wired(engine),  # type: ignore[arg-type]
             )

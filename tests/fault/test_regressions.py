@@ -23,7 +23,15 @@ from publisher.fleet import Fleet
 from publisher.ledger import Ledger
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationOutcome
-from tests.engines.faulty_engine import Delay, Drop, Duplicate, FaultyEngine, Refuse, ServerError
+from tests.engines.faulty_engine import (
+    Delay,
+    Drop,
+    Duplicate,
+    FaultyEngine,
+    Refuse,
+    ServerError,
+    Swallow,
+)
 from tests.fault.simloop import run_simulated, sim_clock
 from tests.publisher.plane_kit import (
     adapter_copy,
@@ -315,3 +323,37 @@ async def test_regression_a_reclaim_confirmed_by_absence_before_its_unload_left_
         await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
         await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
         assert fresh.staged() == []  # RECLAIMED only once a fenced unload reached e0
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:Adapter .* was active which is now deleted:UserWarning")
+async def test_regression_a_swallowed_reclaim_unload_left_a_failed_restores_staging(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulation (--slow, seed 1585): a restarted engine's restore of v1 staged
+    v1's bytes and failed (left on purpose: the reclaim's fenced unload is what drops them).
+    v1 was then retired, and the reclaim's unload on that engine was answered but never
+    carried out (a swallowed call). The answer confirmed the reclaim, v1 became RECLAIMED, and
+    no later pass could see the staging -- an inventory listed adapters only -- so the bytes
+    stayed in the engine for good. Inventories now report staged names, and the reconciler
+    unloads (attempt-fenced) what is staged for a version that is over."""
+    async with (
+        faulty_engines(2, artifact_root=tmp_path / "artifacts") as (e0, e1),
+        open_plane([e0, e1], tmp_path) as plane,
+    ):
+        ledger = plane.ledger
+        v1, fresh, late = await _v1_staged_on_a_restarted_e0(plane, e0)
+        assert fresh.staged() == [v1.lora_name]
+
+        e0.inject("unload", Swallow(), times=10_000)  # e0 answers every unload, does nothing
+        await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
+        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        assert "e0" in ledger.state.versions[1].confirmed  # by the swallowed unload's answer
+        assert fresh.staged() == [v1.lora_name]  # the unload never reached e0
+
+        e0.clear()  # the engine behaves again: the reconciler's next full pass cleans up
+        await plane.reconciler.reconcile()
+        assert fresh.staged() == []
+        with pytest.raises(CleanRefusal) as refused:
+            await fresh.prepare(late)  # fenced: nothing can stage the reclaimed name again
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT

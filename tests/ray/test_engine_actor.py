@@ -97,7 +97,7 @@ def eut(engine_actor: RayEngine, tmp_path: Path) -> EngineUnderTest:
 
     return EngineUnderTest(
         engine=engine_actor,
-        caps=Capabilities(reclaimed_refusal=True),
+        caps=Capabilities(reclaimed_refusal=True, reports_staging=True),
         store=ArtifactStore(tmp_path / "artifacts"),
         hold=lambda: ray.get(handle.hold.remote()),
         release=lambda: ray.get(handle.release.remote()),
