@@ -1,9 +1,9 @@
 """The OpenAI-compatible face of the gateway: pinning for any stack that speaks OpenAI HTTP.
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not),
-``GET /v1/models``, as Starlette routes any process can mount: ``loraledger serve`` (next to
-the ledger), ``loraledger gateway`` (a separate process against a remote ``serve``), a Ray
-actor.
+``GET /v1/models`` and ``GET /v1/models/{model}``, as Starlette routes any process can mount:
+``loraledger serve`` (next to the ledger), ``loraledger gateway`` (a separate process against a
+remote ``serve``), a Ray actor.
 Build them with :func:`openai_routes` (or a whole app with :func:`openai_app`) from an
 :class:`OpenAIGateway`, which holds what the routes need: a :class:`RolloutWorker` (the owner
 of every HTTP session: shared binds, lease, in-flight tally), its :class:`Gateway` (routing,
@@ -21,6 +21,8 @@ The rules are the Python path's, reused, not restated (docs/openai.md):
   ``/v1/models`` is ``404 model_not_found``, and a version name on a session that provably is
   not bound yet (and is not the default it would bind to) is ``409 VERSION_NOT_BOUND``, both
   refused before anything is bound (``OpenAIGateway._refusal_before_bind``).
+* **Unknown routes and methods** answer in OpenAI's error shape (``404 UNKNOWN_ROUTE``,
+  ``405 METHOD_NOT_ALLOWED``), never the router's plain text or a redirect.
 * **Routing**: ``Gateway.admit`` -- a routable holder of the version, by rendezvous hashing of
   the session id (:mod:`publisher.affinity`), counted in flight before the first ``await``.
 * **At most once**: what provably did not run may try the next holder, once per holder, by
@@ -47,6 +49,7 @@ The rules are the Python path's, reused, not restated (docs/openai.md):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import time
 import uuid
@@ -59,7 +62,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Receive, Scope, Send
 
 from engines import guard
@@ -72,7 +75,7 @@ from engines.openai_http import (
     read_failure,
     refusal_of,
 )
-from evlog.errors import INVALID_INPUT, LoraLedgerError, Refused
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
 from projections.status import LedgerStatus, VersionStatus
 from publisher.errors import Code
 from publisher.gateway import (
@@ -104,6 +107,8 @@ class OpenAICode:
     # model is neither the alias nor a version served here. OpenAI's and vLLM's own spelling
     # (lower case, unlike ours): clients' fallback logic keys on it and on the 404.
     MODEL_NOT_FOUND = "model_not_found"
+    UNKNOWN_ROUTE = "UNKNOWN_ROUTE"  # no route at this path (404)
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"  # a route of this path, another method (405)
 
 
 class OpenAIError(LoraLedgerError):
@@ -116,6 +121,14 @@ class OpenAIRefused(
     codes=[OpenAICode.VERSION_NOT_BOUND, OpenAICode.ENGINE_NOT_HTTP, OpenAICode.MODEL_NOT_FOUND],
 ):
     """Refused before anything was sent to an engine."""
+
+
+class OpenAIInvalidInput(
+    OpenAIError,
+    InvalidInput,
+    codes=[OpenAICode.UNKNOWN_ROUTE, OpenAICode.METHOD_NOT_ALLOWED],
+):
+    """A request to no route of the face: fix the client's path or method."""
 
 
 # HTTP status of each code the routes can answer (anything else: 409, a refusal by the rules).
@@ -131,6 +144,8 @@ STATUS_OF_CODE = {
     DispatchCode.AMBIGUOUS_DISPATCH: 502,
     OpenAICode.ENGINE_NOT_HTTP: 503,
     OpenAICode.MODEL_NOT_FOUND: 404,
+    OpenAICode.UNKNOWN_ROUTE: 404,
+    OpenAICode.METHOD_NOT_ALLOWED: 405,
     "UNAUTHORIZED": 401,
     "WRITES_DISABLED": 403,
 }
@@ -153,9 +168,14 @@ def error_body(code: str, message: str, status: int) -> bytes:
     return _json.encode({"error": {"message": message, "type": kind, "code": code}})
 
 
-def error_response(code: str, message: str, status: int | None = None) -> Response:
+def error_response(
+    code: str, message: str, status: int | None = None, *, allow: str | None = None
+) -> Response:
+    """A refusal in OpenAI's shape; ``allow`` is the ``Allow`` header of a 405."""
     status = status or STATUS_OF_CODE.get(code, 409)
     headers = {"x-should-retry": "true" if code in RETRYABLE_CODES else "false"}
+    if allow is not None:
+        headers["Allow"] = allow
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="loraledger"'
     return Response(error_body(code, message, status), status, headers, "application/json")
@@ -320,13 +340,63 @@ class OpenAIGateway:
 
     # --- routes ----------------------------------------------------------------------------
 
-    def routes(self) -> list[BaseRoute]:
+    def routes(self, *, whole_app: bool = False) -> list[BaseRoute]:
+        """The routes, then a fallback that answers every other request under ``/v1/`` (with
+        ``whole_app``: every other request at all, for an app of only these routes) in
+        OpenAI's error shape. Mount them last: the fallback takes any path before it has
+        matched, so the app's routes outside ``/v1/`` keep their own answers."""
+        return [
+            *self._route_table,
+            Route("/{path:path}" if whole_app else "/v1/{path:path}", _AnyMethod(self.no_route)),
+        ]
+
+    @functools.cached_property
+    def _route_table(self) -> list[Route]:
         return [
             Route(CHAT_PATH, self._endpoint(chat=True), methods=["POST"]),
             Route(COMPLETIONS_PATH, self._endpoint(chat=False), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/sessions/{session}/release", self.release, methods=["POST"]),
         ]
+
+    async def no_route(self, request: Request) -> Response:
+        """A request no route takes: 405 with ``Allow`` when a route has this path (Starlette
+        would answer in plain text, which an OpenAI SDK reads as an error without code or
+        message), else 404. A trailing slash is a 404 naming the route without it, never a
+        redirect: Starlette's redirect is built from the Host header (wrong behind a proxy
+        that terminates TLS) and would send a generation's body a second time; the official
+        clients never add the slash, so one spelling per route keeps logs and proxies simple."""
+        method, path = request.method, request.url.path
+        allowed = self._methods_at(request.scope, wrong_method=True)
+        if allowed:
+            return error_response(
+                OpenAICode.METHOD_NOT_ALLOWED,
+                f"{method} is not allowed on {path}: use {' or '.join(allowed)}",
+                allow=", ".join(allowed),
+            )
+        hint = "the routes are " + ", ".join(
+            f"{' '.join(sorted(route.methods - {'HEAD'}))} {route.path}"
+            for route in self._route_table
+            if route.methods
+        )
+        bare = path.rstrip("/")
+        if bare != path and (methods := self._methods_at({**request.scope, "path": bare})):
+            hint = f"did you mean {' or '.join(methods)} {bare} (no trailing slash)?"
+        return error_response(
+            OpenAICode.UNKNOWN_ROUTE, f"no route {method} {path} on this gateway: {hint}"
+        )
+
+    def _methods_at(self, scope: Scope, *, wrong_method: bool = False) -> list[str]:
+        """The methods of the face's routes at ``scope``'s path (HEAD left out: implied);
+        ``wrong_method``: only of routes that match the path but not the method."""
+        methods: set[str] = set()
+        for route in self._route_table:
+            match, _ = route.matches(scope)
+            wanted = match is Match.PARTIAL if wrong_method else match is not Match.NONE
+            if wanted and route.methods:
+                methods |= route.methods
+        return sorted(methods - {"HEAD"})
 
     def authorized(self, request: Request) -> Response | None:
         if self._token is None:
@@ -351,6 +421,19 @@ class OpenAIGateway:
             None,
             "application/json",
         )
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``, as vLLM and SGLang serve
+        it): the alias's or a version's entry of the list, else ``404 model_not_found``."""
+        if (refused := self.authorized(request)) is not None:
+            return refused
+        model = request.path_params["model"]
+        if not model:  # "/v1/models/": the list's path with a trailing slash
+            return await self.no_route(request)
+        card = next((c for c in self._cards(self.view.status()) if c["id"] == model), None)
+        if card is None:
+            return error_response(*self._not_found(model))
+        return Response(_json.encode(card), 200, None, "application/json")
 
     def _served(self, status: LedgerStatus) -> list[VersionStatus]:
         """The versions ``/v1/models`` lists, hence the only names ``model`` may take besides
@@ -883,6 +966,18 @@ class _Asgi(Response):
         await self._app(scope, receive, send)
 
 
+class _AnyMethod:
+    """An ASGI endpoint of every method: Starlette makes a plain function endpoint GET-only,
+    and a fallback must take every method (a POST to an unknown path included)."""
+
+    def __init__(self, handler: Callable[[Request], Awaitable[Response]]) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._handler(Request(scope, receive))
+        await response(scope, receive, send)
+
+
 class _Tracked:
     """The ASGI ``send`` of one request, remembering whether the response has started (an
     error after that can only be told inside the stream)."""
@@ -953,10 +1048,12 @@ def engine_routes(fleet: Any) -> dict[str, EngineRoute]:
 
 
 def openai_routes(face: OpenAIGateway) -> list[BaseRoute]:
-    """The routes to mount in any Starlette app (``serve`` adds them to its own)."""
+    """The routes to mount in any Starlette app, after its own (``serve`` adds them to its
+    own): every other request under ``/v1/`` is answered in OpenAI's error shape."""
     return face.routes()
 
 
 def openai_app(face: OpenAIGateway) -> Starlette:
-    """A Starlette app with only the OpenAI routes (a bare gateway process, a benchmark)."""
-    return Starlette(routes=face.routes())
+    """A Starlette app with only the OpenAI routes (a bare gateway process, a Ray gateway
+    actor, a benchmark): every request outside them is answered in OpenAI's error shape."""
+    return Starlette(routes=face.routes(whole_app=True))

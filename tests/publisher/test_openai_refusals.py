@@ -156,3 +156,69 @@ async def test_a_first_turn_naming_another_version_than_the_default_binds_nothin
                 model=v2, messages=MESSAGES, extra_headers={"x-session-id": "elsewhere"}
             )
         assert info.value.code == "VERSION_NOT_BOUND" and v1 in info.value.message
+
+
+async def test_models_retrieve_answers_the_entry_of_the_list(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r, client_of(r) as client:
+        v1 = await r.publish(1)
+        await r.worker.session("keeps-v1").bind()  # v1 stays RETIRED, not reclaimed
+        await r.publish(2)
+        listed = {m.id: m.model_dump() for m in (await client.models.list()).data}
+        for name in ("policy", v1):
+            got = (await client.models.retrieve(name)).model_dump()
+            assert got["id"] == name
+            assert {k: v for k, v in got.items() if k != "created"} == {
+                k: v for k, v in listed[name].items() if k != "created"
+            }
+        assert (await client.models.retrieve("policy")).model_extra["default_version"] == 2  # type: ignore[index]
+        assert (await client.models.retrieve(v1)).model_extra["state"] == "RETIRED"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-4o")
+        assert info.value.code == "model_not_found"
+        with pytest.raises(openai.AuthenticationError):
+            await client.with_options(api_key="nope").models.retrieve("policy")
+
+
+async def test_requests_outside_the_routes_answer_in_openai_shape(tmp_path: Path) -> None:
+    """The face as its own app (a gateway process, a Ray actor): a wrong method is a 405
+    with ``Allow``, an unknown path or a trailing slash a 404 (never a redirect), all JSON in
+    OpenAI's shape, which the SDK turns into its typed errors with the code."""
+    async with rig(tmp_path) as r, client_of(r) as client:
+        await r.publish(1)
+        async with httpx.AsyncClient(
+            base_url=r.url, headers=AUTH, trust_env=False, follow_redirects=False
+        ) as http:
+            for method in ("GET", "OPTIONS", "PUT", "DELETE"):
+                response = await http.request(method, "/v1/chat/completions")
+                assert response.status_code == 405, (method, response.text)
+                assert openai_error(response)["code"] == "METHOD_NOT_ALLOWED"
+                assert response.headers["allow"] == "POST"
+            response = await http.post("/v1/models")
+            assert (response.status_code, response.headers["allow"]) == (405, "GET")
+            response = await http.get("/v1/sessions/s1/release")
+            assert response.status_code == 405 and openai_error(response)["code"]
+
+            response = await http.post(
+                "/v1/chat/completions/", json={"model": "policy", "messages": MESSAGES}
+            )
+            assert response.status_code == 404, response.text
+            error = openai_error(response)
+            assert (
+                error["code"] == "UNKNOWN_ROUTE"
+                and "POST /v1/chat/completions " in error["message"]
+            )
+            for method, path in [
+                ("POST", "/v1/embeddings"),
+                ("POST", "/v1/responses"),
+                ("GET", "/v1/models/"),
+                ("GET", "/"),
+                ("POST", "/chat/completions"),  # a base_url without /v1
+            ]:
+                response = await http.request(method, path, json={})
+                assert response.status_code == 404, (path, response.text)
+                assert openai_error(response)["code"] == "UNKNOWN_ROUTE"
+            assert r.gateway.dispatched == 0 and not r.plane.ledger.state.sessions
+
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.embeddings.create(model="policy", input="x")
+        assert info.value.code == "UNKNOWN_ROUTE"
