@@ -1,8 +1,9 @@
 """The OpenAI-compatible face of the gateway: pinning for any stack that speaks OpenAI HTTP.
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not) and
-``GET /v1/models``, as Starlette routes any process can mount: ``loraledger serve`` (next to
-the ledger), ``loraledger gateway`` (a separate process against a remote ``serve``), a Ray actor.
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not),
+``GET /v1/models`` and ``GET /v1/models/{model}``, as Starlette routes any process can mount:
+``loraledger serve`` (next to the ledger), ``loraledger gateway`` (a separate process against a
+remote ``serve``), a Ray actor.
 Build them with :func:`openai_routes` (or a whole app with :func:`openai_app`) from an
 :class:`OpenAIGateway`, which holds what the routes need: a :class:`RolloutWorker` (the owner
 of every HTTP session: shared binds, lease, in-flight tally), its :class:`Gateway` (routing,
@@ -16,7 +17,12 @@ The rules are the Python path's, reused, not restated (docs/openai.md):
   sent); with no session id the request is a one-turn session: bound, served, released.
 * **model**: the alias (``policy`` by default) means "my session's version" and is rewritten
   to the bound engine-side name; a full version name is accepted only if it is the bound one
-  (else ``409 VERSION_NOT_BOUND``).
+  (else ``409 VERSION_NOT_BOUND``). A name that is neither the alias nor a version of
+  ``/v1/models`` is ``404 model_not_found``, and a version name on a session that provably is
+  not bound yet (and is not the default it would bind to) is ``409 VERSION_NOT_BOUND``, both
+  refused before anything is bound (``OpenAIGateway._refusal_before_bind``).
+* **Unknown routes and methods** answer in OpenAI's error shape (``404 UNKNOWN_ROUTE``,
+  ``405 METHOD_NOT_ALLOWED``), never the router's plain text or a redirect.
 * **Routing**: ``Gateway.admit`` -- a routable holder of the version, by rendezvous hashing of
   the session id (:mod:`publisher.affinity`), counted in flight before the first ``await``.
 * **At most once**: what provably did not run may try the next holder, once per holder, by
@@ -43,6 +49,7 @@ The rules are the Python path's, reused, not restated (docs/openai.md):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import time
 import uuid
@@ -55,7 +62,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Receive, Scope, Send
 
 from engines import guard
@@ -68,8 +75,8 @@ from engines.openai_http import (
     read_failure,
     refusal_of,
 )
-from evlog.errors import INVALID_INPUT, LoraLedgerError, Refused
-from projections.status import LedgerStatus
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
+from projections.status import LedgerStatus, VersionStatus
 from publisher.errors import Code
 from publisher.gateway import (
     DispatchCode,
@@ -97,6 +104,11 @@ class OpenAICode:
 
     VERSION_NOT_BOUND = "VERSION_NOT_BOUND"  # model names a version the session is not bound to
     ENGINE_NOT_HTTP = "ENGINE_NOT_HTTP"  # a holder has no OpenAI endpoint (in-process engine)
+    # model is neither the alias nor a version served here. OpenAI's and vLLM's own spelling
+    # (lower case, unlike ours): clients' fallback logic keys on it and on the 404.
+    MODEL_NOT_FOUND = "model_not_found"
+    UNKNOWN_ROUTE = "UNKNOWN_ROUTE"  # no route at this path (404)
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"  # a route of this path, another method (405)
 
 
 class OpenAIError(LoraLedgerError):
@@ -104,9 +116,19 @@ class OpenAIError(LoraLedgerError):
 
 
 class OpenAIRefused(
-    OpenAIError, Refused, codes=[OpenAICode.VERSION_NOT_BOUND, OpenAICode.ENGINE_NOT_HTTP]
+    OpenAIError,
+    Refused,
+    codes=[OpenAICode.VERSION_NOT_BOUND, OpenAICode.ENGINE_NOT_HTTP, OpenAICode.MODEL_NOT_FOUND],
 ):
     """Refused before anything was sent to an engine."""
+
+
+class OpenAIInvalidInput(
+    OpenAIError,
+    InvalidInput,
+    codes=[OpenAICode.UNKNOWN_ROUTE, OpenAICode.METHOD_NOT_ALLOWED],
+):
+    """A request to no route of the face: fix the client's path or method."""
 
 
 # HTTP status of each code the routes can answer (anything else: 409, a refusal by the rules).
@@ -121,6 +143,9 @@ STATUS_OF_CODE = {
     DispatchCode.NO_ROUTE: 503,
     DispatchCode.AMBIGUOUS_DISPATCH: 502,
     OpenAICode.ENGINE_NOT_HTTP: 503,
+    OpenAICode.MODEL_NOT_FOUND: 404,
+    OpenAICode.UNKNOWN_ROUTE: 404,
+    OpenAICode.METHOD_NOT_ALLOWED: 405,
     "UNAUTHORIZED": 401,
     "WRITES_DISABLED": 403,
 }
@@ -143,9 +168,14 @@ def error_body(code: str, message: str, status: int) -> bytes:
     return _json.encode({"error": {"message": message, "type": kind, "code": code}})
 
 
-def error_response(code: str, message: str, status: int | None = None) -> Response:
+def error_response(
+    code: str, message: str, status: int | None = None, *, allow: str | None = None
+) -> Response:
+    """A refusal in OpenAI's shape; ``allow`` is the ``Allow`` header of a 405."""
     status = status or STATUS_OF_CODE.get(code, 409)
     headers = {"x-should-retry": "true" if code in RETRYABLE_CODES else "false"}
+    if allow is not None:
+        headers["Allow"] = allow
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="loraledger"'
     return Response(error_body(code, message, status), status, headers, "application/json")
@@ -154,11 +184,19 @@ def error_response(code: str, message: str, status: int | None = None) -> Respon
 class GatewayView(RoutingView, Protocol):
     """What the OpenAI face reads of the ledger, besides routing: incarnations (provenance)
     and the status (the version list of ``/v1/models``). ``refresh`` brings a remote view up
-    to date (a no-op in process); it is awaited before a request is refused ``NO_ROUTE``."""
+    to date (a no-op in process); it is awaited before a request is refused ``NO_ROUTE``,
+    ``model_not_found`` or ``VERSION_NOT_BOUND`` before a bind.
+
+    ``knows_unbound(session)`` is True only when the view knows for certain that the ledger
+    holds no binding and no tombstone of ``session`` now (so its first turn would bind it to
+    the current default): an in-process ledger can tell; a remote snapshot, which lists no
+    sessions, answers False, and the bind itself then decides."""
 
     def incarnation(self, engine: str) -> str: ...
 
     def status(self) -> LedgerStatus: ...
+
+    def knows_unbound(self, session: str) -> bool: ...
 
     async def refresh(self) -> None: ...
 
@@ -190,6 +228,10 @@ class LiveView:
     def status(self) -> LedgerStatus:
         status: LedgerStatus = self._ledger.status()
         return status
+
+    def knows_unbound(self, session: str) -> bool:
+        state = self._ledger.state
+        return session not in state.sessions and session not in state.tombstones
 
     async def refresh(self) -> None:
         return None
@@ -299,13 +341,63 @@ class OpenAIGateway:
 
     # --- routes ----------------------------------------------------------------------------
 
-    def routes(self) -> list[BaseRoute]:
+    def routes(self, *, whole_app: bool = False) -> list[BaseRoute]:
+        """The routes, then a fallback that answers every other request under ``/v1/`` (with
+        ``whole_app``: every other request at all, for an app of only these routes) in
+        OpenAI's error shape. Mount them last: the fallback takes any path before it has
+        matched, so the app's routes outside ``/v1/`` keep their own answers."""
+        return [
+            *self._route_table,
+            Route("/{path:path}" if whole_app else "/v1/{path:path}", _AnyMethod(self.no_route)),
+        ]
+
+    @functools.cached_property
+    def _route_table(self) -> list[Route]:
         return [
             Route(CHAT_PATH, self._endpoint(chat=True), methods=["POST"]),
             Route(COMPLETIONS_PATH, self._endpoint(chat=False), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/sessions/{session}/release", self.release, methods=["POST"]),
         ]
+
+    async def no_route(self, request: Request) -> Response:
+        """A request no route takes: 405 with ``Allow`` when a route has this path (Starlette
+        would answer in plain text, which an OpenAI SDK reads as an error without code or
+        message), else 404. A trailing slash is a 404 naming the route without it, never a
+        redirect: Starlette's redirect is built from the Host header (wrong behind a proxy
+        that terminates TLS) and would send a generation's body a second time; the official
+        clients never add the slash, so one spelling per route keeps logs and proxies simple."""
+        method, path = request.method, request.url.path
+        allowed = self._methods_at(request.scope, wrong_method=True)
+        if allowed:
+            return error_response(
+                OpenAICode.METHOD_NOT_ALLOWED,
+                f"{method} is not allowed on {path}: use {' or '.join(allowed)}",
+                allow=", ".join(allowed),
+            )
+        hint = "the routes are " + ", ".join(
+            f"{' '.join(sorted(route.methods - {'HEAD'}))} {route.path}"
+            for route in self._route_table
+            if route.methods
+        )
+        bare = path.rstrip("/")
+        if bare != path and (methods := self._methods_at({**request.scope, "path": bare})):
+            hint = f"did you mean {' or '.join(methods)} {bare} (no trailing slash)?"
+        return error_response(
+            OpenAICode.UNKNOWN_ROUTE, f"no route {method} {path} on this gateway: {hint}"
+        )
+
+    def _methods_at(self, scope: Scope, *, wrong_method: bool = False) -> list[str]:
+        """The methods of the face's routes at ``scope``'s path (HEAD left out: implied);
+        ``wrong_method``: only of routes that match the path but not the method."""
+        methods: set[str] = set()
+        for route in self._route_table:
+            match, _ = route.matches(scope)
+            wanted = match is Match.PARTIAL if wrong_method else match is not Match.NONE
+            if wanted and route.methods:
+                methods |= route.methods
+        return sorted(methods - {"HEAD"})
 
     def authorized(self, request: Request) -> Response | None:
         if self._token is None:
@@ -324,7 +416,43 @@ class OpenAIGateway:
         state; ``routable`` says whether some engine may serve it now."""
         if (refused := self.authorized(request)) is not None:
             return refused
-        status = self.view.status()
+        return Response(
+            _json.encode({"object": "list", "data": self._cards(self.view.status())}),
+            200,
+            None,
+            "application/json",
+        )
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``, as vLLM and SGLang serve
+        it): the alias's or a version's entry of the list, else ``404 model_not_found``."""
+        if (refused := self.authorized(request)) is not None:
+            return refused
+        model = request.path_params["model"]
+        if not model:  # "/v1/models/": the list's path with a trailing slash
+            return await self.no_route(request)
+        card = next((c for c in self._cards(self.view.status()) if c["id"] == model), None)
+        if card is None:
+            return error_response(*self._not_found(model))
+        return Response(_json.encode(card), 200, None, "application/json")
+
+    def _served(self, status: LedgerStatus) -> list[VersionStatus]:
+        """The versions ``/v1/models`` lists, hence the only names ``model`` may take besides
+        the alias: those engines hold (routably) or may serve (published, retired)."""
+        return [
+            v
+            for v in status.versions
+            if v.state in ("PUBLISHED", "RETIRED") or self.view.holders(v.lora_name)
+        ]
+
+    def _not_found(self, model: str) -> tuple[str, str]:
+        return (
+            OpenAICode.MODEL_NOT_FOUND,
+            f"the model {model!r} does not exist here: send {self.options.alias!r} (your "
+            "session's version) or a version name listed by GET /v1/models",
+        )
+
+    def _cards(self, status: LedgerStatus) -> list[dict[str, Any]]:
         created = int(self._clock())
         default = next((v for v in status.versions if v.version_id == status.default), None)
         cards: list[dict[str, Any]] = [
@@ -338,10 +466,8 @@ class OpenAIGateway:
                 "default_version": status.default,
             }
         ]
-        for v in status.versions:
+        for v in self._served(status):
             holders = self.view.holders(v.lora_name)
-            if not holders and v.state not in ("PUBLISHED", "RETIRED"):
-                continue
             cards.append(
                 {
                     "id": v.lora_name,
@@ -356,9 +482,7 @@ class OpenAIGateway:
                     "routable": bool(holders),
                 }
             )
-        return Response(
-            _json.encode({"object": "list", "data": cards}), 200, None, "application/json"
-        )
+        return cards
 
     async def release(self, request: Request) -> Response:
         """End a session: released once in the ledger (it can never bind again)."""
@@ -434,7 +558,7 @@ class OpenAIGateway:
         cancels the work, which closes the upstream connection (the engine aborts)."""
         self.requests += 1
         send = _Tracked(send, ask.request_id)
-        binder = self.worker.session(ask.session)
+        binder: SessionBinder | None = None
         try:
             async with anyio.create_task_group() as tg:
 
@@ -444,10 +568,17 @@ class OpenAIGateway:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
-                await self._turn(ask, binder, send)
+                refusal = await self._refusal_before_bind(ask)
+                if refusal is not None:
+                    # Nothing bound, nothing to release: no binder even exists (a one-turn
+                    # session's release would write a tombstone for a session never bound).
+                    await _send_error(send, *refusal)
+                else:
+                    binder = self.worker.session(ask.session)
+                    await self._turn(ask, binder, send)
                 tg.cancel_scope.cancel()
         finally:
-            if ask.one_turn:
+            if ask.one_turn and binder is not None:
                 with anyio.CancelScope(shield=True):
                     await self._release_quietly(binder)
 
@@ -456,6 +587,68 @@ class OpenAIGateway:
             await binder.close()
         except LoraLedgerError as exc:
             log.warning("openai.release_failed", session=binder.session_id, code=exc.code)
+
+    async def _refusal_before_bind(self, ask: _Ask) -> tuple[str, str] | None:
+        """What ``model`` alone refuses, decided before anything is bound (a refused request
+        leaves no trace in the ledger), from the view's version list (``/v1/models``):
+
+        * a name that is neither the alias nor a listed version: ``404 model_not_found``
+          (OpenAI's and vLLM's answer; the SDK raises ``NotFoundError``);
+        * a listed version that is not the default, on a session provably not bound yet:
+          ``409 VERSION_NOT_BOUND`` (its first turn would bind it to the default). Provably:
+          a one-turn request (its session id is new, made by this gateway), or a view that
+          knows the ledger holds no binding and no tombstone of it (in process:
+          ``LiveView.knows_unbound``). Otherwise the session may already be bound to that very
+          version (by another gateway process, or an earlier life of this one): the bind
+          decides, answering the existing binding, and the check after it
+          (:meth:`_check_model`) refuses any other version. That check also covers the race
+          where the default moves between this check and the bind: the refusal after the bind
+          is then the truth (the session is bound to the new default, as any first turn at
+          that instant would be).
+
+        A remote view is a snapshot: before refusing, it is refreshed and asked again (a
+        version published since is not refused); if the ledger cannot be read, the bind
+        decides, as it would without this check."""
+        model = ask.body["model"]
+        if model == self.options.alias or self._judge_model(ask, model) is None:
+            return None
+        try:
+            await self.view.refresh()
+        except Exception as exc:  # the ledger unreachable: the bind says what it can
+            log.warning("openai.refresh_failed", rid=ask.request_id, error=repr(exc))
+            return None
+        return self._judge_model(ask, model)
+
+    def _judge_model(self, ask: _Ask, model: str) -> tuple[str, str] | None:
+        try:
+            status = self.view.status()
+        except LoraLedgerError:  # no status read yet: the bind decides
+            return None
+        served = {v.lora_name: v for v in self._served(status)}
+        named = served.get(model)
+        if named is None:
+            return self._not_found(model)
+        if named.version_id == status.default:
+            return None
+        if not ask.one_turn and not self.view.knows_unbound(ask.session):
+            return None
+        default = next((v for v in status.versions if v.version_id == status.default), None)
+        binds_to = (
+            f"the current default, {default.lora_name} (version {default.version_id})"
+            if default is not None
+            else "the default once one is published"
+        )
+        who = (
+            "a request without a session id is a new one-turn session"
+            if ask.one_turn
+            else f"session {ask.session} is not bound yet"
+        )
+        return (
+            OpenAICode.VERSION_NOT_BOUND,
+            f"{who}, and a first turn binds to {binds_to}; model {model!r} (version "
+            f"{named.version_id}) is served only to sessions already bound to it: send "
+            f"{self.options.alias!r}, or that version's name on a session bound to it",
+        )
 
     async def _turn(self, ask: _Ask, binder: SessionBinder, send: Send) -> None:
         try:
@@ -470,6 +663,9 @@ class OpenAIGateway:
             await _send_error(send, exc.code, exc.message)
 
     def _check_model(self, ask: _Ask, bound: Bound) -> tuple[str, str] | None:
+        """After the bind, the rule itself: the alias or the session's own version name.
+        What :meth:`_refusal_before_bind` could not settle (a session perhaps bound elsewhere,
+        the default moved meanwhile) is settled here, by the binding the ledger answered."""
         model = ask.body["model"]
         if model in (self.options.alias, bound.lora_name):
             return None
@@ -780,6 +976,18 @@ class _Asgi(Response):
         await self._app(scope, receive, send)
 
 
+class _AnyMethod:
+    """An ASGI endpoint of every method: Starlette makes a plain function endpoint GET-only,
+    and a fallback must take every method (a POST to an unknown path included)."""
+
+    def __init__(self, handler: Callable[[Request], Awaitable[Response]]) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._handler(Request(scope, receive))
+        await response(scope, receive, send)
+
+
 class _Tracked:
     """The ASGI ``send`` of one request, remembering whether the response has started (an
     error after that can only be told inside the stream)."""
@@ -848,10 +1056,12 @@ def engine_routes(fleet: Any) -> dict[str, EngineRoute]:
 
 
 def openai_routes(face: OpenAIGateway) -> list[BaseRoute]:
-    """The routes to mount in any Starlette app (``serve`` adds them to its own)."""
+    """The routes to mount in any Starlette app, after its own (``serve`` adds them to its
+    own): every other request under ``/v1/`` is answered in OpenAI's error shape."""
     return face.routes()
 
 
 def openai_app(face: OpenAIGateway) -> Starlette:
-    """A Starlette app with only the OpenAI routes (a bare gateway process, a benchmark)."""
-    return Starlette(routes=face.routes())
+    """A Starlette app with only the OpenAI routes (a bare gateway process, a Ray gateway
+    actor, a benchmark): every request outside them is answered in OpenAI's error shape."""
+    return Starlette(routes=face.routes(whole_app=True))

@@ -429,6 +429,11 @@ class HttpLedger:
     def status(self) -> LedgerStatus:
         return self._now.status
 
+    def knows_unbound(self, session: str) -> bool:
+        """Never: the status lists no sessions (another process may have bound any of them),
+        so the OpenAI face lets the bind answer (docs/openai.md, "Sessions and model")."""
+        return False
+
 
 def _segment(text: str) -> str:
     """A path segment (session and owner ids may hold characters a URL path may not)."""

@@ -241,7 +241,7 @@ async def run_gateway(
             return msgspec.json.decode(error_body(code, message, 400))
 
         app = Starlette(
-            routes=face.routes(),
+            routes=face.routes(whole_app=True),  # any other path: a 404 in OpenAI's shape
             middleware=[
                 Middleware(
                     Guard,

@@ -20,6 +20,7 @@ POST     ``/versions``                    bearer token: publish an adapter direc
 POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible generation
          ``/v1/completions``              (binds on a session's first turn)
 GET      ``/v1/models``                   bearer token: the alias and the versions
+GET      ``/v1/models/{model}``           bearer token: one of them (404 otherwise)
 POST     ``/v1/sessions/{s}/release``     bearer token: end an OpenAI session
 POST     ``/engines/{engine}/suspend``    bearer token: an operator quarantines an engine
 POST     ``/engines/{engine}/resume``     bearer token: lift it (served again once repaired)
@@ -29,7 +30,8 @@ POST     ``/engines/{engine}/trouble``    bearer token: a gateway process saw a 
 =======  ===============================  ==========================================
 
 The ``/v1/`` routes are :mod:`publisher.openai_gateway`'s (docs/openai.md), mounted here so a
-laptop runs the ledger and the gateway as one process.
+laptop runs the ledger and the gateway as one process; mounted last, their fallback answers
+any other request under ``/v1/`` in OpenAI's error shape (404/405), and nothing outside it.
 
 Why a bearer token on every state-changing route and never on the read-only ones: a scraper or
 a dashboard must not hold the power to bind, release or publish, and anything that changes the

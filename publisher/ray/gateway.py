@@ -122,6 +122,11 @@ class RayView:
     def status(self) -> LedgerStatus:
         return self._status
 
+    def knows_unbound(self, session: str) -> bool:
+        """Never: the status lists no sessions (another process may have bound any of them),
+        so the OpenAI face lets the bind answer (docs/openai.md, "Sessions and model")."""
+        return False
+
     async def refresh(self) -> None:
         await self._ledger.refresh_routing()
         self._status = await self._ledger.status()

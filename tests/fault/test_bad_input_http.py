@@ -6,7 +6,8 @@ Part of the bad-input suite (``tests/fault/test_bad_input.py``): its cases join 
 count ("bad inputs tried" in the fault-matrix summary). What must hold for every case:
 
 * never a 500: every answer is a 2xx, a 4xx (JSON with a code on our routes; the router's plain
-  404/405 for unknown paths and methods) or a 503 from the connection cap;
+  404/405 for unknown paths and methods outside ``/v1/``, where every 4xx but the body cap's is
+  OpenAI's ``{"error": {...}}``) or a 503 from the connection cap;
 * a caller without the token changes nothing (the engine's adapters, the ledger's log);
 * after slow, truncated and abandoned requests the server still answers ``/health``.
 
@@ -64,6 +65,14 @@ SERVE_ROUTES = [
     ("POST", "/sessions/{p}/release"),
     ("POST", "/versions"),
     ("POST", "/engines/{p}/trouble"),
+    # the OpenAI routes serve mounts, and paths and methods beside them (its fallback)
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/{p}"),
+    ("POST", "/v1/sessions/{p}/release"),
+    ("GET", "/v1/chat/completions"),
+    ("POST", "/v1/{p}"),
 ]
 _NON_NUMBERS = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400", str(2**80), "-0"])
 
@@ -111,7 +120,9 @@ def _authorized(auth: str | None) -> bool:
     return scheme.lower() == "bearer" and given == TOKEN
 
 
-def _check_answer(response: httpx.Response) -> None:
+def _check_answer(response: httpx.Response, *, openai_routes: bool = False) -> None:
+    """``openai_routes``: the server mounts the OpenAI face under ``/v1/`` (serve; the
+    engine's own ``/v1/models`` is not it)."""
     assert response.status_code < 500 or response.status_code == 503, (
         response.status_code,
         response.text[:300],
@@ -121,6 +132,11 @@ def _check_answer(response: httpx.Response) -> None:
             response.status_code,
             response.text[:300],
         )
+    openai_face = openai_routes and response.request.url.path.startswith("/v1/")
+    if openai_face and 400 <= response.status_code < 500 and response.status_code != 413:
+        # OpenAI's shape, which the SDKs read (the body cap is the shared guard's, in serve's)
+        error = response.json()["error"]
+        assert error["code"] and error["message"], response.text[:300]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -261,7 +277,7 @@ async def test_every_serve_route_answers_bad_requests_without_a_500(
                     content=body if method == "POST" else None,
                     headers=_headers(auth, content_type),
                 )
-                _check_answer(response)
+                _check_answer(response, openai_routes=True)
                 if method == "POST" and not _authorized(auth):
                     assert response.status_code in (401, 404), response.text
                     assert (await http.get("/health")).json()["seq"] == seq

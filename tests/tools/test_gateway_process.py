@@ -18,6 +18,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @asynccontextmanager
 async def gateway_process(
-    ledger: str, token_file: Path, tmp_path: Path, name: str
+    ledger: str, token_file: Path, tmp_path: Path, name: str, *, refresh_s: float = 0.2
 ) -> AsyncIterator[str]:
     """``loraledger gateway`` on port 0 in a subprocess; yield its URL (read from its JSON
     ``listening`` row); SIGTERM it by PID on exit and check it stopped cleanly."""
@@ -64,7 +65,7 @@ async def gateway_process(
         "--owner",
         name,
         "--refresh-s",
-        "0.2",
+        str(refresh_s),
         "--provenance",
         str(tmp_path / f"{name}.provenance.jsonl"),
         "--json",
@@ -273,6 +274,107 @@ async def test_a_gateway_process_reports_a_lost_adapter_to_serve(tmp_path: Path)
         assert (reply.status_code, reply.json()["code"]) == (400, "INVALID_INPUT")
         reply = await http.post("/engines/e0/trouble", json=report, headers={"Authorization": ""})
         assert reply.status_code == 401
+
+
+async def test_a_gateway_process_refuses_models_before_binding_when_it_safely_can(
+    tmp_path: Path,
+) -> None:
+    """A gateway process sees the ledger through a snapshot that lists no sessions. An
+    unknown model is a 404 and a one-turn request naming a non-default version a 409, before
+    any bind; a session bound through ``serve`` keeps its own version name here (the bind
+    answers the existing binding); a version published after the snapshot is not refused (the
+    snapshot is read again first). Requests outside the routes answer in OpenAI's shape."""
+    from evlog.events import SessionBound, SessionReleased
+    from evlog.sqlite import SQLiteStore
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    hello: list[Any] = [{"role": "user", "content": "hello"}]
+    async with AsyncExitStack() as stack:
+        _, engine_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
+        ledger = await stack.enter_async_context(
+            serving(
+                tmp_path / "ledger.db",
+                token=TOKEN,
+                engines=(parse_engine(f"e0=local:{engine_url}"),),
+            )
+        )
+        http = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
+        )
+
+        async def publish(version_id: int) -> str:
+            adapter = str(_adapter_dir(tmp_path, version_id))
+            reply = await http.post(
+                "/versions", json={"version_id": version_id, "adapter_dir": adapter}
+            )
+            assert reply.status_code == 200, reply.text
+            name: str = reply.json()["lora_name"]
+            return name
+
+        v1 = await publish(1)
+        on_serve = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=ledger + "/v1", api_key=TOKEN, max_retries=0)
+        )
+        await on_serve.chat.completions.create(
+            model="policy",
+            messages=hello,
+            max_tokens=2,
+            extra_headers={"x-session-id": "elsewhere"},
+        )
+        await publish(2)
+        # A refresh period longer than the test: the process's snapshot stays the one it read
+        # at start, unless a refusal makes it read again.
+        url = await stack.enter_async_context(
+            gateway_process(ledger, token_file, tmp_path, "gw", refresh_s=600)
+        )
+        client = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
+        )
+        v3 = await publish(3)
+
+        raw = await client.chat.completions.with_raw_response.create(
+            model=v3, messages=hello, max_tokens=2
+        )  # one-turn, named after a version newer than the snapshot: read again, accepted
+        assert raw.headers["x-loraledger-version"] == "3"
+        raw = await client.chat.completions.with_raw_response.create(
+            model=v1, messages=hello, max_tokens=2, extra_headers={"x-session-id": "elsewhere"}
+        )
+        assert raw.headers["x-loraledger-version"] == "1"
+        for session in (None, "fresh"):
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.chat.completions.create(
+                    model="gpt-4o",
+                    messages=hello,
+                    extra_headers={"x-session-id": session} if session else None,
+                )
+            assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.ConflictError) as unbound:
+            await client.chat.completions.create(model=v1, messages=hello)
+        assert unbound.value.code == "VERSION_NOT_BOUND" and v3 in unbound.value.message
+        assert (await client.models.retrieve(v1)).id == v1
+
+        plain = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, trust_env=False, timeout=60, headers=auth)
+        )
+        for method, path, status in [
+            ("GET", "/v1/chat/completions", 405),
+            ("POST", "/v1/chat/completions/", 404),
+            ("POST", "/v1/embeddings", 404),
+            ("GET", "/", 404),
+        ]:
+            response = await plain.request(method, path)
+            assert response.status_code == status, (path, response.text)
+            assert response.json()["error"]["code"] in ("METHOD_NOT_ALLOWED", "UNKNOWN_ROUTE")
+    async with SQLiteStore.open(tmp_path / "ledger.db") as store:
+        bound = [r.event.session for r in await store.read() if isinstance(r.event, SessionBound)]
+        released = {
+            r.event.session for r in await store.read() if isinstance(r.event, SessionReleased)
+        }
+    # elsewhere, and the one-turn request that was served: the refused ones left nothing
+    assert bound[0] == "elsewhere" and len(bound) == 2 and bound[1].startswith("gw-once-"), bound
+    assert released <= set(bound), released
 
 
 async def test_the_http_ledger_answers_like_the_ledger(tmp_path: Path) -> None:

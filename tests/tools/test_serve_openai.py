@@ -67,3 +67,76 @@ async def test_serve_answers_the_openai_routes(tmp_path: Path) -> None:
     rows = read_rows(tmp_path / "ledger.db.provenance.jsonl")  # drained when serve stopped
     assert len(rows) == 3 and {r.version_id for r in rows} == {1}
     assert request_ids <= {r.request_id for r in rows}
+
+
+async def test_serve_refuses_a_wrong_model_and_unknown_routes_in_openai_shape(
+    tmp_path: Path,
+) -> None:
+    """Mounted next to the ledger's own routes: an unknown model is a 404 ``model_not_found``
+    and a first turn naming a non-default version a 409, neither written to the log; requests
+    outside the OpenAI routes under ``/v1/`` answer in OpenAI's shape, while serve's own
+    routes keep theirs."""
+    from evlog.events import SessionBound, SessionReleased
+    from evlog.sqlite import SQLiteStore
+    from tools.serve import parse_engine
+
+    adapters = [_adapter_dir(tmp_path, seed) for seed in (1, 2)]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        running_server("e0", limits=LIMITS) as (_, u0),
+        serving(
+            tmp_path / "ledger.db", token=TOKEN, engines=(parse_engine(f"e0=local:{u0}"),)
+        ) as url,
+        httpx.AsyncClient(base_url=url, trust_env=False, timeout=60, headers=auth) as http,
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0) as client,
+    ):
+        for version, adapter in enumerate(adapters, start=1):
+            reply = await http.post(
+                "/versions", json={"version_id": version, "adapter_dir": str(adapter)}
+            )
+            assert reply.status_code == 200, reply.text
+            if version == 1:  # a session on v1 keeps it from reclaim (RETIRED, listed)
+                await client.chat.completions.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=2,
+                    extra_headers={"x-session-id": "keeps-v1"},
+                )
+        cards = (await client.models.list()).data
+        v1 = next(m.id for m in cards if (m.model_extra or {}).get("version_id") == 1)
+        assert (await client.models.retrieve(v1)).id == v1
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.chat.completions.create(
+                model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.ConflictError) as unbound:
+            await client.chat.completions.create(
+                model=v1,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-session-id": "wants-v1"},
+            )
+        assert unbound.value.code == "VERSION_NOT_BOUND"
+        with pytest.raises(openai.NotFoundError) as no_route:
+            await client.embeddings.create(model="policy", input="x")
+        assert no_route.value.code == "UNKNOWN_ROUTE"
+
+        wrong_method = await http.get("/v1/chat/completions")
+        assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+        assert wrong_method.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
+        slash = await http.post("/v1/completions/", json={})
+        assert slash.status_code == 404 and slash.json()["error"]["code"] == "UNKNOWN_ROUTE"
+        # serve's own routes: their answers and refusals in serve's shape, not OpenAI's
+        assert (await http.get("/status")).status_code == 200
+        refused = await http.post("/owners", json={"owner": "w"}, headers={"Authorization": ""})
+        assert refused.status_code == 401 and refused.json()["code"] == "UNAUTHORIZED"
+        outside = await http.get("/nowhere")
+        assert outside.status_code == 404 and not outside.text.startswith('{"error"')
+    async with SQLiteStore.open(tmp_path / "ledger.db") as store:
+        sessions = [
+            r.event
+            for r in await store.read()
+            if isinstance(r.event, (SessionBound, SessionReleased))
+        ]
+    # no other session was bound or released (keeps-v1's release: serve's clean stop)
+    assert {e.session for e in sessions} == {"keeps-v1"}, sessions

@@ -1,0 +1,224 @@
+"""What the OpenAI face refuses before anything is bound, and how it answers requests outside
+its routes, with the official ``openai`` client against the face on real parts (local engines
+over HTTP on loopback, the in-process ledger: ``LiveView``).
+
+* an unknown ``model`` is ``404 model_not_found`` (the SDK's ``NotFoundError``), and a first
+  turn naming a version other than the default is ``409 VERSION_NOT_BOUND``: neither leaves a
+  ``SessionBound`` or ``SessionReleased`` in the log;
+* a session bound by another gateway keeps its own version name;
+* ``GET /v1/models/{model}`` (``models.retrieve``) answers the list's entry;
+* unknown paths, wrong methods and a trailing slash answer in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from evlog.events import SessionBound, SessionReleased
+from publisher.gateway import Gateway, LedgerRouting
+from publisher.sessions import RolloutWorker
+from tests.publisher.openai_kit import TOKEN, Rig, rig
+from tests.publisher.plane_kit import events
+from tests.publisher.rollout_kit import ENGINE_WARNINGS
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "the quick brown fox"}]
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def client_of(r: Rig) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=r.base_url, api_key=TOKEN, max_retries=0)
+
+
+async def session_events(r: Rig) -> list[tuple[str, str]]:
+    """Every ``SessionBound``/``SessionReleased`` of the log, as (type, session)."""
+    return [
+        (type(e).__name__, e.session)
+        for e in await events(r.plane.ledger)
+        if isinstance(e, (SessionBound, SessionReleased))
+    ]
+
+
+def openai_error(response: httpx.Response) -> dict[str, Any]:
+    """The body of an error reply, checked to be OpenAI's shape."""
+    assert response.headers["content-type"] == "application/json", response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["message"], error
+    assert response.headers["x-should-retry"] == "false"
+    return dict(error)
+
+
+async def test_an_unknown_model_is_not_found_and_binds_nothing(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r, client_of(r) as client:
+        await r.publish(1)
+        before = await session_events(r)
+        sent = r.gateway.dispatched
+        calls: list[Any] = [
+            client.chat.completions.create(model="gpt-4o", messages=MESSAGES),
+            client.chat.completions.create(
+                model="gpt-4o",
+                messages=MESSAGES,
+                stream=True,
+                extra_headers={"x-session-id": "agent-7"},
+            ),
+            client.completions.create(
+                model="gpt-4o", prompt="hi", extra_headers={"x-session-id": "agent-7"}
+            ),
+        ]
+        for call in calls:
+            with pytest.raises(openai.NotFoundError) as info:
+                await call
+            assert info.value.code == "model_not_found"
+            assert "'gpt-4o'" in info.value.message and "/v1/models" in info.value.message
+            assert info.value.response.headers["x-should-retry"] == "false"
+        assert await session_events(r) == before  # no bind, no release: nothing written
+        assert r.gateway.dispatched == sent
+        assert "agent-7" not in r.plane.ledger.state.sessions
+
+        # The session id is still fresh: its first real turn binds it, once.
+        raw = await client.chat.completions.with_raw_response.create(
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"x-session-id": "agent-7"},
+        )
+        assert raw.headers["x-loraledger-version"] == "1"
+        assert (await session_events(r))[len(before) :] == [("SessionBound", "agent-7")]
+
+
+async def test_a_first_turn_naming_another_version_than_the_default_binds_nothing(
+    tmp_path: Path,
+) -> None:
+    """The session is not bound yet, so its first turn would bind it to the default: naming
+    any other version is refused before the bind, and the session stays free to bind. A
+    session another gateway bound to v1 is not refused v1 here, though this gateway never saw
+    it: the ledger knows the binding."""
+    async with (
+        rig(tmp_path) as r,
+        client_of(r) as client,
+        RolloutWorker.open(
+            r.plane.ledger,
+            Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b"),
+            owner="gw-b",
+        ) as worker_b,
+    ):
+        v1 = await r.publish(1)
+        await worker_b.session("elsewhere").bind()
+        v2 = await r.publish(2)
+        listed = [m.id for m in (await client.models.list()).data]
+        assert v1 in listed and v2 in listed
+        before = await session_events(r)
+        for session in ("want-v1", None):  # a named session, and a one-turn request
+            with pytest.raises(openai.ConflictError) as info:
+                await client.chat.completions.create(
+                    model=v1,
+                    messages=MESSAGES,
+                    max_tokens=2,
+                    extra_headers={"x-session-id": session} if session else None,
+                )
+            assert info.value.code == "VERSION_NOT_BOUND"
+            assert v2 in info.value.message and "default" in info.value.message
+            assert info.value.response.headers["x-should-retry"] == "false"
+        assert await session_events(r) == before
+        assert "want-v1" not in r.plane.ledger.state.sessions
+
+        # The default's own name is accepted on a first turn (it binds to it), one-turn too.
+        for session in ("want-v2", None):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=v2,
+                messages=MESSAGES,
+                max_tokens=2,
+                extra_headers={"x-session-id": session} if session else None,
+            )
+            assert raw.headers["x-loraledger-version"] == "2"
+        raw = await client.chat.completions.with_raw_response.create(
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"x-session-id": "want-v1"},
+        )
+        assert raw.headers["x-loraledger-version"] == "2"
+        new = [kind for kind, session in (await session_events(r))[len(before) :]]
+        assert new.count("SessionBound") == 3 and new.count("SessionReleased") == 1  # the one-turn
+
+        raw = await client.chat.completions.with_raw_response.create(
+            model=v1, messages=MESSAGES, max_tokens=2, extra_headers={"x-session-id": "elsewhere"}
+        )
+        assert raw.headers["x-loraledger-version"] == "1"
+        with pytest.raises(openai.ConflictError) as info:  # refused after the bind answered v1
+            await client.chat.completions.create(
+                model=v2, messages=MESSAGES, extra_headers={"x-session-id": "elsewhere"}
+            )
+        assert info.value.code == "VERSION_NOT_BOUND" and v1 in info.value.message
+
+
+async def test_models_retrieve_answers_the_entry_of_the_list(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r, client_of(r) as client:
+        v1 = await r.publish(1)
+        await r.worker.session("keeps-v1").bind()  # v1 stays RETIRED, not reclaimed
+        await r.publish(2)
+        listed = {m.id: m.model_dump() for m in (await client.models.list()).data}
+        for name in ("policy", v1):
+            got = (await client.models.retrieve(name)).model_dump()
+            assert got["id"] == name
+            assert {k: v for k, v in got.items() if k != "created"} == {
+                k: v for k, v in listed[name].items() if k != "created"
+            }
+        assert (await client.models.retrieve("policy")).model_extra["default_version"] == 2  # type: ignore[index]
+        assert (await client.models.retrieve(v1)).model_extra["state"] == "RETIRED"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-4o")
+        assert info.value.code == "model_not_found"
+        with pytest.raises(openai.AuthenticationError):
+            await client.with_options(api_key="nope").models.retrieve("policy")
+
+
+async def test_requests_outside_the_routes_answer_in_openai_shape(tmp_path: Path) -> None:
+    """The face as its own app (a gateway process, a Ray actor): a wrong method is a 405
+    with ``Allow``, an unknown path or a trailing slash a 404 (never a redirect), all JSON in
+    OpenAI's shape, which the SDK turns into its typed errors with the code."""
+    async with rig(tmp_path) as r, client_of(r) as client:
+        await r.publish(1)
+        async with httpx.AsyncClient(
+            base_url=r.url, headers=AUTH, trust_env=False, follow_redirects=False
+        ) as http:
+            for method in ("GET", "OPTIONS", "PUT", "DELETE"):
+                response = await http.request(method, "/v1/chat/completions")
+                assert response.status_code == 405, (method, response.text)
+                assert openai_error(response)["code"] == "METHOD_NOT_ALLOWED"
+                assert response.headers["allow"] == "POST"
+            response = await http.post("/v1/models")
+            assert (response.status_code, response.headers["allow"]) == (405, "GET")
+            response = await http.get("/v1/sessions/s1/release")
+            assert response.status_code == 405 and openai_error(response)["code"]
+
+            response = await http.post(
+                "/v1/chat/completions/", json={"model": "policy", "messages": MESSAGES}
+            )
+            assert response.status_code == 404, response.text
+            error = openai_error(response)
+            assert (
+                error["code"] == "UNKNOWN_ROUTE"
+                and "POST /v1/chat/completions " in error["message"]
+            )
+            for method, path in [
+                ("POST", "/v1/embeddings"),
+                ("POST", "/v1/responses"),
+                ("GET", "/v1/models/"),
+                ("GET", "/"),
+                ("POST", "/chat/completions"),  # a base_url without /v1
+            ]:
+                response = await http.request(method, path, json={})
+                assert response.status_code == 404, (path, response.text)
+                assert openai_error(response)["code"] == "UNKNOWN_ROUTE"
+            assert r.gateway.dispatched == 0 and not r.plane.ledger.state.sessions
+
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.embeddings.create(model="policy", input="x")
+        assert info.value.code == "UNKNOWN_ROUTE"
