@@ -497,10 +497,13 @@ def status(
     json: JsonOpt = False,
 ) -> None:
     """Ask a running ledger (`loraledger serve`) for its live status."""
+    from tools.arguments import seconds, service_url
     from tools.render import status_view
     from tools.status import fetch_status
 
-    live = fetch_status(url, token=token, timeout=timeout)
+    live = fetch_status(
+        service_url("--url", url), token=token, timeout=seconds("--timeout", timeout)
+    )
     if json:
         emit(to_json(live, row="status"))
         return
@@ -521,9 +524,10 @@ EngineArg = Annotated[str, typer.Argument(help="The engine id, as in `loraledger
 
 def _engine_action(url: str, token: str | None, engine: str, action: str, detail: str,
                    json: bool) -> None:  # fmt: skip
+    from tools.arguments import service_url
     from tools.fleet_ops import engine_action
 
-    answer = engine_action(url, engine, action, token=token, detail=detail)
+    answer = engine_action(service_url("--url", url), engine, action, token=token, detail=detail)
     if json:
         emit({"row": action, "engine": engine, **answer})
     else:
@@ -719,7 +723,7 @@ def serve(
         header_timeout_s=header_timeout,
         alias=alias,
         provenance=str(provenance) if provenance else None,
-        suspend_after_s=suspend_after if suspend_after > 0 else None,
+        suspend_after_s=None if suspend_after == 0 else suspend_after,  # checked below
         probe_timeout_s=probe_timeout,
         session_idle_s=session_idle,
     )
@@ -1129,7 +1133,33 @@ for _name, _summary in {
 def main() -> None:
     """Console-script entry point."""
     os.environ.setdefault("PYTHONIOENCODING", "utf-8")
-    app()
+    stdout_before = _identity(1)
+    try:
+        app()
+    except SystemExit as done:
+        if done.code == 1 and _stdout_went_away(stdout_before):
+            raise SystemExit(int(Exit.BROKEN_PIPE)) from None
+        raise
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _stdout_went_away(before: tuple[int, int] | None) -> bool:
+    """Whether an exit 1 was the answer to a closed stdout outside any command: help is
+    printed while click parses the options, before ``guarded`` runs, by a rich console whose
+    answer to ``BrokenPipeError`` is to put /dev/null in place of stdout and exit 1. Nothing
+    else here swaps stdout for /dev/null (``_quiet_stdout`` does, but exits 141 itself), so
+    that mark means the reader went away (``loraledger --help | head -1``): 141, as from a
+    command."""
+    null = os.stat(os.devnull)
+    devnull = (null.st_dev, null.st_ino)
+    return before != devnull and _identity(1) == devnull
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ from typing import Any
 import anyio
 import msgspec
 
+from tools.arguments import service_url
 from tools.exitcodes import Exit, ToolError
+from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
 from tools.serve import (
     ENGINE_KINDS,
@@ -75,8 +77,7 @@ class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 def check_options(opts: GatewayOptions) -> None:
     check_listen(opts.host, opts.token)
-    if not opts.ledger.startswith(("http://", "https://")):
-        raise ToolError(Exit.USAGE, f"--ledger {opts.ledger!r} is not an http(s) URL")
+    service_url("--ledger", opts.ledger)
     if not opts.token:
         raise ToolError(
             Exit.USAGE,
@@ -94,6 +95,8 @@ def check_options(opts: GatewayOptions) -> None:
             option != "--session-idle-s" and not value
         ):
             raise ToolError(Exit.USAGE, f"{option} must be a finite number > 0")
+    if opts.max_connections < 1:
+        raise ToolError(Exit.USAGE, "--max-connections must be positive")
     for spec in opts.engines:
         if not spec.url:
             raise ToolError(
@@ -235,7 +238,10 @@ async def run_gateway(
     from publisher.openai_gateway import MAX_BODY_BYTES, error_body
 
     check_options(opts)
-    async with gateway_face(opts) as face:
+    async with (
+        listening(opts.host, opts.port) as sockets,  # a busy port: no owner registered yet
+        gateway_face(opts) as face,
+    ):
 
         def _error(code: str, message: str) -> Any:
             return msgspec.json.decode(error_body(code, message, 400))
@@ -261,12 +267,8 @@ async def run_gateway(
             if stop is not None:
                 tg.start_soon(_stop_when, stop, server)
             tg.start_soon(_announce, server, opts, on_ready)
-            await server.serve()
+            await serve_on(server, sockets)
             tg.cancel_scope.cancel()
-        if not server.started:
-            raise ToolError(
-                Exit.FAILED, f"could not listen on {opts.host}:{opts.port} (see the log above)"
-            )
     log.info("gateway.stopped", owner=opts.owner_id)
 
 

@@ -37,7 +37,9 @@ from engines.guard import is_loopback, uvicorn_limits
 from evlog.errors import StoreError
 from evlog.stores import backend_of, describe
 from publisher.decider import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
+from tools.arguments import seconds
 from tools.exitcodes import Exit, ToolError
+from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
 
 log = get_logger("loraledger.serve")
@@ -145,10 +147,20 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, f"--max-staleness {opts.max_staleness} must be >= 0")
     if opts.private_reads and not opts.token:
         raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
-    if opts.max_connections < 1 or not opts.header_timeout_s > 0:
-        raise ToolError(Exit.USAGE, "--max-connections and --header-timeout must be positive")
+    if opts.max_connections < 1:
+        raise ToolError(Exit.USAGE, "--max-connections must be positive")
     if not (math.isfinite(opts.session_idle_s) and opts.session_idle_s >= 0):
         raise ToolError(Exit.USAGE, "--session-idle-s must be >= 0 (0: never)")
+    if opts.capacity < 1:  # the ledger refuses it too, but only once the log exists
+        raise ToolError(
+            Exit.USAGE,
+            f"--capacity {opts.capacity}: must be at least 1 (versions holding a slot at once)",
+        )
+    seconds("--header-timeout", opts.header_timeout_s)
+    seconds("--probe-timeout", opts.probe_timeout_s)  # 0 s: every probe fails, engines suspended
+    if opts.suspend_after_s is not None:  # None: never (the command line's 0)
+        seconds("--suspend-after", opts.suspend_after_s, zero="never")
+    seconds("gateway_ttl_s", opts.gateway_ttl_s)
 
 
 class EngineOptions(Protocol):
@@ -379,7 +391,11 @@ async def serve(
     from tools.metrics import LedgerMetrics
 
     check_options(opts)
-    async with open_plane(opts) as plane, openai_face(plane, opts) as face:
+    async with (
+        listening(opts.host, opts.port) as sockets,  # a busy port: nothing opened yet
+        open_plane(opts) as plane,
+        openai_face(plane, opts) as face,
+    ):
         ledger = plane.ledger
         metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
         app = build_app(
@@ -400,12 +416,8 @@ async def serve(
             if stop is not None:
                 tg.start_soon(_stop_when, stop, server)
             tg.start_soon(_announce, server, opts, on_ready)
-            await server.serve()
+            await serve_on(server, sockets)
             tg.cancel_scope.cancel()
-        if not server.started:
-            raise ToolError(
-                Exit.FAILED, f"could not listen on {opts.host}:{opts.port} (see the log above)"
-            )
     log.info("serve.stopped", seq=ledger.state.last_seq)
 
 

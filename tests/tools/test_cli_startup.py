@@ -1,0 +1,285 @@
+"""Start-up failures of the commands, as a user meets them: a port already in use, a bad
+number or URL, help into a closed pipe. Each is one ``error:`` line and its documented exit
+code, and leaves nothing behind: no log file, no new epoch, no owner registered with the
+ledger.
+
+The real console script runs as a subprocess where a user would start it; a busy port is a
+throwaway socket listening on 127.0.0.1 (port chosen by the OS); every process started here is
+stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.tools.conftest import REPO, Cli, console_script, script_env
+from tests.tools.serving import serving
+from tools.exitcodes import Exit, ToolError
+from tools.listen import listening
+
+TOKEN = "startup-token"
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port another process listens on (a plain socket, without ``SO_REUSEADDR``)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def _script(*args: str, timeout: float = 60.0, **env: str) -> subprocess.CompletedProcess[str]:
+    """The console script, run to its end; killed (by ``subprocess.run``) past ``timeout``."""
+    return subprocess.run(
+        [*console_script(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=script_env(**env),
+    )
+
+
+def _one_error(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, stderr
+    assert "internal error" not in stderr and "Traceback" not in stderr, stderr
+    return errors[0]
+
+
+# --- a port already in use -----------------------------------------------------------------
+
+
+def test_serve_on_a_busy_port_fails_before_it_opens_the_log(busy_port: int, tmp_path: Path) -> None:
+    """Was exit 3 ("the log file does not exist") from uvicorn's ``sys.exit(3)``, after the log
+    had a new epoch, the deployment and its artifacts directory."""
+    db = tmp_path / "ledger.db"
+    result = _script("serve", "--db", str(db), "--port", str(busy_port))
+    assert result.returncode == Exit.FAILED, (result.returncode, result.stderr)
+    line = _one_error(result.stderr)
+    assert line.startswith(f"error: cannot listen on 127.0.0.1:{busy_port}: "), line
+    assert "in use" in line, line
+    assert not db.exists() and not (tmp_path / "ledger.db.artifacts").exists()
+    assert list(tmp_path.iterdir()) == []  # nothing at all: no -wal, no provenance file
+
+
+@pytest.mark.anyio
+async def test_a_gateway_on_a_busy_port_registers_no_owner(busy_port: int, tmp_path: Path) -> None:
+    """Was exit 3 after the gateway had registered its owner with serve and never
+    deregistered it: 30 s later a phantom ``lease_expired`` in the log."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    async with (
+        serving(tmp_path / "ledger.db", token=TOKEN) as ledger,
+        httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=30) as http,
+    ):
+        owners_before = (await http.get("/status")).json()["owners"]
+        argv = [*console_script(), "gateway", "--ledger", ledger, "--token-file", str(token_file)]
+        provenance = tmp_path / "gw-busy.provenance.jsonl"
+        argv += ["--port", str(busy_port), "--owner", "gw-busy", "--provenance", str(provenance)]
+        env = script_env()
+        env.pop("LORALEDGER_TOKEN", None)
+        with anyio.fail_after(60):
+            result = await anyio.run_process(argv, cwd=REPO, env=env, check=False)
+        stderr = result.stderr.decode()
+        assert result.returncode == Exit.FAILED, (result.returncode, stderr)
+        line = _one_error(stderr)
+        assert line.startswith(f"error: cannot listen on 127.0.0.1:{busy_port}: "), line
+        status = (await http.get("/status")).json()
+        assert status["owners"] == owners_before == 1  # serve's own OpenAI owner only
+        assert not provenance.exists()
+
+
+def test_serve_on_ipv6_loopback_port_0_announces_a_url_that_answers(tmp_path: Path) -> None:
+    """The pre-bound socket keeps what uvicorn did: an IPv6 host, port 0 (the URL names the
+    port the OS chose), and a clean SIGTERM stop (exit 0)."""
+    out, err = tmp_path / "serve.out", tmp_path / "serve.err"
+    argv = [*console_script(), "serve", "--db", str(tmp_path / "v6.db"), "--host", "::1"]
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen(
+            [*argv, "--port", "0", "--json"], cwd=REPO, stdout=stdout, stderr=stderr,
+            env=script_env(),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not out.read_text().strip():
+            assert proc.poll() is None, f"serve exited {proc.returncode}: {err.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not listen: {err.read_text()}"
+            time.sleep(0.05)
+        url = json.loads(out.read_text().splitlines()[0])["url"]
+        assert url.startswith("http://[::1]:") and not url.endswith(":0"), url
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            assert http.get(f"{url}/health").json()["ok"] is True
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(timeout=10)
+    assert code == 0, err.read_text()
+
+
+def test_listening_keeps_uvicorns_socket_options() -> None:
+    """``SO_REUSEADDR`` as uvicorn set it: a restart rebinds a port whose last connection is
+    still in TIME_WAIT, yet a port someone listens on is refused, naming it."""
+
+    async def main() -> None:
+        async with listening("127.0.0.1", 0) as sockets:
+            (first,) = sockets
+            port = first.getsockname()[1]
+            assert first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+            client = socket.create_connection(("127.0.0.1", port))
+            accepted, _ = first.accept()
+            accepted.close()  # the server side closes first: its end stays in TIME_WAIT
+            client.close()
+            with pytest.raises(ToolError) as busy:
+                async with listening("127.0.0.1", port):
+                    pass
+            assert busy.value.exit_code == Exit.FAILED
+            assert busy.value.message.startswith(f"cannot listen on 127.0.0.1:{port}: ")
+        async with listening("127.0.0.1", port) as again:  # TIME_WAIT does not stop it
+            assert again[0].getsockname()[1] == port
+        async with listening("::1", 0) as v6:
+            assert [s.family for s in v6] == [socket.AF_INET6]
+            assert v6[0].getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+
+    anyio.run(main)
+
+
+def test_uvicorns_own_start_up_exit_becomes_an_error_not_exit_3() -> None:
+    """uvicorn ends a start-up it cannot finish with ``sys.exit(3)`` -- exit 3 means "the log
+    file does not exist" here. A real one, whose application fails its lifespan start-up."""
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from tools.listen import serve_on
+
+    @asynccontextmanager
+    async def broken(app: Starlette) -> AsyncIterator[None]:
+        raise RuntimeError("cannot start")
+        yield
+
+    async def main() -> None:
+        config = uvicorn.Config(Starlette(lifespan=broken), lifespan="on", log_config=None)
+        async with listening("127.0.0.1", 0) as sockets:
+            with pytest.raises(ToolError) as failed:
+                await serve_on(uvicorn.Server(config), sockets)
+        assert failed.value.exit_code == Exit.FAILED
+        assert "did not start (uvicorn exit 3" in failed.value.message
+
+    anyio.run(main)
+
+
+# --- bad numbers and URLs: usage errors, before anything exists ----------------------------
+
+
+def test_serve_capacity_0_is_a_usage_error_with_nothing_on_disk(tmp_path: Path) -> None:
+    """Was exit 1 after the log (with ``ControllerStarted``) and the artifacts directory were
+    created, and a ``[critical] ledger.writer_stopped`` line."""
+    db = tmp_path / "ledger.db"
+    result = _script("serve", "--db", str(db), "--port", "0", "--capacity", "0", timeout=30)
+    assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
+    assert "--capacity 0" in _one_error(result.stderr)
+    assert "critical" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--probe-timeout", "0"),  # was accepted: every probe failed "no reply within 0s"
+        ("--probe-timeout", "-1"),
+        ("--probe-timeout", "nan"),
+        ("--probe-timeout", "inf"),
+        ("--header-timeout", "inf"),
+        ("--suspend-after", "-1"),  # was "never", silently
+        ("--suspend-after", "inf"),
+    ],
+)
+def test_serve_seconds_must_be_finite_and_positive(option: str, value: str, tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    result = _script("serve", "--db", str(db), "--port", "0", option, value, timeout=30)
+    assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
+    line = _one_error(result.stderr)
+    assert option in line and "seconds" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("status", "--timeout", "-1"), "--timeout"),  # was internal error: ValueError
+        (("status", "--timeout", "0"), "--timeout"),
+        (("status", "--timeout", "nan"), "--timeout"),
+        (("status", "--url", "127.0.0.1:8766"), "--url"),  # was exit 10 "no ledger answered"
+        (("status", "--url", "http://"), "--url"),
+        (("status", "--url", "http://[::1"), "--url"),  # was internal error: InvalidURL
+        (("fleet", "suspend", "e0", "--url", "localhost:8765"), "--url"),
+        (("fleet", "remove", "e0", "--url", "ftp://127.0.0.1:8765"), "--url"),
+        (("gateway", "--ledger", "http://", "--port", "0"), "--ledger"),
+        (("gateway", "--ledger", "http://127.0.0.1:1", "--max-connections", "0"), "--max-"),
+    ],
+)
+def test_urls_and_timeouts_are_usage_errors(
+    cli: Cli, args: tuple[str, ...], named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORALEDGER_TOKEN", TOKEN)  # a gateway needs one to get that far
+    monkeypatch.delenv("LORALEDGER_URL", raising=False)
+    result = cli(*args)
+    assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
+    assert named in _one_error(result.stderr)
+
+
+def test_a_well_formed_url_nobody_answers_is_still_unreachable(cli: Cli) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        result = cli("status", "--url", f"http://127.0.0.1:{port}/", "--timeout", "2")
+    assert result.returncode == Exit.UNREACHABLE, result.stderr
+
+
+# --- help into a closed pipe ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args", [("--help",), ("replay", "--help"), ("fleet", "suspend", "--help"), ()]
+)
+def test_help_into_a_closed_pipe_is_141(args: tuple[str, ...]) -> None:
+    """``loraledger --help | head -1`` was exit 1: help is printed while the options are
+    parsed, before any command's guard, and rich exits 1 on a broken pipe. The reader closes
+    its end before the command writes, so the write meets a closed pipe every time."""
+    child = subprocess.Popen(
+        [*console_script(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=script_env(),
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=60) == Exit.BROKEN_PIPE, err
+    assert err == "", err
+
+
+def test_help_to_dev_null_is_still_0() -> None:
+    with open(os.devnull, "w") as null:
+        code = subprocess.run(
+            [*console_script(), "--help"], stdout=null, cwd=REPO, env=script_env(), timeout=60
+        ).returncode
+    assert code == 0
