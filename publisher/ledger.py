@@ -20,12 +20,21 @@ If the append fails, the in-memory state has run ahead of the log; it is rebuilt
 Opening a ledger replays the log (from the newest matching snapshot), appends
 ``ControllerStarted`` (a new epoch), and starts the writer inside the caller's structured scope:
 ``async with Ledger.open(store) as ledger: ...``.
+
+Fencing is noticed without waiting for an append: a ledger that writes nothing (an idle
+service) would otherwise go on answering from a state another controller has already moved
+on (its leases renewed, its cached session bindings served). So while it is open it also
+watches the log (one read of the records after its own, every ``watch_every_s``): a
+``ControllerStarted`` there is another controller's, and fences this one as a refused append
+would. A fenced ledger refuses every command and every lease renewal (``FENCED``), reports
+itself in :attr:`Ledger.fenced`, and wakes :meth:`Ledger.wait_fenced`, so the process running
+it can stop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -37,6 +46,7 @@ from anyio.streams.memory import (
 )
 
 from evlog.errors import LoraLedgerError, StoreCode, StoreError
+from evlog.events import ControllerStarted
 from evlog.record import Pending, Record, pending_many
 from evlog.store import EventStore
 from projections import invariants
@@ -55,6 +65,12 @@ CODE_VERSION = "loraledger-0.1.0"
 # group commit needs (a batch is whatever queued during one COMMIT: 256 concurrent sessions
 # queue at most 256), small enough that a stalled store cannot grow memory without limit.
 MAX_QUEUED = 4096
+# How often an open ledger reads the log for another controller's ``ControllerStarted``: one
+# indexed read of the records after its own, so a fenced service stops within about a second.
+WATCH_EVERY_S = 1.0
+# Records read per watch: more than one batch of this writer's own can be in flight (their
+# COMMIT done, not yet settled); a rival's record beyond them is found by the next watch.
+_WATCH_READ = 256
 
 log = get_logger("loraledger.ledger")
 
@@ -101,7 +117,11 @@ class Ledger(LedgerAPI):
         self.max_queued = max_queued
         self._send: MemoryObjectSendStream[_Call] | None = None
         self._fenced: LedgerError | None = None
+        self._fenced_event = anyio.Event()
         self._broken: LedgerError | None = None
+        self._epoch = 0  # this controller's own epoch, once its ControllerStarted is durable
+        self._committed_seq = 0  # the last seq this ledger appended (or found at open)
+        self._watch_scope = anyio.CancelScope()
         self._next_done: anyio.Event | None = None
         self._in_flight: anyio.Event | None = None  # set when the append in flight finished
         self._failed_append: BaseException | None = None
@@ -123,10 +143,13 @@ class Ledger(LedgerAPI):
         check_invariants: bool = True,
         snapshot_on_close: bool = True,
         max_queued: int = MAX_QUEUED,
+        watch_every_s: float | None = WATCH_EVERY_S,
     ) -> AsyncIterator[Ledger]:
         """Recover the state from ``store``, start a new epoch, and serve until the block ends
         (the commands queued by then are still decided and answered). ``max_queued`` bounds
-        the command queue (see :data:`MAX_QUEUED`)."""
+        the command queue (see :data:`MAX_QUEUED`); ``watch_every_s`` is how often the log is
+        read for another controller (None: only a refused append tells, see the module
+        docstring)."""
         state = await recover(store)
         ledger = cls(
             store,
@@ -143,14 +166,19 @@ class Ledger(LedgerAPI):
                 ledger.leases.grant(owner, now)
         send, receive = anyio.create_memory_object_stream[_Call](max_buffer_size=max_queued)
         ledger._send = send
+        ledger._committed_seq = state.last_seq
         async with anyio.create_task_group() as tg:
             tg.start_soon(ledger._writer, receive)
             try:
                 await ledger.execute(c.StartController(code_version=code_version))
-                log.info("ledger.opened", epoch=ledger._state.epoch, seq=ledger._state.last_seq)
+                ledger._epoch = ledger._state.epoch
+                log.info("ledger.opened", epoch=ledger._epoch, seq=ledger._state.last_seq)
+                if watch_every_s is not None:
+                    tg.start_soon(ledger._watch, watch_every_s)
                 yield ledger
             finally:
                 ledger._send = None
+                ledger._watch_scope.cancel()
                 await send.aclose()  # the writer drains what is queued, then returns
         if snapshot_on_close and ledger._fenced is None and ledger._since_snapshot:
             with anyio.CancelScope(shield=True):
@@ -171,6 +199,33 @@ class Ledger(LedgerAPI):
     @property
     def store(self) -> EventStore:
         return self._store
+
+    @property
+    def fenced(self) -> LedgerError | None:
+        """Why this ledger stopped writing because another controller took the log over
+        (``FENCED``, naming both epochs), or None. Once set, it never clears: the process
+        must stop (its leases and cached session bindings may be stale)."""
+        return self._fenced
+
+    async def wait_fenced(self) -> LedgerError:
+        """Wait until this ledger is fenced (see :attr:`fenced`) and return why."""
+        await self._fenced_event.wait()
+        assert self._fenced is not None
+        return self._fenced
+
+    def renew_lease(
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
+    ) -> None:
+        """As :meth:`LedgerAPI.renew_lease`, refused once this ledger is fenced: a lease of
+        this epoch says nothing any more (the new controller may have released the owner's
+        sessions), and every turn checks it first, so no cached binding is served after."""
+        if self._fenced is not None:
+            raise self._fenced
+        super().renew_lease(owner, inflight, incarnation=incarnation)
 
     def clock(self) -> float:
         return self._clock()
@@ -366,9 +421,9 @@ class Ledger(LedgerAPI):
             # The state ran ahead of the log: rebuild it from the log (the durable truth)
             # before anyone hears about it; the writer re-decides what it speculated on.
             self._failed_append = exc
-            error = self._failure(exc)
             with anyio.CancelScope(shield=True):
                 self._state = await recover(self._store)
+            error = self._failure(exc)  # after the rebuild: it names the rival's epoch
             for call in batch:
                 self._answer(call, error=error)
             _wake(batch)
@@ -377,6 +432,7 @@ class Ledger(LedgerAPI):
             return
         if seqs[-1] != expected + len(pendings):
             raise AssertionError(f"store gave seqs up to {seqs[-1]}, expected {expected}+")
+        self._committed_seq = seqs[-1]
         self.batches += 1
         self.events_written += len(pendings)
         self._since_snapshot += len(pendings)
@@ -399,13 +455,52 @@ class Ledger(LedgerAPI):
                 "the ledger stopped during an append; replay the log to learn the outcome",
             )
         if isinstance(exc, StoreError) and exc.code == StoreCode.SEQ_CONFLICT:
+            rival = self._state.epoch  # the state was just rebuilt from the log
+            return self._fence(rival if rival > self._epoch else None)
+        return exc
+
+    def _fence(self, by_epoch: int | None) -> LedgerError:
+        """Stop writing for good: another controller (of epoch ``by_epoch``, when known)
+        appended to the log. Every later command and renewal is refused with this error."""
+        if self._fenced is None:
+            by = "" if by_epoch is None else f" (epoch {by_epoch})"
+            own = f"epoch {self._epoch}" if self._epoch else "not started yet"
             self._fenced = LedgerError(
                 Code.FENCED,
-                "another controller appended to this log; this ledger stopped writing",
+                f"another controller{by} appended to this log; this ledger ({own}) stopped writing",
+                epoch=self._epoch,
+                fenced_by_epoch=by_epoch,
             )
-            log.error("ledger.fenced", seq=self._state.last_seq)
-            return self._fenced
-        return exc
+            log.error(
+                "ledger.fenced", epoch=self._epoch, by_epoch=by_epoch, seq=self._state.last_seq
+            )
+            self._fenced_event.set()
+        return self._fenced
+
+    async def _watch(self, every_s: float) -> None:
+        """Read the log after this ledger's own records every ``every_s`` for another
+        controller's ``ControllerStarted`` (this ledger writes its own once, at open, before
+        the watch starts, so any later one is a rival's). Records of this ledger's own batch in
+        flight may show up first; they are never a ``ControllerStarted``. The watch is advisory:
+        a failed read is logged and tried again at the next tick, never raised into the
+        ledger's scope (the writer hears of a broken store on its own)."""
+        with self._watch_scope:
+            while self._fenced is None:
+                await anyio.sleep(every_s)
+                try:
+                    records = await self._store.read(self._committed_seq, limit=_WATCH_READ)
+                except LoraLedgerError as exc:
+                    if exc.code == StoreCode.STORE_CLOSED:
+                        return
+                    log.warning("ledger.watch_failed", error=str(exc))
+                    continue
+                except Exception as exc:
+                    log.warning("ledger.watch_failed", error=repr(exc))
+                    continue
+                for record in records:
+                    if isinstance(record.event, ControllerStarted):
+                        self._fence(record.event.epoch)
+                        return
 
     @staticmethod
     def _answer(

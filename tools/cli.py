@@ -732,6 +732,7 @@ def serve(
         logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
     else:
         logconfig.configure(_verbosity, stdlib=True)
+    service.warn_if_open_elsewhere(opts.db)
 
     def ready(url: str) -> None:
         if json:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from evlog.errors import LoraLedgerError, StoreCode
+from publisher.errors import Code
 
 
 class Exit(IntEnum):
@@ -27,6 +28,7 @@ class Exit(IntEnum):
     UNREACHABLE = 10  # no ledger service answered at --url
     UNSAFE = 11  # refused configuration (listening beyond loopback without a token)
     ENGINE_UNAVAILABLE = 12  # an engine the command needs cannot be set up here
+    FENCED = 13  # another controller took the log over: this one stopped (do not auto-restart)
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as the shell reports it)
     BROKEN_PIPE = 141  # stdout's reader went away (128 + SIGPIPE, as for a Unix tool)
 
@@ -35,7 +37,8 @@ EXIT_HELP = (
     "Exit codes: 0 ok, 1 failed, 2 usage, 3 missing file, 4 empty log, 5 not a ledger, "
     "6 corrupt/truncated file, 7 tampered record or broken chain, 8 invariant violated, "
     "9 log newer than this code, 10 service unreachable, 11 unsafe configuration refused, "
-    "12 engine unavailable, 130 interrupted, 141 output pipe closed."
+    "12 engine unavailable, 13 fenced by another controller, 130 interrupted, "
+    "141 output pipe closed."
 )
 
 _BY_LEDGER_CODE = {
@@ -43,6 +46,7 @@ _BY_LEDGER_CODE = {
     StoreCode.CORRUPT_RECORD: Exit.TAMPERED,
     StoreCode.CHAIN_BROKEN: Exit.TAMPERED,
     StoreCode.UNKNOWN_SCHEMA: Exit.UNKNOWN_SCHEMA,
+    Code.FENCED: Exit.FENCED,  # however it reached the command (an append refused, a watch)
 }
 
 

@@ -219,16 +219,27 @@ def build_app(
         return endpoint
 
     async def health(request: Request) -> Response:
+        """200 ``ok: true`` while this ledger may write; 503 ``ok: false`` with the reason once
+        another controller fenced it (a probe then takes this process out; it is stopping)."""
         s = ledger.state
-        return _json(
-            {
-                "ok": True,
-                "deployment": s.deployment,
-                "epoch": s.epoch,
-                "seq": s.last_seq,
-                "routable": list(s.routable_engines()),
-            }
+        body: dict[str, Any] = {
+            "ok": True,
+            "deployment": s.deployment,
+            "epoch": s.epoch,
+            "seq": s.last_seq,
+            "routable": list(s.routable_engines()),
+        }
+        fenced = ledger.fenced
+        if fenced is None:
+            return _json(body)
+        body.update(
+            ok=False,
+            epoch=fenced.details["epoch"],  # this controller's (the state may show the rival's)
+            fenced_by_epoch=fenced.details["fenced_by_epoch"],
+            code=fenced.code,
+            reason=fenced.message,
         )
+        return _json(body, 503)
 
     def reader(
         handler: Callable[[Request], Awaitable[Response]],

@@ -144,6 +144,14 @@ def _live(shm: Path) -> bool:
 _FLOCK = "hhqqi4x"  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
 
 
+def open_elsewhere(path: str | os.PathLike[str]) -> bool:
+    """Does another live process have the SQLite log at ``path`` open (a running ``serve``,
+    or a reader)? Only a live process holds the lock asked about: a crashed writer's leftover
+    ``-shm`` answers False, so this can never stand in the way of a restart. Call it only
+    before this process opens the log (see the module docstring on POSIX locks)."""
+    return _live(Path(f"{os.fspath(path)}-shm"))
+
+
 def _identity(p: Path) -> tuple[int, int, int, int]:
     st = p.stat()
     return (st.st_ino, st.st_size, st.st_mtime_ns, _size(Path(f"{p}-wal")))

@@ -16,6 +16,11 @@ Safety rules, enforced before anything is opened:
 * SIGINT/SIGTERM stop it cleanly: the HTTP server drains, the drivers stop, the ledger writes
   its snapshot and closes the log, and the process exits 0 (uvicorn's own signal handling,
   which re-raises the signal after shutdown, is replaced for exactly that reason).
+* Another controller on the same log (a second ``serve``) fences this one: it can never write
+  again and its cached session bindings may be stale (the newcomer releases them), so it stops.
+  From the moment the ledger notices (about a second, ``publisher/ledger.py``), ``/health``
+  answers 503 and every turn and write is refused ``FENCED``; ``fenced_linger_s`` later it
+  shuts down as for SIGTERM and exits 13 with one ``error:`` line naming both epochs.
 
 Every committed event is logged as one line with its seq (``-v``) and counted in the metrics.
 """
@@ -80,6 +85,9 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     suspend_after_s: float | None = 30.0  # failing probes for this long suspend an engine
     probe_timeout_s: float = 10.0  # one health probe of an engine
     session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released
+    # Once fenced: how long /health keeps answering 503 and clients hear FENCED (rather than a
+    # refused connection, which they would retry) before the server stops.
+    fenced_linger_s: float = 2.0
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -161,6 +169,8 @@ def check_options(opts: ServeOptions) -> None:
     if opts.suspend_after_s is not None:  # None: never (the command line's 0)
         seconds("--suspend-after", opts.suspend_after_s, zero="never")
     seconds("gateway_ttl_s", opts.gateway_ttl_s)
+    if not (math.isfinite(opts.fenced_linger_s) and opts.fenced_linger_s >= 0):
+        raise ToolError(Exit.USAGE, "fenced_linger_s must be >= 0")
 
 
 class EngineOptions(Protocol):
@@ -415,14 +425,32 @@ async def serve(
                 tg.start_soon(_stop_on_signals, server)
             if stop is not None:
                 tg.start_soon(_stop_when, stop, server)
+            tg.start_soon(_stop_when_fenced, ledger, server, opts.fenced_linger_s)
             tg.start_soon(_announce, server, opts, on_ready)
             await serve_on(server, sockets)
             tg.cancel_scope.cancel()
+    fenced = ledger.fenced
+    if fenced is not None:
+        raise ToolError(
+            Exit.FENCED,
+            f"{describe(opts.db)}: {fenced.code}: {fenced.message}; this serve stopped "
+            "(run one serve per log)",
+        )
     log.info("serve.stopped", seq=ledger.state.last_seq)
 
 
 async def _stop_when(stop: anyio.Event, server: Any) -> None:
     await stop.wait()
+    server.should_exit = True
+
+
+async def _stop_when_fenced(ledger: Any, server: Any, linger_s: float) -> None:
+    """Stop once another controller fenced the ledger: nothing here may write again, and the
+    turns of sessions bound before are refused (their bindings may be released by now). The
+    ledger already refuses everything; ``linger_s`` lets probes and clients hear why."""
+    fenced = await ledger.wait_fenced()
+    log.error("serve.fenced", error=fenced.message, stopping_in_s=linger_s)
+    await anyio.sleep(linger_s)
     server.should_exit = True
 
 
@@ -453,3 +481,22 @@ async def _announce(
 
 def specs(values: Sequence[str]) -> tuple[EngineSpec, ...]:
     return tuple(parse_engine(v) for v in values)
+
+
+def warn_if_open_elsewhere(db: str) -> bool:
+    """Log a warning when another process has the SQLite log ``db`` open (a second ``serve``
+    would fence the first: it stops, exit 13). A warning, not a refusal: the open may be a
+    read-only tool's, and a dead writer's leftovers never count. Called by the command before
+    anything opens the log (the check would drop this process's own SQLite locks)."""
+    from tools.logfile import open_elsewhere
+
+    backend, where = backend_of(db)
+    if backend != "sqlite" or not open_elsewhere(where):
+        return False
+    log.warning(
+        "serve.log_in_use",
+        db=where,
+        hint="another process has this log open; if it is a running serve, this one fences "
+        "it (it stops with exit 13): run one serve per log",
+    )
+    return True

@@ -221,6 +221,57 @@ async def test_a_second_controller_fences_the_first() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_fenced_append_names_the_controller_that_took_the_log_over() -> None:
+    """The refused append (no watch) fences the ledger for good, names both epochs, and wakes
+    whoever waits for the fence (a service stops on it)."""
+    store = MemoryStore()
+    async with Ledger.open(store, watch_every_s=None) as old:
+        await bootstrap(old)
+        async with Ledger.open(store) as new:
+            with pytest.raises(LoraLedgerError) as info:
+                await old.register_owner("w2")  # an append
+            assert old.fenced is info.value and info.value.code == Code.FENCED
+            assert info.value.details == {"epoch": 1, "fenced_by_epoch": new.state.epoch}
+            assert "(epoch 2)" in info.value.message and "(epoch 1)" in info.value.message
+            with anyio.fail_after(1):
+                assert await old.wait_fenced() is info.value
+
+
+@pytest.mark.anyio
+async def test_an_idle_ledger_notices_a_second_controller_without_appending(
+    tmp_path: Path,
+) -> None:
+    """Two controllers on one SQLite file, as two processes would open it. The first writes
+    nothing after the second started, yet it learns it was fenced (its watch reads the
+    second's ControllerStarted) and stops renewing leases: a worker's next turn on a cached
+    binding hears FENCED instead of being served a session the second controller released."""
+    path = tmp_path / "ledger.db"
+    async with (
+        SQLiteStore.open(path) as first_store,
+        Ledger.open(first_store, watch_every_s=0.05) as old,
+    ):
+        await bootstrap(old)
+        await publish(old, 1)
+        await old.bind("s", "w")
+        old.renew_lease("w")
+        assert old.fenced is None
+        async with SQLiteStore.open(path) as second_store, Ledger.open(second_store) as new:
+            await new.register_owner("w", ttl_s=30.0, incarnation="second-life")
+            assert "s" not in new.state.sessions  # released: owner_restarted
+            with anyio.fail_after(10):
+                fenced = await old.wait_fenced()
+            assert fenced.code == Code.FENCED
+            assert fenced.details == {"epoch": 1, "fenced_by_epoch": 2}
+            with pytest.raises(LoraLedgerError) as renewal:
+                old.renew_lease("w")
+            assert renewal.value is fenced
+            with pytest.raises(LoraLedgerError) as bind:
+                await old.bind("t", "w")
+            assert bind.value is fenced
+            await new.bind("t", "w", incarnation="second-life")  # the new one writes on
+
+
+@pytest.mark.anyio
 async def test_execute_many_answers_each_command_in_place() -> None:
     async with Ledger.open(MemoryStore()) as ledger:
         await bootstrap(ledger)
