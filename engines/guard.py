@@ -9,14 +9,18 @@ handlers:
   an unauthenticated caller cannot make the server buffer anything;
 * **the body cap** is enforced on the declared ``Content-Length`` (refused at once) and on the
   bytes actually received (a chunked or lying body is cut off at the cap): without it, one
-  300 MB body took the engine from 946 MB to 1.8 GB RSS;
+  300 MB body took the engine from 946 MB to 1.8 GB RSS. Paths whose clients upload a whole
+  body before they read anything (OpenAI SDKs) also get the refusal *readable*: see
+  :class:`Guard`, ``drains``;
 * **strict JSON**: Python's ``json`` accepts ``NaN``, ``Infinity`` and ``1e400`` (infinite) and
   integers of any size; a handler that passes one on (a NaN temperature to the sampler, 2^80 to
   SQLite) fails with a 500 long after the parse. :func:`strict_json` refuses them at the parse,
   so every route answers 400 with the reason.
 
 A refusal is a JSON body ``{"code", "message"}`` plus the shape each server's clients read
-(``error_body``), with 401 (token), 413 (body too large) or 400 (bad JSON).
+(``error_body``), with 401 (token), 413 (body too large) or 400 (bad JSON), and
+``x-should-retry: false``: each is about the request itself, which would be refused again (the
+header is the one the official OpenAI clients obey).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +45,11 @@ BODY_TOO_LARGE = "BODY_TOO_LARGE"
 BAD_JSON = "BAD_JSON"
 
 ErrorBody = Callable[[str, str], Any]  # (code, message) -> the JSON body a server's clients read
+
+# A refused body of a draining path is read, and thrown away, up to this many times its cap
+# and for at most DRAIN_S seconds (see Guard).
+DRAIN_FACTOR = 2
+DRAIN_S = 10.0
 
 _encode = msgspec.json.Encoder()
 
@@ -127,7 +137,22 @@ class Guard:
 
     ``protected(path) -> bool`` says which paths need the token (when ``token`` is set);
     ``cap(path) -> int`` the most body bytes a path accepts. ``error_body(code, message)`` builds
-    the refusal in the shape the server's clients read.
+    the refusal in the shape the server's clients read; ``error_body_for(path)``, when given,
+    picks that builder per path (a server whose routes answer in two shapes).
+
+    ``drains(path) -> bool`` names the paths whose refused bodies are read to the end before the
+    connection closes. Why: answering 413 and closing while the client is still uploading
+    leaves unread bytes in the server's socket, so the kernel resets the connection, and the
+    reset throws away the answer the client has not read yet. A client that sends its whole
+    body before reading (httpx, hence every OpenAI SDK) then sees a connection error, and the
+    SDK retries it, uploading the body twice more. On a draining path the 413 is sent at once,
+    the rest of the body is read and discarded, and only then is the connection closed (a
+    clean end, the answer intact). Bounded, so a client cannot make the server read without
+    end: at most ``DRAIN_FACTOR`` times the cap in all and ``drain_s`` seconds; a body declared
+    larger than that is not read at all (refused and closed at once, as on other paths: that
+    client may see the reset), nor is the body of a client waiting for ``100 Continue`` (it
+    sends nothing before it reads the answer). Other paths keep the plain refusal: their
+    clients are loraledger's own, whose bodies never come near a cap.
     """
 
     def __init__(
@@ -138,12 +163,17 @@ class Guard:
         protected: Callable[[str], bool],
         cap: Callable[[str], int],
         error_body: ErrorBody,
+        error_body_for: Callable[[str], ErrorBody] | None = None,
+        drains: Callable[[str], bool] | None = None,
+        drain_s: float = DRAIN_S,
     ) -> None:
         self.app = app
         self.expected = token.encode() if token else None
         self.protected = protected
         self.cap = cap
-        self.error_body = error_body
+        self.error_body_for = error_body_for or (lambda path: error_body)
+        self.drains = drains or (lambda path: False)
+        self.drain_s = drain_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -155,28 +185,34 @@ class Guard:
             scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.expected):
                 await self._refuse(
-                    send, 401, UNAUTHORIZED, "a valid bearer token is required for this route"
+                    send, path, 401, UNAUTHORIZED, "a valid bearer token is required for this route"
                 )
                 return
         limit = self.cap(path)
+        waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
+        budget = DRAIN_FACTOR * limit if self.drains(path) and not waits_for_continue else 0
+        too_large = f"request body over {limit} bytes for {path}"
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit() or len(declared) > 18:
-                await self._refuse(send, 400, BAD_JSON, "Content-Length is not a byte count")
+                await self._refuse(send, path, 400, BAD_JSON, "Content-Length is not a byte count")
                 return
             if int(declared) > limit:
-                await self._refuse(
-                    send, 413, BODY_TOO_LARGE, f"request body over {limit} bytes for {path}"
-                )
+                drain = budget if int(declared) <= budget else 0
+                await self._refuse(send, path, 413, BODY_TOO_LARGE, too_large, receive, drain)
                 return
         received = 0
+        ended = False  # the last part of the body has arrived
+        overflowed = False  # it passed the cap: what the app answers next is a refusal
 
         async def bounded() -> Message:
-            nonlocal received
+            nonlocal received, ended, overflowed
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                ended = not message.get("more_body", False)
                 if received > limit:
+                    overflowed = True
                     raise BodyTooLarge(limit)
             return message
 
@@ -185,6 +221,13 @@ class Guard:
         async def tracked(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
+            final = message["type"] == "http.response.body" and not message.get("more_body")
+            if final and overflowed and not ended and budget > received:
+                # the app's own 413 (exception_handlers): keep the response open while the
+                # rest of the body is read, or the close would reset it unread
+                await send({**message, "more_body": True})
+                await _drain(receive, budget - received, self.drain_s)
+                message = {"type": "http.response.body", "body": b""}
             await send(message)
 
         try:
@@ -192,29 +235,67 @@ class Guard:
         except BodyTooLarge:
             if started:
                 raise
-            await self._refuse(
-                send, 413, BODY_TOO_LARGE, f"request body over {limit} bytes for {path}"
-            )
+            drain = 0 if ended else max(0, budget - received)
+            await self._refuse(send, path, 413, BODY_TOO_LARGE, too_large, receive, drain)
 
-    async def _refuse(self, send: Send, status: int, code: str, message: str) -> None:
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    async def _refuse(
+        self,
+        send: Send,
+        path: str,
+        status: int,
+        code: str,
+        message: str,
+        receive: Receive | None = None,
+        drain: int = 0,
+    ) -> None:
+        """Answer ``status`` and close; with ``drain`` > 0, up to that many more body bytes are
+        read (and thrown away) between the answer and the close."""
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"connection", b"close"),
+            (b"x-should-retry", b"false"),
+        ]
         if status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="loraledger"'))
-        body = _encode.encode(self.error_body(code, message))
+        body = _encode.encode(self.error_body_for(path)(code, message))
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        if receive is None or drain <= 0:
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await _drain(receive, drain, self.drain_s)
+        await send({"type": "http.response.body", "body": b""})
 
 
-def exception_handlers(error_body: ErrorBody) -> dict[Any, Any]:
+async def _drain(receive: Receive, budget: int, seconds: float) -> None:
+    """Read and discard the rest of a refused body: until it ends, the client goes, ``budget``
+    bytes have been read or ``seconds`` have passed, whichever comes first."""
+    with anyio.move_on_after(seconds):
+        while budget >= 0:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            budget -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+
+def exception_handlers(
+    error_body: ErrorBody, error_body_for: Callable[[str], ErrorBody] | None = None
+) -> dict[Any, Any]:
     """Starlette ``exception_handlers`` turning a :class:`BodyTooLarge` raised while a handler
-    reads its body into the 413 (Starlette's outermost middleware would otherwise answer 500)."""
+    reads its body into the 413 (Starlette's outermost middleware would otherwise answer 500),
+    in the shape of ``error_body_for(path)`` when given, else ``error_body``. The
+    :class:`Guard` around the app still drains the rest of the body on a draining path."""
     from starlette.requests import Request
     from starlette.responses import Response
 
     async def too_large(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, BodyTooLarge)
-        body = _encode.encode(error_body(BODY_TOO_LARGE, f"request body over {exc.limit} bytes"))
-        return Response(body, 413, {"connection": "close"}, media_type="application/json")
+        shape = error_body if error_body_for is None else error_body_for(request.url.path)
+        body = _encode.encode(shape(BODY_TOO_LARGE, f"request body over {exc.limit} bytes"))
+        headers = {"connection": "close", "x-should-retry": "false"}
+        return Response(body, 413, headers, media_type="application/json")
 
     return {BodyTooLarge: too_large}
 

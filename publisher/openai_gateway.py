@@ -60,6 +60,7 @@ import anyio
 import httpx
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
@@ -93,7 +94,17 @@ from publisher.sessions import RolloutWorker, SessionBinder
 log = get_logger("loraledger.openai")
 
 _json = msgspec.json.Encoder()
-MAX_BODY_BYTES = 4 * 1024 * 1024
+# The largest request body the routes accept (413 BODY_TOO_LARGE beyond; --max-body-mb). A
+# multimodal rollout sends its images inline as base64 data URLs (a 1080p screenshot is 2-5 MB
+# so), several per turn in a computer-use episode, and engines set no cap of their own; the
+# gateway buffers the body to parse it, so the cap also bounds what one request holds here.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+# The longest the gateway waits for an engine's next bytes (502 AMBIGUOUS_DISPATCH past it;
+# --upstream-timeout-s). Engines send nothing of a non-streaming reply before the generation
+# ends, so there it bounds the whole request, queueing included; a stream: its first event,
+# then each gap. An hour: long-reasoning rollouts on a busy engine outlast 10 minutes, and a
+# client that gives up earlier disconnects, which aborts the request at once (docs/openai.md).
+UPSTREAM_TIMEOUT_S = 3600.0
 MAX_SESSION_CHARS = 256
 SESSION_HEADER = "x-session-id"
 REQUEST_ID_HEADER = "x-request-id"
@@ -181,6 +192,28 @@ def error_response(
     return Response(error_body(code, message, status), status, headers, "application/json")
 
 
+def guard_error_body(code: str, message: str) -> Any:
+    """A refusal of :class:`engines.guard.Guard` (a body over the cap, a bad Content-Length)
+    in this face's error shape: every app that mounts the routes answers them so."""
+    return msgspec.json.decode(error_body(code, message, 413))
+
+
+def body_guard(options: OpenAIOptions) -> Middleware:
+    """The :class:`engines.guard.Guard` in front of the routes: bodies capped at
+    ``options.max_body_bytes``, refused 413 ``BODY_TOO_LARGE`` in this face's error shape, with
+    ``x-should-retry: false``, after the rest of the body is read (bounded: see ``Guard``) so
+    that a client still uploading reads the 413 instead of a reset connection. The token is
+    the routes' own check (``WRITES_DISABLED`` when none is configured)."""
+    return Middleware(
+        guard.Guard,
+        token=None,
+        protected=lambda path: False,
+        cap=lambda path: options.max_body_bytes,
+        error_body=guard_error_body,
+        drains=lambda path: True,
+    )
+
+
 class GatewayView(RoutingView, Protocol):
     """What the OpenAI face reads of the ledger, besides routing: incarnations (provenance)
     and the status (the version list of ``/v1/models``). ``refresh`` brings a remote view up
@@ -249,7 +282,7 @@ class OpenAIOptions(msgspec.Struct, frozen=True, kw_only=True):
     alias: str = "policy"  # the model name meaning "my session's version"
     token: str | None = None  # bearer token of the generation routes (None: they are refused)
     engine_token: str | None = None  # sent to engines as their --api-key
-    upstream_timeout_s: float = 600.0  # the longest silence of an engine mid-request
+    upstream_timeout_s: float = UPSTREAM_TIMEOUT_S  # an engine's longest silence: see there
     connect_timeout_s: float = 5.0
     max_body_bytes: int = MAX_BODY_BYTES
 
@@ -1062,6 +1095,11 @@ def openai_routes(face: OpenAIGateway) -> list[BaseRoute]:
 
 
 def openai_app(face: OpenAIGateway) -> Starlette:
-    """A Starlette app with only the OpenAI routes (a bare gateway process, a Ray gateway
-    actor, a benchmark): every request outside them is answered in OpenAI's error shape."""
-    return Starlette(routes=face.routes(whole_app=True))
+    """A Starlette app with only the OpenAI routes, behind their :func:`body_guard` (a bare
+    gateway process, a Ray gateway actor, a benchmark): every request outside them is answered
+    in OpenAI's error shape."""
+    return Starlette(
+        routes=face.routes(whole_app=True),
+        middleware=[body_guard(face.options)],
+        exception_handlers=guard.exception_handlers(guard_error_body),
+    )

@@ -569,6 +569,25 @@ def fleet_remove(
 
 # --- serve ---------------------------------------------------------------------------------
 
+# The OpenAI routes' limits, on serve and gateway alike (docs/openai.md, "Limits").
+MaxBodyOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-body-mb",
+        help="The largest OpenAI request body, MiB (images travel inline as base64); a larger "
+        "one is refused 413 BODY_TOO_LARGE.",
+    ),
+]
+UpstreamTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--upstream-timeout-s",
+        help="Seconds the gateway waits for an engine's next bytes: a non-streaming request's "
+        "whole generation (queueing included), a stream's first event and each gap; then 502 "
+        "AMBIGUOUS_DISPATCH.",
+    ),
+]
+
 
 @app.command()
 @guarded
@@ -692,6 +711,8 @@ def serve(
             "'idle'), so its version can be reclaimed; 0: never.",
         ),
     ] = 1800.0,
+    max_body_mb: MaxBodyOpt = 64,
+    upstream_timeout: UpstreamTimeoutOpt = 3600.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -726,6 +747,8 @@ def serve(
         suspend_after_s=None if suspend_after == 0 else suspend_after,  # checked below
         probe_timeout_s=probe_timeout,
         session_idle_s=session_idle,
+        max_body_mb=max_body_mb,
+        upstream_timeout_s=upstream_timeout,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     if _verbosity == 0:
@@ -812,6 +835,8 @@ def gateway(
         int,
         typer.Option("--max-connections", help="Open connections beyond which one gets 503."),
     ] = 1000,
+    max_body_mb: MaxBodyOpt = 64,
+    upstream_timeout: UpstreamTimeoutOpt = 3600.0,
     json: JsonOpt = False,
 ) -> None:
     """Serve the OpenAI routes in front of a remote `loraledger serve` (docs/openai.md).
@@ -838,6 +863,8 @@ def gateway(
         refresh_s=refresh,
         provenance=str(provenance) if provenance else None,
         max_connections=max_connections,
+        max_body_mb=max_body_mb,
+        upstream_timeout_s=upstream_timeout,
     )
     front.check_options(opts)
     logconfig.configure(max(_verbosity, 1), stdlib=True)

@@ -39,7 +39,9 @@ from tools.serve import (
     _stop_on_signals,
     _stop_when,
     check_listen,
+    check_openai_limits,
     listening_url,
+    openai_options,
 )
 
 log = get_logger("loraledger.gateway")
@@ -69,6 +71,8 @@ class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
     provenance: str | None = None  # default ./<owner>.provenance.jsonl
     max_connections: int = 1000
     header_timeout_s: float = 10.0
+    max_body_mb: int = 64  # the largest OpenAI request body, MiB (413 beyond)
+    upstream_timeout_s: float = 3600.0  # the longest wait for an engine's next bytes
 
     @property
     def owner_id(self) -> str:
@@ -97,6 +101,7 @@ def check_options(opts: GatewayOptions) -> None:
             raise ToolError(Exit.USAGE, f"{option} must be a finite number > 0")
     if opts.max_connections < 1:
         raise ToolError(Exit.USAGE, "--max-connections must be positive")
+    check_openai_limits(opts)
     for spec in opts.engines:
         if not spec.url:
             raise ToolError(
@@ -160,7 +165,10 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     ledger,
                     engine_routes(fleet),
                     OpenAIOptions(
-                        alias=opts.alias, token=opts.token, engine_token=opts.engine_token
+                        alias=opts.alias,
+                        token=opts.token,
+                        engine_token=opts.engine_token,
+                        **openai_options(opts),
                     ),
                 )
                 try:
@@ -231,36 +239,16 @@ async def run_gateway(
     stop: anyio.Event | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop``); ``on_ready(url, owner)`` once listening."""
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-
-    from engines.guard import Guard, exception_handlers
-    from publisher.openai_gateway import MAX_BODY_BYTES, error_body
+    from publisher.openai_gateway import openai_app
 
     check_options(opts)
     async with (
         listening(opts.host, opts.port) as sockets,  # a busy port: no owner registered yet
         gateway_face(opts) as face,
     ):
-
-        def _error(code: str, message: str) -> Any:
-            return msgspec.json.decode(error_body(code, message, 400))
-
-        app = Starlette(
-            routes=face.routes(whole_app=True),  # any other path: a 404 in OpenAI's shape
-            middleware=[
-                Middleware(
-                    Guard,
-                    token=None,  # the routes check it (OpenAI's error shape)
-                    protected=lambda path: False,
-                    cap=lambda path: MAX_BODY_BYTES,
-                    error_body=_error,
-                )
-            ],
-            exception_handlers=exception_handlers(_error),
-        )
         serve_opts = _ServeShape(opts)
-        server = _server(app, serve_opts, verbosity)  # type: ignore[arg-type]
+        # the routes behind their guard (body cap, 413 in OpenAI's shape), as on a Ray actor
+        server = _server(openai_app(face), serve_opts, verbosity)  # type: ignore[arg-type]
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(_stop_on_signals, server)

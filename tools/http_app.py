@@ -58,10 +58,12 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError
-from engines.guard import BadBody, Guard, exception_handlers, strict_decode
+from engines.guard import BadBody, ErrorBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
 from publisher.errors import Code, LedgerError
 from publisher.ledger import Ledger
+from publisher.openai_gateway import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
+from publisher.openai_gateway import guard_error_body
 from tools.metrics import LedgerMetrics
 
 # (version id, adapter dir, allow rollback) -> outcome struct
@@ -164,7 +166,7 @@ def build_app(
     private_reads: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
     extra_routes: Sequence[BaseRoute] = (),
-    max_generation_body_bytes: int = 4 * MAX_BODY_BYTES,
+    max_generation_body_bytes: int = OPENAI_MAX_BODY_BYTES,
     remove_engine: Callable[[str], Awaitable[Any]] | None = None,
     report_trouble: Callable[[str, EngineError], None] | None = None,
 ) -> Starlette:
@@ -175,11 +177,14 @@ def build_app(
     open for probes. Every route's body is capped at ``max_body_bytes`` (413) and parsed as
     strict JSON (NaN, Infinity, 1e400, 2^80: 400). ``extra_routes`` (the OpenAI routes of
     :mod:`publisher.openai_gateway`, under ``/v1/``) check their own token and answer in
-    OpenAI's error shape; their bodies (whole conversations) are capped at
-    ``max_generation_body_bytes``. ``remove_engine`` (the control plane's) removes an engine
-    and drops its handle; without it the ledger records the removal. ``report_trouble`` (the
-    reconciler's ``engine_trouble``) hears what gateway processes report; without it a report
-    is answered ``{"heard": false}``: nobody here watches the engines."""
+    OpenAI's error shape; their bodies (whole conversations, images inline) are capped at
+    ``max_generation_body_bytes``, refused in that shape too, and read to the end before the
+    413 closes the connection (bounded: ``engines.guard.Guard``, ``drains``), so an OpenAI
+    client reads the refusal instead of a reset. ``remove_engine`` (the control plane's)
+    removes an engine and drops its handle; without it the ledger records the removal.
+    ``report_trouble`` (the reconciler's ``engine_trouble``) hears what gateway processes
+    report; without it a report is answered ``{"heard": false}``: nobody here watches the
+    engines."""
     expected = token.encode() if token else None
 
     def authorized(request: Request) -> Response | None:
@@ -343,6 +348,13 @@ def build_app(
         Route("/engines/{engine}/trouble", writer(TroubleBody, trouble), methods=["POST"]),
         *extra_routes,
     ]
+
+    def generation(path: str) -> bool:
+        return path.startswith("/v1/")
+
+    def error_body_for(path: str) -> ErrorBody:
+        return guard_error_body if generation(path) else _error_body
+
     return Starlette(
         routes=routes,
         middleware=[
@@ -350,11 +362,11 @@ def build_app(
                 Guard,
                 token=None,  # the routes check it themselves: 403 when none is configured
                 protected=lambda path: False,
-                cap=lambda path: (
-                    max_generation_body_bytes if path.startswith("/v1/") else max_body_bytes
-                ),
+                cap=lambda path: max_generation_body_bytes if generation(path) else max_body_bytes,
                 error_body=_error_body,
+                error_body_for=error_body_for,
+                drains=generation,
             )
         ],
-        exception_handlers=exception_handlers(_error_body),
+        exception_handlers=exception_handlers(_error_body, error_body_for),
     )

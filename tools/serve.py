@@ -88,6 +88,8 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     # Once fenced: how long /health keeps answering 503 and clients hear FENCED (rather than a
     # refused connection, which they would retry) before the server stops.
     fenced_linger_s: float = 2.0
+    max_body_mb: int = 64  # the largest OpenAI request body, MiB (413 beyond)
+    upstream_timeout_s: float = 3600.0  # the longest wait for an engine's next bytes (OpenAI)
 
 
 def parse_engine(text: str) -> EngineSpec:
@@ -171,6 +173,32 @@ def check_options(opts: ServeOptions) -> None:
     seconds("gateway_ttl_s", opts.gateway_ttl_s)
     if not (math.isfinite(opts.fenced_linger_s) and opts.fenced_linger_s >= 0):
         raise ToolError(Exit.USAGE, "fenced_linger_s must be >= 0")
+    check_openai_limits(opts)
+
+
+class OpenAILimits(Protocol):
+    """What the OpenAI face's limits read of the options (serve's and a gateway's)."""
+
+    @property
+    def max_body_mb(self) -> int: ...
+
+    @property
+    def upstream_timeout_s(self) -> float: ...
+
+
+MIB = 1024 * 1024
+MAX_BODY_MB_LIMIT = 4096  # a Content-Length over 18 digits is refused anyway; this is sanity
+
+
+def check_openai_limits(opts: OpenAILimits) -> None:
+    if not 1 <= opts.max_body_mb <= MAX_BODY_MB_LIMIT:
+        raise ToolError(Exit.USAGE, f"--max-body-mb must be 1-{MAX_BODY_MB_LIMIT} (MiB)")
+    seconds("--upstream-timeout-s", opts.upstream_timeout_s)
+
+
+def openai_options(opts: OpenAILimits) -> dict[str, Any]:
+    """The ``OpenAIOptions`` keywords for the limits (the body cap in bytes)."""
+    return {"max_body_bytes": opts.max_body_mb * MIB, "upstream_timeout_s": opts.upstream_timeout_s}
 
 
 class EngineOptions(Protocol):
@@ -317,7 +345,12 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
                 worker,
                 LiveView(ledger),
                 engine_routes(plane.fleet),
-                OpenAIOptions(alias=opts.alias, token=opts.token, engine_token=opts.engine_token),
+                OpenAIOptions(
+                    alias=opts.alias,
+                    token=opts.token,
+                    engine_token=opts.engine_token,
+                    **openai_options(opts),
+                ),
                 clock=ledger.clock,
             )
             try:
@@ -415,6 +448,7 @@ async def serve(
             publish=make_publish(plane),
             private_reads=opts.private_reads,
             extra_routes=face.routes(),
+            max_generation_body_bytes=face.options.max_body_bytes,
             remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
             report_trouble=plane.reconciler.engine_trouble,
         )

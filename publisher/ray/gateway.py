@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import socket
 import time
 import uuid
@@ -48,6 +49,8 @@ from publisher.fleet import Fleet
 from publisher.gateway import Gateway
 from publisher.logs import get_logger
 from publisher.openai_gateway import (
+    MAX_BODY_BYTES,
+    UPSTREAM_TIMEOUT_S,
     EngineRoute,
     OpenAIGateway,
     OpenAIOptions,
@@ -84,6 +87,8 @@ class GatewayConfig:
     status_refresh_s: float = 1.0
     provenance: str | None = None  # JSON lines on the actor's node; None: not written
     engine_token: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES  # the largest request body (413 BODY_TOO_LARGE beyond)
+    upstream_timeout_s: float = UPSTREAM_TIMEOUT_S  # an engine's longest silence
 
     def check(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -94,6 +99,21 @@ class GatewayConfig:
             )
         if not 0 <= self.port <= 65535 or self.status_refresh_s <= 0:
             raise InvalidInput(INVALID_INPUT, "port must be 0-65535 and status_refresh_s > 0")
+        if self.max_body_bytes < 1 or not (
+            math.isfinite(self.upstream_timeout_s) and self.upstream_timeout_s > 0
+        ):
+            raise InvalidInput(
+                INVALID_INPUT, "max_body_bytes must be >= 1 and upstream_timeout_s finite > 0"
+            )
+
+    def openai_options(self) -> OpenAIOptions:
+        return OpenAIOptions(
+            alias=self.alias,
+            token=self.token,
+            engine_token=self.engine_token,
+            max_body_bytes=self.max_body_bytes,
+            upstream_timeout_s=self.upstream_timeout_s,
+        )
 
 
 class RayView:
@@ -204,7 +224,7 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
             worker,
             view,
             routes_of(fleet, config.routes),
-            OpenAIOptions(alias=config.alias, token=config.token, engine_token=config.engine_token),
+            config.openai_options(),
             clock=time.time,
         )
         stack.push_async_callback(face.aclose)
