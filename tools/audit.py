@@ -5,8 +5,12 @@ The log says which version a session was bound to; the provenance file
 carried. Joining them is the check a trainer's importance sampling rests on, so every
 generation whose identity differs from its session's binding (version id, adapter name,
 digest, bound revision) is reported as a mismatch, and so is a generation whose engine echoed
-another adapter than the one it was sent (``served_name``), and a generation of a session the
-log never bound.
+another adapter than the one it was sent (``served_name``), a generation of a session the
+log never bound, and a generation that started after its session was released (closed, lease
+expired, idle, owner restarted) and before it bound again: nothing held its version then, so
+it may have been reclaimed under it, and the sample belongs to no binding a trainer can trust.
+That last check compares the gateway's clock (``started_at``) with the ledger's
+(``released_at``); on separate machines it is as exact as their clocks agree.
 """
 
 from __future__ import annotations
@@ -91,6 +95,12 @@ def _mismatches(audit: SessionAudit, row: ProvenanceRow) -> list[str]:
             out.append(f"{who}: {what} {served} served, session bound to {bound}")
     if not row.attested:  # the engine itself said it applied another adapter
         out.append(f"{who}: the engine echoed adapter {row.served_name}, not {row.lora_name}")
+    if audit.released_at is not None and row.started_at > audit.released_at:
+        late = row.started_at - audit.released_at
+        out.append(
+            f"{who} started {late:.3f}s after {audit.session} was released "
+            f"({audit.cause}, seq {audit.released_seq}): no binding held v{row.version_id}"
+        )
     return out
 
 

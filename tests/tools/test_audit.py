@@ -103,6 +103,34 @@ def test_an_engine_echoing_another_adapter_is_a_mismatch(
     assert f"the engine echoed adapter {wrong}" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("session", "owner", "cause"), [("s-b", "w1", "closed"), ("s-c", "w2", "lease_expired")]
+)
+def test_a_generation_after_the_release_is_a_mismatch(
+    cli: Cli, fault_log: Path, tmp_path: Path, session: str, owner: str, cause: str
+) -> None:
+    """A turn served on a binding the ledger had already released (a gateway that missed its
+    lease's expiry, a client going on after close) ran on a version nothing held: it may have
+    been reclaimed under it. Was reported clean: the rows matched the released binding."""
+    (life,) = _lines(cli("audit", fault_log, "--session", session, "--json").stdout)
+    assert (life["owner"], life["cause"]) == (owner, cause)
+    released_at = life["released_at"]
+    on_time = _row(session, 0, 1, started=life["bound_at"] + 0.5)
+    late = _row(session, 1, 1, started=released_at + 2.0)
+    prov = tmp_path / "provenance.jsonl"
+    prov.write_bytes(encode_rows([on_time, late]))
+    result = cli("audit", fault_log, "--session", session, "--provenance", prov, "--json")
+    assert result.returncode == Exit.FAILED, result.stdout
+    (line,) = _lines(result.stdout)
+    assert [g["turn"] for g in line["generations"]] == [0, 1]  # both attached to this life
+    (mismatch,) = line["mismatches"]
+    assert mismatch.startswith(f"request {session}-1 (turn 1) started 2.000s after {session}")
+    assert f"({cause}, seq {life['released_seq']})" in mismatch, mismatch
+    prov.write_bytes(encode_rows([on_time]))  # the turn before the release alone: clean
+    clean = cli("audit", fault_log, "--session", session, "--provenance", prov)
+    assert clean.returncode == 0, clean.stdout
+
+
 def test_by_owner_all_and_lease_release(cli: Cli, fault_log: Path) -> None:
     by_owner = _lines(cli("audit", fault_log, "--owner", "w2", "--json").stdout)
     assert [(r["session"], r["cause"]) for r in by_owner] == [("s-c", "lease_expired")]
