@@ -889,24 +889,30 @@ class OpenAIGateway:
     ) -> None:
         """Pass SSE events on as they arrive. Events are framed (an event cut across two
         reads waits for its end, nothing longer) so the usage chunk can be read and dropped
-        when the client did not ask for it."""
+        when the client did not ask for it. The engine's byte iterator is closed here, when
+        the relay ends (a client gone mid-stream included), not whenever the garbage collector
+        finds it (a CI run logged such a late close failing: "async generator already
+        executing")."""
         pending = b""
-        async for data in response.aiter_raw():
-            pending += data
-            if b"\n\n" not in pending:
-                continue
-            *events, pending = pending.split(b"\n\n")
-            out = []
-            for event in events:
-                if b'"usage"' in event or b'"finish_reason":"' in event:
-                    usage.read(_event_json(event))
-                    if not ask.wants_usage and b'"choices":[]' in event:
-                        continue  # the usage chunk the client did not ask for
-                elif usage.served is None and event.startswith(b"data: {"):
-                    usage.read(_event_json(event))
-                out.append(event + b"\n\n")
-            if out:
-                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+        async with contextlib.aclosing(response.aiter_raw()) as chunks:
+            async for data in chunks:
+                pending += data
+                if b"\n\n" not in pending:
+                    continue
+                *events, pending = pending.split(b"\n\n")
+                out = []
+                for event in events:
+                    if b'"usage"' in event or b'"finish_reason":"' in event:
+                        usage.read(_event_json(event))
+                        if not ask.wants_usage and b'"choices":[]' in event:
+                            continue  # the usage chunk the client did not ask for
+                    elif usage.served is None and event.startswith(b"data: {"):
+                        usage.read(_event_json(event))
+                    out.append(event + b"\n\n")
+                if out:
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                    )
         await send({"type": "http.response.body", "body": pending, "more_body": False})
 
     async def _read_refusal(
