@@ -150,9 +150,11 @@ class Guard:
     clean end, the answer intact). Bounded, so a client cannot make the server read without
     end: at most ``DRAIN_FACTOR`` times the cap in all and ``drain_s`` seconds; a body declared
     larger than that is not read at all (refused and closed at once, as on other paths: that
-    client may see the reset), nor is the body of a client waiting for ``100 Continue`` (it
-    sends nothing before it reads the answer). Other paths keep the plain refusal: their
-    clients are loraledger's own, whose bodies never come near a cap.
+    client may see the reset), nor is a declared body of a client waiting for ``100 Continue``
+    (refused on its length, it has sent nothing and sends nothing). A chunked body with that
+    header is drained like any other: the app's first read sent the ``100 Continue``, so the
+    client is uploading (curl adds the header to every chunked upload). Other paths keep the
+    plain refusal: their clients are loraledger's own, whose bodies never come near a cap.
     """
 
     def __init__(
@@ -189,8 +191,7 @@ class Guard:
                 )
                 return
         limit = self.cap(path)
-        waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
-        budget = DRAIN_FACTOR * limit if self.drains(path) and not waits_for_continue else 0
+        budget = DRAIN_FACTOR * limit if self.drains(path) else 0
         too_large = f"request body over {limit} bytes for {path}"
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -198,7 +199,10 @@ class Guard:
                 await self._refuse(send, path, 400, BAD_JSON, "Content-Length is not a byte count")
                 return
             if int(declared) > limit:
-                drain = budget if int(declared) <= budget else 0
+                # Refused before any read: a client waiting for ``100 Continue`` has sent
+                # nothing and, told no, sends nothing; reading would only invite the body.
+                waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
+                drain = budget if int(declared) <= budget and not waits_for_continue else 0
                 await self._refuse(send, path, 413, BODY_TOO_LARGE, too_large, receive, drain)
                 return
         received = 0

@@ -183,6 +183,35 @@ async def test_a_refused_body_is_read_only_so_far() -> None:
         assert reply.startswith(b"HTTP/1.1 413") and closed_after < 0.4, closed_after
 
 
+@pytest.mark.parametrize("handlers", [True, False])
+async def test_a_chunked_upload_told_to_continue_got_a_reset(handlers: bool) -> None:
+    """curl sends ``Expect: 100-continue`` with every chunked upload. The app's first read makes
+    the server answer ``100 Continue``, so the client uploads; the guard used to skip the
+    drain for any client that sent the header, closed on the unread upload, and the reset
+    threw the 413 away. Now the client reads the whole 413, whoever answered it."""
+    async with _serving(_Counted().app(drains=True, handlers=handlers)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        chunk = 1024 * 1024
+        frame = b"%x\r\n" % chunk + b"c" * chunk + b"\r\n"
+        async with await anyio.connect_tcp(host, int(port)) as stream:
+            await stream.send(_head(None, "Transfer-Encoding: chunked", "Expect: 100-continue"))
+            with anyio.fail_after(10):
+                assert (await stream.receive()).startswith(b"HTTP/1.1 100 Continue")
+            for _ in range(3 * CAP // (2 * chunk)):  # 1.5 times the cap, within the drain
+                await stream.send(frame)
+            await stream.send(b"0\r\n\r\n")
+            reply = b""
+            with anyio.fail_after(30):
+                while True:
+                    try:
+                        reply += await stream.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        break
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert b"BODY_TOO_LARGE" in body, reply[:400]
+
+
 async def test_a_draining_path_reads_no_more_than_its_bound() -> None:
     """A chunked body that never ends (no length to refuse it by) is read to ``DRAIN_FACTOR``
     times the cap at most, then the connection is closed: the client cannot make the server
