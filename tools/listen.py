@@ -12,9 +12,11 @@ does not exist" here.
 The sockets are the ones uvicorn would have made (through asyncio's ``create_server``): one
 per address ``host`` resolves to, ``SO_REUSEADDR`` (a restart need not wait out TIME_WAIT,
 yet a port another process listens on is refused), IPv6 sockets IPv6-only (so ``::`` and
-``0.0.0.0`` can both be bound). They listen at once: a socket that is only bound does not
-hold a port against another ``SO_REUSEADDR`` socket on Linux. One difference: with port 0
-every address gets the port the OS chose for the first, so the announced URL reaches all.
+``0.0.0.0`` can both be bound), an address whose family this host cannot open skipped (a
+kernel without IPv6: ``--host ''`` still listens on IPv4). They listen at once: a socket that
+is only bound does not hold a port against another ``SO_REUSEADDR`` socket on Linux. One
+difference: with port 0 every address gets the port the OS chose for the first, so the
+announced URL reaches all.
 """
 
 from __future__ import annotations
@@ -56,8 +58,13 @@ async def listening(host: str, port: int) -> AsyncIterator[list[socket.socket]]:
 
 def _bind_all(sockets: list[socket.socket], host: str, port: int) -> None:
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    unsupported: OSError | None = None
     for family, kind, proto, _, address in dict.fromkeys(infos):  # distinct, in order
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # e.g. IPv6 disabled in the kernel: asyncio skips it too
+            unsupported = exc
+            continue
         sockets.append(sock)  # closed by the caller whatever happens next
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
@@ -66,6 +73,8 @@ def _bind_all(sockets: list[socket.socket], host: str, port: int) -> None:
             address = (address[0], sockets[0].getsockname()[1], *address[2:])
         sock.bind(address)
         sock.listen(BACKLOG)
+    if not sockets and unsupported is not None:
+        raise unsupported
 
 
 async def serve_on(server: Any, sockets: list[socket.socket]) -> None:

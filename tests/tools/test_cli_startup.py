@@ -161,6 +161,34 @@ def test_listening_keeps_uvicorns_socket_options() -> None:
     anyio.run(main)
 
 
+def test_a_host_without_ipv6_still_listens_on_ipv4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a kernel booted without IPv6, an IPv6 socket cannot even be created. uvicorn
+    (asyncio's ``create_server``) skips such an address; the pre-bound sockets failed the whole
+    start instead ("Address family not supported"). IPv6 sockets are refused here as that
+    kernel would: ``''`` listens on IPv4 alone; ``::1``, with nothing left, still names why."""
+    import errno
+
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: object) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)  # the module tools/listen.py calls
+
+    async def main() -> None:
+        async with listening("", 0) as sockets:
+            assert [s.family for s in sockets] == [socket.AF_INET]
+        with pytest.raises(ToolError) as only_v6:
+            async with listening("::1", 0):
+                pass
+        assert only_v6.value.exit_code == Exit.FAILED
+        assert "Address family not supported" in only_v6.value.message
+
+    anyio.run(main)
+
+
 def test_uvicorns_own_start_up_exit_becomes_an_error_not_exit_3() -> None:
     """uvicorn ends a start-up it cannot finish with ``sys.exit(3)`` -- exit 3 means "the log
     file does not exist" here. A real one, whose application fails its lifespan start-up."""
