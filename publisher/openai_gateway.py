@@ -53,8 +53,8 @@ import functools
 import hmac
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, Protocol, cast
 
 import anyio
 import httpx
@@ -894,7 +894,8 @@ class OpenAIGateway:
         finds it (a CI run logged such a late close failing: "async generator already
         executing")."""
         pending = b""
-        async with contextlib.aclosing(response.aiter_raw()) as chunks:
+        raw = cast(AsyncGenerator[bytes, None], response.aiter_raw())  # annotated an iterator
+        async with contextlib.aclosing(raw) as chunks:
             async for data in chunks:
                 pending += data
                 if b"\n\n" not in pending:
