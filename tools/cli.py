@@ -108,10 +108,28 @@ def _fail(exc: ToolError) -> typer.Exit:
 
 def _only(exc: BaseException) -> BaseException:
     """The single error inside (nested) exception groups of one member (an anyio task group
-    raising one error), so it is classified like the bare error it is."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
+    raising one error), so it is classified like the bare error it is. A group whose errors
+    are all the ledger's, with one code, is that error too: a fenced ledger refuses every task
+    of a service at once (the reclaimer and the lease expiry both meet ``FENCED``), and that is
+    exit 13, not an internal error."""
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+            continue
+        _, rest = exc.split(LoraLedgerError)
+        if rest is None:  # nothing but ledger errors
+            codes = {e.code for e in _leaves(exc) if isinstance(e, LoraLedgerError)}
+            if len(codes) == 1:
+                return _leaves(exc)[0]
+        break
     return exc
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def _quiet_stdout() -> None:

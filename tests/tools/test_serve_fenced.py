@@ -172,3 +172,31 @@ def test_a_second_serve_stops_the_first_with_exit_13(tmp_path: Path, cli: Cli) -
             process.stop()
     check = cli("verify", db, "--json")
     assert check.returncode == 0, check.stdout
+
+
+def test_every_task_refused_fenced_at_once_is_still_exit_13() -> None:
+    """Once fenced, serve's reclaimer and lease expiry can both meet ``FENCED`` in one tick;
+    their task group then raises a group of two, which the CLI called an internal error (exit
+    1). A group of ledger errors of one code is that code; a mixed group is still internal."""
+    import typer
+
+    from publisher.errors import Code, LedgerError
+    from tools.cli import guarded
+
+    def fenced() -> LedgerError:
+        return LedgerError(Code.FENCED, "another controller (epoch 2) appended to this log")
+
+    @guarded
+    def both_fenced() -> None:
+        raise ExceptionGroup("tasks", [fenced(), ExceptionGroup("inner", [fenced()])])
+
+    @guarded
+    def mixed() -> None:
+        raise ExceptionGroup("tasks", [fenced(), RuntimeError("a bug")])
+
+    with pytest.raises(typer.Exit) as same:
+        both_fenced()
+    assert same.value.exit_code == Exit.FENCED
+    with pytest.raises(typer.Exit) as other:
+        mixed()
+    assert other.value.exit_code == Exit.FAILED
