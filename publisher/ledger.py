@@ -33,6 +33,7 @@ it can stop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -150,6 +151,10 @@ class Ledger(LedgerAPI):
         the command queue (see :data:`MAX_QUEUED`); ``watch_every_s`` is how often the log is
         read for another controller (None: only a refused append tells, see the module
         docstring)."""
+        if watch_every_s is not None and not (math.isfinite(watch_every_s) and watch_every_s > 0):
+            raise ValueError(
+                f"watch_every_s must be a finite number of seconds > 0 or None: {watch_every_s}"
+            )
         state = await recover(store)
         ledger = cls(
             store,

@@ -493,3 +493,12 @@ def test_the_queue_bound_must_allow_one_command() -> None:
             check_invariants=True,
             max_queued=0,
         )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("every", [0.0, -1.0, float("nan"), float("inf")])
+async def test_a_watch_period_that_would_spin_or_never_run_is_refused(every: float) -> None:
+    """0 s would re-read the log in a tight loop; NaN or infinity would never watch at all."""
+    with pytest.raises(ValueError, match="watch_every_s"):
+        async with Ledger.open(MemoryStore(), watch_every_s=every):
+            pass
