@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import pytest
 import uvicorn
@@ -105,14 +106,19 @@ async def _raw(url: str, head: bytes, body: bytes = b"") -> tuple[bytes, float]:
     async with await anyio.connect_tcp(host, int(port)) as stream:
         await stream.send(head + body)
         sent = time.monotonic()
-        reply = b""
-        with anyio.fail_after(30):
-            while True:
-                try:
-                    reply += await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    break
+        reply = await _to_close(stream)
     return reply, time.monotonic() - sent
+
+
+async def _to_close(stream: anyio.abc.ByteStream) -> bytes:
+    """Everything the server sends until it closes the connection (30 s at most)."""
+    reply = b""
+    with anyio.fail_after(30):
+        while True:
+            try:
+                reply += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return reply
 
 
 def _head(length: int | None, *extra: str) -> bytes:
@@ -200,13 +206,7 @@ async def test_a_chunked_upload_told_to_continue_got_a_reset(handlers: bool) -> 
             for _ in range(3 * CAP // (2 * chunk)):  # 1.5 times the cap, within the drain
                 await stream.send(frame)
             await stream.send(b"0\r\n\r\n")
-            reply = b""
-            with anyio.fail_after(30):
-                while True:
-                    try:
-                        reply += await stream.receive()
-                    except (anyio.EndOfStream, anyio.BrokenResourceError):
-                        break
+            reply = await _to_close(stream)
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 413"), reply[:200]
         assert b"BODY_TOO_LARGE" in body, reply[:400]
