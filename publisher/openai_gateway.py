@@ -878,22 +878,32 @@ class OpenAIGateway:
                 return usage.finish or "stop"
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             try:
-                await self._relay_stream(ask, response, usage, send)
+                failed = await self._relay_stream(ask, response, usage, send, route.engine_id)
             except httpx.HTTPError as exc:
                 # Mid-stream: the status is sent; the error goes in the stream (_send_error).
                 raise read_failure(exc, url, route.engine_id) from exc
-            return usage.finish or "stop"
+            return failed or usage.finish or "stop"
 
     async def _relay_stream(
-        self, ask: _Ask, response: httpx.Response, usage: _Usage, send: Send
-    ) -> None:
+        self, ask: _Ask, response: httpx.Response, usage: _Usage, send: Send, engine_id: str
+    ) -> str | None:
         """Pass SSE events on as they arrive. Events are framed (an event cut across two
         reads waits for its end, nothing longer) so the usage chunk can be read and dropped
         when the client did not ask for it. The engine's byte iterator is closed here, when
         the relay ends (a client gone mid-stream included), not whenever the garbage collector
         finds it (a CI run logged such a late close failing: "async generator already
-        executing")."""
+        executing").
+
+        Returns the provenance outcome of a stream that did not finish, None for one that
+        did. Every OpenAI stream ends with ``data: [DONE]``; an engine that fails mid-stream
+        (vLLM, SGLang) sends an error event first: relayed as it is, and the row says
+        ``engine_error``. A stream that ends without ``[DONE]`` was cut (the local engine ends
+        a failed generation so): the client gets an ``AMBIGUOUS_DISPATCH`` error event, so its
+        SDK raises instead of taking a partial sample for a whole one, and the row says
+        ``ambiguous``, as for a connection broken mid-stream."""
         pending = b""
+        done = False
+        error: Any = None
         raw = cast(AsyncGenerator[bytes, None], response.aiter_raw())  # annotated an iterator
         async with contextlib.aclosing(raw) as chunks:
             async for data in chunks:
@@ -903,6 +913,10 @@ class OpenAIGateway:
                 *events, pending = pending.split(b"\n\n")
                 out = []
                 for event in events:
+                    if event.strip() == _DONE:
+                        done = True
+                    elif b'"error"' in event and error is None:
+                        error = _stream_error(event)
                     if b'"usage"' in event or b'"finish_reason":"' in event:
                         usage.read(_event_json(event))
                         if not ask.wants_usage and b'"choices":[]' in event:
@@ -914,7 +928,23 @@ class OpenAIGateway:
                     await send(
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
                     )
-        await send({"type": "http.response.body", "body": pending, "more_body": False})
+        done = done or pending.strip() == _DONE
+        if error is not None:
+            log.error("openai.stream_error", engine=engine_id, rid=ask.request_id, error=error)
+            await send({"type": "http.response.body", "body": pending, "more_body": False})
+            return "engine_error"
+        if done:
+            await send({"type": "http.response.body", "body": pending, "more_body": False})
+            return None
+        log.error("openai.stream_cut", engine=engine_id, rid=ask.request_id)
+        message = (
+            f"the stream of request {ask.request_id} from {engine_id} ended without [DONE]: "
+            "the generation was cut off and its outcome is unknown; it was not resent"
+        )
+        status = STATUS_OF_CODE.get(DispatchCode.AMBIGUOUS_DISPATCH, 502)
+        event = b"data: " + error_body(DispatchCode.AMBIGUOUS_DISPATCH, message, status)
+        await send({"type": "http.response.body", "body": pending + event + b"\n\n"})
+        return "ambiguous"
 
     async def _read_refusal(
         self, response: httpx.Response, route: EngineRoute, lora_name: str
@@ -1071,6 +1101,18 @@ async def _send_error(send: Send, code: str, message: str, status: int | None = 
         headers.append((b"x-request-id", send.request_id.encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": error_body(code, message, status)})
+
+
+_DONE = b"data: [DONE]"
+
+
+def _stream_error(event: bytes) -> Any:
+    """The ``error`` of an SSE error event (``data: {"error": {...}}``, as vLLM and SGLang send
+    one mid-stream), or None for any other event (a completion whose text says "error")."""
+    reply = _event_json(event)
+    if isinstance(reply, dict) and "error" in reply and not reply.get("choices"):
+        return reply["error"] or "error"
+    return None
 
 
 def _event_json(event: bytes) -> Any:
