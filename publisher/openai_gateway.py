@@ -391,7 +391,7 @@ class OpenAIGateway:
             Route(COMPLETIONS_PATH, self._endpoint(chat=False), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-            Route("/v1/sessions/{session}/release", self.release, methods=["POST"]),
+            Route("/v1/sessions/{session:path}/release", self.release, methods=["POST"]),
         ]
 
     async def no_route(self, request: Request) -> Response:

@@ -436,5 +436,8 @@ class HttpLedger:
 
 
 def _segment(text: str) -> str:
-    """A path segment (session and owner ids may hold characters a URL path may not)."""
-    return quote(text, safe="")
+    """A path segment (session and owner ids may hold characters a URL path may not: any
+    printable text). ``/`` is escaped, and so is ``.``: a segment ``.`` or ``..`` would be
+    resolved away by the URL's normalisation. The server decodes the path before it routes,
+    so its routes take these ids with a ``path`` converter (``tools/http_app.py``)."""
+    return quote(text, safe="").replace(".", "%2E")

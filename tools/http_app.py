@@ -11,6 +11,7 @@ GET      ``/status``                      read-only, open unless ``private_reads
 GET      ``/metrics``                     read-only, open unless ``private_reads``
                                          (Prometheus text format)
 POST     ``/owners``                      bearer token: register a rollout worker
+         (an owner or session id in a path is any printable text, percent-escaped: ``/`` too)
 POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
 POST     ``/owners/{owner}/deregister``   bearer token: a clean exit (its sessions released)
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
@@ -332,10 +333,14 @@ def build_app(
         Route("/status", reader(status), methods=["GET"]),
         Route("/metrics", reader(scrape), methods=["GET"]),
         Route("/owners", writer(OwnerBody, register), methods=["POST"]),
-        Route("/owners/{owner}/renew", writer(RenewBody, renew), methods=["POST"]),
-        Route("/owners/{owner}/deregister", writer(DeregisterBody, deregister), methods=["POST"]),
-        Route("/sessions/{session}/bind", writer(BindBody, bind), methods=["POST"]),
-        Route("/sessions/{session}/release", writer(ReleaseBody, release), methods=["POST"]),
+        Route("/owners/{owner:path}/renew", writer(RenewBody, renew), methods=["POST"]),
+        Route(
+            "/owners/{owner:path}/deregister",
+            writer(DeregisterBody, deregister),
+            methods=["POST"],
+        ),
+        Route("/sessions/{session:path}/bind", writer(BindBody, bind), methods=["POST"]),
+        Route("/sessions/{session:path}/release", writer(ReleaseBody, release), methods=["POST"]),
         Route("/sessions/forget", writer(ForgetBody, forget), methods=["POST"]),
         Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
         Route(
