@@ -563,8 +563,10 @@ class OpenAIGateway:
             raise _BadRequest(f"a session id is 1-{MAX_SESSION_CHARS} printable characters")
         given = request.headers.get(REQUEST_ID_HEADER)
         rid = given or uuid.uuid4().hex
-        if not 0 < len(rid) <= 128 or not rid.isprintable():
-            raise _BadRequest("x-request-id must be 1-128 printable characters")
+        # ASCII: it goes on to the engine in a header, which cannot carry anything else (it
+        # failed there, after the bind, as an "ambiguous" dispatch that never left)
+        if not 0 < len(rid) <= 128 or not rid.isprintable() or not rid.isascii():
+            raise _BadRequest("x-request-id must be 1-128 printable ASCII characters")
         # A client's id is a label (a trace id in default headers, a proxy's stamp, an SDK
         # retry while the first try is being aborted): engines key running requests by their
         # id (vLLM refuses a duplicate; SGLang aborts by prefix), so theirs is made unique.

@@ -222,3 +222,27 @@ async def test_requests_outside_the_routes_answer_in_openai_shape(tmp_path: Path
         with pytest.raises(openai.NotFoundError) as info:
             await client.embeddings.create(model="policy", input="x")
         assert info.value.code == "UNKNOWN_ROUTE"
+
+
+async def test_a_non_ascii_request_id_is_refused_before_anything_is_bound(tmp_path: Path) -> None:
+    """The id goes on to the engine in a header, which carries ASCII only: a request with
+    ``x-request-id: run-é`` was bound, then failed building the engine's request and was
+    answered 502 AMBIGUOUS_DISPATCH with an ``ambiguous`` row, though nothing had been sent."""
+    async with rig(tmp_path) as r, httpx.AsyncClient(base_url=r.url, trust_env=False) as http:
+        await r.publish(1)
+        before = await session_events(r)
+        sent = r.gateway.dispatched
+        reply = await http.post(
+            "/v1/chat/completions",
+            json={"model": "policy", "messages": MESSAGES, "max_tokens": 2},
+            headers=[
+                (b"authorization", AUTH["authorization"].encode()),
+                (b"x-session-id", b"s-ascii"),
+                (b"x-request-id", "run-é".encode()),  # UTF-8 bytes, as curl sends them
+            ],
+        )
+        assert reply.status_code == 400, reply.text
+        error = openai_error(reply)
+        assert error["code"] == "INVALID_INPUT" and "ASCII" in error["message"], error
+        assert await session_events(r) == before
+        assert r.gateway.dispatched == sent and r.sink.rows == []
