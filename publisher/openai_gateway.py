@@ -78,7 +78,8 @@ from engines.openai_http import (
 )
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
 from projections.status import LedgerStatus, VersionStatus
-from publisher.errors import Code
+from projections.transitions import VersionState
+from publisher.errors import Code, LedgerError
 from publisher.gateway import (
     DispatchCode,
     Gateway,
@@ -696,6 +697,35 @@ class OpenAIGateway:
                 await self._dispatch(ask, bound, binder, send)
         except LoraLedgerError as exc:
             await _send_error(send, exc.code, exc.message)
+            if exc.code == Code.SESSION_CLOSED and not ask.one_turn:
+                # released in the ledger: this process forgets its cached binding too
+                with anyio.CancelScope(shield=True):
+                    await self._release_quietly(binder)
+
+    def _binding_gone(self, bound: Bound) -> LedgerError | None:
+        """``SESSION_CLOSED`` when the ledger no longer holds this cached binding, as the
+        (just refreshed) view shows it: the version is being reclaimed or is reclaimed, or no
+        session is bound to it at all. A binding is cached by every process that served the
+        session, so it can be released behind this one's back (a release or an idle release
+        through another gateway process); once its version is gone the turn cannot be served
+        anywhere, and a retryable ``NO_ROUTE`` would only be retried in vain."""
+        try:
+            status = self.view.status()
+        except LoraLedgerError:
+            return None
+        version = next((v for v in status.versions if v.version_id == bound.version_id), None)
+        if version is None or version.state in (VersionState.RECLAIMING, VersionState.RECLAIMED):
+            why = f"{bound.lora_name} is {version.state if version else 'gone'}"
+        elif version.bound == 0:
+            why = f"no session is bound to {bound.lora_name} any more"
+        else:
+            return None
+        return LedgerError(
+            Code.SESSION_CLOSED,
+            f"session {bound.session} was released elsewhere ({why}): another gateway process "
+            "or its idle release ended it; start a new session",
+            session=bound.session,
+        )
 
     def _check_model(self, ask: _Ask, bound: Bound) -> tuple[str, str] | None:
         """After the bind, the rule itself: the alias or the session's own version name.
@@ -734,6 +764,8 @@ class OpenAIGateway:
                 if refused is not None:  # every holder refused: the last one is the answer
                     await self._answer_refused(ask, bound, turn, refused, send)
                     return
+                if (gone := self._binding_gone(bound)) is not None:
+                    raise gone  # nothing admitted; _turn answers it and drops the binder
                 await _send_error(
                     send,
                     DispatchCode.NO_ROUTE,

@@ -20,10 +20,11 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from evlog.events import SessionBound, SessionReleased
+from projections.transitions import VersionState
 from publisher.gateway import Gateway, LedgerRouting
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, Rig, rig
-from tests.publisher.plane_kit import events
+from tests.publisher.plane_kit import events, wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
@@ -246,3 +247,38 @@ async def test_a_non_ascii_request_id_is_refused_before_anything_is_bound(tmp_pa
         assert error["code"] == "INVALID_INPUT" and "ASCII" in error["message"], error
         assert await session_events(r) == before
         assert r.gateway.dispatched == sent and r.sink.rows == []
+
+
+async def test_a_session_released_through_another_gateway_is_closed_here_not_no_route(
+    tmp_path: Path,
+) -> None:
+    """Each gateway process caches the bindings it served. A session released through another
+    one (an explicit release, or its idle release) was still served here from the cache, and
+    once its version was reclaimed every turn was ``503 NO_ROUTE`` with ``x-should-retry:
+    true``: the SDK retried it twice, in vain. Now that turn is ``409 SESSION_CLOSED`` and this
+    gateway forgets the binding, so every later turn is refused the same way by the ledger."""
+    async with (
+        rig(tmp_path) as r,
+        client_of(r) as client,
+        RolloutWorker.open(
+            r.plane.ledger,
+            Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b"),
+            owner="gw-b",
+        ) as worker_b,
+    ):
+        await r.publish(1)
+        turn: dict[str, Any] = dict(
+            model="policy", messages=MESSAGES, max_tokens=2, extra_headers={"x-session-id": "ep-1"}
+        )
+        raw = await client.chat.completions.with_raw_response.create(**turn)
+        assert raw.headers["x-loraledger-version"] == "1"
+        await worker_b.session("ep-1").close()  # released behind this gateway's back
+        assert "ep-1" not in r.plane.ledger.state.sessions
+        await r.publish(2)
+        await wait_for(lambda: r.plane.ledger.state.versions[1].state == VersionState.RECLAIMED)
+        for _ in range(2):  # the stale cache's answer, then the ledger's own
+            with pytest.raises(openai.ConflictError) as info:
+                await client.chat.completions.create(**turn)
+            assert info.value.code == "SESSION_CLOSED", info.value.message
+            assert info.value.response.headers["x-should-retry"] == "false"
+        assert "ep-1" not in r.worker._binders
