@@ -477,8 +477,16 @@ async def _check_readable(conn: aiosqlite.Connection, where: str, quick_check: b
 async def _prepare_writer(
     w: aiosqlite.Connection, path: str, synchronous: Synchronous, quick_check: bool
 ) -> None:
-    """Settings, then the layout: created on an empty file, checked on an existing one."""
+    """Settings, then the layout: created on an empty file, checked on an existing one.
+    Another application's database is refused before anything is set: switching it to WAL
+    would rewrite its header and leave ``-wal`` and ``-shm`` files beside it."""
     await w.execute("PRAGMA busy_timeout = 5000")
+    (app_id,) = next(iter(await w.execute_fetchall("PRAGMA application_id")))
+    if app_id != APPLICATION_ID and await w.execute_fetchall("SELECT 1 FROM sqlite_master"):
+        raise StoreError(
+            StoreCode.CORRUPT_STORE,
+            f"{path} is a SQLite database but not a loraledger log (left untouched)",
+        )
     mode = list(await w.execute_fetchall("PRAGMA journal_mode = WAL"))
     if not mode or str(mode[0][0]).lower() != "wal":
         raise StoreError(StoreCode.STORE_FAILED, f"{path}: cannot use WAL journal mode ({mode})")

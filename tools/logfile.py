@@ -109,6 +109,21 @@ def _check_ledger(p: Path, uri: str) -> None:
         )
 
 
+def refuse_foreign(path: str | os.PathLike[str]) -> None:
+    """For a writer about to open ``path`` (``serve``): nothing, when it is absent or empty (a
+    new log) or a loraledger log; else the reader's :class:`ToolError` (a directory, another
+    file, another application's database: exit 5; a damaged one: exit 6). Reads only, so the
+    refused file is left as it was."""
+    p = Path(path)
+    if p.is_dir():
+        raise ToolError(Exit.NOT_A_LEDGER, f"{p}: is a directory, not a ledger log")
+    if not p.exists() or (_size(p) == 0 and _size(Path(f"{p}-wal")) == 0):
+        return
+    preflight(p)
+    with _readable(p) as uri:
+        _check_ledger(p, uri)
+
+
 def _size(p: Path) -> int:
     try:
         return p.stat().st_size

@@ -46,6 +46,7 @@ from tools.arguments import seconds
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
+from tools.logfile import refuse_foreign
 
 log = get_logger("loraledger.serve")
 
@@ -148,9 +149,14 @@ def check_options(opts: ServeOptions) -> None:
     if opts.synchronous not in ("FULL", "NORMAL"):
         raise ToolError(Exit.USAGE, "--synchronous must be FULL or NORMAL")
     try:
-        backend, _ = backend_of(opts.db)
+        backend, where = backend_of(opts.db)
     except StoreError as exc:
         raise ToolError(Exit.USAGE, f"--db: {exc.message}") from None
+    if backend == "sqlite":  # another file, or another application's database: left as it is
+        refuse_foreign(where)
+    artifacts = opts.artifact_root
+    if artifacts and os.path.lexists(artifacts) and not os.path.isdir(artifacts):
+        raise ToolError(Exit.USAGE, f"--artifacts {artifacts}: exists and is not a directory")
     if backend == "postgres" and opts.synchronous != "FULL":
         raise ToolError(Exit.USAGE, "--synchronous is a SQLite setting (PostgreSQL: always on)")
     if opts.max_staleness is not None and opts.max_staleness < 0:

@@ -10,6 +10,7 @@ that raises is injected around the real call, which still runs first.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 from evlog.chained_store import CHUNK
 from evlog.errors import INVALID_INPUT, StoreCode
 from evlog.record import Row
-from evlog.sqlite import SQLiteStore, _prepare_writer
+from evlog.sqlite import APPLICATION_ID, LAYOUT_VERSION, SQLiteStore, _prepare_writer
 from evlog.store import Snapshot
 from tests.evlog.contract import batch_of, raises_code
 
@@ -125,11 +126,29 @@ async def test_a_failing_rollback_does_not_hide_why_the_layout_check_failed(
     tmp_path: Path, connections: list[aiosqlite.Connection], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fail_after(monkeypatch, "rollback")
+    path = tmp_path / "newer.db"  # ours, in a layout this code does not read: checked in the
+    conn = sqlite3.connect(path)  # layout's transaction, so refusing it rolls that back
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {LAYOUT_VERSION + 1}")
+    conn.execute("CREATE TABLE events (x)")
+    conn.commit()
+    conn.close()
+    with raises_code(StoreCode.UNKNOWN_SCHEMA) as info:
+        await SQLiteStore.connect(path)
+    assert f"layout {LAYOUT_VERSION + 1}" in info.value.message
+    assert all([await _is_closed(c) for c in connections])
+
+
+async def test_another_applications_database_is_left_untouched(tmp_path: Path) -> None:
+    """Refused before any setting: switching it to WAL rewrote its header (its bytes changed,
+    its journal mode became ``wal``) and left ``-wal`` and ``-shm`` files beside it."""
     path = _another_applications_database(tmp_path / "other.db")
+    before = path.read_bytes()
     with raises_code(StoreCode.CORRUPT_STORE) as info:
         await SQLiteStore.connect(path)
     assert "not a loraledger log" in info.value.message
-    assert all([await _is_closed(c) for c in connections])
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["other.db"]
 
 
 async def test_a_path_that_names_no_file_is_refused(tmp_path: Path) -> None:

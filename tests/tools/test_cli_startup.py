@@ -311,3 +311,63 @@ def test_help_to_dev_null_is_still_0() -> None:
             [*console_script(), "--help"], stdout=null, cwd=REPO, env=script_env(), timeout=60
         ).returncode
     assert code == 0
+
+
+# --- a log that is not one: refused, and left as it was ------------------------------------
+
+
+def _foreign_database(path: Path) -> Path:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (x)")
+    conn.commit()
+    conn.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["foreign-db", "text", "directory"])
+def test_serve_refuses_what_is_not_a_ledger_and_leaves_it_as_it_was(
+    cli: Cli, tmp_path: Path, kind: str
+) -> None:
+    """Was exit 6 (or 1 for a directory) after serve had switched another application's
+    database to WAL (its header rewritten, ``-wal`` and ``-shm`` beside it) and created the
+    artifacts directory. Now exit 5, as ``verify`` answers, with nothing changed."""
+    target = tmp_path / "app.db"
+    if kind == "foreign-db":
+        _foreign_database(target)
+    elif kind == "text":
+        target.write_text("not a database\n")
+    else:
+        target.mkdir()
+    before = target.read_bytes() if target.is_file() else None
+    result = cli("serve", "--db", target, "--port", "0")
+    assert result.returncode == Exit.NOT_A_LEDGER, (result.returncode, result.stderr)
+    assert "not a ledger log" in _one_error(result.stderr) or "not a loraledger log" in (
+        result.stderr
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+    if before is not None:
+        assert target.read_bytes() == before
+    assert cli("verify", target).returncode == Exit.NOT_A_LEDGER  # the same answer
+
+
+def test_serve_artifacts_naming_a_file_is_a_usage_error(cli: Cli, tmp_path: Path) -> None:
+    """Was an internal error (``FileExistsError``), after the log had been created."""
+    (tmp_path / "afile").write_text("x")
+    db = tmp_path / "ledger.db"
+    result = cli("serve", "--db", db, "--port", "0", "--artifacts", tmp_path / "afile")
+    assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
+    assert "--artifacts" in _one_error(result.stderr)
+    assert not db.exists()
+
+
+@pytest.mark.parametrize("url", ["postgresql://u@127.0.0.1:99999/db", "postgresql://u@[::1/db"])
+@pytest.mark.parametrize("command", ["verify", "replay", "audit"])
+def test_an_unusable_postgres_url_is_a_usage_error(cli: Cli, command: str, url: str) -> None:
+    """Was an internal error (asyncpg's ``OverflowError`` / ``ValueError``)."""
+    args = (command, url, "--all") if command == "audit" else (command, url)
+    result = cli(*args)
+    assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
+    said = result.stderr + result.stdout  # verify reports its failure as its FAILED row
+    assert "postgresql:// URL" in said and "internal error" not in said, said
