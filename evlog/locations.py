@@ -50,8 +50,14 @@ def describe(location: str | os.PathLike[str]) -> str:
     backend, where = backend_of(location)
     if backend == "sqlite":
         return where
-    parts = urlsplit(where)
-    if parts.password is None:
+    try:
+        parts = urlsplit(where)
+        password = parts.password
+    except ValueError:  # unparsable (``[::1`` unclosed): whatever precedes the last '@' goes
+        scheme, _, rest = where.partition("://")
+        _, at, tail = rest.rpartition("@")
+        return f"{scheme}://***@{tail}" if at else where
+    if password is None:
         return where
     user, _, host = parts.netloc.rpartition("@")
     return urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}"))

@@ -45,6 +45,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.lowlevel
@@ -183,6 +184,7 @@ class PostgresStore(ChainedStore):
         if backend_of(url)[0] != "postgres":
             raise StoreError(INVALID_INPUT, f"not a postgresql:// URL: {redact(url)}")
         where = redact(url)
+        _check_address(url, where)
         session = {**_SESSION, "default_transaction_read_only": "on"} if read_only else _SESSION
         writer: asyncpg.Connection | None = None
         readers: asyncpg.Pool | None = None
@@ -364,6 +366,21 @@ class PostgresStore(ChainedStore):
         return _store_error(exc, doing)
 
     # --- internals -------------------------------------------------------------------------
+
+
+def _check_address(url: str, where: str) -> None:
+    """A host and port that cannot be parsed are the caller's mistake (``INVALID_INPUT``),
+    found before any connection: asyncpg raises them as a bare ``ValueError`` or
+    ``OverflowError`` ("port must be 0-65535") from inside its connect."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise StoreError(
+            INVALID_INPUT, f"{where}: not a usable postgresql:// URL ({exc})"
+        ) from None
+    if port == 0:
+        raise StoreError(INVALID_INPUT, f"{where}: port 0 is not a TCP port to connect to")
 
 
 async def _connect(url: str, session: dict[str, str] = _SESSION) -> asyncpg.Connection:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from evlog.errors import LoraLedgerError, StoreCode
+from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from publisher.errors import Code
 
 
@@ -42,6 +42,7 @@ EXIT_HELP = (
 )
 
 _BY_LEDGER_CODE = {
+    INVALID_INPUT: Exit.USAGE,  # a store's own argument (an unusable postgresql:// URL)
     StoreCode.CORRUPT_STORE: Exit.CORRUPT,
     StoreCode.CORRUPT_RECORD: Exit.TAMPERED,
     StoreCode.CHAIN_BROKEN: Exit.TAMPERED,

@@ -210,6 +210,12 @@ async def test_bad_urls_and_unreachable_servers_are_refused(postgres_url: str) -
         await PostgresStore.connect(missing)
     assert redact("postgresql://u:secret@h:5/db") == "postgresql://u:***@h:5/db"
     assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    # unparsable: refused before any connection, its password still hidden in the message
+    assert redact("postgresql://u:secret@[::1/db") == "postgresql://***@[::1/db"
+    for unusable in ("postgresql://u:secret@127.0.0.1:99999/db", "postgresql://u:secret@[::1/db"):
+        with raises_code(INVALID_INPUT) as info:
+            await PostgresStore.connect(unusable)
+        assert "secret" not in info.value.message and "postgresql:// URL" in info.value.message
 
 
 async def test_writes_after_the_connection_dies_fail_then_recover(postgres_url: str) -> None:
