@@ -31,6 +31,8 @@ from datetime import UTC, datetime, time
 
 from tools.exitcodes import Exit, ToolError
 
+_FIRST_S = datetime(1, 1, 1, tzinfo=UTC).timestamp()  # what a time can be printed as
+_LAST_S = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
@@ -39,9 +41,19 @@ def parse_time(text: str) -> float:
     """Unix seconds from ``1764494371.5`` or ``2026-11-30T09:19:31Z`` / ``...+01:00``."""
     raw = text.strip()
     try:
-        return float(raw)
+        seconds = float(raw)
     except ValueError:
         pass
+    else:
+        # NaN compares false with every record (a replay ran to the end and said so), and
+        # infinity or 1e30 cannot be printed as a time: both are a mistake in what was typed
+        if not (math.isfinite(seconds) and _FIRST_S <= seconds <= _LAST_S):
+            raise ToolError(
+                Exit.USAGE,
+                f"cannot read time {text!r}: unix seconds must be a finite number between "
+                f"{_FIRST_S:.0f} and {_LAST_S:.0f} (years 1 to 9999)",
+            )
+        return seconds
     iso = raw[:-1] + "+00:00" if raw.endswith(("Z", "z")) else raw
     try:
         moment = datetime.fromisoformat(iso)

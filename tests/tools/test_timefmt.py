@@ -4,8 +4,12 @@ minute), and the record that printed it is included."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.tools.conftest import Cli
+from tools.exitcodes import Exit, ToolError
 from tools.timefmt import iso, parse_at
 
 RECORDED = 1796197733.7659123  # sub-millisecond, as records are stored
@@ -31,3 +35,21 @@ def test_a_written_time_means_all_of_what_it_names(text: str, covers: float) -> 
 def test_unix_seconds_are_exact() -> None:
     assert parse_at(str(RECORDED))(LAST) == RECORDED
     assert parse_at("-5s")(LAST) == LAST - 5.0
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e30", "-1e30"])
+def test_unix_seconds_that_are_no_time_are_a_usage_error(text: str) -> None:
+    """``replay --at nan --json`` was exit 0 with the end-of-log state (no record compares
+    before NaN), and without --json an internal error; ``inf`` and ``1e30`` an internal error
+    (the title could not print them)."""
+    with pytest.raises(ToolError) as info:
+        parse_at(text)(LAST)
+    assert info.value.exit_code == Exit.USAGE
+    assert repr(text) in info.value.message and "unix seconds" in info.value.message
+
+
+def test_replay_at_nan_is_refused(cli: Cli, fault_log: Path) -> None:
+    for extra in ((), ("--json",)):
+        result = cli("replay", fault_log, "--at", "nan", *extra)
+        assert result.returncode == Exit.USAGE, (result.returncode, result.stdout)
+        assert result.stdout == ""
