@@ -126,4 +126,26 @@ async def audit_log(
             raise ToolError.from_ledger(exc, path=str(path)) from None
     if progress is not None:
         progress(last, last)
-    return join(fold.finish(), rows)
+    audits = fold.finish()
+    return join([*audits, *_unknown_to_the_log(audits, rows, sessions, owner)], rows)
+
+
+def _unknown_to_the_log(
+    audits: Sequence[SessionAudit],
+    rows: Sequence[ProvenanceRow],
+    sessions: Sequence[str] | None,
+    owner: str | None,
+) -> list[SessionAudit]:
+    """A life (owner ``""``, never bound) for each session asked about that has generations
+    but no trace in the log, so its rows are reported (a session never bound) rather than
+    dropped. Not when selecting by owner: a row names its gateway, not the session's owner."""
+    if owner is not None:
+        return []
+    known = {a.session for a in audits}
+    wanted = None if sessions is None else set(sessions)
+    ghosts = dict.fromkeys(
+        r.session
+        for r in rows
+        if r.session not in known and (wanted is None or r.session in wanted)
+    )
+    return [SessionAudit(session=session, owner="") for session in ghosts]

@@ -188,7 +188,9 @@ def audit_view(report: AuditReport) -> RenderableType:
     """One session life as a single time-ordered table: binding, the version's milestones,
     each generation, the release."""
     a = report.audit
-    if a.version_id is None:
+    if a.version_id is None and a.released_seq is None:
+        head = f"session {a.session}: not in the log (only in the provenance file)"
+    elif a.version_id is None:
         head = f"session {a.session} (owner {a.owner}): closed before it ever bound"
     else:
         head = (

@@ -166,3 +166,30 @@ def test_a_torn_provenance_file_is_refused(cli: Cli, fault_log: Path, tmp_path: 
     result = cli("audit", fault_log, "--session", "s-a", "--provenance", prov)
     assert result.returncode == Exit.CORRUPT
     assert "line 2" in result.stderr
+
+
+def test_generations_of_a_session_the_log_never_knew_are_a_mismatch(
+    cli: Cli, fault_log: Path, tmp_path: Path
+) -> None:
+    """Rows of a session absent from the log were dropped: ``audit --all --provenance`` said
+    clean (exit 0) and ``--session ghost`` "no session matches", though "a session never
+    bound" is a mismatch."""
+    prov = tmp_path / "provenance.jsonl"
+    prov.write_bytes(
+        encode_rows([_row("s-b", 0, 1, started=1003.0), _row("ghost", 0, 1, started=1004.0)])
+    )
+    everyone = cli("audit", fault_log, "--all", "--provenance", prov, "--json")
+    assert everyone.returncode == Exit.FAILED, everyone.stdout
+    lines = {line["session"]: line for line in _lines(everyone.stdout)}
+    assert lines["s-b"]["mismatches"] == []
+    assert lines["ghost"]["mismatches"] == [
+        "request ghost-0 (turn 0) ran on v1 but the log never bound ghost"
+    ]
+    assert [g["turn"] for g in lines["ghost"]["generations"]] == [0]
+
+    one = cli("audit", fault_log, "--session", "ghost", "--provenance", prov)
+    assert one.returncode == Exit.FAILED
+    assert "ghost: not in the log" in one.stdout and "MISMATCH" in one.stdout
+    by_owner = cli("audit", fault_log, "--owner", "w1", "--provenance", prov, "--json")
+    assert "ghost" not in {line["session"] for line in _lines(by_owner.stdout)}
+    assert cli("audit", fault_log, "--session", "ghost").returncode == Exit.FAILED  # no rows
