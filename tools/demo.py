@@ -113,9 +113,16 @@ def prepare_dir(directory: Path | None) -> Path:
     appends to someone else's ledger."""
     if directory is None:
         return new_run_dir().resolve()
+    if directory.exists() and not directory.is_dir():
+        raise ToolError(Exit.USAGE, f"--dir {directory} is a file: give a new or empty folder")
     if directory.exists() and any(directory.iterdir()):
         raise ToolError(Exit.USAGE, f"{directory} is not empty: give a new or empty folder")
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the way, no permission, a read-only mount
+        raise ToolError(
+            Exit.FAILED, f"cannot create --dir {directory}: {exc.strerror or exc}"
+        ) from None
     return directory.resolve()
 
 

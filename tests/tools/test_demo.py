@@ -164,6 +164,12 @@ def test_refusals(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     (busy / "something").write_text("x")
     result = cli("demo", "--quick", "--dir", busy)
     assert result.returncode == Exit.USAGE and "not empty" in result.stderr
+    # a file where the folder should be, or on its way: were internal errors
+    result = cli("demo", "--quick", "--dir", busy / "something")
+    assert result.returncode == Exit.USAGE and "is a file" in result.stderr, result.stderr
+    result = cli("demo", "--quick", "--dir", busy / "something" / "run")
+    assert result.returncode == Exit.FAILED and "cannot create --dir" in result.stderr
+    assert "internal error" not in result.stderr
     monkeypatch.setenv("VLLM_VENV", str(tmp_path / "no-venv"))
     result = cli("demo", "--engine", "vllm", "--dir", tmp_path / "v")
     assert result.returncode == Exit.ENGINE_UNAVAILABLE
