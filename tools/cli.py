@@ -749,7 +749,9 @@ def serve(
         host=host,
         port=port,
         token=_secret(token, "--token", token_file, "LORALEDGER_TOKEN"),
-        engine_token=_secret(None, "", engine_token_file, "LORALEDGER_ENGINE_TOKEN"),
+        engine_token=_secret(
+            None, "", engine_token_file, "LORALEDGER_ENGINE_TOKEN", "--engine-token-file"
+        ),
         engines=service.specs(engine or []),
         deployment=deployment,
         prefix=prefix,
@@ -872,7 +874,9 @@ def gateway(
         host=host,
         port=port,
         token=_secret(None, "", token_file, "LORALEDGER_TOKEN"),
-        engine_token=_secret(None, "", engine_token_file, "LORALEDGER_ENGINE_TOKEN"),
+        engine_token=_secret(
+            None, "", engine_token_file, "LORALEDGER_ENGINE_TOKEN", "--engine-token-file"
+        ),
         engines=service.specs(engine or []),
         alias=alias,
         owner=owner,
@@ -900,24 +904,31 @@ def gateway(
     _run(functools.partial(front.run_gateway, opts, verbosity=max(_verbosity, 1), on_ready=ready))
 
 
-def _secret(given: str | None, flag: str, file: Path | None, env_var: str) -> str | None:
-    """A token from ``file``, else ``given`` on the command line (warned: ``ps`` shows it to
-    every user of the machine; kept so existing scripts work), else ``env_var``."""
+def _secret(
+    given: str | None,
+    flag: str,
+    file: Path | None,
+    env_var: str,
+    file_flag: str = "--token-file",
+) -> str | None:
+    """A token from ``file`` (the option ``file_flag``), else ``given`` on the command line
+    (warned: ``ps`` shows it to every user of the machine; kept so existing scripts work),
+    else ``env_var``."""
     from engines.guard import read_token
 
     if given and file is not None:
-        raise ToolError(Exit.USAGE, f"give {flag} or --token-file, not both")
+        raise ToolError(Exit.USAGE, f"give {flag} or {file_flag}, not both")
     if given:
         stderr_console().print(
             f"warning: {flag} is visible to every user of this machine (ps); "
-            f"use {env_var} or --token-file",
+            f"use {env_var} or {file_flag}",
             markup=False,
         )
         return given
     try:
         return read_token(env_var, file)
     except (OSError, ValueError) as exc:
-        raise ToolError(Exit.USAGE, f"--token-file: {exc}") from None
+        raise ToolError(Exit.USAGE, f"{file_flag}: {exc}") from None
 
 
 # --- engine --------------------------------------------------------------------------------
@@ -1116,7 +1127,7 @@ def check_engine(
         url=url,
         model=str(model) if model else None,
         artifacts=str(artifacts) if artifacts else None,
-        api_key=_secret(None, "", api_key_file, "LORALEDGER_ENGINE_TOKEN"),
+        api_key=_secret(None, "", api_key_file, "LORALEDGER_ENGINE_TOKEN", "--api-key-file"),
         long_tokens=long_tokens,
         restart_command=restart_command,
     )

@@ -98,7 +98,8 @@ def check_options(opts: GatewayOptions) -> None:
         if not (math.isfinite(value) and value >= 0) or (
             option != "--session-idle-s" and not value
         ):
-            raise ToolError(Exit.USAGE, f"{option} must be a finite number > 0")
+            least = ">= 0 (0: never)" if option == "--session-idle-s" else "> 0"
+            raise ToolError(Exit.USAGE, f"{option} must be a finite number {least}")
     if opts.max_connections < 1:
         raise ToolError(Exit.USAGE, "--max-connections must be positive")
     check_openai_limits(opts)

@@ -371,3 +371,24 @@ def test_an_unusable_postgres_url_is_a_usage_error(cli: Cli, command: str, url: 
     assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
     said = result.stderr + result.stdout  # verify reports its failure as its FAILED row
     assert "postgresql:// URL" in said and "internal error" not in said, said
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("serve", "--engine-token-file", "/nonexistent/t"), "--engine-token-file"),
+        (("gateway", "--engine-token-file", "/nonexistent/t"), "--engine-token-file"),
+        (("gateway", "--session-idle-s", "-1"), ">= 0 (0: never)"),
+    ],
+)
+def test_each_error_names_the_option_given(
+    cli: Cli, args: tuple[str, ...], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing --engine-token-file was reported as '--token-file: ...', and the gateway's
+    --session-idle-s as needing '> 0' though 0 means never."""
+    monkeypatch.setenv("LORALEDGER_TOKEN", TOKEN)
+    monkeypatch.chdir(tmp_path)
+    extra = ("--ledger", "http://127.0.0.1:1") if args[0] == "gateway" else ("--db", "x.db")
+    result = cli(*args, *extra, "--port", "0")
+    assert result.returncode == Exit.USAGE, (result.returncode, result.stderr)
+    assert named in _one_error(result.stderr)
