@@ -177,7 +177,7 @@ def error_body(code: str, message: str, status: int) -> bytes:
         if status < 500
         else "server_error"
     )
-    return _json.encode({"error": {"message": message, "type": kind, "code": code}})
+    return _json.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 def error_response(
@@ -531,13 +531,19 @@ class OpenAIGateway:
 
     def _endpoint(self, *, chat: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            if (refused := self.authorized(request)) is not None:
-                return refused
-            try:
-                ask = self._parse(request, await request.body(), chat=chat)
-            except _BadRequest as exc:
-                return error_response(INVALID_INPUT, str(exc), 400)
-            return _Asgi(lambda scope, receive, send: self.serve(ask, receive, send))
+            refused = self.authorized(request)
+            if refused is None:
+                try:
+                    ask = self._parse(request, await request.body(), chat=chat)
+                except _BadRequest as exc:
+                    refused = error_response(INVALID_INPUT, str(exc), 400)
+                else:
+                    return _Asgi(lambda scope, receive, send: self.serve(ask, receive, send))
+            # refused before a request id was settled: the client's when it is a usable one
+            given = request.headers.get(REQUEST_ID_HEADER, "")
+            usable = 0 < len(given) <= 128 and given.isprintable() and given.isascii()
+            refused.headers[REQUEST_ID_HEADER] = given if usable else uuid.uuid4().hex
+            return refused
 
         return endpoint
 

@@ -282,3 +282,21 @@ async def test_a_session_released_through_another_gateway_is_closed_here_not_no_
             assert info.value.code == "SESSION_CLOSED", info.value.message
             assert info.value.response.headers["x-should-retry"] == "false"
         assert "ep-1" not in r.worker._binders
+
+
+async def test_refusals_before_the_parse_carry_the_request_id_and_openais_whole_shape(
+    tmp_path: Path,
+) -> None:
+    """docs/openai.md: ``x-request-id`` is on error replies too; a 401 and a 400 (bad body)
+    had none. And OpenAI's error object always has ``param`` (null here), which was missing."""
+    async with rig(tmp_path) as r, httpx.AsyncClient(base_url=r.url, trust_env=False) as http:
+        unauthorized = await http.post(
+            "/v1/chat/completions", json={}, headers={"x-request-id": "trace-1"}
+        )
+        assert unauthorized.status_code == 401
+        assert unauthorized.headers["x-request-id"] == "trace-1"
+        bad = await http.post("/v1/chat/completions", content=b"{not json", headers=AUTH)
+        assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32  # made here
+        for reply in (unauthorized, bad):
+            error = openai_error(reply)
+            assert "param" in error and error["param"] is None, error
