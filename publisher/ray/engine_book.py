@@ -25,6 +25,8 @@ ledger restarts and is logged as such. The ledger actor is its only writer.
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import ray
 from ray.experimental import internal_kv
@@ -35,6 +37,11 @@ from publisher.ray.engine import RayEngine
 log = get_logger("loraledger.ray")
 
 _KV_NAMESPACE = "loraledger"
+# A change is a read, then a write of the whole book (two GCS calls). The ledger actor makes
+# changes from worker threads, several at once (two engines added concurrently): without this,
+# both read the same book and the second write drops the first engine, which a restarted
+# ledger then makes leave. The actor is the book's only writer, so one lock per process will do.
+_CHANGES = threading.Lock()
 
 
 class BookEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,15 +85,17 @@ class EngineBook:
 
     def record(self, engine_id: str, entry: BookEntry | None) -> None:
         """Set one engine's entry (``None``: removed at runtime)."""
-        entries = self.read()
-        entries[engine_id] = entry
-        self.write(entries)
+        with _CHANGES:
+            entries = self.read()
+            entries[engine_id] = entry
+            self.write(entries)
 
     def forget(self, engine_id: str) -> None:
         """Drop one engine's entry (the configured handle, if any, applies again)."""
-        entries = self.read()
-        if entries.pop(engine_id, ...) is not ...:
-            self.write(entries)
+        with _CHANGES:
+            entries = self.read()
+            if entries.pop(engine_id, ...) is not ...:
+                self.write(entries)
 
 
 def entry_for(engine: RayEngine) -> BookEntry | None:
