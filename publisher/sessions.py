@@ -872,7 +872,15 @@ class RolloutWorker:
             self._forgetting = False
 
     async def _finish_cleanup(self) -> None:
-        """On a normal exit: let pending releases land, then forget every tombstone."""
+        """On a normal exit: let the turns still running end, and pending releases land, then
+        forget every tombstone. In process every turn runs inside the worker's block, so none
+        is left; a host that serves turns beside the block (``RayRollout``, whose calls run in
+        its portal) can close while some run, and the deregistration that follows releases
+        every session and drops this owner's in-flight counts: before the turns end, that
+        would let a reclaim unload a version under a request still running."""
+        for binder in list(self._binders.values()):
+            while binder._active and binder._idle is not None:
+                await binder._idle.wait()
         for slot in list(self._releases):
             await slot.done.wait()
         self._finished.extend(self._idle_released)  # no one is left to refuse their late turns

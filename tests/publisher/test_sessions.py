@@ -15,6 +15,7 @@ from engines.contract import SamplingParams
 from evlog.errors import LoraLedgerError
 from evlog.events import (
     Event,
+    OwnerDeregistered,
     SessionBound,
     SessionReleased,
     SessionsForgotten,
@@ -500,3 +501,42 @@ async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> N
             with pytest.raises(LoraLedgerError) as info:
                 await again.session("s").generate(PROMPT, SHORT)
             assert info.value.code == Code.SESSION_CLOSED
+
+
+async def test_a_clean_exit_waits_for_turns_running_beside_the_block() -> None:
+    """A host that serves turns beside the worker's block (``RayRollout``: its calls run in a
+    portal) can close while a turn runs. The exit deregistered at once: every session released
+    (``owner_exited``) and the in-flight evidence dropped while the request still ran, so a
+    reclaim could unload its version under it. Now the exit waits for the turn first."""
+    async with rig() as r, anyio.create_task_group() as beside:
+        await r.publish(1)
+        results: list[object] = []
+        exited = anyio.Event()
+
+        async def exit_cleanly() -> None:
+            async with worker_on(r) as w:
+                s = w.session("s")
+                await s.generate(PROMPT, SHORT)
+                for engine in r.local.values():
+                    engine.pause_generation()
+
+                async def run() -> None:
+                    results.append(await s.generate(PROMPT, LONG))
+
+                beside.start_soon(run)  # the turn outlives this block
+                await wait_for(lambda: s.in_flight == 1)
+            exited.set()
+
+        beside.start_soon(exit_cleanly)
+        await wait_for(lambda: r.gateway.inflight_counts() != {})
+        await anyio.sleep(0.2)
+        assert not exited.is_set() and "s" in r.ledger.state.sessions  # still bound: it runs
+        assert await events_of(r.store, OwnerDeregistered) == []
+        for engine in r.local.values():
+            engine.continue_generation()
+        with anyio.fail_after(30):
+            await exited.wait()
+        (served,) = results
+        assert served.generation.finish_reason == "length"  # type: ignore[attr-defined]
+        assert len(await events_of(r.store, OwnerDeregistered)) == 1
+        assert "s" not in r.ledger.state.sessions
