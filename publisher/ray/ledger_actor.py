@@ -207,10 +207,13 @@ class _Service:
     async def status(self) -> LedgerStatus:
         return self.ledger.status()
 
-    async def publish(self, descriptor: AdapterDescriptor, step: int) -> Any:
+    async def publish(
+        self, descriptor: AdapterDescriptor, step: int, allow_rollback: bool = False
+    ) -> Any:
         """Publish the adapter the descriptor points to. Only the descriptor came in: the
         engine actors pull the bytes from the object store and verify them; this process pulls
-        them once more, off its loop, for the durable copy (publisher/ray/stored_adapter.py)."""
+        them once more, off its loop, for the durable copy (publisher/ray/stored_adapter.py).
+        ``allow_rollback`` as for ``TrainerClient.publish``."""
         if self.plane is None:
             raise LedgerError(
                 Code.INVALID_STATE, "this ledger actor hosts no control plane: nothing publishes"
@@ -219,7 +222,9 @@ class _Service:
             check_descriptor(descriptor), bucket_bytes=self.plane.bucket_bytes, stats=self.pulls
         )
         self.pulls.descriptors += 1
-        return await self.plane.publisher.publish(stored, version_id=step)
+        return await self.plane.publisher.publish(
+            stored, version_id=step, allow_rollback=allow_rollback
+        )
 
     async def pull_stats(self) -> PullStats:
         return dataclasses.replace(self.pulls)
@@ -432,8 +437,10 @@ class LedgerActor:
     async def status(self) -> LedgerStatus:
         return await self._host.call(self._service.status)
 
-    async def publish(self, descriptor: AdapterDescriptor, step: int) -> Any:
-        return await self._host.call(self._service.publish, descriptor, step)
+    async def publish(
+        self, descriptor: AdapterDescriptor, step: int, allow_rollback: bool = False
+    ) -> Any:
+        return await self._host.call(self._service.publish, descriptor, step, allow_rollback)
 
     async def pull_stats(self) -> PullStats:
         """Descriptors received and adapter bytes this process pulled (durable copies)."""

@@ -25,7 +25,10 @@ from typing import Any
 
 import anyio.to_thread
 
+from evlog.errors import LoraLedgerError
 from projections.status import LedgerStatus
+from publisher.errors import Code
+from publisher.publication import ErrorKind, PublicationError
 from publisher.ray.adapter_objects import put_adapter
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 
@@ -49,10 +52,19 @@ class RayTrainerClient:
         return self._link.reconnects
 
     async def publish(
-        self, adapter: Any, config: Mapping[str, Any] | None = None, *, step: int
+        self,
+        adapter: Any,
+        config: Mapping[str, Any] | None = None,
+        *,
+        step: int,
+        allow_rollback: bool = False,
     ) -> Any:
         """Copy ``adapter`` here and publish it as version ``step``: a
-        ``PublicationOutcome``, or ``PublicationError`` raised as in process."""
+        ``PublicationOutcome``, or ``PublicationError`` raised as in process (``allow_rollback``
+        too). A ledger actor that stays unreachable past ``reconnect_timeout`` is a
+        ``PublicationError`` as well (``LEDGER_CLOSED``, ``RETRYABLE``: the ledger settles an
+        attempt it had begun once it is back, and a later step publishes anew), so a loop that
+        skips a failed publication goes on training through a ledger outage."""
         from publisher.trainer import copy_adapter
 
         frozen = await anyio.to_thread.run_sync(
@@ -66,7 +78,16 @@ class RayTrainerClient:
         )
         descriptor = await anyio.to_thread.run_sync(put_adapter, frozen)
         del frozen  # the object store holds the bytes now; the descriptor keeps them alive
-        return await self._link.call("publish", descriptor, step)
+        try:
+            return await self._link.call("publish", descriptor, step, allow_rollback)
+        except PublicationError:
+            raise
+        except LoraLedgerError as exc:
+            if exc.code != Code.LEDGER_CLOSED:
+                raise
+            raise PublicationError(
+                exc.code, exc.message, kind=ErrorKind.RETRYABLE, version_id=step, **exc.details
+            ) from exc
 
     async def status(self) -> LedgerStatus:
         """The ledger's status (one round trip; in process this read is local)."""

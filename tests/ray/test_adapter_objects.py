@@ -338,3 +338,20 @@ async def test_an_engine_in_the_ledgers_process_gets_the_pulled_bytes_verified(
         assert loaded.ready.digest == copy.digest
         entries = {a.lora_name: a.digest for a in loaded.inventory.adapters}
         assert entries == {"pulled-5": copy.digest}
+
+
+async def test_a_ray_trainer_can_roll_back_as_in_process(ray_instance: Any, tmp_path: Path) -> None:
+    """``RayTrainerClient`` claims ``TrainerClient``'s API, yet had no ``allow_rollback``: the
+    explicit rollback that ``VERSION_REGRESSION`` tells a trainer to mean was impossible on
+    Ray."""
+    async with deployment(tmp_path) as d:
+        client = RayTrainerClient(d.ledger_name, namespace=NAMESPACE)
+        config, tensors = adapter(3)
+        assert (await client.publish(tensors, config, step=3)).status == "PUBLISHED"
+        config, tensors = adapter(2)
+        with pytest.raises(PublicationError) as refused:
+            await client.publish(tensors, config, step=2)
+        assert refused.value.code == "VERSION_REGRESSION"
+        meant = await client.publish(tensors, config, step=2, allow_rollback=True)
+        assert meant.status == "PUBLISHED", meant
+        assert (await d.status()).default == 2

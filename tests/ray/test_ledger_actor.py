@@ -20,6 +20,7 @@ from publisher import commands as c
 from publisher.adapter_copy import AdapterCopy
 from publisher.errors import Code, LedgerInvalidInput, LedgerRefused
 from publisher.outcomes import Bound, Released
+from publisher.publication import ErrorKind, PublicationError
 from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
@@ -280,6 +281,20 @@ async def test_start_ledger_refuses_to_serve_another_file(
     with pytest.raises(LoraLedgerError) as other:
         start_ledger(LedgerConfig(path=str(tmp_path / "other.db")), name=lut.name)
     assert other.value.code == Code.ALREADY_INITIALIZED
+
+
+async def test_a_trainer_whose_ledger_stays_unreachable_gets_a_publication_error(
+    ray_instance: Any,
+) -> None:
+    """In process, every publication that did not happen is a ``PublicationError``, and a
+    training loop skips it (``except PublicationError``). On Ray, a ledger actor unreachable
+    past the reconnect timeout was a bare ``LedgerError`` that ended such a loop."""
+    config, tensors = make_adapter(1)
+    trainer = RayTrainerClient("nobody-here", reconnect_timeout=0.5)
+    with pytest.raises(PublicationError) as failed:
+        await trainer.publish(tensors, config, step=1)
+    assert (failed.value.code, failed.value.kind) == (Code.LEDGER_CLOSED, ErrorKind.RETRYABLE)
+    assert failed.value.details["version_id"] == 1
 
 
 async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
