@@ -11,6 +11,7 @@ over HTTP on loopback, the in-process ledger: ``LiveView``).
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,12 @@ async def session_events(r: Rig) -> list[tuple[str, str]]:
         for e in await events(r.plane.ledger)
         if isinstance(e, (SessionBound, SessionReleased))
     ]
+
+
+def other_gateway(r: Rig) -> AbstractAsyncContextManager[RolloutWorker]:
+    """The worker of a second gateway (owner ``gw-b``) on the rig's ledger and fleet."""
+    gateway = Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b")
+    return RolloutWorker.open(r.plane.ledger, gateway, owner="gw-b")
 
 
 def openai_error(response: httpx.Response) -> dict[str, Any]:
@@ -103,11 +110,7 @@ async def test_a_first_turn_naming_another_version_than_the_default_binds_nothin
     async with (
         rig(tmp_path) as r,
         client_of(r) as client,
-        RolloutWorker.open(
-            r.plane.ledger,
-            Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b"),
-            owner="gw-b",
-        ) as worker_b,
+        other_gateway(r) as worker_b,
     ):
         v1 = await r.publish(1)
         await worker_b.session("elsewhere").bind()
@@ -260,11 +263,7 @@ async def test_a_session_released_through_another_gateway_is_closed_here_not_no_
     async with (
         rig(tmp_path) as r,
         client_of(r) as client,
-        RolloutWorker.open(
-            r.plane.ledger,
-            Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b"),
-            owner="gw-b",
-        ) as worker_b,
+        other_gateway(r) as worker_b,
     ):
         await r.publish(1)
         turn: dict[str, Any] = dict(
