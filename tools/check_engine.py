@@ -472,15 +472,27 @@ async def _unload_in_flight(run: _Run) -> None:
     )
     drains = result["unload_done"] >= result["request_done"]
     how = "with requests held in place" if held else "while the request ran"
-    run.note(
-        "unload_drains",
-        drains,
-        f"the unload answered only after the request finished ({how})"
-        if drains
-        else f"the unload answered while the request still ran ({how}): only the ledger's "
-        "in-flight count keeps a version loaded under its requests",
-        required=False,
-    )
+    if drains and not held:
+        # Without a hold the request may simply have ended while the unload was on its way
+        # (a loaded CPU, a slow unload): a draining unload and a slow one look alike. Only an
+        # unload answered first tells (it cannot have waited).
+        run.note(
+            "unload_drains",
+            None,
+            "inconclusive: the request ended while the unload was on its way (this engine "
+            "cannot hold requests, so a slow unload and a draining one look alike)",
+            required=False,
+        )
+    else:
+        run.note(
+            "unload_drains",
+            drains,
+            f"the unload answered only after the request finished ({how})"
+            if drains
+            else f"the unload answered while the request still ran ({how}): only the ledger's "
+            "in-flight count keeps a version loaded under its requests",
+            required=False,
+        )
     await _after_unload(run, b)
 
 

@@ -45,11 +45,14 @@ async def test_vllm_passes_the_check(vllm_server: VLLMServer, tmp_path: Path) ->
         assert findings[needed].holds is True, findings[needed]
     # On a loaded CPU the tiny model can finish the long request before the unload is sent:
     # the check then says "inconclusive" (None, not required) rather than guess; when it did
-    # overlap, the request must have finished on its adapter, and vLLM's unload never drains.
+    # overlap, the request must have finished on its adapter, and vLLM's unload is never
+    # reported draining. It cannot hold requests, so a request that ended while the unload was
+    # on its way is inconclusive too (a CI run once had the unload answer after it, and the
+    # check then claimed vLLM drains).
     in_flight = findings["unload_in_flight"]
     assert in_flight.holds is not False, in_flight
     if in_flight.holds:
-        assert findings["unload_drains"].holds is False, findings["unload_drains"]
+        assert findings["unload_drains"].holds is not True, findings["unload_drains"]
     assert findings["no_implicit_reload"].holds is True
     assert findings["tensor_vs_path"].holds is None  # vLLM loads from disk only
     assert list(artifacts.iterdir()) == []

@@ -323,3 +323,30 @@ async def test_an_incarnation_that_survives_a_restart_fails_loudly(tmp_path: Pat
         target.kind, target.restart, target.restart_timeout = "local", host.restart, 2.0
         report = await run_checks(target)
     assert "restart_detected" in _failed(report) and not report.ok
+
+
+@pytest.mark.anyio
+async def test_without_a_hold_an_unload_answered_late_is_inconclusive(tmp_path: Path) -> None:
+    """An engine that cannot hold requests (vLLM) was reported draining whenever its request
+    ended before the unload's answer came back, which a slow unload on a loaded CPU does too:
+    a CI run had the check claim vLLM drains. Without a hold, that order proves nothing."""
+    root = tmp_path / "artifacts"
+    root.mkdir()
+    limits = ServingLimits(max_lora_rank=32)
+    async with running_server("nohold", limits=limits, artifact_root=root) as (served, url):
+        client = SGLangEngine(url, "nohold")
+        target = _target(FaultyEngine(client), root)
+
+        async def admitted() -> bool:
+            return served.in_flight >= 1
+
+        target.admitted = admitted  # it can say a request runs, not hold it
+        try:
+            report = await run_checks(target)
+        finally:
+            await client.aclose()
+    findings = {f.check: f for f in report.findings}
+    assert report.ok, report.failures
+    assert findings["unload_in_flight"].holds is True  # the unload overlapped the request
+    drains = findings["unload_drains"]
+    assert drains.holds is None and "inconclusive" in drains.detail, drains
