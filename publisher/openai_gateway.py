@@ -541,8 +541,9 @@ class OpenAIGateway:
                     return _Asgi(lambda scope, receive, send: self.serve(ask, receive, send))
             # refused before a request id was settled: the client's when it is a usable one
             given = request.headers.get(REQUEST_ID_HEADER, "")
-            usable = 0 < len(given) <= 128 and given.isprintable() and given.isascii()
-            refused.headers[REQUEST_ID_HEADER] = given if usable else uuid.uuid4().hex
+            refused.headers[REQUEST_ID_HEADER] = (
+                given if _usable_request_id(given) else uuid.uuid4().hex
+            )
             return refused
 
         return endpoint
@@ -570,9 +571,7 @@ class OpenAIGateway:
             raise _BadRequest(f"a session id is 1-{MAX_SESSION_CHARS} printable characters")
         given = request.headers.get(REQUEST_ID_HEADER)
         rid = given or uuid.uuid4().hex
-        # ASCII: it goes on to the engine in a header, which cannot carry anything else (it
-        # failed there, after the bind, as an "ambiguous" dispatch that never left)
-        if not 0 < len(rid) <= 128 or not rid.isprintable() or not rid.isascii():
+        if not _usable_request_id(rid):
             raise _BadRequest("x-request-id must be 1-128 printable ASCII characters")
         # A client's id is a label (a trace id in default headers, a proxy's stamp, an SDK
         # retry while the first try is being aborted): engines key running requests by their
@@ -1144,6 +1143,13 @@ async def _send_error(send: Send, code: str, message: str, status: int | None = 
 
 
 _DONE = b"data: [DONE]"
+
+
+def _usable_request_id(text: str) -> bool:
+    """1-128 printable ASCII characters. ASCII: the id goes on to the engine in a header,
+    which carries nothing else (it failed there, after the bind, as an "ambiguous" dispatch
+    that never left)."""
+    return 0 < len(text) <= 128 and text.isprintable() and text.isascii()
 
 
 def _stream_error(event: bytes) -> Any:

@@ -16,7 +16,6 @@ stop it cleanly (in-flight requests drain, the last counts reach the ledger).
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import uuid
@@ -27,7 +26,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from tools.arguments import service_url
+from tools.arguments import seconds, service_url
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
@@ -90,16 +89,9 @@ def check_options(opts: GatewayOptions) -> None:
         )
     if not 0 <= opts.port <= 65535:
         raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
-    for option, value in (
-        ("--session-idle-s", opts.session_idle_s),
-        ("--ttl-s", opts.ttl_s),
-        ("--refresh-s", opts.refresh_s),
-    ):
-        if not (math.isfinite(value) and value >= 0) or (
-            option != "--session-idle-s" and not value
-        ):
-            least = ">= 0 (0: never)" if option == "--session-idle-s" else "> 0"
-            raise ToolError(Exit.USAGE, f"{option} must be a finite number {least}")
+    seconds("--session-idle-s", opts.session_idle_s, zero="never")
+    seconds("--ttl-s", opts.ttl_s)
+    seconds("--refresh-s", opts.refresh_s)
     if opts.max_connections < 1:
         raise ToolError(Exit.USAGE, "--max-connections must be positive")
     check_openai_limits(opts)

@@ -27,7 +27,6 @@ Every committed event is logged as one line with its seq (``-v``) and counted in
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -165,8 +164,7 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
     if opts.max_connections < 1:
         raise ToolError(Exit.USAGE, "--max-connections must be positive")
-    if not (math.isfinite(opts.session_idle_s) and opts.session_idle_s >= 0):
-        raise ToolError(Exit.USAGE, "--session-idle-s must be >= 0 (0: never)")
+    seconds("--session-idle-s", opts.session_idle_s, zero="never")
     if opts.capacity < 1:  # the ledger refuses it too, but only once the log exists
         raise ToolError(
             Exit.USAGE,
@@ -177,8 +175,7 @@ def check_options(opts: ServeOptions) -> None:
     if opts.suspend_after_s is not None:  # None: never (the command line's 0)
         seconds("--suspend-after", opts.suspend_after_s, zero="never")
     seconds("gateway_ttl_s", opts.gateway_ttl_s)
-    if not (math.isfinite(opts.fenced_linger_s) and opts.fenced_linger_s >= 0):
-        raise ToolError(Exit.USAGE, "fenced_linger_s must be >= 0")
+    seconds("fenced_linger_s", opts.fenced_linger_s, zero="stop at once")
     check_openai_limits(opts)
 
 
