@@ -36,17 +36,17 @@ _FACE = {
     # the rollout side
     "Gateway": "publisher.gateway",
     "LedgerPort": "publisher.sessions",
-    "LedgerRouting": "publisher.gateway",
+    "LedgerView": "publisher.gateway",
+    "LocalView": "publisher.gateway",
     "RolloutWorker": "publisher.sessions",
-    "RoutingView": "publisher.gateway",
     "Served": "publisher.gateway",
     "SessionBinder": "publisher.sessions",
     # provenance: which version produced which generation
-    "JsonlSink": "publisher.provenance",
-    "MemorySink": "publisher.provenance",
-    "ProvenanceRecorder": "publisher.provenance",
-    "ProvenanceRow": "publisher.provenance",
-    "read_rows": "publisher.provenance",
+    "JsonlSink": "publisher.gateway.provenance",
+    "MemorySink": "publisher.gateway.provenance",
+    "ProvenanceRecorder": "publisher.gateway.provenance",
+    "ProvenanceRow": "publisher.gateway.provenance",
+    "read_rows": "publisher.gateway.provenance",
     # errors: every one is a LoraLedgerError with a stable machine code; the family (the class)
     # says whether and how to retry (docs/errors.md)
     "Ambiguous": "evlog.errors",

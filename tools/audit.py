@@ -22,7 +22,7 @@ import msgspec
 
 from evlog.errors import LoraLedgerError
 from projections.audit import AuditFold, SessionAudit
-from publisher.provenance import ProvenanceRow, read_rows
+from publisher.gateway.provenance import ProvenanceRow, read_rows
 from tools.exitcodes import Exit, ToolError
 from tools.logfile import open_log
 

@@ -175,10 +175,10 @@ async def run_demo(
     from engines.testing import RestartableEngine
     from evlog.sqlite import SQLiteStore
     from publisher.fleet import Fleet
-    from publisher.gateway import Gateway, LedgerRouting
-    from publisher.openai_gateway import LiveView, OpenAIGateway, OpenAIOptions, engine_routes
+    from publisher.gateway import Gateway, LocalView
+    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
     from publisher.plane import ControlPlane
-    from publisher.provenance import JsonlSink, ProvenanceRecorder
     from publisher.sessions import RolloutWorker
     from publisher.trainer import PublicationError, TrainerClient
 
@@ -227,7 +227,7 @@ async def run_demo(
         ledger = plane.ledger
         gateway = Gateway(
             plane.fleet,
-            LedgerRouting(ledger),
+            LocalView(ledger),
             gateway_id="demo-gateway",
             recorder=recorder,
             on_engine_trouble=plane.reconciler.engine_trouble,
@@ -246,7 +246,7 @@ async def run_demo(
             worker = await stack.enter_async_context(
                 RolloutWorker.open(ledger, gateway, owner=f"worker-{k}", ttl_s=10.0)
             )
-            face = OpenAIGateway(worker, LiveView(ledger), routes, OpenAIOptions(token=TOKEN))
+            face = OpenAIGateway(worker, routes, OpenAIOptions(token=TOKEN))
             stack.push_async_callback(face.aclose)
             url = await stack.enter_async_context(_loopback(face))
             # The client's own retries are off: the rollout below retries, and counts.
@@ -385,7 +385,7 @@ async def _loopback(face: Any) -> AsyncIterator[str]:
     import uvicorn
 
     from engines.guard import uvicorn_limits
-    from publisher.openai_gateway import openai_app
+    from publisher.openai import openai_app
 
     class Quiet(uvicorn.Server):
         @contextmanager
@@ -506,7 +506,7 @@ async def _plot(log_path: Path, png: Path) -> str | None:
 
 async def read_story(run: DemoRun) -> Any:
     """The story of a finished run, from its log and provenance file."""
-    from publisher.provenance import read_rows
+    from publisher.gateway.provenance import read_rows
     from tools.logfile import open_log
     from tools.story import tell
 

@@ -1,5 +1,6 @@
 """``loraledger fleet suspend|resume|remove ENGINE``: an operator's action on one engine of a
-running ``loraledger serve``, over its token-protected ``POST /engines/{engine}/{action}``.
+running ``loraledger serve``, over its token-protected ``POST /engines/{engine}/{action}``
+(through the service client every client of ``serve`` uses).
 
 Each action is recorded in the log with its cause ``operator`` (``EngineSuspended``,
 ``EngineResumed``, ``EngineLeft``), so an incident replay shows who took an engine out and
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-import msgspec
+import anyio
 
+from evlog.errors import LoraLedgerError
+from publisher.remote import wire
+from publisher.remote.http import LedgerUnreachable, ServiceClient, segment
 from tools.exitcodes import Exit, ToolError
 
 ACTIONS = ("suspend", "resume", "remove")
@@ -30,26 +33,23 @@ def engine_action(
     """POST the action; returns the service's JSON answer or raises ``ToolError``."""
     if action not in ACTIONS:
         raise ToolError(Exit.USAGE, f"action {action!r} must be one of {', '.join(ACTIONS)}")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    target = f"{url.rstrip('/')}/engines/{engine}/{action}"
+
+    async def post() -> Any:
+        client = ServiceClient(url, token=token, timeout_s=timeout)
+        try:
+            path = f"/engines/{segment(engine)}/{action}"
+            return await client.post(path, wire.EngineAction(detail=detail), Any)
+        finally:
+            await client.aclose()
+
     try:
-        # trust_env=False: a proxy from the environment must never see loopback traffic.
-        with httpx.Client(trust_env=False, timeout=timeout) as client:
-            reply = client.post(target, headers=headers, json={"detail": detail})
-    except httpx.HTTPError as exc:
+        answer = anyio.run(post)
+    except LedgerUnreachable as exc:
         raise ToolError(
-            Exit.UNREACHABLE,
-            f"no ledger answered at {target} ({type(exc).__name__}: {exc}); "
-            "is `loraledger serve` running there?",
+            Exit.UNREACHABLE, f"{exc}; is `loraledger serve` running at {url}?"
         ) from None
-    try:
-        body: Any = msgspec.json.decode(reply.content)
-    except msgspec.DecodeError:
-        body = {"message": reply.text[:200]}
-    if reply.status_code != 200:
-        code = body.get("code", "") if isinstance(body, dict) else ""
-        message = body.get("message", "") if isinstance(body, dict) else str(body)
+    except LoraLedgerError as exc:
         raise ToolError(
-            Exit.FAILED, f"{action} {engine} refused: HTTP {reply.status_code} {code}: {message}"
-        )
-    return body if isinstance(body, dict) else {"answer": body}
+            Exit.FAILED, f"{action} {engine} refused: {exc.code}: {exc.message}"
+        ) from None
+    return answer if isinstance(answer, dict) else {"answer": answer}

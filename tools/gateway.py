@@ -21,7 +21,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -42,6 +42,11 @@ from tools.serve import (
     listening_url,
     openai_options,
 )
+
+if TYPE_CHECKING:
+    from publisher.fleet import Fleet
+    from publisher.openai import OpenAIGateway
+    from publisher.remote import HttpLedger
 
 log = get_logger("loraledger.gateway")
 
@@ -120,9 +125,9 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
     from evlog.errors import LoraLedgerError
     from publisher.fleet import Fleet
     from publisher.gateway import Gateway
-    from publisher.openai_gateway import OpenAIGateway, OpenAIOptions, engine_routes
-    from publisher.provenance import JsonlSink, ProvenanceRecorder
-    from publisher.remote_ledger import HttpLedger, LedgerUnreachable
+    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
+    from publisher.remote import HttpLedger, LedgerUnreachable
     from publisher.sessions import RolloutWorker
 
     owner = opts.owner_id
@@ -140,12 +145,12 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
         ):
             fleet = Fleet()
             opened: dict[str, EngineSpec] = {}
-            for spec in engine_specs(opts, ledger.status()):
+            for spec in engine_specs(opts, ledger.view.status()):
                 fleet.add(await _open_engine(stack, spec, opts))
                 opened[spec.engine_id] = spec
             gateway = Gateway(
                 fleet,
-                ledger,
+                ledger.view,
                 gateway_id=owner,
                 recorder=recorder,
                 on_engine_trouble=ledger.engine_failed,  # serve's reconciler hears it
@@ -155,7 +160,6 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
             ) as worker:
                 face = OpenAIGateway(
                     worker,
-                    ledger,
                     engine_routes(fleet),
                     OpenAIOptions(
                         alias=opts.alias,
@@ -185,9 +189,9 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
 
 
 async def _follow_endpoints(
-    ledger: Any,
-    fleet: Any,
-    face: Any,
+    ledger: HttpLedger,
+    fleet: Fleet,
+    face: OpenAIGateway,
     stack: AsyncExitStack,
     opts: GatewayOptions,
     opened: dict[str, EngineSpec],
@@ -199,11 +203,11 @@ async def _follow_endpoints(
     and a new OpenAI route. The ledger's routing still decides whether it gets traffic (a
     restarted engine is not routable until repaired). The handle it replaces stays open until
     the gateway stops, so a request already sent on it finishes there."""
-    from publisher.openai_gateway import engine_routes
+    from publisher.openai import engine_routes
 
     while True:
         await anyio.sleep(opts.refresh_s)
-        for spec in engine_specs(opts, ledger.status()):
+        for spec in engine_specs(opts, ledger.view.status()):
             if opened.get(spec.engine_id) == spec:
                 continue
             before = opened.get(spec.engine_id)
@@ -232,7 +236,7 @@ async def run_gateway(
     stop: anyio.Event | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop``); ``on_ready(url, owner)`` once listening."""
-    from publisher.openai_gateway import openai_app
+    from publisher.openai import openai_app
 
     check_options(opts)
     async with (

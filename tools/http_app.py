@@ -10,6 +10,8 @@ GET      ``/status``                      read-only, open unless ``private_reads
                                          (``LedgerStatus`` as JSON)
 GET      ``/metrics``                     read-only, open unless ``private_reads``
                                          (Prometheus text format)
+GET      ``/routing``                     read-only, open unless ``private_reads``
+                                         (the routing table remote gateways route by)
 POST     ``/owners``                      bearer token: register a rollout worker
          (an owner or session id in a path is any printable text, percent-escaped: ``/`` too)
 POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
@@ -17,6 +19,9 @@ POST     ``/owners/{owner}/deregister``   bearer token: a clean exit (its sessio
 POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
 POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
 POST     ``/sessions/forget``             bearer token: forget released sessions' tombstones
+POST     ``/sessions/commands``           bearer token: binds, releases and forgets of many
+                                         sessions in one round trip (a gateway's batch)
+POST     ``/leases/renew``                bearer token: renew many owners' lives at once
 POST     ``/versions``                    bearer token: publish an adapter directory
 POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible generation
          ``/v1/completions``              (binds on a session's first turn)
@@ -30,7 +35,7 @@ POST     ``/engines/{engine}/trouble``    bearer token: a gateway process saw a 
                                          on it fail (a hint for the reconciler)
 =======  ===============================  ==========================================
 
-The ``/v1/`` routes are :mod:`publisher.openai_gateway`'s (docs/openai.md), mounted here so a
+The ``/v1/`` routes are :mod:`publisher.openai`'s (docs/openai.md), mounted here so a
 laptop runs the ledger and the gateway as one process; mounted last, their fallback answers
 any other request under ``/v1/`` in OpenAI's error shape (404/405), and nothing outside it.
 
@@ -39,16 +44,18 @@ a dashboard must not hold the power to bind, release or publish, and anything th
 ledger must prove it may. A service started without a token refuses every state-changing route
 (403): there is no anonymous write mode to forget about. The token is compared in constant time.
 
-Refusals keep the ledger's codes: ``{"code": ..., "message": ..., "details": {...}}`` with 400
-(bad input), 404 (unknown owner/version/engine), 409 (a refusal by the rules), 503 (the ledger
-is closed or fenced).
+Every body is a struct of :mod:`publisher.remote.wire` (the clients use the same ones), and
+every route calls the :class:`~publisher.remote.service.LedgerService` the Ray ledger actor
+calls too. Refusals keep the ledger's codes: ``{"code": ..., "message": ..., "details": {...}}``
+(:class:`~publisher.remote.wire.Refusal`) with 400 (bad input), 404 (unknown
+owner/version/engine), 409 (a refusal by the rules), 503 (the ledger is closed or fenced).
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -63,8 +70,10 @@ from engines.guard import BadBody, ErrorBody, Guard, exception_handlers, strict_
 from evlog.errors import LoraLedgerError, StoreCode
 from publisher.errors import Code, LedgerError
 from publisher.ledger import Ledger
-from publisher.openai_gateway import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
-from publisher.openai_gateway import guard_error_body
+from publisher.openai import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
+from publisher.openai import guard_error_body
+from publisher.remote import wire
+from publisher.remote.service import LedgerService
 from tools.metrics import LedgerMetrics
 
 # (version id, adapter dir, allow rollback) -> outcome struct
@@ -83,71 +92,13 @@ _STATUS_OF_CODE = {
 }
 
 
-class OwnerBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    owner: str
-    ttl_s: float = 30.0
-    incarnation: str = ""  # this life of the owner (docs/sessions.md#owner-incarnations)
-
-
-class DeregisterBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    incarnation: str = ""  # "": whichever life is current
-
-
-class InFlightCount(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    engine: str
-    version_id: int
-    count: int
-
-
-class RenewBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    inflight: list[InFlightCount] = msgspec.field(default_factory=list)
-    incarnation: str = ""  # "": not checked
-
-
-class BindBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    owner: str
-    incarnation: str = ""  # "": not checked
-
-
-class ReleaseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    owner: str
-    cause: str = "closed"
-    incarnation: str = ""  # "": not checked
-
-
-class EngineActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An operator's action on an engine; ``detail`` is recorded with a suspension."""
-
-    detail: str = ""
-
-
-class TroubleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A failed generation as a gateway process saw it: the engine's error code, whether the
-    engine answered cleanly (a refusal) or not (unreachable, timed out, a lost reply, a 5xx),
-    and its message for the log. Only a hint: the reconciler's probe and inventory decide."""
-
-    code: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,64}$")]  # printable ASCII, no space
-    clean: bool
-    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-
-
-class ForgetBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    sessions: list[str]
-
-
-class PublishBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    version_id: int
-    adapter_dir: str
-    allow_rollback: bool = False  # a version lower than the default, on purpose
-
-
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(_encoder.encode(data), status, headers, media_type="application/json")
 
 
 def _error(code: str, message: str, status: int, **details: Any) -> Response:
     headers = {"WWW-Authenticate": 'Bearer realm="loraledger"'} if status == 401 else None
-    body = {"code": code, "message": message, "details": msgspec.to_builtins(details)}
+    body = wire.Refusal(code=code, message=message, details=msgspec.to_builtins(details))
     return _json(body, status, headers)
 
 
@@ -155,7 +106,7 @@ MAX_BODY_BYTES = 1024 * 1024  # the largest body is a renewal: 1024 entries of a
 
 
 def _error_body(code: str, message: str) -> Any:
-    return {"code": code, "message": message, "details": {}}
+    return msgspec.to_builtins(wire.Refusal(code=code, message=message))
 
 
 def build_app(
@@ -177,7 +128,7 @@ def build_app(
     ``/metrics`` need the token too (they show engine URLs and versions); ``/health`` stays
     open for probes. Every route's body is capped at ``max_body_bytes`` (413) and parsed as
     strict JSON (NaN, Infinity, 1e400, 2^80: 400). ``extra_routes`` (the OpenAI routes of
-    :mod:`publisher.openai_gateway`, under ``/v1/``) check their own token and answer in
+    :mod:`publisher.openai`, under ``/v1/``) check their own token and answer in
     OpenAI's error shape; their bodies (whole conversations, images inline) are capped at
     ``max_generation_body_bytes``, refused in that shape too, and read to the end before the
     413 closes the connection (bounded: ``engines.guard.Guard``, ``drains``), so an OpenAI
@@ -187,6 +138,7 @@ def build_app(
     report; without it a report is answered ``{"heard": false}``: nobody here watches the
     engines."""
     expected = token.encode() if token else None
+    service = LedgerService(ledger, engine_trouble=report_trouble)
 
     def authorized(request: Request) -> Response | None:
         if expected is None:
@@ -260,30 +212,41 @@ def build_app(
         return endpoint
 
     async def status(request: Request) -> Response:
-        return _json(ledger.status())
+        return _json(service.status())
+
+    async def routing(request: Request) -> Response:
+        return _json(service.table())
 
     async def scrape(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def register(request: Request, body: OwnerBody) -> Any:
-        return await ledger.register_owner(
-            body.owner, ttl_s=body.ttl_s, incarnation=body.incarnation
+    async def register(request: Request, body: wire.RegisterOwner) -> Any:
+        return await service.register(body.owner, body.ttl_s, body.incarnation)
+
+    async def deregister(request: Request, body: wire.DeregisterOwner) -> Any:
+        return await service.deregister(request.path_params["owner"], body.incarnation)
+
+    async def renew(request: Request, body: wire.RenewLease) -> Any:
+        owner = request.path_params["owner"]
+        service.renew_one(owner, wire.counts(body.inflight), body.incarnation)
+        return wire.Renewed()
+
+    async def renew_lives(request: Request, body: wire.RenewLeases) -> Any:
+        lives = {(x.owner, x.incarnation): wire.counts(x.inflight) for x in body.lives}
+        lost, table = service.renew(lives, body.mark)
+        return wire.LeasesRenewed(
+            lost=[
+                wire.LostLife(owner=owner, incarnation=life, refusal=wire.refusal(error))
+                for (owner, life), error in lost.items()
+            ],
+            routing=table,
         )
 
-    async def deregister(request: Request, body: DeregisterBody) -> Any:
-        owner = request.path_params["owner"]
-        return await ledger.deregister_owner(owner, incarnation=body.incarnation)
-
-    async def renew(request: Request, body: RenewBody) -> Any:
-        counts = {(x.engine, x.version_id): x.count for x in body.inflight}
-        ledger.renew_lease(request.path_params["owner"], counts, incarnation=body.incarnation)
-        return {"ok": True}
-
-    async def bind(request: Request, body: BindBody) -> Any:
+    async def bind(request: Request, body: wire.BindSession) -> Any:
         session = request.path_params["session"]
         return await ledger.bind(session, body.owner, incarnation=body.incarnation)
 
-    async def release(request: Request, body: ReleaseBody) -> Any:
+    async def release(request: Request, body: wire.ReleaseSession) -> Any:
         return await ledger.release(
             request.path_params["session"],
             body.owner,
@@ -291,19 +254,29 @@ def build_app(
             incarnation=body.incarnation,
         )
 
-    async def forget(request: Request, body: ForgetBody) -> Any:
+    async def forget(request: Request, body: wire.ForgetSessions) -> Any:
         return await ledger.forget(body.sessions)
 
-    async def publish_version(request: Request, body: PublishBody) -> Any:
+    async def sessions(request: Request, body: wire.ExecuteSessions) -> Any:
+        results, table = await service.execute(body.commands, body.mark)
+        return wire.SessionsAnswered(
+            results=[
+                wire.refusal(r) if isinstance(r, LoraLedgerError) else r  # type: ignore[misc]
+                for r in results
+            ],
+            routing=table,
+        )
+
+    async def publish_version(request: Request, body: wire.PublishVersion) -> Any:
         if publish is None:
             raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
         return await publish(body.version_id, body.adapter_dir, body.allow_rollback)
 
-    async def suspend_engine(request: Request, body: EngineActionBody) -> Any:
+    async def suspend_engine(request: Request, body: wire.EngineAction) -> Any:
         engine = request.path_params["engine"]
         return await ledger.suspend_engine(engine, cause="operator", detail=body.detail)
 
-    async def resume_engine(request: Request, body: EngineActionBody) -> Any:
+    async def resume_engine(request: Request, body: wire.EngineAction) -> Any:
         return await ledger.resume_engine(request.path_params["engine"], cause="operator")
 
     def member(request: Request) -> str:
@@ -313,44 +286,50 @@ def build_app(
             raise LedgerError(Code.UNKNOWN_ENGINE, f"engine {engine!r} is not a fleet member")
         return engine
 
-    async def remove(request: Request, body: EngineActionBody) -> Any:
+    async def remove(request: Request, body: wire.EngineAction) -> Any:
         engine = member(request)
         if remove_engine is not None:
             await remove_engine(engine)
             return {"no_op": False}
         return await ledger.remove_engine(engine, cause="operator")
 
-    async def trouble(request: Request, body: TroubleBody) -> Any:
+    async def trouble(request: Request, body: wire.TroubleReport) -> Any:
         engine = member(request)
-        if report_trouble is None:
-            return {"heard": False}
         kind = CleanRefusal if body.clean else AmbiguousReply
-        report_trouble(engine, kind(body.code, body.message, engine_id=engine))
-        return {"heard": True}
+        return wire.Heard(
+            heard=service.trouble(engine, kind(body.code, body.message, engine_id=engine))
+        )
 
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", reader(status), methods=["GET"]),
+        Route("/routing", reader(routing), methods=["GET"]),
         Route("/metrics", reader(scrape), methods=["GET"]),
-        Route("/owners", writer(OwnerBody, register), methods=["POST"]),
-        Route("/owners/{owner:path}/renew", writer(RenewBody, renew), methods=["POST"]),
+        Route("/owners", writer(wire.RegisterOwner, register), methods=["POST"]),
+        Route("/owners/{owner:path}/renew", writer(wire.RenewLease, renew), methods=["POST"]),
         Route(
             "/owners/{owner:path}/deregister",
-            writer(DeregisterBody, deregister),
+            writer(wire.DeregisterOwner, deregister),
             methods=["POST"],
         ),
-        Route("/sessions/{session:path}/bind", writer(BindBody, bind), methods=["POST"]),
-        Route("/sessions/{session:path}/release", writer(ReleaseBody, release), methods=["POST"]),
-        Route("/sessions/forget", writer(ForgetBody, forget), methods=["POST"]),
-        Route("/versions", writer(PublishBody, publish_version), methods=["POST"]),
+        Route("/leases/renew", writer(wire.RenewLeases, renew_lives), methods=["POST"]),
+        Route("/sessions/commands", writer(wire.ExecuteSessions, sessions), methods=["POST"]),
+        Route("/sessions/forget", writer(wire.ForgetSessions, forget), methods=["POST"]),
+        Route("/sessions/{session:path}/bind", writer(wire.BindSession, bind), methods=["POST"]),
         Route(
-            "/engines/{engine}/suspend", writer(EngineActionBody, suspend_engine), methods=["POST"]
+            "/sessions/{session:path}/release",
+            writer(wire.ReleaseSession, release),
+            methods=["POST"],
+        ),
+        Route("/versions", writer(wire.PublishVersion, publish_version), methods=["POST"]),
+        Route(
+            "/engines/{engine}/suspend", writer(wire.EngineAction, suspend_engine), methods=["POST"]
         ),
         Route(
-            "/engines/{engine}/resume", writer(EngineActionBody, resume_engine), methods=["POST"]
+            "/engines/{engine}/resume", writer(wire.EngineAction, resume_engine), methods=["POST"]
         ),
-        Route("/engines/{engine}/remove", writer(EngineActionBody, remove), methods=["POST"]),
-        Route("/engines/{engine}/trouble", writer(TroubleBody, trouble), methods=["POST"]),
+        Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
+        Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
         *extra_routes,
     ]
 

@@ -32,7 +32,7 @@ from evlog.events import InFlight, SessionReleased, VersionAllocated, VersionPub
 from evlog.record import Record
 from projections.registry import SERVING_STATES, RegistryState, VersionState
 from projections.staleness import staleness
-from publisher.provenance import ProvenanceRow, Sink
+from publisher.gateway.provenance import ProvenanceRow, Sink
 
 PUBLISH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # In published versions: 0 is on-policy; async RL bounds typically sit at 1-8.

@@ -320,9 +320,9 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
     """The OpenAI routes next to the ledger (docs/openai.md): one gateway (its in-flight
     counts are reclaim evidence of the plane), one rollout worker owning every session they
     bind, provenance rows as JSON lines next to the log."""
-    from publisher.gateway import Gateway, LedgerRouting
-    from publisher.openai_gateway import LiveView, OpenAIGateway, OpenAIOptions, engine_routes
-    from publisher.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.gateway import Gateway, LocalView
+    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
     from publisher.sessions import RolloutWorker
 
     ledger = plane.ledger
@@ -330,7 +330,7 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
     async with ProvenanceRecorder(JsonlSink(provenance)) as recorder:
         gateway = Gateway(
             plane.fleet,
-            LedgerRouting(ledger),
+            LocalView(ledger),
             gateway_id=opts.gateway_owner,
             recorder=recorder,
             clock=ledger.clock,
@@ -346,7 +346,6 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
         ) as worker:
             face = OpenAIGateway(
                 worker,
-                LiveView(ledger),
                 engine_routes(plane.fleet),
                 OpenAIOptions(
                     alias=opts.alias,
@@ -433,6 +432,7 @@ async def serve(
     stop: anyio.Event | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready(url)`` once listening."""
+    from publisher.openai import openai_routes
     from tools.http_app import build_app
     from tools.metrics import LedgerMetrics
 
@@ -450,7 +450,7 @@ async def serve(
             token=opts.token,
             publish=make_publish(plane),
             private_reads=opts.private_reads,
-            extra_routes=face.routes(),
+            extra_routes=openai_routes(face),
             max_generation_body_bytes=face.options.max_body_bytes,
             remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
             report_trouble=plane.reconciler.engine_trouble,

@@ -1,38 +1,41 @@
 """``loraledger status``: the live ``LedgerStatus`` of a running ``loraledger serve``.
 
 The service answers ``GET /status`` with exactly the ``LedgerStatus`` struct the ledger
-computes, so this decodes it back into that struct (an incompatible answer fails loudly) and
-the CLI renders it with the same view as ``replay``.
+computes; the service client (:class:`~publisher.remote.http.ServiceClient`, the one every
+client of ``serve`` uses) decodes it back into that struct (an incompatible answer fails
+loudly) and the CLI renders it with the same view as ``replay``.
 """
 
 from __future__ import annotations
 
-import httpx
-import msgspec
+import anyio
 
+from evlog.errors import LoraLedgerError
 from projections.status import LedgerStatus
+from publisher.remote.http import LedgerUnreachable, RemoteLedgerError, ServiceClient
 from tools.exitcodes import Exit, ToolError
 
 
 def fetch_status(url: str, *, token: str | None = None, timeout: float = 5.0) -> LedgerStatus:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async def fetch() -> LedgerStatus:
+        client = ServiceClient(url, token=token, timeout_s=timeout)
+        try:
+            return await client.get("/status", LedgerStatus)
+        finally:
+            await client.aclose()
+
     target = url.rstrip("/") + "/status"
     try:
-        # trust_env=False: a proxy from the environment must never see loopback traffic.
-        with httpx.Client(trust_env=False, timeout=timeout) as client:
-            reply = client.get(target, headers=headers)
-    except httpx.HTTPError as exc:
+        return anyio.run(fetch)
+    except LedgerUnreachable as exc:
         raise ToolError(
-            Exit.UNREACHABLE,
-            f"no ledger answered at {target} ({type(exc).__name__}: {exc}); "
-            "is `loraledger serve` running there?",
+            Exit.UNREACHABLE, f"{exc}; is `loraledger serve` running at {url}?"
         ) from None
-    if reply.status_code != 200:
-        raise ToolError(
-            Exit.UNREACHABLE,
-            f"{target} answered HTTP {reply.status_code}: {reply.text[:200]}",
-        )
-    try:
-        return msgspec.json.decode(reply.content, type=LedgerStatus)
-    except msgspec.DecodeError as exc:
-        raise ToolError(Exit.FAILED, f"{target} did not answer a ledger status: {exc}") from None
+    except RemoteLedgerError as exc:
+        if exc.details.get("status") == 200:  # an answer, but not a ledger's status
+            raise ToolError(
+                Exit.FAILED, f"{target} did not answer a ledger status: {exc.message}"
+            ) from None
+        raise ToolError(Exit.UNREACHABLE, exc.message) from None  # not a ledger service
+    except LoraLedgerError as exc:
+        raise ToolError(Exit.UNREACHABLE, f"{target} refused: {exc.code}: {exc.message}") from None

@@ -30,7 +30,7 @@ from evlog.events import (
 from evlog.record import Record
 from projections.lifecycle import advance
 from projections.registry import RegistryState, VersionState
-from publisher.provenance import ProvenanceRow
+from publisher.gateway.provenance import ProvenanceRow
 
 # finish reasons of provenance rows whose request did not complete (docs/openai.md)
 FAILED_OUTCOMES = frozenset({"engine_error", "ambiguous", "client_abort"})

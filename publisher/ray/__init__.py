@@ -4,7 +4,7 @@ the in-process API for trainers and rollout workers; engines as actors.
 =========================================  =================================================
 :func:`~publisher.ray.ledger_actor.start_ledger`  start (or find) the ledger actor; it hosts a
                                                 bare ledger or a whole control plane
-:class:`~publisher.ray.client.RayLedger`       rollout side: ``LedgerPort`` + ``RoutingView``
+:class:`~publisher.ray.client.RayLedger`       rollout side: ``LedgerPort`` + ``LedgerView``
 :class:`~publisher.ray.rollout.RayRollout`     a rollout worker for a Ray actor's whole life:
                                                 connect once, call from any method
 :class:`~publisher.ray.trainer.RayTrainerClient`  trainer side: ``publish(adapter, step=)``

@@ -12,7 +12,7 @@ Each actor hosts, on a private event loop (:class:`~publisher.ray.hosting.Portal
 (binds coalesced into few round trips, in-flight counts forwarded with the lease renewals the
 ledger actor's reclaim reads, routing piggybacked on every reply), one
 :class:`~publisher.sessions.RolloutWorker` (the actor's owner, idle release on), the
-:class:`~publisher.openai_gateway.OpenAIGateway` and a uvicorn server on ``host:port`` (port 0:
+:class:`~publisher.openai.OpenAIGateway` and a uvicorn server on ``host:port`` (port 0:
 any free port; the actual address is what :func:`start_gateway` returns).
 
 Engines are reached over HTTP at each engine actor's ``endpoint`` (an HTTP adapter hosted in
@@ -44,11 +44,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engines.guard import is_loopback, uvicorn_limits
 from evlog.errors import INVALID_INPUT, InvalidInput
-from projections.status import LedgerStatus
 from publisher.fleet import Fleet
 from publisher.gateway import Gateway
+from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
 from publisher.logs import get_logger
-from publisher.openai_gateway import (
+from publisher.openai import (
     MAX_BODY_BYTES,
     UPSTREAM_TIMEOUT_S,
     EngineRoute,
@@ -57,7 +57,6 @@ from publisher.openai_gateway import (
     engine_routes,
     openai_app,
 )
-from publisher.provenance import JsonlSink, ProvenanceRecorder
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost
@@ -116,50 +115,6 @@ class GatewayConfig:
         )
 
 
-class RayView:
-    """The :class:`~publisher.openai_gateway.GatewayView` of a gateway actor: routing from the
-    tables the ledger actor piggybacks on its replies, incarnations and the version list from
-    its status, read every ``refresh_s`` and by :meth:`refresh`."""
-
-    def __init__(self, ledger: RayLedger, status: LedgerStatus) -> None:
-        self._ledger = ledger
-        self._status = status
-
-    def holders(self, lora_name: str) -> tuple[str, ...]:
-        return self._ledger.routing.holders(lora_name)
-
-    @property
-    def default_revision(self) -> int:
-        return self._ledger.routing.default_revision
-
-    @property
-    def max_staleness(self) -> int | None:
-        return self._ledger.routing.max_staleness
-
-    def incarnation(self, engine: str) -> str:
-        return next((e.incarnation for e in self._status.engines if e.engine == engine), "")
-
-    def status(self) -> LedgerStatus:
-        return self._status
-
-    def knows_unbound(self, session: str) -> bool:
-        """Never: the status lists no sessions (another process may have bound any of them),
-        so the OpenAI face lets the bind answer (docs/openai.md, "Sessions and model")."""
-        return False
-
-    async def refresh(self) -> None:
-        await self._ledger.refresh_routing()
-        self._status = await self._ledger.status()
-
-    async def keep_fresh(self, every: float) -> None:
-        while True:
-            await anyio.sleep(every)
-            try:
-                await self.refresh()
-            except Exception as exc:  # the ledger restarting: the next tick tries again
-                log.warning("ray.gateway_refresh_failed", error=repr(exc))
-
-
 def routes_of(fleet: Fleet, explicit: Mapping[str, str]) -> dict[str, EngineRoute]:
     """Each engine's OpenAI endpoint: its own (``capabilities.endpoint``), or the one given in
     ``explicit`` (engine id -> base URL) for an engine of the fleet."""
@@ -191,14 +146,17 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(sock.close)
         ledger = await stack.enter_async_context(
-            RayLedger.connect(config.ledger_name, namespace=config.namespace)
+            RayLedger.connect(
+                config.ledger_name,
+                namespace=config.namespace,
+                refresh_interval=config.status_refresh_s,
+            )
         )
         fleet = ledger.fleet
         if not ledger.fleet_hosted:
             for engine in config.engines:
                 if engine.engine_id not in fleet:
                     fleet.add(engine)
-        view = RayView(ledger, await ledger.status())
         recorder = None
         if config.provenance:
             recorder = await stack.enter_async_context(
@@ -206,7 +164,7 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
             )
         gateway = Gateway(
             fleet,
-            ledger.routing,
+            ledger.view,
             gateway_id=owner,
             recorder=recorder,
             on_engine_trouble=ledger.engine_failed,
@@ -222,7 +180,6 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
         )
         face = OpenAIGateway(
             worker,
-            view,
             routes_of(fleet, config.routes),
             config.openai_options(),
             clock=time.time,
@@ -245,13 +202,6 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
             )
         )
         async with anyio.create_task_group() as tg:
-            refresher = anyio.CancelScope()
-
-            async def refresh() -> None:
-                with refresher:
-                    await view.keep_fresh(config.status_refresh_s)
-
-            tg.start_soon(refresh)
             tg.start_soon(server.serve, [sock])
             with anyio.fail_after(30):
                 while not server.started:  # noqa: ASYNC110 -- uvicorn has only the flag
@@ -261,7 +211,6 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
                 yield url, face
             finally:
                 server.should_exit = True  # serve() drains and returns; the group waits for it
-                refresher.cancel()
 
 
 class GatewayActor:

@@ -29,7 +29,7 @@ book (:mod:`publisher.ray.engine_book`) and opens its plane with the configured 
 book's changes.
 
 Each method answers with outcomes and refusals as values where a batch is involved
-(``execute_many``), and piggybacks a :class:`~publisher.ray.routing.RoutingTable` when the
+(``execute_many``), and piggybacks a :class:`~publisher.remote.routing.RoutingTable` when the
 routing changed since the caller's ``mark``, with the fleet's handles (a :class:`FleetView`)
 when they changed since the caller's ``fleet_mark``: a client takes both from one reply, so it
 never routes on a table newer than its handles (:meth:`_Service.fleet_for`).
@@ -69,9 +69,10 @@ from publisher.ray.engine import RayEngine
 from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE
-from publisher.ray.routing import Mark, RoutingTable, RoutingTracker
 from publisher.ray.stored_adapter import PullStats, StoredAdapter
-from publisher.renewals import Life
+from publisher.remote.renewals import Life
+from publisher.remote.routing import Mark, RoutingTable
+from publisher.remote.service import LedgerService
 
 if TYPE_CHECKING:
     from publisher.reconciler import ReconcileReport
@@ -160,7 +161,9 @@ class LedgerInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Service:
     """What the actor's methods run, on the hosted loop (the ledger is not thread-safe: every
-    access happens on that loop)."""
+    access happens on that loop). The ledger's calls are the :class:`LedgerService` every
+    transport shares; Ray adds the fleet's handles to the replies, publication of adapters in
+    the object store, and runtime fleet changes."""
 
     def __init__(
         self, ledger: Ledger, plane: Any, config: LedgerConfig, book: EngineBook | None = None
@@ -168,23 +171,26 @@ class _Service:
         self.ledger = ledger
         self.plane = plane
         self.config = config
-        self.routing = RoutingTracker()
+        self.ledger_service = LedgerService(
+            ledger,
+            fleet_version=lambda: self.fleet_version,
+            engine_trouble=None if plane is None else plane.reconciler.engine_trouble,
+        )
         self.pulls = PullStats()
         self.book = book  # where runtime fleet changes are kept for a restart
 
     async def execute_many(
         self, commands: Sequence[c.Command], mark: Mark | None, fleet_mark: Mark | None
     ) -> Reply:
-        results = await self.ledger.execute_many(commands)
+        results, table = await self.ledger_service.execute(commands, mark)
         # Table and view read together (no await between): the view is the table's fleet.
-        table = self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
         return Reply(results, table, self.fleet_for(fleet_mark))
 
     async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
-        return await self.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+        return await self.ledger_service.register(owner, ttl_s, incarnation)
 
     async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
-        return await self.ledger.deregister_owner(owner, incarnation=incarnation)
+        return await self.ledger_service.deregister(owner, incarnation)
 
     async def renew_leases(
         self,
@@ -192,20 +198,14 @@ class _Service:
         mark: Mark | None,
         fleet_mark: Mark | None,
     ) -> RenewReply:
-        lost: dict[Life, LoraLedgerError] = {}
-        for (owner, incarnation), inflight in renewals.items():
-            try:
-                self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
-            except LoraLedgerError as exc:
-                lost[(owner, incarnation)] = exc
-        table = self.routing.newer_than(self.ledger.state, mark, self.fleet_version)
+        lost, table = self.ledger_service.renew(renewals, mark)
         return RenewReply(lost, table, self.fleet_for(fleet_mark))
 
     async def routing_table(self) -> RoutingTable:
-        return self.routing.current(self.ledger.state, self.fleet_version)
+        return self.ledger_service.table()
 
     async def status(self) -> LedgerStatus:
-        return self.ledger.status()
+        return self.ledger_service.status()
 
     async def publish(
         self, descriptor: AdapterDescriptor, step: int, allow_rollback: bool = False
@@ -322,14 +322,10 @@ class _Service:
 
     async def engine_failed(self, engine_id: str, error: EngineError) -> None:
         """A caller's generation on ``engine_id`` failed in a way that says something about the
-        engine (it is gone, unreachable, or does not hold what routing says): handed to the
-        reconciler as the in-process gateway hands it
-        (:meth:`~publisher.reconciler.Reconciler.engine_trouble`), which reads the error -- a
-        missing adapter gets the engine's inventory read now, anything else a probe now. Only
-        a hint: the probe and the inventory decide."""
+        engine: handed to the reconciler (:meth:`LedgerService.trouble`) when the engine is one
+        of the plane's."""
         if self.plane is not None and engine_id in self.plane.fleet:
-            log.info("ray.engine_trouble_reported", engine=engine_id, code=error.code)
-            self.plane.reconciler.engine_trouble(engine_id, error)
+            self.ledger_service.trouble(engine_id, error)
 
     async def info(self) -> LedgerInfo:
         state = self.ledger.state

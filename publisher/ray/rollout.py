@@ -78,7 +78,7 @@ async def _serve(
         # ledger either way, so its reconciler probes that engine at once.
         fleet = client.fleet if engines is None else Fleet(engines)
         gateway = Gateway(
-            fleet, client.routing, gateway_id=owner, on_engine_trouble=client.engine_failed
+            fleet, client.view, gateway_id=owner, on_engine_trouble=client.engine_failed
         )
         async with RolloutWorker.open(client, gateway, owner=owner, **worker_options) as worker:
             yield worker

@@ -84,15 +84,16 @@ from evlog.store import Snapshot
 from projections import invariants
 from projections.registry import RegistryState, VersionState, evolve
 from projections.staleness import TOO_STALE, too_stale
+from projections.status import LedgerStatus, status_of
 from publisher import commands as c
 from publisher.engine_ops import EngineTimeouts
 from publisher.errors import Code
 from publisher.fleet import Fleet
 from publisher.gateway import DispatchCode, Gateway
+from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
 from publisher.ledger import Ledger
 from publisher.outcomes import Deregistered, Done, Outcome
 from publisher.plane import ControlPlane
-from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.publication import PublicationError
 from publisher.sessions import RetryPolicy, RolloutWorker
 from publisher.trainer import TrainerClient
@@ -388,7 +389,8 @@ class ControllerPort:
 
 
 class RoutingPort:
-    """The gateway's routing view: the live controller's state, or the last one seen."""
+    """The gateway's view of the ledger: the live controller's state, or the last one seen
+    (while no controller runs, the gateway keeps routing from what it last saw)."""
 
     def __init__(self, world: World) -> None:
         self._world = world
@@ -409,6 +411,20 @@ class RoutingPort:
     @property
     def max_staleness(self) -> int | None:
         return self._state().max_staleness
+
+    def incarnation(self, engine: str) -> str:
+        member = self._state().engines.get(engine)
+        return "" if member is None else member.incarnation
+
+    def status(self) -> LedgerStatus:
+        return status_of(self._state())
+
+    def knows_unbound(self, session: str) -> bool:
+        state = self._state()
+        return session not in state.sessions and session not in state.tombstones
+
+    async def refresh(self) -> None:
+        return None
 
 
 # --- the actors ------------------------------------------------------------------------------

@@ -40,10 +40,10 @@ from engines.local.client import LocalHTTPEngine
 from evlog.events import AdapterLost, EngineLeft, EngineRepaired, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
-from publisher.affinity import rendezvous
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
-from publisher.gateway import DispatchCode, DispatchError, Gateway, LedgerRouting
+from publisher.gateway import DispatchCode, DispatchError, Gateway, LocalView
+from publisher.gateway.affinity import rendezvous
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationError, PublicationStatus
 from tests.fault.conftest import record_figure
@@ -142,7 +142,7 @@ async def plane_over(
         ) as plane,
     ):
         gateway = Gateway(
-            fleet, LedgerRouting(plane.ledger), on_engine_trouble=plane.reconciler.engine_trouble
+            fleet, LocalView(plane.ledger), on_engine_trouble=plane.reconciler.engine_trouble
         )
         plane.add_inflight_source(gateway)
         yield plane, gateway

@@ -22,7 +22,7 @@ from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
 from publisher.adapter_copy import AdapterCopy
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
+from publisher.gateway import Gateway, LocalView
 from publisher.plane import ControlPlane
 from publisher.publication import PublicationStatus
 from tests.integration.peft_reference import PeftReference
@@ -64,7 +64,7 @@ async def test_regression_vllm_cache_salt_gateway_generations_succeed_on_the_rea
             AdapterCopy.from_state_dict(tensors, config), version_id=1
         )
         assert v1.status == PublicationStatus.PUBLISHED
-        gateway = Gateway(plane.fleet, LedgerRouting(plane.ledger), gateway_id="salt-test")
+        gateway = Gateway(plane.fleet, LocalView(plane.ledger), gateway_id="salt-test")
         plane.add_inflight_source(gateway)
         await plane.ledger.register_owner("w", ttl_s=600)
         bound = await plane.ledger.bind("s1", "w")

@@ -19,16 +19,15 @@ from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
 from publisher.adapter_copy import AdapterCopy
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
-from publisher.openai_gateway import (
-    LiveView,
+from publisher.gateway import Gateway, LocalView
+from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
+from publisher.openai import (
     OpenAIGateway,
     OpenAIOptions,
     engine_routes,
     openai_app,
 )
 from publisher.plane import ControlPlane
-from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.publication import PublicationStatus
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, serve_app
@@ -67,13 +66,12 @@ async def test_the_openai_routes_pin_a_session_on_the_real_vllm_server(
         sink = MemorySink()
         async with ProvenanceRecorder(sink) as recorder:
             gateway = Gateway(
-                plane.fleet, LedgerRouting(plane.ledger), gateway_id="voai", recorder=recorder
+                plane.fleet, LocalView(plane.ledger), gateway_id="voai", recorder=recorder
             )
             plane.add_inflight_source(gateway)
             async with RolloutWorker.open(plane.ledger, gateway, owner="voai") as worker:
                 face = OpenAIGateway(
                     worker,
-                    LiveView(plane.ledger),
                     engine_routes(plane.fleet),
                     OpenAIOptions(token=TOKEN),
                 )

@@ -25,17 +25,16 @@ from engines.local.server import serve as serve_engine
 from engines.local.tinymodel import make_adapter
 from evlog.memory import MemoryStore
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
-from publisher.openai_gateway import (
+from publisher.gateway import Gateway, LocalView
+from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
+from publisher.openai import (
     EngineRoute,
-    LiveView,
     OpenAIGateway,
     OpenAIOptions,
     engine_routes,
     openai_app,
 )
 from publisher.plane import ControlPlane
-from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.sessions import RolloutWorker
 from publisher.trainer import TrainerClient
 from tests.fault.engine_host import HostedEngine
@@ -208,7 +207,7 @@ async def rig(
         recorder = await stack.enter_async_context(ProvenanceRecorder(sink))
         gateway = Gateway(
             plane.fleet,
-            LedgerRouting(plane.ledger),
+            LocalView(plane.ledger),
             gateway_id=owner,
             recorder=recorder,
             on_engine_trouble=plane.reconciler.engine_trouble,
@@ -222,7 +221,7 @@ async def rig(
         table = engine_routes(plane.fleet)
         for engine_id, url in (routes or {}).items():
             table[engine_id] = EngineRoute(engine_id=engine_id, kind="local", base_url=url)
-        face = OpenAIGateway(worker, LiveView(plane.ledger), table, OpenAIOptions(token=TOKEN))
+        face = OpenAIGateway(worker, table, OpenAIOptions(token=TOKEN))
         stack.push_async_callback(face.aclose)
         url = await stack.enter_async_context(serve_app(openai_app(face)))
         yield Rig(

@@ -40,11 +40,11 @@ from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from evlog.memory import MemoryStore
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
+from publisher.gateway import Gateway, LocalView
+from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
 from publisher.ledger import Ledger
 from publisher.outcomes import Allocated
 from publisher.plane import ControlPlane
-from publisher.provenance import MemorySink, ProvenanceRecorder
 from publisher.reclaim import ReclaimDriver
 from publisher.trainer import TrainerClient
 from tests.engines.contract import aiter_list, buckets_of
@@ -183,9 +183,7 @@ async def _rig(
         recorder = await stack.enter_async_context(
             ProvenanceRecorder(sink, capacity=recorder_capacity)
         )
-        gateway = Gateway(
-            fleet, LedgerRouting(ledger), gateway_id="gw", recorder=recorder, clock=clock
-        )
+        gateway = Gateway(fleet, LocalView(ledger), gateway_id="gw", recorder=recorder, clock=clock)
         yield Rig(ledger, store, clock, local, fleet, gateway, sink, recorder)
 
 
@@ -223,7 +221,7 @@ async def plane_rig(
             sink = MemorySink()
             recorder = await stack.enter_async_context(ProvenanceRecorder(sink))
             gateway = Gateway(
-                plane.fleet, LedgerRouting(plane.ledger), gateway_id="gw", recorder=recorder
+                plane.fleet, LocalView(plane.ledger), gateway_id="gw", recorder=recorder
             )
             plane.add_inflight_source(gateway)
             yield Rig(

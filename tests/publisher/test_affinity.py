@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from publisher.affinity import least_loaded, rendezvous, weight
+from publisher.gateway.affinity import least_loaded, rendezvous, weight
 
 HOLDERS = ["e0", "e1", "e2", "e3"]
 SESSIONS = [f"session-{i}" for i in range(2000)]
@@ -15,7 +15,7 @@ SESSIONS = [f"session-{i}" for i in range(2000)]
 
 def test_the_weight_is_the_same_in_another_process() -> None:
     # Python's hash() is salted per process; the weight must not be.
-    code = "from publisher.affinity import weight; print(weight('session-7', 'e1'))"
+    code = "from publisher.gateway.affinity import weight; print(weight('session-7', 'e1'))"
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="."
     )

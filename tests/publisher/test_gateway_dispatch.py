@@ -23,9 +23,10 @@ from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
-from publisher.affinity import rendezvous
 from publisher.fleet import Fleet
-from publisher.gateway import DEFAULT_PARAMS, DispatchCode, Gateway, InFlightCounter
+from publisher.gateway import DispatchCode, Gateway, InFlightCounter
+from publisher.gateway.affinity import rendezvous
+from publisher.gateway.dispatch import DEFAULT_PARAMS
 from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
@@ -179,7 +180,7 @@ async def test_an_ambiguous_dispatch_names_what_the_caller_needs_to_find_the_sam
 
 async def test_evidence_of_an_empty_fleet_is_one_zero_for_every_engine() -> None:
     """A claim must record what it relied on even when no engine is left: a wildcard zero."""
-    gateway = Gateway(Fleet(), routing=None, gateway_id="g", clock=lambda: 42.5)  # type: ignore[arg-type]
+    gateway = Gateway(Fleet(), view=None, gateway_id="g", clock=lambda: 42.5)  # type: ignore[arg-type]
     assert gateway.inflight_evidence(3) == [InFlight(reporter="g", engine="*", count=0, at=42.5)]
 
 
@@ -194,16 +195,33 @@ async def test_evidence_keeps_an_engine_the_version_was_sent_to_after_it_leaves_
         assert {x.engine for x in r.gateway.inflight_evidence(2)} == set(r.fleet.ids())
 
 
+class TallyOnly:
+    """An owner (a rollout worker's part the gateway sees) whose lease never ends: only its
+    tally, and when it is forwarded, are under test."""
+
+    def __init__(self) -> None:
+        self.inflight = InFlightCounter()
+        self.counted: list[dict[tuple[str, int], int]] = []  # the tally at each report
+
+    def ensure_live(self) -> None:
+        pass
+
+    def report(self) -> None:
+        self.counted.append(self.inflight.counts())
+
+
 async def test_a_workers_tally_counts_its_requests_and_returns_to_zero() -> None:
     async with rig() as r:
         await r.publish(1)
         bound = await _bound(r)
-        tally = InFlightCounter()
-        served = await r.gateway.generate(bound, PROMPT, SHORT, tally=tally)
-        assert not tally and tally.counts() == {}
+        owner = TallyOnly()
+        served = await r.gateway.generate(bound, PROMPT, SHORT, owner=owner)
+        assert not owner.inflight and owner.inflight.counts() == {}
         assert r.gateway.inflight(served.engine, 1) == 0
         assert r.gateway.dispatched == 1
-        await r.gateway.generate(bound, PROMPT, SHORT, tally=tally)
+        # reported once admitted, before the request left: the count a remote ledger gets
+        assert owner.counted == [{(served.engine, 1): 1}]
+        await r.gateway.generate(bound, PROMPT, SHORT, owner=owner)
         assert r.gateway.dispatched == 2
 
 
@@ -213,7 +231,7 @@ async def test_request_ids_are_unique_per_gateway_and_counted_from_one() -> None
         bound = await _bound(r)
         first = await r.gateway.generate(bound, PROMPT, SHORT)
         second = await r.gateway.generate(bound, PROMPT, SHORT)
-        other = Gateway(r.fleet, r.gateway.routing)
+        other = Gateway(r.fleet, r.gateway.view)
         third = await other.generate(bound, PROMPT, SHORT)
         ids = [s.provenance.request_id for s in (first, second, third)]
         assert re.fullmatch(r"gw-[0-9a-f]{12}-1", ids[0]), ids
@@ -311,14 +329,15 @@ async def test_extra_fields_for_an_engine_that_takes_none_name_the_engine_and_fi
     async with rig(engines=1) as r:
         await r.publish(1)
         bound = await _bound(r)
-        tally = InFlightCounter()
+        owner = TallyOnly()
         with pytest.raises(LoraLedgerError) as info:
             await r.gateway.generate(
-                bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1}, tally=tally
+                bound, PROMPT, SHORT, extra_body={"top_k": 5, "seed": 1}, owner=owner
             )
         assert info.value.message == "engine e0 takes no extra body fields (['seed', 'top_k'])"
         # refused before anything was sent: counted nowhere, the worker's tally included
-        assert not tally and r.gateway.inflight_counts() == {} and r.gateway.dispatched == 0
+        assert not owner.inflight and r.gateway.inflight_counts() == {}
+        assert r.gateway.dispatched == 0
 
 
 async def test_the_choice_is_sticky_by_default_and_never_an_engine_already_tried() -> None:

@@ -15,7 +15,6 @@ import pytest
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCode, Generation
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
-from publisher.affinity import rendezvous
 from publisher.gateway import (
     DispatchCode,
     Gateway,
@@ -23,6 +22,7 @@ from publisher.gateway import (
     says_about_engine,
     try_elsewhere,
 )
+from publisher.gateway.affinity import rendezvous
 from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
@@ -136,7 +136,7 @@ async def test_the_hook_given_at_construction_hears_an_unreachable_engine() -> N
         heard: list[tuple[str, str]] = []
         gateway = Gateway(
             r.fleet,
-            r.gateway.routing,
+            r.gateway.view,
             on_engine_trouble=lambda engine, exc: heard.append((engine, exc.code)),
         )
         await r.publish(1)

@@ -21,10 +21,9 @@ from engines.local.tinymodel import make_adapter
 from evlog.errors import LoraLedgerError
 from evlog.events import EngineRestarted, EngineSuspended, SessionReleased
 from projections.transitions import VersionState
-from publisher.affinity import rendezvous
-from publisher.gateway import Gateway, LedgerRouting
-from publisher.openai_gateway import (
-    LiveView,
+from publisher.gateway import Gateway, LocalView
+from publisher.gateway.affinity import rendezvous
+from publisher.openai import (
     OpenAIGateway,
     OpenAIOptions,
     engine_routes,
@@ -401,12 +400,11 @@ async def test_two_gateways_serve_one_session_on_the_same_version_and_engine(
 ) -> None:
     async with rig(tmp_path, engines=3) as r:
         await r.publish(1)
-        other_gateway = Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b")
+        other_gateway = Gateway(r.plane.fleet, LocalView(r.plane.ledger), gateway_id="gw-b")
         r.plane.add_inflight_source(other_gateway)
         async with RolloutWorker.open(r.plane.ledger, other_gateway, owner="gw-b") as worker_b:
             face_b = OpenAIGateway(
                 worker_b,
-                LiveView(r.plane.ledger),
                 engine_routes(r.plane.fleet),
                 OpenAIOptions(token=TOKEN),
             )

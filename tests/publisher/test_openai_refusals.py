@@ -1,6 +1,6 @@
 """What the OpenAI face refuses before anything is bound, and how it answers requests outside
 its routes, with the official ``openai`` client against the face on real parts (local engines
-over HTTP on loopback, the in-process ledger: ``LiveView``).
+over HTTP on loopback, the in-process ledger: ``LocalView``).
 
 * an unknown ``model`` is ``404 model_not_found`` (the SDK's ``NotFoundError``), and a first
   turn naming a version other than the default is ``409 VERSION_NOT_BOUND``: neither leaves a
@@ -22,7 +22,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from evlog.events import SessionBound, SessionReleased
 from projections.transitions import VersionState
-from publisher.gateway import Gateway, LedgerRouting
+from publisher.gateway import Gateway, LocalView
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, Rig, rig
 from tests.publisher.plane_kit import events, wait_for
@@ -49,7 +49,7 @@ async def session_events(r: Rig) -> list[tuple[str, str]]:
 
 def other_gateway(r: Rig) -> AbstractAsyncContextManager[RolloutWorker]:
     """The worker of a second gateway (owner ``gw-b``) on the rig's ledger and fleet."""
-    gateway = Gateway(r.plane.fleet, LedgerRouting(r.plane.ledger), gateway_id="gw-b")
+    gateway = Gateway(r.plane.fleet, LocalView(r.plane.ledger), gateway_id="gw-b")
     return RolloutWorker.open(r.plane.ledger, gateway, owner="gw-b")
 
 

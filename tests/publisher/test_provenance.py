@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from evlog.errors import LoraLedgerError, StoreCode
-from publisher.provenance import (
+from publisher.gateway.provenance import (
     JsonlSink,
     MemorySink,
     ProvenanceRecorder,

@@ -29,7 +29,7 @@ PROGRAM = textwrap.dedent(
     warnings.simplefilter("ignore")  # peft's and transformers' own chatter is not ours
     from engines import LocalEngine, SamplingParams, make_adapter
     from evlog import SQLiteStore
-    from publisher import ControlPlane, Fleet, Gateway, LedgerRouting, RolloutWorker
+    from publisher import ControlPlane, Fleet, Gateway, LocalView, RolloutWorker
     from publisher import TrainerClient
 
     async def main(workdir):
@@ -44,7 +44,7 @@ PROGRAM = textwrap.dedent(
             trainer = TrainerClient(plane)
             config, tensors = make_adapter(1)
             await trainer.publish(tensors, config, step=1)
-            gateway = Gateway(plane.fleet, LedgerRouting(plane.ledger), gateway_id="g")
+            gateway = Gateway(plane.fleet, LocalView(plane.ledger), gateway_id="g")
             plane.add_inflight_source(gateway)
             async with RolloutWorker.open(plane.ledger, gateway, owner="w") as worker:
                 session = worker.session("s1")

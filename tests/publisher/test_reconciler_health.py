@@ -29,8 +29,8 @@ from evlog.events import (
     InventoryObserved,
 )
 from projections.registry import VersionRecord
-from publisher.affinity import rendezvous
-from publisher.gateway import DispatchError, Gateway, LedgerRouting
+from publisher.gateway import DispatchError, Gateway, LocalView
+from publisher.gateway.affinity import rendezvous
 from publisher.plane import ControlPlane
 from publisher.reconciler import Reconciler
 from tests.engines.faulty_engine import FaultyEngine, ServerError
@@ -330,7 +330,7 @@ async def test_a_missing_adapter_and_an_engine_failure_both_reach_the_reconciler
     ):
         gateway = Gateway(
             plane.fleet,
-            LedgerRouting(plane.ledger),
+            LocalView(plane.ledger),
             on_engine_trouble=plane.reconciler.engine_trouble,
         )
         await plane.publisher.publish(adapter_copy(1), version_id=1)

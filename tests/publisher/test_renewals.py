@@ -7,7 +7,7 @@ import pytest
 
 from evlog.errors import LoraLedgerError
 from publisher.errors import Code, LedgerRefused
-from publisher.renewals import PendingRenewals
+from publisher.remote.renewals import PendingRenewals
 
 
 def test_each_life_keeps_its_newest_counts_and_zeros_are_dropped() -> None:

@@ -132,7 +132,7 @@ async def test_a_try_on_another_holder_is_checked_against_the_bound_again() -> N
     """Found by the simulation (seed 137): the bound was checked once, before the first try;
     versions published while that try failed made the retry on another holder serve beyond
     ``max_staleness``. Now every try is checked, and the session is released as too stale."""
-    from publisher.affinity import rendezvous
+    from publisher.gateway.affinity import rendezvous
 
     wrap = lambda e: PublishesThenRefuses(e) if e.engine_id == "e0" else Recording(e)  # noqa: E731
     async with rig(wrap=wrap) as r:

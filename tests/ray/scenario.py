@@ -40,7 +40,7 @@ from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore
 from publisher.engine_ops import EngineTimeouts
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
+from publisher.gateway import Gateway, LocalView
 from publisher.outcomes import Bound, Released
 from publisher.plane import ControlPlane
 from publisher.ray.client import RayLedger
@@ -279,7 +279,7 @@ class InProcessEnv:
             runners = []
             for k in range(WORKERS):
                 owner = f"w{k}"
-                gateway = Gateway(plane.fleet, LedgerRouting(plane.ledger), gateway_id=owner)
+                gateway = Gateway(plane.fleet, LocalView(plane.ledger), gateway_id=owner)
                 plane.add_inflight_source(gateway)
                 worker = await stack.enter_async_context(
                     RolloutWorker.open(plane.ledger, gateway, owner=owner)
@@ -348,7 +348,7 @@ async def _attempt(worker: RolloutWorker, sessions: list[str], turn: int) -> lis
 async def _routes_to(worker: RolloutWorker, engine_id: str) -> bool:
     ledger = worker.ledger
     assert isinstance(ledger, RayLedger)
-    table = ledger.routing.table
+    table = ledger.view.table
     return table is not None and any(engine_id in h for h in table.holders.values())
 
 

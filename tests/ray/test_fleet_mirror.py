@@ -11,9 +11,10 @@ import pytest
 
 from projections.registry import RegistryState
 from publisher.fleet import Fleet
-from publisher.ray.client import RayLedger, apply_view
+from publisher.ray.client import RayLedger, RayTransport, apply_view
 from publisher.ray.ledger_actor import FleetView
-from publisher.ray.routing import RoutingTable, RoutingTracker
+from publisher.ray.link import ActorLink
+from publisher.remote.routing import RoutingTable, RoutingTracker
 
 
 @dataclasses.dataclass
@@ -71,25 +72,26 @@ async def test_a_replies_handles_are_mirrored_before_its_table_is_read() -> None
     """The table that routes to a replaced engine again and the replacement's handle come in
     one reply: once the client took it, a gateway reading routing and fleet (synchronously,
     as it does) finds the new actor's handle, with nothing left to fetch."""
-    client = RayLedger("not-started")
+    transport = RayTransport(ActorLink("not-started"))
+    client = RayLedger(transport)
     client.fleet.add(Handle("e0", "dead-actor"))  # type: ignore[arg-type]
-    client.fleet_mark = (1, 1)
+    transport.fleet_mark = (1, 1)
     table = RoutingTable(
         epoch=1, serial=7, default_revision=1, holders={"v1": ("e0",)}, fleet_version=2
     )
     view = FleetView(epoch=1, version=2, engines=(Handle("e0", "replacement"),))  # type: ignore[arg-type]
-    client._routing_seen(table, view)
-    assert client.routing.holders("v1") == ("e0",)
+    client.view.take(transport.mirrored(table, view))  # as the client takes a reply
+    assert client.view.holders("v1") == ("e0",)
     assert client.fleet["e0"].actor_id == "replacement"  # type: ignore[attr-defined]
     assert client.fleet_mark == table.fleet_mark
-    assert not client._fleet_wanted.is_set()  # nothing left to fetch
+    assert not transport.fleet_wanted.is_set()  # nothing left to fetch
 
     # an older view crossing it (replies arrive out of order) changes nothing
     stale = FleetView(epoch=1, version=1, engines=(Handle("e0", "dead-actor"),))  # type: ignore[arg-type]
-    client._routing_seen(None, stale)
+    client.view.take(transport.mirrored(None, stale))
     assert client.fleet["e0"].actor_id == "replacement"  # type: ignore[attr-defined]
 
     # a table ahead of the mirror without its view (never sent so): fetched as a safety net
     ahead = RoutingTable(epoch=2, serial=1, default_revision=1, holders={}, fleet_version=1)
-    client._routing_seen(ahead)
-    assert client._fleet_wanted.is_set()
+    client.view.take(transport.mirrored(ahead))
+    assert transport.fleet_wanted.is_set()

@@ -42,8 +42,8 @@ from engines.testing import RestartableEngine
 from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.status import EngineStatus, LedgerStatus
-from publisher.affinity import rendezvous
 from publisher.gateway import DispatchCode, Gateway
+from publisher.gateway.affinity import rendezvous
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, start_engine, stop_engine
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
@@ -347,7 +347,7 @@ async def test_the_very_next_turn_after_a_replace_is_served_by_the_replacement(
         )
         gateway = Gateway(
             client.fleet,
-            client.routing,
+            client.view,
             gateway_id="driver",
             on_engine_trouble=client.engine_failed,
         )

@@ -116,20 +116,20 @@ async def test_routing_arrives_with_the_replies(ledger_factory: Any) -> None:
         await create(publisher)
         await publisher.register_owner("w1")
         v1 = await publish(publisher, 1)
-        await worker.refresh_routing()
-        assert worker.routing.holders(v1.lora_name) == ENGINES
-        assert worker.routing.default_revision == 1
+        await worker.refresh()
+        assert worker.view.holders(v1.lora_name) == ENGINES
+        assert worker.view.default_revision == 1
 
         v2 = await publish(publisher, 2)
         # the worker has not heard from the ledger since: it still sees revision 1 ...
-        assert worker.routing.holders(v2.lora_name) == ()
-        assert worker.routing.default_revision == 1
+        assert worker.view.holders(v2.lora_name) == ()
+        assert worker.view.default_revision == 1
         # ... until a reply: the bind's reply carries routing computed after the bind
         bound = await worker.bind("s1", "w1")
         assert bound.version_id == 2
-        assert worker.routing.holders(v2.lora_name) == ENGINES
-        assert worker.routing.default_revision == 2
-        assert worker.routing.holders(v1.lora_name) == ENGINES  # retired, still held
+        assert worker.view.holders(v2.lora_name) == ENGINES
+        assert worker.view.default_revision == 2
+        assert worker.view.holders(v1.lora_name) == ENGINES  # retired, still held
 
 
 async def test_leases_are_renewed_through_the_client_and_expiry_is_learned(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from publisher.provenance import ProvenanceRow, encode_rows
+from publisher.gateway.provenance import ProvenanceRow, encode_rows
 from tests.tools.conftest import Cli
 from tests.tools.scenario import digest
 from tools.exitcodes import Exit

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from rich.console import Console
 
-from publisher.provenance import ProvenanceRow, read_rows
+from publisher.gateway.provenance import ProvenanceRow, read_rows
 from tests.tools.conftest import Cli, run_script
 from tools.demo import QUICK, DemoRun, DemoStats
 from tools.exitcodes import Exit

@@ -24,9 +24,8 @@ from engines.local.tinymodel import make_adapter
 from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
 from publisher.fleet import Fleet
-from publisher.gateway import Gateway, LedgerRouting
-from publisher.openai_gateway import (
-    LiveView,
+from publisher.gateway import Gateway, LocalView
+from publisher.openai import (
     OpenAIGateway,
     OpenAIOptions,
     engine_routes,
@@ -91,14 +90,13 @@ async def test_counts_never_drift_over_stub_engines(tmp_path: Path, slow: bool) 
                 statuses[str(outcome.status)] += 1
 
             await publish(1)
-            gateway = Gateway(plane.fleet, LedgerRouting(plane.ledger), gateway_id="drift")
+            gateway = Gateway(plane.fleet, LocalView(plane.ledger), gateway_id="drift")
             plane.add_inflight_source(gateway)
             worker = await stack.enter_async_context(
                 RolloutWorker.open(plane.ledger, gateway, owner="drift", idle_release_s=0.5)
             )
             face = OpenAIGateway(
                 worker,
-                LiveView(plane.ledger),
                 engine_routes(plane.fleet),
                 OpenAIOptions(token=TOKEN),
             )

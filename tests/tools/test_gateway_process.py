@@ -31,7 +31,8 @@ from evlog.errors import Refused
 from publisher import commands as c
 from publisher.errors import Code
 from publisher.outcomes import Bound, Forgotten, Released
-from publisher.remote_ledger import HttpLedger, RemoteCode, RemoteLedgerError
+from publisher.remote.http import HttpLedger, RemoteLedgerError
+from publisher.remote.wire import WireCode
 from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.tools.serving import serving
@@ -410,8 +411,9 @@ async def test_the_http_ledger_answers_like_the_ledger(tmp_path: Path) -> None:
         assert bound.version_id == again.version_id == 1 and {bound.new, again.new} == {True, False}
         assert isinstance(stranger, Refused) and stranger.code == Code.UNKNOWN_OWNER
         await ledger.refresh()
-        assert ledger.holders(bound.lora_name) == ("e0",) and ledger.default_revision == 1
-        assert ledger.incarnation("e0") and ledger.status().sessions_bound == 1
+        view = ledger.view
+        assert view.holders(bound.lora_name) == ("e0",) and view.default_revision == 1
+        assert view.incarnation("e0") and view.status().sessions_bound == 1
 
         released, forgotten = await ledger.execute_many(
             [c.Release(session="s1", owner="w", cause="idle"), c.Forget(sessions=("s0",))]
@@ -431,7 +433,7 @@ async def test_the_http_ledger_answers_like_the_ledger(tmp_path: Path) -> None:
         async with HttpLedger.connect(url, token="wrong") as stranger_client:
             with pytest.raises(RemoteLedgerError) as refused:
                 await stranger_client.register_owner("x")
-            assert refused.value.code == RemoteCode.LEDGER_ANSWER
+            assert refused.value.code == WireCode.LEDGER_ANSWER
 
 
 def test_gateway_options_are_refused_before_anything_starts() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from publisher import commands as c
-from publisher.provenance import MemorySink, ProvenanceRow
+from publisher.gateway.provenance import MemorySink, ProvenanceRow
 from tests.publisher.book import Book
 from tools.metrics import LedgerMetrics, StalenessSink
 

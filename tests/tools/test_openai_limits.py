@@ -262,14 +262,13 @@ async def test_the_bare_app_answered_400_after_reading_any_body(tmp_path: Path) 
     """Before: ``openai_app`` (what a Ray gateway actor serves) had no guard: it read a body of
     any size whole, then answered 400 INVALID_INPUT. Now it is behind the same guard as the
     other faces: 413 BODY_TOO_LARGE in OpenAI's shape, at the face's ``max_body_bytes``."""
-    from publisher.openai_gateway import LiveView, OpenAIGateway, OpenAIOptions, openai_app
+    from publisher.openai import OpenAIGateway, OpenAIOptions, openai_app
     from tests.publisher.openai_kit import TOKEN as RIG_TOKEN
     from tests.publisher.openai_kit import rig
 
     async with rig(tmp_path, engines=1) as r:
         small = OpenAIGateway(
             r.worker,
-            LiveView(r.plane.ledger),
             r.face.engines,
             OpenAIOptions(token=RIG_TOKEN, max_body_bytes=4 * MIB),
         )
@@ -298,7 +297,7 @@ def test_the_limits_reach_the_face_from_the_command_line_and_the_ray_config(
     """``--max-body-mb`` and ``--upstream-timeout-s`` on serve and gateway end up in the face's
     ``OpenAIOptions`` (so do ``GatewayConfig``'s fields on Ray); the defaults are the face's
     own everywhere; nonsense is refused before anything starts."""
-    from publisher.openai_gateway import MAX_BODY_BYTES, UPSTREAM_TIMEOUT_S, OpenAIOptions
+    from publisher.openai import MAX_BODY_BYTES, UPSTREAM_TIMEOUT_S, OpenAIOptions
     from publisher.ray.gateway import GatewayConfig
     from tools.exitcodes import Exit
     from tools.gateway import GatewayOptions

@@ -30,7 +30,7 @@ from publisher.fleet import Fleet
 from publisher.gateway import Gateway
 from publisher.ledger import Ledger
 from publisher.outcomes import Bound
-from publisher.remote_ledger import HttpLedger
+from publisher.remote.http import HttpLedger
 from publisher.sessions import RolloutWorker
 from tests.engines.contract import wait_until
 from tests.publisher.openai_kit import serve_app
@@ -61,7 +61,7 @@ async def served(store: SQLiteStore) -> AsyncIterator[tuple[Ledger, str, HttpLed
 async def test_a_clean_exit_and_a_restart_over_http(tmp_path: Path) -> None:
     async with SQLiteStore.open(tmp_path / "ledger.db") as store:
         async with served(store) as (ledger, url, remote):
-            gateway = Gateway(Fleet(), remote, gateway_id="gw")
+            gateway = Gateway(Fleet(), remote.view, gateway_id="gw")
             # a worker that exits cleanly: its unclosed sessions are released at once
             async with RolloutWorker.open(remote, gateway, owner="clean") as worker:
                 bound = await worker.bind_many([worker.session(s) for s in ("c1", "c2")])

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from engines.local.server import running_server
-from publisher.provenance import read_rows
+from publisher.gateway.provenance import read_rows
 from tests.publisher.plane_kit import LIMITS
 from tests.tools.conftest import Cli
 from tests.tools.serving import serving

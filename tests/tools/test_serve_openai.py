@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from engines.local.server import running_server
-from publisher.provenance import read_rows
+from publisher.gateway.provenance import read_rows
 from tests.publisher.plane_kit import LIMITS
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir

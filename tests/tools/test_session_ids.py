@@ -37,7 +37,7 @@ async def test_a_remote_worker_binds_and_releases_any_printable_id(tmp_path: Pat
         SQLiteStore.open(tmp_path / "ledger.db") as store,
         served(store) as (ledger, _, remote),
     ):
-        gateway = Gateway(Fleet(), remote, gateway_id="gw")
+        gateway = Gateway(Fleet(), remote.view, gateway_id="gw")
         async with RolloutWorker.open(remote, gateway, owner="team/a.b") as worker:
             bound = await worker.bind_many([worker.session(s) for s in ODD_IDS])
             assert [getattr(b, "version_id", b) for b in bound] == [1] * len(ODD_IDS)

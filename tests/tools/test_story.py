@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evlog.record import Record
-from publisher.provenance import ProvenanceRow
+from publisher.gateway.provenance import ProvenanceRow
 from tests.tools.scenario import digest, fault_run_records
 from tools.story import tell
 

@@ -28,6 +28,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engines.contract import Generation
 from evlog.errors import INVALID_INPUT, InvalidInput, StoreCode, StoreError
 from projections.staleness import staleness
 from publisher.errors import Code, LedgerError
@@ -87,6 +88,32 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def attested(self) -> bool:
         """False when the engine named another adapter than the bound one."""
         return self.served_name is None or self.served_name == self.lora_name
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine reported of one generation, for its provenance row: token counts, how
+    it ended, the adapter it says it ran (None: it does not say) and its process life (None:
+    the ledger's record of it is used)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    served_name: str | None = None
+    incarnation: str | None = None
+
+    @classmethod
+    def of(cls, generation: Generation) -> Usage:
+        """A :class:`~engines.contract.Generation`'s usage (every sample's tokens counted)."""
+        return cls(
+            prompt_tokens=generation.prompt_tokens,
+            completion_tokens=sum(len(c.token_ids) for c in generation.choices)
+            or len(generation.token_ids),
+            cached_tokens=generation.cached_tokens,
+            finish_reason=generation.finish_reason,
+            served_name=generation.lora_name,
+            incarnation=generation.incarnation,
+        )
 
 
 _encoder = msgspec.json.Encoder()

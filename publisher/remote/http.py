@@ -1,0 +1,238 @@
+"""``loraledger serve`` over HTTP, as its clients reach it: one service client
+(:class:`ServiceClient`: base URL, token, the wire's types, failures classified once), the
+remote ledger's HTTP transport, and :class:`HttpLedger`, the remote ledger a gateway process
+runs on (``loraledger gateway``, docs/openai.md)::
+
+    async with HttpLedger.connect(url, token=token) as ledger:
+        gateway = Gateway(Fleet(), ledger.view, gateway_id="gw-1", recorder=recorder,
+                          on_engine_trouble=ledger.engine_failed)
+        async with RolloutWorker.open(ledger, gateway, owner="gw-1") as worker:
+            face = OpenAIGateway(worker, routes, options)
+
+How a reply is read, once for every call (``loraledger status`` and ``fleet`` included):
+
+* no reply (refused, reset, timed out) -> :class:`LedgerUnreachable`, a ``ConnectionError``: the
+  call may or may not have been decided; every ledger call is idempotent, so it is asked again;
+* a refusal of the ledger (``{"code", "message", "details"}`` with one of its codes) -> the
+  ledger's own error, same class and code, as in process;
+* anything else (a bad token, a body the guard refused, a proxy's page) -> a
+  :class:`RemoteLedgerError` ``LEDGER_ANSWER``: asking again is pointless until the
+  configuration changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import anyio
+import httpx
+import msgspec
+
+from engines.contract import EngineError
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
+from projections.status import LedgerStatus
+from publisher import commands as c
+from publisher.outcomes import Deregistered, Done, Outcome
+from publisher.remote import wire
+from publisher.remote.client import Answered, RemoteLedger, Renewed
+from publisher.remote.renewals import Counts, Life
+from publisher.remote.routing import Mark, RoutingTable
+
+T = TypeVar("T")
+
+
+class RemoteLedgerError(LoraLedgerError):
+    """A reply of the remote service that is not one of the ledger's refusals."""
+
+
+class RemoteRefused(RemoteLedgerError, Refused, codes=[wire.WireCode.LEDGER_ANSWER]):
+    """Serve refused the call itself (token, body limits, unknown route): asking again is
+    pointless until the configuration changes."""
+
+
+class LedgerUnreachable(ConnectionError):
+    """No reply from serve (refused, reset, timed out): the call may or may not have been
+    decided; every call sent to the ledger is idempotent, so it is asked again."""
+
+
+def segment(text: str) -> str:
+    """A path segment (session and owner ids may hold characters a URL path may not: any
+    printable text). ``/`` is escaped, and so is ``.``: a segment ``.`` or ``..`` would be
+    resolved away by the URL's normalisation. The server decodes the path before it routes,
+    so its routes take these ids with a ``path`` converter (``tools/http_app.py``)."""
+    return quote(text, safe="").replace(".", "%2E")
+
+
+class ServiceClient:
+    """An HTTP client of ``loraledger serve`` at ``url``, bearing ``token``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout_s: float = 10.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        # trust_env=False: a proxy from the environment must never see loopback traffic.
+        self._http = client or httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def get(self, path: str, kind: type[T]) -> T:
+        return await self._call("GET", path, None, kind)
+
+    async def post(self, path: str, body: wire.Body | None, kind: type[T]) -> T:
+        return await self._call("POST", path, body, kind)
+
+    async def _call(self, method: str, path: str, body: wire.Body | None, kind: type[T]) -> T:
+        content = b"" if body is None else msgspec.json.encode(body)
+        headers = {"content-type": "application/json"} if body is not None else None
+        try:
+            reply = await self._http.request(method, path, content=content, headers=headers)
+        except httpx.TransportError as exc:
+            raise LedgerUnreachable(
+                f"no reply from the ledger at {self.url}{path}: {exc!r}"
+            ) from exc
+        if reply.status_code != 200:
+            raise self._refusal(reply, path)
+        try:
+            return msgspec.json.decode(reply.content, type=kind)
+        except msgspec.DecodeError as exc:
+            raise RemoteLedgerError(
+                wire.WireCode.LEDGER_ANSWER,
+                f"{self.url}{path} answered {reply.text[:200]!r}: {exc}",
+                status=reply.status_code,
+            ) from None
+
+    def _refusal(self, reply: httpx.Response, path: str) -> LoraLedgerError:
+        """The ledger's error, rebuilt from serve's error body (module docstring)."""
+        try:
+            body = msgspec.json.decode(reply.content, type=wire.Refusal)
+        except msgspec.DecodeError:
+            return RemoteLedgerError(
+                wire.WireCode.LEDGER_ANSWER,
+                f"{self.url}{path} answered HTTP {reply.status_code}: {reply.text[:200]!r}",
+                status=reply.status_code,
+            )
+        error = wire.error_of(body.code, body.message, body.details)
+        if error is not None:
+            return error
+        return RemoteLedgerError(
+            wire.WireCode.LEDGER_ANSWER,
+            f"{self.url}{path} answered HTTP {reply.status_code} {body.code}: {body.message}",
+            status=reply.status_code,
+            answered=body.code,
+        )
+
+
+class HttpTransport:
+    """The remote ledger's calls as ``serve``'s routes."""
+
+    def __init__(self, service: ServiceClient) -> None:
+        self.service = service
+
+    async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered:
+        sessions: list[wire.SessionCommand] = []
+        for command in commands:
+            if not isinstance(command, c.Bind | c.Release | c.Forget):
+                raise InvalidInput(
+                    INVALID_INPUT,
+                    f"a gateway sends only Bind, Release and Forget, not {type(command).__name__}",
+                )
+            sessions.append(command)
+        body = wire.ExecuteSessions(commands=sessions, mark=mark)
+        answered = await self.service.post("/sessions/commands", body, wire.SessionsAnswered)
+        results: list[Outcome | LoraLedgerError] = [
+            _error(r) if isinstance(r, wire.Refusal) else r for r in answered.results
+        ]
+        return Answered(results, answered.routing)
+
+    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
+        body = wire.RegisterOwner(owner=owner, ttl_s=ttl_s, incarnation=incarnation)
+        return await self.service.post("/owners", body, Done)
+
+    async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
+        path = f"/owners/{segment(owner)}/deregister"
+        return await self.service.post(
+            path, wire.DeregisterOwner(incarnation=incarnation), Deregistered
+        )
+
+    async def renew(self, lives: Mapping[Life, Counts], mark: Mark | None) -> Renewed:
+        body = wire.RenewLeases(
+            lives=[
+                wire.LifeRenewal(owner=owner, incarnation=incarnation, inflight=wire.inflight(n))
+                for (owner, incarnation), n in lives.items()
+            ],
+            mark=mark,
+        )
+        renewed = await self.service.post("/leases/renew", body, wire.LeasesRenewed)
+        lost = {(x.owner, x.incarnation): _error(x.refusal) for x in renewed.lost}
+        return Renewed(lost, renewed.routing)
+
+    async def routing(self) -> RoutingTable:
+        return await self.service.get("/routing", RoutingTable)
+
+    async def status(self) -> LedgerStatus:
+        return await self.service.get("/status", LedgerStatus)
+
+    async def report_trouble(self, engine_id: str, error: EngineError) -> None:
+        body = wire.TroubleReport(
+            code=error.code[:64], clean=error.clean, message=error.message[:1024]
+        )
+        await self.service.post(f"/engines/{segment(engine_id)}/trouble", body, wire.Heard)
+
+
+def _error(refusal: wire.Refusal) -> LoraLedgerError:
+    return wire.error_of(refusal.code, refusal.message, refusal.details) or RemoteLedgerError(
+        wire.WireCode.LEDGER_ANSWER, f"{refusal.code}: {refusal.message}"
+    )
+
+
+class HttpLedger(RemoteLedger):
+    """The remote ledger over ``serve``'s HTTP routes. Open with :meth:`connect`."""
+
+    transport: HttpTransport
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        url: str,
+        *,
+        token: str | None,
+        renew_interval: float = 0.5,
+        refresh_interval: float = 1.0,
+        timeout_s: float = 10.0,
+        deregister_on_exit: bool = True,
+        **options: Any,
+    ) -> AsyncIterator[HttpLedger]:
+        """Read the view once (a wrong URL or token fails here), then run the client for the
+        life of the block (:meth:`RemoteLedger.running`)."""
+        if not refresh_interval > 0:
+            raise InvalidInput(INVALID_INPUT, "refresh_interval must be a finite number > 0")
+        service = ServiceClient(url, token=token, timeout_s=timeout_s)
+        try:
+            ledger = cls(
+                HttpTransport(service),
+                renew_interval=renew_interval,
+                refresh_interval=refresh_interval,
+                **options,
+            )
+            async with ledger.running(deregister_on_exit=deregister_on_exit):
+                yield ledger
+        finally:
+            with anyio.CancelScope(shield=True):
+                await service.aclose()
+
+    @property
+    def url(self) -> str:
+        return self.transport.service.url

@@ -1,0 +1,120 @@
+"""What a rollout worker needs of a ledger, and how its calls are retried after a lost reply.
+
+The in-process :class:`~publisher.ledger.Ledger` is a :class:`LedgerPort`; so is a remote
+ledger (:class:`~publisher.remote.client.RemoteLedger`, over HTTP or Ray). Every command a
+worker sends (register, bind, release, forget, deregister) is idempotent in the ledger, so a
+call whose reply was lost is simply asked again (:func:`execute_with_retry`,
+:func:`call_with_retry`): asking twice cannot act twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import anyio
+
+from evlog.errors import LoraLedgerError, StoreCode
+from publisher import commands as c
+from publisher.errors import Code
+from publisher.logs import get_logger
+from publisher.outcomes import Deregistered, Done, Outcome
+
+log = get_logger("loraledger.sessions")
+
+T = TypeVar("T")
+
+# Refusals that only say "the write did not happen, ask again" (idempotent commands only).
+RETRYABLE_CODES = frozenset({StoreCode.STORE_FAILED})
+# Refusals that end an owner: its sessions are gone, it must not act any more.
+OWNER_LOST_CODES = frozenset(
+    {Code.LEASE_EXPIRED, Code.UNKNOWN_OWNER, Code.OWNER_RESTARTED, Code.OWNER_DEREGISTERED}
+)
+
+
+class LedgerPort(Protocol):
+    """What a worker needs from the ledger: four calls, the same in process and remote."""
+
+    async def register_owner(
+        self, owner: str, *, ttl_s: float = ..., incarnation: str = ...
+    ) -> Done: ...
+
+    async def deregister_owner(self, owner: str, *, incarnation: str = ...) -> Deregistered: ...
+
+    def renew_lease(
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = ...,
+    ) -> None: ...
+
+    async def execute_many(
+        self, commands: Sequence[c.Command]
+    ) -> list[Outcome | LoraLedgerError]: ...
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How idempotent ledger calls (register, bind, release, forget) are retried after a
+    lost reply. ``transient`` are the exception types that mean "the reply was lost" for the
+    port in use (a remote ledger's own: it raises ``ConnectionError`` for a lost reply)."""
+
+    attempts: int = 6
+    first_delay: float = 0.02
+    max_delay: float = 1.0
+    transient: tuple[type[BaseException], ...] = (OSError,)
+
+    def delay(self, attempt: int) -> float:
+        scale: int = 2**attempt  # typeshed types int ** int as Any (a negative power is a float)
+        return min(self.max_delay, self.first_delay * scale)
+
+    def retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, LoraLedgerError):
+            return exc.code in RETRYABLE_CODES
+        return isinstance(exc, self.transient)
+
+
+async def execute_with_retry(
+    ledger: LedgerPort, commands: Sequence[c.Command], policy: RetryPolicy, *, owner: str
+) -> list[Outcome | LoraLedgerError]:
+    """``execute_many`` with retries of lost replies and retryable refusals (only the commands
+    still unanswered are asked again). Refusals come back in place."""
+    results: list[Outcome | LoraLedgerError | None] = [None] * len(commands)
+    pending = list(range(len(commands)))
+    for attempt in range(policy.attempts):
+        last = attempt == policy.attempts - 1
+        try:
+            answers = await ledger.execute_many([commands[i] for i in pending])
+        except Exception as exc:
+            if last or not policy.retryable(exc):
+                raise
+            log.warning("sessions.retry", owner=owner, attempt=attempt, error=repr(exc))
+            await anyio.sleep(policy.delay(attempt))
+            continue
+        again: list[int] = []
+        for index, answer in zip(pending, answers, strict=True):
+            if not last and isinstance(answer, LoraLedgerError) and policy.retryable(answer):
+                again.append(index)
+            else:
+                results[index] = answer
+        pending = again
+        if not pending:
+            break
+        await anyio.sleep(policy.delay(attempt))
+    answered = [r for r in results if r is not None]
+    assert len(answered) == len(commands), "every command is answered or the call raised"
+    return answered
+
+
+async def call_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
+    """One idempotent call (register, deregister), asked again after a lost reply."""
+    for attempt in range(policy.attempts):
+        try:
+            return await call()
+        except Exception as exc:
+            if attempt == policy.attempts - 1 or not policy.retryable(exc):
+                raise
+            await anyio.sleep(policy.delay(attempt))
+    raise AssertionError("unreachable: the last attempt returns or raises")
