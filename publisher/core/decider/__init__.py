@@ -31,7 +31,8 @@ module at a time, and the shared validators are written once:
 - ``reclaim``: the reclaim claim, unload confirmations, ambiguous unloads.
 
 Names with a leading underscore belong to the package: its modules share them. Callers import
-the names below.
+the names below. This file only re-exports: the mutation campaign (tests/mutation/campaign.py)
+mutates the modules above and names each mutant's file after its module.
 """
 
 from publisher.core.decider.allocation import slot_holders

@@ -1,11 +1,12 @@
 """When a fatal entry or a reclaim has every absence proof it needs, and who owes the drop.
 
-A ``FAILED_FATAL`` candidate or a ``RECLAIMING`` version completes once every active member has
-proven its name gone. The proofs arrive several ways -- an inventory without the name, an
-unload confirmation, a member that stops counting because it leaves or is suspended -- so the
-fleet's and the reclaim's handlers share these rules: an entry completes by the same rule
-whichever proof came last, and a member left out of the proofs owes the drop (``owed_by``),
-which its repair carries out before it serves again.
+A ``RECLAIMING`` version completes once every active member has proven its name gone; a
+``FAILED_FATAL`` candidate once every active member of its attempt's fleet has, and no other
+member's last inventory shows it. The proofs arrive several ways -- an inventory without the
+name, an unload confirmation, a member that stops counting because it leaves or is suspended --
+so the fleet's and the reclaim's handlers share these rules: an entry completes by the same
+rule whichever proof came last, and a member left out of the proofs owes the drop
+(``owed_by``), which its repair carries out before it serves again.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the decider answers: the events to append, and an outcome or a refusal.
 
 Its own module because every handler builds one and ``decide`` imports every handler: defined
-beside ``decide``, it would make each aggregate import the module that imports it.
+beside ``decide``, it would make each aggregate import the module that imports it (a cycle).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """A publication attempt after its allocation: claim, receipts, commit, failure.
 
-Every command here names an attempt and is fenced on it first (``_fenced``: a message for
-another attempt than the version's latest is stale, whatever the state), then on the version's
-state (``_loading``), then -- claim and commit only -- on the fleet block (``_not_blocked``:
-the default never moves while what the engines hold is unknown). Receipts and failure reports
-are evidence: never blocked, since no error path may leave a version ``LOADING``; a refused
-receipt and a contradicting verdict are recorded (``ReceiptRejected``, ``VerdictConflict``).
+Every command here names an attempt and is fenced on it right after its input (``_fenced``: a
+message for another attempt than the version's latest is stale, whatever the state), then on
+the version's state (``_loading`` for claim, receipts and commit), then -- claim and commit
+only -- on the fleet block (``_not_blocked``: the default never moves while what the engines
+hold is unknown). Receipts and failure reports are evidence: never blocked, since no error
+path may leave a version ``LOADING``; a refused receipt and a contradicting verdict are recorded
+(``ReceiptRejected``, ``VerdictConflict``).
 """
 
 from __future__ import annotations
