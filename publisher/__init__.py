@@ -7,7 +7,7 @@ side (gateway, sessions, provenance). The Ray deployment has its own face, ``pub
 
 ``_FACE`` below is the one map from each public name to the module that defines it. Names are
 imported on first use, as in ``publisher.ray``: ``import publisher`` (or ``import
-publisher.decider``, which runs this file first) imports nothing else, so the pure core stays
+publisher.core.decider``, which runs this file first) imports nothing else, so the pure core stays
 cheap and no engine stack, torch or Ray is loaded until a name that needs it is used.
 ``tests/test_faces.py`` checks that every name resolves and that the import stays light.
 """

@@ -54,7 +54,7 @@ from projections import invariants
 from projections.recovery import recover, save_snapshot
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
-from publisher.decider import Decision, decide
+from publisher.core.decider import Decision, decide
 from publisher.errors import Code, LedgerError
 from publisher.leases import LeaseBook
 from publisher.ledger_api import LedgerAPI

@@ -7,8 +7,8 @@ checks the outcome is the kind the command answers. Names and types live here; o
 batching and durability live in the pipeline. Adding a command is one method whose body is one
 ``_run`` line.
 
-What each command checks, and in which order: ``publisher/decider.py``; the version states it
-can move through: ``projections/transitions.py``.
+What each command checks, and in which order: ``publisher/core/decider/`` (one module per
+aggregate); the version states it can move through: ``projections/transitions.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from evlog.events import InFlight
 from projections.status import LedgerStatus, status_of
 from publisher import commands as c
-from publisher.decider import check_lease
+from publisher.core.decider import check_lease
 from publisher.errors import Code, LedgerError
 from publisher.logs import get_logger
 from publisher.outcomes import (

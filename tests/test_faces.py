@@ -73,7 +73,7 @@ print(json.dumps({{
 
 def test_the_faces_import_nothing_heavy() -> None:
     """``import publisher`` loads no other module of the project (so the pure core, imported
-    as ``publisher.decider``, stays light), and no public name but the local engine loads torch
+    as ``publisher.core.decider``, stays light), and no public name but the local engine loads torch
     or Ray."""
     heavy = {face: sorted(names) for face, names in HEAVY.items()}
     done = subprocess.run(

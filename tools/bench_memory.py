@@ -24,7 +24,7 @@ from typing import Any
 
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
-from publisher.decider import decide
+from publisher.core.decider import decide
 from tools.bench_ledger import machine
 
 

@@ -40,7 +40,7 @@ import msgspec
 from engines.guard import is_loopback, uvicorn_limits
 from evlog.errors import StoreError
 from evlog.stores import backend_of, describe
-from publisher.decider import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
+from publisher.core.decider.checks import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
 from tools.arguments import seconds
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on

@@ -67,7 +67,7 @@ from evlog.record import GENESIS_HASH, Record, chain_hash, open_row
 from evlog.sqlite import SQLiteStore
 from projections.registry import RegistryState, encode_state
 from publisher import commands as c
-from publisher.decider import decide
+from publisher.core.decider import decide
 from publisher.errors import Code
 from publisher.ledger import Ledger
 from tests.fault.conftest import record_figure

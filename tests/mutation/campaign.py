@@ -75,7 +75,20 @@ CAMPAIGNS: dict[str, Campaign] = {
     for c in (
         Campaign(
             "decider",
-            ("publisher/decider.py",),
+            # Every module of the package but its face, which defines nothing: keep it so, as
+            # `_describe` names a mutant's file after its module (`<package>.py`, not found).
+            (
+                "publisher/core/decider/decide.py",
+                "publisher/core/decider/decision.py",
+                "publisher/core/decider/checks.py",
+                "publisher/core/decider/fleet.py",
+                "publisher/core/decider/absence_proofs.py",
+                "publisher/core/decider/allocation.py",
+                "publisher/core/decider/publication.py",
+                "publisher/core/decider/owners.py",
+                "publisher/core/decider/sessions.py",
+                "publisher/core/decider/reclaim.py",
+            ),
             (
                 "tests/publisher/test_decider.py",
                 "tests/publisher/test_decider_outcomes.py",

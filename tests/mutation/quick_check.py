@@ -11,10 +11,10 @@ process unusable for the next ones (mutmut forks per mutant): read a run of time
 of a usable check.
 
 Run it inside a campaign's mutants folder (``campaign.py NAME --keep DIR`` makes one; mutmut
-writes the ``.meta`` file as soon as it has generated the mutants)::
+writes the ``.meta`` files, one per mutated module, as soon as it has generated the mutants)::
 
     cd DIR/NAME/mutants && MUTANT_UNDER_TEST= python -m tests.mutation.quick_check \
-        publisher/decider.py.meta out.json tests.publisher.test_decider \
+        publisher/core/decider/fleet.py.meta out.json tests.publisher.test_decider \
         tests.publisher.test_decider_outcomes
 """
 

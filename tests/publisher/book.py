@@ -15,7 +15,7 @@ from evlog.events import Event
 from projections import invariants
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
-from publisher.decider import decide
+from publisher.core.decider import decide
 from publisher.outcomes import Allocated, Published
 
 

@@ -20,7 +20,7 @@ import pytest
 from projections import invariants
 from projections.registry import encode_state, evolve
 from publisher import commands as c
-from publisher.decider import decide
+from publisher.core.decider import decide
 from tests.publisher.book import Book, digest_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "state-machine.md"

@@ -27,7 +27,7 @@ from evlog.events import (
 )
 from projections.registry import VersionState, encode_state
 from publisher import commands as c
-from publisher.decider import check_lease
+from publisher.core.decider import check_lease
 from publisher.errors import Code
 from publisher.outcomes import Allocated, Bound, Released, Skipped
 from tests.publisher.book import Book, digest_of
@@ -733,7 +733,7 @@ def test_command_id_yields_the_same_outcome_forever(book: Book) -> None:
 def test_a_command_id_recorded_before_allow_rollback_existed_still_names_the_same_command() -> None:
     """Adding ``allow_rollback`` to Allocate must not change the fingerprint of an allocate sent
     without it: the value below is what the code before the field computed for this command."""
-    from publisher.decider import _fingerprint
+    from publisher.core.decider.checks import _fingerprint
 
     allocate = c.Allocate(version_id=3, digest="a" * 64, size_bytes=7, command_id="k")
     assert _fingerprint(allocate) == "90b626d303afa0b6040837a97d56e205"

@@ -34,7 +34,8 @@ from evlog.events import (
 )
 from projections.registry import VersionState
 from publisher import commands as c
-from publisher import decider
+from publisher.core import decider
+from publisher.core.decider import checks
 from publisher.errors import Code
 from publisher.outcomes import (
     Allocated,
@@ -513,13 +514,13 @@ def test_an_ill_typed_command_is_refused_naming_its_kind(book: Book) -> None:
 def test_the_first_command_of_a_kind_builds_its_decoder(book: Book) -> None:
     """``_well_typed`` caches one decoder per command class; a fresh process starts with none
     (cleared here, and restored, so the rest of the session keeps its warm cache)."""
-    warm = dict(decider._command_decoders)
-    decider._command_decoders.clear()
+    warm = dict(checks._command_decoders)
+    checks._command_decoders.clear()
     try:
         assert book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=0.0)) == Done()
-        assert c.RegisterOwner in decider._command_decoders
+        assert c.RegisterOwner in checks._command_decoders
     finally:
-        decider._command_decoders.update(warm)
+        checks._command_decoders.update(warm)
 
 
 # --- written from the mutation rerun over the stall and configuration functions ----------------

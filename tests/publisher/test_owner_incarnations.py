@@ -23,7 +23,7 @@ from evlog.events import (
 from evlog.record import Record
 from projections.incidents import incidents
 from publisher import commands as c
-from publisher.decider import check_lease, decide
+from publisher.core.decider import check_lease, decide
 from publisher.errors import Code, LedgerError
 from publisher.outcomes import Bound, Deregistered, Done, Expired, ReclaimGranted
 from tests.publisher.book import Book

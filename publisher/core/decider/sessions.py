@@ -1,0 +1,114 @@
+"""Sessions: bind, release, forget.
+
+A session is pinned at its first bind to the default of that moment, for good; a release ends
+the binding, and a release before any bind tombstones the id so that it can never bind. Only
+tombstones are forgotten, never a bound session. Binds and releases are the ledger's hot path:
+ids already in the state were validated when they entered it, so only new ones are checked in
+full.
+"""
+
+from __future__ import annotations
+
+from evlog.events import SessionBound, SessionReleased, SessionsForgotten
+from projections.registry import RegistryState
+from projections.staleness import TOO_STALE, staleness, too_stale
+from publisher import commands as c
+from publisher.core.decider.checks import _deployment, _is_str, _key
+from publisher.core.decider.decision import Decision
+from publisher.core.decider.owners import _fence_incarnation, check_lease
+from publisher.errors import Code, LedgerError
+from publisher.outcomes import Bound, Forgotten, Released
+
+
+def _bound(s: RegistryState, session: str, version_id: int, revision: int, new: bool) -> Bound:
+    v = s.versions[version_id]
+    return Bound(
+        session=session,
+        version_id=version_id,
+        lora_name=v.lora_name,
+        digest=v.digest,
+        revision=revision,
+        new=new,
+    )
+
+
+def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
+    # Ids already in the state were validated when they entered it: only new ones are checked
+    # in full (binds and releases are the hot path of the ledger).
+    _deployment(s)
+    _is_str(cmd.session, "session")
+    _is_str(cmd.owner, "owner")
+    check_lease(s, cmd.owner, required=False, incarnation=cmd.incarnation)
+    binding = s.sessions.get(cmd.session)
+    if binding is not None:
+        return Decision(
+            outcome=_bound(s, cmd.session, binding.version_id, binding.revision, new=False)
+        )
+    if cmd.session in s.tombstones:
+        raise LedgerError(
+            Code.SESSION_CLOSED, f"session {cmd.session} was released", session=cmd.session
+        )
+    _key(cmd.session, "session")
+    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
+    if s.default is None:
+        raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
+    event = SessionBound(
+        session=cmd.session, owner=cmd.owner, version_id=s.default, revision=s.default_revision
+    )
+    return Decision((event,), _bound(s, cmd.session, s.default, s.default_revision, new=True))
+
+
+def _release(s: RegistryState, cmd: c.Release) -> Decision:
+    _deployment(s)
+    _is_str(cmd.session, "session")
+    cause = cmd.cause
+    if not isinstance(cause, str) or not 0 < len(cause) <= 64 or not cause.isprintable():
+        raise LedgerError(Code.INVALID_INPUT, "cause must be a printable string of 1-64 chars")
+    _is_str(cmd.owner, "owner")
+    _fence_incarnation(s, cmd.owner, cmd.incarnation)
+    binding = s.sessions.get(cmd.session)
+    if binding is not None:
+        if cause == TOO_STALE and not too_stale(
+            binding.revision, s.default_revision, s.max_staleness
+        ):
+            # The cause is a claim about the log: a session released as too stale was.
+            behind = staleness(binding.revision, s.default_revision)
+            raise LedgerError(
+                Code.INVALID_INPUT,
+                f"session {cmd.session} is {behind} versions behind the default, within "
+                f"max_staleness {s.max_staleness}: not released as {TOO_STALE}",
+                session=cmd.session,
+            )
+        event = SessionReleased(
+            session=cmd.session,
+            owner=binding.owner,
+            version_id=binding.version_id,
+            cause=cmd.cause,
+        )
+        return Decision(
+            (event,), Released(session=cmd.session, released=True, version_id=binding.version_id)
+        )
+    if cmd.session in s.tombstones:
+        return Decision(outcome=Released(session=cmd.session, released=False))
+    # Closed before its first bind: tombstone it so it can never bind.
+    _key(cmd.session, "session")
+    _key(cmd.owner, "owner")
+    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
+    event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
+    return Decision((event,), Released(session=cmd.session, released=False))
+
+
+def _forget(s: RegistryState, cmd: c.Forget) -> Decision:
+    _deployment(s)
+    still_bound = [session for session in cmd.sessions if session in s.sessions]
+    if still_bound:
+        raise LedgerError(
+            Code.SESSION_STILL_BOUND,
+            f"{len(still_bound)} sessions are still bound (e.g. {still_bound[0]}); "
+            "nothing forgotten",
+            sessions=still_bound[:20],
+        )
+    tombstoned = tuple(dict.fromkeys(x for x in cmd.sessions if x in s.tombstones))
+    if not tombstoned:
+        return Decision(outcome=Forgotten(count=0))
+    return Decision((SessionsForgotten(sessions=tombstoned),), Forgotten(count=len(tombstoned)))
