@@ -9,10 +9,8 @@ is a port nothing listens on."""
 
 from __future__ import annotations
 
-import select
 import socket
 import struct
-import threading
 
 import httpx
 import pytest
@@ -20,56 +18,31 @@ import pytest
 from engines import http
 from engines.contract import AmbiguousReply, ErrorCode
 from engines.openai_http import open_upstream, read_failure
+from tests.engines.loopback import LoopbackServer
 
 pytestmark = pytest.mark.anyio
 
 TIMEOUT_S = 0.5
 
 
-class Misbehaving:
-    """Answers every request the way ``behaviour`` says: ``silent`` (reads it, never answers),
-    ``reset`` (reads it, then resets the connection), ``half`` (a 200 whose body is cut short),
-    ``503`` (a server error with a body), ``half503`` (a 503 whose body is cut short), ``404``."""
+class Misbehaving(LoopbackServer):
+    """Answers every request the way ``behaviour`` says: ``silent`` (reads it, never answers,
+    until the client gives up), ``reset`` (reads it, then resets the connection), ``half`` (a
+    200 whose body is cut short), ``503`` (a server error with a body), ``half503`` (a 503
+    whose body is cut short), ``404``. ``requests`` counts the requests it read."""
 
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
         self.requests = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._serve, name="misbehaving")]
-        self._threads[0].start()
+        super().__init__()
 
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in list(self._threads):
-            thread.join(timeout=10)
-            assert not thread.is_alive()
-        self._listener.close()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if select.select([self._listener], [], [], 0.05)[0]:
-                conn, _ = self._listener.accept()
-                # a connection each: a silent answer must not keep the next request unread
-                thread = threading.Thread(target=self._answer, args=(conn,), name="answer")
-                self._threads.append(thread)
-                thread.start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            self._answer_on(conn)
-
-    def _answer_on(self, conn: socket.socket) -> None:
-        received = b""
-        while b"\r\n\r\n" not in received:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return
-            received += chunk
+    def answer(self, conn: socket.socket) -> None:
+        if self.read_head(conn) is None:
+            return
         self.requests += 1
         if self.behaviour == "silent":
-            self._stop.wait()
+            while self.wait_readable(conn) and conn.recv(65536):
+                pass  # the body, if any; then the client's close, after its timeout
         elif self.behaviour == "reset":  # SO_LINGER 0: close sends RST, the client sees a reset
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         else:
