@@ -1,65 +1,30 @@
-"""``loraledger check-engine``: does *this* live engine behave the way the ledger relies on?
+"""The checks of ``loraledger check-engine``: each property of docs/engines.md, probed on a target.
 
-A team adopting loraledger runs it against its own SGLang or vLLM server (on the GPU host,
-before the first publication) and the project runs it whenever a GPU machine is at hand. It
-publishes a few throwaway adapters of the right shapes for the engine's base model, through
-the same adapters the ledger uses (:class:`~engines.sglang.SGLangEngine`,
-:class:`~engines.vllm.VLLMEngine`, :class:`~engines.local.client.LocalHTTPEngine`), and checks
-each property of docs/engines.md that publication, pinning and reclaim rest on:
+A run publishes throwaway adapters and takes them off again *through the engine protocol the
+ledger uses* (:mod:`publisher.engine_protocol`): :func:`~publisher.engine_protocol.stage_and_load`
+(prepare, transfer, load, then a fresh inventory must list the name with its digest) and
+:func:`~publisher.engine_protocol.unload_fenced` (an attempt-fenced unload, ``NOT_LOADED``
+counting as gone), under the ledger's default deadlines. So what passes here is what a
+publication and a reclaim will see, not a look-alike of them. The adapters are the tiny-model
+construction (:func:`engines.local.tinymodel.make_adapter`) shaped for the engine's base model.
 
-====================  ========  ==================================================================
-check                 needed    what holds when it passes
-====================  ========  ==================================================================
-incarnation           yes       a non-empty id, stable across probes, carried by the inventory
-load_and_list         yes       a published adapter is listed under its name
-digest_confirmed      yes       the listing (or the receipt) names the published digest
-adapter_applied       yes       greedy tokens with the adapter differ from the base, repeatably
-same_name_reload      yes       other weights under a live name are refused; the name keeps its
-                                weights (nothing swaps a version under running sessions)
-unload_in_flight      yes       a request running during the unload finishes on its adapter
-unload_drains         no        whether the unload waits for that request (SGLang) or answers at
-                                once (vLLM); the ledger's in-flight count covers both
-refused_after_unload  yes       the name is gone from the inventory; a repeated unload is a no-op
-no_implicit_reload    no        a request naming an unloaded adapter is refused (stock SGLang
-                                reloads it from its path: the gateway must never send such names)
-prefix_cache          yes       a version never reads another version's prefix cache
-tensor_vs_path        yes*      tensor (or staged) and path loads of one adapter give the same
-                                tokens (*only where the engine offers both)
-left_as_found         yes       the engine holds exactly what it held before the check
-====================  ========  ==================================================================
-
-The engine is left as it was found: every throwaway adapter is unloaded (and its directory
-deleted) in a ``finally``, whatever failed. The engine is restarted only when asked
-(``--restart-command``, :attr:`Target.restart`): then ``restart_detected`` (needed) checks that
-the incarnation changes across the restart and ``restart_forgets`` (reported) whether the
-restarted engine still lists what was loaded before it. A restart drops every adapter the
-engine held, so give it an engine that holds nothing, or ``left_as_found`` says what was lost.
-
-The checks take an :class:`Target` (the engine adapters plus optional hooks), so tests can run
-them against a deliberately misbehaving engine (the fault wrapper); :func:`check_engine` builds
-the target for a live URL.
+The checks take a :class:`Target` (the engine adapters plus optional hooks), so tests can run
+them against a deliberately misbehaving engine (the fault wrapper); :mod:`.live` builds the
+target for a live URL. The engine is left as it was found: every throwaway adapter is unloaded
+(and its directory deleted) in a ``finally``, whatever failed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
-import msgspec
-import numpy as np
 
-from engines import http
 from engines.artifacts import ArtifactStore
 from engines.contract import (
     Candidate,
@@ -69,125 +34,20 @@ from engines.contract import (
     Generation,
     SamplingParams,
 )
-from engines.manifest import Manifest, TensorData, build_manifest, tensor_from_array
-from publisher.adapter_copy import aiter_buckets, plan_buckets
-from tools.exitcodes import Exit, ToolError
+from engines.local.tinymodel import ModelShapes, make_adapter
+from engines.manifest import Manifest, TensorData, build_manifest
+from publisher.adapter_copy import plan_buckets
+from publisher.engine_ops import EngineTimeouts
+from publisher.engine_protocol import LoadNotConfirmed, UnloadAnswer, stage_and_load, unload_fenced
+from tools.check_engine.report import Finding, Report
 
-KINDS = ("sglang", "vllm", "local")
 PROMPT = "the quick brown fox jumps over the lazy dog"
 # Long enough that a prefix cache with large blocks (vLLM's CPU backend: 128 tokens) caches it.
 LONG_PROMPT = " ".join(["hello world, this is a tiny model for integration tests"] * 16)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 HOLD_PROBE_S = 1.5  # how long an unload may stay unanswered before we call it draining
-
-
-# --- results ---------------------------------------------------------------------------------
-
-
-class Finding(msgspec.Struct, frozen=True, kw_only=True):
-    """One checked property. ``holds`` None: not applicable to this engine (``detail`` says
-    why). ``required``: the ledger relies on it (a failure makes the command exit non-zero)."""
-
-    check: str
-    holds: bool | None
-    required: bool
-    detail: str
-
-
-class Report(msgspec.Struct, frozen=True, kw_only=True):
-    kind: str
-    url: str
-    engine_version: str
-    incarnation: str
-    findings: tuple[Finding, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    @property
-    def failures(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if f.required and f.holds is False)
-
-
-# --- throwaway adapters of the right shapes -----------------------------------------------------
-
-
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    """What a LoRA on the attention projections of a decoder needs from the base model's
-    ``config.json`` (the Llama/Qwen/Mistral family layout PEFT and both engines use)."""
-
-    layers: int
-    hidden: int
-    q_out: int
-    kv_out: int
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ModelShapes:
-        text = config.get("text_config")
-        if isinstance(text, Mapping) and "hidden_size" not in config:
-            config = text  # multimodal wrappers keep the language model's config inside
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            kv_heads = int(config.get("num_key_value_heads") or heads)
-            head_dim = int(config.get("head_dim") or hidden // heads)
-            layers = int(config["num_hidden_layers"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ToolError(
-                Exit.USAGE, f"base model config lacks a decoder's shape fields: {exc!r}"
-            ) from None
-        return cls(layers=layers, hidden=hidden, q_out=heads * head_dim, kv_out=kv_heads * head_dim)
-
-    def module_shape(self, module: str) -> tuple[int, int]:
-        """(in, out) of one attention projection."""
-        return {
-            "q_proj": (self.hidden, self.q_out),
-            "k_proj": (self.hidden, self.kv_out),
-            "v_proj": (self.hidden, self.kv_out),
-            "o_proj": (self.q_out, self.hidden),
-        }[module]
-
-
-def throwaway_adapter(
-    shapes: ModelShapes,
-    seed: int,
-    *,
-    r: int = 8,
-    targets: tuple[str, ...] = ("q_proj", "v_proj"),
-    b_scale: float = 2.0,
-) -> tuple[dict[str, Any], dict[str, TensorData]]:
-    """A random PEFT LoRA (float32, peft key layout) that visibly changes greedy output: the
-    same construction as :func:`engines.local.tinymodel.make_adapter`, for any base model."""
-    rng = np.random.default_rng(seed)
-    tensors: dict[str, TensorData] = {}
-    for layer in range(shapes.layers):
-        for module in sorted(targets):
-            n_in, n_out = shapes.module_shape(module)
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            a = (rng.standard_normal((r, n_in)) / np.sqrt(n_in)).astype(np.float32)
-            b = (rng.standard_normal((n_out, r)) * b_scale).astype(np.float32)
-            tensors[f"{prefix}.lora_A.weight"] = tensor_from_array(a)
-            tensors[f"{prefix}.lora_B.weight"] = tensor_from_array(b)
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": r,
-        "lora_alpha": 2 * r,
-        "target_modules": sorted(targets),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "inference_mode": True,
-        "base_model_name_or_path": "loraledger-check",
-    }
-    return config, tensors
+# The base model the throwaway adapters' configs name (any: the engine serves its own).
+CHECK_BASE = "loraledger-check"
 
 
 # --- the target -------------------------------------------------------------------------
@@ -220,15 +80,21 @@ class Target:
     restart_timeout: float = 600.0
     rank: int = 8
     targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # The ledger's default deadlines for each engine call of the protocol.
+    timeouts: EngineTimeouts = field(default_factory=EngineTimeouts)
 
 
 @dataclass
-class _Published:
+class _Throwaway:
+    """One throwaway adapter, written to the artifact store, for engine ``index`` (0: the
+    target's engine, 1: its alternate)."""
+
     name: str
     manifest: Manifest
     tensors: dict[str, TensorData]
     attempt: int
-    path: str | None
+    path: str
+    index: int
 
 
 @dataclass
@@ -238,11 +104,9 @@ class _Run:
     target: Target
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     findings: list[Finding] = field(default_factory=list)
-    published: dict[tuple[int, str], _Published] = field(default_factory=dict)
     attempts: dict[str, int] = field(default_factory=dict)
     loaded: set[tuple[int, str]] = field(default_factory=set)  # (engine index, name)
     written: set[str] = field(default_factory=set)  # digests whose directory this run created
-    seeds: int = 0
 
     def note(self, check: str, holds: bool | None, detail: str, *, required: bool = True) -> None:
         self.findings.append(Finding(check=check, holds=holds, required=required, detail=detail))
@@ -253,53 +117,71 @@ class _Run:
         assert self.target.alternate is not None
         return self.target.alternate
 
-    def adapter(self, seed: int) -> tuple[dict[str, Any], dict[str, TensorData], Manifest]:
-        config, tensors = throwaway_adapter(
-            self.target.shapes, seed, r=self.target.rank, targets=self.target.targets
+    def throwaway(
+        self, seed: int, tag: str, *, index: int = 0, name: str | None = None
+    ) -> _Throwaway:
+        """A throwaway adapter of the target's shapes, rank and modules, in the artifact store,
+        under its next attempt (``name``: another name than its own, e.g. a live one)."""
+        t = self.target
+        config, tensors = make_adapter(
+            seed,
+            r=t.rank,
+            alpha=2 * t.rank,
+            targets=t.targets,
+            shapes=t.shapes,
+            base_model=CHECK_BASE,
         )
-        return config, tensors, build_manifest(config, tensors)
+        manifest = build_manifest(config, tensors)
+        lora_name = name or f"llcheck@{self.run_id}-{tag}-{manifest.digest[:16]}"
+        attempt = self.attempts.get(lora_name, 0) + 1
+        self.attempts[lora_name] = attempt
+        if not t.store.contains(manifest.digest):
+            self.written.add(manifest.digest)
+        path = str(t.store.put(manifest, tensors))
+        return _Throwaway(lora_name, manifest, tensors, attempt, path, index)
 
-    def name_for(self, manifest: Manifest, tag: str) -> str:
-        return f"llcheck@{self.run_id}-{tag}-{manifest.digest[:16]}"
+    async def load(self, adapter: _Throwaway) -> None:
+        """Put ``adapter`` on its engine as a publication does, through the engine's own
+        transport: :func:`~publisher.engine_protocol.stage_and_load` (a load its inventory does
+        not confirm raises :class:`~publisher.engine_protocol.LoadNotConfirmed`), and both
+        receipts must echo the candidate."""
+        engine = self.engine(adapter.index)
+        candidate = Candidate(
+            lora_name=adapter.name,
+            digest=adapter.manifest.digest,
+            attempt=adapter.attempt,
+            manifest=adapter.manifest,
+            artifact_path=adapter.path,
+        )
+        self.loaded.add((adapter.index, adapter.name))  # from here on, clean it up whatever happens
+        buckets = plan_buckets(adapter.tensors) if engine.transport == "staged" else ()
+        loaded = await stage_and_load(engine, candidate, buckets, timeouts=self.target.timeouts)
+        for receipt in (loaded.prepared, loaded.ready):
+            if (receipt.lora_name, receipt.digest, receipt.attempt) != (
+                adapter.name,
+                adapter.manifest.digest,
+                adapter.attempt,
+            ):
+                raise _Broken(f"receipt {receipt} does not echo the candidate")
 
     async def publish(
         self, seed: int, tag: str, *, index: int = 0, name: str | None = None
-    ) -> _Published:
-        """prepare -> transfer -> load through the engine's own transport."""
-        engine = self.engine(index)
-        _, tensors, manifest = self.adapter(seed)
-        lora_name = name or self.name_for(manifest, tag)
-        attempt = self.attempts.get(lora_name, 0) + 1
-        self.attempts[lora_name] = attempt
-        if not self.target.store.contains(manifest.digest):
-            self.written.add(manifest.digest)
-        path = str(self.target.store.put(manifest, tensors))
-        candidate = Candidate(
-            lora_name=lora_name,
-            digest=manifest.digest,
-            attempt=attempt,
-            manifest=manifest,
-            artifact_path=path,
-        )
-        published = _Published(lora_name, manifest, tensors, attempt, path)
-        self.loaded.add((index, lora_name))  # from here on, clean it up whatever happens
-        prepared = await engine.prepare(candidate)
-        buckets = plan_buckets(tensors) if engine.transport == "staged" else ()
-        await engine.transfer(candidate, aiter_buckets(buckets))
-        ready = await engine.load(candidate)
-        for receipt in (prepared, ready):
-            if (receipt.lora_name, receipt.digest, receipt.attempt) != (
-                lora_name,
-                manifest.digest,
-                attempt,
-            ):
-                raise _Broken(f"receipt {receipt} does not echo the candidate")
-        self.published[(index, lora_name)] = published
-        return published
+    ) -> _Throwaway:
+        """A throwaway adapter (:meth:`throwaway`), loaded (:meth:`load`)."""
+        adapter = self.throwaway(seed, tag, index=index, name=name)
+        await self.load(adapter)
+        return adapter
 
-    async def unload(self, name: str, *, index: int = 0) -> bool:
-        receipt = await self.engine(index).unload(name, attempt=self.attempts.get(name))
-        return receipt.was_loaded
+    async def unload(self, name: str, *, index: int = 0) -> UnloadAnswer:
+        """Take ``name`` off as the ledger does: one unload fenced by the attempt this run last
+        published it under (:func:`~publisher.engine_protocol.unload_fenced`: never raises; a
+        receipt or ``NOT_LOADED`` says it is gone)."""
+        return await unload_fenced(
+            self.engine(index),
+            name,
+            attempt=self.attempts.get(name),
+            timeout=self.target.timeouts.unload,
+        )
 
     async def generate(
         self,
@@ -336,10 +218,13 @@ async def _incarnation(run: _Run) -> str:
     return first
 
 
-async def _load_list_apply(run: _Run) -> _Published | None:
+async def _load_list_apply(run: _Run) -> _Throwaway | None:
     engine = run.target.engine
+    a = run.throwaway(1, "a")
     try:
-        a = await run.publish(1, "a")
+        await run.load(a)
+    except LoadNotConfirmed:
+        pass  # the engine answered ready: the inventory read below says what it failed to hold
     except (EngineError, _Broken) as exc:
         run.note("load_and_list", False, f"publishing a throwaway adapter failed: {exc}")
         return None
@@ -377,7 +262,7 @@ async def _load_list_apply(run: _Run) -> _Published | None:
     return a
 
 
-async def _same_name_reload(run: _Run, a: _Published) -> None:
+async def _same_name_reload(run: _Run, a: _Throwaway) -> None:
     """Other weights under a live name: the ledger never does it, but a retried or confused
     publication must not swap a version under its sessions."""
     before = await run.generate(a.name)
@@ -422,10 +307,9 @@ async def _unload_in_flight(run: _Run) -> None:
         result["request_done"] = time.monotonic()
 
     async def unload() -> None:
-        try:
-            result["was_loaded"] = await run.unload(b.name)
-        except EngineError as exc:
-            result["unload_error"] = exc
+        answer = await run.unload(b.name)
+        if answer.error is not None:
+            result["unload_error"] = answer.error
         result["unload_done"] = time.monotonic()
 
     held = False
@@ -509,11 +393,14 @@ async def _wait_admitted(t: Target, result: dict[str, Any]) -> None:
     result["unload_sent_after"] = time.monotonic()
 
 
-async def _after_unload(run: _Run, b: _Published) -> None:
+async def _after_unload(run: _Run, b: _Throwaway) -> None:
     engine = run.target.engine
     listed = b.name in (await engine.inventory()).names()
-    repeat = await run.unload(b.name)
-    holds = not listed and repeat is False
+    answer = await run.unload(b.name)
+    if answer.error is not None:  # neither a receipt nor NOT_LOADED: the run cannot go on
+        raise answer.error
+    repeat = answer.receipt is not None and answer.receipt.was_loaded
+    holds = not listed and not repeat
     run.note(
         "refused_after_unload",
         holds,
@@ -635,8 +522,7 @@ async def _restart(run: _Run, restart: Callable[[], Awaitable[None]]) -> None:
 async def _clean_up(run: _Run) -> None:
     """Unload everything this run may have left (shielded: it runs even when cancelled)."""
     for index, name in sorted(run.loaded):
-        with contextlib.suppress(EngineError):  # what stays is reported by left_as_found
-            await run.unload(name, index=index)
+        await run.unload(name, index=index)  # whatever it answers: left_as_found reports what stays
 
 
 async def run_checks(target: Target) -> Report:
@@ -679,275 +565,3 @@ async def run_checks(target: Target) -> Report:
         incarnation=incarnation,
         findings=tuple(run.findings),
     )
-
-
-# --- building the target for a live URL -------------------------------------------------
-
-
-class CheckOptions(msgspec.Struct, frozen=True, kw_only=True):
-    kind: str
-    url: str
-    model: str | None = None  # base model dir or its config.json; default: what the server says
-    artifacts: str | None = None  # where throwaway PEFT dirs go (readable by the engine)
-    api_key: str | None = None
-    served_model: str | None = None  # vLLM's --served-model-name (default: read /v1/models)
-    long_tokens: int | None = None
-    restart_command: str | None = None  # a shell command that restarts the engine
-    timeout: float = 60.0
-
-
-def check_options(opts: CheckOptions) -> None:
-    if opts.kind not in KINDS:
-        raise ToolError(Exit.USAGE, f"--kind {opts.kind!r} is not one of {', '.join(KINDS)}")
-    if not opts.url.startswith(("http://", "https://")):
-        raise ToolError(Exit.USAGE, f"{opts.url!r} is not an http(s) URL")
-    if opts.artifacts is not None and not Path(opts.artifacts).is_dir():
-        raise ToolError(Exit.USAGE, f"--artifacts {opts.artifacts} is not a directory")
-    if opts.long_tokens is not None and opts.long_tokens < 8:
-        raise ToolError(Exit.USAGE, "--long-tokens must be at least 8")
-
-
-def _model_config(where: str) -> dict[str, Any]:
-    path = Path(where)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ToolError(Exit.USAGE, f"cannot read the base model config {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ToolError(Exit.USAGE, f"{path} is not a JSON object")
-    return data
-
-
-async def _get_json(client: httpx.AsyncClient, path: str, timeout: float) -> Any:
-    try:
-        response = await client.get(path, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise ToolError(Exit.ENGINE_UNAVAILABLE, f"GET {path}: {exc!r}") from None
-    if response.status_code != 200:
-        raise ToolError(
-            Exit.ENGINE_UNAVAILABLE, f"GET {path}: HTTP {response.status_code} {response.text!r}"
-        )
-    try:
-        return response.json()
-    except ValueError:
-        raise ToolError(Exit.ENGINE_UNAVAILABLE, f"GET {path}: not JSON") from None
-
-
-def _base_card(models: Any) -> dict[str, Any]:
-    try:
-        return next(c for c in models["data"] if c.get("parent") is None)
-    except (KeyError, TypeError, StopIteration):
-        raise ToolError(Exit.ENGINE_UNAVAILABLE, "GET /v1/models lists no base model") from None
-
-
-@dataclass
-class _Live:
-    """What :func:`check_engine` opened, to close."""
-
-    engines: list[Any] = field(default_factory=list)
-    scratch: str | None = None
-
-
-async def _sglang_hooks(
-    client: httpx.AsyncClient, timeout: float
-) -> tuple[
-    Callable[[], Awaitable[None]], Callable[[], Awaitable[None]], Callable[[], Awaitable[bool]]
-]:
-    async def post(path: str, body: dict[str, Any]) -> None:
-        response = await client.post(path, json=body, timeout=timeout)
-        if response.status_code != 200:
-            raise ToolError(Exit.FAILED, f"POST {path}: HTTP {response.status_code}")
-
-    async def hold() -> None:
-        await post("/pause_generation", {"mode": "in_place"})
-
-    async def release() -> None:
-        await post("/continue_generation", {})
-
-    async def admitted() -> bool:
-        info = (await client.get("/server_info", timeout=timeout)).json()
-        states = info.get("internal_states") or [{}]
-        running = states[0].get("in_flight") if isinstance(states[0], dict) else None
-        if running is None:  # a stock server exposes no request gauge here: a grace period
-            await anyio.sleep(1.0)
-            return True
-        return bool(running)
-
-    return hold, release, admitted
-
-
-def _vllm_admitted(client: httpx.AsyncClient, timeout: float) -> Callable[[], Awaitable[bool]]:
-    import re
-
-    gauge = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", re.M)
-
-    async def admitted() -> bool:
-        text = (await client.get("/metrics", timeout=timeout)).text
-        return sum(float(v) for v in gauge.findall(text)) >= 1
-
-    return admitted
-
-
-def _has_tensor_route(info: Mapping[str, Any]) -> bool:
-    """SGLang >= 0.5.17 with one data-parallel replica and no registry eviction: the tensor
-    transport's conditions (:mod:`engines.sglang_tensors`)."""
-    from engines.tensor_wire import FIRST_VERSION
-
-    parts = str(info.get("version", "")).split(".")[:3]
-    try:
-        version = tuple(int(p) for p in parts)
-    except ValueError:
-        return False
-    return (
-        version >= FIRST_VERSION
-        and int(info.get("dp_size") or 1) == 1
-        and info.get("max_loaded_loras") is None
-    )
-
-
-async def build_target(opts: CheckOptions, live: _Live) -> Target:
-    """Probe the server, pick the adapters and hooks for its kind."""
-    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
-    client = http.engine_client(opts.url, headers=headers)
-    live.engines.append(client)
-    models = await _get_json(client, "/v1/models", opts.timeout)
-    card = _base_card(models)
-    context = int(card.get("max_model_len") or 2048)
-    if opts.artifacts is None:
-        live.scratch = tempfile.mkdtemp(prefix="loraledger-check-")
-    store = ArtifactStore(opts.artifacts or live.scratch or "")
-    hold = release = admitted = None
-    alternate: Engine | None = None
-    if opts.kind == "vllm":
-        from engines.vllm import VLLMEngine
-
-        served = opts.served_model or str(card["id"])
-        version = str((await _get_json(client, "/version", opts.timeout)).get("version", "?"))
-        engine: Engine = VLLMEngine(opts.url, "check", served_model=served, api_key=opts.api_key)
-        admitted = _vllm_admitted(client, opts.timeout)
-        model_path = str(card.get("root") or "")
-        rank = 8
-        targets: tuple[str, ...] = ("q_proj", "v_proj")
-    else:
-        from engines.sglang import SGLangEngine
-
-        info = await _get_json(client, "/server_info", opts.timeout)
-        version = f"SGLang {info.get('version', '?')}"
-        if info.get("loraledger_staged"):
-            version = f"loraledger local engine ({version} face)"
-        model_path = str(info.get("model_path") or card.get("root") or "")
-        rank = min(8, int(info.get("max_lora_rank") or 8))
-        served_targets = info.get("lora_target_modules") or ["all"]
-        if "all" in served_targets:
-            served_targets = list(_ATTENTION)
-        targets = tuple(m for m in ("q_proj", "v_proj") if m in served_targets) or tuple(
-            m for m in _ATTENTION if m in served_targets
-        )
-        if not targets:
-            raise ToolError(
-                Exit.USAGE, f"the server's --lora-target-modules {served_targets} has no attention"
-            )
-        hold, release, admitted = await _sglang_hooks(client, opts.timeout)
-        path_engine = SGLangEngine(opts.url, "check", api_key=opts.api_key)
-        if opts.kind == "local":
-            from engines.local.client import LocalHTTPEngine
-
-            engine = LocalHTTPEngine(opts.url, "check", api_key=opts.api_key)
-            alternate = path_engine
-        else:
-            engine = path_engine
-            if _has_tensor_route(info):
-                from engines.sglang_tensors import SGLangTensorEngine
-
-                alternate = SGLangTensorEngine(opts.url, "check-tensors", api_key=opts.api_key)
-                live.engines.append(alternate)
-        live.engines.append(path_engine)
-    live.engines.append(engine)
-    config = _model_config(opts.model or model_path)
-    long_tokens = opts.long_tokens or max(8, min(1024, context - 64))
-    restart = None
-    if opts.restart_command:
-        command = opts.restart_command
-
-        async def restart() -> None:
-            import subprocess
-
-            done = await anyio.to_thread.run_sync(
-                lambda: subprocess.run(command, shell=True, capture_output=True, text=True)
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[-300:]}")
-
-    return Target(
-        engine=engine,
-        store=store,
-        shapes=ModelShapes.from_config(config),
-        kind=opts.kind,
-        url=opts.url,
-        version=version,
-        alternate=alternate,
-        hold=hold,
-        release=release,
-        admitted=admitted,
-        long_tokens=long_tokens,
-        restart=restart,
-        rank=rank,
-        targets=targets,
-    )
-
-
-async def check_engine(opts: CheckOptions) -> Report:
-    """Run every check against the live engine at ``opts.url``."""
-    check_options(opts)
-    live = _Live()
-    try:
-        target = await build_target(opts, live)
-        try:
-            return await run_checks(target)
-        except EngineError as exc:
-            raise ToolError(Exit.ENGINE_UNAVAILABLE, f"{opts.url}: {exc}") from None
-    finally:
-        with anyio.CancelScope(shield=True):
-            for thing in reversed(live.engines):
-                await thing.aclose()
-        if live.scratch is not None:
-            shutil.rmtree(live.scratch, ignore_errors=True)
-
-
-# --- rendering ----------------------------------------------------------------------------
-
-
-def render(report: Report) -> Any:
-    """A rich table: one row per check, what holds and what does not."""
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(
-        title=f"{report.kind} engine at {report.url}: {report.engine_version}",
-        caption=(
-            "every property the ledger needs holds"
-            if report.ok
-            else f"{len(report.failures)} property(ies) the ledger needs do not hold"
-        ),
-    )
-    table.add_column("check")
-    table.add_column("holds")
-    table.add_column("needed")
-    table.add_column("detail", overflow="fold")
-    for f in report.findings:
-        if f.holds is None:
-            mark = Text("n/a", style="dim")
-        elif f.holds:
-            mark = Text("yes", style="green")
-        else:
-            mark = Text("NO", style="bold red" if f.required else "yellow")
-        table.add_row(f.check, mark, "yes" if f.required else "no", f.detail)
-    return table
-
-
-def as_json(report: Report) -> dict[str, Any]:
-    data: dict[str, Any] = msgspec.to_builtins(report)
-    data["ok"] = report.ok
-    return data
