@@ -1,7 +1,9 @@
 """One place where HTTP outcomes become engine outcomes (clean vs ambiguous).
 
-Every HTTP engine adapter sends through :func:`request`, so the classification cannot differ
-between adapters:
+Every HTTP engine adapter sends through :func:`request`, and the OpenAI relay
+(:func:`engines.openai_http.open_upstream`) streams through the same classification, so it
+cannot differ between callers. :func:`transport_failure` and :func:`server_failure` are that
+classification, written once:
 
 * transport failures after the request may have left this process (timeouts, resets, a
   half-read reply) -> :class:`AmbiguousReply`;
@@ -63,33 +65,68 @@ async def request(
     provided nothing else leaves kept-alive connections in that client's pool (httpx reuses an
     idle one whatever this request's headers say)."""
     headers = {**(headers or {}), **ONE_REQUEST_PER_CONNECTION}
+    what = f"{method} {path}"
     try:
         response = await client.request(
             method, path, json=json, content=content, headers=headers, timeout=timeout
         )
-    except httpx.ConnectError as exc:
-        raise AmbiguousReply(
+    except httpx.HTTPError as exc:
+        raise transport_failure(exc, what, engine_id=engine_id, timeout=timeout) from exc
+    failure = await server_failure(response, what, engine_id=engine_id)
+    if failure is not None:
+        raise failure
+    return response
+
+
+def transport_failure(
+    exc: httpx.HTTPError,
+    what: str,
+    *,
+    engine_id: str,
+    timeout: httpx.Timeout | float | None = None,
+) -> AmbiguousReply:
+    """What a transport failure of ``what`` (``"POST /generate"``) proves: never anything
+    about the engine's state (ambiguous), and whether the request may have left.
+
+    Only a failure to connect proves it did not (``ENGINE_UNREACHABLE``, ``dispatched=False``:
+    another holder may take it). httpx raises :class:`httpx.ConnectError` only while
+    establishing a connection, before a byte of the request is written, so this holds wherever
+    the failure is caught, body reads included. A timeout (``TIMEOUT``) or any other transport
+    error (``CONNECTION_LOST``: a reset, a half-read reply) may come after the engine read the
+    request: it may have acted, and the request is never resent."""
+    if isinstance(exc, httpx.ConnectError):
+        return AmbiguousReply(
             ErrorCode.ENGINE_UNREACHABLE,
-            f"{method} {path}: cannot connect: {exc}",
+            f"{what}: cannot connect: {exc}",
             engine_id=engine_id,
             dispatched=False,
-        ) from exc
-    except httpx.TimeoutException as exc:
-        raise AmbiguousReply(
-            ErrorCode.TIMEOUT, f"{method} {path}: no reply within {timeout}s", engine_id=engine_id
-        ) from exc
-    except httpx.HTTPError as exc:
-        raise AmbiguousReply(
-            ErrorCode.CONNECTION_LOST, f"{method} {path}: {exc!r}", engine_id=engine_id
-        ) from exc
-    if response.status_code >= 500:
-        raise AmbiguousReply(
-            ErrorCode.SERVER_ERROR,
-            f"{method} {path}: HTTP {response.status_code}: {response.text[:300]}",
-            engine_id=engine_id,
-            status=response.status_code,
         )
-    return response
+    if isinstance(exc, httpx.TimeoutException):
+        within = f" (no reply within {timeout}s)" if isinstance(timeout, int | float) else ""
+        return AmbiguousReply(ErrorCode.TIMEOUT, f"{what}: timed out{within}", engine_id=engine_id)
+    return AmbiguousReply(ErrorCode.CONNECTION_LOST, f"{what}: {exc!r}", engine_id=engine_id)
+
+
+async def server_failure(
+    response: httpx.Response, what: str, *, engine_id: str
+) -> AmbiguousReply | None:
+    """A 5xx answer to ``what``, as an ambiguous ``SERVER_ERROR`` (the server may have acted
+    before failing) quoting the start of its body; None for every other status (a 2xx is the
+    reply, a 4xx the caller's to read). Works on a streamed response too: only a 5xx body is
+    read here, and a failure while reading it is classified like any transport failure."""
+    status = response.status_code
+    if status < 500:
+        return None
+    try:
+        body = await response.aread()
+    except httpx.HTTPError as exc:
+        return transport_failure(exc, what, engine_id=engine_id)
+    return AmbiguousReply(
+        ErrorCode.SERVER_ERROR,
+        f"{what}: HTTP {status}: {body[:300].decode(errors='replace')}",
+        engine_id=engine_id,
+        status=status,
+    )
 
 
 def json_body(response: httpx.Response, *, engine_id: str) -> Any:

@@ -13,9 +13,11 @@ local     selects nothing on SGLang's OpenAI routes)     takes it) + header     
 ========  =============================================  ==========================  ============
 
 :func:`engine_body` writes those fields (over whatever the client sent for them);
-:func:`open_upstream` sends the body and classifies what happens like every other engine call
-(:mod:`engines.http`): connection refused is the only failure that proves nothing was sent
-(``dispatched=False``); a timeout, a reset or a 5xx is ambiguous; a 4xx is the engine's
+:func:`open_upstream` sends the body and classifies what happens with the classification every
+other engine call uses (:func:`engines.http.transport_failure`,
+:func:`engines.http.server_failure`): connection refused is the only failure that proves
+nothing was sent (``dispatched=False``); a timeout, a reset or a 5xx is ambiguous (so is a
+failure while the caller reads the body: :func:`read_failure`); a 4xx is the engine's
 refusal, read by :func:`refusal_of` with the rule of that engine's own adapter. The request
 goes out on a connection of its own (``Connection: close``, same reason as
 :mod:`engines.http`: a pooled connection the server's keep-alive timer closes just as the
@@ -36,8 +38,8 @@ from typing import Any
 import httpx
 
 from engines import sglang, vllm
-from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
-from engines.http import ONE_REQUEST_PER_CONNECTION
+from engines.contract import AmbiguousReply, CleanRefusal
+from engines.http import ONE_REQUEST_PER_CONNECTION, server_failure, transport_failure
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -100,36 +102,24 @@ async def open_upstream(
     request = client.build_request(
         "POST", url, content=content, headers=sent_headers, timeout=timeout
     )
+    what = f"POST {url}"
     try:
         response = await client.send(request, stream=True)
-    except httpx.ConnectError as exc:
-        raise AmbiguousReply(
-            ErrorCode.ENGINE_UNREACHABLE,
-            f"POST {url}: cannot connect: {exc}",
-            engine_id=engine_id,
-            dispatched=False,
-        ) from exc
     except httpx.HTTPError as exc:
-        raise read_failure(exc, url, engine_id) from exc
+        raise transport_failure(exc, what, engine_id=engine_id, timeout=timeout) from exc
     try:
-        if response.status_code >= 500:
-            text = (await response.aread())[:300].decode(errors="replace")
-            raise AmbiguousReply(
-                ErrorCode.SERVER_ERROR,
-                f"POST {url}: HTTP {response.status_code}: {text}",
-                engine_id=engine_id,
-                status=response.status_code,
-            )
+        failure = await server_failure(response, what, engine_id=engine_id)
+        if failure is not None:
+            raise failure
         yield response
     finally:
         await response.aclose()
 
 
-def read_failure(exc: Exception, url: str, engine_id: str) -> AmbiguousReply:
-    """A failure after the request may have left: ambiguous, never resent."""
-    if isinstance(exc, httpx.TimeoutException):
-        return AmbiguousReply(ErrorCode.TIMEOUT, f"POST {url}: timed out", engine_id=engine_id)
-    return AmbiguousReply(ErrorCode.CONNECTION_LOST, f"POST {url}: {exc!r}", engine_id=engine_id)
+def read_failure(exc: httpx.HTTPError, url: str, engine_id: str) -> AmbiguousReply:
+    """A failure while reading the body of a reply from ``url``: the request had left, so it
+    is ambiguous and never resent (:func:`engines.http.transport_failure`)."""
+    return transport_failure(exc, f"POST {url}", engine_id=engine_id)
 
 
 def refusal_of(

@@ -6,7 +6,9 @@ float32. Building takes a few seconds and is cached on disk (atomic: temp dir, t
 
 Adapters are produced as :class:`~engines.manifest.TensorData` with peft's key layout, from a
 seeded numpy generator, so tests and the demo can make as many distinct versions as they like
-without torch on the trainer side.
+without torch on the trainer side. The same construction shapes adapters for any decoder base
+model (:class:`ModelShapes`, read from its ``config.json``): ``loraledger check-engine`` builds its
+throwaway adapters for a live engine's model with it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,8 @@ HEADS = 2
 VOCAB = 512
 INTERMEDIATE = 256
 SERVED_NAME = "tiny"
+# The attention projections of a decoder layer (the Llama/Qwen/Mistral family layout).
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -105,8 +111,54 @@ def _build_base(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+@dataclass(frozen=True)
+class ModelShapes:
+    """What a LoRA on the attention projections of a decoder needs from its base model: the
+    layer count and each projection's (in, out) features (the Llama/Qwen/Mistral family layout
+    PEFT and the engines use)."""
+
+    layers: int
+    hidden: int
+    q_out: int
+    kv_out: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelShapes:
+        """From a base model's ``config.json``; ValueError when it lacks a decoder's shape
+        fields."""
+        text = config.get("text_config")
+        if isinstance(text, Mapping) and "hidden_size" not in config:
+            config = text  # multimodal wrappers keep the language model's config inside
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            kv_heads = int(config.get("num_key_value_heads") or heads)
+            head_dim = int(config.get("head_dim") or hidden // heads)
+            layers = int(config["num_hidden_layers"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"base model config lacks a decoder's shape fields: {exc!r}") from None
+        return cls(layers=layers, hidden=hidden, q_out=heads * head_dim, kv_out=kv_heads * head_dim)
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in, out) of one attention projection."""
+        return {
+            "q_proj": (self.hidden, self.q_out),
+            "k_proj": (self.hidden, self.kv_out),
+            "v_proj": (self.hidden, self.kv_out),
+            "o_proj": (self.q_out, self.hidden),
+        }[module]
+
+
+# The tiny model's: as many key/value heads as query heads, so every projection is square.
+TINY_SHAPES = ModelShapes(layers=LAYERS, hidden=HIDDEN, q_out=HIDDEN, kv_out=HIDDEN)
+
+
 def adapter_config(
-    *, r: int = 8, alpha: int = 16, targets: tuple[str, ...] = ("q_proj", "v_proj")
+    *,
+    r: int = 8,
+    alpha: int = 16,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    base_model: str = SERVED_NAME,
 ) -> dict[str, Any]:
     """A PEFT ``adapter_config.json`` that stock SGLang, vLLM and peft all accept."""
     return {
@@ -121,7 +173,7 @@ def adapter_config(
         "use_rslora": False,
         "use_dora": False,
         "inference_mode": True,
-        "base_model_name_or_path": SERVED_NAME,
+        "base_model_name_or_path": base_model,
     }
 
 
@@ -132,21 +184,25 @@ def make_adapter(
     alpha: int = 16,
     targets: tuple[str, ...] = ("q_proj", "v_proj"),
     b_scale: float = 2.0,
-    layers: int = LAYERS,
+    shapes: ModelShapes = TINY_SHAPES,
+    base_model: str = SERVED_NAME,
 ) -> tuple[dict[str, Any], dict[str, TensorData]]:
-    """A random LoRA adapter for the tiny model: ``(config, {peft key: tensor})``.
+    """A random LoRA adapter (float32) on the attention projections ``targets`` of a model of
+    ``shapes`` (the tiny model unless told): ``(config, {peft key: tensor})``.
 
     ``b_scale`` is large enough that greedy outputs clearly differ between seeds (peft's own
     init makes B zero, which would make every version identical to the base).
     """
     rng = np.random.default_rng(seed)
     tensors: dict[str, TensorData] = {}
-    for layer in range(layers):
+    for layer in range(shapes.layers):
         for module in sorted(targets):
+            n_in, n_out = shapes.module_shape(module)
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            a = rng.standard_normal((r, HIDDEN)) / np.sqrt(HIDDEN)
-            b = rng.standard_normal((HIDDEN, r)) * b_scale
+            a = rng.standard_normal((r, n_in)) / np.sqrt(n_in)
+            b = rng.standard_normal((n_out, r)) * b_scale
             a, b = a.astype(np.float32), b.astype(np.float32)
             tensors[f"{prefix}.lora_A.weight"] = tensor_from_array(a)
             tensors[f"{prefix}.lora_B.weight"] = tensor_from_array(b)
-    return adapter_config(r=r, alpha=alpha, targets=targets), tensors
+    config = adapter_config(r=r, alpha=alpha, targets=targets, base_model=base_model)
+    return config, tensors

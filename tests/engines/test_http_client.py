@@ -10,9 +10,7 @@ happened to a generation against a starved vLLM in CI, made deterministic."""
 
 from __future__ import annotations
 
-import select
 import socket
-import threading
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +19,7 @@ import pytest
 from engines import http
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
+from tests.engines.loopback import LoopbackServer
 
 pytestmark = pytest.mark.anyio
 
@@ -28,41 +27,18 @@ pytestmark = pytest.mark.anyio
 METRICS = b"process_start_time_seconds 1.7e+09\n"
 
 
-class KeepAliveRacer:
-    """The server described in the module docstring, on a thread of its own (stopped by
-    :meth:`stop`). ``connections`` counts accepted connections, ``resets`` the requests it
-    dropped by closing a kept-alive connection."""
+class KeepAliveRacer(LoopbackServer):
+    """The server described in the module docstring. ``connections`` counts accepted
+    connections, ``resets`` the requests it dropped by closing a kept-alive connection."""
 
     def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self.connections = 0
         self.resets = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="keepalive-racer")
-        self._thread.start()
+        super().__init__()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._listener.close()
-        assert not self._thread.is_alive()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if select.select([self._listener], [], [], 0.05)[0]:
-                conn, _ = self._listener.accept()
-                self.connections += 1
-                with conn:
-                    self._answer(conn)
-
-    def _answer(self, conn: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return
-            head += chunk
+    def answer(self, conn: socket.socket) -> None:
+        head = self.read_head(conn)
+        if head is None:
+            return
         close = b"connection: close" in head.lower()
         conn.sendall(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
@@ -74,11 +50,8 @@ class KeepAliveRacer:
         if close:
             return
         # Kept alive: wait for the next request and lose the race (close with it unread).
-        while not self._stop.is_set():
-            if select.select([conn], [], [], 0.05)[0]:
-                if conn.recv(1, socket.MSG_PEEK):
-                    self.resets += 1
-                return
+        if self.wait_readable(conn) and conn.recv(1, socket.MSG_PEEK):
+            self.resets += 1
 
 
 @pytest.fixture

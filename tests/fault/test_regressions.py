@@ -12,7 +12,8 @@ import pytest
 
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import Candidate, CleanRefusal, ErrorCode
-from engines.local.engine import LocalEngine, resolve_under
+from engines.local.engine import LocalEngine
+from engines.local.residency import resolve_under
 from engines.local.server import serve
 from evlog.errors import LoraLedgerError
 from evlog.memory import MemoryStore

@@ -31,12 +31,12 @@ import pytest
 from engines.artifacts import ArtifactStore
 from engines.local.admission import ServingLimits
 from engines.local.server import running_server
-from engines.local.tinymodel import ensure_tiny_model
+from engines.local.tinymodel import ModelShapes, ensure_tiny_model
 from engines.sglang import SGLangEngine
 from engines.testing import RestartableEngine
 from tests.engines.faulty_engine import FaultyEngine, Restart, Swallow
 from tests.tools.conftest import REPO, run_script, script_env
-from tools.check_engine import ModelShapes, Report, Target, render, run_checks
+from tools.check_engine import Report, Target, render, run_checks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # peft's active-adapter notes
 
@@ -258,6 +258,36 @@ async def test_a_restart_between_probes_fails_the_incarnation_check(tmp_path: Pa
         report = await run_checks(_target(faulty, root))
     assert "incarnation" in _failed(report)
     assert not report.ok
+
+
+@pytest.mark.anyio
+async def test_a_load_answered_but_never_carried_out_fails_as_a_publication_would(
+    tmp_path: Path,
+) -> None:
+    """The check loads through the ledger's engine protocol, so a load the engine answers
+    without acting (the second one: the adapter kept running during the unload) is caught by
+    the inventory that confirms every load, with the code a publication would fail with
+    (READY_UNCONFIRMED), before any request is sent to the missing adapter."""
+    from engines.local.engine import LocalEngine
+    from publisher.engine_protocol import READY_UNCONFIRMED
+
+    root = tmp_path / "artifacts"
+    root.mkdir()
+
+    def fresh() -> LocalEngine:
+        return LocalEngine("sw0", limits=ServingLimits(max_lora_rank=32), artifact_root=root)
+
+    async with RestartableEngine(fresh) as host:
+        faulty = FaultyEngine(host)
+        faulty.inject("load", Swallow(), call=2)
+        report = await run_checks(_target(faulty, root))
+        held = (await host.inventory()).names()
+    findings = {f.check: f for f in report.findings}
+    assert not report.ok and findings["run"].holds is False
+    stopped = findings["run"].detail
+    assert READY_UNCONFIRMED in stopped and "-b-" in stopped, stopped  # the second adapter's
+    assert "unload_in_flight" not in findings  # no request went to the missing adapter
+    assert findings["left_as_found"].holds is True and held == frozenset()
 
 
 def _rendered(report: Report) -> str:
