@@ -1165,7 +1165,7 @@ def _bench_command(name: str, summary: str) -> None:
             ),
         ] = None,
     ) -> None:
-        from tools.bench import run_bench
+        from tools.bench.runner import run_bench
 
         run_bench(name, quick=quick, directory=directory, json=json, store=store)
 

@@ -9,7 +9,7 @@ gateway actor serves, with the official ``openai`` client.
 * ``--max-body-mb`` and ``--upstream-timeout-s`` reach the face, from the command line and the
   Ray ``GatewayConfig``.
 
-The engine is the benchmark's stub of a vLLM server (:mod:`tools.bench_stub_engine`), a test
+The engine is the benchmark's stub of a vLLM server (:mod:`tools.bench.stub_engine`), a test
 double for what cannot run here: a multimodal engine, which like vLLM takes any body size and
 image parts. It runs in this process on a free loopback port; so do serve and the gateway."""
 
@@ -35,7 +35,7 @@ from tests.publisher.openai_kit import serve_app
 from tests.tools.conftest import Cli
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
-from tools.bench_stub_engine import StubEngine
+from tools.bench.stub_engine import StubEngine
 from tools.serve import parse_engine
 
 pytestmark = [
