@@ -36,7 +36,7 @@ from tests.tools.conftest import Cli
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
 from tools.bench.stub_engine import StubEngine
-from tools.serve import parse_engine
+from tools.service_options import parse_engine
 
 pytestmark = [
     pytest.mark.anyio,
@@ -302,7 +302,8 @@ def test_the_limits_reach_the_face_from_the_command_line_and_the_ray_config(
     from publisher.ray.gateway import GatewayConfig
     from tools.exitcodes import Exit
     from tools.gateway import GatewayOptions
-    from tools.serve import ServeOptions, openai_options
+    from tools.serve import ServeOptions
+    from tools.service_options import openai_options
 
     started: list[Any] = []
 
