@@ -8,7 +8,7 @@ silence. :class:`ServiceOptions` holds those fields once; ``ServeOptions`` (``to
 and ``GatewayOptions`` (``tools/gateway.py``) add their own to it, and each command's check
 starts with :func:`check_service_options`, so a rule of the shared options (exit 11 beyond
 loopback without a token, the limits' ranges) cannot differ between the two. The command line
-declares these options once too (``service_options`` in the CLI).
+declares these options once too (``service_options`` in ``tools/cli/service.py``).
 """
 
 from __future__ import annotations
