@@ -158,12 +158,12 @@ def service_options(
         parameters = [*own[:at], *shared, *own[at + 1 :]]
 
         @functools.wraps(command)
-        def with_service(**given: Any) -> None:
+        def with_shared(**given: Any) -> None:
             command(shared=ServiceFlags(**{n: given.pop(n) for n in names}), **given)
 
-        with_service.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-        with_service.__annotations__ = {p.name: p.annotation for p in parameters}
-        return with_service
+        with_shared.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        with_shared.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_shared
 
     return declare
 
