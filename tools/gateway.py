@@ -24,22 +24,23 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 
 from tools.arguments import seconds, service_url
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
 from tools.serve import (
-    ENGINE_KINDS,
-    EngineSpec,
     _open_engine,
     _server,
     _stop_on_signals,
     _stop_when,
-    check_listen,
-    check_openai_limits,
     listening_url,
+)
+from tools.service_options import (
+    ENGINE_KINDS,
+    EngineSpec,
+    ServiceOptions,
+    check_service_options,
     openai_options,
 )
 
@@ -57,26 +58,18 @@ log = get_logger("loraledger.gateway")
 PROCESS_TAG = uuid.uuid4().hex[:8]
 
 
-class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
+class GatewayOptions(ServiceOptions, frozen=True, kw_only=True):
+    """``loraledger gateway``'s options: the shared ones (``tools/service_options.py``) and the
+    ledger it fronts, its owner and its lease. Two shared ones mean something of their own
+    here: no ``engines`` means each engine at the endpoint the ledger reports, and
+    ``provenance`` defaults to ``./<owner>.provenance.jsonl``."""
+
     ledger: str  # the base URL of ``loraledger serve``
-    host: str = "127.0.0.1"
     port: int = 8766
-    token: str | None = None
-    engine_token: str | None = None
-    engines: tuple[EngineSpec, ...] = ()  # empty: each engine's endpoint from the ledger
-    served_model: str = "tiny"  # vLLM's base model name
-    artifact_root: str | None = None  # unused (no in-process engine here); read by _open_engine
-    alias: str = "policy"
     owner: str | None = None  # default gateway-<host>-<pid>-<random>: see PROCESS_TAG
     ttl_s: float = 30.0
-    session_idle_s: float = 1800.0
     refresh_s: float = 1.0
     renew_s: float = 0.5
-    provenance: str | None = None  # default ./<owner>.provenance.jsonl
-    max_connections: int = 1000
-    header_timeout_s: float = 10.0
-    max_body_mb: int = 64  # the largest OpenAI request body, MiB (413 beyond)
-    upstream_timeout_s: float = 3600.0  # the longest wait for an engine's next bytes
 
     @property
     def owner_id(self) -> str:
@@ -84,7 +77,7 @@ class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def check_options(opts: GatewayOptions) -> None:
-    check_listen(opts.host, opts.token)
+    check_service_options(opts)
     service_url("--ledger", opts.ledger)
     if not opts.token:
         raise ToolError(
@@ -92,14 +85,8 @@ def check_options(opts: GatewayOptions) -> None:
             "a gateway needs the ledger's token (LORALEDGER_TOKEN or --token-file): it binds "
             "and releases sessions there",
         )
-    if not 0 <= opts.port <= 65535:
-        raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
-    seconds("--session-idle-s", opts.session_idle_s, zero="never")
     seconds("--ttl-s", opts.ttl_s)
     seconds("--refresh-s", opts.refresh_s)
-    if opts.max_connections < 1:
-        raise ToolError(Exit.USAGE, "--max-connections must be positive")
-    check_openai_limits(opts)
     for spec in opts.engines:
         if not spec.url:
             raise ToolError(
@@ -243,9 +230,8 @@ async def run_gateway(
         listening(opts.host, opts.port) as sockets,  # a busy port: no owner registered yet
         gateway_face(opts) as face,
     ):
-        serve_opts = _ServeShape(opts)
         # the routes behind their guard (body cap, 413 in OpenAI's shape), as on a Ray actor
-        server = _server(openai_app(face), serve_opts, verbosity)  # type: ignore[arg-type]
+        server = _server(openai_app(face), opts, verbosity)
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(_stop_on_signals, server)
@@ -255,14 +241,6 @@ async def run_gateway(
             await serve_on(server, sockets)
             tg.cancel_scope.cancel()
     log.info("gateway.stopped", owner=opts.owner_id)
-
-
-class _ServeShape:
-    """The listening options ``tools.serve._server`` reads."""
-
-    def __init__(self, opts: GatewayOptions) -> None:
-        self.host, self.port = opts.host, opts.port
-        self.max_connections, self.header_timeout_s = opts.max_connections, opts.header_timeout_s
 
 
 async def _announce(

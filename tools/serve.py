@@ -28,16 +28,14 @@ Every committed event is logged as one line with its seq (``-v``) and counted in
 from __future__ import annotations
 
 import os
-import re
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
-import msgspec
 
-from engines.guard import is_loopback, uvicorn_limits
+from engines.guard import uvicorn_limits
 from evlog.errors import StoreError
 from evlog.stores import backend_of, describe
 from publisher.core.decider.checks import _IDENT as NAME_RULE  # the ledger's own rule, not a copy
@@ -46,89 +44,42 @@ from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
 from tools.logfile import refuse_foreign
+from tools.service_options import (
+    EngineSpec,
+    ServiceOptions,
+    check_service_options,
+    openai_options,
+)
 
 log = get_logger("loraledger.serve")
 
-ENGINE_KINDS = ("sglang", "sglang-tensors", "vllm", "local", "agent")
-_ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
+class ServeOptions(ServiceOptions, frozen=True, kw_only=True):
+    """``loraledger serve``'s options: the shared ones (``tools/service_options.py``) and the
+    log, the deployment and the drivers' settings."""
 
-class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """``e0=sglang:http://127.0.0.1:30000``; ``local:`` alone is an in-process local engine."""
-
-    engine_id: str
-    kind: str
-    url: str | None = None
-
-
-class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     db: str
-    host: str = "127.0.0.1"
     port: int = 8765
-    token: str | None = None
-    engine_token: str | None = None  # sent to every engine as a bearer token (their --api-key)
-    engines: tuple[EngineSpec, ...] = ()
     deployment: str = "default"
     prefix: str = "policy"
     capacity: int = 3
     max_staleness: int | None = None  # recorded as DeploymentConfigured (docs/sessions.md)
-    artifact_root: str | None = None
-    served_model: str = "tiny"
     synchronous: str = "FULL"
     private_reads: bool = False  # /status and /metrics need the token too
-    max_connections: int = 1000  # beyond it a connection is answered 503 and closed
-    header_timeout_s: float = 10.0  # to send a request's headers, from connect or last reply
-    alias: str = "policy"  # the OpenAI model name meaning "my session's version"
-    provenance: str | None = None  # JSON lines, one per OpenAI request (default: next to db)
     gateway_owner: str = "openai-serve"  # the owner of the sessions the OpenAI routes bind
     gateway_ttl_s: float = 30.0
     suspend_after_s: float | None = 30.0  # failing probes for this long suspend an engine
     probe_timeout_s: float = 10.0  # one health probe of an engine
-    session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released
     # Once fenced: how long /health keeps answering 503 and clients hear FENCED (rather than a
     # refused connection, which they would retry) before the server stops.
     fenced_linger_s: float = 2.0
-    max_body_mb: int = 64  # the largest OpenAI request body, MiB (413 beyond)
-    upstream_timeout_s: float = 3600.0  # the longest wait for an engine's next bytes (OpenAI)
-
-
-def parse_engine(text: str) -> EngineSpec:
-    """Parse ``ID=KIND:URL`` (``URL`` may be empty for ``local``)."""
-    engine_id, eq, rest = text.partition("=")
-    kind, colon, url = rest.partition(":")
-    if not eq or not colon or not _ENGINE_ID.match(engine_id):
-        raise ToolError(
-            Exit.USAGE,
-            f"--engine {text!r}: expected ID=KIND:URL, e.g. e0=sglang:http://127.0.0.1:30000 "
-            "or e1=local: (an in-process local engine)",
-        )
-    if kind not in ENGINE_KINDS:
-        raise ToolError(
-            Exit.USAGE, f"--engine {text!r}: kind must be one of {', '.join(ENGINE_KINDS)}"
-        )
-    if url and not re.match(r"^https?://[^/\s]+", url):
-        raise ToolError(Exit.USAGE, f"--engine {text!r}: {url!r} is not an http(s) URL")
-    if not url and kind != "local":
-        raise ToolError(Exit.USAGE, f"--engine {text!r}: a {kind} engine needs its URL")
-    return EngineSpec(engine_id=engine_id, kind=kind, url=url or None)
-
-
-def check_listen(host: str, token: str | None) -> None:
-    """Refuse to listen beyond loopback without a token (exit 11)."""
-    if not is_loopback(host) and not token:
-        raise ToolError(
-            Exit.UNSAFE,
-            f"refusing to listen on {host!r} without a token: anyone who can reach it could "
-            "bind, release or publish. Set LORALEDGER_TOKEN (or pass --token-file), or listen "
-            "on 127.0.0.1.",
-        )
 
 
 def check_options(opts: ServeOptions) -> None:
     """Refuse bad options before anything exists: a deployment name the ledger would refuse
     once the log file, its artifacts folder and the engines were up (``--deployment 'a b/c'``
     ended in an ``ExceptionGroup`` and left a db file behind)."""
-    check_listen(opts.host, opts.token)
+    check_service_options(opts)
     for option, value in (
         ("--deployment", opts.deployment),
         ("--prefix", opts.prefix),
@@ -140,8 +91,6 @@ def check_options(opts: ServeOptions) -> None:
                 f"{option} {value!r}: letters, digits, '.', '_' and '-' only, starting with a "
                 "letter or digit, at most 64 characters (it becomes part of engine-side names)",
             )
-    if not 0 <= opts.port <= 65535:
-        raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
     ids = [e.engine_id for e in opts.engines]
     if len(set(ids)) != len(ids):
         raise ToolError(Exit.USAGE, f"engine ids must be unique, got {ids}")
@@ -162,62 +111,19 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, f"--max-staleness {opts.max_staleness} must be >= 0")
     if opts.private_reads and not opts.token:
         raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
-    if opts.max_connections < 1:
-        raise ToolError(Exit.USAGE, "--max-connections must be positive")
-    seconds("--session-idle-s", opts.session_idle_s, zero="never")
     if opts.capacity < 1:  # the ledger refuses it too, but only once the log exists
         raise ToolError(
             Exit.USAGE,
             f"--capacity {opts.capacity}: must be at least 1 (versions holding a slot at once)",
         )
-    seconds("--header-timeout", opts.header_timeout_s)
     seconds("--probe-timeout", opts.probe_timeout_s)  # 0 s: every probe fails, engines suspended
     if opts.suspend_after_s is not None:  # None: never (the command line's 0)
         seconds("--suspend-after", opts.suspend_after_s, zero="never")
     seconds("gateway_ttl_s", opts.gateway_ttl_s)
     seconds("fenced_linger_s", opts.fenced_linger_s, zero="stop at once")
-    check_openai_limits(opts)
 
 
-class OpenAILimits(Protocol):
-    """What the OpenAI face's limits read of the options (serve's and a gateway's)."""
-
-    @property
-    def max_body_mb(self) -> int: ...
-
-    @property
-    def upstream_timeout_s(self) -> float: ...
-
-
-MIB = 1024 * 1024
-MAX_BODY_MB_LIMIT = 4096  # a Content-Length over 18 digits is refused anyway; this is sanity
-
-
-def check_openai_limits(opts: OpenAILimits) -> None:
-    if not 1 <= opts.max_body_mb <= MAX_BODY_MB_LIMIT:
-        raise ToolError(Exit.USAGE, f"--max-body-mb must be 1-{MAX_BODY_MB_LIMIT} (MiB)")
-    seconds("--upstream-timeout-s", opts.upstream_timeout_s)
-
-
-def openai_options(opts: OpenAILimits) -> dict[str, Any]:
-    """The ``OpenAIOptions`` keywords for the limits (the body cap in bytes)."""
-    return {"max_body_bytes": opts.max_body_mb * MIB, "upstream_timeout_s": opts.upstream_timeout_s}
-
-
-class EngineOptions(Protocol):
-    """What opening an engine reads of the options (serve's and a gateway's)."""
-
-    @property
-    def engine_token(self) -> str | None: ...
-
-    @property
-    def served_model(self) -> str: ...
-
-    @property
-    def artifact_root(self) -> str | None: ...
-
-
-async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: EngineOptions) -> Any:
+async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServiceOptions) -> Any:
     """A live engine handle for ``spec``; closed by ``stack``."""
     if spec.kind == "sglang":
         from engines.sglang import SGLangEngine
@@ -382,7 +288,7 @@ def make_publish(plane: Any) -> Callable[[int, str, bool], Any]:
     return publish
 
 
-def _server(app: Any, opts: ServeOptions, verbosity: int) -> Any:
+def _server(app: Any, opts: ServiceOptions, verbosity: int) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -514,10 +420,6 @@ async def _announce(
     log.info("serve.listening", url=url, db=describe(opts.db))
     if on_ready is not None:
         on_ready(url)
-
-
-def specs(values: Sequence[str]) -> tuple[EngineSpec, ...]:
-    return tuple(parse_engine(v) for v in values)
 
 
 def warn_if_open_elsewhere(db: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.bench_memory import measure
+from tools.bench.memory import measure
 
 
 @pytest.mark.parametrize("shape", ["flood", "waves"])

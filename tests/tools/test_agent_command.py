@@ -22,7 +22,7 @@ from engines.sglang import SGLangEngine
 from tests.engines.contract import GREEDY, PROMPT, candidate_for, publish
 from tests.engines.test_contract_local import LIMITS
 from tests.tools.conftest import REPO, console_script, run_script, script_env
-from tools.serve import parse_engine
+from tools.service_options import parse_engine
 
 pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::UserWarning")]
 

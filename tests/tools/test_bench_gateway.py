@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.tools.conftest import Cli
-from tools.bench_gateway import UNAVAILABLE, Processes, _port_url
+from tools.bench.gateway import UNAVAILABLE, Processes, _port_url
 
 
 def _gone(pid: int) -> bool:
@@ -87,7 +87,7 @@ def stub(tmp_path: Path) -> Iterator[str]:
     """The stub engine in its own process; stopped by PID."""
     procs = Processes(tmp_path)
     port_file = tmp_path / "stub.port"
-    started = procs.start("stub", ["-m", "tools.bench_stub_engine", "--port-file", str(port_file)])
+    started = procs.start("stub", ["-m", "tools.bench.stub_engine", "--port-file", str(port_file)])
     try:
         yield anyio.run(_port_url, started, port_file)
     finally:

@@ -8,7 +8,7 @@ import anyio
 import httpx
 import pytest
 
-from tools.bench_http import _server, bench_http
+from tools.bench.http import _server, bench_http
 
 
 def test_bench_http_small(tmp_path) -> None:  # type: ignore[no-untyped-def]

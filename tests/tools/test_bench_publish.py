@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tools.bench_publish import bench_publish, max_gap, render
+from tools.bench.publish import bench_publish, max_gap, render
 
 pytestmark = [
     pytest.mark.anyio,

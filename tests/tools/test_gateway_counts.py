@@ -36,7 +36,7 @@ from publisher.sessions import RolloutWorker
 from publisher.trainer import TrainerClient
 from tests.publisher.openai_kit import TOKEN, ResetAfterSend, serve_app
 from tests.publisher.plane_kit import FAST
-from tools.bench_gateway import Processes, _port_url
+from tools.bench.gateway import Processes, _port_url
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +56,7 @@ async def test_counts_never_drift_over_stub_engines(tmp_path: Path, slow: bool) 
                 f"stub-e{i}",
                 [
                     "-m",
-                    "tools.bench_stub_engine",
+                    "tools.bench.stub_engine",
                     "--port-file",
                     str(port_file),
                     "--chunk-interval-ms",

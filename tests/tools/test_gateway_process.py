@@ -37,7 +37,7 @@ from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
-from tools.serve import parse_engine
+from tools.service_options import parse_engine
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 TOKEN = "gateway-process-token"

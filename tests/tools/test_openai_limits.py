@@ -9,7 +9,7 @@ gateway actor serves, with the official ``openai`` client.
 * ``--max-body-mb`` and ``--upstream-timeout-s`` reach the face, from the command line and the
   Ray ``GatewayConfig``.
 
-The engine is the benchmark's stub of a vLLM server (:mod:`tools.bench_stub_engine`), a test
+The engine is the benchmark's stub of a vLLM server (:mod:`tools.bench.stub_engine`), a test
 double for what cannot run here: a multimodal engine, which like vLLM takes any body size and
 image parts. It runs in this process on a free loopback port; so do serve and the gateway."""
 
@@ -35,8 +35,8 @@ from tests.publisher.openai_kit import serve_app
 from tests.tools.conftest import Cli
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
-from tools.bench_stub_engine import StubEngine
-from tools.serve import parse_engine
+from tools.bench.stub_engine import StubEngine
+from tools.service_options import parse_engine
 
 pytestmark = [
     pytest.mark.anyio,
@@ -301,7 +301,8 @@ def test_the_limits_reach_the_face_from_the_command_line_and_the_ray_config(
     from publisher.ray.gateway import GatewayConfig
     from tools.exitcodes import Exit
     from tools.gateway import GatewayOptions
-    from tools.serve import ServeOptions, openai_options
+    from tools.serve import ServeOptions
+    from tools.service_options import openai_options
 
     started: list[Any] = []
 

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.guard import is_loopback
 from tests.tools.conftest import REPO, Cli, console_script, script_env
 from tools.exitcodes import Exit
-from tools.serve import ServeOptions, parse_engine, serve
+from tools.serve import ServeOptions, serve
+from tools.service_options import parse_engine
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -23,7 +23,7 @@ from tests.tools.conftest import Cli
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir, _Process
 from tools.exitcodes import Exit, ToolError
-from tools.serve import parse_engine
+from tools.service_options import parse_engine
 
 TOKEN = "serve-fenced-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -23,7 +23,7 @@ TOKEN = "serve-openai-token"
 
 
 async def test_serve_answers_the_openai_routes(tmp_path: Path) -> None:
-    from tools.serve import parse_engine
+    from tools.service_options import parse_engine
 
     adapters = [_adapter_dir(tmp_path, seed) for seed in (1, 2)]
     async with (
@@ -78,7 +78,7 @@ async def test_serve_refuses_a_wrong_model_and_unknown_routes_in_openai_shape(
     routes keep theirs."""
     from evlog.events import SessionBound, SessionReleased
     from evlog.sqlite import SQLiteStore
-    from tools.serve import parse_engine
+    from tools.service_options import parse_engine
 
     adapters = [_adapter_dir(tmp_path, seed) for seed in (1, 2)]
     auth = {"Authorization": f"Bearer {TOKEN}"}

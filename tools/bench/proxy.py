@@ -9,7 +9,7 @@ client that goes away closes the upstream response (the upstream request is aban
 
 Upstream connections are pooled and kept alive (the cheapest a pass-through can be).
 
-Run ``python -m tools.bench_proxy --upstream URL --port-file FILE``.
+Run ``python -m tools.bench.proxy --upstream URL --port-file FILE``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from tools.bench_stub_engine import listen_and_run
+from tools.bench.stub_engine import listen_and_run
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx/uvicorn recompute.
 _HOP = frozenset(
@@ -77,7 +77,7 @@ def build_proxy(upstream: str, *, pool: int = 1024) -> Starlette:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.proxy", description=__doc__)
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--port-file", required=True)
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ steady rollout fleet); ``flood`` binds every session first, then releases and fo
 (a million sessions alive at once). Memory is traced with ``tracemalloc`` (Python allocations
 only, exact and repeatable), after a ``gc.collect()``.
 
-Run ``python -m tools.bench_memory`` or ``loraledger bench memory``.
+Run ``python -m tools.bench.memory`` or ``loraledger bench memory``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from projections.registry import RegistryState, evolve
 from publisher import commands as c
 from publisher.core.decider import decide
-from tools.bench_ledger import machine
+from tools.bench.ledger import machine
 
 
 def _run(state: RegistryState, command: c.Command) -> None:

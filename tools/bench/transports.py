@@ -7,7 +7,7 @@ Method (one process, one run, so the numbers are comparable):
 * **Engines**: 2 local engines, each served over loopback HTTP (their SGLang face), each with
   its own artifact root, and a ``ControlPlane`` over an SQLite ledger (``synchronous=FULL``)
   whose artifact store is a third directory. All on the same disk.
-* **Adapter**: the tiny model's LoRA of :mod:`tools.bench_publish` (``size_mib`` MiB of
+* **Adapter**: the tiny model's LoRA of :mod:`tools.bench.publish` (``size_mib`` MiB of
   float32 exactly); one fresh version per publication.
 * **Transports**:
 
@@ -22,10 +22,10 @@ Method (one process, one run, so the numbers are comparable):
 
   Every transport also writes the version's directory into the control plane's store (the
   source for restores and repairs), as the publication driver always does.
-* **Reference**: the bytes written twice to files with fsync (``tools.bench_publish``), median
+* **Reference**: the bytes written twice to files with fsync (``tools.bench.publish``), median
   of ``repeats`` interleaved with the publications.
 
-Run: ``python -m tools.bench_transports [--size-mib 64] [--repeats 3] [--json]``.
+Run: ``python -m tools.bench.transports [--size-mib 64] [--repeats 3] [--json]``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 import anyio
 
-from tools.bench_publish import RANK_PER_MIB, machine, write_twice
+from tools.bench.publish import RANK_PER_MIB, machine, write_twice
 
 TRANSPORTS = ("path", "agent", "tensor")
 
@@ -158,7 +158,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_transports")
+    p = argparse.ArgumentParser(prog="python -m tools.bench.transports")
     p.add_argument("--size-mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)

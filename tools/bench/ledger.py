@@ -19,7 +19,7 @@ ledger wrote into an identical table of another fresh database on the same serve
 (one transaction, atomic) per batch of the size the ledger's group commit reached, reported
 as events/s and sessions/s with the ratio.
 
-Run ``python -m tools.bench_ledger`` or ``loraledger bench ledger [--store postgres]``.
+Run ``python -m tools.bench.ledger`` or ``loraledger bench ledger [--store postgres]``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from evlog.store import EventStore
 from projections.recovery import recover, save_snapshot
 from publisher.ledger import Ledger
 from publisher.outcomes import Allocated
-from tools.bench_store import reference_append
+from tools.bench.store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}
 

@@ -24,7 +24,7 @@ concurrency: a rollout worker runs many sessions at once. With ONE sequential ca
 durable single call cannot match a dict: each answer waits for its own fsync.
 
 Every bind is checked (a ``Bound`` answer; the ledger's session count at the end equals the
-binds made). Run ``python -m tools.bench_ray`` (``--json`` for the raw numbers), or
+binds made). Run ``python -m tools.bench.ray`` (``--json`` for the raw numbers), or
 ``await bench_ray(...)`` on asyncio (smoke sizes: ``concurrencies=(1, 8), binds=400,
 batched_binds=4096, rounds=1``; their figures are not the BENCHMARKS.md ones).
 """

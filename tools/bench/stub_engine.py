@@ -23,7 +23,7 @@ API (docs/engines.md, vLLM) that loraledger and an OpenAI client use, with vLLM'
 
 Generations compute nothing: the reply is ``"ok"`` tokens. It imports no torch.
 
-Run ``python -m tools.bench_stub_engine --port-file FILE`` (the port is written once the socket
+Run ``python -m tools.bench.stub_engine --port-file FILE`` (the port is written once the socket
 listens).
 """
 
@@ -269,7 +269,7 @@ def listen_and_run(app: Any, port_file: str) -> None:
     import uvicorn
 
     # proto=IPPROTO_TCP, as asyncio's own listeners have: only then does asyncio set
-    # TCP_NODELAY on accepted connections (tools/bench_http.py says why that matters).
+    # TCP_NODELAY on accepted connections (tools/bench/http.py says why that matters).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(4096)
@@ -284,7 +284,7 @@ def listen_and_run(app: Any, port_file: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_stub_engine", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.stub_engine", description=__doc__)
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--base-model", default=BASE_MODEL)
     parser.add_argument("--chunk-interval-ms", type=float, default=0.0)

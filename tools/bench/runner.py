@@ -1,12 +1,12 @@
 """``loraledger bench {store,ledger,publish,memory,ray,ray-publish,gateway}``: thin wrappers
-over ``bench_*``.
+over the benchmark modules of this package.
 
-The measurements live in ``tools/bench_<name>.py`` (each also runnable with ``python -m``);
-this only chooses the
-sizes (``--quick``: a smoke run small enough for CI, whose figures are *not* the BENCHMARKS.md
-ones), names the machine the figures were measured on (they are meaningless without it: fsync
-latency alone varies several-fold between machines), and prints every figure next to its
-reference and ratio, as a table or as one JSON object.
+The measurements live in ``tools/bench/<name>.py`` (each also runnable with ``python -m
+tools.bench.<name>``); this only chooses the sizes (``--quick``: a smoke run small enough for
+CI, whose figures are *not* the BENCHMARKS.md ones), names the machine the figures were
+measured on (they are meaningless without it: fsync latency alone varies several-fold between
+machines), and prints every figure next to its reference and ratio, as a table or as one JSON
+object.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tools.output import emit, stdout_console
 # name -> (module, function, full-size kwargs, --quick kwargs, name of its scratch-dir kwarg)
 BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
     "store": (
-        "tools.bench_store",
+        "tools.bench.store",
         "bench_store",
         {},
         {
@@ -42,7 +42,7 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
         "directory",
     ),
     "ledger": (
-        "tools.bench_ledger",
+        "tools.bench.ledger",
         "bench_ledger",
         {},
         {
@@ -54,35 +54,35 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
         "directory",
     ),
     "publish": (
-        "tools.bench_publish",
+        "tools.bench.publish",
         "bench_publish",
         {},
         {"size_mib": 4, "repeats": 1},
         "workdir",
     ),
     "memory": (
-        "tools.bench_memory",
+        "tools.bench.memory",
         "bench_memory",
         {},
         {"sessions": 20_000},
         "",
     ),
     "ray": (
-        "tools.bench_ray",
+        "tools.bench.ray",
         "bench_ray",
         {},
         {"concurrencies": (1, 8), "binds": 400, "batched_binds": 4096, "rounds": 1},
         "directory",
     ),
     "ray-publish": (
-        "tools.bench_ray_publish",
+        "tools.bench.ray_publish",
         "bench_ray_publish",
         {},
         {"size_mib": 4, "repeats": 1},
         "workdir",
     ),
     "gateway": (
-        "tools.bench_gateway",
+        "tools.bench.gateway",
         "bench_gateway",
         {},
         {

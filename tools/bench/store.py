@@ -6,7 +6,7 @@ hashing), one transaction per batch of ``appenders x per_append`` rows, i.e. the
 perfect group commit would reach. fsync latency on a shared VM varies several-fold between
 runs, so only the ratio is comparable across machines and runs.
 
-Run ``python -m tools.bench_store`` (``--help`` for options); ``loraledger bench`` may call
+Run ``python -m tools.bench.store`` (``--help`` for options); ``loraledger bench`` may call
 :func:`bench_store`.
 """
 

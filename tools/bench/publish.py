@@ -23,7 +23,7 @@ Method (everything in one process, one run, so the numbers are comparable):
   between consecutive completions that overlaps the publication window is reported, and the
   same for a window of equal length without publication. Per-engine maxima are reported too.
 
-Run: ``python -m tools.bench_publish [--size-mib 64] [--engines 2] [--repeats 3] [--json]``.
+Run: ``python -m tools.bench.publish [--size-mib 64] [--engines 2] [--repeats 3] [--json]``.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m tools.bench_publish", description=__doc__.split("\n")[0]
+        prog="python -m tools.bench.publish", description=__doc__.split("\n")[0]
     )
     p.add_argument("--size-mib", type=int, default=DEFAULT_SIZE_MIB)
     p.add_argument("--engines", type=int, default=2)

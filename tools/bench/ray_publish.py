@@ -25,7 +25,7 @@ Method (one local Ray instance, one driver process):
   (run against an older checkout for the before/after comparison: the file only uses the
   public API).
 
-Run: ``python -m tools.bench_ray_publish [--size-mib 64] [--engines 2] [--repeats 3] [--json]``
+Run: ``python -m tools.bench.ray_publish [--size-mib 64] [--engines 2] [--repeats 3] [--json]``
 or ``loraledger bench ray-publish``. Smoke sizes (``--quick``) are not the BENCHMARKS.md ones.
 """
 
@@ -326,7 +326,7 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m tools.bench_ray_publish", description=__doc__.split("\n")[0]
+        prog="python -m tools.bench.ray_publish", description=__doc__.split("\n")[0]
     )
     p.add_argument("--size-mib", type=int, default=DEFAULT_SIZE_MIB)
     p.add_argument("--engines", type=int, default=2)

@@ -15,7 +15,7 @@ the fresh connection (a real engine call spends milliseconds to seconds generati
 runs ``requests`` requests from ``concurrency`` tasks; arms alternate over ``rounds`` and the
 median is kept, so a shared machine's load hits both alike. Every reply is checked.
 
-Run ``python -m tools.bench_http`` (``--json`` for every sample).
+Run ``python -m tools.bench.http`` (``--json`` for every sample).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _serve(port_file: str) -> None:
 def _server(workdir: str) -> Iterator[str]:
     """A uvicorn subprocess on a free loopback port; stopped (by its PID) on exit."""
     port_file = os.path.join(workdir, "port")
-    proc = subprocess.Popen([sys.executable, "-m", "tools.bench_http", "--serve", port_file])
+    proc = subprocess.Popen([sys.executable, "-m", "tools.bench.http", "--serve", port_file])
     try:
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file):
@@ -147,7 +147,7 @@ async def bench_http(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_http", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.http", description=__doc__)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print every figure as JSON")

@@ -1,10 +1,10 @@
 """Benchmark: what the OpenAI-compatible pinning gateway adds in front of an engine.
 
 Three cases, driven the same way, in one run, against one stub engine that answers at once in
-a process of its own (``tools/bench_stub_engine.py``: vLLM's OpenAI and LoRA API, no torch):
+a process of its own (``tools/bench/stub_engine.py``: vLLM's OpenAI and LoRA API, no torch):
 
 * **(a) direct** -- the client talks to the stub: the reference of every ratio;
-* **(b) bare proxy** -- ``tools/bench_proxy.py`` in its own process: Starlette + uvicorn + an
+* **(b) bare proxy** -- ``tools/bench/proxy.py`` in its own process: Starlette + uvicorn + an
   httpx streaming pass-through, the stack the gateway is built on, doing nothing else;
 * **(c) gateway** -- ``loraledger serve`` in its own process with the stub as its vLLM engine,
   one adapter version published through it (``POST /versions``), driven on its OpenAI routes
@@ -34,7 +34,11 @@ CPU seconds of every process (client included, from ``/proc``) are reported per 
 small machine the client competes with the servers, and its cost against (a) says how much of
 the measurement is the client's.
 
-Run ``loraledger bench gateway`` (``python -m tools.bench_gateway``; ``--json``).
+Run ``loraledger bench gateway`` (``python -m tools.bench.gateway``; ``--json``).
+
+One module past 800 lines because it is one measurement: the processes it starts, the workload
+and the figures are read together to see that the three cases are driven alike. What runs in a
+process of its own (the stub engine, the bare proxy) has a module of its own.
 """
 
 from __future__ import annotations
@@ -449,7 +453,7 @@ async def _fleet(
             "stub",
             [
                 "-m",
-                "tools.bench_stub_engine",
+                "tools.bench.stub_engine",
                 "--port-file",
                 str(stub_port),
                 "--chunk-interval-ms",
@@ -460,7 +464,7 @@ async def _fleet(
         proxy_port = workdir / "proxy.port"
         proxy = procs.start(
             "proxy",
-            ["-m", "tools.bench_proxy", "--upstream", urls["stub"], "--port-file", str(proxy_port)],
+            ["-m", "tools.bench.proxy", "--upstream", urls["stub"], "--port-file", str(proxy_port)],
         )
         urls["proxy"] = await _port_url(proxy, proxy_port)
         publish: dict[str, Any] = {}
@@ -783,12 +787,12 @@ def _verdicts(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.gateway", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print every figure as JSON")
     args = parser.parse_args(argv)
-    from tools.bench import BENCHES, machine, view
+    from tools.bench.runner import BENCHES, machine, view
     from tools.output import emit, stdout_console
 
     kwargs: dict[str, Any] = dict(BENCHES["gateway"][3]) if args.quick else {"rounds": args.rounds}

@@ -1,0 +1,107 @@
+"""The commands that talk to a running ``loraledger serve``: ``status`` (its live state) and
+``fleet suspend|resume|remove`` (an operator's actions on one engine, recorded in its log)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tools.cli.common import DEFAULT_URL, JsonOpt, guarded
+from tools.exitcodes import EXIT_HELP
+from tools.output import emit, stdout_console, to_json
+
+# --- status --------------------------------------------------------------------------------
+
+
+@guarded
+def status(
+    url: Annotated[
+        str,
+        typer.Option("--url", envvar="LORALEDGER_URL", help="Where `loraledger serve` listens."),
+    ] = DEFAULT_URL,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", envvar="LORALEDGER_TOKEN", help="Bearer token, if the service wants one."
+        ),
+    ] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 5.0,
+    json: JsonOpt = False,
+) -> None:
+    """Ask a running ledger (`loraledger serve`) for its live status."""
+    from tools.arguments import seconds, service_url
+    from tools.render import status_view
+    from tools.status import fetch_status
+
+    live = fetch_status(
+        service_url("--url", url), token=token, timeout=seconds("--timeout", timeout)
+    )
+    if json:
+        emit(to_json(live, row="status"))
+        return
+    stdout_console().print(status_view(live, title=f"ledger at {url}"))
+
+
+# --- fleet (operator actions) ------------------------------------------------------------
+
+fleet_app = typer.Typer(
+    help="An operator's actions on one engine of a running `loraledger serve`, each recorded "
+    "in the log with its cause (operator).",
+    no_args_is_help=True,
+    epilog=EXIT_HELP,
+)
+
+UrlOpt = Annotated[
+    str, typer.Option("--url", envvar="LORALEDGER_URL", help="Where `loraledger serve` listens.")
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", envvar="LORALEDGER_TOKEN", help="Bearer token of the service."),
+]
+EngineArg = Annotated[str, typer.Argument(help="The engine id, as in `loraledger status`.")]
+
+
+def _engine_action(url: str, token: str | None, engine: str, action: str, detail: str,
+                   json: bool) -> None:  # fmt: skip
+    from tools.arguments import service_url
+    from tools.fleet_ops import engine_action
+
+    answer = engine_action(service_url("--url", url), engine, action, token=token, detail=detail)
+    if json:
+        emit({"row": action, "engine": engine, **answer})
+    else:
+        done = "already so: nothing recorded" if answer.get("no_op") else "recorded"
+        print(f"{action} {engine}: {done}")
+
+
+@fleet_app.command("suspend")
+@guarded
+def fleet_suspend(
+    engine: EngineArg,
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded in the log).")] = "",
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Quarantine an engine: no new traffic at once, publication and reclaim stop waiting for
+    it, sessions continue on the other holders of their version. Only `resume` lifts it."""
+    _engine_action(url, token, engine, "suspend", reason, json)
+
+
+@fleet_app.command("resume")
+@guarded
+def fleet_resume(
+    engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+) -> None:
+    """Lift a suspension: the engine gets traffic again once the reconciler repaired it."""
+    _engine_action(url, token, engine, "resume", "", json)
+
+
+@fleet_app.command("remove")
+@guarded
+def fleet_remove(
+    engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+) -> None:
+    """Remove an engine from the fleet (an engine that died and will not come back)."""
+    _engine_action(url, token, engine, "remove", "", json)
