@@ -21,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -148,7 +148,7 @@ class Stage:
 
     routes: dict[str, str] = field(default_factory=dict)  # engine -> where its turns go
     relays: list[Relay] = field(default_factory=list)
-    during: Callable[[], Awaitable[None]] | None = None  # runs while the turn is in flight
+    during: Callable[[], Coroutine[Any, Any, None]] | None = None  # beside the turn in flight
     params: SamplingParams = GREEDY
 
 
