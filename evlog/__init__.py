@@ -1,12 +1,13 @@
 """The append-only log: event vocabulary, record envelope, hash chain and stores.
 
-The backends are imported on first use (``evlog.SQLiteStore``, ``evlog.open_store``), so the
-pure parts of the package (events, records, the store contract) stay free of I/O imports for
-the projections.
+Every name is imported here except the PostgreSQL store, which needs the optional ``postgres``
+extra (asyncpg): it is imported on first use of ``evlog.PostgresStore`` (``open_store`` of a
+``postgresql://`` URL imports it too).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from evlog.errors import (
@@ -19,14 +20,16 @@ from evlog.errors import (
     StoreError,
     Unavailable,
 )
+from evlog.memory import MemoryLog, MemoryStore
 from evlog.record import GENESIS_HASH, Pending, Record, pending
+from evlog.sqlite import SQLiteStore
 from evlog.store import EventStore, Snapshot, VerifyReport
+from evlog.stores import open_store
 
 if TYPE_CHECKING:
-    from evlog.memory import MemoryLog, MemoryStore
     from evlog.postgres import PostgresStore
-    from evlog.sqlite import SQLiteStore
-    from evlog.stores import open_store
+
+_LAZY = {"PostgresStore": "evlog.postgres"}  # needs asyncpg (the postgres extra)
 
 __all__ = [
     "GENESIS_HASH",
@@ -51,19 +54,10 @@ __all__ = [
     "pending",
 ]
 
-_LAZY = {
-    "MemoryLog": "evlog.memory",
-    "MemoryStore": "evlog.memory",
-    "PostgresStore": "evlog.postgres",
-    "SQLiteStore": "evlog.sqlite",
-    "open_store": "evlog.stores",
-}
-
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'evlog' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # resolved once; later lookups are plain attribute reads
+    return value

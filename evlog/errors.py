@@ -20,8 +20,8 @@ Every error loraledger raises is a :class:`LoraLedgerError` with a stable machin
 * *what exactly happened?* -- answered by ``.code``.
 
 Each layer owns its vocabulary: this module holds the families and the store's codes; the
-ledger's codes live in ``publisher.errors``, the gateway's in ``publisher.gateway``, the
-publication driver's in ``publisher.publication``. A code has one family, declared once with
+ledger's codes live in ``publisher.core.errors``, the gateway's in ``publisher.gateway``, the
+publication driver's in ``publisher.drivers.publication``. A code has one family, declared once with
 the owner's error class (like ``OSError(errno.ENOENT, ...)`` giving a ``FileNotFoundError``,
 ``StoreError(StoreCode.STORE_CLOSED, ...)`` is a ``StoreUnavailable``), so no raise site can
 disagree with it. docs/errors.md lists every code with its family.
@@ -40,7 +40,7 @@ class LoraLedgerError(Exception):
     the capacity, ...) so tools can print it without parsing the message. ``str()`` is
     ``"CODE: message"``. Errors pickle with all three (Ray ships exceptions between processes).
 
-    An owner's error class (``StoreError``, ``publisher.errors.LedgerError``) is the first base
+    An owner's error class (``StoreError``, ``publisher.core.errors.LedgerError``) is the first base
     of one subclass per family, each declared with its codes::
 
         class StoreUnavailable(StoreError, Unavailable, codes=[StoreCode.STORE_CLOSED]): ...

@@ -1,77 +1,90 @@
 """The writer side of loraledger, and its public face: what a training loop and a rollout
 worker import (``from publisher import ControlPlane, TrainerClient, ...``).
 
-The package holds the commands, the pure decider, the single-writer ledger service, the
-publication/reclaim/reconcile drivers, the control plane that composes them, and the rollout
-side (gateway, sessions, provenance). The Ray deployment has its own face, ``publisher.ray``.
-
-``_FACE`` below is the one map from each public name to the module that defines it. Names are
-imported on first use, as in ``publisher.ray``: ``import publisher`` (or ``import
-publisher.core.decider``, which runs this file first) imports nothing else, so the pure core stays
-cheap and no engine stack, torch or Ray is loaded until a name that needs it is used.
-``tests/test_faces.py`` checks that every name resolves and that the import stays light.
+The package's rooms (docs/architecture.md): ``core`` (commands, outcomes, errors, the pure
+decider, the single-writer ledger, leases), ``drivers`` (the engine protocol, publication,
+reclaim, the reconciler, the control plane that composes them, the trainer's side),
+``gateway`` (the read view, the one dispatch executor, provenance), ``sessions`` (binders and
+the rollout worker), ``openai`` (the OpenAI-compatible face), ``remote`` (the ledger across a
+process boundary: wire, service, client) and ``ray`` (the Ray deployment, with its own face,
+``publisher.ray``, which alone loads Ray). Nothing imported here loads torch or Ray
+(``tests/test_faces.py`` checks it).
 """
 
-from __future__ import annotations
+from evlog.errors import Ambiguous, Corrupt, InvalidInput, LoraLedgerError, Refused, Unavailable
+from projections.status import LedgerStatus
+from publisher.core.errors import Code, LedgerError
+from publisher.core.ledger import Ledger
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet, InFlightSource
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import (
+    ErrorKind,
+    PublicationError,
+    PublicationOutcome,
+    PublicationStatus,
+)
+from publisher.drivers.trainer import TrainerClient, copy_adapter
+from publisher.gateway import (
+    DispatchCode,
+    DispatchError,
+    Gateway,
+    LedgerView,
+    LocalView,
+    Served,
+)
+from publisher.gateway.provenance import (
+    JsonlSink,
+    MemorySink,
+    ProvenanceRecorder,
+    ProvenanceRow,
+    read_rows,
+)
+from publisher.remote import HttpLedger
+from publisher.sessions import LedgerPort, RolloutWorker, SessionBinder
 
-import importlib
-from typing import Any
-
-_FACE = {
+__all__ = [  # noqa: RUF022 -- grouped by who uses them, as the docs present them
     # the control plane: ledger + drivers over a fleet of engines
-    "ControlPlane": "publisher.plane",
-    "EngineTimeouts": "publisher.engine_ops",
-    "Fleet": "publisher.fleet",
-    "InFlightSource": "publisher.fleet",
-    "Ledger": "publisher.ledger",
-    "LedgerStatus": "projections.status",
+    "ControlPlane",
+    "EngineTimeouts",
+    "Fleet",
+    "InFlightSource",
+    "Ledger",
+    "LedgerStatus",
     # the trainer side
-    "AdapterCopy": "publisher.adapter_copy",
-    "copy_adapter": "publisher.trainer",
-    "ErrorKind": "publisher.publication",
-    "PublicationError": "publisher.publication",
-    "PublicationOutcome": "publisher.publication",
-    "PublicationStatus": "publisher.publication",
-    "TrainerClient": "publisher.trainer",
-    # the rollout side
-    "Gateway": "publisher.gateway",
-    "LedgerPort": "publisher.sessions",
-    "LedgerView": "publisher.gateway",
-    "LocalView": "publisher.gateway",
-    "RolloutWorker": "publisher.sessions",
-    "Served": "publisher.gateway",
-    "SessionBinder": "publisher.sessions",
+    "AdapterCopy",
+    "ErrorKind",
+    "PublicationError",
+    "PublicationOutcome",
+    "PublicationStatus",
+    "TrainerClient",
+    "copy_adapter",
+    # the rollout side, in process or against a ledger elsewhere
+    "Gateway",
+    "HttpLedger",
+    "LedgerPort",
+    "LedgerView",
+    "LocalView",
+    "RolloutWorker",
+    "Served",
+    "SessionBinder",
     # provenance: which version produced which generation
-    "JsonlSink": "publisher.gateway.provenance",
-    "MemorySink": "publisher.gateway.provenance",
-    "ProvenanceRecorder": "publisher.gateway.provenance",
-    "ProvenanceRow": "publisher.gateway.provenance",
-    "read_rows": "publisher.gateway.provenance",
+    "JsonlSink",
+    "MemorySink",
+    "ProvenanceRecorder",
+    "ProvenanceRow",
+    "read_rows",
     # errors: every one is a LoraLedgerError with a stable machine code; the family (the class)
     # says whether and how to retry (docs/errors.md)
-    "Ambiguous": "evlog.errors",
-    "Code": "publisher.errors",
-    "Corrupt": "evlog.errors",
-    "DispatchCode": "publisher.gateway",
-    "DispatchError": "publisher.gateway",
-    "InvalidInput": "evlog.errors",
-    "LedgerError": "publisher.errors",
-    "LoraLedgerError": "evlog.errors",
-    "Refused": "evlog.errors",
-    "Unavailable": "evlog.errors",
-}
-
-__all__ = sorted(_FACE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _FACE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'publisher' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # resolved once; later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    "Ambiguous",
+    "Code",
+    "Corrupt",
+    "DispatchCode",
+    "DispatchError",
+    "InvalidInput",
+    "LedgerError",
+    "LoraLedgerError",
+    "Refused",
+    "Unavailable",
+]

@@ -174,13 +174,13 @@ async def run_demo(
     from engines.local.tinymodel import make_adapter
     from engines.testing import RestartableEngine
     from evlog.sqlite import SQLiteStore
-    from publisher.fleet import Fleet
+    from publisher.drivers.fleet import Fleet
+    from publisher.drivers.plane import ControlPlane
+    from publisher.drivers.trainer import PublicationError, TrainerClient
     from publisher.gateway import Gateway, LocalView
     from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
     from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
-    from publisher.plane import ControlPlane
     from publisher.sessions import RolloutWorker
-    from publisher.trainer import PublicationError, TrainerClient
 
     # peft warns each time the adapter it last applied is freed: its bookkeeping, not news.
     warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
-from publisher.errors import Code
+from publisher.core.errors import Code
 
 
 class Exit(IntEnum):

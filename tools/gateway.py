@@ -45,7 +45,7 @@ from tools.service_options import (
 )
 
 if TYPE_CHECKING:
-    from publisher.fleet import Fleet
+    from publisher.drivers.fleet import Fleet
     from publisher.openai import OpenAIGateway
     from publisher.remote import HttpLedger
 
@@ -110,7 +110,7 @@ def engine_specs(opts: GatewayOptions, status: Any) -> tuple[EngineSpec, ...]:
 async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
     """The ledger client, the owner's rollout worker and the OpenAI face over them."""
     from evlog.errors import LoraLedgerError
-    from publisher.fleet import Fleet
+    from publisher.drivers.fleet import Fleet
     from publisher.gateway import Gateway
     from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
     from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes

@@ -68,8 +68,8 @@ from starlette.routing import BaseRoute, Route
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError
 from engines.guard import BadBody, ErrorBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
-from publisher.errors import Code, LedgerError
-from publisher.ledger import Ledger
+from publisher.core.errors import Code, LedgerError
+from publisher.core.ledger import Ledger
 from publisher.openai import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
 from publisher.openai import guard_error_body
 from publisher.remote import wire

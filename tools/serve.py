@@ -18,7 +18,7 @@ Safety rules, enforced before anything is opened:
   which re-raises the signal after shutdown, is replaced for exactly that reason).
 * Another controller on the same log (a second ``serve``) fences this one: it can never write
   again and its cached session bindings may be stale (the newcomer releases them), so it stops.
-  From the moment the ledger notices (about a second, ``publisher/ledger.py``), ``/health``
+  From the moment the ledger notices (about a second, ``publisher/core/ledger.py``), ``/health``
   answers 503 and every turn and write is refused ``FENCED``; ``fenced_linger_s`` later it
   shuts down as for SIGTERM and exits 13 with one ``error:`` line naming both epochs.
 
@@ -189,9 +189,9 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
     """The store, the engines and the ``ControlPlane`` over them, closed in reverse order."""
     from evlog.errors import LoraLedgerError
     from evlog.stores import open_store
-    from publisher.engine_ops import EngineTimeouts
-    from publisher.fleet import Fleet
-    from publisher.plane import ControlPlane
+    from publisher.drivers.engine_ops import EngineTimeouts
+    from publisher.drivers.fleet import Fleet
+    from publisher.drivers.plane import ControlPlane
 
     artifact_root = opts.artifact_root or beside_log(opts, ".artifacts")
     os.makedirs(artifact_root, exist_ok=True)
@@ -272,7 +272,7 @@ def make_publish(plane: Any) -> Callable[[int, str, bool], Any]:
     (``allow_rollback``: a version lower than the default, on purpose)."""
     from engines.artifacts import ArtifactError, read_adapter_dir
     from evlog.errors import INVALID_INPUT, InvalidInput
-    from publisher.trainer import TrainerClient
+    from publisher.drivers.trainer import TrainerClient
 
     trainer = TrainerClient(plane)
 

@@ -59,8 +59,9 @@ from engines.contract import EngineError, Generation, SamplingParams
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from evlog.events import InFlight
 from projections.staleness import staleness, too_stale
-from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound
+from publisher.drivers.fleet import Fleet
 from publisher.gateway.affinity import least_loaded, rendezvous
 from publisher.gateway.failures import (
     DispatchCode,
@@ -73,7 +74,6 @@ from publisher.gateway.inflight import InFlightCounter
 from publisher.gateway.provenance import ProvenanceRecorder, ProvenanceRow, Usage
 from publisher.gateway.view import LedgerView
 from publisher.logs import get_logger
-from publisher.outcomes import Bound
 
 log = get_logger("loraledger.gateway")
 

@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from engines.contract import Generation
 from evlog.errors import INVALID_INPUT, InvalidInput, StoreCode, StoreError
 from projections.staleness import staleness
-from publisher.errors import Code, LedgerError
+from publisher.core.errors import Code, LedgerError
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.provenance")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from projections.status import LedgerStatus
 
 if TYPE_CHECKING:
-    from publisher.ledger import Ledger
+    from publisher.core.ledger import Ledger
 
 
 class LedgerView(Protocol):

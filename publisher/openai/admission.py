@@ -23,12 +23,12 @@ from typing import Any
 from evlog.errors import LoraLedgerError
 from projections.status import LedgerStatus, VersionStatus
 from projections.transitions import VersionState
-from publisher.errors import Code, LedgerError
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound
 from publisher.gateway import LedgerView
 from publisher.logs import get_logger
 from publisher.openai.errors import OpenAICode
 from publisher.openai.request import Ask
-from publisher.outcomes import Bound
 
 log = get_logger("loraledger.openai")
 

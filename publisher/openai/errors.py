@@ -21,7 +21,7 @@ from starlette.types import Message, Send
 from engines import guard
 from engines.contract import CleanRefusal
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
-from publisher.errors import Code
+from publisher.core.errors import Code
 from publisher.gateway import DispatchCode
 
 _json = msgspec.json.Encoder()

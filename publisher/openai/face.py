@@ -34,7 +34,8 @@ from starlette.types import Receive, Send
 from engines.contract import AmbiguousReply, CleanRefusal
 from evlog.errors import LoraLedgerError
 from projections.staleness import staleness
-from publisher.errors import Code
+from publisher.core.errors import Code
+from publisher.core.outcomes import Bound
 from publisher.gateway import Attempt, DispatchCode, DispatchError, Gateway
 from publisher.gateway.provenance import Usage
 from publisher.logs import get_logger
@@ -42,7 +43,6 @@ from publisher.openai.admission import Admission
 from publisher.openai.errors import OpenAICode, Tracked, refusal_reply, send_error
 from publisher.openai.relay import EngineRoute, Relay, UsageReader
 from publisher.openai.request import Ask
-from publisher.outcomes import Bound
 from publisher.sessions import RolloutWorker, SessionBinder
 
 log = get_logger("loraledger.openai")

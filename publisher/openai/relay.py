@@ -34,12 +34,12 @@ from engines.openai_http import (
     read_failure,
     refusal_of,
 )
+from publisher.core.outcomes import Bound
 from publisher.gateway import Attempt, DispatchCode
 from publisher.gateway.provenance import Usage
 from publisher.logs import get_logger
 from publisher.openai.errors import STATUS_OF_CODE, error_body
 from publisher.openai.request import Ask
-from publisher.outcomes import Bound
 
 log = get_logger("loraledger.openai")
 

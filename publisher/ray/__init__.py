@@ -15,7 +15,8 @@ the in-process API for trainers and rollout workers; engines as actors.
 :class:`~publisher.ray.hosting.PortalHost`     keep an ``async with`` open for an actor's life
 =========================================  =================================================
 
-Names are imported lazily: ``import publisher.ray`` does not import Ray until one is used.
+Names are imported lazily, every one of them (each loads Ray): ``import publisher.ray`` does
+not import Ray until one is used.
 """
 
 from __future__ import annotations
@@ -58,4 +59,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'publisher.ray' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once; later lookups are plain attribute reads
+    return value

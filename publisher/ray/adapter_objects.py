@@ -36,7 +36,7 @@ from engines.artifacts import ArtifactError
 from engines.contract import Bucket, Candidate, CleanRefusal, ErrorCode
 from engines.manifest import Manifest, ManifestError, TensorData, build_manifest, compute_digest
 from evlog.errors import INVALID_INPUT, InvalidInput
-from publisher.adapter_copy import AdapterCopy, plan_buckets
+from publisher.drivers.adapter_copy import AdapterCopy, plan_buckets
 
 # A clean refusal from an engine actor: the adapter's object could not be fetched (its owner,
 # the trainer, died; or the object store lost it). Nothing was staged on the engine.

@@ -15,19 +15,19 @@ unchanged in a Ray actor::
 
 What only Ray adds, each for a reason:
 
-* **The fleet is the ledger's.** :attr:`RayLedger.fleet` is a :class:`~publisher.fleet.Fleet`
-  mirroring the ledger actor's engine handles (its membership view, fetched at connect) and
-  changed in place, so a gateway built on ``ledger.fleet`` routes to a replacement actor
-  without a restart of its process. Each command batch and lease renewal tells the actor which
-  fleet version the mirror holds (:attr:`RayTransport.fleet_mark`), and a reply whose routing
-  comes from a newer one carries the new handles too, mirrored *before* the table is taken
-  (:meth:`RayTransport._seen`, which returns before the client takes the table, with no await
-  between): the handles a gateway dispatches to are never older than the routing it chose by,
-  so a turn routed on a table from after a ``replace_engine`` -- a session's first turn, routed
-  on its bind's reply, included -- never meets the replaced actor's handle. (Fetched
-  afterwards, as a separate call, the handle arrived one round trip after the table, and such
-  a first turn could meet the dead actor: ``AMBIGUOUS_DISPATCH``, never resent.) A failed
-  engine call reported through :meth:`RayLedger.engine_failed` also refreshes the mirror.
+* **The fleet is the ledger's.** :attr:`RayLedger.fleet` is a
+  :class:`~publisher.drivers.fleet.Fleet` mirroring the ledger actor's engine handles (its
+  membership view, fetched at connect) and changed in place, so a gateway built on ``ledger.fleet``
+  routes to a replacement actor without a restart of its process. Each command batch and lease
+  renewal tells the actor which fleet version the mirror holds (:attr:`RayTransport.fleet_mark`),
+  and a reply whose routing comes from a newer one carries the new handles too, mirrored *before*
+  the table is taken (:meth:`RayTransport.mirrored`, which returns before the client takes the table,
+  with no await between): the handles a gateway dispatches to are never older than the routing it
+  chose by, so a turn routed on a table from after a ``replace_engine`` -- a session's first turn,
+  routed on its bind's reply, included -- never meets the replaced actor's handle. (Fetched
+  afterwards, as a separate call, the handle arrived one round trip after the table, and such a
+  first turn could meet the dead actor: ``AMBIGUOUS_DISPATCH``, never resent.) A failed engine call
+  reported through :meth:`RayLedger.engine_failed` also refreshes the mirror.
 * **Restarts are ridden out.** Every call goes through an
   :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
@@ -45,10 +45,10 @@ from anyio.abc import TaskGroup
 
 from engines.contract import EngineError
 from projections.status import LedgerStatus
-from publisher import commands as c
-from publisher.fleet import Fleet
+from publisher.core import commands as c
+from publisher.core.outcomes import Deregistered, Done
+from publisher.drivers.fleet import Fleet
 from publisher.logs import get_logger
-from publisher.outcomes import Deregistered, Done
 from publisher.ray.engine import RayEngine
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, FleetView, RenewReply, Reply
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink

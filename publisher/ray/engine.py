@@ -1,6 +1,6 @@
 """Engines as Ray actors: :class:`EngineActor` hosts an engine in its own process, and
 :class:`RayEngine` is the caller-side handle that implements the
-:class:`~engines.contract.Engine` protocol, so a :class:`~publisher.fleet.Fleet` in any
+:class:`~engines.contract.Engine` protocol, so a :class:`~publisher.drivers.fleet.Fleet` in any
 process (the ledger actor's control plane, every rollout worker's gateway) holds it like an
 in-process engine.
 
@@ -66,7 +66,7 @@ from engines.contract import (
     UnloadReceipt,
 )
 from evlog.errors import INVALID_INPUT, InvalidInput
-from publisher.adapter_copy import aiter_buckets
+from publisher.drivers.adapter_copy import aiter_buckets
 from publisher.ray.adapter_objects import pull_tensors, verified_buckets
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE, unwrap

@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engines.guard import is_loopback, uvicorn_limits
 from evlog.errors import INVALID_INPUT, InvalidInput
-from publisher.fleet import Fleet
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway
 from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
 from publisher.logs import get_logger

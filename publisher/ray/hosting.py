@@ -29,7 +29,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from publisher.errors import Code, LedgerError
+from publisher.core.errors import Code, LedgerError
 from publisher.logs import get_logger
 
 T = TypeVar("T")

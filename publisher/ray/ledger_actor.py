@@ -6,8 +6,8 @@ a single writer per log, and a Ray actor is a single process at a stable name th
 trainer and rollout worker can reach. Why detached: it must outlive whoever created it (the
 driver of a training job may come and go; the log and the bindings must not).
 
-Inside, the actor hosts either a bare :class:`~publisher.ledger.Ledger` or a whole
-:class:`~publisher.plane.ControlPlane` (ledger + publication, reclaim and reconcile drivers
+Inside, the actor hosts either a bare :class:`~publisher.core.ledger.Ledger` or a whole
+:class:`~publisher.drivers.plane.ControlPlane` (ledger + publication, reclaim and reconcile drivers
 over a fleet of :class:`~publisher.ray.engine.RayEngine` handles), on a private event loop held
 by a :class:`~publisher.ray.hosting.PortalHost`. It is an async actor: calls from many workers
 run concurrently and land in the ledger's queue together, so group commit works across Ray
@@ -58,12 +58,12 @@ from evlog.errors import LoraLedgerError
 from evlog.sqlite import Synchronous
 from evlog.stores import describe, is_shared, open_store
 from projections.status import LedgerStatus
-from publisher import commands as c
-from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet, FleetError
-from publisher.ledger import Ledger
+from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Deregistered, Done, Outcome
+from publisher.drivers.fleet import Fleet, FleetError
 from publisher.logs import get_logger
-from publisher.outcomes import Deregistered, Done, Outcome
 from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
 from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
@@ -75,7 +75,7 @@ from publisher.remote.routing import Mark, RoutingTable
 from publisher.remote.service import LedgerService
 
 if TYPE_CHECKING:
-    from publisher.reconciler import ReconcileReport
+    from publisher.drivers.reconciler import ReconcileReport
 
 DEFAULT_LEDGER_NAME = "ledger"
 _DYING_RETRIES = 25
@@ -86,7 +86,7 @@ log = get_logger("loraledger.ray")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlaneConfig:
-    """Host a :class:`~publisher.plane.ControlPlane` next to the ledger: ``engines`` are the
+    """Host a :class:`~publisher.drivers.plane.ControlPlane` next to the ledger: ``engines`` are the
     fleet's handles, ``options`` go to ``ControlPlane.open`` unchanged (probe interval,
     timeouts, bucket size, ...)."""
 
@@ -357,7 +357,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
                 finally:
                     tg.cancel_scope.cancel()
             return
-        from publisher.plane import ControlPlane
+        from publisher.drivers.plane import ControlPlane
 
         p = config.plane
         # The configured fleet, with the changes made at runtime by an earlier life of this

@@ -27,7 +27,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from evlog.errors import INVALID_INPUT, InvalidInput
-from publisher.errors import Code, LedgerError
+from publisher.core.errors import Code, LedgerError
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.ray")

@@ -49,10 +49,10 @@ import anyio.to_thread
 
 from engines.contract import SamplingParams
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
-from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound, Deregistered, Released
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway, Served
-from publisher.outcomes import Bound, Deregistered, Released
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost, exit_process

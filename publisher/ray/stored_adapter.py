@@ -1,5 +1,5 @@
 """The ledger actor's side of an adapter in the object store: an
-:class:`~publisher.adapter_source.AdapterSource` built from the trainer's
+:class:`~publisher.drivers.adapter_source.AdapterSource` built from the trainer's
 :class:`~publisher.ray.adapter_objects.AdapterDescriptor`, so the unchanged publication driver
 publishes it while the bytes stay out of the ledger actor's calls.
 
@@ -22,7 +22,7 @@ import anyio.to_thread
 
 from engines.contract import Candidate, Engine
 from engines.manifest import Manifest, TensorData
-from publisher.adapter_copy import aiter_buckets
+from publisher.drivers.adapter_copy import aiter_buckets
 from publisher.ray.adapter_objects import (
     AdapterDescriptor,
     fetch_tensors,
@@ -43,7 +43,8 @@ class PullStats:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectPayload:
-    """How the bytes behind ``ref`` reach one engine (:class:`~publisher.adapter_source.Payload`).
+    """How the bytes behind ``ref`` reach one engine
+    (:class:`~publisher.drivers.adapter_source.Payload`).
 
     An engine actor pulls them; any other engine in this process (not the Ray deployment's
     usual fleet, but the contract allows it) gets them fetched here, verified and bucketed."""

@@ -1,5 +1,5 @@
 """The trainer's Ray facade: :class:`RayTrainerClient` has the API of
-:class:`~publisher.trainer.TrainerClient` (``publish(adapter, config=None, *, step)``) and
+:class:`~publisher.drivers.trainer.TrainerClient` (``publish(adapter, config=None, *, step)``) and
 publishes through the control plane hosted by the ledger actor.
 
 The adapter is copied HERE, in the trainer's process, before anything crosses Ray: the owned,
@@ -27,8 +27,8 @@ import anyio.to_thread
 
 from evlog.errors import LoraLedgerError
 from projections.status import LedgerStatus
-from publisher.errors import Code
-from publisher.publication import ErrorKind, PublicationError
+from publisher.core.errors import Code
+from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.ray.adapter_objects import put_adapter
 from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 
@@ -65,7 +65,7 @@ class RayTrainerClient:
         ``PublicationError`` as well (``LEDGER_CLOSED``, ``RETRYABLE``: the ledger settles an
         attempt it had begun once it is back, and a later step publishes anew), so a loop that
         skips a failed publication goes on training through a ledger outage."""
-        from publisher.trainer import copy_adapter
+        from publisher.drivers.trainer import copy_adapter
 
         frozen = await anyio.to_thread.run_sync(
             functools.partial(

@@ -60,11 +60,11 @@ from anyio.abc import TaskGroup
 from engines.contract import EngineError
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from projections.status import LedgerStatus
-from publisher import commands as c
-from publisher.errors import Code, LedgerError
+from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
 from publisher.remote.renewals import Counts, Life, PendingRenewals
 from publisher.remote.routing import Mark, RoutingTable
 from publisher.sessions import OWNER_LOST_CODES

@@ -34,8 +34,8 @@ import msgspec
 from engines.contract import EngineError
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
 from projections.status import LedgerStatus
-from publisher import commands as c
-from publisher.outcomes import Deregistered, Done, Outcome
+from publisher.core import commands as c
+from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.remote import wire
 from publisher.remote.client import Answered, RemoteLedger, Renewed
 from publisher.remote.renewals import Counts, Life

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from engines.contract import EngineError
 from evlog.errors import LoraLedgerError
 from projections.status import LedgerStatus
-from publisher import commands as c
-from publisher.ledger import Ledger
+from publisher.core import commands as c
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.logs import get_logger
-from publisher.outcomes import Deregistered, Done, Outcome
 from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable, RoutingTracker
 

@@ -5,7 +5,7 @@ remote ledger's HTTP transport, ``loraledger status`` and ``fleet``).
 Bodies are strict (unknown fields refused, so a typo is a 400, not a silent default). A refusal
 keeps the ledger's machine code: :class:`Refusal` is ``{"code", "message", "details"}`` both as
 an HTTP error body and in place in a batch reply, and :func:`error_of` rebuilds the same
-exception class the ledger raised (:class:`~publisher.errors.LedgerError` or
+exception class the ledger raised (:class:`~publisher.core.errors.LedgerError` or
 :class:`~evlog.errors.StoreError`), so a remote caller catches exactly what an in-process one
 does.
 """
@@ -17,9 +17,9 @@ from typing import Annotated, Any
 import msgspec
 
 from evlog.errors import LoraLedgerError, StoreError
-from publisher import commands as c
-from publisher.errors import LedgerError
-from publisher.outcomes import Bound, Forgotten, Released
+from publisher.core import commands as c
+from publisher.core.errors import LedgerError
+from publisher.core.outcomes import Bound, Forgotten, Released
 from publisher.remote.routing import Mark, RoutingTable
 
 

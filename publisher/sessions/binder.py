@@ -31,10 +31,10 @@ import anyio
 from engines.contract import SamplingParams
 from evlog.errors import LoraLedgerError
 from projections.staleness import TOO_STALE
-from publisher.errors import Code, LedgerError
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound, Released
 from publisher.gateway import Served
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Released
 
 if TYPE_CHECKING:
     from publisher.sessions.worker import RolloutWorker

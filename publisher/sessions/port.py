@@ -1,6 +1,6 @@
 """What a rollout worker needs of a ledger, and how its calls are retried after a lost reply.
 
-The in-process :class:`~publisher.ledger.Ledger` is a :class:`LedgerPort`; so is a remote
+The in-process :class:`~publisher.core.ledger.Ledger` is a :class:`LedgerPort`; so is a remote
 ledger (:class:`~publisher.remote.client.RemoteLedger`, over HTTP or Ray). Every command a
 worker sends (register, bind, release, forget, deregister) is idempotent in the ledger, so a
 call whose reply was lost is simply asked again (:func:`execute_with_retry`,
@@ -16,10 +16,10 @@ from typing import Protocol, TypeVar
 import anyio
 
 from evlog.errors import LoraLedgerError, StoreCode
-from publisher import commands as c
-from publisher.errors import Code
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.logs import get_logger
-from publisher.outcomes import Deregistered, Done, Outcome
 
 log = get_logger("loraledger.sessions")
 

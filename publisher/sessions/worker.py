@@ -38,11 +38,11 @@ import anyio
 from anyio.abc import TaskGroup
 
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
-from publisher import commands as c
-from publisher.errors import Code, LedgerError
+from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound, Deregistered, Forgotten, Outcome, Released
 from publisher.gateway import Gateway, InFlightCounter
 from publisher.logs import get_logger
-from publisher.outcomes import Bound, Deregistered, Forgotten, Outcome, Released
 from publisher.sessions.binder import IDLE_CAUSE, SessionBinder, Slot
 from publisher.sessions.port import (
     OWNER_LOST_CODES,

@@ -47,7 +47,7 @@ from engines.contract import (
 )
 from engines.local.tinymodel import make_adapter
 from engines.manifest import Manifest, TensorData, build_manifest
-from publisher.adapter_copy import aiter_buckets, plan_buckets
+from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
 
 UNSERVABLE_RANK = 64
 PROMPT = "the quick brown fox"

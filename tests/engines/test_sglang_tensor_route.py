@@ -328,7 +328,7 @@ async def test_a_bad_payload_kills_the_server_and_the_client_says_engine_stopped
         victim = candidate_for(store, 11)
         await bad.prepare(victim.candidate)
         from engines.contract import Bucket, BucketTensor
-        from publisher.adapter_copy import aiter_buckets
+        from publisher.drivers.adapter_copy import aiter_buckets
 
         buckets = [Bucket(0, tuple(BucketTensor(n, t) for n, t in sorted(victim.tensors.items())))]
         await bad.transfer(victim.candidate, aiter_buckets(buckets))

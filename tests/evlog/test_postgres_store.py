@@ -21,8 +21,8 @@ from evlog.postgres import PostgresStore, redact
 from evlog.record import Row
 from evlog.sqlite import SQLiteStore
 from evlog.store import EventStore
-from publisher.errors import Code
-from publisher.ledger import Ledger
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
 from tests.conftest import run_blocking
 from tests.evlog.contract import StoreContract, batch_of, raises_code
 

@@ -43,11 +43,11 @@ from evlog.events import EngineRestarted
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
-from publisher.engine_ops import EngineTimeouts
-from publisher.fleet import Fleet
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationError
-from publisher.trainer import TrainerClient
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationError
+from publisher.drivers.trainer import TrainerClient
 
 OWNER = "w1"
 DEADLINE_S = 60.0

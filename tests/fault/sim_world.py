@@ -85,18 +85,18 @@ from projections import invariants
 from projections.registry import RegistryState, VersionState, evolve
 from projections.staleness import TOO_STALE, too_stale
 from projections.status import LedgerStatus, status_of
-from publisher import commands as c
-from publisher.engine_ops import EngineTimeouts
-from publisher.errors import Code
-from publisher.fleet import Fleet
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Deregistered, Done, Outcome
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationError
+from publisher.drivers.trainer import TrainerClient
 from publisher.gateway import DispatchCode, Gateway
 from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
-from publisher.ledger import Ledger
-from publisher.outcomes import Deregistered, Done, Outcome
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationError
 from publisher.sessions import RetryPolicy, RolloutWorker
-from publisher.trainer import TrainerClient
 from tests.engines.faulty_engine import (
     Delay,
     Drop,

@@ -66,10 +66,10 @@ from evlog.memory import MemoryStore
 from evlog.record import GENESIS_HASH, Record, chain_hash, open_row
 from evlog.sqlite import SQLiteStore
 from projections.registry import RegistryState, encode_state
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import decide
-from publisher.errors import Code
-from publisher.ledger import Ledger
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
 from tests.fault.conftest import record_figure
 from tools.cli import app
 from tools.exitcodes import Exit

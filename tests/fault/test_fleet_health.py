@@ -40,12 +40,12 @@ from engines.local.client import LocalHTTPEngine
 from evlog.events import AdapterLost, EngineLeft, EngineRepaired, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
-from publisher.engine_ops import EngineTimeouts
-from publisher.fleet import Fleet
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationError, PublicationStatus
 from publisher.gateway import DispatchCode, DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationError, PublicationStatus
 from tests.fault.conftest import record_figure
 from tests.publisher.plane_kit import adapter_copy
 from tests.tools.conftest import REPO, console_script, script_env

@@ -18,12 +18,12 @@ from engines.local.server import serve
 from evlog.errors import LoraLedgerError
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
-from publisher import commands as c
-from publisher.errors import Code
-from publisher.fleet import Fleet
-from publisher.ledger import Ledger
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationOutcome
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationOutcome
 from tests.engines.faulty_engine import (
     Delay,
     Drop,

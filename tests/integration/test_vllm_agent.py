@@ -24,10 +24,10 @@ from engines.vllm import VLLMEngine
 from evlog.events import AttemptFailed
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
-from publisher.adapter_copy import AdapterCopy
-from publisher.fleet import Fleet
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationError, PublicationStatus
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationError, PublicationStatus
 from tests.integration.conftest import VLLMServer
 from tests.integration.peft_reference import PeftReference
 from tests.publisher.plane_kit import events, of_type, wait_for

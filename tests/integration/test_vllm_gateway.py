@@ -20,11 +20,11 @@ from engines.contract import SamplingParams
 from engines.local.tinymodel import make_adapter
 from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
-from publisher.adapter_copy import AdapterCopy
-from publisher.fleet import Fleet
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationStatus
 from publisher.gateway import Gateway, LocalView
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationStatus
 from tests.integration.peft_reference import PeftReference
 
 pytestmark = [

@@ -17,8 +17,10 @@ import pytest
 from engines.local.tinymodel import make_adapter
 from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
-from publisher.adapter_copy import AdapterCopy
-from publisher.fleet import Fleet
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationStatus
 from publisher.gateway import Gateway, LocalView
 from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
 from publisher.openai import (
@@ -27,8 +29,6 @@ from publisher.openai import (
     engine_routes,
     openai_app,
 )
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationStatus
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, serve_app
 

@@ -149,7 +149,7 @@ CAMPAIGNS: dict[str, Campaign] = {
         ),
         Campaign(
             "reclaim",
-            ("publisher/reclaim.py",),
+            ("publisher/drivers/reclaim.py",),
             (
                 "tests/publisher/test_reclaim.py",
                 "tests/publisher/test_reclaim_inflight.py",

@@ -59,7 +59,7 @@ def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
             recorded_at=float(seq), payload=b"", prev_hash=b"", hash=b"", event=event,
         )  # fmt: skip
 
-    from publisher import commands as c
+    from publisher.core import commands as c
     from tests.publisher.book import Book
 
     book = Book().bootstrap()

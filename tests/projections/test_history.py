@@ -7,7 +7,7 @@ import pytest
 from evlog.memory import MemoryStore
 from evlog.record import pending
 from projections.history import History
-from publisher import commands as c
+from publisher.core import commands as c
 from tests.publisher.book import Book, digest_of
 
 

@@ -46,8 +46,8 @@ from projections.registry import (
 )
 from projections.status import status_of
 from projections.transitions import TransitionViolation
-from publisher import commands as c
-from publisher.errors import Code
+from publisher.core import commands as c
+from publisher.core.errors import Code
 from tests.publisher.book import Book, digest_of
 
 # --- states the impossible events are applied to ----------------------------------------------

@@ -25,7 +25,7 @@ from evlog.record import Record
 from projections import registry
 from projections.registry import RegistryState, encode_state, evolve
 from projections.transitions import TRANSITIONS, TransitionViolation, VersionState, next_state
-from publisher import commands as c
+from publisher.core import commands as c
 from tests.publisher.book import Book
 from tests.tools.scenario import fault_run_records
 

@@ -14,9 +14,9 @@ from evlog.errors import LoraLedgerError
 from evlog.events import Event
 from projections import invariants
 from projections.registry import RegistryState, evolve
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import decide
-from publisher.outcomes import Allocated, Published
+from publisher.core.outcomes import Allocated, Published
 
 
 def digest_of(label: Any) -> str:

@@ -22,8 +22,8 @@ import anyio
 from evlog.errors import LoraLedgerError
 from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
-from publisher.ledger import Ledger
-from publisher.outcomes import Skipped
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Skipped
 
 
 def digest(n: int) -> str:

@@ -24,7 +24,9 @@ from engines.local.engine import LocalEngine
 from engines.local.server import serve as serve_engine
 from engines.local.tinymodel import make_adapter
 from evlog.memory import MemoryStore
-from publisher.fleet import Fleet
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.trainer import TrainerClient
 from publisher.gateway import Gateway, LocalView
 from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
 from publisher.openai import (
@@ -34,9 +36,7 @@ from publisher.openai import (
     engine_routes,
     openai_app,
 )
-from publisher.plane import ControlPlane
 from publisher.sessions import RolloutWorker
-from publisher.trainer import TrainerClient
 from tests.fault.engine_host import HostedEngine
 from tests.publisher.plane_kit import FAST, LIMITS
 

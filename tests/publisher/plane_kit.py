@@ -22,11 +22,11 @@ from engines.testing import RestartableEngine
 from evlog.events import Event
 from evlog.memory import MemoryStore
 from evlog.store import EventStore
-from publisher.adapter_copy import AdapterCopy
-from publisher.engine_ops import EngineTimeouts
-from publisher.fleet import Fleet
-from publisher.ledger import Ledger
-from publisher.plane import ControlPlane
+from publisher.core.ledger import Ledger
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
 from tests.engines.faulty_engine import FaultyEngine
 
 LIMITS = ServingLimits(max_lora_rank=64)

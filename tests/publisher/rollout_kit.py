@@ -5,7 +5,7 @@ with a provenance recorder.
   in the ledger's command order (allocate -> claim_transport -> prepare / transfer / load on
   every engine with PREPARED/READY receipts -> commit; ``stage`` stops before the commit) and
   the reclaim driver swept by the test: every step happens when the test says so.
-* :func:`plane_rig` -- the whole :class:`~publisher.plane.ControlPlane` on the wall clock:
+* :func:`plane_rig` -- the whole :class:`~publisher.drivers.plane.ControlPlane` on the wall clock:
   publications through the trainer facade, continuous reclaim, lease expiry, reconciler.
 
 Engine test doubles wrap a *real* local engine: they only add what cannot be produced on demand
@@ -39,14 +39,14 @@ from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from evlog.memory import MemoryStore
-from publisher.fleet import Fleet
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Allocated
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.reclaim import ReclaimDriver
+from publisher.drivers.trainer import TrainerClient
 from publisher.gateway import Gateway, LocalView
 from publisher.gateway.provenance import MemorySink, ProvenanceRecorder
-from publisher.ledger import Ledger
-from publisher.outcomes import Allocated
-from publisher.plane import ControlPlane
-from publisher.reclaim import ReclaimDriver
-from publisher.trainer import TrainerClient
 from tests.engines.contract import aiter_list, buckets_of
 
 # The tiny engine's library warnings (peft calls a deprecated transformers method on every

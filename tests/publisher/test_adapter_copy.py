@@ -11,7 +11,12 @@ import torch
 
 from engines.local.tinymodel import adapter_config, make_adapter
 from engines.manifest import TensorData, build_manifest, tensor_from_array
-from publisher.adapter_copy import AdapterCopy, AdapterCopyError, normalize_config, plan_buckets
+from publisher.drivers.adapter_copy import (
+    AdapterCopy,
+    AdapterCopyError,
+    normalize_config,
+    plan_buckets,
+)
 
 
 def numpy_state(seed: int = 0) -> dict[str, np.ndarray]:

@@ -31,7 +31,7 @@ from engines.local.server import serve
 from engines.sglang import SGLangEngine
 from evlog.events import AttemptFailed, EngineRepaired, VersionRestored
 from projections.registry import VersionState
-from publisher.publication import PublicationError, PublicationStatus
+from publisher.drivers.publication import PublicationError, PublicationStatus
 from tests.publisher.plane_kit import (
     GREEDY,
     LIMITS,

@@ -19,7 +19,7 @@ import pytest
 
 from projections import invariants
 from projections.registry import encode_state, evolve
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import decide
 from tests.publisher.book import Book, digest_of
 

@@ -26,10 +26,10 @@ from evlog.events import (
     VersionReclaimed,
 )
 from projections.registry import VersionState, encode_state
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import check_lease
-from publisher.errors import Code
-from publisher.outcomes import Allocated, Bound, Released, Skipped
+from publisher.core.errors import Code
+from publisher.core.outcomes import Allocated, Bound, Released, Skipped
 from tests.publisher.book import Book, digest_of
 
 

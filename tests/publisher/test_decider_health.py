@@ -22,8 +22,8 @@ from evlog.events import (
     VersionReclaimed,
 )
 from projections.registry import VersionState
-from publisher import commands as c
-from publisher.errors import Code
+from publisher.core import commands as c
+from publisher.core.errors import Code
 from tests.publisher.book import Book
 
 ENGINES = ("e0", "e1", "e2")

@@ -33,11 +33,11 @@ from evlog.events import (
     VersionReclaimed,
 )
 from projections.registry import VersionState
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core import decider
 from publisher.core.decider import checks
-from publisher.errors import Code
-from publisher.outcomes import (
+from publisher.core.errors import Code
+from publisher.core.outcomes import (
     Allocated,
     AttemptEnded,
     Bound,

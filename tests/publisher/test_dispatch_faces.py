@@ -38,7 +38,7 @@ from engines.local.server import serve as serve_engine
 from evlog.errors import LoraLedgerError
 from evlog.events import SessionReleased
 from projections.staleness import TOO_STALE
-from publisher.fleet import Fleet
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import DispatchCode, DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from publisher.openai import EngineRoute

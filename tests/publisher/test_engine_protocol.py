@@ -1,4 +1,4 @@
-"""The engine protocol (:mod:`publisher.engine_protocol`) against a real local engine.
+"""The engine protocol (:mod:`publisher.drivers.engine_protocol`) against a real local engine.
 
 Every engine here is a real :class:`~engines.local.engine.LocalEngine` (restartable, behind a
 :class:`~tests.engines.faulty_engine.FaultyEngine` that injects what networks do on the calls we
@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 from engines.contract import AmbiguousReply, Candidate, CleanRefusal, ErrorCode, Receipt
-from publisher.adapter_copy import AdapterCopy, aiter_buckets
-from publisher.engine_protocol import (
+from publisher.drivers.adapter_copy import AdapterCopy, aiter_buckets
+from publisher.drivers.engine_protocol import (
     READY_UNCONFIRMED,
     LoadNotConfirmed,
     inventory_confirms,

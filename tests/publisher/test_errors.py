@@ -20,10 +20,10 @@ from evlog.errors import (
     StoreError,
     Unavailable,
 )
-from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet, FleetError
+from publisher.core.errors import Code, LedgerError
+from publisher.drivers.fleet import Fleet, FleetError
+from publisher.drivers.publication import PUBLICATION_FAILED, ErrorKind, PublicationError
 from publisher.gateway import DispatchCode, DispatchError
-from publisher.publication import PUBLICATION_FAILED, ErrorKind, PublicationError
 from publisher.sessions import RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,9 +15,9 @@ from engines.contract import SamplingParams
 from engines.local.engine import LocalEngine
 from engines.vllm import cache_salt_problem
 from evlog.errors import LoraLedgerError
-from publisher.errors import Code
+from publisher.core.errors import Code
+from publisher.core.outcomes import Bound
 from publisher.gateway import DispatchCode, DispatchError, version_salt
-from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,

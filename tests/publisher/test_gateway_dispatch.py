@@ -23,11 +23,11 @@ from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
-from publisher.fleet import Fleet
+from publisher.core.outcomes import Bound
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import DispatchCode, Gateway, InFlightCounter
 from publisher.gateway.affinity import rendezvous
 from publisher.gateway.dispatch import DEFAULT_PARAMS
-from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,

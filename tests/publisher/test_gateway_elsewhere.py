@@ -15,6 +15,7 @@ import pytest
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCode, Generation
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
+from publisher.core.outcomes import Bound
 from publisher.gateway import (
     DispatchCode,
     Gateway,
@@ -23,7 +24,6 @@ from publisher.gateway import (
     try_elsewhere,
 )
 from publisher.gateway.affinity import rendezvous
-from publisher.outcomes import Bound
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,

@@ -19,10 +19,10 @@ from evlog.sqlite import SQLiteStore
 from projections import invariants
 from projections.recovery import recover, save_snapshot
 from projections.registry import PROJECTION_VERSION, RegistryState, encode_state
-from publisher import commands as c
-from publisher.errors import Code
-from publisher.ledger import Ledger
-from publisher.outcomes import Allocated, Bound, Released
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Allocated, Bound, Released
 
 
 def digest(n: int) -> str:

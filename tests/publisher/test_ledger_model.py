@@ -25,8 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from evlog.errors import LoraLedgerError
 from evlog.memory import MemoryStore
 from projections import invariants
-from publisher import commands as c
-from publisher.ledger import Ledger
+from publisher.core import commands as c
+from publisher.core.ledger import Ledger
 
 ENGINES = ("e0", "e1")
 CAPACITY = 2

@@ -21,6 +21,7 @@ from engines.local.tinymodel import make_adapter
 from evlog.errors import LoraLedgerError
 from evlog.events import EngineRestarted, EngineSuspended, SessionReleased
 from projections.transitions import VersionState
+from publisher.drivers.trainer import TrainerClient
 from publisher.gateway import Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from publisher.openai import (
@@ -30,7 +31,6 @@ from publisher.openai import (
     openai_app,
 )
 from publisher.sessions import RolloutWorker
-from publisher.trainer import TrainerClient
 from tests.publisher.openai_kit import TOKEN, ResetAfterSend, Rig, rig, serve_app
 from tests.publisher.plane_kit import events, wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS

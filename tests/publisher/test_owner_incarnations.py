@@ -22,10 +22,10 @@ from evlog.events import (
 )
 from evlog.record import Record
 from projections.incidents import incidents
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import check_lease, decide
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import Bound, Deregistered, Done, Expired, ReclaimGranted
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound, Deregistered, Done, Expired, ReclaimGranted
 from tests.publisher.book import Book
 
 

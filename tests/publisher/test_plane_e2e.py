@@ -33,8 +33,8 @@ from evlog.events import (
 )
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
-from publisher.plane import ControlPlane
-from publisher.publication import PublicationStatus
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationStatus
 from tests.engines.faulty_engine import FaultyEngine
 from tests.publisher.plane_kit import (
     LIMITS,

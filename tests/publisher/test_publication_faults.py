@@ -40,10 +40,10 @@ from evlog.events import (
 from evlog.memory import MemoryLog, MemoryStore
 from projections.recovery import recover
 from projections.registry import VersionState
-from publisher.engine_ops import EngineTimeouts
-from publisher.engine_protocol import READY_UNCONFIRMED
-from publisher.outcomes import Allocated
-from publisher.publication import (
+from publisher.core.outcomes import Allocated
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.engine_protocol import READY_UNCONFIRMED
+from publisher.drivers.publication import (
     CANCELLED,
     ErrorKind,
     PublicationDriver,
@@ -402,7 +402,7 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             assert isinstance(allocated, Allocated), allocated
             await plane.ledger.claim_transport(1, allocated.attempt, "dead-publisher")
             from engines.contract import Candidate
-            from publisher.adapter_copy import aiter_buckets
+            from publisher.drivers.adapter_copy import aiter_buckets
 
             candidate = Candidate(
                 lora_name=allocated.lora_name,

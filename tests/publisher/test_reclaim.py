@@ -13,7 +13,7 @@ import pytest
 from evlog.events import InFlight, ReclaimClaimed, SessionReleased, VersionReclaimed
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
-from publisher.ledger import Ledger
+from publisher.core.ledger import Ledger
 from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     adapter_copy,

@@ -24,7 +24,7 @@ from engines.contract import (
 from engines.local.engine import LocalEngine
 from evlog.events import EngineUnloaded, InFlight, ReclaimAmbiguous
 from projections.registry import VersionState
-from publisher.reclaim import ReclaimDriver
+from publisher.drivers.reclaim import ReclaimDriver
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, Recording, Rig, rig
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]

@@ -30,11 +30,11 @@ from evlog.events import EngineUnloaded, InFlight, ReclaimAmbiguous
 from evlog.memory import MemoryStore
 from evlog.record import Pending
 from projections.registry import RegistryState, VersionState
-from publisher import commands as c
-from publisher.engine_ops import EngineTimeouts
-from publisher.errors import Code
-from publisher.ledger import Ledger
-from publisher.reclaim import ReclaimDriver
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.reclaim import ReclaimDriver
 from tests.publisher.plane_kit import wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, Clock, Rig, rig
 from tests.publisher.test_reclaim_answers import Pokes, Unloads, e1_is

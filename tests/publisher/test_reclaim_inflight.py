@@ -1,6 +1,6 @@
 """Reclaim never unloads a version with a request in flight on that engine.
 
-The real reclaim driver (``publisher.reclaim.ReclaimDriver``, swept by the test) with the
+The real reclaim driver (``publisher.drivers.reclaim.ReclaimDriver``, swept by the test) with the
 gateway as its in-flight source, and the real reconciler reading the driver's counts.
 
 * At claim time: a long generation on v1 runs (frozen between tokens on the real local engine)
@@ -28,9 +28,9 @@ from engines.contract import SamplingParams
 from evlog.errors import LoraLedgerError
 from evlog.events import ReclaimClaimed
 from projections.registry import VersionState
-from publisher.errors import Code
+from publisher.core.errors import Code
+from publisher.drivers.reconciler import Reconciler
 from publisher.gateway import Served
-from publisher.reconciler import Reconciler
 from publisher.sessions import RolloutWorker
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,

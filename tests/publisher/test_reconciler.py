@@ -29,8 +29,8 @@ from evlog.events import (
 )
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
-from publisher.adapter_copy import aiter_buckets, plan_buckets
-from publisher.outcomes import Allocated
+from publisher.core.outcomes import Allocated
+from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
 from tests.engines.faulty_engine import Delay, FaultyEngine
 from tests.publisher.plane_kit import (
     GREEDY,

@@ -29,10 +29,10 @@ from evlog.events import (
     InventoryObserved,
 )
 from projections.registry import VersionRecord
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.reconciler import Reconciler
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
-from publisher.plane import ControlPlane
-from publisher.reconciler import Reconciler
 from tests.engines.faulty_engine import FaultyEngine, ServerError
 from tests.publisher.plane_kit import (
     FAST,

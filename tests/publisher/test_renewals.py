@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from evlog.errors import LoraLedgerError
-from publisher.errors import Code, LedgerRefused
+from publisher.core.errors import Code, LedgerRefused
 from publisher.remote.renewals import PendingRenewals
 
 

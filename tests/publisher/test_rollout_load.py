@@ -13,7 +13,7 @@ under test's own bookkeeping):
 * every retired version was reclaimed, the engines hold only the default, tombstones were
   forgotten, and the invariants hold on a state rebuilt from the log by ``recover``.
 
-Publication and reclaim are the real drivers of a :class:`~publisher.plane.ControlPlane`
+Publication and reclaim are the real drivers of a :class:`~publisher.drivers.plane.ControlPlane`
 (trainer facade -> publication driver; continuous reclaim fed by this gateway's in-flight
 counts and the workers' lease renewals). The engine calls go through a bounded limiter (the
 tiny model is CPU-bound on 2 cores); the sessions themselves are all live. The throughput

@@ -23,10 +23,10 @@ from evlog.events import (
 )
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
-from publisher import commands as c
-from publisher.errors import Code
-from publisher.ledger import Ledger
-from publisher.outcomes import Outcome, Released
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
 

@@ -11,8 +11,8 @@ from evlog.errors import LoraLedgerError
 from evlog.events import DeploymentConfigured, SessionReleased
 from evlog.memory import MemoryStore
 from projections.registry import VersionState
-from publisher.errors import Code
-from publisher.outcomes import Bound
+from publisher.core.errors import Code
+from publisher.core.outcomes import Bound
 from publisher.sessions import RolloutWorker, SessionBinder
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, rig
 

@@ -12,8 +12,8 @@ import torch
 from engines.contract import SamplingParams
 from engines.local.tinymodel import ensure_tiny_model, make_adapter
 from evlog.events import PublicationSkipped, VersionPublished
-from publisher.publication import PublicationOutcome
-from publisher.trainer import ErrorKind, PublicationError, TrainerClient, to_builtins
+from publisher.drivers.publication import PublicationOutcome
+from publisher.drivers.trainer import ErrorKind, PublicationError, TrainerClient, to_builtins
 from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     events,

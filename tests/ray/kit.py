@@ -8,8 +8,8 @@ import hashlib
 from typing import Any
 
 from evlog.errors import LoraLedgerError
-from publisher import commands as c
-from publisher.outcomes import Allocated, Published
+from publisher.core import commands as c
+from publisher.core.outcomes import Allocated, Published
 
 ENGINES = ("e0", "e1")
 

@@ -38,18 +38,18 @@ from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from evlog.errors import LoraLedgerError
 from evlog.sqlite import SQLiteStore
-from publisher.engine_ops import EngineTimeouts
-from publisher.fleet import Fleet
+from publisher.core.outcomes import Bound, Released
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.trainer import TrainerClient
 from publisher.gateway import Gateway, LocalView
-from publisher.outcomes import Bound, Released
-from publisher.plane import ControlPlane
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, stop_engine
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.rollout import RayRollout
 from publisher.ray.trainer import RayTrainerClient
 from publisher.sessions import RolloutWorker
-from publisher.trainer import TrainerClient
 
 WORKERS = 4
 ENGINES = 2

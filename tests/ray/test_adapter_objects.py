@@ -39,10 +39,10 @@ from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.manifest import TensorData
-from publisher.adapter_copy import AdapterCopy
-from publisher.engine_ops import EngineTimeouts
-from publisher.engine_protocol import stage_and_load
-from publisher.publication import PublicationError
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.engine_protocol import stage_and_load
+from publisher.drivers.publication import PublicationError
 from publisher.ray.adapter_objects import AdapterDescriptor, put_adapter
 from publisher.ray.engine import RayEngine, start_engine, stop_engine
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger

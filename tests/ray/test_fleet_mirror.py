@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from projections.registry import RegistryState
-from publisher.fleet import Fleet
+from publisher.drivers.fleet import Fleet
 from publisher.ray.client import RayLedger, RayTransport, apply_view
 from publisher.ray.ledger_actor import FleetView
 from publisher.ray.link import ActorLink

@@ -15,7 +15,7 @@ import anyio.to_thread
 import pytest
 
 from evlog.errors import LoraLedgerError
-from publisher.errors import Code
+from publisher.core.errors import Code
 from publisher.ray.hosting import PortalHost
 
 pytestmark = pytest.mark.anyio

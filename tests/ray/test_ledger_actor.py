@@ -16,11 +16,11 @@ import ray
 
 from engines.local.tinymodel import make_adapter
 from evlog.errors import LoraLedgerError
-from publisher import commands as c
-from publisher.adapter_copy import AdapterCopy
-from publisher.errors import Code, LedgerInvalidInput, LedgerRefused
-from publisher.outcomes import Bound, Released
-from publisher.publication import ErrorKind, PublicationError
+from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerInvalidInput, LedgerRefused
+from publisher.core.outcomes import Bound, Released
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger

@@ -19,9 +19,9 @@ from evlog.errors import LoraLedgerError
 from evlog.events import OwnerDeregistered, OwnerLeaseExpired, OwnerRegistered, SessionReleased
 from evlog.record import Record
 from projections.incidents import incidents
-from publisher import commands as c
-from publisher.errors import Code
-from publisher.outcomes import ReclaimGranted
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.outcomes import ReclaimGranted
 from publisher.ray.client import RayLedger
 from publisher.ray.rollout import RayRollout
 from tests.ray.kit import create, publish

@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 
 from evlog.errors import LoraLedgerError
 from evlog.postgres import PostgresStore
-from publisher.errors import Code
+from publisher.core.errors import Code
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, LedgerInfo, start_ledger
 from publisher.ray.link import DEFAULT_NAMESPACE

@@ -39,8 +39,8 @@ import pytest
 from evlog.errors import LoraLedgerError
 from evlog.record import Record
 from evlog.sqlite import SQLiteStore
-from publisher.ledger import Ledger
-from publisher.outcomes import Allocated
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Allocated
 
 
 class Clock:

@@ -269,7 +269,7 @@ async def test_a_load_answered_but_never_carried_out_fails_as_a_publication_woul
     the inventory that confirms every load, with the code a publication would fail with
     (READY_UNCONFIRMED), before any request is sent to the missing adapter."""
     from engines.local.engine import LocalEngine
-    from publisher.engine_protocol import READY_UNCONFIRMED
+    from publisher.drivers.engine_protocol import READY_UNCONFIRMED
 
     root = tmp_path / "artifacts"
     root.mkdir()

@@ -19,7 +19,7 @@ import pytest
 from engines.contract import ErrorCode
 from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
-from publisher.publication import ErrorKind, PublicationError
+from publisher.drivers.publication import ErrorKind, PublicationError
 from tests.engines.faulty_engine import Drop, Refuse
 from tests.publisher.plane_kit import adapter_copy, faulty_engines, open_plane, wait_for
 from tests.tools.conftest import Cli

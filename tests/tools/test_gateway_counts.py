@@ -23,7 +23,9 @@ import pytest
 from engines.local.tinymodel import make_adapter
 from engines.vllm import VLLMEngine
 from evlog.memory import MemoryStore
-from publisher.fleet import Fleet
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.trainer import TrainerClient
 from publisher.gateway import Gateway, LocalView
 from publisher.openai import (
     OpenAIGateway,
@@ -31,9 +33,7 @@ from publisher.openai import (
     engine_routes,
     openai_app,
 )
-from publisher.plane import ControlPlane
 from publisher.sessions import RolloutWorker
-from publisher.trainer import TrainerClient
 from tests.publisher.openai_kit import TOKEN, ResetAfterSend, serve_app
 from tests.publisher.plane_kit import FAST
 from tools.bench.gateway import Processes, _port_url

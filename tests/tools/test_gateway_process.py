@@ -28,9 +28,9 @@ from anyio.abc import Process
 
 from engines.local.server import running_server
 from evlog.errors import Refused
-from publisher import commands as c
-from publisher.errors import Code
-from publisher.outcomes import Bound, Forgotten, Released
+from publisher.core import commands as c
+from publisher.core.errors import Code
+from publisher.core.outcomes import Bound, Forgotten, Released
 from publisher.remote.http import HttpLedger, RemoteLedgerError
 from publisher.remote.wire import WireCode
 from tests.publisher.plane_kit import LIMITS

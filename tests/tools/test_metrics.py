@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.gateway.provenance import MemorySink, ProvenanceRow
 from tests.publisher.book import Book
 from tools.metrics import LedgerMetrics, StalenessSink

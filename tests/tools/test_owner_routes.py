@@ -24,12 +24,12 @@ from evlog.events import (
 )
 from evlog.sqlite import SQLiteStore
 from projections.incidents import incidents
-from publisher.commands import Bind
-from publisher.errors import Code
-from publisher.fleet import Fleet
+from publisher.core.commands import Bind
+from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Bound
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway
-from publisher.ledger import Ledger
-from publisher.outcomes import Bound
 from publisher.remote.http import HttpLedger
 from publisher.sessions import RolloutWorker
 from tests.engines.contract import wait_until

@@ -180,7 +180,7 @@ def test_every_task_refused_fenced_at_once_is_still_exit_13() -> None:
     1). A group of ledger errors of one code is that code; a mixed group is still internal."""
     import typer
 
-    from publisher.errors import Code, LedgerError
+    from publisher.core.errors import Code, LedgerError
     from tools.cli import guarded
 
     def fenced() -> LedgerError:

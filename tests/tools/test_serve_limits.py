@@ -89,7 +89,7 @@ async def test_nan_infinity_and_huge_numbers_reached_the_ledger(tmp_path: Path) 
 async def test_a_renewal_had_no_cap_on_entries_or_counts(tmp_path: Path) -> None:
     """Before: one renewal could carry any number of entries and counts. Now more than 1024
     entries, or a count over 1,000,000, is 400 and nothing is renewed."""
-    from publisher.ledger_api import MAX_INFLIGHT_COUNT, MAX_INFLIGHT_ENTRIES
+    from publisher.core.ledger_api import MAX_INFLIGHT_COUNT, MAX_INFLIGHT_ENTRIES
 
     async with (
         running(tmp_path) as url,

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from evlog.sqlite import SQLiteStore
-from publisher.fleet import Fleet
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, rig

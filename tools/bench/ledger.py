@@ -42,8 +42,8 @@ from evlog.record import pending
 from evlog.sqlite import SQLiteStore, Synchronous
 from evlog.store import EventStore
 from projections.recovery import recover, save_snapshot
-from publisher.ledger import Ledger
-from publisher.outcomes import Allocated
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Allocated
 from tools.bench.store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from projections.registry import RegistryState, evolve
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import decide
 from tools.bench.ledger import machine
 

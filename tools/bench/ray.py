@@ -46,8 +46,8 @@ from typing import Any
 
 import ray
 
-from publisher import commands as c
-from publisher.outcomes import Bound
+from publisher.core import commands as c
+from publisher.core.outcomes import Bound
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
 from publisher.ray.local import local_ray

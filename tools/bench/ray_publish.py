@@ -8,7 +8,7 @@ Method (one local Ray instance, one driver process):
   is built from seed ``100+i`` on both sides, so both publish the same bytes under one digest.
   The adapter copy (owned copy + digest) is made before the clock starts, on both sides.
 * **In process** (the reference): ``TrainerClient(plane).publish(copy, step)`` on a
-  :class:`~publisher.plane.ControlPlane` over ``engines`` in-process
+  :class:`~publisher.drivers.plane.ControlPlane` over ``engines`` in-process
   :class:`~engines.local.engine.LocalEngine` s, SQLite (``synchronous=FULL``), artifact store on
   local disk, ``bucket_mib`` buckets.
 * **Through Ray**: a trainer actor calls ``RayTrainerClient.publish(copy, step)``: the tensors
@@ -56,7 +56,7 @@ NAMESPACE = "loraledger-bench-publish"
 
 def _copy(seed: int, rank: int, bucket_bytes: int) -> Any:
     from engines.local.tinymodel import make_adapter
-    from publisher.adapter_copy import AdapterCopy
+    from publisher.drivers.adapter_copy import AdapterCopy
 
     config, tensors = make_adapter(seed, r=rank, targets=TARGETS)
     return AdapterCopy.from_state_dict(tensors, config, bucket_bytes=bucket_bytes)
@@ -153,13 +153,13 @@ async def bench_ray_publish(
     from engines.local.admission import ServingLimits
     from engines.local.engine import LocalEngine
     from evlog.sqlite import SQLiteStore
-    from publisher.fleet import Fleet
-    from publisher.plane import ControlPlane
+    from publisher.drivers.fleet import Fleet
+    from publisher.drivers.plane import ControlPlane
+    from publisher.drivers.trainer import TrainerClient
     from publisher.ray.engine import start_engine, stop_engine
     from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
     from publisher.ray.link import ActorLink
     from publisher.ray.local import local_ray
-    from publisher.trainer import TrainerClient
 
     rank = size_mib * RANK_PER_MIB
     limits = ServingLimits(max_lora_rank=max(64, rank))

@@ -58,9 +58,9 @@ async def bench_transports(
     from engines.sglang import SGLangEngine, SGLangTimeouts
     from engines.sglang_tensors import SGLangTensorEngine
     from evlog.sqlite import SQLiteStore
-    from publisher.adapter_copy import AdapterCopy
-    from publisher.fleet import Fleet
-    from publisher.plane import ControlPlane
+    from publisher.drivers.adapter_copy import AdapterCopy
+    from publisher.drivers.fleet import Fleet
+    from publisher.drivers.plane import ControlPlane
 
     rank = size_mib * RANK_PER_MIB
     limits = ServingLimits(max_lora_rank=max(64, rank))

@@ -5,7 +5,7 @@ before the first publication) and the project runs it whenever a GPU machine is 
 publishes a few throwaway adapters of the right shapes for the engine's base model, through
 the same adapters the ledger uses (:class:`~engines.sglang.SGLangEngine`,
 :class:`~engines.vllm.VLLMEngine`, :class:`~engines.local.client.LocalHTTPEngine`) and the same
-engine protocol (:mod:`publisher.engine_protocol`: a load counts only once a fresh inventory
+engine protocol (:mod:`publisher.drivers.engine_protocol`: a load counts only once a fresh inventory
 confirms it), and checks each property of docs/engines.md that publication, pinning and reclaim
 rest on:
 

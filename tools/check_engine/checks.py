@@ -1,11 +1,12 @@
 """The checks of ``loraledger check-engine``: each property of docs/engines.md, probed on a target.
 
-A run publishes throwaway adapters and takes them off again *through the engine protocol the
-ledger uses* (:mod:`publisher.engine_protocol`): :func:`~publisher.engine_protocol.stage_and_load`
-(prepare, transfer, load, then a fresh inventory must list the name with its digest) and
-:func:`~publisher.engine_protocol.unload_fenced` (an attempt-fenced unload, ``NOT_LOADED``
-counting as gone), under the ledger's default deadlines. So what passes here is what a
-publication and a reclaim will see, not a look-alike of them. The adapters are the tiny-model
+A run publishes throwaway adapters and takes them off again *through the engine protocol the ledger
+uses* (:mod:`publisher.drivers.engine_protocol`):
+:func:`~publisher.drivers.engine_protocol.stage_and_load` (prepare, transfer, load, then a fresh
+inventory must list the name with its digest) and
+:func:`~publisher.drivers.engine_protocol.unload_fenced` (an attempt-fenced unload, ``NOT_LOADED``
+counting as gone), under the ledger's default deadlines. So what passes here is what a publication
+and a reclaim will see, not a look-alike of them. The adapters are the tiny-model
 construction (:func:`engines.local.tinymodel.make_adapter`) shaped for the engine's base model.
 
 The checks take a :class:`Target` (the engine adapters plus optional hooks), so tests can run
@@ -36,9 +37,14 @@ from engines.contract import (
 )
 from engines.local.tinymodel import ModelShapes, make_adapter
 from engines.manifest import Manifest, TensorData, build_manifest
-from publisher.adapter_copy import plan_buckets
-from publisher.engine_ops import EngineTimeouts
-from publisher.engine_protocol import LoadNotConfirmed, UnloadAnswer, stage_and_load, unload_fenced
+from publisher.drivers.adapter_copy import plan_buckets
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.engine_protocol import (
+    LoadNotConfirmed,
+    UnloadAnswer,
+    stage_and_load,
+    unload_fenced,
+)
 from tools.check_engine.report import Finding, Report
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -141,9 +147,9 @@ class _Run:
         return _Throwaway(lora_name, manifest, tensors, attempt, path, index)
 
     async def load(self, adapter: _Throwaway) -> None:
-        """Put ``adapter`` on its engine as a publication does, through the engine's own
-        transport: :func:`~publisher.engine_protocol.stage_and_load` (a load its inventory does
-        not confirm raises :class:`~publisher.engine_protocol.LoadNotConfirmed`), and both
+        """Put ``adapter`` on its engine as a publication does, through the engine's own transport:
+        :func:`~publisher.drivers.engine_protocol.stage_and_load` (a load its inventory does not
+        confirm raises :class:`~publisher.drivers.engine_protocol.LoadNotConfirmed`), and both
         receipts must echo the candidate."""
         engine = self.engine(adapter.index)
         candidate = Candidate(
@@ -174,8 +180,8 @@ class _Run:
 
     async def unload(self, name: str, *, index: int = 0) -> UnloadAnswer:
         """Take ``name`` off as the ledger does: one unload fenced by the attempt this run last
-        published it under (:func:`~publisher.engine_protocol.unload_fenced`: never raises; a
-        receipt or ``NOT_LOADED`` says it is gone)."""
+        published it under (:func:`~publisher.drivers.engine_protocol.unload_fenced`: never
+        raises; a receipt or ``NOT_LOADED`` says it is gone)."""
         return await unload_fenced(
             self.engine(index),
             name,

@@ -29,11 +29,11 @@ from projections.registry import (
     VersionRecord,
     VersionState,
 )
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.checks import _deployment, _digest, _version_id
 from publisher.core.decider.decision import Decision
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import Allocated, Skipped
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Allocated, Skipped
 
 
 def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:

@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 
 from projections.registry import EngineMember, RegistryState, VersionRecord
-from publisher import commands as c
-from publisher.errors import Code, LedgerError
+from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
 
 _command_encoder = msgspec.msgpack.Encoder()
 _command_decoders: dict[type[c.Command], msgspec.msgpack.Decoder[c.Command]] = {}

@@ -15,7 +15,7 @@ from typing import Any
 
 from evlog.events import CommandRecorded
 from projections.registry import RegistryState
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.allocation import _allocate
 from publisher.core.decider.checks import _fingerprint, _well_typed
 from publisher.core.decider.decision import Decision
@@ -41,8 +41,8 @@ from publisher.core.decider.reclaim import (
     _record_unloaded,
 )
 from publisher.core.decider.sessions import _bind, _forget, _release
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import decode_outcome, encode_outcome
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import decode_outcome, encode_outcome
 
 
 def decide(state: RegistryState, command: c.Command) -> Decision:

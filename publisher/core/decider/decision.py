@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 
 from evlog.events import Event
-from publisher.errors import LedgerError
-from publisher.outcomes import Outcome
+from publisher.core.errors import LedgerError
+from publisher.core.outcomes import Outcome
 
 
 class Decision(msgspec.Struct, frozen=True):

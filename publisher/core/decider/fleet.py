@@ -32,7 +32,7 @@ from evlog.events import (
     VersionRestored,
 )
 from projections.registry import HOLDABLE_STATES, SERVING_STATES, RegistryState, VersionState
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.absence_proofs import (
     _completed_by_leaving,
     _completed_without,
@@ -49,8 +49,8 @@ from publisher.core.decider.checks import (
     _version,
 )
 from publisher.core.decider.decision import Decision
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import Done, InventoryRecorded
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Done, InventoryRecorded
 
 # --- deployment, controller ------------------------------------------------------------------
 

@@ -19,11 +19,11 @@ from evlog.events import (
     SessionReleased,
 )
 from projections.registry import RegistryState
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.checks import _deployment, _is_str, _key, _time
 from publisher.core.decider.decision import Decision
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import Deregistered, Done, Expired
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Deregistered, Done, Expired
 
 
 def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:

@@ -23,11 +23,11 @@ from evlog.events import (
     VersionPublished,
 )
 from projections.registry import COMPLETED_STATES, RegistryState, VersionRecord, VersionState
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.checks import _deployment, _key, _member, _members, _version
 from publisher.core.decider.decision import Decision
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import AttemptEnded, Claimed, Done, Published
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import AttemptEnded, Claimed, Done, Published
 
 
 def _not_blocked(s: RegistryState) -> None:

@@ -17,12 +17,12 @@ from evlog.events import (
     VersionReclaimed,
 )
 from projections.registry import RegistryState, VersionState
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.absence_proofs import _owed_by
 from publisher.core.decider.checks import _current_incarnation, _deployment, _version
 from publisher.core.decider.decision import Decision
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import Done, ReclaimGranted, UnloadRecorded
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Done, ReclaimGranted, UnloadRecorded
 
 
 def _claim_reclaim(s: RegistryState, cmd: c.ClaimReclaim) -> Decision:

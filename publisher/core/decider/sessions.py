@@ -12,12 +12,12 @@ from __future__ import annotations
 from evlog.events import SessionBound, SessionReleased, SessionsForgotten
 from projections.registry import RegistryState
 from projections.staleness import TOO_STALE, staleness, too_stale
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider.checks import _deployment, _is_str, _key
 from publisher.core.decider.decision import Decision
 from publisher.core.decider.owners import _fence_incarnation, check_lease
-from publisher.errors import Code, LedgerError
-from publisher.outcomes import Bound, Forgotten, Released
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import Bound, Forgotten, Released
 
 
 def _bound(s: RegistryState, session: str, version_id: int, revision: int, new: bool) -> Bound:

@@ -4,7 +4,7 @@ These are the answers of the ledger service (the decider's refusals, the service
 callers branch on the family for retry decisions (``except Unavailable:`` to wait and retry,
 ``except Refused:`` to give up on this request) and on ``.code`` for specifics. The families
 and the store's codes are in ``evlog.errors``; the gateway's codes in ``publisher.gateway``,
-the publication driver's in ``publisher.publication``.
+the publication driver's in ``publisher.drivers.publication``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ tests), so they cannot wire the drivers differently.
 ``async with ControlPlane.open(store, fleet, deployment=..., prefix=..., capacity=...,
 artifact_root=...) as plane:``
 
-1. opens the :class:`~publisher.ledger.Ledger` on ``store`` (replay + a new controller epoch)
+1. opens the :class:`~publisher.core.ledger.Ledger` on ``store`` (replay + a new controller epoch)
    and creates the deployment if the log is new (a reopened log keeps its own rules: a
    different deployment or prefix is refused, since every engine-side name depends on them);
    ``max_staleness`` (docs/sessions.md#staleness) is the opener's, recorded as
@@ -41,15 +41,15 @@ from engines.artifacts import ArtifactStore
 from engines.contract import Engine
 from evlog.errors import LoraLedgerError
 from evlog.store import EventStore
-from publisher.adapter_copy import DEFAULT_BUCKET_BYTES
-from publisher.engine_ops import EngineTimeouts
-from publisher.errors import Code, LedgerError
-from publisher.fleet import Fleet, InFlightSource
-from publisher.ledger import Ledger
+from publisher.core.errors import Code, LedgerError
+from publisher.core.ledger import Ledger
+from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet, InFlightSource
+from publisher.drivers.publication import PublicationDriver
+from publisher.drivers.reclaim import ReclaimDriver
+from publisher.drivers.reconciler import Reconciler, ReconcileReport
 from publisher.logs import get_logger
-from publisher.publication import PublicationDriver
-from publisher.reclaim import ReclaimDriver
-from publisher.reconciler import Reconciler, ReconcileReport
 
 log = get_logger("loraledger.plane")
 

@@ -17,7 +17,7 @@ from typing import Protocol
 from engines.contract import Engine
 from evlog.errors import Refused
 from evlog.events import InFlight
-from publisher.errors import Code
+from publisher.core.errors import Code
 
 
 class FleetError(Refused):

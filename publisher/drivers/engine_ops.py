@@ -1,5 +1,5 @@
 """Bounded, classified engine calls: the only way the publication, reclaim and reconcile drivers
-talk to an engine (the procedures built from them are in :mod:`publisher.engine_protocol`).
+talk to an engine (the procedures built from them are in :mod:`publisher.drivers.engine_protocol`).
 
 Two rules the drivers rely on (a sync that hangs forever stalls a whole fleet; clean vs
 ambiguous is described in docs/publication.md):

@@ -1,11 +1,11 @@
 """What a publication reads of an adapter, whether or not this process holds its bytes.
 
-In process, the publication driver is handed an :class:`~publisher.adapter_copy.AdapterCopy`:
-the bytes are here, and every staged engine gets them as buckets. On Ray the driver runs in
-the ledger actor, and the bytes should not travel through it (one actor would carry every
-byte to every engine): the trainer puts them in Ray's object store once and the driver gets a
-descriptor instead (:mod:`publisher.ray.adapter_objects`). Both satisfy
-:class:`AdapterSource`, so the driver's steps and failure rules are written once.
+In process, the publication driver is handed an
+:class:`~publisher.drivers.adapter_copy.AdapterCopy`: the bytes are here, and every staged engine
+gets them as buckets. On Ray the driver runs in the ledger actor, and the bytes should not travel
+through it (one actor would carry every byte to every engine): the trainer puts them in Ray's object
+store once and the driver gets a descriptor instead (:mod:`publisher.ray.adapter_objects`). Both
+satisfy :class:`AdapterSource`, so the driver's steps and failure rules are written once.
 
 What differs is *how the bytes reach an engine*. ``buckets`` is either the buckets themselves
 (the engine's ``transfer`` gets them) or a :class:`Payload`, which sends them its own way (an
@@ -35,7 +35,7 @@ class Payload(Protocol):
 
 
 class AdapterSource(Protocol):
-    """The adapter a :class:`~publisher.publication.PublicationDriver` publishes."""
+    """The adapter a :class:`~publisher.drivers.publication.PublicationDriver` publishes."""
 
     @property
     def digest(self) -> str: ...

@@ -53,13 +53,13 @@ from evlog.store import EventStore
 from projections import invariants
 from projections.recovery import recover, save_snapshot
 from projections.registry import RegistryState, evolve
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import Decision, decide
-from publisher.errors import Code, LedgerError
-from publisher.leases import LeaseBook
-from publisher.ledger_api import LedgerAPI
+from publisher.core.errors import Code, LedgerError
+from publisher.core.leases import LeaseBook
+from publisher.core.ledger_api import LedgerAPI
+from publisher.core.outcomes import Outcome
 from publisher.logs import get_logger
-from publisher.outcomes import Outcome
 
 CODE_VERSION = "loraledger-0.1.0"
 # Commands queued for the writer before ``execute`` makes the next caller wait. Far above what
@@ -93,7 +93,7 @@ class _Call:
 class Ledger(LedgerAPI):
     """The single writer. Construct with :meth:`open`; every method is safe to call
     concurrently from many tasks. The typed methods (``bind``, ``commit``, ...) are
-    :class:`~publisher.ledger_api.LedgerAPI`'s, each one call of :meth:`execute`."""
+    :class:`~publisher.core.ledger_api.LedgerAPI`'s, each one call of :meth:`execute`."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 :class:`LedgerAPI` is what callers use (``ledger.bind(session, owner)``,
 ``ledger.commit(version_id, attempt)``): it builds the command, executes it through the
-single-writer pipeline of :class:`publisher.ledger.Ledger` (which inherits these methods), and
+single-writer pipeline of :class:`publisher.core.ledger.Ledger` (which inherits these methods), and
 checks the outcome is the kind the command answers. Names and types live here; ordering,
 batching and durability live in the pipeline. Adding a command is one method whose body is one
 ``_run`` line.
@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from evlog.events import InFlight
 from projections.status import LedgerStatus, status_of
-from publisher import commands as c
+from publisher.core import commands as c
 from publisher.core.decider import check_lease
-from publisher.errors import Code, LedgerError
-from publisher.logs import get_logger
-from publisher.outcomes import (
+from publisher.core.errors import Code, LedgerError
+from publisher.core.outcomes import (
     Allocated,
     AttemptEnded,
     Bound,
@@ -39,10 +38,11 @@ from publisher.outcomes import (
     Skipped,
     UnloadRecorded,
 )
+from publisher.logs import get_logger
 
 if TYPE_CHECKING:
     from projections.registry import RegistryState
-    from publisher.leases import LeaseBook
+    from publisher.core.leases import LeaseBook
 
 log = get_logger("loraledger.ledger")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)

@@ -55,9 +55,9 @@ at once: an engine that refused as not loaded is reconciled in full (a lost adap
 and routed around within moments, not at the next full pass), an engine that could not be
 reached or failed ambiguously is probed (a failed probe counts towards its suspension, a new
 incarnation is a restart, repaired before it serves). Engines are driven through
-:mod:`publisher.engine_protocol` (restore: ``stage_and_load``; every cleanup: ``unload_fenced``),
-every call bounded (:mod:`publisher.engine_ops`); one engine's failure never stops the others or
-the loop.
+:mod:`publisher.drivers.engine_protocol` (restore: ``stage_and_load``; every cleanup:
+``unload_fenced``), every call bounded (:mod:`publisher.drivers.engine_ops`); one engine's
+failure never stops the others or the loop.
 """
 
 from __future__ import annotations
@@ -74,15 +74,15 @@ from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import AmbiguousReply, Candidate, Engine, EngineError, ErrorCode, Inventory
 from evlog.errors import LoraLedgerError
 from projections.registry import VersionRecord, VersionState
-from publisher.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
-from publisher.engine_ops import EngineTimeouts, call, managed_names, managed_prefix
-from publisher.engine_protocol import inventory_confirms, stage_and_load, unload_fenced
-from publisher.fleet import Fleet
+from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
+from publisher.drivers.engine_ops import EngineTimeouts, call, managed_names, managed_prefix
+from publisher.drivers.engine_protocol import inventory_confirms, stage_and_load, unload_fenced
+from publisher.drivers.fleet import Fleet
 from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
-    from publisher.ledger import Ledger
+    from publisher.core.ledger import Ledger
 
 log = get_logger("loraledger.reconciler")
 

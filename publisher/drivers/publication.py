@@ -23,7 +23,7 @@ The steps, each one recorded in the ledger before the next begins:
    restarted engines from it), **load**, and **confirm** with a *fresh inventory* that the name
    is really there with our digest in the receipt's incarnation (the "adapter silently never
    applied" bug class) before ``EngineReady`` is recorded. Engines run concurrently, each
-   through :func:`publisher.engine_protocol.stage_and_load`.
+   through :func:`publisher.drivers.engine_protocol.stage_and_load`.
 4. **commit** (``VersionPublished``): the decider moves the default only if every engine of the
    fleet is READY at its current incarnation.
 
@@ -33,7 +33,7 @@ Failure rules:
   known outcome into an ambiguous one); every engine finishes or fails within its timeouts.
 * Then the candidate is cleaned off every engine of the attempt (``unload(name, attempt=...)``,
   attempt-fenced) and each engine is asked for a fresh inventory
-  (:func:`publisher.engine_protocol.unload_and_prove_absent`). If no reply of the attempt
+  (:func:`publisher.drivers.engine_protocol.unload_and_prove_absent`). If no reply of the attempt
   was ambiguous and every engine proved the name absent, the attempt ends ``FAILED_RETRYABLE``
   (slot freed); otherwise ``FAILED_FATAL`` (slot kept until inventories resolve it).
 * **Cancellation** of ``publish`` runs the same cleanup inside a shielded, time-bounded scope.
@@ -51,7 +51,7 @@ Failure rules:
 
 Why one module of ~600 lines: the steps and the failure rules are one procedure (allocate to
 commit, with the cleanup every exit path runs); the engine-side halves already live in
-:mod:`publisher.engine_protocol`, so what remains reads top to bottom as the publication.
+:mod:`publisher.drivers.engine_protocol`, so what remains reads top to bottom as the publication.
 """
 
 from __future__ import annotations
@@ -71,17 +71,17 @@ from engines.artifacts import ArtifactStore
 from engines.contract import Candidate, EngineError, Receipt
 from evlog.errors import LoraLedgerError, StoreCode
 from projections.registry import VersionState
-from publisher.adapter_source import AdapterSource
-from publisher.engine_ops import EngineTimeouts
-from publisher.engine_protocol import stage_and_load, unload_and_prove_absent
-from publisher.errors import Code
-from publisher.fleet import Fleet
+from publisher.core.errors import Code
+from publisher.core.outcomes import Allocated, Skipped
+from publisher.drivers.adapter_source import AdapterSource
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.engine_protocol import stage_and_load, unload_and_prove_absent
+from publisher.drivers.fleet import Fleet
 from publisher.logs import get_logger
-from publisher.outcomes import Allocated, Skipped
 
 if TYPE_CHECKING:
-    from publisher.ledger import Ledger
-    from publisher.reconciler import Reconciler
+    from publisher.core.ledger import Ledger
+    from publisher.drivers.reconciler import Reconciler
 
 log = get_logger("loraledger.publication")
 T = TypeVar("T")

@@ -30,7 +30,7 @@ What it guarantees:
   the default for new sessions; sessions already bound stay on their version;
 * ``SKIPPED`` (capacity full after bootstrap) never raises: training goes on, the next step
   tries its own new version;
-* every failure is a :class:`~publisher.publication.PublicationError` with ``kind``,
+* every failure is a :class:`~publisher.drivers.publication.PublicationError` with ``kind``,
   ``code`` and ``details``. ``RETRYABLE``: nothing is left behind (the attempt ended
   ``FAILED_RETRYABLE``, capacity or another publication was in the way); the next step simply
   publishes. ``FATAL``: the attempt ended ``FAILED_FATAL`` (an engine reply was ambiguous: the
@@ -55,9 +55,9 @@ import anyio
 import msgspec
 
 from projections.status import LedgerStatus
-from publisher.adapter_copy import AdapterCopy
-from publisher.plane import ControlPlane
-from publisher.publication import ErrorKind, PublicationError, PublicationOutcome
+from publisher.drivers.adapter_copy import AdapterCopy
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import ErrorKind, PublicationError, PublicationOutcome
 
 __all__ = [
     "ErrorKind",

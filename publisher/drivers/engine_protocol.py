@@ -15,9 +15,10 @@ which attempt, under which deadline, and what to record in the ledger; *how* an 
 Three facts the procedures rest on:
 
 * **Clean vs ambiguous.** Every engine call is bounded and classified
-  (:func:`publisher.engine_ops.call`): a :class:`~engines.contract.CleanRefusal` proves the engine
-  did nothing half-way; an :class:`~engines.contract.AmbiguousReply` (timeout, lost reply, 5xx,
-  anything unexpected) proves nothing -- the engine may have acted, only its inventory can tell.
+  (:func:`publisher.drivers.engine_ops.call`): a :class:`~engines.contract.CleanRefusal` proves the
+  engine did nothing half-way; an :class:`~engines.contract.AmbiguousReply` (timeout, lost reply,
+  5xx, anything unexpected) proves nothing -- the engine may have acted, only its inventory can
+  tell.
 * **Attempt fences.** A candidate is staged, loaded and unloaded under its publication attempt.
   An engine refuses a stale attempt's cleanup of a newer attempt's name, and once it unloaded
   ``(name, attempt)`` it refuses every later prepare of that attempt for the rest of its
@@ -49,9 +50,9 @@ from engines.contract import (
     Receipt,
     UnloadReceipt,
 )
-from publisher.adapter_copy import aiter_buckets
-from publisher.adapter_source import Payload
-from publisher.engine_ops import CallWatch, EngineTimeouts, call
+from publisher.drivers.adapter_copy import aiter_buckets
+from publisher.drivers.adapter_source import Payload
+from publisher.drivers.engine_ops import CallWatch, EngineTimeouts, call
 
 READY_UNCONFIRMED = "READY_UNCONFIRMED"
 
@@ -136,7 +137,7 @@ async def stage_and_load(
     The calls, each bounded by its entry of ``timeouts``: ``prepare`` (the engine validates the
     candidate and fences the attempt), ``on_prepared(receipt)`` (the caller records it before
     any byte moves), ``transfer`` of ``buckets`` (empty for an engine that loads the candidate's
-    artifact directory by path; a :class:`~publisher.adapter_source.Payload` sends its bytes
+    artifact directory by path; a :class:`~publisher.drivers.adapter_source.Payload` sends its bytes
     its own way, e.g. an engine actor pulling them from Ray's object store), ``load``
     (registers the immutable name), then a fresh ``inventory``. A receipt of the wrong phase is
     a malformed reply (ambiguous).
@@ -155,7 +156,7 @@ async def stage_and_load(
     attempt out of the engine for good (and a late duplicate of an unfenced one would remove
     the version after a later restore succeeded); :func:`inventory_confirms` decides instead.
 
-    ``watch`` (see :class:`~publisher.engine_ops.CallWatch`) tells a caller cancelled midway
+    ``watch`` (see :class:`~publisher.drivers.engine_ops.CallWatch`) tells a caller cancelled midway
     whether an engine call was in flight, i.e. whether the outcome is unknown."""
     engine_id = engine.engine_id
     started = clock()

@@ -6,15 +6,15 @@ event (``ledger.subscribe()``: a release, a lease expiry, a commit that retires 
 by a periodic tick (in-flight counts fall without a ledger event). Each sweep:
 
 1. **claims** every ``RETIRED`` version with no binding whose in-flight evidence is all zero --
-   the counts of this process's sources (gateways: :class:`publisher.fleet.InFlightSource`)
+   the counts of this process's sources (gateways: :class:`publisher.drivers.fleet.InFlightSource`)
    and of remote workers' lease renewals (``ledger.inflight_evidence``). The evidence is
    recorded in ``ReclaimClaimed``, so a replay shows what the decision relied on;
 2. **unloads** every ``RECLAIMING`` version on each member engine that has not confirmed yet,
    and only when that engine's in-flight count for it is zero right now (SGLang's unload blocks
    until the adapter's requests drain, docs/engines.md: at zero it is instant). Each
    confirmation is recorded (``EngineUnloaded``; an answer that the name was already absent is
-   a confirmation too: :func:`publisher.engine_protocol.unload_fenced`); the ledger marks the
-   version ``RECLAIMED`` when every engine confirmed;
+   a confirmation too: :func:`publisher.drivers.engine_protocol.unload_fenced`); the ledger
+   marks the version ``RECLAIMED`` when every engine confirmed;
 3. an **ambiguous** unload (timeout, lost reply, 5xx) -- or a clean refusal that proves nothing
    -- is recorded (``ReclaimAmbiguous``): the version keeps its slot and blocks publication
    until inventory evidence decides (the reconciler, which is poked at once);
@@ -39,14 +39,14 @@ from engines.artifacts import ArtifactStore
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
 from projections.registry import VersionState
-from publisher.engine_ops import EngineTimeouts
-from publisher.engine_protocol import unload_fenced
-from publisher.errors import Code
-from publisher.fleet import Fleet, InFlightSource
+from publisher.core.errors import Code
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.engine_protocol import unload_fenced
+from publisher.drivers.fleet import Fleet, InFlightSource
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
-    from publisher.ledger import Ledger
+    from publisher.core.ledger import Ledger
 
 log = get_logger("loraledger.reclaim")
 
