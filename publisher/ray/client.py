@@ -17,17 +17,18 @@ What only Ray adds, each for a reason:
 
 * **The fleet is the ledger's.** :attr:`RayLedger.fleet` is a
   :class:`~publisher.drivers.fleet.Fleet` mirroring the ledger actor's engine handles (its
-  membership view, fetched at connect) and changed in place, so a gateway built on ``ledger.fleet``
-  routes to a replacement actor without a restart of its process. Each command batch and lease
-  renewal tells the actor which fleet version the mirror holds (:attr:`RayTransport.fleet_mark`),
-  and a reply whose routing comes from a newer one carries the new handles too, mirrored *before*
-  the table is taken (:meth:`RayTransport.mirrored`, which returns before the client takes the table,
-  with no await between): the handles a gateway dispatches to are never older than the routing it
-  chose by, so a turn routed on a table from after a ``replace_engine`` -- a session's first turn,
-  routed on its bind's reply, included -- never meets the replaced actor's handle. (Fetched
-  afterwards, as a separate call, the handle arrived one round trip after the table, and such a
-  first turn could meet the dead actor: ``AMBIGUOUS_DISPATCH``, never resent.) A failed engine call
-  reported through :meth:`RayLedger.engine_failed` also refreshes the mirror.
+  membership view, fetched at connect) and changed in place, so a gateway built on
+  ``ledger.fleet`` routes to a replacement actor without a restart of its process. Each command
+  batch and lease renewal tells the actor which fleet version the mirror holds
+  (:attr:`RayTransport.fleet_mark`), and a reply whose routing comes from a newer one carries
+  the new handles too, mirrored *before* the table is taken (:meth:`RayTransport.mirrored`,
+  which returns before the client takes the table, with no await between): the handles a gateway
+  dispatches to are never older than the routing it chose by, so a turn routed on a table from
+  after a ``replace_engine`` -- a session's first turn, routed on its bind's reply, included --
+  never meets the replaced actor's handle. (Fetched afterwards, as a separate call, the handle
+  arrived one round trip after the table, and such a first turn could meet the dead actor:
+  ``AMBIGUOUS_DISPATCH``, never resent.) A failed engine call reported through
+  :meth:`RayLedger.engine_failed` also refreshes the mirror.
 * **Restarts are ridden out.** Every call goes through an
   :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
