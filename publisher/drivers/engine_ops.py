@@ -11,8 +11,9 @@ ambiguous is described in docs/publication.md):
   ``AmbiguousReply``; anything else escaping an adapter (a bug, an unexpected transport error) is
   treated as ambiguous, because it proves nothing about what the engine holds.
 
-It also holds the small pure helpers the drivers share: which names of an inventory belong to
-this deployment.
+It also holds the small pure helpers the drivers and the gateway share: which names of an
+inventory belong to this deployment, and what a failed call says about its engine
+(:func:`says_about_engine`, :func:`lacks_adapter`).
 """
 
 from __future__ import annotations
@@ -102,3 +103,24 @@ def managed_names(inventory: Inventory, prefix: str) -> tuple[str, ...]:
     """The names of ``inventory`` that belong to this deployment (others are not ours to
     observe, report or unload)."""
     return tuple(sorted(a.lora_name for a in inventory.adapters if a.lora_name.startswith(prefix)))
+
+
+# Clean refusals meaning "this engine does not hold the adapter": a possible lost adapter.
+MISSING_CODES = frozenset({ErrorCode.NOT_LOADED, ErrorCode.NAME_RECLAIMED})
+
+
+def says_about_engine(exc: EngineError) -> bool:
+    """Whether a failed call is evidence about the engine rather than about the request: every
+    failure that is not a clean refusal (unreachable, gone, timed out, lost reply, 5xx: the
+    engine may be down or restarted, only a probe can tell), and the clean refusals that say it
+    lacks the adapter (:data:`MISSING_CODES`: it may have lost a committed version). Any other
+    clean refusal (``BAD_REQUEST``, an invalid name) proves the engine answered and holds what
+    it should: nothing to look at."""
+    return not exc.clean or exc.code in MISSING_CODES
+
+
+def lacks_adapter(exc: EngineError) -> bool:
+    """Whether ``exc`` is the engine's own clean answer that it does not hold the adapter asked
+    for: whoever hears of it reads the engine's inventory, not just its health (a probe alone
+    cannot see a lost adapter)."""
+    return exc.clean and exc.code in MISSING_CODES

@@ -75,10 +75,15 @@ from engines.contract import AmbiguousReply, Candidate, Engine, EngineError, Err
 from evlog.errors import LoraLedgerError
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
-from publisher.drivers.engine_ops import EngineTimeouts, call, managed_names, managed_prefix
+from publisher.drivers.engine_ops import (
+    EngineTimeouts,
+    call,
+    lacks_adapter,
+    managed_names,
+    managed_prefix,
+)
 from publisher.drivers.engine_protocol import inventory_confirms, stage_and_load, unload_fenced
 from publisher.drivers.fleet import Fleet
-from publisher.gateway import lacks_adapter
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
@@ -206,8 +211,8 @@ class Reconciler:
         at its next tick, and what it does depends on what the error says:
 
         * the engine refused because it lacks the adapter (``NOT_LOADED``, ``NAME_RECLAIMED``:
-          :func:`~publisher.gateway.lacks_adapter`): it may have lost a committed version (an
-          external unload, an eviction), which a probe cannot see, so its inventory is read in
+          :func:`~publisher.drivers.engine_ops.lacks_adapter`): it may have lost a committed
+          version (an external unload, an eviction), which a probe cannot see, so its inventory is read in
           full and the loss is recorded (``AdapterLost``), routed around and repaired within
           moments instead of at the next full pass;
         * anything else (unreachable, gone, a timeout, a lost reply, a 5xx): the engine is

@@ -6,13 +6,7 @@
 """
 
 from publisher.gateway.dispatch import Attempt, Gateway, Owner, Served, version_salt
-from publisher.gateway.failures import (
-    DispatchCode,
-    DispatchError,
-    lacks_adapter,
-    says_about_engine,
-    try_elsewhere,
-)
+from publisher.gateway.failures import DispatchCode, DispatchError, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
 from publisher.gateway.view import LedgerView, LocalView
 
@@ -26,8 +20,6 @@ __all__ = [
     "LocalView",
     "Owner",
     "Served",
-    "lacks_adapter",
-    "says_about_engine",
     "try_elsewhere",
     "version_salt",
 ]

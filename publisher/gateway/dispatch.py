@@ -31,7 +31,7 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
   ledger learns of the request before it is sent, not at the next renewal tick. The reclaim
   driver reads :meth:`Gateway.inflight_evidence` before claiming a version.
 * **Report trouble.** Every failure that says something about the engine
-  (:func:`~publisher.gateway.failures.says_about_engine`) goes to the one hook
+  (:func:`~publisher.drivers.engine_ops.says_about_engine`) goes to the one hook
   ``on_engine_trouble(engine, error)``, whether or not another holder then takes the request.
 * **Own the cache namespace.** Every attempt carries the version's salt (:func:`version_salt`),
   so two versions can never share prefix-cache entries whatever the client asks.
@@ -61,15 +61,10 @@ from evlog.events import InFlight
 from projections.staleness import staleness, too_stale
 from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound
+from publisher.drivers.engine_ops import lacks_adapter, says_about_engine
 from publisher.drivers.fleet import Fleet
 from publisher.gateway.affinity import least_loaded, rendezvous
-from publisher.gateway.failures import (
-    DispatchCode,
-    DispatchError,
-    lacks_adapter,
-    says_about_engine,
-    try_elsewhere,
-)
+from publisher.gateway.failures import DispatchCode, DispatchError, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
 from publisher.gateway.provenance import ProvenanceRecorder, ProvenanceRow, Usage
 from publisher.gateway.view import LedgerView

@@ -3,7 +3,7 @@ read an engine's error, written once for every face.
 
 An engine's error (:class:`~engines.contract.EngineError`) is clean (the engine answered and
 proved what it did) or ambiguous (it may have run). Three questions are asked of it, each
-answered here and nowhere else:
+answered in one place:
 
 * :func:`try_elsewhere` -- may the request go to another holder of the same version? Only when
   it provably did not run: never sent (``dispatched`` False: connection refused, a Ray engine
@@ -11,11 +11,13 @@ answered here and nowhere else:
   (``NOT_LOADED``: a restarted, empty engine routing has not caught up with). An ambiguous
   failure never qualifies, whatever its code: a resend could produce a second, different sample
   the trainer never sees.
-* :func:`says_about_engine` -- is it evidence about the engine (reported through the gateway's
-  ``on_engine_trouble`` hook, so the reconciler looks at that engine now), or about the request
-  (``BAD_REQUEST``: nothing to look at)?
-* :func:`lacks_adapter` -- does the engine say it lacks the adapter (its inventory is then
-  read, not only its health: a probe alone cannot see a lost adapter)?
+* :func:`~publisher.drivers.engine_ops.says_about_engine` -- is it evidence about the engine
+  (reported through the gateway's ``on_engine_trouble`` hook, so the reconciler looks at that
+  engine now), or about the request (``BAD_REQUEST``: nothing to look at)?
+* :func:`~publisher.drivers.engine_ops.lacks_adapter` -- does the engine say it lacks the
+  adapter (its inventory is then read, not only its health: a probe alone cannot see a lost
+  adapter)? Those two read any engine call's failure, so they live with the drivers' engine
+  calls; the gateway and the reconciler ask them alike.
 
 The answer a caller gets is a :class:`DispatchError`, whose family says how to retry:
 ``NO_ROUTE`` (``Unavailable``: nothing was sent), ``GENERATION_FAILED`` (``Refused``: nothing was
@@ -56,8 +58,6 @@ class DispatchAmbiguous(DispatchError, Ambiguous, codes=[DispatchCode.AMBIGUOUS_
     """The request may have reached an engine and its outcome is unknown: it was not resent."""
 
 
-# Clean refusals meaning "this engine does not hold the adapter": a possible lost adapter.
-MISSING_CODES = frozenset({ErrorCode.NOT_LOADED, ErrorCode.NAME_RECLAIMED})
 # Clean refusals that say the engine does not hold the name (not that the request is bad):
 # another holder may serve it. NAME_RECLAIMED is left out on purpose: an engine that unloaded a
 # version a session is still bound to is a premature reclaim, which must surface, not be hidden.
@@ -70,19 +70,3 @@ def try_elsewhere(exc: EngineError) -> bool:
     if not exc.dispatched:
         return True
     return exc.clean and exc.code in HOLDER_REFUSALS
-
-
-def says_about_engine(exc: EngineError) -> bool:
-    """Whether a failed generation is evidence about the engine rather than about the request:
-    every failure that is not a clean refusal (unreachable, gone, timed out, lost reply, 5xx:
-    the engine may be down or restarted, only a probe can tell), and the clean refusals that say
-    it lacks the adapter (:data:`MISSING_CODES`: it may have lost a committed version). Any
-    other clean refusal (``BAD_REQUEST``, an invalid name) proves the engine answered and holds
-    what it should: nothing to look at."""
-    return not exc.clean or exc.code in MISSING_CODES
-
-
-def lacks_adapter(exc: EngineError) -> bool:
-    """Whether ``exc`` is the engine's own clean answer that it does not hold the adapter asked
-    for: the receiver of ``on_engine_trouble`` reads its inventory, not just its health."""
-    return exc.clean and exc.code in MISSING_CODES

@@ -63,7 +63,7 @@ from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
-from publisher.gateway import lacks_adapter
+from publisher.drivers.engine_ops import lacks_adapter
 from publisher.logs import get_logger
 from publisher.remote.renewals import Counts, Life, PendingRenewals
 from publisher.remote.routing import Mark, RoutingTable

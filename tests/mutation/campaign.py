@@ -136,7 +136,12 @@ CAMPAIGNS: dict[str, Campaign] = {
         ),
         Campaign(
             "gateway",
-            ("publisher/gateway.py",),
+            # the dispatch executor and what it reads an engine's error and the counts with
+            (
+                "publisher/gateway/dispatch.py",
+                "publisher/gateway/failures.py",
+                "publisher/gateway/inflight.py",
+            ),
             (
                 "tests/publisher/test_gateway.py",
                 "tests/publisher/test_gateway_dispatch.py",

@@ -16,13 +16,8 @@ from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCod
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from publisher.core.outcomes import Bound
-from publisher.gateway import (
-    DispatchCode,
-    Gateway,
-    lacks_adapter,
-    says_about_engine,
-    try_elsewhere,
-)
+from publisher.drivers.engine_ops import lacks_adapter, says_about_engine
+from publisher.gateway import DispatchCode, Gateway, try_elsewhere
 from publisher.gateway.affinity import rendezvous
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
