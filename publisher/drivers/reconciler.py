@@ -212,9 +212,9 @@ class Reconciler:
 
         * the engine refused because it lacks the adapter (``NOT_LOADED``, ``NAME_RECLAIMED``:
           :func:`~publisher.drivers.engine_ops.lacks_adapter`): it may have lost a committed
-          version (an external unload, an eviction), which a probe cannot see, so its inventory is read in
-          full and the loss is recorded (``AdapterLost``), routed around and repaired within
-          moments instead of at the next full pass;
+          version (an external unload, an eviction), which a probe cannot see, so its inventory is
+          read in full and the loss is recorded (``AdapterLost``), routed around and repaired
+          within moments instead of at the next full pass;
         * anything else (unreachable, gone, a timeout, a lost reply, a 5xx): the engine is
           probed -- the loop's own probe, nothing else -- so a failed probe counts towards its
           suspension (``ENGINE_GONE`` suspends at once) and a new incarnation is a restart,
