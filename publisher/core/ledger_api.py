@@ -48,19 +48,14 @@ log = get_logger("loraledger.ledger")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
 
-class LedgerAPI:
-    """The typed methods of the ledger, over what the pipeline provides: ``execute``, the
-    live ``state``, the ``clock`` and the lease book (``leases``, renewals are not logged)."""
+class TypedCommands:
+    """One typed method per command over ``execute``, each a single :meth:`_run`: the session
+    commands here, which every ledger a rollout worker uses offers (the in-process
+    :class:`~publisher.core.ledger.Ledger`, a remote ledger); the others in :class:`LedgerAPI`."""
 
     __slots__ = ()
 
     if TYPE_CHECKING:
-        leases: LeaseBook
-
-        @property
-        def state(self) -> RegistryState: ...
-
-        def clock(self) -> float: ...
 
         async def execute(self, command: c.Command) -> Outcome: ...
 
@@ -73,6 +68,38 @@ class LedgerAPI:
         if not isinstance(outcome, answer):
             raise AssertionError(f"{type(command).__name__} answered {outcome!r}")
         return outcome
+
+    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
+        """Bind a session to the default version, for good (later calls answer the same).
+        ``incarnation`` (``""``: unchecked) fences out a replaced life of the owner."""
+        command = c.Bind(session=session, owner=owner, incarnation=incarnation)
+        return await self._run(command, Bound)
+
+    async def release(
+        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
+    ) -> Released:
+        """Release a session: it is tombstoned and can never bind again."""
+        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
+        return await self._run(command, Released)
+
+    async def forget(self, sessions: Iterable[str]) -> Forgotten:
+        """Drop released sessions' tombstones (refused, nothing dropped, if one is bound)."""
+        return await self._run(c.Forget(sessions=tuple(sessions)), Forgotten)
+
+
+class LedgerAPI(TypedCommands):
+    """The typed methods of the ledger, over what the pipeline provides: ``execute``, the
+    live ``state``, the ``clock`` and the lease book (``leases``, renewals are not logged)."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+        leases: LeaseBook
+
+        @property
+        def state(self) -> RegistryState: ...
+
+        def clock(self) -> float: ...
 
     # --- deployment and fleet ------------------------------------------------------------------
 
@@ -328,23 +355,6 @@ class LedgerAPI:
     def inflight_evidence(self, version_id: int) -> list[InFlight]:
         """The in-flight counts the live owners last renewed with, for ``claim_reclaim``."""
         return self.leases.inflight(version_id)
-
-    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
-        """Bind a session to the default version, for good (later calls answer the same).
-        ``incarnation`` (``""``: unchecked) fences out a replaced life of the owner."""
-        command = c.Bind(session=session, owner=owner, incarnation=incarnation)
-        return await self._run(command, Bound)
-
-    async def release(
-        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
-    ) -> Released:
-        """Release a session: it is tombstoned and can never bind again."""
-        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
-        return await self._run(command, Released)
-
-    async def forget(self, sessions: Iterable[str]) -> Forgotten:
-        """Drop released sessions' tombstones (refused, nothing dropped, if one is bound)."""
-        return await self._run(c.Forget(sessions=tuple(sessions)), Forgotten)
 
     # --- reclaim -------------------------------------------------------------------------------
 

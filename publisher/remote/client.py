@@ -49,10 +49,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -62,7 +62,8 @@ from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
-from publisher.core.outcomes import Bound, Deregistered, Done, Forgotten, Outcome, Released
+from publisher.core.ledger_api import TypedCommands
+from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.engine_ops import lacks_adapter
 from publisher.logs import get_logger
 from publisher.remote.renewals import Counts, Life, PendingRenewals
@@ -70,7 +71,6 @@ from publisher.remote.routing import Mark, RoutingTable
 from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.remote")
-OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
 
 @dataclass(frozen=True)
@@ -185,9 +185,10 @@ class _Request:
         self.error: BaseException | None = None
 
 
-class RemoteLedger:
+class RemoteLedger(TypedCommands):
     """A ledger in another process, over ``transport``. Run it with :meth:`running` (the
-    transports' ``connect`` do); safe to use from many tasks of one event loop."""
+    transports' ``connect`` do); safe to use from many tasks of one event loop. The typed
+    session commands (``bind``, ``release``, ``forget``) are the in-process ledger's own."""
 
     def __init__(
         self,
@@ -272,25 +273,6 @@ class RemoteLedger:
         if isinstance(result, LoraLedgerError):
             raise result
         return result
-
-    async def _typed(self, command: c.Command, kind: type[OutcomeT]) -> OutcomeT:
-        outcome = await self.execute(command)
-        if not isinstance(outcome, kind):
-            raise LedgerError(Code.INVALID_STATE, f"{type(command).__name__} answered {outcome!r}")
-        return outcome
-
-    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
-        command = c.Bind(session=session, owner=owner, incarnation=incarnation)
-        return await self._typed(command, Bound)
-
-    async def release(
-        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
-    ) -> Released:
-        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
-        return await self._typed(command, Released)
-
-    async def forget(self, sessions: Iterable[str]) -> Forgotten:
-        return await self._typed(c.Forget(sessions=tuple(sessions)), Forgotten)
 
     async def status(self) -> LedgerStatus:
         """The ledger's status, read now (one round trip; ``view.status()`` is the copy)."""
