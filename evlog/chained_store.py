@@ -21,7 +21,7 @@ here once, so the two cannot drift apart:
 
 A backend supplies only its SQL and driver calls, the hooks listed first in the class (insert
 rows, open a transaction, read the tail, look ids up, save snapshots, fetch rows, classify a
-driver error), plus its own open, close and snapshot load.
+driver error, close its connections), plus its own open and snapshot load.
 
 Why one module of ~400 lines: the write path and the read path share one discipline, the
 cached tail the fast path trusts and ``verify`` compares against; split across files, that
@@ -117,6 +117,10 @@ class ChainedStore:
         ``with_predecessor``, the row ``seq == after`` first (then up to ``limit + 1`` rows)."""
         raise NotImplementedError
 
+    async def load_snapshot(self, code_version: str) -> Snapshot | None:
+        """The newest snapshot written by ``code_version``, if any (read on the read side)."""
+        raise NotImplementedError
+
     @staticmethod
     def _error(exc: BaseException, doing: str) -> StoreError:
         """``exc``, raised by the driver while ``doing``, as the StoreError a caller gets."""
@@ -130,6 +134,27 @@ class ChainedStore:
     async def _abandon_write(self) -> None:
         """After a failed group: end a transaction the failure may have left open, quietly
         (the group's own error is the one to report)."""
+
+    async def _close_connections(self) -> None:
+        """Close every connection of the store, quietly: a close that fails must neither stop
+        the next one's nor reach the caller."""
+        raise NotImplementedError
+
+    # --- closing ---------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Refuse new calls, let the calls already queued commit, end followers, close.
+
+        Shielded: an interrupted close would leave connections (and their threads) open.
+        """
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            self._closing = True
+            await self._group.wait_idle()
+            self._closed = True
+            self._committed.fire()
+            await self._close_connections()
 
     # --- state -----------------------------------------------------------------------------
 

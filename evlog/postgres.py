@@ -219,19 +219,11 @@ class PostgresStore(ChainedStore):
         finally:
             await store.close()
 
-    async def close(self) -> None:
-        """Refuse new calls, let the calls already queued commit, end followers, close."""
-        if self._closed:
-            return
-        with anyio.CancelScope(shield=True):
-            self._closing = True
-            await self._group.wait_idle()
-            self._closed = True
-            self._committed.fire()
-            with suppress(Exception):
-                await self._writer.close(timeout=5)
-            with suppress(Exception):
-                await self._readers.close()
+    async def _close_connections(self) -> None:
+        with suppress(Exception):
+            await self._writer.close(timeout=5)
+        with suppress(Exception):
+            await self._readers.close()
 
     # --- state -----------------------------------------------------------------------------
 

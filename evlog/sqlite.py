@@ -256,19 +256,8 @@ class SQLiteStore(ChainedStore):
         finally:
             await store.close()
 
-    async def close(self) -> None:
-        """Refuse new calls, let the calls already queued commit, end followers, close.
-
-        Shielded: an interrupted close would leave the connection threads running.
-        """
-        if self._closed:
-            return
-        with anyio.CancelScope(shield=True):
-            self._closing = True
-            await self._group.wait_idle()
-            self._closed = True
-            self._committed.fire()
-            await _close_quietly([self._writer, self._reader])
+    async def _close_connections(self) -> None:
+        await _close_quietly([self._writer, self._reader])
 
     # --- state -----------------------------------------------------------------------------
 
