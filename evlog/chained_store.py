@@ -126,10 +126,10 @@ class ChainedStore:
         """``exc``, raised by the driver while ``doing``, as the StoreError a caller gets."""
         raise NotImplementedError
 
-    async def _renew_writer(self) -> bool:
-        """Before a group: replace a writer connection the database dropped; True if it was
-        replaced (the cached tail is then re-read, as after a failure)."""
-        return False
+    async def _renew_writer(self) -> None:
+        """Before each group: replace a writer connection the database dropped. A backend
+        that replaced it sets ``_suspect``: the cached tail is then re-read, as after a
+        failure."""
 
     async def _abandon_write(self) -> None:
         """After a failed group: end a transaction the failure may have left open, quietly
@@ -204,8 +204,7 @@ class ChainedStore:
         saves = [c for c in group if c.snapshot is not None]
         requests: list[AppendRequest] = [(c.batch, c.expected_seq) for c in appends]
         try:
-            if await self._renew_writer():
-                self._suspect = True
+            await self._renew_writer()
             if not self._suspect:
                 plan = plan_appends(requests, self._last_seq, self._head_hash, _NO_IDS)
                 # A refused call may be a retry of stored events: only the slow path can tell.

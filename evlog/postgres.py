@@ -242,12 +242,10 @@ class PostgresStore(ChainedStore):
     ONE_STATEMENT_ROWS = sys.maxsize  # one array per column: any group is one statement
     _error = staticmethod(_store_error)
 
-    async def _renew_writer(self) -> bool:
-        if not self._writer.is_closed():
-            return False
-        # The server went away and came back, or a failover.
-        self._writer = await _connect(self._url)
-        return True
+    async def _renew_writer(self) -> None:
+        if self._writer.is_closed():  # the server went away and came back, or a failover
+            self._writer = await _connect(self._url)
+            self._suspect = True
 
     async def _insert_committed(self, rows: list[Row]) -> None:
         await self._insert(rows)

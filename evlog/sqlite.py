@@ -349,7 +349,8 @@ class SQLiteStore(ChainedStore):
 class _Transaction:
     """``BEGIN IMMEDIATE`` ... ``COMMIT`` on the writer connection. IMMEDIATE takes the file's
     write lock at once, so every other writer waits from the first statement on (the slow
-    path's reads stay true while it writes); a block or a COMMIT that fails is rolled back."""
+    path's reads stay true while it writes). A block that fails is rolled back here; a COMMIT
+    that fails, by the store's ``_abandon_write``, which every failed group runs next."""
 
     __slots__ = ("_w",)
 
@@ -360,14 +361,10 @@ class _Transaction:
         await self._w.execute("BEGIN IMMEDIATE")
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        if exc_type is not None:
-            await _roll_back_quietly(self._w)
-            return
-        try:
+        if exc_type is None:
             await self._w.execute("COMMIT")
-        except BaseException:
+        else:
             await _roll_back_quietly(self._w)
-            raise
 
 
 _TEXT_COLUMNS = "CAST(stream AS BLOB), CAST(type AS BLOB)"
