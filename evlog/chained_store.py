@@ -23,7 +23,7 @@ A backend supplies only its SQL and driver calls, the hooks listed first in the 
 rows, open a transaction, read the tail, look ids up, save snapshots, fetch rows, classify a
 driver error, close its connections), plus its own open and snapshot load.
 
-Why one module of ~400 lines: the write path and the read path share one discipline, the
+Why one module of ~440 lines: the write path and the read path share one discipline, the
 cached tail the fast path trusts and ``verify`` compares against; split across files, that
 invariant would have no single place to be read.
 """

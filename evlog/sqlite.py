@@ -20,7 +20,7 @@ fast path (a duplicate id, another writer having moved the tail) is an Integrity
 leaves nothing written; the slow path then re-plans inside an explicit ``BEGIN IMMEDIATE``
 transaction, which holds the file's write lock from its start.
 
-Why one module of ~530 lines: the connections, the file checks at open and the SQL share one
+Why one module of ~500 lines: the connections, the file checks at open and the SQL share one
 discipline (who may touch the writer connection, which settings each connection keeps); split
 across files, those invariants would have no single place to be read.
 """
