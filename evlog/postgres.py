@@ -17,8 +17,9 @@ so a server configured otherwise cannot weaken it): the commit's WAL is flushed 
 server's disk (and to the synchronous standbys, if the server names any) before the answer.
 A server running with ``fsync = off`` cannot keep that promise; nothing a client sets can.
 
-Group commit through the same combining writer as ``SQLiteStore`` (:mod:`evlog.group_commit`):
-every call queued while a group is written becomes ONE transaction of the next. The common
+The write path is the one :class:`~evlog.chained_store.ChainedStore` holds for both durable
+stores (group commit through :mod:`evlog.group_commit`: every call queued while a group is
+written becomes ONE transaction of the next); this module supplies its SQL. The common
 group is one statement (an INSERT over ``unnest`` of one array per column) in autocommit mode:
 one round trip, atomic and durable when it returns. Positions and the hash chain are computed
 from the cached tail; the seq primary key and the event_id unique index turn every wrong
@@ -42,21 +43,20 @@ another process appends are read when this store next commits or a follower re-r
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
-import anyio.lowlevel
 import asyncpg
+from asyncpg.transaction import Transaction
 
-from evlog.append_plan import AppendPlan, AppendRequest, plan_appends
-from evlog.chained_store import ChainedStore
+from evlog.chained_store import ChainedStore, verified_tail
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
-from evlog.group_commit import Write
 from evlog.locations import backend_of, describe
-from evlog.record import GENESIS_HASH, Row, open_row
+from evlog.record import GENESIS_HASH, Row
 from evlog.store import SNAPSHOTS_KEPT, Snapshot
 
 APPLICATION = "loraledger"
@@ -117,7 +117,6 @@ _LOAD_SNAPSHOT = (
     "ORDER BY seq DESC LIMIT 1"
 )
 
-_NO_IDS: dict[bytes, int] = {}
 _READERS = 4  # pooled read connections
 _SESSION = {"synchronous_commit": "on", "application_name": "loraledger"}
 # The read pool runs only the range reads below (``seq > a ORDER BY seq LIMIT n``). Without
@@ -220,19 +219,11 @@ class PostgresStore(ChainedStore):
         finally:
             await store.close()
 
-    async def close(self) -> None:
-        """Refuse new calls, let the calls already queued commit, end followers, close."""
-        if self._closed:
-            return
-        with anyio.CancelScope(shield=True):
-            self._closing = True
-            await self._group.wait_idle()
-            self._closed = True
-            self._committed.fire()
-            with suppress(Exception):
-                await self._writer.close(timeout=5)
-            with suppress(Exception):
-                await self._readers.close()
+    async def _close_connections(self) -> None:
+        with suppress(Exception):
+            await self._writer.close(timeout=5)
+        with suppress(Exception):
+            await self._readers.close()
 
     # --- state -----------------------------------------------------------------------------
 
@@ -245,95 +236,41 @@ class PostgresStore(ChainedStore):
     def name(self) -> str:
         return self.url
 
-    # --- writes ----------------------------------------------------------------------------
+    # --- writes: the SQL of ChainedStore's write path ----------------------------------------
 
-    async def _write_group(self, group: list[Write]) -> None:
-        appends = [c for c in group if c.snapshot is None]
-        saves = [c for c in group if c.snapshot is not None]
-        requests: list[AppendRequest] = [(c.batch, c.expected_seq) for c in appends]
-        try:
-            if self._writer.is_closed():  # the server went away and came back, or a failover
-                self._writer = await _connect(self._url)
-                self._suspect = True
-            w = self._writer
-            if not self._suspect:
-                plan = plan_appends(requests, self._last_seq, self._head_hash, _NO_IDS)
-                # A refused call may be a retry of stored events: only the slow path can tell.
-                if not any(isinstance(o, StoreError) for o in plan.outcomes):
-                    try:
-                        await self._write(w, plan, saves)
-                    except asyncpg.UniqueViolationError:
-                        pass  # nothing was written; re-plan from what the database holds
-                    else:
-                        self._settle(plan, appends, saves)
-                        return
-            self._slow_paths += 1
-            async with w.transaction():
-                # Writers wait for each other here; readers (ACCESS SHARE) never do.
-                await w.execute("LOCK TABLE loraledger_events IN EXCLUSIVE MODE")
-                plan = await self._plan_in_transaction(w, requests)
-                await self._write_rows(w, plan)
-                if saves:
-                    await self._write_snapshots(w, saves, plan.last_seq)
-            self._suspect = False
-            self._settle(plan, appends, saves)
-        except BaseException as exc:
+    CONSTRAINT_REFUSED = asyncpg.UniqueViolationError
+    ONE_STATEMENT_ROWS = sys.maxsize  # one array per column: any group is one statement
+    _error = staticmethod(_store_error)
+
+    async def _renew_writer(self) -> None:
+        if self._writer.is_closed():  # the server went away and came back, or a failover
+            self._writer = await _connect(self._url)
             self._suspect = True
-            if not isinstance(exc, Exception):
-                raise
-            error = (
-                exc
-                if isinstance(exc, StoreError)
-                else _store_error(exc, "append failed, outcome unknown")
-            )
-            for call in group:
-                call.outcome = error
 
-    async def _plan_in_transaction(
-        self, w: asyncpg.Connection, requests: list[AppendRequest]
-    ) -> AppendPlan:
-        """Slow path, inside the locked transaction: the tail and the stored ids are read, not
-        assumed, so the plan is right whatever the cache or another writer did."""
-        tail = await w.fetchrow(_TAIL)
-        last_seq, head_hash = (tail[0], tail[1]) if tail else (0, GENESIS_HASH)
-        ids = list({p.event_id for batch, _ in requests for p in batch})
-        found = await w.fetch(_LOOKUP, ids) if ids else []
-        stored = {eid: seq for eid, seq in found}
-        return plan_appends(requests, last_seq, head_hash, stored)
+    async def _insert_committed(self, rows: list[Row]) -> None:
+        await self._insert(rows)
 
-    async def _write(self, w: asyncpg.Connection, plan: AppendPlan, saves: list[Write]) -> None:
-        """Fast path: rows only is ONE autocommitted statement (atomic, durable on return);
-        with snapshot saves, one explicit transaction."""
-        if not saves:
-            await self._write_rows(w, plan)
-            return
-        async with w.transaction():
-            await self._write_rows(w, plan)
-            await self._write_snapshots(w, saves, plan.last_seq)
+    def _transaction(self) -> Transaction:
+        return self._writer.transaction()
 
-    @staticmethod
-    async def _write_rows(w: asyncpg.Connection, plan: AppendPlan) -> None:
-        if plan.rows:
-            await w.execute(_INSERT_GROUP, *_columns(plan.rows))
+    async def _insert(self, rows: list[Row]) -> None:
+        await self._writer.execute(_INSERT_GROUP, *_columns(rows))
 
-    @staticmethod
-    async def _write_snapshots(w: asyncpg.Connection, saves: list[Write], last_seq: int) -> None:
-        valid: list[tuple[str, int, bytes]] = []
-        for call in saves:
-            call.outcome = None  # an earlier, rolled-back attempt may have judged it
-            snap = call.snapshot
-            assert snap is not None
-            if 0 <= snap.seq <= last_seq:
-                valid.append((snap.code_version, snap.seq, snap.state))
-            else:
-                call.outcome = StoreError(
-                    INVALID_INPUT,
-                    f"snapshot at seq {snap.seq} is outside the log (last seq {last_seq})",
-                    seq=snap.seq,
-                )
-        if valid:
-            await w.executemany(_SAVE_SNAPSHOT, valid)
-            await w.executemany(_PRUNE_SNAPSHOTS, {(v[0], SNAPSHOTS_KEPT) for v in valid})
+    async def _read_tail(self) -> tuple[int, bytes]:
+        # Writers wait for each other from here to the end of the transaction; readers
+        # (ACCESS SHARE) never do.
+        await self._writer.execute("LOCK TABLE loraledger_events IN EXCLUSIVE MODE")
+        tail = await self._writer.fetchrow(_TAIL)
+        return (tail[0], tail[1]) if tail else (0, GENESIS_HASH)
+
+    async def _stored_seqs(self, event_ids: list[bytes]) -> dict[bytes, int]:
+        found = await self._writer.fetch(_LOOKUP, event_ids) if event_ids else []
+        return {eid: seq for eid, seq in found}
+
+    async def _save_snapshots(self, snapshots: list[Snapshot]) -> None:
+        w = self._writer
+        await w.executemany(_SAVE_SNAPSHOT, [(s.code_version, s.seq, s.state) for s in snapshots])
+        await w.executemany(_PRUNE_SNAPSHOTS, {(s.code_version, SNAPSHOTS_KEPT) for s in snapshots})
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -364,8 +301,6 @@ class PostgresStore(ChainedStore):
         if self._closed:  # the pool closed under the call
             return StoreError(StoreCode.STORE_CLOSED, "the store is closed")
         return _store_error(exc, doing)
-
-    # --- internals -------------------------------------------------------------------------
 
 
 def _check_address(url: str, where: str) -> None:
@@ -433,14 +368,5 @@ async def _prepare(w: asyncpg.Connection, where: str, *, create: bool) -> None:
 
 
 async def _check_tail(w: asyncpg.Connection) -> tuple[int, bytes]:
-    """Verify the newest record (content hash and link to its predecessor): cheap, and it
-    catches a tampered tail before anything is appended on top of it."""
-    rows: list[Row] = [tuple(r) for r in await w.fetch(_TAIL2)]
-    if not rows:
-        return 0, GENESIS_HASH
-    tail = rows[0]
-    if len(rows) > 1:
-        open_row(tail, rows[1][0], rows[1][8])
-    else:
-        open_row(tail, 0, GENESIS_HASH)
-    return tail[0], tail[8]
+    """The newest record's seq and hash, verified (:func:`~evlog.chained_store.verified_tail`)."""
+    return verified_tail([tuple(r) for r in await w.fetch(_TAIL2)])

@@ -11,18 +11,18 @@ call as one transaction; the others are answered after its COMMIT). So concurren
 share fsyncs (the only way to be fast with ``synchronous=FULL``) and nothing outlives the
 callers.
 
-A group costs ONE aiosqlite thread hop on the fast path (a hop is ~24 us on an idle 2-core VM,
-several times that under load): the whole group is one multi-row INSERT run in autocommit mode,
-which SQLite executes as its own atomic, durable transaction. Positions and the hash chain are
-computed in Python from the cached tail and written explicitly: the seq PRIMARY KEY and the
-event_id UNIQUE index turn every wrong assumption (a duplicate id, another writer having moved
-the tail) into an IntegrityError that leaves nothing written, after which the group is
-re-planned on the slow path, which reads the tail and looks the ids up inside an explicit
-``BEGIN IMMEDIATE`` transaction.
+The write path (fast path, slow path, planning, snapshot checks, failure rules) is
+:class:`~evlog.chained_store.ChainedStore`'s, shared with PostgreSQL; this module supplies its
+SQL. A group costs ONE aiosqlite thread hop on the fast path (a hop is ~24 us on an idle 2-core
+VM, several times that under load): the whole group is one multi-row INSERT run in autocommit
+mode, which SQLite executes as its own atomic, durable transaction. A wrong assumption of the
+fast path (a duplicate id, another writer having moved the tail) is an IntegrityError that
+leaves nothing written; the slow path then re-plans inside an explicit ``BEGIN IMMEDIATE``
+transaction, which holds the file's write lock from its start.
 
-Why one module of ~550 lines: the group writer, its slow path, the read path and the
-file checks share one discipline (who may touch the writer connection, and the cached tail the
-fast path trusts); split across files, those invariants would have no single place to be read.
+Why one module of ~500 lines: the connections, the file checks at open and the SQL share one
+discipline (who may touch the writer connection, which settings each connection keeps); split
+across files, those invariants would have no single place to be read.
 """
 
 from __future__ import annotations
@@ -36,14 +36,11 @@ from typing import Literal
 
 import aiosqlite
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
-from evlog.append_plan import AppendPlan, AppendRequest, plan_appends
-from evlog.chained_store import ChainedStore
+from evlog.chained_store import ChainedStore, verified_tail
 from evlog.errors import INVALID_INPUT, StoreCode, StoreError
-from evlog.group_commit import Write
-from evlog.record import GENESIS_HASH, Row, open_row
+from evlog.record import GENESIS_HASH, Row
 from evlog.store import SNAPSHOTS_KEPT, Snapshot
 
 Synchronous = Literal["FULL", "NORMAL"]
@@ -104,7 +101,6 @@ _LOAD_SNAPSHOT = (
 )
 
 _ID_LOOKUP = 500  # ids per ``IN (...)`` on the slow path
-_NO_IDS: dict[bytes, int] = {}
 _CORRUPTION = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
 
@@ -260,19 +256,8 @@ class SQLiteStore(ChainedStore):
         finally:
             await store.close()
 
-    async def close(self) -> None:
-        """Refuse new calls, let the calls already queued commit, end followers, close.
-
-        Shielded: an interrupted close would leave the connection threads running.
-        """
-        if self._closed:
-            return
-        with anyio.CancelScope(shield=True):
-            self._closing = True
-            await self._group.wait_idle()
-            self._closed = True
-            self._committed.fire()
-            await _close_quietly([self._writer, self._reader])
+    async def _close_connections(self) -> None:
+        await _close_quietly([self._writer, self._reader])
 
     # --- state -----------------------------------------------------------------------------
 
@@ -288,103 +273,48 @@ class SQLiteStore(ChainedStore):
     def synchronous(self) -> Synchronous:
         return self._synchronous
 
-    # --- writes ----------------------------------------------------------------------------
+    # --- writes: the SQL of ChainedStore's write path ----------------------------------------
 
-    async def _write_group(self, group: list[Write]) -> None:
-        appends = [c for c in group if c.snapshot is None]
-        saves = [c for c in group if c.snapshot is not None]
-        requests: list[AppendRequest] = [(c.batch, c.expected_seq) for c in appends]
-        w = self._writer
-        try:
-            if not self._suspect:
-                plan = plan_appends(requests, self._last_seq, self._head_hash, _NO_IDS)
-                # A refused call may be a retry of stored events: only the slow path can tell.
-                if not any(isinstance(o, StoreError) for o in plan.outcomes):
-                    try:
-                        await self._write(plan, saves, in_transaction=False)
-                    except sqlite3.IntegrityError:
-                        pass  # nothing was written; re-plan from what the file holds
-                    else:
-                        self._settle(plan, appends, saves)
-                        return
-            self._slow_paths += 1
-            await w.execute("BEGIN IMMEDIATE")
-            plan = await self._plan_in_transaction(requests)
-            await self._write(plan, saves, in_transaction=True)
-            self._suspect = False
-            self._settle(plan, appends, saves)
-        except BaseException as exc:
-            # Even a cancellation that bypassed the shield (a bare asyncio cancel) must not
-            # leave the transaction open under the next group.
-            self._suspect = True
-            await _roll_back_quietly(w)
-            if not isinstance(exc, Exception):
-                raise
-            for call in group:
-                call.outcome = _store_error(exc, "append failed, outcome unknown")
+    CONSTRAINT_REFUSED = sqlite3.IntegrityError
+    ONE_STATEMENT_ROWS = _ONE_STATEMENT_ROWS
+    _error = staticmethod(_store_error)
 
-    async def _plan_in_transaction(self, requests: list[AppendRequest]) -> AppendPlan:
-        """Slow path, inside the write transaction: the tail and the stored ids are read, not
-        assumed, so the plan is right whatever the cache or another writer did."""
-        w = self._writer
-        tail = list(await w.execute_fetchall(_TAIL))
-        last_seq, head_hash = (tail[0][0], tail[0][1]) if tail else (0, GENESIS_HASH)
-        ids = list({p.event_id for batch, _ in requests for p in batch})
+    async def _insert_committed(self, rows: list[Row]) -> None:
+        # SQLite runs a statement outside a transaction as its own write transaction (the
+        # INSERT takes the write lock as it starts, like BEGIN IMMEDIATE): one thread hop.
+        await self._writer.execute(*_one_statement(rows))
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._writer)
+
+    async def _insert(self, rows: list[Row]) -> None:
+        await self._writer.executemany(_INSERT, rows)
+
+    async def _read_tail(self) -> tuple[int, bytes]:
+        # The transaction began IMMEDIATE: it holds the file's write lock already.
+        tail = list(await self._writer.execute_fetchall(_TAIL))
+        return (tail[0][0], tail[0][1]) if tail else (0, GENESIS_HASH)
+
+    async def _stored_seqs(self, event_ids: list[bytes]) -> dict[bytes, int]:
         stored: dict[bytes, int] = {}
-        for i in range(0, len(ids), _ID_LOOKUP):
-            chunk = ids[i : i + _ID_LOOKUP]
+        for i in range(0, len(event_ids), _ID_LOOKUP):
+            chunk = event_ids[i : i + _ID_LOOKUP]
             marks = ", ".join("?" * len(chunk))
-            found = await w.execute_fetchall(
+            found = await self._writer.execute_fetchall(
                 f"SELECT event_id, seq FROM events WHERE event_id IN ({marks})", chunk
             )
             stored.update((eid, seq) for eid, seq in found)
-        return plan_appends(requests, last_seq, head_hash, stored)
+        return stored
 
-    async def _write(self, plan: AppendPlan, saves: list[Write], *, in_transaction: bool) -> None:
-        """Write ``plan`` and ``saves`` durably (returns after COMMIT).
+    async def _save_snapshots(self, snapshots: list[Snapshot]) -> None:
+        await self._writer.executemany(
+            _SAVE_SNAPSHOT, [(s.code_version, s.seq, s.state) for s in snapshots]
+        )
+        versions = {(s.code_version, SNAPSHOTS_KEPT) for s in snapshots}
+        await self._writer.executemany(_PRUNE_SNAPSHOTS, versions)
 
-        The common case, rows only and at most ``_ONE_STATEMENT_ROWS`` of them, is ONE
-        statement in autocommit mode: SQLite runs it as its own write transaction (the
-        INSERT takes the write lock as it starts, like BEGIN IMMEDIATE), atomic and committed
-        when it returns, so the whole group costs one thread hop. Anything else runs in an
-        explicit transaction, rolled back here if it fails.
-        """
-        w = self._writer
-        rows = plan.rows
-        if not in_transaction and not saves and len(rows) <= _ONE_STATEMENT_ROWS:
-            if rows:
-                await w.execute(*_one_statement(rows))
-            return
-        if not in_transaction:
-            await w.execute("BEGIN IMMEDIATE")
-        try:
-            if rows:
-                await w.executemany(_INSERT, rows)
-            if saves:
-                await self._write_snapshots(saves, plan.last_seq)
-            await w.execute("COMMIT")
-        except BaseException:
-            await _roll_back_quietly(w)
-            raise
-
-    async def _write_snapshots(self, saves: list[Write], last_seq: int) -> None:
-        valid: list[tuple[str, int, bytes]] = []
-        for call in saves:
-            call.outcome = None  # an earlier, rolled-back attempt may have judged it
-            snap = call.snapshot
-            assert snap is not None
-            if 0 <= snap.seq <= last_seq:
-                valid.append((snap.code_version, snap.seq, snap.state))
-            else:
-                call.outcome = StoreError(
-                    INVALID_INPUT,
-                    f"snapshot at seq {snap.seq} is outside the log (last seq {last_seq})",
-                    seq=snap.seq,
-                )
-        if valid:
-            await self._writer.executemany(_SAVE_SNAPSHOT, valid)
-            versions = {(v[0], SNAPSHOTS_KEPT) for v in valid}
-            await self._writer.executemany(_PRUNE_SNAPSHOTS, versions)
+    async def _abandon_write(self) -> None:
+        await _roll_back_quietly(self._writer)
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -414,6 +344,27 @@ class SQLiteStore(ChainedStore):
             raise _store_error(exc, f"cannot read records after {after}") from exc
         except ValueError as exc:  # aiosqlite: the connection closed under the call
             raise StoreError(StoreCode.STORE_CLOSED, "the store is closed") from exc
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` on the writer connection. IMMEDIATE takes the file's
+    write lock at once, so every other writer waits from the first statement on (the slow
+    path's reads stay true while it writes). A block that fails is rolled back here; a COMMIT
+    that fails, by the store's ``_abandon_write``, which every failed group runs next."""
+
+    __slots__ = ("_w",)
+
+    def __init__(self, w: aiosqlite.Connection) -> None:
+        self._w = w
+
+    async def __aenter__(self) -> None:
+        await self._w.execute("BEGIN IMMEDIATE")
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            await self._w.execute("COMMIT")
+        else:
+            await _roll_back_quietly(self._w)
 
 
 _TEXT_COLUMNS = "CAST(stream AS BLOB), CAST(type AS BLOB)"
@@ -554,14 +505,5 @@ async def _roll_back_quietly(w: aiosqlite.Connection) -> None:
 
 
 async def _check_tail(w: aiosqlite.Connection) -> tuple[int, bytes]:
-    """Verify the newest record (content hash and link to its predecessor): cheap, and it
-    catches a torn or tampered tail before anything is appended on top of it."""
-    rows = await _fetch_rows(w, _TAIL2, ())
-    if not rows:
-        return 0, GENESIS_HASH
-    tail = rows[0]
-    if len(rows) > 1:
-        open_row(tail, rows[1][0], rows[1][8])
-    else:
-        open_row(tail, 0, GENESIS_HASH)
-    return tail[0], tail[8]
+    """The newest record's seq and hash, verified (:func:`~evlog.chained_store.verified_tail`)."""
+    return verified_tail(await _fetch_rows(w, _TAIL2, ()))

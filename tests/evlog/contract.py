@@ -4,7 +4,8 @@ A backend's test module subclasses :class:`StoreContract` and supplies the hooks
 lives (``location``), how to open a store on it, and raw access that bypasses the store (read,
 rewrite or remove one stored row; list the kept snapshots), the way an attacker, a bad disk or
 an old version of the code would touch the file. Every behaviour of ``evlog/store.py`` is
-checked here, so both backends are held to one standard.
+checked here, so every backend (memory, SQLite, PostgreSQL) is held to one standard; what the
+durable ones promise beyond it is in :mod:`tests.evlog.durable_contract`.
 """
 
 from __future__ import annotations
@@ -276,6 +277,24 @@ class StoreContract:
             assert await store.append(big[::-1]) == first[::-1]
             report = await store.verify()
             assert (report.ok, report.records) == (True, last + 1500)
+
+    @pytest.mark.anyio
+    async def test_a_large_batch_is_atomic_and_stores_a_repeated_event_once(
+        self, location: Any
+    ) -> None:
+        """3,000 events in one call (more than a backend may put in one statement), one of them
+        twice: stored whole, once each, the repeat answered with its seq; a refused call of
+        3,000 writes nothing."""
+        async with self.opened(location) as store:
+            await store.append(batch_of(1, "first"))
+            big = batch_of(3000, "big")
+            big[2500] = big[10]  # a duplicate inside: the store keeps one, answers its seq twice
+            got = await store.append(big, expected_seq=1)
+            assert got[2500] == got[10] and store.last_seq == 3000
+            with raises_code(StoreCode.SEQ_CONFLICT):
+                await store.append(batch_of(3000, "late"), expected_seq=1)
+            assert store.last_seq == 3000
+            assert (await store.verify()).ok
 
     # --- concurrency -----------------------------------------------------------------------
 

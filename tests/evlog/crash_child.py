@@ -25,14 +25,12 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
 
 import anyio
 
-from evlog.append_plan import AppendPlan
 from evlog.events import SessionBound
 from evlog.postgres import PostgresStore
-from evlog.record import pending
+from evlog.record import Row, pending
 from evlog.sqlite import SQLiteStore
 from evlog.store import EventStore
 from evlog.stores import open_store
@@ -63,18 +61,18 @@ def arm_kill_inside_next_transaction_pg(store: PostgresStore) -> None:
     not sent, once the event loop ran two more passes (any appender a store answered before
     that COMMIT prints first, and the server then rolls the transaction back: its events are
     lost). The group is sent down the slow path, an explicit transaction, for that."""
-    write_rows = store._write_rows
+    insert = store._insert
     loop = asyncio.get_running_loop()
 
-    async def write_then_die(w: Any, plan: AppendPlan) -> None:
-        await write_rows(w, plan)
+    async def insert_then_die(rows: list[Row]) -> None:
+        await insert(rows)
         passed = asyncio.Event()
         loop.call_soon(loop.call_soon, passed.set)
         await passed.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
     store._suspect = True  # re-plan inside a transaction: BEGIN, LOCK, INSERT, (kill), COMMIT
-    store._write_rows = write_then_die  # type: ignore[method-assign]
+    store._insert = insert_then_die  # type: ignore[method-assign]
 
 
 async def arm_kill(store: EventStore) -> None:

@@ -117,17 +117,22 @@ CAMPAIGNS: dict[str, Campaign] = {
         Campaign(
             "stores",
             (
-                "evlog/sqlite.py",
+                "evlog/sqlite.py",  # the SQL of the write path, the file checks, connections
                 "evlog/memory.py",
                 "evlog/group_commit.py",
+                # the durable stores' one write path (fast and slow path, snapshot checks,
+                # failures), verified reads, follow, verify, close
                 "evlog/chained_store.py",
                 "evlog/append_plan.py",  # plan_appends: positions, idempotency, expected_seq
                 "evlog/record.py",  # open_row: what a read verifies, in which order
             ),
             (
+                # Both contracts bound to memory and SQLite. PostgreSQL's binding of the same
+                # contracts is left out: it would start a server for every mutant's session.
                 "tests/evlog/test_memory_store.py",
                 "tests/evlog/test_sqlite_store.py",
-                "tests/evlog/test_sqlite_failures.py",  # cleanup when an open/write/close fails
+                "tests/evlog/test_sqlite_file_checks.py",  # what a file must be to be opened
+                "tests/evlog/test_sqlite_connections.py",  # settings; cleanup when a step fails
                 "tests/evlog/test_upcasters.py",  # decode_event under open_row
                 "tests/evlog/test_record.py",  # event ids, pending_many, a row's checks
                 "tests/evlog/test_append_plan.py",  # a group's calls resolved together

@@ -1,17 +1,18 @@
-"""What the SQLite store leaves behind when an open, a write, a read or a close goes wrong.
+"""The SQLite store's two connections keep their settings, and no failure or cancellation of an
+open, a write or a close leaves one open or hides its own error.
 
 These paths are rarely taken and easy to get subtly wrong: a cleanup that a cancellation cuts
 short leaks a connection thread (and keeps the file open) for the life of the process; a
 cleanup that itself fails must not replace the error being reported. The failures below are
-real SQLite behaviour (a file system without locking, a damaged file, a table dropped behind
-the store's back), except where no file can make SQLite fail on cue: a close or a rollback
-that raises is injected around the real call, which still runs first.
+real SQLite behaviour (a damaged file, a table dropped behind the store's back, another
+connection holding the write lock), except where no file can make SQLite fail on cue: a close
+or a rollback that raises is injected around the real call, which still runs first.
 """
 
 from __future__ import annotations
 
-import os
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,11 @@ import aiosqlite
 import anyio
 import pytest
 
-from evlog.chained_store import CHUNK
-from evlog.errors import INVALID_INPUT, StoreCode
-from evlog.record import Row
-from evlog.sqlite import APPLICATION_ID, LAYOUT_VERSION, SQLiteStore, _prepare_writer
+from evlog.errors import StoreCode
+from evlog.sqlite import APPLICATION_ID, LAYOUT_VERSION, SQLiteStore, Synchronous
 from evlog.store import Snapshot
 from tests.evlog.contract import batch_of, raises_code
+from tests.evlog.sqlite_raw import another_applications_database, foreign
 
 pytestmark = pytest.mark.anyio
 
@@ -70,15 +70,79 @@ def _fail_after(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     monkeypatch.setattr(aiosqlite.Connection, method, failing)
 
 
-def _another_applications_database(path: Path) -> Path:
-    conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE events (id INTEGER PRIMARY KEY, what TEXT)")
-    conn.commit()
-    conn.close()
-    return path
+def _connection_threads() -> set[threading.Thread]:
+    """aiosqlite's one thread per open connection (it ends just after the connection closes).
+    Compared as sets, not counts: a thread of an earlier test may still be ending, and a count
+    taken before it ends would be off by one (a flaky failure the mutation runs found)."""
+    return {t for t in threading.enumerate() if "_connection_worker_thread" in t.name}
 
 
-# --- opening -----------------------------------------------------------------------------------
+async def _all_end(threads: set[threading.Thread]) -> None:
+    with anyio.fail_after(5):
+        while any(t.is_alive() for t in threads):  # noqa: ASYNC110 -- threads have no event
+            await anyio.sleep(0.01)
+
+
+# --- settings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["FULL", "NORMAL"])
+async def test_the_synchronous_mode_is_applied(tmp_path: Path, mode: Synchronous) -> None:
+    async with SQLiteStore.open(tmp_path / "a.db", synchronous=mode) as store:
+        assert store.synchronous == mode
+        # the writer connection's setting, read through it (FULL = 2, NORMAL = 1)
+        rows = await store._writer.execute_fetchall("PRAGMA synchronous")
+        assert next(iter(rows))[0] == {"FULL": 2, "NORMAL": 1}[mode]
+        journal = await store._writer.execute_fetchall("PRAGMA journal_mode")
+        assert next(iter(journal))[0] == "wal"
+
+
+async def _pragma(conn: Any, name: str) -> object:
+    rows = await conn.execute_fetchall(f"PRAGMA {name}")
+    return next(iter(rows))[0]
+
+
+async def test_the_connections_keep_their_settings(tmp_path: Path) -> None:
+    """The writer: WAL, a 5 s lock wait, a WAL bounded to 64 MiB after checkpoints. The reader:
+    query-only (a bug that wrote through it fails loudly instead of racing the writer), the
+    same lock wait, reads through a 256 MiB map. A read-only open is query-only too."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore.open(path) as store:
+        assert store.path == str(path)
+        await store.append(batch_of(2))
+        writer, reader = store._writer, store._reader
+        assert await _pragma(writer, "journal_mode") == "wal"
+        assert await _pragma(writer, "busy_timeout") == 5000
+        assert await _pragma(writer, "journal_size_limit") == 67108864
+        assert await _pragma(reader, "query_only") == 1
+        assert await _pragma(reader, "busy_timeout") == 5000
+        assert await _pragma(reader, "mmap_size") == 268435456
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            await reader.execute("DELETE FROM events")
+        assert [r.seq for r in await store.read()] == [1, 2]
+    store = await SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro")
+    try:
+        assert await _pragma(store._reader, "query_only") == 1
+    finally:
+        await store.close()
+
+
+# --- opening ---------------------------------------------------------------------------------
+
+
+async def test_a_refused_open_leaves_no_connection_open(tmp_path: Path) -> None:
+    before = _connection_threads()
+    newer = tmp_path / "newer.db"
+    foreign(newer, application_id=0x4C4C4752, user_version=2)
+    with raises_code(StoreCode.UNKNOWN_SCHEMA):
+        await SQLiteStore.connect_read_only(f"{newer.as_uri()}?mode=ro")
+    with raises_code(StoreCode.UNKNOWN_SCHEMA):
+        await SQLiteStore.connect(newer)
+    hollow = tmp_path / "hollow.db"  # fails after both connections opened: at the tail
+    foreign(hollow, application_id=0x4C4C4752, user_version=1)
+    with raises_code(StoreCode.STORE_FAILED):
+        await SQLiteStore.connect(hollow)
+    await _all_end(_connection_threads() - before)
 
 
 async def test_a_cancelled_open_closes_every_connection_it_made(
@@ -113,7 +177,7 @@ async def test_a_failing_close_does_not_hide_why_the_open_failed(
     tmp_path: Path, connections: list[aiosqlite.Connection], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fail_after(monkeypatch, "close")
-    path = _another_applications_database(tmp_path / "other.db")
+    path = another_applications_database(tmp_path / "other.db")
     with raises_code(StoreCode.CORRUPT_STORE) as info:
         await SQLiteStore.connect(path)
     assert "not a loraledger log" in info.value.message
@@ -139,81 +203,7 @@ async def test_a_failing_rollback_does_not_hide_why_the_layout_check_failed(
     assert all([await _is_closed(c) for c in connections])
 
 
-async def test_another_applications_database_is_left_untouched(tmp_path: Path) -> None:
-    """Refused before any setting: switching it to WAL rewrote its header (its bytes changed,
-    its journal mode became ``wal``) and left ``-wal`` and ``-shm`` files beside it."""
-    path = _another_applications_database(tmp_path / "other.db")
-    before = path.read_bytes()
-    with raises_code(StoreCode.CORRUPT_STORE) as info:
-        await SQLiteStore.connect(path)
-    assert "not a loraledger log" in info.value.message
-    assert path.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["other.db"]
-
-
-async def test_a_path_that_names_no_file_is_refused(tmp_path: Path) -> None:
-    """The empty path is SQLite's private temporary database: a reader could not share it."""
-    for path in ("", ":memory:", f"{(tmp_path / 'log.db').as_uri()}"):
-        with raises_code(INVALID_INPUT) as info:
-            await SQLiteStore.connect(path)
-        assert "file path" in info.value.message
-
-
-async def test_a_file_system_without_wal_is_refused(tmp_path: Path) -> None:
-    """Where SQLite cannot keep a WAL (no shared-memory locking, as on some network file
-    systems; ``nolock=1`` makes a local file behave so), it answers the mode it kept: the store
-    must refuse, since its reader and its crash guarantees rest on WAL."""
-    path = tmp_path / "log.db"
-    conn = await aiosqlite.connect(f"{path.as_uri()}?nolock=1", uri=True, isolation_level=None)
-    try:
-        with raises_code(StoreCode.STORE_FAILED) as info:
-            await _prepare_writer(conn, str(path), "FULL", True)
-        assert "WAL" in info.value.message and str(path) in info.value.message
-    finally:
-        await conn.close()
-    assert path.stat().st_size == 0  # refused before the layout was written
-
-
-def _with_null_streams(path: Path, count: int) -> None:
-    """Damage the file the way only a hand edit can: NULL in a NOT NULL column of ``count``
-    rows (the schema is loosened for the edit and restored), which quick_check reports once
-    per row."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'events'").fetchone()
-        loose = sql.replace("stream TEXT NOT NULL", "stream TEXT")
-        conn.execute("PRAGMA writable_schema = ON")
-        conn.execute("UPDATE sqlite_master SET sql = ? WHERE name = 'events'", (loose,))
-    finally:
-        conn.close()
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        conn.execute("UPDATE events SET stream = NULL WHERE seq <= ?", (count,))
-        conn.execute("PRAGMA writable_schema = ON")
-        conn.execute("UPDATE sqlite_master SET sql = ? WHERE name = 'events'", (sql,))
-    finally:
-        conn.close()
-
-
-async def test_an_integrity_report_keeps_the_first_twenty_problems(tmp_path: Path) -> None:
-    """A badly damaged file must not turn the error into a megabyte of details."""
-    path = tmp_path / "log.db"
-    async with SQLiteStore.open(path) as store:
-        await store.append(batch_of(40))
-    _with_null_streams(path, 30)
-    openers: list[Callable[[], Awaitable[SQLiteStore]]] = [
-        lambda: SQLiteStore.connect(path),
-        lambda: SQLiteStore.connect_read_only(f"{path.as_uri()}?mode=ro"),
-    ]
-    for open_it in openers:
-        with raises_code(StoreCode.CORRUPT_STORE) as info:
-            await open_it()
-        problems = info.value.details["problems"]
-        assert problems == ["NULL value in events.stream"] * 20
-        assert info.value.message.count("NULL value in events.stream") == 5
-
-
-# --- writing -----------------------------------------------------------------------------------
+# --- writing ---------------------------------------------------------------------------------
 
 
 async def test_a_failing_rollback_leaves_the_writes_own_error(
@@ -239,70 +229,7 @@ async def test_a_failing_rollback_leaves_the_writes_own_error(
         assert [r.seq for r in await store.read()] == [1, 2, 3, 4, 5]
 
 
-async def test_after_a_failed_first_write_the_chain_still_starts_at_seq_1(tmp_path: Path) -> None:
-    """The slow path reads the tail of an empty log as (0, genesis), not as what the cache
-    says: the first record written after a failure is record 1, chained to genesis."""
-    path = tmp_path / "log.db"
-    async with SQLiteStore.open(path) as store:
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute(
-            "CREATE TRIGGER refuse BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'no'); END"
-        )
-        conn.close()
-        with raises_code(StoreCode.STORE_FAILED):
-            await store.append(batch_of(2, "lost"))
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("DROP TRIGGER refuse")
-        conn.close()
-        assert await store.append(batch_of(2, "a")) == [1, 2]
-        assert [r.seq for r in await store.read()] == [1, 2]
-        assert (await store.verify()).ok
-
-
-# --- reading and closing ------------------------------------------------------------------------
-
-
-def _paused_before_its_second_fetch(paused: anyio.Event, resume: anyio.Event) -> type[SQLiteStore]:
-    """The real store, holding its second fetch until ``resume``: how a verify's next chunk
-    meets a close that happened while the first chunk was being checked."""
-
-    class Paused(SQLiteStore):
-        fetches = 0
-
-        async def _fetch(
-            self, after: int, upto: int, limit: int | None, *, with_predecessor: bool = False
-        ) -> list[Row]:
-            self.fetches += 1
-            if self.fetches == 2:
-                paused.set()
-                await resume.wait()
-            return await super()._fetch(after, upto, limit, with_predecessor=with_predecessor)
-
-    return Paused
-
-
-async def test_a_verify_that_meets_a_close_between_chunks_is_store_closed(tmp_path: Path) -> None:
-    path = tmp_path / "log.db"
-    async with SQLiteStore.open(path) as store:
-        await store.append(batch_of(CHUNK + 5))
-    paused, resume = anyio.Event(), anyio.Event()
-    store = await _paused_before_its_second_fetch(paused, resume).connect(path)
-    outcome: list[Exception] = []
-
-    async def verify() -> None:
-        try:
-            await store.verify()
-        except Exception as exc:
-            outcome.append(exc)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(verify)
-        await paused.wait()
-        await store.close()
-        resume.set()
-    assert len(outcome) == 1, "the verify must fail, not report the log"
-    with raises_code(StoreCode.STORE_CLOSED):
-        raise outcome[0]
+# --- closing ---------------------------------------------------------------------------------
 
 
 async def test_a_failing_close_still_closes_both_connections(
@@ -315,6 +242,18 @@ async def test_a_failing_close_still_closes_both_connections(
     assert len(connections) == 2 and all([await _is_closed(c) for c in connections])
     with raises_code(StoreCode.STORE_CLOSED):
         await store.read()
+
+
+async def test_close_cancelled_still_closes_both_connections(tmp_path: Path) -> None:
+    """close() is shielded: a caller cancelled while closing leaves no connection open."""
+    before = _connection_threads()
+    store = await SQLiteStore.connect(tmp_path / "a.db")
+    mine = _connection_threads() - before
+    assert len(mine) == 2
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await store.close()
+    await _all_end(mine)
 
 
 async def test_a_close_cancelled_while_a_group_is_written_waits_for_it_then_closes(

@@ -1,0 +1,85 @@
+"""What only a server-backed store has: a URL that must name a reachable database (and never
+show its password), sessions the server itself keeps read-only for the forensic tools, and a
+writer's session the server may end at any time (a restart, a failover)."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+
+from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
+from evlog.postgres import PostgresStore, redact
+from tests.evlog.contract import batch_of, raises_code
+from tests.evlog.postgres_raw import sql
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_bad_urls_and_unreachable_servers_are_refused(postgres_url: str) -> None:
+    with raises_code(INVALID_INPUT):
+        await PostgresStore.connect("/a/path.db")
+    missing = postgres_url.rsplit("/", 1)[0] + "/no_such_database"
+    with raises_code(StoreCode.STORE_FAILED):
+        await PostgresStore.connect(missing)
+    assert redact("postgresql://u:secret@h:5/db") == "postgresql://u:***@h:5/db"
+    assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    # unparsable: refused before any connection, its password still hidden in the message
+    assert redact("postgresql://u:secret@[::1/db") == "postgresql://***@[::1/db"
+    for unusable in ("postgresql://u:secret@127.0.0.1:99999/db", "postgresql://u:secret@[::1/db"):
+        with raises_code(INVALID_INPUT) as info:
+            await PostgresStore.connect(unusable)
+        assert "secret" not in info.value.message and "postgresql:// URL" in info.value.message
+
+
+async def test_a_read_only_store_creates_no_layout_and_its_sessions_refuse_writes(
+    postgres_url: str,
+) -> None:
+    """A reader never creates a log where there is none, and the server refuses a write on its
+    sessions, whatever the code above them did (``default_transaction_read_only``)."""
+    with raises_code(StoreCode.CORRUPT_STORE):  # no layout is created by a reader
+        await PostgresStore.connect(postgres_url, read_only=True)
+    assert (
+        await sql(postgres_url, "SELECT 1 FROM pg_tables WHERE tablename LIKE 'loraledger%'") == []
+    )
+    async with PostgresStore.open(postgres_url) as store:
+        await store.append(batch_of(3))
+    reader = await PostgresStore.connect(postgres_url, read_only=True)
+    try:
+        assert [r.seq for r in await reader.read()] == [1, 2, 3]
+        with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
+            await reader._writer.execute("DELETE FROM loraledger_events")
+        with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
+            await reader._readers.execute("DELETE FROM loraledger_events")
+    finally:
+        await reader.close()
+    assert [seq for (seq,) in await sql(postgres_url, "SELECT seq FROM loraledger_events")] == [
+        1,
+        2,
+        3,
+    ]
+
+
+async def test_writes_after_the_connection_dies_fail_then_recover(postgres_url: str) -> None:
+    """The server ends the writer's session (a restart, a failover). A group in flight then
+    gets STORE_FAILED (its outcome is unknown to the store); a group written once asyncpg saw
+    the session end goes to a new connection. Either way the store stays usable: the next
+    append reconnects, re-reads the tail and lands right after everything committed."""
+    async with PostgresStore.open(postgres_url) as store:
+        assert await store.append(batch_of(2, "a")) == [1, 2]
+        old_writer = store._writer
+        await sql(
+            postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        failure = None
+        try:
+            maybe = len(await store.append(batch_of(1, "maybe")))
+        except LoraLedgerError as exc:
+            failure, maybe = exc.code, 0
+        assert failure in (None, StoreCode.STORE_FAILED)
+        got = await store.append(batch_of(2, "b"))
+        assert got == [3 + maybe, 4 + maybe]
+        assert store._writer is not old_writer and not store._writer.is_closed()
+        assert [r.seq for r in await store.read()] == list(range(1, 5 + maybe))
+        assert (await store.verify()).ok
