@@ -31,9 +31,9 @@ from tests.engines.contract import (
     candidate_for,
     expect_refusal,
     publish,
-    wait_until,
     write_adapter_dir,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -211,9 +211,14 @@ async def test_unload_returns_only_after_in_flight_requests_drained(
             order.append("unload")
 
         tg.start_soon(generate)
-        await wait_until(lambda: engine.refcount("agent@v6") == 1)
+        await wait_for(
+            "the request to take its reference on agent@v6",
+            lambda: engine.refcount("agent@v6") == 1,
+        )
         tg.start_soon(unload)
-        await wait_until(lambda: engine.draining() == ["agent@v6"])
+        await wait_for(
+            "the unload of agent@v6 to start draining", lambda: engine.draining() == ["agent@v6"]
+        )
         await anyio.sleep(0.1)
         assert order == []
         engine.continue_generation()
@@ -248,9 +253,14 @@ async def test_request_during_a_drain_waits_then_implicitly_reloads(
             order.append("unload")
 
         tg.start_soon(generate, "old")
-        await wait_until(lambda: engine.refcount("agent@v7") == 1)
+        await wait_for(
+            "the request to take its reference on agent@v7",
+            lambda: engine.refcount("agent@v7") == 1,
+        )
         tg.start_soon(unload)
-        await wait_until(lambda: engine.draining() == ["agent@v7"])
+        await wait_for(
+            "the unload of agent@v7 to start draining", lambda: engine.draining() == ["agent@v7"]
+        )
         tg.start_soon(generate, "new")
         await anyio.sleep(0.1)
         assert engine.loaded_adapters() == {}  # the new request did not get in
@@ -299,7 +309,10 @@ async def test_a_disconnected_generation_releases_its_adapter(
         with pytest.raises(AmbiguousReply) as info:
             await impatient.generate(PROMPT, "agent@v9", GREEDY)
         assert info.value.code == ErrorCode.TIMEOUT and info.value.dispatched
-        await wait_until(lambda: engine.refcount("agent@v9") == 0 and engine.in_flight == 0)
+        await wait_for(
+            "the aborted request to let go of agent@v9",
+            lambda: engine.refcount("agent@v9") == 0 and engine.in_flight == 0,
+        )
         with anyio.fail_after(2):  # still paused, yet nothing holds the adapter
             r = await client.post("/unload_lora_adapter", json={"lora_name": "agent@v9"})
         assert r.status_code == 200
@@ -331,13 +344,13 @@ async def test_a_timed_out_unload_caller_does_not_stop_the_drain(
                     "/generate", json={"text": PROMPT, "lora_path": name, "sampling_params": LONG}
                 )
             )
-            await wait_until(lambda: engine.refcount(name) == 1)
+            await wait_for("the request to take its reference", lambda: engine.refcount(name) == 1)
             with pytest.raises(AmbiguousReply) as info:
                 await impatient.unload(name, attempt=p.candidate.attempt if staged else None)
             assert info.value.code == ErrorCode.TIMEOUT
             assert engine.draining() == [name] and engine.model_adapters() != []
             engine.continue_generation()
-        await wait_until(lambda: engine.model_adapters() == [])
+        await wait_for("the drained adapter to be freed", lambda: engine.model_adapters() == [])
         assert name not in (await impatient.inventory()).names()
     finally:
         await impatient.aclose()
@@ -362,7 +375,7 @@ async def test_abort_pause_continue_and_flush(
             results.append(r.json())
 
         tg.start_soon(generate)
-        await wait_until(lambda: engine.in_flight == 1)
+        await wait_for("the request to be in flight", lambda: engine.in_flight == 1)
         busy = await client.post("/flush_cache")
         assert busy.status_code == 400
         assert (await client.post("/abort_request", json={"rid": "abc"})).status_code == 200

@@ -23,8 +23,8 @@ from evlog.sqlite import SQLiteStore
 from evlog.store import EventStore
 from publisher.errors import Code
 from publisher.ledger import Ledger
-from tests.conftest import run_blocking
 from tests.evlog.contract import StoreContract, batch_of, raises_code
+from tests.support.fixtures import run_blocking
 
 _COLUMNS = "seq, event_id, stream, type, schema, recorded_at, payload, prev_hash, hash"
 

@@ -33,14 +33,9 @@ from tests.engines.faulty_engine import (
     Swallow,
 )
 from tests.fault.simloop import run_simulated, sim_clock
-from tests.publisher.plane_kit import (
-    adapter_copy,
-    events,
-    faulty_engines,
-    names,
-    open_plane,
-    wait_for,
-)
+from tests.publisher.plane_kit import adapter_copy, faulty_engines, names, open_plane
+from tests.support.log import events
+from tests.support.waiting import wait_for
 
 
 @pytest.mark.anyio
@@ -169,7 +164,7 @@ async def _restart_e0_until_it_serves(
         member = plane.ledger.state.engines["e0"]
         return member.incarnation != before and member.routable and name in member.holds
 
-    await wait_for(repaired, timeout=20)
+    await wait_for("e0's new life to be repaired, holding v1", repaired, timeout=20)
 
 
 @pytest.mark.anyio
@@ -204,7 +199,11 @@ async def _v1_staged_on_a_restarted_e0(
     before = ledger.state.engines["e0"].incarnation
     e0.inject("prepare", Refuse(), times=10_000)
     await e0.inner.restart()  # type: ignore[attr-defined]
-    await wait_for(lambda: ledger.state.engines["e0"].incarnation != before, timeout=20)
+    await wait_for(
+        "e0's restart to be recorded",
+        lambda: ledger.state.engines["e0"].incarnation != before,
+        timeout=20,
+    )
     fresh: LocalEngine = e0.inner.current  # type: ignore[attr-defined]
     candidate = Candidate(
         lora_name=v1.lora_name,  # type: ignore[arg-type]  # published: named
@@ -235,7 +234,11 @@ async def test_regression_a_late_duplicate_prepare_staged_a_reclaimed_name_again
         assert fresh.staged() == [v1.lora_name]
 
         await plane.publisher.publish(adapter_copy(2), version_id=2)  # e1 only; v1 retires
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        await wait_for(
+            "v1 reclaimed",
+            lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+            timeout=20,
+        )
         assert fresh.staged() == []
 
         with pytest.raises(CleanRefusal) as refused:
@@ -288,12 +291,20 @@ async def test_regression_an_ambiguous_reclaim_resolved_by_absence_left_a_staged
         e0.inject("transfer", Drop(), times=10_000)  # restores stage their bytes, never load
         await e0.inner.restart()  # type: ignore[attr-defined]
         fresh = e0.inner.current  # type: ignore[attr-defined]
-        await wait_for(lambda: v1.lora_name in fresh.staged(), timeout=20)
+        await wait_for(
+            "the failed restore to stage v1 on the fresh e0",
+            lambda: v1.lora_name in fresh.staged(),
+            timeout=20,
+        )
         assert ledger.state.engines["e0"].incarnation != before
 
         e0.inject("unload", ServerError(), times=3)  # the first unloads never reach e0
         await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        await wait_for(
+            "v1 reclaimed",
+            lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+            timeout=20,
+        )
         recorded = [type(e).__name__ for e in await events(ledger)]
         assert "ReclaimAmbiguous" in recorded
         assert v1.lora_name not in fresh.staged()
@@ -321,7 +332,11 @@ async def test_regression_a_reclaim_confirmed_by_absence_before_its_unload_left_
 
         e0.inject("unload", Delay(seconds=1.0), times=10_000)  # unloads reach e0 late
         await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        await wait_for(
+            "v1 reclaimed",
+            lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+            timeout=20,
+        )
         assert fresh.staged() == []  # RECLAIMED only once a fenced unload reached e0
 
 
@@ -347,7 +362,11 @@ async def test_regression_a_swallowed_reclaim_unload_left_a_failed_restores_stag
 
         e0.inject("unload", Swallow(), times=10_000)  # e0 answers every unload, does nothing
         await plane.publisher.publish(adapter_copy(2), version_id=2)  # on e1; v1 retires
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        await wait_for(
+            "v1 reclaimed",
+            lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+            timeout=20,
+        )
         assert "e0" in ledger.state.versions[1].confirmed  # by the swallowed unload's answer
         assert fresh.staged() == [v1.lora_name]  # the unload never reached e0
 
