@@ -33,11 +33,11 @@ from tests.engines.contract import (
     publish,
     write_adapter_dir,
 )
+from tests.support.paths import REPO
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
-REPO = Path(__file__).resolve().parents[2]
 LORA_UPDATE_KEYS = {"rid", "http_worker_ipc", "success", "error_message", "loaded_adapters"}
 LONG = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
