@@ -231,7 +231,7 @@ async def test_client_cache_keys_are_replaced_by_the_version_salt() -> None:
         assert calls[0]["lora_name"] == s1.lora_name
 
 
-def test_regression_vllm_cache_salt_is_hex_unique_per_version_and_engine_safe() -> None:
+def test_the_version_salt_is_hex_unique_per_version_and_safe_on_every_engine() -> None:
     """The version salt travels with every generation to every engine. It used to be the
     version's ``lora_name``, which always contains ``@`` (docs/identities.md), and vLLM refuses any
     ``cache_salt`` containing ``@`` (HTTP 400), so every generation on a vLLM fleet failed.

@@ -23,7 +23,7 @@ from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode, SamplingPa
 from engines.local.admission import ServingLimits
 from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
-from engines.local.server import running_server
+from engines.local.server import running_server, serve
 from engines.sglang import SGLangEngine, SGLangTimeouts
 from tests.engines.contract import (
     GREEDY,
@@ -466,3 +466,21 @@ async def test_clean_refusals_keep_their_codes_over_http(
         assert r.status_code == 400 and r.json()["error"]["code"] == ErrorCode.BAD_REQUEST
     finally:
         await staged.aclose()
+
+
+async def test_a_server_ended_by_cancellation_stops_listening() -> None:
+    """``serve()`` ended by cancelling its scope (how a structured-concurrency block ends) shuts
+    uvicorn down like a clean exit: the next server of the same event loop answers. Before the
+    fix the listener stayed registered with the loop while its socket was closed, so the next
+    server whose socket reused the file descriptor accepted TCP connections and never answered
+    them (found by the crash-point harness: fresh engines per crash point hung on their first
+    request)."""
+    async with LocalEngine("e0") as engine:
+        for _ in range(4):
+            with anyio.CancelScope() as scope:
+                async with serve(engine) as url:
+                    async with httpx.AsyncClient(trust_env=False) as client:
+                        response = await client.get(f"{url}/health", timeout=5)
+                    assert response.status_code == 200
+                    scope.cancel()
+            assert scope.cancelled_caught
