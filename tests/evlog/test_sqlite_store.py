@@ -316,7 +316,7 @@ async def test_verify_notices_a_head_truncated_or_rewritten_behind_its_back(
         assert report.message == "record 6 is not the one that was committed (rewritten)"
 
 
-# --- read-only opens and crafted rows (issue 12) ----------------------------------------------
+# --- read-only opens and crafted rows ---------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -343,7 +343,7 @@ async def test_a_read_only_store_reads_refuses_appends_and_changes_no_byte(
 
 @pytest.mark.anyio
 async def test_text_that_is_not_utf8_is_a_corrupt_record_naming_its_seq(tmp_path: Path) -> None:
-    """Issue 12: sqlite3 failed the whole read (``STORE_FAILED``, no seq); the STRICT table
+    """Before: sqlite3 failed the whole read (``STORE_FAILED``, no seq); the STRICT table
     takes such TEXT (SQLite does not check the encoding), so a hand edit can put it there."""
     path = tmp_path / "log.db"
     async with SQLiteStore.open(path) as store:

@@ -294,7 +294,7 @@ _CRAFTED: dict[str, dict[str, object]] = {
 def test_crafted_hash_valid_records_get_an_exit_code_naming_their_seq(
     small_log: Path, tmp_path: Path, case: str
 ) -> None:
-    """Issue 12: records whose hashes are right but whose content no ledger writes (nesting
+    """Before: records whose hashes are right but whose content no ledger writes (nesting
     deeper than any event, a column of another type in a non-STRICT table, text that is not
     UTF-8) raised ``RecursionError``/``TypeError`` tracebacks, or ``STORE_FAILED`` with no
     seq. Each is ``CORRUPT_RECORD`` (exit 7) naming the record; ``verify --json`` prints its
@@ -332,7 +332,7 @@ _MARKUP = ["[/x]", "[bold]", "[/]", "a[/b].db", "[link=https:x]y", "[red", "\\[x
 def test_user_text_reaches_the_output_as_text_never_as_rich_markup(
     small_log: Path, tmp_path: Path, text: str
 ) -> None:
-    """Issue 12: ``loraledger replay 'missing[/x].db'`` was a ``MarkupError`` traceback
+    """Before: ``loraledger replay 'missing[/x].db'`` was a ``MarkupError`` traceback
     (exit 1 instead of 3). Paths, names given on the command line and names read from the
     log are printed verbatim, in answers and in error lines."""
     from evlog.events import DeploymentCreated
@@ -361,7 +361,7 @@ def test_user_text_reaches_the_output_as_text_never_as_rich_markup(
 
 
 def test_serve_refuses_a_bad_deployment_name_before_creating_anything(tmp_path: Path) -> None:
-    """Issue 12: ``serve --deployment 'a b/c'`` created the log and its artifacts folder,
+    """Before: ``serve --deployment 'a b/c'`` created the log and its artifacts folder,
     started, and ended in an ``ExceptionGroup``. The name is checked first: usage error, one
     line, nothing on disk."""
     for name in ("a b/c", "", "-x", "x" * 65, "a:b", "[/x]"):
@@ -378,7 +378,8 @@ def test_serve_refuses_a_bad_deployment_name_before_creating_anything(tmp_path: 
 def test_replay_plot_to_an_unwritable_path_is_one_line_and_a_code(
     small_log: Path, tmp_path: Path
 ) -> None:
-    """Issue 12: ``replay --plot /nonexistent/x.png`` was an internal error."""
+    """Before: ``replay --plot /nonexistent/x.png`` was an internal error. Now an unwritable
+    plot path is one line and the exit code that says why."""
     pytest.importorskip("matplotlib")
     for target, expected, why in (
         (tmp_path / "nonexistent" / "x.png", Exit.USAGE, "no such directory"),
@@ -390,7 +391,7 @@ def test_replay_plot_to_an_unwritable_path_is_one_line_and_a_code(
 
 
 def test_replay_into_a_closed_pipe_exits_quietly(small_log: Path) -> None:
-    """Issue 12: ``loraledger replay LOG | head`` printed "internal error: BrokenPipeError".
+    """Before: ``loraledger replay LOG | head`` printed "internal error: BrokenPipeError".
     Like a Unix tool killed by SIGPIPE: nothing on stderr, exit 141 (128 + 13). The reader
     closes its end before the command writes (its start-up alone takes far longer than
     ``close``), so the first write meets a closed pipe, every time."""

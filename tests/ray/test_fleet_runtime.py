@@ -1,6 +1,7 @@
-"""The fleet changes at runtime on Ray (issue 16), with real actors: engine actors hosting local
-engines, the ledger actor hosting the control plane, a rollout-worker actor whose gateway
-routes over ``RayLedger.fleet``, and a trainer client publishing from the test's process.
+"""The fleet changes at runtime on Ray (engines added, replaced and removed), with real
+actors: engine actors hosting local engines, the ledger actor hosting the control plane, a
+rollout-worker actor whose gateway routes over ``RayLedger.fleet``, and a trainer client
+publishing from the test's process.
 
 Nothing here restarts the ledger or the rollout actor (but the last test, on purpose): each
 checks the ledger's process and epoch are the ones it started with, and the rollout actor
