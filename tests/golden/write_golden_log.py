@@ -4,8 +4,10 @@ Run by an old commit's code to keep what that commit wrote (tests/golden/README.
 
     PYTHONPATH=<a worktree of that commit> python tests/golden/write_golden_log.py OUT.db
 
-so it imports nothing of ``tests`` and only the ledger API every commit since the first golden
-one has (``publisher.ledger.Ledger`` on an ``evlog.sqlite.SQLiteStore``). What a commit could
+so it imports nothing of ``tests`` (an old commit's ``tests`` is not this one's: the few lines it
+shares with tests/support/runs.py are repeated here on purpose) and only the ledger API every
+commit since the first golden one has (``publisher.ledger.Ledger`` on an
+``evlog.sqlite.SQLiteStore``). What a commit could
 not record yet is skipped (the story says so), which is why each step asks the ledger first.
 The clock is injected: every ``recorded_at`` is the time the story gives.
 
