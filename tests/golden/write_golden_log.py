@@ -6,10 +6,10 @@ Run by an old commit's code to keep what that commit wrote (tests/golden/README.
 
 so it imports nothing of ``tests`` (an old commit's ``tests`` is not this one's: the few lines it
 shares with tests/support/runs.py are repeated here on purpose) and only the ledger API every
-commit since the first golden one has (``publisher.ledger.Ledger`` on an
-``evlog.sqlite.SQLiteStore``). What a commit could
-not record yet is skipped (the story says so), which is why each step asks the ledger first.
-The clock is injected: every ``recorded_at`` is the time the story gives.
+commit since the first golden one has (``publisher.Ledger`` on an ``evlog.SQLiteStore``, both
+taken from the packages' faces). What a commit could not record yet is skipped (the story says
+so), which is why each step asks the ledger first. The clock is injected: every
+``recorded_at`` is the time the story gives.
 
 ====== ===================================================================================
  t (s)  what happens
@@ -44,8 +44,10 @@ from typing import Any
 
 import anyio
 
-from evlog.sqlite import SQLiteStore
-from publisher.ledger import Ledger
+# The packages' faces, not the modules behind them: every commit's face names these two, and
+# the modules move (``publisher.ledger`` is not where it was written).
+from evlog import SQLiteStore
+from publisher import Ledger
 
 
 class Clock:
