@@ -48,6 +48,7 @@ from engines.contract import (
 from engines.local.tinymodel import make_adapter
 from engines.manifest import Manifest, TensorData, build_manifest
 from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
+from tests.support.waiting import wait_for
 
 UNSERVABLE_RANK = 64
 PROMPT = "the quick brown fox"
@@ -181,12 +182,6 @@ async def publish(
         )
         assert receipt.engine_id == engine.engine_id
         assert receipt.incarnation == incarnation
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- engine state has no event to await
-            await anyio.sleep(0.005)
 
 
 def write_adapter_dir(
@@ -506,8 +501,11 @@ class EngineContract:
                 unloaded.set()
 
             tg.start_soon(request)
-            if eut.refcount is not None:
-                await wait_until(lambda: eut.refcount(p.name) == 1)  # type: ignore[misc]
+            refcount = eut.refcount
+            if refcount is not None:
+                await wait_for(
+                    "the held request to take its reference", lambda: refcount(p.name) == 1
+                )
             else:
                 await anyio.sleep(0.3)
             tg.start_soon(unload)
@@ -546,8 +544,11 @@ class EngineContract:
                 results["gen"] = await eut.engine.generate(PROMPT, p.name, GREEDY)
 
             tg.start_soon(request)
-            if eut.refcount is not None:
-                await wait_until(lambda: eut.refcount(p.name) == 1)  # type: ignore[misc]
+            refcount = eut.refcount
+            if refcount is not None:
+                await wait_for(
+                    "the held request to take its reference", lambda: refcount(p.name) == 1
+                )
             else:
                 await anyio.sleep(0.3)
             with anyio.fail_after(5):  # a draining unload would wait for the held request

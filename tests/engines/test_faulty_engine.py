@@ -25,7 +25,6 @@ from tests.engines.contract import (
     buckets_of,
     candidate_for,
     publish,
-    wait_until,
 )
 from tests.engines.faulty_engine import (
     Delay,
@@ -37,6 +36,7 @@ from tests.engines.faulty_engine import (
     ServerError,
     Swallow,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.anyio,
@@ -116,14 +116,18 @@ async def test_delay_before_sending_and_before_replying(
     faulty.inject("load", Delay(seconds=3600.0))
     async with anyio.create_task_group() as tg:
         tg.start_soon(faulty.load, p.candidate)
-        await wait_until(lambda: faulty.count("load") == 1)  # the call is in the wrapper
+        await wait_for("the load call to reach the wrapper", lambda: faulty.count("load") == 1)
         tg.cancel_scope.cancel()  # the caller gives up
     assert p.name not in await held(faulty)  # ... before it was sent
     faulty.inject("load", Delay(seconds=3600.0, after=True))
     async with anyio.create_task_group() as tg:
         tg.start_soon(faulty.load, p.candidate)
         # sent and done on the engine while the call is still out: only the reply is late
-        await wait_until(lambda: p.name in host.current.loaded_adapters(), timeout=60)
+        await wait_for(
+            "the delayed load to be done on the engine",
+            lambda: p.name in host.current.loaded_adapters(),
+            timeout=60,
+        )
         assert [c for c in faulty.calls if c.method == "load" and c.n == 2] == []
         tg.cancel_scope.cancel()
     assert p.name in await held(faulty)
@@ -170,7 +174,9 @@ async def test_restart_mid_generation_ends_in_flight_requests(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
-        await wait_until(lambda: host.current.in_flight == 1)  # decoding, frozen between tokens
+        await wait_for(  # decoding, frozen between tokens
+            "the generation to be decoding", lambda: host.current.in_flight == 1
+        )
         await host.restart()
     assert [e.code for e in errors] == [ErrorCode.ENGINE_STOPPED]  # type: ignore[attr-defined]
 

@@ -428,7 +428,7 @@ async def test_unknown_name_is_not_loaded_and_transport_failures_are_ambiguous(
     ["agent@demo-3-0123456789abcdef", "a/b", "a\\b", "a\x00b", "s" * 129, ""],
     ids=["at-sign", "slash", "backslash", "nul", "129-chars", "empty"],
 )
-async def test_regression_vllm_cache_salt_vllm_refuses_is_refused_before_sending(
+async def test_a_cache_salt_vllm_refuses_is_refused_before_sending(
     engine: VLLMEngine, fake: FakeVLLM, salt: str
 ) -> None:
     """vLLM answers 400 to a ``cache_salt`` that is empty, longer than 128 characters or
@@ -444,7 +444,7 @@ async def test_regression_vllm_cache_salt_vllm_refuses_is_refused_before_sending
 
 
 @pytest.mark.parametrize("salt", ["0123456789abcdef" * 2, "s" * 128, "v2-salt_x.y:z~ü"])
-async def test_regression_vllm_cache_salt_vllm_takes_goes_through_unchanged(
+async def test_a_cache_salt_vllm_takes_goes_through_unchanged(
     engine: VLLMEngine, fake: FakeVLLM, salt: str
 ) -> None:
     """The check refuses exactly what vLLM refuses: everything else is sent as given."""

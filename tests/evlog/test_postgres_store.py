@@ -15,9 +15,9 @@ from evlog.chained_store import ChainedStore
 from evlog.postgres import LAYOUT_VERSION, PostgresStore
 from evlog.record import Row
 from evlog.store import EventStore
-from tests.conftest import run_blocking
 from tests.evlog.durable_contract import DurableStoreContract
 from tests.evlog.postgres_raw import COLUMNS, execute, sql
+from tests.support.fixtures import run_blocking
 
 
 class _TableWriteLock:

@@ -28,7 +28,7 @@ import anyio
 import asyncpg
 
 from evlog.stores import is_shared, open_store
-from tests.conftest import run_blocking
+from tests.support.fixtures import run_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 30.0

@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 import structlog
 
+from engines.contract import Engine
 from engines.local.client import LocalHTTPEngine
 from engines.local.tinymodel import make_adapter
 from engines.sglang import SGLangTimeouts
@@ -48,6 +49,7 @@ from publisher.drivers.fleet import Fleet
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationError
 from publisher.drivers.trainer import TrainerClient
+from tests.support.waiting import wait_for
 
 OWNER = "w1"
 DEADLINE_S = 60.0
@@ -147,10 +149,9 @@ class CrashingStore:
         await writer.set_progress_handler(handler, 1)
 
 
-async def _until(what: str, check: Callable[[], bool], every: float = 0.02) -> None:
-    with anyio.fail_after(DEADLINE_S):
-        while not check():  # noqa: ASYNC110 -- the projection has no event to await
-            await anyio.sleep(every)
+async def _until(what: str, check: Callable[[], bool]) -> None:
+    """Wait for a scenario step the drivers take by themselves, then report it done."""
+    await wait_for(what, check, timeout=DEADLINE_S, every=0.02)
     say("STEP", what)
 
 
@@ -232,10 +233,17 @@ async def _final(plane: ControlPlane, scenario: str) -> None:
 
     await _until("settled", settled)
     name = ledger.state.versions[default].lora_name
-    with anyio.fail_after(DEADLINE_S):
-        for engine in plane.fleet:
-            while (await engine.inventory()).names() != {name}:  # noqa: ASYNC110 -- polled
-                await anyio.sleep(0.02)
+    for engine in plane.fleet:
+
+        async def holds_only_the_default(engine: Engine = engine) -> bool:
+            return (await engine.inventory()).names() == {name}
+
+        await wait_for(
+            f"{engine.engine_id} to hold {name} alone",
+            holds_only_the_default,
+            timeout=DEADLINE_S,
+            every=0.02,
+        )
     # Everything the state shows is durable once the store caught up with it.
     await _until("durable", lambda: ledger.store.last_seq >= ledger.state.last_seq)
     say("DONE", ledger.store.last_seq)

@@ -49,6 +49,7 @@ from typer.testing import CliRunner
 from engines.artifacts import ArtifactError, ArtifactStore, read_adapter_dir
 from engines.contract import (
     Candidate,
+    CleanRefusal,
     EngineError,
     ErrorCode,
     Generation,
@@ -56,6 +57,7 @@ from engines.contract import (
     SamplingParams,
 )
 from engines.local.client import LocalHTTPEngine
+from engines.local.residency import resolve_under
 from engines.local.tinymodel import make_adapter
 from engines.manifest import build_manifest
 from engines.sglang import SGLangEngine
@@ -71,6 +73,7 @@ from publisher.core.decider import decide
 from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
 from tests.fault.conftest import record_figure
+from tests.support.waiting import wait_for
 from tools.cli import app
 from tools.exitcodes import Exit
 from tools.http_app import build_app
@@ -291,7 +294,7 @@ _CRAFTED: dict[str, dict[str, object]] = {
 def test_crafted_hash_valid_records_get_an_exit_code_naming_their_seq(
     small_log: Path, tmp_path: Path, case: str
 ) -> None:
-    """Issue 12: records whose hashes are right but whose content no ledger writes (nesting
+    """Before: records whose hashes are right but whose content no ledger writes (nesting
     deeper than any event, a column of another type in a non-STRICT table, text that is not
     UTF-8) raised ``RecursionError``/``TypeError`` tracebacks, or ``STORE_FAILED`` with no
     seq. Each is ``CORRUPT_RECORD`` (exit 7) naming the record; ``verify --json`` prints its
@@ -329,7 +332,7 @@ _MARKUP = ["[/x]", "[bold]", "[/]", "a[/b].db", "[link=https:x]y", "[red", "\\[x
 def test_user_text_reaches_the_output_as_text_never_as_rich_markup(
     small_log: Path, tmp_path: Path, text: str
 ) -> None:
-    """Issue 12: ``loraledger replay 'missing[/x].db'`` was a ``MarkupError`` traceback
+    """Before: ``loraledger replay 'missing[/x].db'`` was a ``MarkupError`` traceback
     (exit 1 instead of 3). Paths, names given on the command line and names read from the
     log are printed verbatim, in answers and in error lines."""
     from evlog.events import DeploymentCreated
@@ -358,7 +361,7 @@ def test_user_text_reaches_the_output_as_text_never_as_rich_markup(
 
 
 def test_serve_refuses_a_bad_deployment_name_before_creating_anything(tmp_path: Path) -> None:
-    """Issue 12: ``serve --deployment 'a b/c'`` created the log and its artifacts folder,
+    """Before: ``serve --deployment 'a b/c'`` created the log and its artifacts folder,
     started, and ended in an ``ExceptionGroup``. The name is checked first: usage error, one
     line, nothing on disk."""
     for name in ("a b/c", "", "-x", "x" * 65, "a:b", "[/x]"):
@@ -375,7 +378,8 @@ def test_serve_refuses_a_bad_deployment_name_before_creating_anything(tmp_path: 
 def test_replay_plot_to_an_unwritable_path_is_one_line_and_a_code(
     small_log: Path, tmp_path: Path
 ) -> None:
-    """Issue 12: ``replay --plot /nonexistent/x.png`` was an internal error."""
+    """Before: ``replay --plot /nonexistent/x.png`` was an internal error. Now an unwritable
+    plot path is one line and the exit code that says why."""
     pytest.importorskip("matplotlib")
     for target, expected, why in (
         (tmp_path / "nonexistent" / "x.png", Exit.USAGE, "no such directory"),
@@ -387,7 +391,7 @@ def test_replay_plot_to_an_unwritable_path_is_one_line_and_a_code(
 
 
 def test_replay_into_a_closed_pipe_exits_quietly(small_log: Path) -> None:
-    """Issue 12: ``loraledger replay LOG | head`` printed "internal error: BrokenPipeError".
+    """Before: ``loraledger replay LOG | head`` printed "internal error: BrokenPipeError".
     Like a Unix tool killed by SIGPIPE: nothing on stderr, exit 141 (128 + 13). The reader
     closes its end before the command writes (its start-up alone takes far longer than
     ``close``), so the first write meets a closed pipe, every time."""
@@ -570,6 +574,59 @@ def test_the_ledger_refuses_bad_commands_and_keeps_serving(slow: bool) -> None:
     prop()
 
 
+@pytest.mark.anyio
+async def test_an_ill_typed_command_is_refused_and_the_ledger_goes_on() -> None:
+    """``Forget(sessions=None)`` (a Python caller's mistake; struct constructors do not check
+    types) is refused ``INVALID_INPUT``, nothing is recorded, and the ledger still serves.
+    Before the fix it raised a TypeError inside the decider, which stopped the ledger's single
+    writer: every later command of every caller got LEDGER_CLOSED."""
+    async with Ledger.open(MemoryStore()) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=2)
+        await ledger.register_owner("w", ttl_s=60)
+        seq = ledger.state.last_seq
+        with pytest.raises(LoraLedgerError) as refused:
+            await ledger.execute(c.Forget(sessions=None))  # type: ignore[arg-type]
+        assert refused.value.code == Code.INVALID_INPUT
+        assert ledger.state.last_seq == seq
+        assert (await ledger.release("s1", "w")).released is False  # still serving
+
+
+@pytest.mark.anyio
+async def test_an_ill_typed_value_is_refused_before_it_is_stored() -> None:
+    """``join_engine(..., endpoint=5)`` is refused ``INVALID_INPUT`` before anything is
+    written. Before the fix it was stored as ``EngineJoined(endpoint=5)``, a payload that then
+    failed its own schema on every read: the log could no longer be replayed (CORRUPT_RECORD at
+    that seq, forever)."""
+    store = MemoryStore()
+    async with Ledger.open(store) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=2)
+        with pytest.raises(LoraLedgerError) as refused:
+            await ledger.join_engine("e0", "i1", endpoint=5)  # type: ignore[arg-type]
+        assert refused.value.code == Code.INVALID_INPUT
+        await ledger.join_engine("e0", "i1", endpoint="http://127.0.0.1:1")
+    assert [r.type for r in await store.read()][-1] == "EngineJoined"
+
+
+@pytest.mark.anyio
+async def test_a_renewal_with_malformed_inflight_counts_is_refused_and_renews_nothing() -> None:
+    """The in-flight counts a renewal reports (``Ledger.renew_lease``, ``POST
+    /owners/{owner}/renew``) must be whole, non-negative counts, each for a named engine and a
+    version id of at least 1: anything else is refused ``INVALID_INPUT``, nothing renewed.
+    Before the fix a count of -7 was accepted; the reclaim driver sums every reporter's counts,
+    so it could cancel another worker's running request (an unload under it), or hold a
+    version forever."""
+    async with Ledger.open(MemoryStore()) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=2)
+        await ledger.register_owner("w", ttl_s=60)
+        for bad in ({("e0", 1): -7}, {("e0", 0): 1}, {("", 1): 1}, {("e0", 1): True}):
+            with pytest.raises(LoraLedgerError) as refused:
+                ledger.renew_lease("w", bad)
+            assert refused.value.code == Code.INVALID_INPUT
+        assert ledger.inflight_evidence(1)[0].count == 0
+        ledger.renew_lease("w", {("e0", 1): 2})
+        assert ledger.inflight_evidence(1)[0].count == 2
+
+
 def test_commands_decoded_from_the_wire_are_typed_or_refused(slow: bool) -> None:
     """msgspec decoding of the command union: unknown fields, unknown tags and wrong types are
     ``ValidationError``/``DecodeError`` at the door; what decodes is decided with a code."""
@@ -716,8 +773,11 @@ def test_the_service_refuses_bad_requests_with_a_code_and_changes_nothing(slow: 
 
 
 async def _settle(ledger: Ledger) -> None:
-    while ledger.store.last_seq < ledger.state.last_seq:  # noqa: ASYNC110 -- durable soon
-        await anyio.sleep(0.001)
+    await wait_for(
+        "the store to hold every event the ledger decided",
+        lambda: ledger.store.last_seq >= ledger.state.last_seq,
+        every=0.001,
+    )
 
 
 # --- engine replies ---------------------------------------------------------------------------
@@ -885,3 +945,18 @@ def test_a_path_outside_the_artifact_root_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ArtifactError) as caught:
             store.resolve(path)
         assert caught.value.code == "PATH_OUTSIDE_STORE"
+
+
+def test_a_path_with_a_nul_byte_is_outside_the_store(tmp_path: Path) -> None:
+    """An engine-supplied adapter path with a NUL byte is refused ``PATH_OUTSIDE_STORE`` by
+    ``ArtifactStore.resolve`` and by the local engine's path check. Before the fix
+    ``Path.resolve`` raised a bare ``ValueError`` out of both, which a publication then took
+    for an ambiguous engine failure."""
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(ArtifactError) as refused:
+        store.resolve("abc\x00def")
+    assert refused.value.code == "PATH_OUTSIDE_STORE"
+    for root in (None, store.root):
+        with pytest.raises(CleanRefusal) as clean:
+            resolve_under(root, "x\x00y")
+        assert clean.value.code == ErrorCode.PATH_OUTSIDE_STORE

@@ -48,6 +48,8 @@ from publisher.gateway import DispatchCode, DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from tests.fault.conftest import record_figure
 from tests.publisher.plane_kit import adapter_copy
+from tests.support.log import events_of
+from tests.support.waiting import wait_for
 from tests.tools.conftest import REPO, console_script, script_env
 from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
@@ -148,16 +150,6 @@ async def plane_over(
         yield plane, gateway
 
 
-async def _events(plane: ControlPlane, kind: type) -> list:  # type: ignore[type-arg]
-    return [r.event for r in await plane.ledger.store.read() if isinstance(r.event, kind)]
-
-
-async def _until(what: str, check, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    with anyio.fail_after(timeout):
-        while not check():  # noqa: ASYNC110 -- the ledger's in-memory state: no event to await
-            await anyio.sleep(0.05)
-
-
 def sticky_to(engine: str, engines: list[str]) -> str:
     """A session id whose turns go to ``engine`` while it holds the version (rendezvous
     routing keeps a session on one engine: see publisher/affinity.py)."""
@@ -188,7 +180,7 @@ async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repair
             assert sorted(t.engine for t in outcome.engines) == ["e0", "e1"]
             # suspension (probe timeouts + SUSPEND_AFTER_S) plus one publication, with slack
             assert took < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + 10.0, took
-            suspended = await _events(plane, EngineSuspended)
+            suspended = await events_of(plane.ledger, EngineSuspended)
             assert [(e.engine, e.cause) for e in suspended] == [("e2", "unhealthy")]
             state = ledger.state
             v1, v3 = state.versions[1], state.versions[3]
@@ -200,7 +192,7 @@ async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repair
             assert all(s.generation.lora_name == v1.lora_name for s in served)
             assert all(s.provenance.attested for s in served)
 
-            repaired_before = len(await _events(plane, EngineRepaired))
+            repaired_before = len(await events_of(plane.ledger, EngineRepaired))
             procs["e2"].signal(signal.SIGCONT)
             sent_to_e2_before_repair = 0
             with anyio.fail_after(60):
@@ -209,7 +201,7 @@ async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repair
                     sent_to_e2_before_repair += s.engine == "e2"
                     await anyio.sleep(0.1)
             assert sent_to_e2_before_repair == 0
-            assert len(await _events(plane, EngineRepaired)) == repaired_before + 1
+            assert len(await events_of(plane.ledger, EngineRepaired)) == repaired_before + 1
             # repaired: exactly the needed versions (1 bound, 3 the default), nothing owed
             needed = {ledger.state.versions[v].lora_name for v in ledger.state.needed_versions()}
             inventory = await plane.fleet["e2"].inventory()
@@ -234,7 +226,7 @@ async def test_a_killed_engine_is_suspended_and_an_operator_removes_it(tmp_path:
             # the drop) and the retry commits on the two live engines.
             with contextlib.suppress(PublicationError):
                 await plane.publisher.publish(adapter_copy(2), version_id=2)
-            await _until("suspension", lambda: ledger.state.engines["e2"].suspended)
+            await wait_for("e2 suspended", lambda: ledger.state.engines["e2"].suspended, timeout=30)
             outcome = await plane.publisher.publish(adapter_copy(2), version_id=2)
             assert time.monotonic() - killed_at < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + 10.0
             assert outcome.status == PublicationStatus.PUBLISHED
@@ -257,7 +249,7 @@ async def test_a_killed_engine_is_suspended_and_an_operator_removes_it(tmp_path:
                 )
                 assert removed.status_code == 200, removed.text
             assert "e2" not in ledger.state.engines and "e2" not in plane.fleet
-            left = await _events(plane, EngineLeft)
+            left = await events_of(plane.ledger, EngineLeft)
             assert [(e.engine, e.cause) for e in left] == [("e2", "operator")]
             # the fleet goes on without it
             assert (await plane.publisher.publish(adapter_copy(3), version_id=3)).status == (
@@ -292,8 +284,10 @@ async def test_an_external_unload_is_one_incident_routes_around_and_is_repaired(
             assert refused.value.details["engine_code"] == ErrorCode.NAME_RECLAIMED
             assert gateway.dispatched == sent + 1
             # ... and the reconciler reads e1's inventory at once: routing moves within ~1 s
-            await _until(
-                "the incident", lambda: "e1" not in ledger.state.holders(v1.lora_name), 2.0
+            await wait_for(
+                "e1 dropped from the holders of v1",
+                lambda: "e1" not in ledger.state.holders(v1.lora_name),
+                timeout=2.0,
             )
             detected_s = time.monotonic() - noticed_at
             assert detected_s < 1.0, detected_s
@@ -306,18 +300,18 @@ async def test_an_external_unload_is_one_incident_routes_around_and_is_repaired(
             assert {s.engine for s in served} == {"e0", "e2"}
             assert all(s.generation.lora_name == v1.lora_name for s in served)
             # the engine fences an unloaded attempt: the reload is refused, so it is suspended
-            await _until("suspension", lambda: ledger.state.engines["e1"].suspended)
+            await wait_for("e1 suspended", lambda: ledger.state.engines["e1"].suspended, timeout=30)
             assert ledger.state.engines["e1"].suspend_cause == "lost_adapter"
             at_suspension = ledger.state.last_seq
             await anyio.sleep(5.0)  # ~25 probes: none of them may add an event
             assert ledger.state.last_seq - at_suspension <= 2, ledger.state.last_seq
-            lost = await _events(plane, AdapterLost)
+            lost = await events_of(plane.ledger, AdapterLost)
             assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
             # a restart (same port, new process life) lets it be repaired as a whole
             port = int(procs["e1"].url.rsplit(":", 1)[1])
             procs["e1"].stop()
             procs["e1"] = EngineProcess(tmp_path, "e1", port=port)
             procs["e1"].ready()
-            await _until("repair", lambda: ledger.state.engines["e1"].routable, timeout=60)
+            await wait_for("e1 repaired", lambda: ledger.state.engines["e1"].routable, timeout=60)
             assert "e1" in ledger.state.holders(v1.lora_name)
             assert ledger.state.versions[1].state is VersionState.PUBLISHED

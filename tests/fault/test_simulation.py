@@ -23,11 +23,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
+import anyio
 import pytest
 import structlog
 
+from engines.local.engine import LocalEngine
+from evlog.memory import MemoryStore
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
 from tests.fault.conftest import record_figure
 from tests.fault.sim_world import INCIDENT_EVENTS_MAX, SimConfig, SimResult, run_seed
+from tests.fault.simloop import run_simulated, sim_clock
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 300
@@ -156,3 +162,31 @@ def test_a_seed_reproduces_its_log_byte_for_byte() -> None:
     assert other.digest() != first.digest()
     assert _digest_in_subprocess(SHOWCASE, "12345") == first.digest()
     record_figure("seed reproduced byte for byte", f"seed {SHOWCASE}: {first.digest()[:16]}")
+
+
+def test_every_timer_of_the_plane_reads_the_event_loop_clock(tmp_path: Path) -> None:
+    """The simulation's virtual time drives every timer of the plane: in 95 simulated
+    seconds (a few real milliseconds) the reconciler makes a full pass every 30. Before the
+    fix the full-pass period (and the reclaim driver's artifact grace) read ``time.monotonic``
+    while every sleep and timeout read the loop's clock: under virtual time no full pass ever
+    ran, and a stray nobody reported stayed on its engine forever."""
+
+    async def main() -> int:
+        async with (
+            LocalEngine("e0") as engine,
+            ControlPlane.open(
+                MemoryStore(),
+                Fleet([engine]),
+                deployment="dep",
+                prefix="agent",
+                capacity=2,
+                artifact_root=tmp_path / "artifacts",
+                full_reconcile_s=30.0,
+                clock=sim_clock,
+            ) as plane,
+        ):
+            before = plane.reconciler.passes
+            await anyio.sleep(95.0)
+            return plane.reconciler.passes - before
+
+    assert run_simulated(main, seed=1) >= 3  # one full pass per 30 simulated seconds

@@ -30,7 +30,8 @@ from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationError, PublicationStatus
 from tests.integration.conftest import VLLMServer
 from tests.integration.peft_reference import PeftReference
-from tests.publisher.plane_kit import events, of_type, wait_for
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.vllm,
@@ -99,7 +100,11 @@ async def test_publication_through_an_agent_without_a_shared_directory(
                 )
 
                 v2 = await plane.publisher.publish(adapter(32), version_id=2)
-                await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 60)
+                await wait_for(
+                    "v1 reclaimed",
+                    lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+                    timeout=60,
+                )
                 assert (await member.inventory()).names() >= {v2.lora_name}
                 assert v1.lora_name not in (await member.inventory()).names()
 

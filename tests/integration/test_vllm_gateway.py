@@ -42,7 +42,7 @@ LONG_PROMPT = tuple((7 * i) % 300 + 1 for i in range(300))
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-async def test_regression_vllm_cache_salt_gateway_generations_succeed_on_the_real_server(
+async def test_salted_gateway_generations_succeed_and_reach_the_prefix_cache(
     engine: VLLMEngine, reference: PeftReference, tmp_path: Path
 ) -> None:
     """A bound session generates through the gateway (with the gateway's own salt, whatever

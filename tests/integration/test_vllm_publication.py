@@ -32,7 +32,8 @@ from publisher.drivers.fleet import Fleet
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationStatus
 from tests.integration.peft_reference import PeftReference
-from tests.publisher.plane_kit import events, of_type, wait_for
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.vllm,
@@ -87,7 +88,11 @@ async def test_publish_and_reclaim_through_the_artifact_store(
         assert {v1.lora_name, v2.lora_name} <= (await engine.inventory()).names()
 
         await ledger.release("pinned", "w")
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 60)
+        await wait_for(
+            "v1 reclaimed",
+            lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+            timeout=60,
+        )
         held = (await engine.inventory()).names()
         assert v1.lora_name not in held and v2.lora_name in held
         with pytest.raises(CleanRefusal) as info:

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from evlog.events import SessionBound, SessionReleased, SessionsForgotten
 from evlog.record import Record
 from projections.audit import AuditFold
-from tests.tools.scenario import digest, fault_run_records
-
-
-@pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
-    return fault_run_records(tmp_path_factory.mktemp("audit") / "fault.db")
+from tests.support.ledger import digest
 
 
 def test_a_session_names_its_exact_version_and_what_it_did_meanwhile(
-    records: list[Record],
+    fault_records: list[Record],
 ) -> None:
-    (audit,) = AuditFold(sessions=["s-b"]).apply_all(records).finish()
+    (audit,) = AuditFold(sessions=["s-b"]).apply_all(fault_records).finish()
     assert (audit.session, audit.owner, audit.version_id, audit.revision) == ("s-b", "w1", 1, 1)
     assert audit.digest == digest(1)
     assert audit.lora_name == f"agent@dep-1-{digest(1)[:16]}"
@@ -35,13 +28,13 @@ def test_a_session_names_its_exact_version_and_what_it_did_meanwhile(
     ]
 
 
-def test_owner_filter_lease_release_and_open_sessions(records: list[Record]) -> None:
-    by_owner = AuditFold(owner="w2").apply_all(records).finish()
+def test_owner_filter_lease_release_and_open_sessions(fault_records: list[Record]) -> None:
+    by_owner = AuditFold(owner="w2").apply_all(fault_records).finish()
     assert [a.session for a in by_owner] == ["s-c"]
     (lost,) = by_owner
-    expiry = next(r.seq for r in records if r.type == "OwnerLeaseExpired")
+    expiry = next(r.seq for r in fault_records if r.type == "OwnerLeaseExpired")
     assert (lost.cause, lost.lease_expired_seq) == ("lease_expired", expiry)
-    everyone = AuditFold().apply_all(records).finish()
+    everyone = AuditFold().apply_all(fault_records).finish()
     assert [a.session for a in everyone] == ["s-a", "s-b", "s-c", "s-d"]
     open_one = everyone[-1]
     assert open_one.released_seq is None and open_one.version_id == 2

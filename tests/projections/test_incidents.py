@@ -9,12 +9,7 @@ import pytest
 from evlog.events import AdapterLost, stream_of
 from evlog.record import Record
 from projections.incidents import EngineHealthFold, IncidentFold, incidents
-from tests.tools.scenario import fault_run_records, health_run_records, repeat_run_records
-
-
-@pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
-    return fault_run_records(tmp_path_factory.mktemp("incidents") / "fault.db")
+from tests.support.runs import health_run_records, repeat_run_records
 
 
 def _kinds(found: list) -> list[tuple[str, str]]:  # type: ignore[type-arg]
@@ -28,8 +23,8 @@ def _seq_of(records: list[Record], type_name: str, **fields: object) -> int:
     raise AssertionError(f"no {type_name} {fields}")
 
 
-def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) -> None:
-    found = incidents(records, stuck_after=60.0)
+def test_every_injected_failure_is_named_with_its_seqs(fault_records: list[Record]) -> None:
+    found = incidents(fault_records, stuck_after=60.0)
     assert _kinds(found) == [
         ("receipt_rejected", "v2"),
         ("retried", "v2"),
@@ -52,24 +47,24 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
     by = {(i.kind, i.subject, i.at): i for i in found}
 
     rejected = by[("receipt_rejected", "v2", 1005.0)]
-    assert rejected.seqs == (_seq_of(records, "ReceiptRejected"),)
+    assert rejected.seqs == (_seq_of(fault_records, "ReceiptRejected"),)
     assert "ENGINE_RESTARTED" in rejected.summary
 
     retried = by[("retried", "v2", 1005.0)]
-    failed = _seq_of(records, "AttemptFailed", version_id=2)
-    second = _seq_of(records, "AttemptStarted", version_id=2, attempt=2)
-    published = _seq_of(records, "VersionPublished", version_id=2)
+    failed = _seq_of(fault_records, "AttemptFailed", version_id=2)
+    second = _seq_of(fault_records, "AttemptStarted", version_id=2, attempt=2)
+    published = _seq_of(fault_records, "VersionPublished", version_id=2)
     assert retried.seqs == (failed, second, published)
     assert (retried.resolved, retried.resolution) == (True, "attempt 2 published")
 
     fatal = by[("fatal", "v3", 1110.0)]
     inventories = [
-        r.seq for r in records if r.type == "InventoryObserved" and r.recorded_at == 1200
+        r.seq for r in fault_records if r.type == "InventoryObserved" and r.recorded_at == 1200
     ]
     assert fatal.seqs == (
-        _seq_of(records, "AttemptFailed", version_id=3),
+        _seq_of(fault_records, "AttemptFailed", version_id=3),
         *inventories,
-        _seq_of(records, "FatalResolved"),
+        _seq_of(fault_records, "FatalResolved"),
     )
     assert fatal.resolved and fatal.duration_s == 90.0
 
@@ -80,16 +75,16 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
     ]
 
     lease = by[("lease_expired", "owner w2", 1040.0)]
-    assert lease.seqs[0] == _seq_of(records, "OwnerLeaseExpired")
+    assert lease.seqs[0] == _seq_of(fault_records, "OwnerLeaseExpired")
     assert lease.summary.endswith("1 sessions released")
 
     restart = by[("engine_restart", "e1", 1300.0)]
     assert restart.resolved and restart.duration_s == 5.0
-    assert restart.seqs[-1] == _seq_of(records, "EngineRepaired", incarnation="e1-i2")
+    assert restart.seqs[-1] == _seq_of(fault_records, "EngineRepaired", incarnation="e1-i2")
 
     ambiguous = by[("reclaim_ambiguous", "v3", 1310.0)]
     assert ambiguous.resolved and ambiguous.seqs[-1] == _seq_of(
-        records, "VersionReclaimed", version_id=3
+        fault_records, "VersionReclaimed", version_id=3
     )
 
     # e0 lost v2 and v4 (external unloads): one incident each, closed by the reload
@@ -97,8 +92,8 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
     assert [i.summary.split(" ")[0] for i in lost] == ["v2", "v4"]
     assert [i.seqs for i in lost] == [
         (
-            _seq_of(records, "AdapterLost", version_id=v),
-            _seq_of(records, "VersionRestored", version_id=v, engine="e0"),
+            _seq_of(fault_records, "AdapterLost", version_id=v),
+            _seq_of(fault_records, "VersionRestored", version_id=v, engine="e0"),
         )
         for v in (2, 4)
     ]
@@ -109,8 +104,8 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
     assert maintenance.resolution == (
         "resumed by an operator, then repaired: holds exactly the needed versions"
     )
-    at_1340 = tuple(r.seq for r in records if r.recorded_at == 1340.0)
-    assert [r.type for r in records if r.seq in at_1340] == [
+    at_1340 = tuple(r.seq for r in fault_records if r.recorded_at == 1340.0)
+    assert [r.type for r in fault_records if r.seq in at_1340] == [
         "EngineSuspended",
         "EngineResumed",
         "EngineRepaired",
@@ -122,30 +117,30 @@ def test_every_injected_failure_is_named_with_its_seqs(records: list[Record]) ->
     assert (pinned.duration_s, pinned.resolved) == (190.0, False)
 
 
-def test_threshold_and_top_n_change_what_is_reported(records: list[Record]) -> None:
-    lenient = IncidentFold(stuck_after=120.0, pinned_top=2).apply_all(records).finish()
+def test_threshold_and_top_n_change_what_is_reported(fault_records: list[Record]) -> None:
+    lenient = IncidentFold(stuck_after=120.0, pinned_top=2).apply_all(fault_records).finish()
     assert not [i for i in lenient if i.kind == "stuck"]
     pinned = [i for i in lenient if i.kind == "pinned_retired"]
     # the two longest: s-d (190 s, still bound) and s-b (90 s)
     assert sorted(i.subject for i in pinned) == ["session s-b", "session s-d"]
-    strict = IncidentFold(stuck_after=5.0).apply_all(records).finish()
+    strict = IncidentFold(stuck_after=5.0).apply_all(fault_records).finish()
     stuck = {(i.subject, i.summary.split(" for ")[0]) for i in strict if i.kind == "stuck"}
     # 10 s of RECLAIMING (v3, ambiguous unload) now counts too
     assert ("v3", "RECLAIMING") in stuck
 
 
-def test_a_prefix_reports_open_incidents_as_unresolved(records: list[Record]) -> None:
+def test_a_prefix_reports_open_incidents_as_unresolved(fault_records: list[Record]) -> None:
     """Replaying up to the moment v3 was FAILED_FATAL shows the incident open, not resolved."""
-    cut = _seq_of(records, "InventoryObserved") - 1
-    found = incidents([r for r in records if r.seq <= cut], stuck_after=60.0)
+    cut = _seq_of(fault_records, "InventoryObserved") - 1
+    found = incidents([r for r in fault_records if r.seq <= cut], stuck_after=60.0)
     fatal = [i for i in found if i.kind == "fatal"]
     assert len(fatal) == 1 and fatal[0].resolved is False
     assert "still FAILED_FATAL" in fatal[0].resolution
 
 
 def test_engine_health_incidents_open_close_and_name_their_seqs(tmp_path: Path) -> None:
-    """The health run of ``scenario.py``: a lost adapter escalated to a suspension and repaired
-    after a restart, a suspension ended by an operator's removal, one still open."""
+    """The health run (tests/support/runs.py): a lost adapter escalated to a suspension and
+    repaired after a restart, a suspension ended by an operator's removal, one still open."""
     records = health_run_records(tmp_path / "health.db")
     found = [i for i in incidents(records) if i.kind in ("adapter_lost", "engine_suspended")]
     seq = {(r.type, r.recorded_at): r.seq for r in records}
@@ -211,9 +206,9 @@ def test_engine_health_incidents_open_close_and_name_their_seqs(tmp_path: Path) 
 
 
 class Repeat:
-    """The repeat run of ``scenario.py``, folded: two expired lives of one owner, an engine
-    restarted twice before its repair (a crash loop), suspended again after a resumption before
-    its repair, and one version lost twice on one engine."""
+    """The repeat run (tests/support/runs.py), folded: two expired lives of one owner, an
+    engine restarted twice before its repair (a crash loop), suspended again after a resumption
+    before its repair, and one version lost twice on one engine."""
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records

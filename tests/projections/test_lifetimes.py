@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from evlog.record import Record
 from projections.lifetimes import LifetimeFold
-from tests.tools.scenario import fault_run_records
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
-    return fault_run_records(tmp_path_factory.mktemp("lifetimes") / "fault.db")
-
-
-def test_bands_cover_each_version_life_without_gaps(records: list[Record]) -> None:
-    life = LifetimeFold().apply_all(records).finish()
+def test_bands_cover_each_version_life_without_gaps(fault_records: list[Record]) -> None:
+    life = LifetimeFold().apply_all(fault_records).finish()
     assert (life.start, life.end) == (1000.0, 1400.0)
     v1 = [(b.state, b.start, b.end) for b in life.bands if b.version_id == 1]
     assert v1 == [
@@ -35,8 +27,8 @@ def test_bands_cover_each_version_life_without_gaps(records: list[Record]) -> No
     assert 5 not in {b.version_id for b in life.bands}  # skipped: never took a slot
 
 
-def test_bound_steps_follow_binds_releases_and_lease_expiry(records: list[Record]) -> None:
-    life = LifetimeFold().apply_all(records).finish()
+def test_bound_steps_follow_binds_releases_and_lease_expiry(fault_records: list[Record]) -> None:
+    life = LifetimeFold().apply_all(fault_records).finish()
     # three binds in one moment collapse to one step; the lease expiry releases s-c at 1040
     assert life.bound[1] == ((1002.0, 3), (1020.0, 2), (1040.0, 1), (1100.0, 0))
     assert life.bound[2] == ((1011.0, 1),)

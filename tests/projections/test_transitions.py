@@ -4,8 +4,6 @@ exactly the steps the ledger takes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 import pytest
 
@@ -27,7 +25,6 @@ from projections.registry import RegistryState, encode_state, evolve
 from projections.transitions import TRANSITIONS, TransitionViolation, VersionState, next_state
 from publisher.core import commands as c
 from tests.publisher.book import Book
-from tests.tools.scenario import fault_run_records
 
 
 def _published_twice() -> Book:
@@ -144,13 +141,12 @@ def _steps_taken(records: list[Record], monkeypatch: pytest.MonkeyPatch) -> set[
 
 
 def test_the_ledger_takes_every_step_of_the_table_and_no_other(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fault_records: list[Record], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fault run of the CLI tests (a real ledger: clean and fatal failures, a retry, a
-    restart with restorations, a reclaim and an ambiguous one) walks the whole table: every
+    """The fault run (tests/support/runs.py: a real ledger: clean and fatal failures, a retry,
+    a restart with restorations, a reclaim and an ambiguous one) walks the whole table: every
     step it takes is in it (or the replay would raise), and no entry is dead."""
-    records = fault_run_records(tmp_path / "fault.db")
-    assert _steps_taken(records, monkeypatch) == set(TRANSITIONS)
+    assert _steps_taken(fault_records, monkeypatch) == set(TRANSITIONS)
 
 
 def test_every_event_about_a_version_lifecycle_has_a_step() -> None:

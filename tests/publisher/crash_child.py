@@ -12,7 +12,6 @@ tell, for every answer, whether the event recording it had been committed when i
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,10 +23,7 @@ from evlog.record import Pending
 from evlog.sqlite import SQLiteStore
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Skipped
-
-
-def digest(n: int) -> str:
-    return hashlib.sha256(f"v{n}".encode()).hexdigest()
+from tests.support.ledger import deliver, digest
 
 
 def ack(*fields: object) -> None:
@@ -53,16 +49,12 @@ class ReportingStore:
 
 
 async def publish(ledger: Ledger, version_id: int) -> None:
+    """Publish ``version_id`` unless the ledger skips it (capacity) or has it already, then
+    acknowledge the revision it published."""
     allocated = await ledger.allocate(version_id, digest(version_id))
     if isinstance(allocated, Skipped) or allocated.no_op:
         return
-    await ledger.claim_transport(version_id, allocated.attempt, "crash-child")
-    for engine in allocated.fleet:
-        incarnation = ledger.state.engines[engine].incarnation
-        receipt = (version_id, allocated.attempt, engine, incarnation, allocated.digest)
-        await ledger.record_prepared(*receipt, allocated.lora_name)
-        await ledger.record_ready(*receipt, allocated.lora_name)
-    published = await ledger.commit(version_id, allocated.attempt)
+    published = await deliver(ledger, allocated, owner="crash-child")
     ack("publish", version_id, published.revision, ledger.state.last_seq)
 
 

@@ -2,14 +2,13 @@
 plane (memory log) over their HTTP adapters, the OpenAI face served by uvicorn on a free
 loopback port, and the official ``openai`` client pointed at it.
 
-Nothing stands in for an engine; :class:`ResetAfterSend` is a real TCP relay that delivers a
-request to the engine and then resets the client's connection (a reply lost after send)."""
+Nothing stands in for an engine; the tests that need a reply lost after send put a real TCP
+relay in front of one (``tests.support.relay.Relay``)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,49 +226,3 @@ async def rig(
         yield Rig(
             plane, local, urls, gateway, worker, face, sink, url, hosts=hosts, servers=servers
         )
-
-
-class ResetAfterSend:
-    """A TCP relay in front of an engine: it delivers each request to the engine, waits for the
-    engine's first reply bytes, then resets the client's connection (SO_LINGER 0) without
-    relaying them. ``delivered`` counts the connections that reached the engine."""
-
-    def __init__(self, target: str) -> None:
-        host, port = target.removeprefix("http://").split(":")
-        self.target = (host, int(port))
-        self.delivered = 0
-        self.url = ""
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[str]:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        self.url = f"http://127.0.0.1:{port}"
-        async with listener, anyio.create_task_group() as tg:
-            tg.start_soon(listener.serve, self._relay)
-            try:
-                yield self.url
-            finally:
-                tg.cancel_scope.cancel()
-
-    async def _relay(self, client: anyio.abc.SocketStream) -> None:
-        async with client, await anyio.connect_tcp(*self.target) as upstream:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += await client.receive()
-            head = data.split(b"\r\n\r\n", 1)[0]
-            length = next(
-                (
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                ),
-                0,
-            )
-            while len(data) < len(head) + 4 + length:
-                data += await client.receive()
-            await upstream.send(data)
-            self.delivered += 1
-            await upstream.receive()  # the engine answered: the request was there
-            raw = client.extra(anyio.abc.SocketAttribute.raw_socket)
-            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -1,17 +1,16 @@
 """Shared wiring for the publication/reclaim/reconcile tests: real local engines (optionally
 restartable and wrapped in :class:`~tests.engines.faulty_engine.FaultyEngine`), a control plane
-over a ``MemoryStore``, small adapters, and readers of the log.
+over a ``MemoryStore`` and small adapters (the log is read with :mod:`tests.support.log`).
 
 Nothing here stands in for an engine: every engine is a real :class:`LocalEngine`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from engines.contract import Inventory, SamplingParams, Transport
@@ -19,10 +18,8 @@ from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.testing import RestartableEngine
-from evlog.events import Event
 from evlog.memory import MemoryStore
 from evlog.store import EventStore
-from publisher.core.ledger import Ledger
 from publisher.drivers.adapter_copy import AdapterCopy
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.fleet import Fleet
@@ -104,28 +101,6 @@ async def open_plane(
         **options,
     ) as plane:
         yield plane
-
-
-async def events(source: EventStore | Ledger, after: int = 0) -> list[Event]:
-    """The events of the log. Given the ledger, first waits until everything its (possibly
-    speculative, one batch ahead) state already shows is durable in the store."""
-    if isinstance(source, Ledger):
-        target = source.state.last_seq
-        store = source.store
-        await wait_for(lambda: store.last_seq >= target)
-    else:
-        store = source
-    return [r.event for r in await store.read(after=after)]
-
-
-def of_type(items: list[Event], *kinds: type) -> list[Any]:
-    return [e for e in items if isinstance(e, kinds)]
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- ledger state has no event to await here
-            await anyio.sleep(0.01)
 
 
 async def names(engine: Any) -> frozenset[str]:

@@ -38,12 +38,11 @@ from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     PROMPT,
     adapter_copy,
-    events,
     names,
-    of_type,
     open_plane,
-    wait_for,
 )
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 from tests.tools.conftest import REPO, script_env
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
@@ -177,7 +176,9 @@ async def test_publication_reclaim_restart_and_agent_kill_without_a_shared_direc
 
                 # reclaim: v2 published, v1 unloaded everywhere
                 v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
-                await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
+                await wait_for(
+                    "v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED
+                )
                 for member in members:
                     assert await names(member) == {v2.lora_name}
 
@@ -186,7 +187,10 @@ async def test_publication_reclaim_restart_and_agent_kill_without_a_shared_direc
                 old = ledger.state.engines["e1"].incarnation
                 await hosts[1].restart(tg)
                 member1 = ledger.state.engines["e1"]
-                await wait_for(lambda: member1.incarnation != old and member1.routable)
+                await wait_for(
+                    "e1's new life to be recorded and repaired",
+                    lambda: member1.incarnation != old and member1.routable,
+                )
                 log = await events(ledger, after=seq)
                 assert [r.version_id for r in of_type(log, VersionRestored)] == [2]
                 assert of_type(log, EngineRepaired)

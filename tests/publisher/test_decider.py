@@ -1,4 +1,5 @@
-"""Every command and every error code of the decider (docs/state-machine.md), seed scenarios too.
+"""Every command and every error code of the decider (docs/state-machine.md), each reached by
+the scenario that leads to it.
 
 The ``Book`` harness checks the invariants after every single decision.
 """

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,9 @@ from publisher.gateway.affinity import rendezvous
 from publisher.openai import EngineRoute
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, Rig, rig
-from tests.publisher.plane_kit import LIMITS, PEFT_WARNINGS, events
+from tests.publisher.plane_kit import LIMITS, PEFT_WARNINGS
+from tests.support.log import events
+from tests.support.relay import Relay
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -62,74 +63,6 @@ class Answer:
     served_by: str | None
     refused: str | None
     attempts: int
-
-
-class Relay:
-    """A TCP relay in front of an engine. ``mode``: ``pass`` (relay both ways), ``reset``
-    (deliver a generation, wait for the engine's first reply bytes, then reset the client's
-    connection: a reply lost after the engine ran it; other requests, e.g. the adapter's
-    incarnation probe, pass) or ``hold`` (keep a generation until :meth:`release`, then relay
-    both ways). ``arrived`` is set once a generation is in."""
-
-    def __init__(self, target: str, mode: str) -> None:
-        host, port = target.removeprefix("http://").split(":")
-        self.target = (host, int(port))
-        self.mode = mode
-        self.arrived = anyio.Event()
-        self._released = anyio.Event()
-        self.delivered = 0
-
-    def release(self) -> None:
-        self._released.set()
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[str]:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with listener, anyio.create_task_group() as tg:
-            tg.start_soon(listener.serve, self._relay)
-            try:
-                yield f"http://127.0.0.1:{port}"
-            finally:
-                tg.cancel_scope.cancel()
-
-    async def _relay(self, client: anyio.abc.SocketStream) -> None:
-        async with client:
-            request = await _read_request(client)
-            generation = request.startswith((b"POST /generate", b"POST /v1/"))
-            if generation:
-                self.arrived.set()
-            if generation and self.mode == "hold":
-                await self._released.wait()
-            async with await anyio.connect_tcp(*self.target) as upstream:
-                await upstream.send(request)
-                self.delivered += generation
-                if generation and self.mode == "reset":
-                    await upstream.receive()  # the engine answered: the request ran there
-                    raw = client.extra(anyio.abc.SocketAttribute.raw_socket)
-                    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    return
-                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
-                    while True:  # one request per connection: the reply, until the engine closes
-                        await client.send(await upstream.receive())
-
-
-async def _read_request(client: anyio.abc.SocketStream) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += await client.receive()
-    head = data.split(b"\r\n\r\n", 1)[0]
-    length = next(
-        (
-            int(line.split(b":", 1)[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        ),
-        0,
-    )
-    while len(data) < len(head) + 4 + length:
-        data += await client.receive()
-    return data
 
 
 def _nowhere() -> str:

@@ -29,6 +29,7 @@ from tests.publisher.rollout_kit import (
     Unreachable,
     rig,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -43,12 +44,6 @@ async def bound_session(r: Rig, session: str, owner: str = "w") -> Bound:
 
 def wrapping(kinds: dict[str, type[Recording]]) -> Callable[[LocalEngine], Any]:
     return lambda engine: kinds.get(engine.engine_id, Recording)(engine)
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- polling engine/gateway counters
-            await anyio.sleep(0.002)
 
 
 # --- routing ---------------------------------------------------------------------------------
@@ -196,7 +191,9 @@ async def test_in_flight_counts_through_completion_and_cancellation() -> None:
             engine.pause_generation()
         async with anyio.create_task_group() as tg:
             tg.start_soon(r.gateway.generate, bound, PROMPT, LONG)
-            await wait_for(lambda: sum(r.gateway.inflight_counts().values()) == 1)
+            await wait_for(
+                "one request in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1
+            )
             ((engine_id, version_id),) = r.gateway.inflight_counts()
             assert version_id == 1
             evidence = {x.engine: x.count for x in r.gateway.inflight_evidence(1)}
@@ -234,7 +231,7 @@ async def test_client_cache_keys_are_replaced_by_the_version_salt() -> None:
         assert calls[0]["lora_name"] == s1.lora_name
 
 
-def test_regression_vllm_cache_salt_is_hex_unique_per_version_and_engine_safe() -> None:
+def test_the_version_salt_is_hex_unique_per_version_and_safe_on_every_engine() -> None:
     """The version salt travels with every generation to every engine. It used to be the
     version's ``lora_name``, which always contains ``@`` (docs/identities.md), and vLLM refuses any
     ``cache_salt`` containing ``@`` (HTTP 400), so every generation on a vLLM fleet failed.
@@ -316,7 +313,7 @@ async def test_every_result_carries_its_version_and_staleness() -> None:
         later = await r.gateway.generate(bound, PROMPT, SHORT, turn=1)
         assert later.version_id == 1 and later.staleness == 2
         assert later.generation.lora_name == bound.lora_name  # the engine echoes v1
-        await wait_for(lambda: r.recorder.pending == 0)  # every row reached the sink
+        await wait_for("every provenance row to reach the sink", lambda: r.recorder.pending == 0)
         assert [x.request_id for x in r.sink.rows] == ["r-1", later.provenance.request_id]
         assert all(x.attested and x.served_name == bound.lora_name for x in r.sink.rows)
 

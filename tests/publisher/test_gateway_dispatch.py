@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import msgspec
 import pytest
 import structlog.testing
@@ -85,12 +84,6 @@ class NamesNoId(Recording):
     async def generate(self, *args: Any, **kwargs: Any) -> Generation:
         real = await super().generate(*args, **kwargs)
         return msgspec.structs.replace(real, request_id=None)
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- polling gateway counters
-            await anyio.sleep(0.002)
 
 
 def only(kind: type[Recording]) -> Callable[[LocalEngine], Any]:

@@ -1,4 +1,4 @@
-"""Trying another holder (issue 16): a generation that provably did not run -- never sent, or
+"""Trying another holder: a generation that provably did not run -- never sent, or
 refused cleanly by an engine that does not hold the name (a restarted, empty engine routing
 has not caught up with) -- goes to another routable holder of the same version, once per
 holder; anything that may have run never does. On real local engines and a real ledger; the

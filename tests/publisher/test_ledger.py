@@ -3,8 +3,7 @@ fencing, failed appends, leases. Real stores (memory and SQLite files), no mocks
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -22,11 +21,9 @@ from projections.registry import PROJECTION_VERSION, RegistryState, encode_state
 from publisher.core import commands as c
 from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Allocated, Bound, Released
-
-
-def digest(n: int) -> str:
-    return hashlib.sha256(str(n).encode()).hexdigest()
+from publisher.core.outcomes import Bound, Released
+from tests.support.ledger import publish
+from tests.support.waiting import wait_for
 
 
 async def bootstrap(ledger: Ledger, *, capacity: int = 2) -> None:
@@ -35,18 +32,6 @@ async def bootstrap(ledger: Ledger, *, capacity: int = 2) -> None:
         await ledger.join_engine(engine, f"{engine}-1")
         await ledger.repair_engine(engine, f"{engine}-1")
     await ledger.register_owner("w", ttl_s=30.0)
-
-
-async def publish(ledger: Ledger, version_id: int) -> None:
-    allocated = await ledger.allocate(version_id, digest(version_id))
-    assert isinstance(allocated, Allocated), allocated
-    await ledger.claim_transport(version_id, allocated.attempt, "trainer")
-    for engine in allocated.fleet:
-        inc = ledger.state.engines[engine].incarnation
-        receipt = (version_id, allocated.attempt, engine, inc, allocated.digest)
-        await ledger.record_prepared(*receipt, allocated.lora_name)
-        await ledger.record_ready(*receipt, allocated.lora_name)
-    await ledger.commit(version_id, allocated.attempt)
 
 
 class GatedStore(MemoryStore):
@@ -430,12 +415,6 @@ async def test_subscribers_see_each_new_event_once_in_order() -> None:
         assert ledger.state.last_seq == start + 3
 
 
-async def _until(condition: Callable[[], bool]) -> None:
-    with anyio.fail_after(10):
-        while not condition():  # noqa: ASYNC110 -- the ledger has no event to await here
-            await anyio.sleep(0.005)
-
-
 @pytest.mark.anyio
 async def test_a_full_queue_makes_callers_wait_and_loses_nothing() -> None:
     """Back-pressure: with the store stalled, ``max_queued`` commands queue and every later
@@ -465,13 +444,15 @@ async def test_a_full_queue_makes_callers_wait_and_loses_nothing() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(bind, "a")  # decided; its append waits at the gate
-            await _until(lambda: "a" in ledger.state.sessions)
+            await wait_for("session a bound", lambda: "a" in ledger.state.sessions)
             tg.start_soon(bind, "b")  # decided on top of "a"; the writer waits for "a"'s COMMIT
-            await _until(lambda: "b" in ledger.state.sessions)
+            await wait_for("session b bound", lambda: "b" in ledger.state.sessions)
             for i in range(10):
                 tg.start_soon(bind, f"q{i}")
             tg.start_soon(group, [f"g{i}" for i in range(6)])
-            await _until(lambda: queue() == (4, 7))  # 4 queued, 6 binds and the group wait
+            await wait_for(  # 4 queued; the other 6 binds and the group wait for room
+                "4 commands queued and 7 callers waiting for room", lambda: queue() == (4, 7)
+            )
             assert bound == [] and ledger.batches == batches  # nothing answered, nothing lost
             store.gated = False
             store.gate.set()

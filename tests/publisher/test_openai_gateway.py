@@ -31,9 +31,11 @@ from publisher.openai import (
     openai_app,
 )
 from publisher.sessions import RolloutWorker
-from tests.publisher.openai_kit import TOKEN, ResetAfterSend, Rig, rig, serve_app
-from tests.publisher.plane_kit import events, wait_for
+from tests.publisher.openai_kit import TOKEN, Rig, rig, serve_app
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
+from tests.support.log import events
+from tests.support.relay import Relay
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -128,7 +130,9 @@ async def test_pinned_across_turns_while_versions_publish_and_retire(tmp_path: P
         assert no_session["x-loraledger-version"] == "3"
 
         # Provenance: one row per request, joinable by request id, with the bound version.
-        await wait_for(lambda: len(r.sink.rows) >= 5)  # the recorder drains its buffer behind
+        await wait_for(  # the recorder drains its buffer behind
+            "five provenance rows", lambda: len(r.sink.rows) >= 5
+        )
         rows = {row.request_id: row for row in r.sink.rows}
         assert rows[headers["x-request-id"]].version_id == 1
         assert rows[headers["x-request-id"]].staleness == 2
@@ -147,7 +151,9 @@ async def test_pinned_across_turns_while_versions_publish_and_retire(tmp_path: P
                 "/v1/sessions/agent-1/release", headers={"authorization": f"Bearer {TOKEN}"}
             )
         assert reply.status_code == 200 and reply.json()["released"] is True
-        await wait_for(lambda: r.plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: r.plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         assert r.gateway.inflight_counts() == {} and not r.worker.inflight
 
 
@@ -196,10 +202,18 @@ async def test_a_disconnect_mid_stream_aborts_upstream_and_decrements(tmp_path: 
                     break
             assert sum(r.gateway.inflight_counts().values()) == 1
             await stream.close()  # the client goes away mid-stream
-        await wait_for(lambda: not r.gateway.inflight_counts(), timeout=10)
-        await wait_for(lambda: all(e.in_flight == 0 for e in r.engines), timeout=10)
+        await wait_for(
+            "the gateway's in-flight counts back to zero",
+            lambda: not r.gateway.inflight_counts(),
+            timeout=10,
+        )
+        await wait_for(
+            "every engine idle", lambda: all(e.in_flight == 0 for e in r.engines), timeout=10
+        )
         assert not r.worker.inflight
-        await wait_for(lambda: any(x.session == "quitter" for x in r.sink.rows))
+        await wait_for(
+            "the quitter's provenance row", lambda: any(x.session == "quitter" for x in r.sink.rows)
+        )
         row = r.sink.rows[-1]
         assert row.finish_reason == "client_abort" and row.session == "quitter"
         # the engine stopped long before 400 tokens: its adapter lease is back
@@ -208,7 +222,7 @@ async def test_a_disconnect_mid_stream_aborts_upstream_and_decrements(tmp_path: 
 
 async def test_a_reset_after_send_is_ambiguous_and_never_resent(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
-        relays = {e: ResetAfterSend(url) for e, url in r.urls.items()}
+        relays = {e: Relay(url, "reset") for e, url in r.urls.items()}
         async with relays["e0"].running() as u0, relays["e1"].running() as u1:
             r.face.engines["e0"] = r.face.engines["e0"].__class__(
                 engine_id="e0", kind="local", base_url=u0
@@ -231,7 +245,9 @@ async def test_a_reset_after_send_is_ambiguous_and_never_resent(tmp_path: Path) 
             assert info.value.code == "AMBIGUOUS_DISPATCH"
             assert sum(x.delivered for x in relays.values()) == 1  # exactly one dispatch
             assert not r.gateway.inflight_counts()  # down before the 502 was sent
-            await wait_for(lambda: bool(r.sink.rows))  # the recorder drains its buffer behind
+            await wait_for(  # the recorder drains its buffer behind
+                "the provenance row of the ambiguous dispatch", lambda: bool(r.sink.rows)
+            )
             assert [row.finish_reason for row in r.sink.rows] == ["ambiguous"]
 
 
@@ -267,9 +283,13 @@ async def test_a_refusal_for_a_lost_adapter_is_relayed_once_and_moves_routing(
             await chat_sync(r, s)
         assert refused.value.code == "NAME_RECLAIMED"
         assert r.gateway.dispatched == sent + 1  # not tried on e1: a premature reclaim surfaces
-        await wait_for(lambda: len(r.sink.rows) == 2)
+        await wait_for("two provenance rows", lambda: len(r.sink.rows) == 2)
         assert (r.sink.rows[-1].engine, r.sink.rows[-1].finish_reason) == ("e0", "engine_error")
-        await wait_for(lambda: "e0" not in r.plane.ledger.state.holders(name), 2.0)
+        await wait_for(
+            "e0 dropped from the holders of v1",
+            lambda: "e0" not in r.plane.ledger.state.holders(name),
+            timeout=2.0,
+        )
         headers, _ = await chat_sync(r, s)
         assert headers["x-loraledger-engine"] == "e1"
         assert not r.gateway.inflight_counts()
@@ -308,21 +328,25 @@ async def test_a_not_loaded_refusal_is_served_by_the_other_holder(
         assert (await turn(r, s, stream))["x-loraledger-engine"] == "e0"
         await r.hosts["e0"].restart()
         assert "e0" in r.plane.ledger.state.holders(name)  # routing has not caught up
-        await wait_for(lambda: len(r.sink.rows) == 1)
+        await wait_for("the first turn's provenance row", lambda: len(r.sink.rows) == 1)
         sent = r.gateway.dispatched
         headers = await turn(r, s, stream)
         assert headers["x-loraledger-engine"] == "e1"
         assert headers["x-loraledger-version"] == "1"
         assert r.gateway.dispatched == sent + 2  # e0 once (refused), e1 once (served)
         assert not r.gateway.inflight_counts() and not r.worker.inflight
-        await wait_for(lambda: len(r.sink.rows) == 2)
+        await wait_for("two provenance rows", lambda: len(r.sink.rows) == 2)
         row = r.sink.rows[-1]
         assert (row.engine, row.request_id, row.version_id) == ("e1", headers["x-request-id"], 1)
         assert row.finish_reason in ("stop", "length")
         # reported: e0 is read now, not at the next probe, and its new life recorded (then
         # repaired: the plane loads the version again, so the holders are no witness)
         life = r.hosts["e0"].engine.incarnation_id
-        await wait_for(lambda: r.plane.ledger.state.engines["e0"].incarnation == life, 5.0)
+        await wait_for(
+            "e0's new life recorded",
+            lambda: r.plane.ledger.state.engines["e0"].incarnation == life,
+            timeout=5.0,
+        )
         restarts = [e for e in await events(r.plane.ledger) if isinstance(e, EngineRestarted)]
         assert [e.engine for e in restarts] == ["e0"]
 
@@ -347,7 +371,9 @@ async def test_an_engine_unreachable_over_http_is_reported_and_probed_at_once(
         headers = await turn(r, s, False)
         assert headers["x-loraledger-engine"] == "e1"
         assert r.gateway.dispatched == sent + 2  # e0 tried once (refused at connect), e1 served
-        await wait_for(lambda: r.plane.ledger.state.engines["e0"].suspended, 5.0)
+        await wait_for(
+            "e0 suspended", lambda: r.plane.ledger.state.engines["e0"].suspended, timeout=5.0
+        )
         suspended = [e for e in await events(r.plane.ledger) if isinstance(e, EngineSuspended)]
         assert [(e.engine, e.cause) for e in suspended] == [("e0", "unhealthy")]
         assert r.plane.ledger.state.holders(name) == ("e1",)
@@ -375,7 +401,7 @@ async def test_when_every_holder_refuses_the_last_refusal_is_relayed(
         assert "engine e1 refused" in refused.value.message  # the last holder tried
         assert r.gateway.dispatched == sent + 2
         assert not r.gateway.inflight_counts() and not r.worker.inflight
-        await wait_for(lambda: bool(r.sink.rows))
+        await wait_for("the refused turn's provenance row", lambda: bool(r.sink.rows))
         assert [(row.engine, row.finish_reason) for row in r.sink.rows] == [("e1", "engine_error")]
 
 
@@ -436,7 +462,7 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
     rng = random.Random(13)
     async with rig(tmp_path, capacity=3) as r:
         await r.publish(1)
-        relay = ResetAfterSend(r.urls["e1"])
+        relay = Relay(r.urls["e1"], "reset")
         outcomes: Counter[str] = Counter()
         async with relay.running() as reset_url, async_client(r, max_retries=0) as client:
             healthy = r.face.engines["e1"]
@@ -505,9 +531,15 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
         assert outcomes["aborted"] > 0 and outcomes["ok"] > total * 0.7, outcomes
         # injected errors only: never NOT_LOADED / NAME_RECLAIMED (an unload under a request)
         assert set(outcomes) <= {"ok", "aborted", "BAD_REQUEST", "AMBIGUOUS_DISPATCH"}, outcomes
-        await wait_for(lambda: not r.gateway.inflight_counts(), timeout=20)
+        await wait_for(
+            "the gateway's in-flight counts back to zero",
+            lambda: not r.gateway.inflight_counts(),
+            timeout=20,
+        )
         assert not r.worker.inflight
-        await wait_for(lambda: all(e.in_flight == 0 for e in r.engines), timeout=20)
+        await wait_for(
+            "every engine idle", lambda: all(e.in_flight == 0 for e in r.engines), timeout=20
+        )
         for engine in r.engines:
             assert all(engine.refcount(n) == 0 for n in engine.loaded_adapters())
 
@@ -598,9 +630,13 @@ async def test_an_idle_session_is_released_and_a_late_turn_is_refused(tmp_path: 
         assert "idle" in refused.value.message
 
         # Once "busy" goes quiet too, nothing pins v1: a new version lets reclaim take it.
-        await wait_for(lambda: "busy" not in r.plane.ledger.state.sessions)
+        await wait_for(
+            "session busy released as idle", lambda: "busy" not in r.plane.ledger.state.sessions
+        )
         await r.publish(2)
-        await wait_for(lambda: r.plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: r.plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         assert (await _released_causes(r))["busy"] == "idle"
 
 
@@ -686,7 +722,7 @@ async def test_one_request_id_on_two_running_requests_is_a_label_not_a_key(
                 async for _ in chunks:
                     pass
                 assert first.headers["x-request-id"] == "trace-42"
-        await wait_for(lambda: len(r.sink.rows) == 2)
+        await wait_for("both sessions' provenance rows", lambda: len(r.sink.rows) == 2)
         rows = {row.session: row for row in r.sink.rows}
         assert {row.request_id for row in rows.values()} == {"trace-42"}
         seen = {row.engine_request_id for row in rows.values()}
@@ -708,7 +744,7 @@ async def test_an_error_reply_names_the_request_id_its_provenance_row_is_under(
                     extra_headers={"x-session-id": "ep-1"},
                 )
         rid = refused.value.response.headers["x-request-id"]
-        await wait_for(lambda: len(r.sink.rows) == 1)
+        await wait_for("the refused request's provenance row", lambda: len(r.sink.rows) == 1)
         [row] = r.sink.rows
         assert (row.request_id, row.finish_reason) == (rid, "engine_error")
         assert row.engine_request_id is None  # the gateway made the id: the engine saw it

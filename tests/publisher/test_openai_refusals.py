@@ -25,8 +25,9 @@ from projections.transitions import VersionState
 from publisher.gateway import Gateway, LocalView
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, Rig, rig
-from tests.publisher.plane_kit import events, wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
+from tests.support.log import events
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -274,7 +275,9 @@ async def test_a_session_released_through_another_gateway_is_closed_here_not_no_
         await worker_b.session("ep-1").close()  # released behind this gateway's back
         assert "ep-1" not in r.plane.ledger.state.sessions
         await r.publish(2)
-        await wait_for(lambda: r.plane.ledger.state.versions[1].state == VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: r.plane.ledger.state.versions[1].state == VersionState.RECLAIMED
+        )
         for _ in range(2):  # the stale cache's answer, then the ledger's own
             with pytest.raises(openai.ConflictError) as info:
                 await client.chat.completions.create(**turn)

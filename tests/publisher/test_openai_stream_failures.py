@@ -24,8 +24,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.publisher.openai_kit import TOKEN, rig, serve_app
-from tests.publisher.plane_kit import wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -87,7 +87,7 @@ async def _stream_once(tmp_path: Path, *script: bytes) -> tuple[str, Exception |
             raised = exc
         finally:
             await client.close()
-        await wait_for(lambda: len(r.sink.rows) == 1)
+        await wait_for("the stream's provenance row", lambda: len(r.sink.rows) == 1)
         (row,) = r.sink.rows
         assert not r.worker.inflight  # the request is over, whatever its end
         return text, raised, row.finish_reason

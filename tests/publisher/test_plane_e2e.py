@@ -41,13 +41,12 @@ from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     PROMPT,
     adapter_copy,
-    events,
     local_engines,
     names,
-    of_type,
     open_plane,
-    wait_for,
 )
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -78,7 +77,10 @@ class Traffic:
         async with anyio.create_task_group() as tg:
             for engine in self.engines:
                 tg.start_soon(self.loop, engine)
-            await wait_for(lambda: len(self.done) >= len(self.engines))
+            await wait_for(
+                "a first generation done on every engine",
+                lambda: len(self.done) >= len(self.engines),
+            )
             try:
                 yield self
             finally:
@@ -105,7 +107,10 @@ async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
         started = time.monotonic()
         v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
         finished = time.monotonic()
-        await wait_for(lambda: any(t > finished for t, _ in traffic.done))
+        await wait_for(
+            "a generation done after v2 was published",
+            lambda: any(t > finished for t, _ in traffic.done),
+        )
     assert v2.status == PublicationStatus.PUBLISHED and v2.retired == 1
     assert traffic.errors == []
     assert any(t < started for t, _ in traffic.done) and any(t > finished for t, _ in traffic.done)
@@ -124,7 +129,7 @@ async def full_cycle(plane: ControlPlane, engines: Sequence[Any]) -> None:
 
     for b in old:
         await ledger.release(b.session, "w1")
-    await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
+    await wait_for("v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
     for e in engines:
         held = await names(e)
         assert v1.lora_name not in held and v2.lora_name in held
@@ -224,7 +229,9 @@ async def test_full_capacity_is_skipped_without_touching_an_engine(tmp_path: Pat
             assert ledger.state.default == 2
 
             await ledger.release("pinned", "w1")
-            await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
+            await wait_for(
+                "v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED
+            )
             published = await plane.publisher.publish(v3, version_id=3)
             assert published.status == PublicationStatus.PUBLISHED
             assert ledger.state.default == 3

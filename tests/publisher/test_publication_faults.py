@@ -65,13 +65,12 @@ from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     PROMPT,
     adapter_copy,
-    events,
     faulty_engines,
     names,
-    of_type,
     open_plane,
-    wait_for,
 )
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -205,12 +204,17 @@ async def test_duplicated_control_messages_change_nothing(tmp_path: Path) -> Non
             e.inject("load", Duplicate(delay=0.05))  # a late duplicate, after READY
         v1 = await plane.publisher.publish(adapter_copy(1), version_id=1)
         assert v1.status == PublicationStatus.PUBLISHED
-        await wait_for(lambda: all(len(e.duplicates) == 3 for e in engines))
+        await wait_for(
+            "three duplicates landed on every engine",
+            lambda: all(len(e.duplicates) == 3 for e in engines),
+        )
         assert {d.outcome for e in engines for d in e.duplicates} == {"ok"}  # replays
         for e in engines:
             e.inject("unload", Duplicate())
         await plane.publisher.publish(adapter_copy(2), version_id=2)
-        await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         log = await events(plane.ledger)
         for kind in (EnginePrepared, EngineReady):
             got = sorted((e.version_id, e.engine) for e in of_type(log, kind))
@@ -235,8 +239,10 @@ async def test_restart_mid_publication_then_repair_before_routing(tmp_path: Path
             await plane.publisher.publish(adapter_copy(2), version_id=2)
         assert info.value.kind == ErrorKind.RETRYABLE
         assert info.value.details["cause"] == ErrorCode.NOT_PREPARED  # the new life never saw it
-        await wait_for(lambda: ledger.state.engines["e1"].incarnation != old)
-        await wait_for(lambda: ledger.state.engines["e1"].routable)
+        await wait_for(
+            "e1's restart recorded", lambda: ledger.state.engines["e1"].incarnation != old
+        )
+        await wait_for("e1 routable again", lambda: ledger.state.engines["e1"].routable)
         log = await events(ledger, after=seq)
         failed = of_type(log, AttemptFailed)[0]
         assert failed.clean and failed.absent_on == ("e0", "e1")
@@ -270,7 +276,10 @@ async def test_restart_after_commit_restores_default_and_bound_versions(tmp_path
         old = ledger.state.engines["e1"].incarnation
         await engines[1].inner.restart()  # type: ignore[attr-defined]
         member = ledger.state.engines["e1"]
-        await wait_for(lambda: member.incarnation != old and member.routable)
+        await wait_for(
+            "e1's new life recorded and repaired",
+            lambda: member.incarnation != old and member.routable,
+        )
         log = await events(ledger, after=seq)
         assert sorted(e.version_id for e in of_type(log, VersionRestored)) == [1, 2]
         assert {v1.lora_name, v2.lora_name} <= await names(engines[1])
@@ -289,7 +298,9 @@ async def test_ambiguous_unload_holds_the_version_until_inventory_decides(tmp_pa
         v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
         # a failing reclaim of the predecessor never turns the committed publication into an error
         assert v2.status == PublicationStatus.PUBLISHED
-        await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         log = await events(plane.ledger, after=seq)
         ambiguous = of_type(log, ReclaimAmbiguous)
         assert {a.engine for a in ambiguous} <= {"e0", "e1"} and ambiguous
@@ -346,7 +357,7 @@ async def test_cancelled_publish_never_leaves_a_version_loading(tmp_path: Path) 
         engines[1].inject("load", Delay(seconds=30))
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: plane.publisher.publish(adapter_copy(1), version_id=1))
-            await wait_for(lambda: engines[1].count("load") == 1)
+            await wait_for("the load call on e1", lambda: engines[1].count("load") == 1)
             tg.cancel_scope.cancel()
         v = plane.ledger.state.versions[1]
         assert v.state is VersionState.FAILED_FATAL  # e1 was mid-call: ambiguous
@@ -380,7 +391,7 @@ async def test_reentered_publish_never_sends_a_byte_twice(tmp_path: Path) -> Non
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(publish)
-            await wait_for(lambda: engines[0].count("load") == 1)
+            await wait_for("the load call on e0", lambda: engines[0].count("load") == 1)
             tg.start_soon(publish)  # re-entered in this process: waits for the first
             tg.start_soon(intruder)  # a second driver: refused, sends nothing
         assert len(results) == 2 and results[0] == results[1]

@@ -14,16 +14,9 @@ from evlog.events import InFlight, ReclaimClaimed, SessionReleased, VersionRecla
 from evlog.memory import MemoryLog, MemoryStore
 from projections.registry import VersionState
 from publisher.core.ledger import Ledger
-from tests.publisher.plane_kit import (
-    PEFT_WARNINGS,
-    adapter_copy,
-    events,
-    local_engines,
-    names,
-    of_type,
-    open_plane,
-    wait_for,
-)
+from tests.publisher.plane_kit import PEFT_WARNINGS, adapter_copy, local_engines, names, open_plane
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -51,12 +44,16 @@ async def test_in_flight_requests_hold_the_reclaim_until_they_finish(tmp_path: P
         gauge.counts[("e1", 1)] = 1  # a request on v1 still running on e1
         await plane.publisher.publish(adapter_copy(2), version_id=2)
         sweeps = plane.reclaimer.sweeps
-        await wait_for(lambda: plane.reclaimer.sweeps >= sweeps + 5)  # several chances
+        await wait_for(  # several chances
+            "five more reclaim sweeps", lambda: plane.reclaimer.sweeps >= sweeps + 5
+        )
         assert plane.ledger.state.versions[1].state is VersionState.RETIRED
         for e in engines:
             assert v1.lora_name in await names(e)
         gauge.counts[("e1", 1)] = 0
-        await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         claim = of_type(await events(plane.ledger), ReclaimClaimed)[0]
         assert {(x.reporter, x.engine, x.count) for x in claim.evidence} == {
             ("gw", "e0", 0),
@@ -74,10 +71,12 @@ async def test_remote_workers_in_flight_reports_count_too(tmp_path: Path) -> Non
         ledger.renew_lease("remote", {("e0", 1): 2})
         await plane.publisher.publish(adapter_copy(2), version_id=2)
         sweeps = plane.reclaimer.sweeps
-        await wait_for(lambda: plane.reclaimer.sweeps >= sweeps + 5)
+        await wait_for("five more reclaim sweeps", lambda: plane.reclaimer.sweeps >= sweeps + 5)
         assert ledger.state.versions[1].state is VersionState.RETIRED
         ledger.renew_lease("remote", {})
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         claim = of_type(await events(ledger), ReclaimClaimed)[0]
         assert [(x.reporter, x.count) for x in claim.evidence] == [("remote", 0)]
 
@@ -96,7 +95,9 @@ async def test_a_dead_workers_lease_expiry_unpins_and_reclaims(tmp_path: Path) -
         await anyio.sleep(0.1)
         assert ledger.state.versions[1].state is VersionState.RETIRED
         now[0] += 10  # the worker stopped renewing
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         log = await events(ledger)
         released = of_type(log, SessionReleased)[0]
         assert (released.session, released.cause) == ("pinned", "lease_expired")
@@ -115,7 +116,7 @@ async def test_artifacts_are_deleted_only_once_reclaimed(tmp_path: Path) -> None
         await anyio.sleep(0.2)
         assert plane.artifacts.contains(v1.digest)  # RETIRED and bound: kept
         await ledger.release("s", "w")
-        await wait_for(lambda: v1.digest in plane.reclaimer.deleted)
+        await wait_for("v1's artifact deleted", lambda: v1.digest in plane.reclaimer.deleted)
         assert not plane.artifacts.contains(v1.digest)
         assert plane.artifacts.contains(ledger.state.versions[2].digest)
         log = await events(ledger)
@@ -130,7 +131,9 @@ async def test_a_shared_digest_keeps_its_artifact(tmp_path: Path) -> None:
         same = adapter_copy(1)
         await plane.publisher.publish(same, version_id=1)
         await plane.publisher.publish(same, version_id=2)  # another id, the same bytes
-        await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+        await wait_for(
+            "v1 reclaimed", lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
         await plane.reclaimer.sweep()
         assert plane.artifacts.contains(same.digest)  # v2 still serves from it
 
@@ -153,7 +156,10 @@ async def test_an_interrupted_reclaim_is_resumed_by_the_next_controller(tmp_path
             assert ledger.state.versions[1].state is VersionState.RECLAIMING
         assert v1.lora_name in await names(engines[1])
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
-            await wait_for(lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED)
+            await wait_for(
+                "v1 reclaimed",
+                lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED,
+            )
             for e in engines:
                 assert v1.lora_name not in await names(e)
             claims = of_type(await events(plane.ledger), ReclaimClaimed)

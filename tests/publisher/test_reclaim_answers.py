@@ -26,6 +26,7 @@ from evlog.events import EngineUnloaded, InFlight, ReclaimAmbiguous
 from projections.registry import VersionState
 from publisher.drivers.reclaim import ReclaimDriver
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, Recording, Rig, rig
+from tests.support.log import events_of
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -132,7 +133,9 @@ async def test_an_unload_without_proof_marks_the_reclaim_ambiguous_once(
             ["e0"],
         )
         assert r.ledger.state.blocked_by() == [1]
-        marked = [(e.version_id, e.engine, e.reason) for e in await _events(r, ReclaimAmbiguous)]
+        marked = [
+            (e.version_id, e.engine, e.reason) for e in await events_of(r.store, ReclaimAmbiguous)
+        ]
         assert marked == [(1, "e1", reason)]
         assert pokes.ambiguous == 1 and pokes.restart == 0
         assert _unloads(r, "e1") == [(name, v1.attempt)]
@@ -147,7 +150,7 @@ async def test_not_loaded_confirms_at_the_incarnation_the_ledger_knows() -> None
         await _retired(r)
         incarnation = r.ledger.state.engines["e1"].incarnation
         assert await Pokes().driver(r).sweep() == [1]
-        unloaded = {e.engine: e.incarnation for e in await _events(r, EngineUnloaded)}
+        unloaded = {e.engine: e.incarnation for e in await events_of(r.store, EngineUnloaded)}
         assert unloaded["e1"] == incarnation
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
 
@@ -179,10 +182,6 @@ async def test_a_wildcard_in_flight_report_holds_every_engine() -> None:
         assert (driver.inflight("e0", 1), driver.inflight("e1", 1)) == (1, 1)
         assert await driver.sweep() == []
         assert r.ledger.state.versions[1].state is VersionState.RETIRED
-
-
-async def _events(r: Rig, kind: type[Any]) -> list[Any]:
-    return [rec.event async for rec in r.store.iterate() if isinstance(rec.event, kind)]
 
 
 async def test_a_wake_before_the_loop_runs_is_harmless_and_sweeps_count_one_each() -> None:

@@ -35,9 +35,10 @@ from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.reclaim import ReclaimDriver
-from tests.publisher.plane_kit import wait_for
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, Clock, Rig, rig
 from tests.publisher.test_reclaim_answers import Pokes, Unloads, e1_is
+from tests.support.log import events_of
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -68,10 +69,6 @@ def _gated(r: Rig, engine: str) -> Gated:
     wrapped = r.fleet[engine]
     assert isinstance(wrapped, Gated)
     return wrapped
-
-
-async def _events(r: Rig, kind: type[Any]) -> list[Any]:
-    return [rec.event async for rec in r.store.iterate() if isinstance(rec.event, kind)]
 
 
 async def _stopped_with(driver: ReclaimDriver) -> LoraLedgerError:
@@ -158,7 +155,10 @@ async def test_a_ledger_closed_under_a_running_driver_stops_it(e1_kind: type[Gat
                 tg.start_soon(run)
                 _gated(r, "e0").gate.set()
                 await _gated(r, "e1").started.wait()
-                await wait_for(lambda: "e0" in ledger.state.versions[1].confirmed)
+                await wait_for(
+                    "e0's unload of v1 confirmed",
+                    lambda: "e0" in ledger.state.versions[1].confirmed,
+                )
             _gated(r, "e1").gate.set()  # answers after the ledger closed
         assert [s.code for s in stopped] == [Code.LEDGER_CLOSED]
         assert (pokes.restart, pokes.ambiguous) == (0, 0)
@@ -187,7 +187,7 @@ async def test_an_unload_that_hangs_becomes_ambiguous_when_its_timeout_runs_out(
             True,
             ["e0"],
         )
-        marked = [(e.engine, e.reason) for e in await _events(r, ReclaimAmbiguous)]
+        marked = [(e.engine, e.reason) for e in await events_of(r.store, ReclaimAmbiguous)]
         assert len(marked) == 1 and marked[0][0] == "e1"
         assert marked[0][1].startswith("TIMEOUT"), marked
         assert pokes.ambiguous == 1
@@ -211,7 +211,7 @@ async def test_a_refused_record_pokes_the_reconciler_only_for_a_restart() -> Non
             _gated(r, "e0").gate.set()
         v1 = r.ledger.state.versions[1]
         assert v1.state is VersionState.RECLAIMED
-        assert [e.engine for e in await _events(r, EngineUnloaded)] == ["e0"]
+        assert [e.engine for e in await events_of(r.store, EngineUnloaded)] == ["e0"]
         assert (pokes.restart, pokes.ambiguous) == (0, 0)
 
 

@@ -40,16 +40,11 @@ from tests.publisher.rollout_kit import (
     Rig,
     rig,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- polling counters that have no event
-            await anyio.sleep(0.002)
 
 
 async def test_the_unload_waits_for_the_generation_in_flight() -> None:
@@ -71,7 +66,9 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
                 served.append((result, time.monotonic()))
 
             tg.start_soon(run)
-            await wait_for(lambda: sum(r.gateway.inflight_counts().values()) == 1)
+            await wait_for(
+                "one request in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1
+            )
             ((busy, _),) = r.gateway.inflight_counts()
             # v2 commits: v1 is RETIRED. The worker dies (its lease expires): released.
             await r.publish(2)
@@ -106,7 +103,7 @@ async def test_the_unload_waits_for_the_generation_in_flight() -> None:
             tg.start_soon(sweep_until_reclaimed)
             for engine in r.local.values():
                 engine.continue_generation()
-            await wait_for(lambda: bool(served))
+            await wait_for("the long generation served", lambda: bool(served))
 
         (result, _) = served[0]
         assert result.version_id == 1 and result.lora_name == v1
@@ -160,7 +157,9 @@ async def test_a_request_dispatched_after_the_claim_is_never_unloaded_under(
                 served.append(await r.gateway.generate(stale, PROMPT, LONG))
 
             tg.start_soon(late_request)
-            await wait_for(lambda: sum(r.gateway.inflight_counts().values()) == 1)
+            await wait_for(
+                "the late request in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1
+            )
             ((busy, _),) = r.gateway.inflight_counts()
             (idle,) = set(r.local) - {busy}
             # Sweeps and a reconciler pass while it runs. Bounded: on a draining engine an

@@ -38,13 +38,12 @@ from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     PROMPT,
     adapter_copy,
-    events,
     local_engines,
     names,
-    of_type,
     open_plane,
-    wait_for,
 )
+from tests.support.log import events, of_type
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -93,7 +92,7 @@ async def test_the_periodic_full_pass_finds_drift_nobody_reported(tmp_path: Path
         stray = "agent@dep-77-0123456789abcdef"
         await load_managed(engines[1], stray, 53)
         passes = plane.reconciler.passes
-        await wait_for(lambda: plane.reconciler.passes > passes + 1)
+        await wait_for("two more reconciler passes", lambda: plane.reconciler.passes > passes + 1)
         assert stray not in await names(engines[1])
 
 
@@ -156,7 +155,9 @@ async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path
             ledger = plane.ledger
             await plane.publisher.publish(adapter_copy(1), version_id=1)
             await plane.publisher.publish(adapter_copy(2), version_id=2)
-            await wait_for(lambda: "e0" in ledger.state.versions[1].confirmed)
+            await wait_for(
+                "e0's unload of v1 confirmed", lambda: "e0" in ledger.state.versions[1].confirmed
+            )
             assert ledger.state.versions[1].state is VersionState.RECLAIMING
             await plane.remove_engine("e1")
             assert ledger.state.versions[1].state is VersionState.RECLAIMED
@@ -205,7 +206,7 @@ async def test_an_engine_gone_for_good_is_suspended_at_its_first_failed_probe(
         ledger = plane.ledger
         await plane.publisher.publish(adapter_copy(1), version_id=1)
         plane.fleet.replace(DeadActor(engines[0]))  # type: ignore[arg-type]
-        await wait_for(lambda: ledger.state.engines["e0"].suspended, timeout=10)
+        await wait_for("e0 suspended", lambda: ledger.state.engines["e0"].suspended, timeout=10)
         suspended = of_type(await events(ledger), EngineSuspended)
         assert [(e.engine, e.cause) for e in suspended] == [("e0", "unhealthy")]
         assert "ENGINE_GONE" in suspended[0].detail

@@ -34,15 +34,9 @@ from publisher.drivers.reconciler import Reconciler
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from tests.engines.faulty_engine import FaultyEngine, ServerError
-from tests.publisher.plane_kit import (
-    FAST,
-    PEFT_WARNINGS,
-    adapter_copy,
-    events,
-    faulty_engines,
-    open_plane,
-    wait_for,
-)
+from tests.publisher.plane_kit import FAST, PEFT_WARNINGS, adapter_copy, faulty_engines, open_plane
+from tests.support.log import events
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -297,7 +291,11 @@ async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -
         await anyio.sleep(0.2)
         assert "e1" in plane.ledger.state.holders(v1.lora_name)  # nobody looked yet
         plane.reconciler.engine_trouble("e1", not_loaded(v1))
-        await wait_for(lambda: "e1" not in plane.ledger.state.holders(v1.lora_name), 2.0)
+        await wait_for(
+            "e1 dropped from the holders of v1",
+            lambda: "e1" not in plane.ledger.state.holders(v1.lora_name),
+            timeout=2.0,
+        )
         lost = [e for e in await events(plane.ledger) if isinstance(e, AdapterLost)]
         assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
         # one incident however many refusals are reported meanwhile; an engine outside the
@@ -345,7 +343,11 @@ async def test_a_missing_adapter_and_an_engine_failure_both_reach_the_reconciler
             ErrorCode.NOT_LOADED,
             ErrorCode.NAME_RECLAIMED,
         )
-        await wait_for(lambda: "e1" not in plane.ledger.state.holders(v1.lora_name), 2.0)
+        await wait_for(
+            "e1 dropped from the holders of v1",
+            lambda: "e1" not in plane.ledger.state.holders(v1.lora_name),
+            timeout=2.0,
+        )
         lost = [e for e in await events(plane.ledger) if isinstance(e, AdapterLost)]
         assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
         # 2. e0 stops answering (its probes fail too); a turn there fails ambiguously
@@ -357,7 +359,9 @@ async def test_a_missing_adapter_and_an_engine_failure_both_reach_the_reconciler
         with pytest.raises(DispatchError) as failed:
             await gateway.generate(bound, "hello")
         assert failed.value.details["engine"] == "e0"
-        await wait_for(lambda: plane.ledger.state.engines["e0"].suspended, 2.0)
+        await wait_for(
+            "e0 suspended", lambda: plane.ledger.state.engines["e0"].suspended, timeout=2.0
+        )
         suspended = [e for e in await events(plane.ledger) if isinstance(e, EngineSuspended)]
         assert ("e0", "unhealthy") in [(e.engine, e.cause) for e in suspended]
 

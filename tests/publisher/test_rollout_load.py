@@ -27,7 +27,6 @@ import contextlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from projections.recovery import recover
 from projections.registry import VersionState
 from publisher.sessions import RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, SHORT, plane_rig
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
@@ -47,12 +47,6 @@ SESSIONS = 1000
 WORKERS = 4
 PUBLICATIONS = 5  # v2..v6, after the bootstrap v1
 ENGINE_CALLS = 48
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- projection state has no event to await
-            await anyio.sleep(0.01)
 
 
 def turns_of(index: int) -> int:
@@ -133,7 +127,9 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
         assert peak_live == SESSIONS  # all sessions were live at once
 
         # --- pinning, from the provenance table and the log --------------------------------
-        await wait_for(lambda: r.recorder.pending == 0, timeout=10)
+        await wait_for(
+            "every provenance row to reach the sink", lambda: r.recorder.pending == 0, timeout=10
+        )
         rows_of: dict[str, list[Any]] = defaultdict(list)  # ProvenanceRow (turn is set)
         for row in r.sink.rows:
             rows_of[row.session].append(row)
@@ -162,6 +158,7 @@ async def test_a_thousand_pinned_sessions_while_five_versions_are_published(
         default = PUBLICATIONS + 1
         reclaimed_during_run = sum(1 for e in events if isinstance(e, VersionReclaimed))
         await wait_for(
+            "every version but the default reclaimed",
             lambda: all(
                 v.state is VersionState.RECLAIMED
                 for v in state.versions.values()

@@ -21,7 +21,6 @@ from evlog.events import (
     SessionsForgotten,
     VersionPublished,
 )
-from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code
@@ -29,24 +28,14 @@ from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
+from tests.support.log import events_of, numbered
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
 EventT = TypeVar("EventT", bound=Event)
 
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-
-
-async def events_of(store: MemoryStore, kind: type[EventT]) -> list[tuple[int, EventT]]:
-    return [
-        (rec.seq, rec.event) async for rec in store.iterate(after=0) if isinstance(rec.event, kind)
-    ]
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 -- polling counters that have no event
-            await anyio.sleep(0.002)
 
 
 class Port:
@@ -105,11 +94,9 @@ async def test_bind_before_commit_is_old_after_commit_is_new_and_turns_stay_pinn
         assert (await late.generate(PROMPT, SHORT)).version_id == 2
         for _ in range(3):
             assert (await early.generate(PROMPT, SHORT)).version_id == 1
-        bound = {
-            e.session: (seq, e.version_id) for seq, e in await events_of(r.store, SessionBound)
-        }
+        bound = {e.session: (seq, e.version_id) for seq, e in await numbered(r.store, SessionBound)}
         ((commit_seq, _),) = [
-            x for x in await events_of(r.store, VersionPublished) if x[1].version_id == 2
+            x for x in await numbered(r.store, VersionPublished) if x[1].version_id == 2
         ]
         assert bound["early"][0] < commit_seq < bound["late"][0]
 
@@ -141,18 +128,18 @@ async def test_binds_racing_a_commit_follow_the_ledger_order() -> None:
 
                 for i in range(30):
                     tg.start_soon(first, f"a{i}")
-                await wait_for(lambda: port.waiting == 30)
+                await wait_for("30 binds waiting at the port", lambda: port.waiting == 30)
                 tg.start_soon(commit)
                 await commit_waiting.wait()
                 for i in range(30):
                     tg.start_soon(first, f"b{i}")
-                await wait_for(lambda: port.waiting == 60)
+                await wait_for("60 binds waiting at the port", lambda: port.waiting == 60)
                 assert len(port.sent(c.Bind)) == 60 and not await events_of(r.store, SessionBound)
                 gate.set()
             ((commit_seq, _),) = [
-                x for x in await events_of(r.store, VersionPublished) if x[1].version_id == 2
+                x for x in await numbered(r.store, VersionPublished) if x[1].version_id == 2
             ]
-            bound = await events_of(r.store, SessionBound)
+            bound = await numbered(r.store, SessionBound)
             assert len(bound) == 60
             for seq, event in bound:
                 assert event.version_id == (1 if seq < commit_seq else 2)
@@ -180,7 +167,7 @@ async def test_every_turn_retry_and_resume_uses_the_first_version() -> None:
                 for turn in (2, 3):
                     assert (await resumed.generate(PROMPT, SHORT, turn=turn)).version_id == 1
         assert len(await events_of(r.store, SessionBound)) == 1
-        await wait_for(lambda: r.recorder.pending == 0)
+        await wait_for("every provenance row to reach the sink", lambda: r.recorder.pending == 0)
         rows = [x for x in r.sink.rows if x.session == "traj"]
         assert [x.turn for x in rows] == [0, 1, 1, 2, 3]
         assert {(x.version_id, x.lora_name) for x in rows} == {(1, r.names[1])}
@@ -214,11 +201,11 @@ async def test_cancelling_the_first_waiter_never_cancels_the_bind() -> None:
             s = w.session("s")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(s.generate, PROMPT, SHORT)
-                await wait_for(lambda: port.waiting == 1)  # the bind is in flight
+                await wait_for("the bind in flight", lambda: port.waiting == 1)
                 tg.cancel_scope.cancel()  # the only waiter goes away
             assert s.bound is None
             port.gate.set()
-            await wait_for(lambda: s.bound is not None)
+            await wait_for("the session bound by the bind it left", lambda: s.bound is not None)
             assert r.ledger.state.sessions["s"].version_id == 1
             served = await s.generate(PROMPT, SHORT)
             assert served.version_id == 1
@@ -250,7 +237,7 @@ async def test_close_before_the_first_bind_can_never_bind() -> None:
                 await again.generate(PROMPT, SHORT)
             assert info.value.code == Code.SESSION_CLOSED
         assert await events_of(r.store, SessionBound) == []
-        ((_, tomb),) = await events_of(r.store, SessionReleased)
+        (tomb,) = await events_of(r.store, SessionReleased)
         assert tomb.version_id is None
 
 
@@ -271,9 +258,12 @@ async def test_close_waits_for_running_generations_then_releases_once() -> None:
                 results.append(await s.close())
 
             tg.start_soon(run)
-            await wait_for(lambda: s.in_flight == 1 and r.gateway.inflight_counts() != {})
+            await wait_for(
+                "the session's turn in flight",
+                lambda: s.in_flight == 1 and r.gateway.inflight_counts() != {},
+            )
             tg.start_soon(close)
-            await wait_for(lambda: s.closed)
+            await wait_for("the session closing", lambda: s.closed)
             with pytest.raises(LoraLedgerError) as info:
                 await s.generate(PROMPT, SHORT)  # closing: nothing new starts
             assert info.value.code == Code.SESSION_CLOSED
@@ -304,7 +294,7 @@ async def test_close_with_cancel_stops_running_generations_first() -> None:
                     errors.append(exc)
 
             tg.start_soon(run)
-            await wait_for(lambda: r.gateway.inflight_counts() != {})
+            await wait_for("a request in flight", lambda: r.gateway.inflight_counts() != {})
             released = await s.close(cancel=True)
         assert [e.code for e in errors] == [Code.SESSION_CLOSED]
         assert released.released and released.version_id == 1
@@ -325,7 +315,7 @@ async def test_a_lost_release_reply_is_retried_and_releases_exactly_once() -> No
             assert released.session == "s"
             assert len(port.sent(c.Release)) == 2  # the lost reply was asked again
             assert "s" not in r.ledger.state.sessions
-        ((_, event),) = await events_of(r.store, SessionReleased)
+        (event,) = await events_of(r.store, SessionReleased)
         assert (event.session, event.version_id, event.cause) == ("s", 1, "closed")
 
 
@@ -337,11 +327,13 @@ async def test_tombstones_are_forgotten_in_batches_once_released() -> None:
                 s = w.session(f"s{i}")
                 await s.generate(PROMPT, SHORT)
                 await s.close()
-            await wait_for(lambda: w.unforgotten == 2)  # two full batches went in background
+            await wait_for(
+                "two batches of forgets sent in the background", lambda: w.unforgotten == 2
+            )
             assert len(r.ledger.state.tombstones) == 2
         # leaving the worker forgets the rest
         assert r.ledger.state.tombstones == {}
-        sizes = [len(e.sessions) for _, e in await events_of(r.store, SessionsForgotten)]
+        sizes = [len(e.sessions) for e in await events_of(r.store, SessionsForgotten)]
         assert sizes == [4, 4, 2]
 
 
@@ -382,12 +374,15 @@ async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts() -> N
             engine.pause_generation()
         async with anyio.create_task_group() as tg:
             tg.start_soon(s.generate, PROMPT, LONG)
-            await wait_for(lambda: r.gateway.inflight_counts() != {})
+            await wait_for("a request in flight", lambda: r.gateway.inflight_counts() != {})
             for _ in range(3):
                 r.clock.advance(8.0)  # past the ttl in total, never between two renewals
                 seen = w.renewals
                 # mypy cannot infer a lambda with a default argument (binding the loop's value)
-                await wait_for(lambda seen=seen: w.renewals > seen)  # type: ignore[misc]
+                await wait_for(
+                    "the worker's next lease renewal",
+                    lambda seen=seen: w.renewals > seen,  # type: ignore[misc]
+                )
                 assert await r.ledger.expire_leases() == []
             counts = {x.reporter: x.count for x in r.ledger.inflight_evidence(1) if x.count}
             assert counts == {"w1": 1}
@@ -408,7 +403,7 @@ async def test_workers_sharing_a_gateway_report_their_own_requests_and_fresh_cou
                 engine.pause_generation()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(w1.session("busy").generate, PROMPT, LONG)
-                await wait_for(lambda: r.gateway.inflight_counts() != {})
+                await wait_for("a request in flight", lambda: r.gateway.inflight_counts() != {})
                 w1.report()
                 w2.report()
                 counts = {x.reporter: x.count for x in r.ledger.inflight_evidence(1) if x.count}
@@ -434,7 +429,7 @@ async def test_a_dead_workers_lease_expires_releases_its_sessions_and_unblocks_r
         r.clock.advance(10.0)
         (expired,) = await r.ledger.expire_leases()
         assert (expired.owner, expired.released) == ("w1", 1)
-        ((_, event),) = await events_of(r.store, SessionReleased)
+        (event,) = await events_of(r.store, SessionReleased)
         assert (event.session, event.cause) == ("orphan", "lease_expired")
         assert await driver.sweep() == [1]
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
@@ -453,7 +448,7 @@ async def test_a_clean_exit_deregisters_and_frees_the_version_at_once() -> None:
         assert w.deregistered is not None and w.deregistered.released == 1
         await r.publish(2)
         assert await r.reclaimer().sweep() == [1]  # no clock advanced: nothing expired
-        assert [e.cause for _, e in await events_of(r.store, SessionReleased)] == [
+        assert [e.cause for e in await events_of(r.store, SessionReleased)] == [
             "closed",
             "owner_exited",
         ]
@@ -524,11 +519,11 @@ async def test_a_clean_exit_waits_for_turns_running_beside_the_block() -> None:
                     results.append(await s.generate(PROMPT, LONG))
 
                 beside.start_soon(run)  # the turn outlives this block
-                await wait_for(lambda: s.in_flight == 1)
+                await wait_for("the session's turn in flight", lambda: s.in_flight == 1)
             exited.set()
 
         beside.start_soon(exit_cleanly)
-        await wait_for(lambda: r.gateway.inflight_counts() != {})
+        await wait_for("a request in flight", lambda: r.gateway.inflight_counts() != {})
         await anyio.sleep(0.2)
         assert not exited.is_set() and "s" in r.ledger.state.sessions  # still bound: it runs
         assert await events_of(r.store, OwnerDeregistered) == []

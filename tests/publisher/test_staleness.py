@@ -9,18 +9,14 @@ import pytest
 
 from evlog.errors import LoraLedgerError
 from evlog.events import DeploymentConfigured, SessionReleased
-from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher.core.errors import Code
 from publisher.core.outcomes import Bound
 from publisher.sessions import RolloutWorker, SessionBinder
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, rig
+from tests.support.log import events_of
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
-
-
-async def _events(store: MemoryStore, kind: type) -> list:  # type: ignore[type-arg]
-    return [rec.event async for rec in store.iterate(after=0) if isinstance(rec.event, kind)]
 
 
 async def test_a_long_session_is_refused_at_the_right_turn_and_its_version_reclaimed() -> None:
@@ -55,14 +51,14 @@ async def test_a_long_session_is_refused_at_the_right_turn_and_its_version_recla
             )
             assert sum(len(e.calls) for e in r.fleet) == sent  # type: ignore[attr-defined, misc]
             # Recorded: released as too stale, once; later turns hear the same refusal.
-            released = await _events(r.store, SessionReleased)
+            released = await events_of(r.store, SessionReleased)
             assert [(e.session, e.version_id, e.cause) for e in released] == [
                 ("long", 1, "too_stale")
             ]
             with pytest.raises(LoraLedgerError) as again:
                 await long.generate(PROMPT, SHORT)
             assert again.value.code == Code.SESSION_TOO_STALE
-            assert len(await _events(r.store, SessionReleased)) == 1
+            assert len(await events_of(r.store, SessionReleased)) == 1
             # A fresh session binds the default and serves.
             fresh = await w.session("fresh").generate(PROMPT, SHORT)
             assert (fresh.version_id, fresh.staleness) == (4, 0)
@@ -88,9 +84,9 @@ async def test_off_by_default_a_session_serves_however_far_behind() -> None:
             served = await long.generate(PROMPT, SHORT)
             assert (served.version_id, served.staleness) == (1, 5)
         assert r.ledger.state.max_staleness is None
-        assert await _events(r.store, DeploymentConfigured) == []
+        assert await events_of(r.store, DeploymentConfigured) == []
         # released only by the worker's clean exit (it never closed "long"), never as too stale
-        assert [e.cause for e in await _events(r.store, SessionReleased)] == ["owner_exited"]
+        assert [e.cause for e in await events_of(r.store, SessionReleased)] == ["owner_exited"]
 
 
 async def test_the_setting_is_recorded_once_and_a_false_too_stale_release_is_refused() -> None:
@@ -100,7 +96,7 @@ async def test_the_setting_is_recorded_once_and_a_false_too_stale_release_is_ref
         with pytest.raises(LoraLedgerError) as bad:
             await r.ledger.configure_deployment(max_staleness=-1)
         assert bad.value.code == Code.INVALID_INPUT
-        assert [e.max_staleness for e in await _events(r.store, DeploymentConfigured)] == [1]
+        assert [e.max_staleness for e in await events_of(r.store, DeploymentConfigured)] == [1]
         await r.publish(1)
         await r.ledger.register_owner("w1", ttl_s=30.0)
         await r.ledger.bind("s", "w1")
@@ -150,5 +146,5 @@ async def test_a_try_on_another_holder_is_checked_against_the_bound_again() -> N
             assert info.value.code == Code.SESSION_TOO_STALE
             e1 = r.fleet["e1"]
             assert isinstance(e1, Recording) and e1.calls == []  # the retry was never sent
-            released = await _events(r.store, SessionReleased)
+            released = await events_of(r.store, SessionReleased)
             assert [(e.session, e.cause) for e in released] == [(session, "too_stale")]

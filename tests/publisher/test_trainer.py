@@ -14,14 +14,8 @@ from engines.local.tinymodel import ensure_tiny_model, make_adapter
 from evlog.events import PublicationSkipped, VersionPublished
 from publisher.drivers.publication import PublicationOutcome
 from publisher.drivers.trainer import ErrorKind, PublicationError, TrainerClient, to_builtins
-from tests.publisher.plane_kit import (
-    PEFT_WARNINGS,
-    events,
-    local_engines,
-    names,
-    of_type,
-    open_plane,
-)
+from tests.publisher.plane_kit import PEFT_WARNINGS, local_engines, names, open_plane
+from tests.support.log import events, of_type
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 

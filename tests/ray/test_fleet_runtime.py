@@ -1,6 +1,7 @@
-"""The fleet changes at runtime on Ray (issue 16), with real actors: engine actors hosting local
-engines, the ledger actor hosting the control plane, a rollout-worker actor whose gateway
-routes over ``RayLedger.fleet``, and a trainer client publishing from the test's process.
+"""The fleet changes at runtime on Ray (engines added, replaced and removed), with real
+actors: engine actors hosting local engines, the ledger actor hosting the control plane, a
+rollout-worker actor whose gateway routes over ``RayLedger.fleet``, and a trainer client
+publishing from the test's process.
 
 Nothing here restarts the ledger or the rollout actor (but the last test, on purpose): each
 checks the ledger's process and epoch are the ones it started with, and the rollout actor
@@ -50,6 +51,7 @@ from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, 
 from publisher.ray.trainer import RayTrainerClient
 from publisher.sessions import RolloutWorker
 from tests.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor, SessionRunner
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.anyio,
@@ -159,17 +161,23 @@ class FleetRig:
         self, what: str, predicate: Callable[[LedgerStatus], bool], timeout: float = 60.0
     ) -> float:
         """Poll the ledger's status until ``predicate`` holds; the monotonic time it did."""
-        with anyio.fail_after(timeout):
-            while not predicate(await self.status()):  # noqa: ASYNC110 -- polling an actor
-                await anyio.sleep(0.05)
+
+        async def holds() -> bool:
+            return predicate(await self.status())
+
+        await wait_for(what, holds, timeout=timeout, every=0.05)
         return time.monotonic()
 
     async def until_rollout_routes_to(self, engine_id: str, timeout: float = 30.0) -> None:
         """Routing reaches the rollout actor with its next ledger reply (a lease renewal):
         wait for the table that has ``engine_id`` routable again."""
-        with anyio.fail_after(timeout):
-            while not await self.rollout.routes_to.remote(engine_id):  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+
+        async def routes() -> bool:
+            return bool(await self.rollout.routes_to.remote(engine_id))
+
+        await wait_for(
+            f"the rollout actor to route to {engine_id}", routes, timeout=timeout, every=0.05
+        )
 
     async def attempt(self, sessions: Sequence[str], turn: int) -> list[Outcome]:
         return await self.rollout.attempt.remote(list(sessions), turn)  # type: ignore[no-any-return]

@@ -25,8 +25,9 @@ from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
 from publisher.ray.trainer import RayTrainerClient
-from tests.engines.contract import wait_until
-from tests.ray.kit import ENGINES, create, publish, renewal_refused
+from tests.ray.kit import ENGINES, create, renewal_refused
+from tests.support.ledger import publish
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -178,7 +179,10 @@ async def test_a_zombie_life_is_refused_and_its_successor_is_not(ledger_factory:
         await ledger.register_owner("w", ttl_s=1.0, incarnation="two")  # replaces "one"
         ledger.renew_lease("w", {("e0", 1): 2}, incarnation="two")
         ledger.renew_lease("w", {("e0", 1): 5}, incarnation="one")  # the same window
-        await wait_until(lambda: renewal_refused(ledger, "w", "one", Code.OWNER_RESTARTED))
+        await wait_for(
+            "the client to learn that renewals of life one are refused",
+            lambda: renewal_refused(ledger, "w", "one", Code.OWNER_RESTARTED),
+        )
         # two ttls of renewals by the successor alone keep it alive, never refused
         with anyio.fail_after(10):
             for _ in range(20):

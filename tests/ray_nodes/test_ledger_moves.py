@@ -26,7 +26,8 @@ from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, LedgerInfo, start_ledger
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.local import LOOPBACK, loopback_only
-from tests.ray.kit import create, publish
+from tests.ray.kit import create
+from tests.support.ledger import publish
 
 pytestmark = pytest.mark.anyio
 

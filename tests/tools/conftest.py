@@ -1,51 +1,20 @@
-"""Fixtures for the CLI tests: real logs written by the real ledger, and two ways to run the
-real command (in process through typer's runner, or the installed console script)."""
+"""Fixtures for the CLI tests: two ways to run the real command (in process through typer's
+runner, or the installed console script). The logs they read come from the shared fixtures
+(``fault_log``, ``health_log``: tests/support/fixtures.py)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import anyio
 import pytest
 from typer.testing import CliRunner
 
-from tests.tools.scenario import write_fault_run_sync, write_health_run
 from tools.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def fault_log_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fault run of ``scenario.py``, written once per test session (read-only: copy it
-    with the ``fault_log`` fixture before changing it)."""
-    return write_fault_run_sync(tmp_path_factory.mktemp("fault") / "fault.db")
-
-
-@pytest.fixture
-def fault_log(fault_log_master: Path, tmp_path: Path) -> Path:
-    """A private copy of the fault run (the writer closed it, so the file is complete)."""
-    copy = tmp_path / "fault.db"
-    shutil.copyfile(fault_log_master, copy)
-    return copy
-
-
-@pytest.fixture(scope="session")
-def health_log_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The health run of ``scenario.py`` (read-only: copy it with ``health_log``)."""
-    return anyio.run(write_health_run, tmp_path_factory.mktemp("health") / "health.db")
-
-
-@pytest.fixture
-def health_log(health_log_master: Path, tmp_path: Path) -> Path:
-    """A private copy of the health run."""
-    copy = tmp_path / "health.db"
-    shutil.copyfile(health_log_master, copy)
-    return copy
 
 
 class Cli:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from publisher.gateway.provenance import ProvenanceRow, encode_rows
+from tests.support.ledger import digest
 from tests.tools.conftest import Cli
-from tests.tools.scenario import digest
 from tools.exitcodes import Exit
 
 

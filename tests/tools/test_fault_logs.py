@@ -21,7 +21,8 @@ from evlog.sqlite import SQLiteStore
 from projections.registry import VersionState
 from publisher.drivers.publication import ErrorKind, PublicationError
 from tests.engines.faulty_engine import Drop, Refuse
-from tests.publisher.plane_kit import adapter_copy, faulty_engines, open_plane, wait_for
+from tests.publisher.plane_kit import adapter_copy, faulty_engines, open_plane
+from tests.support.waiting import wait_for
 from tests.tools.conftest import Cli
 
 pytestmark = pytest.mark.filterwarnings(
@@ -56,7 +57,11 @@ async def _faulty_run(path: Path, artifacts: Path) -> None:
         await ledger.release("s-1", "w1")  # v1 is now retired and unused: reclaimed
         # the reclaim driver records the ambiguous unload and pokes the reconciler, whose
         # inventories settle it
-        await wait_for(lambda: ledger.state.versions[1].state is VersionState.RECLAIMED, 20)
+        await wait_for(
+            "v1 reclaimed",
+            lambda: ledger.state.versions[1].state is VersionState.RECLAIMED,
+            timeout=20,
+        )
 
 
 @pytest.fixture(scope="module")

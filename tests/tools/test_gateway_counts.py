@@ -34,8 +34,9 @@ from publisher.openai import (
     openai_app,
 )
 from publisher.sessions import RolloutWorker
-from tests.publisher.openai_kit import TOKEN, ResetAfterSend, serve_app
+from tests.publisher.openai_kit import TOKEN, serve_app
 from tests.publisher.plane_kit import FAST
+from tests.support.relay import Relay
 from tools.bench.gateway import Processes, _port_url
 
 pytestmark = pytest.mark.anyio
@@ -102,7 +103,7 @@ async def test_counts_never_drift_over_stub_engines(tmp_path: Path, slow: bool) 
             )
             stack.push_async_callback(face.aclose)
             url = await stack.enter_async_context(serve_app(openai_app(face)))
-            relay = ResetAfterSend(urls[1])
+            relay = Relay(urls[1], "reset")
             reset_url = await stack.enter_async_context(relay.running())
             healthy = face.engines["e1"]
             faulty = healthy.__class__(engine_id="e1", kind="vllm", base_url=reset_url)

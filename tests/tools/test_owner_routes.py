@@ -32,9 +32,10 @@ from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway
 from publisher.remote.http import HttpLedger
 from publisher.sessions import RolloutWorker
-from tests.engines.contract import wait_until
 from tests.publisher.openai_kit import serve_app
-from tests.ray.kit import create, publish, renewal_refused
+from tests.ray.kit import create, renewal_refused
+from tests.support.ledger import publish
+from tests.support.waiting import wait_for
 from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
 
@@ -145,9 +146,15 @@ async def test_one_client_carrying_two_lives_of_an_owner_charges_each_its_own(
         await remote.register_owner("w", incarnation="two")  # replaces "one"
         remote.renew_lease("w", {("e0", 1): 2}, incarnation="two")
         remote.renew_lease("w", {("e0", 1): 5}, incarnation="one")  # the same window
-        await wait_until(lambda: renewal_refused(remote, "w", "one", Code.OWNER_RESTARTED))
+        await wait_for(
+            "the client to learn that renewals of life one are refused",
+            lambda: renewal_refused(remote, "w", "one", Code.OWNER_RESTARTED),
+        )
         remote.renew_lease("w", {("e0", 1): 2}, incarnation="two")  # never refused
         counted = [InFlight(reporter="w", engine="e0", count=2, at=mock.ANY)]
-        await wait_until(lambda: ledger.leases.inflight(1) == counted)
+        await wait_for(
+            "serve to count life two's two requests in flight",
+            lambda: ledger.leases.inflight(1) == counted,
+        )
         [bound] = await remote.execute_many([Bind(session="s", owner="w", incarnation="two")])
         assert isinstance(bound, Bound) and bound.version_id == 1

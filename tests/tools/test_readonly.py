@@ -1,7 +1,7 @@
 """The forensic commands (verify, replay, audit) never write: not one byte of the log changes.
 
-Found by an adversarial pass (issue 12): on a DELETE-journal copy they rewrote header bytes
-18-19 (the store's writer switched it to WAL); on a log with an un-checkpointed ``-wal`` they
+Found by an adversarial pass; before the fix, on a DELETE-journal copy they rewrote header
+bytes 18-19 (the store's writer switched it to WAL); on a log with an un-checkpointed ``-wal`` they
 checkpointed it and deleted ``-wal``/``-shm``; on a log whose main file was truncated while its
 ``-wal`` held every event, SQLite deleted the ``-wal`` (the evidence); on a read-only mount the
 exit codes were wrong. Each layout below is read by every read command, and the sha256 of every

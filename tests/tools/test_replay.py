@@ -10,9 +10,9 @@ import anyio
 import numpy as np
 import pytest
 
+from tests.support.runs import write_repeat_run
 from tests.tools import tamper
 from tests.tools.conftest import Cli
-from tests.tools.scenario import write_repeat_run
 from tools.exitcodes import Exit
 from tools.plot import DPI, SIZE_INCHES, STATE_COLOURS
 

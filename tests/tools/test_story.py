@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from evlog.record import Record
 from publisher.gateway.provenance import ProvenanceRow
-from tests.tools.scenario import digest, fault_run_records
+from tests.support.ledger import digest
 from tools.story import tell
-
-
-@pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
-    return fault_run_records(tmp_path_factory.mktemp("story") / "fault.db")
 
 
 def _row(session: str, version_id: int, engine: str = "e0") -> ProvenanceRow:
@@ -25,8 +18,8 @@ def _row(session: str, version_id: int, engine: str = "e0") -> ProvenanceRow:
     )  # fmt: skip
 
 
-def test_the_fault_run_told(records: list[Record]) -> None:
-    story = tell(records, [_row("s-a", 1), _row("s-d", 2, "e1"), _row("s-b", 1)])
+def test_the_fault_run_told(fault_records: list[Record]) -> None:
+    story = tell(fault_records, [_row("s-a", 1), _row("s-d", 2, "e1"), _row("s-b", 1)])
     assert (story.events, story.started_at, story.duration_s) == (82, 1000.0, 400.0)
     assert story.sessions == 4 and story.owners == 2 and story.sessions_per_version == {1: 3, 2: 1}
     assert (story.generations, story.pinned, story.mismatches) == (3, True, 0)
@@ -45,6 +38,6 @@ def test_the_fault_run_told(records: list[Record]) -> None:
     assert (story.spanning, story.example_session) == (3, "s-b")
 
 
-def test_a_generation_on_another_version_is_counted(records: list[Record]) -> None:
-    story = tell(records, [_row("s-a", 1), _row("s-a", 2)])
+def test_a_generation_on_another_version_is_counted(fault_records: list[Record]) -> None:
+    story = tell(fault_records, [_row("s-a", 1), _row("s-a", 2)])
     assert (story.pinned, story.mismatches) == (False, 1)

@@ -207,7 +207,7 @@ def test_the_console_script_reports_without_a_traceback(fault_log: Path) -> None
 def test_verify_json_prints_a_verdict_even_when_verify_itself_breaks(
     cli: Cli, fault_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 12: an unexpected exception (a RecursionError on a crafted record was one) left
+    """Before: an unexpected exception (a RecursionError on a crafted record was one) left
     ``verify --json`` with no verdict at all. A planted bug in the invariant replay must still
     give one JSON object, exit 1, stage ``internal``."""
 

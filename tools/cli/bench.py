@@ -54,7 +54,7 @@ for _name, _summary in {
     "--store postgres); recovery time.",
     "publish": "Publication to two local engines vs copying the bytes; longest generation gap.",
     "memory": "Projection memory after a million sessions bound, released and forgotten.",
-    "ray": "Binds/s through the Ray ledger actor vs the seed's dict actor; batched calls.",
+    "ray": "Binds/s through the Ray ledger actor vs a dict in a Ray actor; batched calls.",
     "ray-publish": "Publication through Ray (object store, engine actors) vs in process.",
     "gateway": "OpenAI gateway vs a bare proxy vs direct to a stub engine: req/s, added TTFB.",
 }.items():

@@ -1,8 +1,10 @@
-"""A real run with injected failures, written by the real ledger on a real SQLite file.
+"""Runs with injected failures, written by the real ledger on real SQLite files: the fault run
+(below), the health run (:func:`write_health_run`) and the repeat run (:func:`write_repeat_run`).
 
-The tools are tested on logs the ledger itself wrote (not on hand-made events), so a change in
-what the ledger records is caught here too. The clock is injected, so every ``recorded_at`` is
-known and the expected incidents, timelines and audits can be stated exactly:
+The projections and the tools are tested on logs the ledger itself wrote (not on hand-made
+events), so a change in what the ledger records is caught there too. The clock is injected, so
+every ``recorded_at`` is known and the expected incidents, timelines and audits can be stated
+exactly. The fault run:
 
 ====== ===================================================================================
  t (s)  what happens
@@ -30,7 +32,6 @@ known and the expected incidents, timelines and audits can be stated exactly:
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import anyio
@@ -41,6 +42,7 @@ from evlog.record import Record
 from evlog.sqlite import SQLiteStore
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Allocated
+from tests.support.ledger import digest, publish
 
 
 class Clock:
@@ -49,27 +51,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def digest(version_id: int) -> str:
-    return hashlib.sha256(f"v{version_id}".encode()).hexdigest()
-
-
-async def publish(ledger: Ledger, version_id: int) -> None:
-    allocated = await ledger.allocate(version_id, digest(version_id))
-    assert isinstance(allocated, Allocated), allocated
-    await _load(ledger, version_id, allocated.attempt)
-    await ledger.commit(version_id, allocated.attempt)
-
-
-async def _load(ledger: Ledger, version_id: int, attempt: int) -> None:
-    v = ledger.state.versions[version_id]
-    await ledger.claim_transport(version_id, attempt, "trainer")
-    for engine in v.fleet:
-        incarnation = ledger.state.engines[engine].incarnation
-        receipt = (version_id, attempt, engine, incarnation, v.digest, v.lora_name)
-        await ledger.record_prepared(*receipt)
-        await ledger.record_ready(*receipt)
 
 
 async def reclaim(ledger: Ledger, version_id: int) -> None:
@@ -292,39 +273,26 @@ async def write_repeat_run(path: Path) -> Path:
     return path
 
 
-def repeat_run_records(path: Path) -> list[Record]:
-    """Write the repeat run (synchronously) and read it back."""
+def read_back(path: Path) -> list[Record]:
+    """The records of the closed log at ``path``, read synchronously (for fixtures)."""
 
-    async def run() -> list[Record]:
-        await write_repeat_run(path)
+    async def read() -> list[Record]:
         async with SQLiteStore.open(path) as store:
             return await store.read()
 
-    return anyio.run(run)
+    return anyio.run(read)
+
+
+def repeat_run_records(path: Path) -> list[Record]:
+    """Write the repeat run (synchronously) and read it back."""
+    return read_back(anyio.run(write_repeat_run, path))
 
 
 def health_run_records(path: Path) -> list[Record]:
     """Write the health run (synchronously) and read it back."""
-
-    async def run() -> list[Record]:
-        await write_health_run(path)
-        async with SQLiteStore.open(path) as store:
-            return await store.read()
-
-    return anyio.run(run)
-
-
-def fault_run_records(path: Path) -> list[Record]:
-    """Write the run (synchronously, for module-scoped fixtures) and read it back."""
-
-    async def run() -> list[Record]:
-        await write_fault_run(path)
-        async with SQLiteStore.open(path) as store:
-            return await store.read()
-
-    return anyio.run(run)
+    return read_back(anyio.run(write_health_run, path))
 
 
 def write_fault_run_sync(path: Path) -> Path:
-    """:func:`write_fault_run` from synchronous code (module-scoped fixtures, CLI tests)."""
+    """:func:`write_fault_run` from synchronous code (session-scoped fixtures, CLI tests)."""
     return anyio.run(write_fault_run, path)

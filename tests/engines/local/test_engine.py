@@ -39,9 +39,9 @@ from tests.engines.contract import (
     expect_refusal,
     lora_name_for,
     publish,
-    wait_until,
     write_adapter_dir,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -96,7 +96,9 @@ async def test_duplicate_request_id_is_refused_without_leaking(
     engine.pause_generation()
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: engine.generate(PROMPT, p.name, GREEDY, request_id="r"))
-        await wait_until(lambda: engine.in_flight == 1)  # its id is registered
+        await wait_for(  # its id is registered
+            "the request to be in flight", lambda: engine.in_flight == 1
+        )
         await expect_refusal(
             ErrorCode.BAD_REQUEST, engine.generate(PROMPT, p.name, GREEDY, request_id="r")
         )
@@ -138,7 +140,9 @@ async def test_a_request_queued_for_the_model_when_a_paused_engine_stops_ends(
                 tg.start_soon(scheduler.run_model, hold_the_worker)
                 await anyio.to_thread.run_sync(busy.wait)
                 tg.start_soon(request)
-                await wait_until(lambda: engine.refcount(p.name) == 1)
+                await wait_for(
+                    "the queued request to take its reference", lambda: engine.refcount(p.name) == 1
+                )
                 assert engine.in_flight == 0  # leased, queued behind the worker, not decoding
                 await engine.aclose()
                 release.set()
@@ -162,7 +166,7 @@ async def test_abort_interrupts_decoding_and_releases_once(
         tg.start_soon(run)
         # in the scheduler, not just leased: a lease is taken before the prompt is tokenized
         # (on the model worker), and an abort before the request registers finds nothing
-        await wait_until(lambda: engine.in_flight == 1)
+        await wait_for("the request to be in flight", lambda: engine.in_flight == 1)
         assert engine.abort("r1") is True
         engine.abort("r1")  # a duplicated abort is harmless
     assert result[0].finish_reason == "abort"
@@ -180,7 +184,7 @@ async def test_cancelled_caller_releases_the_reference(
     engine.pause_generation()
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.generate, PROMPT, p.name, LONG)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_for("the request to take its reference", lambda: engine.refcount(p.name) == 1)
         tg.cancel_scope.cancel()  # the caller goes away (disconnect, timeout, shutdown)
     assert engine.refcount(p.name) == 0
     assert engine.in_flight == 0
@@ -201,7 +205,10 @@ async def test_parallel_children_share_one_reference(
             results.append(await engine.generate(PROMPT, p.name, params))
 
         tg.start_soon(run)
-        await wait_until(lambda: engine.refcount(p.name) == 1 and engine.in_flight == 1)
+        await wait_for(
+            "the parallel request to take one reference and start",
+            lambda: engine.refcount(p.name) == 1 and engine.in_flight == 1,
+        )
         await anyio.sleep(0.05)  # children forked: still one reference, not four
         assert engine.refcount(p.name) == 1
         engine.continue_generation()
@@ -219,7 +226,7 @@ async def test_unload_waits_for_every_parallel_child(
     engine.pause_generation()
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.generate, PROMPT, p.name, params)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_for("the request to take its reference", lambda: engine.refcount(p.name) == 1)
 
         async def unload() -> None:
             await engine.unload(p.name)
@@ -247,7 +254,9 @@ async def test_aborted_parallel_request_releases_once(
             out.append(await engine.generate(PROMPT, p.name, params, request_id="par"))
 
         tg.start_soon(run)
-        await wait_until(lambda: engine.in_flight == 1)  # registered: the abort finds it
+        await wait_for(  # registered: the abort finds it
+            "the parallel request to be in flight", lambda: engine.in_flight == 1
+        )
         assert engine.abort("par") is True
     assert [c.finish_reason for c in out[0].choices] == ["abort"] * 3
     assert engine.refcount(p.name) == 0
@@ -273,9 +282,9 @@ async def test_unload_unregisters_at_once_and_frees_after_the_last_request(
             results["unload"] = await engine.unload(p.name)
 
         tg.start_soon(request)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_for("the request to take its reference", lambda: engine.refcount(p.name) == 1)
         tg.start_soon(unload)
-        await wait_until(lambda: engine.draining() == [p.name])
+        await wait_for("the unload to start draining", lambda: engine.draining() == [p.name])
         # unregistered at once: gone from inventory, new requests refused immediately ...
         assert p.name not in (await engine.inventory()).names()
         with anyio.fail_after(0.5):
@@ -296,13 +305,13 @@ async def test_cancelled_unload_caller_does_not_cancel_the_drain(
     engine.pause_generation()
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.generate, PROMPT, p.name, LONG)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_for("the request to take its reference", lambda: engine.refcount(p.name) == 1)
         with anyio.move_on_after(0.1) as scope:
             await engine.unload(p.name)  # the caller gives up (timeout, disconnect)
         assert scope.cancelled_caught
         assert engine.draining() == [p.name] and engine.model_adapters() != []
         engine.continue_generation()
-    await wait_until(lambda: engine.model_adapters() == [])
+    await wait_for("the drained adapter to be freed", lambda: engine.model_adapters() == [])
     assert_no_state(engine)
     again = await engine.unload(p.name)
     assert again.was_loaded is False
@@ -316,13 +325,13 @@ async def test_retried_unload_during_a_drain_answers_when_the_drain_is_done(
     engine.pause_generation()
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.generate, PROMPT, p.name, LONG)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_for("the request to take its reference", lambda: engine.refcount(p.name) == 1)
 
         async def unload() -> None:
             answers.append((await engine.unload(p.name)).was_loaded)
 
         tg.start_soon(unload)
-        await wait_until(lambda: engine.draining() == [p.name])
+        await wait_for("the first unload to start draining", lambda: engine.draining() == [p.name])
         tg.start_soon(unload)  # a retry while the first still waits
         await anyio.sleep(0.05)
         assert answers == []
@@ -779,7 +788,7 @@ async def test_a_stopped_engine_refuses_nothing_cleanly(
                 results.append(exc)
 
         tg.start_soon(request)
-        await wait_until(lambda: engine.refcount(p.name) == 1)
+        await wait_for("the request to take its reference", lambda: engine.refcount(p.name) == 1)
         await engine.aclose()
     assert [type(r) for r in results] == [AmbiguousReply]
     assert engine.refcount(p.name) == 0

@@ -1,7 +1,8 @@
-"""Acceptance of the Ray deployment (issue 6): on a local Ray instance, a trainer actor
-publishes 3 versions to 2 engine actors while 4 rollout-worker actors run multi-turn sessions
-through the Ray client; the ledger actor is killed and recreated mid-run and recovers every
-binding from its log; the results equal the in-process run's.
+"""The Ray deployment gives the in-process run's results, across a ledger actor's restart: on a
+local Ray instance, a trainer actor publishes 3 versions to 2 engine actors while 4
+rollout-worker actors run multi-turn sessions through the Ray client; the ledger actor is
+killed and recreated mid-run and recovers every binding from its log; the results equal the
+in-process run's.
 
 See :mod:`tests.ray.scenario` for the script. Checked here:
 

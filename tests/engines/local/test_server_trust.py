@@ -33,10 +33,10 @@ from engines.local.server import (
     serve,
 )
 from tests.engines.contract import candidate_for, publish
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.anyio
 
-REPO = Path(__file__).resolve().parents[2]
 TOKEN = "engine-secret-0123456789"
 POST_ROUTES = sorted(
     {p for p in CONTROL_PATHS if p != "/loraledger/inventory"} | {"/generate"},

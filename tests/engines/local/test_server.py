@@ -23,7 +23,7 @@ from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode, SamplingPa
 from engines.local.admission import ServingLimits
 from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
-from engines.local.server import running_server
+from engines.local.server import running_server, serve
 from engines.sglang import SGLangEngine, SGLangTimeouts
 from tests.engines.contract import (
     GREEDY,
@@ -31,13 +31,13 @@ from tests.engines.contract import (
     candidate_for,
     expect_refusal,
     publish,
-    wait_until,
     write_adapter_dir,
 )
+from tests.support.paths import REPO
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
-REPO = Path(__file__).resolve().parents[2]
 LORA_UPDATE_KEYS = {"rid", "http_worker_ipc", "success", "error_message", "loaded_adapters"}
 LONG = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
@@ -211,9 +211,14 @@ async def test_unload_returns_only_after_in_flight_requests_drained(
             order.append("unload")
 
         tg.start_soon(generate)
-        await wait_until(lambda: engine.refcount("agent@v6") == 1)
+        await wait_for(
+            "the request to take its reference on agent@v6",
+            lambda: engine.refcount("agent@v6") == 1,
+        )
         tg.start_soon(unload)
-        await wait_until(lambda: engine.draining() == ["agent@v6"])
+        await wait_for(
+            "the unload of agent@v6 to start draining", lambda: engine.draining() == ["agent@v6"]
+        )
         await anyio.sleep(0.1)
         assert order == []
         engine.continue_generation()
@@ -248,9 +253,14 @@ async def test_request_during_a_drain_waits_then_implicitly_reloads(
             order.append("unload")
 
         tg.start_soon(generate, "old")
-        await wait_until(lambda: engine.refcount("agent@v7") == 1)
+        await wait_for(
+            "the request to take its reference on agent@v7",
+            lambda: engine.refcount("agent@v7") == 1,
+        )
         tg.start_soon(unload)
-        await wait_until(lambda: engine.draining() == ["agent@v7"])
+        await wait_for(
+            "the unload of agent@v7 to start draining", lambda: engine.draining() == ["agent@v7"]
+        )
         tg.start_soon(generate, "new")
         await anyio.sleep(0.1)
         assert engine.loaded_adapters() == {}  # the new request did not get in
@@ -299,7 +309,10 @@ async def test_a_disconnected_generation_releases_its_adapter(
         with pytest.raises(AmbiguousReply) as info:
             await impatient.generate(PROMPT, "agent@v9", GREEDY)
         assert info.value.code == ErrorCode.TIMEOUT and info.value.dispatched
-        await wait_until(lambda: engine.refcount("agent@v9") == 0 and engine.in_flight == 0)
+        await wait_for(
+            "the aborted request to let go of agent@v9",
+            lambda: engine.refcount("agent@v9") == 0 and engine.in_flight == 0,
+        )
         with anyio.fail_after(2):  # still paused, yet nothing holds the adapter
             r = await client.post("/unload_lora_adapter", json={"lora_name": "agent@v9"})
         assert r.status_code == 200
@@ -331,13 +344,13 @@ async def test_a_timed_out_unload_caller_does_not_stop_the_drain(
                     "/generate", json={"text": PROMPT, "lora_path": name, "sampling_params": LONG}
                 )
             )
-            await wait_until(lambda: engine.refcount(name) == 1)
+            await wait_for("the request to take its reference", lambda: engine.refcount(name) == 1)
             with pytest.raises(AmbiguousReply) as info:
                 await impatient.unload(name, attempt=p.candidate.attempt if staged else None)
             assert info.value.code == ErrorCode.TIMEOUT
             assert engine.draining() == [name] and engine.model_adapters() != []
             engine.continue_generation()
-        await wait_until(lambda: engine.model_adapters() == [])
+        await wait_for("the drained adapter to be freed", lambda: engine.model_adapters() == [])
         assert name not in (await impatient.inventory()).names()
     finally:
         await impatient.aclose()
@@ -362,7 +375,7 @@ async def test_abort_pause_continue_and_flush(
             results.append(r.json())
 
         tg.start_soon(generate)
-        await wait_until(lambda: engine.in_flight == 1)
+        await wait_for("the request to be in flight", lambda: engine.in_flight == 1)
         busy = await client.post("/flush_cache")
         assert busy.status_code == 400
         assert (await client.post("/abort_request", json={"rid": "abc"})).status_code == 200
@@ -453,3 +466,21 @@ async def test_clean_refusals_keep_their_codes_over_http(
         assert r.status_code == 400 and r.json()["error"]["code"] == ErrorCode.BAD_REQUEST
     finally:
         await staged.aclose()
+
+
+async def test_a_server_ended_by_cancellation_stops_listening() -> None:
+    """``serve()`` ended by cancelling its scope (how a structured-concurrency block ends) shuts
+    uvicorn down like a clean exit: the next server of the same event loop answers. Before the
+    fix the listener stayed registered with the loop while its socket was closed, so the next
+    server whose socket reused the file descriptor accepted TCP connections and never answered
+    them (found by the crash-point harness: fresh engines per crash point hung on their first
+    request)."""
+    async with LocalEngine("e0") as engine:
+        for _ in range(4):
+            with anyio.CancelScope() as scope:
+                async with serve(engine) as url:
+                    async with httpx.AsyncClient(trust_env=False) as client:
+                        response = await client.get(f"{url}/health", timeout=5)
+                    assert response.status_code == 200
+                    scope.cancel()
+            assert scope.cancelled_caught
