@@ -13,7 +13,6 @@ import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -21,8 +20,7 @@ import pytest
 import engines
 import evlog
 import publisher
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def _faces() -> list[ModuleType]:

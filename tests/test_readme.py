@@ -36,9 +36,9 @@ import httpx
 import msgspec
 import pytest
 
+from tests.support.paths import REPO
 from tools.cli import DEFAULT_PORT as SERVE_PORT
 
-REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 
 # Blocks that are commands for a person but that this test must not run, each with the reason.

@@ -528,8 +528,8 @@ class EngineContract:
         """``unload_drains=False`` (vLLM): the unload answers while a request still runs on the
         adapter, the name is gone at once, and the request finishes on its adapter. Nothing on
         such an engine waits for running requests, so only the ledger's in-flight rule keeps a
-        version loaded under them (``tests/publisher/test_reclaim_inflight.py`` runs the reclaim
-        driver and the reconciler against an engine declared this way)."""
+        version loaded under them (``tests/publisher/drivers/test_reclaim_inflight.py`` runs the
+        reclaim driver and the reconciler against an engine declared this way)."""
         if eut.caps.unload_drains or not eut.caps.can_hold:
             pytest.skip("engine's unload drains (the draining test covers it), or cannot hold")
         assert eut.hold is not None and eut.release is not None

@@ -41,7 +41,8 @@ from engines.tensor_wire import (
     encode_tensors,
 )
 from tests.engines.contract import GREEDY, PROMPT, candidate_for, expect_refusal, publish
-from tests.tools.conftest import REPO, script_env
+from tests.support.paths import REPO
+from tests.tools.conftest import script_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -29,8 +29,9 @@ import asyncpg
 
 from evlog.stores import is_shared, open_store
 from tests.support.fixtures import run_blocking
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 STARTUP_TIMEOUT_S = 30.0
 
 

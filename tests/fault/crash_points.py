@@ -39,9 +39,10 @@ from projections import invariants
 from projections.registry import RegistryState, VersionState, evolve
 from tests.fault.crash_child import FINAL_DEFAULT, SCENARIOS
 from tests.fault.engine_host import HostedEngine, hosted_engines
+from tests.support.paths import REPO
 from tools.verify import verify_log
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 LIFE_TIMEOUT_S = 120.0
 ENGINES = ("e0", "e1")
 

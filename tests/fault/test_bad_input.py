@@ -395,7 +395,8 @@ def test_replay_into_a_closed_pipe_exits_quietly(small_log: Path) -> None:
     Like a Unix tool killed by SIGPIPE: nothing on stderr, exit 141 (128 + 13). The reader
     closes its end before the command writes (its start-up alone takes far longer than
     ``close``), so the first write meets a closed pipe, every time."""
-    from tests.tools.conftest import REPO, console_script, script_env
+    from tests.support.paths import REPO
+    from tests.tools.conftest import console_script, script_env
 
     for args in (["replay", str(small_log)], ["replay", str(small_log), "--json"]):
         _count("cli output")

@@ -49,8 +49,9 @@ from publisher.gateway.affinity import rendezvous
 from tests.fault.conftest import record_figure
 from tests.publisher.plane_kit import adapter_copy
 from tests.support.log import events_of
+from tests.support.paths import REPO
 from tests.support.waiting import wait_for
-from tests.tools.conftest import REPO, console_script, script_env
+from tests.tools.conftest import console_script, script_env
 from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
 

@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 
 from tests.fault.conftest import record_figure
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 _LINE = re.compile(r"^(\d+)\s+(.*)$")
 _OPEN_WAL = re.compile(r'openat\(.*"[^"]*-wal".*\)\s+=\s+(\d+)')
 _CALL = re.compile(r"^(pwrite64|write|fdatasync|fsync)\((\d+)")

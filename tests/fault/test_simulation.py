@@ -34,8 +34,9 @@ from publisher.drivers.plane import ControlPlane
 from tests.fault.conftest import record_figure
 from tests.fault.sim_world import INCIDENT_EVENTS_MAX, SimConfig, SimResult, run_seed
 from tests.fault.simloop import run_simulated, sim_clock
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 SEEDS = 300
 SLOW_SEEDS = 3000
 SHOWCASE = 10  # a seed with a controller crash, an engine fault mix and a worker death

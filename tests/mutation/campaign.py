@@ -46,7 +46,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
+
+ROOT = REPO
 SURVIVORS_FILE = Path(__file__).with_name("survivors.toml")
 PACKAGES = ("evlog", "projections", "publisher", "engines", "tools")
 # The decider's validators whose last argument is only a word of their error message (the others
@@ -90,12 +92,13 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "publisher/core/decider/reclaim.py",
             ),
             (
-                "tests/publisher/test_decider.py",
-                "tests/publisher/test_decider_outcomes.py",
-                "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
-                "tests/publisher/test_ledger_model.py",
-                "tests/publisher/test_owner_incarnations.py",  # incarnations, deregistration
-                "tests/publisher/test_check_order.py",  # one check order, cell by cell
+                "tests/publisher/core/test_decider.py",
+                "tests/publisher/core/test_decider_outcomes.py",
+                # suspension, lost adapters, owed drops
+                "tests/publisher/core/test_decider_health.py",
+                "tests/publisher/core/test_ledger_model.py",
+                "tests/publisher/core/test_owner_incarnations.py",  # incarnations, deregistration
+                "tests/publisher/core/test_check_order.py",  # one check order, cell by cell
                 "tests/projections",
             ),
             gated=True,
@@ -104,12 +107,13 @@ CAMPAIGNS: dict[str, Campaign] = {
             "registry",
             ("projections/registry.py", "projections/transitions.py"),
             (
-                "tests/publisher/test_decider.py",
-                "tests/publisher/test_decider_outcomes.py",
-                "tests/publisher/test_decider_health.py",  # suspension, lost adapters, owed drops
-                "tests/publisher/test_ledger_model.py",
-                "tests/publisher/test_owner_incarnations.py",  # incarnations, deregistration
-                "tests/publisher/test_check_order.py",  # one check order, cell by cell
+                "tests/publisher/core/test_decider.py",
+                "tests/publisher/core/test_decider_outcomes.py",
+                # suspension, lost adapters, owed drops
+                "tests/publisher/core/test_decider_health.py",
+                "tests/publisher/core/test_ledger_model.py",
+                "tests/publisher/core/test_owner_incarnations.py",  # incarnations, deregistration
+                "tests/publisher/core/test_check_order.py",  # one check order, cell by cell
                 "tests/projections",
             ),
             gated=True,
@@ -148,12 +152,14 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "publisher/gateway/inflight.py",
             ),
             (
-                "tests/publisher/test_gateway.py",
-                "tests/publisher/test_gateway_dispatch.py",
-                "tests/publisher/test_errors.py",  # each dispatch code's family
-                "tests/publisher/test_reclaim_inflight.py",  # in-flight evidence, read by reclaim
-                "tests/publisher/test_staleness.py",  # check_staleness, staleness
-                "tests/publisher/test_gateway_elsewhere.py",  # tried elsewhere, engine trouble
+                "tests/publisher/gateway/test_gateway.py",
+                "tests/publisher/gateway/test_gateway_dispatch.py",
+                "tests/publisher/core/test_errors.py",  # each dispatch code's family
+                # in-flight evidence, read by reclaim
+                "tests/publisher/drivers/test_reclaim_inflight.py",
+                "tests/publisher/gateway/test_staleness.py",  # check_staleness, staleness
+                # tried elsewhere, engine trouble
+                "tests/publisher/gateway/test_gateway_elsewhere.py",
             ),
             gated=True,
         ),
@@ -161,10 +167,10 @@ CAMPAIGNS: dict[str, Campaign] = {
             "reclaim",
             ("publisher/drivers/reclaim.py",),
             (
-                "tests/publisher/test_reclaim.py",
-                "tests/publisher/test_reclaim_inflight.py",
-                "tests/publisher/test_reclaim_answers.py",
-                "tests/publisher/test_reclaim_driver.py",  # the loop, timeouts, artifacts
+                "tests/publisher/drivers/test_reclaim.py",
+                "tests/publisher/drivers/test_reclaim_inflight.py",
+                "tests/publisher/drivers/test_reclaim_answers.py",
+                "tests/publisher/drivers/test_reclaim_driver.py",  # the loop, timeouts, artifacts
             ),
             gated=True,
         ),

@@ -14,8 +14,8 @@ Run it inside a campaign's mutants folder (``campaign.py NAME --keep DIR`` makes
 writes the ``.meta`` files, one per mutated module, as soon as it has generated the mutants)::
 
     cd DIR/NAME/mutants && MUTANT_UNDER_TEST= python -m tests.mutation.quick_check \
-        publisher/core/decider/fleet.py.meta out.json tests.publisher.test_decider \
-        tests.publisher.test_decider_outcomes
+        publisher/core/decider/fleet.py.meta out.json tests.publisher.core.test_decider \
+        tests.publisher.core.test_decider_outcomes
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.publisher.book import Book
+from tests.publisher.core.book import Book
 
 Case = tuple[str, Callable[..., Any], dict[str, Any]]
 

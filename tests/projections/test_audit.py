@@ -53,7 +53,7 @@ def test_a_forgotten_session_that_binds_again_is_a_second_life() -> None:
         )  # fmt: skip
 
     from publisher.core import commands as c
-    from tests.publisher.book import Book
+    from tests.publisher.core.book import Book
 
     book = Book().bootstrap()
     book.publish(1)

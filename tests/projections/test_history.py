@@ -8,7 +8,7 @@ from evlog.memory import MemoryStore
 from evlog.record import pending
 from projections.history import History
 from publisher.core import commands as c
-from tests.publisher.book import Book, digest_of
+from tests.publisher.core.book import Book, digest_of
 
 
 async def _history_of(book: Book, **kwargs: object) -> History:

@@ -48,7 +48,7 @@ from projections.status import status_of
 from projections.transitions import TransitionViolation
 from publisher.core import commands as c
 from publisher.core.errors import Code
-from tests.publisher.book import Book, digest_of
+from tests.publisher.core.book import Book, digest_of
 
 # --- states the impossible events are applied to ----------------------------------------------
 

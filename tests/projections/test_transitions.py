@@ -24,7 +24,7 @@ from projections import registry
 from projections.registry import RegistryState, encode_state, evolve
 from projections.transitions import TRANSITIONS, TransitionViolation, VersionState, next_state
 from publisher.core import commands as c
-from tests.publisher.book import Book
+from tests.publisher.core.book import Book
 
 
 def _published_twice() -> Book:

@@ -19,8 +19,7 @@ import pytest
 import structlog
 
 from publisher.logs import get_logger, render
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
 
 PROGRAM = textwrap.dedent(
     """

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.paths import REPO
 from tools.cli import app
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class Cli:

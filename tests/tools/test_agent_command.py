@@ -21,7 +21,8 @@ from engines.local.server import running_server
 from engines.sglang import SGLangEngine
 from tests.engines.contract import GREEDY, PROMPT, candidate_for, publish
 from tests.engines.test_contract_local import LIMITS
-from tests.tools.conftest import REPO, console_script, run_script, script_env
+from tests.support.paths import REPO
+from tests.tools.conftest import console_script, run_script, script_env
 from tools.service_options import parse_engine
 
 pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::UserWarning")]

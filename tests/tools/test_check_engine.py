@@ -35,7 +35,8 @@ from engines.local.tinymodel import ModelShapes, ensure_tiny_model
 from engines.sglang import SGLangEngine
 from engines.testing import RestartableEngine
 from tests.engines.faulty_engine import FaultyEngine, Restart, Swallow
-from tests.tools.conftest import REPO, run_script, script_env
+from tests.support.paths import REPO
+from tests.tools.conftest import run_script, script_env
 from tools.check_engine import Report, Target, render, run_checks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # peft's active-adapter notes

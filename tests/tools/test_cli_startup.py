@@ -24,7 +24,8 @@ import anyio
 import httpx
 import pytest
 
-from tests.tools.conftest import REPO, Cli, console_script, script_env
+from tests.support.paths import REPO
+from tests.tools.conftest import Cli, console_script, script_env
 from tests.tools.serving import serving
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening

@@ -35,13 +35,14 @@ from publisher.remote.http import HttpLedger, RemoteLedgerError
 from publisher.remote.wire import WireCode
 from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
+from tests.support.paths import REPO
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
 from tools.service_options import parse_engine
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 TOKEN = "gateway-process-token"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 
 @asynccontextmanager

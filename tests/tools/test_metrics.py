@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 
 from publisher.core import commands as c
 from publisher.gateway.provenance import MemorySink, ProvenanceRow
-from tests.publisher.book import Book
+from tests.publisher.core.book import Book
 from tools.metrics import LedgerMetrics, StalenessSink
 
 

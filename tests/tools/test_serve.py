@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.guard import is_loopback
-from tests.tools.conftest import REPO, Cli, console_script, script_env
+from tests.support.paths import REPO
+from tests.tools.conftest import Cli, console_script, script_env
 from tools.exitcodes import Exit
 from tools.serve import ServeOptions, serve
 from tools.service_options import parse_engine

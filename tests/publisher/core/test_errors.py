@@ -25,8 +25,9 @@ from publisher.drivers.fleet import Fleet, FleetError
 from publisher.drivers.publication import PUBLICATION_FAILED, ErrorKind, PublicationError
 from publisher.gateway import DispatchCode, DispatchError
 from publisher.sessions import RolloutWorker
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
     Code.INVALID_VERSION: InvalidInput,

@@ -24,7 +24,7 @@ from evlog.events import (
 from projections.registry import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code
-from tests.publisher.book import Book
+from tests.publisher.core.book import Book
 
 ENGINES = ("e0", "e1", "e2")
 

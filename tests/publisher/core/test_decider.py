@@ -31,7 +31,7 @@ from publisher.core import commands as c
 from publisher.core.decider import check_lease
 from publisher.core.errors import Code
 from publisher.core.outcomes import Allocated, Bound, Released, Skipped
-from tests.publisher.book import Book, digest_of
+from tests.publisher.core.book import Book, digest_of
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import get_args
 
 import msgspec
@@ -21,9 +20,10 @@ from projections import invariants
 from projections.registry import encode_state, evolve
 from publisher.core import commands as c
 from publisher.core.decider import decide
-from tests.publisher.book import Book, digest_of
+from tests.publisher.core.book import Book, digest_of
+from tests.support.paths import REPO
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "state-machine.md"
+DOC = REPO / "docs" / "state-machine.md"
 TARGET = 3  # the version whose state the table's columns name
 RECORDED = {"ReceiptRejected", "VerdictConflict", "PublicationBlocked"}
 

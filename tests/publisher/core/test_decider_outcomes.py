@@ -51,7 +51,7 @@ from publisher.core.outcomes import (
     Skipped,
     UnloadRecorded,
 )
-from tests.publisher.book import Book, digest_of
+from tests.publisher.core.book import Book, digest_of
 
 
 @pytest.fixture

@@ -42,8 +42,9 @@ from tests.publisher.plane_kit import (
     open_plane,
 )
 from tests.support.log import events, of_type
+from tests.support.paths import REPO
 from tests.support.waiting import wait_for
-from tests.tools.conftest import REPO, script_env
+from tests.tools.conftest import script_env
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 

@@ -3,7 +3,7 @@ publications, binds and releases forever, printing one acknowledgement per answe
 
 An acknowledgement is printed only after the ledger answered (so after COMMIT): the parent
 kills this process at arbitrary points and then checks that every acknowledged outcome is in
-the log. Usage: ``python -m tests.publisher.crash_child DB RUN_ID``.
+the log. Usage: ``python -m tests.publisher.core.crash_child DB RUN_ID``.
 
 Besides ``ACK <kind> <fields...> <last seq>``, the store prints ``DURABLE <seq>`` as soon as an
 append returned (its COMMIT is done), before the ledger can answer anybody: the parent can

@@ -26,7 +26,7 @@ from publisher.core import commands as c
 from publisher.core.decider import check_lease, decide
 from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound, Deregistered, Done, Expired, ReclaimGranted
-from tests.publisher.book import Book
+from tests.publisher.core.book import Book
 
 
 @pytest.fixture

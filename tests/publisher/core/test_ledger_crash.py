@@ -30,8 +30,9 @@ from evlog.events import (
 from evlog.record import Record
 from evlog.sqlite import SQLiteStore
 from projections.recovery import recover
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 
 Ack = tuple[list[str], int]  # (kind and fields, the last seq reported DURABLE before it)
@@ -41,7 +42,7 @@ def run_and_kill(db: Path, run_id: str, acks_before_kill: int, durable: int) -> 
     """Start the child, read acknowledgements until ``acks_before_kill``, SIGKILL it by PID.
     ``durable``: the records in the file when it starts (committed before any answer)."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.publisher.crash_child", str(db), run_id],
+        [sys.executable, "-m", "tests.publisher.core.crash_child", str(db), run_id],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

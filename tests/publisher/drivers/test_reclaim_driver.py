@@ -35,8 +35,8 @@ from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.reclaim import ReclaimDriver
+from tests.publisher.drivers.test_reclaim_answers import Pokes, Unloads, e1_is
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, Clock, Rig, rig
-from tests.publisher.test_reclaim_answers import Pokes, Unloads, e1_is
 from tests.support.log import events_of
 from tests.support.waiting import wait_for
 
