@@ -3,27 +3,20 @@
 The in-process :class:`~publisher.core.ledger.Ledger` is a :class:`LedgerPort`; so is a remote
 ledger (:class:`~publisher.remote.client.RemoteLedger`, over HTTP or Ray). Every command a
 worker sends (register, bind, release, forget, deregister) is idempotent in the ledger, so a
-call whose reply was lost is simply asked again (:func:`execute_with_retry`,
-:func:`call_with_retry`): asking twice cannot act twice.
+call whose reply was lost is simply asked again, as :class:`RetryPolicy` says: asking twice
+cannot act twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
-
-import anyio
+from typing import Protocol
 
 from evlog.errors import LoraLedgerError, StoreCode
 from publisher.core import commands as c
 from publisher.core.errors import Code
 from publisher.core.outcomes import Deregistered, Done, Outcome
-from publisher.logs import get_logger
-
-log = get_logger("loraledger.sessions")
-
-T = TypeVar("T")
 
 # Refusals that only say "the write did not happen, ask again" (idempotent commands only).
 RETRYABLE_CODES = frozenset({StoreCode.STORE_FAILED})
@@ -74,47 +67,3 @@ class RetryPolicy:
         if isinstance(exc, LoraLedgerError):
             return exc.code in RETRYABLE_CODES
         return isinstance(exc, self.transient)
-
-
-async def execute_with_retry(
-    ledger: LedgerPort, commands: Sequence[c.Command], policy: RetryPolicy, *, owner: str
-) -> list[Outcome | LoraLedgerError]:
-    """``execute_many`` with retries of lost replies and retryable refusals (only the commands
-    still unanswered are asked again). Refusals come back in place."""
-    results: list[Outcome | LoraLedgerError | None] = [None] * len(commands)
-    pending = list(range(len(commands)))
-    for attempt in range(policy.attempts):
-        last = attempt == policy.attempts - 1
-        try:
-            answers = await ledger.execute_many([commands[i] for i in pending])
-        except Exception as exc:
-            if last or not policy.retryable(exc):
-                raise
-            log.warning("sessions.retry", owner=owner, attempt=attempt, error=repr(exc))
-            await anyio.sleep(policy.delay(attempt))
-            continue
-        again: list[int] = []
-        for index, answer in zip(pending, answers, strict=True):
-            if not last and isinstance(answer, LoraLedgerError) and policy.retryable(answer):
-                again.append(index)
-            else:
-                results[index] = answer
-        pending = again
-        if not pending:
-            break
-        await anyio.sleep(policy.delay(attempt))
-    answered = [r for r in results if r is not None]
-    assert len(answered) == len(commands), "every command is answered or the call raised"
-    return answered
-
-
-async def call_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
-    """One idempotent call (register, deregister), asked again after a lost reply."""
-    for attempt in range(policy.attempts):
-        try:
-            return await call()
-        except Exception as exc:
-            if attempt == policy.attempts - 1 or not policy.retryable(exc):
-                raise
-            await anyio.sleep(policy.delay(attempt))
-    raise AssertionError("unreachable: the last attempt returns or raises")

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -44,15 +44,11 @@ from publisher.core.outcomes import Bound, Deregistered, Forgotten, Outcome, Rel
 from publisher.gateway import Gateway, InFlightCounter
 from publisher.logs import get_logger
 from publisher.sessions.binder import IDLE_CAUSE, SessionBinder, Slot
-from publisher.sessions.port import (
-    OWNER_LOST_CODES,
-    LedgerPort,
-    RetryPolicy,
-    call_with_retry,
-    execute_with_retry,
-)
+from publisher.sessions.port import OWNER_LOST_CODES, LedgerPort, RetryPolicy
 
 log = get_logger("loraledger.sessions")
+
+T = TypeVar("T")
 
 
 class RolloutWorker:
@@ -151,11 +147,8 @@ class RolloutWorker:
             deregister_on_exit=deregister_on_exit,
         )
         worker._forget_lock = anyio.Lock()
-        await call_with_retry(
-            lambda: worker.ledger.register_owner(
-                owner, ttl_s=ttl_s, incarnation=worker.incarnation
-            ),
-            worker.retry,
+        await worker._call(
+            lambda: worker.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=worker.incarnation)
         )
         async with anyio.create_task_group() as tg:
             worker._tg = tg
@@ -465,7 +458,46 @@ class RolloutWorker:
         return LedgerError(Code.INVALID_STATE, f"unexpected outcome {result!r}")
 
     async def _execute(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
-        return await execute_with_retry(self.ledger, commands, self.retry, owner=self.owner)
+        """``execute_many`` with retries of lost replies and retryable refusals (only the
+        commands still unanswered are asked again). Refusals come back in place."""
+        policy = self.retry
+        results: list[Outcome | LoraLedgerError | None] = [None] * len(commands)
+        pending = list(range(len(commands)))
+        for attempt in range(policy.attempts):
+            last = attempt == policy.attempts - 1
+            try:
+                answers = await self.ledger.execute_many([commands[i] for i in pending])
+            except Exception as exc:
+                if last or not policy.retryable(exc):
+                    raise
+                log.warning("sessions.retry", owner=self.owner, attempt=attempt, error=repr(exc))
+                await anyio.sleep(policy.delay(attempt))
+                continue
+            again: list[int] = []
+            for index, answer in zip(pending, answers, strict=True):
+                if not last and isinstance(answer, LoraLedgerError) and policy.retryable(answer):
+                    again.append(index)
+                else:
+                    results[index] = answer
+            pending = again
+            if not pending:
+                break
+            await anyio.sleep(policy.delay(attempt))
+        answered = [r for r in results if r is not None]
+        assert len(answered) == len(commands), "every command is answered or the call raised"
+        return answered
+
+    async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """One idempotent call (register, deregister), asked again after a lost reply."""
+        policy = self.retry
+        for attempt in range(policy.attempts):
+            try:
+                return await call()
+            except Exception as exc:
+                if attempt == policy.attempts - 1 or not policy.retryable(exc):
+                    raise
+                await anyio.sleep(policy.delay(attempt))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     # --- the end -------------------------------------------------------------------------------
 
@@ -481,9 +513,8 @@ class RolloutWorker:
         if self._lost is not None:
             return None
         try:
-            outcome = await call_with_retry(
-                lambda: self.ledger.deregister_owner(self.owner, incarnation=self.incarnation),
-                self.retry,
+            outcome = await self._call(
+                lambda: self.ledger.deregister_owner(self.owner, incarnation=self.incarnation)
             )
         except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
