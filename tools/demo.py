@@ -36,13 +36,17 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
+
+if TYPE_CHECKING:
+    from engines.testing import RestartableEngine
+    from publisher.core.ledger import Ledger
 
 log = get_logger("loraledger.demo")
 
@@ -451,7 +455,7 @@ async def _vllm_engine(stack: AsyncExitStack, directory: Path, python: Path | No
     return member
 
 
-async def _restart(host: Any, ledger: Any) -> None:
+async def _restart(host: RestartableEngine, ledger: Ledger) -> None:
     """Restart engine e1 and wait until the reconciler repaired it (routable, new incarnation)."""
     engine = host.engine_id
     old = ledger.state.engines[engine].incarnation
@@ -466,7 +470,7 @@ async def _restart(host: Any, ledger: Any) -> None:
     log.info("demo.repaired", engine=engine, incarnation=ledger.state.engines[engine].incarnation)
 
 
-async def _settle(ledger: Any, timeout: float = 60.0) -> None:
+async def _settle(ledger: Ledger, timeout: float = 60.0) -> None:
     """Wait until every retired version is reclaimed (the reclaim driver runs on its own)."""
     from projections.registry import VersionState
 
@@ -479,7 +483,7 @@ async def _settle(ledger: Any, timeout: float = 60.0) -> None:
     await until(ledger, settled, timeout=timeout)
 
 
-async def until(ledger: Any, predicate: Callable[[], bool], *, timeout: float) -> None:
+async def until(ledger: Ledger, predicate: Callable[[], bool], *, timeout: float) -> None:
     """Wait until ``predicate`` (of the ledger's state) holds: re-checked at every committed
     record, since every state change is one (no polling)."""
     with anyio.fail_after(timeout):

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -50,6 +50,13 @@ from tools.service_options import (
     check_service_options,
     openai_options,
 )
+
+if TYPE_CHECKING:
+    from engines.contract import Engine
+    from publisher.core.ledger import Ledger
+    from publisher.drivers.plane import ControlPlane
+    from publisher.openai import OpenAIGateway
+    from tools.metrics import LedgerMetrics
 
 log = get_logger("loraledger.serve")
 
@@ -123,12 +130,12 @@ def check_options(opts: ServeOptions) -> None:
     seconds("fenced_linger_s", opts.fenced_linger_s, zero="stop at once")
 
 
-async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServiceOptions) -> Any:
+async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServiceOptions) -> Engine:
     """A live engine handle for ``spec``; closed by ``stack``."""
     if spec.kind == "sglang":
         from engines.sglang import SGLangEngine
 
-        engine: Any = SGLangEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
+        engine: Engine = SGLangEngine(spec.url or "", spec.engine_id, api_key=opts.engine_token)
     elif spec.kind == "sglang-tensors":  # SGLang >= 0.5.17 fed by its tensor route
         from engines.sglang_tensors import SGLangTensorEngine
 
@@ -222,7 +229,7 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
+async def openai_face(plane: ControlPlane, opts: ServeOptions) -> AsyncIterator[OpenAIGateway]:
     """The OpenAI routes next to the ledger (docs/openai.md): one gateway (its in-flight
     counts are reclaim evidence of the plane), one rollout worker owning every session they
     bind, provenance rows as JSON lines next to the log."""
@@ -267,7 +274,7 @@ async def openai_face(plane: Any, opts: ServeOptions) -> AsyncIterator[Any]:
                 await face.aclose()
 
 
-def make_publish(plane: Any) -> Callable[[int, str, bool], Any]:
+def make_publish(plane: ControlPlane) -> Callable[[int, str, bool], Awaitable[Any]]:
     """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``
     (``allow_rollback``: a version lower than the default, on purpose)."""
     from engines.artifacts import ArtifactError, read_adapter_dir
@@ -314,7 +321,7 @@ def _server(app: Any, opts: ServiceOptions, verbosity: int) -> Any:
     return Server(config)
 
 
-async def _follow(ledger: Any, metrics: Any) -> None:
+async def _follow(ledger: Ledger, metrics: LedgerMetrics) -> None:
     """Count and log every committed event (one line per decision, with its seq)."""
     async for record in ledger.subscribe():
         metrics.observe(record)
@@ -387,7 +394,7 @@ async def _stop_when(stop: anyio.Event, server: Any) -> None:
     server.should_exit = True
 
 
-async def _stop_when_fenced(ledger: Any, server: Any, linger_s: float) -> None:
+async def _stop_when_fenced(ledger: Ledger, server: Any, linger_s: float) -> None:
     """Stop once another controller fenced the ledger: nothing here may write again, and the
     turns of sessions bound before are refused (their bindings may be released by now). The
     ledger already refuses everything; ``linger_s`` lets probes and clients hear why."""

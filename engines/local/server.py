@@ -1,5 +1,11 @@
 """One :class:`~engines.local.engine.LocalEngine` over HTTP: SGLang 0.5.x's face + staged endpoints.
 
+Why one module of ~830 lines: it is one concept, SGLang's HTTP face of one engine; its routes,
+the ``/generate`` parsing and rendering they share, and the process that serves them are read
+side by side against SGLang's own server, and a difference between them is a bug. (The OpenAI
+routes, ``engines.local.openai_face``, and the staged wire, ``engines.local.wire``, which follow
+other references, live apart.)
+
 **This is the test stand-in for a GPU SGLang server** (none can run on our CPU machines), so
 the SGLang endpoints reproduce SGLang 0.5.23's observed behaviour (docs/engines.md), not an
 idealised one:

@@ -43,7 +43,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
@@ -75,6 +75,7 @@ from publisher.remote.routing import Mark, RoutingTable
 from publisher.remote.service import LedgerService
 
 if TYPE_CHECKING:
+    from publisher.drivers.plane import ControlPlane
     from publisher.drivers.reconciler import ReconcileReport
 
 DEFAULT_LEDGER_NAME = "ledger"
@@ -166,7 +167,11 @@ class _Service:
     the object store, and runtime fleet changes."""
 
     def __init__(
-        self, ledger: Ledger, plane: Any, config: LedgerConfig, book: EngineBook | None = None
+        self,
+        ledger: Ledger,
+        plane: ControlPlane | None,
+        config: LedgerConfig,
+        book: EngineBook | None = None,
     ) -> None:
         self.ledger = ledger
         self.plane = plane
@@ -246,7 +251,9 @@ class _Service:
         return self._view()
 
     def _view(self) -> FleetView:
-        engines = () if self.plane is None else tuple(self.plane.fleet)
+        # The actor's plane is opened on RayEngine handles, and only RayEngines are added or
+        # replaced through it (add_engine, replace_engine): its fleet holds nothing else.
+        engines = () if self.plane is None else cast(tuple[RayEngine, ...], tuple(self.plane.fleet))
         return FleetView(
             epoch=self.ledger.state.epoch,
             version=self.fleet_version,

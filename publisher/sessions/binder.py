@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
@@ -33,11 +33,8 @@ from evlog.errors import LoraLedgerError
 from projections.staleness import TOO_STALE
 from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound, Released
-from publisher.gateway import Served
+from publisher.gateway import Gateway, Owner, Served
 from publisher.logs import get_logger
-
-if TYPE_CHECKING:
-    from publisher.sessions.worker import RolloutWorker
 
 log = get_logger("loraledger.sessions")
 
@@ -73,6 +70,27 @@ class Slot(Generic[T]):
         return self.value
 
 
+class BinderOwner(Owner, Protocol):
+    """The worker a binder belongs to (a :class:`~publisher.sessions.worker.RolloutWorker`), as
+    the binder sees it: the lease and the in-flight tally the gateway checks and counts (it is
+    the turns' :class:`~publisher.gateway.Owner`), the gateway, and the shared tasks that bind
+    and release many binders in one ledger round trip."""
+
+    @property
+    def gateway(self) -> Gateway: ...
+
+    @property
+    def idle_release_s(self) -> float: ...
+
+    def shared_binds(self, binders: list[SessionBinder]) -> list[Slot[Bound]]: ...
+
+    def idle_released(self, session_id: str) -> bool: ...
+
+    async def close_many(
+        self, binders: list[SessionBinder], *, cancel: bool = False, cause: str | None = None
+    ) -> list[Released | LoraLedgerError]: ...
+
+
 class SessionBinder:
     """One session, as a rollout coroutine sees it. Get one with :meth:`RolloutWorker.session`.
 
@@ -83,7 +101,7 @@ class SessionBinder:
     slots below are where those shared tasks leave their answers (:meth:`answer_bind`,
     :meth:`answer_release`), and ``closing`` / ``release_cause`` are what it reads."""
 
-    def __init__(self, worker: RolloutWorker, session_id: str) -> None:
+    def __init__(self, worker: BinderOwner, session_id: str) -> None:
         self.session_id = session_id
         self._worker = worker
         self._bound: Bound | None = None

@@ -39,9 +39,12 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+
+if TYPE_CHECKING:
+    from engines.contract import Engine
 
 DEFAULT_SIZE_MIB = 64
 RANK_PER_MIB = 128  # q/k/v/o of 2 layers at hidden 128, float32: 8 KiB per rank
@@ -108,7 +111,9 @@ def max_gap(times: Sequence[float], start: float, end: float) -> float:
 
 
 class _Traffic:
-    def __init__(self, engines: Sequence[Any], lora_name: str, streams: int, tokens: int) -> None:
+    def __init__(
+        self, engines: Sequence[Engine], lora_name: str, streams: int, tokens: int
+    ) -> None:
         from engines.contract import SamplingParams
 
         self.engines = engines
@@ -118,7 +123,7 @@ class _Traffic:
         self.done: list[tuple[str, float]] = []
         self.stop = False
 
-    async def _loop(self, engine: Any) -> None:
+    async def _loop(self, engine: Engine) -> None:
         while not self.stop:
             await engine.generate(PROMPT, self.lora_name, self.params)
             self.done.append((engine.engine_id, time.perf_counter()))

@@ -1,14 +1,15 @@
-"""Benchmark of the Ray deployment: binds/s through the ledger actor, next to the seed's design.
+"""Benchmark of the Ray deployment: binds/s through the ledger actor, next to the simplest design.
 
-The seed (Relax's registry) keeps ``session_id -> version`` in a dict inside a
-named Ray actor, one remote call per bind. Everything below runs in ONE local Ray instance,
+The simplest registry keeps ``session_id -> version`` in a dict inside a named Ray actor, one
+remote call per bind, with nothing durable and no lease: the floor a durable ledger is judged
+against. Everything below runs in ONE local Ray instance,
 in the same run, driven the same way: ``concurrency`` asyncio tasks in one client process,
 each binding fresh sessions one call after another; for each concurrency the measures are
 interleaved over ``rounds`` (median kept) so the load of a shared machine hits them alike.
 
 Measured (sessions bound per second), at each client concurrency of ``concurrencies``:
 
-* ``dict_actor`` -- the seed: a sync actor, ``bind(session) -> version`` on a dict, one Ray
+* ``dict_actor`` -- that registry: a sync actor, ``bind(session) -> version`` on a dict, one Ray
   call per bind. The baseline of every ratio.
 * ``ledger_client`` -- the durable ledger actor (SQLite, ``synchronous=FULL``, group commit)
   through :class:`~publisher.ray.client.RayLedger`, one ``bind`` call per session. The client
@@ -16,7 +17,7 @@ Measured (sessions bound per second), at each client concurrency of ``concurrenc
 * ``ledger_batched`` -- the same client, each task binding a GROUP of ``group`` sessions per
   call (``execute_many``: how a rollout worker binds a GRPO group).
 * reference rows, to explain the ratios: ``ledger_per_call`` (one Ray call per bind, no client
-  coalescing), ``async_dict_actor`` (the seed's dict in an async actor: what Ray's async
+  coalescing), ``async_dict_actor`` (the same dict in an async actor: what Ray's async
   dispatch costs by itself), ``ledger_batched_per_call`` (one Ray call per group).
 
 The headline ratios (BENCHMARKS.md: single >= 1, batched >= 10) are taken at the highest
@@ -58,8 +59,8 @@ TARGET_SINGLE = 1.0  # BENCHMARKS.md: at least as fast as the dict actor
 TARGET_BATCHED = 10.0  # and a batched call at least 10x that
 
 
-class SeedRegistry:
-    """The seed's design: a dict behind a (sync) Ray actor, one call per bind."""
+class DictRegistry:
+    """The simplest design: a dict behind a (sync) Ray actor, one call per bind."""
 
     def __init__(self) -> None:
         self._bindings: dict[str, int] = {}
@@ -72,7 +73,7 @@ class SeedRegistry:
         return len(self._bindings)
 
 
-class AsyncSeedRegistry(SeedRegistry):
+class AsyncDictRegistry(DictRegistry):
     """The same dict in an async actor (reference: Ray's async-actor dispatch cost)."""
 
     async def bind(self, session: str) -> int:  # type: ignore[override]
@@ -158,8 +159,8 @@ async def _measure(
     batched_binds: int,
     rounds: int,
 ) -> dict[str, Any]:
-    dict_actor = ray.remote(SeedRegistry).options(num_cpus=0).remote()
-    async_dict = ray.remote(AsyncSeedRegistry).options(num_cpus=0).remote()
+    dict_actor = ray.remote(DictRegistry).options(num_cpus=0).remote()
+    async_dict = ray.remote(AsyncDictRegistry).options(num_cpus=0).remote()
     await dict_actor.count.remote()
     await async_dict.count.remote()
     runs: list[dict[str, Any]] = []
@@ -280,7 +281,7 @@ async def bench_ray(
 
 
 ROWS = (
-    ("dict_actor", "seed: dict in a sync actor, 1 call per bind"),
+    ("dict_actor", "dict in a sync actor, 1 call per bind"),
     ("ledger_client", "ledger actor via RayLedger, 1 call per bind"),
     ("ledger_batched", "ledger actor via RayLedger, 1 call per group"),
     ("ledger_per_call", "  ref: ledger actor, 1 Ray round trip per bind"),

@@ -43,10 +43,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+
+if TYPE_CHECKING:
+    from publisher.ray.engine import RayEngine, TransferStats
 
 DEFAULT_SIZE_MIB = 64
 RANK_PER_MIB = 128  # q/k/v/o of 2 layers at hidden 128, float32: 8 KiB per rank
@@ -119,7 +122,7 @@ def _phases(path: str, outcomes: list[Any]) -> dict[str, Any]:
     }
 
 
-async def _transfer_stats(engine: Any) -> Any:
+async def _transfer_stats(engine: RayEngine) -> TransferStats:
     return await engine.transfer_stats()
 
 
