@@ -33,7 +33,7 @@ from publisher.gateway import Gateway
 from publisher.remote.http import HttpLedger
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import serve_app
-from tests.ray.kit import create, renewal_refused
+from tests.publisher.ray.kit import create, renewal_refused
 from tests.support.ledger import publish
 from tests.support.waiting import wait_for
 from tools.http_app import build_app

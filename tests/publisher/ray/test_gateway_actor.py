@@ -28,7 +28,7 @@ from publisher.ray.engine import RayEngine, start_engine, stop_engine
 from publisher.ray.gateway import GatewayConfig, start_gateways, stop_gateway
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.trainer import RayTrainerClient
-from tests.ray.scenario import LIMITS, PLANE_OPTIONS
+from tests.publisher.ray.scenario import LIMITS, PLANE_OPTIONS
 
 pytestmark = [
     pytest.mark.anyio,

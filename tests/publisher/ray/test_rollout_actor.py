@@ -24,7 +24,7 @@ from publisher.core.errors import Code
 from publisher.core.outcomes import ReclaimGranted
 from publisher.ray.client import RayLedger
 from publisher.ray.rollout import RayRollout
-from tests.ray.kit import create
+from tests.publisher.ray.kit import create
 from tests.support.ledger import publish
 from tools.logfile import open_log
 

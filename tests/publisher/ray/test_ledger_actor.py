@@ -25,7 +25,7 @@ from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, start_ledger
 from publisher.ray.trainer import RayTrainerClient
-from tests.ray.kit import ENGINES, create, renewal_refused
+from tests.publisher.ray.kit import ENGINES, create, renewal_refused
 from tests.support.ledger import publish
 from tests.support.waiting import wait_for
 
@@ -311,7 +311,7 @@ async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
 
 def test_a_descriptor_whose_manifest_lies_is_refused(ray_instance: Any) -> None:
     """The ledger records the descriptor's digest, so its manifest must hash to it (the bytes
-    themselves are checked by every engine that pulls them: tests/ray/test_adapter_objects.py)."""
+    themselves are checked by every engine that pulls them: tests/publisher/ray/test_adapter_objects.py)."""
     config, tensors = make_adapter(2)
     adapter = AdapterCopy.from_state_dict(tensors, config)
     descriptor = put_adapter(adapter)

@@ -4,7 +4,7 @@ rollout-worker actors run multi-turn sessions through the Ray client; the ledger
 killed and recreated mid-run and recovers every binding from its log; the results equal the
 in-process run's.
 
-See :mod:`tests.ray.scenario` for the script. Checked here:
+See :mod:`tests.publisher.ray.scenario` for the script. Checked here:
 
 * the reference run itself is right (every session pinned to the version of its wave, every
   turn on it, every binding recovered, v1 and v2 reclaimed once every session closed);
@@ -28,7 +28,7 @@ import pytest
 
 from evlog.events import ControllerStarted, SessionBound, SessionReleased
 from evlog.sqlite import SQLiteStore
-from tests.ray.scenario import (
+from tests.publisher.ray.scenario import (
     EXPECTED_VERSION,
     WAVES,
     WORKERS,

@@ -4,7 +4,7 @@ would be) resumes the same log and loses nothing.
 
 Two Ray worker nodes on this one machine (``ray.cluster_utils.Cluster``, loopback only as in
 ``publisher/ray/local.py``), each with a custom resource naming it, so each start of the
-actor provably lands on the node asked for. Its own package: ``tests/ray`` keeps one plain
+actor provably lands on the node asked for. Its own package: ``tests/publisher/ray`` keeps one plain
 local Ray instance alive for all its tests, and a process holds one Ray connection at a time.
 """
 
@@ -26,7 +26,7 @@ from publisher.ray.client import RayLedger
 from publisher.ray.ledger_actor import LedgerConfig, LedgerInfo, start_ledger
 from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.local import LOOPBACK, loopback_only
-from tests.ray.kit import create
+from tests.publisher.ray.kit import create
 from tests.support.ledger import publish
 
 pytestmark = pytest.mark.anyio

@@ -50,7 +50,7 @@ from publisher.ray.engine import EngineActor, EngineInfo, RayEngine, start_engin
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.trainer import RayTrainerClient
 from publisher.sessions import RolloutWorker
-from tests.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor, SessionRunner
+from tests.publisher.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor, SessionRunner
 from tests.support.waiting import wait_for
 
 pytestmark = [

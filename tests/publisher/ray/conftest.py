@@ -1,4 +1,4 @@
-"""One local, loopback-only Ray instance for the ``tests/ray`` package (starting one costs
+"""One local, loopback-only Ray instance for the ``tests/publisher/ray`` package (starting one costs
 seconds on 2 cores), stopped after its last test with everything it ran. Each test kills the
 actors it created (fixtures below), so tests do not see each other's actors."""
 
