@@ -311,7 +311,8 @@ async def test_publishing_needs_a_control_plane(ledger_factory: Any) -> None:
 
 def test_a_descriptor_whose_manifest_lies_is_refused(ray_instance: Any) -> None:
     """The ledger records the descriptor's digest, so its manifest must hash to it (the bytes
-    themselves are checked by every engine that pulls them: tests/publisher/ray/test_adapter_objects.py)."""
+    themselves are checked by every engine that pulls them:
+    tests/publisher/ray/test_adapter_objects.py)."""
     config, tensors = make_adapter(2)
     adapter = AdapterCopy.from_state_dict(tensors, config)
     descriptor = put_adapter(adapter)
