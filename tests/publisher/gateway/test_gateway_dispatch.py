@@ -24,9 +24,10 @@ from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
 from publisher.core.outcomes import Bound
 from publisher.drivers.fleet import Fleet
-from publisher.gateway import DispatchCode, Gateway, InFlightCounter
+from publisher.gateway import Attempt, DispatchCode, Gateway, InFlightCounter, LocalView
 from publisher.gateway.affinity import rendezvous
 from publisher.gateway.dispatch import DEFAULT_PARAMS
+from publisher.gateway.provenance import Usage
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,
@@ -367,3 +368,108 @@ async def test_a_result_from_another_adapter_is_logged_as_an_error(
                 "e0",
                 bound.lora_name,
             )
+
+
+# --- the executor's one refresh before NO_ROUTE ---------------------------------------------------
+
+
+class LaggingView(LocalView):
+    """The ledger as a remote process sees it: a copy that shows no holder until it is
+    refreshed (a bind can name a version published after the copy was read). ``refreshes``
+    counts the reads; ``fails`` makes every read fail (the ledger out of reach)."""
+
+    def __init__(self, ledger: Any, *, catches_up: bool = True, fails: bool = False) -> None:
+        super().__init__(ledger)
+        self.catches_up = catches_up
+        self.fails = fails
+        self.fresh = False
+        self.refreshes = 0
+
+    def holders(self, lora_name: str) -> tuple[str, ...]:
+        return super().holders(lora_name) if self.fresh else ()
+
+    async def refresh(self) -> None:
+        self.refreshes += 1
+        if self.fails:
+            raise ConnectionError("the ledger cannot be reached")
+        self.fresh = self.catches_up
+
+
+@pytest.mark.parametrize(
+    ("catches_up", "fails", "served"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+    ids=["the copy catches up", "the copy stays empty", "the ledger cannot be read"],
+)
+async def test_a_view_that_shows_no_holder_is_refreshed_once_before_no_route(
+    catches_up: bool, fails: bool, served: bool
+) -> None:
+    """A remote view may not show a version's holders yet: before answering NO_ROUTE the
+    executor reads it again, once. A copy that then shows them serves the turn; one that does
+    not, or cannot be read (logged with the request's id), is NO_ROUTE after that one read."""
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        view = LaggingView(r.ledger, catches_up=catches_up, fails=fails)
+        gateway = Gateway(r.fleet, view, gateway_id="remote")
+        with structlog.testing.capture_logs() as logs:
+            if served:
+                assert (await gateway.generate(bound, PROMPT, SHORT, request_id="r-7")).engine
+            else:
+                with pytest.raises(LoraLedgerError) as info:
+                    await gateway.generate(bound, PROMPT, SHORT, request_id="r-7")
+                assert info.value.code == DispatchCode.NO_ROUTE
+        assert view.refreshes == 1
+        failed = [e for e in logs if e["event"] == "gateway.refresh_failed"]
+        assert [e["request_id"] for e in failed] == (["r-7"] if fails else [])
+
+
+# --- the row of an attempt ------------------------------------------------------------------------
+
+
+class ReportsALaterLife(Recording):
+    """Answers as an engine that restarted after the ledger recorded its life: the generation
+    names the process life that served it, which the ledger does not know yet."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        real = await super().generate(*args, **kwargs)
+        return msgspec.structs.replace(real, incarnation="a-later-life")
+
+
+async def test_a_row_names_the_life_that_served_it_or_the_one_the_ledger_knows() -> None:
+    """The engine's own word first (a generation carries its incarnation); an attempt whose
+    reply says nothing of it (the OpenAI relay) takes the life the ledger records for that
+    engine."""
+    async with rig(engines=1, wrap=only(ReportsALaterLife)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        served = await r.gateway.generate(bound, PROMPT, SHORT)
+        assert served.provenance.incarnation == "a-later-life"
+        known = r.ledger.state.engines["e0"].incarnation
+        assert known and known != "a-later-life"
+        attempt = Attempt(
+            engine_id="e0", request_id="r-1", cache_salt="s", head_revision=1, started_at=0.0
+        )
+        row = await r.gateway.record(bound, attempt, Usage(), turn=None, request_id="r-1")
+        assert row.incarnation == known
+
+
+async def test_a_row_keeps_the_engines_request_id_beside_the_callers_only_when_they_differ() -> (
+    None
+):
+    """``request_id`` is the caller's key (a client's x-request-id); the id the engine saw is
+    kept beside it (to join the engine's own logs) when it is another, and left out when not."""
+    async with rig(engines=1) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        attempt = Attempt(
+            engine_id="e0",
+            request_id="trace-9-abc",
+            cache_salt="s",
+            head_revision=1,
+            started_at=0.0,
+        )
+        other = await r.gateway.record(bound, attempt, Usage(), turn=2, request_id="trace-9")
+        same = await r.gateway.record(bound, attempt, Usage(), turn=2, request_id="trace-9-abc")
+        assert (other.request_id, other.engine_request_id) == ("trace-9", "trace-9-abc")
+        assert (same.request_id, same.engine_request_id) == ("trace-9-abc", None)
+        assert (other.turn, other.engine, other.gateway) == (2, "e0", "gw")
