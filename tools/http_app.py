@@ -98,15 +98,16 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 def _error(code: str, message: str, status: int, **details: Any) -> Response:
     headers = {"WWW-Authenticate": 'Bearer realm="loraledger"'} if status == 401 else None
-    body = wire.Refusal(code=code, message=message, details=msgspec.to_builtins(details))
-    return _json(body, status, headers)
+    return _json(wire.error_body(code, message, details), status, headers)
 
 
-MAX_BODY_BYTES = 1024 * 1024  # the largest body is a renewal: 1024 entries of a few dozen bytes
+# The largest body of a ledger route: a gateway's batch of session commands (its client keeps
+# each under 768 KiB: publisher/remote/http.py) or a renewal of 1024 in-flight entries.
+MAX_BODY_BYTES = 1024 * 1024
 
 
 def _error_body(code: str, message: str) -> Any:
-    return msgspec.to_builtins(wire.Refusal(code=code, message=message))
+    return wire.error_body(code, message)
 
 
 def build_app(

@@ -206,6 +206,12 @@ class Ledger(LedgerAPI):
         return self._store
 
     @property
+    def epoch(self) -> int:
+        """This controller's own epoch (0 until its ``ControllerStarted`` is durable). Not
+        ``state.epoch``: once fenced, the state is rebuilt from the log and shows the rival's."""
+        return self._epoch
+
+    @property
     def fenced(self) -> LedgerError | None:
         """Why this ledger stopped writing because another controller took the log over
         (``FENCED``, naming both epochs), or None. Once set, it never clears: the process

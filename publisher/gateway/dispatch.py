@@ -28,8 +28,8 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
 * **Count what is in flight.** Per (engine, version), incremented before the attempt and
   decremented in a ``finally`` (cancellation included); the owner's own tally too, which its
   lease renewals carry, and the new count is forwarded at once (``owner.report()``) so a remote
-  ledger learns of the request before it is sent, not at the next renewal tick. The reclaim
-  driver reads :meth:`Gateway.inflight_evidence` before claiming a version.
+  ledger's renewer sends it at once, not at the next renewal tick. The reclaim driver reads
+  :meth:`Gateway.inflight_evidence` before claiming a version.
 * **Report trouble.** Every failure that says something about the engine
   (:func:`~publisher.drivers.engine_ops.says_about_engine`) goes to the one hook
   ``on_engine_trouble(engine, error)``, whether or not another holder then takes the request.
@@ -56,7 +56,7 @@ import anyio
 import msgspec
 
 from engines.contract import EngineError, Generation, SamplingParams
-from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput
 from evlog.events import InFlight
 from projections.staleness import staleness, too_stale
 from publisher.core.errors import Code, LedgerError
@@ -64,7 +64,7 @@ from publisher.core.outcomes import Bound
 from publisher.drivers.engine_ops import lacks_adapter, says_about_engine
 from publisher.drivers.fleet import Fleet
 from publisher.gateway.affinity import least_loaded, rendezvous
-from publisher.gateway.failures import DispatchCode, DispatchError, try_elsewhere
+from publisher.gateway.failures import DispatchCode, DispatchError, NotSent, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
 from publisher.gateway.provenance import ProvenanceRecorder, ProvenanceRow, Usage
 from publisher.gateway.view import LedgerView
@@ -77,6 +77,8 @@ T = TypeVar("T")
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
 DEFAULT_PARAMS = SamplingParams()
+# The longest the executor waits for a remote view's refresh before it answers NO_ROUTE.
+REFRESH_S = 5.0
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -244,22 +246,28 @@ class Gateway:
         send: Callable[[Attempt], Awaitable[T]],
         *,
         request_id: str | None = None,
+        engine_request_id: str | None = None,
         owner: Owner | None = None,
+        check: Callable[[Bound], None] | None = None,
     ) -> T:
         """Send ``bound``'s request through ``send`` (one attempt on one engine; it raises the
-        engine's :class:`~engines.contract.EngineError` when the attempt fails), by the rules
+        engine's :class:`~engines.contract.EngineError` when the attempt fails, or
+        :class:`~publisher.gateway.failures.NotSent` to refuse before sending), by the rules
         of the module docstring, and return what ``send`` returned.
 
-        ``request_id`` is what the engine sees (unique per attempt's engine; default: a new
-        one). ``owner``: the lease the turn runs under (checked before each attempt, its tally
-        counted, its renewal forwarded after each admission).
+        ``request_id`` names the request in answers and logs (default: a new one);
+        ``engine_request_id`` is what the engine sees (default: ``request_id``). ``owner``: the
+        lease the turn runs under (checked before each attempt, its tally counted, its
+        renewal forwarded after each admission). ``check``: the face's own rule of this
+        request against the binding (the OpenAI face's pin of ``model``), checked before each
+        attempt after the lease and the staleness bound; it raises the refusal.
 
         Raises :class:`~publisher.gateway.failures.DispatchError` (``NO_ROUTE``,
         ``AMBIGUOUS_DISPATCH``, ``GENERATION_FAILED``: its details name the ``engine`` and its
-        ``engine_code``); ``LedgerError``
-        ``SESSION_TOO_STALE`` or the owner's end (nothing was sent by the attempt refused);
-        and any ``LoraLedgerError`` ``send`` raises before sending (passed through as is)."""
+        ``engine_code``); ``LedgerError`` ``SESSION_TOO_STALE``, the owner's end or ``check``'s
+        refusal (nothing was sent by the attempt refused); a ``NotSent``'s error."""
         rid = request_id or f"{self.gateway_id}-{self._prefix}-{next(self._ids)}"
+        engine_rid = engine_request_id or rid
         tally = None if owner is None else owner.inflight
         tried: list[str] = []
         unreachable: list[str] = []
@@ -270,6 +278,8 @@ class Gateway:
             if owner is not None:
                 owner.ensure_live()
             self.check_staleness(bound)
+            if check is not None:
+                check(bound)
             engine_id = self.admit(bound, tried, tally)
             if engine_id is None:
                 if not refreshed:  # a remote view may not show the version's holders yet
@@ -289,10 +299,10 @@ class Gateway:
             tried.append(engine_id)
             try:
                 if owner is not None:
-                    owner.report()  # the new count reaches a remote ledger before the request
+                    owner.report()  # a remote ledger's renewer sends the new count at once
                 attempt = Attempt(
                     engine_id=engine_id,
-                    request_id=rid,
+                    request_id=engine_rid,
                     cache_salt=version_salt(bound),
                     head_revision=self.view.default_revision,
                     started_at=self._clock(),
@@ -315,9 +325,9 @@ class Gateway:
                     code=exc.code,
                     dispatched=exc.dispatched,
                 )
-            except LoraLedgerError:
-                self.dispatched -= 1  # refused by a rule before anything was sent
-                raise
+            except NotSent as refused:
+                self.dispatched -= 1  # nothing left this process
+                raise refused.error from None
             except anyio.get_cancelled_exc_class():
                 raise  # the caller is gone: the finally below ends the count
             except Exception as exc:
@@ -327,9 +337,12 @@ class Gateway:
                 self.finish(engine_id, bound.version_id, tally)
 
     async def _refresh(self, rid: str) -> None:
+        """Read a remote view again, for at most ``REFRESH_S`` (a ledger that is restarting
+        must not hold a turn for the transport's whole reconnect time: NO_ROUTE is retryable)."""
         try:
-            await self.view.refresh()
-        except Exception as exc:  # the ledger unreachable: answer from what we have
+            with anyio.fail_after(REFRESH_S):
+                await self.view.refresh()
+        except Exception as exc:  # the ledger unreachable, or slow: answer from what we have
             log.warning("gateway.refresh_failed", request_id=rid, error=repr(exc))
 
     # --- the Python face ---------------------------------------------------------------------
@@ -362,9 +375,12 @@ class Gateway:
             }
             if extra:
                 if not engine.capabilities.extra_body:
-                    raise InvalidInput(
-                        INVALID_INPUT,
-                        f"engine {attempt.engine_id} takes no extra body fields ({sorted(extra)})",
+                    raise NotSent(
+                        InvalidInput(
+                            INVALID_INPUT,
+                            f"engine {attempt.engine_id} takes no extra body fields "
+                            f"({sorted(extra)})",
+                        )
                     )
                 kwargs["extra_body"] = extra
             generation = await engine.generate(prompt, bound.lora_name, params, **kwargs)

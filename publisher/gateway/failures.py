@@ -70,3 +70,13 @@ def try_elsewhere(exc: EngineError) -> bool:
     if not exc.dispatched:
         return True
     return exc.clean and exc.code in HOLDER_REFUSALS
+
+
+class NotSent(Exception):
+    """A sender's refusal made before anything left this process (the Python face's extra body
+    fields for an engine that takes none): ``error`` is what the caller gets, as it is.
+    Anything else a sender raises is taken for a request that may have been sent."""
+
+    def __init__(self, error: LoraLedgerError) -> None:
+        super().__init__(str(error))
+        self.error = error

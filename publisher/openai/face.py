@@ -8,7 +8,8 @@ Python path's, reused, not restated:
 * **Session**: the first generation binds it exactly as ``SessionBinder`` does (one shared
   bind, durable before anything is sent); with no session id the request is a one-turn
   session: bound, served, released.
-* **model**: :mod:`publisher.openai.admission` (checked before the bind, and after it).
+* **model**: :mod:`publisher.openai.admission` (checked before the bind, and after it as one of
+  the executor's per-attempt rules: the pin, after the lease and the staleness bound).
 * **Dispatch**: :meth:`Gateway.dispatch <publisher.gateway.dispatch.Gateway.dispatch>`, the
   executor every face uses: the lease and the staleness are checked before each attempt (a
   retry on another holder included), what provably did not run may try the next holder once,
@@ -40,7 +41,7 @@ from publisher.gateway import Attempt, DispatchCode, DispatchError, Gateway
 from publisher.gateway.provenance import Usage
 from publisher.logs import get_logger
 from publisher.openai.admission import Admission
-from publisher.openai.errors import OpenAICode, Tracked, refusal_reply, send_error
+from publisher.openai.errors import OpenAICode, OpenAIError, Tracked, refusal_reply, send_error
 from publisher.openai.relay import EngineRoute, Relay, UsageReader
 from publisher.openai.request import Ask
 from publisher.sessions import RolloutWorker, SessionBinder
@@ -139,10 +140,6 @@ class OpenAIGateway:
     async def _turn(self, ask: Ask, binder: SessionBinder, send: Send) -> None:
         try:
             async with binder.turn() as bound:
-                refusal = self.admission.after_bind(ask, bound)
-                if refusal is not None:
-                    await send_error(send, *refusal)
-                    return
                 await self._generate(ask, bound, binder.next_turn(), send)
         except LoraLedgerError as exc:
             await send_error(send, exc.code, exc.message)
@@ -196,9 +193,20 @@ class OpenAIGateway:
                             request_id=ask.request_id,
                         )
 
+        def pinned(bound: Bound) -> None:
+            """The pin of ``model``, re-checked with the executor's per-attempt rules."""
+            refusal = self.admission.after_bind(ask, bound)
+            if refusal is not None:
+                raise OpenAIError(*refusal)
+
         try:
             await self.gateway.dispatch(
-                bound, attempt, request_id=ask.engine_request_id, owner=self.worker
+                bound,
+                attempt,
+                request_id=ask.request_id,
+                engine_request_id=ask.engine_request_id,
+                owner=self.worker,
+                check=pinned,
             )
         except DispatchError as exc:
             if exc.code == DispatchCode.NO_ROUTE:

@@ -255,7 +255,7 @@ class _Service:
         # replaced through it (add_engine, replace_engine): its fleet holds nothing else.
         engines = () if self.plane is None else cast(tuple[RayEngine, ...], tuple(self.plane.fleet))
         return FleetView(
-            epoch=self.ledger.state.epoch,
+            epoch=self.ledger.epoch,  # the marks of this controller's tables (remote/routing.py)
             version=self.fleet_version,
             engines=engines,
             plane=self.plane is not None,

@@ -116,7 +116,7 @@ class RemoteView:
         self._transport = transport
         self._table: RoutingTable | None = None
         self._status: LedgerStatus | None = None
-        self._refreshing: anyio.Event | None = None
+        self._refreshing: tuple[anyio.Event, list[Exception]] | None = None
         self.refreshes = 0
 
     @property
@@ -158,16 +158,28 @@ class RemoteView:
         return False
 
     async def refresh(self) -> None:
-        """Read the routing and the status now; callers during a read wait for that one."""
+        """Read the routing and the status now; callers during a read wait for that one and
+        hear its failure too (a waiter must not take an old copy for a fresh one)."""
         if self._refreshing is not None:
-            await self._refreshing.wait()
+            done, failure = self._refreshing
+            await done.wait()
+            if failure:
+                raise failure[0]
             return
-        self._refreshing = done = anyio.Event()
+        done, failure = anyio.Event(), []
+        self._refreshing = (done, failure)
         try:
             table = await self._transport.routing()
             self._status = await self._transport.status()
             self.take(table)
             self.refreshes += 1
+        except BaseException as exc:
+            failure.append(
+                exc
+                if isinstance(exc, Exception)
+                else LedgerError(Code.LEDGER_CLOSED, "the refresh was cancelled")
+            )
+            raise
         finally:
             self._refreshing = None
             done.set()
@@ -375,9 +387,10 @@ class RemoteLedger(TypedCommands):
             return
         try:
             renewed = await self.transport.renew(lives, self.view.mark)
-        except (LoraLedgerError, ConnectionError) as exc:
-            # Unreachable (or refused as a whole): keep the newest renewals for next time.
-            log.warning("remote.renew_failed", error=str(exc))
+        except Exception as exc:
+            # Unreachable, refused as a whole, or an answer not understood: keep the newest
+            # renewals for next time (the client's other work must not stop for it).
+            log.warning("remote.renew_failed", error=repr(exc))
             for life, counts in lives.items():
                 self._renewals.keep(life, counts)
             return
@@ -411,8 +424,8 @@ class RemoteLedger(TypedCommands):
     async def _report(self, key: tuple[str, bool], error: EngineError) -> None:
         try:
             await self.transport.report_trouble(key[0], error)
-        except (LoraLedgerError, ConnectionError) as exc:
-            log.warning("remote.trouble_report_failed", engine=key[0], error=str(exc))
+        except Exception as exc:  # only a hint: the ledger's own probes find what it said
+            log.warning("remote.trouble_report_failed", engine=key[0], error=repr(exc))
         finally:
             self._reporting.discard(key)
 
@@ -427,5 +440,5 @@ class RemoteLedger(TypedCommands):
             await anyio.sleep(every)
             try:
                 await self.view.refresh()
-            except (LoraLedgerError, ConnectionError) as exc:
-                log.warning("remote.refresh_failed", error=str(exc))
+            except Exception as exc:  # the next tick reads again; routing still comes with replies
+                log.warning("remote.refresh_failed", error=repr(exc))

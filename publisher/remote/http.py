@@ -134,27 +134,50 @@ class ServiceClient:
         )
 
 
+# The largest body a batch of session commands is sent in: under serve's cap on its ledger
+# routes (1 MiB, tools/http_app.py), with room for the envelope. A larger group of calls is sent
+# in several bodies, in order (each command is idempotent, and the ledger decides them in order).
+MAX_BATCH_BYTES = 768 * 1024
+
+
 class HttpTransport:
     """The remote ledger's calls as ``serve``'s routes."""
 
-    def __init__(self, service: ServiceClient) -> None:
+    def __init__(self, service: ServiceClient, *, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
         self.service = service
+        self.max_batch_bytes = max_batch_bytes
 
     async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered:
-        sessions: list[wire.SessionCommand] = []
-        for command in commands:
+        """Session commands in as few bodies as ``max_batch_bytes`` allows, in order; any
+        other command is refused in place (a gateway sends only binds, releases and forgets)."""
+        results: list[Outcome | LoraLedgerError | None] = [None] * len(commands)
+        batches: list[list[tuple[int, wire.SessionCommand]]] = [[]]
+        size = 0
+        for index, command in enumerate(commands):
             if not isinstance(command, c.Bind | c.Release | c.Forget):
-                raise InvalidInput(
+                results[index] = InvalidInput(
                     INVALID_INPUT,
                     f"a gateway sends only Bind, Release and Forget, not {type(command).__name__}",
                 )
-            sessions.append(command)
-        body = wire.ExecuteSessions(commands=sessions, mark=mark)
-        answered = await self.service.post("/sessions/commands", body, wire.SessionsAnswered)
-        results: list[Outcome | LoraLedgerError] = [
-            _error(r) if isinstance(r, wire.Refusal) else r for r in answered.results
-        ]
-        return Answered(results, answered.routing)
+                continue
+            length = len(_encode(command)) + 1
+            if batches[-1] and size + length > self.max_batch_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append((index, command))
+            size += length
+        routing: RoutingTable | None = None
+        for batch in batches:
+            if not batch:
+                continue
+            body = wire.ExecuteSessions(commands=[command for _, command in batch], mark=mark)
+            answered = await self.service.post("/sessions/commands", body, wire.SessionsAnswered)
+            for (index, _), result in zip(batch, answered.results, strict=True):
+                results[index] = _error(result) if isinstance(result, wire.Refusal) else result
+            routing = answered.routing or routing
+        decided = [r for r in results if r is not None]
+        assert len(decided) == len(commands), "every command is answered in place"
+        return Answered(decided, routing)
 
     async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
         body = wire.RegisterOwner(owner=owner, ttl_s=ttl_s, incarnation=incarnation)
@@ -189,6 +212,9 @@ class HttpTransport:
             code=error.code[:64], clean=error.clean, message=error.message[:1024]
         )
         await self.service.post(f"/engines/{segment(engine_id)}/trouble", body, wire.Heard)
+
+
+_encode = msgspec.json.Encoder().encode
 
 
 def _error(refusal: wire.Refusal) -> LoraLedgerError:

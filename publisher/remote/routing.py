@@ -22,7 +22,9 @@ import msgspec
 
 from projections.registry import RegistryState
 
-Mark = tuple[int, int]  # (controller epoch, serial within that epoch): totally ordered
+# (the serving controller's epoch, serial within that controller's life): totally ordered, and a
+# later controller's tables always come after an earlier one's, whatever their serials.
+Mark = tuple[int, int]
 
 
 class RoutingTable(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,17 +55,23 @@ class RoutingTable(msgspec.Struct, frozen=True, kw_only=True):
 class RoutingTracker:
     """The ledger's side: the current table, rebuilt only when the routing-relevant part of the
     state changed (engines, their lives, what they hold, whether they are routable, the head
-    revision) or the fleet's handles did (``fleet_version``)."""
+    revision) or the fleet's handles did (``fleet_version``).
+
+    ``epoch`` is the serving controller's own epoch, never ``state.epoch``: a fenced controller
+    (still answering for a moment) rebuilds its state from the log, which then shows its
+    rival's epoch; were its marks taken from that, they would outrank the rival's own tables,
+    and a client that read the fenced one would ignore the new controller's routing until its
+    serials caught up."""
 
     def __init__(self) -> None:
         self._key: object = None
         self._table: RoutingTable | None = None
         self._serial = 0
 
-    def current(self, state: RegistryState, fleet_version: int = 0) -> RoutingTable:
+    def current(self, state: RegistryState, *, epoch: int, fleet_version: int = 0) -> RoutingTable:
         key = (
             fleet_version,
-            state.epoch,
+            epoch,
             state.default_revision,
             state.max_staleness,
             tuple(
@@ -80,7 +88,7 @@ class RoutingTracker:
             self._serial += 1
             self._key = key
             self._table = RoutingTable(
-                epoch=state.epoch,
+                epoch=epoch,
                 serial=self._serial,
                 default_revision=state.default_revision,
                 holders={name: tuple(engines) for name, engines in holders.items()},
@@ -91,9 +99,9 @@ class RoutingTracker:
         return self._table
 
     def newer_than(
-        self, state: RegistryState, mark: Mark | None, fleet_version: int = 0
+        self, state: RegistryState, mark: Mark | None, *, epoch: int, fleet_version: int = 0
     ) -> RoutingTable | None:
         """The current table if the caller's ``mark`` is not it, else None (nothing to
         send)."""
-        table = self.current(state, fleet_version)
+        table = self.current(state, epoch=epoch, fleet_version=fleet_version)
         return None if mark is not None and tuple(mark) == table.mark else table

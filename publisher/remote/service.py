@@ -43,11 +43,15 @@ class LedgerService:
 
     def routing(self, mark: Mark | None = None) -> RoutingTable | None:
         """The current table, or None when it is the one the caller holds (``mark``)."""
-        return self._tracker.newer_than(self.ledger.state, mark, self._fleet_version())
+        return self._tracker.newer_than(
+            self.ledger.state, mark, epoch=self.ledger.epoch, fleet_version=self._fleet_version()
+        )
 
     def table(self) -> RoutingTable:
         """The current table, whatever the caller holds."""
-        return self._tracker.current(self.ledger.state, self._fleet_version())
+        return self._tracker.current(
+            self.ledger.state, epoch=self.ledger.epoch, fleet_version=self._fleet_version()
+        )
 
     def status(self) -> LedgerStatus:
         return self.ledger.status()

@@ -131,9 +131,9 @@ class PublishVersion(Body, frozen=True):
 
 
 class Refusal(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A refusal: every route's HTTP error body, and a batch answer in place (tagged
-    ``"type": "Refusal"`` so that it stands beside outcomes in a list; the tag may be left out
-    of an error body)."""
+    """A refusal in place in a batch answer (tagged ``"type": "Refusal"``, so that it stands
+    beside outcomes in a list), and how a client reads an HTTP error body (:func:`error_body`,
+    the same fields without the tag)."""
 
     code: str
     message: str
@@ -170,6 +170,12 @@ class Heard(msgspec.Struct, frozen=True, kw_only=True):
     """Whether anyone in the ledger's process watches the engines (a reconciler)."""
 
     heard: bool
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A refusal as an HTTP error body: ``{"code", "message", "details"}`` (without the tag a
+    batch answer carries; a client decodes it as a :class:`Refusal` all the same)."""
+    return {"code": code, "message": message, "details": msgspec.to_builtins(details or {})}
 
 
 def refusal(error: LoraLedgerError) -> Refusal:

@@ -22,6 +22,7 @@ from engines.contract import CleanRefusal, ErrorCode, Generation, SamplingParams
 from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
 from evlog.events import InFlight
+from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound
 from publisher.drivers.fleet import Fleet
 from publisher.gateway import Attempt, DispatchCode, Gateway, InFlightCounter, LocalView
@@ -473,3 +474,25 @@ async def test_a_row_keeps_the_engines_request_id_beside_the_callers_only_when_t
         assert (other.request_id, other.engine_request_id) == ("trace-9", "trace-9-abc")
         assert (same.request_id, same.engine_request_id) == ("trace-9-abc", None)
         assert (other.turn, other.engine, other.gateway) == (2, "e0", "gw")
+
+
+class HostClosesUnderTheCall(Recording):
+    """An engine call that fails with a ledger error after it may have run: a Ray engine
+    actor's host (``PortalHost.call``) answers ``LEDGER_CLOSED`` when its context stops during
+    the call. Only the sender's own refusal before sending (``NotSent``) passes as it is."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        await super().generate(*args, **kwargs)  # it ran
+        raise LedgerError(Code.LEDGER_CLOSED, "the actor's host stopped during the call")
+
+
+async def test_a_ledger_error_from_an_engine_call_is_ambiguous_not_a_refusal() -> None:
+    """``LEDGER_CLOSED`` is of the ``Unavailable`` family (retry at will): passed through, a
+    generation that may have run would be resent by its caller. It is ``AMBIGUOUS_DISPATCH``,
+    counted as sent, never tried on another holder."""
+    async with rig(wrap=only(HostClosesUnderTheCall)) as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        error = await _refusal(r, bound)
+        assert error.code == DispatchCode.AMBIGUOUS_DISPATCH
+        assert r.gateway.dispatched == 1 and r.gateway.inflight_counts() == {}

@@ -302,3 +302,28 @@ async def test_refusals_before_the_parse_carry_the_request_id_and_openais_whole_
         for reply in (unauthorized, bad):
             error = openai_error(reply)
             assert "param" in error and error["param"] is None, error
+
+
+async def test_a_session_too_stale_is_refused_so_before_its_model_is_judged(tmp_path: Path) -> None:
+    """The executor's per-attempt rules in their order: the lease, the staleness bound, then
+    the face's pin of ``model``. A session past ``max_staleness`` whose turn also names another
+    version is refused ``SESSION_TOO_STALE`` and released (cause ``too_stale``), as every turn
+    of it would be, not ``VERSION_NOT_BOUND`` with the session left bound."""
+    async with rig(tmp_path, capacity=4) as r, client_of(r) as client:
+        await r.plane.ledger.configure_deployment(max_staleness=1)
+        await r.publish(1)
+        turn: dict[str, Any] = dict(
+            model="policy", messages=MESSAGES, max_tokens=2, extra_headers={"x-session-id": "ep-9"}
+        )
+        await client.chat.completions.create(**turn)  # bound to version 1
+        await r.publish(2)
+        await r.publish(3)
+        with pytest.raises(openai.ConflictError) as info:
+            await client.chat.completions.create(**{**turn, "model": r.names[3]})
+        assert info.value.code == "SESSION_TOO_STALE", info.value.message
+        released = [
+            e.cause
+            for e in await events(r.plane.ledger)
+            if isinstance(e, SessionReleased) and e.session == "ep-9"
+        ]
+        assert released == ["too_stale"]

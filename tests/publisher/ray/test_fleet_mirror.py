@@ -59,9 +59,9 @@ def test_a_fleet_change_alone_makes_a_new_routing_table() -> None:
     the restart; the table still announces the new fleet version, so clients fetch the view."""
     tracker = RoutingTracker()
     state = RegistryState()
-    first = tracker.current(state, fleet_version=1)
-    assert tracker.newer_than(state, first.mark, fleet_version=1) is None
-    second = tracker.newer_than(state, first.mark, fleet_version=2)
+    first = tracker.current(state, epoch=state.epoch, fleet_version=1)
+    assert tracker.newer_than(state, first.mark, epoch=state.epoch, fleet_version=1) is None
+    second = tracker.newer_than(state, first.mark, epoch=state.epoch, fleet_version=2)
     assert second is not None
     assert second.mark > first.mark
     assert (second.fleet_version, second.fleet_mark) == (2, (state.epoch, 2))

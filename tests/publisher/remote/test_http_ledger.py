@@ -1,0 +1,107 @@
+"""The remote ledger over serve's HTTP routes: what its HTTP transport adds to the one remote
+client -- bodies kept under serve's cap, refusals in place, a refresh's failure heard by every
+caller that waited for it.
+
+Real parts: serve's app over a real ledger (SQLite), on a loopback port, and ``HttpLedger``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import pytest
+
+from evlog.errors import INVALID_INPUT, LoraLedgerError
+from evlog.sqlite import SQLiteStore
+from publisher.core import commands as c
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Bound
+from publisher.remote.http import HttpLedger, HttpTransport, LedgerUnreachable, ServiceClient
+from tests.publisher.openai_kit import serve_app
+from tests.support.ledger import publish
+from tools.http_app import build_app
+from tools.metrics import LedgerMetrics
+
+pytestmark = pytest.mark.anyio
+TOKEN = "http-ledger-token"
+
+
+@asynccontextmanager
+async def served(path: Path) -> AsyncIterator[HttpLedger]:
+    """serve's app over a ledger with version 1 committed, and an ``HttpLedger`` of it."""
+    async with SQLiteStore.open(path) as store, Ledger.open(store) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=4, fleet=("e0",))
+        await ledger.join_engine("e0", "life-1")
+        await ledger.repair_engine("e0", "life-1")
+        await publish(ledger, 1)
+        app = build_app(ledger, LedgerMetrics(lambda: ledger.state), token=TOKEN)
+        async with serve_app(app) as url, HttpLedger.connect(url, token=TOKEN) as remote:
+            yield remote
+
+
+async def test_a_burst_larger_than_one_body_is_sent_in_several_in_order(tmp_path: Path) -> None:
+    """5,000 first turns at once with session ids of 200 characters: one coalesced group is
+    well over serve's 1 MiB cap on a ledger route, which would refuse the whole group (413,
+    not retryable: every caller's first turn failed). The transport sends it in bodies under
+    the cap; every bind is answered."""
+    async with served(tmp_path / "ledger.db") as remote:
+        await remote.register_owner("w")
+        sessions = [f"{k:05d}-" + "s" * 194 for k in range(5000)]
+        results = await remote.execute_many([c.Bind(session=s, owner="w") for s in sessions])
+        assert all(isinstance(r, Bound) and r.version_id == 1 for r in results)
+        assert [r.session for r in results if isinstance(r, Bound)] == sessions
+
+
+async def test_a_command_a_gateway_does_not_send_is_refused_in_place(tmp_path: Path) -> None:
+    """Only that command is refused: the binds beside it in the group are answered."""
+    async with served(tmp_path / "ledger.db") as remote:
+        await remote.register_owner("w")
+        bound, stray, again = await remote.execute_many(
+            [
+                c.Bind(session="s1", owner="w"),
+                c.Allocate(version_id=2, digest="0" * 64),
+                c.Bind(session="s2", owner="w"),
+            ]
+        )
+        assert isinstance(bound, Bound) and isinstance(again, Bound)
+        assert isinstance(stray, LoraLedgerError) and stray.code == INVALID_INPUT
+
+
+async def test_a_refresh_that_fails_fails_every_caller_that_waited_for_it() -> None:
+    """Callers during a refresh wait for that one read; when it fails they hear it too, never
+    returning as if their copy were fresh (the OpenAI face would judge a model on it)."""
+    release = anyio.Event()
+
+    async def hang_up(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            await client.receive()  # the request is in
+            await release.wait()  # ... and never answered
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    service = ServiceClient(f"http://127.0.0.1:{port}", token=None, timeout_s=30)
+    view = HttpLedger(HttpTransport(service)).view
+    heard: list[str] = []
+
+    async def refresh(who: str) -> None:
+        try:
+            await view.refresh()
+            heard.append(f"{who}: fresh")
+        except LedgerUnreachable:
+            heard.append(f"{who}: unreachable")
+
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hang_up)
+        async with anyio.create_task_group() as callers:
+            callers.start_soon(refresh, "leader")
+            await anyio.wait_all_tasks_blocked()
+            callers.start_soon(refresh, "follower")
+            await anyio.wait_all_tasks_blocked()
+            release.set()
+        tg.cancel_scope.cancel()
+    await service.aclose()
+    assert sorted(heard) == ["follower: unreachable", "leader: unreachable"]
+    assert view.refreshes == 0
