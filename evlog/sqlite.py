@@ -430,10 +430,14 @@ async def _prepare_writer(
 ) -> None:
     """Settings, then the layout: created on an empty file, checked on an existing one.
     Another application's database is refused before anything is set: switching it to WAL
-    would rewrite its header and leave ``-wal`` and ``-shm`` files beside it."""
+    would rewrite its header and leave ``-wal`` and ``-shm`` files beside it. The same checks
+    run again inside the transaction that creates the layout, for a file another process
+    changed in between."""
     await w.execute("PRAGMA busy_timeout = 5000")
     (app_id,) = next(iter(await w.execute_fetchall("PRAGMA application_id")))
-    if app_id != APPLICATION_ID and await w.execute_fetchall("SELECT 1 FROM sqlite_master"):
+    if app_id not in (0, APPLICATION_ID) or (
+        app_id == 0 and await w.execute_fetchall("SELECT 1 FROM sqlite_master")
+    ):  # marked as another application's, or holding someone's tables: not ours to touch
         raise StoreError(
             StoreCode.CORRUPT_STORE,
             f"{path} is a SQLite database but not a loraledger log (left untouched)",

@@ -56,6 +56,21 @@ async def test_another_applications_database_is_left_untouched(tmp_path: Path) -
     assert sorted(os.listdir(tmp_path)) == ["other.db"]
 
 
+async def test_a_database_marked_as_another_applications_is_left_untouched_even_empty(
+    tmp_path: Path,
+) -> None:
+    """An ``application_id`` that is not the log's says whose file it is, tables or not: it is
+    refused before any setting (it was switched to WAL, then refused inside the transaction)."""
+    path = tmp_path / "theirs.db"
+    run(path, "PRAGMA application_id = 1234")
+    before = path.read_bytes()
+    with raises_code(StoreCode.CORRUPT_STORE) as info:
+        await SQLiteStore.connect(path)
+    assert "not a loraledger log" in info.value.message
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["theirs.db"]
+
+
 async def test_a_damaged_page_is_refused_at_open(tmp_path: Path) -> None:
     path = tmp_path / "log.db"
     async with SQLiteStore.open(path) as store:
