@@ -1,10 +1,10 @@
 """The OpenAI-compatible face (docs/openai.md): any stack that speaks OpenAI HTTP gets pinned
 sessions by changing its ``base_url``.
 
-``request`` (one request, parsed), ``admission`` (which model it may name; ``/v1/models``),
-``relay`` (one attempt: forwarded to an engine, its reply relayed), ``face`` (one request
-answered through the gateway's executor: :class:`OpenAIGateway`), ``routes`` (the HTTP routes),
-``errors`` (OpenAI's error shape, statuses, ``x-should-retry``).
+``admission`` (one request, parsed, and which model it may name; ``/v1/models``), ``relay``
+(one attempt: forwarded to an engine, its reply relayed), ``face`` (the HTTP face: one request
+answered through the gateway's executor, :class:`OpenAIGateway`, and its routes), ``errors``
+(OpenAI's error shape, statuses, ``x-should-retry``).
 """
 
 from publisher.openai.errors import OpenAICode, OpenAIError, guard_error_body
@@ -13,9 +13,10 @@ from publisher.openai.face import (
     UPSTREAM_TIMEOUT_S,
     OpenAIGateway,
     OpenAIOptions,
+    openai_app,
+    openai_routes,
 )
 from publisher.openai.relay import EngineRoute, engine_routes
-from publisher.openai.routes import openai_app, openai_routes
 
 __all__ = [
     "MAX_BODY_BYTES",

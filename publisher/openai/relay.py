@@ -38,8 +38,8 @@ from publisher.core.outcomes import Bound
 from publisher.gateway import Attempt, DispatchCode
 from publisher.gateway.provenance import Usage
 from publisher.logs import get_logger
+from publisher.openai.admission import Ask
 from publisher.openai.errors import STATUS_OF_CODE, error_body
-from publisher.openai.request import Ask
 
 log = get_logger("loraledger.openai")
 
