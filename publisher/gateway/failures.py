@@ -78,5 +78,4 @@ class NotSent(Exception):
     Anything else a sender raises is taken for a request that may have been sent."""
 
     def __init__(self, error: LoraLedgerError) -> None:
-        super().__init__(str(error))
         self.error = error

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import structlog.testing
@@ -26,6 +27,7 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound
 from publisher.drivers.fleet import Fleet
 from publisher.gateway import Attempt, DispatchCode, Gateway, InFlightCounter, LocalView
+from publisher.gateway import dispatch as dispatch_module
 from publisher.gateway.affinity import rendezvous
 from publisher.gateway.dispatch import DEFAULT_PARAMS
 from publisher.gateway.provenance import Usage
@@ -496,3 +498,48 @@ async def test_a_ledger_error_from_an_engine_call_is_ambiguous_not_a_refusal() -
         error = await _refusal(r, bound)
         assert error.code == DispatchCode.AMBIGUOUS_DISPATCH
         assert r.gateway.dispatched == 1 and r.gateway.inflight_counts() == {}
+
+
+async def test_a_faces_own_rule_is_checked_before_each_attempt_after_the_bound() -> None:
+    """``check`` (the OpenAI face's pin of ``model``) sees the binding, before anything is
+    counted or sent; its refusal is the answer as it is, and every attempt is checked again."""
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        seen: list[Bound] = []
+
+        def pin(checked: Bound) -> None:
+            seen.append(checked)
+            if len(seen) > 1:
+                raise LedgerError(Code.INVALID_STATE, "the rule now refuses")
+
+        async def refused_cleanly(attempt: Attempt) -> None:
+            raise CleanRefusal(ErrorCode.NOT_LOADED, "restarted empty", engine_id=attempt.engine_id)
+
+        with pytest.raises(LedgerError) as info:
+            await r.gateway.dispatch(bound, refused_cleanly, check=pin)
+        assert info.value.code == Code.INVALID_STATE
+        assert seen == [bound, bound]  # before the first attempt, and before the retry
+        assert r.gateway.dispatched == 1 and r.gateway.inflight_counts() == {}
+
+
+async def test_a_refresh_that_hangs_is_given_up_and_the_answer_is_no_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A remote ledger that is restarting must not hold a turn for its transport's whole
+    reconnect time: the refresh before NO_ROUTE is bounded (``REFRESH_S``), then NO_ROUTE, a
+    retryable answer, is given."""
+    monkeypatch.setattr(dispatch_module, "REFRESH_S", 0.05)
+
+    class Hangs(LaggingView):
+        async def refresh(self) -> None:
+            self.refreshes += 1
+            await anyio.sleep_forever()
+
+    async with rig() as r:
+        await r.publish(1)
+        bound = await _bound(r)
+        gateway = Gateway(r.fleet, Hangs(r.ledger), gateway_id="remote")
+        with anyio.fail_after(30), pytest.raises(LoraLedgerError) as info:
+            await gateway.generate(bound, PROMPT, SHORT)
+        assert info.value.code == DispatchCode.NO_ROUTE
