@@ -8,7 +8,7 @@
 from publisher.gateway.dispatch import Attempt, Gateway, Owner, Served, version_salt
 from publisher.gateway.failures import DispatchCode, DispatchError, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
-from publisher.gateway.view import LedgerView, LocalView
+from publisher.gateway.view import LedgerView, LocalView, refreshed
 
 __all__ = [
     "Attempt",
@@ -20,6 +20,7 @@ __all__ = [
     "LocalView",
     "Owner",
     "Served",
+    "refreshed",
     "try_elsewhere",
     "version_salt",
 ]

@@ -67,7 +67,7 @@ from publisher.gateway.affinity import least_loaded, rendezvous
 from publisher.gateway.failures import DispatchCode, DispatchError, NotSent, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
 from publisher.gateway.provenance import ProvenanceRecorder, ProvenanceRow, Usage
-from publisher.gateway.view import LedgerView
+from publisher.gateway.view import LedgerView, refreshed
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.gateway")
@@ -77,8 +77,6 @@ T = TypeVar("T")
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
 DEFAULT_PARAMS = SamplingParams()
-# The longest the executor waits for a remote view's refresh before it answers NO_ROUTE.
-REFRESH_S = 5.0
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -272,7 +270,7 @@ class Gateway:
         tried: list[str] = []
         unreachable: list[str] = []
         refused: tuple[EngineError, str] | None = None  # the last clean refusal, and by whom
-        refreshed = False
+        read_again = False
         while True:
             # The per-turn rules, before every attempt; no await from here to the increment.
             if owner is not None:
@@ -282,9 +280,9 @@ class Gateway:
                 check(bound)
             engine_id = self.admit(bound, tried, tally)
             if engine_id is None:
-                if not refreshed:  # a remote view may not show the version's holders yet
-                    refreshed = True
-                    await self._refresh(rid)
+                if not read_again:  # a remote view may not show the version's holders yet
+                    read_again = True
+                    await refreshed(self.view, request_id=rid)
                     continue
                 if refused is not None:  # every holder refused: the last refusal is the answer
                     raise self._failure(refused[0], bound, refused[1], rid) from refused[0]
@@ -335,15 +333,6 @@ class Gateway:
                 raise self._ambiguous(bound, engine_id, rid, repr(exc)) from exc
             finally:
                 self.finish(engine_id, bound.version_id, tally)
-
-    async def _refresh(self, rid: str) -> None:
-        """Read a remote view again, for at most ``REFRESH_S`` (a ledger that is restarting
-        must not hold a turn for the transport's whole reconnect time: NO_ROUTE is retryable)."""
-        try:
-            with anyio.fail_after(REFRESH_S):
-                await self.view.refresh()
-        except Exception as exc:  # the ledger unreachable, or slow: answer from what we have
-            log.warning("gateway.refresh_failed", request_id=rid, error=repr(exc))
 
     # --- the Python face ---------------------------------------------------------------------
 

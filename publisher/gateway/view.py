@@ -22,10 +22,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import anyio
+
 from projections.status import LedgerStatus
+from publisher.logs import get_logger
 
 if TYPE_CHECKING:
     from publisher.core.ledger import Ledger
+
+log = get_logger("loraledger.gateway")
+
+# The longest a face waits for a remote view's refresh before it answers from its copy: a
+# ledger that is restarting must not hold a turn (or a /v1/models) for the transport's whole
+# reconnect time.
+REFRESH_S = 5.0
 
 
 class LedgerView(Protocol):
@@ -102,3 +112,16 @@ class LocalView:
 
     async def refresh(self) -> None:
         return None
+
+
+async def refreshed(view: LedgerView, *, request_id: str) -> bool:
+    """Read ``view`` again, for at most :data:`REFRESH_S`; whether it was read. A failure (the
+    ledger unreachable, or slow) is logged with the request it was for, and the caller answers
+    from the copy it has: every face refreshes through here."""
+    try:
+        with anyio.fail_after(REFRESH_S):
+            await view.refresh()
+    except Exception as exc:
+        log.warning("gateway.refresh_failed", request_id=request_id, error=repr(exc))
+        return False
+    return True

@@ -40,7 +40,7 @@ from projections.status import LedgerStatus, VersionStatus
 from projections.transitions import VersionState
 from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound
-from publisher.gateway import LedgerView
+from publisher.gateway import LedgerView, refreshed
 from publisher.logs import get_logger
 from publisher.openai.errors import OpenAICode
 
@@ -207,12 +207,16 @@ class Admission:
         decides, as it would without this check."""
         if ask.model == self.alias or self._judge(ask) is None:
             return None
-        try:
-            await self.view.refresh()
-        except Exception as exc:  # the ledger unreachable: the bind says what it can
-            log.warning("openai.refresh_failed", rid=ask.request_id, error=repr(exc))
-            return None
+        if not await refreshed(self.view, request_id=ask.request_id):
+            return None  # the ledger unreachable: the bind says what it can
         return self._judge(ask)
+
+    async def listing(self, created: int, request_id: str) -> list[dict[str, Any]]:
+        """The entries of ``/v1/models`` as of now: a remote view is read again first (a
+        client that was just served a new version must find it listed), and answers from its
+        copy when the ledger cannot be read."""
+        await refreshed(self.view, request_id=request_id)
+        return self.cards(self.view.status(), created)
 
     def _judge(self, ask: Ask) -> Refusal | None:
         model = ask.model

@@ -348,7 +348,7 @@ class _Routes:
         state; ``routable`` says whether some engine may serve it now."""
         if (refused := self.authorized(request)) is not None:
             return refused
-        cards = self.face.admission.cards(self.face.view.status(), int(self.face.clock()))
+        cards = await self.face.admission.listing(int(self.face.clock()), _label(request))
         return Response(
             _json.encode({"object": "list", "data": cards}), 200, None, "application/json"
         )
@@ -362,7 +362,7 @@ class _Routes:
         if not model:  # "/v1/models/": the list's path with a trailing slash
             return await self.no_route(request)
         admission = self.face.admission
-        cards = admission.cards(self.face.view.status(), int(self.face.clock()))
+        cards = await admission.listing(int(self.face.clock()), _label(request))
         card = next((c for c in cards if c["id"] == model), None)
         if card is None:
             return error_response(*admission.not_found(model))
@@ -416,6 +416,11 @@ class _Routes:
             if wanted and route.methods:
                 methods |= route.methods
         return sorted(methods - {"HEAD"})
+
+
+def _label(request: Request) -> str:
+    """The request's id in logs: the client's ``x-request-id``, when it gave a usable one."""
+    return reply_request_id(request.headers)
 
 
 class _Asgi(Response):

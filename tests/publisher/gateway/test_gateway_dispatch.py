@@ -27,7 +27,7 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound
 from publisher.drivers.fleet import Fleet
 from publisher.gateway import Attempt, DispatchCode, Gateway, InFlightCounter, LocalView
-from publisher.gateway import dispatch as dispatch_module
+from publisher.gateway import view as view_module
 from publisher.gateway.affinity import rendezvous
 from publisher.gateway.dispatch import DEFAULT_PARAMS
 from publisher.gateway.provenance import Usage
@@ -529,7 +529,7 @@ async def test_a_refresh_that_hangs_is_given_up_and_the_answer_is_no_route(
     """A remote ledger that is restarting must not hold a turn for its transport's whole
     reconnect time: the refresh before NO_ROUTE is bounded (``REFRESH_S``), then NO_ROUTE, a
     retryable answer, is given."""
-    monkeypatch.setattr(dispatch_module, "REFRESH_S", 0.05)
+    monkeypatch.setattr(view_module, "REFRESH_S", 0.05)
 
     class Hangs(LaggingView):
         async def refresh(self) -> None:
