@@ -193,6 +193,13 @@ class Reconciler:
         self._suspects: set[str] = set()
         self._reported_at: dict[str, float] = {}  # engine -> when a report last woke the loop
         self.passes = 0
+        self._busy = False  # the health loop is inside a wake's work
+
+    @property
+    def settled(self) -> bool:
+        """The health loop is waiting and nothing asked it to look: every report made so far
+        has been acted on. (Tests wait for this rather than for time.)"""
+        return self._poked is not None and not self._busy and not self._poked.is_set()
 
     @property
     def prefix(self) -> str:
@@ -637,10 +644,14 @@ class Reconciler:
                 await self._poked.wait()
             self._poked = anyio.Event()
             suspects, self._suspects = self._suspects, set()
-            if self._clock() - self._last_full >= self.full_every_s:
-                await self.reconcile()
-            else:
-                await self.health_check(suspects)
+            self._busy = True
+            try:
+                if self._clock() - self._last_full >= self.full_every_s:
+                    await self.reconcile()
+                else:
+                    await self.health_check(suspects)
+            finally:
+                self._busy = False
 
     async def health_check(self, suspects: set[str] | frozenset[str] = frozenset()) -> None:
         """Probe every engine; reconcile those that need it by the ledger, and ``suspects``

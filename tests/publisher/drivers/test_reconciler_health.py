@@ -296,6 +296,9 @@ async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -
             lambda: "e1" not in plane.ledger.state.holders(v1.lora_name),
             timeout=2.0,
         )
+        # the pass that recorded the loss goes on (a restore try, a suspension) and may read
+        # the inventory again: count from the moment the loop is back to waiting
+        await wait_for("the health loop settled", lambda: plane.reconciler.settled)
         lost = [e for e in await events(plane.ledger) if isinstance(e, AdapterLost)]
         assert [(e.engine, e.version_id) for e in lost] == [("e1", 1)]
         # one incident however many refusals are reported meanwhile; an engine outside the
