@@ -66,7 +66,13 @@ def replay(
     from projections.status import status_of
     from tools.plot import plot_lifetimes
     from tools.progress import progress_bar
-    from tools.render import incidents_view, stalls_view, status_view, timeline_view
+    from tools.render import (
+        incidents_view,
+        reclaims_view,
+        stalls_view,
+        status_view,
+        timeline_view,
+    )
     from tools.replay import replay as run_replay
     from tools.timefmt import iso, parse_at, parse_duration
 
@@ -118,6 +124,9 @@ def replay(
         for stalls in result.stalls.values():
             for stall in stalls:
                 emit(to_json(stall, row="stall"))
+        for causes in result.reclaims.values():
+            for cause in causes:
+                emit(to_json(cause, row="reclaim"))
         for incident in result.incidents or []:
             emit(to_json(incident, row="incident"))
         if written is not None:
@@ -134,6 +143,8 @@ def replay(
         out.print(timeline_view(subject, entries))
         if subject.startswith("v") and result.stalls.get(int(subject[1:])):
             out.print(stalls_view(subject, result.stalls[int(subject[1:])]))
+        if subject.startswith("v") and result.reclaims.get(int(subject[1:])):
+            out.print(reclaims_view(subject, result.reclaims[int(subject[1:])]))
     if result.incidents is not None:
         out.print(incidents_view(result.incidents))
     if written is not None:
