@@ -38,6 +38,12 @@ What differs from in process, and why, once for every transport:
   deregisters the owners registered through it that did not deregister yet (their sessions
   still bound are released, ``owner_exited``), so a process that exits cleanly leaves no lease
   to expire; ``deregister_on_exit=False`` keeps them for a later process.
+* **Provenance goes to the ledger's process** (:meth:`RemoteLedger.store_provenance`, the sink
+  :meth:`RemoteLedger.provenance_sink` a recorder writes through): rows of concurrent callers
+  travel in one round trip, and a batch is sent again -- after a lost reply, an unreachable or
+  restarting ledger -- until its store acknowledges it, so a row arrives at least once and is
+  stored once (its ``row_id`` is the store's key). Meanwhile the recorder's buffer holds the
+  rows: a generation waits only when that buffer is full, as for any slow sink.
 * **Lost replies**: a transport that cannot reach the ledger raises a ``ConnectionError`` (HTTP)
   or rides over a restart itself (Ray's actor link); every command sent here is idempotent in
   the ledger, so the worker's retry policy asks again.
@@ -58,19 +64,25 @@ import anyio
 from anyio.abc import TaskGroup
 
 from engines.contract import EngineError
-from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, StoreCode
 from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger_api import TypedCommands
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.engine_ops import lacks_adapter
+from publisher.gateway.provenance import ProvenanceRow
 from publisher.logs import get_logger
 from publisher.remote.renewals import Counts, Life, PendingRenewals
 from publisher.remote.routing import Mark, RoutingTable
 from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.remote")
+
+# Refusals that mean "not now" for a batch of provenance rows: it is sent again until stored.
+RESEND_PROVENANCE_ON = frozenset(
+    {Code.LEDGER_CLOSED, Code.FENCED, StoreCode.STORE_FAILED, StoreCode.STORE_CLOSED}
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ class Transport(Protocol):
     async def status(self) -> LedgerStatus: ...
 
     async def report_trouble(self, engine_id: str, error: EngineError) -> None: ...
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int: ...
 
 
 class RemoteView:
@@ -197,6 +211,28 @@ class _Request:
         self.error: BaseException | None = None
 
 
+class _Rows:
+    """One caller's provenance rows and whether they were stored."""
+
+    __slots__ = ("done", "error", "rows")
+
+    def __init__(self, rows: list[ProvenanceRow]) -> None:
+        self.rows = rows
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+
+
+class LedgerSink:
+    """A recorder's sink that sends its rows to the ledger's process
+    (:meth:`RemoteLedger.store_provenance`): ``ProvenanceRecorder(ledger.provenance_sink())``."""
+
+    def __init__(self, ledger: RemoteLedger) -> None:
+        self.ledger = ledger
+
+    async def write(self, rows: Sequence[ProvenanceRow]) -> None:
+        await self.ledger.store_provenance(rows)
+
+
 class RemoteLedger(TypedCommands):
     """A ledger in another process, over ``transport``. Run it with :meth:`running` (the
     transports' ``connect`` do); safe to use from many tasks of one event loop. The typed
@@ -231,8 +267,12 @@ class RemoteLedger(TypedCommands):
         self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
+        self._rows: deque[_Rows] = deque()
+        self._sending_rows = False
         self.round_trips = 0  # command round trips sent (coalescing shows here)
         self.renewals_sent = 0
+        self.provenance_round_trips = 0  # rows' round trips, resends included
+        self.provenance_resend_s = (0.1, 5.0)  # first and longest wait before a resend
 
     @asynccontextmanager
     async def running(self, *, deregister_on_exit: bool = True) -> AsyncIterator[None]:
@@ -257,7 +297,12 @@ class RemoteLedger(TypedCommands):
                         await self._forward_renewals()  # the last counts (usually all zero)
                     tg.cancel_scope.cancel()
         finally:
-            self._fail_queued(LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed"))
+            closed = LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
+            self._fail_queued(closed)
+            while self._rows:
+                waiting = self._rows.popleft()
+                waiting.error = closed
+                waiting.done.set()
 
     # --- commands ------------------------------------------------------------------------------
 
@@ -428,6 +473,78 @@ class RemoteLedger(TypedCommands):
             log.warning("remote.trouble_report_failed", engine=key[0], error=repr(exc))
         finally:
             self._reporting.discard(key)
+
+    # --- provenance --------------------------------------------------------------------------
+
+    def provenance_sink(self) -> LedgerSink:
+        """The sink a :class:`~publisher.gateway.provenance.ProvenanceRecorder` of this
+        process writes through: its rows go to the ledger's provenance store."""
+        return LedgerSink(self)
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> None:
+        """Have the ledger's process store ``rows`` beside its log; returns once they are
+        stored (module docstring: coalesced, sent again until acknowledged). A refusal that
+        sending again cannot change (no store there, a bad token) is raised."""
+        if not rows:
+            return
+        if self._tg is None:
+            raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
+        waiting = _Rows(list(rows))
+        self._rows.append(waiting)
+        if not self._sending_rows:
+            self._sending_rows = True
+            self._tg.start_soon(self._send_rows)
+        await waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+
+    async def _send_rows(self) -> None:
+        """Send every queued caller's rows, as few round trips as ``max_batch`` allows."""
+        try:
+            while self._rows:
+                group = [self._rows.popleft()]
+                size = len(group[0].rows)
+                while self._rows and size + len(self._rows[0].rows) <= self.max_batch:
+                    size += len(self._rows[0].rows)
+                    group.append(self._rows.popleft())
+                try:
+                    await self._until_stored([row for waiting in group for row in waiting.rows])
+                except BaseException as exc:
+                    cause = (
+                        LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
+                        if isinstance(exc, anyio.get_cancelled_exc_class())
+                        else exc
+                    )
+                    for waiting in group:
+                        waiting.error = cause
+                        waiting.done.set()
+                    if cause is not exc:
+                        raise
+                    continue
+                for waiting in group:
+                    waiting.done.set()
+        finally:
+            self._sending_rows = False
+
+    async def _until_stored(self, rows: list[ProvenanceRow]) -> None:
+        """Send ``rows`` until the ledger's store acknowledges them: a lost reply, an
+        unreachable ledger or one that cannot store now is answered by sending the same rows
+        again, after a wait that doubles up to ``provenance_resend_s[1]``."""
+        wait, longest = self.provenance_resend_s
+        while True:
+            self.provenance_round_trips += 1
+            try:
+                await self.transport.store_provenance(rows)
+                return
+            except ConnectionError as exc:
+                error = repr(exc)
+            except LoraLedgerError as exc:
+                if exc.code not in RESEND_PROVENANCE_ON:
+                    raise
+                error = f"{exc.code}: {exc.message}"
+            log.warning("remote.provenance_resend", rows=len(rows), error=error, in_s=wait)
+            await anyio.sleep(wait)
+            wait = min(wait * 2, longest)
 
     # --- the view --------------------------------------------------------------------------
 
