@@ -55,10 +55,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -78,6 +78,7 @@ from publisher.remote.routing import Mark, RoutingTable
 from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.remote")
+T = TypeVar("T")
 
 # Refusals that mean "not now" for a batch of provenance rows: it is sent again until stored.
 RESEND_PROVENANCE_ON = frozenset(
@@ -199,26 +200,15 @@ class RemoteView:
             done.set()
 
 
-class _Request:
-    """One caller's commands and where their answers land."""
+class _Request(Generic[T]):
+    """One caller's items (commands, provenance rows) and where their answers land."""
 
-    __slots__ = ("commands", "done", "error", "results")
+    __slots__ = ("done", "error", "items", "results")
 
-    def __init__(self, commands: list[c.Command]) -> None:
-        self.commands = commands
+    def __init__(self, items: list[T]) -> None:
+        self.items = items
         self.done = anyio.Event()
-        self.results: list[Outcome | LoraLedgerError] | None = None
-        self.error: BaseException | None = None
-
-
-class _Rows:
-    """One caller's provenance rows and whether they were stored."""
-
-    __slots__ = ("done", "error", "rows")
-
-    def __init__(self, rows: list[ProvenanceRow]) -> None:
-        self.rows = rows
-        self.done = anyio.Event()
+        self.results: list[Outcome | LoraLedgerError] | None = None  # a command's answers
         self.error: BaseException | None = None
 
 
@@ -261,13 +251,13 @@ class RemoteLedger(TypedCommands):
         self.max_batch = max_batch
         self.renew_interval = renew_interval
         self.refresh_interval = refresh_interval
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[_Request[c.Command]] = deque()
         self._senders = 0
         self._tg: TaskGroup | None = None
         self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
-        self._rows: deque[_Rows] = deque()
+        self._rows: deque[_Request[ProvenanceRow]] = deque()
         self._sending_rows = False
         self.round_trips = 0  # command round trips sent (coalescing shows here)
         self.renewals_sent = 0
@@ -297,12 +287,7 @@ class RemoteLedger(TypedCommands):
                         await self._forward_renewals()  # the last counts (usually all zero)
                     tg.cancel_scope.cancel()
         finally:
-            closed = LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
-            self._fail_queued(closed)
-            while self._rows:
-                waiting = self._rows.popleft()
-                waiting.error = closed
-                waiting.done.set()
+            self._fail_queued(LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed"))
 
     # --- commands ------------------------------------------------------------------------------
 
@@ -336,45 +321,58 @@ class RemoteLedger(TypedCommands):
         return await self.transport.status()
 
     async def _sender(self) -> None:
-        """Send everything queued, a batch at a time, until the queue is empty."""
+        """Send every queued command, a batch at a time, until the queue is empty."""
         try:
-            while self._queue:
-                group = [self._queue.popleft()]
-                size = len(group[0].commands)
-                while self._queue and size + len(self._queue[0].commands) <= self.max_batch:
-                    size += len(self._queue[0].commands)
-                    group.append(self._queue.popleft())
-                commands = [command for request in group for command in request.commands]
-                try:
-                    self.round_trips += 1
-                    answered = await self.transport.execute(commands, self.view.mark)
-                except BaseException as exc:
-                    cause = (
-                        LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
-                        if isinstance(exc, anyio.get_cancelled_exc_class())
-                        else exc
-                    )
-                    for request in group:
-                        request.error = cause
-                        request.done.set()
-                    if cause is not exc:
-                        raise
-                    continue
-                self.view.take(answered.routing)
-                start = 0
-                for request in group:
-                    end = start + len(request.commands)
-                    request.results = answered.results[start:end]
-                    start = end
-                    request.done.set()
+            await self._drain(self._queue, self._execute_group)
         finally:
             self._senders -= 1
 
-    def _fail_queued(self, error: LoraLedgerError) -> None:
-        while self._queue:
-            request = self._queue.popleft()
-            request.error = error
+    async def _execute_group(self, group: list[_Request[c.Command]]) -> None:
+        commands = [command for request in group for command in request.items]
+        self.round_trips += 1
+        answered = await self.transport.execute(commands, self.view.mark)
+        self.view.take(answered.routing)
+        start = 0
+        for request in group:
+            end = start + len(request.items)
+            request.results = answered.results[start:end]
+            start = end
             request.done.set()
+
+    async def _drain(
+        self,
+        queue: deque[_Request[T]],
+        send: Callable[[list[_Request[T]]], Awaitable[None]],
+    ) -> None:
+        """Coalesce: hand ``send`` the callers queued, a group of at most ``max_batch`` items
+        at a time, until the queue is empty; ``send`` answers its group. When it fails, every
+        caller of the group hears why (a cancellation as ``LEDGER_CLOSED``, then raised)."""
+        while queue:
+            group = [queue.popleft()]
+            size = len(group[0].items)
+            while queue and size + len(queue[0].items) <= self.max_batch:
+                size += len(queue[0].items)
+                group.append(queue.popleft())
+            try:
+                await send(group)
+            except BaseException as exc:
+                cause = (
+                    LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
+                    if isinstance(exc, anyio.get_cancelled_exc_class())
+                    else exc
+                )
+                for request in group:
+                    request.error = cause
+                    request.done.set()
+                if cause is not exc:
+                    raise
+
+    def _fail_queued(self, error: LoraLedgerError) -> None:
+        for queue in (self._queue, self._rows):
+            while queue:
+                request = queue.popleft()
+                request.error = error
+                request.done.set()
 
     # --- owners and leases -----------------------------------------------------------------------
 
@@ -489,7 +487,7 @@ class RemoteLedger(TypedCommands):
             return
         if self._tg is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
-        waiting = _Rows(list(rows))
+        waiting = _Request(list(rows))
         self._rows.append(waiting)
         if not self._sending_rows:
             self._sending_rows = True
@@ -499,32 +497,16 @@ class RemoteLedger(TypedCommands):
             raise waiting.error
 
     async def _send_rows(self) -> None:
-        """Send every queued caller's rows, as few round trips as ``max_batch`` allows."""
+        """Send every queued caller's rows, in as few round trips as ``max_batch`` allows."""
         try:
-            while self._rows:
-                group = [self._rows.popleft()]
-                size = len(group[0].rows)
-                while self._rows and size + len(self._rows[0].rows) <= self.max_batch:
-                    size += len(self._rows[0].rows)
-                    group.append(self._rows.popleft())
-                try:
-                    await self._until_stored([row for waiting in group for row in waiting.rows])
-                except BaseException as exc:
-                    cause = (
-                        LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
-                        if isinstance(exc, anyio.get_cancelled_exc_class())
-                        else exc
-                    )
-                    for waiting in group:
-                        waiting.error = cause
-                        waiting.done.set()
-                    if cause is not exc:
-                        raise
-                    continue
-                for waiting in group:
-                    waiting.done.set()
+            await self._drain(self._rows, self._store_group)
         finally:
             self._sending_rows = False
+
+    async def _store_group(self, group: list[_Request[ProvenanceRow]]) -> None:
+        await self._until_stored([row for waiting in group for row in waiting.items])
+        for waiting in group:
+            waiting.done.set()
 
     async def _until_stored(self, rows: list[ProvenanceRow]) -> None:
         """Send ``rows`` until the ledger's store acknowledges them: a lost reply, an
