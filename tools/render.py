@@ -225,7 +225,7 @@ def audit_view(report: AuditReport) -> RenderableType:
     each generation, the release."""
     a = report.audit
     if a.version_id is None and a.released_seq is None:
-        head = f"session {a.session}: not in the log (only in the provenance file)"
+        head = f"session {a.session}: not in the log (only in its provenance rows)"
     elif a.version_id is None:
         head = f"session {a.session} (owner {a.owner}): closed before it ever bound"
     else:
