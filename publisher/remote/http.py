@@ -3,7 +3,10 @@
 remote ledger's HTTP transport, and :class:`HttpLedger`, the remote ledger a gateway process
 runs on (``loraledger gateway``, docs/openai.md)::
 
-    async with HttpLedger.connect(url, token=token) as ledger:
+    async with (
+        HttpLedger.connect(url, token=token) as ledger,
+        ProvenanceRecorder(ledger.provenance_sink()) as recorder,  # rows to the ledger's store
+    ):
         gateway = Gateway(Fleet(), ledger.view, gateway_id="gw-1", recorder=recorder,
                           on_engine_trouble=ledger.engine_failed)
         async with RolloutWorker.open(ledger, gateway, owner="gw-1") as worker:
