@@ -15,6 +15,7 @@ import msgspec
 
 from evlog.events import PublicationBlocked
 from projections.history import Entry, History
+from projections.holders import HolderFold
 
 
 class Obstacle(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,6 +26,7 @@ class Obstacle(msgspec.Struct, frozen=True, kw_only=True):
     state: str | None
     reason: str = ""
     bound: int = 0
+    sessions: tuple[str, ...] = ()  # of a skip's holder: the sessions bound to it then
     cleared_seq: int | None = None
     cleared_at: float | None = None
     cleared_by: str | None = None  # the event that moved it
@@ -43,8 +45,9 @@ class Stall(msgspec.Struct, frozen=True, kw_only=True):
     went_on_at: float | None = None
 
 
-def explain(history: History, version_id: int) -> list[Stall]:
-    """Every stall of ``version_id`` in the replayed range, oldest first."""
+def explain(history: History, version_id: int, holders: HolderFold | None = None) -> list[Stall]:
+    """Every stall of ``version_id`` in the replayed range, oldest first; with ``holders``
+    (folded over the same records), a skip's holders name the sessions bound to them."""
     found: list[Stall] = []
     own = history.versions.get(version_id, [])
     for seq, at, event in history.stalls.get(version_id, []):
@@ -54,8 +57,9 @@ def explain(history: History, version_id: int) -> list[Stall]:
         else:
             ids = [(h.version_id, h.reason, h.bound) for h in event.holders]
             cause = event.message
+        sessions = {} if holders is None else holders.skips.get(seq, {})
         obstacles = tuple(
-            _obstacle(history.versions.get(b, []), b, seq, reason, bound)
+            _obstacle(history.versions.get(b, []), b, seq, reason, bound, sessions.get(b, ()))
             for b, reason, bound in ids
         )
         went_on = next(
@@ -78,7 +82,14 @@ def explain(history: History, version_id: int) -> list[Stall]:
     return found
 
 
-def _obstacle(entries: list[Entry], version_id: int, seq: int, reason: str, bound: int) -> Obstacle:
+def _obstacle(
+    entries: list[Entry],
+    version_id: int,
+    seq: int,
+    reason: str,
+    bound: int,
+    sessions: tuple[str, ...],
+) -> Obstacle:
     state: str | None = None
     for e in entries:
         if e.seq > seq:
@@ -93,6 +104,7 @@ def _obstacle(entries: list[Entry], version_id: int, seq: int, reason: str, boun
         state=state,
         reason=reason,
         bound=bound,
+        sessions=sessions,
         cleared_seq=None if cleared is None else cleared.seq,
         cleared_at=None if cleared is None else cleared.at,
         cleared_by=None if cleared is None else cleared.event,

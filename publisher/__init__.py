@@ -39,6 +39,8 @@ from publisher.gateway.provenance import (
     MemorySink,
     ProvenanceRecorder,
     ProvenanceRow,
+    StoreSink,
+    Tee,
     read_rows,
 )
 from publisher.remote import HttpLedger
@@ -74,6 +76,8 @@ __all__ = [  # noqa: RUF022 -- grouped by who uses them, as the docs present the
     "MemorySink",
     "ProvenanceRecorder",
     "ProvenanceRow",
+    "StoreSink",
+    "Tee",
     "read_rows",
     # errors: every one is a LoraLedgerError with a stable machine code; the family (the class)
     # says whether and how to retry (docs/errors.md)

@@ -1,10 +1,15 @@
 """``loraledger audit``: each session's version history, joined with its generations.
 
-The log says which version a session was bound to; the provenance file
-(``publisher/provenance.py``, JSON lines) says which version each *generation* actually
-carried. Joining them is the check a trainer's importance sampling rests on, so every
-generation whose identity differs from its session's binding (version id, adapter name,
-digest, bound revision) is reported as a mismatch, and so is a generation whose engine echoed
+The log says which version a session was bound to; the provenance rows
+(``publisher/gateway/provenance.py``) say which version each *generation* actually carried.
+They are read from the store beside the log (``evlog/provenance_store.py``), where every face
+sends its rows, whichever process served the turn -- or from a JSON-lines file when one is
+named (``--provenance``). No store beside the log is said plainly (:attr:`Audited.note`),
+never shown as a session without generations.
+
+Joining them is the check a trainer's importance sampling rests on, so every generation
+whose identity differs from its session's binding (version id, adapter name, digest, bound
+revision) is reported as a mismatch, and so is a generation whose engine echoed
 another adapter than the one it was sent (``served_name``), a generation of a session the
 log never bound, and a generation that started after its session was released (closed, lease
 expired, idle, owner restarted) and before it bound again: nothing held its version then, so
@@ -21,10 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 
 from evlog.errors import LoraLedgerError
+from evlog.provenance_store import provenance_location
 from projections.audit import AuditFold, SessionAudit
-from publisher.gateway.provenance import ProvenanceRow, read_rows
+from publisher.gateway.provenance import ProvenanceRow, decode_stored, read_rows
 from tools.exitcodes import Exit, ToolError
-from tools.logfile import open_log
+from tools.logfile import open_log, open_provenance_beside
 
 Progress = Callable[[int, int], None]
 _EVERY = 4096
@@ -34,6 +40,15 @@ class AuditReport(msgspec.Struct, frozen=True, kw_only=True):
     audit: SessionAudit
     generations: tuple[ProvenanceRow, ...] = ()
     mismatches: tuple[str, ...] = ()
+
+
+class Audited(msgspec.Struct, frozen=True, kw_only=True):
+    """An audit: one report per session life, where its generations were read from (the
+    store beside the log or the file named; None: nowhere), and why none could be read."""
+
+    reports: list[AuditReport]
+    provenance: str | None = None
+    note: str | None = None
 
 
 def load_provenance(path: str | os.PathLike[str]) -> list[ProvenanceRow]:
@@ -111,9 +126,23 @@ async def audit_log(
     owner: str | None = None,
     provenance: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
-) -> list[AuditReport]:
-    """Audit ``sessions`` (ids), or every session of ``owner``, or (neither) every session."""
-    rows = load_provenance(provenance) if provenance is not None else []
+) -> Audited:
+    """Audit ``sessions`` (ids), or every session of ``owner``, or (neither) every session,
+    with their generations from the ``provenance`` file, or else from the store beside the
+    log. The rows are read before the log: every binding a row names is already in it."""
+    source: str | None = None
+    note: str | None = None
+    if provenance is not None:
+        rows = load_provenance(provenance)
+        source = os.fspath(provenance)
+    else:
+        rows, source = await _beside(path, sessions)
+        if source is None:
+            note = (
+                f"no provenance store beside {path} (looked for "
+                f"{provenance_location(path)}): generations are not shown; name a "
+                "JSON-lines file with --provenance"
+            )
     fold = AuditFold(sessions=sessions, owner=owner)
     async with open_log(path) as store:
         last = store.last_seq
@@ -127,7 +156,23 @@ async def audit_log(
     if progress is not None:
         progress(last, last)
     audits = fold.finish()
-    return join([*audits, *_unknown_to_the_log(audits, rows, sessions, owner)], rows)
+    reports = join([*audits, *_unknown_to_the_log(audits, rows, sessions, owner)], rows)
+    return Audited(reports=reports, provenance=source, note=note)
+
+
+async def _beside(
+    path: str | os.PathLike[str], sessions: Sequence[str] | None
+) -> tuple[list[ProvenanceRow], str | None]:
+    """The rows of ``sessions`` (all when None) in the store beside the log at ``path``,
+    and where it is; ``([], None)`` when there is no store there."""
+    async with open_provenance_beside(path) as store:
+        if store is None:
+            return [], None
+        try:
+            bodies = await store.read(sessions)
+            return decode_stored(bodies), store.location
+        except LoraLedgerError as exc:
+            raise ToolError.from_ledger(exc, path=store.location) from None
 
 
 def _unknown_to_the_log(

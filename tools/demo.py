@@ -177,12 +177,13 @@ async def run_demo(
     from engines.local.client import LocalHTTPEngine
     from engines.local.tinymodel import make_adapter
     from engines.testing import RestartableEngine
+    from evlog.provenance_store import open_provenance
     from evlog.sqlite import SQLiteStore
     from publisher.drivers.fleet import Fleet
     from publisher.drivers.plane import ControlPlane
     from publisher.drivers.trainer import PublicationError, TrainerClient
     from publisher.gateway import Gateway, LocalView
-    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder, StoreSink, Tee
     from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
     from publisher.sessions import RolloutWorker
 
@@ -227,7 +228,12 @@ async def run_demo(
                 lease_check_s=0.5,
             )
         )
-        recorder = await stack.enter_async_context(ProvenanceRecorder(JsonlSink(prov_path)))
+        # The rows go where every face's go, the store beside the log (so `audit LOG` needs no
+        # file), and to a JSON-lines copy the story reads.
+        beside = await stack.enter_async_context(open_provenance(log_path))
+        recorder = await stack.enter_async_context(
+            ProvenanceRecorder(Tee(StoreSink(beside), JsonlSink(prov_path)))
+        )
         ledger = plane.ledger
         gateway = Gateway(
             plane.fleet,
@@ -523,7 +529,7 @@ def suggestions(run: DemoRun, story: Any) -> list[str]:
     """The commands worth trying on this run's log, filled in with its paths and moments."""
     from tools.timefmt import iso
 
-    log_path, prov = run.log, run.provenance
+    log_path = run.log
     out = [
         f"loraledger verify {log_path}",
         f"loraledger replay {log_path} --incidents --stuck-after 2s",
@@ -534,9 +540,7 @@ def suggestions(run: DemoRun, story: Any) -> list[str]:
         out.append(f"loraledger replay {log_path} --engine {r.engine}")
         out.append(f"loraledger replay {log_path} --at {iso(story.started_at + r.at)}")
     if story.example_session:
-        out.append(
-            f"loraledger audit {log_path} --session {story.example_session} --provenance {prov}"
-        )
+        out.append(f"loraledger audit {log_path} --session {story.example_session}")
     out.append(f"loraledger replay {log_path} --plot {Path(run.directory) / 'replayed.png'}")
     return out
 

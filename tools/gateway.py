@@ -12,6 +12,11 @@ makes every process pick the same engine for a session without talking to the ot
 Safety rules are serve's: loopback unless a token is given (the same token is the clients'
 bearer and the one presented to the ledger), bounded bodies and connections, SIGINT/SIGTERM
 stop it cleanly (in-flight requests drain, the last counts reach the ledger).
+
+Provenance rows go to the ledger's process (its store beside the log), through the ledger
+client, sent again until stored; ``--provenance FILE`` also keeps a JSON-lines copy here. On
+exit, rows the ledger did not take within ``DRAIN_TIMEOUT_S`` (it is down) are logged as an
+error with their ids (``provenance.unsent``), rather than holding the exit forever.
 """
 
 from __future__ import annotations
@@ -56,13 +61,16 @@ log = get_logger("loraledger.gateway")
 # gateways under one owner id are two lives of one owner: the second would release the first's
 # sessions and fence it out.
 PROCESS_TAG = uuid.uuid4().hex[:8]
+# How long an exiting gateway keeps sending the provenance rows it still holds to a ledger that
+# does not answer (see the module docstring).
+DRAIN_TIMEOUT_S = 30.0
 
 
 class GatewayOptions(ServiceOptions, frozen=True, kw_only=True):
     """``loraledger gateway``'s options: the shared ones (``tools/service_options.py``) and the
     ledger it fronts, its owner and its lease. Two shared ones mean something of their own
     here: no ``engines`` means each engine at the endpoint the ledger reports, and
-    ``provenance`` defaults to ``./<owner>.provenance.jsonl``."""
+    ``provenance`` is a local copy of rows that go to the ledger's store anyway."""
 
     ledger: str  # the base URL of ``loraledger serve``
     port: int = 8766
@@ -112,13 +120,17 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
     from evlog.errors import LoraLedgerError
     from publisher.drivers.fleet import Fleet
     from publisher.gateway import Gateway
-    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.gateway.provenance import AnySink, JsonlSink, ProvenanceRecorder, Tee
     from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
     from publisher.remote import HttpLedger, LedgerUnreachable
     from publisher.sessions import RolloutWorker
 
     owner = opts.owner_id
-    provenance = opts.provenance or f"{owner}.provenance.jsonl"
+
+    def sink_of(ledger: HttpLedger) -> AnySink:
+        to_ledger = ledger.provenance_sink()
+        return Tee(to_ledger, JsonlSink(opts.provenance)) if opts.provenance else to_ledger
+
     try:
         async with (
             AsyncExitStack() as stack,
@@ -128,7 +140,7 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                 renew_interval=opts.renew_s,
                 refresh_interval=opts.refresh_s,
             ) as ledger,
-            ProvenanceRecorder(JsonlSink(provenance)) as recorder,
+            ProvenanceRecorder(sink_of(ledger), drain_timeout_s=DRAIN_TIMEOUT_S) as recorder,
         ):
             fleet = Fleet()
             opened: dict[str, EngineSpec] = {}

@@ -33,6 +33,8 @@ POST     ``/engines/{engine}/resume``     bearer token: lift it (served again on
 POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet
 POST     ``/engines/{engine}/trouble``    bearer token: a gateway process saw a generation
                                          on it fail (a hint for the reconciler)
+POST     ``/provenance``                  bearer token: provenance rows a face in another
+                                         process served, for the store beside the log
 =======  ===============================  ==========================================
 
 The ``/v1/`` routes are :mod:`publisher.openai`'s (docs/openai.md), mounted here so a
@@ -68,6 +70,7 @@ from starlette.routing import BaseRoute, Route
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError
 from engines.guard import BadBody, ErrorBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
+from evlog.provenance_store import ProvenanceStore
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.openai import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
@@ -122,6 +125,7 @@ def build_app(
     max_generation_body_bytes: int = OPENAI_MAX_BODY_BYTES,
     remove_engine: Callable[[str], Awaitable[Any]] | None = None,
     report_trouble: Callable[[str, EngineError], None] | None = None,
+    provenance: ProvenanceStore | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
@@ -137,9 +141,10 @@ def build_app(
     removes an engine and drops its handle; without it the ledger records the removal.
     ``report_trouble`` (the reconciler's ``engine_trouble``) hears what gateway processes
     report; without it a report is answered ``{"heard": false}``: nobody here watches the
-    engines."""
+    engines. ``provenance`` (the store beside the log) keeps the rows gateway processes send
+    to ``POST /provenance``; without it that route is refused ``INVALID_STATE``."""
     expected = token.encode() if token else None
-    service = LedgerService(ledger, engine_trouble=report_trouble)
+    service = LedgerService(ledger, engine_trouble=report_trouble, provenance=provenance)
 
     def authorized(request: Request) -> Response | None:
         if expected is None:
@@ -301,6 +306,9 @@ def build_app(
             heard=service.trouble(engine, kind(body.code, body.message, engine_id=engine))
         )
 
+    async def store_provenance(request: Request, body: wire.StoreProvenance) -> Any:
+        return wire.ProvenanceStored(stored=await service.store_provenance(body.rows))
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", reader(status), methods=["GET"]),
@@ -331,6 +339,7 @@ def build_app(
         ),
         Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
         Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
+        Route("/provenance", writer(wire.StoreProvenance, store_provenance), methods=["POST"]),
         *extra_routes,
     ]
 

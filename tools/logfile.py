@@ -54,6 +54,7 @@ from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
 
 from evlog.errors import LoraLedgerError
+from evlog.provenance_store import ProvenanceStore, SQLiteProvenance, provenance_location
 from evlog.sqlite import APPLICATION_ID, SQLiteStore
 from evlog.store import EventStore
 from evlog.stores import describe, is_shared
@@ -284,3 +285,38 @@ async def _open_database(url: str, allow_empty: bool) -> AsyncIterator[EventStor
         yield store
     finally:
         await store.close()
+
+
+@asynccontextmanager
+async def open_provenance_beside(
+    log: str | os.PathLike[str],
+) -> AsyncIterator[ProvenanceStore | None]:
+    """The provenance store beside the log at ``log`` (``evlog/provenance_store.py``), read
+    the same way as the log itself: read-only, writing nothing, next to a live writer or not.
+    None when there is none (the log's process never kept one: rows were written elsewhere,
+    or no generation was ever served)."""
+    if is_shared(log):
+        from evlog.provenance_postgres import PostgresProvenance
+
+        try:
+            async with PostgresProvenance.read_only(os.fspath(log)) as pg:
+                yield pg
+        except LoraLedgerError as exc:
+            raise ToolError.from_ledger(exc, path=provenance_location(log)) from None
+        return
+    p = _beside(log)
+    if p is None:
+        yield None
+        return
+    with _readable(p) as uri:
+        try:
+            async with SQLiteProvenance.read_only(uri, str(p)) as lite:
+                yield lite
+        except LoraLedgerError as exc:
+            raise ToolError.from_ledger(exc, path=str(p)) from None
+
+
+def _beside(log: str | os.PathLike[str]) -> Path | None:
+    """The provenance file of the SQLite log at ``log``, if there is one."""
+    p = Path(provenance_location(log))
+    return p if p.exists() else None

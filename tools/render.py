@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from projections.history import Entry
+from projections.holders import ReclaimCause
 from projections.incidents import Incident
 from projections.stalls import Stall
 from projections.status import LedgerStatus
@@ -129,7 +130,7 @@ def stalls_view(subject: str, stalls: Sequence[Stall]) -> RenderableType:
         cleared: list[str] = []
         for o in st.obstacles:
             why = f" {o.reason.replace('_', ' ')}" if o.reason else ""
-            bound = f" ({o.bound} sessions)" if o.bound else ""
+            bound = f" ({o.bound} sessions{_named(o.sessions, o.bound)})" if o.bound else ""
             ways.append(f"v{o.version_id} {o.state or '?'}{why}{bound}")
             if o.cleared_seq is None:
                 cleared.append(f"v{o.version_id}: not in this range")
@@ -153,6 +154,41 @@ def stalls_view(subject: str, stalls: Sequence[Stall]) -> RenderableType:
             went_on,
         )
     return table
+
+
+def _named(sessions: Sequence[str], count: int) -> str:
+    """``: s1, s2`` (and how many more the record counted), or nothing when none is known."""
+    if not sessions:
+        return ""
+    more = f" and {count - len(sessions)} more" if count > len(sessions) else ""
+    return ": " + ", ".join(sessions) + more
+
+
+def reclaims_view(subject: str, causes: Sequence[ReclaimCause]) -> RenderableType:
+    """What made each reclaim of a version possible: the last binding of it to go, or its
+    retirement when no session held it any more by then."""
+    lines: list[RenderableType] = []
+    for r in causes:
+        last = r.last_release
+        left = (
+            None
+            if last is None
+            else f"{last.session} (owner {last.owner}, {last.cause}) at seq {last.seq}"
+        )
+        retired = "" if r.retired_seq is None else f" at seq {r.retired_seq}"
+        if r.enabled_by == "release" and left is not None:
+            why = f"the release of {left}, the last session bound to it (retired{retired})"
+        elif left is not None:
+            why = f"its retirement{retired} (its last session, {left}, had left before)"
+        else:
+            why = f"its retirement{retired} (no session was ever bound to it)"
+        lines.append(
+            Text(
+                f"{subject} reclaim claimed at seq {r.claimed_seq} ({iso(r.claimed_at)}): "
+                f"made possible by {why}"
+            )
+        )
+    return Group(*lines)
 
 
 def _health_view(found: Sequence[Incident]) -> RenderableType:
@@ -189,7 +225,7 @@ def audit_view(report: AuditReport) -> RenderableType:
     each generation, the release."""
     a = report.audit
     if a.version_id is None and a.released_seq is None:
-        head = f"session {a.session}: not in the log (only in the provenance file)"
+        head = f"session {a.session}: not in the log (only in its provenance rows)"
     elif a.version_id is None:
         head = f"session {a.session} (owner {a.owner}): closed before it ever bound"
     else:

@@ -20,6 +20,7 @@ import msgspec
 from evlog.errors import LoraLedgerError
 from evlog.record import Record
 from projections.history import Entry, History
+from projections.holders import HolderFold, ReclaimCause
 from projections.incidents import Incident, IncidentFold
 from projections.lifetimes import LifetimeFold, Lifetimes
 from projections.registry import RegistryState, evolve
@@ -40,6 +41,8 @@ class ReplayResult(msgspec.Struct, kw_only=True):
     asked_at: float | None = None  # the moment --at meant, resolved against the log
     versions: dict[int, list[Entry]] = msgspec.field(default_factory=dict)
     stalls: dict[int, list[Stall]] = msgspec.field(default_factory=dict)  # per --version
+    # per --version: what made each reclaim of it possible (the last binding to go)
+    reclaims: dict[int, list[ReclaimCause]] = msgspec.field(default_factory=dict)
     engines: dict[str, list[Entry]] = msgspec.field(default_factory=dict)
     incidents: list[Incident] | None = None
     lifetimes: Lifetimes | None = None
@@ -111,6 +114,7 @@ class _Folds:
         lifetimes: bool,
     ) -> None:
         self.history = History(sessions=()) if versions or engines else None
+        self.holders = HolderFold(versions) if versions else None
         self.incidents = (
             IncidentFold(stuck_after=stuck_after, pinned_top=pinned_top) if incidents else None
         )
@@ -124,7 +128,7 @@ class _Folds:
     def apply(self, record: Record) -> None:
         if self.own is not None:
             evolve(self.own, record.event, record.seq)
-        for fold in (self.history, self.incidents, self.lifetimes):
+        for fold in (self.history, self.holders, self.incidents, self.lifetimes):
             if fold is not None:
                 fold.apply(record)
 
@@ -132,14 +136,15 @@ class _Folds:
         self, applied: Record, last: int, versions: Sequence[int], engines: Sequence[str]
     ) -> ReplayResult:
         assert self.state is not None
-        history = self.history
+        history, holders = self.history, self.holders
         return ReplayResult(
             state=self.state,
             seq=applied.seq,
             at=applied.recorded_at,
             log_last_seq=last,
             versions={v: history.versions.get(v, []) for v in versions} if history else {},
-            stalls={v: explain(history, v) for v in versions} if history else {},
+            stalls={v: explain(history, v, holders) for v in versions} if history else {},
+            reclaims={v: holders.reclaims.get(v, []) for v in versions} if holders else {},
             engines={e: history.engines.get(e, []) for e in engines} if history else {},
             incidents=self.incidents.finish() if self.incidents is not None else None,
             lifetimes=self.lifetimes.finish() if self.lifetimes is not None else None,

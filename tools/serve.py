@@ -23,6 +23,12 @@ Safety rules, enforced before anything is opened:
   shuts down as for SIGTERM and exits 13 with one ``error:`` line naming both epochs.
 
 Every committed event is logged as one line with its seq (``-v``) and counted in the metrics.
+
+Provenance: the rows of every face -- serve's own OpenAI routes, and those gateway processes
+send to ``POST /provenance`` -- are kept in the store beside the log
+(``evlog/provenance_store.py``: ``<db>.provenance.sqlite``, or a table in a PostgreSQL log's
+database), so ``loraledger audit LOG`` finds them all; ``--provenance FILE`` writes a JSON-lines
+copy of serve's own rows too.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from tools.service_options import (
 
 if TYPE_CHECKING:
     from engines.contract import Engine
+    from evlog.provenance_store import ProvenanceStore
     from publisher.core.ledger import Ledger
     from publisher.drivers.plane import ControlPlane
     from publisher.openai import OpenAIGateway
@@ -229,18 +236,34 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def openai_face(plane: ControlPlane, opts: ServeOptions) -> AsyncIterator[OpenAIGateway]:
+async def provenance_store(opts: ServeOptions) -> AsyncIterator[ProvenanceStore]:
+    """The provenance store beside the log (created when absent), for every face's rows."""
+    from evlog.errors import LoraLedgerError
+    from evlog.provenance_store import open_provenance, provenance_location
+
+    try:
+        async with open_provenance(opts.db) as store:
+            yield store
+    except LoraLedgerError as exc:
+        raise ToolError.from_ledger(exc, path=provenance_location(opts.db)) from None
+
+
+@asynccontextmanager
+async def openai_face(
+    plane: ControlPlane, opts: ServeOptions, store: ProvenanceStore
+) -> AsyncIterator[OpenAIGateway]:
     """The OpenAI routes next to the ledger (docs/openai.md): one gateway (its in-flight
     counts are reclaim evidence of the plane), one rollout worker owning every session they
-    bind, provenance rows as JSON lines next to the log."""
+    bind, provenance rows into ``store`` (and a JSON-lines copy with ``--provenance``)."""
     from publisher.gateway import Gateway, LocalView
-    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+    from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder, StoreSink, Tee
     from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
     from publisher.sessions import RolloutWorker
 
     ledger = plane.ledger
-    provenance = opts.provenance or beside_log(opts, ".provenance.jsonl")
-    async with ProvenanceRecorder(JsonlSink(provenance)) as recorder:
+    sink = StoreSink(store)
+    copy = Tee(sink, JsonlSink(opts.provenance)) if opts.provenance else sink
+    async with ProvenanceRecorder(copy) as recorder:
         gateway = Gateway(
             plane.fleet,
             LocalView(ledger),
@@ -353,7 +376,8 @@ async def serve(
     async with (
         listening(opts.host, opts.port) as sockets,  # a busy port: nothing opened yet
         open_plane(opts) as plane,
-        openai_face(plane, opts) as face,
+        provenance_store(opts) as provenance,
+        openai_face(plane, opts, provenance) as face,
     ):
         ledger = plane.ledger
         metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
@@ -367,6 +391,7 @@ async def serve(
             max_generation_body_bytes=face.options.max_body_bytes,
             remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
             report_trouble=plane.reconciler.engine_trouble,
+            provenance=provenance,
         )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:

@@ -51,7 +51,7 @@ class ServiceOptions(msgspec.Struct, frozen=True, kw_only=True):
     artifact_root: str | None = None  # where an in-process local engine reads adapters
     alias: str = "policy"  # the OpenAI model name meaning "my session's version"
     session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released
-    provenance: str | None = None  # JSON lines, one per OpenAI request (each command's default)
+    provenance: str | None = None  # a JSON-lines copy of this process's rows (None: none)
     max_connections: int = 1000  # beyond it a connection is answered 503 and closed
     header_timeout_s: float = 10.0  # to send a request's headers, from connect or last reply
     max_body_mb: int = 64  # the largest OpenAI request body, MiB (413 beyond)

@@ -427,6 +427,7 @@ class Gateway:
             finished_at=self._clock(),
             gateway=self.gateway_id,
             served_name=usage.served_name,
+            row_id=uuid.uuid4().hex,
         )
         if not row.attested:
             log.error(

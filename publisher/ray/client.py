@@ -49,6 +49,7 @@ from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.outcomes import Deregistered, Done
 from publisher.drivers.fleet import Fleet
+from publisher.gateway.provenance import ProvenanceRow
 from publisher.logs import get_logger
 from publisher.ray.engine import RayEngine
 from publisher.ray.ledger_actor import DEFAULT_LEDGER_NAME, FleetView, RenewReply, Reply
@@ -103,6 +104,10 @@ class RayTransport:
 
     async def report_trouble(self, engine_id: str, error: EngineError) -> None:
         await self.link.call("engine_failed", engine_id, error)
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int:
+        stored: int = await self.link.call("store_provenance", list(rows))
+        return stored
 
     # --- the fleet, as the ledger actor has it --------------------------------------------------
 

@@ -46,7 +46,7 @@ from engines.guard import is_loopback, uvicorn_limits
 from evlog.errors import INVALID_INPUT, InvalidInput
 from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway
-from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder
+from publisher.gateway.provenance import AnySink, JsonlSink, ProvenanceRecorder, Tee
 from publisher.logs import get_logger
 from publisher.openai import (
     MAX_BODY_BYTES,
@@ -84,7 +84,9 @@ class GatewayConfig:
     ttl_s: float = 30.0
     session_idle_s: float = 1800.0
     status_refresh_s: float = 1.0
-    provenance: str | None = None  # JSON lines on the actor's node; None: not written
+    # Rows always go to the ledger actor's store; this adds a JSON-lines copy on the actor's node.
+    provenance: str | None = None
+    provenance_drain_s: float = 30.0  # on stop, how long rows still held wait for the ledger
     engine_token: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES  # the largest request body (413 BODY_TOO_LARGE beyond)
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S  # an engine's longest silence
@@ -157,11 +159,12 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
             for engine in config.engines:
                 if engine.engine_id not in fleet:
                     fleet.add(engine)
-        recorder = None
+        sink: AnySink = ledger.provenance_sink()  # to the ledger actor's store
         if config.provenance:
-            recorder = await stack.enter_async_context(
-                ProvenanceRecorder(JsonlSink(config.provenance))
-            )
+            sink = Tee(sink, JsonlSink(config.provenance))
+        recorder = await stack.enter_async_context(
+            ProvenanceRecorder(sink, drain_timeout_s=config.provenance_drain_s)
+        )
         gateway = Gateway(
             fleet,
             ledger.view,

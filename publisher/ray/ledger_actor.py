@@ -28,6 +28,11 @@ actor) come back too: the actor keeps which engine actor serves each changed id 
 book (:mod:`publisher.ray.engine_book`) and opens its plane with the configured engines plus the
 book's changes.
 
+Provenance: the rows gateway actors and other clients send (``store_provenance``) are kept in
+the store beside the log (``evlog/provenance_store.py``: a SQLite file next to a SQLite log, a
+table in a PostgreSQL log's database), opened with the log, so they outlive the actor as the
+log does.
+
 Each method answers with outcomes and refusals as values where a batch is involved
 (``execute_many``), and piggybacks a :class:`~publisher.remote.routing.RoutingTable` when the
 routing changed since the caller's ``mark``, with the fleet's handles (a :class:`FleetView`)
@@ -55,6 +60,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engines.contract import EngineError
 from evlog.errors import LoraLedgerError
+from evlog.provenance_store import ProvenanceStore, open_provenance
 from evlog.sqlite import Synchronous
 from evlog.stores import describe, is_shared, open_store
 from projections.status import LedgerStatus
@@ -63,6 +69,7 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.fleet import Fleet, FleetError
+from publisher.gateway.provenance import ProvenanceRow
 from publisher.logs import get_logger
 from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
@@ -172,6 +179,7 @@ class _Service:
         plane: ControlPlane | None,
         config: LedgerConfig,
         book: EngineBook | None = None,
+        provenance: ProvenanceStore | None = None,
     ) -> None:
         self.ledger = ledger
         self.plane = plane
@@ -180,6 +188,7 @@ class _Service:
             ledger,
             fleet_version=lambda: self.fleet_version,
             engine_trouble=None if plane is None else plane.reconciler.engine_trouble,
+            provenance=provenance,
         )
         self.pulls = PullStats()
         self.book = book  # where runtime fleet changes are kept for a restart
@@ -211,6 +220,9 @@ class _Service:
 
     async def status(self) -> LedgerStatus:
         return self.ledger_service.status()
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int:
+        return await self.ledger_service.store_provenance(rows)
 
     async def publish(
         self, descriptor: AdapterDescriptor, step: int, allow_rollback: bool = False
@@ -349,7 +361,10 @@ class _Service:
 
 @asynccontextmanager
 async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
-    async with open_store(config.path, synchronous=config.synchronous) as store:
+    async with (
+        open_store(config.path, synchronous=config.synchronous) as store,
+        open_provenance(config.path) as provenance,
+    ):
         if config.plane is None:
             async with (
                 Ledger.open(store, snapshot_every=config.snapshot_every) as ledger,
@@ -360,7 +375,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
                     "ray.ledger_serving", path=describe(config.path), seq=ledger.state.last_seq
                 )
                 try:
-                    yield _Service(ledger, None, config)
+                    yield _Service(ledger, None, config, provenance=provenance)
                 finally:
                     tg.cancel_scope.cancel()
             return
@@ -388,7 +403,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
             log.info(
                 "ray.plane_serving", path=describe(config.path), seq=plane.ledger.state.last_seq
             )
-            yield _Service(plane.ledger, plane, config, book)
+            yield _Service(plane.ledger, plane, config, book, provenance)
 
 
 async def _expire_leases(ledger: Ledger, every_s: float) -> None:
@@ -439,6 +454,11 @@ class LedgerActor:
 
     async def status(self) -> LedgerStatus:
         return await self._host.call(self._service.status)
+
+    async def store_provenance(self, rows: list[ProvenanceRow]) -> int:
+        """Keep provenance rows a gateway actor or another client sent, in the store beside
+        the log, durably before answering; how many were new (a resend stores nothing twice)."""
+        return await self._host.call(self._service.store_provenance, rows)
 
     async def publish(
         self, descriptor: AdapterDescriptor, step: int, allow_rollback: bool = False

@@ -33,6 +33,9 @@ predecessor's sessions as soon as Ray restarts it, not at its first call.
 deregisters, nothing is left for the lease expiry to find. An actor killed without it leaves
 its sessions to the lease expiry (an incident), or to its next incarnation.
 
+Every generation's provenance row goes to the ledger actor, which keeps it beside the log
+(``RayLedger.provenance_sink``), so ``loraledger audit LOG --session S`` shows its turns.
+
 Objects of the worker (binders, its task group) live on the private loop: reach them only
 through these methods, or :meth:`run` for anything else (``run(fn, *args)`` awaits
 ``fn(worker, *args)`` there).
@@ -53,6 +56,7 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound, Deregistered, Released
 from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway, Served
+from publisher.gateway.provenance import ProvenanceRecorder
 from publisher.ray.client import RayLedger
 from publisher.ray.engine import RayEngine
 from publisher.ray.hosting import PortalHost, exit_process
@@ -61,6 +65,7 @@ from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.sessions import RolloutWorker
 
 R = TypeVar("R")
+PROVENANCE_DRAIN_S = 30.0  # on close, how long rows still held wait for the ledger actor
 
 
 @asynccontextmanager
@@ -77,11 +82,19 @@ async def _serve(
         # an engine is added, replaced or removed); a failed engine call is reported to the
         # ledger either way, so its reconciler probes that engine at once.
         fleet = client.fleet if engines is None else Fleet(engines)
-        gateway = Gateway(
-            fleet, client.view, gateway_id=owner, on_engine_trouble=client.engine_failed
-        )
-        async with RolloutWorker.open(client, gateway, owner=owner, **worker_options) as worker:
-            yield worker
+        # Every generation's provenance row goes to the ledger actor's store, beside the log.
+        async with ProvenanceRecorder(
+            client.provenance_sink(), drain_timeout_s=PROVENANCE_DRAIN_S
+        ) as recorder:
+            gateway = Gateway(
+                fleet,
+                client.view,
+                gateway_id=owner,
+                recorder=recorder,
+                on_engine_trouble=client.engine_failed,
+            )
+            async with RolloutWorker.open(client, gateway, owner=owner, **worker_options) as worker:
+                yield worker
 
 
 class RayRollout:

@@ -38,6 +38,12 @@ What differs from in process, and why, once for every transport:
   deregisters the owners registered through it that did not deregister yet (their sessions
   still bound are released, ``owner_exited``), so a process that exits cleanly leaves no lease
   to expire; ``deregister_on_exit=False`` keeps them for a later process.
+* **Provenance goes to the ledger's process** (:meth:`RemoteLedger.store_provenance`, the sink
+  :meth:`RemoteLedger.provenance_sink` a recorder writes through): rows of concurrent callers
+  travel in one round trip, and a batch is sent again -- after a lost reply, an unreachable or
+  restarting ledger -- until its store acknowledges it, so a row arrives at least once and is
+  stored once (its ``row_id`` is the store's key). Meanwhile the recorder's buffer holds the
+  rows: a generation waits only when that buffer is full, as for any slow sink.
 * **Lost replies**: a transport that cannot reach the ledger raises a ``ConnectionError`` (HTTP)
   or rides over a restart itself (Ray's actor link); every command sent here is idempotent in
   the ledger, so the worker's retry policy asks again.
@@ -49,28 +55,35 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
 from engines.contract import EngineError
-from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, StoreCode
 from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger_api import TypedCommands
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.engine_ops import lacks_adapter
+from publisher.gateway.provenance import ProvenanceRow
 from publisher.logs import get_logger
 from publisher.remote.renewals import Counts, Life, PendingRenewals
 from publisher.remote.routing import Mark, RoutingTable
 from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.remote")
+T = TypeVar("T")
+
+# Refusals that mean "not now" for a batch of provenance rows: it is sent again until stored.
+RESEND_PROVENANCE_ON = frozenset(
+    {Code.LEDGER_CLOSED, Code.FENCED, StoreCode.STORE_FAILED, StoreCode.STORE_CLOSED}
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,8 @@ class Transport(Protocol):
     async def status(self) -> LedgerStatus: ...
 
     async def report_trouble(self, engine_id: str, error: EngineError) -> None: ...
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int: ...
 
 
 class RemoteView:
@@ -185,16 +200,27 @@ class RemoteView:
             done.set()
 
 
-class _Request:
-    """One caller's commands and where their answers land."""
+class _Request(Generic[T]):
+    """One caller's items (commands, provenance rows) and where their answers land."""
 
-    __slots__ = ("commands", "done", "error", "results")
+    __slots__ = ("done", "error", "items", "results")
 
-    def __init__(self, commands: list[c.Command]) -> None:
-        self.commands = commands
+    def __init__(self, items: list[T]) -> None:
+        self.items = items
         self.done = anyio.Event()
-        self.results: list[Outcome | LoraLedgerError] | None = None
+        self.results: list[Outcome | LoraLedgerError] | None = None  # a command's answers
         self.error: BaseException | None = None
+
+
+class LedgerSink:
+    """A recorder's sink that sends its rows to the ledger's process
+    (:meth:`RemoteLedger.store_provenance`): ``ProvenanceRecorder(ledger.provenance_sink())``."""
+
+    def __init__(self, ledger: RemoteLedger) -> None:
+        self.ledger = ledger
+
+    async def write(self, rows: Sequence[ProvenanceRow]) -> None:
+        await self.ledger.store_provenance(rows)
 
 
 class RemoteLedger(TypedCommands):
@@ -225,14 +251,18 @@ class RemoteLedger(TypedCommands):
         self.max_batch = max_batch
         self.renew_interval = renew_interval
         self.refresh_interval = refresh_interval
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[_Request[c.Command]] = deque()
         self._senders = 0
         self._tg: TaskGroup | None = None
         self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
         self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
+        self._rows: deque[_Request[ProvenanceRow]] = deque()
+        self._sending_rows = False
         self.round_trips = 0  # command round trips sent (coalescing shows here)
         self.renewals_sent = 0
+        self.provenance_round_trips = 0  # rows' round trips, resends included
+        self.provenance_resend_s = (0.1, 5.0)  # first and longest wait before a resend
 
     @asynccontextmanager
     async def running(self, *, deregister_on_exit: bool = True) -> AsyncIterator[None]:
@@ -291,45 +321,58 @@ class RemoteLedger(TypedCommands):
         return await self.transport.status()
 
     async def _sender(self) -> None:
-        """Send everything queued, a batch at a time, until the queue is empty."""
+        """Send every queued command, a batch at a time, until the queue is empty."""
         try:
-            while self._queue:
-                group = [self._queue.popleft()]
-                size = len(group[0].commands)
-                while self._queue and size + len(self._queue[0].commands) <= self.max_batch:
-                    size += len(self._queue[0].commands)
-                    group.append(self._queue.popleft())
-                commands = [command for request in group for command in request.commands]
-                try:
-                    self.round_trips += 1
-                    answered = await self.transport.execute(commands, self.view.mark)
-                except BaseException as exc:
-                    cause = (
-                        LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
-                        if isinstance(exc, anyio.get_cancelled_exc_class())
-                        else exc
-                    )
-                    for request in group:
-                        request.error = cause
-                        request.done.set()
-                    if cause is not exc:
-                        raise
-                    continue
-                self.view.take(answered.routing)
-                start = 0
-                for request in group:
-                    end = start + len(request.commands)
-                    request.results = answered.results[start:end]
-                    start = end
-                    request.done.set()
+            await self._drain(self._queue, self._execute_group)
         finally:
             self._senders -= 1
 
-    def _fail_queued(self, error: LoraLedgerError) -> None:
-        while self._queue:
-            request = self._queue.popleft()
-            request.error = error
+    async def _execute_group(self, group: list[_Request[c.Command]]) -> None:
+        commands = [command for request in group for command in request.items]
+        self.round_trips += 1
+        answered = await self.transport.execute(commands, self.view.mark)
+        self.view.take(answered.routing)
+        start = 0
+        for request in group:
+            end = start + len(request.items)
+            request.results = answered.results[start:end]
+            start = end
             request.done.set()
+
+    async def _drain(
+        self,
+        queue: deque[_Request[T]],
+        send: Callable[[list[_Request[T]]], Awaitable[None]],
+    ) -> None:
+        """Coalesce: hand ``send`` the callers queued, a group of at most ``max_batch`` items
+        at a time, until the queue is empty; ``send`` answers its group. When it fails, every
+        caller of the group hears why (a cancellation as ``LEDGER_CLOSED``, then raised)."""
+        while queue:
+            group = [queue.popleft()]
+            size = len(group[0].items)
+            while queue and size + len(queue[0].items) <= self.max_batch:
+                size += len(queue[0].items)
+                group.append(queue.popleft())
+            try:
+                await send(group)
+            except BaseException as exc:
+                cause = (
+                    LedgerError(Code.LEDGER_CLOSED, "the ledger client was closed")
+                    if isinstance(exc, anyio.get_cancelled_exc_class())
+                    else exc
+                )
+                for request in group:
+                    request.error = cause
+                    request.done.set()
+                if cause is not exc:
+                    raise
+
+    def _fail_queued(self, error: LoraLedgerError) -> None:
+        for queue in (self._queue, self._rows):
+            while queue:
+                request = queue.popleft()
+                request.error = error
+                request.done.set()
 
     # --- owners and leases -----------------------------------------------------------------------
 
@@ -428,6 +471,62 @@ class RemoteLedger(TypedCommands):
             log.warning("remote.trouble_report_failed", engine=key[0], error=repr(exc))
         finally:
             self._reporting.discard(key)
+
+    # --- provenance --------------------------------------------------------------------------
+
+    def provenance_sink(self) -> LedgerSink:
+        """The sink a :class:`~publisher.gateway.provenance.ProvenanceRecorder` of this
+        process writes through: its rows go to the ledger's provenance store."""
+        return LedgerSink(self)
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> None:
+        """Have the ledger's process store ``rows`` beside its log; returns once they are
+        stored (module docstring: coalesced, sent again until acknowledged). A refusal that
+        sending again cannot change (no store there, a bad token) is raised."""
+        if not rows:
+            return
+        if self._tg is None:
+            raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
+        waiting = _Request(list(rows))
+        self._rows.append(waiting)
+        if not self._sending_rows:
+            self._sending_rows = True
+            self._tg.start_soon(self._send_rows)
+        await waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+
+    async def _send_rows(self) -> None:
+        """Send every queued caller's rows, in as few round trips as ``max_batch`` allows."""
+        try:
+            await self._drain(self._rows, self._store_group)
+        finally:
+            self._sending_rows = False
+
+    async def _store_group(self, group: list[_Request[ProvenanceRow]]) -> None:
+        await self._until_stored([row for waiting in group for row in waiting.items])
+        for waiting in group:
+            waiting.done.set()
+
+    async def _until_stored(self, rows: list[ProvenanceRow]) -> None:
+        """Send ``rows`` until the ledger's store acknowledges them: a lost reply, an
+        unreachable ledger or one that cannot store now is answered by sending the same rows
+        again, after a wait that doubles up to ``provenance_resend_s[1]``."""
+        wait, longest = self.provenance_resend_s
+        while True:
+            self.provenance_round_trips += 1
+            try:
+                await self.transport.store_provenance(rows)
+                return
+            except ConnectionError as exc:
+                error = repr(exc)
+            except LoraLedgerError as exc:
+                if exc.code not in RESEND_PROVENANCE_ON:
+                    raise
+                error = f"{exc.code}: {exc.message}"
+            log.warning("remote.provenance_resend", rows=len(rows), error=error, in_s=wait)
+            await anyio.sleep(wait)
+            wait = min(wait * 2, longest)
 
     # --- the view --------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 remote ledger's HTTP transport, and :class:`HttpLedger`, the remote ledger a gateway process
 runs on (``loraledger gateway``, docs/openai.md)::
 
-    async with HttpLedger.connect(url, token=token) as ledger:
+    async with (
+        HttpLedger.connect(url, token=token) as ledger,
+        ProvenanceRecorder(ledger.provenance_sink()) as recorder,  # rows to the ledger's store
+    ):
         gateway = Gateway(Fleet(), ledger.view, gateway_id="gw-1", recorder=recorder,
                           on_engine_trouble=ledger.engine_failed)
         async with RolloutWorker.open(ledger, gateway, owner="gw-1") as worker:
@@ -36,6 +39,7 @@ from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
 from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.outcomes import Deregistered, Done, Outcome
+from publisher.gateway.provenance import ProvenanceRow
 from publisher.remote import wire
 from publisher.remote.client import Answered, RemoteLedger, Renewed
 from publisher.remote.renewals import Counts, Life
@@ -212,6 +216,27 @@ class HttpTransport:
             code=error.code[:64], clean=error.clean, message=error.message[:1024]
         )
         await self.service.post(f"/engines/{segment(engine_id)}/trouble", body, wire.Heard)
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int:
+        """Rows in as few bodies as ``max_batch_bytes`` allows; how many were new. A failure
+        part way is raised: the caller sends them all again, and those stored are kept once."""
+        stored = 0
+        body: list[ProvenanceRow] = []
+        size = 0
+        for row in rows:
+            length = len(_encode(row)) + 1
+            if body and size + length > self.max_batch_bytes:
+                stored += await self._store(body)
+                body, size = [], 0
+            body.append(row)
+            size += length
+        if body:
+            stored += await self._store(body)
+        return stored
+
+    async def _store(self, rows: list[ProvenanceRow]) -> int:
+        body = wire.StoreProvenance(rows=rows)
+        return (await self.service.post("/provenance", body, wire.ProvenanceStored)).stored
 
 
 _encode = msgspec.json.Encoder().encode

@@ -12,10 +12,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from engines.contract import EngineError
 from evlog.errors import LoraLedgerError
+from evlog.provenance_store import ProvenanceStore
 from projections.status import LedgerStatus
 from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Deregistered, Done, Outcome
+from publisher.gateway.provenance import ProvenanceRow, stored_row
 from publisher.logs import get_logger
 from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable, RoutingTracker
@@ -27,7 +30,8 @@ class LedgerService:
     """A running ``ledger``, as remote callers reach it. ``fleet_version`` reads the version of
     the fleet's handles in this process (routing tables carry it); ``engine_trouble`` hears
     what remote gateways saw fail (the reconciler's ``engine_trouble``; None: nobody here
-    watches the engines)."""
+    watches the engines); ``provenance`` keeps the rows faces in other processes send (the
+    store beside the log; None: this process keeps none, and says so)."""
 
     def __init__(
         self,
@@ -35,10 +39,12 @@ class LedgerService:
         *,
         fleet_version: Callable[[], int] = lambda: 0,
         engine_trouble: Callable[[str, EngineError], None] | None = None,
+        provenance: ProvenanceStore | None = None,
     ) -> None:
         self.ledger = ledger
         self._fleet_version = fleet_version
         self._engine_trouble = engine_trouble
+        self._provenance = provenance
         self._tracker = RoutingTracker()
 
     def routing(self, mark: Mark | None = None) -> RoutingTable | None:
@@ -96,3 +102,15 @@ class LedgerService:
         log.info("remote.engine_trouble_reported", engine=engine, code=error.code)
         self._engine_trouble(engine, error)
         return True
+
+    async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int:
+        """Keep provenance rows a face in another process sent, durably, before answering
+        (it drops them once answered); how many were new (a batch sent again after a lost
+        reply stores nothing twice: the store keys rows by ``row_id``)."""
+        if self._provenance is None:
+            raise LedgerError(
+                Code.INVALID_STATE,
+                "this ledger's process keeps no provenance store: send the rows elsewhere "
+                "(a JSON-lines file) or run a ledger that keeps one",
+            )
+        return await self._provenance.add([stored_row(row) for row in rows])

@@ -20,6 +20,7 @@ from evlog.errors import LoraLedgerError, StoreError
 from publisher.core import commands as c
 from publisher.core.errors import LedgerError
 from publisher.core.outcomes import Bound, Forgotten, Released
+from publisher.gateway.provenance import ProvenanceRow
 from publisher.remote.routing import Mark, RoutingTable
 
 
@@ -121,6 +122,13 @@ class TroubleReport(Body, frozen=True):
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
+class StoreProvenance(Body, frozen=True):
+    """``POST /provenance``: provenance rows of generations a face in another process served,
+    for the store beside the log. Sent at least once: the store keeps each ``row_id`` once."""
+
+    rows: list[ProvenanceRow]
+
+
 class PublishVersion(Body, frozen=True):
     version_id: int
     adapter_dir: str
@@ -164,6 +172,13 @@ class LeasesRenewed(msgspec.Struct, frozen=True, kw_only=True):
 
 class Renewed(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool = True
+
+
+class ProvenanceStored(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to :class:`StoreProvenance`, sent once the rows are durable: how many were
+    new (the rest were stored before: a batch sent again)."""
+
+    stored: int
 
 
 class Heard(msgspec.Struct, frozen=True, kw_only=True):

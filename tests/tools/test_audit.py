@@ -1,4 +1,5 @@
-"""``loraledger audit`` on the fault run, joined with a provenance file."""
+"""``loraledger audit`` on the fault run, joined with its provenance: the store beside the log,
+or a file named with ``--provenance``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from publisher.gateway.provenance import ProvenanceRow, encode_rows
+from evlog.provenance_store import open_provenance
+from publisher.gateway.provenance import ProvenanceRow, StoreSink, encode_rows
 from tests.support.ledger import digest
 from tests.tools.conftest import Cli
 from tools.exitcodes import Exit
@@ -193,3 +196,49 @@ def test_generations_of_a_session_the_log_never_knew_are_a_mismatch(
     by_owner = cli("audit", fault_log, "--owner", "w1", "--provenance", prov, "--json")
     assert "ghost" not in {line["session"] for line in _lines(by_owner.stdout)}
     assert cli("audit", fault_log, "--session", "ghost").returncode == Exit.FAILED  # no rows
+
+
+def _store_beside(log: Path, rows: list[ProvenanceRow]) -> None:
+    """Rows in the store beside ``log``, as the ledger's process keeps them."""
+
+    async def store() -> None:
+        async with open_provenance(log) as beside:
+            await StoreSink(beside).write(rows)
+
+    anyio.run(store)
+
+
+def test_generations_come_from_the_store_beside_the_log_without_naming_a_file(
+    cli: Cli, fault_log: Path
+) -> None:
+    """Whichever process served them, the rows are beside the log: no ``--provenance``. A
+    mismatch is found there as in a file."""
+    _store_beside(
+        fault_log,
+        [
+            _row("s-b", 1, 1, started=1015.0, gateway="gw-a"),
+            _row("s-b", 0, 1, started=1003.0, gateway="openai-serve"),
+            _row("s-a", 0, 2, started=1012.0, bound_revision=1),
+        ],
+    )
+    result = cli("audit", fault_log, "--session", "s-b", "--json")
+    assert result.returncode == 0, result.stderr
+    (line,) = _lines(result.stdout)
+    assert [(g["turn"], g["gateway"]) for g in line["generations"]] == [
+        (0, "openai-serve"),
+        (1, "gw-a"),
+    ]
+    assert "note" not in result.stderr
+    wrong = cli("audit", fault_log, "--session", "s-a")
+    assert wrong.returncode == Exit.FAILED and "version 2 served" in wrong.stdout
+    quiet = cli("audit", fault_log, "--session", "s-c")  # in the store's reach, no rows
+    assert "no generations of s-c in" in quiet.stdout and "provenance.sqlite" in quiet.stdout
+
+
+def test_no_store_beside_the_log_is_said_plainly(cli: Cli, fault_log: Path) -> None:
+    """Not a session shown without generations and nothing else: the audit says where it
+    looked and how to name a file instead."""
+    result = cli("audit", fault_log, "--session", "s-b")
+    assert result.returncode == 0
+    said = " ".join(result.stderr.split())
+    assert "no provenance store beside" in said and "--provenance" in said, result.stderr

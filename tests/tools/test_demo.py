@@ -113,6 +113,10 @@ def test_the_story_matches_the_log(quick_run: dict, cli: Cli) -> None:  # type: 
     assert (
         sum(len(r["generations"]) for r in lives) == story["generations"] + story["failed_requests"]
     )
+    # the same rows are in the store beside the log: no file needs naming
+    beside = cli("audit", log, "--all", "--json")
+    assert beside.returncode == 0 and "note:" not in beside.stderr, beside.stderr
+    assert _json_lines(beside.stdout) == lives
     per_version: dict[int, int] = {}
     for r in lives:
         assert r["released_seq"] is not None

@@ -47,10 +47,18 @@ ROOT = REPO
 
 @asynccontextmanager
 async def gateway_process(
-    ledger: str, token_file: Path, tmp_path: Path, name: str, *, refresh_s: float = 0.2
+    ledger: str,
+    token_file: Path,
+    tmp_path: Path,
+    name: str,
+    *,
+    refresh_s: float = 0.2,
+    copy: bool = True,
+    cwd: Path = ROOT,
 ) -> AsyncIterator[str]:
-    """``loraledger gateway`` on port 0 in a subprocess; yield its URL (read from its JSON
-    ``listening`` row); SIGTERM it by PID on exit and check it stopped cleanly."""
+    """``loraledger gateway`` on port 0 in a subprocess (in ``cwd``); yield its URL (read
+    from its JSON ``listening`` row); SIGTERM it by PID on exit and check it stopped cleanly.
+    ``copy``: it also writes a JSON-lines copy of its provenance rows in ``tmp_path``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LORALEDGER_TOKEN", None)
     argv = [
@@ -68,11 +76,10 @@ async def gateway_process(
         name,
         "--refresh-s",
         str(refresh_s),
-        "--provenance",
-        str(tmp_path / f"{name}.provenance.jsonl"),
+        *(("--provenance", str(tmp_path / f"{name}.provenance.jsonl")) if copy else ()),
         "--json",
     ]
-    process: Process = await anyio.open_process(argv, cwd=ROOT, env=env)
+    process: Process = await anyio.open_process(argv, cwd=cwd, env=env)
     try:
         assert process.stdout is not None
         line = b""

@@ -10,7 +10,8 @@ import anyio
 import numpy as np
 import pytest
 
-from tests.support.runs import write_repeat_run
+from evlog.events import SessionReleased
+from tests.support.runs import read_back, write_repeat_run
 from tests.tools import tamper
 from tests.tools.conftest import Cli
 from tools.exitcodes import Exit
@@ -307,3 +308,38 @@ def test_why_a_version_stalled_names_the_slot_holders_and_when_each_cleared(
     human = cli("replay", fault_log, "--version", "5").stdout
     assert "why v5 stalled" in human and "sessions bound" in human  # (wrapped to the width)
     assert "awaiting reclaim" in human and "RECLAIMING" in human
+
+
+def test_a_reclaim_names_the_release_that_made_it_possible(cli: Cli, fault_log: Path) -> None:
+    """``replay --version N`` says what let N go: v1's last session (s-b, owner w1, closed)
+    or, for v3 which no session ever held, its retirement, with the seqs."""
+    result = cli("replay", fault_log, "--version", "1", "--version", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = _rows(result.stdout)
+    reclaims = {r["version_id"]: r for r in rows if r["row"] == "reclaim"}
+    assert set(reclaims) == {1, 3}
+    v1 = reclaims[1]
+    released = next(
+        r
+        for r in read_back(fault_log)
+        if isinstance(r.event, SessionReleased) and r.event.session == "s-b"
+    )
+    assert v1["enabled_by"] == "release"
+    assert {k: v1["last_release"][k] for k in ("session", "owner", "cause", "seq")} == {
+        "session": "s-b",
+        "owner": "w1",
+        "cause": "closed",
+        "seq": released.seq,
+    }
+    assert (reclaims[3]["enabled_by"], reclaims[3]["last_release"]) == ("retirement", None)
+    human = cli("replay", fault_log, "--version", "1").stdout
+    assert "made possible by the release of s-b (owner w1, closed)" in " ".join(human.split())
+
+
+def test_a_skip_names_the_sessions_holding_the_slots(cli: Cli, fault_log: Path) -> None:
+    result = cli("replay", fault_log, "--version", "5", "--json")
+    (stall,) = [r for r in _rows(result.stdout) if r["row"] == "stall"]
+    holders = {o["version_id"]: o["sessions"] for o in stall["obstacles"]}
+    assert holders == {2: ["s-d"], 3: [], 4: []}
+    human = cli("replay", fault_log, "--version", "5").stdout
+    assert "s-d" in human

@@ -1,5 +1,6 @@
 """``loraledger serve`` answers the OpenAI routes next to the ledger: the official client,
-a session pinned across a publication, provenance rows next to the log, and the token rule."""
+a session pinned across a publication, provenance rows in the store beside the log, and the
+token rule."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import openai
 import pytest
 
 from engines.local.server import running_server
-from publisher.gateway.provenance import read_rows
 from tests.publisher.plane_kit import LIMITS
+from tests.support.provenance import stored_rows
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
 
@@ -64,7 +65,7 @@ async def test_serve_answers_the_openai_routes(tmp_path: Path) -> None:
         with pytest.raises(openai.AuthenticationError):
             await client.with_options(api_key="nope").models.list()
         request_ids = {raw.headers["x-request-id"]}
-    rows = read_rows(tmp_path / "ledger.db.provenance.jsonl")  # drained when serve stopped
+    rows = await stored_rows(tmp_path / "ledger.db")  # beside the log, drained when serve stopped
     assert len(rows) == 3 and {r.version_id for r in rows} == {1}
     assert request_ids <= {r.request_id for r in rows}
 

@@ -11,7 +11,7 @@ import typer
 
 from tools.cli.common import JsonOpt, LogArg, guarded, run_async
 from tools.exitcodes import Exit, ToolError
-from tools.output import emit, stdout_console, to_json
+from tools.output import emit, stderr_console, stdout_console, to_json
 
 # --- replay --------------------------------------------------------------------------------
 
@@ -66,7 +66,13 @@ def replay(
     from projections.status import status_of
     from tools.plot import plot_lifetimes
     from tools.progress import progress_bar
-    from tools.render import incidents_view, stalls_view, status_view, timeline_view
+    from tools.render import (
+        incidents_view,
+        reclaims_view,
+        stalls_view,
+        status_view,
+        timeline_view,
+    )
     from tools.replay import replay as run_replay
     from tools.timefmt import iso, parse_at, parse_duration
 
@@ -118,6 +124,9 @@ def replay(
         for stalls in result.stalls.values():
             for stall in stalls:
                 emit(to_json(stall, row="stall"))
+        for causes in result.reclaims.values():
+            for cause in causes:
+                emit(to_json(cause, row="reclaim"))
         for incident in result.incidents or []:
             emit(to_json(incident, row="incident"))
         if written is not None:
@@ -134,6 +143,8 @@ def replay(
         out.print(timeline_view(subject, entries))
         if subject.startswith("v") and result.stalls.get(int(subject[1:])):
             out.print(stalls_view(subject, result.stalls[int(subject[1:])]))
+        if subject.startswith("v") and result.reclaims.get(int(subject[1:])):
+            out.print(reclaims_view(subject, result.reclaims[int(subject[1:])]))
     if result.incidents is not None:
         out.print(incidents_view(result.incidents))
     if written is not None:
@@ -159,13 +170,15 @@ def audit(
         Path | None,
         typer.Option(
             "--provenance",
-            help="Provenance JSON-lines file (publisher/provenance.py): adds every "
-            "generation and checks it against the binding.",
+            help="Read the generations from this JSON-lines file instead of the provenance "
+            "store beside the log (where every face's rows are kept).",
         ),
     ] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Per-session version history: bind, the version's milestones, generations, release."""
+    """Per-session version history: bind, the version's milestones, release, and every
+    generation (from the provenance store beside the log, or --provenance), each checked
+    against the binding."""
     from tools.audit import audit_log
     from tools.progress import progress_bar
     from tools.render import audit_view
@@ -175,7 +188,7 @@ def audit(
     if all_sessions and (session or owner):
         raise ToolError(Exit.USAGE, "--all audits every session: drop --session/--owner")
     with progress_bar("auditing") as update:
-        reports = run_async(
+        audited = run_async(
             functools.partial(
                 audit_log,
                 log,
@@ -185,6 +198,9 @@ def audit(
                 progress=update,
             )
         )
+    reports = audited.reports
+    if audited.note is not None:
+        stderr_console().print(f"note: {audited.note}", markup=False)
     if not reports:
         wanted = ", ".join(session or []) or (f"owner {owner}" if owner else "any session")
         raise ToolError(Exit.FAILED, f"{log}: no session matches ({wanted})")
@@ -202,6 +218,11 @@ def audit(
         out = stdout_console()
         for report in reports:
             out.print(audit_view(report))
+            if audited.provenance is not None and not report.generations:
+                out.print(
+                    f"no generations of {report.audit.session} in {audited.provenance}",
+                    markup=False,
+                )
     if any(report.mismatches for report in reports):
         raise typer.Exit(int(Exit.FAILED))
 

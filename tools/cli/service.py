@@ -179,7 +179,8 @@ def service_options(
     "agent (URL = AGENT_URL,sglang:URL or AGENT_URL,vllm:URL: an engine fed by its host's "
     "`loraledger agent`), e.g. e0=sglang:http://127.0.0.1:30000; e1=local: runs a local "
     "engine in process (repeatable).",
-    provenance_help="JSON-lines provenance of every OpenAI request (default: next to --db).",
+    provenance_help="Also write a JSON-lines copy of the provenance rows of this process's "
+    "OpenAI routes to this file (every face's rows are kept in the store beside the log).",
 )
 def serve(
     db: Annotated[
@@ -289,7 +290,8 @@ def serve(
     "must send; default: $LORALEDGER_TOKEN.",
     engine_help="How this process reaches an engine of the ledger's fleet, ID=KIND:URL as for "
     "serve (repeatable); default: each engine's endpoint as the ledger reports it.",
-    provenance_help="JSON-lines provenance (default: ./OWNER.provenance.jsonl).",
+    provenance_help="Also write a JSON-lines copy of this process's provenance rows to this "
+    "file (its rows always go to the ledger's store, beside the log).",
 )
 def gateway(
     ledger: Annotated[

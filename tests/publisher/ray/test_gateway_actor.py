@@ -3,8 +3,10 @@ engine served over HTTP inside its actor), the ledger actor hosting the control 
 gateway actor per node (``start_gateways``) whose HTTP address the official ``openai`` client uses.
 
 One small test (Ray is slow here): a session's turns stay on one version and one engine while a
-new version publishes; a newcomer gets the new one; ``/v1/models`` shows both; every process is
-stopped by its handle."""
+new version publishes; a newcomer gets the new one; ``/v1/models`` shows both; every turn's
+provenance row reaches the ledger actor's store beside its log (before, a gateway actor wrote
+rows only to a file on its own node, when given one); every process is stopped by its
+handle."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from publisher.ray.gateway import GatewayConfig, start_gateways, stop_gateway
 from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, stop_ledger
 from publisher.ray.trainer import RayTrainerClient
 from tests.publisher.ray.scenario import LIMITS, PLANE_OPTIONS
+from tests.support.provenance import stored_rows
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.anyio,
@@ -140,6 +144,15 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
         stats = await gateway.stats.remote()
         assert stats["requests"] == 5 and stats["inflight"] == 0
         assert stats["engines"] == ["e0", "e1"]
+
+        # Every turn's provenance row reached the ledger actor's store, beside its log.
+        async def stored() -> bool:
+            return len(await stored_rows(tmp_path / "ledger.db")) == 5
+
+        await wait_for("the gateway actor's rows beside the log", stored, timeout=30, every=0.1)
+        rows = await stored_rows(tmp_path / "ledger.db", ["ray-episode"])
+        assert [(r.turn, r.version_id) for r in rows] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+        assert len({r.gateway for r in rows}) == 1 and rows[0].gateway.startswith("gateway-")
 
         # an engine added at runtime: the running gateway actor routes to it, no restart
         factory = functools.partial(http_local_engine, "e2")
