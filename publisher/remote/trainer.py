@@ -174,6 +174,10 @@ class HttpTrainerClient:
                 raise
             except (LedgerUnreachable, Unavailable) as exc:
                 await self._pause_or_give_up(exc, deadline, step)
+            except wire.UploadError as exc:  # ADAPTER_NOT_UPLOADED: nothing was allocated
+                raise PublicationError(
+                    exc.code, exc.message, kind=ErrorKind.RETRYABLE, version_id=step, digest=digest
+                ) from exc
 
     async def status(self) -> LedgerStatus:
         """The ledger's status (one round trip)."""

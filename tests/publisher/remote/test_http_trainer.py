@@ -290,10 +290,17 @@ async def test_a_corrupted_byte_is_refused_naming_the_digest(tmp_path: Path) -> 
         async with flip.running() as flip_url, trainer_client(flip_url) as trainer:
             with pytest.raises(PublicationError) as refused:
                 await trainer.publish(step1, step=1)
+            digest = describe_adapter_dir(step1).digest
+            with pytest.raises(PublicationError) as not_stored:  # nothing of it was kept
+                await trainer.publish_uploaded(digest, step=1)
             files = await trainer.upload(step1)  # the next try, unharmed
         log = await logged(tmp_path / "serve" / "ledger.db")
     assert (refused.value.code, refused.value.kind) == ("DIGEST_MISMATCH", ErrorKind.RETRYABLE)
     assert files.digest in refused.value.message
+    assert (not_stored.value.code, not_stored.value.kind) == (
+        "ADAPTER_NOT_UPLOADED",
+        ErrorKind.RETRYABLE,
+    )
     assert not any(isinstance(e, AttemptStarted) for e in log)
 
 
