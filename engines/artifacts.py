@@ -7,21 +7,26 @@ SGLang, vLLM and peft all load by path. Rules, each one a lesson engines taught 
   so an engine never reads half a directory;
 * verified against the digest when read, so a corrupted file is refused, never served;
 * never overwritten: putting a digest that exists verifies the existing copy and reuses it;
+* filled from tensors in memory (:meth:`ArtifactStore.put`) or from a weights file received
+  whole beside it (:meth:`ArtifactStore.adopt`: an adapter uploaded to ``serve``), which is
+  checked against its digest in bounded memory before it counts (:mod:`engines.weights_file`);
 * deleted only on request (vLLM re-reads adapters from disk whenever its cache misses, and
   SGLang reloads an unloaded name from its path: a directory must outlive every reference).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import safetensors
 
@@ -31,6 +36,7 @@ from engines.manifest import (
     TensorData,
     build_manifest,
 )
+from engines.weights_file import file_manifest, read_layout
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -89,7 +95,15 @@ def deserialize_safetensors(blob: bytes) -> dict[str, TensorData]:
         raise ArtifactError("INVALID_ADAPTER", f"unreadable safetensors: {exc}") from exc
 
 
-def validate_adapter(config: Mapping[str, Any], tensors: Mapping[str, TensorData]) -> None:
+class Shaped(Protocol):
+    """What :func:`validate_adapter` reads of a tensor: its shape (tensors in memory, a weights
+    file's spans and an engine's declared shapes all have one)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def validate_adapter(config: Mapping[str, Any], tensors: Mapping[str, Shaped]) -> None:
     """Refuse what no engine could serve: missing config keys, tensors that do not match the
     declared rank or target modules, non-LoRA keys."""
     missing = [k for k in _REQUIRED_CONFIG if k not in config]
@@ -137,19 +151,9 @@ def read_bounded(path: Path, limit: int) -> bytes:
     directories, a symlinked file escaped it). ``O_NOFOLLOW`` refuses the symlink, ``O_NONBLOCK``
     makes opening a FIFO return at once so ``fstat`` can refuse it, and the read stops at the
     size ``fstat`` reported (plus one byte, to notice a file that grew)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # ELOOP: the last component is a symlink
-        raise ArtifactError(
-            "INVALID_ADAPTER", f"{path} is not a regular file inside the adapter dir: {exc}"
-        ) from exc
+    fd = open_regular(path)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ArtifactError("INVALID_ADAPTER", f"{path} is not a regular file")
         if info.st_size > limit:
             raise ArtifactError(
                 "INVALID_ADAPTER", f"{path} holds {info.st_size} bytes, more than {limit}"
@@ -169,6 +173,45 @@ def read_bounded(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file, refusing a symlink, FIFO,
+    device or directory as ``INVALID_ADAPTER`` (why: :func:`read_bounded`); a missing file is
+    ``FileNotFoundError``. The caller closes it."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: the last component is a symlink
+        raise ArtifactError(
+            "INVALID_ADAPTER", f"{path} is not a regular file inside the adapter dir: {exc}"
+        ) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtifactError("INVALID_ADAPTER", f"{path} is not a regular file")
+    return fd
+
+
+@contextlib.contextmanager
+def _reading(root: Path) -> Iterator[None]:
+    """A failure to read the adapter directory ``root`` as the ``INVALID_ADAPTER`` naming it."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{root} is not a PEFT adapter: {exc}") from exc
+    except NotADirectoryError as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{root} is not a directory: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not JSON: {exc}") from exc
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    config = json.loads(read_bounded(root / CONFIG_FILE, MAX_CONFIG_BYTES))
+    if not isinstance(config, dict):
+        raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not a JSON object")
+    return config
+
+
 def read_adapter_dir(
     path: str | os.PathLike[str], *, max_weights_bytes: int = MAX_WEIGHTS_BYTES
 ) -> tuple[dict[str, Any], dict[str, TensorData]]:
@@ -176,20 +219,67 @@ def read_adapter_dir(
     are read (:func:`read_bounded`), the weights at most ``max_weights_bytes`` (a caller that
     knows the manifest passes its declared total plus :data:`HEADER_ALLOWANCE`)."""
     root = Path(path)
-    try:
-        config = json.loads(read_bounded(root / CONFIG_FILE, MAX_CONFIG_BYTES))
+    with _reading(root):
+        config = _read_config(root)
         blob = read_bounded(root / WEIGHTS_FILE, max_weights_bytes)
-    except FileNotFoundError as exc:
-        raise ArtifactError("INVALID_ADAPTER", f"{root} is not a PEFT adapter: {exc}") from exc
-    except NotADirectoryError as exc:
-        raise ArtifactError("INVALID_ADAPTER", f"{root} is not a directory: {exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ArtifactError("INVALID_ADAPTER", f"{root}/{CONFIG_FILE} is not a JSON object")
     tensors = deserialize_safetensors(blob)
     validate_adapter(config, tensors)
     return config, tensors
+
+
+def weights_manifest(
+    config: Mapping[str, Any], weights: Path, *, max_weights_bytes: int = MAX_WEIGHTS_BYTES
+) -> Manifest:
+    """The manifest of ``config`` with the weights file ``weights``, checked as
+    :func:`read_adapter_dir` checks a directory (the same refusals, ``INVALID_ADAPTER``) but
+    streamed: memory stays at one chunk (:mod:`engines.weights_file`) whatever the size."""
+    fd = open_regular(weights)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_weights_bytes:
+            raise ArtifactError(
+                "INVALID_ADAPTER", f"{weights} holds {size} bytes, more than {max_weights_bytes}"
+            )
+        layout = read_layout(fd, max_header_bytes=HEADER_ALLOWANCE)
+        validate_adapter(config, {span.name: span for span in layout.spans})
+        manifest = file_manifest(config, fd, layout)
+    except ManifestError as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"{weights}: {exc}") from exc
+    finally:
+        os.close(fd)
+    try:  # the library's own reading of the header, as every engine will read it (no data read)
+        with safetensors.safe_open(str(weights), framework="numpy"):
+            pass
+    except (safetensors.SafetensorError, OSError) as exc:
+        raise ArtifactError("INVALID_ADAPTER", f"unreadable safetensors: {exc}") from exc
+    return manifest
+
+
+class AdapterFiles(msgspec.Struct, frozen=True, kw_only=True):
+    """A PEFT directory described without loading its weights: what an upload sends."""
+
+    config: dict[str, Any]
+    weights: str  # the weights file's path
+    weights_bytes: int  # its size: what an upload sends
+    manifest: Manifest
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+
+def describe_adapter_dir(
+    path: str | os.PathLike[str], *, max_weights_bytes: int = MAX_WEIGHTS_BYTES
+) -> AdapterFiles:
+    """Read ``path``'s config and stream its weights once to compute the manifest: the same
+    checks and digest as :func:`read_adapter_dir` + ``build_manifest``, in bounded memory."""
+    root = Path(path)
+    weights = root / WEIGHTS_FILE
+    with _reading(root):
+        config = _read_config(root)
+        manifest = weights_manifest(config, weights, max_weights_bytes=max_weights_bytes)
+        size = weights.stat().st_size
+    return AdapterFiles(config=config, weights=str(weights), weights_bytes=size, manifest=manifest)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -255,24 +345,84 @@ class ArtifactStore:
         validate_adapter(manifest.config, tensors)
         target = self.path_for(manifest.digest)
         if target.exists():
-            self.open(manifest.digest)  # verify the existing copy
+            self.verify(manifest.digest)  # the existing copy
             return target
+
+        def fill(tmp: Path) -> None:
+            _write_file(tmp / WEIGHTS_FILE, serialize_safetensors(tensors))
+
+        return self._install(manifest, fill)
+
+    def ensure(self, manifest: Manifest, tensors: Callable[[], Mapping[str, TensorData]]) -> Path:
+        """The directory of ``manifest.digest``: an existing one is verified (streamed) and
+        reused without calling ``tensors`` (bytes uploaded before, or a source whose bytes are
+        elsewhere, are not fetched again); otherwise :meth:`put` of ``tensors()``."""
+        if self.contains(manifest.digest):
+            self.verify(manifest.digest)
+            return self.path_for(manifest.digest)
+        return self.put(manifest, tensors())
+
+    def adopt(self, config: Mapping[str, Any], weights: Path, digest: str) -> Path:
+        """Make the weights file ``weights`` (on this store's filesystem: it is moved, not
+        copied) the directory of ``digest``, once its bytes hash to it (streamed): otherwise
+        ``DIGEST_MISMATCH`` naming both digests, or ``INVALID_ADAPTER``, and nothing is
+        stored. A digest already stored is verified and kept; ``weights`` is then removed."""
+        target = self.path_for(digest)
+        manifest = weights_manifest(config, weights)
+        if manifest.digest != digest:
+            raise ArtifactError(
+                "DIGEST_MISMATCH",
+                f"the bytes received hash to {manifest.digest}, not to the digest {digest} "
+                "they were sent as",
+            )
+        if target.exists():
+            self.verify(digest)
+            weights.unlink()
+            return target
+
+        def fill(tmp: Path) -> None:
+            with open(weights, "rb") as f:
+                os.fsync(f.fileno())
+            weights.rename(tmp / WEIGHTS_FILE)
+
+        return self._install(manifest, fill)
+
+    def _install(self, manifest: Manifest, fill: Callable[[Path], None]) -> Path:
+        """Write a directory atomically: the config and what ``fill`` puts in a temp dir
+        inside the root, fsynced, then renamed into place (a concurrent writer of the same
+        digest may win: its copy is verified instead)."""
+        target = self.path_for(manifest.digest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{manifest.digest[:16]}-", dir=self.root))
         try:
             _write_file(tmp / CONFIG_FILE, json.dumps(manifest.config, sort_keys=True).encode())
-            _write_file(tmp / WEIGHTS_FILE, serialize_safetensors(tensors))
+            fill(tmp)
             _fsync_dir(tmp)
             try:
                 tmp.rename(target)
             except OSError:
                 if not target.exists():
                     raise
-                self.open(manifest.digest)  # a concurrent writer won; same bytes by digest
+                self.verify(manifest.digest)  # a concurrent writer won; same bytes by digest
             _fsync_dir(self.root)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return target
+
+    def weights_path(self, digest: str) -> Path:
+        return self.path_for(digest) / WEIGHTS_FILE
+
+    def verify(self, digest: str) -> Manifest:
+        """The directory's manifest, recomputed from its files in bounded memory; it must hash
+        to the directory's name (``DIGEST_MISMATCH`` otherwise)."""
+        path = self.path_for(digest)
+        with _reading(path):
+            manifest = weights_manifest(_read_config(path), path / WEIGHTS_FILE)
+        if manifest.digest != digest:
+            raise ArtifactError(
+                "DIGEST_MISMATCH", f"{digest[:16]} content hashes to {manifest.digest[:16]}"
+            )
+        return manifest
 
     def open(self, digest: str) -> tuple[Manifest, dict[str, TensorData]]:
         """Read and verify: the recomputed digest must equal the directory's name."""

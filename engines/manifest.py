@@ -118,9 +118,15 @@ def canonical_config(config: Mapping[str, Any]) -> bytes:
         raise ManifestError(f"adapter config is not canonical JSON: {exc}") from exc
 
 
+def tensor_hasher(dtype: str, shape: Iterable[int]) -> hashlib._Hash:
+    """The running SHA-256 of one tensor, (dtype, shape) already in: feed it the contiguous
+    bytes, in order and in as many pieces as you like (a file streamed in chunks)."""
+    return hashlib.sha256(_packer.encode((dtype, list(shape))))
+
+
 def tensor_checksum(dtype: str, shape: Iterable[int], data: bytes | memoryview) -> str:
     """SHA-256 over (dtype, shape) and the contiguous bytes."""
-    h = hashlib.sha256(_packer.encode((dtype, list(shape))))
+    h = tensor_hasher(dtype, shape)
     h.update(data)
     return h.hexdigest()
 

@@ -22,7 +22,12 @@ POST     ``/sessions/forget``             bearer token: forget released sessions
 POST     ``/sessions/commands``           bearer token: binds, releases and forgets of many
                                          sessions in one round trip (a gateway's batch)
 POST     ``/leases/renew``                bearer token: renew many owners' lives at once
-POST     ``/versions``                    bearer token: publish an adapter directory
+POST     ``/versions``                    bearer token: publish an adapter directory on
+                                         this host, or an uploaded adapter by digest
+POST     ``/adapters/{digest}``           bearer token: offer an adapter's upload (how many
+                                         bytes are here, or stored)
+PUT      ``/adapters/{digest}/weights``   bearer token: its weights file, from ``?offset=``
+                                         (streamed; checked against the digest once whole)
 POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible generation
          ``/v1/completions``              (binds on a session's first turn)
 GET      ``/v1/models``                   bearer token: the alias and the versions
@@ -63,7 +68,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
@@ -77,10 +82,11 @@ from publisher.openai import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
 from publisher.openai import guard_error_body
 from publisher.remote import wire
 from publisher.remote.service import LedgerService
+from publisher.remote.uploads import AdapterUploads
 from tools.metrics import LedgerMetrics
 
-# (version id, adapter dir, allow rollback) -> outcome struct
-Publish = Callable[[int, str, bool], Awaitable[Any]]
+# the body of POST /versions -> outcome struct
+Publish = Callable[[wire.PublishVersion], Awaitable[Any]]
 
 _encoder = msgspec.json.Encoder()
 _STATUS_OF_CODE = {
@@ -89,6 +95,11 @@ _STATUS_OF_CODE = {
     Code.UNKNOWN_OWNER: 404,
     Code.UNKNOWN_VERSION: 404,
     Code.UNKNOWN_ENGINE: 404,
+    wire.UploadCode.DIGEST_MISMATCH: 400,
+    wire.UploadCode.INVALID_ADAPTER: 400,
+    wire.UploadCode.UPLOAD_TOO_LARGE: 413,
+    wire.UploadCode.UNKNOWN_UPLOAD: 404,
+    wire.UploadCode.ADAPTER_NOT_UPLOADED: 404,
     Code.LEDGER_CLOSED: 503,
     Code.FENCED: 503,
     StoreCode.STORE_FAILED: 503,
@@ -126,6 +137,7 @@ def build_app(
     remove_engine: Callable[[str], Awaitable[Any]] | None = None,
     report_trouble: Callable[[str, EngineError], None] | None = None,
     provenance: ProvenanceStore | None = None,
+    uploads: AdapterUploads | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
@@ -142,7 +154,9 @@ def build_app(
     ``report_trouble`` (the reconciler's ``engine_trouble``) hears what gateway processes
     report; without it a report is answered ``{"heard": false}``: nobody here watches the
     engines. ``provenance`` (the store beside the log) keeps the rows gateway processes send
-    to ``POST /provenance``; without it that route is refused ``INVALID_STATE``."""
+    to ``POST /provenance``; without it that route is refused ``INVALID_STATE``. ``uploads``
+    receives adapters remote trainers send (``/adapters/...``, whose weights body is capped by
+    ``uploads.max_bytes`` instead); without it those routes are refused ``INVALID_STATE``."""
     expected = token.encode() if token else None
     service = LedgerService(ledger, engine_trouble=report_trouble, provenance=provenance)
 
@@ -276,7 +290,34 @@ def build_app(
     async def publish_version(request: Request, body: wire.PublishVersion) -> Any:
         if publish is None:
             raise LedgerError(Code.INVALID_STATE, "this service has no publisher (no fleet)")
-        return await publish(body.version_id, body.adapter_dir, body.allow_rollback)
+        return await publish(body)
+
+    def receiving() -> AdapterUploads:
+        if uploads is None:
+            raise LedgerError(Code.INVALID_STATE, "this service takes no adapter uploads")
+        return uploads
+
+    async def offer_adapter(request: Request, body: wire.OfferAdapter) -> Any:
+        return await receiving().offer(request.path_params["digest"], body.config, body.size)
+
+    async def adapter_weights(request: Request) -> Response:
+        """The weights file, streamed to disk as it arrives (not a ``writer``: its body is
+        bytes, read by ``uploads`` chunk by chunk, never whole)."""
+        refused = authorized(request)
+        if refused is not None:
+            return refused
+        offset = request.query_params.get("offset", "0")
+        if not offset.isdigit() or len(offset) > 18:
+            return _error(Code.INVALID_INPUT, f"offset {offset[:24]!r} is not a byte count", 400)
+        try:
+            state = await receiving().receive(
+                request.path_params["digest"], int(offset), request.stream()
+            )
+        except LoraLedgerError as exc:
+            return _error(exc.code, exc.message, _STATUS_OF_CODE.get(exc.code, 409), **exc.details)
+        except ClientDisconnect:  # the bytes that arrived were kept: the next offer resumes
+            return Response(status_code=400)
+        return _json(msgspec.to_builtins(state))
 
     async def suspend_engine(request: Request, body: wire.EngineAction) -> Any:
         engine = request.path_params["engine"]
@@ -331,6 +372,8 @@ def build_app(
             methods=["POST"],
         ),
         Route("/versions", writer(wire.PublishVersion, publish_version), methods=["POST"]),
+        Route("/adapters/{digest}", writer(wire.OfferAdapter, offer_adapter), methods=["POST"]),
+        Route("/adapters/{digest}/weights", adapter_weights, methods=["PUT"]),
         Route(
             "/engines/{engine}/suspend", writer(wire.EngineAction, suspend_engine), methods=["POST"]
         ),
@@ -346,6 +389,13 @@ def build_app(
     def generation(path: str) -> bool:
         return path.startswith("/v1/")
 
+    def cap(path: str) -> int:
+        if generation(path):
+            return max_generation_body_bytes
+        if uploads is not None and path.startswith("/adapters/") and path.endswith("/weights"):
+            return uploads.max_bytes
+        return max_body_bytes
+
     def error_body_for(path: str) -> ErrorBody:
         return guard_error_body if generation(path) else _error_body
 
@@ -356,7 +406,7 @@ def build_app(
                 Guard,
                 token=None,  # the routes check it themselves: 403 when none is configured
                 protected=lambda path: False,
-                cap=lambda path: max_generation_body_bytes if generation(path) else max_body_bytes,
+                cap=cap,
                 error_body=_error_body,
                 error_body_for=error_body_for,
                 drains=generation,

@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     from publisher.core.ledger import Ledger
     from publisher.drivers.plane import ControlPlane
     from publisher.openai import OpenAIGateway
+    from publisher.remote.uploads import AdapterUploads
+    from publisher.remote.wire import PublishVersion
     from tools.metrics import LedgerMetrics
 
 log = get_logger("loraledger.serve")
@@ -297,22 +299,38 @@ async def openai_face(
                 await face.aclose()
 
 
-def make_publish(plane: ControlPlane) -> Callable[[int, str, bool], Awaitable[Any]]:
-    """``POST /versions``: read a PEFT adapter directory and publish it as ``version_id``
+def make_publish(
+    plane: ControlPlane, uploads: AdapterUploads
+) -> Callable[[PublishVersion], Awaitable[Any]]:
+    """``POST /versions``: publish as ``version_id`` a PEFT adapter directory on this host
+    (``adapter_dir``) or an adapter a remote trainer uploaded (``digest``: read from the
+    artifact store, ``uploads``), under the caller's ``request_id`` if any
     (``allow_rollback``: a version lower than the default, on purpose)."""
     from engines.artifacts import ArtifactError, read_adapter_dir
     from evlog.errors import INVALID_INPUT, InvalidInput
-    from publisher.drivers.trainer import TrainerClient
+    from publisher.drivers.adapter_source import AdapterSource
+    from publisher.drivers.trainer import copy_adapter
 
-    trainer = TrainerClient(plane)
-
-    async def publish(version_id: int, adapter_dir: str, allow_rollback: bool) -> Any:
-        try:
-            config, tensors = await anyio.to_thread.run_sync(read_adapter_dir, adapter_dir)
-        except (ArtifactError, OSError) as exc:
-            raise InvalidInput(INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
-        return await trainer.publish(
-            tensors, config=config, step=version_id, allow_rollback=allow_rollback
+    async def publish(body: PublishVersion) -> Any:
+        source: AdapterSource
+        adapter_dir, digest = body.adapter_dir, body.digest
+        if digest is not None and adapter_dir is None:
+            source = await uploads.stored(digest, bucket_bytes=plane.bucket_bytes)
+        elif adapter_dir is not None and digest is None:
+            try:
+                config, tensors = await anyio.to_thread.run_sync(read_adapter_dir, adapter_dir)
+                source = await anyio.to_thread.run_sync(
+                    lambda: copy_adapter(tensors, config, bucket_bytes=plane.bucket_bytes)
+                )
+            except (ArtifactError, OSError, ValueError) as exc:
+                raise InvalidInput(INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
+        else:
+            raise InvalidInput(INVALID_INPUT, "name exactly one of adapter_dir and digest")
+        return await plane.publisher.publish(
+            source,
+            version_id=body.version_id,
+            allow_rollback=body.allow_rollback,
+            request_id=body.request_id,
         )
 
     return publish
@@ -369,6 +387,7 @@ async def serve(
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready(url)`` once listening."""
     from publisher.openai import openai_routes
+    from publisher.remote.uploads import AdapterUploads
     from tools.http_app import build_app
     from tools.metrics import LedgerMetrics
 
@@ -381,11 +400,13 @@ async def serve(
     ):
         ledger = plane.ledger
         metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
+        uploads = AdapterUploads(plane.artifacts)
         app = build_app(
             ledger,
             metrics,
             token=opts.token,
-            publish=make_publish(plane),
+            publish=make_publish(plane, uploads),
+            uploads=uploads,
             private_reads=opts.private_reads,
             extra_routes=openai_routes(face),
             max_generation_body_bytes=face.options.max_body_bytes,

@@ -91,7 +91,7 @@ def plan_adapter(
     tensors = list(tensors)
     _check_config(config, limits)
     try:  # the generic PEFT rules shared with the artifact store (rank per tensor, targets)
-        validate_adapter(config, {t.name: _Shaped(t) for t in tensors})  # type: ignore[misc]
+        validate_adapter(config, {t.name: _Shaped(t) for t in tensors})
     except ArtifactError as exc:
         raise CleanRefusal(exc.code, exc.message) from exc
     r = int(config["r"])

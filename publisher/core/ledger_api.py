@@ -259,10 +259,14 @@ class LedgerAPI(TypedCommands):
         )
         return await self._run(command, Done)
 
-    async def commit(self, version_id: int, attempt: int) -> Published:
+    async def commit(
+        self, version_id: int, attempt: int, *, command_id: str | None = None
+    ) -> Published:
         """Publish the attempt once every fleet engine is READY: it becomes the default and the
-        previous default is RETIRED."""
-        return await self._run(c.Commit(version_id=version_id, attempt=attempt), Published)
+        previous default is RETIRED. Under a ``command_id``, asking again answers the recorded
+        outcome (its revision and the version it retired)."""
+        command = c.Commit(version_id=version_id, attempt=attempt, command_id=command_id)
+        return await self._run(command, Published)
 
     async def fail_attempt(
         self,

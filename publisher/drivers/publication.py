@@ -247,11 +247,23 @@ class PublicationDriver:
     # --- the API ----------------------------------------------------------------------------
 
     async def publish(
-        self, adapter: AdapterSource, *, version_id: int, allow_rollback: bool = False
+        self,
+        adapter: AdapterSource,
+        *,
+        version_id: int,
+        allow_rollback: bool = False,
+        request_id: str | None = None,
     ) -> PublicationOutcome:
         """Publish ``adapter`` as ``version_id`` (see the module docstring). A version lower
         than the default is refused (``VERSION_REGRESSION``) unless ``allow_rollback``: then
-        it becomes the default and the commit is recorded as a rollback."""
+        it becomes the default and the commit is recorded as a rollback.
+
+        ``request_id`` names one request of a remote caller across its retries (a trainer
+        whose reply was lost asks again with the same id). The allocation and the commit are
+        recorded under it (the ledger's command ids), so asking again answers what the first
+        ask reached, from the log: ``PUBLISHED`` with the same revision, attempt and retired
+        version, ``SKIPPED``, or the attempt's failure; never a second attempt, and never the
+        ``NO_OP`` a new request for a published step gets."""
         running = self._running.get(version_id)
         if running is not None and running.digest == adapter.digest:
             # Re-entered while this process already drives it: wait, never transfer again.
@@ -265,7 +277,7 @@ class PublicationDriver:
         if running is None:
             self._running[version_id] = mine
         try:
-            outcome = await self._publish(adapter, version_id, allow_rollback)
+            outcome = await self._publish(adapter, version_id, allow_rollback, request_id)
             mine.outcome = outcome
             return outcome
         except PublicationError as exc:
@@ -288,10 +300,16 @@ class PublicationDriver:
     # --- steps ------------------------------------------------------------------------------
 
     async def _publish(
-        self, adapter: AdapterSource, version_id: int, allow_rollback: bool
+        self,
+        adapter: AdapterSource,
+        version_id: int,
+        allow_rollback: bool,
+        request_id: str | None,
     ) -> PublicationOutcome:
         t0 = self._clock()
-        allocated = await self._allocate(adapter, version_id, allow_rollback)
+        allocated = await self._allocate(
+            adapter, version_id, allow_rollback, _command_id(request_id, "allocate")
+        )
         if isinstance(allocated, Skipped):
             log.info(
                 "publication.skipped",
@@ -321,6 +339,13 @@ class PublicationDriver:
                 size_bytes=adapter.size_bytes,
                 total_s=self._clock() - t0,
             )
+        v = self._ledger.state.versions[version_id]
+        if request_id is not None and (
+            v.attempt != allocated.attempt or v.state != VersionState.LOADING
+        ):
+            # The allocation was answered from the log: this request's attempt ran before
+            # (published, or failed: never run it a second time).
+            return await self._answer_again(adapter, allocated, request_id, t0)
         att = _Attempt(
             version_id=version_id,
             attempt=allocated.attempt,
@@ -355,7 +380,11 @@ class PublicationDriver:
         runs: dict[str, _EngineRun] = {e: _EngineRun(e) for e in att.fleet}
         try:
             artifact_s = await self._transfer_and_load(att, adapter, runs, t0)
-            published = await _shielded(lambda: self._ledger.commit(version_id, att.attempt))
+            published = await _shielded(
+                lambda: self._ledger.commit(
+                    version_id, att.attempt, command_id=_command_id(request_id, "commit")
+                )
+            )
         except _AttemptFailed as failure:
             raise await self._settle_failure(
                 att, clean=failure.clean, code=failure.code, reason=failure.reason
@@ -398,8 +427,55 @@ class PublicationDriver:
             engines=tuple(runs[e].timing for e in att.fleet if runs[e].timing is not None),  # type: ignore[misc]
         )
 
+    async def _answer_again(
+        self, adapter: AdapterSource, allocated: Allocated, request_id: str, t0: float
+    ) -> PublicationOutcome:
+        """What a request whose attempt ran before reached, read from the log. Committed: the
+        commit recorded under the request answers again (revision, retired). Otherwise the
+        attempt failed: its recorded state and cause, or, when a later attempt of the version
+        exists, a clean failure (only a ``FAILED_RETRYABLE`` version is allocated again)."""
+        version_id, attempt = allocated.version_id, allocated.attempt
+        v = self._ledger.state.versions[version_id]
+        if v.attempt == attempt and v.revision is not None:
+            published = await _shielded(
+                lambda: self._ledger.commit(
+                    version_id, attempt, command_id=_command_id(request_id, "commit")
+                )
+            )
+            log.info("publication.answered_again", version=version_id, attempt=attempt)
+            return PublicationOutcome(
+                status=PublicationStatus.PUBLISHED,
+                version_id=version_id,
+                digest=v.digest,
+                lora_name=v.lora_name,
+                revision=published.revision,
+                attempt=attempt,
+                retired=published.retired,
+                size_bytes=adapter.size_bytes,
+                total_s=self._clock() - t0,
+            )
+        if v.attempt == attempt:
+            state, cause = v.state, v.failure_code or PUBLICATION_FAILED
+        else:
+            state, cause = VersionState.FAILED_RETRYABLE, f"SUPERSEDED_BY_ATTEMPT_{v.attempt}"
+        kind = ErrorKind.RETRYABLE if state == VersionState.FAILED_RETRYABLE else ErrorKind.FATAL
+        raise PublicationError(
+            PUBLICATION_FAILED,
+            f"version {version_id} attempt {attempt} of this request failed before ({cause}); "
+            f"the attempt is {state}",
+            kind=kind,
+            version_id=version_id,
+            attempt=attempt,
+            state=str(state),
+            cause=cause,
+        )
+
     async def _allocate(
-        self, adapter: AdapterSource, version_id: int, allow_rollback: bool
+        self,
+        adapter: AdapterSource,
+        version_id: int,
+        allow_rollback: bool,
+        command_id: str | None,
     ) -> Allocated | Skipped:
         for round_ in (1, 2):
             try:
@@ -409,6 +485,7 @@ class PublicationDriver:
                         adapter.digest,
                         size_bytes=adapter.size_bytes,
                         allow_rollback=allow_rollback,
+                        command_id=command_id,
                     )
                 )
             except LoraLedgerError as exc:
@@ -485,14 +562,15 @@ class PublicationDriver:
             await anyio.sleep(self.suspension_poll_s)
 
     async def _write_artifact(self, adapter: AdapterSource, artifact: _ArtifactWrite) -> None:
-        """Once per digest (an existing directory is verified and reused), for every version:
-        artifact engines load it, and a restarted engine is repaired from it."""
+        """Once per digest (an existing directory is verified and reused, the source's tensors
+        never read: uploaded bytes are not fetched again), for every version: artifact engines
+        load it, and a restarted engine is repaired from it."""
         t = self._clock()
         try:
             # ``tensors`` is read in the worker thread: a source whose bytes are elsewhere (Ray's
             # object store) fetches them there, never on the event loop.
             artifact.path = await anyio.to_thread.run_sync(
-                lambda: self._artifacts.put(adapter.manifest, dict(adapter.tensors))
+                lambda: self._artifacts.ensure(adapter.manifest, lambda: dict(adapter.tensors))
             )
         except Exception as exc:
             artifact.error = exc
@@ -694,6 +772,11 @@ class PublicationDriver:
             for engine_id in att.fleet:
                 tg.start_soon(one, engine_id)
         return absent
+
+
+def _command_id(request_id: str | None, step: str) -> str | None:
+    """The ledger's command id of one step of a request (None: no request id, not recorded)."""
+    return None if request_id is None else f"publish:{request_id}:{step}"
 
 
 async def _shielded(fn: Callable[[], Awaitable[T]]) -> T:

@@ -2,7 +2,9 @@
 (the tables a remote gateway routes by), ``service`` (what the ledger's process answers, for
 every transport), ``renewals`` (a client's lease renewals, kept per life), ``client`` (the one
 remote ledger over a transport), ``http`` (``serve`` over HTTP: the service client and
-:class:`HttpLedger`). The Ray transport lives with the Ray deployment (``publisher.ray``).
+:class:`HttpLedger`), ``uploads`` (adapter bytes a remote trainer sends, received into the
+artifact store) and ``trainer`` (:class:`HttpTrainerClient`, the trainer's side of them). The
+Ray transport lives with the Ray deployment (``publisher.ray``).
 """
 
 from publisher.remote.client import RemoteLedger, RemoteView, Transport
@@ -13,9 +15,13 @@ from publisher.remote.http import (
     ServiceClient,
 )
 from publisher.remote.service import LedgerService
+from publisher.remote.trainer import HttpTrainerClient
+from publisher.remote.uploads import AdapterUploads
 
 __all__ = [
+    "AdapterUploads",
     "HttpLedger",
+    "HttpTrainerClient",
     "LedgerService",
     "LedgerUnreachable",
     "RemoteLedger",

@@ -25,7 +25,7 @@ How a reply is read, once for every call (``loraledger status`` and ``fleet`` in
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -94,14 +94,48 @@ class ServiceClient:
     async def get(self, path: str, kind: type[T]) -> T:
         return await self._call("GET", path, None, kind)
 
-    async def post(self, path: str, body: wire.Body | None, kind: type[T]) -> T:
-        return await self._call("POST", path, body, kind)
+    async def post(
+        self, path: str, body: wire.Body | None, kind: type[T], *, timeout_s: float | None = None
+    ) -> T:
+        """``timeout_s``: this call's own limit (a publication waits for engines), else the
+        client's."""
+        return await self._call("POST", path, body, kind, timeout_s=timeout_s)
 
-    async def _call(self, method: str, path: str, body: wire.Body | None, kind: type[T]) -> T:
+    async def put_bytes(
+        self, path: str, content: AsyncIterable[bytes], length: int, kind: type[T]
+    ) -> T:
+        """A body of ``length`` bytes streamed from ``content`` (an upload: never whole in
+        memory), answered like every call."""
+        headers = {"content-type": "application/octet-stream", "content-length": str(length)}
+        return await self._send("PUT", path, content, headers, kind, None)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: wire.Body | None,
+        kind: type[T],
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
         content = b"" if body is None else msgspec.json.encode(body)
         headers = {"content-type": "application/json"} if body is not None else None
+        return await self._send(method, path, content, headers, kind, timeout_s)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        content: bytes | AsyncIterable[bytes],
+        headers: dict[str, str] | None,
+        kind: type[T],
+        timeout_s: float | None,
+    ) -> T:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         try:
-            reply = await self._http.request(method, path, content=content, headers=headers)
+            reply = await self._http.request(
+                method, path, content=content, headers=headers, timeout=timeout
+            )
         except httpx.TransportError as exc:
             raise LedgerUnreachable(
                 f"no reply from the ledger at {self.url}{path}: {exc!r}"

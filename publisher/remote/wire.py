@@ -16,10 +16,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from evlog.errors import LoraLedgerError, StoreError
+from evlog.errors import InvalidInput, LoraLedgerError, Refused, StoreError, Unavailable
 from publisher.core import commands as c
 from publisher.core.errors import LedgerError
 from publisher.core.outcomes import Bound, Forgotten, Released
+from publisher.drivers.publication import PublicationError
 from publisher.gateway.provenance import ProvenanceRow
 from publisher.remote.routing import Mark, RoutingTable
 
@@ -130,9 +131,71 @@ class StoreProvenance(Body, frozen=True):
 
 
 class PublishVersion(Body, frozen=True):
+    """``POST /versions``: publish ``version_id`` from ``adapter_dir`` (a PEFT directory on the
+    service's host) or ``digest`` (an adapter uploaded before: below), exactly one of them.
+    ``request_id`` names one request across its retries: asked again, it answers what the
+    first ask reached (the ledger records the steps under it)."""
+
     version_id: int
-    adapter_dir: str
+    adapter_dir: str | None = None
+    digest: str | None = None
     allow_rollback: bool = False  # a version lower than the default, on purpose
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{1,128}$")] | None = None
+
+
+# --- adapter uploads (publisher/remote/uploads.py) ----------------------------------------------
+
+
+class OfferAdapter(Body, frozen=True):
+    """``POST /adapters/{digest}``: an upload's terms, the adapter config and the size of the
+    weights file that ``PUT /adapters/{digest}/weights?offset=N`` then sends as its body."""
+
+    config: dict[str, Any]
+    size: int
+
+
+class UploadState(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an upload stands: ``received`` bytes of ``size`` are on the service's disk;
+    ``stored``: the artifact store holds the digest, verified (nothing more to send)."""
+
+    digest: str
+    size: int
+    received: int
+    stored: bool = False
+
+
+class UploadCode:
+    DIGEST_MISMATCH = "DIGEST_MISMATCH"  # the bytes received hash to another digest
+    INVALID_ADAPTER = "INVALID_ADAPTER"  # not a LoRA adapter the store accepts
+    UPLOAD_TOO_LARGE = "UPLOAD_TOO_LARGE"  # more bytes than offered, or than the store admits
+    UPLOAD_OFFSET = "UPLOAD_OFFSET"  # a send that does not start where the received bytes end
+    UNKNOWN_UPLOAD = "UNKNOWN_UPLOAD"  # a send without an offer
+    ADAPTER_NOT_UPLOADED = "ADAPTER_NOT_UPLOADED"  # a publication of a digest not stored
+    UPLOAD_IN_PROGRESS = "UPLOAD_IN_PROGRESS"  # another send of the digest is receiving
+
+
+class UploadError(LoraLedgerError):
+    """An upload refused; ``UploadError(code, ...)`` is the family class below."""
+
+
+class UploadInvalid(
+    UploadError,
+    InvalidInput,
+    codes=[UploadCode.DIGEST_MISMATCH, UploadCode.INVALID_ADAPTER, UploadCode.UPLOAD_TOO_LARGE],
+):
+    """The bytes or the terms sent are wrong: nothing was stored (send the right bytes)."""
+
+
+class UploadRefused(
+    UploadError,
+    Refused,
+    codes=[UploadCode.UPLOAD_OFFSET, UploadCode.UNKNOWN_UPLOAD, UploadCode.ADAPTER_NOT_UPLOADED],
+):
+    """Out of order: offer first, send from ``received``, publish once stored."""
+
+
+class UploadBusy(UploadError, Unavailable, codes=[UploadCode.UPLOAD_IN_PROGRESS]):
+    """Another send of the digest is receiving: retry shortly."""
 
 
 # --- replies -----------------------------------------------------------------------------------
@@ -200,8 +263,13 @@ def refusal(error: LoraLedgerError) -> Refusal:
 
 def error_of(code: str, message: str, details: dict[str, Any]) -> LoraLedgerError | None:
     """The ledger's own exception for a refusal it sent (its class and code), or None when
-    ``code`` is none of the ledger's or the store's."""
-    for owner in (LedgerError, StoreError):
+    ``code`` is none of the ledger's, the store's or an upload's. A publication's refusal
+    carries its ``kind`` and is rebuilt as the ``PublicationError`` it was, whatever its
+    code."""
+    owners: tuple[type[LoraLedgerError], ...] = (LedgerError, StoreError, UploadError)
+    if "kind" in details:
+        owners = (PublicationError, *owners)
+    for owner in owners:
         try:
             return owner(code, message, **details)
         except (ValueError, TypeError):

@@ -1,7 +1,8 @@
 """A TCP relay in front of an engine's HTTP server, for tests that need a fault between a
 caller and a real engine: a reply lost after the engine ran the request, or a request held
-until the test lets it go. One request per connection (every engine client here sends
-``Connection: close``)."""
+until the test lets it go; or in front of ``serve``: an upload cut mid-body, a byte of it
+corrupted. One request per connection (every engine client here sends ``Connection: close``;
+a test's own client disables keep-alive)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,30 @@ class Relay:
     (deliver a generation, wait for the engine's first reply bytes, then reset the client's
     connection: a reply lost after the engine ran it; other requests, e.g. the adapter's
     incarnation probe, pass) or ``hold`` (keep a generation until :meth:`release`, then relay
-    both ways). ``arrived`` is set once a generation is in."""
+    both ways). ``arrived`` is set once a generation is in.
 
-    def __init__(self, target: str, mode: str) -> None:
+    ``requests`` are the request-line prefixes the fault applies to (generations unless told),
+    ``faults`` how many of them get it (None: every one; later ones pass). Two more modes:
+    ``cut`` delivers a request's head and ``at`` bytes of its body, waits for :meth:`release`
+    (the test's sign that the server has them), then resets both connections (a connection
+    lost mid-upload), and ``corrupt`` flips the body's byte at ``at`` and relays both ways (a
+    byte damaged on the way)."""
+
+    def __init__(
+        self,
+        target: str,
+        mode: str,
+        *,
+        requests: tuple[bytes, ...] = (b"POST /generate", b"POST /v1/"),
+        faults: int | None = None,
+        at: int = 0,
+    ) -> None:
         host, port = target.removeprefix("http://").split(":")
         self.target = (host, int(port))
         self.mode = mode
+        self.requests = requests
+        self.faults = faults
+        self.at = at
         self.arrived = anyio.Event()
         self._released = anyio.Event()
         self.delivered = 0
@@ -46,22 +65,42 @@ class Relay:
     async def _relay(self, client: anyio.abc.SocketStream) -> None:
         async with client:
             request = await read_request(client)
-            generation = request.startswith((b"POST /generate", b"POST /v1/"))
+            generation = request.startswith(self.requests)
+            if generation and self.faults is not None:
+                generation = self.faults > 0
+                self.faults -= generation
             if generation:
                 self.arrived.set()
             if generation and self.mode == "hold":
                 await self._released.wait()
+            body_at = request.index(b"\r\n\r\n") + 4 + self.at
+            if generation and self.mode == "corrupt":
+                request = (
+                    request[:body_at] + bytes([request[body_at] ^ 0xFF]) + request[body_at + 1 :]
+                )
             async with await anyio.connect_tcp(*self.target) as upstream:
+                if generation and self.mode == "cut":
+                    await upstream.send(request[:body_at])
+                    await self._released.wait()
+                    _reset(upstream)
+                    _reset(client)
+                    return
                 await upstream.send(request)
                 self.delivered += generation
                 if generation and self.mode == "reset":
                     await upstream.receive()  # the engine answered: the request ran there
-                    raw = client.extra(anyio.abc.SocketAttribute.raw_socket)
-                    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    _reset(client)
                     return
                 with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
                     while True:  # one request per connection: the reply, until the engine closes
                         await client.send(await upstream.receive())
+
+
+def _reset(stream: anyio.abc.SocketStream) -> None:
+    """Close with a reset (SO_LINGER 0) when the stream closes: the peer sees the connection
+    lost, not a clean end."""
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 async def read_request(client: anyio.abc.SocketStream) -> bytes:

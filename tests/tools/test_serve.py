@@ -256,11 +256,11 @@ async def test_a_rollback_over_http_is_refused_until_it_is_meant(tmp_path: Path)
 class _Process:
     """A console-script process that prints one JSON "listening" row on stdout when ready."""
 
-    def __init__(self, tmp_path: Path, name: str, *args: str) -> None:
+    def __init__(self, tmp_path: Path, name: str, *args: str, cwd: Path = REPO) -> None:
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out, "wb") as stdout, open(self.err, "wb") as stderr:
             self.proc = subprocess.Popen(
-                [*console_script(), *args], cwd=REPO, stdout=stdout, stderr=stderr, env=script_env()
+                [*console_script(), *args], cwd=cwd, stdout=stdout, stderr=stderr, env=script_env()
             )
 
     def ready(self, timeout: float = 120.0) -> dict[str, object]:

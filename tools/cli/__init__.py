@@ -18,6 +18,7 @@ module by theme:
 ``demo``         ``demo``
 ``logs``         ``replay``, ``audit``, ``verify``: the read-only tools over a log
 ``remote``       ``status`` and ``fleet ...``: a running ``serve``, asked and acted on
+``publish``      ``publish``: an adapter directory uploaded to a running ``serve``
 ``service``      ``serve`` and ``gateway``, and the option set they share
 ``engines``      ``engine``, ``agent``, ``check-engine``
 ``bench``        ``bench NAME``
@@ -26,7 +27,7 @@ module by theme:
 
 from __future__ import annotations
 
-from tools.cli import bench, demo, engines, logs, remote, service
+from tools.cli import bench, demo, engines, logs, publish, remote, service
 from tools.cli.common import DEFAULT_PORT, DEFAULT_URL, app, guarded, main
 
 app.command()(demo.demo)
@@ -34,6 +35,7 @@ app.command()(logs.replay)
 app.command()(logs.audit)
 app.command()(logs.verify)
 app.command()(remote.status)
+app.command()(publish.publish)
 app.command()(service.serve)
 app.command()(service.gateway)
 app.command()(engines.engine)
