@@ -108,6 +108,27 @@ def test_publishing_a_step_lower_than_the_default_is_a_recorded_version_regressi
     assert not [e for e in book.events if isinstance(e, VersionPublished)][-1].rollback
 
 
+def test_a_fatally_failed_version_below_the_default_is_blocked_not_a_regression() -> None:
+    """The check-order table puts the state step (a ``FAILED_FATAL`` version is
+    ``PUBLICATION_BLOCKED``) before the regression check. Before, allocating a fatally failed
+    version below the default answered ``VERSION_REGRESSION`` and recorded a skip, as if the
+    version could be published once the trainer meant the rollback: it cannot, whatever the
+    flag, until inventories prove it absent."""
+    book = Book().bootstrap(capacity=3)
+    book.publish(12)
+    book.run(c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=True))
+    book.run(c.FailAttempt(version_id=5, attempt=1, clean=False, code="T", reason="timeout"))
+    assert book.state.versions[5].state is VersionState.FAILED_FATAL
+    for allow_rollback in (False, True):
+        again = c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=allow_rollback)
+        error = book.refusal(again, Code.PUBLICATION_BLOCKED)
+        assert error.details["versions"] == [5], error.details
+    # the stall is recorded once (a PublicationBlocked naming the blocker), never as a skip
+    assert not [e for e in book.events if isinstance(e, PublicationSkipped)]
+    (blocked,) = [e for e in book.events if isinstance(e, PublicationBlocked)]
+    assert (blocked.version_id, blocked.blocked_by) == (5, (5,))
+
+
 def test_loading_version_returns_the_same_attempt(book: Book) -> None:
     first = book.allocate(1)
     again = book.allocate(1)
