@@ -655,6 +655,41 @@ def test_ambiguous_reclaim_keeps_the_slot_until_inventory_resolves(book: Book) -
     assert book.allocate(3).attempt == 1
 
 
+def test_an_ambiguous_unload_voids_the_engines_earlier_proof(book: Book) -> None:
+    """A reclaim marked ambiguous on an engine blocks until that engine proves the name gone
+    again: an unload confirmation or an inventory recorded after the mark. Before, a proof the
+    engine gave earlier (a reconciler's unload racing the reclaim driver's ambiguous one) still
+    counted, and the other engines' confirmations completed the reclaim with nothing from the
+    engine the log last called unknown."""
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e0", reason="unload timed out"))
+    assert "e0" not in book.state.versions[1].confirmed
+    unloaded = book.run(c.RecordUnloaded(version_id=1, engine="e1", incarnation="e1-i1"))
+    assert not unloaded.reclaimed
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    assert book.state.blocked_by() == [1]
+    book.refuse(c.Allocate(version_id=3, digest=digest_of(3)), Code.PUBLICATION_BLOCKED)
+    # e0 proves it again (its unload confirmed at its incarnation): now the reclaim completes
+    proof = book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert proof.reclaimed and isinstance(book.events[-1], VersionReclaimed)
+    assert book.state.blocked_by() == []
+
+
+def test_an_inventory_after_an_ambiguous_unload_is_the_proof_it_waits_for(book: Book) -> None:
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e1", reason="clean refusal"))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    outcome = book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert outcome.reclaimed == (1,) and isinstance(book.events[-1], VersionReclaimed)
+
+
 def test_unload_from_an_old_incarnation_is_refused(book: Book) -> None:
     book.publish(1)
     book.publish(2)
