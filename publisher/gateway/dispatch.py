@@ -427,6 +427,7 @@ class Gateway:
             finished_at=self._clock(),
             gateway=self.gateway_id,
             served_name=usage.served_name,
+            refusal_code=usage.refusal_code,
         )
         if not row.attested:
             log.error(

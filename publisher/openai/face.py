@@ -17,7 +17,8 @@ Python path's, reused, not restated:
   through the gateway's one hook. An attempt is one :meth:`Relay.forward
   <publisher.openai.relay.Relay.forward>`.
 * **Provenance**: one row per request that reached an engine, aborted streams included
-  (``finish_reason`` ``client_abort``, ``engine_error``, ``ambiguous``), written before the
+  (``finish_reason`` ``client_abort``, ``engine_error``, ``ambiguous``, or ``refused`` with the
+  engine's code in ``refusal_code`` when it refused the request cleanly), written before the
   error reply, as is the in-flight count's decrement: a client that saw the 502 can rely on
   both.
 
@@ -250,16 +251,18 @@ class OpenAIGateway:
                 and refused is not None
                 and refused[0].engine_id == exc.details.get("engine")
             ):
-                # The engine's refusal is the answer, with the engine's own status and code.
+                # The engine's refusal is the answer, with the engine's own status and code;
+                # its row says refused, with that code (rows before schema 3: engine_error).
+                code, message, status = refusal_reply(refused[1])
                 with anyio.CancelScope(shield=True):
                     await self.gateway.record(
                         bound,
                         refused[0],
-                        Usage(finish_reason="engine_error"),
+                        Usage.refused(code),
                         turn=turn_label,
                         request_id=ask.request_id,
                     )
-                await send_error(send, *refusal_reply(refused[1]))
+                await send_error(send, code, message, status)
                 return
             await send_error(send, exc.code, exc.message)
 
