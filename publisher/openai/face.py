@@ -150,7 +150,7 @@ class OpenAIGateway:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
-                refusal = await self.admission.before_bind(ask)
+                refusal = self._unservable() or await self.admission.before_bind(ask)
                 if refusal is not None:
                     # Nothing bound, nothing to release: no binder even exists (a one-turn
                     # session's release would write a tombstone for a session never bound).
@@ -163,6 +163,21 @@ class OpenAIGateway:
             if ask.one_turn and binder is not None:
                 with anyio.CancelScope(shield=True):
                     await self.release_quietly(binder)
+
+    def _unservable(self) -> tuple[str, str] | None:
+        """``ENGINE_NOT_HTTP`` when this face has an OpenAI route to no engine at all: no turn
+        could be served, so none may bind a session (it would hold its version from reclaim
+        and answer ``NO_ROUTE`` to every turn). Routes can arrive later (a gateway process
+        learns engines from the ledger), hence asked per request; a cheap test."""
+        if self.engines:
+            return None
+        return (
+            OpenAICode.ENGINE_NOT_HTTP,
+            "this gateway has an OpenAI route to no engine (an engine it cannot reach over "
+            "HTTP, such as one inside another process, is never routed to), so no turn can be "
+            "served here; nothing was bound. Give it engines it reaches by URL (--engine "
+            "ID=KIND:URL, or the endpoints the ledger reports)",
+        )
 
     async def release_quietly(self, binder: SessionBinder) -> None:
         try:
