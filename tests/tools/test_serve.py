@@ -293,21 +293,17 @@ class _Process:
             return self.proc.wait(timeout=10)
 
 
+def _serve_process(tmp_path: Path, name: str, engine: str, *flags: str, **env: str) -> _Process:
+    """``loraledger serve`` on its own log (``NAME.db``), on a port the OS picks, over one
+    engine (``--engine`` ``ENGINE``), with the CLI's ``flags`` (``-v``) before the command."""
+    db = str(tmp_path / f"{name}.db")
+    args = ("serve", "--db", db, "--port", "0", "--engine", engine, "--json")
+    return _Process(tmp_path, name, *flags, *args, **env)
+
+
 def _serve_for(tmp_path: Path, name: str, engine_url: object, *flags: str) -> str:
     """``loraledger serve`` over one HTTP engine for a few probe intervals; its stderr."""
-    served = _Process(
-        tmp_path,
-        name,
-        *flags,
-        "serve",
-        "--db",
-        str(tmp_path / f"{name}.db"),
-        "--port",
-        "0",
-        "--engine",
-        f"e0=local:{engine_url}",
-        "--json",
-    )
+    served = _serve_process(tmp_path, name, f"e0=local:{engine_url}", *flags)
     try:
         served.ready()
         time.sleep(3.5)  # the reconciler probes every engine every second
@@ -344,20 +340,7 @@ async def _serve_a_story(tmp_path: Path, name: str, *flags: str) -> tuple[str, s
     for seed, adapter in enumerate(adapters, start=1):
         if not adapter.exists():
             _adapter_dir(tmp_path, seed)
-    served = _Process(
-        tmp_path,
-        name,
-        *flags,
-        "serve",
-        "--db",
-        str(tmp_path / f"{name}.db"),
-        "--port",
-        "0",
-        "--engine",
-        "e0=local:",
-        "--json",
-        LORALEDGER_TOKEN=TOKEN,
-    )
+    served = _serve_process(tmp_path, name, "e0=local:", *flags, LORALEDGER_TOKEN=TOKEN)
     try:
         url = str(served.ready()["url"])
         async with httpx.AsyncClient(

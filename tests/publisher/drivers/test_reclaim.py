@@ -5,11 +5,13 @@ an interrupted reclaim is resumed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 import pytest
 
+from engines.local.engine import LocalEngine
 from evlog.events import (
     EngineUnloaded,
     InFlight,
@@ -20,7 +22,7 @@ from evlog.events import (
     VersionReclaimed,
 )
 from evlog.memory import MemoryLog, MemoryStore
-from projections.registry import VersionState
+from projections.registry import VersionRecord, VersionState
 from publisher.core.ledger import Ledger
 from tests.publisher.plane_kit import PEFT_WARNINGS, adapter_copy, local_engines, names, open_plane
 from tests.support.log import events, of_type
@@ -146,22 +148,33 @@ async def test_a_shared_digest_keeps_its_artifact(tmp_path: Path) -> None:
         assert plane.artifacts.contains(same.digest)  # v2 still serves from it
 
 
+async def _v1_reclaim_left_after_e0(
+    engines: Sequence[LocalEngine], tmp_path: Path, log: MemoryLog, *, ambiguous: str = ""
+) -> VersionRecord:
+    """v1 published, bound, retired by v2; then a controller released the session, claimed
+    v1's reclaim, unloaded it from e0 only, recorded that (and, when ``ambiguous`` gives a
+    reason, marked e0's unload ambiguous after it) and died. v1 as it was published."""
+    async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
+        await plane.ledger.register_owner("w", ttl_s=600)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        await plane.ledger.bind("s", "w")
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
+        v1 = plane.ledger.state.versions[1]
+    async with Ledger.open(MemoryStore(log)) as ledger:
+        await ledger.release("s", "w")
+        await ledger.claim_reclaim(1)
+        receipt = await engines[0].unload(v1.lora_name, attempt=v1.attempt)
+        await ledger.record_unloaded(1, "e0", receipt.incarnation)
+        if ambiguous:
+            await ledger.mark_reclaim_ambiguous(1, "e0", ambiguous)
+        assert ledger.state.versions[1].state is VersionState.RECLAIMING
+    return v1
+
+
 async def test_an_interrupted_reclaim_is_resumed_by_the_next_controller(tmp_path: Path) -> None:
     log = MemoryLog()
     async with local_engines(2) as engines:
-        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
-            await plane.ledger.register_owner("w", ttl_s=600)
-            await plane.publisher.publish(adapter_copy(1), version_id=1)
-            await plane.ledger.bind("s", "w")
-            await plane.publisher.publish(adapter_copy(2), version_id=2)
-            v1 = plane.ledger.state.versions[1]
-        # a controller that claimed the reclaim and died after unloading e0 only
-        async with Ledger.open(MemoryStore(log)) as ledger:
-            await ledger.release("s", "w")
-            await ledger.claim_reclaim(1)
-            receipt = await engines[0].unload(v1.lora_name)
-            await ledger.record_unloaded(1, "e0", receipt.incarnation)
-            assert ledger.state.versions[1].state is VersionState.RECLAIMING
+        v1 = await _v1_reclaim_left_after_e0(engines, tmp_path, log)
         assert v1.lora_name in await names(engines[1])
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
             await wait_for(
@@ -181,18 +194,8 @@ async def test_an_ambiguous_unload_is_settled_only_by_the_engine_it_names(tmp_pa
     e1's confirmation alone completed it, on e0's proof from before the mark."""
     log = MemoryLog()
     async with local_engines(2) as engines:
-        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
-            await plane.ledger.register_owner("w", ttl_s=600)
-            await plane.publisher.publish(adapter_copy(1), version_id=1)
-            await plane.ledger.bind("s", "w")
-            await plane.publisher.publish(adapter_copy(2), version_id=2)
-            v1 = plane.ledger.state.versions[1]
-        async with Ledger.open(MemoryStore(log)) as ledger:
-            await ledger.release("s", "w")
-            await ledger.claim_reclaim(1)
-            receipt = await engines[0].unload(v1.lora_name, attempt=v1.attempt)
-            await ledger.record_unloaded(1, "e0", receipt.incarnation)
-            await ledger.mark_reclaim_ambiguous(1, "e0", "a racing unload's reply was lost")
+        lost = "a racing unload's reply was lost"
+        v1 = await _v1_reclaim_left_after_e0(engines, tmp_path, log, ambiguous=lost)
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
             await wait_for(
                 "v1 reclaimed",
