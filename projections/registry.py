@@ -70,8 +70,8 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-4"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
-# 4: owner incarnations and clean deregistration
+PROJECTION_VERSION = "registry-5"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
+# 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's proof
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -633,7 +633,12 @@ def _version_reclaimed(s: RegistryState, e: VersionReclaimed) -> None:
 
 
 def _reclaim_ambiguous(s: RegistryState, e: ReclaimAmbiguous) -> None:
-    _step(s, e.version_id, "ReclaimAmbiguous").ambiguous = True
+    # The engine's state is unknown from here on: a proof it gave before (an unload or an
+    # inventory racing this unload) no longer counts, so the reclaim completes only once the
+    # engine proves the name gone again (docs/publication.md, "Ambiguity").
+    v = _step(s, e.version_id, "ReclaimAmbiguous")
+    v.ambiguous = True
+    v.confirmed.pop(e.engine, None)
 
 
 def _receipt_rejected(s: RegistryState, e: ReceiptRejected) -> None:

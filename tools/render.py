@@ -248,9 +248,10 @@ def audit_view(report: AuditReport) -> RenderableType:
         mark = Text("while bound", style="yellow") if f.during else Text("")
         rows.append((f.at, f.seq, f"v{a.version_id} {f.what}", f.detail, mark))
     for g in report.generations:
+        ended = f"{g.finish_reason} {g.refusal_code}" if g.refusal_code else g.finish_reason
         detail = (
             f"turn {g.turn} on {g.engine} v{g.version_id}: {g.prompt_tokens}+"
-            f"{g.completion_tokens} tokens, {g.finish_reason}, staleness {g.staleness} "
+            f"{g.completion_tokens} tokens, {ended}, staleness {g.staleness} "
             f"(req {g.request_id})"
         )
         rows.append((g.started_at, -1, "generation", detail, Text("")))

@@ -34,6 +34,7 @@ copy of serve's own rows too.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
@@ -179,16 +180,36 @@ async def _open_engine(stack: AsyncExitStack, spec: EngineSpec, opts: ServiceOpt
 
         engine = LocalHTTPEngine(spec.url, spec.engine_id, api_key=opts.engine_token)
     else:
-        try:
-            from engines.local.engine import LocalEngine
-        except ImportError as exc:
-            raise ToolError(
-                Exit.ENGINE_UNAVAILABLE,
-                f"an in-process local engine needs the engine extra "
-                f"(pip install 'loraledger[engine]'): {exc}",
-            ) from None
-        local = LocalEngine(spec.engine_id, artifact_root=opts.artifact_root)
-        return await stack.enter_async_context(local)
+        return await _in_process_engine(stack, spec, opts)
+    stack.push_async_callback(engine.aclose)
+    return engine
+
+
+async def _in_process_engine(
+    stack: AsyncExitStack, spec: EngineSpec, opts: ServiceOptions
+) -> Engine:
+    """``ID=local:``: a local engine in this process, served on a loopback port of its own and
+    reached over it as ``local:URL`` reaches a ``loraledger engine`` process. So the OpenAI
+    routes relay to its OpenAI face by the one path every engine takes (streaming, the
+    at-most-once rules, timeouts, a disconnect aborting the request; docs/openai.md), and its
+    endpoint is recorded like any other. Its control routes (load, unload, transfer) take a
+    token only this process knows (``--engine-token`` when given)."""
+    try:
+        from engines.local.client import LocalHTTPEngine
+        from engines.local.engine import LocalEngine
+        from engines.local.server import serve as serve_engine
+    except ImportError as exc:
+        raise ToolError(
+            Exit.ENGINE_UNAVAILABLE,
+            f"an in-process local engine needs the engine extra "
+            f"(pip install 'loraledger[engine]'): {exc}",
+        ) from None
+    token = opts.engine_token or secrets.token_urlsafe(32)
+    local = await stack.enter_async_context(
+        LocalEngine(spec.engine_id, artifact_root=opts.artifact_root)
+    )
+    url = await stack.enter_async_context(serve_engine(local, token=token))
+    engine = LocalHTTPEngine(url, spec.engine_id, api_key=token)
     stack.push_async_callback(engine.aclose)
     return engine
 

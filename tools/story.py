@@ -30,10 +30,11 @@ from evlog.events import (
 from evlog.record import Record
 from projections.lifecycle import advance
 from projections.registry import RegistryState, VersionState
-from publisher.gateway.provenance import ProvenanceRow
+from publisher.gateway.provenance import REFUSED, ProvenanceRow
 
-# finish reasons of provenance rows whose request did not complete (docs/openai.md)
-FAILED_OUTCOMES = frozenset({"engine_error", "ambiguous", "client_abort"})
+# finish reasons of provenance rows whose request did not complete (docs/openai.md); rows
+# written before provenance schema 3 say engine_error for a refusal too
+FAILED_OUTCOMES = frozenset({"engine_error", "ambiguous", "client_abort", REFUSED})
 
 
 class VersionStory(msgspec.Struct, frozen=True, kw_only=True):

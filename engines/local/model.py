@@ -53,8 +53,18 @@ def _load_template(model_dir: str) -> tuple[Any, Any]:
     injects its own adapters, and a fast tokenizer is not safe to share between the worker
     threads of two engines)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # No "Loading weights" progress bar on the host's stderr (a service's log): the model is
+    # read once per process, from a local directory. The setting is Hugging Face's, global:
+    # put back as found.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return model, tokenizer
@@ -159,10 +169,11 @@ class ModelRunner:
             self._base.eval()
             self._peft = None
             return
-        self._peft.delete_adapter(adapter_id)
-        # peft keeps pointing at a deleted "active" adapter; any live one will do, since every
-        # forward names its adapter explicitly.
+        # peft keeps pointing at a deleted "active" adapter, and warns on every delete of the
+        # active one (a line on the host's stderr per unload): make a live one active first;
+        # any will do, since every forward names its adapter explicitly.
         self._peft.set_adapter(remaining[0])
+        self._peft.delete_adapter(adapter_id)
         self._peft.eval()
 
     # --- text ------------------------------------------------------------------------------

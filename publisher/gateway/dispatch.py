@@ -428,6 +428,7 @@ class Gateway:
             gateway=self.gateway_id,
             served_name=usage.served_name,
             row_id=uuid.uuid4().hex,
+            refusal_code=usage.refusal_code,
         )
         if not row.attested:
             log.error(

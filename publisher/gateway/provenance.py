@@ -50,8 +50,13 @@ log = get_logger("loraledger.provenance")
 
 # 2: ``staleness`` is a stored field (schema-1 files, which carry only the revisions, read
 # with it computed from them: the same number). 3: ``row_id`` (older rows read with ``""``:
-# their key in a store is then a digest of their content, :func:`stored_row`).
+# their key in a store is then a digest of their content, :func:`stored_row`), and an engine's
+# clean refusal is ``finish_reason`` ``refused`` with the engine's code in ``refusal_code`` (rows
+# before say ``engine_error``, and read with no code).
 SCHEMA = 3
+# ``finish_reason`` of a request the engine refused cleanly before generating (a prompt over
+# its context, a bad parameter, an adapter it does not hold): nothing ran, nothing to train on.
+REFUSED = "refused"
 
 
 class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,6 +97,8 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     engine_request_id: str | None = None
     # This row's key (made once, where the row is made): a row sent again is stored once.
     row_id: str = ""
+    # The engine's code when it refused the request (``finish_reason`` ``refused``).
+    refusal_code: str | None = None
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -107,8 +114,8 @@ class ProvenanceRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine reported of one generation, for its provenance row: token counts, how
-    it ended, the adapter it says it ran (None: it does not say) and its process life (None:
-    the ledger's record of it is used)."""
+    it ended, the adapter it says it ran (None: it does not say), its process life (None:
+    the ledger's record of it is used) and, for a refusal, the engine's code."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -116,6 +123,12 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str = ""
     served_name: str | None = None
     incarnation: str | None = None
+    refusal_code: str | None = None
+
+    @classmethod
+    def refused(cls, code: str) -> Usage:
+        """A request the engine refused cleanly, with the engine's code: nothing generated."""
+        return cls(finish_reason=REFUSED, refusal_code=code)
 
     @classmethod
     def of(cls, generation: Generation) -> Usage:

@@ -17,7 +17,8 @@ Python path's, reused, not restated:
   through the gateway's one hook. An attempt is one :meth:`Relay.forward
   <publisher.openai.relay.Relay.forward>`.
 * **Provenance**: one row per request that reached an engine, aborted streams included
-  (``finish_reason`` ``client_abort``, ``engine_error``, ``ambiguous``), written before the
+  (``finish_reason`` ``client_abort``, ``engine_error``, ``ambiguous``, or ``refused`` with the
+  engine's code in ``refusal_code`` when it refused the request cleanly), written before the
   error reply, as is the in-flight count's decrement: a client that saw the 502 can rely on
   both.
 
@@ -149,7 +150,7 @@ class OpenAIGateway:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
-                refusal = await self.admission.before_bind(ask)
+                refusal = self._unservable() or await self.admission.before_bind(ask)
                 if refusal is not None:
                     # Nothing bound, nothing to release: no binder even exists (a one-turn
                     # session's release would write a tombstone for a session never bound).
@@ -162,6 +163,21 @@ class OpenAIGateway:
             if ask.one_turn and binder is not None:
                 with anyio.CancelScope(shield=True):
                     await self.release_quietly(binder)
+
+    def _unservable(self) -> tuple[str, str] | None:
+        """``ENGINE_NOT_HTTP`` when this face has an OpenAI route to no engine at all: no turn
+        could be served, so none may bind a session (it would hold its version from reclaim
+        and answer ``NO_ROUTE`` to every turn). Routes can arrive later (a gateway process
+        learns engines from the ledger), hence asked per request; a cheap test."""
+        if self.engines:
+            return None
+        return (
+            OpenAICode.ENGINE_NOT_HTTP,
+            "this gateway has an OpenAI route to no engine (an engine it cannot reach over "
+            "HTTP, such as one inside another process, is never routed to), so no turn can be "
+            "served here; nothing was bound. Give it engines it reaches by URL (--engine "
+            "ID=KIND:URL, or the endpoints the ledger reports)",
+        )
 
     async def release_quietly(self, binder: SessionBinder) -> None:
         try:
@@ -250,16 +266,18 @@ class OpenAIGateway:
                 and refused is not None
                 and refused[0].engine_id == exc.details.get("engine")
             ):
-                # The engine's refusal is the answer, with the engine's own status and code.
+                # The engine's refusal is the answer, with the engine's own status and code;
+                # its row says refused, with that code (rows before schema 3: engine_error).
+                code, message, status = refusal_reply(refused[1])
                 with anyio.CancelScope(shield=True):
                     await self.gateway.record(
                         bound,
                         refused[0],
-                        Usage(finish_reason="engine_error"),
+                        Usage.refused(code),
                         turn=turn_label,
                         request_id=ask.request_id,
                     )
-                await send_error(send, *refusal_reply(refused[1]))
+                await send_error(send, code, message, status)
                 return
             await send_error(send, exc.code, exc.message)
 

@@ -18,7 +18,7 @@ from tools.demo import QUICK, DemoRun, DemoStats
 from tools.exitcodes import Exit
 from tools.logfile import open_log
 from tools.render import story_view
-from tools.story import Story, tell
+from tools.story import FAILED_OUTCOMES, Story, tell
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_story_matches_the_log(quick_run: dict, cli: Cli) -> None:  # type: 
     up = story["started_at"] + restart["repaired_at"] + 1.0
     completed: dict[str, list[ProvenanceRow]] = {}
     for row in read_rows(quick_run["provenance"]):
-        if row.finish_reason not in ("engine_error", "ambiguous", "client_abort"):
+        if row.finish_reason not in FAILED_OUTCOMES:
             completed.setdefault(row.session, []).append(row)
     moved = 0
     for turns in completed.values():

@@ -7,6 +7,7 @@ Network only on loopback: every server here listens on 127.0.0.1, on a port the 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.guard import is_loopback
 from tests.support.paths import REPO
+from tests.support.waiting import wait_for
 from tests.tools.conftest import Cli, console_script, script_env
 from tools.exitcodes import Exit
 from tools.serve import ServeOptions, serve
@@ -100,9 +102,14 @@ def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
         assert (bind.status_code, bind.json()["code"]) == (409, "NO_PUBLISHED_VERSION")
         bad = http.post("/owners", content=b"{not json", headers=AUTH)
         assert (bad.status_code, bad.json()["code"]) == (400, "INVALID_INPUT")
-        counted = _metrics(http.get("/metrics").text)
-        # counted from the start of the HTTP service (the OpenAI owner registered before it)
-        assert counted[("loraledger_events_appended_total", (("type", "OwnerRegistered"),))] == 1
+        # counted from the start of the HTTP service (the OpenAI owner registered before it), by
+        # the service's log follower: the count arrives shortly after the answer
+        key = ("loraledger_events_appended_total", (("type", "OwnerRegistered"),))
+        deadline = time.monotonic() + 10
+        while key not in (counted := _metrics(http.get("/metrics").text)):
+            assert time.monotonic() < deadline, f"OwnerRegistered never counted: {counted}"
+            time.sleep(0.01)
+        assert counted[key] == 1
 
     live = cli("status", "--url", served.url, "--json")
     assert live.returncode == 0, live.stderr
@@ -256,11 +263,15 @@ async def test_a_rollback_over_http_is_refused_until_it_is_meant(tmp_path: Path)
 class _Process:
     """A console-script process that prints one JSON "listening" row on stdout when ready."""
 
-    def __init__(self, tmp_path: Path, name: str, *args: str, cwd: Path = REPO) -> None:
+    def __init__(self, tmp_path: Path, name: str, *args: str, cwd: Path = REPO, **env: str) -> None:
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out, "wb") as stdout, open(self.err, "wb") as stderr:
             self.proc = subprocess.Popen(
-                [*console_script(), *args], cwd=cwd, stdout=stdout, stderr=stderr, env=script_env()
+                [*console_script(), *args],
+                cwd=cwd,
+                stdout=stdout,
+                stderr=stderr,
+                env=script_env(**env),
             )
 
     def ready(self, timeout: float = 120.0) -> dict[str, object]:
@@ -287,21 +298,17 @@ class _Process:
             return self.proc.wait(timeout=10)
 
 
+def _serve_process(tmp_path: Path, name: str, engine: str, *flags: str, **env: str) -> _Process:
+    """``loraledger serve`` on its own log (``NAME.db``), on a port the OS picks, over one
+    engine (``--engine`` ``ENGINE``), with the CLI's ``flags`` (``-v``) before the command."""
+    db = str(tmp_path / f"{name}.db")
+    args = ("serve", "--db", db, "--port", "0", "--engine", engine, "--json")
+    return _Process(tmp_path, name, *flags, *args, cwd=REPO, **env)
+
+
 def _serve_for(tmp_path: Path, name: str, engine_url: object, *flags: str) -> str:
     """``loraledger serve`` over one HTTP engine for a few probe intervals; its stderr."""
-    served = _Process(
-        tmp_path,
-        name,
-        *flags,
-        "serve",
-        "--db",
-        str(tmp_path / f"{name}.db"),
-        "--port",
-        "0",
-        "--engine",
-        f"e0=local:{engine_url}",
-        "--json",
-    )
+    served = _serve_process(tmp_path, name, f"e0=local:{engine_url}", *flags)
     try:
         served.ready()
         time.sleep(3.5)  # the reconciler probes every engine every second
@@ -311,15 +318,93 @@ def _serve_for(tmp_path: Path, name: str, engine_url: object, *flags: str) -> st
 
 
 def test_serve_logs_no_line_per_probe(tmp_path: Path) -> None:
-    """At the default verbosity a service's log shows decisions, not each HTTP request its
-    probes make (httpx logs one INFO line per request); -vv shows everything."""
+    """With -v a service's log shows decisions, not each HTTP request its probes make (httpx
+    logs one INFO line per request); -vv shows everything."""
     engine = _Process(tmp_path, "engine", "engine", "--id", "e0", "--port", "0", "--json")
     try:
         url = engine.ready()["url"]
-        quiet = _serve_for(tmp_path, "quiet", url)
+        decisions = _serve_for(tmp_path, "decisions", url, "-v")
         chatty = _serve_for(tmp_path, "chatty", url, "-vv")
     finally:
         assert engine.stop() == 0, engine.stderr()
-    assert "serve.listening" in quiet  # the service logs at info level by default
-    assert "HTTP Request" not in quiet, quiet[-2000:]
+    assert "serve.listening" in decisions  # -v: info level
+    assert "HTTP Request" not in decisions, decisions[-2000:]
     assert chatty.count("HTTP Request") >= 3, chatty[-2000:]  # the probes were there
+
+
+# A line of serve's log as structlog's console renderer writes it: time, [level], event, fields.
+_LOG_LINE = re.compile(r"^\S+Z \[(?P<level>\w+)\s*\] (?P<event>\S+)(?P<fields>.*)$")
+_SEQ = re.compile(r"\bseq=(\d+)")
+
+
+async def _serve_a_story(tmp_path: Path, name: str, *flags: str) -> tuple[str, str, int]:
+    """A real ``serve`` over an in-process engine through a short story: publish v1, six turns
+    of one session through the OpenAI routes (one streamed), publish v2, release the session,
+    v1 reclaimed; then SIGTERM. Its stdout, its stderr and the last seq of the story."""
+    adapters = [tmp_path / f"adapter-{seed}" for seed in (1, 2)]
+    for seed, adapter in enumerate(adapters, start=1):
+        if not adapter.exists():
+            _adapter_dir(tmp_path, seed)
+    served = _serve_process(tmp_path, name, "e0=local:", *flags, LORALEDGER_TOKEN=TOKEN)
+    try:
+        url = str(served.ready()["url"])
+        async with httpx.AsyncClient(
+            base_url=url, trust_env=False, timeout=60, headers=AUTH
+        ) as http:
+            for version, adapter in enumerate(adapters, start=1):
+                body = {"version_id": version, "adapter_dir": str(adapter)}
+                published = await http.post("/versions", json=body)
+                assert published.status_code == 200, published.text
+                for turn in range(6 if version == 1 else 0):
+                    chat = {
+                        "model": "policy",
+                        "messages": [{"role": "user", "content": f"turn {turn}"}],
+                        "max_tokens": 2,
+                        "stream": turn == 5,
+                    }
+                    reply = await http.post(
+                        "/v1/chat/completions", json=chat, headers={"x-session-id": "s1"}
+                    )
+                    assert reply.status_code == 200, reply.text
+            assert (await http.post("/v1/sessions/s1/release")).status_code == 200
+
+            async def reclaimed() -> bool:
+                versions = (await http.get("/status")).json()["versions"]
+                return any(v["version_id"] == 1 and v["state"] == "RECLAIMED" for v in versions)
+
+            await wait_for("v1 reclaimed", reclaimed, timeout=30)
+            last_seq = int((await http.get("/status")).json()["last_seq"])
+    finally:
+        assert served.stop() == 0, served.stderr()
+    return served.out.read_text(), served.stderr(), last_seq
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
+async def test_serve_is_quiet_by_default_and_logs_each_decision_once_with_v(
+    tmp_path: Path,
+) -> None:
+    """The README's promise: quiet by default (the start banner on stdout, warnings on
+    stderr), one line per decision with its seq with -v. Before, serve logged at info level
+    without -v: 30-odd lines for this story (each event, the drivers' account of it), a
+    progress bar from the in-process engine's model load and a peft warning per unload, and
+    hundreds over a longer run."""
+    out, quiet, _ = await _serve_a_story(tmp_path, "quiet")
+    assert len(out.splitlines()) == 1  # the "listening" row
+    assert len(quiet.splitlines()) <= 2, quiet  # warnings only: none in this story
+    assert "[info" not in quiet and "[debug" not in quiet, quiet
+
+    _, loud, last_seq = await _serve_a_story(tmp_path, "loud", "-v")
+    lines = loud.splitlines()
+    parsed = [_LOG_LINE.match(line) for line in lines]
+    assert all(parsed), [line for line, m in zip(lines, parsed, strict=True) if m is None]
+    logged = [m for m in parsed if m is not None]
+    decided = [int(_SEQ.findall(m["fields"])[0]) for m in logged if m["event"] == "event"]
+    # every decision of the story, each on one line with its seq
+    assert len(decided) == len(set(decided)), decided
+    assert set(range(decided[0], last_seq + 1)) <= set(decided), (decided, last_seq)
+    # the other lines are the drivers' account of those decisions (a seq each) and the
+    # service's start and stop: nothing per turn, per request or per probe
+    unsequenced = [m["event"] for m in logged if not _SEQ.search(m["fields"])]
+    assert len(unsequenced) <= 4, unsequenced
+    assert len(logged) <= 2 * len(decided) + 4, loud

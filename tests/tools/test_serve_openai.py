@@ -141,3 +141,54 @@ async def test_serve_refuses_a_wrong_model_and_unknown_routes_in_openai_shape(
         ]
     # no other session was bound or released (keeps-v1's release: serve's clean stop)
     assert {e.session for e in sessions} == {"keeps-v1"}, sessions
+
+
+async def test_serve_answers_the_openai_routes_through_an_in_process_engine(
+    tmp_path: Path,
+) -> None:
+    """``--engine e0=local:`` (a local engine inside serve's process): every turn of a session
+    is served by it, streamed or not, with its provenance rows. Before, the engine had no
+    OpenAI endpoint: the first turn bound the session and was answered ``503 NO_ROUTE``
+    "unreachable", as was every turn after it. The engine is reached on a loopback port of its
+    own, whose control routes refuse anyone without the token only serve holds."""
+    from tools.service_options import parse_engine
+
+    adapter = _adapter_dir(tmp_path, 1)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        serving(tmp_path / "ledger.db", token=TOKEN, engines=(parse_engine("e0=local:"),)) as url,
+        httpx.AsyncClient(base_url=url, trust_env=False, timeout=60, headers=auth) as http,
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0) as client,
+    ):
+        published = await http.post(
+            "/versions", json={"version_id": 1, "adapter_dir": str(adapter)}
+        )
+        assert published.status_code == 200, published.text
+        served = []
+        for turn in range(2):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=3,
+                extra_headers={"x-session-id": "in-process"},
+            )
+            served.append((raw.headers["x-loraledger-engine"], raw.headers["x-loraledger-version"]))
+            assert raw.parse().choices[0].finish_reason == "length", turn
+        chunks = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=3,
+            stream=True,
+            extra_headers={"x-session-id": "in-process"},
+        )
+        finish = [c.choices[0].finish_reason async for c in chunks if c.choices]
+        assert served == [("e0", "1")] * 2 and finish[-1] == "length"
+        (engine,) = (await http.get("/status")).json()["engines"]
+        assert engine["endpoint"].startswith("http://127.0.0.1:"), engine
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as outsider:
+            unload = await outsider.post(
+                engine["endpoint"] + "/unload_lora_adapter", json={"lora_name": "x"}
+            )
+            assert unload.status_code == 401, unload.text
+    rows = await stored_rows(tmp_path / "ledger.db")  # beside the log, drained when serve stopped
+    assert [(r.engine, r.version_id, r.finish_reason) for r in rows] == [("e0", 1, "length")] * 3

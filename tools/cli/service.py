@@ -268,10 +268,8 @@ def serve(
         probe_timeout_s=probe_timeout,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
-    if verbosity() == 0:
-        logconfig.configure(1, stdlib=True)  # a service's stderr is its log: decisions shown
-    else:
-        logconfig.configure(verbosity(), stdlib=True)
+    # Quiet by default, as every command (README): warnings only; -v one line per decision.
+    logconfig.configure(verbosity(), stdlib=True)
     service.warn_if_open_elsewhere(opts.db)
 
     def ready(url: str) -> None:
@@ -331,7 +329,7 @@ def gateway(
         refresh_s=refresh,
     )
     front.check_options(opts)
-    logconfig.configure(max(verbosity(), 1), stdlib=True)
+    logconfig.configure(verbosity(), stdlib=True)  # quiet by default, as serve
 
     def ready(url: str, owner_id: str) -> None:
         if json:

@@ -1,12 +1,13 @@
 """``Allocate``: whether a new publication attempt may start, and who holds the slots.
 
 Its checks, in the check-order table's order: the input, a no-op or resumed answer for an id
-already completed or loading, a regression below the default (refused unless
-``allow_rollback``, and recorded), the fleet block, capacity, another attempt loading, a
-routable fleet. A refusal that makes the trainer wait is recorded once per stall
-(``PublicationBlocked``), so a trainer retrying in a loop does not grow the log; a full
-capacity after the first commit is a recorded skip (``PublicationSkipped``), not an error,
-so training goes on. ``slot_holders`` says who holds each capacity slot and why.
+already completed or loading, an id ``FAILED_FATAL`` (blocked, before anything else is said of
+it), a regression below the default (refused unless ``allow_rollback``, and recorded), the
+fleet block, capacity, another attempt loading, a routable fleet. A refusal that makes the
+trainer wait is recorded once per stall (``PublicationBlocked``), so a trainer retrying in a
+loop does not grow the log; a full capacity after the first commit is a recorded skip
+(``PublicationSkipped``), not an error, so training goes on. ``slot_holders`` says who holds
+each capacity slot and why.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             return Decision(outcome=_allocated(existing, no_op=True))
         if existing.state is VersionState.LOADING:
             return Decision(outcome=_allocated(existing, resumed=True))
+        if existing.state is VersionState.FAILED_FATAL:
+            # The state step comes before the regression check: whatever its id says about a
+            # rollback, this version cannot be published until inventories prove it absent.
+            return _fleet_blocked(s, cmd)
     if s.default is not None and version_id < s.default and not cmd.allow_rollback:
         # Publishing it would silently roll the policy back: refused, and recorded so the
         # log shows the trainer asked (an explicit rollback passes ``allow_rollback``).
@@ -67,11 +72,8 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
             Code.VERSION_REGRESSION, message, version_id=version_id, default=s.default
         )
         return Decision((refused,), error=error)
-    blocked = s.blocked_by()
-    if blocked:
-        cause = "; ".join(_block_cause(s.versions[b]) for b in blocked)
-        message = f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first"
-        return _stalled(s, cmd, Code.PUBLICATION_BLOCKED, blocked, cause, message)
+    if s.blocked_by():
+        return _fleet_blocked(s, cmd)
     # A new id, or a retry of a cleanly failed one: both take a capacity slot again.
     used = s.capacity_used()
     if used >= s.capacity:
@@ -133,6 +135,15 @@ def _allocate(s: RegistryState, cmd: c.Allocate) -> Decision:
         state=VersionState.LOADING,
     )
     return Decision(tuple(events), outcome)
+
+
+def _fleet_blocked(s: RegistryState, cmd: c.Allocate) -> Decision:
+    """``PUBLICATION_BLOCKED`` by every version whose fatal failure or ambiguous unload is
+    unresolved (``blocked_by``, not empty here), recorded once per stall."""
+    blocked = s.blocked_by()
+    cause = "; ".join(_block_cause(s.versions[b]) for b in blocked)
+    message = f"unresolved fatal/ambiguous versions {blocked}: reconcile inventories first"
+    return _stalled(s, cmd, Code.PUBLICATION_BLOCKED, blocked, cause, message)
 
 
 def _stalled(

@@ -4,7 +4,9 @@ A ``RETIRED`` version with no session bound and no request in flight is handed o
 unloading (``ClaimReclaim``: the active members, which must each confirm); each unload
 confirmation is recorded, and the reclaim completes when every active member proved the name
 gone (``absence_proofs``: suspended members owe the drop). An unload whose outcome is unknown
-marks the reclaim ambiguous, which blocks publication until inventories settle it.
+marks the reclaim ambiguous, which blocks publication until inventories settle it: the mark
+voids that engine's earlier proof (the fold drops it from ``confirmed``), so the completion
+rule below waits for the engine's new proof (docs/publication.md, "Ambiguity").
 """
 
 from __future__ import annotations

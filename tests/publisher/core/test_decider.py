@@ -108,6 +108,27 @@ def test_publishing_a_step_lower_than_the_default_is_a_recorded_version_regressi
     assert not [e for e in book.events if isinstance(e, VersionPublished)][-1].rollback
 
 
+def test_a_fatally_failed_version_below_the_default_is_blocked_not_a_regression() -> None:
+    """The check-order table puts the state step (a ``FAILED_FATAL`` version is
+    ``PUBLICATION_BLOCKED``) before the regression check. Before, allocating a fatally failed
+    version below the default answered ``VERSION_REGRESSION`` and recorded a skip, as if the
+    version could be published once the trainer meant the rollback: it cannot, whatever the
+    flag, until inventories prove it absent."""
+    book = Book().bootstrap(capacity=3)
+    book.publish(12)
+    book.run(c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=True))
+    book.run(c.FailAttempt(version_id=5, attempt=1, clean=False, code="T", reason="timeout"))
+    assert book.state.versions[5].state is VersionState.FAILED_FATAL
+    for allow_rollback in (False, True):
+        again = c.Allocate(version_id=5, digest=digest_of(5), allow_rollback=allow_rollback)
+        error = book.refusal(again, Code.PUBLICATION_BLOCKED)
+        assert error.details["versions"] == [5], error.details
+    # the stall is recorded once (a PublicationBlocked naming the blocker), never as a skip
+    assert not [e for e in book.events if isinstance(e, PublicationSkipped)]
+    (blocked,) = [e for e in book.events if isinstance(e, PublicationBlocked)]
+    assert (blocked.version_id, blocked.blocked_by) == (5, (5,))
+
+
 def test_loading_version_returns_the_same_attempt(book: Book) -> None:
     first = book.allocate(1)
     again = book.allocate(1)
@@ -632,6 +653,41 @@ def test_ambiguous_reclaim_keeps_the_slot_until_inventory_resolves(book: Book) -
     outcome = book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
     assert outcome.reclaimed == (1,) and isinstance(book.events[-1], VersionReclaimed)
     assert book.allocate(3).attempt == 1
+
+
+def test_an_ambiguous_unload_voids_the_engines_earlier_proof(book: Book) -> None:
+    """A reclaim marked ambiguous on an engine blocks until that engine proves the name gone
+    again: an unload confirmation or an inventory recorded after the mark. Before, a proof the
+    engine gave earlier (a reconciler's unload racing the reclaim driver's ambiguous one) still
+    counted, and the other engines' confirmations completed the reclaim with nothing from the
+    engine the log last called unknown."""
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e0", reason="unload timed out"))
+    assert "e0" not in book.state.versions[1].confirmed
+    unloaded = book.run(c.RecordUnloaded(version_id=1, engine="e1", incarnation="e1-i1"))
+    assert not unloaded.reclaimed
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    assert book.state.blocked_by() == [1]
+    book.refuse(c.Allocate(version_id=3, digest=digest_of(3)), Code.PUBLICATION_BLOCKED)
+    # e0 proves it again (its unload confirmed at its incarnation): now the reclaim completes
+    proof = book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert proof.reclaimed and isinstance(book.events[-1], VersionReclaimed)
+    assert book.state.blocked_by() == []
+
+
+def test_an_inventory_after_an_ambiguous_unload_is_the_proof_it_waits_for(book: Book) -> None:
+    book.publish(1)
+    book.publish(2)
+    book.run(c.ClaimReclaim(version_id=1))
+    book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    book.run(c.MarkReclaimAmbiguous(version_id=1, engine="e1", reason="clean refusal"))
+    book.run(c.RecordUnloaded(version_id=1, engine="e0", incarnation="e0-i1"))
+    assert book.state.versions[1].state is VersionState.RECLAIMING
+    outcome = book.run(c.ObserveInventory(engine="e1", incarnation="e1-i1", adapters=()))
+    assert outcome.reclaimed == (1,) and isinstance(book.events[-1], VersionReclaimed)
 
 
 def test_unload_from_an_old_incarnation_is_refused(book: Book) -> None:

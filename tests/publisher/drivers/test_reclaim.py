@@ -5,14 +5,24 @@ an interrupted reclaim is resumed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 import pytest
 
-from evlog.events import InFlight, ReclaimClaimed, SessionReleased, VersionReclaimed
+from engines.local.engine import LocalEngine
+from evlog.events import (
+    EngineUnloaded,
+    InFlight,
+    InventoryObserved,
+    ReclaimAmbiguous,
+    ReclaimClaimed,
+    SessionReleased,
+    VersionReclaimed,
+)
 from evlog.memory import MemoryLog, MemoryStore
-from projections.registry import VersionState
+from projections.registry import VersionRecord, VersionState
 from publisher.core.ledger import Ledger
 from tests.publisher.plane_kit import PEFT_WARNINGS, adapter_copy, local_engines, names, open_plane
 from tests.support.log import events, of_type
@@ -138,22 +148,33 @@ async def test_a_shared_digest_keeps_its_artifact(tmp_path: Path) -> None:
         assert plane.artifacts.contains(same.digest)  # v2 still serves from it
 
 
+async def _v1_reclaim_left_after_e0(
+    engines: Sequence[LocalEngine], tmp_path: Path, log: MemoryLog, *, ambiguous: str = ""
+) -> VersionRecord:
+    """v1 published, bound, retired by v2; then a controller released the session, claimed
+    v1's reclaim, unloaded it from e0 only, recorded that (and, when ``ambiguous`` gives a
+    reason, marked e0's unload ambiguous after it) and died. v1 as it was published."""
+    async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
+        await plane.ledger.register_owner("w", ttl_s=600)
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        await plane.ledger.bind("s", "w")
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
+        v1 = plane.ledger.state.versions[1]
+    async with Ledger.open(MemoryStore(log)) as ledger:
+        await ledger.release("s", "w")
+        await ledger.claim_reclaim(1)
+        receipt = await engines[0].unload(v1.lora_name, attempt=v1.attempt)
+        await ledger.record_unloaded(1, "e0", receipt.incarnation)
+        if ambiguous:
+            await ledger.mark_reclaim_ambiguous(1, "e0", ambiguous)
+        assert ledger.state.versions[1].state is VersionState.RECLAIMING
+    return v1
+
+
 async def test_an_interrupted_reclaim_is_resumed_by_the_next_controller(tmp_path: Path) -> None:
     log = MemoryLog()
     async with local_engines(2) as engines:
-        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
-            await plane.ledger.register_owner("w", ttl_s=600)
-            await plane.publisher.publish(adapter_copy(1), version_id=1)
-            await plane.ledger.bind("s", "w")
-            await plane.publisher.publish(adapter_copy(2), version_id=2)
-            v1 = plane.ledger.state.versions[1]
-        # a controller that claimed the reclaim and died after unloading e0 only
-        async with Ledger.open(MemoryStore(log)) as ledger:
-            await ledger.release("s", "w")
-            await ledger.claim_reclaim(1)
-            receipt = await engines[0].unload(v1.lora_name)
-            await ledger.record_unloaded(1, "e0", receipt.incarnation)
-            assert ledger.state.versions[1].state is VersionState.RECLAIMING
+        v1 = await _v1_reclaim_left_after_e0(engines, tmp_path, log)
         assert v1.lora_name in await names(engines[1])
         async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
             await wait_for(
@@ -164,3 +185,35 @@ async def test_an_interrupted_reclaim_is_resumed_by_the_next_controller(tmp_path
                 assert v1.lora_name not in await names(e)
             claims = of_type(await events(plane.ledger), ReclaimClaimed)
             assert len(claims) == 1  # resumed, not claimed again
+
+
+async def test_an_ambiguous_unload_is_settled_only_by_the_engine_it_names(tmp_path: Path) -> None:
+    """A reclaim marked ambiguous on e0 after e0 had proven the name gone (a reconciler's
+    unload racing the driver's, whose reply was lost) completes only once e0 proves it again:
+    the next controller's reconciler gets that proof from e0 before the slot is freed. Before,
+    e1's confirmation alone completed it, on e0's proof from before the mark."""
+    log = MemoryLog()
+    async with local_engines(2) as engines:
+        lost = "a racing unload's reply was lost"
+        v1 = await _v1_reclaim_left_after_e0(engines, tmp_path, log, ambiguous=lost)
+        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
+            await wait_for(
+                "v1 reclaimed",
+                lambda: plane.ledger.state.versions[1].state is VersionState.RECLAIMED,
+            )
+            story = await events(plane.ledger)
+            for e in engines:
+                assert v1.lora_name not in await names(e)
+        marked = next(i for i, e in enumerate(story) if isinstance(e, ReclaimAmbiguous))
+        done = next(i for i, e in enumerate(story) if isinstance(e, VersionReclaimed))
+        proofs_from_e0 = [
+            e
+            for e in story[marked + 1 : done]
+            if (isinstance(e, EngineUnloaded) and e.engine == "e0")
+            or (
+                isinstance(e, InventoryObserved)
+                and e.engine == "e0"
+                and v1.lora_name not in e.adapters
+            )
+        ]
+        assert proofs_from_e0, story[marked:]

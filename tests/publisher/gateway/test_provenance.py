@@ -123,3 +123,16 @@ def test_rows_written_before_served_name_existed_still_read() -> None:
     del older["served_name"]
     (back,) = iter_rows(json.dumps(older).encode())
     assert back.served_name is None and back.attested
+
+
+def test_a_refusal_written_before_refusal_codes_still_reads_as_a_failed_request() -> None:
+    """Rows before schema 3 recorded an engine's clean refusal as ``engine_error`` with no
+    code: they still read, with no code, and still count as a request that did not complete."""
+    from tools.story import FAILED_OUTCOMES
+
+    older = json.loads(encode_rows([row("a", 0)]))
+    older.update(schema=2, finish_reason="engine_error", prompt_tokens=0, completion_tokens=0)
+    del older["refusal_code"]
+    (back,) = iter_rows(json.dumps(older).encode())
+    assert (back.finish_reason, back.refusal_code, back.schema) == ("engine_error", None, 2)
+    assert {"engine_error", "refused"} <= FAILED_OUTCOMES

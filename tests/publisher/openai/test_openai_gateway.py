@@ -284,7 +284,7 @@ async def test_a_refusal_for_a_lost_adapter_is_relayed_once_and_moves_routing(
         assert refused.value.code == "NAME_RECLAIMED"
         assert r.gateway.dispatched == sent + 1  # not tried on e1: a premature reclaim surfaces
         await wait_for("two provenance rows", lambda: len(r.sink.rows) == 2)
-        assert (r.sink.rows[-1].engine, r.sink.rows[-1].finish_reason) == ("e0", "engine_error")
+        assert (r.sink.rows[-1].engine, r.sink.rows[-1].finish_reason) == ("e0", "refused")
         await wait_for(
             "e0 dropped from the holders of v1",
             lambda: "e0" not in r.plane.ledger.state.holders(name),
@@ -386,7 +386,7 @@ async def test_when_every_holder_refuses_the_last_refusal_is_relayed(
 ) -> None:
     """Both holders restarted empty: each is tried once, and the client gets the last one's
     clean refusal (the engine's 400 ``NOT_LOADED``, not retryable), not ``NO_ROUTE`` nor a
-    5xx, after its one ``engine_error`` row is written and every count is back to 0."""
+    5xx, after its one ``refused`` row is written and every count is back to 0."""
     async with rig(tmp_path, restartable=True, probe_interval_s=IDLE) as r:
         await r.publish(1)
         s = going_to("e0", ["e0", "e1"])
@@ -402,7 +402,9 @@ async def test_when_every_holder_refuses_the_last_refusal_is_relayed(
         assert r.gateway.dispatched == sent + 2
         assert not r.gateway.inflight_counts() and not r.worker.inflight
         await wait_for("the refused turn's provenance row", lambda: bool(r.sink.rows))
-        assert [(row.engine, row.finish_reason) for row in r.sink.rows] == [("e1", "engine_error")]
+        assert [(row.engine, row.finish_reason, row.refusal_code) for row in r.sink.rows] == [
+            ("e1", "refused", "NOT_LOADED")
+        ]
 
 
 class socket_closed:
@@ -730,6 +732,33 @@ async def test_one_request_id_on_two_running_requests_is_a_label_not_a_key(
         assert {row.finish_reason for row in rows.values()} <= {"stop", "length"}
 
 
+async def test_an_engines_clean_refusal_is_recorded_as_refused_with_its_code(
+    tmp_path: Path,
+) -> None:
+    """A prompt the engine refuses before generating (here: more tokens than its context) is
+    a refusal, not an engine failure: its provenance row says ``refused`` with the engine's
+    code, the one the client got, and no tokens. Before, the row said ``engine_error``, the
+    outcome of an engine that failed mid-generation, and dropped the engine's code."""
+    async with rig(tmp_path, engines=1) as r:
+        await r.publish(1)
+        for stream in (False, True):
+            rows = len(r.sink.rows)
+            async with async_client(r, max_retries=0) as client:
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.chat.completions.create(
+                        model="policy",
+                        messages=MESSAGES,
+                        max_tokens=10**9,
+                        stream=stream,
+                        extra_headers={"x-session-id": f"too-long-{stream}"},
+                    )
+            await wait_for("the refusal's row", lambda: len(r.sink.rows) > rows)  # noqa: B023
+            row = r.sink.rows[-1]
+            assert (row.finish_reason, row.refusal_code) == ("refused", refused.value.code)
+            assert refused.value.code and refused.value.code != "GENERATION_FAILED"
+            assert (row.prompt_tokens, row.completion_tokens) == (0, 0)
+
+
 async def test_an_error_reply_names_the_request_id_its_provenance_row_is_under(
     tmp_path: Path,
 ) -> None:
@@ -746,5 +775,5 @@ async def test_an_error_reply_names_the_request_id_its_provenance_row_is_under(
         rid = refused.value.response.headers["x-request-id"]
         await wait_for("the refused request's provenance row", lambda: len(r.sink.rows) == 1)
         [row] = r.sink.rows
-        assert (row.request_id, row.finish_reason) == (rid, "engine_error")
+        assert (row.request_id, row.finish_reason) == (rid, "refused")
         assert row.engine_request_id is None  # the gateway made the id: the engine saw it

@@ -327,3 +327,30 @@ async def test_a_session_too_stale_is_refused_so_before_its_model_is_judged(tmp_
             if isinstance(e, SessionReleased) and e.session == "ep-9"
         ]
         assert released == ["too_stale"]
+
+
+async def test_a_face_that_reaches_no_engine_refuses_before_anything_is_bound(
+    tmp_path: Path,
+) -> None:
+    """A face with no OpenAI route to any engine (a fleet of engines without an OpenAI
+    endpoint it can reach) can serve no turn: a first turn is refused ``503
+    ENGINE_NOT_HTTP`` (not retryable) and binds nothing. Before, it bound the session, then
+    answered ``503 NO_ROUTE`` "unreachable" to that turn and every later one, so the session
+    held its version from reclaim for nothing."""
+    async with rig(tmp_path, engines=1) as r, client_of(r) as client:
+        await r.publish(1)
+        before = await session_events(r)
+        r.face.engines.clear()  # as for a face whose fleet has only in-process engines
+        for session in ("episode-1", None):
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(
+                    model="policy",
+                    messages=MESSAGES,
+                    max_tokens=2,
+                    extra_headers={"x-session-id": session} if session else None,
+                )
+            assert (refused.value.status_code, refused.value.code) == (503, "ENGINE_NOT_HTTP")
+            assert refused.value.response.headers["x-should-retry"] == "false"
+            assert "nothing was bound" in refused.value.message
+        assert await session_events(r) == before
+        assert r.gateway.dispatched == 0
