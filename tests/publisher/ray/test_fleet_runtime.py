@@ -43,6 +43,7 @@ from engines.testing import RestartableEngine
 from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.status import EngineStatus, LedgerStatus
+from publisher.core.errors import Code
 from publisher.gateway import DispatchCode, Gateway
 from publisher.gateway.affinity import rendezvous
 from publisher.ray.client import RayLedger
@@ -321,6 +322,27 @@ async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
     e0 = [type(e).__name__ for e in events if getattr(e, "engine", None) == "e0"]
     # suspended when it died, then the new actor's incarnation: a restart, repaired
     assert e0[-4:] == ["EngineSuspended", "EngineRestarted", "VersionRestored", "EngineRepaired"]
+
+
+async def test_a_replaced_rollout_life_is_refused_before_its_next_turn_is_sent(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """A zombie: Ray restarted the rollout actor while its old process still runs. The new
+    life's registration releases the old one's sessions; the old one's next turn, asked right
+    after, must be refused (``OWNER_RESTARTED``, nothing sent) although its client has not yet
+    forwarded a renewal that would have told it. It was served, every time."""
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        assert rig.client is not None
+        sessions = SESSIONS[:5]
+        first = await rig.attempt(sessions, 0)
+        assert all(o.code == "" for o in first), first
+        sent = sum([await e.generate_calls() for e in rig.engines])
+        # what the restarted actor's RayRollout does first: register the owner anew
+        await rig.client.register_owner("w0", ttl_s=30.0, incarnation="the-successor")
+        assert (await rig.status()).sessions_bound == 0  # released, cause owner_restarted
+        zombie = await rig.attempt(sessions, 1)
+        assert [o.code for o in zombie] == [Code.OWNER_RESTARTED] * len(sessions), zombie
+        assert sum([await e.generate_calls() for e in rig.engines]) == sent  # none sent
 
 
 def sessions_on(engine_id: str, holders: Sequence[str], prefix: str, n: int) -> list[str]:
