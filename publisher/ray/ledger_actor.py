@@ -69,7 +69,7 @@ from publisher.ray.engine import RayEngine
 from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
 from publisher.ray.hosting import PortalHost, exit_process
 from publisher.ray.link import DEFAULT_NAMESPACE
-from publisher.ray.stored_adapter import PullStats, StoredAdapter
+from publisher.ray.stored_adapter import PullStats, StoredAdapter, restore_payload
 from publisher.remote.renewals import Life
 from publisher.remote.routing import Mark, RoutingTable
 from publisher.remote.service import LedgerService
@@ -394,6 +394,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
                 prefix=p.prefix,
                 capacity=p.capacity,
                 artifact_root=p.artifact_root,
+                restore_bytes=restore_payload,  # repairs: the object store, as publication
                 **dict(p.options),
             ) as plane,
             anyio.create_task_group() as tg,

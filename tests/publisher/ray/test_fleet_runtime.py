@@ -434,6 +434,8 @@ async def test_an_added_engine_gets_the_routable_versions_then_traffic(
         added = await anyio.to_thread.run_sync(functools.partial(rig.engine, "e2"))
         report = await rig.ledger.add_engine.remote(added)
         assert (report.joined, report.restored, report.repaired) == (("e2",), ("e2:1",), ("e2",))
+        stats = await added.transfer_stats()  # the repair's bytes: pulled, none inline
+        assert (stats.inline_bytes, stats.pulls, stats.refused_pulls) == (0, 1, 0), stats
         status = await rig.status()
         v1 = next(v for v in status.versions if v.version_id == 1)
         assert routable(status, "e2")
