@@ -58,11 +58,13 @@ from evlog.errors import LoraLedgerError
 from evlog.sqlite import Synchronous
 from evlog.stores import describe, is_shared, open_store
 from projections.status import LedgerStatus
+from projections.transitions import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.fleet import Fleet, FleetError
+from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.logs import get_logger
 from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
     from publisher.drivers.reconciler import ReconcileReport
 
 DEFAULT_LEDGER_NAME = "ledger"
+_FATAL = str(VersionState.FAILED_FATAL)
 R = TypeVar("R")
 _DYING_RETRIES = 25
 _DYING_WAIT_S = 0.2
@@ -220,7 +223,8 @@ class _Service:
         """Publish the adapter the descriptor points to. Only the descriptor came in: the
         engine actors pull the bytes from the object store and verify them; this process pulls
         them once more, off its loop, for the durable copy (publisher/ray/stored_adapter.py).
-        ``allow_rollback`` as for ``TrainerClient.publish``."""
+        ``allow_rollback`` as for ``TrainerClient.publish``. A failed attempt is answered with
+        what the version settles as (:meth:`_settled`)."""
         if self.plane is None:
             raise LedgerError(
                 Code.INVALID_STATE, "this ledger actor hosts no control plane: nothing publishes"
@@ -229,8 +233,38 @@ class _Service:
             check_descriptor(descriptor), bucket_bytes=self.plane.bucket_bytes, stats=self.pulls
         )
         self.pulls.descriptors += 1
-        return await self.plane.publisher.publish(
-            stored, version_id=step, allow_rollback=allow_rollback
+        try:
+            return await self.plane.publisher.publish(
+                stored, version_id=step, allow_rollback=allow_rollback
+            )
+        except PublicationError as failed:
+            raise await self._settled(self.plane, failed) from None
+
+    async def _settled(self, plane: ControlPlane, failed: PublicationError) -> PublicationError:
+        """The trainer's answer for an attempt that ended ``FAILED_FATAL``: the ledger's word
+        once every engine has been looked at again, not the word of the moment it ended.
+
+        Why: an engine actor that dies mid-publication leaves an ambiguous reply, so the
+        attempt ends ``FAILED_FATAL``; the reconciler's next probe finds the actor gone and
+        suspends it, which resolves the entry (``FatalResolved``: ``FAILED_RETRYABLE``)
+        milliseconds later. Told ``FATAL``, a trainer stops or alerts for what is, by then, a
+        step it may simply publish again. So one health check runs first (every engine probed:
+        a gone one suspended, the attempt's live ones reconciled, each call bounded by its
+        timeout) and the error carries the state the version is in after it; a version still
+        ``FAILED_FATAL`` then is reported ``FATAL``, as before."""
+        if failed.kind != ErrorKind.FATAL or failed.details.get("state") != _FATAL:
+            return failed
+        version_id, attempt = failed.details.get("version_id"), failed.details.get("attempt")
+        await plane.reconciler.health_check()
+        v = self.ledger.state.versions.get(version_id) if isinstance(version_id, int) else None
+        if v is None or v.attempt != attempt or v.state != VersionState.FAILED_RETRYABLE:
+            return failed
+        log.info("ray.publication_settled", version=version_id, attempt=attempt, state=v.state)
+        return PublicationError(
+            failed.code,
+            f"{failed.message}; the engines were checked again and every one of the attempt "
+            f"proved it absent or left service: it is {v.state}",
+            **{**failed.details, "kind": ErrorKind.RETRYABLE, "state": str(v.state)},
         )
 
     async def pull_stats(self) -> PullStats:

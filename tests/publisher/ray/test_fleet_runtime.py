@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import time
 import uuid
 from collections import Counter
@@ -44,6 +45,7 @@ from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSusp
 from evlog.sqlite import SQLiteStore
 from projections.status import EngineStatus, LedgerStatus
 from publisher.core.errors import Code
+from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.gateway import DispatchCode, Gateway
 from publisher.gateway.affinity import rendezvous
 from publisher.ray.client import RayLedger
@@ -75,6 +77,21 @@ class RestartableEngineActor(EngineActor):
     async def restart_engine(self) -> str:
         await self._host.call(self._engine.restart)  # type: ignore[attr-defined]
         return await self._host.call(self._engine.incarnation)
+
+
+class DiesInLoadEngineActor(EngineActor):
+    """An engine actor whose process dies in the middle of its next ``load`` once armed (its
+    node lost during a publication): the load's caller gets Ray's ``ActorDiedError``."""
+
+    armed = False
+
+    async def die_in_next_load(self) -> None:
+        self.armed = True
+
+    async def load(self, candidate: Any) -> Any:
+        if self.armed:
+            os._exit(1)
+        return await super().load(candidate)
 
 
 def _restartable(engine_id: str) -> RestartableEngine:
@@ -112,6 +129,17 @@ class FleetRig:
             ray.remote(RestartableEngineActor)
             .options(name=f"{self.tag}-{engine_id}", namespace=NAMESPACE, num_cpus=0)
             .remote(functools.partial(_restartable, engine_id))
+        )
+        info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
+        engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+        self.engines.append(engine)
+        return engine
+
+    def dying_engine(self, engine_id: str) -> RayEngine:
+        handle = (
+            ray.remote(DiesInLoadEngineActor)
+            .options(name=f"{self.tag}-{engine_id}", namespace=NAMESPACE, num_cpus=0)
+            .remote(functools.partial(LocalEngine, engine_id, limits=LIMITS))
         )
         info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
         engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
@@ -282,6 +310,37 @@ async def test_an_engine_actor_killed_for_good_is_suspended_and_leaves_routing(
     assert suspensions[0].cause == "unhealthy"
     assert "ENGINE_GONE" in suspensions[0].detail
     assert [e.cause for e in events if isinstance(e, EngineLeft)] == ["operator"]
+
+
+async def test_a_trainer_is_told_what_a_version_settles_as_after_an_engine_dies_mid_publication(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """e1's actor dies during v2's load: its reply is ambiguous, so the attempt ends
+    FAILED_FATAL, and the probe that finds the actor gone suspends e1, which resolves v2 to
+    FAILED_RETRYABLE. The trainer must hear that (``RETRYABLE``: publish a later step), not
+    the FATAL of the moment the attempt ended. Probes are rare here (30 s): only the failure's
+    own follow-up can suspend e1, never a probe during the attempt."""
+    slow_probes = {"probe_interval_s": 30.0, "full_reconcile_s": 120.0}
+    async with fleet_rig(
+        tmp_path, lambda rig: [rig.engine("e0"), rig.dying_engine("e1")], options=slow_probes
+    ) as rig:
+        await rig.engines[1].handle.die_in_next_load.remote()
+        with pytest.raises(PublicationError) as failed:
+            await rig.publish(2)
+        err = failed.value
+        assert (err.kind, err.details["state"]) == (ErrorKind.RETRYABLE, "FAILED_RETRYABLE"), err
+        assert err.details["cause"] == "ENGINE_GONE"
+        status = await rig.status()
+        assert {v.version_id: str(v.state) for v in status.versions}[2] == "FAILED_RETRYABLE"
+        assert not routable(status, "e1")
+        # and the trainer's next step publishes on the engine left
+        third = await rig.publish(3)
+        assert third.status == "PUBLISHED", third
+    events = await rig.log()
+    assert [type(e).__name__ for e in events if getattr(e, "version_id", None) == 2][-2:] == [
+        "AttemptFailed",
+        "FatalResolved",
+    ]
 
 
 async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
