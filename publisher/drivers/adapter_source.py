@@ -16,7 +16,7 @@ may block while it fetches, so the driver reads it in a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 from engines.contract import Bucket, Candidate, Engine
@@ -55,3 +55,12 @@ class AdapterSource(Protocol):
     def tensors(self) -> Mapping[str, TensorData]:
         """Every tensor, for the artifact store (may block: read it off the event loop)."""
         ...
+
+
+RestoreBytes = Callable[[Mapping[str, TensorData], int], Iterable[Bucket] | Payload]
+"""How the bytes of a restore (a repair reloading a version from the artifact store) reach a
+staged engine: ``(tensors, bucket_bytes)`` to the buckets themselves (the default,
+:func:`~publisher.drivers.adapter_copy.plan_buckets`) or a :class:`Payload` that sends them its
+own way (on Ray: put in the object store once and pulled by the engine actor, so a repair's
+bytes do not pass through the ledger actor's calls either). Blocking: called in a worker
+thread."""

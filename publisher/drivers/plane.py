@@ -43,7 +43,8 @@ from evlog.errors import LoraLedgerError
 from evlog.store import EventStore
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
-from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES
+from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
+from publisher.drivers.adapter_source import RestoreBytes
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.fleet import Fleet, InFlightSource
 from publisher.drivers.publication import PublicationDriver
@@ -70,6 +71,7 @@ class ControlPlane:
         publisher_id: str,
         bucket_bytes: int,
         suspend_after_s: float | None = 30.0,
+        restore_bytes: RestoreBytes = plan_buckets,
     ) -> None:
         self.ledger = ledger
         self.fleet = fleet
@@ -86,6 +88,7 @@ class ControlPlane:
             clock=anyio.current_time,
             inflight=lambda engine_id, version_id: self.reclaimer.inflight(engine_id, version_id),
             suspend_after_s=suspend_after_s,
+            restore_bytes=restore_bytes,
         )
         self.publisher = PublicationDriver(
             ledger,
@@ -133,6 +136,7 @@ class ControlPlane:
         clock: Callable[[], float] = time.time,
         max_staleness: int | None = None,
         suspend_after_s: float | None = 30.0,
+        restore_bytes: RestoreBytes = plan_buckets,
     ) -> AsyncIterator[ControlPlane]:
         async with Ledger.open(store, clock=clock) as ledger:
             state = ledger.state
@@ -163,6 +167,7 @@ class ControlPlane:
                 publisher_id=publisher_id,
                 bucket_bytes=bucket_bytes,
                 suspend_after_s=suspend_after_s,
+                restore_bytes=restore_bytes,
             )
             plane.started = await plane.reconciler.start()
             log.info(

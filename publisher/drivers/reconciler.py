@@ -75,6 +75,7 @@ from engines.contract import AmbiguousReply, Candidate, Engine, EngineError, Err
 from evlog.errors import LoraLedgerError
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
+from publisher.drivers.adapter_source import RestoreBytes
 from publisher.drivers.engine_ops import (
     EngineTimeouts,
     call,
@@ -163,8 +164,10 @@ class Reconciler:
         suspend_after_s: float | None = 30.0,
         restore_backoff_s: float = 1.0,
         restore_backoff_max_s: float = 60.0,
+        restore_bytes: RestoreBytes = plan_buckets,
     ) -> None:
         self._ledger = ledger
+        self._restore_bytes = restore_bytes  # how a restore's bytes reach a staged engine
         # None: never suspend on failed probes (an operator still can).
         self.suspend_after_s = suspend_after_s
         self.restore_backoff_s = restore_backoff_s
@@ -561,7 +564,7 @@ class Reconciler:
             artifact_path=None if staged else str(self._artifacts.path_for(v.digest)),
         )
         buckets = (
-            await anyio.to_thread.run_sync(plan_buckets, tensors, self.bucket_bytes)
+            await anyio.to_thread.run_sync(self._restore_bytes, tensors, self.bucket_bytes)
             if staged
             else ()
         )

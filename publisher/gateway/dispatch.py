@@ -10,7 +10,9 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
   beyond the deployment's ``max_staleness``: a retry on another holder may start after new
   versions were published during the failed try), then the pin and routability (below). The
   checks and the in-flight increment run with no ``await`` between them, so a reclaim decided
-  after the lease check cannot miss the request.
+  after the lease check cannot miss the request. Then the owner's lease is confirmed by the
+  ledger itself (``owner.confirm_live()``: awaited for a remote ledger, whose renewals answer
+  from memory; nothing to wait for in process), so a life the ledger has ended never sends.
 * **Route only to holders, sticky per session.** A generation for a version goes to a routable
   engine that holds it (:meth:`LedgerView.holders <publisher.gateway.view.LedgerView.holders>`),
   chosen by rendezvous hashing of the session id over those holders
@@ -56,7 +58,7 @@ import anyio
 import msgspec
 
 from engines.contract import EngineError, Generation, SamplingParams
-from evlog.errors import INVALID_INPUT, InvalidInput
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from evlog.events import InFlight
 from projections.staleness import staleness, too_stale
 from publisher.core.errors import Code, LedgerError
@@ -104,6 +106,12 @@ class Owner(Protocol):
 
     def report(self) -> None:
         """Forward the current in-flight counts now; never raises."""
+        ...
+
+    async def confirm_live(self) -> None:
+        """Have the ledger itself confirm the lease before the attempt is sent (a remote
+        ledger's answer to a renewal, awaited; in process there is nothing to wait for);
+        raise the refusal."""
         ...
 
 
@@ -298,6 +306,12 @@ class Gateway:
             try:
                 if owner is not None:
                     owner.report()  # a remote ledger's renewer sends the new count at once
+                    try:
+                        # The ledger's answer reaches a remote owner before anything is sent:
+                        # a zombie whose sessions were released is refused here, not served.
+                        await owner.confirm_live()
+                    except LoraLedgerError as lost:
+                        raise NotSent(lost) from None
                 attempt = Attempt(
                     engine_id=engine_id,
                     request_id=engine_rid,

@@ -29,6 +29,10 @@ What only Ray adds, each for a reason:
   arrived one round trip after the table, and such a first turn could meet the dead actor:
   ``AMBIGUOUS_DISPATCH``, never resent.) A failed engine call reported through
   :meth:`RayLedger.engine_failed` also refreshes the mirror.
+* **Turns are confirmed by the ledger** (``confirm_timeout``,
+  :meth:`~publisher.remote.client.RemoteLedger.confirm_lease`): when Ray restarts a rollout
+  actor whose old process still runs, the new life's registration releases the old one's
+  sessions, and the old one's next turn is refused ``OWNER_RESTARTED`` before it is sent.
 * **Restarts are ridden out.** Every call goes through an
   :class:`~publisher.ray.link.ActorLink`: across a ledger restart it is sent again (every
   ledger command is idempotent: a bind answers the same binding, a release ``released=False``)
@@ -184,10 +188,14 @@ class RayLedger(RemoteLedger):
         refresh_interval: float | None = None,
         reconnect_timeout: float = 60.0,
         deregister_on_exit: bool = True,
+        confirm_timeout: float | None = 2.0,
     ) -> AsyncIterator[RayLedger]:
         """Resolve the actor, read the routing (with the fleet) and the status, and run the
         client for the life of the block (:meth:`RemoteLedger.running`); ``refresh_interval``
-        re-reads the status that often (None: only on demand; routing comes with replies)."""
+        re-reads the status that often (None: only on demand; routing comes with replies).
+        ``confirm_timeout``: every turn of a worker over this client is confirmed by the
+        ledger before it is sent, waiting at most that long for its answer (a Ray-restarted
+        rollout actor's zombie is refused, not served; None: turns answer from memory)."""
         link = ActorLink(name, namespace=namespace, reconnect_timeout=reconnect_timeout)
         transport = RayTransport(link, retry_every=renew_interval or 0.5)
         client = cls(
@@ -196,6 +204,7 @@ class RayLedger(RemoteLedger):
             max_batch=max_batch,
             renew_interval=renew_interval,
             refresh_interval=refresh_interval,
+            confirm_timeout=confirm_timeout,
         )
         async with (
             client.running(deregister_on_exit=deregister_on_exit),

@@ -38,6 +38,7 @@ The proxy pickles (an actor handle and three strings), so it can be handed to ot
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Any
@@ -67,12 +68,17 @@ from engines.contract import (
 )
 from evlog.errors import INVALID_INPUT, InvalidInput
 from publisher.drivers.adapter_copy import aiter_buckets
+from publisher.logs import get_logger
 from publisher.ray.adapter_objects import pull_tensors, verified_buckets
 from publisher.ray.hosting import PortalHost
 from publisher.ray.link import DEFAULT_NAMESPACE, unwrap
 
 # How long a generation on a handle that was just unavailable waits for a probe first.
 RECHECK_TIMEOUT_S = 1.0
+# How long start_engine waits for the name of an engine actor it killed to be free again.
+NAME_RELEASE_S = 10.0
+
+log = get_logger("loraledger.ray")
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -395,7 +401,11 @@ def start_engine(
     ``node_id`` is the shorthand for a hard node affinity (not both). ``max_restarts > 0``
     lets Ray restart a crashed engine: it comes back as a new incarnation behind the same
     handle, which the control plane's reconciler repairs before routing to it; with the
-    default 0 a crash is final and the engine is suspended (docs/engines.md)."""
+    default 0 a crash is final and the engine is suspended (docs/engines.md).
+
+    An engine that is not up within ``timeout`` seconds (``GetTimeoutError``), or whose start
+    fails, is killed before this raises, and its name is free again: a retry under the same
+    name starts a new actor, and nothing keeps the resources asked for."""
     if node_id is not None and scheduling_strategy is not None:
         raise InvalidInput(INVALID_INPUT, "give node_id or scheduling_strategy, not both")
     if num_cpus < 0 or num_gpus < 0 or max_concurrency < 1:
@@ -421,8 +431,30 @@ def start_engine(
     if detached:
         options["lifetime"] = "detached"
     handle = ray.remote(EngineActor).options(**options).remote(factory)
-    info: EngineInfo = ray.get(handle.describe.remote(), timeout=timeout)
+    try:
+        info: EngineInfo = ray.get(handle.describe.remote(), timeout=timeout)
+    except BaseException:
+        # Not started in time (or its start failed): nobody will get a handle to this actor,
+        # so end it here, or it keeps its resources and its name (a detached one forever)
+        # and a retry under the same name is refused.
+        _end_unstarted(handle, name, namespace)
+        raise
     return RayEngine(handle, info.engine_id, info.kind, info.transport, info.endpoint)  # type: ignore[arg-type]
+
+
+def _end_unstarted(handle: ActorHandle, name: str, namespace: str) -> None:
+    """Kill an engine actor whose start was given up, and wait (bounded) until its name is
+    free again, so the caller's retry under that name starts a new actor."""
+    with suppress(RayActorError, ValueError):
+        ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + NAME_RELEASE_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return  # the name is free
+        time.sleep(0.05)
+    log.warning("ray.engine_name_still_held", actor=name, namespace=namespace)
 
 
 def stop_engine(engine: RayEngine, *, timeout: float = 30.0) -> None:

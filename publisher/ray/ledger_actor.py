@@ -45,10 +45,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -64,19 +64,21 @@ from evlog.provenance_store import ProvenanceStore, open_provenance
 from evlog.sqlite import Synchronous
 from evlog.stores import describe, is_shared, open_store
 from projections.status import LedgerStatus
+from projections.transitions import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.fleet import Fleet, FleetError
+from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.gateway.provenance import ProvenanceRow
 from publisher.logs import get_logger
 from publisher.ray.adapter_objects import AdapterDescriptor, check_descriptor
 from publisher.ray.engine import RayEngine
 from publisher.ray.engine_book import EngineBook, entry_for, fleet_with_book
-from publisher.ray.hosting import PortalHost
+from publisher.ray.hosting import PortalHost, exit_process
 from publisher.ray.link import DEFAULT_NAMESPACE
-from publisher.ray.stored_adapter import PullStats, StoredAdapter
+from publisher.ray.stored_adapter import PullStats, StoredAdapter, restore_payload
 from publisher.remote.renewals import Life
 from publisher.remote.routing import Mark, RoutingTable
 from publisher.remote.service import LedgerService
@@ -86,6 +88,8 @@ if TYPE_CHECKING:
     from publisher.drivers.reconciler import ReconcileReport
 
 DEFAULT_LEDGER_NAME = "ledger"
+_FATAL = str(VersionState.FAILED_FATAL)
+R = TypeVar("R")
 _DYING_RETRIES = 25
 _DYING_WAIT_S = 0.2
 
@@ -165,6 +169,7 @@ class LedgerInfo(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int
     plane: bool
     bucket_bytes: int | None
+    fenced: str = ""  # why this actor stopped serving (another controller took the log over)
 
 
 class _Service:
@@ -230,7 +235,8 @@ class _Service:
         """Publish the adapter the descriptor points to. Only the descriptor came in: the
         engine actors pull the bytes from the object store and verify them; this process pulls
         them once more, off its loop, for the durable copy (publisher/ray/stored_adapter.py).
-        ``allow_rollback`` as for ``TrainerClient.publish``."""
+        ``allow_rollback`` as for ``TrainerClient.publish``. A failed attempt is answered with
+        what the version settles as (:meth:`_settled`)."""
         if self.plane is None:
             raise LedgerError(
                 Code.INVALID_STATE, "this ledger actor hosts no control plane: nothing publishes"
@@ -239,8 +245,38 @@ class _Service:
             check_descriptor(descriptor), bucket_bytes=self.plane.bucket_bytes, stats=self.pulls
         )
         self.pulls.descriptors += 1
-        return await self.plane.publisher.publish(
-            stored, version_id=step, allow_rollback=allow_rollback
+        try:
+            return await self.plane.publisher.publish(
+                stored, version_id=step, allow_rollback=allow_rollback
+            )
+        except PublicationError as failed:
+            raise await self._settled(self.plane, failed) from None
+
+    async def _settled(self, plane: ControlPlane, failed: PublicationError) -> PublicationError:
+        """The trainer's answer for an attempt that ended ``FAILED_FATAL``: the ledger's word
+        once every engine has been looked at again, not the word of the moment it ended.
+
+        Why: an engine actor that dies mid-publication leaves an ambiguous reply, so the
+        attempt ends ``FAILED_FATAL``; the reconciler's next probe finds the actor gone and
+        suspends it, which resolves the entry (``FatalResolved``: ``FAILED_RETRYABLE``)
+        milliseconds later. Told ``FATAL``, a trainer stops or alerts for what is, by then, a
+        step it may simply publish again. So one health check runs first (every engine probed:
+        a gone one suspended, the attempt's live ones reconciled, each call bounded by its
+        timeout) and the error carries the state the version is in after it; a version still
+        ``FAILED_FATAL`` then is reported ``FATAL``, as before."""
+        if failed.kind != ErrorKind.FATAL or failed.details.get("state") != _FATAL:
+            return failed
+        version_id, attempt = failed.details.get("version_id"), failed.details.get("attempt")
+        await plane.reconciler.health_check()
+        v = self.ledger.state.versions.get(version_id) if isinstance(version_id, int) else None
+        if v is None or v.attempt != attempt or v.state != VersionState.FAILED_RETRYABLE:
+            return failed
+        log.info("ray.publication_settled", version=version_id, attempt=attempt, state=v.state)
+        return PublicationError(
+            failed.code,
+            f"{failed.message}; the engines were checked again and every one of the attempt "
+            f"proved it absent or left service: it is {v.state}",
+            **{**failed.details, "kind": ErrorKind.RETRYABLE, "state": str(v.state)},
         )
 
     async def pull_stats(self) -> PullStats:
@@ -347,15 +383,22 @@ class _Service:
             self.ledger_service.trouble(engine_id, error)
 
     async def info(self) -> LedgerInfo:
+        return self.info_now()
+
+    def info_now(self) -> LedgerInfo:
+        """Read on the hosted loop while the ledger serves; once it is fenced, the actor's own
+        thread reads it (the ledger no longer writes, and the hosted loop may be gone)."""
         state = self.ledger.state
+        fenced = self.ledger.fenced
         return LedgerInfo(
             path=describe(self.config.path),
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
-            epoch=state.epoch,
+            epoch=self.ledger.epoch if fenced is not None else state.epoch,
             last_seq=state.last_seq,
             plane=self.plane is not None,
             bucket_bytes=None if self.plane is None else self.plane.bucket_bytes,
+            fenced="" if fenced is None else fenced.message,
         )
 
 
@@ -371,6 +414,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
                 anyio.create_task_group() as tg,
             ):
                 tg.start_soon(_expire_leases, ledger, config.lease_check_s)
+                tg.start_soon(_stop_when_fenced, ledger)
                 log.info(
                     "ray.ledger_serving", path=describe(config.path), seq=ledger.state.last_seq
                 )
@@ -391,19 +435,37 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
             if entries:
                 engines = await anyio.to_thread.run_sync(fleet_with_book, p.engines, entries)
                 log.info("ray.engine_book_applied", engines=sorted(e.engine_id for e in engines))
-        async with ControlPlane.open(
-            store,
-            Fleet(engines),
-            deployment=p.deployment,
-            prefix=p.prefix,
-            capacity=p.capacity,
-            artifact_root=p.artifact_root,
-            **dict(p.options),
-        ) as plane:
+        async with (
+            ControlPlane.open(
+                store,
+                Fleet(engines),
+                deployment=p.deployment,
+                prefix=p.prefix,
+                capacity=p.capacity,
+                artifact_root=p.artifact_root,
+                restore_bytes=restore_payload,  # repairs: the object store, as publication
+                **dict(p.options),
+            ) as plane,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(_stop_when_fenced, plane.ledger)
             log.info(
                 "ray.plane_serving", path=describe(config.path), seq=plane.ledger.state.last_seq
             )
-            yield _Service(plane.ledger, plane, config, book, provenance)
+            try:
+                yield _Service(plane.ledger, plane, config, book, provenance)
+            finally:
+                tg.cancel_scope.cancel()
+
+
+async def _stop_when_fenced(ledger: Ledger) -> None:
+    """Another controller took the log over: stop hosting, by failing the hosted context, so
+    the plane's drivers stop acting on engines for a ledger that can no longer record. The
+    actor itself stays and answers ``FENCED`` (:class:`LedgerActor`) instead of exiting: Ray
+    would restart it, and the restarted actor would take the log back in turn."""
+    fenced = await ledger.wait_fenced()
+    log.error("ray.ledger_fenced", reason=fenced.message, pid=os.getpid())
+    raise fenced
 
 
 async def _expire_leases(ledger: Ledger, every_s: float) -> None:
@@ -420,24 +482,48 @@ async def _expire_leases(ledger: Ledger, every_s: float) -> None:
 
 class LedgerActor:
     """The actor class (create it with :func:`start_ledger`). Every method is a coroutine run
-    concurrently on the actor's loop and forwarded to the hosted service."""
+    concurrently on the actor's loop and forwarded to the hosted service.
+
+    Fenced (another controller appended to the log: docs/operations.md, "Where the log must
+    live"), it stops serving: the hosted ledger and plane stop, every method but
+    :meth:`describe` and :meth:`close` refuses with the ledger's ``FENCED`` error, and
+    :meth:`describe` says why (``LedgerInfo.fenced``). It does not exit: Ray would restart it,
+    and the restarted actor would take the log back from the controller that has it. End it
+    with :func:`stop_ledger`."""
 
     def __init__(self, config: LedgerConfig) -> None:
-        self._host: PortalHost[_Service] = PortalHost(lambda: _serve(config), name="ledger")
+        self._host: PortalHost[_Service] = PortalHost(
+            lambda: _serve(config), name="ledger", on_dead=self._on_dead
+        )
         self._service = self._host.value
+
+    def _fenced(self) -> LedgerError | None:
+        return self._service.ledger.fenced
+
+    async def _call(self, func: Callable[..., Awaitable[R]], *args: Any) -> R:
+        fenced = self._fenced()
+        if fenced is not None:
+            raise fenced
+        return await self._host.call(func, *args)
+
+    def _on_dead(self, reason: str) -> None:
+        """The hosted service stopped on its own: end the process so Ray restarts it from the
+        log, unless it stopped because it is fenced (see the class docstring)."""
+        if self._fenced() is None:
+            exit_process(reason)
 
     async def execute_many(
         self, commands: list[c.Command], mark: Mark | None = None, fleet_mark: Mark | None = None
     ) -> Reply:
         """Decide ``commands``; the reply carries the routing if it changed since ``mark``, and
         the fleet's handles if they changed since ``fleet_mark`` (the caller's mirror)."""
-        return await self._host.call(self._service.execute_many, commands, mark, fleet_mark)
+        return await self._call(self._service.execute_many, commands, mark, fleet_mark)
 
     async def register_owner(self, owner: str, ttl_s: float = 30.0, incarnation: str = "") -> Done:
-        return await self._host.call(self._service.register_owner, owner, ttl_s, incarnation)
+        return await self._call(self._service.register_owner, owner, ttl_s, incarnation)
 
     async def deregister_owner(self, owner: str, incarnation: str = "") -> Deregistered:
-        return await self._host.call(self._service.deregister_owner, owner, incarnation)
+        return await self._call(self._service.deregister_owner, owner, incarnation)
 
     async def renew_leases(
         self,
@@ -447,63 +533,70 @@ class LedgerActor:
     ) -> RenewReply:
         """Renew each life ``(owner, incarnation)`` with its in-flight counts; the lives
         refused come back by name (see publisher/renewals.py)."""
-        return await self._host.call(self._service.renew_leases, renewals, mark, fleet_mark)
+        return await self._call(self._service.renew_leases, renewals, mark, fleet_mark)
 
     async def routing(self) -> RoutingTable:
-        return await self._host.call(self._service.routing_table)
+        return await self._call(self._service.routing_table)
 
     async def status(self) -> LedgerStatus:
-        return await self._host.call(self._service.status)
+        return await self._call(self._service.status)
 
     async def store_provenance(self, rows: list[ProvenanceRow]) -> int:
         """Keep provenance rows a gateway actor or another client sent, in the store beside
         the log, durably before answering; how many were new (a resend stores nothing twice)."""
-        return await self._host.call(self._service.store_provenance, rows)
+        return await self._call(self._service.store_provenance, rows)
 
     async def publish(
         self, descriptor: AdapterDescriptor, step: int, allow_rollback: bool = False
     ) -> Any:
-        return await self._host.call(self._service.publish, descriptor, step, allow_rollback)
+        return await self._call(self._service.publish, descriptor, step, allow_rollback)
 
     async def pull_stats(self) -> PullStats:
         """Descriptors received and adapter bytes this process pulled (durable copies)."""
-        return await self._host.call(self._service.pull_stats)
+        return await self._call(self._service.pull_stats)
 
     async def describe(self) -> LedgerInfo:
-        return await self._host.call(self._service.info)
+        if self._fenced() is not None:
+            return self._service.info_now()
+        return await self._call(self._service.info)
 
     # --- fleet membership at runtime ------------------------------------------------------------
 
     async def fleet_view(self) -> FleetView:
         """The engine handles the hosted plane uses now, with the fleet's version."""
-        return await self._host.call(self._service.fleet_view)
+        return await self._call(self._service.fleet_view)
 
     async def add_engine(self, engine: RayEngine) -> ReconcileReport:
         """A new engine joins (``EngineJoined``), is observed and repaired, and serves once
         routable; the answer says what the reconciliation did. ``ENGINE_EXISTS`` if the
         fleet already has an engine under its id (use :meth:`replace_engine`)."""
-        return await self._host.call(self._service.add_engine, engine)
+        return await self._call(self._service.add_engine, engine)
 
     async def replace_engine(self, engine: RayEngine) -> ReconcileReport:
         """A new handle for engine ``engine.engine_id`` (a new actor): from now on every call
         of the plane goes to it; its new incarnation is recorded as a restart
         (``EngineRestarted``) and repaired before it serves."""
-        return await self._host.call(self._service.replace_engine, engine)
+        return await self._call(self._service.replace_engine, engine)
 
     async def remove_engine(self, engine_id: str, cause: str = "operator") -> None:
         """The engine leaves the fleet (``EngineLeft`` with ``cause``); its handle is dropped."""
-        await self._host.call(self._service.remove_engine, engine_id, cause)
+        await self._call(self._service.remove_engine, engine_id, cause)
 
     async def engine_failed(self, engine_id: str, error: EngineError) -> None:
         """A client's hint that a generation on ``engine_id`` failed with ``error`` (an
         :class:`~engines.contract.EngineError`, sent as is: its class says whether the engine
         answered cleanly); see ``_Service``."""
-        await self._host.call(self._service.engine_failed, engine_id, error)
+        await self._call(self._service.engine_failed, engine_id, error)
 
     async def close(self) -> None:
         """Close the ledger cleanly (queued calls commit, a snapshot is saved); the actor
         answers nothing afterwards and should then be killed (:func:`stop_ledger`)."""
-        await anyio.to_thread.run_sync(self._host.close)
+        try:
+            await anyio.to_thread.run_sync(self._host.close)
+        except Exception:
+            if self._fenced() is None:
+                raise
+            # The hosted service already stopped because it was fenced; that is its story.
 
 
 def start_ledger(
@@ -560,6 +653,14 @@ def start_ledger(
         raise LedgerError(
             Code.ALREADY_INITIALIZED,
             f"ledger actor {namespace}/{name} already serves {info.path}, not {describe(path)}",
+        )
+    if info.fenced:
+        raise LedgerError(
+            Code.FENCED,
+            f"ledger actor {namespace}/{name} is fenced ({info.fenced}): another controller "
+            f"serves {info.path}. Use that one; stop_ledger() this actor first if this one must "
+            "take the log over (which fences the other in turn)",
+            epoch=info.epoch,
         )
     log.info("ray.ledger_started", name=name, path=describe(path), epoch=info.epoch, pid=info.pid)
     return handle

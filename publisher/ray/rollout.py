@@ -152,16 +152,27 @@ class RayRollout:
     async def open(self) -> RolloutWorker:
         """Connect (register a new incarnation) unless already connected; every method calls
         it. Concurrent first calls share one connection. Raises ``LEDGER_CLOSED`` after
-        :meth:`close`."""
-        if self._closed:
-            raise LedgerError(Code.LEDGER_CLOSED, f"rollout worker {self.owner} was closed")
+        :meth:`close`, and to a call whose connection a :meth:`close` overtook (that close
+        ends the connection once it is made)."""
+        self._check_open()
         if self._host is None:
-            if self._opening is None:
-                self._opening = anyio.Lock()
-            async with self._opening:
+            async with self._opening_lock():
+                self._check_open()  # a close that came first must not be undone by connecting
                 if self._host is None:
                     self._host = await anyio.to_thread.run_sync(self._start)
+            self._check_open()  # closed while connecting: the close ends it, nothing may use it
         return self._host.value
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LedgerError(Code.LEDGER_CLOSED, f"rollout worker {self.owner} was closed")
+
+    def _opening_lock(self) -> anyio.Lock:
+        """The lock a lazy connect holds while it connects, and :meth:`close` takes before it
+        reads whether there is a connection to end (made on the actor's loop, at first use)."""
+        if self._opening is None:
+            self._opening = anyio.Lock()
+        return self._opening
 
     @property
     def connected(self) -> bool:
@@ -176,11 +187,17 @@ class RayRollout:
         """The clean exit: wait for the releases under way, deregister (the sessions still
         bound are released, cause ``owner_exited``), stop the client. Idempotent. Returns the
         deregistration (None if it never connected, or the ledger could not be reached: then
-        the lease expires as for a crash)."""
+        the lease expires as for a crash).
+
+        A close during a lazy connect waits for the connect to finish, then ends it: the
+        connect runs in a worker thread and cannot be stopped halfway, and a close that
+        returned before it finished would leave its owner registered, renewing and binding
+        with nothing left to end it."""
         if self._closed:
             return None
         self._closed = True
-        host = self._host
+        async with self._opening_lock():
+            host = self._host
         if host is None:
             return None
         worker = host.value

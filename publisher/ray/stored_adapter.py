@@ -6,6 +6,9 @@ publishes it while the bytes stay out of the ledger actor's calls.
 * Engines get an :class:`ObjectPayload`: an engine actor is handed the ref and pulls the bytes
   itself (:meth:`~publisher.ray.engine.RayEngine.transfer_object`); only the ref leaves the
   ledger's process.
+* A repair goes the same way: a version the reconciler reloads from the durable copy (an engine
+  added, replaced or restarted) is put in the object store once, owned by the ledger actor
+  for the restore's duration, and the engine actor pulls it (:func:`restore_payload`).
 * The durable copy still needs the bytes where the artifact store is (the ledger's node, or the
   shared volume it lives on): repair and restore read it long after the trainer's objects are
   gone, and path-loading engines read its directories. So the ledger pulls the object ONCE,
@@ -19,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import anyio.to_thread
+import ray
 
 from engines.contract import Candidate, Engine
 from engines.manifest import Manifest, TensorData
@@ -61,6 +65,15 @@ class ObjectPayload:
             verified_buckets, tensors, candidate, self.bucket_bytes, engine.engine_id
         )
         await engine.transfer(candidate, aiter_buckets(buckets))
+
+
+def restore_payload(tensors: Mapping[str, TensorData], bucket_bytes: int) -> ObjectPayload:
+    """How the ledger actor's reconciler sends a restore's bytes (read from its artifact store)
+    to an engine (``ControlPlane.open(restore_bytes=...)``): put in the object store once and
+    pulled and verified by the engine actor, like a publication's, instead of carried inline
+    in the ledger actor's ``transfer_bucket`` calls. The ref is the ledger actor's: it lives as
+    long as the restore holds the payload. Blocking (``ray.put``): called in a worker thread."""
+    return ObjectPayload(ray.put(dict(tensors)), bucket_bytes)
 
 
 class StoredAdapter:

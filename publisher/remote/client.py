@@ -31,6 +31,16 @@ What differs from in process, and why, once for every transport:
   (every reply carries it when it changed since the caller's mark, so a bind's reply routes to
   the version it bound), and the last status read, refreshed every ``refresh_interval``
   seconds and on demand (the dispatch executor refreshes before it answers ``NO_ROUTE``).
+* **A turn is confirmed by the ledger before it is sent** (``confirm_timeout`` set; Ray's
+  clients set it): a remote ``renew_lease`` answers from memory, so a worker the ledger has
+  just ended (a zombie whose successor registered, its sessions released) would otherwise send
+  one more turn before a forwarded renewal brought the refusal back.
+  :meth:`RemoteLedger.confirm_lease` forwards the life's renewal at once and waits for the
+  ledger's answer to it; every caller waiting meanwhile shares that round trip. A ledger that
+  does not answer within ``confirm_timeout`` is taken as out of reach, and turns go on under
+  the last answer until a renewal is answered again: sessions already bound keep generating
+  through a ledger outage, and a refusal the ledger decided just before it went away reaches
+  the worker when it is back.
 * **Engine trouble is forwarded**: the gateway's ``on_engine_trouble`` hook is
   :meth:`RemoteLedger.engine_failed`, which sends the error in the background, at most one
   report per engine and kind in flight; the ledger's reconciler reads it.
@@ -57,7 +67,7 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import anyio
@@ -93,6 +103,16 @@ class Answered:
 
     results: list[Outcome | LoraLedgerError]
     routing: RoutingTable | None
+
+
+@dataclass
+class _Round:
+    """One forward of renewals: set ``done`` when it ended, ``answered`` if the ledger answered
+    it, with its refusals by life (every code, not only the ones that end an owner)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    answered: bool = False
+    refused: dict[Life, LoraLedgerError] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -236,12 +256,14 @@ class RemoteLedger(TypedCommands):
         max_batch: int = 4096,
         renew_interval: float = 0.5,
         refresh_interval: float | None = 1.0,
+        confirm_timeout: float | None = None,
     ) -> None:
         if max_in_flight < 1 or max_batch < 1:
             raise InvalidInput(INVALID_INPUT, "max_in_flight and max_batch must be >= 1")
         for name, value in (
             ("renew_interval", renew_interval),
             ("refresh_interval", refresh_interval),
+            ("confirm_timeout", confirm_timeout),
         ):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise InvalidInput(INVALID_INPUT, f"{name} must be a finite number >= 0")
@@ -251,6 +273,7 @@ class RemoteLedger(TypedCommands):
         self.max_batch = max_batch
         self.renew_interval = renew_interval
         self.refresh_interval = refresh_interval
+        self.confirm_timeout = confirm_timeout  # None: turns are not confirmed (module docstring)
         self._queue: deque[_Request[c.Command]] = deque()
         self._senders = 0
         self._tg: TaskGroup | None = None
@@ -263,6 +286,10 @@ class RemoteLedger(TypedCommands):
         self.renewals_sent = 0
         self.provenance_round_trips = 0  # rows' round trips, resends included
         self.provenance_resend_s = (0.1, 5.0)  # first and longest wait before a resend
+        self._next_round = _Round()  # the forward that will carry the renewals pending now
+        self._urgent = anyio.Event()  # a confirmation waits: forward without the interval
+        self._unanswered = False  # the last forward, or a confirmation, got no answer in time
+        self.unconfirmed = 0  # confirmations that went on without the ledger's answer
 
     @asynccontextmanager
     async def running(self, *, deregister_on_exit: bool = True) -> AsyncIterator[None]:
@@ -418,14 +445,52 @@ class RemoteLedger(TypedCommands):
         ``OWNER_RESTARTED``, ...) once the ledger refused a renewal of this life."""
         self._renewals.record(owner, incarnation, inflight)
 
+    async def confirm_lease(self, owner: str, *, incarnation: str = "") -> None:
+        """The ledger's own answer about the life ``(owner, incarnation)``, awaited: returns
+        once a renewal of it forwarded after this call was answered live, raises the ledger's
+        refusal (``OWNER_RESTARTED``, ``LEASE_EXPIRED``, ``FENCED``, ...) otherwise. Without
+        ``confirm_timeout`` it answers from memory, as ``renew_lease`` does; with it, a ledger
+        that does not answer in time leaves the last answer standing (module docstring)."""
+        life = (owner, incarnation)
+        known = self._renewals.lost(life)
+        if known is not None:
+            raise known
+        if self.confirm_timeout is None:
+            return
+        if self._tg is None:
+            raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
+        self._renewals.pend(life)
+        round_ = self._next_round  # it takes everything pending, this life included
+        self._urgent.set()
+        if not self._unanswered:
+            with anyio.move_on_after(self.confirm_timeout):
+                await round_.done.wait()
+        refused = round_.refused.get(life) or self._renewals.lost(life)
+        if refused is not None:
+            raise refused
+        if not round_.answered:
+            # Out of reach (or slow past the timeout): go on under the last answer; the next
+            # confirmations do not wait until a forward is answered again.
+            self._unanswered = True
+            self.unconfirmed += 1
+
     async def _renewer(self) -> None:
         while True:
             await self._renewals.wanted.wait()
             await self._forward_renewals()
-            await anyio.sleep(self.renew_interval)
+            # One forward per renew_interval, unless a confirmation waits for the next one.
+            with anyio.move_on_after(self.renew_interval):
+                await self._urgent.wait()
 
     async def _forward_renewals(self) -> None:
-        lives = self._renewals.take()
+        round_, self._next_round = self._next_round, _Round()
+        self._urgent = anyio.Event()
+        try:
+            await self._forward(round_, self._renewals.take())
+        finally:
+            round_.done.set()
+
+    async def _forward(self, round_: _Round, lives: dict[Life, Counts]) -> None:
         if not lives:
             return
         try:
@@ -434,10 +499,14 @@ class RemoteLedger(TypedCommands):
             # Unreachable, refused as a whole, or an answer not understood: keep the newest
             # renewals for next time (the client's other work must not stop for it).
             log.warning("remote.renew_failed", error=repr(exc))
+            self._unanswered = True
             for life, counts in lives.items():
                 self._renewals.keep(life, counts)
             return
         self.renewals_sent += 1
+        self._unanswered = False
+        round_.answered = True
+        round_.refused = dict(renewed.lost)
         for life, error in renewed.lost.items():
             if error.code in OWNER_LOST_CODES:
                 self._renewals.refused(life, error)

@@ -32,6 +32,7 @@ class PendingRenewals:
 
     def __init__(self) -> None:
         self._pending: dict[Life, Counts] = {}
+        self._newest: dict[Life, Counts] = {}  # each life's newest counts, forwarded or not
         self._lost: dict[Life, LoraLedgerError] = {}
         self.wanted = anyio.Event()  # set while something waits to be forwarded
 
@@ -44,8 +45,19 @@ class PendingRenewals:
         lost = self._lost.get((owner, incarnation))
         if lost is not None:
             raise lost
-        self._pending[(owner, incarnation)] = {k: n for k, n in (inflight or {}).items() if n}
+        counts = {k: n for k, n in (inflight or {}).items() if n}
+        self._pending[(owner, incarnation)] = self._newest[(owner, incarnation)] = counts
         self.wanted.set()
+
+    def pend(self, life: Life) -> None:
+        """Have ``life`` forwarded with the next renewals even if nothing new was recorded
+        (its newest counts again): a confirmation needs the ledger's answer about it."""
+        self._pending.setdefault(life, self._newest.get(life, {}))
+        self.wanted.set()
+
+    def lost(self, life: Life) -> LoraLedgerError | None:
+        """The ledger's refusal of ``life``, if it refused it."""
+        return self._lost.get(life)
 
     def take(self) -> dict[Life, Counts]:
         """Everything to forward now; the next ``record`` wakes the forwarder again."""
@@ -71,3 +83,4 @@ class PendingRenewals:
     def ended(self, life: Life) -> None:
         """``life`` deregistered: nothing more of it is forwarded."""
         self._pending.pop(life, None)
+        self._newest.pop(life, None)

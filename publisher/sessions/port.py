@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from evlog.errors import LoraLedgerError, StoreCode
 from publisher.core import commands as c
@@ -46,6 +46,16 @@ class LedgerPort(Protocol):
     async def execute_many(
         self, commands: Sequence[c.Command]
     ) -> list[Outcome | LoraLedgerError]: ...
+
+
+@runtime_checkable
+class ConfirmsLeases(Protocol):
+    """A port whose ``renew_lease`` answers from memory (a remote ledger): it also offers the
+    ledger's own answer about a life, awaited, which a worker asks for before each generation
+    is sent (:meth:`~publisher.remote.client.RemoteLedger.confirm_lease`). The in-process
+    ledger does not need it: its ``renew_lease`` is the ledger's answer."""
+
+    async def confirm_lease(self, owner: str, *, incarnation: str = ...) -> None: ...
 
 
 @dataclass(frozen=True)

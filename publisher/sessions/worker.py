@@ -44,7 +44,7 @@ from publisher.core.outcomes import Bound, Deregistered, Forgotten, Outcome, Rel
 from publisher.gateway import Gateway, InFlightCounter
 from publisher.logs import get_logger
 from publisher.sessions.binder import IDLE_CAUSE, SessionBinder, Slot
-from publisher.sessions.port import OWNER_LOST_CODES, LedgerPort, RetryPolicy
+from publisher.sessions.port import OWNER_LOST_CODES, ConfirmsLeases, LedgerPort, RetryPolicy
 
 log = get_logger("loraledger.sessions")
 
@@ -83,6 +83,7 @@ class RolloutWorker:
                 INVALID_INPUT, "idle_release_s and idle_tombstone_s must be finite and >= 0"
             )
         self.ledger = ledger
+        self._confirmer = ledger if isinstance(ledger, ConfirmsLeases) else None
         self.gateway = gateway
         self.owner = owner
         # This life of the owner: made here, at the edge (never by the ledger), so every
@@ -257,6 +258,23 @@ class RolloutWorker:
                 self._owner_lost(exc)
             raise
         self.renewals += 1
+
+    async def confirm_live(self) -> None:
+        """The ledger's own word on this life, awaited before a generation is sent (the
+        dispatch executor asks after ``ensure_live`` and the in-flight count, every attempt).
+        In process ``ensure_live`` already was the ledger's answer; a remote ledger's renewal
+        answers from memory, so without this a zombie (a replaced life, its sessions already
+        released) would send one more turn before the refusal came back. Raises the refusal."""
+        if self._lost is not None:
+            raise self._lost
+        if self._confirmer is None:
+            return
+        try:
+            await self._confirmer.confirm_lease(self.owner, incarnation=self.incarnation)
+        except LoraLedgerError as exc:
+            if exc.code in OWNER_LOST_CODES:
+                self._owner_lost(exc)
+            raise
 
     def report(self) -> None:
         """Renew with the current counts, never raising: called when a generation ends (a

@@ -206,6 +206,9 @@ class TallyOnly:
     def report(self) -> None:
         self.counted.append(self.inflight.counts())
 
+    async def confirm_live(self) -> None:
+        pass
+
 
 async def test_a_workers_tally_counts_its_requests_and_returns_to_zero() -> None:
     async with rig() as r:

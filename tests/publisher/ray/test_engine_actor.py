@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import ray
+from ray.exceptions import GetTimeoutError
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, EngineCapabilities, ErrorCode, SamplingParams
@@ -22,6 +23,7 @@ from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
 from engines.testing import RestartableEngine
 from publisher.ray.engine import EngineActor, RayEngine, start_engine, stop_engine
+from publisher.ray.link import DEFAULT_NAMESPACE
 from tests.engines.contract import (
     Capabilities,
     EngineContract,
@@ -192,6 +194,32 @@ async def test_a_dead_engine_actor_is_ambiguous_never_clean(ray_instance: Any) -
             True,
         )
         assert copy.gone
+
+
+@contextlib.asynccontextmanager
+async def _never_up() -> AsyncIterator[LocalEngine]:
+    """An engine whose start never ends (a model that takes longer to load than the caller
+    waits)."""
+    await anyio.sleep(3600)
+    raise AssertionError("unreachable")
+    yield
+
+
+def test_an_engine_that_does_not_start_in_time_leaves_no_actor_behind(ray_instance: Any) -> None:
+    """``start_engine`` gives up after ``timeout``: the detached actor it created must not stay
+    (holding its resources, and its name, so a retry was refused as taken)."""
+    name = "slow-start"
+    with pytest.raises(GetTimeoutError):
+        start_engine(_never_up, name=name, detached=True, timeout=2.0)
+    with pytest.raises(ValueError, match="Failed to look up actor"):  # the name is free
+        ray.get_actor(name, namespace=DEFAULT_NAMESPACE)
+    again = start_engine(
+        functools.partial(LocalEngine, "slow-start-e0", limits=LIMITS), name=name, detached=True
+    )
+    try:
+        assert ray.get(again.handle.describe.remote(), timeout=60).engine_id == "slow-start-e0"
+    finally:
+        stop_engine(again)
 
 
 def test_start_engine_refuses_two_placements() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import time
 import uuid
 from collections import Counter
@@ -43,6 +44,8 @@ from engines.testing import RestartableEngine
 from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSuspended
 from evlog.sqlite import SQLiteStore
 from projections.status import EngineStatus, LedgerStatus
+from publisher.core.errors import Code
+from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.gateway import DispatchCode, Gateway
 from publisher.gateway.affinity import rendezvous
 from publisher.ray.client import RayLedger
@@ -74,6 +77,21 @@ class RestartableEngineActor(EngineActor):
     async def restart_engine(self) -> str:
         await self._host.call(self._engine.restart)  # type: ignore[attr-defined]
         return await self._host.call(self._engine.incarnation)
+
+
+class DiesInLoadEngineActor(EngineActor):
+    """An engine actor whose process dies in the middle of its next ``load`` once armed (its
+    node lost during a publication): the load's caller gets Ray's ``ActorDiedError``."""
+
+    armed = False
+
+    async def die_in_next_load(self) -> None:
+        self.armed = True
+
+    async def load(self, candidate: Any) -> Any:
+        if self.armed:
+            os._exit(1)
+        return await super().load(candidate)
 
 
 def _restartable(engine_id: str) -> RestartableEngine:
@@ -111,6 +129,17 @@ class FleetRig:
             ray.remote(RestartableEngineActor)
             .options(name=f"{self.tag}-{engine_id}", namespace=NAMESPACE, num_cpus=0)
             .remote(functools.partial(_restartable, engine_id))
+        )
+        info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
+        engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+        self.engines.append(engine)
+        return engine
+
+    def dying_engine(self, engine_id: str) -> RayEngine:
+        handle = (
+            ray.remote(DiesInLoadEngineActor)
+            .options(name=f"{self.tag}-{engine_id}", namespace=NAMESPACE, num_cpus=0)
+            .remote(functools.partial(LocalEngine, engine_id, limits=LIMITS))
         )
         info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
         engine = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
@@ -283,6 +312,37 @@ async def test_an_engine_actor_killed_for_good_is_suspended_and_leaves_routing(
     assert [e.cause for e in events if isinstance(e, EngineLeft)] == ["operator"]
 
 
+async def test_a_trainer_is_told_what_a_version_settles_as_after_an_engine_dies_mid_publication(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """e1's actor dies during v2's load: its reply is ambiguous, so the attempt ends
+    FAILED_FATAL, and the probe that finds the actor gone suspends e1, which resolves v2 to
+    FAILED_RETRYABLE. The trainer must hear that (``RETRYABLE``: publish a later step), not
+    the FATAL of the moment the attempt ended. Probes are rare here (30 s): only the failure's
+    own follow-up can suspend e1, never a probe during the attempt."""
+    slow_probes = {"probe_interval_s": 30.0, "full_reconcile_s": 120.0}
+    async with fleet_rig(
+        tmp_path, lambda rig: [rig.engine("e0"), rig.dying_engine("e1")], options=slow_probes
+    ) as rig:
+        await rig.engines[1].handle.die_in_next_load.remote()
+        with pytest.raises(PublicationError) as failed:
+            await rig.publish(2)
+        err = failed.value
+        assert (err.kind, err.details["state"]) == (ErrorKind.RETRYABLE, "FAILED_RETRYABLE"), err
+        assert err.details["cause"] == "ENGINE_GONE"
+        status = await rig.status()
+        assert {v.version_id: str(v.state) for v in status.versions}[2] == "FAILED_RETRYABLE"
+        assert not routable(status, "e1")
+        # and the trainer's next step publishes on the engine left
+        third = await rig.publish(3)
+        assert third.status == "PUBLISHED", third
+    events = await rig.log()
+    assert [type(e).__name__ for e in events if getattr(e, "version_id", None) == 2][-2:] == [
+        "AttemptFailed",
+        "FatalResolved",
+    ]
+
+
 async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
     ray_instance: Any, tmp_path: Path
 ) -> None:
@@ -321,6 +381,27 @@ async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
     e0 = [type(e).__name__ for e in events if getattr(e, "engine", None) == "e0"]
     # suspended when it died, then the new actor's incarnation: a restart, repaired
     assert e0[-4:] == ["EngineSuspended", "EngineRestarted", "VersionRestored", "EngineRepaired"]
+
+
+async def test_a_replaced_rollout_life_is_refused_before_its_next_turn_is_sent(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """A zombie: Ray restarted the rollout actor while its old process still runs. The new
+    life's registration releases the old one's sessions; the old one's next turn, asked right
+    after, must be refused (``OWNER_RESTARTED``, nothing sent) although its client has not yet
+    forwarded a renewal that would have told it. It was served, every time."""
+    async with fleet_rig(tmp_path, two_engines) as rig:
+        assert rig.client is not None
+        sessions = SESSIONS[:5]
+        first = await rig.attempt(sessions, 0)
+        assert all(o.code == "" for o in first), first
+        sent = sum([await e.generate_calls() for e in rig.engines])
+        # what the restarted actor's RayRollout does first: register the owner anew
+        await rig.client.register_owner("w0", ttl_s=30.0, incarnation="the-successor")
+        assert (await rig.status()).sessions_bound == 0  # released, cause owner_restarted
+        zombie = await rig.attempt(sessions, 1)
+        assert [o.code for o in zombie] == [Code.OWNER_RESTARTED] * len(sessions), zombie
+        assert sum([await e.generate_calls() for e in rig.engines]) == sent  # none sent
 
 
 def sessions_on(engine_id: str, holders: Sequence[str], prefix: str, n: int) -> list[str]:
@@ -412,6 +493,8 @@ async def test_an_added_engine_gets_the_routable_versions_then_traffic(
         added = await anyio.to_thread.run_sync(functools.partial(rig.engine, "e2"))
         report = await rig.ledger.add_engine.remote(added)
         assert (report.joined, report.restored, report.repaired) == (("e2",), ("e2:1",), ("e2",))
+        stats = await added.transfer_stats()  # the repair's bytes: pulled, none inline
+        assert (stats.inline_bytes, stats.pulls, stats.refused_pulls) == (0, 1, 0), stats
         status = await rig.status()
         v1 = next(v for v in status.versions if v.version_id == 1)
         assert routable(status, "e2")

@@ -23,7 +23,8 @@ from publisher.drivers.adapter_copy import AdapterCopy
 from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.ray.adapter_objects import check_descriptor, put_adapter
 from publisher.ray.client import RayLedger
-from publisher.ray.ledger_actor import LedgerConfig, start_ledger
+from publisher.ray.ledger_actor import LedgerConfig, LedgerInfo, start_ledger, stop_ledger
+from publisher.ray.link import ActorLink
 from publisher.ray.trainer import RayTrainerClient
 from tests.publisher.ray.kit import ENGINES, create, renewal_refused
 from tests.support.ledger import publish
@@ -269,6 +270,53 @@ async def test_a_ledger_recreated_under_its_name_reopens_the_same_file(
         assert all(again[n].new is False and again[n].version_id == 1 for n in bound)
         assert ledger.link.reconnects > 0  # the old handle died: looked up by name again
         assert (await ledger.status()).sessions_bound == 20
+
+
+async def test_a_fenced_ledger_actor_stops_serving_and_says_so(ledger_factory: Any) -> None:
+    """A second controller on the same log (another actor name) fences the first: the first
+    must stop serving -- refuse every call ``FENCED``, status included, and say so when asked
+    who it is -- without exiting (Ray would restart it and it would fence the newcomer in
+    turn). It went on answering status and routing from the state it had."""
+    lut = ledger_factory(lease_check_s=0.1)
+    async with RayLedger.connect(lut.name, deregister_on_exit=False) as ledger:
+        await create(ledger)
+        await publish(ledger, 1)
+        await ledger.register_owner("w1", ttl_s=600.0, incarnation="one")
+        await ledger.bind("s1", "w1", incarnation="one")
+    before: LedgerInfo = await lut.handle.describe.remote()
+    rival_name = f"{lut.name}-rival"
+    rival = await anyio.to_thread.run_sync(lambda: start_ledger(lut.config, name=rival_name))
+    try:
+
+        async def says_fenced() -> bool:
+            return bool(getattr(await lut.handle.describe.remote(), "fenced", ""))
+
+        await wait_for("the first ledger actor to say it is fenced", says_fenced, timeout=30)
+        info: LedgerInfo = await lut.handle.describe.remote()
+        assert "another controller" in info.fenced
+        assert (info.pid, info.epoch) == (before.pid, before.epoch)  # the same life, not restarted
+        link = ActorLink(lut.name, reconnect_timeout=0)
+        calls: list[tuple[str, tuple[Any, ...]]] = [
+            ("status", ()),
+            ("routing", ()),
+            ("execute_many", ([c.Bind(session="s2", owner="w1", incarnation="one")],)),
+            ("renew_leases", ({("w1", "one"): {}},)),
+            ("register_owner", ("w2", 30.0, "two")),
+        ]
+        for method, args in calls:
+            with pytest.raises(LoraLedgerError) as refused:
+                await link.call(method, *args)
+            assert refused.value.code == Code.FENCED, method
+        # starting it under its name again does not quietly hand back the fenced actor
+        with pytest.raises(LoraLedgerError) as again:
+            await anyio.to_thread.run_sync(lambda: start_ledger(lut.config, name=lut.name))
+        assert again.value.code == Code.FENCED
+        # the newcomer serves the log, bindings included
+        async with RayLedger.connect(rival_name) as ledger:
+            assert (await ledger.status()).sessions_bound == 1
+        assert await anyio.to_thread.run_sync(lambda: stop_ledger(lut.name))  # ends cleanly
+    finally:
+        ray.kill(rival, no_restart=True)
 
 
 async def test_an_unreachable_ledger_is_ledger_closed(ray_instance: Any) -> None:

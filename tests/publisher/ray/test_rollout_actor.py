@@ -21,11 +21,12 @@ from evlog.record import Record
 from projections.incidents import incidents
 from publisher.core import commands as c
 from publisher.core.errors import Code
-from publisher.core.outcomes import ReclaimGranted
+from publisher.core.outcomes import Deregistered, ReclaimGranted
 from publisher.ray.client import RayLedger
 from publisher.ray.rollout import RayRollout
 from tests.publisher.ray.kit import create
 from tests.support.ledger import publish
+from tests.support.waiting import wait_for
 from tools.logfile import open_log
 
 pytestmark = pytest.mark.anyio
@@ -180,6 +181,53 @@ async def test_a_clean_shutdown_is_not_an_incident_and_a_killed_actor_still_is(
     found = incidents(records)
     assert [i.subject for i in found if i.kind == "lease_expired"] == ["owner killed"]
     assert not any("clean" in i.subject for i in found)
+
+
+async def test_a_close_during_a_lazy_connect_ends_the_connection_it_waited_for(
+    ledger_factory: Any,
+) -> None:
+    """``close()`` while the first call is still connecting: the close must not return before
+    there is nothing left to end. It returned at once, the connect finished after it, and the
+    owner stayed registered and renewing with nothing left to deregister it."""
+    lut = ledger_factory()
+    async with RayLedger.connect(lut.name) as driver:
+        await create(driver)
+    # The ledger goes away: a lazy connect (its link looking the name up again and again)
+    # stays under way until the ledger is back.
+    ray.kill(lut.handle, no_restart=True)
+    rollout = RayRollout("racer", [], ledger=lut.name, on_dead=None)
+    outcomes: dict[str, Any] = {}
+
+    async def first_call() -> None:
+        try:
+            outcomes["bind"] = await rollout.bind("s1")
+        except LoraLedgerError as exc:
+            outcomes["bind"] = exc.code
+
+    async def close() -> None:
+        outcomes["close"] = await rollout.close()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first_call)
+        await wait_for(
+            "the lazy connect to be under way",
+            lambda: rollout._opening is not None and rollout._opening.locked(),
+        )
+        tg.start_soon(close)
+        await anyio.to_thread.run_sync(lut.restart)  # the same log under the same name
+    assert outcomes["bind"] == Code.LEDGER_CLOSED  # overtaken by the close: nothing was bound
+    assert isinstance(outcomes["close"], Deregistered)  # the close ended what the connect made
+    assert not rollout.connected
+    async with RayLedger.connect(lut.name) as driver:
+        status = await driver.status()
+    assert (status.owners, status.sessions_bound) == (0, 0)
+    records = await _records(Path(lut.config.path))
+    lives = [
+        type(r.event).__name__
+        for r in records
+        if isinstance(r.event, OwnerRegistered | OwnerDeregistered | OwnerLeaseExpired)
+    ]
+    assert lives == ["OwnerRegistered", "OwnerDeregistered"]
 
 
 async def test_a_clients_clean_exit_deregisters_the_owners_it_registered(
