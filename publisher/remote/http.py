@@ -40,6 +40,7 @@ from publisher.remote import wire
 from publisher.remote.client import Answered, RemoteLedger, Renewed
 from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable
+from publisher.remote.service import TroubleBatch
 
 T = TypeVar("T")
 
@@ -88,20 +89,27 @@ class ServiceClient:
         await self._http.aclose()
 
     async def get(self, path: str, kind: type[T]) -> T:
-        return await self._call("GET", path, None, kind)
+        return self._read(await self._send("GET", path, None), path, kind)
+
+    async def get_optional(self, path: str, kind: type[T]) -> T | None:
+        """``get``, where 204 (nothing new) answers None."""
+        reply = await self._send("GET", path, None)
+        return None if reply.status_code == 204 else self._read(reply, path, kind)
 
     async def post(self, path: str, body: wire.Body | None, kind: type[T]) -> T:
-        return await self._call("POST", path, body, kind)
+        return self._read(await self._send("POST", path, body), path, kind)
 
-    async def _call(self, method: str, path: str, body: wire.Body | None, kind: type[T]) -> T:
+    async def _send(self, method: str, path: str, body: wire.Body | None) -> httpx.Response:
         content = b"" if body is None else msgspec.json.encode(body)
         headers = {"content-type": "application/json"} if body is not None else None
         try:
-            reply = await self._http.request(method, path, content=content, headers=headers)
+            return await self._http.request(method, path, content=content, headers=headers)
         except httpx.TransportError as exc:
             raise LedgerUnreachable(
                 f"no reply from the ledger at {self.url}{path}: {exc!r}"
             ) from exc
+
+    def _read(self, reply: httpx.Response, path: str, kind: type[T]) -> T:
         if reply.status_code != 200:
             raise self._refusal(reply, path)
         try:
@@ -204,12 +212,25 @@ class HttpTransport:
     async def routing(self) -> RoutingTable:
         return await self.service.get("/routing", RoutingTable)
 
+    async def wait_routing(self, mark: Mark | None, wait_s: float) -> RoutingTable | None:
+        """``GET /routing?epoch=E&serial=S&wait=W``: answered as soon as the routing is not
+        the table ``(E, S)``, or after ``W`` seconds with 204 (unchanged)."""
+        query = f"wait={wait_s:g}" + ("" if mark is None else f"&epoch={mark[0]}&serial={mark[1]}")
+        return await self.service.get_optional(f"/routing?{query}", RoutingTable)
+
     async def status(self) -> LedgerStatus:
         return await self.service.get("/status", LedgerStatus)
 
-    async def report_trouble(self, engine_id: str, error: EngineError) -> None:
+    async def report_trouble(self, engine_id: str, error: EngineError, batch: TroubleBatch) -> None:
         body = wire.TroubleReport(
-            code=error.code[:64], clean=error.clean, message=error.message[:1024]
+            code=error.code[:64],
+            clean=error.clean,
+            message=error.message[:1024],
+            dispatched=error.dispatched,
+            incarnation=batch.incarnation[:256],
+            age_s=batch.age_s,
+            failures=batch.failures[:4096],
+            reporter=batch.reporter[:200],
         )
         await self.service.post(f"/engines/{segment(engine_id)}/trouble", body, wire.Heard)
 
