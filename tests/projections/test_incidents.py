@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -371,21 +372,7 @@ def test_a_loss_recorded_again_while_open_ends_the_open_one() -> None:
     log with a second ``AdapterLost`` of the same version on the same engine and nothing in
     between (hand-made: no ledger writes one) still lists both losses."""
     events = [AdapterLost(version_id=1, engine="e0", incarnation="e0-i1")] * 2
-    records = [
-        Record(
-            seq=seq,
-            event_id=b"",
-            stream=stream_of(event),
-            type="AdapterLost",
-            schema=1,
-            recorded_at=float(seq),
-            payload=b"",
-            prev_hash=b"",
-            hash=b"",
-            event=event,
-        )
-        for seq, event in enumerate(events, 1)
-    ]
+    records = _hand_made(events)
     fold = EngineHealthFold()
     for record in records:
         fold.apply(record)
@@ -426,21 +413,7 @@ def test_an_outage_is_one_incident_with_its_window_first_error_and_failed_turns(
         EngineReachable(engine="e1", incarnation="e1-i1", at=14.0, since=10.5),
         EngineUnreachable(engine="e1", incarnation="e1-i1", at=20.0, error="E: x", source="probe"),
     ]
-    records = [
-        Record(
-            seq=seq,
-            event_id=b"",
-            stream=stream_of(event),
-            type=type(event).__name__,
-            schema=1,
-            recorded_at=float(seq) + 10.0,
-            payload=b"",
-            prev_hash=b"",
-            hash=b"",
-            event=event,
-        )
-        for seq, event in enumerate(events, 1)
-    ]
+    records = _hand_made(events, recorded_from=10.0)
     fold = EngineHealthFold()
     for record in records:
         fold.apply(record)
@@ -457,3 +430,23 @@ def test_an_outage_is_one_incident_with_its_window_first_error_and_failed_turns(
     assert "s1 3/0, s2 0/1" in first.summary
     assert (second.at, second.resolved, second.resolution) == (20.0, False, "still unreachable")
     assert "no failed turn counted" in second.summary
+
+
+def _hand_made(events: list[Any], *, recorded_from: float = 0.0) -> list[Record]:
+    """``events`` as records numbered from 1, recorded one second apart after
+    ``recorded_from`` (no ledger wrote them: no chain, no payload)."""
+    return [
+        Record(
+            seq=seq,
+            event_id=b"",
+            stream=stream_of(event),
+            type=type(event).__name__,
+            schema=1,
+            recorded_at=recorded_from + float(seq),
+            payload=b"",
+            prev_hash=b"",
+            hash=b"",
+            event=event,
+        )
+        for seq, event in enumerate(events, 1)
+    ]
