@@ -79,6 +79,7 @@ class ServiceClient:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         headers = {"authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: a proxy from the environment must never see loopback traffic.
         self._http = client or httpx.AsyncClient(
@@ -214,7 +215,9 @@ class HttpTransport:
 
     async def wait_routing(self, mark: Mark | None, wait_s: float) -> RoutingTable | None:
         """``GET /routing?epoch=E&serial=S&wait=W``: answered as soon as the routing is not
-        the table ``(E, S)``, or after ``W`` seconds with 204 (unchanged)."""
+        the table ``(E, S)``, or after ``W`` seconds with 204 (unchanged). ``W`` is kept under
+        half the request timeout, so an idle poll never times out as a lost ledger would."""
+        wait_s = min(wait_s, self.service.timeout_s / 2)
         query = f"wait={wait_s:g}" + ("" if mark is None else f"&epoch={mark[0]}&serial={mark[1]}")
         return await self.service.get_optional(f"/routing?{query}", RoutingTable)
 
