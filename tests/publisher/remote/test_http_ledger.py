@@ -144,3 +144,16 @@ async def test_a_remote_view_hears_of_an_outage_within_a_second_without_a_reply(
                 "e1 back in the remote view",
                 lambda: remote.view.holders(v1.lora_name) == ("e0", "e1"),
             )
+
+
+async def test_a_long_poll_with_a_bad_wait_or_mark_is_refused(tmp_path: Path) -> None:
+    """``GET /routing?wait=W&epoch=E&serial=S``: a wait that is not a finite number of seconds
+    >= 0, or a mark that is not two integers, is a 400 naming the parameters."""
+    async with served(tmp_path / "ledger.db") as remote:
+        service = remote.transport.service
+        for query in ("wait=-1", "wait=nan", "wait=x", "wait=1&epoch=1", "wait=1&epoch=a&serial=1"):
+            with pytest.raises(LoraLedgerError) as refused:
+                await service.get(f"/routing?{query}", dict)
+            assert refused.value.code == INVALID_INPUT, query
+        table = await service.get_optional("/routing?wait=0", dict)
+        assert table is not None and "holders" in table
