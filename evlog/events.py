@@ -150,6 +150,62 @@ class InventoryObserved(Event, frozen=True):
     adapters: tuple[str, ...]
 
 
+# --- engine reachability: an outage, from its first failure to the probe that answered -------
+
+
+class TurnFailures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One session's generations that failed on an engine during its outage, as the faces
+    counted them: ``not_run`` provably never reached the engine (connection refused, a dead
+    engine known before sending: each was tried on another holder), ``ambiguous`` may have run
+    (answered ``AMBIGUOUS_DISPATCH``, never resent)."""
+
+    session: str
+    not_run: int = 0
+    ambiguous: int = 0
+
+
+class EngineUnreachable(Event, frozen=True):
+    """An outage began: the engine could not be reached. It leaves routing (and the fleet of
+    new publication attempts) from this record on, until :class:`EngineReachable`; written
+    once per outage, with its first error. ``at``: when that failure was seen, on the ledger's
+    clock (a face's report is dated by its age). ``source``: ``probe`` (the reconciler's
+    health probe failed) or ``dispatch`` (a generation was refused a connection, or found the
+    engine gone, before it was sent); ``reporter`` names who saw it. Publication and reclaim
+    still wait for the engine: only the durable suspension (``EngineSuspended``, after
+    ``suspend_after_s`` of failed probes) stops that."""
+
+    engine: str
+    incarnation: str
+    at: float
+    error: str
+    source: str
+    reporter: str = ""
+
+
+class DispatchFailures(Event, frozen=True):
+    """Generations that failed on an engine during its outage (the one that began at
+    ``since``), per session: recorded in batches, as the faces' trouble reports bring new
+    counts, never one event per turn (once the engine is out of routing, no turn goes there and
+    nothing more is written)."""
+
+    engine: str
+    incarnation: str
+    since: float
+    failures: tuple[TurnFailures, ...]
+
+
+class EngineReachable(Event, frozen=True):
+    """The outage that began at ``since`` ended at ``at``: a probe of the same process life
+    answered. The engine is routable again if it was before the outage (it holds what it held;
+    a version it lacks is restored by the reconciler, as after an ``AdapterLost``). A new
+    process life ends an outage with ``EngineRestarted`` instead, repaired before it serves."""
+
+    engine: str
+    incarnation: str
+    at: float
+    since: float
+
+
 # --- publication ---------------------------------------------------------------------------
 
 
@@ -449,6 +505,9 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     EngineResumed,
     AdapterLost,
     InventoryObserved,
+    EngineUnreachable,
+    DispatchFailures,
+    EngineReachable,
     VersionAllocated,
     AttemptStarted,
     TransportClaimed,
@@ -487,6 +546,9 @@ AnyEvent = (
     | EngineResumed
     | AdapterLost
     | InventoryObserved
+    | EngineUnreachable
+    | DispatchFailures
+    | EngineReachable
     | VersionAllocated
     | AttemptStarted
     | TransportClaimed

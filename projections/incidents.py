@@ -36,11 +36,17 @@ Kinds, and why each is worth a line:
   external unload, an eviction), until it was reloaded there, showed up again in that life's
   inventory (loaded outside the ledger), the engine was repaired as a whole, it left, or the
   version was reclaimed (no longer needed). Lost again later, it is a new incident.
+* ``engine_unreachable`` -- an engine could not be reached (``EngineUnreachable``: its first
+  error, and whether a probe or a generation found it), out of routing from then until a probe
+  of the same life answered (``EngineReachable``), it came back as a new process life
+  (``EngineRestarted``) or it left; with the generations that failed on it meanwhile, as the
+  faces counted them (``DispatchFailures``): in all and per session, those that provably did
+  not run (tried on another holder) and those that may have run (ambiguous).
 
 An incident of a subject never hides another one of the same subject: one still open when the
 next begins is closed there, its resolution saying so (:func:`reopen`).
 
-The last two come from :class:`EngineHealthFold`, which needs no registry: ``verify`` runs it
+The last three come from :class:`EngineHealthFold`, which needs no registry: ``verify`` runs it
 alongside its checked replay.
 """
 
@@ -58,11 +64,14 @@ from evlog.events import (
     AdapterLost,
     AttemptFailed,
     AttemptStarted,
+    DispatchFailures,
     EngineLeft,
+    EngineReachable,
     EngineRepaired,
     EngineRestarted,
     EngineResumed,
     EngineSuspended,
+    EngineUnreachable,
     FatalResolved,
     InventoryObserved,
     OwnerLeaseExpired,
@@ -183,7 +192,8 @@ def reopen(
 
 
 class EngineHealthFold:
-    """``engine_suspended`` and ``adapter_lost`` incidents, from the engine events alone.
+    """``engine_suspended``, ``adapter_lost`` and ``engine_unreachable`` incidents, from the
+    engine events alone.
 
     A suspension opens at ``EngineSuspended`` and closes at the ``EngineRepaired`` that made the
     engine routable again, at ``EngineLeft`` (removed), or at the next ``EngineSuspended`` when
@@ -195,7 +205,9 @@ class EngineHealthFold:
     whole after a suspension or restart (``EngineRepaired``), when it leaves, or when the
     version is reclaimed (no longer needed anywhere: nothing will restore it, and an incident
     left open would claim it is still missing); the suspension it may escalate to is listed
-    with it."""
+    with it. An outage opens at ``EngineUnreachable`` and closes at ``EngineReachable``, at the
+    engine's ``EngineRestarted`` or at ``EngineLeft``; its ``DispatchFailures`` are listed and
+    counted with it."""
 
     def __init__(self) -> None:
         self.found: list[Incident] = []
@@ -203,6 +215,9 @@ class EngineHealthFold:
         self._lost: dict[tuple[str, int], _Open] = {}
         self._lost_in: dict[tuple[str, int], str] = {}  # the incarnation that last lost it
         self._names: dict[int, str] = {}  # version id -> its adapter name (VersionAllocated)
+        self._outages: dict[str, _Open] = {}
+        # engine -> session -> (not run, ambiguous): the failed turns of its open outage
+        self._failed: dict[str, dict[str, tuple[int, int]]] = {}
         self._last_at = 0.0
 
     def apply(self, record: Record) -> None:
@@ -262,13 +277,38 @@ class EngineHealthFold:
                 if entry is not None:
                     _add_seq(entry, seq)
                     entry.count += 1  # resumed by an operator: the repair follows
+            case EngineUnreachable():
+                self._keep(self._outage_ended(event.engine, seq, at, "unreachable again"))
+                self._outages[event.engine] = opened(
+                    "engine_unreachable",
+                    event.engine,
+                    event.at,
+                    seq,
+                    f"unreachable ({event.incarnation}), seen by {event.source}"
+                    f"{' (' + event.reporter + ')' if event.reporter else ''}: {event.error}; "
+                    "out of routing",
+                )
+            case DispatchFailures():
+                entry = self._outages.get(event.engine)
+                if entry is not None:
+                    _add_seq(entry, seq)
+                    counts = self._failed.setdefault(event.engine, {})
+                    for f in event.failures:
+                        n, a = counts.get(f.session, (0, 0))
+                        counts[f.session] = (n + f.not_run, a + f.ambiguous)
+            case EngineReachable():
+                self._keep(self._outage_ended(event.engine, seq, event.at, "a probe answered"))
             case EngineRestarted():
                 self._touch(event.engine, seq, restarted=True)
+                self._keep(
+                    self._outage_ended(event.engine, seq, at, "came back as a new process life")
+                )
             case EngineRepaired():
                 self._end(event.engine, seq, at, "repaired: holds exactly the needed versions")
             case EngineLeft():
                 how = "removed by an operator" if event.cause == "operator" else "left the fleet"
                 self._end(event.engine, seq, at, how)
+                self._keep(self._outage_ended(event.engine, seq, at, how))
             case _:
                 pass
 
@@ -279,7 +319,33 @@ class EngineHealthFold:
             freeze(e, None, "still suspended", self._last_at) for e in self._suspended.values()
         ]
         found += [freeze(e, None, "not restored yet", self._last_at) for e in self._lost.values()]
+        found += [
+            self._outage_frozen(engine, None, "still unreachable") for engine in list(self._outages)
+        ]
         return found
+
+    def _outage_ended(self, engine: str, seq: int, at: float, how: str) -> Incident | None:
+        """The engine's open outage, closed at ``at`` by record ``seq`` (None without one)."""
+        if engine not in self._outages:
+            return None
+        _add_seq(self._outages[engine], seq)
+        return self._outage_frozen(engine, at, how)
+
+    def _outage_frozen(self, engine: str, closed_at: float | None, how: str) -> Incident:
+        """The outage of ``engine`` as an incident, its failed turns counted in the summary."""
+        entry = self._outages.pop(engine)
+        counts = self._failed.pop(engine, {})
+        if counts:
+            not_run = sum(n for n, _ in counts.values())
+            ambiguous = sum(a for _, a in counts.values())
+            per_session = ", ".join(f"{s} {n}/{a}" for s, (n, a) in sorted(counts.items()))
+            entry.summary += (
+                f"; failed turns: {not_run} not run (tried elsewhere), {ambiguous} ambiguous"
+                f" (per session, not run/ambiguous: {per_session})"
+            )
+        else:
+            entry.summary += "; no failed turn counted"
+        return freeze(entry, closed_at, how, self._last_at)
 
     def _seen(self, event: InventoryObserved, seq: int, at: float) -> None:
         """A lost version back in the inventory of the life that lost it, while that engine is

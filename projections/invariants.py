@@ -59,6 +59,9 @@ def violations(state: RegistryState, *, deep: bool = True) -> list[str]:
     for member in state.engines.values():
         if member.suspended and member.routable:
             found.append(f"engine {member.engine} is suspended and routable")
+        outage = member.unreachable
+        if outage is not None and any(min(n) < 0 for n in outage.failures.values()):
+            found.append(f"engine {member.engine} counts negative failures in its outage")
         both = sorted(set(member.lacks) & set(member.holds))
         if both:
             found.append(f"engine {member.engine} both holds and lacks {both}")

@@ -29,15 +29,18 @@ from evlog.events import (
     ControllerStarted,
     DeploymentConfigured,
     DeploymentCreated,
+    DispatchFailures,
     EngineJoined,
     EngineLeft,
     EnginePrepared,
+    EngineReachable,
     EngineReady,
     EngineRepaired,
     EngineRestarted,
     EngineResumed,
     EngineSuspended,
     EngineUnloaded,
+    EngineUnreachable,
     Event,
     FatalResolved,
     InventoryObserved,
@@ -71,7 +74,8 @@ from projections.transitions import VersionState as VersionState  # its home is 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
 PROJECTION_VERSION = "registry-5"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
-# 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's proof
+# 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's
+# proof, and engine outages (unreachable)
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -122,10 +126,23 @@ class VersionRecord(msgspec.Struct, kw_only=True):
     failure_reason: str | None = None
 
 
+class Outage(msgspec.Struct, kw_only=True):
+    """An engine's outage while it lasts (``EngineUnreachable`` to ``EngineReachable``): since
+    when, its first error, who saw it, and the generations that failed on the engine meanwhile
+    (session -> (not run, ambiguous), from ``DispatchFailures``)."""
+
+    since: float
+    error: str
+    source: str
+    reporter: str = ""
+    failures: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
+
+
 class EngineMember(msgspec.Struct, kw_only=True):
     """A fleet member. ``holds`` is what the ledger knows it holds (lora_name -> version_id),
     from READY receipts, restorations, unloads and inventories. An engine is ``routable`` only
-    once every version still needed is loaded on it (after a join or a restart)."""
+    once every version still needed is loaded on it (after a join or a restart); it *serves*
+    (routing, new publication attempts) while routable and reachable (:attr:`serving`)."""
 
     engine: str
     incarnation: str
@@ -147,6 +164,20 @@ class EngineMember(msgspec.Struct, kw_only=True):
     # Names this engine must drop before it serves again (name -> the attempt that fences the
     # unload): entries reclaimed or resolved while it was suspended and could not confirm.
     owes: dict[str, int] = msgspec.field(default_factory=dict)
+    # The outage in progress (EngineUnreachable), until a probe of the same life answers
+    # (EngineReachable) or the engine comes back as a new life (EngineRestarted). While it
+    # lasts the engine is out of routing, whatever ``routable`` says: an outage is a fact about
+    # reachability, not about what the engine holds, so it needs no repair to end.
+    unreachable: Outage | None = None
+    # When the last outage ended: a report of a failure seen before then is late (the engine
+    # answered a probe since) and opens nothing.
+    reachable_at: float = 0.0
+
+    @property
+    def serving(self) -> bool:
+        """Whether routing may send it a turn (and a new attempt target it): repaired
+        (``routable``) and not in an outage."""
+        return self.routable and self.unreachable is None
 
 
 class Binding(msgspec.Struct, array_like=True):
@@ -235,7 +266,8 @@ class RegistryState(msgspec.Struct, kw_only=True):
         return {e.engine for e in self.engines.values() if not e.suspended}
 
     def routable_engines(self) -> tuple[str, ...]:
-        return tuple(sorted(e.engine for e in self.engines.values() if e.routable))
+        """Members that serve now (:attr:`EngineMember.serving`: repaired and reachable)."""
+        return tuple(sorted(e.engine for e in self.engines.values() if e.serving))
 
     def holders(self, lora_name: str, *, routable_only: bool = True) -> tuple[str, ...]:
         """Engines that hold ``lora_name`` (and may serve it, when ``routable_only``)."""
@@ -243,7 +275,7 @@ class RegistryState(msgspec.Struct, kw_only=True):
             sorted(
                 e.engine
                 for e in self.engines.values()
-                if lora_name in e.holds and (e.routable or not routable_only)
+                if lora_name in e.holds and (e.serving or not routable_only)
             )
         )
 
@@ -339,6 +371,7 @@ def _engine_restarted(s: RegistryState, e: EngineRestarted) -> None:
     member.strays = ()
     member.lacks.clear()
     member.owes.clear()
+    member.unreachable = None  # it answered, as a new process: whatever outage there was ended
 
 
 def _engine_repaired(s: RegistryState, e: EngineRepaired) -> None:
@@ -361,6 +394,27 @@ def _engine_resumed(s: RegistryState, e: EngineResumed) -> None:
     member = s.engines[e.engine]
     member.suspended = False
     member.suspend_cause = ""
+
+
+def _engine_unreachable(s: RegistryState, e: EngineUnreachable) -> None:
+    s.engines[e.engine].unreachable = Outage(
+        since=e.at, error=e.error, source=e.source, reporter=e.reporter
+    )
+
+
+def _dispatch_failures(s: RegistryState, e: DispatchFailures) -> None:
+    outage = s.engines[e.engine].unreachable
+    if outage is None:
+        raise impossible(f"engine {e.engine}", "reachable", "DispatchFailures", "no outage is open")
+    for f in e.failures:
+        not_run, ambiguous = outage.failures.get(f.session, (0, 0))
+        outage.failures[f.session] = (not_run + f.not_run, ambiguous + f.ambiguous)
+
+
+def _engine_reachable(s: RegistryState, e: EngineReachable) -> None:
+    member = s.engines[e.engine]
+    member.unreachable = None
+    member.reachable_at = e.at
 
 
 def _adapter_lost(s: RegistryState, e: AdapterLost) -> None:
@@ -665,6 +719,9 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     EngineResumed: _engine_resumed,
     AdapterLost: _adapter_lost,
     InventoryObserved: _inventory_observed,
+    EngineUnreachable: _engine_unreachable,
+    DispatchFailures: _dispatch_failures,
+    EngineReachable: _engine_reachable,
     VersionAllocated: _version_allocated,
     AttemptStarted: _attempt_started,
     TransportClaimed: _transport_claimed,

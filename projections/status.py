@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from projections.registry import RegistryState
+from evlog.events import TurnFailures
+from projections.registry import Outage, RegistryState
 
 
 class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,14 +26,44 @@ class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
     holders: tuple[str, ...]
 
 
+class OutageStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's outage in progress: since when, its first error and who saw it, and the
+    generations that failed on it meanwhile (totals, and per session)."""
+
+    since: float
+    error: str
+    source: str
+    reporter: str
+    not_run: int
+    ambiguous: int
+    failures: tuple[TurnFailures, ...]
+
+
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     engine: str
     incarnation: str
     kind: str
     endpoint: str
-    routable: bool
+    routable: bool  # serves now: repaired and reachable
     holds: tuple[str, ...]
     strays: tuple[str, ...]
+    unreachable: OutageStatus | None = None
+
+
+def outage_status(outage: Outage) -> OutageStatus:
+    failures = tuple(
+        TurnFailures(session=session, not_run=n, ambiguous=a)
+        for session, (n, a) in sorted(outage.failures.items())
+    )
+    return OutageStatus(
+        since=outage.since,
+        error=outage.error,
+        source=outage.source,
+        reporter=outage.reporter,
+        not_run=sum(f.not_run for f in failures),
+        ambiguous=sum(f.ambiguous for f in failures),
+        failures=failures,
+    )
 
 
 class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,9 +117,10 @@ def status_of(state: RegistryState) -> LedgerStatus:
                 incarnation=e.incarnation,
                 kind=e.kind,
                 endpoint=e.endpoint,
-                routable=e.routable,
+                routable=e.serving,
                 holds=tuple(sorted(e.holds)),
                 strays=e.strays,
+                unreachable=None if e.unreachable is None else outage_status(e.unreachable),
             )
             for e in sorted(state.engines.values(), key=lambda e: e.engine)
         ),

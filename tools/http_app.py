@@ -11,7 +11,9 @@ GET      ``/status``                      read-only, open unless ``private_reads
 GET      ``/metrics``                     read-only, open unless ``private_reads``
                                          (Prometheus text format)
 GET      ``/routing``                     read-only, open unless ``private_reads``
-                                         (the routing table remote gateways route by)
+                                         (the routing table remote gateways route by;
+                                         ``?epoch=E&serial=S&wait=W``: a long poll, answered
+                                         when it is not table (E, S), 204 after W seconds)
 POST     ``/owners``                      bearer token: register a rollout worker
          (an owner or session id in a path is any printable text, percent-escaped: ``/`` too)
 POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
@@ -61,6 +63,7 @@ owner/version/engine), 409 (a refusal by the rules), 503 (the ledger is closed o
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -72,7 +75,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from engines.contract import AmbiguousReply, CleanRefusal, EngineError
+from engines.contract import AmbiguousReply, CleanRefusal
 from engines.guard import BadBody, ErrorBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
 from evlog.provenance_store import ProvenanceStore
@@ -81,7 +84,7 @@ from publisher.core.ledger import Ledger
 from publisher.openai import MAX_BODY_BYTES as OPENAI_MAX_BODY_BYTES
 from publisher.openai import guard_error_body
 from publisher.remote import wire
-from publisher.remote.service import LedgerService
+from publisher.remote.service import LedgerService, TroubleBatch, TroubleReceiver
 from publisher.remote.uploads import AdapterUploads
 from tools.metrics import LedgerMetrics
 
@@ -135,7 +138,7 @@ def build_app(
     extra_routes: Sequence[BaseRoute] = (),
     max_generation_body_bytes: int = OPENAI_MAX_BODY_BYTES,
     remove_engine: Callable[[str], Awaitable[Any]] | None = None,
-    report_trouble: Callable[[str, EngineError], None] | None = None,
+    report_trouble: TroubleReceiver | None = None,
     provenance: ProvenanceStore | None = None,
     uploads: AdapterUploads | None = None,
 ) -> Starlette:
@@ -235,7 +238,20 @@ def build_app(
         return _json(service.status())
 
     async def routing(request: Request) -> Response:
-        return _json(service.table())
+        query = request.query_params
+        if "wait" not in query:
+            return _json(service.table())
+        try:
+            wait_s = float(query["wait"])
+            mark = (int(query["epoch"]), int(query["serial"])) if "epoch" in query else None
+        except (KeyError, ValueError):
+            return _error(
+                Code.INVALID_INPUT, "wait (seconds), epoch and serial (integers) expected", 400
+            )
+        if not math.isfinite(wait_s) or wait_s < 0:
+            return _error(Code.INVALID_INPUT, "wait must be a finite number of seconds >= 0", 400)
+        table = await service.wait_routing(mark, wait_s)
+        return Response(status_code=204) if table is None else _json(table)
 
     async def scrape(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -343,9 +359,14 @@ def build_app(
     async def trouble(request: Request, body: wire.TroubleReport) -> Any:
         engine = member(request)
         kind = CleanRefusal if body.clean else AmbiguousReply
-        return wire.Heard(
-            heard=service.trouble(engine, kind(body.code, body.message, engine_id=engine))
+        error = kind(body.code, body.message, engine_id=engine, dispatched=body.dispatched)
+        batch = TroubleBatch(
+            incarnation=body.incarnation,
+            age_s=body.age_s,
+            failures=body.failures,
+            reporter=body.reporter,
         )
+        return wire.Heard(heard=service.trouble(engine, error, batch))
 
     async def store_provenance(request: Request, body: wire.StoreProvenance) -> Any:
         return wire.ProvenanceStored(stored=await service.store_provenance(body.rows))

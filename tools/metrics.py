@@ -92,7 +92,7 @@ class _StateCollector(Collector):
         )
         for engine, member in sorted(s.engines.items()):
             per_engine.add_metric([engine], inflight[engine])
-            routable.add_metric([engine], 1 if member.routable else 0)
+            routable.add_metric([engine], 1 if member.serving else 0)
         yield per_engine
         yield routable
         yield GaugeMetricFamily(

@@ -17,7 +17,7 @@ from projections.history import Entry
 from projections.holders import ReclaimCause
 from projections.incidents import Incident
 from projections.stalls import Stall
-from projections.status import LedgerStatus
+from projections.status import LedgerStatus, OutageStatus
 from tools.audit import AuditReport
 from tools.demo import DemoRun
 from tools.story import Story
@@ -98,7 +98,21 @@ def status_view(status: LedgerStatus, *, title: str, at: float | None = None) ->
             ", ".join(e.strays) or "-",
             e.endpoint or "-",
         )
-    return Group(Text(title, style="bold"), *lines, versions, engines)
+    outages = [_outage_line(e.engine, e.unreachable) for e in status.engines if e.unreachable]
+    return Group(Text(title, style="bold"), *lines, versions, engines, *outages)
+
+
+def _outage_line(engine: str, outage: OutageStatus) -> Text:
+    """An engine's outage in progress: since when, its first error, the failed turns."""
+    seen = outage.source + (f" ({outage.reporter})" if outage.reporter else "")
+    per_session = ", ".join(f"{f.session} {f.not_run}/{f.ambiguous}" for f in outage.failures)
+    return Text(
+        f"engine {engine} unreachable since {iso(outage.since)}, seen by {seen}: "
+        f"{outage.error}; failed turns: {outage.not_run} not run (tried elsewhere), "
+        f"{outage.ambiguous} ambiguous"
+        + (f" (per session, not run/ambiguous: {per_session})" if per_session else ""),
+        style="bold red",
+    )
 
 
 def timeline_view(subject: str, entries: Sequence[Entry]) -> RenderableType:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from evlog.events import InFlight
+from evlog.events import InFlight, TurnFailures
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknown_fields=True):
@@ -104,6 +104,38 @@ class ObserveInventory(Command, frozen=True):
     engine: str
     incarnation: str
     adapters: tuple[str, ...]
+
+
+class ReportUnreachable(Command, frozen=True):
+    """The engine could not be reached at ``at`` (the ledger's clock): a failed probe
+    (``source`` ``probe``) or a generation refused a connection before it was sent
+    (``dispatch``). Opens an outage (``EngineUnreachable``) unless one is open, the report is
+    about an earlier life, or the engine answered a probe after ``at``."""
+
+    engine: str
+    incarnation: str
+    at: float
+    error: str
+    source: str
+    reporter: str = ""
+
+
+class CountDispatchFailures(Command, frozen=True):
+    """Generations that failed on the engine, per session, as the faces counted them: recorded
+    (``DispatchFailures``) against the outage open at this incarnation, if any."""
+
+    engine: str
+    incarnation: str
+    failures: tuple[TurnFailures, ...]
+
+
+class ReportReachable(Command, frozen=True):
+    """A probe of the engine's life ``incarnation`` answered at ``at``: ends its outage
+    (``EngineReachable``), if one is open."""
+
+    engine: str
+    incarnation: str
+    at: float
 
 
 # --- publication -----------------------------------------------------------------------------

@@ -122,6 +122,7 @@ class Ledger(LedgerAPI):
         self._broken: LedgerError | None = None
         self._epoch = 0  # this controller's own epoch, once its ControllerStarted is durable
         self._committed_seq = 0  # the last seq this ledger appended (or found at open)
+        self._committed = anyio.Event()  # set, and replaced, after every commit
         self._watch_scope = anyio.CancelScope()
         self._next_done: anyio.Event | None = None
         self._in_flight: anyio.Event | None = None  # set when the append in flight finished
@@ -247,6 +248,12 @@ class Ledger(LedgerAPI):
         if self._send is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
         return self._send.statistics()
+
+    async def wait_committed(self, seq: int) -> None:
+        """Wait until a record after ``seq`` is durable (a state change others may wait on:
+        the routing's long poll). Cheap: one event shared by every waiter, set per commit."""
+        while self._committed_seq <= seq:
+            await self._committed.wait()
 
     def subscribe(self, after: int | None = None) -> AsyncIterator[Record]:
         """Every record after ``after`` (default: from the durable end of the log), as it is
@@ -444,6 +451,8 @@ class Ledger(LedgerAPI):
         if seqs[-1] != expected + len(pendings):
             raise AssertionError(f"store gave seqs up to {seqs[-1]}, expected {expected}+")
         self._committed_seq = seqs[-1]
+        committed, self._committed = self._committed, anyio.Event()
+        committed.set()
         self.batches += 1
         self.events_written += len(pendings)
         self._since_snapshot += len(pendings)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
-from evlog.events import InFlight
+from evlog.events import InFlight, TurnFailures
 from projections.status import LedgerStatus, status_of
 from publisher.core import commands as c
 from publisher.core.decider import check_lease
@@ -179,6 +179,44 @@ class LedgerAPI(TypedCommands):
             engine=engine, incarnation=incarnation, adapters=tuple(adapters)
         )
         return await self._run(command, InventoryRecorded)
+
+    async def report_unreachable(
+        self,
+        engine: str,
+        incarnation: str,
+        *,
+        at: float,
+        error: str,
+        source: str,
+        reporter: str = "",
+    ) -> Done:
+        """The engine could not be reached at ``at`` (``source`` ``probe`` or ``dispatch``):
+        out of routing from now on, recorded once per outage (``EngineUnreachable``)."""
+        command = c.ReportUnreachable(
+            engine=engine,
+            incarnation=incarnation,
+            at=at,
+            error=error,
+            source=source,
+            reporter=reporter,
+        )
+        return await self._run(command, Done)
+
+    async def count_dispatch_failures(
+        self, engine: str, incarnation: str, failures: Iterable[TurnFailures]
+    ) -> Done:
+        """Generations that failed on the engine, per session, recorded against its open
+        outage (``DispatchFailures``); a no-op without one."""
+        command = c.CountDispatchFailures(
+            engine=engine, incarnation=incarnation, failures=tuple(failures)
+        )
+        return await self._run(command, Done)
+
+    async def report_reachable(self, engine: str, incarnation: str, *, at: float) -> Done:
+        """A probe of the engine's life ``incarnation`` answered at ``at``: its outage ends
+        (``EngineReachable``)."""
+        command = c.ReportReachable(engine=engine, incarnation=incarnation, at=at)
+        return await self._run(command, Done)
 
     # --- publication ---------------------------------------------------------------------------
 

@@ -30,6 +30,13 @@ docs/engines.md):
   (the log has one writer). It is cleaned off the engines and ended ``FAILED_FATAL`` (its old
   driver's calls may still land), and the inventories read right after resolve it.
 
+**Reachability** (docs/operations.md): the first failed probe of an engine, or the first
+report of a generation that could not reach it (:meth:`Reconciler.engine_trouble`), records an
+outage at once (``EngineUnreachable``, once, with its first error): the engine leaves routing
+everywhere within moments, not ``suspend_after_s`` later. The failures the faces report while
+it lasts are counted per session and recorded in batches (``DispatchFailures``); the first probe
+of the same life that answers ends it (``EngineReachable``), a new life through the restart.
+
 **Health** (docs/operations.md): an engine whose probes keep failing for ``suspend_after_s`` is
 suspended (``EngineSuspended``, cause ``unhealthy``): one event when its health changes, never
 one per probe; a probe that proves the engine gone for good (``ENGINE_GONE``, a dead Ray engine
@@ -73,6 +80,7 @@ import msgspec
 from engines.artifacts import ArtifactError, ArtifactStore
 from engines.contract import AmbiguousReply, Candidate, Engine, EngineError, ErrorCode, Inventory
 from evlog.errors import LoraLedgerError
+from evlog.events import TurnFailures
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
 from publisher.drivers.adapter_source import RestoreBytes
@@ -85,6 +93,7 @@ from publisher.drivers.engine_ops import (
 )
 from publisher.drivers.engine_protocol import inventory_confirms, stage_and_load, unload_fenced
 from publisher.drivers.fleet import Fleet
+from publisher.drivers.trouble import FailureTally, says_unreachable
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
@@ -195,6 +204,14 @@ class Reconciler:
         # Engines a gateway saw refuse a generation as not loaded: read at the next wake.
         self._suspects: set[str] = set()
         self._reported_at: dict[str, float] = {}  # engine -> when a report last woke the loop
+        # Outages faces reported, not recorded yet: engine -> (its life, when on the ledger's
+        # clock, the first error, who saw it). Recorded by their own task, at once: a probe of
+        # another engine that hangs must not delay them (:meth:`_record_outages`).
+        self._outages: dict[str, tuple[str, float, str, str]] = {}
+        self._outage_reported: anyio.Event | None = None
+        # Dispatch failures faces counted, per (engine, life), until recorded against the
+        # engine's outage or dropped once a probe found it reachable (no outage to count in).
+        self._tallies: dict[tuple[str, str], FailureTally] = {}
         self.passes = 0
         self._busy = False  # the health loop is inside a wake's work
 
@@ -214,11 +231,30 @@ class Reconciler:
         if self._poked is not None:
             self._poked.set()
 
-    def engine_trouble(self, engine_id: str, error: EngineError) -> None:
+    def engine_trouble(
+        self,
+        engine_id: str,
+        error: EngineError,
+        /,
+        *,
+        session: str = "",
+        incarnation: str = "",
+        failures: tuple[TurnFailures, ...] = (),
+        age_s: float = 0.0,
+        reporter: str = "gateway",
+    ) -> None:
         """A caller's generation on ``engine_id`` failed with ``error`` in a way that says
         something about the engine (the gateway's ``on_engine_trouble`` hook: every such
-        failure, of the Python path and the OpenAI face). The health loop wakes now rather than
-        at its next tick, and what it does depends on what the error says:
+        failure, of the Python path and the OpenAI face; a remote ledger's batch, with the
+        ``failures`` it counted, ``age_s`` after it saw ``error``). ``incarnation``: the life the
+        reporter chose the engine at (default: the one the ledger knows).
+
+        If the error proves the engine could not be reached
+        (:func:`~publisher.drivers.trouble.says_unreachable`), the outage is recorded at once,
+        dated when it was seen, unless one is open. The turn's failure is counted for
+        ``session`` (recorded against the outage once a probe confirmed it). The health loop
+        wakes now rather than at its next tick, and what it does depends on what the error
+        says:
 
         * the engine refused because it lacks the adapter (``NOT_LOADED``, ``NAME_RECLAIMED``:
           :func:`~publisher.drivers.engine_ops.lacks_adapter`): it may have lost a committed
@@ -238,6 +274,22 @@ class Reconciler:
         storm of passes). An engine outside this fleet is ignored."""
         if engine_id not in self._fleet:
             return
+        member = self._ledger.state.engines.get(engine_id)
+        life = incarnation or ("" if member is None else member.incarnation)
+        tally = self._tallies.setdefault((engine_id, life), FailureTally())
+        tally.add(session, error)
+        tally.merge(failures)
+        if (
+            says_unreachable(error)
+            and member is not None
+            and member.incarnation == life
+            and member.unreachable is None
+            and engine_id not in self._outages
+        ):
+            at = self._ledger.clock() - max(0.0, age_s)
+            self._outages[engine_id] = (life, at, f"{error.code}: {error.message}", reporter)
+            if self._outage_reported is not None:
+                self._outage_reported.set()
         if lacks_adapter(error):
             self._suspects.add(engine_id)
         now = self._clock()
@@ -333,6 +385,7 @@ class Reconciler:
             # An answer ends a run of failed probes, whichever pass got it (a full pass may be
             # the first to reach a restarted engine): a later failure starts a new run.
             self._failing.pop(engine_id, None)
+            await self._answered(engine_id, incarnation)
             await self._membership(engine_id, engine, incarnation, rep)
             inventory = await call(engine_id, "inventory", to.inventory, engine.inventory)
             if inventory.incarnation == incarnation:
@@ -641,20 +694,88 @@ class Reconciler:
         reported lacking an adapter (:meth:`engine_trouble`) get a full reconcile, not just a
         probe."""
         self._poked = anyio.Event()
-        task_status.started()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._record_outages)
+            task_status.started()
+            while True:
+                with anyio.move_on_after(self.probe_interval_s):
+                    await self._poked.wait()
+                self._poked = anyio.Event()
+                suspects, self._suspects = self._suspects, set()
+                tallies, self._tallies = self._tallies, {}
+                self._busy = True
+                try:
+                    if self._clock() - self._last_full >= self.full_every_s:
+                        await self.reconcile()
+                    else:
+                        await self.health_check(suspects)
+                    await self._record_failures(tallies)
+                finally:
+                    self._busy = False
+
+    async def _record_outages(self) -> None:
+        """Record the outages faces reported, as they come: the log and every process's
+        routing hear of a refused connection within moments, whatever the health loop is doing
+        (a probe of another engine may hang for ``timeouts.probe``)."""
+        self._outage_reported = anyio.Event()
         while True:
-            with anyio.move_on_after(self.probe_interval_s):
-                await self._poked.wait()
-            self._poked = anyio.Event()
-            suspects, self._suspects = self._suspects, set()
-            self._busy = True
+            await self._outage_reported.wait()
+            self._outage_reported = anyio.Event()
+            reported, self._outages = self._outages, {}
+            for engine_id, (life, at, error, reporter) in reported.items():
+                await self._outage(engine_id, life, at, error, "dispatch", reporter)
+
+    async def _outage(
+        self, engine_id: str, life: str, at: float, error: str, source: str, reporter: str
+    ) -> None:
+        """Record that ``engine_id`` (its life ``life``) could not be reached at ``at``: a
+        no-op in the ledger when its outage is open, or the report is late or of an earlier
+        life."""
+        try:
+            outcome = await self._ledger.report_unreachable(
+                engine_id, life, at=at, error=error[:2000], source=source, reporter=reporter
+            )
+        except LoraLedgerError as exc:  # left meanwhile, or the ledger closed: logged
+            log.warning("reconciler.unreachable_refused", engine=engine_id, error=str(exc))
+            return
+        if not outcome.no_op:
+            log.warning(
+                "reconciler.unreachable",
+                engine=engine_id,
+                source=source,
+                error=error,
+                seq=self._ledger.state.last_seq,
+            )
+
+    async def _answered(self, engine_id: str, incarnation: str) -> None:
+        """A probe of ``engine_id`` answered ``incarnation``: the life the ledger knows ends its
+        outage now (a new life ends it through the restart the membership records next)."""
+        member = self._ledger.state.engines.get(engine_id)
+        if member is None or member.unreachable is None or member.incarnation != incarnation:
+            return
+        try:
+            await self._ledger.report_reachable(engine_id, incarnation, at=self._ledger.clock())
+        except LoraLedgerError as exc:
+            log.warning("reconciler.reachable_refused", engine=engine_id, error=str(exc))
+            return
+        log.info("reconciler.reachable", engine=engine_id, seq=self._ledger.state.last_seq)
+
+    async def _record_failures(self, tallies: dict[tuple[str, str], FailureTally]) -> None:
+        """Record the failures faces counted before this pass, against the outage of the life
+        they name, now that every engine was probed: an engine still in an outage gets them
+        (``DispatchFailures``); one that answered had no outage to count them in (its
+        failures stay in the faces' logs and provenance), and they are dropped."""
+        for (engine_id, life), tally in tallies.items():
+            member = self._ledger.state.engines.get(engine_id)
+            if member is None or member.unreachable is None or member.incarnation != life:
+                continue
+            failures = tally.take()
+            if not failures:
+                continue
             try:
-                if self._clock() - self._last_full >= self.full_every_s:
-                    await self.reconcile()
-                else:
-                    await self.health_check(suspects)
-            finally:
-                self._busy = False
+                await self._ledger.count_dispatch_failures(engine_id, life, failures)
+            except LoraLedgerError as exc:
+                log.warning("reconciler.failures_refused", engine=engine_id, error=str(exc))
 
     async def health_check(self, suspects: set[str] | frozenset[str] = frozenset()) -> None:
         """Probe every engine; reconcile those that need it by the ledger, and ``suspects``
@@ -672,25 +793,34 @@ class Reconciler:
         except (EngineError, LoraLedgerError) as exc:
             gone = isinstance(exc, EngineError) and exc.code == ErrorCode.ENGINE_GONE
             member = self._ledger.state.engines.get(engine_id)
-            if gone and member is not None and member.suspended:
-                return  # known dead and already out of service: nothing new to say or do
+            if gone and member is not None and member.suspended and member.unreachable is not None:
+                return  # known dead, out of service, its outage open: nothing new to say or do
             log.warning("reconciler.probe_failed", engine=engine_id, error=str(exc))
-            await self._probe_failed(engine_id, str(exc), gone=gone)
+            await self._probe_failed(engine_id, exc, gone=gone)
             return
         self._failing.pop(engine_id, None)
+        await self._answered(engine_id, incarnation)
         if suspected or self._needs_reconcile(engine_id, incarnation):
             await self.reconcile_engine(engine_id)
 
-    async def _probe_failed(self, engine_id: str, error: str, *, gone: bool = False) -> None:
-        """Count the failure; suspend the engine once it has failed for ``suspend_after_s``,
-        or at once when the failure proves the engine's process is gone for good
-        (``ENGINE_GONE``: a Ray engine actor that died and will not restart -- waiting could
-        only keep it routable for nothing). The decision is one event (a suspended engine is
-        not suspended again), whatever the number of probes that failed."""
+    async def _probe_failed(
+        self, engine_id: str, exc: EngineError | LoraLedgerError, *, gone: bool = False
+    ) -> None:
+        """Record the outage at the first failure (out of routing at once; a no-op while one is
+        open), and count the failure; suspend the engine once it has failed for
+        ``suspend_after_s``, or at once when the failure proves the engine's process is gone
+        for good (``ENGINE_GONE``: a Ray engine actor that died and will not restart --
+        waiting could only keep it routable for nothing). Each decision is one event (a
+        suspended engine is not suspended again), whatever the number of probes that failed."""
+        error = str(exc)
         now = self._clock()
         since, _ = self._failing.get(engine_id, (now, error))
         self._failing[engine_id] = (since, error)
         member = self._ledger.state.engines.get(engine_id)
+        if member is not None and member.unreachable is None:
+            first = f"{exc.code}: {exc.message}"
+            at = self._ledger.clock()
+            await self._outage(engine_id, member.incarnation, at, first, "probe", "reconciler")
         if self.suspend_after_s is None or member is None or member.suspended:
             return
         if now - since < self.suspend_after_s and not gone:

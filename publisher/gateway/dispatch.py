@@ -34,7 +34,12 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
   :meth:`Gateway.inflight_evidence` before claiming a version.
 * **Report trouble.** Every failure that says something about the engine
   (:func:`~publisher.drivers.engine_ops.says_about_engine`) goes to the one hook
-  ``on_engine_trouble(engine, error)``, whether or not another holder then takes the request.
+  ``on_engine_trouble(engine, error, session=, incarnation=)``, whether or not another holder
+  then takes the request. One that proves the engine could not be reached
+  (:func:`~publisher.drivers.trouble.says_unreachable`) also takes it out of this gateway's own
+  routing at once, for :data:`UNREACHABLE_MARK_S` or until the view shows another life of it:
+  the ledger records the outage within moments and every view follows, but the turns this
+  process routes meanwhile need not try the dead engine first.
 * **Own the cache namespace.** Every attempt carries the version's salt (:func:`version_salt`),
   so two versions can never share prefix-cache entries whatever the client asks.
 
@@ -57,7 +62,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import msgspec
 
-from engines.contract import EngineError, Generation, SamplingParams
+from engines.contract import AmbiguousReply, EngineError, ErrorCode, Generation, SamplingParams
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from evlog.events import InFlight
 from projections.staleness import staleness, too_stale
@@ -65,6 +70,7 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import Bound
 from publisher.drivers.engine_ops import lacks_adapter, says_about_engine
 from publisher.drivers.fleet import Fleet
+from publisher.drivers.trouble import TroubleHook, says_unreachable
 from publisher.gateway.affinity import least_loaded, rendezvous
 from publisher.gateway.failures import DispatchCode, DispatchError, NotSent, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
@@ -79,6 +85,10 @@ T = TypeVar("T")
 # Client keys the gateway owns: the cache namespace, and what selects the adapter or request.
 OWNED_KEYS = frozenset({"extra_key", "cache_salt", "lora_path", "lora_id", "rid", "model"})
 DEFAULT_PARAMS = SamplingParams()
+# How long a gateway keeps an engine it could not reach out of its own routing. The ledger
+# records the outage within moments and every view routes around it from then on; this only
+# covers that moment, and expires so that a wrong report cannot keep a live engine out.
+UNREACHABLE_MARK_S = 3.0
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,12 +169,13 @@ class Gateway:
     ``gateway_id`` names this reporter in in-flight evidence and provenance; ``clock`` stamps
     evidence and rows (pass the ledger's clock to keep one time base).
 
-    ``on_engine_trouble(engine, error)`` hears every failed generation that says something
-    about its engine. One hook, not one per kind of trouble, so that a deployment wires one
-    receiver and that receiver hears everything: in process ``plane.reconciler.engine_trouble``;
-    a remote ledger's ``engine_failed``. It is called synchronously, inside the failing
-    dispatch, and must not block or await: a receiver only schedules work, so a report never
-    delays the caller's answer or another holder's try."""
+    ``on_engine_trouble(engine, error, session=, incarnation=)`` hears every failed generation
+    that says something about its engine (:class:`~publisher.drivers.trouble.TroubleHook`). One
+    hook, not one per kind of trouble, so that a deployment wires one receiver and that receiver
+    hears everything: in process ``plane.reconciler.engine_trouble``; a remote ledger's
+    ``engine_failed``. It is called synchronously, inside the failing dispatch, and must not
+    block or await: a receiver only schedules work, so a report never delays the caller's
+    answer or another holder's try."""
 
     def __init__(
         self,
@@ -174,7 +185,7 @@ class Gateway:
         gateway_id: str = "gateway",
         recorder: ProvenanceRecorder | None = None,
         clock: Callable[[], float] = time.time,
-        on_engine_trouble: Callable[[str, EngineError], None] | None = None,
+        on_engine_trouble: TroubleHook | None = None,
     ) -> None:
         self.fleet = fleet
         self.view = view
@@ -188,6 +199,8 @@ class Gateway:
         self._rr = itertools.count()  # round-robin start among equally loaded holders
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:12]
+        # engine -> (the life it was chosen at, monotonic time): could not be reached from here
+        self._unreachable: dict[str, tuple[str, float]] = {}
         self.dispatched = 0  # attempts handed to an engine (refusals by a rule not counted)
 
     # --- in-flight evidence ------------------------------------------------------------------
@@ -303,6 +316,7 @@ class Gateway:
                     unreachable=unreachable,
                 )
             tried.append(engine_id)
+            life = self.view.incarnation(engine_id)  # the life this attempt was routed to
             try:
                 if owner is not None:
                     owner.report()  # a remote ledger's renewer sends the new count at once
@@ -323,7 +337,7 @@ class Gateway:
             except EngineError as exc:
                 # Reported whether or not another holder takes the request: the engine may be
                 # down or have lost a committed version, and that is checked now.
-                self.report_trouble(engine_id, exc)
+                self.report_trouble(engine_id, exc, session=bound.session, incarnation=life)
                 if not try_elsewhere(exc):
                     raise self._failure(exc, bound, engine_id, rid) from exc
                 if exc.dispatched:
@@ -371,6 +385,13 @@ class Gateway:
         extra = _client_fields(extra_body)
 
         async def call_engine(attempt: Attempt) -> tuple[Generation, Attempt]:
+            if attempt.engine_id not in self.fleet:  # removed since it was chosen: not sent
+                raise AmbiguousReply(
+                    ErrorCode.ENGINE_GONE,
+                    f"engine {attempt.engine_id} left this process's fleet; nothing was sent",
+                    engine_id=attempt.engine_id,
+                    dispatched=False,
+                )
             engine = self.fleet[attempt.engine_id]
             kwargs: dict[str, Any] = {
                 "request_id": attempt.request_id,
@@ -462,7 +483,11 @@ class Gateway:
         """The engine for the next try of ``bound``'s request: a routable holder of its
         version in this fleet, not tried yet; by rendezvous hashing of the session id
         (``sticky``), else the least loaded (round-robin among equals)."""
-        holders = [e for e in self.view.holders(bound.lora_name) if e in self.fleet]
+        holders = [
+            e
+            for e in self.view.holders(bound.lora_name)
+            if e in self.fleet and not self.marked_unreachable(e)
+        ]
         if sticky:
             return rendezvous(bound.session, holders, load=self._load, exclude=tried)
         return least_loaded(holders, load=self._load, exclude=tried, start=next(self._rr))
@@ -498,18 +523,43 @@ class Gateway:
             tally.exit(key)
         self._load[engine_id] -= 1
 
-    def report_trouble(self, engine_id: str, error: EngineError) -> None:
-        """A generation sent to ``engine_id`` failed with ``error``: tell ``on_engine_trouble``
-        when the failure says something about the engine, so its receiver looks at that engine
-        now; a refusal about the request is not reported."""
+    def report_trouble(
+        self, engine_id: str, error: EngineError, *, session: str = "", incarnation: str = ""
+    ) -> None:
+        """A generation of ``session`` sent to ``engine_id`` (its life ``incarnation``, as
+        routed) failed with ``error``: tell ``on_engine_trouble`` when the failure says
+        something about the engine, so its receiver looks at that engine now; a refusal about
+        the request is not reported. An engine that could not be reached leaves this gateway's
+        routing at once (:meth:`marked_unreachable`)."""
         if not says_about_engine(error):
             return
         if lacks_adapter(error):
             log.warning(
                 "gateway.adapter_missing", engine=engine_id, code=error.code, msg=error.message
             )
+        if says_unreachable(error):
+            life = incarnation or self.view.incarnation(engine_id)
+            self._unreachable[engine_id] = (life, time.monotonic())
         if self.on_engine_trouble is not None:
-            self.on_engine_trouble(engine_id, error)
+            self.on_engine_trouble(
+                engine_id,
+                error,
+                session=session,
+                incarnation=incarnation or self.view.incarnation(engine_id),
+            )
+
+    def marked_unreachable(self, engine_id: str) -> bool:
+        """Whether this gateway could not reach ``engine_id`` a moment ago: for
+        :data:`UNREACHABLE_MARK_S`, and only while the view still shows the life it failed at
+        (a restarted engine is the view's to route again, once repaired)."""
+        mark = self._unreachable.get(engine_id)
+        if mark is None:
+            return False
+        life, at = mark
+        if time.monotonic() - at > UNREACHABLE_MARK_S or self.view.incarnation(engine_id) != life:
+            del self._unreachable[engine_id]
+            return False
+        return True
 
     def _failure(self, exc: EngineError, bound: Bound, engine_id: str, rid: str) -> DispatchError:
         if not exc.clean:

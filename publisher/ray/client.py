@@ -61,6 +61,7 @@ from publisher.ray.link import DEFAULT_NAMESPACE, ActorLink
 from publisher.remote.client import Answered, RemoteLedger, Renewed
 from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable
+from publisher.remote.service import TroubleBatch
 
 log = get_logger("loraledger.ray")
 
@@ -102,12 +103,18 @@ class RayTransport:
             await self.refresh_fleet()
         return table
 
+    async def wait_routing(self, mark: Mark | None, wait_s: float) -> RoutingTable | None:
+        """The ledger actor's long poll (:meth:`LedgerService.wait_routing`), with the fleet's
+        handles when they changed too, mirrored before the table is taken."""
+        reply: Reply = await self.link.call("wait_routing", mark, self.fleet_mark, wait_s)
+        return self.mirrored(reply.routing, reply.fleet)
+
     async def status(self) -> LedgerStatus:
         status: LedgerStatus = await self.link.call("status")
         return status
 
-    async def report_trouble(self, engine_id: str, error: EngineError) -> None:
-        await self.link.call("engine_failed", engine_id, error)
+    async def report_trouble(self, engine_id: str, error: EngineError, batch: TroubleBatch) -> None:
+        await self.link.call("engine_failed", engine_id, error, batch)
 
     async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int:
         stored: int = await self.link.call("store_provenance", list(rows))
@@ -236,11 +243,13 @@ class RayLedger(RemoteLedger):
         """Call ``listener()`` after every change of :attr:`fleet` (e.g. to rebuild routes)."""
         self.transport.on_fleet_change(listener)
 
-    def engine_failed(self, engine_id: str, error: EngineError) -> None:
+    def engine_failed(
+        self, engine_id: str, error: EngineError, /, *, session: str = "", incarnation: str = ""
+    ) -> None:
         """As :meth:`RemoteLedger.engine_failed`, and fetch the membership again: the failure
         may be a replaced actor's handle."""
         self.transport.fleet_wanted.set()
-        super().engine_failed(engine_id, error)
+        super().engine_failed(engine_id, error, session=session, incarnation=incarnation)
 
 
 @asynccontextmanager

@@ -81,7 +81,7 @@ from publisher.ray.link import DEFAULT_NAMESPACE
 from publisher.ray.stored_adapter import PullStats, StoredAdapter, restore_payload
 from publisher.remote.renewals import Life
 from publisher.remote.routing import Mark, RoutingTable
-from publisher.remote.service import LedgerService
+from publisher.remote.service import LedgerService, TroubleBatch
 
 if TYPE_CHECKING:
     from publisher.drivers.plane import ControlPlane
@@ -222,6 +222,12 @@ class _Service:
 
     async def routing_table(self) -> RoutingTable:
         return self.ledger_service.table()
+
+    async def wait_routing(
+        self, mark: Mark | None, fleet_mark: Mark | None, wait_s: float
+    ) -> Reply:
+        table = await self.ledger_service.wait_routing(mark, wait_s)
+        return Reply([], table, None if table is None else self.fleet_for(fleet_mark))
 
     async def status(self) -> LedgerStatus:
         return self.ledger_service.status()
@@ -375,12 +381,14 @@ class _Service:
             # would not find the engine's actor again. Loud, but not a failed change.
             log.error("ray.engine_book_not_written", engine=engine.engine_id, error=repr(exc))
 
-    async def engine_failed(self, engine_id: str, error: EngineError) -> None:
+    async def engine_failed(
+        self, engine_id: str, error: EngineError, batch: TroubleBatch | None = None
+    ) -> None:
         """A caller's generation on ``engine_id`` failed in a way that says something about the
-        engine: handed to the reconciler (:meth:`LedgerService.trouble`) when the engine is one
-        of the plane's."""
+        engine: handed to the reconciler (:meth:`LedgerService.trouble`), with the failures
+        the caller counted, when the engine is one of the plane's."""
         if self.plane is not None and engine_id in self.plane.fleet:
-            self.ledger_service.trouble(engine_id, error)
+            self.ledger_service.trouble(engine_id, error, batch)
 
     async def info(self) -> LedgerInfo:
         return self.info_now()
@@ -538,6 +546,13 @@ class LedgerActor:
     async def routing(self) -> RoutingTable:
         return await self._call(self._service.routing_table)
 
+    async def wait_routing(
+        self, mark: Mark | None = None, fleet_mark: Mark | None = None, wait_s: float = 5.0
+    ) -> Reply:
+        """A long poll: the routing (and the handles, if they changed since ``fleet_mark``) as
+        soon as it is not the table ``mark``, or an empty reply after ``wait_s`` seconds."""
+        return await self._call(self._service.wait_routing, mark, fleet_mark, wait_s)
+
     async def status(self) -> LedgerStatus:
         return await self._call(self._service.status)
 
@@ -582,11 +597,13 @@ class LedgerActor:
         """The engine leaves the fleet (``EngineLeft`` with ``cause``); its handle is dropped."""
         await self._call(self._service.remove_engine, engine_id, cause)
 
-    async def engine_failed(self, engine_id: str, error: EngineError) -> None:
+    async def engine_failed(
+        self, engine_id: str, error: EngineError, batch: TroubleBatch | None = None
+    ) -> None:
         """A client's hint that a generation on ``engine_id`` failed with ``error`` (an
         :class:`~engines.contract.EngineError`, sent as is: its class says whether the engine
-        answered cleanly); see ``_Service``."""
-        await self._call(self._service.engine_failed, engine_id, error)
+        answered cleanly), with the failed turns it counted (``batch``); see ``_Service``."""
+        await self._call(self._service.engine_failed, engine_id, error, batch)
 
     async def close(self) -> None:
         """Close the ledger cleanly (queued calls commit, a snapshot is saved); the actor

@@ -31,6 +31,9 @@ What differs from in process, and why, once for every transport:
   (every reply carries it when it changed since the caller's mark, so a bind's reply routes to
   the version it bound), and the last status read, refreshed every ``refresh_interval``
   seconds and on demand (the dispatch executor refreshes before it answers ``NO_ROUTE``).
+  Between replies, a long poll (:meth:`Transport.wait_routing`, one call in flight) brings
+  every change of routing as it happens: an engine's outage recorded by the ledger leaves this
+  process's routing within moments, whether or not this process talks to the ledger.
 * **A turn is confirmed by the ledger before it is sent** (``confirm_timeout`` set; Ray's
   clients set it): a remote ``renew_lease`` answers from memory, so a worker the ledger has
   just ended (a zombie whose successor registered, its sessions released) would otherwise send
@@ -43,7 +46,8 @@ What differs from in process, and why, once for every transport:
   the worker when it is back.
 * **Engine trouble is forwarded**: the gateway's ``on_engine_trouble`` hook is
   :meth:`RemoteLedger.engine_failed`, which sends the error in the background, at most one
-  report per engine and kind in flight; the ledger's reconciler reads it.
+  report per engine and kind in flight; the failed turns counted meanwhile, per session, go
+  with the next report; the ledger's reconciler reads it.
 * **A clean exit ends the owners it registered**: leaving the client's block normally
   deregisters the owners registered through it that did not deregister yet (their sessions
   still bound are released, ``owner_exited``), so a process that exits cleanly leaves no lease
@@ -64,6 +68,7 @@ Refusals come back as the ledger's own errors (same class and code), exactly as 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -81,10 +86,12 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger_api import TypedCommands
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.drivers.engine_ops import lacks_adapter
+from publisher.drivers.trouble import FailureTally, says_unreachable
 from publisher.gateway.provenance import ProvenanceRow
 from publisher.logs import get_logger
 from publisher.remote.renewals import Counts, Life, PendingRenewals
 from publisher.remote.routing import Mark, RoutingTable
+from publisher.remote.service import TroubleBatch
 from publisher.sessions import OWNER_LOST_CODES
 
 log = get_logger("loraledger.remote")
@@ -136,9 +143,16 @@ class Transport(Protocol):
 
     async def routing(self) -> RoutingTable: ...
 
+    async def wait_routing(self, mark: Mark | None, wait_s: float) -> RoutingTable | None:
+        """The routing as soon as it is not the table ``mark`` names, or within ``wait_s``
+        seconds whatever it is (None: unchanged)."""
+        ...
+
     async def status(self) -> LedgerStatus: ...
 
-    async def report_trouble(self, engine_id: str, error: EngineError) -> None: ...
+    async def report_trouble(
+        self, engine_id: str, error: EngineError, batch: TroubleBatch
+    ) -> None: ...
 
     async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int: ...
 
@@ -220,6 +234,26 @@ class RemoteView:
             done.set()
 
 
+# How long one long poll for the routing waits at the ledger before it answers unchanged: a
+# fraction of every transport's timeout, so an idle poll never looks like a lost ledger.
+WATCH_WAIT_S = 5.0
+# How long the long poll waits before it asks again after a failure (the ledger restarting).
+_RETRY_WATCH_S = 1.0
+
+
+class _Trouble:
+    """One engine's trouble of one kind, not reported yet: the first error and when it was
+    seen, the life it was routed to, the failed turns counted per session since."""
+
+    __slots__ = ("error", "incarnation", "seen", "tally")
+
+    def __init__(self) -> None:
+        self.error: EngineError | None = None
+        self.incarnation = ""
+        self.seen = 0.0
+        self.tally = FailureTally()
+
+
 class _Request(Generic[T]):
     """One caller's items (commands, provenance rows) and where their answers land."""
 
@@ -279,7 +313,10 @@ class RemoteLedger(TypedCommands):
         self._tg: TaskGroup | None = None
         self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
-        self._reporting: set[tuple[str, bool]] = set()  # (engine, lacks the adapter) in flight
+        # (engine, kind) -> what is not reported yet; a key present in _reporting has a sender
+        self._trouble: dict[tuple[str, str], _Trouble] = {}
+        self._reporting: set[tuple[str, str]] = set()
+        self.routing_polls = 0  # long polls answered (observability, tests)
         self._rows: deque[_Request[ProvenanceRow]] = deque()
         self._sending_rows = False
         self.round_trips = 0  # command round trips sent (coalescing shows here)
@@ -302,6 +339,7 @@ class RemoteLedger(TypedCommands):
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._renewer)
+                tg.start_soon(self._watch_routing)
                 if self.refresh_interval:
                     tg.start_soon(self._refresher, self.refresh_interval)
                 try:
@@ -516,28 +554,49 @@ class RemoteLedger(TypedCommands):
 
     # --- engine trouble ----------------------------------------------------------------------
 
-    def engine_failed(self, engine_id: str, error: EngineError) -> None:
-        """A generation on ``engine_id`` failed in a way that says something about the engine
-        (the gateway's ``on_engine_trouble`` hook): tell the ledger's process, whose
-        reconciler reads it.
+    def engine_failed(
+        self, engine_id: str, error: EngineError, /, *, session: str = "", incarnation: str = ""
+    ) -> None:
+        """A generation of ``session`` on ``engine_id`` (its life ``incarnation``) failed in a
+        way that says something about the engine (the gateway's ``on_engine_trouble`` hook):
+        tell the ledger's process, whose reconciler reads it.
 
         Synchronous and never raising: the gateway calls it on the path of a failing request,
         which must not wait for, or fail because of, a hint. At most one report per engine
-        and kind (lacks the adapter or not) is in flight, so a flood of failures is one round
-        trip at a time and a report of one kind never hides one of the other. A report that
+        and kind (could not reach it, lacks the adapter, anything else) is in flight, so a
+        flood of failures is one round trip at a time and a report of one kind never hides
+        one of the other; the turns that fail meanwhile are counted per session and go with
+        the next report of their kind, dated by how long ago its error was seen. A report that
         is lost or refused is logged: the ledger's own probes and full passes find what it
-        said."""
-        key = (engine_id, lacks_adapter(error))
-        if self._tg is None or key in self._reporting:
+        said (its counts are lost with it, never sent twice)."""
+        if self._tg is None:
             return
-        self._reporting.add(key)
-        self._tg.start_soon(self._report, key, error)
+        kind = "unreachable" if says_unreachable(error) else str(lacks_adapter(error))
+        key = (engine_id, kind)
+        pending = self._trouble.get(key)
+        if pending is None:
+            pending = self._trouble[key] = _Trouble()
+        if pending.error is None:
+            pending.error, pending.seen, pending.incarnation = error, time.monotonic(), incarnation
+        pending.tally.add(session, error)
+        if key not in self._reporting:
+            self._reporting.add(key)
+            self._tg.start_soon(self._report, key)
 
-    async def _report(self, key: tuple[str, bool], error: EngineError) -> None:
+    async def _report(self, key: tuple[str, str]) -> None:
+        """Send what is pending under ``key``, again while more arrived during the send."""
         try:
-            await self.transport.report_trouble(key[0], error)
-        except Exception as exc:  # only a hint: the ledger's own probes find what it said
-            log.warning("remote.trouble_report_failed", engine=key[0], error=repr(exc))
+            while (pending := self._trouble.pop(key, None)) is not None and pending.error:
+                batch = TroubleBatch(
+                    incarnation=pending.incarnation,
+                    age_s=max(0.0, time.monotonic() - pending.seen),
+                    failures=pending.tally.take(),
+                    reporter=", ".join(sorted(self._registered))[:200],
+                )
+                try:
+                    await self.transport.report_trouble(key[0], pending.error, batch)
+                except Exception as exc:  # only a hint: the ledger's own probes find what it said
+                    log.warning("remote.trouble_report_failed", engine=key[0], error=repr(exc))
         finally:
             self._reporting.discard(key)
 
@@ -602,6 +661,20 @@ class RemoteLedger(TypedCommands):
     async def refresh(self) -> None:
         """Read the routing and the status now (``view.refresh``)."""
         await self.view.refresh()
+
+    async def _watch_routing(self) -> None:
+        """Keep one long poll for the routing in flight for the life of the client: each
+        change the ledger makes (an outage, a repair, a publication) reaches this view as it
+        happens, not with the next reply or refresh."""
+        while True:
+            try:
+                table = await self.transport.wait_routing(self.view.mark, WATCH_WAIT_S)
+            except Exception as exc:  # unreachable for now: replies and refreshes still route
+                log.warning("remote.routing_watch_failed", error=repr(exc))
+                await anyio.sleep(_RETRY_WATCH_S)
+                continue
+            self.routing_polls += 1
+            self.view.take(table)
 
     async def _refresher(self, every: float) -> None:
         while True:

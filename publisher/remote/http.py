@@ -44,6 +44,7 @@ from publisher.remote import wire
 from publisher.remote.client import Answered, RemoteLedger, Renewed
 from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable
+from publisher.remote.service import TroubleBatch
 
 T = TypeVar("T")
 
@@ -82,6 +83,7 @@ class ServiceClient:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         headers = {"authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: a proxy from the environment must never see loopback traffic.
         self._http = client or httpx.AsyncClient(
@@ -92,14 +94,19 @@ class ServiceClient:
         await self._http.aclose()
 
     async def get(self, path: str, kind: type[T]) -> T:
-        return await self._call("GET", path, None, kind)
+        return self._read(await self._request("GET", path, None), path, kind)
+
+    async def get_optional(self, path: str, kind: type[T]) -> T | None:
+        """``get``, where 204 (nothing new) answers None."""
+        reply = await self._request("GET", path, None)
+        return None if reply.status_code == 204 else self._read(reply, path, kind)
 
     async def post(
         self, path: str, body: wire.Body | None, kind: type[T], *, timeout_s: float | None = None
     ) -> T:
         """``timeout_s``: this call's own limit (a publication waits for engines), else the
         client's."""
-        return await self._call("POST", path, body, kind, timeout_s=timeout_s)
+        return self._read(await self._request("POST", path, body, timeout_s=timeout_s), path, kind)
 
     async def put_bytes(
         self, path: str, content: AsyncIterable[bytes], length: int, kind: type[T]
@@ -107,20 +114,14 @@ class ServiceClient:
         """A body of ``length`` bytes streamed from ``content`` (an upload: never whole in
         memory), answered like every call."""
         headers = {"content-type": "application/octet-stream", "content-length": str(length)}
-        return await self._send("PUT", path, content, headers, kind, None)
+        return self._read(await self._send("PUT", path, content, headers, None), path, kind)
 
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: wire.Body | None,
-        kind: type[T],
-        *,
-        timeout_s: float | None = None,
-    ) -> T:
+    async def _request(
+        self, method: str, path: str, body: wire.Body | None, *, timeout_s: float | None = None
+    ) -> httpx.Response:
         content = b"" if body is None else msgspec.json.encode(body)
         headers = {"content-type": "application/json"} if body is not None else None
-        return await self._send(method, path, content, headers, kind, timeout_s)
+        return await self._send(method, path, content, headers, timeout_s)
 
     async def _send(
         self,
@@ -128,18 +129,19 @@ class ServiceClient:
         path: str,
         content: bytes | AsyncIterable[bytes],
         headers: dict[str, str] | None,
-        kind: type[T],
         timeout_s: float | None,
-    ) -> T:
+    ) -> httpx.Response:
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         try:
-            reply = await self._http.request(
+            return await self._http.request(
                 method, path, content=content, headers=headers, timeout=timeout
             )
         except httpx.TransportError as exc:
             raise LedgerUnreachable(
                 f"no reply from the ledger at {self.url}{path}: {exc!r}"
             ) from exc
+
+    def _read(self, reply: httpx.Response, path: str, kind: type[T]) -> T:
         if reply.status_code != 200:
             raise self._refusal(reply, path)
         try:
@@ -242,12 +244,27 @@ class HttpTransport:
     async def routing(self) -> RoutingTable:
         return await self.service.get("/routing", RoutingTable)
 
+    async def wait_routing(self, mark: Mark | None, wait_s: float) -> RoutingTable | None:
+        """``GET /routing?epoch=E&serial=S&wait=W``: answered as soon as the routing is not
+        the table ``(E, S)``, or after ``W`` seconds with 204 (unchanged). ``W`` is kept under
+        half the request timeout, so an idle poll never times out as a lost ledger would."""
+        wait_s = min(wait_s, self.service.timeout_s / 2)
+        query = f"wait={wait_s:g}" + ("" if mark is None else f"&epoch={mark[0]}&serial={mark[1]}")
+        return await self.service.get_optional(f"/routing?{query}", RoutingTable)
+
     async def status(self) -> LedgerStatus:
         return await self.service.get("/status", LedgerStatus)
 
-    async def report_trouble(self, engine_id: str, error: EngineError) -> None:
+    async def report_trouble(self, engine_id: str, error: EngineError, batch: TroubleBatch) -> None:
         body = wire.TroubleReport(
-            code=error.code[:64], clean=error.clean, message=error.message[:1024]
+            code=error.code[:64],
+            clean=error.clean,
+            message=error.message[:1024],
+            dispatched=error.dispatched,
+            incarnation=batch.incarnation[:256],
+            age_s=batch.age_s,
+            failures=batch.failures[:4096],
+            reporter=batch.reporter[:200],
         )
         await self.service.post(f"/engines/{segment(engine_id)}/trouble", body, wire.Heard)
 

@@ -75,14 +75,13 @@ class RoutingTracker:
             state.default_revision,
             state.max_staleness,
             tuple(
-                (e.engine, e.incarnation, e.routable, tuple(e.holds))
-                for e in state.engines.values()
+                (e.engine, e.incarnation, e.serving, tuple(e.holds)) for e in state.engines.values()
             ),
         )
         if self._table is None or key != self._key:
             holders: dict[str, list[str]] = {}
             for member in sorted(state.engines.values(), key=lambda e: e.engine):
-                if member.routable:
+                if member.serving:  # repaired and reachable: an outage takes it out at once
                     for lora_name in member.holds:
                         holders.setdefault(lora_name, []).append(member.engine)
             self._serial += 1

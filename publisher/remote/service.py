@@ -9,9 +9,14 @@ with no ``await`` between: a bind's reply routes to the version it bound.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import anyio
+import msgspec
 
 from engines.contract import EngineError
 from evlog.errors import LoraLedgerError
+from evlog.events import TurnFailures
 from evlog.provenance_store import ProvenanceStore
 from projections.status import LedgerStatus
 from publisher.core import commands as c
@@ -24,6 +29,37 @@ from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable, RoutingTracker
 
 log = get_logger("loraledger.remote")
+
+# The longest a long poll for the routing is held open: an answer well within every client's
+# request timeout, so a quiet ledger never looks like a lost one.
+MAX_ROUTING_WAIT_S = 30.0
+
+
+class TroubleBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """What comes with a remote gateway's trouble report: the engine's life it was routed to,
+    how long ago the error was seen, the failed turns it counted per session since its last
+    report, and who reports (its owners)."""
+
+    incarnation: str = ""
+    age_s: float = 0.0
+    failures: tuple[TurnFailures, ...] = ()
+    reporter: str = ""
+
+
+class TroubleReceiver(Protocol):
+    """The reconciler's ``engine_trouble``, as the service calls it."""
+
+    def __call__(
+        self,
+        engine_id: str,
+        error: EngineError,
+        /,
+        *,
+        incarnation: str = "",
+        failures: tuple[TurnFailures, ...] = (),
+        age_s: float = 0.0,
+        reporter: str = "",
+    ) -> None: ...
 
 
 class LedgerService:
@@ -38,7 +74,7 @@ class LedgerService:
         ledger: Ledger,
         *,
         fleet_version: Callable[[], int] = lambda: 0,
-        engine_trouble: Callable[[str, EngineError], None] | None = None,
+        engine_trouble: TroubleReceiver | None = None,
         provenance: ProvenanceStore | None = None,
     ) -> None:
         self.ledger = ledger
@@ -58,6 +94,19 @@ class LedgerService:
         return self._tracker.current(
             self.ledger.state, epoch=self.ledger.epoch, fleet_version=self._fleet_version()
         )
+
+    async def wait_routing(self, mark: Mark | None, wait_s: float) -> RoutingTable | None:
+        """The current table as soon as it is not the one ``mark`` names (at once if it is not
+        already), or None when nothing changed within ``wait_s`` seconds (at most
+        :data:`MAX_ROUTING_WAIT_S`): the long poll by which a remote view hears of an outage,
+        a repair or a publication as it is recorded, not with its next reply."""
+        with anyio.move_on_after(min(max(0.0, wait_s), MAX_ROUTING_WAIT_S)):
+            while True:
+                table = self.routing(mark)
+                if table is not None:
+                    return table
+                await self.ledger.wait_committed(self.ledger.state.last_seq)
+        return None
 
     def status(self) -> LedgerStatus:
         return self.ledger.status()
@@ -92,15 +141,24 @@ class LedgerService:
         """One owner's renewal; raises its refusal."""
         self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
 
-    def trouble(self, engine: str, error: EngineError) -> bool:
+    def trouble(self, engine: str, error: EngineError, batch: TroubleBatch | None = None) -> bool:
         """A remote gateway's generation on ``engine`` failed with ``error``: handed to the
-        reconciler as the in-process gateway hands it (a missing adapter gets the engine's
-        inventory read now, anything else a probe now). Only a hint: the probe and the
-        inventory decide. Whether anyone here heard it."""
+        reconciler as the in-process gateway hands it (an engine that could not be reached gets
+        its outage recorded now, a missing adapter the engine's inventory read now, anything
+        else a probe now), with the ``batch`` of failures it counted. Only a hint: the probe
+        and the inventory decide. Whether anyone here heard it."""
         if self._engine_trouble is None:
             return False
+        batch = batch or TroubleBatch()
         log.info("remote.engine_trouble_reported", engine=engine, code=error.code)
-        self._engine_trouble(engine, error)
+        self._engine_trouble(
+            engine,
+            error,
+            incarnation=batch.incarnation,
+            failures=batch.failures,
+            age_s=batch.age_s,
+            reporter=batch.reporter or "remote gateway",
+        )
         return True
 
     async def store_provenance(self, rows: Sequence[ProvenanceRow]) -> int:

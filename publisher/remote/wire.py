@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from evlog.errors import InvalidInput, LoraLedgerError, Refused, StoreError, Unavailable
+from evlog.events import TurnFailures
 from publisher.core import commands as c
 from publisher.core.errors import LedgerError
 from publisher.core.outcomes import Bound, Forgotten, Released
@@ -121,6 +122,15 @@ class TroubleReport(Body, frozen=True):
     code: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,64}$")]  # printable ASCII, no space
     clean: bool
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # What the gateway saw of the engine's reachability (docs/operations.md, "Engine
+    # outages"): whether the request may have left (False: provably never reached the engine),
+    # the engine's life it was routed to, how long ago (seconds: only a duration crosses
+    # between clocks) and the failed turns it counted per session since its last report.
+    dispatched: bool = True
+    incarnation: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    failures: Annotated[tuple[TurnFailures, ...], msgspec.Meta(max_length=4096)] = ()
+    reporter: Annotated[str, msgspec.Meta(max_length=200)] = ""
 
 
 class StoreProvenance(Body, frozen=True):

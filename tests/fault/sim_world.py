@@ -742,7 +742,9 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
             gateway_id="gw",
             recorder=recorder,
             clock=sim_clock,
-            on_engine_trouble=lambda engine, error: _engine_trouble(world, engine, error),
+            on_engine_trouble=lambda engine, error, session="", incarnation="": _engine_trouble(
+                world, engine, error, session, incarnation
+            ),
         )
         port = ControllerPort(world)
         async with anyio.create_task_group() as tg:
@@ -783,12 +785,17 @@ async def simulate(cfg: SimConfig, workdir: Path) -> SimResult:
     )
 
 
-def _engine_trouble(world: World, engine_id: str, error: EngineError) -> None:
+def _engine_trouble(
+    world: World, engine_id: str, error: EngineError, session: str, incarnation: str
+) -> None:
     """The gateway's report of a generation that failed because of its engine (refused as not
     loaded, unreachable, ambiguous) reaches the live controller's reconciler (none while no
-    controller runs: its start-up pass and probes find what happened meanwhile)."""
+    controller runs: its start-up pass and probes find what happened meanwhile), with the
+    turn's session and the engine's life it was routed to."""
     if world.plane is not None:
-        world.plane.reconciler.engine_trouble(engine_id, error)
+        world.plane.reconciler.engine_trouble(
+            engine_id, error, session=session, incarnation=incarnation
+        )
 
 
 async def _settle(world: World) -> None:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from evlog.events import AdapterLost, stream_of
+from evlog.events import (
+    AdapterLost,
+    DispatchFailures,
+    EngineReachable,
+    EngineUnreachable,
+    TurnFailures,
+    stream_of,
+)
 from evlog.record import Record
 from projections.incidents import EngineHealthFold, IncidentFold, incidents
 from tests.support.runs import health_run_records, repeat_run_records
@@ -364,21 +372,7 @@ def test_a_loss_recorded_again_while_open_ends_the_open_one() -> None:
     log with a second ``AdapterLost`` of the same version on the same engine and nothing in
     between (hand-made: no ledger writes one) still lists both losses."""
     events = [AdapterLost(version_id=1, engine="e0", incarnation="e0-i1")] * 2
-    records = [
-        Record(
-            seq=seq,
-            event_id=b"",
-            stream=stream_of(event),
-            type="AdapterLost",
-            schema=1,
-            recorded_at=float(seq),
-            payload=b"",
-            prev_hash=b"",
-            hash=b"",
-            event=event,
-        )
-        for seq, event in enumerate(events, 1)
-    ]
+    records = _hand_made(events)
     fold = EngineHealthFold()
     for record in records:
         fold.apply(record)
@@ -386,4 +380,73 @@ def test_a_loss_recorded_again_while_open_ends_the_open_one() -> None:
     assert rows == [
         (1.0, (1, 2), True, "lost again before it was restored"),
         (2.0, (2,), False, "not restored yet"),
+    ]
+
+
+def test_an_outage_is_one_incident_with_its_window_first_error_and_failed_turns() -> None:
+    """An engine's outage, from the record that opened it to the probe that answered, with the
+    failed turns the faces counted in it, in all and per session."""
+    events = [
+        EngineUnreachable(
+            engine="e1",
+            incarnation="e1-i1",
+            at=10.5,
+            error="ENGINE_UNREACHABLE: connection refused",
+            source="dispatch",
+            reporter="gw",
+        ),
+        DispatchFailures(
+            engine="e1",
+            incarnation="e1-i1",
+            since=10.5,
+            failures=(
+                TurnFailures(session="s1", not_run=2),
+                TurnFailures(session="s2", ambiguous=1),
+            ),
+        ),
+        DispatchFailures(
+            engine="e1",
+            incarnation="e1-i1",
+            since=10.5,
+            failures=(TurnFailures(session="s1", not_run=1),),
+        ),
+        EngineReachable(engine="e1", incarnation="e1-i1", at=14.0, since=10.5),
+        EngineUnreachable(engine="e1", incarnation="e1-i1", at=20.0, error="E: x", source="probe"),
+    ]
+    records = _hand_made(events, recorded_from=10.0)
+    fold = EngineHealthFold()
+    for record in records:
+        fold.apply(record)
+    first, second = fold.finish()
+    assert (first.kind, first.subject, first.at, first.seqs) == (
+        "engine_unreachable",
+        "e1",
+        10.5,
+        (1, 2, 3, 4),
+    )
+    assert (first.duration_s, first.resolved, first.resolution) == (3.5, True, "a probe answered")
+    assert "seen by dispatch (gw): ENGINE_UNREACHABLE: connection refused" in first.summary
+    assert "3 not run (tried elsewhere), 1 ambiguous" in first.summary
+    assert "s1 3/0, s2 0/1" in first.summary
+    assert (second.at, second.resolved, second.resolution) == (20.0, False, "still unreachable")
+    assert "no failed turn counted" in second.summary
+
+
+def _hand_made(events: list[Any], *, recorded_from: float = 0.0) -> list[Record]:
+    """``events`` as records numbered from 1, recorded one second apart after
+    ``recorded_from`` (no ledger wrote them: no chain, no payload)."""
+    return [
+        Record(
+            seq=seq,
+            event_id=b"",
+            stream=stream_of(event),
+            type=type(event).__name__,
+            schema=1,
+            recorded_at=recorded_from + float(seq),
+            payload=b"",
+            prev_hash=b"",
+            hash=b"",
+            event=event,
+        )
+        for seq, event in enumerate(events, 1)
     ]

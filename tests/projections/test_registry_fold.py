@@ -30,6 +30,7 @@ from evlog.events import (
     SessionBound,
     SessionReleased,
     TransportClaimed,
+    TurnFailures,
     VerdictConflict,
     VersionAllocated,
     VersionPublished,
@@ -556,6 +557,15 @@ def _eventful_run() -> list[Event]:
     book.run(c.RegisterOwner(owner="w3", ttl_s=60.0, now=11.0, incarnation="b"))
     book.run(c.Bind(session="s4", owner="w3", incarnation="b"))
     book.run(c.DeregisterOwner(owner="w3", now=12.0, incarnation="b"))
+    # an outage of e1: opened, its sessions' failures counted, ended by a probe that answered
+    book.run(
+        c.ReportUnreachable(
+            engine="e1", incarnation="e1-i1", at=13.0, error="E: x", source="probe", reporter="r"
+        )
+    )
+    failures = (TurnFailures(session="s4", not_run=2, ambiguous=1),)
+    book.run(c.CountDispatchFailures(engine="e1", incarnation="e1-i1", failures=failures))
+    book.run(c.ReportReachable(engine="e1", incarnation="e1-i1", at=14.5))
     book.run(c.LeaveEngine(engine="e2"))
     return book.events
 

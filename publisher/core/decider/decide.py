@@ -35,6 +35,11 @@ from publisher.core.decider.fleet import (
 )
 from publisher.core.decider.owners import _deregister_owner, _expire_owner, _register_owner
 from publisher.core.decider.publication import _claim_transport, _commit, _fail_attempt, _receipt
+from publisher.core.decider.reachability import (
+    _count_dispatch_failures,
+    _report_reachable,
+    _report_unreachable,
+)
 from publisher.core.decider.reclaim import (
     _claim_reclaim,
     _mark_reclaim_ambiguous,
@@ -94,6 +99,9 @@ _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.ResumeEngine: _resume_engine,
     c.RemoveEngine: _remove_engine,
     c.ObserveInventory: _observe_inventory,
+    c.ReportUnreachable: _report_unreachable,
+    c.CountDispatchFailures: _count_dispatch_failures,
+    c.ReportReachable: _report_reachable,
     c.Allocate: _allocate,
     c.ClaimTransport: _claim_transport,
     c.RecordPrepared: _receipt,

@@ -1,7 +1,7 @@
-"""The reconciler's health decisions, on real local engines: a suspension is one event however
-many probes fail, restores back off without writing an event per retry, and a suspended engine
-is routable again only once a repair proved what it holds; a generation refused as not loaded
-gets that engine's inventory read at once.
+"""The reconciler's health decisions, on real local engines: an outage and a suspension are one
+event each however many probes fail, restores back off without writing an event per retry,
+and a suspended engine is routable again only once a repair proved what it holds; a
+generation refused as not loaded gets that engine's inventory read at once.
 
 Each test drives its own :class:`Reconciler` over the plane's ledger with a clock it sets
 (``Clock``), one ``health_check`` per simulated probe: the plane's own health loop is idle (one
@@ -23,8 +23,10 @@ from engines.contract import CleanRefusal, ErrorCode
 from engines.testing import RestartableEngine
 from evlog.events import (
     AdapterLost,
+    EngineReachable,
     EngineRestarted,
     EngineSuspended,
+    EngineUnreachable,
     Event,
     InventoryObserved,
 )
@@ -117,14 +119,15 @@ async def test_probes_failing_for_the_configured_time_suspend_the_engine_once(
         for second in range(int(SUSPEND_AFTER_S)):  # failing, not yet for long enough
             clock.now = float(second)
             await reconciler.health_check()
-        assert await log_after(plane, seq) == []
-        assert plane.ledger.state.engines["e1"].routable
+        # out of routing since the first failure (one outage), not suspended yet
+        assert [type(e) for e in await log_after(plane, seq)] == [EngineUnreachable]
+        assert not plane.ledger.state.engines["e1"].suspended
         for second in range(int(SUSPEND_AFTER_S), 40):  # 30 more failed probes
             clock.now = float(second)
             await reconciler.health_check()
         written = await log_after(plane, seq)
-        assert len(written) == 1, written  # one health change, not one event per probe
-        (suspended,) = written
+        assert len(written) == 2, written  # one outage, one suspension: not one per probe
+        suspended = written[1]
         assert isinstance(suspended, EngineSuspended)
         assert (suspended.engine, suspended.cause) == ("e1", "unhealthy")
         assert "probes failed for 10.0 s" in suspended.detail
@@ -152,9 +155,15 @@ async def test_an_answer_to_a_full_pass_ends_a_run_of_failed_probes(tmp_path: Pa
         seq = plane.ledger.state.last_seq
         sick.inject("incarnation", ServerError())  # one blip of the new life
         clock.now += 1.0
+        await reconciler.health_check()  # out of routing until it answers again
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
+        clock.now += SUSPEND_AFTER_S  # long after the old run: a new one, nothing to suspend
         await reconciler.health_check()
-        assert await log_after(plane, seq) == []
-        assert plane.ledger.state.engines["e1"].routable
+        assert [type(e) for e in await log_after(plane, seq)] == [
+            EngineUnreachable,
+            EngineReachable,
+        ]
+        assert not plane.ledger.state.engines["e1"].suspended
         assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1")
 
 
@@ -304,6 +313,8 @@ async def test_a_suspect_reported_by_a_gateway_is_read_at_once(tmp_path: Path) -
         # one incident however many refusals are reported meanwhile; an engine outside the
         # fleet is ignored, not an error
         # ... and a flood of reports wakes the loop once per probe interval, not once each
+        # (counted once the first pass is over: its restore fails and ends in a suspension)
+        await wait_for("e1 suspended", lambda: plane.ledger.state.engines["e1"].suspended)
         seq = plane.ledger.state.last_seq
         reads = engines[1].count("inventory")
         for _ in range(20):

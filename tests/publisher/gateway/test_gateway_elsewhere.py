@@ -111,7 +111,7 @@ def test_failures_about_the_engine_are_told_apart_from_bad_requests(
 async def test_a_clean_not_loaded_is_served_by_the_other_holder() -> None:
     async with rig(wrap=on("e0", RestartedEmpty)) as r:
         heard: list[tuple[str, str]] = []
-        r.gateway.on_engine_trouble = lambda engine, exc: heard.append((engine, exc.code))
+        r.gateway.on_engine_trouble = lambda engine, exc, **_: heard.append((engine, exc.code))
         await r.publish(1)
         bound = await _bound(r, session_going_to("e0"))
         served = await r.gateway.generate(bound, PROMPT, SHORT, request_id="req-1")
@@ -132,7 +132,7 @@ async def test_the_hook_given_at_construction_hears_an_unreachable_engine() -> N
         gateway = Gateway(
             r.fleet,
             r.gateway.view,
-            on_engine_trouble=lambda engine, exc: heard.append((engine, exc.code)),
+            on_engine_trouble=lambda engine, exc, **_: heard.append((engine, exc.code)),
         )
         await r.publish(1)
         bound = await _bound(r, session_going_to("e0"))
@@ -144,7 +144,7 @@ async def test_the_hook_given_at_construction_hears_an_unreachable_engine() -> N
 async def test_when_every_holder_refuses_the_last_refusal_is_the_answer() -> None:
     async with rig(wrap=lambda e: RestartedEmpty(e)) as r:
         heard: list[tuple[str, str]] = []
-        r.gateway.on_engine_trouble = lambda engine, exc: heard.append((engine, exc.code))
+        r.gateway.on_engine_trouble = lambda engine, exc, **_: heard.append((engine, exc.code))
         await r.publish(1)
         bound = await _bound(r, session_going_to("e0"))
         with pytest.raises(LoraLedgerError) as info:

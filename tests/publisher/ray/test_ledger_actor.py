@@ -109,7 +109,7 @@ async def test_concurrent_calls_share_round_trips(ledger_factory: Any) -> None:
         assert (await ledger.status()).sessions_bound == 300
 
 
-async def test_routing_arrives_with_the_replies(ledger_factory: Any) -> None:
+async def test_routing_arrives_with_the_replies_and_the_long_poll(ledger_factory: Any) -> None:
     lut = ledger_factory()
     async with (
         RayLedger.connect(lut.name) as publisher,
@@ -123,10 +123,12 @@ async def test_routing_arrives_with_the_replies(ledger_factory: Any) -> None:
         assert worker.view.default_revision == 1
 
         v2 = await publish(publisher, 2)
-        # the worker has not heard from the ledger since: it still sees revision 1 ...
-        assert worker.view.holders(v2.lora_name) == ()
-        assert worker.view.default_revision == 1
-        # ... until a reply: the bind's reply carries routing computed after the bind
+        # the worker sends nothing: the long poll brings the change as it is recorded
+        await wait_for(
+            "the worker's view has v2", lambda: worker.view.holders(v2.lora_name) == ENGINES
+        )
+        assert worker.view.default_revision == 2
+        # and a reply carries routing computed after the command: the bind's routes to v2
         bound = await worker.bind("s1", "w1")
         assert bound.version_id == 2
         assert worker.view.holders(v2.lora_name) == ENGINES

@@ -22,6 +22,7 @@ from publisher.core.outcomes import Bound
 from publisher.remote.http import HttpLedger, HttpTransport, LedgerUnreachable, ServiceClient
 from tests.publisher.openai_kit import serve_app
 from tests.support.ledger import publish
+from tests.support.waiting import wait_for
 from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
 
@@ -105,3 +106,54 @@ async def test_a_refresh_that_fails_fails_every_caller_that_waited_for_it() -> N
     await service.aclose()
     assert sorted(heard) == ["follower: unreachable", "leader: unreachable"]
     assert view.refreshes == 0
+
+
+async def test_a_remote_view_hears_of_an_outage_within_a_second_without_a_reply(
+    tmp_path: Path,
+) -> None:
+    """A gateway process learns routing with its replies and its periodic status read (here an
+    hour apart); the long poll on ``GET /routing`` brings an engine's outage as the ledger
+    records it, and answers 204 while nothing changes."""
+    async with SQLiteStore.open(tmp_path / "ledger.db") as store, Ledger.open(store) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=4, fleet=("e0", "e1"))
+        for engine in ("e0", "e1"):
+            await ledger.join_engine(engine, f"{engine}-life-1")
+            await ledger.repair_engine(engine, f"{engine}-life-1")
+        v1 = await publish(ledger, 1)
+        app = build_app(ledger, LedgerMetrics(lambda: ledger.state), token=TOKEN)
+        async with (
+            serve_app(app) as url,
+            HttpLedger.connect(url, token=TOKEN, refresh_interval=3600.0) as remote,
+        ):
+            await remote.refresh()
+            assert remote.view.holders(v1.lora_name) == ("e0", "e1")
+            unchanged = await remote.transport.wait_routing(remote.view.mark, 0.2)
+            assert unchanged is None  # 204: the table the caller has is the current one
+            at = ledger.clock()
+            await ledger.report_unreachable(
+                "e1", "e1-life-1", at=at, error="ENGINE_UNREACHABLE: refused", source="probe"
+            )
+            await wait_for(
+                "the remote view routes around e1",
+                lambda: remote.view.holders(v1.lora_name) == ("e0",),
+                timeout=10,
+            )
+            print(f"\noutage recorded -> remote view: {ledger.clock() - at:.3f} s")
+            await ledger.report_reachable("e1", "e1-life-1", at=ledger.clock())
+            await wait_for(
+                "e1 back in the remote view",
+                lambda: remote.view.holders(v1.lora_name) == ("e0", "e1"),
+            )
+
+
+async def test_a_long_poll_with_a_bad_wait_or_mark_is_refused(tmp_path: Path) -> None:
+    """``GET /routing?wait=W&epoch=E&serial=S``: a wait that is not a finite number of seconds
+    >= 0, or a mark that is not two integers, is a 400 naming the parameters."""
+    async with served(tmp_path / "ledger.db") as remote:
+        service = remote.transport.service
+        for query in ("wait=-1", "wait=nan", "wait=x", "wait=1&epoch=1", "wait=1&epoch=a&serial=1"):
+            with pytest.raises(LoraLedgerError) as refused:
+                await service.get(f"/routing?{query}", dict)
+            assert refused.value.code == INVALID_INPUT, query
+        table = await service.get_optional("/routing?wait=0", dict)
+        assert table is not None and "holders" in table
