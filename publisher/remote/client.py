@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -95,11 +95,18 @@ class Transport(Protocol):
 
     async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered: ...
 
-    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done: ...
+    async def register_owner(
+        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+    ) -> Done: ...
 
     async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered: ...
 
-    async def renew(self, lives: Mapping[Life, Counts], mark: Mark | None) -> Renewed: ...
+    async def renew(
+        self,
+        lives: Mapping[Life, Counts],
+        mark: Mark | None,
+        sessions: Mapping[Life, Sequence[str]],
+    ) -> Renewed: ...
 
     async def routing(self) -> RoutingTable: ...
 
@@ -334,10 +341,16 @@ class RemoteLedger(TypedCommands):
     # --- owners and leases -----------------------------------------------------------------------
 
     async def register_owner(
-        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
     ) -> Done:
-        """Register ``owner``'s life ``incarnation`` (idempotent for the same one)."""
-        done = await self.transport.register_owner(owner, ttl_s, incarnation)
+        """Register ``owner``'s life ``incarnation`` (idempotent for the same one);
+        ``sessions_idle_s``: a relay's (its sessions are client-held)."""
+        done = await self.transport.register_owner(owner, ttl_s, incarnation, sessions_idle_s)
         self._renewals.registered((owner, incarnation))
         self._registered[owner] = incarnation
         return done
@@ -369,11 +382,13 @@ class RemoteLedger(TypedCommands):
         inflight: Mapping[tuple[str, int], int] | None = None,
         *,
         incarnation: str = "",
+        sessions: Iterable[str] = (),
     ) -> None:
         """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
-        per (engine, version) and have it forwarded. Raises the refusal (``LEASE_EXPIRED``,
-        ``OWNER_RESTARTED``, ...) once the ledger refused a renewal of this life."""
-        self._renewals.record(owner, incarnation, inflight)
+        per (engine, version) and the client-held ``sessions`` it had a turn of, and have it
+        forwarded. Raises the refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...) once the
+        ledger refused a renewal of this life."""
+        self._renewals.record(owner, incarnation, inflight, sessions)
 
     async def _renewer(self) -> None:
         while True:
@@ -383,16 +398,17 @@ class RemoteLedger(TypedCommands):
 
     async def _forward_renewals(self) -> None:
         lives = self._renewals.take()
+        sessions = self._renewals.take_sessions()
         if not lives:
             return
         try:
-            renewed = await self.transport.renew(lives, self.view.mark)
+            renewed = await self.transport.renew(lives, self.view.mark, sessions)
         except Exception as exc:
             # Unreachable, refused as a whole, or an answer not understood: keep the newest
             # renewals for next time (the client's other work must not stop for it).
             log.warning("remote.renew_failed", error=repr(exc))
             for life, counts in lives.items():
-                self._renewals.keep(life, counts)
+                self._renewals.keep(life, counts, sessions.get(life, ()))
             return
         self.renewals_sent += 1
         for life, error in renewed.lost.items():
