@@ -344,15 +344,23 @@ class OwnerRegistered(Event, frozen=True):
     life: ``replaced`` names the incarnation it follows, and when that one was still live its
     sessions are released right after this event (cause ``owner_restarted``), so a restarted
     worker never leaves its predecessor's sessions pinning their versions. Schema 2 added
-    ``incarnation`` and ``replaced`` (schema 1 records: ``""`` and None)."""
+    ``incarnation`` and ``replaced`` (schema 1 records: ``""`` and None).
 
-    SCHEMA: ClassVar[int] = 2
+    ``sessions_idle_s``: who holds the sessions this owner binds. None: the owner does (a
+    ``RolloutWorker``): they end with its life (exit, expiry, a new incarnation). A number: the
+    owner is a *relay* (an OpenAI face) and its sessions are client-held: the end of its life
+    releases none of them; they end by an explicit release, by ``max_staleness``, by an
+    operator, or idle, released by the ledger's process after that many seconds without a
+    turn (0: never for idleness). Schema 3 added it (schema 2 records: None, owner-held)."""
+
+    SCHEMA: ClassVar[int] = 3
 
     owner: str
     ttl_s: float
     at: float
     incarnation: str = ""
     replaced: str | None = None
+    sessions_idle_s: float | None = None
 
 
 class OwnerDeregistered(Event, frozen=True):
@@ -387,18 +395,32 @@ class SessionBound(Event, frozen=True):
 LEASE_EXPIRED_CAUSE = "lease_expired"
 OWNER_RESTARTED_CAUSE = "owner_restarted"
 OWNER_EXITED_CAUSE = "owner_exited"
+# A session released after a time without a turn: by the ledger's process for a client-held
+# session (with ``last_turn``), or by a ``RolloutWorker`` given ``idle_release_s``.
+IDLE_CAUSE = "idle"
 
 
 class SessionReleased(Event, frozen=True):
     """Tombstones the session (it can never bind again). ``version_id`` is None when the
     session was closed before it ever bound. ``cause``: the caller's (``closed``, ``idle``,
     ``too_stale``) or the ledger's when the owner's life ended (``lease_expired``,
-    ``owner_restarted``, ``owner_exited``)."""
+    ``owner_restarted``, ``owner_exited``).
+
+    The ledger's idle release of a client-held session records the evidence it relied on:
+    ``last_turn`` (the session's last turn as the faces reported it, by the ledger's clock),
+    ``idle_s`` (the bound it used) and ``at`` (when it decided; the tombstone is forgotten a
+    retention period later). Schema 2 added them (schema 1 records, and every other release:
+    None)."""
+
+    SCHEMA: ClassVar[int] = 2
 
     session: str
     owner: str
     version_id: int | None
     cause: str = "closed"
+    last_turn: float | None = None
+    idle_s: float | None = None
+    at: float | None = None
 
 
 class SessionsForgotten(Event, frozen=True):
@@ -661,6 +683,16 @@ def _engine_restarted_v1(d: dict[str, Any]) -> dict[str, Any]:
 @upcaster("OwnerRegistered", 1)
 def _owner_registered_v1(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "incarnation": "", "replaced": None}
+
+
+@upcaster("OwnerRegistered", 2)
+def _owner_registered_v2(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "sessions_idle_s": None}
+
+
+@upcaster("SessionReleased", 1)
+def _session_released_v1(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "last_turn": None, "idle_s": None, "at": None}
 
 
 @upcaster("FatalResolved", 1)

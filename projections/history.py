@@ -281,11 +281,16 @@ def _detail(event: Event) -> str:
             return f"v{event.version_id} at revision {event.revision} by {event.owner}"
         case SessionReleased():
             bound = f"v{event.version_id}" if event.version_id is not None else "never bound"
+            last, at, idle_s = event.last_turn, event.at, event.idle_s
+            if last is not None and at is not None and idle_s is not None:
+                return f"{bound}, {event.cause}, no turn for {at - last:.1f}s (bound {idle_s:g}s)"
             return f"{bound}, {event.cause}"
         case OwnerLeaseExpired():
             return f"last renewal {event.at - event.last_seen:.1f}s before expiry"
         case OwnerRegistered():
             life = f"incarnation {event.incarnation or '(unnamed)'}, ttl {event.ttl_s:g}s"
+            if event.sessions_idle_s is not None:
+                life += f", relay (sessions client-held, idle {event.sessions_idle_s:g}s)"
             return (
                 life
                 if event.replaced is None

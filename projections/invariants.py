@@ -114,6 +114,9 @@ def _session_violations(state: RegistryState) -> list[str]:
             found.append(f"session {session} is both bound and released")
         if binding.revision > state.default_revision:
             found.append(f"session {session} bound at future revision {binding.revision}")
+    for session in state.idle_released:
+        if session not in state.tombstones:
+            found.append(f"idle release of {session} kept without its tombstone")
     return found
 
 

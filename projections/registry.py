@@ -75,7 +75,7 @@ from projections.transitions import VersionState as VersionState  # its home is 
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
 PROJECTION_VERSION = "registry-5"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
 # 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's
-# proof, and engine outages (unreachable)
+# proof, engine outages (unreachable), client-held sessions and idle tombstones
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -181,9 +181,14 @@ class EngineMember(msgspec.Struct, kw_only=True):
 
 
 class Binding(msgspec.Struct, array_like=True):
+    """``idle_s``: the ``sessions_idle_s`` of the owner that bound it, kept for the binding's
+    life (a later registration of that owner does not change it). None: owner-held (it ends
+    with the owner's life); a number: client-held (0: never released for idleness)."""
+
     owner: str
     version_id: int
     revision: int
+    idle_s: float | None = None
 
 
 class Owner(msgspec.Struct, kw_only=True):
@@ -198,6 +203,7 @@ class Owner(msgspec.Struct, kw_only=True):
     incarnation: str = ""
     exited: bool = False
     retired: tuple[str, ...] = ()
+    sessions_idle_s: float | None = None  # None: owner-held sessions; else a relay's
 
     @property
     def live(self) -> bool:
@@ -233,6 +239,8 @@ class RegistryState(msgspec.Struct, kw_only=True):
     engines: dict[str, EngineMember] = msgspec.field(default_factory=dict)
     sessions: dict[str, Binding] = msgspec.field(default_factory=dict)
     tombstones: dict[str, str] = msgspec.field(default_factory=dict)  # session -> owner
+    # The ledger's idle releases whose tombstones live on: session -> when (in release order).
+    idle_released: dict[str, float] = msgspec.field(default_factory=dict)
     owners: dict[str, Owner] = msgspec.field(default_factory=dict)
     commands: dict[str, RecordedCommand] = msgspec.field(default_factory=dict)
     skipped: int = 0
@@ -589,7 +597,11 @@ def _owner_registered(s: RegistryState, e: OwnerRegistered) -> None:
     before = s.owners.get(e.owner)
     retired = () if before is None else (*before.retired, before.incarnation)
     s.owners[e.owner] = Owner(
-        ttl_s=e.ttl_s, registered_at=e.at, incarnation=e.incarnation, retired=retired
+        ttl_s=e.ttl_s,
+        registered_at=e.at,
+        incarnation=e.incarnation,
+        retired=retired,
+        sessions_idle_s=e.sessions_idle_s,
     )
 
 
@@ -607,7 +619,9 @@ def _session_bound(s: RegistryState, e: SessionBound) -> None:
     v = s.versions.get(e.version_id)
     if v is None or e.session in s.sessions or e.session in s.tombstones:
         raise _binding_violation(s, e)
-    s.sessions[e.session] = Binding(e.owner, e.version_id, e.revision)
+    owner = s.owners.get(e.owner)
+    idle_s = None if owner is None else owner.sessions_idle_s
+    s.sessions[e.session] = Binding(e.owner, e.version_id, e.revision, idle_s)
     v.bound += 1
 
 
@@ -624,6 +638,8 @@ def _session_released(s: RegistryState, e: SessionReleased) -> None:
         del s.sessions[e.session]
         s.versions[binding.version_id].bound -= 1
     s.tombstones[e.session] = e.owner
+    if e.at is not None:  # the ledger's idle release: it forgets the tombstone later
+        s.idle_released[e.session] = e.at
 
 
 def _binding_violation(s: RegistryState, e: SessionBound | SessionReleased) -> AssertionError:
@@ -648,12 +664,15 @@ def _binding_violation(s: RegistryState, e: SessionBound | SessionReleased) -> A
 
 def _sessions_forgotten(s: RegistryState, e: SessionsForgotten) -> None:
     tombstones = s.tombstones
+    idle = s.idle_released
     for session in e.sessions:
         tombstones.pop(session, None)
+        idle.pop(session, None)
     # CPython dicts never shrink on deletion: rebuild a mostly-empty one so a million
     # sessions bound, released and forgotten leave the projection where it started.
     if not tombstones and len(s.sessions) < 1024:
         s.tombstones = {}
+        s.idle_released = {}
         s.sessions = dict(s.sessions)
 
 

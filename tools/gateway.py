@@ -11,7 +11,10 @@ makes every process pick the same engine for a session without talking to the ot
 
 Safety rules are serve's: loopback unless a token is given (the same token is the clients'
 bearer and the one presented to the ledger), bounded bodies and connections, SIGINT/SIGTERM
-stop it cleanly (in-flight requests drain, the last counts reach the ledger).
+stop it cleanly (in-flight requests drain, the last counts reach the ledger, its owner
+deregisters). It is a relay: the sessions it bound are client-held, so neither its stop nor
+its crash ends them; the next process (this one restarted, or any other) serves their next
+turns, and ``serve`` releases the idle ones.
 
 Provenance rows go to the ledger's process (its store beside the log), through the ledger
 client, sent again until stored; ``--provenance FILE`` also keeps a JSON-lines copy here. On
@@ -154,8 +157,8 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                 recorder=recorder,
                 on_engine_trouble=ledger.engine_failed,  # serve's reconciler hears it
             )
-            async with RolloutWorker.open(
-                ledger, gateway, owner=owner, ttl_s=opts.ttl_s, idle_release_s=opts.session_idle_s
+            async with RolloutWorker.open(  # a relay: its sessions outlive this process
+                ledger, gateway, owner=owner, ttl_s=opts.ttl_s, sessions_idle_s=opts.session_idle_s
             ) as worker:
                 face = OpenAIGateway(
                     worker,

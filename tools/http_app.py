@@ -257,19 +257,22 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def register(request: Request, body: wire.RegisterOwner) -> Any:
-        return await service.register(body.owner, body.ttl_s, body.incarnation)
+        return await service.register(
+            body.owner, body.ttl_s, body.incarnation, body.sessions_idle_s
+        )
 
     async def deregister(request: Request, body: wire.DeregisterOwner) -> Any:
         return await service.deregister(request.path_params["owner"], body.incarnation)
 
     async def renew(request: Request, body: wire.RenewLease) -> Any:
         owner = request.path_params["owner"]
-        service.renew_one(owner, wire.counts(body.inflight), body.incarnation)
+        service.renew_one(owner, wire.counts(body.inflight), body.incarnation, body.sessions)
         return wire.Renewed()
 
     async def renew_lives(request: Request, body: wire.RenewLeases) -> Any:
         lives = {(x.owner, x.incarnation): wire.counts(x.inflight) for x in body.lives}
-        lost, table = service.renew(lives, body.mark)
+        touched = {(x.owner, x.incarnation): x.sessions for x in body.lives if x.sessions}
+        lost, table = service.renew(lives, body.mark, touched)
         return wire.LeasesRenewed(
             lost=[
                 wire.LostLife(owner=owner, incarnation=life, refusal=wire.refusal(error))

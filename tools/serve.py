@@ -276,8 +276,10 @@ async def openai_face(
     plane: ControlPlane, opts: ServeOptions, store: ProvenanceStore
 ) -> AsyncIterator[OpenAIGateway]:
     """The OpenAI routes next to the ledger (docs/openai.md): one gateway (its in-flight
-    counts are reclaim evidence of the plane), one rollout worker owning every session they
-    bind, provenance rows into ``store`` (and a JSON-lines copy with ``--provenance``)."""
+    counts are reclaim evidence of the plane), one rollout worker relaying every session they
+    bind (client-held: they outlive this process, and the plane releases idle ones after
+    ``--session-idle-s``), provenance rows into ``store`` (and a JSON-lines copy
+    with ``--provenance``)."""
     from publisher.gateway import Gateway, LocalView
     from publisher.gateway.provenance import JsonlSink, ProvenanceRecorder, StoreSink, Tee
     from publisher.openai import OpenAIGateway, OpenAIOptions, engine_routes
@@ -301,7 +303,7 @@ async def openai_face(
             gateway,
             owner=opts.gateway_owner,
             ttl_s=opts.gateway_ttl_s,
-            idle_release_s=opts.session_idle_s,
+            sessions_idle_s=opts.session_idle_s,
         ) as worker:
             face = OpenAIGateway(
                 worker,

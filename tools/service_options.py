@@ -50,7 +50,8 @@ class ServiceOptions(msgspec.Struct, frozen=True, kw_only=True):
     served_model: str = "tiny"  # vLLM's base model name
     artifact_root: str | None = None  # where an in-process local engine reads adapters
     alias: str = "policy"  # the OpenAI model name meaning "my session's version"
-    session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released
+    session_idle_s: float = 1800.0  # an OpenAI session with no turn this long is released (by
+    # serve's process, also for sessions a gateway process bound: docs/sessions.md)
     provenance: str | None = None  # a JSON-lines copy of this process's rows (None: none)
     max_connections: int = 1000  # beyond it a connection is answered 503 and closed
     header_timeout_s: float = 10.0  # to send a request's headers, from connect or last reply

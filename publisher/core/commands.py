@@ -203,12 +203,17 @@ class RegisterOwner(Command, frozen=True):
     """Start (or, same ``incarnation`` again, confirm) a life of ``owner``. ``incarnation`` is
     the caller's token for this process life (a uuid made when the worker starts; ``""``:
     the one unnamed life of callers that never name one). Another incarnation of a live owner
-    replaces it and releases its sessions (``owner_restarted``)."""
+    replaces it and releases its sessions (``owner_restarted``).
+
+    ``sessions_idle_s``: None, the owner holds the sessions it binds (they end with its life);
+    a number >= 0, it relays client-held sessions, which outlive it and are released by the
+    ledger's process after that long without a turn (0: never for idleness)."""
 
     owner: str
     ttl_s: float
     now: float
     incarnation: str = ""
+    sessions_idle_s: float | None = None
 
 
 class DeregisterOwner(Command, frozen=True):
@@ -232,11 +237,17 @@ class ExpireOwner(Command, frozen=True):
 
 
 class Bind(Command, frozen=True):
-    """``incarnation`` (``""``: not checked) fences a stale life of the owner out."""
+    """``incarnation`` (``""``: not checked) fences a stale life of the owner out.
+
+    ``expect_version``: the version the caller's turn names (an OpenAI ``model`` that is a
+    version's name). An existing binding is answered whatever it is (the caller checks it);
+    a new one is made only if the default is that version, else ``VERSION_NOT_BOUND`` and
+    nothing is written: a refused request never leaves a session bound. None: any default."""
 
     session: str
     owner: str
     incarnation: str = ""
+    expect_version: int | None = None
 
 
 class Release(Command, frozen=True):
@@ -246,6 +257,17 @@ class Release(Command, frozen=True):
     owner: str
     cause: str = "closed"
     incarnation: str = ""
+
+
+class ReleaseIdle(Command, frozen=True):
+    """The ledger's process releases a client-held session that had no turn for its idle
+    bound: ``last_turn`` (the evidence, soft state of the ledger's process) and ``now`` are
+    data. Refused (``INVALID_INPUT``) while ``now - last_turn`` is under the bound, as
+    ``ExpireOwner`` refuses a live lease."""
+
+    session: str
+    now: float
+    last_turn: float
 
 
 class Forget(Command, frozen=True):
@@ -296,6 +318,7 @@ AnyCommand = (
     | ExpireOwner
     | Bind
     | Release
+    | ReleaseIdle
     | Forget
     | ClaimReclaim
     | RecordUnloaded

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -59,6 +59,7 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.leases import LeaseBook
 from publisher.core.ledger_api import LedgerAPI
 from publisher.core.outcomes import Outcome
+from publisher.core.session_activity import SessionActivity
 from publisher.logs import get_logger
 
 CODE_VERSION = "loraledger-0.1.0"
@@ -128,6 +129,7 @@ class Ledger(LedgerAPI):
         self._in_flight: anyio.Event | None = None  # set when the append in flight finished
         self._failed_append: BaseException | None = None
         self.leases = LeaseBook()
+        self.activity = SessionActivity()  # client-held sessions' last turns (soft state)
         self.batches = 0
         self.events_written = 0
 
@@ -231,13 +233,14 @@ class Ledger(LedgerAPI):
         inflight: Mapping[tuple[str, int], int] | None = None,
         *,
         incarnation: str = "",
+        sessions: Iterable[str] = (),
     ) -> None:
         """As :meth:`LedgerAPI.renew_lease`, refused once this ledger is fenced: a lease of
         this epoch says nothing any more (the new controller may have released the owner's
         sessions), and every turn checks it first, so no cached binding is served after."""
         if self._fenced is not None:
             raise self._fenced
-        super().renew_lease(owner, inflight, incarnation=incarnation)
+        super().renew_lease(owner, inflight, incarnation=incarnation, sessions=sessions)
 
     def clock(self) -> float:
         return self._clock()

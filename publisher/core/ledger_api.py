@@ -13,9 +13,10 @@ aggregate); the version states it can move through: ``projections/transitions.py
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from evlog.errors import LoraLedgerError
 from evlog.events import InFlight, TurnFailures
 from projections.status import LedgerStatus, status_of
 from publisher.core import commands as c
@@ -38,11 +39,13 @@ from publisher.core.outcomes import (
     Skipped,
     UnloadRecorded,
 )
+from publisher.core.session_activity import IDLE_TOMBSTONE_S
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
     from projections.registry import RegistryState
     from publisher.core.leases import LeaseBook
+    from publisher.core.session_activity import SessionActivity
 
 log = get_logger("loraledger.ledger")
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
@@ -95,11 +98,16 @@ class LedgerAPI(TypedCommands):
 
     if TYPE_CHECKING:
         leases: LeaseBook
+        activity: SessionActivity
 
         @property
         def state(self) -> RegistryState: ...
 
         def clock(self) -> float: ...
+
+        async def execute_many(
+            self, commands: Sequence[c.Command]
+        ) -> list[Outcome | LoraLedgerError]: ...
 
     # --- deployment and fleet ------------------------------------------------------------------
 
@@ -331,16 +339,31 @@ class LedgerAPI(TypedCommands):
     # --- owners and sessions -------------------------------------------------------------------
 
     async def register_owner(
-        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
     ) -> Done:
         """Register a session owner; its lease starts now and must be renewed within ``ttl_s``.
 
         ``incarnation`` names this process life of the owner (a uuid per worker start; the
         worker makes one). Another incarnation of a live owner replaces it: the predecessor's
         sessions are released (``owner_restarted``) and it is fenced out
-        (``OWNER_RESTARTED``). The same incarnation again is a no-op (a retry)."""
+        (``OWNER_RESTARTED``). The same incarnation again is a no-op (a retry).
+
+        ``sessions_idle_s`` (None: the owner holds its sessions) registers a relay whose
+        sessions are client-held: no end of its life releases them, and this process releases
+        one after that long without a turn (0: never; docs/sessions.md)."""
         now = self.clock()
-        command = c.RegisterOwner(owner=owner, ttl_s=ttl_s, now=now, incarnation=incarnation)
+        command = c.RegisterOwner(
+            owner=owner,
+            ttl_s=ttl_s,
+            now=now,
+            incarnation=incarnation,
+            sessions_idle_s=sessions_idle_s,
+        )
         outcome = await self._run(command, Done)
         if outcome.no_op:
             self.leases.grant(owner, now)
@@ -364,15 +387,26 @@ class LedgerAPI(TypedCommands):
         inflight: Mapping[tuple[str, int], int] | None = None,
         *,
         incarnation: str = "",
+        sessions: Iterable[str] = (),
     ) -> None:
         """Renew ``owner``'s lease (not logged) and record its in-flight counts per
         (engine, version_id). A stale worker gets ``OWNER_RESTARTED`` (a newer incarnation
         replaced ``incarnation``), ``LEASE_EXPIRED``, ``OWNER_DEREGISTERED`` or
-        ``UNKNOWN_OWNER``, by the same rule the decider applies to its commands."""
+        ``UNKNOWN_OWNER``, by the same rule the decider applies to its commands.
+
+        ``sessions``: the client-held sessions a relay had a turn of since its last renewal
+        (admitted, ended, or running): their last turn is now, by this process's clock (soft
+        state, ``publisher/core/session_activity.py``)."""
         check_lease(self.state, owner, required=True, incarnation=incarnation)
         if inflight is not None:
             _check_inflight(inflight)
-        self.leases.renew(owner, self.clock(), inflight)
+        now = self.clock()
+        if sessions:
+            touched = () if isinstance(sessions, str) else tuple(sessions)
+            if not touched or not all(isinstance(x, str) for x in touched):
+                raise LedgerError(Code.INVALID_INPUT, "sessions must be session ids (strings)")
+            self.activity.touch(touched, now, self.state.sessions)
+        self.leases.renew(owner, now, inflight)
 
     async def expire_leases(self) -> list[Expired]:
         """Record the expiry of every owner whose lease ran out (called periodically)."""
@@ -393,6 +427,37 @@ class LedgerAPI(TypedCommands):
             expired.append(outcome)
             log.warning("ledger.lease_expired", owner=owner, released=outcome.released)
         return expired
+
+    async def release_idle_sessions(self, *, tombstone_s: float = IDLE_TOMBSTONE_S) -> int:
+        """Release every client-held session that had no turn for its idle bound (by the
+        faces' reports, :meth:`renew_lease`), each with the last turn as evidence, and forget
+        the tombstones of this process's idle releases older than ``tombstone_s`` (called
+        periodically, beside :meth:`expire_leases`). Returns how many it released.
+
+        A session whose turn is reported between the sweep and the decision is released on
+        the older evidence (as a renewal racing an expiry): a turn admitted at that instant
+        runs to its end (its in-flight count holds the version), and its next one is refused
+        ``SESSION_CLOSED``."""
+        now = self.clock()
+        idle = self.activity.idle(now, self.state.sessions)
+        released = 0
+        if idle:
+            commands = [c.ReleaseIdle(session=s, now=now, last_turn=t) for s, t in idle]
+            for (session, _), result in zip(idle, await self.execute_many(commands), strict=True):
+                if isinstance(result, Released):
+                    released += result.released
+                    self.activity.drop(session)
+                else:
+                    log.error("ledger.idle_release_failed", session=session, error=str(result))
+            log.info("ledger.idle_released", released=released)
+        old: list[str] = []
+        for session, at in self.state.idle_released.items():  # in release order
+            if now - at < tombstone_s or len(old) >= FORGET_BATCH:
+                break
+            old.append(session)
+        if old:
+            await self.forget(old)
+        return released
 
     def inflight_evidence(self, version_id: int) -> list[InFlight]:
         """The in-flight counts the live owners last renewed with, for ``claim_reclaim``."""
@@ -424,6 +489,9 @@ class LedgerAPI(TypedCommands):
         """The live state as a :class:`~projections.status.LedgerStatus`."""
         return status_of(self.state)
 
+
+# Idle tombstones forgotten in one command (a day's releases of a busy gateway are many).
+FORGET_BATCH = 1024
 
 # One renewal reports a worker's requests per (engine, version): a few entries, small counts.
 # The caps bound what one renewal may make the ledger hold and sum (leases are kept in memory

@@ -70,11 +70,15 @@ class Bound(Outcome, frozen=True):
 
 
 class Released(Outcome, frozen=True):
-    """``released`` tells whether a binding existed (False for a retry or close-before-bind)."""
+    """``released`` tells whether a binding existed (False for a retry or close-before-bind).
+    ``tombstoned``: this call wrote the session's tombstone (a release of its binding, or a
+    close before any bind); False when someone else had already released it, so a relay
+    knows which tombstones are its own to forget."""
 
     session: str
     released: bool
     version_id: int | None = None
+    tombstoned: bool = False
 
 
 class Forgotten(Outcome, frozen=True):

@@ -15,7 +15,9 @@ artifact_root=...) as plane:``
 3. runs, in its task group until the block exits: the reclaim driver (every new ledger event
    and every ``reclaim_tick_s``), the reconciler's health loop (an incarnation probe of every
    engine each ``probe_interval_s``, a full inventory pass each ``full_reconcile_s``) and the
-   owner-lease expiry loop (``ledger.expire_leases()`` every ``lease_check_s``).
+   owner-lease expiry loop (``ledger.expire_leases()`` every ``lease_check_s``), which also
+   releases idle client-held sessions (``ledger.release_idle_sessions()``: the ledger's
+   process decides it, not the face that relayed them, docs/sessions.md).
 
 The drivers' own timers (the reconciler's full-pass period, the reclaim driver's artifact grace)
 read the event loop's clock, the one their sleeps and timeouts already use, so a test loop
@@ -191,6 +193,7 @@ class ControlPlane:
             await anyio.sleep(every_s)
             try:
                 await self.ledger.expire_leases()
+                await self.ledger.release_idle_sessions()
             except LoraLedgerError as exc:
                 if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
                     raise

@@ -19,9 +19,12 @@ aborts by prefix), so the id the engine sees is made unique.
   the SDK raises ``NotFoundError``); a listed version that is not the default, on a session
   provably not bound yet, is ``409 VERSION_NOT_BOUND`` (its first turn would bind it to the
   default).
-* **After the bind**, the rule itself (:meth:`Admission.after_bind`): what could not be settled
-  before (a session perhaps bound elsewhere, the default moved meanwhile) is settled by the
-  binding the ledger answered.
+* **The bind**: a first turn that names a version binds only if the ledger's default is that
+  version (``Bind.expect_version``, :meth:`Admission.named_version`): where this face's view
+  cannot tell whether the session is bound (another process may have bound it) or is old (the
+  default moved), the ledger's answer decides, and a refused first turn binds nothing.
+* **After the bind**, the rule itself (:meth:`Admission.after_bind`): an existing binding the
+  ledger answered (perhaps made elsewhere) serves only the alias or its own version's name.
 * A cached binding **released elsewhere** (:meth:`Admission.binding_gone`) is ``SESSION_CLOSED``,
   not a retryable ``NO_ROUTE`` that would be retried in vain.
 """
@@ -248,6 +251,19 @@ class Admission:
             f"{named.version_id}) is served only to sessions already bound to it: send "
             f"{self.alias!r}, or that version's name on a session bound to it",
         )
+
+    def named_version(self, ask: Ask) -> int | None:
+        """The version ``model`` names (its id), None for the alias or a name this view does
+        not list (:meth:`before_bind` refused those it could). What a first turn expects to
+        bind to (``Bind.expect_version``)."""
+        if ask.model == self.alias:
+            return None
+        try:
+            status = self.view.status()
+        except LoraLedgerError:
+            return None
+        named = next((v for v in status.versions if v.lora_name == ask.model), None)
+        return None if named is None else named.version_id
 
     def after_bind(self, ask: Ask, bound: Bound) -> Refusal | None:
         """The rule itself, by the binding the ledger answered: the alias or the session's

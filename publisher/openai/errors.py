@@ -30,7 +30,9 @@ _json = msgspec.json.Encoder()
 class OpenAICode:
     """The OpenAI face's own codes (the ledger's and the gateway's keep theirs)."""
 
-    VERSION_NOT_BOUND = "VERSION_NOT_BOUND"  # model names a version the session is not bound to
+    # model names a version the session is not bound to (the ledger's code for a first turn's
+    # bind, the face's for a binding it judges: one string, spelled once)
+    VERSION_NOT_BOUND = Code.VERSION_NOT_BOUND
     ENGINE_NOT_HTTP = "ENGINE_NOT_HTTP"  # a holder has no OpenAI endpoint (in-process engine)
     # model is neither the alias nor a version served here. OpenAI's and vLLM's own spelling
     # (lower case, unlike ours): clients' fallback logic keys on it and on the 404.

@@ -187,14 +187,18 @@ class OpenAIGateway:
 
     async def _turn(self, ask: Ask, binder: SessionBinder, send: Send) -> None:
         try:
-            async with binder.turn() as bound:
+            # A first turn that names a version binds only if the ledger's default is that
+            # version (its answer, not this face's copy, decides): a refused request never
+            # leaves the session bound.
+            expect = self.admission.named_version(ask)
+            async with binder.turn(expect_version=expect) as bound:
                 await self._generate(ask, bound, binder.next_turn(), send)
         except LoraLedgerError as exc:
             await send_error(send, exc.code, exc.message)
             if exc.code == Code.SESSION_CLOSED and not ask.one_turn:
-                # released in the ledger: this process forgets its cached binding too
-                with anyio.CancelScope(shield=True):
-                    await self.release_quietly(binder)
+                # released in the ledger: this process forgets its cached binding too (and
+                # only that: the tombstone is its writer's to forget)
+                self.worker.discard(binder)
 
     async def _generate(self, ask: Ask, bound: Bound, turn: int, send: Send) -> None:
         """One generation through the gateway's executor; each attempt relays one engine's

@@ -83,16 +83,27 @@ class RayTransport:
         reply: Reply = await self.link.call("execute_many", list(commands), mark, self.fleet_mark)
         return Answered(reply.results, self.mirrored(reply.routing, reply.fleet))
 
-    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
-        done: Done = await self.link.call("register_owner", owner, ttl_s, incarnation)
+    async def register_owner(
+        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+    ) -> Done:
+        done: Done = await self.link.call(
+            "register_owner", owner, ttl_s, incarnation, sessions_idle_s
+        )
         return done
 
     async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
         outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation)
         return outcome
 
-    async def renew(self, lives: Mapping[Life, Counts], mark: Mark | None) -> Renewed:
-        reply: RenewReply = await self.link.call("renew_leases", dict(lives), mark, self.fleet_mark)
+    async def renew(
+        self,
+        lives: Mapping[Life, Counts],
+        mark: Mark | None,
+        sessions: Mapping[Life, Sequence[str]],
+    ) -> Renewed:
+        reply: RenewReply = await self.link.call(
+            "renew_leases", dict(lives), mark, self.fleet_mark, dict(sessions)
+        )
         return Renewed(reply.lost, self.mirrored(reply.routing, reply.fleet))
 
     async def routing(self) -> RoutingTable:

@@ -11,7 +11,9 @@ Each actor hosts, on a private event loop (:class:`~publisher.ray.hosting.Portal
 ``loraledger gateway`` runs against ``serve``: a :class:`~publisher.ray.client.RayLedger`
 (binds coalesced into few round trips, in-flight counts forwarded with the lease renewals the
 ledger actor's reclaim reads, routing piggybacked on every reply), one
-:class:`~publisher.sessions.RolloutWorker` (the actor's owner, idle release on), the
+:class:`~publisher.sessions.RolloutWorker` (the actor's owner, a relay: the sessions it binds
+are client-held, so a restarted or redeployed gateway actor serves their next turns, and the
+ledger actor releases idle ones after ``session_idle_s``), the
 :class:`~publisher.openai.OpenAIGateway` and a uvicorn server on ``host:port`` (port 0:
 any free port; the actual address is what :func:`start_gateway` returns).
 
@@ -173,12 +175,12 @@ async def running_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, Ope
             on_engine_trouble=ledger.engine_failed,
         )
         worker = await stack.enter_async_context(
-            RolloutWorker.open(
+            RolloutWorker.open(  # a relay: its sessions outlive this actor
                 ledger,
                 gateway,
                 owner=owner,
                 ttl_s=config.ttl_s,
-                idle_release_s=config.session_idle_s,
+                sessions_idle_s=config.session_idle_s,
             )
         )
         face = OpenAIGateway(

@@ -205,8 +205,10 @@ class _Service:
         # Table and view read together (no await between): the view is the table's fleet.
         return Reply(results, table, self.fleet_for(fleet_mark))
 
-    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
-        return await self.ledger_service.register(owner, ttl_s, incarnation)
+    async def register_owner(
+        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None = None
+    ) -> Done:
+        return await self.ledger_service.register(owner, ttl_s, incarnation, sessions_idle_s)
 
     async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
         return await self.ledger_service.deregister(owner, incarnation)
@@ -216,8 +218,9 @@ class _Service:
         renewals: Mapping[Life, Mapping[tuple[str, int], int]],
         mark: Mark | None,
         fleet_mark: Mark | None,
+        sessions: Mapping[Life, Sequence[str]] | None = None,
     ) -> RenewReply:
-        lost, table = self.ledger_service.renew(renewals, mark)
+        lost, table = self.ledger_service.renew(renewals, mark, sessions)
         return RenewReply(lost, table, self.fleet_for(fleet_mark))
 
     async def routing_table(self) -> RoutingTable:
@@ -477,11 +480,13 @@ async def _stop_when_fenced(ledger: Ledger) -> None:
 
 
 async def _expire_leases(ledger: Ledger, every_s: float) -> None:
-    """A dead worker must not pin a version forever (docs/sessions.md): expire overdue owners."""
+    """A dead worker must not pin a version forever (docs/sessions.md): expire overdue owners,
+    and release the client-held sessions that went idle (the plane's loop does both too)."""
     while True:
         await anyio.sleep(every_s)
         try:
             await ledger.expire_leases()
+            await ledger.release_idle_sessions()
         except LoraLedgerError as exc:
             if exc.code in (Code.LEDGER_CLOSED, Code.FENCED):
                 raise
@@ -527,8 +532,17 @@ class LedgerActor:
         the fleet's handles if they changed since ``fleet_mark`` (the caller's mirror)."""
         return await self._call(self._service.execute_many, commands, mark, fleet_mark)
 
-    async def register_owner(self, owner: str, ttl_s: float = 30.0, incarnation: str = "") -> Done:
-        return await self._call(self._service.register_owner, owner, ttl_s, incarnation)
+    async def register_owner(
+        self,
+        owner: str,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
+    ) -> Done:
+        """``sessions_idle_s``: a relay's (its sessions are client-held, docs/sessions.md)."""
+        return await self._call(
+            self._service.register_owner, owner, ttl_s, incarnation, sessions_idle_s
+        )
 
     async def deregister_owner(self, owner: str, incarnation: str = "") -> Deregistered:
         return await self._call(self._service.deregister_owner, owner, incarnation)
@@ -538,10 +552,12 @@ class LedgerActor:
         renewals: dict[Life, dict[tuple[str, int], int]],
         mark: Mark | None = None,
         fleet_mark: Mark | None = None,
+        sessions: dict[Life, tuple[str, ...]] | None = None,
     ) -> RenewReply:
-        """Renew each life ``(owner, incarnation)`` with its in-flight counts; the lives
-        refused come back by name (see publisher/renewals.py)."""
-        return await self._call(self._service.renew_leases, renewals, mark, fleet_mark)
+        """Renew each life ``(owner, incarnation)`` with its in-flight counts and (a relay's)
+        the client-held sessions it had a turn of; the lives refused come back by name (see
+        publisher/renewals.py)."""
+        return await self._call(self._service.renew_leases, renewals, mark, fleet_mark, sessions)
 
     async def routing(self) -> RoutingTable:
         return await self._call(self._service.routing_table)

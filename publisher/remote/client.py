@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -135,11 +135,18 @@ class Transport(Protocol):
 
     async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered: ...
 
-    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done: ...
+    async def register_owner(
+        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+    ) -> Done: ...
 
     async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered: ...
 
-    async def renew(self, lives: Mapping[Life, Counts], mark: Mark | None) -> Renewed: ...
+    async def renew(
+        self,
+        lives: Mapping[Life, Counts],
+        mark: Mark | None,
+        sessions: Mapping[Life, Sequence[str]],
+    ) -> Renewed: ...
 
     async def routing(self) -> RoutingTable: ...
 
@@ -442,10 +449,16 @@ class RemoteLedger(TypedCommands):
     # --- owners and leases -----------------------------------------------------------------------
 
     async def register_owner(
-        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
     ) -> Done:
-        """Register ``owner``'s life ``incarnation`` (idempotent for the same one)."""
-        done = await self.transport.register_owner(owner, ttl_s, incarnation)
+        """Register ``owner``'s life ``incarnation`` (idempotent for the same one);
+        ``sessions_idle_s``: a relay's (its sessions are client-held)."""
+        done = await self.transport.register_owner(owner, ttl_s, incarnation, sessions_idle_s)
         self._renewals.registered((owner, incarnation))
         self._registered[owner] = incarnation
         return done
@@ -477,11 +490,13 @@ class RemoteLedger(TypedCommands):
         inflight: Mapping[tuple[str, int], int] | None = None,
         *,
         incarnation: str = "",
+        sessions: Iterable[str] = (),
     ) -> None:
         """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
-        per (engine, version) and have it forwarded. Raises the refusal (``LEASE_EXPIRED``,
-        ``OWNER_RESTARTED``, ...) once the ledger refused a renewal of this life."""
-        self._renewals.record(owner, incarnation, inflight)
+        per (engine, version) and the client-held ``sessions`` it had a turn of, and have it
+        forwarded. Raises the refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...) once the
+        ledger refused a renewal of this life."""
+        self._renewals.record(owner, incarnation, inflight, sessions)
 
     async def confirm_lease(self, owner: str, *, incarnation: str = "") -> None:
         """The ledger's own answer about the life ``(owner, incarnation)``, awaited: returns
@@ -524,22 +539,24 @@ class RemoteLedger(TypedCommands):
         round_, self._next_round = self._next_round, _Round()
         self._urgent = anyio.Event()
         try:
-            await self._forward(round_, self._renewals.take())
+            await self._forward(round_, self._renewals.take(), self._renewals.take_sessions())
         finally:
             round_.done.set()
 
-    async def _forward(self, round_: _Round, lives: dict[Life, Counts]) -> None:
+    async def _forward(
+        self, round_: _Round, lives: dict[Life, Counts], sessions: dict[Life, tuple[str, ...]]
+    ) -> None:
         if not lives:
             return
         try:
-            renewed = await self.transport.renew(lives, self.view.mark)
+            renewed = await self.transport.renew(lives, self.view.mark, sessions)
         except Exception as exc:
             # Unreachable, refused as a whole, or an answer not understood: keep the newest
             # renewals for next time (the client's other work must not stop for it).
             log.warning("remote.renew_failed", error=repr(exc))
             self._unanswered = True
             for life, counts in lives.items():
-                self._renewals.keep(life, counts)
+                self._renewals.keep(life, counts, sessions.get(life, ()))
             return
         self.renewals_sent += 1
         self._unanswered = False

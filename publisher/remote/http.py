@@ -219,8 +219,12 @@ class HttpTransport:
         assert len(decided) == len(commands), "every command is answered in place"
         return Answered(decided, routing)
 
-    async def register_owner(self, owner: str, ttl_s: float, incarnation: str) -> Done:
-        body = wire.RegisterOwner(owner=owner, ttl_s=ttl_s, incarnation=incarnation)
+    async def register_owner(
+        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+    ) -> Done:
+        body = wire.RegisterOwner(
+            owner=owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+        )
         return await self.service.post("/owners", body, Done)
 
     async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
@@ -229,17 +233,34 @@ class HttpTransport:
             path, wire.DeregisterOwner(incarnation=incarnation), Deregistered
         )
 
-    async def renew(self, lives: Mapping[Life, Counts], mark: Mark | None) -> Renewed:
-        body = wire.RenewLeases(
-            lives=[
-                wire.LifeRenewal(owner=owner, incarnation=incarnation, inflight=wire.inflight(n))
-                for (owner, incarnation), n in lives.items()
-            ],
-            mark=mark,
-        )
-        renewed = await self.service.post("/leases/renew", body, wire.LeasesRenewed)
-        lost = {(x.owner, x.incarnation): _error(x.refusal) for x in renewed.lost}
-        return Renewed(lost, renewed.routing)
+    async def renew(
+        self,
+        lives: Mapping[Life, Counts],
+        mark: Mark | None,
+        sessions: Mapping[Life, Sequence[str]],
+    ) -> Renewed:
+        """Every life in one body, unless the sessions they name would pass serve's cap on a
+        body: then the rest of the sessions follow in more bodies, each life with its counts
+        again (a renewal is idempotent: the newest counts)."""
+        lost: dict[Life, LoraLedgerError] = {}
+        routing: RoutingTable | None = None
+        for part in _session_parts(sessions, self.max_batch_bytes):
+            body = wire.RenewLeases(
+                lives=[
+                    wire.LifeRenewal(
+                        owner=owner,
+                        incarnation=incarnation,
+                        inflight=wire.inflight(n),
+                        sessions=part.get((owner, incarnation), []),
+                    )
+                    for (owner, incarnation), n in lives.items()
+                ],
+                mark=mark,
+            )
+            renewed = await self.service.post("/leases/renew", body, wire.LeasesRenewed)
+            lost.update({(x.owner, x.incarnation): _error(x.refusal) for x in renewed.lost})
+            routing = renewed.routing or routing
+        return Renewed(lost, routing)
 
     async def routing(self) -> RoutingTable:
         return await self.service.get("/routing", RoutingTable)
@@ -291,6 +312,25 @@ class HttpTransport:
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+def _session_parts(
+    sessions: Mapping[Life, Sequence[str]], max_bytes: int
+) -> list[dict[Life, list[str]]]:
+    """The sessions of a renewal in parts of at most ``max_bytes`` of ids (at least one part,
+    empty when there are none), so no renewal body passes serve's cap however many sessions
+    a busy relay touched in one interval."""
+    parts: list[dict[Life, list[str]]] = [{}]
+    size = 0
+    for life, names in sessions.items():
+        for name in names:
+            length = len(_encode(name)) + 1
+            if size and size + length > max_bytes:
+                parts.append({})
+                size = 0
+            parts[-1].setdefault(life, []).append(name)
+            size += length
+    return parts
 
 
 def _error(refusal: wire.Refusal) -> LoraLedgerError:

@@ -7,11 +7,15 @@ the same owner, a worker that restarted in the same process while its predecesso
 still renews. Keyed by owner, the predecessor's refusal (``OWNER_RESTARTED``) would be
 charged to its successor, and each life's renewal would overwrite the other's; keyed by life,
 the zombie hears its refusal and the successor is untouched.
+
+A relay's renewal also names the client-held sessions it had a turn of (docs/sessions.md, "Who
+owns a session"). Counts are a state (the newest replaces the older), sessions are news: every
+session recorded since the last forward is sent, the sets of several renewals joined.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import anyio
 
@@ -33,20 +37,28 @@ class PendingRenewals:
     def __init__(self) -> None:
         self._pending: dict[Life, Counts] = {}
         self._newest: dict[Life, Counts] = {}  # each life's newest counts, forwarded or not
+        self._sessions: dict[Life, set[str]] = {}
         self._lost: dict[Life, LoraLedgerError] = {}
         self.wanted = anyio.Event()  # set while something waits to be forwarded
 
     def record(
-        self, owner: str, incarnation: str, inflight: Mapping[tuple[str, int], int] | None
+        self,
+        owner: str,
+        incarnation: str,
+        inflight: Mapping[tuple[str, int], int] | None,
+        sessions: Iterable[str] = (),
     ) -> None:
         """Keep this renewal of ``(owner, incarnation)`` (it replaces an older one not yet
-        forwarded). Raises the ledger's refusal if it refused this life before: a stale
-        worker learns it is stale on its next renewal, from memory."""
-        lost = self._lost.get((owner, incarnation))
+        forwarded; its ``sessions`` join theirs). Raises the ledger's refusal if it refused
+        this life before: a stale worker learns it is stale on its next renewal, from memory."""
+        life = (owner, incarnation)
+        lost = self._lost.get(life)
         if lost is not None:
             raise lost
         counts = {k: n for k, n in (inflight or {}).items() if n}
-        self._pending[(owner, incarnation)] = self._newest[(owner, incarnation)] = counts
+        self._pending[life] = self._newest[life] = counts
+        if sessions:
+            self._sessions.setdefault(life, set()).update(sessions)
         self.wanted.set()
 
     def pend(self, life: Life) -> None:
@@ -60,15 +72,23 @@ class PendingRenewals:
         return self._lost.get(life)
 
     def take(self) -> dict[Life, Counts]:
-        """Everything to forward now; the next ``record`` wakes the forwarder again."""
+        """Everything to forward now (with :meth:`take_sessions`, read right after, no await
+        between); the next ``record`` wakes the forwarder again."""
         self.wanted = anyio.Event()
         taken, self._pending = self._pending, {}
         return taken
 
-    def keep(self, life: Life, counts: Counts) -> None:
+    def take_sessions(self) -> dict[Life, tuple[str, ...]]:
+        """The sessions each life touched since the last take, to forward with its counts."""
+        taken, self._sessions = self._sessions, {}
+        return {life: tuple(sorted(sessions)) for life, sessions in taken.items()}
+
+    def keep(self, life: Life, counts: Counts, sessions: Iterable[str] = ()) -> None:
         """A forward that did not reach the ledger: send it next time, unless a newer renewal
-        of the same life was recorded meanwhile."""
+        of the same life was recorded meanwhile (its sessions are sent either way)."""
         self._pending.setdefault(life, counts)
+        if sessions:
+            self._sessions.setdefault(life, set()).update(sessions)
         self.wanted.set()
 
     def refused(self, life: Life, error: LoraLedgerError) -> None:
@@ -84,3 +104,4 @@ class PendingRenewals:
         """``life`` deregistered: nothing more of it is forwarded."""
         self._pending.pop(life, None)
         self._newest.pop(life, None)
+        self._sessions.pop(life, None)

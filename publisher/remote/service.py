@@ -118,28 +118,44 @@ class LedgerService:
         results = await self.ledger.execute_many(commands)
         return results, self.routing(mark)
 
-    async def register(self, owner: str, ttl_s: float, incarnation: str) -> Done:
-        return await self.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+    async def register(
+        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None = None
+    ) -> Done:
+        return await self.ledger.register_owner(
+            owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+        )
 
     async def deregister(self, owner: str, incarnation: str) -> Deregistered:
         return await self.ledger.deregister_owner(owner, incarnation=incarnation)
 
     def renew(
-        self, lives: Mapping[Life, Mapping[tuple[str, int], int]], mark: Mark | None = None
+        self,
+        lives: Mapping[Life, Mapping[tuple[str, int], int]],
+        mark: Mark | None = None,
+        sessions: Mapping[Life, Sequence[str]] | None = None,
     ) -> tuple[dict[Life, LoraLedgerError], RoutingTable | None]:
-        """Renew each life ``(owner, incarnation)`` with its in-flight counts; the lives the
-        ledger refused come back by name, with their refusal."""
+        """Renew each life ``(owner, incarnation)`` with its in-flight counts and (a relay's)
+        the client-held sessions it had a turn of; the lives the ledger refused come back by
+        name, with their refusal."""
         lost: dict[Life, LoraLedgerError] = {}
+        touched = sessions or {}
         for (owner, incarnation), inflight in lives.items():
             try:
-                self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
+                self.ledger.renew_lease(
+                    owner,
+                    inflight,
+                    incarnation=incarnation,
+                    sessions=touched.get((owner, incarnation), ()),
+                )
             except LoraLedgerError as exc:
                 lost[(owner, incarnation)] = exc
         return lost, self.routing(mark)
 
-    def renew_one(self, owner: str, inflight: Counts, incarnation: str) -> None:
+    def renew_one(
+        self, owner: str, inflight: Counts, incarnation: str, sessions: Sequence[str] = ()
+    ) -> None:
         """One owner's renewal; raises its refusal."""
-        self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
+        self.ledger.renew_lease(owner, inflight, incarnation=incarnation, sessions=sessions)
 
     def trouble(self, engine: str, error: EngineError, batch: TroubleBatch | None = None) -> bool:
         """A remote gateway's generation on ``engine`` failed with ``error``: handed to the

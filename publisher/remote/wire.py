@@ -41,6 +41,7 @@ class RegisterOwner(Body, frozen=True):
     owner: str
     ttl_s: float = 30.0
     incarnation: str = ""  # this life of the owner (docs/sessions.md#owner-incarnations)
+    sessions_idle_s: float | None = None  # a relay's: its sessions are client-held
 
 
 class DeregisterOwner(Body, frozen=True):
@@ -58,14 +59,17 @@ class RenewLease(Body, frozen=True):
 
     inflight: list[InFlightCount] = msgspec.field(default_factory=list)
     incarnation: str = ""  # "": not checked
+    sessions: list[str] = msgspec.field(default_factory=list)  # a relay's sessions with a turn
 
 
 class LifeRenewal(Body, frozen=True):
-    """One life ``(owner, incarnation)`` and its requests in flight."""
+    """One life ``(owner, incarnation)``, its requests in flight, and (a relay's) the
+    client-held sessions it had a turn of since its last renewal."""
 
     owner: str
     incarnation: str = ""
     inflight: list[InFlightCount] = msgspec.field(default_factory=list)
+    sessions: list[str] = msgspec.field(default_factory=list)
 
 
 class RenewLeases(Body, frozen=True):

@@ -82,7 +82,16 @@ class BinderOwner(Owner, Protocol):
     @property
     def idle_release_s(self) -> float: ...
 
-    def shared_binds(self, binders: list[SessionBinder]) -> list[Slot[Bound]]: ...
+    @property
+    def binding_cache_s(self) -> float | None: ...
+
+    def shared_binds(
+        self, binders: list[SessionBinder], *, expect_version: int | None = None
+    ) -> list[Slot[Bound]]: ...
+
+    def turn_started(self, session_id: str) -> None: ...
+
+    def turn_ended(self, session_id: str, still_running: bool) -> None: ...
 
     def idle_released(self, session_id: str) -> bool: ...
 
@@ -106,6 +115,7 @@ class SessionBinder:
         self._worker = worker
         self._bound: Bound | None = None
         self.bind_slot: Slot[Bound] | None = None  # the shared bind, once asked
+        self.bind_expect: int | None = None  # the version the turn that asked it named
         self.release_slot: Slot[Released] | None = None  # the shared release, once asked
         self.closing = False  # no generation may start any more
         self.release_cause = "closed"  # what the release records (SessionReleased.cause)
@@ -181,7 +191,7 @@ class SessionBinder:
         return turn
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[Bound]:
+    async def turn(self, *, expect_version: int | None = None) -> AsyncIterator[Bound]:
         """One generation of this session, as any face sends it (:meth:`generate`, the
         OpenAI face): binds on the first turn (the shared bind) and yields the binding. The body
         sends through the gateway's executor (``Gateway.dispatch`` with ``owner`` this worker),
@@ -189,15 +199,30 @@ class SessionBinder:
         the deployment's ``max_staleness`` (``SESSION_TOO_STALE``, nothing sent) ends the
         session: it is released with cause ``too_stale`` and every later call hears the same
         refusal. ``close`` waits for the body (``cancel=True`` cancels it, and this raises
-        ``SESSION_CLOSED``); the lease's in-flight counts are renewed when it ends."""
+        ``SESSION_CLOSED``); the lease's in-flight counts are renewed when it ends.
+
+        ``expect_version``: the version this turn names, if any. A first turn then binds only
+        if that version is the ledger's default (``VERSION_NOT_BOUND`` otherwise, nothing
+        bound); an existing binding is yielded whatever it is, for the caller to judge."""
         self._check_usable()
+        cache = self._worker.binding_cache_s
+        if (
+            cache is not None
+            and self._bound is not None
+            and not self._active
+            and anyio.current_time() - self.last_used >= cache
+        ):
+            # A relay's binding unused that long may have been released in the ledger
+            # meanwhile (idle, or through another face): ask again rather than serve it.
+            self._bound = None
+            self.bind_slot = None
         stale: LedgerError | None = None
         with anyio.CancelScope() as scope:
             self._enter(scope)
             try:
                 bound = self._bound
                 if bound is None:
-                    bound = await self._worker.shared_binds([self])[0].wait()
+                    bound = await self._bind_as(expect_version)
                 try:
                     yield bound
                 except LedgerError as refusal:
@@ -227,6 +252,19 @@ class SessionBinder:
         return result
 
     # --- internals -----------------------------------------------------------------------------
+
+    async def _bind_as(self, expect_version: int | None) -> Bound:
+        """The shared bind, as this turn needs it. A bind already in flight for another turn
+        is shared whatever it expects; if it was refused for that turn's named version
+        (``VERSION_NOT_BOUND``) and this turn names another (or none), this one asks again."""
+        while True:
+            slot = self._worker.shared_binds([self], expect_version=expect_version)[0]
+            asked = self.bind_expect
+            try:
+                return await slot.wait()
+            except LedgerError as refusal:
+                if refusal.code != Code.VERSION_NOT_BOUND or asked == expect_version:
+                    raise
 
     async def _drop_stale(self, refusal: LedgerError) -> None:
         """A turn refused as too stale ends the session: it is released with cause
@@ -262,10 +300,12 @@ class SessionBinder:
         if not self._active:
             self._idle = anyio.Event()
         self._active.add(scope)
+        self._worker.turn_started(self.session_id)
 
     def _exit(self, scope: anyio.CancelScope) -> None:
         self._active.discard(scope)
         self.last_used = anyio.current_time()
+        self._worker.turn_ended(self.session_id, still_running=bool(self._active))
         if not self._active and self._idle is not None:
             self._idle.set()
 

@@ -9,7 +9,7 @@ cannot act twice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -30,7 +30,12 @@ class LedgerPort(Protocol):
     """What a worker needs from the ledger: four calls, the same in process and remote."""
 
     async def register_owner(
-        self, owner: str, *, ttl_s: float = ..., incarnation: str = ...
+        self,
+        owner: str,
+        *,
+        ttl_s: float = ...,
+        incarnation: str = ...,
+        sessions_idle_s: float | None = ...,
     ) -> Done: ...
 
     async def deregister_owner(self, owner: str, *, incarnation: str = ...) -> Deregistered: ...
@@ -41,6 +46,7 @@ class LedgerPort(Protocol):
         inflight: Mapping[tuple[str, int], int] | None = None,
         *,
         incarnation: str = ...,
+        sessions: Iterable[str] = ...,
     ) -> None: ...
 
     async def execute_many(

@@ -24,6 +24,12 @@ trip per group), which is what a Ray actor wants.
 * **A stale worker is told, never rebound.** Once the ledger ended the owner, every call
   raises ``LEASE_EXPIRED`` (or ``OWNER_RESTARTED``, ``OWNER_DEREGISTERED``): the worker is the
   gateway's ``Owner``, whose lease the dispatch executor checks before every attempt.
+* **A relay holds nothing of its own** (``sessions_idle_s`` given: the worker of an OpenAI
+  face). Its sessions are client-held: no end of its life releases them, and a later process
+  binds them again (the ledger answers the existing binding). It reports the sessions it had a
+  turn of with its renewals, and the ledger's process releases idle ones; it keeps a binding
+  only while it is in use (a cached one unused for the idle time is asked of the ledger again,
+  so a session released meanwhile is refused), and forgets only the tombstones it wrote.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ from publisher.sessions.port import OWNER_LOST_CODES, ConfirmsLeases, LedgerPort
 log = get_logger("loraledger.sessions")
 
 T = TypeVar("T")
+# How long a relay whose sessions never go idle (``sessions_idle_s`` 0) keeps a binding cached
+# without a turn of it: only its memory is at stake (a session is never released for idleness).
+RELAY_CACHE_S = 1800.0
 
 
 class RolloutWorker:
@@ -73,7 +82,16 @@ class RolloutWorker:
         idle_tombstone_s: float = 86400.0,
         incarnation: str | None = None,
         deregister_on_exit: bool = True,
+        sessions_idle_s: float | None = None,
     ) -> None:
+        if sessions_idle_s is not None and not (
+            math.isfinite(sessions_idle_s) and sessions_idle_s >= 0 and idle_release_s == 0
+        ):
+            raise InvalidInput(
+                INVALID_INPUT,
+                "sessions_idle_s must be finite and >= 0, without idle_release_s (a relay's "
+                "sessions are released for idleness by the ledger's process)",
+            )
         if not (math.isfinite(ttl_s) and ttl_s > 0) or forget_batch < 1:
             raise InvalidInput(INVALID_INPUT, "ttl_s must be > 0 and forget_batch >= 1")
         if not (math.isfinite(idle_release_s) and idle_release_s >= 0) or not (
@@ -113,6 +131,20 @@ class RolloutWorker:
         self.idle_tombstone_s = idle_tombstone_s
         self._idle_released: dict[str, float] = {}  # session -> when (anyio's clock)
         self.idle_releases = 0
+        # A relay (the worker of an OpenAI face) when not None: its sessions are client-held,
+        # released by the ledger's process after this long without a turn (0: never), which
+        # hears of their turns through the renewals (``_touched``: since the last renewal;
+        # ``_running``: with a turn in flight, reported again at every renewal tick).
+        self.sessions_idle_s = sessions_idle_s
+        self._touched: set[str] = set()
+        self._running: set[str] = set()
+        # How long a relay trusts a binding it cached without a turn of it here: past that, the
+        # ledger may have released the session, so the next turn asks it again. None: always.
+        self.binding_cache_s: float | None = (
+            None if sessions_idle_s is None else sessions_idle_s or RELAY_CACHE_S
+        )
+        if sessions_idle_s:  # a turn still running is reported well within the idle bound
+            self.renew_every = min(self.renew_every, sessions_idle_s / 4)
 
     @classmethod
     @asynccontextmanager
@@ -130,10 +162,13 @@ class RolloutWorker:
         idle_tombstone_s: float = 86400.0,
         incarnation: str | None = None,
         deregister_on_exit: bool = True,
+        sessions_idle_s: float | None = None,
     ) -> AsyncIterator[RolloutWorker]:
         """Register (a new incarnation unless ``incarnation`` is given), run the background
         work for the life of the block, and on a normal exit deregister (see the module
-        docstring; ``deregister_on_exit=False`` leaves the sessions bound under the lease)."""
+        docstring; ``deregister_on_exit=False`` leaves the sessions bound under the lease).
+        ``sessions_idle_s`` makes the worker a relay of client-held sessions (module
+        docstring)."""
         worker = cls(
             ledger,
             gateway,
@@ -146,15 +181,14 @@ class RolloutWorker:
             idle_tombstone_s=idle_tombstone_s,
             incarnation=incarnation,
             deregister_on_exit=deregister_on_exit,
+            sessions_idle_s=sessions_idle_s,
         )
         worker._forget_lock = anyio.Lock()
-        await worker._call(
-            lambda: worker.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=worker.incarnation)
-        )
+        await worker._call(worker._register)
         async with anyio.create_task_group() as tg:
             worker._tg = tg
             tg.start_soon(worker._renew_loop)
-            if idle_release_s > 0:
+            if idle_release_s > 0 or sessions_idle_s is not None:
                 tg.start_soon(worker._idle_loop)
             try:
                 yield worker
@@ -244,15 +278,37 @@ class RolloutWorker:
         """Why this worker may no longer act (its lease expired), or None."""
         return self._lost
 
+    async def _register(self) -> Any:
+        if self.sessions_idle_s is None:  # owner-held: the call every ledger port knows
+            return await self.ledger.register_owner(
+                self.owner, ttl_s=self.ttl_s, incarnation=self.incarnation
+            )
+        return await self.ledger.register_owner(
+            self.owner,
+            ttl_s=self.ttl_s,
+            incarnation=self.incarnation,
+            sessions_idle_s=self.sessions_idle_s,
+        )
+
     def ensure_live(self) -> None:
-        """Renew the lease now (carrying this worker's in-flight counts); raise
-        ``LEASE_EXPIRED`` if the ledger expired this owner. Synchronous on purpose."""
+        """Renew the lease now (carrying this worker's in-flight counts, and a relay's
+        sessions with a turn since the last renewal); raise ``LEASE_EXPIRED`` if the ledger
+        expired this owner. Synchronous on purpose."""
         if self._lost is not None:
             raise self._lost
         try:
-            self.ledger.renew_lease(
-                self.owner, self.inflight.counts(), incarnation=self.incarnation
-            )
+            if self.sessions_idle_s is None:
+                self.ledger.renew_lease(
+                    self.owner, self.inflight.counts(), incarnation=self.incarnation
+                )
+            else:
+                touched, self._touched = self._touched, set()
+                self.ledger.renew_lease(
+                    self.owner,
+                    self.inflight.counts(),
+                    incarnation=self.incarnation,
+                    sessions=touched,
+                )
         except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
                 self._owner_lost(exc)
@@ -346,17 +402,69 @@ class RolloutWorker:
         return released
 
     async def _idle_loop(self) -> None:
-        period = min(self.idle_release_s / 4, 30.0)
+        idle = self.idle_release_s if self.binding_cache_s is None else self.binding_cache_s
+        period = min(idle / 4, 30.0)
         while self._lost is None:
             await anyio.sleep(period)
+            if self.binding_cache_s is not None:
+                self.drop_unused()
+                continue
             try:
                 await self.release_idle()
             except LoraLedgerError as exc:
                 log.warning("sessions.idle_release_failed", owner=self.owner, error=repr(exc))
 
+    # --- a relay's sessions --------------------------------------------------------------------
+
+    def turn_started(self, session_id: str) -> None:
+        """A binder's turn began (a relay reports it with its next renewal)."""
+        if self.sessions_idle_s is not None:
+            self._touched.add(session_id)
+            self._running.add(session_id)
+
+    def turn_ended(self, session_id: str, still_running: bool) -> None:
+        """A binder's turn ended (reported with the next renewal, like its start)."""
+        if self.sessions_idle_s is not None:
+            self._touched.add(session_id)
+            if not still_running:
+                self._running.discard(session_id)
+
+    def drop_unused(self, now: float | None = None) -> int:
+        """A relay forgets (here only: the ledger is not asked) the bindings it cached that
+        had no turn here for ``binding_cache_s``, so that its memory stays bounded and the
+        next turn of one asks the ledger, which may have released it meanwhile. Returns how
+        many."""
+        idle = self.binding_cache_s
+        if idle is None:
+            return 0
+        now = anyio.current_time() if now is None else now
+        unused = [
+            session
+            for session, binder in self._binders.items()
+            if not binder.closing
+            and not binder.in_flight
+            and (binder.bind_slot is None or binder.bound is not None)
+            and now - binder.last_used >= idle
+        ]
+        for session in unused:
+            del self._binders[session]
+        return len(unused)
+
+    def discard(self, binder: SessionBinder) -> None:
+        """Forget a binder whose session the ledger says is closed (released elsewhere, or
+        idle), without asking the ledger anything: releasing it again would only make this
+        worker forget a tombstone it did not write, and a late turn would bind afresh."""
+        if (
+            self._binders.get(binder.session_id) is binder
+            and not binder.in_flight
+            and binder.release_slot is None
+        ):
+            del self._binders[binder.session_id]
+
     async def _renew_loop(self) -> None:
         while self._lost is None:
             await anyio.sleep(self.renew_every)
+            self._touched |= self._running  # a turn still running is a turn now
             try:
                 self.ensure_live()
             except LoraLedgerError as exc:
@@ -379,13 +487,17 @@ class RolloutWorker:
             raise LedgerError(Code.LEDGER_CLOSED, f"rollout worker {self.owner} is not running")
         self._tg.start_soon(task, binders)
 
-    def shared_binds(self, binders: list[SessionBinder]) -> list[Slot[Bound]]:
+    def shared_binds(
+        self, binders: list[SessionBinder], *, expect_version: int | None = None
+    ) -> list[Slot[Bound]]:
         """Each binder's bind slot, starting ONE task for those that have none yet (a group
         bound in one ledger round trip). A slot that succeeded is kept forever (it holds the
-        binding); a failed one is dropped, so the next turn asks again."""
+        binding); a failed one is dropped, so the next turn asks again. ``expect_version``:
+        the version the asking turn names (``Bind.expect_version``), for the fresh ones."""
         fresh = [b for b in binders if b.bind_slot is None]
         for binder in fresh:
             binder.bind_slot = Slot()
+            binder.bind_expect = expect_version
         if fresh:
             self._spawn(self._bind_task, fresh)
         slots = [b.bind_slot for b in binders]
@@ -399,7 +511,12 @@ class RolloutWorker:
 
     async def _bind_task(self, binders: list[SessionBinder]) -> None:
         commands = [
-            c.Bind(session=b.session_id, owner=self.owner, incarnation=self.incarnation)
+            c.Bind(
+                session=b.session_id,
+                owner=self.owner,
+                incarnation=self.incarnation,
+                expect_version=b.bind_expect,
+            )
             for b in binders
         ]
         results = await self._settle(commands, binders, "bind")
@@ -424,7 +541,9 @@ class RolloutWorker:
             if isinstance(result, Released):
                 if binder.release_cause == IDLE_CAUSE:  # forgotten later (release_idle)
                     self._idle_released[binder.session_id] = anyio.current_time()
-                else:
+                elif self.sessions_idle_s is None or result.tombstoned:
+                    # A relay forgets only the tombstones it wrote: one written by another
+                    # (the ledger's idle release, another face) must live on for its writer.
                     self._finished.append(binder.session_id)
                 if self._binders.get(binder.session_id) is binder:
                     del self._binders[binder.session_id]

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import msgspec
 
-from evlog.events import EngineRestarted, VersionPublished, decode_event, encode_event
+from evlog.events import (
+    EngineRestarted,
+    OwnerRegistered,
+    SessionReleased,
+    VersionPublished,
+    decode_event,
+    encode_event,
+)
 
 
 def test_a_schema_1_version_published_reads_as_no_rollback() -> None:
@@ -32,3 +39,37 @@ def test_a_schema_1_engine_restart_reads_as_the_same_address() -> None:
     assert (event.endpoint, event.kind) == (None, None)
     moved = EngineRestarted(engine="e0", old="b", new="c", endpoint="http://h:1", kind="vllm")
     assert decode_event(encode_event(moved), "EngineRestarted", EngineRestarted.SCHEMA) == moved
+
+
+def test_a_schema_2_owner_registration_reads_as_owner_held_sessions() -> None:
+    """Schema 3 added ``sessions_idle_s`` to ``OwnerRegistered``: every owner registered before
+    held its sessions itself (they ended with its life), which reads as None."""
+    old = msgspec.msgpack.encode(
+        {"type": "OwnerRegistered", "owner": "openai-serve", "ttl_s": 30.0, "at": 5.0,
+         "incarnation": "a", "replaced": None}
+    )  # fmt: skip
+    event = decode_event(old, "OwnerRegistered", 2)
+    assert event == OwnerRegistered(owner="openai-serve", ttl_s=30.0, at=5.0, incarnation="a")
+    assert event.sessions_idle_s is None
+    schema_1 = msgspec.msgpack.encode({"type": "OwnerRegistered", "owner": "w", "ttl_s": 5.0,
+                                       "at": 1.0})  # fmt: skip
+    oldest = decode_event(schema_1, "OwnerRegistered", 1)  # 1 -> 2 -> 3
+    assert isinstance(oldest, OwnerRegistered) and oldest.sessions_idle_s is None
+    relay = OwnerRegistered(owner="gw", ttl_s=30.0, at=6.0, incarnation="b", sessions_idle_s=0.0)
+    assert decode_event(encode_event(relay), "OwnerRegistered", OwnerRegistered.SCHEMA) == relay
+
+
+def test_a_schema_1_session_release_reads_as_no_idle_evidence() -> None:
+    """Schema 2 added ``last_turn``, ``idle_s`` and ``at`` to ``SessionReleased``: no release
+    before it was the ledger's idle release, so they read as None."""
+    old = msgspec.msgpack.encode(
+        {"type": "SessionReleased", "session": "s", "owner": "w", "version_id": 3,
+         "cause": "idle"}
+    )  # fmt: skip
+    event = decode_event(old, "SessionReleased", 1)
+    assert event == SessionReleased(session="s", owner="w", version_id=3, cause="idle")
+    assert (event.last_turn, event.idle_s, event.at) == (None, None, None)
+    idle = SessionReleased(
+        session="s", owner="w", version_id=3, cause="idle", last_turn=1.5, idle_s=60.0, at=70.0
+    )
+    assert decode_event(encode_event(idle), "SessionReleased", SessionReleased.SCHEMA) == idle

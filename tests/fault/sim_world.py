@@ -40,7 +40,15 @@ import hashlib
 import random
 import sys
 import tempfile
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -353,10 +361,17 @@ class ControllerPort:
         self._world = world
 
     async def register_owner(
-        self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
     ) -> Done:
         return await self._remote(
-            lambda ledger: ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+            lambda ledger: ledger.register_owner(
+                owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+            )
         )
 
     async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
@@ -370,8 +385,11 @@ class ControllerPort:
         inflight: Mapping[tuple[str, int], int] | None = None,
         *,
         incarnation: str = "",
+        sessions: Iterable[str] = (),
     ) -> None:
-        self._world.ledger().renew_lease(owner, inflight, incarnation=incarnation)
+        self._world.ledger().renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions
+        )
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         results = await self._remote(lambda ledger: ledger.execute_many(commands))

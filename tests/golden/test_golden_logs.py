@@ -23,6 +23,7 @@ from evlog.events import (
     Event,
     OwnerRegistered,
     PublicationSkipped,
+    SessionReleased,
     VersionPublished,
 )
 from evlog.record import Record
@@ -167,6 +168,15 @@ async def test_old_payloads_read_as_what_their_schema_meant(golden: tuple[Path, 
     w3 = _only(records, OwnerRegistered, owner="w3")
     assert isinstance(w3, OwnerRegistered) and w3.replaced is None
     assert w3.incarnation == ("w3-a" if g.lives else "")
+    # no golden log knew client-held sessions: every owner held its own, no release was the
+    # ledger's idle release
+    registered = [r.event for r in records if isinstance(r.event, OwnerRegistered)]
+    assert registered and all(e.sessions_idle_s is None for e in registered)
+    assert all(o.sessions_idle_s is None for o in state.owners.values())
+    assert all(b.idle_s is None for b in state.sessions.values())
+    releases = [r.event for r in records if isinstance(r.event, SessionReleased)]
+    assert releases and all((e.last_turn, e.idle_s, e.at) == (None,) * 3 for e in releases)
+    assert state.idle_released == {}
 
 
 async def test_today_s_ledger_opens_a_golden_log_and_writes_on(

@@ -151,6 +151,7 @@ async def rig(
     owner: str = "openai-gw",
     ttl_s: float = 30.0,
     idle_release_s: float = 0.0,
+    sessions_idle_s: float | None = None,
     restartable: bool = False,
     probe_interval_s: float = 0.05,
     suspend_after_s: float | None = 30.0,
@@ -161,7 +162,9 @@ async def rig(
     place (same port, a new process life holding nothing); ``Rig.engines`` are their first
     lives. ``probe_interval_s``: the plane's health probe (a long one leaves a restart unseen
     until something reports the engine); ``suspend_after_s``: how long its probes may fail
-    before the engine is suspended (0: at the first failed probe)."""
+    before the engine is suspended (0: at the first failed probe). ``sessions_idle_s``: the
+    face's worker is a relay, as every OpenAI face runs it (its sessions client-held, released
+    idle by the plane)."""
     hosts: dict[str, HostedEngine] = {}
     servers: dict[str, ServerTask] = {}
     async with contextlib.AsyncExitStack() as stack:
@@ -214,7 +217,12 @@ async def rig(
         plane.add_inflight_source(gateway)
         worker = await stack.enter_async_context(
             RolloutWorker.open(
-                plane.ledger, gateway, owner=owner, ttl_s=ttl_s, idle_release_s=idle_release_s
+                plane.ledger,
+                gateway,
+                owner=owner,
+                ttl_s=ttl_s,
+                idle_release_s=idle_release_s,
+                sessions_idle_s=sessions_idle_s,
             )
         )
         table = engine_routes(plane.fleet)

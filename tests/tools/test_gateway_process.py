@@ -290,7 +290,8 @@ async def test_a_gateway_process_refuses_models_before_binding_when_it_safely_ca
 ) -> None:
     """A gateway process sees the ledger through a snapshot that lists no sessions. An
     unknown model is a 404 and a one-turn request naming a non-default version a 409, before
-    any bind; a session bound through ``serve`` keeps its own version name here (the bind
+    any bind; a named session's first turn naming one is a 409 from the ledger's bind, which
+    binds nothing; a session bound through ``serve`` keeps its own version name here (the bind
     answers the existing binding); a version published after the snapshot is not refused (the
     snapshot is read again first). Requests outside the routes answer in OpenAI's shape."""
     from evlog.events import SessionBound, SessionReleased
@@ -362,6 +363,13 @@ async def test_a_gateway_process_refuses_models_before_binding_when_it_safely_ca
         with pytest.raises(openai.ConflictError) as unbound:
             await client.chat.completions.create(model=v1, messages=hello)
         assert unbound.value.code == "VERSION_NOT_BOUND" and v3 in unbound.value.message
+        # a named session this process cannot know unbound: the ledger's bind refuses it, and
+        # binds nothing (it used to be bound to the default, then refused)
+        with pytest.raises(openai.ConflictError) as first:
+            await client.chat.completions.create(
+                model=v1, messages=hello, extra_headers={"x-session-id": "fresh-named"}
+            )
+        assert first.value.code == "VERSION_NOT_BOUND" and v3 in first.value.message
         assert (await client.models.retrieve(v1)).id == v1
 
         plain = await stack.enter_async_context(

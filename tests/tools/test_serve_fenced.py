@@ -58,8 +58,9 @@ async def test_a_fenced_serve_is_unhealthy_and_refuses_turns_of_its_bound_sessio
     tmp_path: Path,
 ) -> None:
     """In process, over one local engine: the first serve bound a session and served a turn;
-    a second serve opens the same file (a new epoch, the same OpenAI owner id, so the
-    session is released in the log). The first then answers /health 503 ``ok: false``
+    a second serve opens the same file (a new epoch, the same OpenAI owner id under a new
+    incarnation; the session is client-held, so it stays bound and the second serves it).
+    The first then answers /health 503 ``ok: false``
     naming the epoch that fenced it, refuses the session's next turn with FENCED in OpenAI's
     error shape (no provenance row: nothing was sent), and its serve() ends with the
     FENCED exit code. The second serves on, healthy."""
@@ -99,7 +100,7 @@ async def test_a_fenced_serve_is_unhealthy_and_refuses_turns_of_its_bound_sessio
                     httpx.AsyncClient(base_url=second_url, trust_env=False, timeout=60) as second,
                 ):
                     status = (await second.get("/status")).json()
-                    assert status["epoch"] == 2 and status["sessions_bound"] == 0  # s1 released
+                    assert status["epoch"] == 2 and status["sessions_bound"] == 1  # s1 kept
 
                     health = await _health_once_refused(first)
                     assert health.status_code == 503, health.text
@@ -125,6 +126,11 @@ async def test_a_fenced_serve_is_unhealthy_and_refuses_turns_of_its_bound_sessio
                         "/v1/chat/completions", json=_turn("s3"), headers=AUTH
                     )
                     assert fresh.status_code == 200, fresh.text
+                    resumed = await second.post(
+                        "/v1/chat/completions", json=_turn("s1"), headers=AUTH
+                    )
+                    assert resumed.status_code == 200, resumed.text
+                    assert resumed.headers["x-loraledger-version"] == "1"
     # written when the first one stopped: the refused turn sent nothing, so it has no row
     assert [row.session for row in read_rows(first_rows)] == ["s1"]
 

@@ -110,8 +110,9 @@ def service_options(
             float,
             1800.0,
             "--session-idle-s",
-            "Release an OpenAI session after this many seconds without a turn here (cause "
-            "'idle'), so its version can be reclaimed; 0: never.",
+            "An OpenAI session is released after this many seconds without a turn through "
+            "any face (cause 'idle'; serve's process decides, also while no face runs), so "
+            "its version can be reclaimed; 0: never. Sessions outlive a face's restart.",
         ),
         _option("provenance", Path | None, None, "--provenance", provenance_help),
         _option(

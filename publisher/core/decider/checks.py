@@ -47,7 +47,11 @@ def _well_typed(command: c.Command) -> c.Command:
 # Optional fields a command gained after logs existed. At their default they are left out of
 # the fingerprint, so a ``command_id`` recorded before the field existed still names the same
 # command when it is sent again (and is not refused as COMMAND_CONFLICT).
-_FIELDS_ADDED_LATER: dict[str, object] = {"allow_rollback": False}
+_FIELDS_ADDED_LATER: dict[str, object] = {
+    "allow_rollback": False,
+    "sessions_idle_s": None,
+    "expect_version": None,
+}
 # ``incarnation`` came later to the owner and session commands only (the engine commands
 # always had theirs, and their fingerprints include it).
 _OWNER_FIELDS_ADDED_LATER: dict[str, object] = {"incarnation": ""}

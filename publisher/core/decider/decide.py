@@ -45,7 +45,7 @@ from publisher.core.decider.reclaim import (
     _mark_reclaim_ambiguous,
     _record_unloaded,
 )
-from publisher.core.decider.sessions import _bind, _forget, _release
+from publisher.core.decider.sessions import _bind, _forget, _release, _release_idle
 from publisher.core.errors import Code, LedgerError
 from publisher.core.outcomes import decode_outcome, encode_outcome
 
@@ -113,6 +113,7 @@ _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.ExpireOwner: _expire_owner,
     c.Bind: _bind,
     c.Release: _release,
+    c.ReleaseIdle: _release_idle,
     c.Forget: _forget,
     c.ClaimReclaim: _claim_reclaim,
     c.RecordUnloaded: _record_unloaded,

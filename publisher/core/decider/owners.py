@@ -5,6 +5,11 @@ An owner id has lives (incarnations): a new life replaces the live one at once a
 sessions, and a replaced life may never act again (``OWNER_RESTARTED``). ``check_lease`` is
 the rule "an expired owner may not act", written once for the session commands and for the
 ledger's unlogged lease renewals (``Ledger.renew_lease``).
+
+A *relay* (an OpenAI face, registered with ``sessions_idle_s``) binds client-held sessions:
+the end of any of its lives releases none of them (``_release_all`` leaves them), since the
+client, not the process that relayed its turns, holds the episode (docs/sessions.md, "Who
+owns a session").
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:
         raise LedgerError(Code.INVALID_INPUT, f"lease ttl {ttl} must be > 0")
     if cmd.incarnation:
         _key(cmd.incarnation, "incarnation")
+    idle_s = cmd.sessions_idle_s
+    if idle_s is not None and _time(idle_s, "sessions_idle_s") < 0:
+        raise LedgerError(Code.INVALID_INPUT, f"sessions_idle_s {idle_s} must be >= 0 or None")
     owner = s.owners.get(cmd.owner)
     if owner is not None:
         if owner.incarnation == cmd.incarnation:
@@ -61,6 +69,7 @@ def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:
         at=_time(cmd.now, "now"),
         incarnation=cmd.incarnation,
         replaced=None if owner is None else owner.incarnation,
+        sessions_idle_s=None if idle_s is None else float(idle_s),
     )
     released = (
         () if owner is None or not owner.live else _release_all(s, cmd.owner, OWNER_RESTARTED_CAUSE)
@@ -69,11 +78,13 @@ def _register_owner(s: RegistryState, cmd: c.RegisterOwner) -> Decision:
 
 
 def _release_all(s: RegistryState, owner: str, cause: str) -> tuple[SessionReleased, ...]:
-    """A release of every session ``owner`` holds bound, with the ledger's ``cause``."""
+    """A release of every session ``owner`` holds bound, with the ledger's ``cause``. Only
+    owner-held ones: a client-held session (bound through a relay, ``Binding.idle_s`` set)
+    outlives every life of the process that relayed it."""
     return tuple(
         SessionReleased(session=session, owner=owner, version_id=binding.version_id, cause=cause)
         for session, binding in s.sessions.items()
-        if binding.owner == owner
+        if binding.owner == owner and binding.idle_s is None
     )
 
 

@@ -5,15 +5,19 @@ the binding, and a release before any bind tombstones the id so that it can neve
 tombstones are forgotten, never a bound session. Binds and releases are the ledger's hot path:
 ids already in the state were validated when they entered it, so only new ones are checked in
 full.
+
+A client-held session (bound through a relay) is also released by the ledger's process when
+idle (``ReleaseIdle``): the command carries the last turn it relied on, and is refused while
+the session is not idle by that evidence, as an expiry is refused for a live lease.
 """
 
 from __future__ import annotations
 
-from evlog.events import SessionBound, SessionReleased, SessionsForgotten
+from evlog.events import IDLE_CAUSE, SessionBound, SessionReleased, SessionsForgotten
 from projections.registry import RegistryState
 from projections.staleness import TOO_STALE, staleness, too_stale
 from publisher.core import commands as c
-from publisher.core.decider.checks import _deployment, _is_str, _key
+from publisher.core.decider.checks import _deployment, _is_str, _key, _time
 from publisher.core.decider.decision import Decision
 from publisher.core.decider.owners import _fence_incarnation, check_lease
 from publisher.core.errors import Code, LedgerError
@@ -45,17 +49,47 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
             outcome=_bound(s, cmd.session, binding.version_id, binding.revision, new=False)
         )
     if cmd.session in s.tombstones:
-        raise LedgerError(
-            Code.SESSION_CLOSED, f"session {cmd.session} was released", session=cmd.session
-        )
+        raise _closed(s, cmd.session)
     _key(cmd.session, "session")
     check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
     if s.default is None:
         raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
+    if cmd.expect_version is not None and cmd.expect_version != s.default:
+        raise _not_the_default(s, cmd.session, cmd.expect_version)
     event = SessionBound(
         session=cmd.session, owner=cmd.owner, version_id=s.default, revision=s.default_revision
     )
     return Decision((event,), _bound(s, cmd.session, s.default, s.default_revision, new=True))
+
+
+def _closed(s: RegistryState, session: str) -> LedgerError:
+    """``SESSION_CLOSED`` for a tombstoned session; one the ledger released for idleness says
+    so (``details.cause`` ``idle``): its client went quiet, it did not close it."""
+    if session in s.idle_released:
+        return LedgerError(
+            Code.SESSION_CLOSED,
+            f"session {session} was released after a time without a turn (cause idle): its "
+            "version may be reclaimed; start a new session id",
+            session=session,
+            cause=IDLE_CAUSE,
+        )
+    return LedgerError(Code.SESSION_CLOSED, f"session {session} was released", session=session)
+
+
+def _not_the_default(s: RegistryState, session: str, named: int) -> LedgerError:
+    """A first turn that names a version other than the default: the ledger's answer, on its
+    own state (a face's copy may be old), before anything is written."""
+    assert s.default is not None
+    default = s.versions[s.default]
+    return LedgerError(
+        Code.VERSION_NOT_BOUND,
+        f"session {session} is not bound yet, and a first turn binds to the current default, "
+        f"{default.lora_name} (version {s.default}); version {named} is served only to "
+        "sessions already bound to it",
+        session=session,
+        version_id=named,
+        default=s.default,
+    )
 
 
 def _release(s: RegistryState, cmd: c.Release) -> Decision:
@@ -85,9 +119,10 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
             version_id=binding.version_id,
             cause=cmd.cause,
         )
-        return Decision(
-            (event,), Released(session=cmd.session, released=True, version_id=binding.version_id)
+        released = Released(
+            session=cmd.session, released=True, version_id=binding.version_id, tombstoned=True
         )
+        return Decision((event,), released)
     if cmd.session in s.tombstones:
         return Decision(outcome=Released(session=cmd.session, released=False))
     # Closed before its first bind: tombstone it so it can never bind.
@@ -95,7 +130,47 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
     _key(cmd.owner, "owner")
     check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
     event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
-    return Decision((event,), Released(session=cmd.session, released=False))
+    return Decision((event,), Released(session=cmd.session, released=False, tombstoned=True))
+
+
+def _release_idle(s: RegistryState, cmd: c.ReleaseIdle) -> Decision:
+    """The ledger's idle release of a client-held session, on the evidence the command
+    carries. No binding any more (released meanwhile): a no-op. An owner-held session is
+    its owner's to end, and one within its idle bound is not idle: both refused."""
+    _deployment(s)
+    _is_str(cmd.session, "session")
+    binding = s.sessions.get(cmd.session)
+    if binding is None:
+        return Decision(outcome=Released(session=cmd.session, released=False))
+    now, last_turn = _time(cmd.now, "now"), _time(cmd.last_turn, "last_turn")
+    idle_s = binding.idle_s
+    if not idle_s:  # None: owner-held; 0: a relay whose sessions never go idle
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"session {cmd.session} is not released for idleness: "
+            + ("its owner's life ends it" if idle_s is None else "its idle bound is 0 (never)"),
+            session=cmd.session,
+        )
+    if now - last_turn < idle_s:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"session {cmd.session} is not idle ({now - last_turn:.3f}s since its last turn "
+            f"< {idle_s:g}s)",
+            session=cmd.session,
+        )
+    event = SessionReleased(
+        session=cmd.session,
+        owner=binding.owner,
+        version_id=binding.version_id,
+        cause=IDLE_CAUSE,
+        last_turn=last_turn,
+        idle_s=idle_s,
+        at=now,
+    )
+    released = Released(
+        session=cmd.session, released=True, version_id=binding.version_id, tombstoned=True
+    )
+    return Decision((event,), released)
 
 
 def _forget(s: RegistryState, cmd: c.Forget) -> Decision:

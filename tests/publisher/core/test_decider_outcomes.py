@@ -314,14 +314,14 @@ def test_sessions_outcomes_and_events_name_the_session_owner_and_cause(book: Boo
     again = book.run(c.Bind(session="s", owner="w1"))
     assert again == Bound(**{**msgspec.structs.asdict(bound), "new": False})
     released = book.run(c.Release(session="s", owner="w1", cause="c" * 64))
-    assert released == Released(session="s", released=True, version_id=1)
+    assert released == Released(session="s", released=True, version_id=1, tombstoned=True)
     assert book.events[-1] == SessionReleased(session="s", owner="w1", version_id=1, cause="c" * 64)
     assert book.run(c.Release(session="s", owner="w1", cause="x")) == Released(
         session="s", released=False
     )
     book.refuse(c.Release(session="s2", owner="w1", cause="c" * 65), Code.INVALID_INPUT)
     closed = book.run(c.Release(session="s2", owner="w1", cause="abandoned"))
-    assert closed == Released(session="s2", released=False)
+    assert closed == Released(session="s2", released=False, tombstoned=True)  # it wrote one
     assert book.events[-1] == SessionReleased(
         session="s2", owner="w1", version_id=None, cause="abandoned"
     )

@@ -5,8 +5,10 @@ gateway actor per node (``start_gateways``) whose HTTP address the official ``op
 One small test (Ray is slow here): a session's turns stay on one version and one engine while a
 new version publishes; a newcomer gets the new one; ``/v1/models`` shows both; every turn's
 provenance row reaches the ledger actor's store beside its log (before, a gateway actor wrote
-rows only to a file on its own node, when given one); every process is stopped by its
-handle."""
+rows only to a file on its own node, when given one); a redeployed gateway actor (its
+predecessor stopped, then killed) serves the session's next turn on its version (before, the
+stop released the session: the next turn was 409 ``SESSION_CLOSED``); every process is stopped
+by its handle."""
 
 from __future__ import annotations
 
@@ -176,6 +178,29 @@ async def test_a_gateway_actor_serves_the_openai_client(ray_instance: Any, tmp_p
                 if "e2" in served_by:
                     break
         assert "e2" in served_by, served_by
+
+        # A redeployed gateway actor (the old one stopped cleanly: its owner deregistered)
+        # serves the next turn of a session bound through its predecessor, on its version;
+        # then the same after the new one is killed outright.
+        for ends in ("stopped", "killed"):
+            if ends == "stopped":
+                await anyio.to_thread.run_sync(functools.partial(stop_gateway, gateway))
+            else:
+                ray.kill(gateway, no_restart=True)
+            gateway = None
+            ((gateway, url),) = await anyio.to_thread.run_sync(
+                lambda: start_gateways(
+                    GatewayConfig(token=TOKEN, ledger_name=ledger_name, namespace=NAMESPACE)
+                )
+            )
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN) as client:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": f"after the gateway {ends}"}],
+                    max_tokens=3,
+                    extra_headers={"x-session-id": "ray-episode"},
+                )
+                assert raw.headers["x-loraledger-version"] == "1", ends
     finally:
         if gateway is not None:
             await anyio.to_thread.run_sync(lambda: stop_gateway(gateway))

@@ -56,7 +56,7 @@ async def test_the_client_speaks_the_in_process_api(ledger_factory: Any) -> None
             new=False,
         )
         released = await ledger.release("s1", "w1")
-        assert released == Released(session="s1", released=True, version_id=1)
+        assert released == Released(session="s1", released=True, version_id=1, tombstoned=True)
         with pytest.raises(LoraLedgerError) as closed:
             await ledger.bind("s1", "w1")
         assert closed.value.code == Code.SESSION_CLOSED

@@ -56,6 +56,34 @@ async def test_a_burst_larger_than_one_body_is_sent_in_several_in_order(tmp_path
         assert [r.session for r in results if isinstance(r, Bound)] == sessions
 
 
+async def test_a_relays_renewal_brings_every_session_it_touched_under_the_cap(
+    tmp_path: Path,
+) -> None:
+    """A relay (an OpenAI face, ``sessions_idle_s`` given) names the client-held sessions it
+    had a turn of with its renewal: 5,000 at once with ids of 200 characters are over serve's
+    1 MiB cap on one body, so the transport sends them in several; every one reaches the
+    ledger's process, which keeps its last turn (soft state, nothing logged)."""
+    async with SQLiteStore.open(tmp_path / "ledger.db") as store, Ledger.open(store) as ledger:
+        await ledger.create_deployment("dep", prefix="agent", capacity=4, fleet=("e0",))
+        await ledger.join_engine("e0", "life-1")
+        await ledger.repair_engine("e0", "life-1")
+        await publish(ledger, 1)
+        app = build_app(ledger, LedgerMetrics(lambda: ledger.state), token=TOKEN)
+        async with serve_app(app) as url, HttpLedger.connect(url, token=TOKEN) as remote:
+            await remote.register_owner("face", incarnation="a", sessions_idle_s=60.0)
+            assert ledger.state.owners["face"].sessions_idle_s == 60.0
+            sessions = [f"{k:05d}-" + "s" * 194 for k in range(5000)]
+            bound = await remote.execute_many(
+                [c.Bind(session=s, owner="face", incarnation="a") for s in sessions]
+            )
+            assert all(isinstance(b, Bound) for b in bound)
+            seq = ledger.state.last_seq
+            remote.renew_lease("face", {("e0", 1): 3}, incarnation="a", sessions=sessions)
+            await wait_for("every session's turn heard", lambda: len(ledger.activity) == 5000)
+            assert ledger.state.last_seq == seq  # nothing logged for a turn
+            assert ledger.leases.inflight(1)[0].count == 3
+
+
 async def test_a_command_a_gateway_does_not_send_is_refused_in_place(tmp_path: Path) -> None:
     """Only that command is refused: the binds beside it in the group are answered."""
     async with served(tmp_path / "ledger.db") as remote:

@@ -46,3 +46,23 @@ def test_a_refusal_is_charged_to_its_life_only_until_it_registers_again() -> Non
     book.record("w", "one", None)
     book.ended(("w", "one"))
     assert book.take() == {}
+
+
+def test_a_relays_sessions_are_joined_until_forwarded_and_kept_when_not() -> None:
+    """Counts are a state (the newest wins), the sessions a relay had a turn of are news:
+    every one recorded since the last forward goes out once, and a forward that did not reach
+    the ledger keeps them for the next."""
+    book = PendingRenewals()
+    book.record("face", "a", {("e0", 1): 1}, ["s1", "s2"])
+    book.record("face", "a", {}, ["s2", "s3"])
+    book.record("w", "x", {("e0", 1): 2})
+    assert book.take() == {("face", "a"): {}, ("w", "x"): {("e0", 1): 2}}
+    assert book.take_sessions() == {("face", "a"): ("s1", "s2", "s3")}
+    assert book.take_sessions() == {}
+    book.keep(("face", "a"), {}, ("s1", "s2", "s3"))  # that forward failed
+    book.record("face", "a", {("e0", 1): 1}, ["s4"])
+    assert book.take() == {("face", "a"): {("e0", 1): 1}}
+    assert book.take_sessions() == {("face", "a"): ("s1", "s2", "s3", "s4")}
+    book.record("face", "a", {}, ["s5"])
+    book.ended(("face", "a"))  # deregistered: nothing of it is forwarded any more
+    assert (book.take(), book.take_sessions()) == ({}, {})

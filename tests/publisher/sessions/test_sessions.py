@@ -4,7 +4,7 @@ leases (renewal, expiry, stale workers) and the batch API."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -25,7 +25,7 @@ from projections.registry import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Outcome, Released
+from publisher.core.outcomes import Done, Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
 from tests.support.log import events_of, numbered
@@ -49,14 +49,30 @@ class Port:
         self.waiting = 0
         self.lose_release_replies = 0
 
-    async def register_owner(self, owner: str, *, ttl_s: float = 30.0, incarnation: str = ""):  # type: ignore[no-untyped-def]
-        return await self.ledger.register_owner(owner, ttl_s=ttl_s, incarnation=incarnation)
+    async def register_owner(
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
+    ) -> Done:
+        return await self.ledger.register_owner(
+            owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+        )
 
     async def deregister_owner(self, owner: str, *, incarnation: str = ""):  # type: ignore[no-untyped-def]
         return await self.ledger.deregister_owner(owner, incarnation=incarnation)
 
-    def renew_lease(self, owner, inflight=None, *, incarnation: str = "") -> None:  # type: ignore[no-untyped-def]
-        self.ledger.renew_lease(owner, inflight, incarnation=incarnation)
+    def renew_lease(
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
+        sessions: Iterable[str] = (),
+    ) -> None:
+        self.ledger.renew_lease(owner, inflight, incarnation=incarnation, sessions=sessions)
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         self.calls.append(list(commands))
@@ -231,7 +247,7 @@ async def test_close_before_the_first_bind_can_never_bind() -> None:
         await r.publish(1)
         s = w.session("never")
         released = await s.close()
-        assert released == Released(session="never", released=False)
+        assert released == Released(session="never", released=False, tombstoned=True)
         for again in (s, w.session("never")):
             with pytest.raises(LoraLedgerError) as info:
                 await again.generate(PROMPT, SHORT)
@@ -273,7 +289,7 @@ async def test_close_waits_for_running_generations_then_releases_once() -> None:
                 engine.continue_generation()
         served, released = results
         assert served.generation.finish_reason == "length"  # type: ignore[attr-defined]
-        assert released == Released(session="s", released=True, version_id=1)
+        assert released == Released(session="s", released=True, version_id=1, tombstoned=True)
         assert await s.close() == released  # idempotent, no second event
         assert len(await events_of(r.store, SessionReleased)) == 1
 
