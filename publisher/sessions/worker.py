@@ -339,6 +339,10 @@ class RolloutWorker:
     async def _renew_loop(self) -> None:
         while self._lost is None:
             await anyio.sleep(self.renew_every)
+            if self.gateway.unconfirmed:
+                # Requests whose end the engine did not confirm yet are counted (and renewed)
+                # until it does: ask again, so a held count ends soon after it can.
+                await self.gateway.confirm_ends()
             try:
                 self.ensure_live()
             except LoraLedgerError as exc:
