@@ -180,8 +180,8 @@ async def _rig(
             await ledger.join_engine(engine.engine_id, incarnation)
             await ledger.repair_engine(engine.engine_id, incarnation)
         fleet = Fleet(wrap(e) if wrap else e for e in local.values())
-        for member in fleet:  # a double that owns tasks (KeepsRunning) lives in the rig's block
-            if isinstance(member, contextlib.AbstractAsyncContextManager):
+        for member in fleet:  # a double that owns tasks lives in the rig's block
+            if isinstance(member, KeepsRunning):
                 await stack.enter_async_context(member)
         sink = MemorySink()
         recorder = await stack.enter_async_context(
