@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -248,6 +249,21 @@ async def release_v1(r: Rig) -> None:
     assert r.ledger.state.versions[1].bound == 0
 
 
+async def start_turn(r: Rig, bound: Any, tg: anyio.abc.TaskGroup) -> tuple[anyio.CancelScope, str]:
+    """A long turn of ``bound`` started in ``tg``, once it is counted in flight; returns the
+    scope that cancels its caller and the engine it runs on."""
+    caller = anyio.CancelScope()
+
+    async def turn() -> None:
+        with caller:
+            await r.gateway.generate(bound, PROMPT, LONG)
+
+    tg.start_soon(turn)
+    await wait_for("the turn in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1)
+    ((busy, _),) = r.gateway.inflight_counts()
+    return caller, busy
+
+
 async def test_a_cancelled_turn_keeps_its_version_until_the_engine_confirms_the_abort() -> None:
     """A turn cancelled by its caller (a client disconnect, ``close_session(cancel=True)``) on
     an engine that keeps generating until its abort lands, and whose unload does not drain:
@@ -262,17 +278,7 @@ async def test_a_cancelled_turn_keeps_its_version_until_the_engine_confirms_the_
         for engine in r.local.values():
             engine.pause_generation()  # the generation runs, frozen between tokens
         async with anyio.create_task_group() as tg:
-            caller = anyio.CancelScope()
-
-            async def turn() -> None:
-                with caller:
-                    await r.gateway.generate(bound, PROMPT, LONG)
-
-            tg.start_soon(turn)
-            await wait_for(
-                "the turn in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1
-            )
-            ((busy, _),) = r.gateway.inflight_counts()
+            caller, busy = await start_turn(r, bound, tg)
             member = r.fleet[busy]
             assert isinstance(member, KeepsRunning)
             await release_v1(r)
@@ -316,17 +322,7 @@ async def test_a_count_the_engine_cannot_confirm_is_held_until_its_incarnation_e
             engine.pause_generation()
             r.fleet[engine.engine_id].unconfirmable = True  # type: ignore[attr-defined]
         async with anyio.create_task_group() as tg:
-            caller = anyio.CancelScope()
-
-            async def turn() -> None:
-                with caller:
-                    await r.gateway.generate(bound, PROMPT, LONG)
-
-            tg.start_soon(turn)
-            await wait_for(
-                "the turn in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1
-            )
-            ((busy, _),) = r.gateway.inflight_counts()
+            caller, busy = await start_turn(r, bound, tg)
             await release_v1(r)
             caller.cancel()
         # the caller's cancellation returned (bounded by abort_timeout_s); the count did not
