@@ -72,7 +72,9 @@ from engines.contract import (
     Transport,
     UnloadReceipt,
     check_name,
+    ends_requests,
 )
+from engines.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGuard
 from engines.local import wire
 from engines.local.client import LocalHTTPEngine
 from engines.manifest import (
@@ -240,7 +242,17 @@ async def _answer(action: Callable[[], Coroutine[Any, Any, Any]]) -> Response:
         return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 503)
 
 
-def create_app(agent: Agent, *, token: str | None = None) -> Starlette:
+# Publication steps a draining agent refuses (503 ENGINE_DRAINING, engines.drain); unload,
+# inventory and server_info stay open (the control plane still cleans up and observes).
+DRAIN_REFUSES = frozenset(
+    {f"{wire.PREFIX}/prepare", f"{wire.PREFIX}/bucket", f"{wire.PREFIX}/load"}
+)
+
+
+def create_app(agent: Agent, *, token: str | None = None, drain: Drain | None = None) -> Starlette:
+    """The agent's routes; ``drain``: the gate a stopping process closes (:mod:`engines.drain`):
+    it counts every request, and once draining refuses :data:`DRAIN_REFUSES`."""
+
     async def decode(request: Request, type_: type[Any]) -> Any:
         try:
             return guard.strict_decode(await request.body(), type_)
@@ -294,16 +306,22 @@ def create_app(agent: Agent, *, token: str | None = None) -> Starlette:
     def error_body(code: str, message: str) -> Any:
         return wire.ErrorBody(wire.ErrorDetail(code, message))
 
+    draining = (
+        []
+        if drain is None
+        else [Middleware(DrainGuard, drain=drain, refuses=DRAIN_REFUSES.__contains__)]
+    )
     return Starlette(
         routes=routes,
         middleware=[
+            *draining,
             Middleware(
                 guard.Guard,
                 token=token,
                 protected=lambda path: path.startswith(wire.PREFIX),
                 cap=lambda path: MAX_BUCKET_BYTES if path == bucket_path else MAX_BODY_BYTES,
                 error_body=error_body,
-            )
+            ),
         ],
         exception_handlers=guard.exception_handlers(error_body),
     )
@@ -337,8 +355,14 @@ class AgentEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        """The engine's address; no ``extra_body`` (this member forwards the contract only)."""
-        return EngineCapabilities(endpoint=self.engine.capabilities.endpoint)
+        """The engine's address and whether it confirms a request's end (generation is the
+        engine's); no ``extra_body`` (this member forwards the contract only)."""
+        inner = self.engine.capabilities
+        return EngineCapabilities(endpoint=inner.endpoint, confirms_end=inner.confirms_end)
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        ender = ends_requests(self.engine)
+        return False if ender is None else await ender.abort_request(request_id, lora_name)
 
     async def incarnation(self) -> str:
         return await self.engine.incarnation()
@@ -399,7 +423,12 @@ class HostedAgentEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(endpoint=self.agent.engine.capabilities.endpoint)
+        inner = self.agent.engine.capabilities
+        return EngineCapabilities(endpoint=inner.endpoint, confirms_end=inner.confirms_end)
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        ender = ends_requests(self.agent.engine)
+        return False if ender is None else await ender.abort_request(request_id, lora_name)
 
     async def incarnation(self) -> str:
         return await self.agent.engine.incarnation()
@@ -492,12 +521,18 @@ def engine_adapter(
 
 @contextlib.asynccontextmanager
 async def serve_agent(
-    agent: Agent, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    agent: Agent,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    drain: Drain | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``agent`` and yield its base URL; stops on exit (tests and the process)."""
     if not guard.is_loopback(host) and not token:
         raise ValueError(f"refusing to listen on {host!r} without a token")
-    async with embedded.serving(create_app(agent, token=token), host=host, port=port) as url:
+    app = create_app(agent, token=token, drain=drain)
+    async with embedded.serving(app, host=host, port=port) as url:
         yield url
 
 
@@ -518,19 +553,32 @@ async def run(
     exit_after_write: bool = False,
     served_model: str = "tiny",
     on_ready: Callable[[str], None] | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
-    """Run an agent for ``engine`` (``KIND:URL``) until SIGINT/SIGTERM."""
+    """Run an agent for ``engine`` (``KIND:URL``) until SIGINT/SIGTERM, then drain: new
+    publication steps are refused ``503 ENGINE_DRAINING``, the steps already running finish
+    (at most ``drain_timeout`` seconds: :mod:`engines.drain`), then it stops."""
     kind, _, url = engine.partition(":")
     adapter = engine_adapter(kind, url, engine_id, api_key=engine_token, served_model=served_model)
     store = ArtifactStore(artifacts)
     agent = Agent(adapter, store, after_write=_die_after_write if exit_after_write else None)
+    drain = Drain(engine_id)
     try:
-        async with serve_agent(agent, host=host, port=port, token=token) as base:
+        async with serve_agent(agent, host=host, port=port, token=token, drain=drain) as base:
             if on_ready is not None:
                 on_ready(base)
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
-                    return
+                    break
+            drain.begin()
+            left = await drain.wait(drain_timeout)
+            if left:
+                print(
+                    f"engines.agent: drain timed out after {drain_timeout:g}s with {left} "
+                    "step(s) still running: they are cut",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         await adapter.aclose()
 
@@ -544,6 +592,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--served-model", default="tiny", help="vLLM's --served-model-name")
     p.add_argument("--exit-after-write", action="store_true", help="fault mode (tests)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, how long the steps already running may take (seconds)",
+    )
     args = p.parse_args(argv)
     token = guard.read_token("LORALEDGER_AGENT_TOKEN", None)
     engine_token = guard.read_token("LORALEDGER_ENGINE_TOKEN", None)
@@ -563,6 +617,7 @@ def main(argv: list[str] | None = None) -> None:
             exit_after_write=args.exit_after_write,
             served_model=args.served_model,
             on_ready=ready,
+            drain_timeout=args.drain_timeout,
         )
     )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterable, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import msgspec
 
@@ -48,6 +48,9 @@ class ErrorCode:
     NOT_PREPARED = "NOT_PREPARED"
     PATH_OUTSIDE_STORE = "PATH_OUTSIDE_STORE"
     BAD_REQUEST = "BAD_REQUEST"
+    # The engine is stopping: it admits nothing new and answered before running anything (503
+    # with this code). Another holder may serve the request; it never ran here.
+    ENGINE_DRAINING = "ENGINE_DRAINING"
     # ambiguous
     ENGINE_UNREACHABLE = "ENGINE_UNREACHABLE"  # connection refused: nothing was sent
     TIMEOUT = "TIMEOUT"
@@ -249,10 +252,34 @@ class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     * ``endpoint`` -- the address the engine serves on (an HTTP adapter's base URL), recorded
       when the engine joins the ledger so an operator can find it; ``""`` for an engine without
       an address of its own (in this process, behind a Ray actor).
+    * ``confirms_end`` -- the handle is also an :class:`EndsRequests`: it can abort a request
+      by its id and say when the engine no longer runs it. A caller that lost track of a
+      request (cancelled, timed out, reply lost) asks it before it stops counting the request
+      as running there; without it, the request counts as running until the engine's
+      incarnation ends (docs/engines.md, "When a request has ended").
     """
 
     extra_body: bool = False
     endpoint: str = ""
+    confirms_end: bool = False
+
+
+@runtime_checkable
+class EndsRequests(Protocol):
+    """What an engine whose ``capabilities.confirms_end`` is True also offers."""
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """Abort ``request_id`` if it still runs (a request that has not started yet never
+        will), and answer whether the engine confirms it no longer runs on ``lora_name``: True
+        once it ended or was aborted, False when the engine cannot tell yet. Raises
+        :class:`EngineError` when the engine cannot be asked."""
+        ...
+
+
+def ends_requests(engine: Engine) -> EndsRequests | None:
+    """``engine`` as an :class:`EndsRequests` when its capabilities say it is one, else None:
+    the one way a caller (or a wrapper forwarding the contract) reaches ``abort_request``."""
+    return cast(EndsRequests, engine) if engine.capabilities.confirms_end else None
 
 
 @runtime_checkable

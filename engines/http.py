@@ -9,7 +9,9 @@ classification, written once:
   half-read reply) -> :class:`AmbiguousReply`;
 * connection refused -> :class:`AmbiguousReply` with ``dispatched=False`` (nothing was sent,
   but the engine's holdings are still unknown, so it is not a proof of anything);
-* 5xx -> ambiguous (the server may have acted before failing);
+* 5xx -> ambiguous (the server may have acted before failing), except a 503 whose body's
+  ``error.code`` is ``ENGINE_DRAINING``: a draining engine's refusal before anything ran
+  (:mod:`engines.drain`), a :class:`CleanRefusal`;
 * 4xx -> returned to the adapter, which decides whether the body is a recognised, clean refusal
   (adapters map unrecognised 4xx bodies to ambiguous: an answer we do not understand proves
   nothing);
@@ -31,12 +33,13 @@ ephemeral ports.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
 
-from engines.contract import AmbiguousReply, ErrorCode
+from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCode
 
 # Sent with every request: see the module docstring.
 ONE_REQUEST_PER_CONNECTION = {"Connection": "close"}
@@ -124,11 +127,15 @@ def transport_failure(
 
 async def server_failure(
     response: httpx.Response, what: str, *, engine_id: str
-) -> AmbiguousReply | None:
+) -> EngineError | None:
     """A 5xx answer to ``what``, as an ambiguous ``SERVER_ERROR`` (the server may have acted
     before failing) quoting the start of its body; None for every other status (a 2xx is the
     reply, a 4xx the caller's to read). Works on a streamed response too: only a 5xx body is
-    read here, and a failure while reading it is classified like any transport failure."""
+    read here, and a failure while reading it is classified like any transport failure.
+
+    The one 5xx that proves something: a draining engine's ``503`` with the code
+    ``ENGINE_DRAINING`` (:mod:`engines.drain`), refused before anything ran: a clean
+    ``ENGINE_DRAINING`` refusal, which the gateway sends to another holder."""
     status = response.status_code
     if status < 500:
         return None
@@ -136,12 +143,35 @@ async def server_failure(
         body = await response.aread()
     except httpx.HTTPError as exc:
         return transport_failure(exc, what, engine_id=engine_id)
+    draining = _draining_message(status, body)
+    if draining is not None:
+        return CleanRefusal(
+            ErrorCode.ENGINE_DRAINING,
+            f"{what}: {draining}",
+            engine_id=engine_id,
+            status=status,
+        )
     return AmbiguousReply(
         ErrorCode.SERVER_ERROR,
         f"{what}: HTTP {status}: {body[:300].decode(errors='replace')}",
         engine_id=engine_id,
         status=status,
     )
+
+
+def _draining_message(status: int, body: bytes) -> str | None:
+    """The message of a draining engine's refusal (503, ``error.code`` ``ENGINE_DRAINING``),
+    or None for any other 5xx."""
+    if status != 503:
+        return None
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        return None
+    error = reply.get("error") if isinstance(reply, dict) else None
+    if not isinstance(error, dict) or error.get("code") != ErrorCode.ENGINE_DRAINING:
+        return None
+    return str(error.get("message") or "the engine is draining")
 
 
 def json_body(response: httpx.Response, *, engine_id: str) -> Any:

@@ -212,8 +212,11 @@ class SGLangEngine(PathLoadingEngine):
         super().__init__(
             base_url, engine_id, max_lora_rank=max_lora_rank, client=client, headers=headers
         )
-        # ``generate`` forwards caller body fields (minus the keys this adapter owns).
-        self.capabilities = EngineCapabilities(extra_body=True, endpoint=self.base_url)
+        # ``generate`` forwards caller body fields (minus the keys this adapter owns);
+        # ``abort_request`` ends a request by its ``rid`` (see there).
+        self.capabilities = EngineCapabilities(
+            extra_body=True, endpoint=self.base_url, confirms_end=True
+        )
         self.timeouts = timeouts or SGLangTimeouts()
 
     def _prefixed(self, message: str) -> str | None:
@@ -342,6 +345,22 @@ class SGLangEngine(PathLoadingEngine):
         return receipt
 
     # --- generation -----------------------------------------------------------------------------
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """``POST /abort_request {"rid"}``; its 200 is taken as the request's end.
+
+        Why that is enough on SGLang, which answers once the abort is queued, not done: what a
+        caller waits for the end of a request for is the adapter it holds, and SGLang's unload
+        itself waits until every request holding the adapter released it (docs/engines.md), so
+        no unload can run under the aborted request whatever the order. The bundled local
+        engine answers this route only once the request ended. An unknown ``rid`` (ended
+        already) is a 200 as well."""
+        response = await self._send(
+            "POST", "/abort_request", timeout=self.timeouts.probe, json={"rid": request_id}
+        )
+        if response.status_code != 200:
+            raise self._unrecognised(f"abort {request_id}", response)
+        return True
 
     async def generate(
         self,

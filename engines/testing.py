@@ -27,6 +27,7 @@ from engines.contract import (
     Receipt,
     SamplingParams,
     UnloadReceipt,
+    ends_requests,
 )
 
 
@@ -169,6 +170,11 @@ class RestartableEngine:
         **kwargs: Any,
     ) -> Generation:
         return await self._current.generate(prompt, lora_name, params, **kwargs)  # type: ignore[no-any-return]
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """The current life's answer (a request of an earlier life ended with it)."""
+        ender = ends_requests(self._current)
+        return False if ender is None else await ender.abort_request(request_id, lora_name)
 
     async def aclose(self) -> None:
         """The host owns the engine's life; closing happens when the ``async with`` ends."""

@@ -69,6 +69,7 @@ from engines.contract import (
     AmbiguousReply,
     Candidate,
     Choice,
+    EngineCapabilities,
     ErrorCode,
     Generation,
     Receipt,
@@ -82,6 +83,31 @@ _START_TIME = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)\s*$
 # ``validate_cache_salt``, 0.32; checked against the real server).
 CACHE_SALT_MAX_CHARS = 128
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+# vLLM's gauge of the adapters its scheduler runs and queues: one series per label set ever
+# seen, each set to the time it was last reported, so the newest series is the current state.
+_LORA_INFO = re.compile(r"^vllm:lora_requests_info\{([^}]*)\}\s+(\S+)", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def adapter_busy(metrics: str, lora_name: str) -> bool | None:
+    """Whether vLLM's newest ``vllm:lora_requests_info`` series (``/metrics`` text) names
+    ``lora_name`` among its running or waiting adapters; None when there is no such series."""
+    newest: tuple[float, dict[str, str]] | None = None
+    for labels, value in _LORA_INFO.findall(metrics):
+        try:
+            at = float(value)
+        except ValueError:
+            continue
+        if newest is None or at >= newest[0]:
+            newest = (at, dict(_LABEL.findall(labels)))
+    if newest is None:
+        return None
+    named = set()
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        named |= {a for a in newest[1].get(key, "").split(",") if a}
+    return lora_name in named
 
 
 def cache_salt_problem(salt: object) -> str | None:
@@ -168,6 +194,8 @@ class VLLMEngine(PathLoadingEngine):
             base_url, engine_id, max_lora_rank=max_lora_rank, client=client, headers=headers
         )
         self.served_model = served_model
+        # ``abort_request`` reads whether the adapter still runs (see there)
+        self.capabilities = EngineCapabilities(endpoint=self.base_url, confirms_end=True)
         self.timeouts = timeouts or VLLMTimeouts()
         self._probe_lock = anyio.Lock()  # one refresh probe at a time, however many callers
 
@@ -299,6 +327,24 @@ class VLLMEngine(PathLoadingEngine):
         return await self._unloaded_receipt(lora_name, status=status, was_loaded=was_loaded)
 
     # --- generation -------------------------------------------------------------------------
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """vLLM aborts a request when its client's connection closes (the caller's cancel,
+        timeout or disconnect already did); it has no route that ends one by id outside its
+        dev mode, and none that lists running requests. What it does export is which adapters
+        its scheduler ran or queued at its latest step (``vllm:lora_requests_info`` on
+        ``/metrics``): True when ``lora_name`` is in neither list, the proof that no request
+        of that adapter runs, this one included. False while the adapter runs or waits (its
+        other requests are counted anyway), or when the server exports no such gauge; the
+        caller then keeps counting the request until its incarnation ends or a later ask
+        says True (docs/engines.md, "When a request has ended")."""
+        if lora_name is None:
+            return False
+        response = await self._send("GET", "/metrics", timeout=self.timeouts.probe)
+        if response.status_code != 200:
+            raise self._unrecognised("GET /metrics", response)
+        busy = adapter_busy(response.text, lora_name)
+        return busy is False
 
     async def generate(
         self,

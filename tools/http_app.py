@@ -37,7 +37,8 @@ GET      ``/v1/models/{model}``           bearer token: one of them (404 otherwi
 POST     ``/v1/sessions/{s}/release``     bearer token: end an OpenAI session
 POST     ``/engines/{engine}/suspend``    bearer token: an operator quarantines an engine
 POST     ``/engines/{engine}/resume``     bearer token: lift it (served again once repaired)
-POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet
+POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet (routed
+                                         away, then drained: answers once it is idle)
 POST     ``/engines/{engine}/trouble``    bearer token: a gateway process saw a generation
                                          on it fail (a hint for the reconciler)
 POST     ``/provenance``                  bearer token: provenance rows a face in another
@@ -153,7 +154,8 @@ def build_app(
     ``max_generation_body_bytes``, refused in that shape too, and read to the end before the
     413 closes the connection (bounded: ``engines.guard.Guard``, ``drains``), so an OpenAI
     client reads the refusal instead of a reset. ``remove_engine`` (the control plane's)
-    removes an engine and drops its handle; without it the ledger records the removal.
+    removes an engine (routed away, drained, its handle dropped) and returns the requests still
+    running on it; without it the ledger records the removal.
     ``report_trouble`` (the reconciler's ``engine_trouble``) hears what gateway processes
     report; without it a report is answered ``{"heard": false}``: nobody here watches the
     engines. ``provenance`` (the store beside the log) keeps the rows gateway processes send
@@ -355,8 +357,8 @@ def build_app(
     async def remove(request: Request, body: wire.EngineAction) -> Any:
         engine = member(request)
         if remove_engine is not None:
-            await remove_engine(engine)
-            return {"no_op": False}
+            left = await remove_engine(engine)  # routed away, then drained
+            return {"no_op": False, "in_flight_left": int(left or 0)}
         return await ledger.remove_engine(engine, cause="operator")
 
     async def trouble(request: Request, body: wire.TroubleReport) -> Any:

@@ -12,11 +12,13 @@ transfer endpoints, so a control plane drives it exactly as it would drive SGLan
 
 The server itself is :func:`engines.local.server.serve` (the one the tests use); this module
 only adds what a command needs: options checked before the model loads, one "listening" line
-on stdout once it answers, and a clean stop on SIGINT/SIGTERM (exit 0). It listens on
-127.0.0.1 only. Without a token (``LORALEDGER_ENGINE_TOKEN`` or ``--token-file``) its control
-endpoints (load, unload, staged transfer, pause, abort) answer any local process; with one,
-only callers presenting it (``serve`` sends it to every engine), and a managed adapter is
-unloaded only under its attempt's fence whatever the token.
+on stdout once it answers, and a clean stop on SIGINT/SIGTERM (exit 0) after a drain: new
+requests are refused ``503 ENGINE_DRAINING`` (the gateway sends them to another holder), the
+ones already running finish, at most ``--drain-timeout`` seconds (:mod:`engines.drain`).
+It listens on 127.0.0.1 only. Without a token (``LORALEDGER_ENGINE_TOKEN`` or
+``--token-file``) its control endpoints (load, unload, staged transfer, pause, abort) answer
+any local process; with one, only callers presenting it (``serve`` sends it to every engine),
+and a managed adapter is unloaded only under its attempt's fence whatever the token.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from engines.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from tools.exitcodes import Exit, ToolError
 from tools.logconfig import get_logger
 
@@ -44,6 +47,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     artifact_root: str | None = None
     threads: int = 1
     token: str | None = None  # guards the control routes (load, unload, staged, pause, abort)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM: requests running may finish
 
 
 def check_options(opts: EngineOptions) -> None:
@@ -51,6 +55,8 @@ def check_options(opts: EngineOptions) -> None:
         raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")
     if opts.threads < 1:
         raise ToolError(Exit.USAGE, "--threads must be >= 1")
+    if not (0 <= opts.drain_timeout_s < float("inf")):
+        raise ToolError(Exit.USAGE, "--drain-timeout must be a number of seconds >= 0")
     if opts.artifact_root is not None and not Path(opts.artifact_root).is_dir():
         raise ToolError(Exit.USAGE, f"--artifacts {opts.artifact_root} is not a directory")
 
@@ -74,13 +80,26 @@ async def run_engine(
             f"the local engine needs the engine extra (pip install 'loraledger[engine]'): {exc}",
         ) from None
     engine = LocalEngine(opts.engine_id, artifact_root=opts.artifact_root, threads=opts.threads)
+    drain = Drain(opts.engine_id)
     async with engine:
         try:
-            async with serve(engine, host=HOST, port=opts.port, token=opts.token) as url:
+            async with serve(
+                engine, host=HOST, port=opts.port, token=opts.token, drain=drain
+            ) as url:
                 log.info("engine.listening", engine=opts.engine_id, url=url)
                 if on_ready is not None:
                     on_ready(url)
                 await _until_stopped(stop)
+                drain.begin()
+                log.info("engine.draining", engine=opts.engine_id, in_flight=drain.in_flight)
+                left = await drain.wait(opts.drain_timeout_s)
+                if left:
+                    log.warning(
+                        "engine.drain_timed_out",
+                        engine=opts.engine_id,
+                        after_s=opts.drain_timeout_s,
+                        cut=left,
+                    )
         except OSError as exc:  # the port: nothing else in this block touches the OS
             raise ToolError(
                 Exit.FAILED, f"cannot listen on {HOST}:{opts.port}: {exc.strerror or exc}"

@@ -41,4 +41,5 @@ class LocalEngine(ManagedPath, GenerationPath):
     """
 
     kind = "local"
-    capabilities = EngineCapabilities()  # in process: no address, no extra body fields
+    # in process: no address, no extra body fields; it confirms a request's end (abort_request)
+    capabilities = EngineCapabilities(confirms_end=True)

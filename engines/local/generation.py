@@ -11,11 +11,17 @@
 * **Prefix cache** keyed by the engine-local adapter id (:mod:`engines.local.prefix_cache`), and
   namespaced by ``cache_salt`` / ``extra_key``.
 * **Generation control** as SGLang's: pause in place, continue, abort one request or all.
+* **A confirmed end** (:meth:`GenerationPath.abort_request`, the contract's
+  :class:`~engines.contract.EndsRequests`): abort a request by id and answer once it ended and
+  gave its adapter back; an id aborted before its request arrived is refused when it does
+  (a caller that gave up on a request must be able to count on it never running).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import anyio
 
 from engines.contract import (
     Choice,
@@ -30,6 +36,9 @@ from engines.local.name_table import Resident
 from engines.local.refs import Lease
 from engines.local.scheduler import OnToken, Scheduler, check_params
 from engines.local.sglang_path import SGLangPath
+
+# Ids of requests aborted before they arrived, kept to refuse them when they do.
+ABORTED_IDS_KEPT = 4096
 
 
 class GenerationPath(SGLangPath):
@@ -74,6 +83,23 @@ class GenerationPath(SGLangPath):
     def abort_all(self) -> int:
         return self._require_scheduler().abort_all()
 
+    async def abort_request(self, request_id: str, lora_name: str | None = None) -> bool:
+        """Abort ``request_id`` and return True once it no longer runs here: at once when it
+        is not running (it ended, or has not arrived: it is then refused when it does), else
+        when it ended at its next token boundary and released its adapter lease. Works on a
+        stopped engine too (its requests end at their next token)."""
+        ended = self._live.get(request_id)
+        if ended is None:
+            self._aborted[request_id] = None
+            while len(self._aborted) > ABORTED_IDS_KEPT:
+                del self._aborted[next(iter(self._aborted))]
+            return True
+        self._aborted[request_id] = None  # still tokenizing: refused before it decodes
+        if self._scheduler is not None:
+            self._scheduler.abort(request_id)
+        await ended.wait()
+        return True
+
     # --- generation ----------------------------------------------------------------------------
 
     async def generate(
@@ -92,6 +118,48 @@ class GenerationPath(SGLangPath):
         (local only: the HTTP server's streaming) hears each token as it is decoded."""
         runner = self._require_runner()
         scheduler = self._require_scheduler()
+        if request_id is not None and request_id in self._aborted:
+            raise self._tag(
+                CleanRefusal(
+                    ErrorCode.BAD_REQUEST, f"request {request_id} was aborted before it started"
+                )
+            )
+        if request_id is not None:
+            if request_id in self._live:
+                raise self._tag(
+                    CleanRefusal(
+                        ErrorCode.BAD_REQUEST, f"request id {request_id} is already in flight"
+                    )
+                )
+            self._live[request_id] = anyio.Event()
+        try:
+            return await self._generate(
+                runner,
+                scheduler,
+                prompt,
+                lora_name,
+                params,
+                request_id,
+                cache_salt,
+                extra_key,
+                on_token,
+            )
+        finally:  # after the lease went back: the end abort_request waits for
+            if request_id is not None:
+                self._live.pop(request_id).set()
+
+    async def _generate(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        prompt: str | Sequence[int],
+        lora_name: str | None,
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+        extra_key: str | None,
+        on_token: OnToken | None,
+    ) -> Generation:
         try:
             check_params(params, max_n=self.limits.max_n)
             resident, lease = await self._acquire(lora_name)
@@ -99,6 +167,8 @@ class GenerationPath(SGLangPath):
             raise self._tag(exc) from None
         try:  # from here on, every exit releases the lease exactly once
             tokens = await self._tokens(runner, scheduler, prompt, params)
+            if request_id is not None and request_id in self._aborted:  # no await until decode
+                raise CleanRefusal(ErrorCode.BAD_REQUEST, f"request {request_id} was aborted")
             decoded = await scheduler.decode(
                 tokens,
                 resident.adapter_id if resident is not None else None,

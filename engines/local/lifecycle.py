@@ -93,6 +93,10 @@ class EngineLifecycle:
         self._tg: anyio.abc.TaskGroup | None = None
         self._closed = False
         self._job_scopes: set[anyio.CancelScope] = set()
+        # requests by id (generation): set once the request ended and gave its adapter back;
+        # and ids aborted before they started, refused if they arrive later (bounded, oldest out)
+        self._live: dict[str, anyio.Event] = {}
+        self._aborted: dict[str, None] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 

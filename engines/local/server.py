@@ -87,6 +87,7 @@ from engines.contract import (
     Generation,
     SamplingParams,
 )
+from engines.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGuard
 from engines.local import wire
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
@@ -333,6 +334,9 @@ class _App:
         return _reply({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: Request) -> Response:
+        """SGLang's route, stricter: a ``rid`` abort answers once the request has ended here
+        (SGLang answers as soon as the abort is queued), so its 200 confirms the end
+        (:meth:`~engines.local.engine.LocalEngine.abort_request`)."""
         try:
             body = await _json_body(request)
         except _BadRequest as exc:
@@ -340,7 +344,7 @@ class _App:
         if body.get("abort_all"):
             self.engine.abort_all()
         elif body.get("rid") is not None:
-            self.engine.abort(str(body["rid"]))
+            await self.engine.abort_request(str(body["rid"]), None)
         return Response(status_code=200)
 
     # --- SGLang: generation -----------------------------------------------------------------
@@ -598,6 +602,23 @@ CONTROL_PATHS = frozenset(
         f"{wire.PREFIX}/inventory",
     }
 )
+# Paths a draining engine refuses (503 ENGINE_DRAINING, engines.drain): new work, and the
+# health checks (SGLang's /health answers 503 while it shuts down). Reads, unloads, aborts and
+# pause/continue stay open: the control plane still observes, cleans up and ends requests.
+DRAIN_REFUSES = frozenset(
+    {
+        "/generate",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/load_lora_adapter",
+        TENSOR_ROUTE,
+        "/health",
+        "/health_generate",
+        f"{wire.PREFIX}/prepare",
+        f"{wire.PREFIX}/bucket",
+        f"{wire.PREFIX}/load",
+    }
+)
 MAX_BODY_BYTES = 4 * 1024 * 1024  # every JSON route: a batch of prompts, a candidate manifest
 # A bucket is packed up to 64 MiB, but a tensor larger than that travels alone in its own.
 MAX_BUCKET_BYTES = 256 * 1024 * 1024
@@ -620,12 +641,14 @@ def create_app(
     max_tensor_body_bytes: int = MAX_TENSOR_BODY_BYTES,
     sglang_info: dict[str, Any] | None = None,
     on_bad_payload: Callable[[], None] | None = None,
+    drain: Drain | None = None,
 ) -> Starlette:
     """The ASGI app for one running engine (the caller owns the engine's lifetime). ``token``:
     the bearer token every control route (:data:`CONTROL_PATHS`) then requires; every route's
     body is capped (``max_bucket_bytes`` for buckets, ``max_tensor_body_bytes`` for the tensor
     route, ``max_body_bytes`` for the rest). ``sglang_info`` and ``on_bad_payload``: see
-    :class:`_App`."""
+    :class:`_App`. ``drain``: the gate a stopping process closes (:mod:`engines.drain`): it
+    counts every request, and once draining refuses :data:`DRAIN_REFUSES`."""
     app = _App(engine, sglang_info=sglang_info, on_bad_payload=on_bad_payload)
     openai = OpenAIFace(engine)
     bucket_path = f"{wire.PREFIX}/bucket"
@@ -653,16 +676,22 @@ def create_app(
         Route(f"{wire.PREFIX}/unload", app.staged_unload, methods=["POST"]),
         Route(f"{wire.PREFIX}/inventory", app.staged_inventory, methods=["GET"]),
     ]
+    draining = (
+        []
+        if drain is None
+        else [Middleware(DrainGuard, drain=drain, refuses=DRAIN_REFUSES.__contains__)]
+    )
     return Starlette(
         routes=routes,
         middleware=[
+            *draining,
             Middleware(
                 guard.Guard,
                 token=token,
                 protected=CONTROL_PATHS.__contains__,
                 cap=lambda path: caps.get(path, max_body_bytes),
                 error_body=_error_body,
-            )
+            ),
         ],
         exception_handlers=guard.exception_handlers(_error_body),
     )
@@ -754,6 +783,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "decode or to match its checksums, as a stock SGLang server probably does",
     )
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, how long requests already running may take to finish (seconds); "
+        "new ones are refused 503 ENGINE_DRAINING meanwhile",
+    )
+    p.add_argument(
         "--no-implicit-reload",
         action="store_true",
         help="do not reproduce SGLang's implicit reload of unloaded ordinary names",
@@ -779,9 +815,9 @@ async def _main(args: argparse.Namespace) -> None:
         implicit_reload=not args.no_implicit_reload,
     ) as engine:
         on_bad_payload = _die if args.exit_on_bad_tensor_payload else None
-        server = embedded.EmbeddedServer(
-            embedded.embedded_config(create_app(engine, token=token, on_bad_payload=on_bad_payload))
-        )
+        drain = Drain(args.engine_id)
+        app = create_app(engine, token=token, on_bad_payload=on_bad_payload, drain=drain)
+        server = embedded.EmbeddedServer(embedded.embedded_config(app))
         async with anyio.create_task_group() as tg:
 
             async def run() -> None:
@@ -789,7 +825,7 @@ async def _main(args: argparse.Namespace) -> None:
                 tg.cancel_scope.cancel()  # stopped (signal or failure): stop listening too
 
             tg.start_soon(run)
-            tg.start_soon(_stop_on_signal, server)
+            tg.start_soon(_stop_on_signal, server, drain, args.drain_timeout)
             # uvicorn exposes "started" only as a flag
             while not server.started and not server.should_exit:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
@@ -812,11 +848,20 @@ def _die() -> None:
     os._exit(EXIT_BAD_PAYLOAD)
 
 
-async def _stop_on_signal(server: uvicorn.Server) -> None:
-    """SIGTERM/SIGINT: stop accepting, let in-flight requests finish (bounded by uvicorn's
-    graceful timeout), then exit with status 0."""
+async def _stop_on_signal(server: uvicorn.Server, drain: Drain, drain_timeout: float) -> None:
+    """SIGTERM/SIGINT: drain (new work refused retryably, requests already running finish,
+    at most ``drain_timeout`` seconds: :mod:`engines.drain`), then stop; exit status 0."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
+            drain.begin()
+            left = await drain.wait(drain_timeout)
+            if left:
+                print(
+                    f"engines.local.server: drain timed out after {drain_timeout:g}s with "
+                    f"{left} request(s) still running: they are cut",
+                    file=sys.stderr,
+                    flush=True,
+                )
             server.should_exit = True
             return
 

@@ -12,7 +12,7 @@ requests it has in flight per (engine, version).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engines.contract import Engine
 from evlog.errors import Refused
@@ -29,6 +29,18 @@ class FleetError(Refused):
 class InFlightSource(Protocol):
     def inflight_evidence(self, version_id: int) -> list[InFlight]:
         """This reporter's in-flight counts for ``version_id`` (zero entries included)."""
+        ...
+
+
+@runtime_checkable
+class HoldsCounts(Protocol):
+    """An in-flight source that holds counts until an engine confirms a request's end (a
+    gateway: docs/engines.md, "When a request has ended"). The reclaim driver asks it to ask
+    the engines again before each sweep, so a count held while an engine could not answer
+    (frozen, unreachable) ends soon after it can, even where no rollout worker renews."""
+
+    async def confirm_ends(self) -> int:
+        """Ask again about every held request; returns how many are still held."""
         ...
 
 

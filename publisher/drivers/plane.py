@@ -41,8 +41,10 @@ import anyio
 
 from engines.artifacts import ArtifactStore
 from engines.contract import Engine
+from engines.drain import DEFAULT_DRAIN_TIMEOUT_S
 from evlog.errors import LoraLedgerError
 from evlog.store import EventStore
+from projections.registry import HOLDABLE_STATES
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
@@ -55,6 +57,8 @@ from publisher.drivers.reconciler import Reconciler, ReconcileReport
 from publisher.logs import get_logger
 
 log = get_logger("loraledger.plane")
+
+DRAIN_POLL_S = 0.05  # how often a drain reads the in-flight counts
 
 
 class ControlPlane:
@@ -220,13 +224,50 @@ class ControlPlane:
         self.reclaimer.wake()
         return report
 
-    async def remove_engine(self, engine_id: str, *, cause: str = "fleet") -> None:
-        """The engine leaves the fleet (a recorded decision, ``EngineLeft`` with ``cause``:
-        ``operator`` when a person removed it); its handle is dropped, so the reconciler does
-        not join it again."""
+    async def remove_engine(
+        self,
+        engine_id: str,
+        *,
+        cause: str = "fleet",
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    ) -> int:
+        """The engine leaves the fleet, routed away first and drained before its handle goes:
+
+        1. **route away**: the decision is recorded (``EngineLeft`` with ``cause``:
+           ``operator`` when a person removed it), so no gateway sends it a new request from
+           the routing it reads next;
+        2. **drain**: wait until the in-flight counts the ledger knows for it (this process's
+           gateways, remote workers' lease renewals) are zero, at most ``drain_timeout_s``
+           seconds (:meth:`drain_engine`);
+        3. its handle is dropped, so the reconciler does not join it again. Stopping the
+           engine's process is its owner's job, safe once this returned 0.
+
+        Returns how many requests were still counted on it when the drain ended (0: none)."""
         if cause == "fleet":
             await self.ledger.leave_engine(engine_id)
         else:
             await self.ledger.remove_engine(engine_id, cause=cause)
+        left = await self.drain_engine(engine_id, drain_timeout_s)
+        if left:
+            log.warning("plane.drain_timed_out", engine=engine_id, in_flight=left)
         self.fleet.remove(engine_id)
         self.reclaimer.wake()
+        return left
+
+    async def drain_engine(self, engine_id: str, timeout_s: float) -> int:
+        """Wait until no request is counted in flight on ``engine_id`` (every reporter the
+        reclaim driver reads, for every version an engine may hold), at most ``timeout_s``
+        seconds; returns the count left. Counts fall without a ledger event (a reply, a
+        renewal), so this reads them every ``DRAIN_POLL_S``."""
+        with anyio.move_on_after(timeout_s):
+            while self.inflight_on(engine_id):  # noqa: ASYNC110 -- no event: see above
+                await anyio.sleep(DRAIN_POLL_S)
+        return self.inflight_on(engine_id)
+
+    def inflight_on(self, engine_id: str) -> int:
+        """Requests counted in flight on ``engine_id``, over every version it may hold."""
+        return sum(
+            self.reclaimer.inflight(engine_id, v.version_id)
+            for v in self.ledger.state.versions.values()
+            if v.state in HOLDABLE_STATES
+        )

@@ -42,7 +42,7 @@ from projections.registry import VersionState
 from publisher.core.errors import Code
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.engine_protocol import unload_fenced
-from publisher.drivers.fleet import Fleet, InFlightSource
+from publisher.drivers.fleet import Fleet, HoldsCounts, InFlightSource
 from publisher.logs import get_logger
 
 if TYPE_CHECKING:
@@ -158,6 +158,9 @@ class ReclaimDriver:
         """Claim what became reclaimable, drive every RECLAIMING version, collect artifacts.
         Returns the versions that became RECLAIMED during this sweep."""
         self.sweeps += 1
+        for source in self._sources:  # held counts the engines can now confirm end first
+            if isinstance(source, HoldsCounts):
+                await source.confirm_ends()
         state = self._ledger.state
         before = {
             v.version_id for v in state.versions.values() if v.state is VersionState.RECLAIMED

@@ -461,9 +461,19 @@ class Reconciler:
     def _owed(self, engine_id: str) -> list[tuple[str, int]]:
         """Names the engine owes (reclaimed or resolved while it was suspended), unloaded
         attempt-fenced before its inventory counts: a load still in flight from before its
-        suspension then cannot land after the proof."""
-        member = self._ledger.state.engines.get(engine_id)
-        return sorted(member.owes.items()) if member is not None else []
+        suspension then cannot land after the proof. The engine was routed away (suspended);
+        a name with a request still counted in flight on it waits for the drain (a later
+        pass), as a reclaim's unload does."""
+        state = self._ledger.state
+        member = state.engines.get(engine_id)
+        if member is None:
+            return []
+        return sorted(
+            (name, attempt)
+            for name, attempt in member.owes.items()
+            if (v := state.version_by_name(name)) is None
+            or not self._inflight(engine_id, v.version_id)
+        )
 
     def _unwanted(self, engine_id: str, present: set[str]) -> list[tuple[str, int | None]]:
         """Managed names present on the engine that must go, with the attempt that fences

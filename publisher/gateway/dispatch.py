@@ -27,10 +27,19 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
   resends it. Only what provably did not run is tried on another holder of the same version,
   once per holder (:func:`~publisher.gateway.failures.try_elsewhere`). Any other clean refusal
   is ``GENERATION_FAILED``; when no holder is left after refusals, the last one is the answer.
-* **Count what is in flight.** Per (engine, version), incremented before the attempt and
-  decremented in a ``finally`` (cancellation included); the owner's own tally too, which its
-  lease renewals carry, and the new count is forwarded at once (``owner.report()``) so a remote
-  ledger's renewer sends it at once, not at the next renewal tick. The reclaim driver reads
+* **Count what is in flight, until the engine says it is over.** Per (engine, version),
+  incremented before the attempt; the owner's own tally too, which its lease renewals carry,
+  and the new count is forwarded at once (``owner.report()``) so a remote ledger's renewer
+  sends it at once, not at the next renewal tick. The count ends when the engine's word does:
+  its reply, a clean refusal, a send that never left. An attempt that ended without that word
+  -- the caller cancelled (a client disconnect, ``close_session(cancel=True)``), a timeout, a
+  lost reply -- may still run on the engine, so the request is aborted there
+  (:class:`~engines.contract.EndsRequests`, for an engine whose capabilities say it can
+  confirm) and the count ends when the engine confirms, at most ``abort_timeout_s`` later;
+  unconfirmed, the count is *held* (:meth:`InFlightCounter.hold
+  <publisher.gateway.inflight.InFlightCounter.hold>`) until a later confirmation
+  (:meth:`Gateway.confirm_ends`, each lease renewal of a rollout worker) or until the engine's
+  incarnation ends or it leaves the fleet. The reclaim driver reads
   :meth:`Gateway.inflight_evidence` before claiming a version.
 * **Report trouble.** Every failure that says something about the engine
   (:func:`~publisher.drivers.engine_ops.says_about_engine`) goes to the one hook
@@ -62,7 +71,14 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import msgspec
 
-from engines.contract import AmbiguousReply, EngineError, ErrorCode, Generation, SamplingParams
+from engines.contract import (
+    AmbiguousReply,
+    EngineError,
+    ErrorCode,
+    Generation,
+    SamplingParams,
+    ends_requests,
+)
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError
 from evlog.events import InFlight
 from projections.staleness import staleness, too_stale
@@ -125,6 +141,23 @@ class Owner(Protocol):
         ...
 
 
+class Unconfirmed:
+    """A request whose attempt ended without the engine's word (cancelled, timed out, reply
+    lost): counted until the engine confirms its end or the life it was sent to is over."""
+
+    __slots__ = ("confirmed", "engine_id", "incarnation", "lora_name", "request_id", "version_id")
+
+    def __init__(
+        self, engine_id: str, version_id: int, request_id: str, lora_name: str, incarnation: str
+    ) -> None:
+        self.engine_id = engine_id
+        self.version_id = version_id
+        self.request_id = request_id
+        self.lora_name = lora_name
+        self.incarnation = incarnation  # the engine's life when the request was sent
+        self.confirmed = False
+
+
 class Served(msgspec.Struct, frozen=True, kw_only=True):
     """A completed generation of the Python face, and where it came from."""
 
@@ -175,7 +208,11 @@ class Gateway:
     hears everything: in process ``plane.reconciler.engine_trouble``; a remote ledger's
     ``engine_failed``. It is called synchronously, inside the failing dispatch, and must not
     block or await: a receiver only schedules work, so a report never delays the caller's
-    answer or another holder's try."""
+    answer or another holder's try.
+
+    ``abort_timeout_s`` bounds how long an attempt that ended without the engine's word waits
+    for the engine to confirm the request's end before its count is held (module docstring);
+    the caller's cancellation waits that long at most."""
 
     def __init__(
         self,
@@ -186,8 +223,11 @@ class Gateway:
         recorder: ProvenanceRecorder | None = None,
         clock: Callable[[], float] = time.time,
         on_engine_trouble: TroubleHook | None = None,
+        abort_timeout_s: float = 10.0,
     ) -> None:
         self.fleet = fleet
+        self.abort_timeout_s = abort_timeout_s
+        self._unconfirmed: list[Unconfirmed] = []  # held counts, asked again by confirm_ends
         self.view = view
         self.gateway_id = gateway_id
         self.recorder = recorder
@@ -317,6 +357,7 @@ class Gateway:
                 )
             tried.append(engine_id)
             life = self.view.incarnation(engine_id)  # the life this attempt was routed to
+            over = False  # the engine's word ended the request: its count may end now
             try:
                 if owner is not None:
                     owner.report()  # a remote ledger's renewer sends the new count at once
@@ -333,8 +374,11 @@ class Gateway:
                     head_revision=self.view.default_revision,
                     started_at=self._clock(),
                 )
-                return await send(attempt)
+                result = await send(attempt)
+                over = True
+                return result
             except EngineError as exc:
+                over = exc.clean or not exc.dispatched
                 # Reported whether or not another holder takes the request: the engine may be
                 # down or have lost a committed version, and that is checked now.
                 self.report_trouble(engine_id, exc, session=bound.session, incarnation=life)
@@ -352,15 +396,22 @@ class Gateway:
                     dispatched=exc.dispatched,
                 )
             except NotSent as refused:
+                over = True
                 self.dispatched -= 1  # nothing left this process
                 raise refused.error from None
             except anyio.get_cancelled_exc_class():
-                raise  # the caller is gone: the finally below ends the count
+                raise  # the caller is gone: the finally below aborts the request at the engine
             except Exception as exc:
                 # Unknown failure after the attempt started: it may have been sent.
                 raise self._ambiguous(bound, engine_id, rid, repr(exc)) from exc
             finally:
-                self.finish(engine_id, bound.version_id, tally)
+                if over:
+                    self.finish(engine_id, bound.version_id, tally)
+                else:
+                    await self._end_at_engine(
+                        Unconfirmed(engine_id, bound.version_id, engine_rid, bound.lora_name, life),
+                        tally,
+                    )
 
     # --- the Python face ---------------------------------------------------------------------
 
@@ -522,6 +573,79 @@ class Gateway:
         if tally is not None:
             tally.exit(key)
         self._load[engine_id] -= 1
+
+    async def _end_at_engine(self, request: Unconfirmed, tally: InFlightCounter | None) -> None:
+        """An attempt ended without the engine's word: abort the request there and end its
+        count at the engine's confirmation, or hold the count (module docstring). Shielded: it
+        runs while the caller is being cancelled, and is the cleanup that must not be skipped;
+        bounded by ``abort_timeout_s``."""
+        with anyio.move_on_after(self.abort_timeout_s, shield=True):
+            request.confirmed = await self._ask_end(request)
+        if request.confirmed:
+            self.finish(request.engine_id, request.version_id, tally)
+            return
+        key = (request.engine_id, request.version_id)
+
+        def gone() -> bool:
+            return request.confirmed or self._life_over(request)
+
+        self._inflight.hold(key, gone)
+        if tally is not None:
+            tally.hold(key, gone)
+        self._load[request.engine_id] -= 1
+        self._unconfirmed.append(request)
+        log.warning(
+            "gateway.end_unconfirmed",
+            engine=request.engine_id,
+            request_id=request.request_id,
+            version_id=request.version_id,
+        )
+
+    async def _ask_end(self, request: Unconfirmed) -> bool:
+        """Whether the engine confirms that ``request`` no longer runs (False when it cannot:
+        no such capability, no handle, or the question failed)."""
+        if request.engine_id not in self.fleet:
+            return False
+        ender = ends_requests(self.fleet[request.engine_id])
+        if ender is None:
+            return False
+        try:
+            return await ender.abort_request(request.request_id, request.lora_name)
+        except Exception as exc:  # an engine error, or anything a handle lets through
+            log.warning(
+                "gateway.abort_failed",
+                engine=request.engine_id,
+                request_id=request.request_id,
+                error=repr(exc),
+            )
+            return False
+
+    def _life_over(self, request: Unconfirmed) -> bool:
+        """The process life the request was sent to is over (a new incarnation, or the engine
+        left this fleet): nothing of it runs any more that could use a version here."""
+        return (
+            request.engine_id not in self.fleet
+            or self.view.incarnation(request.engine_id) != request.incarnation
+        )
+
+    async def confirm_ends(self) -> int:
+        """Ask the engines again about every held request (each question bounded by
+        ``abort_timeout_s``); returns how many are still held. A rollout worker calls it with
+        each lease renewal, so a held count ends soon after the engine can confirm."""
+        for request in list(self._unconfirmed):
+            if not (request.confirmed or self._life_over(request)):
+                with anyio.move_on_after(self.abort_timeout_s):
+                    request.confirmed = await self._ask_end(request)
+        self._unconfirmed = [
+            r for r in self._unconfirmed if not (r.confirmed or self._life_over(r))
+        ]
+        return len(self._unconfirmed)
+
+    @property
+    def unconfirmed(self) -> int:
+        """Requests whose count is held until the engine confirms their end (or their
+        engine's life ends)."""
+        return sum(1 for r in self._unconfirmed if not (r.confirmed or self._life_over(r)))
 
     def report_trouble(
         self, engine_id: str, error: EngineError, *, session: str = "", incarnation: str = ""

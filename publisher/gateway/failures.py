@@ -8,7 +8,8 @@ answered in one place:
 * :func:`try_elsewhere` -- may the request go to another holder of the same version? Only when
   it provably did not run: never sent (``dispatched`` False: connection refused, a Ray engine
   actor known dead), or refused cleanly by an engine that does not hold the name
-  (``NOT_LOADED``: a restarted, empty engine routing has not caught up with). An ambiguous
+  (``NOT_LOADED``: a restarted, empty engine routing has not caught up with) or that is
+  draining before it stops (``ENGINE_DRAINING``: it admitted nothing). An ambiguous
   failure never qualifies, whatever its code: a resend could produce a second, different sample
   the trainer never sees.
 * :func:`~publisher.drivers.engine_ops.says_about_engine` -- is it evidence about the engine
@@ -62,6 +63,8 @@ class DispatchAmbiguous(DispatchError, Ambiguous, codes=[DispatchCode.AMBIGUOUS_
 # another holder may serve it. NAME_RECLAIMED is left out on purpose: an engine that unloaded a
 # version a session is still bound to is a premature reclaim, which must surface, not be hidden.
 HOLDER_REFUSALS = frozenset({ErrorCode.NOT_LOADED})
+# Clean refusals of an engine that admits nothing now (it is stopping): the request never ran.
+NOT_ADMITTED = frozenset({ErrorCode.ENGINE_DRAINING})
 
 
 def try_elsewhere(exc: EngineError) -> bool:
@@ -69,7 +72,7 @@ def try_elsewhere(exc: EngineError) -> bool:
     provably did not run (module docstring)."""
     if not exc.dispatched:
         return True
-    return exc.clean and exc.code in HOLDER_REFUSALS
+    return exc.clean and exc.code in HOLDER_REFUSALS | NOT_ADMITTED
 
 
 class NotSent(Exception):

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import Message, Send
 
 from engines import guard
-from engines.contract import CleanRefusal
+from engines.contract import CleanRefusal, ErrorCode
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
 from publisher.core.errors import Code
 from publisher.gateway import DispatchCode
@@ -83,7 +83,14 @@ STATUS_OF_CODE = {
 
 # Refusals after which the same request may simply be sent again (nothing was sent, and the
 # condition may pass): the only ones the client is told to retry (``x-should-retry``).
-RETRYABLE_CODES = frozenset({DispatchCode.NO_ROUTE, Code.LEDGER_CLOSED, Code.NO_PUBLISHED_VERSION})
+RETRYABLE_CODES = frozenset(
+    {
+        DispatchCode.NO_ROUTE,
+        Code.LEDGER_CLOSED,
+        Code.NO_PUBLISHED_VERSION,
+        ErrorCode.ENGINE_DRAINING,  # every holder is stopping: a later try finds another
+    }
+)
 
 
 def error_body(code: str, message: str, status: int) -> bytes:

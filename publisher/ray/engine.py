@@ -65,7 +65,9 @@ from engines.contract import (
     SamplingParams,
     Transport,
     UnloadReceipt,
+    ends_requests,
 )
+from engines.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from evlog.errors import INVALID_INPUT, InvalidInput
 from publisher.drivers.adapter_copy import aiter_buckets
 from publisher.logs import get_logger
@@ -114,6 +116,7 @@ class EngineActor:
     def __init__(self, factory: Callable[[], AbstractAsyncContextManager[Engine]]) -> None:
         self._host: PortalHost[Engine] = PortalHost(factory, name="engine")
         self._engine = self._host.value
+        self._drain = Drain(self._engine.engine_id)  # generations admitted; closed by close()
         self._generate_calls = 0
         self._inline_bytes = self._pulled_bytes = self._pulls = self._refused_pulls = 0
 
@@ -193,6 +196,8 @@ class EngineActor:
         request_id: str | None,
         cache_salt: str | None,
     ) -> Generation:
+        if self._drain.draining:  # refused before the engine sees it: another holder serves it
+            raise self._drain.refused()
         self._generate_calls += 1
 
         async def run() -> Generation:
@@ -200,25 +205,43 @@ class EngineActor:
                 prompt, lora_name, params, request_id=request_id, cache_salt=cache_salt
             )
 
-        return await self._host.call(run)
+        with self._drain.running():
+            return await self._host.call(run)
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """The hosted engine's confirmation (:class:`~engines.contract.EndsRequests`); False
+        when it cannot confirm. Cancelling a Ray call cancels nothing here, so a caller that
+        gave up on a generation asks this to end it."""
+        ender = ends_requests(self._engine)
+        if ender is None:
+            return False
+        return await self._host.call(ender.abort_request, request_id, lora_name)
 
     async def generate_calls(self) -> int:
         return self._generate_calls
 
-    async def close(self) -> None:
-        """Stop the engine (in-flight generations end with ENGINE_STOPPED)."""
+    async def close(self, drain_timeout: float = 0.0) -> int:
+        """Drain, then stop the engine: new generations are refused ``ENGINE_DRAINING`` (a
+        gateway sends them to another holder), the ones running finish, at most
+        ``drain_timeout`` seconds; those still running then end with ENGINE_STOPPED. Returns
+        how many that was (0: drained)."""
         import anyio.to_thread
 
+        self._drain.begin()
+        left = await self._drain.wait(drain_timeout)
         await anyio.to_thread.run_sync(self._host.close)
+        return left
 
 
 class RayEngine:
     """Caller-side :class:`~engines.contract.Engine` for an :class:`EngineActor`. Build it
     with :meth:`connect` (asks the actor who it is) or directly when that is known.
 
-    It declares no optional capability: ``generate`` carries no ``extra_body`` across the
-    actor. ``endpoint`` is the hosted engine's own HTTP address when it has one (an HTTP
-    adapter in the actor): the OpenAI gateway actor sends generations there directly.
+    ``generate`` carries no ``extra_body`` across the actor. ``endpoint`` is the hosted
+    engine's own HTTP address when it has one (an HTTP adapter in the actor): the OpenAI
+    gateway actor sends generations there directly. It confirms a request's end
+    (``confirms_end``): the actor asks its engine, and an actor known dead for good runs
+    nothing any more.
 
     Each proxy object remembers what its calls learned about the actor (gone for good, or
     unavailable since the last answer; see the module docstring); a copy sent to another
@@ -236,7 +259,7 @@ class RayEngine:
         self.engine_id = engine_id
         self.kind = kind
         self.transport: Transport = transport
-        self.capabilities = EngineCapabilities(endpoint=endpoint)
+        self.capabilities = EngineCapabilities(endpoint=endpoint, confirms_end=True)
         self.recheck_timeout = RECHECK_TIMEOUT_S
         self._gone: str | None = None  # why the actor is known dead for good
         self._unavailable = False  # the last transport failure left it restarting/unreachable
@@ -368,6 +391,17 @@ class RayEngine:
             "generate", prompt, lora_name, params, request_id, cache_salt
         )
 
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """End ``request_id`` in the actor's engine and answer whether it confirms the end
+        (:class:`~engines.contract.EndsRequests`). An actor dead for good (its process is
+        gone) confirms it: nothing of that process runs."""
+        try:
+            return await self._call("abort_request", request_id, lora_name)  # type: ignore[no-any-return]
+        except AmbiguousReply as exc:
+            if exc.code == ErrorCode.ENGINE_GONE:
+                return True
+            raise
+
     async def generate_calls(self) -> int:
         """How many generations reached the engine actor (for audits and tests)."""
         return await self._call("generate_calls")  # type: ignore[no-any-return]
@@ -457,8 +491,13 @@ def _end_unstarted(handle: ActorHandle, name: str, namespace: str) -> None:
     log.warning("ray.engine_name_still_held", actor=name, namespace=namespace)
 
 
-def stop_engine(engine: RayEngine, *, timeout: float = 30.0) -> None:
-    """Stop the engine cleanly, then end its actor (blocking)."""
+def stop_engine(
+    engine: RayEngine, *, timeout: float = 30.0, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+) -> None:
+    """Drain the engine (new generations refused ``ENGINE_DRAINING``, the running ones
+    finish, at most ``drain_timeout`` seconds), stop it cleanly (``timeout``), then end its
+    actor (blocking). Route it away first (the ledger actor's ``remove_engine``), so that
+    nothing new is sent to it meanwhile."""
     with suppress(RayActorError, ray.exceptions.GetTimeoutError):
-        ray.get(engine.handle.close.remote(), timeout=timeout)
+        ray.get(engine.handle.close.remote(drain_timeout), timeout=timeout + drain_timeout)
     ray.kill(engine.handle, no_restart=True)

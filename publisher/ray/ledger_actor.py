@@ -359,14 +359,15 @@ class _Service:
         log.info("ray.engine_replaced", engine=engine.engine_id, report=str(report))
         return report
 
-    async def remove_engine(self, engine_id: str, cause: str) -> None:
+    async def remove_engine(self, engine_id: str, cause: str) -> int:
         plane = self._plane_for("remove an engine")
         if engine_id not in plane.fleet and engine_id not in self.ledger.state.engines:
             raise FleetError(Code.UNKNOWN_ENGINE, f"engine {engine_id!r} is not in the fleet")
-        await plane.remove_engine(engine_id, cause=cause)
+        left: int = await plane.remove_engine(engine_id, cause=cause)  # routed away, drained
         if self.book is not None:
             await anyio.to_thread.run_sync(self.book.record, engine_id, None)
-        log.info("ray.engine_removed", engine=engine_id, cause=cause)
+        log.info("ray.engine_removed", engine=engine_id, cause=cause, in_flight_left=left)
+        return left
 
     async def _book(self, engine: RayEngine) -> None:
         """Keep the engine's actor in the book, so a restarted ledger actor serves it again."""
@@ -609,9 +610,12 @@ class LedgerActor:
         (``EngineRestarted``) and repaired before it serves."""
         return await self._call(self._service.replace_engine, engine)
 
-    async def remove_engine(self, engine_id: str, cause: str = "operator") -> None:
-        """The engine leaves the fleet (``EngineLeft`` with ``cause``); its handle is dropped."""
-        await self._call(self._service.remove_engine, engine_id, cause)
+    async def remove_engine(self, engine_id: str, cause: str = "operator") -> int:
+        """The engine leaves the fleet (``EngineLeft`` with ``cause``): routed away, then
+        drained (the requests counted on it finish, at most 30 s: ``ControlPlane.remove_engine``),
+        then its handle is dropped. Returns the requests still counted on it (0: drained; stop
+        it with ``stop_engine`` now)."""
+        return await self._call(self._service.remove_engine, engine_id, cause)
 
     async def engine_failed(
         self, engine_id: str, error: EngineError, batch: TroubleBatch | None = None

@@ -465,6 +465,10 @@ class RolloutWorker:
         while self._lost is None:
             await anyio.sleep(self.renew_every)
             self._touched |= self._running  # a turn still running is a turn now
+            if self.gateway.unconfirmed:
+                # Requests whose end the engine did not confirm yet are counted (and renewed)
+                # until it does: ask again, so a held count ends soon after it can.
+                await self.gateway.confirm_ends()
             try:
                 self.ensure_live()
             except LoraLedgerError as exc:

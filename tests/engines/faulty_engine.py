@@ -61,6 +61,7 @@ from engines.contract import (
     Receipt,
     SamplingParams,
     UnloadReceipt,
+    ends_requests,
 )
 
 T = TypeVar("T")
@@ -385,6 +386,11 @@ class FaultyEngine:
         return await self._run(
             "generate", lambda: self._engine.generate(prompt, lora_name, params, **kwargs)
         )
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        """Forwarded as it is (no faults): the wrapped engine's word on a request's end."""
+        ender = ends_requests(self._engine)
+        return False if ender is None else await ender.abort_request(request_id, lora_name)
 
     async def aclose(self) -> None:
         await self._engine.aclose()

@@ -1,13 +1,14 @@
 """Optional engine capabilities are declared by each adapter (:class:`EngineCapabilities`),
 so callers never inspect signatures or read attributes the contract does not name: SGLang's
 ``generate`` takes ``extra_body``, vLLM's does not; HTTP adapters name their endpoint; the
-in-process engine has neither; a fault-injecting wrapper declares what it wraps."""
+in-process engine has neither; every adapter can confirm a request's end (and is then an
+``EndsRequests``); a fault-injecting wrapper declares what it wraps."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines.contract import Engine, EngineCapabilities
+from engines.contract import EndsRequests, Engine, EngineCapabilities
 from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
 from engines.sglang import SGLangEngine
@@ -24,12 +25,14 @@ async def test_each_adapter_declares_what_it_offers() -> None:
     vllm = VLLMEngine(URL, "vl")
     staged = LocalHTTPEngine(URL, "st")
     try:
-        assert sglang.capabilities == EngineCapabilities(extra_body=True, endpoint=URL)
-        assert vllm.capabilities == EngineCapabilities(extra_body=False, endpoint=URL)
-        assert staged.capabilities == EngineCapabilities(extra_body=True, endpoint=URL)
-        assert LocalEngine.capabilities == EngineCapabilities()
+        ends = {"confirms_end": True}
+        assert sglang.capabilities == EngineCapabilities(extra_body=True, endpoint=URL, **ends)
+        assert vllm.capabilities == EngineCapabilities(extra_body=False, endpoint=URL, **ends)
+        assert staged.capabilities == EngineCapabilities(extra_body=True, endpoint=URL, **ends)
+        assert LocalEngine.capabilities == EngineCapabilities(confirms_end=True)
         for engine in (sglang, vllm, staged):
             assert isinstance(engine, Engine)
+            assert isinstance(engine, EndsRequests)
     finally:
         for engine in (sglang, vllm, staged):
             await engine.aclose()

@@ -70,6 +70,7 @@ from engines.contract import (
     Receipt,
     SamplingParams,
     UnloadReceipt,
+    ends_requests,
 )
 from engines.local.admission import ServingLimits
 from engines.local.engine import LocalEngine
@@ -252,6 +253,12 @@ class Relay:
         self, prompt: Any, lora_name: str | None, params: SamplingParams, **kw: Any
     ) -> Generation:
         return await self._call(lambda: self.inner.generate(prompt, lora_name, params, **kw))
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        ender = ends_requests(self.inner)
+        if ender is None:
+            return False
+        return await self._call(lambda: ender.abort_request(request_id, lora_name))
 
     async def aclose(self) -> None:
         """The engine outlives its handles."""

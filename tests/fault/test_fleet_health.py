@@ -28,7 +28,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -68,13 +68,16 @@ TOKEN = "operator-token"
 class EngineProcess:
     """``loraledger engine --id ID --port PORT``: one OS process, stopped by its PID."""
 
-    def __init__(self, tmp_path: Path, engine_id: str, port: int = 0) -> None:
+    def __init__(
+        self, tmp_path: Path, engine_id: str, port: int = 0, args: Sequence[str] = ()
+    ) -> None:
         self.engine_id = engine_id
         self.out = tmp_path / f"{engine_id}-{time.monotonic_ns()}.out"
         self.err = self.out.with_suffix(".err")
+        command = [*console_script(), "engine", "--id", engine_id, "--port", str(port), "--json"]
         with open(self.out, "wb") as stdout, open(self.err, "wb") as stderr:
             self.proc = subprocess.Popen(
-                [*console_script(), "engine", "--id", engine_id, "--port", str(port), "--json"],
+                [*command, *args],
                 cwd=REPO,
                 stdout=stdout,
                 stderr=stderr,
@@ -107,11 +110,13 @@ class EngineProcess:
 
 
 @contextlib.contextmanager
-def engine_processes(tmp_path: Path, n: int = 3) -> Iterator[dict[str, EngineProcess]]:
+def engine_processes(
+    tmp_path: Path, n: int = 3, args: Sequence[str] = ()
+) -> Iterator[dict[str, EngineProcess]]:
     procs: dict[str, EngineProcess] = {}
     try:
         for i in range(n):
-            procs[f"e{i}"] = EngineProcess(tmp_path, f"e{i}")
+            procs[f"e{i}"] = EngineProcess(tmp_path, f"e{i}", args=args)
         for p in procs.values():
             p.ready()
         yield procs

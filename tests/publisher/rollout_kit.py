@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 
@@ -179,6 +180,9 @@ async def _rig(
             await ledger.join_engine(engine.engine_id, incarnation)
             await ledger.repair_engine(engine.engine_id, incarnation)
         fleet = Fleet(wrap(e) if wrap else e for e in local.values())
+        for member in fleet:  # a double that owns tasks lives in the rig's block
+            if isinstance(member, KeepsRunning):
+                await stack.enter_async_context(member)
         sink = MemorySink()
         recorder = await stack.enter_async_context(
             ProvenanceRecorder(sink, capacity=recorder_capacity)
@@ -335,6 +339,64 @@ class NonDraining(Recording):
             lora_name=lora_name,
             was_loaded=True,
         )
+
+
+class KeepsRunning(NonDraining):
+    """A remote engine that does not drain on unload (:class:`NonDraining`) and learns of a
+    caller's cancel only when it is told: the generation runs in the engine's own task group
+    (as an HTTP server's handler, or a Ray actor's call), so a caller that is cancelled, times
+    out or loses the reply leaves it running. :meth:`abort_request` is the engine's abort by
+    request id; it takes effect once the test sets ``abort_lands`` (an engine whose abort
+    reaches the running request late, as vLLM and SGLang's do after a step: "the engine kept
+    generating ~2 s"), and answers once the request ended. With ``unconfirmable`` the engine
+    cannot be asked at all (its abort fails, as over a dead connection)."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        super().__init__(inner)
+        self.abort_lands = anyio.Event()
+        self.unconfirmable = False
+        self.aborts: list[str] = []  # request ids it was asked to end
+        self.running = 0  # generations still running on the engine, whoever waits for them
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> KeepsRunning:
+        self._tg = await anyio.create_task_group().__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        assert self._tg is not None, "use it in an `async with` (it owns the engine's tasks)"
+        done = anyio.Event()
+        outcome: list[Generation | BaseException] = []
+
+        async def run() -> None:
+            self.running += 1
+            try:
+                outcome.append(await Recording.generate(self, *args, **kwargs))
+            except Exception as exc:
+                outcome.append(exc)
+            finally:
+                self.running -= 1
+                done.set()
+
+        self._tg.start_soon(run)
+        await done.wait()  # a cancelled caller stops waiting; the generation goes on
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        self.aborts.append(request_id)
+        if self.unconfirmable:
+            raise AmbiguousReply(
+                ErrorCode.CONNECTION_LOST, "abort not answered", engine_id=self.engine_id
+            )
+        await self.abort_lands.wait()
+        return await self.inner.abort_request(request_id, lora_name)
 
 
 class LosesReply(Recording):

@@ -38,13 +38,23 @@ def engine(
             "(load, unload, staged transfer, pause, abort); default: $LORALEDGER_ENGINE_TOKEN.",
         ),
     ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            "--drain-timeout",
+            help="On SIGINT/SIGTERM, how long the requests already running may take to finish "
+            "(seconds); new ones are refused 503 ENGINE_DRAINING meanwhile, and served by "
+            "another engine.",
+        ),
+    ] = 30.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the bundled local engine over HTTP on 127.0.0.1: try loraledger without a GPU.
 
     A tiny model built locally (no download) behind SGLang 0.5.x's endpoints plus staged
     transfer: use it as sglang:URL (adapters loaded by path, as on SGLang) or local:URL
-    (adapters streamed and verified). Stops cleanly on SIGINT/SIGTERM.
+    (adapters streamed and verified). Stops cleanly on SIGINT/SIGTERM, after a drain: new
+    requests refused retryably, the running ones finished (at most --drain-timeout).
     """
     from tools import local_engine
     from tools.demo import quiet_libraries
@@ -54,6 +64,7 @@ def engine(
         port=port,
         artifact_root=str(artifact_root) if artifact_root else None,
         token=secret(None, "", token_file, "LORALEDGER_ENGINE_TOKEN"),
+        drain_timeout_s=drain_timeout,
     )
     local_engine.check_options(opts)
     quiet_libraries()
@@ -96,6 +107,14 @@ def agent(
     served_model: Annotated[
         str, typer.Option("--served-model", help="vLLM's --served-model-name.")
     ] = "tiny",
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            "--drain-timeout",
+            help="On SIGINT/SIGTERM, how long the publication steps already running may take "
+            "(seconds); new ones are refused 503 ENGINE_DRAINING meanwhile.",
+        ),
+    ] = 30.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the engine-host agent beside an SGLang or vLLM server: no shared filesystem.
@@ -103,7 +122,8 @@ def agent(
     It receives a version's buckets over loraledger's staged protocol, verifies them, writes
     the PEFT directory on this host's disk and asks its engine to load that path
     (docs/engines.md, The engine-host agent). Join it to the ledger as
-    ID=agent:AGENT_URL,KIND:ENGINE_URL. Stops cleanly on SIGINT/SIGTERM.
+    ID=agent:AGENT_URL,KIND:ENGINE_URL. Stops cleanly on SIGINT/SIGTERM, after a drain of the
+    steps already running (at most --drain-timeout).
     """
     from engines import agent as host_agent
 
@@ -112,6 +132,8 @@ def agent(
         raise ToolError(Exit.USAGE, f"--engine {engine_spec!r}: expected sglang:URL or vllm:URL")
     if not artifacts.is_dir():
         raise ToolError(Exit.USAGE, f"--artifacts {artifacts} is not a directory")
+    if not 0 <= drain_timeout < float("inf"):
+        raise ToolError(Exit.USAGE, "--drain-timeout must be a number of seconds >= 0")
     token = secret(None, "", token_file, "LORALEDGER_AGENT_TOKEN")
 
     def ready(base: str) -> None:
@@ -133,6 +155,7 @@ def agent(
                 engine_token=secret(None, "", None, "LORALEDGER_ENGINE_TOKEN"),
                 served_model=served_model,
                 on_ready=ready,
+                drain_timeout=drain_timeout,
             )
         )
     except ValueError as exc:

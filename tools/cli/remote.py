@@ -60,6 +60,7 @@ TokenOpt = Annotated[
     typer.Option("--token", envvar="LORALEDGER_TOKEN", help="Bearer token of the service."),
 ]
 EngineArg = Annotated[str, typer.Argument(help="The engine id, as in `loraledger status`.")]
+REMOVE_TIMEOUT_S = 60.0  # serve's drain (30 s) and margin
 
 
 def _engine_action(url: str, token: str | None, engine: str, action: str, detail: str,
@@ -67,11 +68,22 @@ def _engine_action(url: str, token: str | None, engine: str, action: str, detail
     from tools.arguments import service_url
     from tools.fleet_ops import engine_action
 
-    answer = engine_action(service_url("--url", url), engine, action, token=token, detail=detail)
+    # A removal answers once the engine drained (serve waits up to 30 s for its requests).
+    timeout = REMOVE_TIMEOUT_S if action == "remove" else 10.0
+    answer = engine_action(
+        service_url("--url", url), engine, action, token=token, detail=detail, timeout=timeout
+    )
     if json:
         emit({"row": action, "engine": engine, **answer})
     else:
         done = "already so: nothing recorded" if answer.get("no_op") else "recorded"
+        left = answer.get("in_flight_left")
+        if action == "remove" and not answer.get("no_op"):
+            done += (
+                ", drained: safe to stop its process"
+                if not left
+                else f"; {left} request(s) still running on it after the drain timeout"
+            )
         print(f"{action} {engine}: {done}")
 
 
@@ -103,5 +115,6 @@ def fleet_resume(
 def fleet_remove(
     engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
 ) -> None:
-    """Remove an engine from the fleet (an engine that died and will not come back)."""
+    """Remove an engine from the fleet: routed away at once (recorded), then drained (the
+    requests running on it finish, at most 30 s); stop its process once this answered."""
     _engine_action(url, token, engine, "remove", "", json)

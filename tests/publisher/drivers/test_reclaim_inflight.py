@@ -8,6 +8,10 @@ gateway as its in-flight source, and the real reconciler reading the driver's co
   The binding no longer pins v1, so only the gateway's in-flight evidence stands between v1
   and its unload: no claim while the request runs, and -- the driver sweeping all along while
   it finishes -- no unload is sent before the engine returned the generation.
+* After its caller gave up: a turn cancelled (or timed out, or whose reply was lost) may
+  still run on the engine. The gateway aborts it there and counts it until the engine
+  confirms its end; an engine that cannot be asked keeps the count until its incarnation
+  ends, or a worker's renewal asks again and it answers.
 * At unload time: a request can start *after* a rightful claim (a worker whose lease expired
   without its noticing still holds its binding; a remote worker's renewal reports a request
   only after the claim). The driver's unload and the reconciler's fenced unload of the
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -35,6 +41,7 @@ from publisher.sessions import RolloutWorker
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,
+    KeepsRunning,
     NonDraining,
     Recording,
     Rig,
@@ -220,3 +227,161 @@ async def test_an_in_flight_report_that_arrives_after_the_claim_holds_the_unload
 
 async def claims(r: Rig) -> list[ReclaimClaimed]:
     return [rec.event async for rec in r.store.iterate() if isinstance(rec.event, ReclaimClaimed)]
+
+
+# --- a request whose caller gave up: counted until the engine confirms its end --------------
+
+
+async def retire_v1(r: Rig) -> Any:
+    """v1 published and bound to session ``s`` of owner ``w1``; returns the binding. The
+    caller then retires v1 with :func:`release_v1`."""
+    await r.publish(1)
+    await r.ledger.register_owner("w1", ttl_s=10.0)
+    return await r.ledger.bind("s", "w1")
+
+
+async def release_v1(r: Rig) -> None:
+    """v2 commits (v1 RETIRED) and w1's lease expires: nothing but in-flight evidence keeps
+    v1 from being reclaimed."""
+    await r.publish(2)
+    r.clock.advance(60.0)
+    assert [x.owner for x in await r.ledger.expire_leases()] == ["w1"]
+    assert r.ledger.state.versions[1].bound == 0
+
+
+async def start_turn(r: Rig, bound: Any, tg: anyio.abc.TaskGroup) -> tuple[anyio.CancelScope, str]:
+    """A long turn of ``bound`` started in ``tg``, once it is counted in flight; returns the
+    scope that cancels its caller and the engine it runs on."""
+    caller = anyio.CancelScope()
+
+    async def turn() -> None:
+        with caller:
+            await r.gateway.generate(bound, PROMPT, LONG)
+
+    tg.start_soon(turn)
+    await wait_for("the turn in flight", lambda: sum(r.gateway.inflight_counts().values()) == 1)
+    ((busy, _),) = r.gateway.inflight_counts()
+    return caller, busy
+
+
+async def test_a_cancelled_turn_keeps_its_version_until_the_engine_confirms_the_abort() -> None:
+    """A turn cancelled by its caller (a client disconnect, ``close_session(cancel=True)``) on
+    an engine that keeps generating until its abort lands, and whose unload does not drain:
+    the gateway aborts the request at the engine and counts it until the engine confirms, so
+    reclaim claims nothing meanwhile and never unloads v1 under it; the count ends at the
+    confirmation. Before: the count ended when the caller was cancelled, the sweep claimed v1
+    at once and unloaded it on the engine still generating on it."""
+    async with rig(timeout=60, wrap=KeepsRunning) as r:
+        driver = r.reclaimer()
+        bound = await retire_v1(r)
+        v1 = r.names[1]
+        for engine in r.local.values():
+            engine.pause_generation()  # the generation runs, frozen between tokens
+        async with anyio.create_task_group() as tg:
+            caller, busy = await start_turn(r, bound, tg)
+            member = r.fleet[busy]
+            assert isinstance(member, KeepsRunning)
+            await release_v1(r)
+            caller.cancel()  # the caller is gone; the engine has not heard of it yet
+            await wait_for(
+                "the cancel handled", lambda: bool(member.aborts) or not r.gateway.inflight_counts()
+            )
+            assert member.running == 1 and r.local[busy].refcount(v1) == 1
+            for _ in range(3):
+                with anyio.fail_after(5):
+                    assert await driver.sweep() == []
+            assert r.gateway.inflight(busy, 1) == 1
+            assert r.ledger.state.versions[1].state is VersionState.RETIRED
+            assert await claims(r) == []
+            assert member.unload_started == {}
+
+            member.abort_lands.set()  # the abort reaches the request; the engine confirms
+            await wait_for("the count ended", lambda: r.gateway.inflight_counts() == {})
+            assert member.running == 0 and r.local[busy].refcount(v1) == 0
+            for engine in r.local.values():
+                engine.continue_generation()
+
+        while r.ledger.state.versions[1].state is not VersionState.RECLAIMED:
+            with anyio.fail_after(5):
+                await driver.sweep()
+        for m in r.fleet:
+            assert m.unloaded_under_requests == []  # type: ignore[attr-defined]
+        assert isinstance(member, KeepsRunning)
+        assert member.aborts == [member.calls[0]["request_id"]]
+
+
+async def test_a_count_the_engine_cannot_confirm_is_held_until_its_incarnation_ends() -> None:
+    """The engine cannot be asked (its abort fails): the count is held -- across sweeps and
+    later asks -- and not leaked: when the engine's life ends (the reconciler records a new
+    incarnation, as after a restart) the held count goes, and v1 can be reclaimed."""
+    async with rig(timeout=60, wrap=KeepsRunning) as r:
+        r.gateway.abort_timeout_s = 0.5
+        driver = r.reclaimer()
+        bound = await retire_v1(r)
+        for engine in r.local.values():
+            engine.pause_generation()
+            r.fleet[engine.engine_id].unconfirmable = True  # type: ignore[attr-defined]
+        async with anyio.create_task_group() as tg:
+            caller, busy = await start_turn(r, bound, tg)
+            await release_v1(r)
+            caller.cancel()
+        # the caller's cancellation returned (bounded by abort_timeout_s); the count did not
+        assert r.gateway.inflight_counts() == {(busy, 1): 1}
+        assert r.gateway.unconfirmed == 1
+        assert await r.gateway.confirm_ends() == 1  # asked again: still no answer
+        assert await driver.sweep() == []
+        assert await claims(r) == []
+
+        # The engine restarts: its old life's requests are gone with it.
+        for engine in r.local.values():
+            engine.abort_all()
+            engine.continue_generation()
+        await r.ledger.observe_restart(busy, "a-new-life")
+        assert r.gateway.inflight_counts() == {}
+        assert r.gateway.unconfirmed == 0
+        assert await r.gateway.confirm_ends() == 0
+        assert [x.count for x in driver.evidence(1) if x.engine == busy] == [0]
+
+
+async def test_a_held_count_ends_when_a_worker_renewal_finds_the_engine_answering() -> None:
+    """A rollout worker's turn, cancelled while the engine could not be asked: the worker's
+    own tally (what its lease renewals carry to the ledger) holds the request too, and both
+    counts end once the engine answers again -- asked with the worker's next renewal, no
+    caller involved."""
+    async with rig(timeout=60, wrap=KeepsRunning) as r:
+        r.gateway.abort_timeout_s = 0.2
+        await r.publish(1)
+        for engine in r.local.values():
+            engine.pause_generation()
+            r.fleet[engine.engine_id].unconfirmable = True  # type: ignore[attr-defined]
+        async with (
+            RolloutWorker.open(r.ledger, r.gateway, owner="w1", ttl_s=10.0, renew_every=0.05) as w,
+            anyio.create_task_group() as tg,
+        ):
+            caller = anyio.CancelScope()
+
+            async def turn() -> None:
+                with caller:
+                    await w.session("s").generate(PROMPT, LONG)
+
+            tg.start_soon(turn)
+            await wait_for("the turn in flight", lambda: bool(w.inflight.counts()))
+            ((busy, _),) = w.inflight.counts()
+            member = r.fleet[busy]
+            assert isinstance(member, KeepsRunning)
+            caller.cancel()
+            await wait_for("the count held", lambda: r.gateway.unconfirmed == 1)
+            assert w.inflight.counts() == {(busy, 1): 1}
+            assert r.ledger.inflight_evidence(1)  # the renewals carry it to the ledger
+            assert sum(x.count for x in r.ledger.inflight_evidence(1)) == 1
+
+            member.unconfirmable = False
+            member.abort_lands.set()
+            await wait_for("the renewal's ask ended it", lambda: not w.inflight.counts())
+            assert r.gateway.inflight_counts() == {} and member.running == 0
+            await wait_for(
+                "the ledger told",
+                lambda: sum(x.count for x in r.ledger.inflight_evidence(1)) == 0,
+            )
+            for engine in r.local.values():
+                engine.continue_generation()

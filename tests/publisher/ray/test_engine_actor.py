@@ -142,14 +142,18 @@ async def test_the_proxy_serves_what_the_engine_in_process_serves(eut: EngineUnd
     assert remote.engine_id == engine_actor.engine_id == "ray-e0"
 
 
-def test_the_proxy_declares_no_optional_capability() -> None:
+def test_the_proxy_declares_no_extra_body_and_confirms_a_requests_end() -> None:
     """``generate`` carries no ``extra_body`` across the actor (the gateway refuses extra
     fields for a proxied engine); its address is the hosted engine's own, if it has one (an
-    HTTP adapter in the actor, which the OpenAI gateway actor reaches directly)."""
+    HTTP adapter in the actor, which the OpenAI gateway actor reaches directly); it confirms a
+    request's end (the actor asks its engine; a dead actor runs nothing)."""
     handle: Any = None
-    assert RayEngine(handle, "e0", "local", "staged").capabilities == EngineCapabilities()
+    ends = EngineCapabilities(confirms_end=True)
+    assert RayEngine(handle, "e0", "local", "staged").capabilities == ends
     served = RayEngine(handle, "e0", "local", "staged", "http://127.0.0.1:9")
-    assert served.capabilities == EngineCapabilities(endpoint="http://127.0.0.1:9")
+    assert served.capabilities == EngineCapabilities(
+        endpoint="http://127.0.0.1:9", confirms_end=True
+    )
 
 
 @pytest.mark.anyio

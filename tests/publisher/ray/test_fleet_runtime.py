@@ -94,6 +94,17 @@ class DiesInLoadEngineActor(EngineActor):
         return await super().load(candidate)
 
 
+class PausableEngineActor(EngineActor):
+    """An engine actor whose generations can be held between tokens (the local engine's
+    in-place pause), so that turns are surely running on it when it is removed."""
+
+    async def pause(self) -> None:
+        await self._host.call(self._engine.pause_generation)  # type: ignore[attr-defined]
+
+    async def resume(self) -> None:
+        await self._host.call(self._engine.continue_generation)  # type: ignore[attr-defined]
+
+
 def _restartable(engine_id: str) -> RestartableEngine:
     return RestartableEngine(functools.partial(LocalEngine, engine_id, limits=LIMITS))
 
@@ -341,6 +352,59 @@ async def test_a_trainer_is_told_what_a_version_settles_as_after_an_engine_dies_
         "AttemptFailed",
         "FatalResolved",
     ]
+
+
+async def test_remove_then_stop_under_traffic_loses_no_turn(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """Turns running on e0 (held between tokens) when the operator removes it and stops it
+    at once, as a script would: the ledger actor's ``remove_engine`` routes e0 away first
+    (``EngineLeft``: a new turn goes to e1), then drains the in-flight counts it knows for
+    e0, and ``stop_engine`` drains the engine actor's own generations before it stops it.
+    Every turn is served. Before: the removal answered at once and the stop ended the
+    running generations (``ENGINE_STOPPED``: ambiguous turns, never resent)."""
+
+    def engines(rig: FleetRig) -> list[RayEngine]:
+        handle = (
+            ray.remote(PausableEngineActor)
+            .options(name=f"{rig.tag}-e0", namespace=NAMESPACE, num_cpus=0)
+            .remote(functools.partial(LocalEngine, "e0", limits=LIMITS))
+        )
+        info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
+        e0 = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+        rig.engines.append(e0)
+        return [e0, rig.engine("e1")]
+
+    async with fleet_rig(tmp_path, engines) as rig:
+        e0 = rig.engines[0]
+        running = sessions_on("e0", ["e0", "e1"], "drain", 4)
+        await e0.handle.pause.remote()
+        outcomes: list[Outcome] = []
+        stopped = anyio.Event()
+
+        async def turns() -> None:
+            outcomes.extend(await rig.attempt(running, 0))
+
+        async def remove_then_stop() -> None:
+            await rig.ledger.remove_engine.remote("e0")
+            await anyio.to_thread.run_sync(functools.partial(stop_engine, e0, timeout=10))
+            stopped.set()
+
+        async def all_running() -> bool:
+            return await e0.generate_calls() == len(running)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turns)
+            await wait_for("the turns running on e0", all_running, timeout=120, every=0.05)
+            tg.start_soon(remove_then_stop)
+            await rig.wait_for("e0 routed away", lambda s: not routable(s, "e0"))
+            late = await rig.attempt(["drain-late"], 0)
+            assert [(o.engine, o.code) for o in late] == [("e1", "")]
+            assert not stopped.is_set()  # the turns on e0 hold its stop
+            await e0.handle.resume.remote()
+        assert [(o.engine, o.code) for o in outcomes] == [("e0", "")] * len(running)
+    events = await rig.log()
+    assert [e.cause for e in events if isinstance(e, EngineLeft)] == ["operator"]
 
 
 async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
