@@ -12,7 +12,7 @@ import asyncpg
 
 from evlog.locations import describe
 from evlog.postgres import _check_address as check_address  # the log's own rule, not a copy
-from evlog.provenance_store import POSTGRES_TABLE, StoredRow, failed
+from evlog.provenance_rows import POSTGRES_TABLE, StoredRow, failed
 
 _LAYOUT = (
     f"""CREATE TABLE IF NOT EXISTS {POSTGRES_TABLE} (

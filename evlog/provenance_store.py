@@ -28,46 +28,25 @@ import os
 import sqlite3
 from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from contextlib import asynccontextmanager, closing
-from typing import Protocol
 
 import anyio
 import anyio.to_thread
-import msgspec
 
 from evlog.errors import StoreCode, StoreError
 from evlog.locations import backend_of, describe
+from evlog.provenance_rows import POSTGRES_TABLE, ProvenanceStore, StoredRow, failed
+
+__all__ = [
+    "ProvenanceStore",
+    "SQLiteProvenance",
+    "StoredRow",
+    "open_provenance",
+    "provenance_location",
+]
 
 SQLITE_SUFFIX = ".provenance.sqlite"
-POSTGRES_TABLE = "loraledger_provenance"  # evlog/provenance_postgres.py
 APPLICATION_ID = 0x4C4C5052  # "LLPR": marks a file as a loraledger provenance store
 _CHUNK = 500  # sessions per IN (...) list: under SQLite's bound-parameter limit
-
-
-class StoredRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One row as the store keeps it: key, session, start time, and the opaque body."""
-
-    row_id: str
-    session: str
-    started_at: float
-    body: bytes
-
-
-class ProvenanceStore(Protocol):
-    """What the ledger's process writes and the read-only tools read."""
-
-    @property
-    def location(self) -> str: ...
-
-    async def add(self, rows: Sequence[StoredRow]) -> int:
-        """Store ``rows`` in one durable transaction, skipping ids already stored; returns
-        how many were new."""
-        ...
-
-    async def read(self, sessions: Collection[str] | None = None) -> list[bytes]:
-        """The bodies of ``sessions``' rows (every row when None), by session, then start."""
-        ...
-
-    async def count(self) -> int: ...
 
 
 def provenance_location(log: str | os.PathLike[str]) -> str:
@@ -92,11 +71,6 @@ async def open_provenance(log: str | os.PathLike[str]) -> AsyncIterator[Provenan
         return
     async with SQLiteProvenance.open(f"{where}{SQLITE_SUFFIX}") as lite:
         yield lite
-
-
-def failed(exc: BaseException, doing: str, where: str) -> StoreError:
-    """``STORE_FAILED``: the batch may or may not be stored; sent again, it is stored once."""
-    return StoreError(StoreCode.STORE_FAILED, f"{where}: {doing} failed: {exc!r}")
 
 
 # --- SQLite ------------------------------------------------------------------------------------

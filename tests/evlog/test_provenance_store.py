@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from evlog.errors import StoreCode, StoreError
-from evlog.provenance_store import (
-    POSTGRES_TABLE,
-    ProvenanceStore,
-    SQLiteProvenance,
-    StoredRow,
-    open_provenance,
-    provenance_location,
-)
+from evlog.provenance_rows import POSTGRES_TABLE, ProvenanceStore, StoredRow
+from evlog.provenance_store import SQLiteProvenance, open_provenance, provenance_location
 
 pytestmark = pytest.mark.anyio
 
