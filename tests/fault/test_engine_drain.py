@@ -39,6 +39,7 @@ from tests.fault.conftest import record_figure
 from tests.fault.test_fleet_health import TOKEN, EngineProcess, engine_processes, plane_over
 from tests.publisher.plane_kit import adapter_copy
 from tests.support.log import events_of
+from tests.support.outcomes import keep_outcome
 from tests.support.waiting import wait_for
 from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
@@ -92,18 +93,10 @@ async def test_a_sigterm_under_traffic_finishes_every_running_turn_and_refuses_n
             *running, late = await ready(plane, sessions_on("e0", 13))
             e0 = procs["e0"].url
             assert (await post(e0, "/pause_generation", {"mode": "in_place"})).status_code == 200
-            served: list[Served] = []
-            failed: list[BaseException] = []
-
-            async def turn(bound: Bound) -> None:
-                try:
-                    served.append(await gateway.generate(bound, "a turn", TURN))
-                except Exception as exc:
-                    failed.append(exc)
-
+            outcomes: list[Served | Exception] = []
             async with anyio.create_task_group() as tg:
                 for bound in running:
-                    tg.start_soon(turn, bound)
+                    keep_outcome(tg, outcomes, gateway.generate, bound, "a turn", TURN)
                 await wait_for(
                     "12 generations running on e0",
                     lambda: _in_flight(e0, 12),
@@ -122,7 +115,8 @@ async def test_a_sigterm_under_traffic_finishes_every_running_turn_and_refuses_n
             code = await exited(procs["e0"], 60)
             took = time.monotonic() - signalled
 
-    assert failed == []
+    served = [o for o in outcomes if isinstance(o, Served)]
+    assert [o for o in outcomes if not isinstance(o, Served)] == []
     assert len(served) == 12
     assert {s.engine for s in served} == {"e0"}
     assert all(len(s.generation.token_ids) == TURN.max_tokens for s in served)
@@ -142,17 +136,10 @@ async def test_a_drain_past_its_timeout_exits_and_the_cut_turns_are_ambiguous(
             running = await ready(plane, sessions_on("e0", 3))
             e0 = procs["e0"].url
             assert (await post(e0, "/pause_generation", {"mode": "in_place"})).status_code == 200
-            outcomes: list[Served | BaseException] = []
-
-            async def turn(bound: Bound) -> None:
-                try:
-                    outcomes.append(await gateway.generate(bound, "a turn", TURN))
-                except Exception as exc:
-                    outcomes.append(exc)
-
+            outcomes: list[Served | Exception] = []
             async with anyio.create_task_group() as tg:
                 for bound in running:
-                    tg.start_soon(turn, bound)
+                    keep_outcome(tg, outcomes, gateway.generate, bound, "a turn", TURN)
                 await wait_for("3 generations running on e0", lambda: _in_flight(e0, 3), timeout=60)
                 procs["e0"].signal(signal.SIGTERM)  # and they stay frozen: the drain times out
                 signalled = time.monotonic()

@@ -15,10 +15,8 @@ assertions use generous deadlines (the suite runs on loaded machines).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -33,7 +31,7 @@ from anyio.abc import Process
 from evlog.events import EngineRestarted, EngineUnreachable
 from evlog.sqlite import SQLiteStore
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
-from tests.support.paths import REPO
+from tests.support.processes import listening_process
 from tests.support.waiting import wait_for
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
@@ -49,25 +47,9 @@ ENGINES = ("e0", "e1", "e2")
 async def engine_process(engine_id: str, port: int = 0) -> AsyncIterator[tuple[Process, str]]:
     """``loraledger engine`` in a subprocess; yield it and its URL (its JSON ``listening``
     row). Stopped by PID on exit if still running (SIGKILL: the tests kill it anyway)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "tools.cli", "engine", "--id", engine_id]
-    argv += ["--port", str(port), "--json"]
-    process: Process = await anyio.open_process(argv, cwd=REPO, env=env)
-    try:
-        assert process.stdout is not None
-        line = b""
-        with anyio.fail_after(120):
-            while not line.endswith(b"\n"):
-                line += await process.stdout.receive(1)
-        row = json.loads(line)
-        assert row["row"] == "listening" and row["pid"] == process.pid, row
+    args = ["engine", "--id", engine_id, "--port", str(port), "--json"]
+    async with listening_process(args, stop_with=signal.SIGKILL) as (process, row):
         yield process, str(row["url"])
-    finally:
-        if process.returncode is None:
-            os.kill(process.pid, signal.SIGKILL)
-        with anyio.fail_after(30):
-            await process.wait()
-        await process.aclose()
 
 
 async def _engine_row(http: httpx.AsyncClient, engine_id: str) -> dict[str, object]:

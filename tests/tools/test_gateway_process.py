@@ -24,7 +24,6 @@ import anyio
 import httpx
 import openai
 import pytest
-from anyio.abc import Process
 
 from engines.local.server import running_server
 from evlog.errors import Refused
@@ -36,6 +35,7 @@ from publisher.remote.wire import WireCode
 from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.paths import REPO
+from tests.support.processes import listening_process
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
 from tools.service_options import parse_engine
@@ -61,10 +61,7 @@ async def gateway_process(
     ``copy``: it also writes a JSON-lines copy of its provenance rows in ``tmp_path``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LORALEDGER_TOKEN", None)
-    argv = [
-        sys.executable,
-        "-m",
-        "tools.cli",
+    args = [
         "gateway",
         "--ledger",
         ledger,
@@ -79,23 +76,12 @@ async def gateway_process(
         *(("--provenance", str(tmp_path / f"{name}.provenance.jsonl")) if copy else ()),
         "--json",
     ]
-    process: Process = await anyio.open_process(argv, cwd=cwd, env=env)
-    try:
-        assert process.stdout is not None
-        line = b""
-        with anyio.fail_after(60):
-            while not line.endswith(b"\n"):
-                line += await process.stdout.receive(1)
-        row = json.loads(line)
-        assert row["row"] == "listening" and row["owner"] == name and row["pid"] == process.pid
+    started = listening_process(args, env=env, cwd=cwd, ready_within=60, stop_with=signal.SIGTERM)
+    async with started as (process, row):
+        assert row["owner"] == name
         url: str = row["url"]
         yield url
-    finally:
-        os.kill(process.pid, signal.SIGTERM)
-        with anyio.fail_after(30):
-            code = await process.wait()
-        await process.aclose()
-    assert code == 0, f"{name} exited {code}"
+    assert process.returncode == 0, f"{name} exited {process.returncode}"
 
 
 async def _inflight(http: httpx.AsyncClient) -> int:
