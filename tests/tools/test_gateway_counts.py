@@ -179,12 +179,20 @@ async def test_counts_never_drift_over_stub_engines(tmp_path: Path, slow: bool) 
             assert outcomes["AMBIGUOUS_DISPATCH"] > 0 and outcomes["400"] > 0, outcomes
             assert statuses["PUBLISHED"] >= 2, statuses  # versions changed under the load
 
+            def evidence_left() -> bool:
+                return any(
+                    x.count
+                    for version_id in plane.ledger.state.versions
+                    for x in plane.ledger.inflight_evidence(version_id)
+                )
+
+            # A count whose end the engine has not confirmed yet (a reset after send, a
+            # client's abort) is held until the engine's metrics show the adapter idle; the
+            # worker asks again at its renewal and the ledger hears the counts at the same one.
             with anyio.fail_after(20):
-                while gateway.inflight_counts():  # noqa: ASYNC110 -- counters, no event
+                while gateway.inflight_counts() or evidence_left():  # noqa: ASYNC110 -- counters
                     await anyio.sleep(0.02)
             assert not worker.inflight
-            for version_id in plane.ledger.state.versions:
-                assert all(x.count == 0 for x in plane.ledger.inflight_evidence(version_id))
             reclaimed = [
                 v for v in plane.ledger.state.versions.values() if str(v.state) == "RECLAIMED"
             ]

@@ -17,7 +17,9 @@ API (docs/engines.md, vLLM) that loraledger and an OpenAI client use, with vLLM'
   404 ``NotFoundError`` "No adapter found" when the path is not a directory),
   ``POST /v1/unload_lora_adapter`` (200 text; 404 "cannot be found"), ``GET /v1/models`` (the
   base card with ``parent`` null, one card per adapter with ``root`` = its path and ``parent`` =
-  the base), ``GET /metrics`` (``process_start_time_seconds``: the incarnation signal) and
+  the base), ``GET /metrics`` (``process_start_time_seconds``: the incarnation signal, and
+  ``vllm:lora_requests_info``: the adapters of the streams running now, the signal
+  :meth:`engines.vllm.VLLMEngine.abort_request` reads to know a request has ended) and
   ``GET /health``. A generation for a model that is neither the base nor a loaded adapter is
   vLLM's 404 "The model `x` does not exist.".
 
@@ -34,6 +36,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -69,6 +72,7 @@ class StubEngine:
         self.chunk_interval_s = chunk_interval_s
         self.started = time.time()
         self.adapters: dict[str, str] = {}  # name -> path, in load order
+        self.running: Counter[str] = Counter()  # adapter -> streams being written now
 
     # --- LoRA management --------------------------------------------------------------------
 
@@ -131,10 +135,15 @@ class StubEngine:
         return _json({"object": "list", "data": cards})
 
     async def metrics(self, _request: Request) -> Response:
+        running = ",".join(name for name, n in self.running.items() if n > 0)
         return PlainTextResponse(
             "# HELP process_start_time_seconds Start time of the process since unix epoch.\n"
             "# TYPE process_start_time_seconds gauge\n"
             f"process_start_time_seconds {self.started:.2f}\n"
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+            "# TYPE vllm:lora_requests_info gauge\n"
+            f'vllm:lora_requests_info{{max_lora="{max(len(self.adapters), 1)}",'
+            f'running_lora_adapters="{running}",waiting_lora_adapters=""}} {time.time():.6f}\n'
         )
 
     async def health(self, _request: Request) -> Response:
@@ -215,6 +224,26 @@ class StubEngine:
         usage: dict[str, int] | None,
     ) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
+        adapter = model != self.base_model
+        if adapter:
+            self.running[model] += 1
+        try:
+            async for chunk in self._chunks(rid, created, model, tokens, chat, usage, kind):
+                yield chunk
+        finally:
+            if adapter:
+                self.running[model] -= 1
+
+    async def _chunks(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        tokens: int,
+        chat: bool,
+        usage: dict[str, int] | None,
+        kind: str,
+    ) -> AsyncIterator[bytes]:
         for i in range(tokens):
             if i and self.chunk_interval_s:
                 await anyio.sleep(self.chunk_interval_s)

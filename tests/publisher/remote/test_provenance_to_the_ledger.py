@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+import structlog.testing
 
 from evlog.provenance_store import ProvenanceStore, open_provenance
 from evlog.sqlite import SQLiteStore
@@ -125,15 +126,13 @@ async def test_rows_of_concurrent_callers_share_round_trips(tmp_path: Path) -> N
         assert await store.count() == 20
 
 
-async def test_an_exit_does_not_wait_forever_for_a_ledger_that_is_gone(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_an_exit_does_not_wait_forever_for_a_ledger_that_is_gone(tmp_path: Path) -> None:
     """The recorder's drain timeout: the rows the ledger never took are counted and logged
     with their ids once it runs out, and the exit goes on."""
     network = LossyNetwork(down=True)
     async with ledger_with_store(tmp_path / "ledger.db") as (url, store):
         async with remote(url, network) as ledger:
-            with anyio.fail_after(20):
+            with anyio.fail_after(20), structlog.testing.capture_logs() as logs:
                 async with ProvenanceRecorder(
                     ledger.provenance_sink(), drain_timeout_s=0.3
                 ) as recorder:
@@ -142,8 +141,9 @@ async def test_an_exit_does_not_wait_forever_for_a_ledger_that_is_gone(
         assert (recorder.written, recorder.abandoned, recorder.pending) == (0, 2, 0)
         assert network.posted >= 2  # it kept trying until the timeout
         assert await store.count() == 0
-    unsent = [r for r in caplog.records if "provenance.unsent" in r.getMessage()]
-    assert unsent and "row-0" in unsent[0].getMessage()
+    unsent = [x for x in logs if x["event"] == "provenance.unsent"]
+    assert len(unsent) == 1 and unsent[0]["log_level"] == "error", logs
+    assert "row-0" in str(unsent[0]), unsent
 
 
 async def test_a_ledger_without_a_store_refuses_and_the_recorder_fails_loudly(
