@@ -15,7 +15,9 @@ learns every change from the ledger's membership view.
 * a clean ``NOT_LOADED`` from an engine that restarted empty is served by the other holder,
   and its report has the reconciler repair the engine without waiting for a probe tick;
 * an engine actor Ray restarts (``max_restarts=1``) is repaired before it serves again;
-* the runtime changes (added, replaced, removed) survive a restart of the ledger actor.
+* the runtime changes (added, replaced, removed) survive a restart of the ledger actor;
+* a turn cancelled by ``close_session(cancel=True)`` while its engine actor goes on generating
+  keeps its version from reclaim until the engine actor confirms the request's end.
 
 Detection and recovery times are printed (``-s``), not asserted: the machine is shared.
 """
@@ -41,7 +43,13 @@ import ray
 from engines.local.engine import LocalEngine
 from engines.local.tinymodel import make_adapter
 from engines.testing import RestartableEngine
-from evlog.events import EngineLeft, EngineRepaired, EngineRestarted, EngineSuspended
+from evlog.events import (
+    EngineLeft,
+    EngineRepaired,
+    EngineRestarted,
+    EngineSuspended,
+    ReclaimClaimed,
+)
 from evlog.sqlite import SQLiteStore
 from projections.status import EngineStatus, LedgerStatus
 from publisher.core.errors import Code
@@ -54,6 +62,7 @@ from publisher.ray.ledger_actor import LedgerConfig, PlaneConfig, start_ledger, 
 from publisher.ray.trainer import RayTrainerClient
 from publisher.sessions import RolloutWorker
 from tests.publisher.ray.scenario import LIMITS, PLANE_OPTIONS, Outcome, RolloutActor, SessionRunner
+from tests.publisher.rollout_kit import NonDraining
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -405,6 +414,193 @@ async def test_remove_then_stop_under_traffic_loses_no_turn(
         assert [(o.engine, o.code) for o in outcomes] == [("e0", "")] * len(running)
     events = await rig.log()
     assert [e.cause for e in events if isinstance(e, EngineLeft)] == ["operator"]
+
+
+@contextlib.asynccontextmanager
+async def non_draining(engine_id: str) -> AsyncIterator[NonDraining]:
+    """A local engine whose unload does not drain (vLLM's): the name goes at once, whatever
+    still runs on it."""
+    async with LocalEngine(engine_id, limits=LIMITS) as inner:
+        yield NonDraining(inner)
+
+
+class LateAbortEngineActor(PausableEngineActor):
+    """A pausable engine actor whose engine hears an abort only when the test lets it land
+    (:meth:`let_abort_land`), as vLLM's and SGLang's reach a running request only after a
+    step: until then ``abort_request`` neither ends the request nor answers. A generation
+    goes on in the actor whatever its caller does (cancelling a Ray call cancels nothing
+    there). ``happened`` keeps the order of the abort's landing and the unloads."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        super().__init__(factory)
+        self.aborts: list[str] = []  # request ids it was asked to end
+        self.happened: list[str] = []  # "abort landed", "unload <name>", in order
+        self._lands: anyio.Event | None = None
+
+    def _landing(self) -> anyio.Event:
+        if self._lands is None:
+            self._lands = anyio.Event()
+        return self._lands
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        self.aborts.append(request_id)
+        await self._landing().wait()
+        return await super().abort_request(request_id, lora_name)
+
+    async def let_abort_land(self) -> None:
+        self.happened.append("abort landed")
+        self._landing().set()
+
+    async def unload(self, lora_name: str, attempt: int | None) -> Any:
+        self.happened.append(f"unload {lora_name}")
+        return await super().unload(lora_name, attempt)
+
+    async def asked_to_abort(self) -> list[str]:
+        return list(self.aborts)
+
+    async def history(self) -> list[str]:
+        return list(self.happened)
+
+    async def running(self) -> int:
+        """Generations running in the engine (frozen ones included)."""
+
+        async def read() -> int:
+            return self._engine.in_flight  # type: ignore[attr-defined,no-any-return]
+
+        return await self._host.call(read)
+
+
+class CancellingRolloutActor(RolloutActor):
+    """The rollout actor, with what the cancel test asks of it: a session closed with its
+    turns cancelled, the worker's own in-flight counts (what its renewals carry to the
+    ledger), and the gateway's bound on waiting for an engine's confirmation."""
+
+    async def close_session(self, session: str, cancel: bool) -> bool:
+        return (await self.rollout.close_session(session, cancel=cancel)).released
+
+    async def counts(self) -> tuple[dict[tuple[str, int], int], int]:
+        return await self.rollout.run(_counts)
+
+    async def wait_for_ends_at_most(self, seconds: float) -> None:
+        await self.rollout.run(_set_abort_timeout, seconds)
+
+    async def renewed(self) -> None:
+        """Returns once the ledger answered a renewal sent after this call: it has the
+        worker's counts as they are now."""
+        await self.rollout.run(_renewed)
+
+
+async def _counts(worker: RolloutWorker) -> tuple[dict[tuple[str, int], int], int]:
+    return worker.inflight.counts(), worker.gateway.unconfirmed
+
+
+async def _set_abort_timeout(worker: RolloutWorker, seconds: float) -> None:
+    worker.gateway.abort_timeout_s = seconds
+
+
+async def _renewed(worker: RolloutWorker) -> None:
+    await worker.confirm_live()
+
+
+async def test_a_cancelled_turn_holds_its_version_until_the_engine_actor_confirms_its_end(
+    ray_instance: Any, tmp_path: Path
+) -> None:
+    """A rollout actor's turn on v1, running (frozen) on e0, whose session is closed with
+    ``close_session(cancel=True)`` after v2 retired v1: the engine goes on generating until
+    the abort lands there, and its unload does not drain (vLLM's), so only the count stands
+    between v1 and an unload under the request. The close returns (the gateway waits for the
+    engine's word at most ``abort_timeout_s``), the session is released, and the request's
+    count is held in the worker's lease renewals: v1 stays RETIRED while v2, retired after it
+    by v3 and held by nothing, is reclaimed. Once the abort lands and the engine actor
+    confirms the request's end (asked again at a renewal), the count ends and v1 is
+    reclaimed. Before: the count ended with the cancel, and v1 was reclaimed -- unloaded from
+    e0 -- while the request still ran on it."""
+
+    def engines(rig: FleetRig) -> list[RayEngine]:
+        handle = (
+            ray.remote(LateAbortEngineActor)
+            .options(name=f"{rig.tag}-e0", namespace=NAMESPACE, num_cpus=0)
+            .remote(functools.partial(non_draining, "e0"))
+        )
+        info: EngineInfo = ray.get(handle.describe.remote(), timeout=300)
+        e0 = RayEngine(handle, info.engine_id, info.kind, info.transport)  # type: ignore[arg-type]
+        rig.engines.append(e0)
+        return [e0]
+
+    async with fleet_rig(tmp_path, engines) as rig:
+        e0 = rig.engines[0]
+
+        async def states() -> dict[int, str]:
+            return {v.version_id: str(v.state) for v in (await rig.status()).versions}
+
+        worker = (
+            ray.remote(CancellingRolloutActor)
+            .options(num_cpus=0)
+            .remote("w1", rig.ledger_name, NAMESPACE, {"renew_every": 0.2})
+        )
+        try:
+            await worker.wait_for_ends_at_most.remote(0.5)
+            await e0.handle.pause.remote()
+            outcomes: list[Outcome] = []
+
+            async def turn() -> None:
+                outcomes.extend(await worker.attempt.remote(["c"], 0))
+
+            async def one_running() -> bool:
+                running: int = await e0.handle.running.remote()
+                return running == 1
+
+            async def counts_ended() -> bool:
+                counts: tuple[dict[tuple[str, int], int], int] = await worker.counts.remote()
+                return counts == ({}, 0)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(turn)
+                await wait_for("the turn running on e0", one_running, timeout=120, every=0.05)
+                assert (await rig.publish(2)).status == "PUBLISHED"
+                assert (await states())[1] == "RETIRED"
+                with anyio.fail_after(60):
+                    assert await worker.close_session.remote("c", True)
+            assert [o.code for o in outcomes] == [Code.SESSION_CLOSED]
+            # The caller gave up; the engine has not heard of it and goes on.
+            assert await e0.handle.running.remote() == 1
+            assert await e0.handle.asked_to_abort.remote()
+            assert await worker.counts.remote() == ({("e0", 1): 1}, 1)
+            v1 = next(v for v in (await rig.status()).versions if v.version_id == 1)
+            assert (v1.state, v1.bound) == ("RETIRED", 0)
+            await worker.renewed.remote()  # the ledger has the worker's counts of now
+
+            # v3 retires v2, which nothing holds: the sweep that claims it looked at v1 first
+            # (a sweep takes versions in order), with the same evidence; v1 is not claimed.
+            assert (await rig.publish(3)).status == "PUBLISHED"
+            await rig.wait_for(
+                "v2 reclaimed",
+                lambda s: any(v.version_id == 2 and v.state == "RECLAIMED" for v in s.versions),
+            )
+            assert (await states())[1] == "RETIRED"
+            assert await e0.handle.running.remote() == 1
+            assert (await worker.counts.remote())[0] == {("e0", 1): 1}
+
+            await e0.handle.let_abort_land.remote()  # the engine ends it and confirms
+            await wait_for("the count ended", counts_ended, timeout=60, every=0.05)
+            assert await e0.handle.running.remote() == 0
+            await rig.wait_for(
+                "v1 reclaimed",
+                lambda s: any(v.version_id == 1 and v.state == "RECLAIMED" for v in s.versions),
+            )
+            await e0.handle.resume.remote()
+            asked = set(await e0.handle.asked_to_abort.remote())
+            assert len(asked) == 1  # one request, asked again at renewals
+            # nothing was unloaded on e0 under the running request
+            history = await e0.handle.history.remote()
+            assert history.index("abort landed") < history.index(f"unload {v1.lora_name}")
+        finally:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                await worker.stop.remote()
+            ray.kill(worker, no_restart=True)
+    events = await rig.log()
+    claimed = [e.version_id for e in events if isinstance(e, ReclaimClaimed)]
+    assert claimed == [2, 1]
 
 
 async def test_a_replacement_joins_under_the_same_id_and_serves_after_repair(
