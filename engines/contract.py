@@ -46,6 +46,9 @@ class ErrorCode:
     STALE_ATTEMPT = "STALE_ATTEMPT"
     ATTEMPT_REQUIRED = "ATTEMPT_REQUIRED"  # an unfenced unload of a managed name (over HTTP)
     NOT_PREPARED = "NOT_PREPARED"
+    # Staged bytes would pass the receiver's cap (the engine-host agent's --staging-bytes):
+    # refused before they are kept; another publication may fit once staging is freed.
+    STAGING_FULL = "STAGING_FULL"
     PATH_OUTSIDE_STORE = "PATH_OUTSIDE_STORE"
     BAD_REQUEST = "BAD_REQUEST"
     # The engine is stopping: it admits nothing new and answered before running anything (503
@@ -120,6 +123,17 @@ def check_name(name: str) -> str:
             f"adapter name {name!r} must match {NAME_PATTERN.pattern} (no '/' or ':')",
         )
     return name
+
+
+def attempt_required(name: str) -> CleanRefusal:
+    """The refusal of an unload that names no attempt, for a name the ledger manages. Any
+    process that reaches an engine's (or an agent's) port may knock; the ledger always names
+    the attempt it cleans up, so an unfenced unload of a managed name is never the ledger's."""
+    return CleanRefusal(
+        ErrorCode.ATTEMPT_REQUIRED,
+        f"{name} is managed by loraledger: an unload must name the attempt it cleans up "
+        "(the ledger always does)",
+    )
 
 
 # --- data exchanged with engines -----------------------------------------------------------

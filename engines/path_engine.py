@@ -144,6 +144,10 @@ class AttemptFence:
             self._newest[name] = max(attempt, self._newest.get(name, 0))
         self._prepared.pop(name, None)
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` was prepared or cleaned up through this fence (a managed name)."""
+        return name in self._newest or name in self._cleaned
+
     def forget(self, name: str) -> None:
         """Drop the prepared candidate of ``name`` (it was unloaded): a load needs a new
         ``prepare``."""

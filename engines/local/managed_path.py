@@ -29,6 +29,7 @@ from engines.contract import (
     ErrorCode,
     Receipt,
     UnloadReceipt,
+    attempt_required,
     check_name,
 )
 from engines.local.admission import AdapterPlan, TensorShape, plan_adapter, shapes_of
@@ -205,11 +206,7 @@ class ManagedPath(Residency):
         earlier: Resident | None = None
         async with self._control_lock:
             if attempt is None and fenced_only and name in self._names.managed:
-                raise CleanRefusal(
-                    ErrorCode.ATTEMPT_REQUIRED,
-                    f"{name} is managed by loraledger: an unload must name the attempt it cleans "
-                    "up (the ledger always does)",
-                )
+                raise attempt_required(name)
             if attempt is not None:
                 self._names.fence_cleanup(name, attempt)
             else:

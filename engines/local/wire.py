@@ -47,6 +47,7 @@ CLEAN_CODES = frozenset(
         ErrorCode.STALE_ATTEMPT,
         ErrorCode.ATTEMPT_REQUIRED,
         ErrorCode.NOT_PREPARED,
+        ErrorCode.STAGING_FULL,  # the engine-host agent's staging cap
         ErrorCode.PATH_OUTSIDE_STORE,
         ErrorCode.BAD_REQUEST,
     }
