@@ -11,14 +11,14 @@ step                      what the agent does
 ========================  ===================================================================
 ``prepare``               checks the candidate (name, attempt, digest recomputed from the
                           manifest), fences the attempt, opens a staging area
-``bucket``                verifies each tensor against the manifest on arrival (any mismatch
-                          drops the staging area: nothing half-received survives)
+``bucket``                verifies each tensor against the manifest on arrival; a mismatch
+                          refuses that bucket only (staging is per attempt: :class:`Agent`)
 ``load``                  recomputes the digest from the staged bytes, writes the immutable
                           PEFT directory into its **local** artifact store (temp dir, fsync,
                           rename: :class:`~engines.artifacts.ArtifactStore`), then asks its
                           engine to load that path (the engine's own adapter: prepare re-reads
                           and re-hashes the directory, load proves it with ``/v1/models``)
-``unload``                its engine's unload
+``unload``                its engine's unload (a managed name only with its attempt)
 ``inventory``             its engine's inventory
 ========================  ===================================================================
 
@@ -31,8 +31,9 @@ control plane an ambiguous reply (the connection drops): the engine's inventory 
 whether the load happened, and the reconciler repairs as after any ambiguous step.
 
 Run it as ``loraledger agent --engine sglang:URL --artifacts DIR`` (or ``python -m
-engines.agent``); it prints its port on the first stdout line. Like every engine module it
-imports nothing from the ledger.
+engines.agent``); it prints its port on the first stdout line. It forwards with the engine's
+token, so holding one it will not start without its own (:func:`check_configuration`). Like
+every engine module it imports nothing from the ledger.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +73,7 @@ from engines.contract import (
     SamplingParams,
     Transport,
     UnloadReceipt,
+    attempt_required,
     check_name,
     ends_requests,
 )
@@ -88,21 +91,66 @@ from engines.path_engine import AttemptFence
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_BUCKET_BYTES = 256 * 1024 * 1024
+# Staging lives in memory: every byte received for a prepared attempt until its load. The cap
+# bounds what callers can make the agent hold at once (the largest adapters are ~1-2 GiB); the
+# idle bound frees what a publisher gave up on without a cleanup (prepared, never loaded).
+DEFAULT_STAGING_BYTES = 4 * 1024 * 1024 * 1024
+DEFAULT_STAGING_IDLE_S = 600.0
 EXIT_AFTER_WRITE = 71  # the fault mode's exit status
+AGENT_TOKEN_ENV = "LORALEDGER_AGENT_TOKEN"
+ENGINE_TOKEN_ENV = "LORALEDGER_ENGINE_TOKEN"
 T = TypeVar("T")
 
 
-@dataclass
+class UnsafeConfiguration(ValueError):
+    """A configuration the agent refuses to start with (the CLI's exit 11)."""
+
+
+def check_configuration(host: str, token: str | None, engine_token: str | None) -> None:
+    """Refuse to start where a caller could act with more than its own rights.
+
+    An agent holding the engine's token forwards every request with it: without a token of its
+    own, anyone who reaches its port could unload or replace what the engine serves, which the
+    engine itself refuses them (401). Beyond loopback it needs a token in any case."""
+    if engine_token and not token:
+        raise UnsafeConfiguration(
+            f"refusing to start: the agent holds the engine's token (${ENGINE_TOKEN_ENV}) and "
+            "would forward any caller's request with it. Give the agent its own token "
+            f"(--token-file FILE or ${AGENT_TOKEN_ENV}) and the control plane the same one."
+        )
+    if not guard.is_loopback(host) and not token:
+        raise UnsafeConfiguration(
+            f"refusing to listen on {host!r} without a token (--token-file FILE or "
+            f"${AGENT_TOKEN_ENV})"
+        )
+
+
+@dataclass(eq=False)
 class _Staging:
+    """Bytes received for exactly one (name, attempt, digest), each tensor verified against the
+    manifest on arrival; ``touched``: the clock at its last step (the idle expiry reads it)."""
+
     candidate: Candidate
+    touched: float
     tensors: dict[str, TensorData] = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 class Agent:
     """The agent's logic, over its engine's adapter and its local store. ``after_write`` runs
     once a directory is written and before the engine is asked to load it (the fault hook that
-    kills the process there)."""
+    kills the process there).
+
+    Staging is per attempt: one area per name, owned by one (attempt, digest). A step of
+    another attempt or digest is ``NOT_PREPARED`` and touches nothing; a refused bucket drops
+    only its own tensors (everything kept was verified against the manifest, and ``load``
+    still needs every tensor and recomputes the digest), so a stray bucket can never wipe a
+    publication's staging. All staging together holds at most ``staging_bytes`` (beyond,
+    ``STAGING_FULL``), and an area with no step for ``staging_idle_s`` seconds is dropped
+    (:meth:`expire_idle`; its attempt's load then answers ``NOT_PREPARED``)."""
 
     def __init__(
         self,
@@ -110,13 +158,40 @@ class Agent:
         store: ArtifactStore,
         *,
         after_write: Callable[[], None] | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_idle_s: float = DEFAULT_STAGING_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.store = store
         self.after_write = after_write
+        self.staging_bytes = staging_bytes
+        self.staging_idle_s = staging_idle_s
+        self._clock = clock
         self._fence = AttemptFence(engine.engine_id)
         self._staging: dict[str, _Staging] = {}
         self._lock = anyio.Lock()
+
+    def staged_bytes(self) -> int:
+        """Bytes held in staging now, all attempts together."""
+        return sum(s.nbytes() for s in self._staging.values())
+
+    def staged_names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._staging))
+
+    def expire_idle(self) -> list[str]:
+        """Drop every staging area idle for ``staging_idle_s`` or more; the names dropped."""
+        now = self._clock()
+        idle = [n for n, s in self._staging.items() if now - s.touched >= self.staging_idle_s]
+        for name in idle:
+            del self._staging[name]
+        return idle
+
+    async def expire_idle_forever(self) -> None:
+        """Sweep idle staging, a few times per idle bound (the process runs this)."""
+        while True:
+            await anyio.sleep(max(0.05, min(self.staging_idle_s / 4, 30.0)))
+            self.expire_idle()
 
     async def prepare(self, c: Candidate) -> Receipt:
         check_name(c.lora_name)
@@ -131,10 +206,28 @@ class Agent:
                 ErrorCode.DIGEST_MISMATCH,
                 f"candidate digest {c.digest[:16]} does not match its manifest",
             )
+        if c.manifest.total_bytes > self.staging_bytes:
+            raise CleanRefusal(
+                ErrorCode.STAGING_FULL,
+                f"{c.lora_name}: {c.manifest.total_bytes} bytes can never fit this agent's "
+                f"staging cap of {self.staging_bytes} bytes (--staging-bytes)",
+            )
         incarnation = await self.engine.incarnation()
         async with self._lock:
-            self._fence.stage(c, str(self.store.path_for(c.digest)))
-            self._staging[c.lora_name] = _Staging(c)
+            self.expire_idle()
+            current = self._staging.get(c.lora_name)
+            if current is not None and current.candidate.attempt == c.attempt:
+                if current.candidate.digest != c.digest:
+                    raise CleanRefusal(
+                        ErrorCode.BAD_REQUEST,
+                        f"{c.lora_name} attempt {c.attempt} is staging digest "
+                        f"{current.candidate.digest[:16]}: another digest needs a new attempt",
+                    )
+                self._fence.stage(c, str(self.store.path_for(c.digest)))
+                current.touched = self._clock()  # a retried prepare keeps what arrived
+            else:
+                self._fence.stage(c, str(self.store.path_for(c.digest)))
+                self._staging[c.lora_name] = _Staging(c, self._clock())
         return _receipt(c, incarnation, "prepared", self.engine.engine_id)
 
     def _staged(self, name: str, attempt: int, digest: str) -> _Staging:
@@ -147,29 +240,55 @@ class Agent:
         return staging
 
     async def receive_bucket(self, upload: wire.BucketUpload) -> int:
+        self.expire_idle()
         staging = self._staged(upload.lora_name, upload.attempt, upload.digest)
+        staging.touched = self._clock()
         expected = {t.name: t for t in staging.candidate.manifest.tensors}
+        arriving = {item.name: item.tensor for item in upload.bucket.tensors}
+        self._check_room(upload, staging, arriving)
+        checked: dict[str, tuple[TensorData, str]] = {}
         for item in upload.bucket.tensors:
             t = item.tensor
             checksum = await anyio.to_thread.run_sync(tensor_checksum, t.dtype, t.shape, t.data)
             info = expected.get(item.name)
-            problem = None
             if info is None:
-                problem = CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r} not in manifest")
-            elif (info.dtype, tuple(info.shape)) != (t.dtype, tuple(t.shape)):
-                problem = CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r}: wrong shape")
-            elif info.sha256 != checksum:
-                problem = CleanRefusal(ErrorCode.DIGEST_MISMATCH, f"{item.name!r}: bad bytes")
-            if problem is not None:
-                self._staging.pop(upload.lora_name, None)
-                raise problem
-            staging.tensors[item.name] = t
-            staging.sums[item.name] = checksum
+                raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r} not in manifest")
+            if (info.dtype, tuple(info.shape)) != (t.dtype, tuple(t.shape)):
+                raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r}: wrong shape")
+            if info.sha256 != checksum:
+                raise CleanRefusal(ErrorCode.DIGEST_MISMATCH, f"{item.name!r}: bad bytes")
+            checked[item.name] = (t, checksum)
+        # Only a whole verified bucket is kept, and only into the area it was checked against
+        # (a newer attempt may have replaced it during the checksums).
+        if self._staging.get(upload.lora_name) is not staging:
+            raise CleanRefusal(
+                ErrorCode.NOT_PREPARED, f"{upload.lora_name} was prepared again meanwhile"
+            )
+        self._check_room(upload, staging, arriving)  # again: other buckets arrived meanwhile
+        for name, (t, checksum) in checked.items():
+            staging.tensors[name] = t
+            staging.sums[name] = checksum
+        staging.touched = self._clock()
         return len(staging.tensors)
+
+    def _check_room(
+        self, upload: wire.BucketUpload, staging: _Staging, arriving: dict[str, TensorData]
+    ) -> None:
+        """Refuse a bucket whose new tensors would take all staging past the byte cap."""
+        growth = sum(t.nbytes for n, t in arriving.items() if n not in staging.tensors)
+        held = self.staged_bytes()
+        if held + growth > self.staging_bytes:
+            raise CleanRefusal(
+                ErrorCode.STAGING_FULL,
+                f"{upload.lora_name}: bucket {upload.bucket.index} would make the staged bytes "
+                f"{held + growth}, over this agent's cap of {self.staging_bytes} "
+                "(--staging-bytes); retry once other publications loaded or expired",
+            )
 
     async def load(self, c: Candidate) -> Receipt:
         self._fence.prepared(c)
         staging = self._staged(c.lora_name, c.attempt, c.digest)
+        staging.touched = self._clock()
         if staging.tensors or not self.store.contains(c.digest):
             missing = sorted({t.name for t in c.manifest.tensors} - set(staging.tensors))
             if missing:
@@ -193,7 +312,8 @@ class Agent:
         local = msgspec.structs.replace(c, artifact_path=str(path))
         await self.engine.prepare(local)
         receipt = await self.engine.load(local)
-        self._staging.pop(c.lora_name, None)
+        if self._staging.get(c.lora_name) is staging:
+            del self._staging[c.lora_name]
         return receipt
 
     def _write(self, c: Candidate, staging: _Staging) -> Path:
@@ -202,7 +322,18 @@ class Agent:
         _, tensors = self.store.open(c.digest)  # re-verified against the digest
         return self.store.put(c.manifest, tensors)
 
-    async def unload(self, name: str, attempt: int | None) -> UnloadReceipt:
+    async def unload(
+        self, name: str, attempt: int | None, *, fenced_only: bool = False
+    ) -> UnloadReceipt:
+        """Unload ``name`` from the engine (cleanup of ``attempt`` when given).
+
+        ``fenced_only`` (the HTTP face, where any caller holding the token may knock): a
+        managed name without an attempt is ``ATTEMPT_REQUIRED``, as on the local engine.
+        Managed: prepared or cleaned up through this agent, or held by the engine from a
+        directory of this agent's store (loaded in an earlier life of the agent)."""
+        check_name(name)
+        if attempt is None and fenced_only and await self._managed(name):
+            raise attempt_required(name)
         if attempt is not None:
             self._fence.check_cleanup(name, attempt)
         receipt = await self.engine.unload(name, attempt=attempt)
@@ -210,6 +341,16 @@ class Agent:
             self._fence.close(name, attempt, refuse_older_cleanups=True)
         self._staging.pop(name, None)
         return receipt
+
+    async def _managed(self, name: str) -> bool:
+        if self._fence.knows(name) or name in self._staging:
+            return True
+        inventory = await self.engine.inventory()
+        root = str(self.store.root)
+        held = [e.path for e in inventory.adapters if e.lora_name == name and e.path]
+        if any(os.path.dirname(os.path.normpath(path)) == root for path in held):  # noqa: ASYNC240 (no I/O: string work)
+            return True
+        return self._fence.knows(name)  # prepared while the inventory was read
 
 
 def _receipt(c: Candidate, incarnation: str, phase: Any, engine_id: str) -> Receipt:
@@ -279,12 +420,16 @@ def create_app(agent: Agent, *, token: str | None = None, drain: Drain | None = 
     async def unload(request: Request) -> Response:
         async def run() -> Any:
             req = await decode(request, wire.UnloadRequest)
-            return await agent.unload(req.lora_name, req.attempt)
+            return await agent.unload(req.lora_name, req.attempt, fenced_only=True)
 
         return await _answer(run)
 
     async def inventory(request: Request) -> Response:
-        return await _answer(agent.engine.inventory)
+        async def run() -> Inventory:
+            held = await agent.engine.inventory()  # plus what this agent stages
+            return msgspec.structs.replace(held, staged=agent.staged_names())
+
+        return await _answer(run)
 
     async def server_info(request: Request) -> Response:
         try:
@@ -528,12 +673,16 @@ async def serve_agent(
     token: str | None = None,
     drain: Drain | None = None,
 ) -> AsyncIterator[str]:
-    """Serve ``agent`` and yield its base URL; stops on exit (tests and the process)."""
-    if not guard.is_loopback(host) and not token:
-        raise ValueError(f"refusing to listen on {host!r} without a token")
+    """Serve ``agent`` and yield its base URL, expiring its idle staging meanwhile; stops on
+    exit (tests and the process)."""
+    check_configuration(host, token, None)
     app = create_app(agent, token=token, drain=drain)
-    async with embedded.serving(app, host=host, port=port) as url:
-        yield url
+    async with embedded.serving(app, host=host, port=port) as url, anyio.create_task_group() as tg:
+        tg.start_soon(agent.expire_idle_forever)
+        try:
+            yield url
+        finally:
+            tg.cancel_scope.cancel()
 
 
 def _die_after_write() -> None:
@@ -554,14 +703,24 @@ async def run(
     served_model: str = "tiny",
     on_ready: Callable[[str], None] | None = None,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    staging_idle_s: float = DEFAULT_STAGING_IDLE_S,
 ) -> None:
     """Run an agent for ``engine`` (``KIND:URL``) until SIGINT/SIGTERM, then drain: new
     publication steps are refused ``503 ENGINE_DRAINING``, the steps already running finish
-    (at most ``drain_timeout`` seconds: :mod:`engines.drain`), then it stops."""
+    (at most ``drain_timeout`` seconds: :mod:`engines.drain`), then it stops. An unsafe
+    configuration (:func:`check_configuration`) raises :class:`UnsafeConfiguration` first."""
+    check_configuration(host, token, engine_token)
     kind, _, url = engine.partition(":")
     adapter = engine_adapter(kind, url, engine_id, api_key=engine_token, served_model=served_model)
     store = ArtifactStore(artifacts)
-    agent = Agent(adapter, store, after_write=_die_after_write if exit_after_write else None)
+    agent = Agent(
+        adapter,
+        store,
+        after_write=_die_after_write if exit_after_write else None,
+        staging_bytes=staging_bytes,
+        staging_idle_s=staging_idle_s,
+    )
     drain = Drain(engine_id)
     try:
         async with serve_agent(agent, host=host, port=port, token=token, drain=drain) as base:
@@ -598,13 +757,20 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, how long the steps already running may take (seconds)",
     )
+    p.add_argument("--staging-bytes", type=int, default=DEFAULT_STAGING_BYTES)
+    p.add_argument("--staging-idle", type=float, default=DEFAULT_STAGING_IDLE_S)
     args = p.parse_args(argv)
-    token = guard.read_token("LORALEDGER_AGENT_TOKEN", None)
-    engine_token = guard.read_token("LORALEDGER_ENGINE_TOKEN", None)
+    token = guard.read_token(AGENT_TOKEN_ENV, None)
+    engine_token = guard.read_token(ENGINE_TOKEN_ENV, None)
 
     def ready(url: str) -> None:
         print(url.rsplit(":", 1)[1], flush=True)
 
+    try:
+        check_configuration(args.host, token, engine_token)
+    except UnsafeConfiguration as exc:
+        print(f"engines.agent: {exc}", file=sys.stderr, flush=True)
+        sys.exit(11)  # the CLI's unsafe-configuration code (tools.exitcodes.Exit.UNSAFE)
     anyio.run(
         lambda: run(
             engine=args.engine,
@@ -618,6 +784,8 @@ def main(argv: list[str] | None = None) -> None:
             served_model=args.served_model,
             on_ready=ready,
             drain_timeout=args.drain_timeout,
+            staging_bytes=args.staging_bytes,
+            staging_idle_s=args.staging_idle,
         )
     )
 

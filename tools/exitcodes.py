@@ -26,7 +26,9 @@ class Exit(IntEnum):
     INVARIANT = 8  # replaying the events breaks an invariant (a ledger bug)
     UNKNOWN_SCHEMA = 9  # the log is newer than this code (upgrade loraledger)
     UNREACHABLE = 10  # no ledger service answered at --url
-    UNSAFE = 11  # refused configuration (listening beyond loopback without a token)
+    # refused configuration: listening beyond loopback without a token, or an agent holding the
+    # engine's token without one of its own
+    UNSAFE = 11
     ENGINE_UNAVAILABLE = 12  # an engine the command needs cannot be set up here
     FENCED = 13  # another controller took the log over: this one stopped (do not auto-restart)
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as the shell reports it)

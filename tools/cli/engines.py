@@ -100,7 +100,8 @@ def agent(
         typer.Option(
             "--token-file",
             help="File whose first line is the bearer token its routes require; default: "
-            "$LORALEDGER_AGENT_TOKEN. Required to listen beyond loopback.",
+            "$LORALEDGER_AGENT_TOKEN. Required to listen beyond loopback, and whenever the "
+            "agent holds the engine's token ($LORALEDGER_ENGINE_TOKEN): exit 11 otherwise.",
         ),
     ] = None,
     host: Annotated[str, typer.Option("--host", help="Listen address.")] = "127.0.0.1",
@@ -115,6 +116,22 @@ def agent(
             "(seconds); new ones are refused 503 ENGINE_DRAINING meanwhile.",
         ),
     ] = 30.0,
+    staging_bytes: Annotated[
+        int | None,
+        typer.Option(
+            "--staging-bytes",
+            help="Cap on the bytes held in memory for prepared, not yet loaded versions, all "
+            "together; a bucket beyond it is refused STAGING_FULL (default 4 GiB).",
+        ),
+    ] = None,
+    staging_idle: Annotated[
+        float | None,
+        typer.Option(
+            "--staging-idle",
+            help="Seconds after which a prepared version with no new step is dropped from "
+            "staging (its load then answers NOT_PREPARED; default 600).",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Run the engine-host agent beside an SGLang or vLLM server: no shared filesystem.
@@ -134,7 +151,16 @@ def agent(
         raise ToolError(Exit.USAGE, f"--artifacts {artifacts} is not a directory")
     if not 0 <= drain_timeout < float("inf"):
         raise ToolError(Exit.USAGE, "--drain-timeout must be a number of seconds >= 0")
+    staging_bytes = host_agent.DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
+    staging_idle = host_agent.DEFAULT_STAGING_IDLE_S if staging_idle is None else staging_idle
+    if staging_bytes < 1 or not 0 < staging_idle < float("inf"):
+        raise ToolError(Exit.USAGE, "--staging-bytes and --staging-idle must be > 0")
     token = secret(None, "", token_file, "LORALEDGER_AGENT_TOKEN")
+    engine_token = secret(None, "", None, "LORALEDGER_ENGINE_TOKEN")
+    try:
+        host_agent.check_configuration(host, token, engine_token)
+    except host_agent.UnsafeConfiguration as exc:
+        raise ToolError(Exit.UNSAFE, str(exc)) from None
 
     def ready(base: str) -> None:
         if json:
@@ -152,10 +178,12 @@ def agent(
                 host=host,
                 port=port,
                 token=token,
-                engine_token=secret(None, "", None, "LORALEDGER_ENGINE_TOKEN"),
+                engine_token=engine_token,
                 served_model=served_model,
                 on_ready=ready,
                 drain_timeout=drain_timeout,
+                staging_bytes=staging_bytes,
+                staging_idle_s=staging_idle,
             )
         )
     except ValueError as exc:
