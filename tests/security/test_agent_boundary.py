@@ -24,6 +24,7 @@ expiry.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -168,6 +169,31 @@ def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+async def test_a_restarted_agent_still_knows_its_managed_names(tmp_path: Path) -> None:
+    """Managed outlives the agent's memory: the engine holds the name from the agent's store.
+    A name loaded some other way (a stray the reconciler removes) unloads without an attempt."""
+    async with agent_on_engine(tmp_path) as a:
+        published = candidate_for(a.trainer, 35)
+        await publish(a.client, published)
+        restarted = Agent(SGLangEngine(a.engine_url, "h0"), ArtifactStore(a.host))
+        try:
+            await _refused(
+                ErrorCode.ATTEMPT_REQUIRED,
+                restarted.unload(published.name, None, fenced_only=True),
+            )
+            stray = a.host / "manual" / "stray"
+            shutil.copytree(candidate_for(a.trainer, 36).candidate.artifact_path or "", stray)
+            async with httpx.AsyncClient(base_url=a.engine_url, trust_env=False) as engine:
+                body = {"lora_name": "stray-1", "lora_path": str(stray)}
+                assert (await engine.post("/load_lora_adapter", json=body)).status_code == 200
+            receipt = await restarted.unload("stray-1", None, fenced_only=True)
+            assert receipt.was_loaded is True
+        finally:
+            await restarted.engine.aclose()
+        names = {e.lora_name for e in (await a.agent.engine.inventory()).adapters}
+        assert names == {published.name}
+
+
 # --- staging: per attempt, capped, expiring ----------------------------------------------------
 
 
@@ -176,6 +202,8 @@ class AgentOnEngine:
     agent: Agent
     client: LocalHTTPEngine  # the control plane's client of the agent's staged protocol
     trainer: ArtifactStore
+    engine_url: str
+    host: Path  # the agent's store, the only directory the engine reads
 
 
 @asynccontextmanager
@@ -191,7 +219,7 @@ async def agent_on_engine(tmp_path: Path, **options: float) -> AsyncIterator[Age
         agent_url = await stack.enter_async_context(serve_agent(agent, token=AGENT_TOKEN))
         client = LocalHTTPEngine(agent_url, "h0", api_key=AGENT_TOKEN)
         stack.push_async_callback(client.aclose)
-        yield AgentOnEngine(agent, client, ArtifactStore(tmp_path / "trainer"))
+        yield AgentOnEngine(agent, client, ArtifactStore(tmp_path / "trainer"), url, host)
 
 
 def _flipped(bucket: Bucket) -> Bucket:
