@@ -134,7 +134,9 @@ def read_token(env_var: str, token_file: str | os.PathLike[str] | None) -> str |
         text = Path(token_file).read_text(encoding="utf-8")
         token = _first_field(text)
         if token is None:
-            raise ValueError(f"token file {token_file} holds no token (only blanks or # comments)")
+            raise ValueError(
+                f"token file {token_file} is empty: it holds no token (only blanks or # comments)"
+            )
         check_token(token, f"token file {token_file}")
         return token
     token = os.environ.get(env_var) or None
