@@ -122,14 +122,44 @@ def is_loopback(host: str) -> bool:
 
 
 def read_token(env_var: str, token_file: str | os.PathLike[str] | None) -> str | None:
-    """The token from ``token_file`` (first line, stripped) if given, else from ``env_var``.
-    Never from argv: the command line of a process is visible to every user (``ps``)."""
+    """The token from ``token_file`` if given, else from ``env_var``. Never from argv: the
+    command line of a process is visible to every user (``ps``).
+
+    In a file, the token is the first whitespace-separated field of the first line that is
+    neither blank nor a ``#`` comment: the rest (a note, a rotated token kept for the record)
+    is never sent. A token an HTTP header cannot carry is refused here, with a message that
+    does not show it: sent as is, the HTTP client would refuse the header on every request and
+    its error (which quotes the header value) would put the token in every log line."""
     if token_file is not None:
-        text = Path(token_file).read_text(encoding="utf-8").strip()
-        if not text:
-            raise ValueError(f"token file {token_file} is empty")
-        return text
-    return os.environ.get(env_var) or None
+        text = Path(token_file).read_text(encoding="utf-8")
+        token = _first_field(text)
+        if token is None:
+            raise ValueError(
+                f"token file {token_file} is empty: it holds no token (only blanks or # comments)"
+            )
+        check_token(token, f"token file {token_file}")
+        return token
+    token = os.environ.get(env_var) or None
+    if token is not None:
+        check_token(token, f"${env_var}")
+    return token
+
+
+def _first_field(text: str) -> str | None:
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and not fields[0].startswith("#"):
+            return fields[0]
+    return None
+
+
+def check_token(token: str, source: str) -> None:
+    """A bearer token is visible ASCII (RFC 6750's token68 and more): no spaces, no controls."""
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError(
+            f"{source}: the token holds a space, a control character or non-ASCII "
+            f"({len(token)} characters, not shown): an HTTP header cannot carry it"
+        )
 
 
 class Guard:

@@ -122,6 +122,15 @@ def transport_failure(
     if isinstance(exc, httpx.TimeoutException):
         within = f" (no reply within {timeout}s)" if isinstance(timeout, int | float) else ""
         return AmbiguousReply(ErrorCode.TIMEOUT, f"{what}: timed out{within}", engine_id=engine_id)
+    if isinstance(exc, httpx.LocalProtocolError):
+        # Refused before sending (an illegal header, most often): the client's message quotes
+        # the header value, which may be the Authorization token; it never reaches a log line.
+        return AmbiguousReply(
+            ErrorCode.CONNECTION_LOST,
+            f"{what}: the HTTP client refused the request ({type(exc).__name__}; its text "
+            "is not shown: it may quote a header value such as a token)",
+            engine_id=engine_id,
+        )
     return AmbiguousReply(ErrorCode.CONNECTION_LOST, f"{what}: {exc!r}", engine_id=engine_id)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 from evlog.errors import INVALID_INPUT, StoreError
 
@@ -46,7 +46,9 @@ def is_shared(location: str | os.PathLike[str]) -> bool:
 
 
 def describe(location: str | os.PathLike[str]) -> str:
-    """``location`` fit for logs and messages (a URL's password removed)."""
+    """``location`` fit for logs and messages: a URL's password removed, from its user part and
+    from its query string (``?password=``, ``?sslpassword=``: the PostgreSQL client reads both).
+    Every place that prints a log location goes through here, so there is one rule to keep."""
     backend, where = backend_of(location)
     if backend == "sqlite":
         return where
@@ -56,8 +58,34 @@ def describe(location: str | os.PathLike[str]) -> str:
     except ValueError:  # unparsable (``[::1`` unclosed): whatever precedes the last '@' goes
         scheme, _, rest = where.partition("://")
         _, at, tail = rest.rpartition("@")
-        return f"{scheme}://***@{tail}" if at else where
-    if password is None:
-        return where
-    user, _, host = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}"))
+        return _without_query_secrets(f"{scheme}://***@{tail}" if at else where)
+    if password is not None:
+        user, _, host = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
+    return _without_query_secrets(urlunsplit(parts))
+
+
+def shown(location: str | os.PathLike[str]) -> str:
+    """``location`` as the user gave it (``sqlite://`` prefix kept), its password removed: what
+    a command echoes back (``serve``'s listening line)."""
+    where = os.fspath(location)
+    return describe(where) if is_shared(where) else where
+
+
+# Query parameters libpq and asyncpg read as a password (matched case-insensitively).
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
+def _without_query_secrets(url: str) -> str:
+    """``url`` with the value of every secret query parameter replaced by ``***``. Done on the
+    raw text, parameter by parameter, so the rest of the query is left exactly as written."""
+    head, mark, query = url.partition("?")
+    if not mark:
+        return url
+    query, hash_mark, fragment = query.partition("#")
+    kept = []
+    for item in query.split("&"):
+        name, equals, _ = item.partition("=")
+        secret = unquote_plus(name).strip().lower() in _SECRET_PARAMETERS
+        kept.append(f"{name}=***" if secret and equals else item)
+    return f"{head}?{'&'.join(kept)}{hash_mark}{fragment}"

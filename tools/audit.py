@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 
 from evlog.errors import LoraLedgerError
+from evlog.locations import describe
 from evlog.provenance_store import provenance_location
 from projections.audit import AuditFold, SessionAudit
 from publisher.gateway.provenance import ProvenanceRow, decode_stored, read_rows
@@ -139,7 +140,7 @@ async def audit_log(
         rows, source = await _beside(path, sessions)
         if source is None:
             note = (
-                f"no provenance store beside {path} (looked for "
+                f"no provenance store beside {describe(path)} (looked for "
                 f"{provenance_location(path)}): generations are not shown; name a "
                 "JSON-lines file with --provenance"
             )

@@ -16,7 +16,8 @@ ledger restarted on another node finds it) and it needs nothing the log store of
 store is Ray's internal one (``ray.experimental.internal_kv``, which Ray's own libraries use);
 every access is in this module.
 
-What it holds, per ledger actor (``namespace``/``name``) and log: for each engine id changed at
+What it holds, per ledger actor (``namespace``/``name``) and deployment (never the log's URL,
+which may hold a password and changes when the password rotates): for each engine id changed at
 runtime, the actor name and namespace of its engine actor plus what a handle needs (kind,
 transport, endpoint), or a tombstone for an engine removed at runtime. Only named engine actors
 can be found again (``start_engine`` always names them); an unnamed one is served until the
@@ -53,23 +54,43 @@ class BookEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineBook:
-    """The book of one ledger actor and log. Blocking (GCS round trips): call it from a
+    """The book of one ledger actor and deployment. Blocking (GCS round trips): call it from a
     worker thread."""
 
-    def __init__(self, ledger_name: str, ledger_namespace: str, log_path: str) -> None:
-        self.key = f"engine-book/{ledger_namespace}/{ledger_name}/{log_path}"
+    def __init__(
+        self,
+        ledger_name: str,
+        ledger_namespace: str,
+        deployment: str,
+        *,
+        log_location: str | None = None,
+    ) -> None:
+        # Keyed by the deployment: the ledger actor's namespace and name and the deployment
+        # its log holds. Never the log's URL: the key would show a PostgreSQL password to
+        # whoever lists the GCS, and a rotated password (or a moved server) would lose the
+        # book, so the engines added at runtime would leave the fleet at the next restart.
+        self.key = f"engine-book/{ledger_namespace}/{ledger_name}/{deployment}"
+        # Books written before this rule were keyed by the log location as given: read while
+        # the new key holds nothing, deleted by the first write under the new key.
+        self._old_key = (
+            f"engine-book/{ledger_namespace}/{ledger_name}/{log_location}"
+            if log_location is not None
+            else None
+        )
 
     @classmethod
-    def of_this_actor(cls, log_path: str) -> EngineBook | None:
+    def of_this_actor(cls, deployment: str, log_location: str) -> EngineBook | None:
         """The book of the named actor this code runs in (None outside a named actor)."""
         context = ray.get_runtime_context()
         name = context.get_actor_name()
         if not name:
             return None
-        return cls(name, context.namespace, log_path)
+        return cls(name, context.namespace, deployment, log_location=log_location)
 
     def read(self) -> dict[str, BookEntry | None]:
         raw = internal_kv._internal_kv_get(self.key, namespace=_KV_NAMESPACE)
+        if not raw and self._old_key is not None:
+            raw = internal_kv._internal_kv_get(self._old_key, namespace=_KV_NAMESPACE)
         if not raw:
             return {}
         try:
@@ -82,6 +103,8 @@ class EngineBook:
         internal_kv._internal_kv_put(
             self.key, msgspec.json.encode(entries), overwrite=True, namespace=_KV_NAMESPACE
         )
+        if self._old_key is not None:  # it may hold a password: gone once the book moved
+            internal_kv._internal_kv_del(self._old_key, namespace=_KV_NAMESPACE)
 
     def record(self, engine_id: str, entry: BookEntry | None) -> None:
         """Set one engine's entry (``None``: removed at runtime)."""

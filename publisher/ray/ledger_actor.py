@@ -440,7 +440,7 @@ async def _serve(config: LedgerConfig) -> AsyncIterator[_Service]:
         p = config.plane
         # The configured fleet, with the changes made at runtime by an earlier life of this
         # actor (publisher/ray/engine_book.py).
-        book = await anyio.to_thread.run_sync(EngineBook.of_this_actor, config.path)
+        book = await anyio.to_thread.run_sync(EngineBook.of_this_actor, p.deployment, config.path)
         engines: list[RayEngine] = list(p.engines)
         if book is not None:
             entries = await anyio.to_thread.run_sync(book.read)

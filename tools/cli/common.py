@@ -172,21 +172,24 @@ def secret(
     """A token from ``file`` (the option ``file_flag``), else ``given`` on the command line
     (warned: ``ps`` shows it to every user of the machine; kept so existing scripts work),
     else ``env_var``."""
-    from engines.guard import read_token
+    from engines.guard import check_token, read_token
 
     if given and file is not None:
         raise ToolError(Exit.USAGE, f"give {flag} or {file_flag}, not both")
-    if given:
-        stderr_console().print(
-            f"warning: {flag} is visible to every user of this machine (ps); "
-            f"use {env_var} or {file_flag}",
-            markup=False,
-        )
-        return given
     try:
+        if given:
+            stderr_console().print(
+                f"warning: {flag} is visible to every user of this machine (ps); "
+                f"use {env_var} or {file_flag}",
+                markup=False,
+            )
+            check_token(given, flag)
+            return given
         return read_token(env_var, file)
-    except (OSError, ValueError) as exc:
-        raise ToolError(Exit.USAGE, f"{file_flag}: {exc}") from None
+    except (OSError, ValueError) as exc:  # the message never quotes the token
+        raise ToolError(
+            Exit.USAGE, f"{file_flag}: {exc}" if file is not None else str(exc)
+        ) from None
 
 
 def main() -> None:

@@ -3,13 +3,37 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tools.cli.common import DEFAULT_URL, JsonOpt, guarded
+from tools.cli.common import DEFAULT_URL, JsonOpt, guarded, secret
 from tools.exitcodes import EXIT_HELP
 from tools.output import emit, stdout_console, to_json
+
+# The token comes from a file or $LORALEDGER_TOKEN; --token on argv still works for existing
+# scripts, with a warning (``ps`` shows a command line to every user of the machine).
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        help="Deprecated (visible to every user in ps): use LORALEDGER_TOKEN or --token-file. "
+        "Bearer token of the service.",
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        help="File whose first line is serve's bearer token; default: $LORALEDGER_TOKEN.",
+    ),
+]
+
+
+def _token(given: str | None, file: Path | None) -> str | None:
+    return secret(given, "--token", file, "LORALEDGER_TOKEN")
+
 
 # --- status --------------------------------------------------------------------------------
 
@@ -20,12 +44,8 @@ def status(
         str,
         typer.Option("--url", envvar="LORALEDGER_URL", help="Where `loraledger serve` listens."),
     ] = DEFAULT_URL,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            "--token", envvar="LORALEDGER_TOKEN", help="Bearer token, if the service wants one."
-        ),
-    ] = None,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 5.0,
     json: JsonOpt = False,
 ) -> None:
@@ -35,7 +55,9 @@ def status(
     from tools.status import fetch_status
 
     live = fetch_status(
-        service_url("--url", url), token=token, timeout=seconds("--timeout", timeout)
+        service_url("--url", url),
+        token=_token(token, token_file),
+        timeout=seconds("--timeout", timeout),
     )
     if json:
         emit(to_json(live, row="status"))
@@ -55,23 +77,24 @@ fleet_app = typer.Typer(
 UrlOpt = Annotated[
     str, typer.Option("--url", envvar="LORALEDGER_URL", help="Where `loraledger serve` listens.")
 ]
-TokenOpt = Annotated[
-    str | None,
-    typer.Option("--token", envvar="LORALEDGER_TOKEN", help="Bearer token of the service."),
-]
 EngineArg = Annotated[str, typer.Argument(help="The engine id, as in `loraledger status`.")]
 REMOVE_TIMEOUT_S = 60.0  # serve's drain (30 s) and margin
 
 
 def _engine_action(url: str, token: str | None, engine: str, action: str, detail: str,
-                   json: bool) -> None:  # fmt: skip
+                   json: bool, token_file: Path | None) -> None:  # fmt: skip
     from tools.arguments import service_url
     from tools.fleet_ops import engine_action
 
     # A removal answers once the engine drained (serve waits up to 30 s for its requests).
     timeout = REMOVE_TIMEOUT_S if action == "remove" else 10.0
     answer = engine_action(
-        service_url("--url", url), engine, action, token=token, detail=detail, timeout=timeout
+        service_url("--url", url),
+        engine,
+        action,
+        token=_token(token, token_file),
+        detail=detail,
+        timeout=timeout,
     )
     if json:
         emit({"row": action, "engine": engine, **answer})
@@ -94,27 +117,36 @@ def fleet_suspend(
     reason: Annotated[str, typer.Option("--reason", help="Why (recorded in the log).")] = "",
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Quarantine an engine: no new traffic at once, publication and reclaim stop waiting for
     it, sessions continue on the other holders of their version. Only `resume` lifts it."""
-    _engine_action(url, token, engine, "suspend", reason, json)
+    _engine_action(url, token, engine, "suspend", reason, json, token_file)
 
 
 @fleet_app.command("resume")
 @guarded
 def fleet_resume(
-    engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+    engine: EngineArg,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
+    json: JsonOpt = False,
 ) -> None:
     """Lift a suspension: the engine gets traffic again once the reconciler repaired it."""
-    _engine_action(url, token, engine, "resume", "", json)
+    _engine_action(url, token, engine, "resume", "", json, token_file)
 
 
 @fleet_app.command("remove")
 @guarded
 def fleet_remove(
-    engine: EngineArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+    engine: EngineArg,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
+    json: JsonOpt = False,
 ) -> None:
     """Remove an engine from the fleet: routed away at once (recorded), then drained (the
     requests running on it finish, at most 30 s); stop its process once this answered."""
-    _engine_action(url, token, engine, "remove", "", json)
+    _engine_action(url, token, engine, "remove", "", json, token_file)

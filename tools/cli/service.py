@@ -273,11 +273,18 @@ def serve(
     logconfig.configure(verbosity(), stdlib=True)
     service.warn_if_open_elsewhere(opts.db)
 
+    from evlog.locations import shown
+
+    log_shown = shown(db)  # a PostgreSQL URL's password never reaches the terminal
+
     def ready(url: str) -> None:
         if json:
-            emit({"row": "listening", "url": url, "db": str(db), "pid": os.getpid()})
+            emit({"row": "listening", "url": url, "db": log_shown, "pid": os.getpid()})
         else:
-            print(f"loraledger serve: listening on {url} (log {db}, pid {os.getpid()})", flush=True)
+            print(
+                f"loraledger serve: listening on {url} (log {log_shown}, pid {os.getpid()})",
+                flush=True,
+            )
 
     run_async(functools.partial(service.serve, opts, verbosity=max(verbosity(), 1), on_ready=ready))
 
