@@ -5,11 +5,14 @@ Two sources, chosen so no number can drift from the truth:
 * **Gauges are read from the live state at scrape time** (a custom collector): version counts
   per state, capacity used and limit, sessions bound per version, requests in flight per
   engine (from the owners' lease renewals and any in-process gateway), routable engines, the
-  head seq and epoch. Nothing is incremented by hand, so nothing can be forgotten.
+  head seq and epoch; and what the alert rules of ``deploy/prometheus/`` fire on: engines
+  suspended or unreachable, the newest publication stalled, owners per state, sessions past
+  the staleness bound. Nothing is incremented by hand, so nothing can be forgotten.
 * **Counters and the latency histogram are fed from the log itself** (:meth:`observe` gets
   every committed record): events appended per type, sessions released per cause (``too_stale``
-  among them), and publish latency measured from a version's allocation to its commit using the
-  records' ``recorded_at`` (the same numbers a later ``replay`` shows).
+  among them), publications skipped per code, and publish latency measured from a version's
+  allocation to its commit using the records' ``recorded_at`` (the same numbers a later
+  ``replay`` shows).
 * **Staleness** (docs/sessions.md#staleness), two histograms: of the sessions bound now (read
   from the state at scrape time: a session's staleness is its version's distance from the
   default revision), and of the generations served (``loraledger_generation_staleness``), fed
@@ -28,10 +31,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from evlog.events import InFlight, SessionReleased, VersionAllocated, VersionPublished
+from evlog.events import (
+    InFlight,
+    PublicationSkipped,
+    SessionReleased,
+    VersionAllocated,
+    VersionPublished,
+)
 from evlog.record import Record
 from projections.registry import SERVING_STATES, RegistryState, VersionState
-from projections.staleness import staleness
+from projections.staleness import staleness, too_stale
 from publisher.gateway.provenance import ProvenanceRow, Sink
 
 PUBLISH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -95,6 +104,9 @@ class _StateCollector(Collector):
             routable.add_metric([engine], 1 if member.serving else 0)
         yield per_engine
         yield routable
+        yield from _engine_troubles(s)
+        yield _open_stalls(s)
+        yield _owners(s)
         yield GaugeMetricFamily(
             "loraledger_sessions_bound", "Sessions bound in total.", value=len(s.sessions)
         )
@@ -114,6 +126,79 @@ class _StateCollector(Collector):
                 "The deployment's bound on a session's staleness (absent: unbounded).",
                 value=s.max_staleness,
             )
+        yield GaugeMetricFamily(
+            "loraledger_sessions_over_staleness_bound",
+            "Sessions bound to a version more than max_staleness behind the default (0 when "
+            "unbounded): refused at their next turn, and pinning their versions until then.",
+            value=_over_bound(s),
+        )
+
+
+def _engine_troubles(s: RegistryState) -> Iterator[Metric]:
+    """Why an engine is out of routing, apart: a suspension lasts until a repair or an
+    operator lifts it (publication stops waiting for the engine), an outage until a probe
+    answers (publication still waits). An alert tells them apart; ``routable`` cannot."""
+    suspended = GaugeMetricFamily(
+        "loraledger_engine_suspended",
+        "1 while the engine is suspended (quarantined until repaired or resumed).",
+        labels=["engine"],
+    )
+    unreachable = GaugeMetricFamily(
+        "loraledger_engine_unreachable",
+        "1 while an outage of the engine lasts (it could not be reached; out of routing).",
+        labels=["engine"],
+    )
+    for engine, member in sorted(s.engines.items()):
+        suspended.add_metric([engine], 1 if member.suspended else 0)
+        unreachable.add_metric([engine], 0 if member.unreachable is None else 1)
+    yield suspended
+    yield unreachable
+
+
+def _open_stalls(s: RegistryState) -> GaugeMetricFamily:
+    """Publications waiting on a refusal (``PublicationBlocked``) not yet lifted, per refusal
+    code. A stall ends when its version is allocated; one whose version a newer default has
+    passed is moot (the trainer moved on), so it is not counted: an alert on this gauge fires
+    only while a trainer's newest publication waits."""
+    per_code: dict[str, int] = {}
+    for version_id, stall in s.stalls.items():
+        if s.default is None or version_id > s.default:
+            per_code[stall.code] = per_code.get(stall.code, 0) + 1
+    family = GaugeMetricFamily(
+        "loraledger_publications_stalled",
+        "Publications refused until something else happens (a blocking version, one in "
+        "progress, no routable engine, capacity), per refusal code.",
+        labels=["code"],
+    )
+    for code, n in sorted(per_code.items()):
+        family.add_metric([code], n)
+    return family
+
+
+def _owners(s: RegistryState) -> GaugeMetricFamily:
+    """Owner ids by how their current life stands: ``live``, ``expired`` (the lease ran out:
+    its sessions were released) or ``exited`` (deregistered cleanly)."""
+    counts = {"live": 0, "expired": 0, "exited": 0}
+    for owner in s.owners.values():
+        counts["expired" if owner.expired else "exited" if owner.exited else "live"] += 1
+    family = GaugeMetricFamily(
+        "loraledger_owners", "Owners (rollout workers, relays) per state.", labels=["state"]
+    )
+    for state, n in counts.items():
+        family.add_metric([state], n)
+    return family
+
+
+def _over_bound(s: RegistryState) -> int:
+    """Bound sessions past the staleness bound (each is bound at its version's revision, as
+    in :func:`_bound_staleness`)."""
+    return sum(
+        v.bound
+        for v in s.versions.values()
+        if v.state in SERVING_STATES
+        and v.revision is not None
+        and too_stale(v.revision, s.default_revision, s.max_staleness)
+    )
 
 
 def _bound_staleness(s: RegistryState) -> HistogramMetricFamily:
@@ -176,6 +261,14 @@ class LedgerMetrics:
             ["cause"],
             registry=self.registry,
         )
+        self.skipped = Counter(
+            "loraledger_publications_skipped",
+            "Publications refused for good since this service started, per code "
+            "(CAPACITY_ERROR: every slot held, the trainer's version is dropped; "
+            "VERSION_REGRESSION).",
+            ["code"],
+            registry=self.registry,
+        )
         self._allocated: dict[int, float] = {}
 
     def observe_generation(self, row: ProvenanceRow) -> None:
@@ -191,6 +284,8 @@ class LedgerMetrics:
             self._allocated[event.version_id] = record.recorded_at
         elif isinstance(event, SessionReleased):
             self.released.labels(event.cause).inc()
+        elif isinstance(event, PublicationSkipped):
+            self.skipped.labels(event.code).inc()
         elif isinstance(event, VersionPublished):
             started = self._allocated.pop(event.version_id, None)
             if started is not None:

@@ -1,14 +1,19 @@
-"""The staleness metrics (docs/sessions.md#staleness): the sessions bound now by staleness,
-read from a real decided state at scrape time, and the staleness of served generations, fed
-through ``StalenessSink`` around a provenance sink."""
+"""The metrics read from a real decided state at scrape time and fed from the log: staleness
+(docs/sessions.md#staleness) of the sessions bound now and of served generations (fed through
+``StalenessSink`` around a provenance sink), and the figures the alert rules of
+``deploy/prometheus/`` fire on."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from prometheus_client import generate_latest
 
+from evlog.events import AnyEvent
+from evlog.record import Record
 from publisher.core import commands as c
 from publisher.gateway.provenance import MemorySink, ProvenanceRow
-from tests.publisher.core.book import Book
+from tests.publisher.core.book import Book, digest_of
 from tools.metrics import LedgerMetrics, StalenessSink
 
 
@@ -59,3 +64,61 @@ def test_served_generations_are_counted_and_passed_on() -> None:
     assert _sample(scrape, f'{name}_bucket{{le="0.0"}}') == 2
     assert _sample(scrape, f'{name}_bucket{{le="3.0"}}') == 3
     assert _sample(scrape, f"{name}_sum") == 3
+
+
+def test_what_wakes_an_operator_is_read_from_the_state() -> None:
+    """The gauges the alert rules (deploy/prometheus/) fire on: an engine suspended apart from
+    one unreachable, the newest publication stalled (per refusal code; a stall a newer default
+    passed is moot), owners per state, and bound sessions past the staleness bound."""
+    book = Book().bootstrap(capacity=6)
+    book.run(c.ConfigureDeployment(max_staleness=1))
+    book.publish(1)
+    book.run(c.Bind(session="old", owner="w1"))
+    book.publish(2)
+    book.publish(3)  # "old" is now 2 behind, over the bound of 1
+    book.allocate(4)
+    book.refuse(c.Allocate(version_id=5, digest=digest_of(5)), "PUBLICATION_IN_PROGRESS")
+    book.run(c.SuspendEngine(engine="e0", cause="operator"))
+    e1 = book.incarnation("e1")
+    book.run(c.ReportUnreachable(engine="e1", incarnation=e1, at=1.0, error="refused",
+                                 source="probe"))  # fmt: skip
+    book.run(c.RegisterOwner(owner="w2", ttl_s=10.0, now=0.0))
+    book.run(c.ExpireOwner(owner="w2", now=20.0, last_seen=0.0))
+    scrape = generate_latest(LedgerMetrics(lambda: book.state).registry).decode()
+    assert _sample(scrape, 'loraledger_engine_suspended{engine="e0"}') == 1
+    assert _sample(scrape, 'loraledger_engine_suspended{engine="e1"}') == 0
+    assert _sample(scrape, 'loraledger_engine_unreachable{engine="e0"}') == 0
+    assert _sample(scrape, 'loraledger_engine_unreachable{engine="e1"}') == 1
+    assert _sample(scrape, 'loraledger_publications_stalled{code="PUBLICATION_IN_PROGRESS"}') == 1
+    assert _sample(scrape, 'loraledger_owners{state="live"}') == 1
+    assert _sample(scrape, 'loraledger_owners{state="expired"}') == 1
+    assert _sample(scrape, "loraledger_sessions_over_staleness_bound") == 1
+
+
+def test_a_stall_a_newer_default_passed_is_not_counted() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.allocate(1)
+    book.refuse(c.Allocate(version_id=2, digest=digest_of(2)), "PUBLICATION_IN_PROGRESS")
+    book.ready_all(1)
+    book.run(c.Commit(version_id=1, attempt=book.state.versions[1].attempt))
+    scrape = generate_latest(LedgerMetrics(lambda: book.state).registry).decode()
+    assert 'loraledger_publications_stalled{code="PUBLICATION_IN_PROGRESS"} 1.0' in scrape
+    book.publish(3)  # the trainer moved on: version 2's stall is moot
+    scrape = generate_latest(LedgerMetrics(lambda: book.state).registry).decode()
+    assert "loraledger_publications_stalled{" not in scrape
+
+
+def test_skipped_publications_are_counted_per_code() -> None:
+    """A publication dropped because every slot is held (after the first commit) is what the
+    capacity alert fires on; a refused rollback is counted apart."""
+    book = Book().bootstrap(capacity=1)
+    book.publish(1)
+    book.run(c.Bind(session="s", owner="w1"))
+    book.run(c.Allocate(version_id=2, digest=digest_of(2)))  # the slot is v1's: skipped
+    metrics = LedgerMetrics(lambda: book.state)
+    for seq, event in enumerate(book.events, start=1):
+        metrics.observe(Record(seq=seq, event_id=b"", stream="s", type=type(event).__name__,
+                               schema=1, recorded_at=0.0, payload=b"", prev_hash=b"",
+                               hash=b"", event=cast(AnyEvent, event)))  # fmt: skip
+    scrape = generate_latest(metrics.registry).decode()
+    assert _sample(scrape, 'loraledger_publications_skipped_total{code="CAPACITY_ERROR"}') == 1
