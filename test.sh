@@ -28,5 +28,15 @@ if ! .venv/bin/python -c 'import sys; from tools.pg_server import find_bin_dir a
     echo "test.sh: no PostgreSQL server binaries; install Debian's postgresql package" >&2
   fi
 fi
+# The alert rules of deploy/ are checked with promtool, from Debian's prometheus package (only
+# promtool is used). Without it, those tests fail under CI=true and skip elsewhere.
+if ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+  else
+    echo "test.sh: no promtool; install Debian's prometheus package" >&2
+  fi
+fi
 # --durations: every run names its slowest tests, so the suite's wall time stays watched.
 exec .venv/bin/python -m pytest --durations=25 "$@"
