@@ -1,8 +1,10 @@
 """The monitoring files of ``deploy/`` stay true to the service they watch.
 
-* The alert rules and the example Prometheus configuration pass ``promtool check`` (Debian's
-  ``prometheus`` package; ./test.sh installs it; without it these tests fail under ``CI=true``
-  and skip elsewhere, as the PostgreSQL ones do).
+* The alert rules and the example Prometheus configuration pass ``promtool check``, and the
+  rules' unit tests (``loraledger-alerts.test.yml``: each rule fires on its case and stays
+  quiet on a healthy run) pass ``promtool test rules`` (Debian's ``prometheus`` package;
+  ./test.sh installs it; without it these tests fail under ``CI=true`` and skip elsewhere, as
+  the PostgreSQL ones do).
 * Every metric a dashboard panel, a dashboard variable or an alert rule names is exposed by a
   real ``loraledger serve`` process: a renamed or removed metric would otherwise leave a panel
   blank and an alert silently never firing (``absent()`` aside, PromQL finds nothing and says
@@ -33,6 +35,7 @@ from tests.support.processes import listening_process
 DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "loraledger-alerts.yml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+RULE_TESTS = DEPLOY / "prometheus" / "loraledger-alerts.test.yml"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 
 # --- metric names out of PromQL ---------------------------------------------------------------
@@ -182,11 +185,21 @@ def _promtool() -> str:
 
 
 @pytest.mark.parametrize(
-    ("what", "path"), [("rules", RULES), ("config", PROMETHEUS_CONFIG)], ids=["rules", "config"]
+    ("check", "path"),
+    [
+        (("check", "rules"), RULES),
+        (("check", "config"), PROMETHEUS_CONFIG),
+        (("test", "rules"), RULE_TESTS),  # each rule fires on its case, and not on a healthy run
+    ],
+    ids=["check-rules", "check-config", "test-rules"],
 )
-def test_promtool_accepts_the_prometheus_files(what: str, path: Path) -> None:
+def test_promtool_accepts_the_prometheus_files(check: tuple[str, str], path: Path) -> None:
     result = subprocess.run(
-        [_promtool(), "check", what, str(path)], capture_output=True, text=True, timeout=60
+        [_promtool(), *check, path.name],
+        cwd=path.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
