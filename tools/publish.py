@@ -23,6 +23,7 @@ from publisher.core.errors import Code
 from publisher.drivers.publication import PublicationError, PublicationOutcome
 from publisher.remote.trainer import HttpTrainerClient
 from tools.exitcodes import Exit, ToolError
+from tools.progress import Update
 
 
 def publish_dir(
@@ -33,15 +34,27 @@ def publish_dir(
     token: str | None,
     allow_rollback: bool = False,
     retry_for_s: float = 60.0,
+    progress: Update | None = None,
 ) -> PublicationOutcome:
-    """Upload ``adapter_dir`` to serve at ``url`` and publish it as ``version``."""
+    """Upload ``adapter_dir`` to serve at ``url`` and publish it as ``version``. ``progress``
+    (``tools.progress``) hears the bytes uploaded, then the wait for the engines."""
     if not adapter_dir.is_dir():
         what = "does not exist" if not os.path.lexists(adapter_dir) else "is not a directory"
         raise ToolError(Exit.USAGE, f"{adapter_dir} {what}: name a PEFT LoRA adapter directory")
 
+    def uploaded(sent: int, size: int) -> None:
+        if progress is not None:
+            progress("uploading", sent, size)
+
     async def run() -> PublicationOutcome:
         async with HttpTrainerClient(url, token=token, retry_for_s=retry_for_s) as trainer:
-            return await trainer.publish(adapter_dir, step=version, allow_rollback=allow_rollback)
+            trainer.upload_progress = uploaded
+            files = await trainer.upload(adapter_dir, step=version)
+            if progress is not None:
+                progress("publishing", 0, None)  # the engines load it: no count to show
+            return await trainer.publish_uploaded(
+                files.digest, step=version, allow_rollback=allow_rollback
+            )
 
     try:
         return anyio.run(run)

@@ -43,7 +43,7 @@ import functools
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from pathlib import Path
 from types import TracebackType
@@ -86,6 +86,9 @@ class HttpTrainerClient:
         self._service = ServiceClient(url, token=token, timeout_s=timeout_s, client=client)
         self.retry_for_s = retry_for_s
         self.publish_timeout_s = publish_timeout_s
+        # Set to follow an upload (a progress bar): called with (bytes of the weights file
+        # serve holds or was handed, its size), again from serve's count after a resume.
+        self.upload_progress: Callable[[int, int], None] | None = None
         self.bytes_sent = 0  # weights bytes handed to a connection, over every upload and try
 
     @property
@@ -130,8 +133,9 @@ class HttpTrainerClient:
             try:
                 state = await self._service.post(path, offer, wire.UploadState)
                 deadline = time.monotonic() + self.retry_for_s
+                self._report(state.received, files.weights_bytes)
                 if not state.stored:
-                    weights = self._chunks(Path(files.weights), state.received)
+                    weights = self._chunks(Path(files.weights), state.received, files.weights_bytes)
                     async with aclosing(weights):
                         state = await self._service.put_bytes(
                             f"{path}/weights?offset={state.received}",
@@ -204,7 +208,11 @@ class HttpTrainerClient:
         log.info("trainer.retrying", url=self.url, error=str(exc)[:200])
         await anyio.sleep(min(1.0, left))
 
-    async def _chunks(self, weights: Path, offset: int) -> AsyncGenerator[bytes, None]:
+    def _report(self, sent: int, size: int) -> None:
+        if self.upload_progress is not None:
+            self.upload_progress(sent, size)
+
+    async def _chunks(self, weights: Path, offset: int, size: int) -> AsyncGenerator[bytes, None]:
         """The weights file from ``offset``, a chunk at a time, read in a worker thread."""
         fd = await anyio.to_thread.run_sync(open_regular, weights)
         try:
@@ -217,5 +225,6 @@ class HttpTrainerClient:
                 offset += len(chunk)
                 self.bytes_sent += len(chunk)
                 yield chunk
+                self._report(offset, size)
         finally:
             os.close(fd)

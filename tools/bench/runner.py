@@ -26,6 +26,7 @@ from rich.text import Text
 
 from tools.exitcodes import Exit, ToolError
 from tools.output import emit, stdout_console
+from tools.progress import working
 
 # name -> (module, function, full-size kwargs, --quick kwargs, name of its scratch-dir kwarg)
 BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
@@ -150,7 +151,8 @@ def run_bench(
             if not quick:
                 kwargs["replay_events"] = POSTGRES_REPLAY_EVENTS
     run = inspect.iscoroutinefunction(fn)
-    result: dict[str, Any] = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)
+    with working(f"bench {name}", json=json):
+        result: dict[str, Any] = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)
     out = {"bench": name, "quick": quick, **result, "machine": machine()}
     if json:
         emit({"row": "bench", **out})

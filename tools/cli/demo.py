@@ -63,7 +63,7 @@ def demo(
             f"{demo_run.fleet_description(engine)}; log in {folder}",
             highlight=False,
         )
-    with progress_bar("sessions") as update:
+    with progress_bar("sessions", json=json) as update:
         run = run_async(
             functools.partial(
                 demo_run.run_demo,

@@ -81,7 +81,7 @@ def replay(
     if plot is not None and not plot.parent.is_dir():
         raise ToolError(Exit.USAGE, f"--plot {plot}: no such directory {plot.parent}")
     versions, engines = version or [], engine or []
-    with progress_bar("replaying") as update:
+    with progress_bar("replaying", json=json) as update:
         result = run_async(
             functools.partial(
                 run_replay,
@@ -187,7 +187,7 @@ def audit(
         raise ToolError(Exit.USAGE, "say which sessions: --session S, --owner W or --all")
     if all_sessions and (session or owner):
         raise ToolError(Exit.USAGE, "--all audits every session: drop --session/--owner")
-    with progress_bar("auditing") as update:
+    with progress_bar("auditing", json=json) as update:
         audited = run_async(
             functools.partial(
                 audit_log,
@@ -250,7 +250,7 @@ def verify(
     from tools.render import verify_view
     from tools.verify import verify_log
 
-    with progress_bar("verifying") as update:
+    with progress_bar("verifying", json=json) as update:
         result = run_async(functools.partial(verify_log, log, deep=deep, progress=update))
     if json:
         emit(to_json(result, row="verify"))

@@ -47,16 +47,19 @@ def publish(
     --version: no filesystem shared with the service (the bytes are streamed, checked against
     their digest, resumed after a lost connection)."""
     from tools.arguments import seconds, service_url
+    from tools.progress import progress_bar
     from tools.publish import publish_dir
 
-    outcome = publish_dir(
-        service_url("--url", url),
-        adapter_dir,
-        version,
-        token=secret(None, "", token_file, "LORALEDGER_TOKEN"),
-        allow_rollback=allow_rollback,
-        retry_for_s=seconds("--retry-for", retry_for),
-    )
+    with progress_bar("uploading", json=json, unit="bytes") as update:
+        outcome = publish_dir(
+            service_url("--url", url),
+            adapter_dir,
+            version,
+            token=secret(None, "", token_file, "LORALEDGER_TOKEN"),
+            allow_rollback=allow_rollback,
+            retry_for_s=seconds("--retry-for", retry_for),
+            progress=update,
+        )
     if json:
         emit(to_json(outcome, row="publication"))
         return

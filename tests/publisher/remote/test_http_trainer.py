@@ -244,7 +244,9 @@ async def test_a_cut_upload_resumes_and_a_lost_reply_is_answered_with_the_same_o
         loser = Relay(url, "reset", requests=(b"POST /versions",), faults=1)
         async with cutter.running() as cut_url, loser.running() as lossy_url:
             uploaded: list[AdapterFiles] = []
+            reports: list[tuple[int, int]] = []  # what a progress bar is told
             async with trainer_client(cut_url) as uploader, anyio.create_task_group() as tg:
+                uploader.upload_progress = lambda sent, total: reports.append((sent, total))
 
                 async def upload() -> None:
                     uploaded.append(await uploader.upload(step3))
@@ -259,6 +261,8 @@ async def test_a_cut_upload_resumes_and_a_lost_reply_is_answered_with_the_same_o
                 cutter.release()  # the connection is lost now
             files = uploaded[0]
             assert uploader.bytes_sent == size + (size - cut_at)  # the rest, not it all
+            # the bar goes back to what serve holds, and ends full
+            assert (cut_at, size) in reports and reports[-1] == (size, size), reports
             async with trainer_client(lossy_url) as publisher:
                 outcome = await publisher.publish_uploaded(files.digest, step=3)
                 assert loser.delivered == 1  # the reply of the first ask was lost
