@@ -51,8 +51,9 @@ def serving(home: Path) -> Iterator[str]:
         assert proc.stop() == 0, proc.stderr()
 
 
-def train(out: Path, steps: int, *callbacks: Any) -> Trainer:
-    """A LoRA on the tiny model, trained for ``steps`` CPU steps with ``callbacks``."""
+def train(out: Path, steps: int, *callbacks: Any, save_steps: int | None = None) -> Trainer:
+    """A LoRA on the tiny model, trained for ``steps`` CPU steps with ``callbacks``, saving a
+    checkpoint every ``save_steps`` steps if told."""
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -64,7 +65,8 @@ def train(out: Path, steps: int, *callbacks: Any) -> Trainer:
         max_steps=steps,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
-        save_strategy="no",
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or 500,
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
@@ -132,19 +134,24 @@ async def test_every_n_steps_publishes_the_step_and_a_fatal_refusal_stops_traini
 
 @pytest.mark.anyio
 async def test_a_run_below_the_ledgers_versions_must_declare_the_rollback(tmp_path: Path) -> None:
-    """A new run (step 0) against a ledger that holds version 2 is refused before it trains
-    (``RollbackNotDeclared``: nothing is published). With ``allow_rollback=True`` it publishes
-    step 1 (a rollback, meant) and does not send step 2 again (an earlier life published it)."""
+    """The first run publishes at its checkpoint saves (steps 2 and 3, the last one at the end
+    of training). A new run (step 0) against a ledger that holds version 3 is refused before it
+    trains (``RollbackNotDeclared``: nothing is published). With ``allow_rollback=True`` it
+    publishes step 1 (a rollback, meant), does not send steps 2 and 3 again (an earlier life
+    published them), then publishes step 4."""
     home = tmp_path / "serve"
     with serving(home) as url:
-        train(tmp_path / "run-1", 2, PublishCallback(url, token=TOKEN, every_n_steps=2))
+        on_save = PublishCallback(url, token=TOKEN, on_save=True)
+        train(tmp_path / "run-1", 3, on_save, save_steps=2)
+        assert [(r.step, r.status) for r in on_save.reports] == [(2, "PUBLISHED"), (3, "PUBLISHED")]
         with pytest.raises(RollbackNotDeclared) as refused:
             train(tmp_path / "run-2", 2, PublishCallback(url, token=TOKEN, every_n_steps=1))
-        assert refused.value.details == {"step": 0, "latest": 2}
+        assert refused.value.details == {"step": 0, "latest": 3}
+        assert await published(home) == [2, 3]
         meant = PublishCallback(url, token=TOKEN, every_n_steps=1, allow_rollback=True)
-        assert train(tmp_path / "run-3", 3, meant).state.global_step == 3
-        assert [(r.step, r.status) for r in meant.reports] == [(1, "PUBLISHED"), (3, "PUBLISHED")]
-        assert await published(home) == [2, 1, 3]
+        assert train(tmp_path / "run-3", 4, meant).state.global_step == 4
+        assert [(r.step, r.status) for r in meant.reports] == [(1, "PUBLISHED"), (4, "PUBLISHED")]
+        assert await published(home) == [2, 3, 1, 4]
 
 
 def test_an_unreachable_ledger_is_reported_and_training_goes_on(tmp_path: Path) -> None:
