@@ -95,7 +95,9 @@ def _run_async(work: Callable[[], Awaitable[T]]) -> T:
         except BaseException as exc:  # handed to the caller's thread below
             errors.append(exc)
 
-    thread = threading.Thread(target=run, name="loraledger-publish")
+    # daemon: a trainer interrupted (Ctrl-C) mid-publication exits; serve finishes or fails the
+    # publication on its own, and a new one is asked under a new request id
+    thread = threading.Thread(target=run, name="loraledger-publish", daemon=True)
     thread.start()
     thread.join()
     if errors:

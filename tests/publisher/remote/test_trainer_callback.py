@@ -10,7 +10,6 @@ callback a trainer built on ``transformers`` had to hand-write the publication.
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,15 +21,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from engines.artifacts import serialize_safetensors
-from engines.local.tinymodel import ensure_tiny_model, make_adapter
+from engines.local.tinymodel import ensure_tiny_model
 from evlog.events import VersionPublished
 from publisher import PublishCallback
 from publisher.core.errors import Code
 from publisher.drivers.publication import ErrorKind
 from publisher.remote import HttpTrainerClient
 from publisher.remote.trainer_callback import PublishReport, RollbackNotDeclared, _run_async
-from tests.publisher.remote.test_http_trainer import logged
+from tests.publisher.remote.test_http_trainer import adapter, logged
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.tools.test_serve import _Process
 
@@ -94,15 +92,6 @@ class AnotherTrainer(TrainerCallback):  # type: ignore[misc]
         _run_async(publish)
 
 
-def adapter_dir(root: Path, seed: int) -> Path:
-    config, tensors = make_adapter(seed)
-    out = root / f"adapter-{seed}"
-    out.mkdir()
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    (out / "adapter_model.safetensors").write_bytes(serialize_safetensors(tensors))
-    return out
-
-
 async def published(home: Path) -> list[int]:
     return [
         e.version_id for e in await logged(home / "ledger.db") if isinstance(e, VersionPublished)
@@ -119,7 +108,7 @@ async def test_every_n_steps_publishes_the_step_and_a_fatal_refusal_stops_traini
     2 more steps no rollout would see."""
     home = tmp_path / "serve"
     with serving(home) as url:
-        other = AnotherTrainer(url, adapter_dir(tmp_path, 1), version=100, at_step=5)
+        other = AnotherTrainer(url, adapter(tmp_path, 1), version=100, at_step=5)
         callback = PublishCallback(url, token=TOKEN, every_n_steps=2)
         run = train(tmp_path / "run", 8, other, callback)
         assert run.state.global_step == 6  # stopped after the refused publication
