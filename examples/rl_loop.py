@@ -44,6 +44,7 @@ import torch
 from local_service import Service, local_service
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from engines import ensure_tiny_model
 from publisher import PublicationError
@@ -122,6 +123,7 @@ class Policy:
     """The LoRA policy being trained, on the same tiny base model the engine serves."""
 
     def __init__(self) -> None:
+        transformers_logging.disable_progress_bar()  # keep the printout to the samples
         base = ensure_tiny_model()
         torch.manual_seed(0)
         self.tokenizer = AutoTokenizer.from_pretrained(base)
@@ -170,9 +172,7 @@ async def train(service: Service, workdir: Path, updates: int) -> None:
     policy = Policy()
     async with HttpTrainerClient(service.url, token=service.token) as trainer:
         await publish(trainer, policy, workdir, 1)
-        client = openai.AsyncOpenAI(
-            base_url=f"{service.url}/v1", api_key=service.token, max_retries=0
-        )
+        client = openai.AsyncOpenAI(base_url=f"{service.url}/v1", api_key=service.token)
         async with client, anyio.create_task_group() as publications:
             published = anyio.Event()
             published.set()

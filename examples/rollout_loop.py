@@ -71,9 +71,7 @@ async def main(workdir: Path) -> None:
         async with HttpTrainerClient(service.url, token=service.token) as trainer:
             first = await trainer.publish(random_adapter(workdir, 1), step=1)
             print(f"published version {first.version_id}: {first.status}")
-            client = openai.AsyncOpenAI(
-                base_url=f"{service.url}/v1", api_key=service.token, max_retries=0
-            )
+            client = openai.AsyncOpenAI(base_url=f"{service.url}/v1", api_key=service.token)
             async with client:
                 bound = [anyio.Event() for _ in range(2)]
                 async with anyio.create_task_group() as tg:
