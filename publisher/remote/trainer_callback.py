@@ -50,7 +50,8 @@ import msgspec
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from engines.artifacts import ArtifactError
-from evlog.errors import LoraLedgerError
+from evlog.errors import InvalidInput, LoraLedgerError
+from publisher.core.errors import Code
 from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.logs import get_logger
 from publisher.remote.http import LedgerUnreachable
@@ -75,9 +76,10 @@ class PublishReport(msgspec.Struct, frozen=True, kw_only=True):
     message: str = ""
 
 
-class RollbackNotDeclared(LoraLedgerError):
+class RollbackNotDeclared(InvalidInput):
     """The run would publish versions lower than one the ledger knows, and ``allow_rollback``
-    was not passed: raised from ``on_train_begin``, before any step is trained."""
+    was not passed: raised from ``on_train_begin``, before any step is trained. Code
+    ``VERSION_REGRESSION``, the ledger's, which each of those publications would meet."""
 
 
 def _run_async(work: Callable[[], Awaitable[T]]) -> T:
@@ -166,7 +168,7 @@ class PublishCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         latest = max(self._known, default=status.default)
         if latest is not None and state.global_step < latest and not self.allow_rollback:
             raise RollbackNotDeclared(
-                "VERSION_REGRESSION",
+                Code.VERSION_REGRESSION,
                 f"training starts at step {state.global_step} but the ledger already holds "
                 f"version {latest}: its publications would roll the policy back. Pass "
                 "allow_rollback=True to mean it, or resume from a checkpoint at or after "
