@@ -157,9 +157,14 @@ class Policy:
         return float(loss.detach())
 
 
-async def publish(trainer: HttpTrainerClient, policy: Policy, workdir: Path, version: int) -> None:
+async def save(policy: Policy, workdir: Path, version: int) -> Path:
+    """The adapter as it is now, on disk: saved before the next update changes the weights."""
     adapter = workdir / f"step-{version}"
     await anyio.to_thread.run_sync(policy.model.save_pretrained, str(adapter))
+    return adapter
+
+
+async def publish(trainer: HttpTrainerClient, adapter: Path, version: int) -> None:
     try:
         outcome = await trainer.publish(adapter, step=version)
     except PublicationError as exc:  # RETRYABLE: the next publication tries anew
@@ -171,7 +176,7 @@ async def publish(trainer: HttpTrainerClient, policy: Policy, workdir: Path, ver
 async def train(service: Service, workdir: Path, updates: int) -> None:
     policy = Policy()
     async with HttpTrainerClient(service.url, token=service.token) as trainer:
-        await publish(trainer, policy, workdir, 1)
+        await publish(trainer, await save(policy, workdir, 1), 1)
         client = openai.AsyncOpenAI(base_url=f"{service.url}/v1", api_key=service.token)
         async with client, anyio.create_task_group() as publications:
             published = anyio.Event()
@@ -187,15 +192,21 @@ async def train(service: Service, workdir: Path, updates: int) -> None:
                     )
                 loss = await anyio.to_thread.run_sync(policy.update, samples)
                 print(f"step {step}: loss {loss:+.4f}")
-                if step % PUBLISH_EVERY == 0 and step > 1:
+                if step % PUBLISH_EVERY == 0 and step > 1:  # version 1: the untrained policy
                     await published.wait()  # one publication at a time
                     published = anyio.Event()
+                    adapter = await save(policy, workdir, step)
 
-                    async def publish_then_mark(version: int, done: anyio.Event) -> None:
-                        await publish(trainer, policy, workdir, version)
+                    async def publish_then_mark(
+                        adapter: Path, version: int, done: anyio.Event
+                    ) -> None:
+                        await publish(trainer, adapter, version)
                         done.set()
 
-                    publications.start_soon(publish_then_mark, step, published)
+                    # uploaded and published while the next rollouts run
+                    publications.start_soon(publish_then_mark, adapter, step, published)
+        status = await trainer.status()  # reclaim frees a version once its last episode ended
+        print("versions: " + ", ".join(f"v{v.version_id} {v.state}" for v in status.versions))
 
 
 def audit(db: Path) -> bool:
