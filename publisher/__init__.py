@@ -8,8 +8,12 @@ reclaim, the reconciler, the control plane that composes them, the trainer's sid
 the rollout worker), ``openai`` (the OpenAI-compatible face), ``remote`` (the ledger across a
 process boundary: wire, service, client) and ``ray`` (the Ray deployment, with its own face,
 ``publisher.ray``, which alone loads Ray). Nothing imported here loads torch or Ray
-(``tests/test_faces.py`` checks it).
+(``tests/test_faces.py`` checks it): ``PublishCallback``, whose module imports ``transformers``,
+is listed in ``_LAZY`` and imported on first use.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from evlog.errors import Ambiguous, Corrupt, InvalidInput, LoraLedgerError, Refused, Unavailable
 from projections.status import LedgerStatus
@@ -46,6 +50,11 @@ from publisher.gateway.provenance import (
 from publisher.remote import HttpLedger
 from publisher.sessions import LedgerPort, RolloutWorker, SessionBinder
 
+if TYPE_CHECKING:
+    from publisher.remote.trainer_callback import PublishCallback
+
+_LAZY = {"PublishCallback": "publisher.remote.trainer_callback"}  # loads transformers
+
 __all__ = [  # noqa: RUF022 -- grouped by who uses them, as the docs present them
     # the control plane: ledger + drivers over a fleet of engines
     "ControlPlane",
@@ -60,6 +69,7 @@ __all__ = [  # noqa: RUF022 -- grouped by who uses them, as the docs present the
     "PublicationError",
     "PublicationOutcome",
     "PublicationStatus",
+    "PublishCallback",
     "TrainerClient",
     "copy_adapter",
     # the rollout side, in process or against a ledger elsewhere
@@ -92,3 +102,11 @@ __all__ = [  # noqa: RUF022 -- grouped by who uses them, as the docs present the
     "Refused",
     "Unavailable",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'publisher' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # resolved once; later lookups are plain attribute reads
+    return value
