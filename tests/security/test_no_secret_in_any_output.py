@@ -39,6 +39,7 @@ all."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+import anyio
 import httpx
 import pytest
 
@@ -53,6 +55,7 @@ from engines.artifacts import serialize_safetensors
 from engines.local.tinymodel import make_adapter
 from tests.security.runs import assert_no_secret_in, command, listening
 from tests.support.fixtures import run_blocking
+from tests.support.waiting import wait_for
 from tools.exitcodes import Exit
 from tools.pg_server import PostgresServer, create_database
 
@@ -311,6 +314,33 @@ def test_engines_and_the_agent(fleet: Fleet, tmp_path: Path) -> None:
         )
         assert refused.status_code >= 400, refused.text
         (run / "agent-refused.json").write_bytes(refused.content)
+    # serve holding a wrong engine token: the engine answers 401 to its control calls
+    # (the stray it sees under its prefix is unloaded, refused), each one logged
+    with listening(
+        run,
+        "serve-wrong-engine-token",
+        "-v",
+        "serve",
+        "--db",
+        str(tmp_path / "other.db"),
+        "--port",
+        "0",
+        "--engine",
+        f"e0=local:{fleet.engine_url}",
+        "--engine-token-file",
+        fleet.key("wrong"),
+        "--json",
+    ):
+        logged = run / "serve-wrong-engine-token.err"
+        anyio.run(
+            functools.partial(
+                wait_for,
+                "serve to log the engine's 401",
+                lambda: "401" in logged.read_text(),
+                timeout=120,
+                every=0.1,
+            )
+        )
     assert_no_secret_in(run, SECRETS, every_file=True)
 
 
@@ -392,6 +422,7 @@ def test_a_postgres_log_with_passwords(postgres_server: PostgresServer, tmp_path
             "serve-unparsable": (FAILED, (*serve, unparsable), NO_ENV),
             "verify-mysql": (FAILED, ("verify", mysql, "--json"), NO_ENV),
             "serve-mysql": (FAILED, (*serve, mysql), NO_ENV),
+            "serve-argv-token": (FAILED, (*serve, mysql, "--token", LEDGER_TOKEN), NO_ENV),
         },
     )
     said = (tmp_path / "verify-refused.out").read_text() + (
