@@ -16,15 +16,16 @@ Commands run, with the paths each takes:
 
 * ``engine``: listening (token file), and refused (a token file without a token);
 * ``serve``: listening on SQLite with both token files (``-v``: every probe logged), on
-  PostgreSQL (``--json`` and text, ``-v``); refused: a password the server refuses, a URL that
-  does not parse, an unknown scheme;
+  PostgreSQL (``--json`` and text, ``-v``); holding a wrong engine token (the engine answers
+  401, logged); refused: a password the server refuses, a URL that does not parse, an unknown
+  scheme (one with ``--token`` on argv), an engine URL with a password;
 * ``agent``: listening with its own token and the engine's; an engine that answers 401 to the
   engine token it holds; refused without a token of its own (exit 11);
 * ``check-engine``: an engine that answers 401 to its API key;
 * ``gateway``: listening and serving a turn (both token files, ``--provenance``); a ledger that
-  refuses its token; a ledger URL with a password; a ledger that cannot be reached;
+  refuses its token; a ledger URL with a password (refused); a ledger that cannot be reached;
 * ``status``, ``fleet suspend|resume|remove``: token by file, environment and argv; ``--json``;
-  a wrong token; an unknown engine; a ledger that cannot be reached, its URL with a password;
+  a wrong token; an unknown engine; a ledger that cannot be reached; a URL with a password;
 * ``publish --url`` and ``publish`` reading ``$LORALEDGER_URL``: a publication (``--json``), a
   wrong token, a ledger that cannot be reached;
 * ``verify``, ``replay``, ``audit``: on the SQLite log and the PostgreSQL one (text and
@@ -34,8 +35,11 @@ Left out: ``demo`` (takes no secret: no token, URL or store option; its gateways
 token of its own on loopback) and ``bench`` (minutes of work, and it takes no secret either:
 ``--store postgres`` starts its own password-less throwaway server).
 
-Before: ``gateway``'s listening line and its errors printed ``--ledger`` as given, password and
-all."""
+Before: ``replay``'s text title and ``audit``'s "no session matches" error printed a
+PostgreSQL log's URL as given, both passwords in it; a service URL with a password was
+accepted (``status`` answered; the gateway failed with ``LEDGER_ANSWER: http://operator:<the
+password>@…/owners answered HTTP 401``: the client sends the URL's password as Basic
+credentials in place of the token) and an engine URL with one was recorded in the log."""
 
 from __future__ import annotations
 
