@@ -33,7 +33,9 @@ Commands run, with the paths each takes:
 
 Left out: ``demo`` (takes no secret: no token, URL or store option; its gateways use a fixed
 token of its own on loopback) and ``bench`` (minutes of work, and it takes no secret either:
-``--store postgres`` starts its own password-less throwaway server).
+``--store postgres`` starts its own password-less throwaway server), and ``check-engine``'s
+success path (a minute of loads, long generations and a restart; its key is read and sent by
+the same code as on the 401 path run here).
 
 Before: ``replay``'s text title and ``audit``'s "no session matches" error printed a
 PostgreSQL log's URL as given, both passwords in it; a service URL with a password was
