@@ -52,13 +52,20 @@ def describe(location: str | os.PathLike[str]) -> str:
     backend, where = backend_of(location)
     if backend == "sqlite":
         return where
+    return redacted(where)
+
+
+def redacted(url: str) -> str:
+    """Any ``scheme://`` URL fit for logs and messages (a log's, a service's, an engine's):
+    the password of its user part and the value of every secret query parameter replaced by
+    ``***``; what cannot be parsed loses everything before its last ``@``."""
     try:
-        parts = urlsplit(where)
+        parts = urlsplit(url)
         password = parts.password
     except ValueError:  # unparsable (``[::1`` unclosed): whatever precedes the last '@' goes
-        scheme, _, rest = where.partition("://")
+        scheme, _, rest = url.partition("://")
         _, at, tail = rest.rpartition("@")
-        return _without_query_secrets(f"{scheme}://***@{tail}" if at else where)
+        return _without_query_secrets(f"{scheme}://***@{tail}" if at else url)
     if password is not None:
         user, _, host = parts.netloc.rpartition("@")
         parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")

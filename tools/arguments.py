@@ -12,21 +12,33 @@ import math
 
 import httpx
 
+from evlog.locations import redacted
 from tools.exitcodes import Exit, ToolError
 
 
 def service_url(option: str, value: str) -> str:
-    """``value`` if it is an http(s) URL with a host (without its trailing slash)."""
+    """``value`` if it is an http(s) URL with a host and no user or password (without its
+    trailing slash). A password in the URL is refused, not used: the HTTP client would send it
+    as Basic credentials in place of the bearer token (every call refused 401), and every
+    message quoting the URL would print it. Messages show the URL through
+    :func:`evlog.locations.redacted`."""
     example = "e.g. http://127.0.0.1:8765"
+    shown = redacted(value)
     try:
         url = httpx.URL(value)
         port = url.port
-    except (httpx.InvalidURL, ValueError) as exc:
-        raise ToolError(Exit.USAGE, f"{option} {value!r} is not a URL ({exc}); {example}") from None
+    except (httpx.InvalidURL, ValueError):  # its text may quote the URL: not shown
+        raise ToolError(Exit.USAGE, f"{option} {shown!r} is not a URL; {example}") from None
     if url.scheme not in ("http", "https") or not url.host or value != value.strip():
-        raise ToolError(Exit.USAGE, f"{option} {value!r} is not an http(s) URL; {example}")
+        raise ToolError(Exit.USAGE, f"{option} {shown!r} is not an http(s) URL; {example}")
+    if url.userinfo:
+        raise ToolError(
+            Exit.USAGE,
+            f"{option} {shown!r}: a URL carries no user or password; the token goes in "
+            "--token-file or $LORALEDGER_TOKEN",
+        )
     if port is not None and not 0 < port <= 65535:
-        raise ToolError(Exit.USAGE, f"{option} {value!r}: {port} is not a TCP port")
+        raise ToolError(Exit.USAGE, f"{option} {shown!r}: {port} is not a TCP port")
     return value.rstrip("/")
 
 

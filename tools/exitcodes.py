@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
+from evlog.locations import redacted
 from publisher.core.errors import Code
 
 
@@ -66,7 +67,7 @@ class ToolError(Exception):
     @classmethod
     def from_ledger(cls, exc: LoraLedgerError, *, path: str | None = None) -> ToolError:
         """Classify a store error; ``CORRUPT_STORE`` on open means the file is not usable."""
-        where = f"{path}: " if path else ""
+        where = f"{redacted(path)}: " if path else ""
         code = _BY_LEDGER_CODE.get(exc.code, Exit.FAILED)
         seq = exc.details.get("seq")
         return cls(code, f"{where}{exc.code}: {exc.message}", seq=seq)

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from engines.guard import is_loopback
+from evlog.locations import redacted
 from tools.arguments import seconds
 from tools.exitcodes import Exit, ToolError
 
@@ -59,22 +60,35 @@ class ServiceOptions(msgspec.Struct, frozen=True, kw_only=True):
     upstream_timeout_s: float = 3600.0  # the longest wait for an engine's next bytes (OpenAI)
 
 
+# Each URL in an --engine value: one, or an agent's two (AGENT_URL,KIND:ENGINE_URL).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^,\s]*")
+
+
 def parse_engine(text: str) -> EngineSpec:
-    """Parse ``ID=KIND:URL`` (``URL`` may be empty for ``local``)."""
+    """Parse ``ID=KIND:URL`` (``URL`` may be empty for ``local``). A URL with a user or
+    password is refused: the endpoint is recorded in the log and shown by ``/status`` (the
+    engine's token goes in ``--engine-token-file``); messages show the spec redacted."""
     engine_id, eq, rest = text.partition("=")
     kind, colon, url = rest.partition(":")
+    shown = _URL.sub(lambda found: redacted(found.group()), text)  # an agent's holds two
     if not eq or not colon or not _ENGINE_ID.match(engine_id):
         raise ToolError(
             Exit.USAGE,
-            f"--engine {text!r}: expected ID=KIND:URL, e.g. e0=sglang:http://127.0.0.1:30000 "
+            f"--engine {shown!r}: expected ID=KIND:URL, e.g. e0=sglang:http://127.0.0.1:30000 "
             "or e1=local: (an in-process local engine)",
         )
     if kind not in ENGINE_KINDS:
         raise ToolError(
-            Exit.USAGE, f"--engine {text!r}: kind must be one of {', '.join(ENGINE_KINDS)}"
+            Exit.USAGE, f"--engine {shown!r}: kind must be one of {', '.join(ENGINE_KINDS)}"
         )
     if url and not re.match(r"^https?://[^/\s]+", url):
-        raise ToolError(Exit.USAGE, f"--engine {text!r}: {url!r} is not an http(s) URL")
+        raise ToolError(Exit.USAGE, f"--engine {shown!r}: {redacted(url)!r} is not an http(s) URL")
+    if any("@" in re.split("[/?#]", found.group())[2] for found in _URL.finditer(url)):
+        raise ToolError(
+            Exit.USAGE,
+            f"--engine {shown!r}: a URL carries no user or password; the engine's token goes "
+            "in --engine-token-file",
+        )
     if not url and kind != "local":
         raise ToolError(Exit.USAGE, f"--engine {text!r}: a {kind} engine needs its URL")
     return EngineSpec(engine_id=engine_id, kind=kind, url=url or None)

@@ -8,6 +8,7 @@ processes printed, not what one assertion happened to look at."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -17,21 +18,42 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 from tests.tools.conftest import console_script, script_env
 
 
-def assert_no_secret_in(run: Path, secrets: Sequence[str]) -> None:
-    """No file of ``run`` (the outputs of its processes) holds any of ``secrets``."""
-    files = sorted(p for p in run.rglob("*") if p.is_file() and p.suffix in (".out", ".err"))
+def assert_no_secret_in(run: Path, secrets: Sequence[str], *, every_file: bool = False) -> None:
+    """No file of ``run`` (the outputs of its processes; with ``every_file``, every file under
+    it: logs, JSON, databases) holds any of ``secrets``, as written or in a form that would
+    still give it away (:func:`giveaways`: percent-encoded, base64)."""
+    files = sorted(
+        p for p in run.rglob("*") if p.is_file() and (every_file or p.suffix in (".out", ".err"))
+    )
     assert files, f"no outputs in {run}"
     found = [
-        f"{p.name} holds {secret[:3]}…"
+        f"{p.relative_to(run)} holds {secret[:3]}… as {form}"
         for p in files
         for secret in secrets
-        if secret in p.read_text(encoding="utf-8", errors="replace")
+        for form, text in giveaways(secret).items()
+        if text.encode() in p.read_bytes()
     ]
     assert not found, found
+
+
+def giveaways(secret: str) -> dict[str, str]:
+    """The texts that give ``secret`` away: itself, percent-encoded (a URL, a query string)
+    and base64 (a Basic ``Authorization`` header, a JSON bytes field). Base64 of a secret
+    inside a longer text depends on where it falls in a 3-byte group, so each of the three
+    alignments is kept, trimmed to the characters that come from the secret alone."""
+    forms = {"text": secret, "percent": quote(secret, safe=""), "form": quote_plus(secret)}
+    raw = secret.encode()
+    for shift in range(3):
+        encoded = base64.b64encode(b"\0" * shift + raw).decode()
+        start = 4 if shift else 0  # the first group mixes in the padding bytes
+        end = (shift + len(raw)) // 3 * 4  # the last, partial group depends on what follows
+        forms[f"base64+{shift}"] = encoded[start:end]
+    return {form: text for form, text in forms.items() if len(text) >= 8}
 
 
 def command(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from evlog.locations import describe, shown
+from evlog.locations import describe, redacted, shown
 from tests.security.runs import assert_no_secret_in, command, listening
 
 USER_PASSWORD = "pg-user-part-s3cret"
@@ -44,6 +44,12 @@ SECRETS = (USER_PASSWORD, QUERY_PASSWORD)
 def test_describe_removes_every_password_of_a_url(location: str, printed: str) -> None:
     assert describe(location) == printed
     assert shown(location) == printed
+
+
+def test_redacted_removes_the_password_of_any_url_and_keeps_other_text() -> None:
+    assert redacted("http://ops:pw@h:1/x?a=1") == "http://ops:***@h:1/x?a=1"
+    assert redacted("https://h/?password=pw") == "https://h/?password=***"
+    assert redacted("/var/ledger.db") == "/var/ledger.db"
 
 
 def test_a_sqlite_location_is_shown_as_given() -> None:

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from evlog.locations import redacted
 from tools.cli.common import JsonOpt, LogArg, guarded, run_async
 from tools.exitcodes import Exit, ToolError
 from tools.output import emit, stderr_console, stdout_console, to_json
@@ -137,7 +138,7 @@ def replay(
     asked = ""
     if at is not None and result.asked_at is not None:
         asked = f" (--at {at} = {iso(result.asked_at)})"
-    title = f"{log} at seq {result.seq}{limit}{asked}"
+    title = f"{redacted(log)} at seq {result.seq}{limit}{asked}"
     out.print(status_view(status, title=title, at=result.at))
     for subject, entries in timelines:
         out.print(timeline_view(subject, entries))
@@ -203,7 +204,7 @@ def audit(
         stderr_console().print(f"note: {audited.note}", markup=False)
     if not reports:
         wanted = ", ".join(session or []) or (f"owner {owner}" if owner else "any session")
-        raise ToolError(Exit.FAILED, f"{log}: no session matches ({wanted})")
+        raise ToolError(Exit.FAILED, f"{redacted(log)}: no session matches ({wanted})")
     if json:
         for report in reports:
             emit(

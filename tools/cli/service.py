@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import msgspec
 import typer
 
+from evlog.locations import redacted
 from tools import logconfig
 from tools.cli.common import DEFAULT_PORT, JsonOpt, guarded, run_async, secret, verbosity
 from tools.output import emit
@@ -344,7 +345,7 @@ def gateway(
             emit({"row": "listening", "url": url, "owner": owner_id, "pid": os.getpid()})
         else:
             print(
-                f"loraledger gateway: listening on {url} (ledger {opts.ledger}, owner "
+                f"loraledger gateway: listening on {url} (ledger {redacted(opts.ledger)}, owner "
                 f"{owner_id}, pid {os.getpid()})",
                 flush=True,
             )
