@@ -37,6 +37,7 @@ from tools.arguments import seconds, service_url
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
+from tools.roles import ROUTE_ROLES
 from tools.serve import (
     _open_engine,
     _server,
@@ -166,6 +167,8 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     OpenAIOptions(
                         alias=opts.alias,
                         token=opts.token,
+                        tokens=opts.tokens,
+                        policy=ROUTE_ROLES,
                         engine_token=opts.engine_token,
                         **openai_options(opts),
                     ),

@@ -16,6 +16,7 @@ import typer
 
 from tools import logconfig
 from tools.cli.common import DEFAULT_PORT, JsonOpt, guarded, run_async, secret, verbosity
+from tools.exitcodes import Exit, ToolError
 from tools.output import emit
 
 
@@ -26,6 +27,7 @@ class ServiceFlags(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     port: int
     token_file: Path | None
+    tokens_file: Path | None
     engine_token_file: Path | None
     engine: list[str] | None
     alias: str
@@ -44,7 +46,8 @@ class ServiceFlags(msgspec.Struct, frozen=True, kw_only=True):
         return {
             "host": self.host,
             "port": self.port,
-            "token": secret(token, "--token", self.token_file, "LORALEDGER_TOKEN"),
+            "token": (operator := secret(token, "--token", self.token_file, "LORALEDGER_TOKEN")),
+            "tokens": role_tokens(operator, self.tokens_file),
             "engine_token": secret(
                 None, "", self.engine_token_file, "LORALEDGER_ENGINE_TOKEN", "--engine-token-file"
             ),
@@ -57,6 +60,21 @@ class ServiceFlags(msgspec.Struct, frozen=True, kw_only=True):
             "max_body_mb": self.max_body_mb,
             "upstream_timeout_s": self.upstream_timeout_s,
         }
+
+
+def role_tokens(operator: str | None, file: Path | None) -> tuple[tuple[str, str], ...]:
+    """The ``(role, token)`` pairs of ``--tokens`` (none without it); a bad file is a usage
+    error naming its line, never showing a token."""
+    from engines.access import check_tokens, read_tokens
+
+    if file is None:
+        return ()
+    try:
+        pairs = read_tokens(file)
+        check_tokens(operator, pairs)
+    except (OSError, ValueError) as exc:
+        raise ToolError(Exit.USAGE, f"--tokens: {exc}") from None
+    return pairs
 
 
 def _option(name: str, kind: Any, default: Any, flag: str, help: str) -> inspect.Parameter:
@@ -89,6 +107,17 @@ def service_options(
         ),
         _option("port", int, port, "--port", "TCP port (0: any free port)."),
         _option("token_file", Path | None, None, "--token-file", token_file_help),
+        _option(
+            "tokens_file",
+            Path | None,
+            None,
+            "--tokens",
+            "File of the other callers' tokens, one 'ROLE TOKEN' per line (# comments and "
+            "blank lines skipped): roles operator, trainer (publish, read), rollout (the "
+            "OpenAI routes, sessions and leases), gateway (a gateway process: rollout's rights "
+            "plus trouble reports and provenance). The token of --token-file or "
+            "$LORALEDGER_TOKEN is the operator's. docs/operations.md, 'Roles'.",
+        ),
         _option(
             "engine_token_file",
             Path | None,
