@@ -52,6 +52,12 @@ def describe(location: str | os.PathLike[str]) -> str:
     backend, where = backend_of(location)
     if backend == "sqlite":
         return where
+    return without_password(where)
+
+
+def without_password(where: str) -> str:
+    """A URL with its password removed from its user part and its query string (the rule of
+    :func:`describe`, for any URL: also a service's, ``loraledger gateway --ledger``)."""
     try:
         parts = urlsplit(where)
         password = parts.password

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from evlog.locations import without_password
 from tools.arguments import seconds, service_url
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
@@ -185,11 +186,13 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     await face.aclose()
     except LedgerUnreachable as exc:
         raise ToolError(
-            Exit.UNREACHABLE, f"the ledger at {opts.ledger} cannot be reached: {exc}"
+            Exit.UNREACHABLE,
+            f"the ledger at {without_password(opts.ledger)} cannot be reached: {exc}",
         ) from None
     except LoraLedgerError as exc:
         raise ToolError(
-            Exit.FAILED, f"the ledger at {opts.ledger} refused: {exc.code}: {exc.message}"
+            Exit.FAILED,
+            f"the ledger at {without_password(opts.ledger)} refused: {exc.code}: {exc.message}",
         ) from None
 
 
@@ -267,6 +270,7 @@ async def _announce(
     url = await listening_url(server, opts.host, opts.port)
     if url is None:
         return
-    log.info("gateway.listening", url=url, ledger=opts.ledger, owner=opts.owner_id)
+    ledger = without_password(opts.ledger)
+    log.info("gateway.listening", url=url, ledger=ledger, owner=opts.owner_id)
     if on_ready is not None:
         on_ready(url, opts.owner_id)

@@ -356,6 +356,7 @@ def gateway(
     gateway processes agree on a session's version and engine without talking to each other.
     Stops cleanly on SIGINT/SIGTERM.
     """
+    from evlog.locations import without_password
     from tools import gateway as front
 
     opts = front.GatewayOptions(
@@ -368,12 +369,14 @@ def gateway(
     front.check_options(opts)
     logconfig.configure(verbosity(), stdlib=True)  # quiet by default, as serve
 
+    ledger_shown = without_password(opts.ledger)  # never a password the URL holds
+
     def ready(url: str, owner_id: str) -> None:
         if json:
             emit({"row": "listening", "url": url, "owner": owner_id, "pid": os.getpid()})
         else:
             print(
-                f"loraledger gateway: listening on {url} (ledger {opts.ledger}, owner "
+                f"loraledger gateway: listening on {url} (ledger {ledger_shown}, owner "
                 f"{owner_id}, pid {os.getpid()})",
                 flush=True,
             )
