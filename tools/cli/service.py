@@ -201,9 +201,9 @@ def service_options(
 @guarded
 @service_options(
     port=DEFAULT_PORT,
-    token_file_help="File whose first line is the bearer token required by every "
-    "state-changing route (POST); default: $LORALEDGER_TOKEN. Without a token those routes "
-    "are refused.",
+    token_file_help="File whose first line is the operator's bearer token (every route; "
+    "other roles: --tokens); default: $LORALEDGER_TOKEN. Without any token the routes that "
+    "need one are refused.",
     engine_help="A fleet member, ID=KIND:URL with KIND sglang (adapters by path), "
     "sglang-tensors (SGLang >= 0.5.17's tensor route: no shared filesystem), vllm, local, or "
     "agent (URL = AGENT_URL,sglang:URL or AGENT_URL,vllm:URL: an engine fed by its host's "
@@ -275,11 +275,10 @@ def serve(
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
 
-    Read-only and open: GET /health, /status, /metrics. Bearer token: POST /owners,
-    /owners/{owner}/renew, /owners/{owner}/deregister, /sessions/{session}/bind,
-    /sessions/{session}/release, /sessions/forget, /versions,
-    /engines/{engine}/{suspend,resume,remove,trouble}, and the OpenAI routes (/v1/chat/completions,
-    /v1/completions, /v1/models; docs/openai.md).
+    Read-only and open: GET /health, /status, /metrics. A token of a role the route admits
+    (docs/operations.md, "Roles"): operator everything; trainer /versions and the adapter
+    upload; rollout the OpenAI routes (docs/openai.md) and the owner, session and lease routes;
+    gateway rollout's plus /engines/{engine}/trouble and /provenance.
     Stops cleanly on SIGINT/SIGTERM.
     """
     from tools import serve as service
@@ -321,8 +320,9 @@ def serve(
 @guarded
 @service_options(
     port=8766,
-    token_file_help="File whose first line is the ledger's bearer token, also the one clients "
-    "must send; default: $LORALEDGER_TOKEN.",
+    token_file_help="File whose first line is the token presented to the ledger (give it the "
+    "gateway role there), also accepted from clients (others: --tokens); default: "
+    "$LORALEDGER_TOKEN.",
     engine_help="How this process reaches an engine of the ledger's fleet, ID=KIND:URL as for "
     "serve (repeatable); default: each engine's endpoint as the ledger reports it.",
     provenance_help="Also write a JSON-lines copy of this process's provenance rows to this "
