@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import anyio
 import httpx
 import msgspec
 import pytest
@@ -140,3 +141,28 @@ async def test_every_cell_of_the_table_holds_on_a_running_serve(
     ) as url:
         checked = await _check_cells(url, table, private=private)
     assert checked == len(table) * (len(ROLES) + 1)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "token"),
+    [("/versions", TOKENS["rollout"]), ("/v1/chat/completions", TOKENS["trainer"])],
+)
+async def test_a_refusal_is_decided_before_the_body_is_read(
+    tmp_path: Path, path: str, token: str
+) -> None:
+    """The request's head announces a body that never comes: the 403 is answered anyway (an
+    admitted role would wait for the body), so a refused caller cannot make the server read,
+    buffer or parse anything."""
+    async with serving(tmp_path / "ledger.db", token=TOKENS["operator"], tokens=OTHERS) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        )
+        async with await anyio.connect_tcp(host, int(port)) as stream:
+            await stream.send(head.encode())
+            with anyio.fail_after(30):
+                answer = await stream.receive()
+        assert answer.startswith(b"HTTP/1.1 403 "), answer[:200]
+        assert b"FORBIDDEN" in answer, answer
