@@ -146,11 +146,19 @@ def read_token(env_var: str, token_file: str | os.PathLike[str] | None) -> str |
 
 
 def _first_field(text: str) -> str | None:
-    for line in text.splitlines():
+    for _, fields in token_lines(text):
+        return fields[0]
+    return None
+
+
+def token_lines(text: str) -> Iterable[tuple[int, list[str]]]:
+    """The lines of a token file that are neither blank nor a ``#`` comment, each as its
+    1-based line number and its whitespace-separated fields: how every token file is read
+    (one token per file here; one ``ROLE TOKEN`` per line in :mod:`engines.access`)."""
+    for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split()
         if fields and not fields[0].startswith("#"):
-            return fields[0]
-    return None
+            yield number, fields
 
 
 def check_token(token: str, source: str) -> None:

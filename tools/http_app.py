@@ -1,58 +1,73 @@
 """The HTTP application of a running ledger: the Starlette app ``loraledger serve`` runs.
 
-Routes, and who may call them:
+Routes, and the roles that may call them (``tools/roles.py``, the one policy the app consults;
+docs/operations.md, "Roles"): ``op`` operator, ``tr`` trainer, ``ro`` rollout, ``gw`` gateway.
 
-=======  ===============================  ==========================================
-method   path                             access
-=======  ===============================  ==========================================
-GET      ``/health``                      read-only, open
-GET      ``/status``                      read-only, open unless ``private_reads``
-                                         (``LedgerStatus`` as JSON)
-GET      ``/metrics``                     read-only, open unless ``private_reads``
-                                         (Prometheus text format)
-GET      ``/routing``                     read-only, open unless ``private_reads``
-                                         (the routing table remote gateways route by;
-                                         ``?epoch=E&serial=S&wait=W``: a long poll, answered
-                                         when it is not table (E, S), 204 after W seconds)
-POST     ``/owners``                      bearer token: register a rollout worker
+=======  ===============================  ===============  ===========================
+method   path                             roles            what it does
+=======  ===============================  ===============  ===========================
+GET      ``/health``                      open (no token)  read-only
+GET      ``/status``                      open unless      ``LedgerStatus`` as JSON
+                                          private_reads,
+                                          then any role
+GET      ``/metrics``                     as ``/status``   Prometheus text format
+GET      ``/routing``                     as ``/status``   the routing table remote
+                                                           gateways route by
+                                                           (``?epoch=E&serial=S&wait=W``:
+                                                           a long poll, answered when it
+                                                           is not table (E, S), 204 after
+                                                           W seconds)
+POST     ``/owners``                      op ro gw         register a rollout worker
          (an owner or session id in a path is any printable text, percent-escaped: ``/`` too)
-POST     ``/owners/{owner}/renew``        bearer token: renew its lease (+ in-flight)
-POST     ``/owners/{owner}/deregister``   bearer token: a clean exit (its sessions released)
-POST     ``/sessions/{session}/bind``     bearer token: bind (idempotent)
-POST     ``/sessions/{session}/release``  bearer token: release (idempotent)
-POST     ``/sessions/forget``             bearer token: forget released sessions' tombstones
-POST     ``/sessions/commands``           bearer token: binds, releases and forgets of many
-                                         sessions in one round trip (a gateway's batch)
-POST     ``/leases/renew``                bearer token: renew many owners' lives at once
-POST     ``/versions``                    bearer token: publish an adapter directory on
-                                         this host, or an uploaded adapter by digest
-POST     ``/adapters/{digest}``           bearer token: offer an adapter's upload (how many
-                                         bytes are here, or stored)
-PUT      ``/adapters/{digest}/weights``   bearer token: its weights file, from ``?offset=``
-                                         (streamed; checked against the digest once whole)
-POST     ``/v1/chat/completions``,        bearer token: OpenAI-compatible generation
-         ``/v1/completions``              (binds on a session's first turn)
-GET      ``/v1/models``                   bearer token: the alias and the versions
-GET      ``/v1/models/{model}``           bearer token: one of them (404 otherwise)
-POST     ``/v1/sessions/{s}/release``     bearer token: end an OpenAI session
-POST     ``/engines/{engine}/suspend``    bearer token: an operator quarantines an engine
-POST     ``/engines/{engine}/resume``     bearer token: lift it (served again once repaired)
-POST     ``/engines/{engine}/remove``     bearer token: remove it from the fleet (routed
-                                         away, then drained: answers once it is idle)
-POST     ``/engines/{engine}/trouble``    bearer token: a gateway process saw a generation
-                                         on it fail (a hint for the reconciler)
-POST     ``/provenance``                  bearer token: provenance rows a face in another
-                                         process served, for the store beside the log
-=======  ===============================  ==========================================
+POST     ``/owners/{owner}/renew``        op ro gw         renew its lease (+ in-flight)
+POST     ``/owners/{owner}/deregister``   op ro gw         a clean exit (sessions released)
+POST     ``/sessions/{session}/bind``     op ro gw         bind (idempotent)
+POST     ``/sessions/{session}/release``  op ro gw         release (idempotent)
+POST     ``/sessions/forget``             op               forget released sessions'
+                                                           tombstones
+POST     ``/sessions/commands``           op ro gw         binds, releases and forgets of
+                                                           many sessions in one round trip
+                                                           (a gateway's batch)
+POST     ``/leases/renew``                op ro gw         renew many owners' lives at once
+POST     ``/versions``                    op tr            publish an adapter directory on
+                                                           this host, or an uploaded
+                                                           adapter by digest
+POST     ``/adapters/{digest}``           op tr            offer an adapter's upload (how
+                                                           many bytes are here, or stored)
+PUT      ``/adapters/{digest}/weights``   op tr            its weights file, from
+                                                           ``?offset=`` (streamed; checked
+                                                           against the digest once whole)
+POST     ``/v1/chat/completions``,        op ro gw         OpenAI-compatible generation
+         ``/v1/completions``                               (binds on a session's first turn)
+GET      ``/v1/models``                   op ro gw         the alias and the versions
+GET      ``/v1/models/{model}``           op ro gw         one of them (404 otherwise)
+POST     ``/v1/sessions/{s}/release``     op ro gw         end an OpenAI session
+POST     ``/engines/{engine}/suspend``    op               quarantine an engine
+POST     ``/engines/{engine}/resume``     op               lift it (served again once
+                                                           repaired)
+POST     ``/engines/{engine}/remove``     op               remove it from the fleet (routed
+                                                           away, then drained: answers once
+                                                           it is idle)
+POST     ``/engines/{engine}/trouble``    op gw            a gateway process saw a
+                                                           generation on it fail (a hint
+                                                           for the reconciler)
+POST     ``/provenance``                  op gw            provenance rows a face in
+                                                           another process served, for the
+                                                           store beside the log
+=======  ===============================  ===============  ===========================
 
 The ``/v1/`` routes are :mod:`publisher.openai`'s (docs/openai.md), mounted here so a
 laptop runs the ledger and the gateway as one process; mounted last, their fallback answers
 any other request under ``/v1/`` in OpenAI's error shape (404/405), and nothing outside it.
 
-Why a bearer token on every state-changing route and never on the read-only ones: a scraper or
-a dashboard must not hold the power to bind, release or publish, and anything that changes the
-ledger must prove it may. A service started without a token refuses every state-changing route
-(403): there is no anonymous write mode to forget about. The token is compared in constant time.
+Why roles, and a token on every state-changing route but never on the read-only ones: a
+scraper or a dashboard must not hold the power to bind, release or publish, and a rollout
+(model-written code runs beside its credentials) must not hold the power to publish, suspend
+an engine or forget sessions. Each route's check runs from the headers alone, before its body
+is read (:class:`engines.access.Access`): 401 for a missing or unknown token, 403
+``FORBIDDEN`` naming the roles needed for a known token of another role. A service started
+without any token refuses every route that needs one (403 ``WRITES_DISABLED``): there is no
+anonymous write mode to forget about. Tokens are compared in constant time, every one.
 
 Every body is a struct of :mod:`publisher.remote.wire` (the clients use the same ones), and
 every route calls the :class:`~publisher.remote.service.LedgerService` the Ray ledger actor
@@ -63,7 +78,6 @@ owner/version/engine), 409 (a refusal by the rules), 503 (the ledger is closed o
 
 from __future__ import annotations
 
-import hmac
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -76,6 +90,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from engines.access import Access, TokenBook
 from engines.contract import AmbiguousReply, CleanRefusal
 from engines.guard import BadBody, ErrorBody, Guard, exception_handlers, strict_decode
 from evlog.errors import LoraLedgerError, StoreCode
@@ -88,6 +103,7 @@ from publisher.remote import wire
 from publisher.remote.service import LedgerService, TroubleBatch, TroubleReceiver
 from publisher.remote.uploads import AdapterUploads
 from tools.metrics import LedgerMetrics
+from tools.roles import ROUTE_ROLES
 
 # the body of POST /versions -> outcome struct
 Publish = Callable[[wire.PublishVersion], Awaitable[Any]]
@@ -133,6 +149,7 @@ def build_app(
     metrics: LedgerMetrics,
     *,
     token: str | None,
+    tokens: Sequence[tuple[str, str]] = (),
     publish: Publish | None = None,
     private_reads: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -145,12 +162,14 @@ def build_app(
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
-    ``INVALID_STATE`` (409). ``private_reads``: ``/status`` and
-    ``/metrics`` need the token too (they show engine URLs and versions); ``/health`` stays
-    open for probes. Every route's body is capped at ``max_body_bytes`` (413) and parsed as
-    strict JSON (NaN, Infinity, 1e400, 2^80: 400). ``extra_routes`` (the OpenAI routes of
-    :mod:`publisher.openai`, under ``/v1/``) check their own token and answer in
-    OpenAI's error shape; their bodies (whole conversations, images inline) are capped at
+    ``INVALID_STATE`` (409). ``token`` is the operator's; ``tokens`` the
+    ``(role, token)`` pairs of ``--tokens`` (``tools/roles.py`` says which role may call what).
+    ``private_reads``: ``/status``, ``/metrics`` and ``/routing`` need a token too, of any role
+    (they show engine URLs and versions); ``/health`` stays open for probes. Every route's
+    body is capped at ``max_body_bytes`` (413) and parsed as strict JSON (NaN, Infinity,
+    1e400, 2^80: 400). ``extra_routes`` (the OpenAI routes of :mod:`publisher.openai`, under
+    ``/v1/``) check their own token and answer in OpenAI's error shape; their bodies (whole
+    conversations, images inline) are capped at
     ``max_generation_body_bytes``, refused in that shape too, and read to the end before the
     413 closes the connection (bounded: ``engines.guard.Guard``, ``drains``), so an OpenAI
     client reads the refusal instead of a reset. ``remove_engine`` (the control plane's)
@@ -162,27 +181,21 @@ def build_app(
     to ``POST /provenance``; without it that route is refused ``INVALID_STATE``. ``uploads``
     receives adapters remote trainers send (``/adapters/...``, whose weights body is capped by
     ``uploads.max_bytes`` instead); without it those routes are refused ``INVALID_STATE``."""
-    expected = token.encode() if token else None
+    access = Access(TokenBook(token, tokens), ROUTE_ROLES, private_reads=private_reads)
     service = LedgerService(ledger, engine_trouble=report_trouble, provenance=provenance)
 
-    def authorized(request: Request) -> Response | None:
-        if expected is None:
-            return _error(
-                "WRITES_DISABLED",
-                "this service was started without a token: state-changing routes are off "
-                "(restart it with --token or LORALEDGER_TOKEN)",
-                403,
-            )
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
-            return _error("UNAUTHORIZED", "a valid bearer token is required for this route", 401)
-        return None
+    def authorized(request: Request, route: str) -> Response | None:
+        """The role check of ``route`` (``tools/roles.py``), from the headers alone."""
+        denied = access.check(route, request.headers.get("authorization", ""))
+        if denied is None:
+            return None
+        return _error(denied.code, denied.message, denied.status, **denied.details)
 
     def writer(
-        body_type: type[Any] | None, handler: Callable[..., Awaitable[Any]]
+        route: str, body_type: type[Any] | None, handler: Callable[..., Awaitable[Any]]
     ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            refused = authorized(request)
+            refused = authorized(request, route)
             if refused is not None:
                 return refused
             body = None
@@ -225,13 +238,10 @@ def build_app(
         return _json(body, 503)
 
     def reader(
-        handler: Callable[[Request], Awaitable[Response]],
+        route: str, handler: Callable[[Request], Awaitable[Response]]
     ) -> Callable[[Request], Awaitable[Response]]:
-        if not private_reads:
-            return handler
-
         async def endpoint(request: Request) -> Response:
-            refused = authorized(request)
+            refused = authorized(request, route)
             return refused if refused is not None else await handler(request)
 
         return endpoint
@@ -324,7 +334,7 @@ def build_app(
     async def adapter_weights(request: Request) -> Response:
         """The weights file, streamed to disk as it arrives (not a ``writer``: its body is
         bytes, read by ``uploads`` chunk by chunk, never whole)."""
-        refused = authorized(request)
+        refused = authorized(request, "PUT /adapters/{digest}/weights")
         if refused is not None:
             return refused
         offset = request.query_params.get("offset", "0")
@@ -377,38 +387,82 @@ def build_app(
         return wire.ProvenanceStored(stored=await service.store_provenance(body.rows))
 
     routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/status", reader(status), methods=["GET"]),
-        Route("/routing", reader(routing), methods=["GET"]),
-        Route("/metrics", reader(scrape), methods=["GET"]),
-        Route("/owners", writer(wire.RegisterOwner, register), methods=["POST"]),
-        Route("/owners/{owner:path}/renew", writer(wire.RenewLease, renew), methods=["POST"]),
+        Route("/health", reader("GET /health", health), methods=["GET"]),
+        Route("/status", reader("GET /status", status), methods=["GET"]),
+        Route("/routing", reader("GET /routing", routing), methods=["GET"]),
+        Route("/metrics", reader("GET /metrics", scrape), methods=["GET"]),
+        Route("/owners", writer("POST /owners", wire.RegisterOwner, register), methods=["POST"]),
+        Route(
+            "/owners/{owner:path}/renew",
+            writer("POST /owners/{owner}/renew", wire.RenewLease, renew),
+            methods=["POST"],
+        ),
         Route(
             "/owners/{owner:path}/deregister",
-            writer(wire.DeregisterOwner, deregister),
+            writer("POST /owners/{owner}/deregister", wire.DeregisterOwner, deregister),
             methods=["POST"],
         ),
-        Route("/leases/renew", writer(wire.RenewLeases, renew_lives), methods=["POST"]),
-        Route("/sessions/commands", writer(wire.ExecuteSessions, sessions), methods=["POST"]),
-        Route("/sessions/forget", writer(wire.ForgetSessions, forget), methods=["POST"]),
-        Route("/sessions/{session:path}/bind", writer(wire.BindSession, bind), methods=["POST"]),
+        Route(
+            "/leases/renew",
+            writer("POST /leases/renew", wire.RenewLeases, renew_lives),
+            methods=["POST"],
+        ),
+        Route(
+            "/sessions/commands",
+            writer("POST /sessions/commands", wire.ExecuteSessions, sessions),
+            methods=["POST"],
+        ),
+        Route(
+            "/sessions/forget",
+            writer("POST /sessions/forget", wire.ForgetSessions, forget),
+            methods=["POST"],
+        ),
+        Route(
+            "/sessions/{session:path}/bind",
+            writer("POST /sessions/{session}/bind", wire.BindSession, bind),
+            methods=["POST"],
+        ),
         Route(
             "/sessions/{session:path}/release",
-            writer(wire.ReleaseSession, release),
+            writer("POST /sessions/{session}/release", wire.ReleaseSession, release),
             methods=["POST"],
         ),
-        Route("/versions", writer(wire.PublishVersion, publish_version), methods=["POST"]),
-        Route("/adapters/{digest}", writer(wire.OfferAdapter, offer_adapter), methods=["POST"]),
+        Route(
+            "/versions",
+            writer("POST /versions", wire.PublishVersion, publish_version),
+            methods=["POST"],
+        ),
+        Route(
+            "/adapters/{digest}",
+            writer("POST /adapters/{digest}", wire.OfferAdapter, offer_adapter),
+            methods=["POST"],
+        ),
         Route("/adapters/{digest}/weights", adapter_weights, methods=["PUT"]),
         Route(
-            "/engines/{engine}/suspend", writer(wire.EngineAction, suspend_engine), methods=["POST"]
+            "/engines/{engine}/suspend",
+            writer("POST /engines/{engine}/suspend", wire.EngineAction, suspend_engine),
+            methods=["POST"],
         ),
         Route(
-            "/engines/{engine}/resume", writer(wire.EngineAction, resume_engine), methods=["POST"]
+            "/engines/{engine}/resume",
+            writer("POST /engines/{engine}/resume", wire.EngineAction, resume_engine),
+            methods=["POST"],
         ),
-        Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
-        Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
-        Route("/provenance", writer(wire.StoreProvenance, store_provenance), methods=["POST"]),
+        Route(
+            "/engines/{engine}/remove",
+            writer("POST /engines/{engine}/remove", wire.EngineAction, remove),
+            methods=["POST"],
+        ),
+        Route(
+            "/engines/{engine}/trouble",
+            writer("POST /engines/{engine}/trouble", wire.TroubleReport, trouble),
+            methods=["POST"],
+        ),
+        Route(
+            "/provenance",
+            writer("POST /provenance", wire.StoreProvenance, store_provenance),
+            methods=["POST"],
+        ),
         *extra_routes,
     ]
 

@@ -51,6 +51,7 @@ from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
 from tools.logfile import refuse_foreign
+from tools.roles import ROUTE_ROLES
 from tools.service_options import (
     EngineSpec,
     ServiceOptions,
@@ -126,8 +127,8 @@ def check_options(opts: ServeOptions) -> None:
         raise ToolError(Exit.USAGE, "--synchronous is a SQLite setting (PostgreSQL: always on)")
     if opts.max_staleness is not None and opts.max_staleness < 0:
         raise ToolError(Exit.USAGE, f"--max-staleness {opts.max_staleness} must be >= 0")
-    if opts.private_reads and not opts.token:
-        raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN)")
+    if opts.private_reads and not (opts.token or opts.tokens):
+        raise ToolError(Exit.USAGE, "--private-reads needs a token (LORALEDGER_TOKEN, --tokens)")
     if opts.capacity < 1:  # the ledger refuses it too, but only once the log exists
         raise ToolError(
             Exit.USAGE,
@@ -311,6 +312,8 @@ async def openai_face(
                 OpenAIOptions(
                     alias=opts.alias,
                     token=opts.token,
+                    tokens=opts.tokens,
+                    policy=ROUTE_ROLES,
                     engine_token=opts.engine_token,
                     **openai_options(opts),
                 ),
@@ -428,6 +431,7 @@ async def serve(
             ledger,
             metrics,
             token=opts.token,
+            tokens=opts.tokens,
             publish=make_publish(plane, uploads),
             uploads=uploads,
             private_reads=opts.private_reads,

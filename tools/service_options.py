@@ -45,7 +45,8 @@ class ServiceOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     host: str = "127.0.0.1"
     port: int
-    token: str | None = None  # the bearer token clients send
+    token: str | None = None  # the bearer token clients send: the operator's
+    tokens: tuple[tuple[str, str], ...] = ()  # (role, token) of --tokens (tools/roles.py)
     engine_token: str | None = None  # sent to every engine as a bearer token (their --api-key)
     engines: tuple[EngineSpec, ...] = ()
     served_model: str = "tiny"  # vLLM's base model name
@@ -102,12 +103,12 @@ def check_service_options(opts: ServiceOptions) -> None:
     """Refuse bad shared options before anything exists. Listening beyond loopback without a
     token comes first (exit 11: an unauthenticated service on a network would let anyone bind,
     release or publish); the rest are usage errors (exit 2) naming the option."""
-    if not is_loopback(opts.host) and not opts.token:
+    if not is_loopback(opts.host) and not (opts.token or opts.tokens):
         raise ToolError(
             Exit.UNSAFE,
             f"refusing to listen on {opts.host!r} without a token: anyone who can reach it "
-            "could bind, release or publish. Set LORALEDGER_TOKEN (or pass --token-file), or "
-            "listen on 127.0.0.1.",
+            "could bind, release or publish. Set LORALEDGER_TOKEN (or pass --token-file or "
+            "--tokens), or listen on 127.0.0.1.",
         )
     if not 0 <= opts.port <= 65535:
         raise ToolError(Exit.USAGE, f"--port {opts.port} is not a TCP port")

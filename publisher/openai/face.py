@@ -29,13 +29,14 @@ and ``GET /v1/models/{model}``, ``POST /v1/sessions/{session}/release``; build t
 :func:`openai_routes` (or a whole app with :func:`openai_app`). Unknown routes and methods
 answer in OpenAI's error shape (``404 UNKNOWN_ROUTE``, ``405 METHOD_NOT_ALLOWED``), never the
 router's plain text or a redirect. Like every state-changing route of ``serve`` (a generation
-binds), they need a bearer token; a gateway started without one refuses them (403
-``WRITES_DISABLED``).
+binds), they need a bearer token of a role the policy admits (``OpenAIOptions.policy``:
+``tools/roles.py`` for ``serve`` and ``gateway``; without one, the operator's token only): 401
+without a known token, 403 ``FORBIDDEN`` for another role (a trainer's), 403
+``WRITES_DISABLED`` when the process has no token at all.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -49,6 +50,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Receive, Scope, Send
 
 from engines import guard
+from engines.access import OPERATOR, Access, Rule, TokenBook
 from engines.contract import AmbiguousReply, CleanRefusal
 from engines.openai_http import CHAT_PATH, COMPLETIONS_PATH
 from evlog.errors import INVALID_INPUT, LoraLedgerError
@@ -96,7 +98,10 @@ UPSTREAM_TIMEOUT_S = 3600.0
 
 class OpenAIOptions(msgspec.Struct, frozen=True, kw_only=True):
     alias: str = "policy"  # the model name meaning "my session's version"
-    token: str | None = None  # bearer token of the generation routes (None: they are refused)
+    token: str | None = None  # the operator's bearer token (no token at all: routes refused)
+    tokens: tuple[tuple[str, str], ...] = ()  # (role, token) of other callers (--tokens)
+    # route ("POST /v1/completions") -> who may call it (tools/roles.py); None: the operator only
+    policy: Mapping[str, Rule] | None = None
     engine_token: str | None = None  # sent to engines as their --api-key
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S  # an engine's longest silence: see there
     connect_timeout_s: float = 5.0
@@ -289,6 +294,15 @@ class OpenAIGateway:
 # --- the HTTP routes ------------------------------------------------------------------------------
 
 _json = msgspec.json.Encoder()
+_RELEASE = "POST /v1/sessions/{session}/release"
+# The routes as a policy names them (tools/roles.py): what each handler checks.
+ROUTE_NAMES = (
+    f"POST {CHAT_PATH}",
+    f"POST {COMPLETIONS_PATH}",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+    _RELEASE,
+)
 
 
 def openai_routes(face: OpenAIGateway, *, whole_app: bool = False) -> list[BaseRoute]:
@@ -319,8 +333,9 @@ class _Routes:
 
     def __init__(self, face: OpenAIGateway) -> None:
         self.face = face
-        token = face.options.token
-        self._token = token.encode() if token else None
+        options = face.options
+        policy = options.policy or {route: Rule(frozenset({OPERATOR})) for route in ROUTE_NAMES}
+        self.access = Access(TokenBook(options.token, options.tokens), policy)
         self.table = [
             Route(CHAT_PATH, self._generation(chat=True), methods=["POST"]),
             Route(COMPLETIONS_PATH, self._generation(chat=False), methods=["POST"]),
@@ -329,23 +344,20 @@ class _Routes:
             Route("/v1/sessions/{session:path}/release", self.release, methods=["POST"]),
         ]
 
-    def authorized(self, request: Request) -> Response | None:
-        if self._token is None:
-            return error_response(
-                "WRITES_DISABLED",
-                "this service was started without a token: generation routes bind sessions and "
-                "are off (restart it with LORALEDGER_TOKEN or --token-file)",
-            )
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):
-            return error_response("UNAUTHORIZED", "a valid bearer token is required")
-        return None
+    def authorized(self, request: Request, route: str) -> Response | None:
+        """The role check (:class:`engines.access.Access`), from the headers alone: 401 for a
+        missing or unknown token, 403 for a role the route does not admit (the roles needed
+        named in the message, OpenAI's shape having no details)."""
+        denied = self.access.check(route, request.headers.get("authorization", ""))
+        if denied is None:
+            return None
+        return error_response(denied.code, denied.message, denied.status)
 
     def _generation(self, *, chat: bool) -> Callable[[Request], Awaitable[Response]]:
         face = self.face
 
         async def endpoint(request: Request) -> Response:
-            refused = self.authorized(request)
+            refused = self.authorized(request, f"POST {CHAT_PATH if chat else COMPLETIONS_PATH}")
             if refused is None:
                 try:
                     ask = parse_ask(
@@ -368,7 +380,7 @@ class _Routes:
     async def models(self, request: Request) -> Response:
         """The alias (what clients should send) plus each version engines serve, with its
         state; ``routable`` says whether some engine may serve it now."""
-        if (refused := self.authorized(request)) is not None:
+        if (refused := self.authorized(request, "GET /v1/models")) is not None:
             return refused
         cards = await self.face.admission.listing(int(self.face.clock()), _label(request))
         return Response(
@@ -378,7 +390,7 @@ class _Routes:
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``, as vLLM and SGLang serve
         it): the alias's or a version's entry of the list, else ``404 model_not_found``."""
-        if (refused := self.authorized(request)) is not None:
+        if (refused := self.authorized(request, "GET /v1/models/{model}")) is not None:
             return refused
         model = request.path_params["model"]
         if not model:  # "/v1/models/": the list's path with a trailing slash
@@ -392,7 +404,7 @@ class _Routes:
 
     async def release(self, request: Request) -> Response:
         """End a session: released once in the ledger (it can never bind again)."""
-        if (refused := self.authorized(request)) is not None:
+        if (refused := self.authorized(request, _RELEASE)) is not None:
             return refused
         session = request.path_params["session"]
         try:

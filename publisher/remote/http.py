@@ -36,6 +36,7 @@ import msgspec
 
 from engines.contract import EngineError
 from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, Refused
+from evlog.locations import redacted
 from projections.status import LedgerStatus
 from publisher.core import commands as c
 from publisher.core.outcomes import Deregistered, Done, Outcome
@@ -83,6 +84,7 @@ class ServiceClient:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.shown = redacted(self.url)  # what messages name: never a password
         self.timeout_s = timeout_s
         headers = {"authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: a proxy from the environment must never see loopback traffic.
@@ -138,7 +140,7 @@ class ServiceClient:
             )
         except httpx.TransportError as exc:
             raise LedgerUnreachable(
-                f"no reply from the ledger at {self.url}{path}: {exc!r}"
+                f"no reply from the ledger at {self.shown}{path}: {exc!r}"
             ) from exc
 
     def _read(self, reply: httpx.Response, path: str, kind: type[T]) -> T:
@@ -149,7 +151,7 @@ class ServiceClient:
         except msgspec.DecodeError as exc:
             raise RemoteLedgerError(
                 wire.WireCode.LEDGER_ANSWER,
-                f"{self.url}{path} answered {reply.text[:200]!r}: {exc}",
+                f"{self.shown}{path} answered {reply.text[:200]!r}: {exc}",
                 status=reply.status_code,
             ) from None
 
@@ -160,7 +162,7 @@ class ServiceClient:
         except msgspec.DecodeError:
             return RemoteLedgerError(
                 wire.WireCode.LEDGER_ANSWER,
-                f"{self.url}{path} answered HTTP {reply.status_code}: {reply.text[:200]!r}",
+                f"{self.shown}{path} answered HTTP {reply.status_code}: {reply.text[:200]!r}",
                 status=reply.status_code,
             )
         error = wire.error_of(body.code, body.message, body.details)
@@ -168,7 +170,7 @@ class ServiceClient:
             return error
         return RemoteLedgerError(
             wire.WireCode.LEDGER_ANSWER,
-            f"{self.url}{path} answered HTTP {reply.status_code} {body.code}: {body.message}",
+            f"{self.shown}{path} answered HTTP {reply.status_code} {body.code}: {body.message}",
             status=reply.status_code,
             answered=body.code,
         )

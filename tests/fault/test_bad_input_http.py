@@ -9,6 +9,8 @@ count ("bad inputs tried" in the fault-matrix summary). What must hold for every
   404/405 for unknown paths and methods outside ``/v1/``, where every 4xx but the body cap's is
   OpenAI's ``{"error": {...}}``) or a 503 from the connection cap;
 * a caller without the token changes nothing (the engine's adapters, the ledger's log);
+* on ``serve``, run once with each role's token: a role the route does not admit is answered
+  403 and changes nothing (``tools/roles.py``);
 * after slow, truncated and abandoned requests the server still answers ``/health``.
 
 Bounded: ``EXAMPLES`` cases per property (``--slow``: ``SLOW_EXAMPLES``), each a few requests.
@@ -17,6 +19,7 @@ Bounded: ``EXAMPLES`` cases per property (``--slow``: ``SLOW_EXAMPLES``), each a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,13 +27,15 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engines.access import OPERATOR, ROLES
 from engines.local.server import CONTROL_PATHS, running_server
 from tests.fault.conftest import record_figure
 from tests.fault.test_bad_input import TRIED, _count, _json, _numbers, _settings
 from tests.tools.serving import serving
+from tools.roles import ROUTE_ROLES
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
@@ -65,6 +70,9 @@ SERVE_ROUTES = [
     ("POST", "/sessions/{p}/release"),
     ("POST", "/versions"),
     ("POST", "/engines/{p}/trouble"),
+    ("POST", "/engines/{p}/suspend"),
+    ("POST", "/sessions/forget"),
+    ("POST", "/provenance"),
     # the OpenAI routes serve mounts, and paths and methods beside them (its fallback)
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
@@ -98,9 +106,17 @@ _bodies = (
         _json,
     )
 )
-_auth = st.sampled_from(
-    [None, f"Bearer {TOKEN}", "Bearer wrong", TOKEN, "Basic x", "Bearer", "bearer " + TOKEN]
-)
+
+
+def _auth_with(token: str) -> st.SearchStrategy[str | None]:
+    return st.sampled_from(
+        [None, f"Bearer {token}", "Bearer wrong", token, "Basic x", "Bearer", "bearer " + token]
+    )
+
+
+_auth = _auth_with(TOKEN)
+# Each role's run of the serve fuzz: the operator's as many examples as before, the others a few.
+ROLE_EXAMPLES = 25
 _content_type = st.sampled_from(
     [None, "application/json", "application/msgpack", "text/plain", "x" * 200]
 )
@@ -115,9 +131,18 @@ def _headers(auth: str | None, content_type: str | None) -> dict[str, str]:
     return out
 
 
-def _authorized(auth: str | None) -> bool:
+def _authorized(auth: str | None, token: str = TOKEN) -> bool:
     scheme, _, given = (auth or "").partition(" ")
-    return scheme.lower() == "bearer" and given == TOKEN
+    return scheme.lower() == "bearer" and given == token
+
+
+def _roles_of(method: str, path: str) -> frozenset[str] | None:
+    """The roles the policy admits on a fuzzed route (``{p}`` for its parameter), None for a
+    path or method outside the policy (the router's or the OpenAI fallback's answer)."""
+    for route, rule in ROUTE_ROLES.items():
+        if re.sub(r"\{\w+\}", "{p}", route) == f"{method} {path}":
+            return None if rule.open or rule.read else rule.roles
+    return None
 
 
 def _check_answer(response: httpx.Response, *, openai_routes: bool = False) -> None:
@@ -232,17 +257,20 @@ async def test_every_engine_route_answers_bad_requests_without_a_500(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("role", ROLES)
 async def test_every_serve_route_answers_bad_requests_without_a_500(
-    tmp_path: Path, slow: bool
+    tmp_path: Path, slow: bool, role: str
 ) -> None:
     """``loraledger serve`` on loopback: random bodies, headers, methods and path parameters on
-    every route; a caller without the token never adds to the log; slow and abandoned clients
-    leave it answering."""
+    every route, with ``role``'s token; a caller without the token never adds to the log, nor
+    does one whose role the route does not admit (403); slow and abandoned clients leave it
+    answering."""
+    token = TOKEN if role == OPERATOR else f"fuzz-{role}-token"
     serve_requests = st.lists(
         st.tuples(
             st.integers(0, len(SERVE_ROUTES) - 1),
             _bodies,
-            _auth,
+            _auth_with(token),
             _content_type,
             st.sampled_from(["w", "s1", "", "%20", "x" * 300, "..", "a%2Fb", "%00"]),
         ),
@@ -251,14 +279,17 @@ async def test_every_serve_route_answers_bad_requests_without_a_500(
     )
     cases: list[list[Any]] = []
 
-    @_settings(slow)
+    few = role != OPERATOR and not slow
+
+    @settings(_settings(slow), max_examples=ROLE_EXAMPLES) if few else _settings(slow)
     @given(serve_requests, _prefixes)
     def collect(requests: list[Any], prefixes: list[Any]) -> None:
         cases.append([requests, prefixes])
 
     collect()
+    tokens = () if role == OPERATOR else ((role, token),)
     async with (
-        serving(tmp_path / "fuzz.db", token=TOKEN, header_timeout_s=2) as url,
+        serving(tmp_path / "fuzz.db", token=TOKEN, tokens=tokens, header_timeout_s=2) as url,
         httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http,
     ):
         assert (
@@ -278,8 +309,12 @@ async def test_every_serve_route_answers_bad_requests_without_a_500(
                     headers=_headers(auth, content_type),
                 )
                 _check_answer(response, openai_routes=True)
-                if method == "POST" and not _authorized(auth):
+                if method == "POST" and not _authorized(auth, token):
                     assert response.status_code in (401, 404), response.text
+                    assert (await http.get("/health")).json()["seq"] == seq
+                roles = _roles_of(method, path)
+                if _authorized(auth, token) and roles is not None and role not in roles:
+                    assert response.status_code in (403, 404), (path, response.text)
                     assert (await http.get("/health")).json()["seq"] == seq
             _count("HTTP slow clients (serve)")
             await _slow_clients(url, prefixes)

@@ -53,9 +53,12 @@ def test_the_same_flags_reach_the_same_fields_of_both_commands(
     token_file, engine_token_file = tmp_path / "token", tmp_path / "engine-token"
     token_file.write_text(TOKEN + "\n")
     engine_token_file.write_text(ENGINE_TOKEN + "\n")
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("# role token note\nrollout ro-1 a note\n\ntrainer tr-1\n")
     flags: list[str | Path] = [
         *("--host", "0.0.0.0", "--port", "0"),
         *("--token-file", token_file, "--engine-token-file", engine_token_file),
+        *("--tokens", tokens_file),
         *("--engine", "e0=vllm:http://127.0.0.1:9", "--alias", "current"),
         *("--session-idle-s", "0", "--provenance", tmp_path / "rows.jsonl"),
         *("--max-connections", "7", "--header-timeout", "3"),
@@ -68,6 +71,7 @@ def test_the_same_flags_reach_the_same_fields_of_both_commands(
         "host": "0.0.0.0",
         "port": 0,
         "token": TOKEN,
+        "tokens": (("rollout", "ro-1"), ("trainer", "tr-1")),
         "engine_token": ENGINE_TOKEN,
         "engines": (EngineSpec(engine_id="e0", kind="vllm", url="http://127.0.0.1:9"),),
         "alias": "current",

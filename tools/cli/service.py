@@ -17,6 +17,7 @@ import typer
 from evlog.locations import redacted
 from tools import logconfig
 from tools.cli.common import DEFAULT_PORT, JsonOpt, guarded, run_async, secret, verbosity
+from tools.exitcodes import Exit, ToolError
 from tools.output import emit
 
 
@@ -27,6 +28,7 @@ class ServiceFlags(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     port: int
     token_file: Path | None
+    tokens_file: Path | None
     engine_token_file: Path | None
     engine: list[str] | None
     alias: str
@@ -45,7 +47,8 @@ class ServiceFlags(msgspec.Struct, frozen=True, kw_only=True):
         return {
             "host": self.host,
             "port": self.port,
-            "token": secret(token, "--token", self.token_file, "LORALEDGER_TOKEN"),
+            "token": (operator := secret(token, "--token", self.token_file, "LORALEDGER_TOKEN")),
+            "tokens": role_tokens(operator, self.tokens_file),
             "engine_token": secret(
                 None, "", self.engine_token_file, "LORALEDGER_ENGINE_TOKEN", "--engine-token-file"
             ),
@@ -58,6 +61,21 @@ class ServiceFlags(msgspec.Struct, frozen=True, kw_only=True):
             "max_body_mb": self.max_body_mb,
             "upstream_timeout_s": self.upstream_timeout_s,
         }
+
+
+def role_tokens(operator: str | None, file: Path | None) -> tuple[tuple[str, str], ...]:
+    """The ``(role, token)`` pairs of ``--tokens`` (none without it); a bad file is a usage
+    error naming its line, never showing a token."""
+    from engines.access import check_tokens, read_tokens
+
+    if file is None:
+        return ()
+    try:
+        pairs = read_tokens(file)
+        check_tokens(operator, pairs)
+    except (OSError, ValueError) as exc:
+        raise ToolError(Exit.USAGE, f"--tokens: {exc}") from None
+    return pairs
 
 
 def _option(name: str, kind: Any, default: Any, flag: str, help: str) -> inspect.Parameter:
@@ -90,6 +108,17 @@ def service_options(
         ),
         _option("port", int, port, "--port", "TCP port (0: any free port)."),
         _option("token_file", Path | None, None, "--token-file", token_file_help),
+        _option(
+            "tokens_file",
+            Path | None,
+            None,
+            "--tokens",
+            "File of the other callers' tokens, one 'ROLE TOKEN' per line (# comments and "
+            "blank lines skipped): roles operator, trainer (publish, read), rollout (the "
+            "OpenAI routes, sessions and leases), gateway (a gateway process: rollout's rights "
+            "plus trouble reports and provenance). The token of --token-file or "
+            "$LORALEDGER_TOKEN is the operator's. docs/operations.md, 'Roles'.",
+        ),
         _option(
             "engine_token_file",
             Path | None,
@@ -173,9 +202,9 @@ def service_options(
 @guarded
 @service_options(
     port=DEFAULT_PORT,
-    token_file_help="File whose first line is the bearer token required by every "
-    "state-changing route (POST); default: $LORALEDGER_TOKEN. Without a token those routes "
-    "are refused.",
+    token_file_help="File whose first line is the operator's bearer token (every route; "
+    "other roles: --tokens); default: $LORALEDGER_TOKEN. Without any token the routes that "
+    "need one are refused.",
     engine_help="A fleet member, ID=KIND:URL with KIND sglang (adapters by path), "
     "sglang-tensors (SGLang >= 0.5.17's tensor route: no shared filesystem), vllm, local, or "
     "agent (URL = AGENT_URL,sglang:URL or AGENT_URL,vllm:URL: an engine fed by its host's "
@@ -247,11 +276,10 @@ def serve(
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
 
-    Read-only and open: GET /health, /status, /metrics. Bearer token: POST /owners,
-    /owners/{owner}/renew, /owners/{owner}/deregister, /sessions/{session}/bind,
-    /sessions/{session}/release, /sessions/forget, /versions,
-    /engines/{engine}/{suspend,resume,remove,trouble}, and the OpenAI routes (/v1/chat/completions,
-    /v1/completions, /v1/models; docs/openai.md).
+    Read-only and open: GET /health, /status, /metrics. A token of a role the route admits
+    (docs/operations.md, "Roles"): operator everything; trainer /versions and the adapter
+    upload; rollout the OpenAI routes (docs/openai.md) and the owner, session and lease routes;
+    gateway rollout's plus /engines/{engine}/trouble and /provenance.
     Stops cleanly on SIGINT/SIGTERM.
     """
     from tools import serve as service
@@ -293,8 +321,9 @@ def serve(
 @guarded
 @service_options(
     port=8766,
-    token_file_help="File whose first line is the ledger's bearer token, also the one clients "
-    "must send; default: $LORALEDGER_TOKEN.",
+    token_file_help="File whose first line is the token presented to the ledger (give it the "
+    "gateway role there), also accepted from clients (others: --tokens); default: "
+    "$LORALEDGER_TOKEN.",
     engine_help="How this process reaches an engine of the ledger's fleet, ID=KIND:URL as for "
     "serve (repeatable); default: each engine's endpoint as the ledger reports it.",
     provenance_help="Also write a JSON-lines copy of this process's provenance rows to this "
@@ -340,12 +369,14 @@ def gateway(
     front.check_options(opts)
     logconfig.configure(verbosity(), stdlib=True)  # quiet by default, as serve
 
+    ledger_shown = redacted(opts.ledger)  # never a password the URL holds
+
     def ready(url: str, owner_id: str) -> None:
         if json:
             emit({"row": "listening", "url": url, "owner": owner_id, "pid": os.getpid()})
         else:
             print(
-                f"loraledger gateway: listening on {url} (ledger {redacted(opts.ledger)}, owner "
+                f"loraledger gateway: listening on {url} (ledger {ledger_shown}, owner "
                 f"{owner_id}, pid {os.getpid()})",
                 flush=True,
             )
