@@ -38,6 +38,7 @@ from tools.arguments import seconds, service_url
 from tools.exitcodes import Exit, ToolError
 from tools.listen import listening, serve_on
 from tools.logconfig import get_logger
+from tools.roles import ROUTE_ROLES
 from tools.serve import (
     _open_engine,
     _server,
@@ -167,6 +168,8 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     OpenAIOptions(
                         alias=opts.alias,
                         token=opts.token,
+                        tokens=opts.tokens,
+                        policy=ROUTE_ROLES,
                         engine_token=opts.engine_token,
                         **openai_options(opts),
                     ),
@@ -183,11 +186,13 @@ async def gateway_face(opts: GatewayOptions) -> AsyncIterator[Any]:
                     await face.aclose()
     except LedgerUnreachable as exc:
         raise ToolError(
-            Exit.UNREACHABLE, f"the ledger at {redacted(opts.ledger)} cannot be reached: {exc}"
+            Exit.UNREACHABLE,
+            f"the ledger at {redacted(opts.ledger)} cannot be reached: {exc}",
         ) from None
     except LoraLedgerError as exc:
         raise ToolError(
-            Exit.FAILED, f"the ledger at {redacted(opts.ledger)} refused: {exc.code}: {exc.message}"
+            Exit.FAILED,
+            f"the ledger at {redacted(opts.ledger)} refused: {exc.code}: {exc.message}",
         ) from None
 
 
@@ -265,6 +270,7 @@ async def _announce(
     url = await listening_url(server, opts.host, opts.port)
     if url is None:
         return
-    log.info("gateway.listening", url=url, ledger=redacted(opts.ledger), owner=opts.owner_id)
+    ledger = redacted(opts.ledger)
+    log.info("gateway.listening", url=url, ledger=ledger, owner=opts.owner_id)
     if on_ready is not None:
         on_ready(url, opts.owner_id)
