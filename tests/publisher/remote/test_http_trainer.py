@@ -336,12 +336,12 @@ def test_the_publish_command_refuses_a_missing_or_bad_directory(tmp_path: Path) 
     assert refused.returncode == 2 and "INVALID_ADAPTER" in refused.stderr, refused.stderr
 
 
-def _high_rank_engine(tmp_path: Path) -> subprocess.Popen[bytes]:
+def _high_rank_engine(tmp_path: Path, *, max_rank: int = 8192) -> subprocess.Popen[bytes]:
     """The local engine server (what ``loraledger engine`` runs) with a rank limit high
-    enough for a 64 MiB adapter on the tiny model."""
+    enough for a large adapter on the tiny model (8192: a 64 MiB one)."""
     server = [sys.executable, "-m", "engines.local.server", "--engine-id", "e0"]
     return subprocess.Popen(
-        [*server, "--port-file", str(tmp_path / "e0.port"), "--max-lora-rank", "8192"],
+        [*server, "--port-file", str(tmp_path / "e0.port"), "--max-lora-rank", str(max_rank)],
         cwd=REPO,
         env=script_env(),
         stdout=subprocess.DEVNULL,
