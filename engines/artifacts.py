@@ -173,17 +173,23 @@ def read_bounded(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+def open_at_most(path: Path, limit: int) -> tuple[int, int]:
+    """:func:`open_regular`, refusing a file of more than ``limit`` bytes (``INVALID_ADAPTER``):
+    the descriptor and the file's size. The caller closes it."""
+    fd = open_regular(path)
+    size = os.fstat(fd).st_size
+    if size > limit:
+        os.close(fd)
+        raise ArtifactError("INVALID_ADAPTER", f"{path} holds {size} bytes, more than {limit}")
+    return fd, size
+
+
 def _copy_regular(source: Path, target: Path, limit: int) -> None:
     """Copy ``source`` to a new file ``target`` (fsynced) one chunk at a time, with the checks
     of :func:`read_bounded`: a regular file of at most ``limit`` bytes that does not change
     size while it is copied."""
-    fd = open_regular(source)
+    fd, size = open_at_most(source, limit)
     try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise ArtifactError(
-                "INVALID_ADAPTER", f"{source} holds {size} bytes, more than {limit}"
-            )
         copied, left = 0, size + 1
         with open(target, "xb") as out:
             while left > 0:
@@ -261,13 +267,8 @@ def weights_manifest(
     """The manifest of ``config`` with the weights file ``weights``, checked as
     :func:`read_adapter_dir` checks a directory (the same refusals, ``INVALID_ADAPTER``) but
     streamed: memory stays at one chunk (:mod:`engines.weights_file`) whatever the size."""
-    fd = open_regular(weights)
+    fd, _ = open_at_most(weights, max_weights_bytes)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_weights_bytes:
-            raise ArtifactError(
-                "INVALID_ADAPTER", f"{weights} holds {size} bytes, more than {max_weights_bytes}"
-            )
         layout = read_layout(fd, max_header_bytes=HEADER_ALLOWANCE)
         validate_adapter(config, {span.name: span for span in layout.spans})
         manifest = file_manifest(config, fd, layout)

@@ -20,8 +20,6 @@ is warmed up. Figures are printed (``-s``) for RELIABILITY.md; the bounds are wi
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -32,13 +30,12 @@ import pytest
 from tests.engines.test_artifact_copy import sparse_adapter
 from tests.publisher.remote.test_http_trainer import (
     TOKEN,
-    _high_rank_engine,
-    _memory_kib,
     adapter,
+    high_rank_engine,
     serve_process,
 )
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
-from tests.support.waiting import wait_for
+from tests.support.memory import PeakGrowth
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -66,8 +63,7 @@ async def test_a_huge_openai_body_with_a_bad_model_neither_stalls_serve_nor_ball
             assert (await http.get("/health")).status_code == 200
             warm = await http.post("/v1/chat/completions", content=b"{}", headers=AUTH)
             assert warm.status_code == 400, warm.text
-            await anyio.Path(f"/proc/{pid}/clear_refs").write_text("5")  # its peak from now
-            before = _memory_kib(pid)["VmRSS"]
+            peak = await PeakGrowth.start(pid)
             answered: list[httpx.Response] = []
             health_waits: list[float] = []
             started = time.monotonic()
@@ -87,18 +83,18 @@ async def test_a_huge_openai_body_with_a_bad_model_neither_stalls_serve_nor_ball
                 tg.start_soon(post)
                 tg.start_soon(health)
             took = time.monotonic() - started
-            growth = _memory_kib(pid)["VmHWM"] - before
+            growth = peak.bytes()
     refusal = answered[0]
     slowest = max(health_waits)
     print(
         f"\n{len(body) / MiB:.0f} MiB body of tiny values, bad model: refused in {took:.2f} s, "
-        f"slowest /health {slowest:.2f} s, peak resident memory +{growth / 1024:.0f} MiB"
+        f"slowest /health {slowest:.2f} s, peak resident memory +{growth / MiB:.0f} MiB"
     )
     assert refusal.status_code == 404, refusal.text[:300]
     error = refusal.json()["error"]
     assert error["code"] == "model_not_found" and "no-such-model" in error["message"], error
     assert slowest < 2.0, health_waits
-    assert growth * 1024 < 4 * len(body), growth
+    assert growth < 4 * len(body), growth
 
 
 async def test_publishing_a_directory_on_this_host_streams_it_into_the_store(
@@ -109,31 +105,22 @@ async def test_publishing_a_directory_on_this_host_streams_it_into_the_store(
     big = sparse_adapter(home, 256 * MiB)
     size = (big / "adapter_model.safetensors").stat().st_size
     rank = json.loads((big / "adapter_config.json").read_text())["r"]
-    engine = _high_rank_engine(tmp_path, max_rank=rank)
-    try:
-        port_file = tmp_path / "e0.port"
-        await wait_for("the engine listening", port_file.exists, timeout=120, every=0.05)
-        engine_url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+    async with high_rank_engine(tmp_path, max_rank=rank) as engine_url:
         with serve_process(tmp_path / "serve", [engine_url]) as (url, served):
-            pid = served.proc.pid
             async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=600) as http:
                 small = adapter(home, 1)
                 warm = {"version_id": 1, "adapter_dir": str(small)}
                 reply = await http.post("/versions", json=warm, headers=AUTH)
                 assert reply.json()["status"] == "PUBLISHED", reply.text
-                await anyio.Path(f"/proc/{pid}/clear_refs").write_text("5")  # its peak from now
-                before = _memory_kib(pid)["VmRSS"]
+                peak = await PeakGrowth.start(served.proc.pid)
                 started = time.monotonic()
                 published = {"version_id": 2, "adapter_dir": str(big)}
                 reply = await http.post("/versions", json=published, headers=AUTH)
                 took = time.monotonic() - started
-                growth = _memory_kib(pid)["VmHWM"] - before
-    finally:
-        os.kill(engine.pid, signal.SIGTERM)
-        engine.wait(timeout=60)
+                growth = peak.bytes()
     print(
         f"\nPOST /versions of a {size / MiB:.0f} MiB adapter directory: {took:.1f} s, "
-        f"peak resident memory of serve +{growth / 1024:.0f} MiB"
+        f"peak resident memory of serve +{growth / MiB:.0f} MiB"
     )
     assert reply.status_code == 200 and reply.json()["status"] == "PUBLISHED", reply.text
-    assert growth * 1024 < size // 2, growth
+    assert growth < size // 2, growth
