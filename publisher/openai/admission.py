@@ -31,6 +31,7 @@ aborts by prefix), so the id the engine sees is made unique.
 
 from __future__ import annotations
 
+import codecs
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -79,6 +80,7 @@ class Ask(msgspec.Struct, frozen=True, kw_only=True):
 # The body as its top-level fields, each value kept as the client's bytes: the decoder checks
 # the whole body is JSON but builds no Python object inside a value (see parse_ask).
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_UTF8_CHUNK_BYTES = 1024 * 1024
 
 
 def parse_ask(
@@ -104,6 +106,7 @@ def parse_ask(
     object per value."""
     if len(raw) > max_body_bytes:
         raise BadRequest(f"the body is over {max_body_bytes} bytes")
+    _check_utf8(raw)
     try:
         fields = _top_level.decode(raw)
     except msgspec.ValidationError:
@@ -147,6 +150,24 @@ def parse_ask(
         stream=stream,
         wants_usage=bool(options and _field(options, "include_usage", bool | None)),
     )
+
+
+def _check_utf8(raw: bytes) -> None:
+    """:class:`BadRequest` unless ``raw`` is UTF-8, as JSON must be: msgspec's scan does not
+    check the text inside a value it keeps raw, and a body the engine cannot read would
+    otherwise bind a session before the engine refused it. ASCII (most bodies: base64 images,
+    escaped text) is told at C speed without a copy; other text is decoded a chunk at a time,
+    so the check never holds a second copy of the body."""
+    if raw.isascii():
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(raw)
+    try:
+        for start in range(0, len(view), _UTF8_CHUNK_BYTES):
+            decoder.decode(view[start : start + _UTF8_CHUNK_BYTES])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"body is not JSON: it is not UTF-8 ({exc.reason})") from None
 
 
 def _field(fields: Mapping[str, msgspec.Raw], name: str, type_: Any) -> Any:

@@ -83,6 +83,7 @@ def test_the_engine_gets_the_clients_bytes_of_every_field_it_does_not_own() -> N
         (b"[1, 2]", "JSON object"),
         (b'{"model": "policy", ', "not JSON"),
         (b'{"model": "policy", "messages": [NaN]}', "JSON"),
+        ('{"model": "policy", "messages": "\u00e9"}'.encode("latin-1"), "not UTF-8"),
         (b'{"messages": []}', "model is required"),
         (b'{"model": ["policy"]}', "model"),
         (b'{"model": "policy", "session_id": 5}', "session id"),
@@ -99,6 +100,15 @@ def test_the_engine_gets_the_clients_bytes_of_every_field_it_does_not_own() -> N
 def test_the_fields_the_face_reads_are_refused_by_name(body: bytes, says: str) -> None:
     with pytest.raises(BadRequest, match=says):
         ask_of(body)
+
+
+def test_text_in_utf_8_passes_whole_and_split_across_chunks() -> None:
+    """The UTF-8 check reads non-ASCII bodies a chunk at a time: a character cut by a chunk's
+    end is still one character."""
+    text = "é" * (1024 * 1024 // 2 + 1) + "中"
+    body = json.dumps({"model": "policy", "prompt": text}, ensure_ascii=False).encode()
+    assert not body.isascii()
+    assert json.loads(bytes(ask_of(body).fields["prompt"])) == text
 
 
 def test_a_session_header_wins_over_the_body_and_an_empty_one_is_none() -> None:
