@@ -13,6 +13,7 @@ import pytest
 
 from engines.artifacts import WEIGHTS_FILE, ArtifactStore, describe_adapter_dir
 from engines.contract import Candidate, CleanRefusal, ErrorCode
+from engines.manifest import Manifest
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
 from engines.weights_file import CHUNK_BYTES
@@ -22,6 +23,17 @@ from tests.engines.test_artifact_copy import sparse_adapter
 MiB = 1024 * 1024
 
 
+def at_path(manifest: Manifest, path: Path) -> Candidate:
+    """Version 1 of ``manifest``, its artifact said to be the directory ``path``."""
+    return Candidate(
+        lora_name=lora_name_for(manifest, 1),
+        digest=manifest.digest,
+        attempt=1,
+        manifest=manifest,
+        artifact_path=str(path),
+    )
+
+
 @pytest.mark.parametrize("kind", [SGLangEngine, VLLMEngine])
 def test_the_artifact_check_reads_a_large_adapter_one_chunk_at_a_time(
     tmp_path: Path, kind: type[SGLangEngine] | type[VLLMEngine]
@@ -29,13 +41,7 @@ def test_the_artifact_check_reads_a_large_adapter_one_chunk_at_a_time(
     store = ArtifactStore(tmp_path / "store")
     stored = store.copy_dir(sparse_adapter(tmp_path, 96 * MiB))
     path = store.path_for(stored.digest)
-    candidate = Candidate(
-        lora_name=lora_name_for(stored, 1),
-        digest=stored.digest,
-        attempt=1,
-        manifest=stored,
-        artifact_path=str(path),
-    )
+    candidate = at_path(stored, path)
     engine = kind("http://127.0.0.1:9", "e0")
     tracemalloc.start()
     try:
@@ -56,13 +62,7 @@ def test_an_artifact_with_other_bytes_is_still_refused(tmp_path: Path) -> None:
     with open(other / WEIGHTS_FILE, "r+b") as f:  # the same layout, one byte of a tensor changed
         f.seek(-1, 2)
         f.write(b"\x01")
-    candidate = Candidate(
-        lora_name=lora_name_for(first, 1),
-        digest=first.digest,
-        attempt=1,
-        manifest=first,
-        artifact_path=str(other),
-    )
+    candidate = at_path(first, other)
     with pytest.raises(CleanRefusal) as refused:
         SGLangEngine("http://127.0.0.1:9", "e0")._read_artifact(candidate)
     assert refused.value.code == ErrorCode.DIGEST_MISMATCH, refused.value
