@@ -36,7 +36,7 @@ from engines.manifest import (
     TensorData,
     build_manifest,
 )
-from engines.weights_file import file_manifest, read_layout
+from engines.weights_file import CHUNK_BYTES, file_manifest, read_layout
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -173,6 +173,40 @@ def read_bounded(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+def open_at_most(path: Path, limit: int) -> tuple[int, int]:
+    """:func:`open_regular`, refusing a file of more than ``limit`` bytes (``INVALID_ADAPTER``):
+    the descriptor and the file's size. The caller closes it."""
+    fd = open_regular(path)
+    size = os.fstat(fd).st_size
+    if size > limit:
+        os.close(fd)
+        raise ArtifactError("INVALID_ADAPTER", f"{path} holds {size} bytes, more than {limit}")
+    return fd, size
+
+
+def _copy_regular(source: Path, target: Path, limit: int) -> None:
+    """Copy ``source`` to a new file ``target`` (fsynced) one chunk at a time, with the checks
+    of :func:`read_bounded`: a regular file of at most ``limit`` bytes that does not change
+    size while it is copied."""
+    fd, size = open_at_most(source, limit)
+    try:
+        copied, left = 0, size + 1
+        with open(target, "xb") as out:
+            while left > 0:
+                chunk = os.read(fd, min(left, CHUNK_BYTES))
+                if not chunk:
+                    break
+                out.write(chunk)
+                copied += len(chunk)
+                left -= len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if copied != size:
+            raise ArtifactError("INVALID_ADAPTER", f"{source} changed size while it was read")
+    finally:
+        os.close(fd)
+
+
 def open_regular(path: Path) -> int:
     """A read-only descriptor of ``path`` if it is a regular file, refusing a symlink, FIFO,
     device or directory as ``INVALID_ADAPTER`` (why: :func:`read_bounded`); a missing file is
@@ -233,13 +267,8 @@ def weights_manifest(
     """The manifest of ``config`` with the weights file ``weights``, checked as
     :func:`read_adapter_dir` checks a directory (the same refusals, ``INVALID_ADAPTER``) but
     streamed: memory stays at one chunk (:mod:`engines.weights_file`) whatever the size."""
-    fd = open_regular(weights)
+    fd, _ = open_at_most(weights, max_weights_bytes)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_weights_bytes:
-            raise ArtifactError(
-                "INVALID_ADAPTER", f"{weights} holds {size} bytes, more than {max_weights_bytes}"
-            )
         layout = read_layout(fd, max_header_bytes=HEADER_ALLOWANCE)
         validate_adapter(config, {span.name: span for span in layout.spans})
         manifest = file_manifest(config, fd, layout)
@@ -386,6 +415,42 @@ class ArtifactStore:
             weights.rename(tmp / WEIGHTS_FILE)
 
         return self._install(manifest, fill)
+
+    def copy_dir(
+        self, path: str | os.PathLike[str], *, max_weights_bytes: int = MAX_WEIGHTS_BYTES
+    ) -> Manifest:
+        """Copy the PEFT directory ``path`` into the store and return its manifest (its digest
+        names the stored directory; an existing one is verified and kept). Streamed: the
+        weights file is copied chunk by chunk into a temp directory of the store, then checked
+        and hashed from that copy (:func:`weights_manifest`) and moved into place, so memory
+        holds one chunk whatever the size (reading the file whole, then its tensors, then a
+        copy of them held a 512 MiB adapter three times over). Hashing the copy, not the
+        source, makes the digest that of the bytes stored even if the directory changes while
+        it is read (a trainer writing its next step there). The same refusals as
+        :func:`read_adapter_dir` (``INVALID_ADAPTER``, naming ``path``'s files)."""
+        root = Path(path)
+        tmp = Path(tempfile.mkdtemp(prefix=".copy-", dir=self.root))
+        copied = tmp / WEIGHTS_FILE
+        try:
+            with _reading(root):
+                config = _read_config(root)
+                _copy_regular(root / WEIGHTS_FILE, copied, max_weights_bytes)
+            try:
+                manifest = weights_manifest(config, copied, max_weights_bytes=max_weights_bytes)
+            except ArtifactError as exc:  # name the caller's file, not the copy
+                message = exc.message.replace(str(copied), str(root / WEIGHTS_FILE))
+                raise ArtifactError(exc.code, message) from None
+            if self.contains(manifest.digest):
+                self.verify(manifest.digest)
+            else:
+
+                def fill(target: Path) -> None:
+                    copied.rename(target / WEIGHTS_FILE)
+
+                self._install(manifest, fill)
+            return manifest
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _install(self, manifest: Manifest, fill: Callable[[Path], None]) -> Path:
         """Write a directory atomically: the config and what ``fill`` puts in a temp dir

@@ -55,12 +55,18 @@ def engine_body(
     lora_name: str,
     request_id: str,
     cache_salt: str,
+    stream: bool,
     include_usage: bool,
 ) -> dict[str, Any]:
     """The body to send to an engine of ``kind`` for ``lora_name``: the client's fields minus
     the ones the gateway owns, plus this engine's way of naming adapter, request and cache. A
     stream always asks for usage (``include_usage``: the caller strips that chunk when its
-    client did not ask for it)."""
+    client did not ask for it).
+
+    ``body``'s values are anything msgspec encodes: the client's own bytes of each field
+    (``msgspec.Raw``) travel unchanged, so a conversation is never rebuilt as Python objects;
+    ``stream`` is the client's ``stream``, as the caller read it, and ``stream_options``, when
+    present, a mapping."""
     out = {k: v for k, v in body.items() if k not in ENGINE_OWNED_FIELDS}
     out["model"] = lora_name
     out["cache_salt"] = cache_salt
@@ -68,7 +74,7 @@ def engine_body(
         out["lora_path"] = lora_name
         out["rid"] = request_id
         out["extra_key"] = cache_salt
-    if out.get("stream") and include_usage:
+    if stream and include_usage:
         options = dict(out.get("stream_options") or {})
         options["include_usage"] = True
         out["stream_options"] = options

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from engines import http
-from engines.artifacts import HEADER_ALLOWANCE, ArtifactError, read_adapter_dir
+from engines.artifacts import HEADER_ALLOWANCE, ArtifactError, describe_adapter_dir
 from engines.contract import (
     AmbiguousReply,
     Bucket,
@@ -45,7 +45,6 @@ from engines.contract import (
     UnloadReceipt,
     check_name,
 )
-from engines.manifest import build_manifest
 
 # Artifact directories are named by their digest, so a path alone can name the content.
 DIGEST_DIR = re.compile(r"^[0-9a-f]{64}$")
@@ -341,8 +340,10 @@ class PathLoadingEngine:
             )
 
     def _read_artifact(self, c: Candidate) -> tuple[str, dict[str, Any]]:
-        """Read and re-hash the artifact directory (the engine will read the same bytes);
-        returns its normalised path and its adapter config. Blocking: run it in a thread."""
+        """Re-hash the artifact directory (the engine will read the same bytes), streamed: one
+        chunk in memory whatever the size (``describe_adapter_dir``; this runs in the
+        publisher's process, once per engine of a fleet); returns its normalised path and its
+        adapter config. Blocking: run it in a thread."""
         if not c.artifact_path:
             raise self._clean(
                 ErrorCode.BAD_REQUEST,
@@ -361,18 +362,18 @@ class PathLoadingEngine:
                 ErrorCode.DIGEST_MISMATCH, f"artifact dir {base[:16]} != digest {c.digest[:16]}"
             )
         try:
-            config, tensors = read_adapter_dir(
+            described = describe_adapter_dir(
                 path, max_weights_bytes=c.manifest.total_bytes + HEADER_ALLOWANCE
             )
         except ArtifactError as exc:
             raise self._clean(exc.code, f"{path}: {exc.message}") from exc
-        found = build_manifest(config, tensors).digest
+        found = described.digest
         if found != c.digest:
             raise self._clean(
                 ErrorCode.DIGEST_MISMATCH,
                 f"{path} holds {found[:16]}, candidate is {c.digest[:16]}",
             )
-        return path, config
+        return path, described.config
 
     async def transfer(self, candidate: Candidate, buckets: AsyncIterable[Bucket]) -> None:
         """Nothing to transfer: the engine reads the artifact directory itself. Buckets sent

@@ -332,10 +332,9 @@ def make_publish(
     (``adapter_dir``) or an adapter a remote trainer uploaded (``digest``: read from the
     artifact store, ``uploads``), under the caller's ``request_id`` if any
     (``allow_rollback``: a version lower than the default, on purpose)."""
-    from engines.artifacts import ArtifactError, read_adapter_dir
+    from engines.artifacts import ArtifactError
     from evlog.errors import INVALID_INPUT, InvalidInput
     from publisher.drivers.adapter_source import AdapterSource
-    from publisher.drivers.trainer import copy_adapter
 
     async def publish(body: PublishVersion) -> Any:
         source: AdapterSource
@@ -343,13 +342,13 @@ def make_publish(
         if digest is not None and adapter_dir is None:
             source = await uploads.stored(digest, bucket_bytes=plane.bucket_bytes)
         elif adapter_dir is not None and digest is None:
+            # Into the artifact store as it is read (streamed, hashed from the copy), then
+            # published from there as an upload is: the adapter is never held in memory whole.
             try:
-                config, tensors = await anyio.to_thread.run_sync(read_adapter_dir, adapter_dir)
-                source = await anyio.to_thread.run_sync(
-                    lambda: copy_adapter(tensors, config, bucket_bytes=plane.bucket_bytes)
-                )
+                copied = await anyio.to_thread.run_sync(plane.artifacts.copy_dir, adapter_dir)
             except (ArtifactError, OSError, ValueError) as exc:
                 raise InvalidInput(INVALID_INPUT, f"cannot read {adapter_dir}: {exc}") from None
+            source = await uploads.stored(copied.digest, bucket_bytes=plane.bucket_bytes)
         else:
             raise InvalidInput(INVALID_INPUT, "name exactly one of adapter_dir and digest")
         return await plane.publisher.publish(

@@ -140,11 +140,12 @@ class Relay:
         :class:`~engines.contract.CleanRefusal` (a 4xx, nothing sent to the client) or an
         ``AmbiguousReply``."""
         body = engine_body(
-            ask.body,
+            ask.fields,
             kind=route.kind,
             lora_name=bound.lora_name,
             request_id=attempt.request_id,
             cache_salt=attempt.cache_salt,
+            stream=ask.stream,
             include_usage=True,
         )
         url = route.base_url + (CHAT_PATH if ask.chat else COMPLETIONS_PATH)

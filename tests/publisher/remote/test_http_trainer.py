@@ -20,8 +20,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import anyio
@@ -37,6 +37,7 @@ from publisher.drivers.publication import ErrorKind, PublicationError
 from publisher.remote import HttpTrainerClient
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.log import events
+from tests.support.memory import PeakGrowth
 from tests.support.paths import REPO
 from tests.support.relay import Relay
 from tests.support.waiting import wait_for
@@ -340,26 +341,27 @@ def test_the_publish_command_refuses_a_missing_or_bad_directory(tmp_path: Path) 
     assert refused.returncode == 2 and "INVALID_ADAPTER" in refused.stderr, refused.stderr
 
 
-def _high_rank_engine(tmp_path: Path) -> subprocess.Popen[bytes]:
+@asynccontextmanager
+async def high_rank_engine(tmp_path: Path, *, max_rank: int = 8192) -> AsyncIterator[str]:
     """The local engine server (what ``loraledger engine`` runs) with a rank limit high
-    enough for a 64 MiB adapter on the tiny model."""
+    enough for a large adapter on the tiny model (8192: a 64 MiB one); its URL once it
+    listens. Stopped by its PID on exit."""
     server = [sys.executable, "-m", "engines.local.server", "--engine-id", "e0"]
-    return subprocess.Popen(
-        [*server, "--port-file", str(tmp_path / "e0.port"), "--max-lora-rank", "8192"],
+    port_file = tmp_path / "e0.port"
+    engine = await anyio.open_process(
+        [*server, "--port-file", str(port_file), "--max-lora-rank", str(max_rank)],
         cwd=REPO,
         env=script_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-
-
-def _memory_kib(pid: int | str) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields
+    try:
+        await wait_for("the engine listening", port_file.exists, timeout=120, every=0.05)
+        yield f"http://127.0.0.1:{port_file.read_text().strip()}"
+    finally:
+        os.kill(engine.pid, signal.SIGTERM)
+        with anyio.fail_after(60):
+            await engine.wait()
 
 
 # A trainer process: the client warmed up (imports, a first round trip), then its peak
@@ -368,7 +370,7 @@ _TRAINER = """
 import json, sys, anyio
 from pathlib import Path
 from publisher.remote import HttpTrainerClient
-from tests.publisher.remote.test_http_trainer import _memory_kib
+from tests.support.memory import memory_kib as _memory_kib
 
 async def main(url, token, adapter, version):
     async with HttpTrainerClient(url, token=token) as trainer:
@@ -410,22 +412,13 @@ async def test_a_64_mib_adapter_streams_through_serve_in_bounded_memory(tmp_path
     big = adapter(trainer_home, 64, r=8192, targets=modules)  # 16 tensors of 4 MiB
     size = (big / "adapter_model.safetensors").stat().st_size
     assert size >= 64 * MiB
-    engine = _high_rank_engine(tmp_path)
-    try:
-        port_file = tmp_path / "e0.port"
-        await wait_for("the engine listening", port_file.exists, timeout=120, every=0.05)
-        engine_url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+    async with high_rank_engine(tmp_path) as engine_url:
         with serve_process(tmp_path / "serve", [engine_url]) as (url, served):
             small = adapter(trainer_home, 1)
             await anyio.to_thread.run_sync(_trainer_growth, url, small, 1)  # serve warmed up
-            pid = served.proc.pid
-            await anyio.Path(f"/proc/{pid}/clear_refs").write_text("5")  # its peak from now
-            before = _memory_kib(pid)["VmRSS"]
+            peak = await PeakGrowth.start(served.proc.pid)
             trainer = await anyio.to_thread.run_sync(_trainer_growth, url, big, 2)
-            serve = _memory_kib(pid)["VmHWM"] - before
-    finally:
-        os.kill(engine.pid, signal.SIGTERM)
-        engine.wait(timeout=30)
+            serve = peak.bytes() // 1024
     print(
         f"\n{size / MiB:.0f} MiB adapter: peak resident memory grew by {serve / 1024:.1f} MiB "
         f"in serve, {trainer / 1024:.1f} MiB in the trainer"
