@@ -101,9 +101,15 @@ class RemoveEngine(Command, frozen=True):
 
 
 class ObserveInventory(Command, frozen=True):
+    """What a fresh inventory showed. ``digests``: (name, digest) for each name whose engine
+    reports the digest of the bytes it loaded; a committed version's name reported with
+    another digest is served content that is not the version's (``ServedContentMismatch``).
+    An engine that reports no digest for a name says nothing about its content here."""
+
     engine: str
     incarnation: str
     adapters: tuple[str, ...]
+    digests: tuple[tuple[str, str], ...] = ()
 
 
 class ReportUnreachable(Command, frozen=True):

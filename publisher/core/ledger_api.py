@@ -180,11 +180,21 @@ class LedgerAPI(TypedCommands):
         return await self._run(c.RemoveEngine(engine=engine, cause=cause), Done)
 
     async def observe_inventory(
-        self, engine: str, incarnation: str, adapters: Iterable[str]
+        self,
+        engine: str,
+        incarnation: str,
+        adapters: Iterable[str],
+        *,
+        digests: Iterable[tuple[str, str]] = (),
     ) -> InventoryRecorded:
-        """What an engine says it holds: absence proofs for fatal attempts and reclaims, strays."""
+        """What an engine says it holds: absence proofs for fatal attempts and reclaims, strays,
+        and (``digests``: name, digest of the bytes it loaded) content that is not the
+        version's under a committed name."""
         command = c.ObserveInventory(
-            engine=engine, incarnation=incarnation, adapters=tuple(adapters)
+            engine=engine,
+            incarnation=incarnation,
+            adapters=tuple(adapters),
+            digests=tuple(sorted(digests)),
         )
         return await self._run(command, InventoryRecorded)
 

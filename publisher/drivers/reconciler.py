@@ -425,8 +425,9 @@ class Reconciler:
             )
 
     async def _observe(self, engine_id: str, inventory: Inventory, rep: _Findings) -> None:
+        managed = managed_names(inventory, self.prefix)
         outcome = await self._ledger.observe_inventory(
-            engine_id, inventory.incarnation, managed_names(inventory, self.prefix)
+            engine_id, inventory.incarnation, managed, digests=served_digests(inventory, managed)
         )
         rep.add(resolved=tuple(outcome.resolved), reclaimed=tuple(outcome.reclaimed))
         if outcome.resolved or outcome.reclaimed or outcome.strays:
@@ -602,7 +603,9 @@ class Reconciler:
     ) -> None:
         """The engine lost a needed version and will not (or keeps failing to) reload it under
         its name: it is suspended and repaired as a whole (a restart clears its fences)."""
-        detail = f"version {v.version_id} lost and not restored after {failures} tries: {exc}"
+        member = self._ledger.state.engines.get(engine_id)
+        how = "served with other content" if member and v.lora_name in member.mismatched else "lost"
+        detail = f"version {v.version_id} {how} and not restored after {failures} tries: {exc}"
         await self._ledger.suspend_engine(engine_id, cause="lost_adapter", detail=detail[:2000])
         log.warning(
             "reconciler.suspended",
@@ -870,3 +873,18 @@ class Reconciler:
             ):
                 return True
         return False
+
+
+def served_digests(inventory: Inventory, names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(name, digest) for each of ``names`` whose engine reports the digest of the bytes it
+    loaded: the evidence the ledger checks a committed version's content against (an engine
+    that reports none, e.g. a path engine whose directory is not named by its digest, proves
+    nothing here)."""
+    wanted = set(names)
+    return tuple(
+        sorted(
+            (a.lora_name, a.digest)
+            for a in inventory.adapters
+            if a.lora_name in wanted and a.digest is not None
+        )
+    )

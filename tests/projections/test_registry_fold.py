@@ -548,6 +548,10 @@ def _eventful_run() -> list[Event]:
     book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=()))  # v3 lost there
     book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
+    # other weights under v3's name on e0: out of routing there while present, then restored
+    impostor = ((v3, digest_of("other")),)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,), digests=impostor))
+    book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
     book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=5.0))
     book.run(c.Bind(session="s2", owner="w2"))
     book.run(c.ExpireOwner(owner="w2", now=9.0, last_seen=5.0))
