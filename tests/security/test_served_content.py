@@ -1,0 +1,174 @@
+"""Served-content attestation: other weights loaded under a managed name are found by the
+reconciler, taken out of routing for that version within one reconcile pass, and recorded as
+an incident (``ServedContentMismatch``, ``content_mismatch``).
+
+The weights are swapped the way a caller holding the engine's (or the agent's) token could do
+it through the control routes, with the attempts the engines demand: the committed attempt is
+unloaded, and another adapter is loaded under the same name at the next attempt. Real
+``loraledger engine`` and ``loraledger agent`` processes on loopback, stopped by PID; the
+control plane runs in this process, its full reconcile pass every :data:`PERIOD_S`.
+
+Engines fence a committed attempt once it was unloaded, so the reconciler cannot put the
+version's bytes back under its name in the same engine life: its restore is refused and the
+engine is suspended (``lost_adapter``), to be repaired as a whole once it restarted -- the
+rule for any lost adapter an engine refuses to reload.
+
+Before: the ledger compared only names; the engine went on holding the name, routable, serving
+other weights under the published digest's header.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from engines.agent import AgentEngine
+from engines.artifacts import ArtifactStore
+from engines.contract import Candidate, Engine
+from engines.local.client import LocalHTTPEngine
+from engines.sglang import SGLangEngine
+from evlog.events import EngineSuspended, ServedContentMismatch
+from evlog.memory import MemoryStore
+from projections.incidents import incidents
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationStatus
+from tests.engines.contract import Published, candidate_for, publish
+from tests.publisher.plane_kit import PEFT_WARNINGS, adapter_copy
+from tests.support.log import events_of, records
+from tests.support.paths import REPO
+from tests.support.processes import listening_process
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
+
+ENGINE_TOKEN = "engine-secret-0123"
+AGENT_TOKEN = "agent-secret-4567"
+PERIOD_S = 2.0  # the full reconcile pass: every inventory read whatever the ledger believes
+TIMEOUTS = EngineTimeouts(probe=5, inventory=10, prepare=30, transfer=30, load=30, unload=30)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORALEDGER_")}
+    return {**env, "PYTHONPATH": str(REPO), "LORALEDGER_ENGINE_TOKEN": ENGINE_TOKEN}
+
+
+@asynccontextmanager
+async def _engine_process(host: Path | None = None) -> AsyncIterator[str]:
+    """``loraledger engine`` requiring :data:`ENGINE_TOKEN` (reading adapters from ``host``
+    when given); yields its URL."""
+    args = ["engine", "--id", "e0", "--port", "0", "--json"]
+    if host is not None:
+        args += ["--artifacts", str(host)]
+    async with listening_process(args, env=_env()) as (_, row):
+        yield str(row["url"])
+
+
+@asynccontextmanager
+async def _plane(member: Engine, tmp_path: Path) -> AsyncIterator[ControlPlane]:
+    async with ControlPlane.open(
+        MemoryStore(),
+        Fleet([member]),
+        deployment="dep",
+        prefix="agent",
+        capacity=2,
+        artifact_root=tmp_path / "artifacts",
+        timeouts=TIMEOUTS,
+        probe_interval_s=0.2,
+        full_reconcile_s=PERIOD_S,
+        reclaim_tick_s=0.2,
+        cleanup_timeout=5.0,
+        suspend_after_s=None,
+    ) as plane:
+        yield plane
+
+
+async def _swap_weights(member: Engine, plane: ControlPlane, tmp_path: Path) -> float:
+    """Load other weights under v1's name the way a token holder could: unload the committed
+    attempt, then prepare, transfer and load another adapter at the next attempt. Returns when
+    the swap was done (monotonic clock)."""
+    v1 = plane.ledger.state.versions[1]
+    other = candidate_for(ArtifactStore(tmp_path / "other"), 77)
+    impostor = Candidate(
+        lora_name=v1.lora_name,
+        digest=other.candidate.digest,
+        attempt=v1.attempt + 1,
+        manifest=other.candidate.manifest,
+    )
+    assert (await member.unload(v1.lora_name, attempt=v1.attempt)).was_loaded
+    await publish(member, Published(impostor, other.tensors))
+    served = {a.lora_name: a.digest for a in (await member.inventory()).adapters}
+    assert served[v1.lora_name] == other.candidate.digest != v1.digest
+    return time.monotonic()
+
+
+async def _out_of_routing_with_an_incident(plane: ControlPlane, swapped_at: float) -> float:
+    """Wait for the mismatch to be recorded and routed around; return how long it took."""
+    ledger = plane.ledger
+    v1 = ledger.state.versions[1]
+    await wait_for(
+        "the other content under v1's name recorded",
+        lambda: v1.lora_name in ledger.state.engines["e0"].mismatched,
+        timeout=PERIOD_S + 30.0,
+    )
+    took = time.monotonic() - swapped_at
+    assert ledger.state.holders(v1.lora_name) == ()  # no longer routed there for v1
+    found = await events_of(ledger, ServedContentMismatch)
+    assert [(e.engine, e.version_id, e.evidence, e.expected) for e in found] == [
+        ("e0", 1, "digest", v1.digest)
+    ]
+    assert found[0].seen != v1.digest
+    kinds = [i.kind for i in incidents(await records(ledger))]
+    assert "content_mismatch" in kinds, kinds
+    # the version's bytes cannot go back under its name in this engine life (the committed
+    # attempt is fenced): the engine is suspended, to be repaired once it restarted
+    await wait_for("e0 suspended", lambda: ledger.state.engines["e0"].suspended, timeout=30.0)
+    suspended = await events_of(ledger, EngineSuspended)
+    assert [(e.cause, "served with other content" in e.detail) for e in suspended] == [
+        ("lost_adapter", True)
+    ]
+    return took
+
+
+async def test_other_weights_on_a_local_engine_leave_routing_with_an_incident(
+    tmp_path: Path,
+) -> None:
+    async with AsyncExitStack() as stack:
+        url = await stack.enter_async_context(_engine_process())
+        member = LocalHTTPEngine(url, "e0", api_key=ENGINE_TOKEN)
+        stack.push_async_callback(member.aclose)
+        plane = await stack.enter_async_context(_plane(member, tmp_path))
+        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
+        assert published.status == PublicationStatus.PUBLISHED
+        swapped_at = await _swap_weights(member, plane, tmp_path)
+        took = await _out_of_routing_with_an_incident(plane, swapped_at)
+        print(f"local engine: content mismatch recorded {took:.2f} s after the swap")
+
+
+async def test_other_weights_through_the_agent_leave_routing_with_an_incident(
+    tmp_path: Path,
+) -> None:
+    host = tmp_path / "host"
+    host.mkdir()
+    token_file = tmp_path / "agent-token"
+    token_file.write_text(f"{AGENT_TOKEN}\n")
+    async with AsyncExitStack() as stack:
+        engine_url = await stack.enter_async_context(_engine_process(host))
+        args = ["agent", "--engine", f"sglang:{engine_url}", "--artifacts", str(host)]
+        args += ["--id", "e0", "--token-file", str(token_file), "--port", "0", "--json"]
+        _, row = await stack.enter_async_context(listening_process(args, env=_env()))
+        engine = SGLangEngine(engine_url, "e0", api_key=ENGINE_TOKEN)
+        member = AgentEngine(row["url"], engine, api_key=AGENT_TOKEN)
+        stack.push_async_callback(member.aclose)
+        plane = await stack.enter_async_context(_plane(member, tmp_path))
+        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
+        assert published.status == PublicationStatus.PUBLISHED
+        swapped_at = await _swap_weights(member, plane, tmp_path)
+        took = await _out_of_routing_with_an_incident(plane, swapped_at)
+        print(f"agent: content mismatch recorded {took:.2f} s after the swap")
