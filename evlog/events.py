@@ -160,6 +160,19 @@ class ServedContentMismatch(Event, frozen=True):
     seen: str
 
 
+class CanaryRecorded(Event, frozen=True):
+    """The baseline of a version's canary on one engine life: the greedy tokens (``answer``,
+    comma-separated ids) that life gave for the fixed canary prompt on the version, taken
+    once it held the version. An engine that cannot report the digest of what it loaded (a
+    path engine: SGLang, vLLM) is checked against it (per engine: hardware can differ); another
+    answer later is a :class:`ServedContentMismatch` with ``evidence`` ``canary``."""
+
+    version_id: int
+    engine: str
+    incarnation: str
+    answer: str
+
+
 class InventoryObserved(Event, frozen=True):
     """What an engine proved it holds (managed names only), read fresh from the engine."""
 
@@ -545,6 +558,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     EngineResumed,
     AdapterLost,
     ServedContentMismatch,
+    CanaryRecorded,
     InventoryObserved,
     EngineUnreachable,
     DispatchFailures,
@@ -587,6 +601,7 @@ AnyEvent = (
     | EngineResumed
     | AdapterLost
     | ServedContentMismatch
+    | CanaryRecorded
     | InventoryObserved
     | EngineUnreachable
     | DispatchFailures

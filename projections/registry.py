@@ -25,6 +25,7 @@ from evlog.events import (
     AdapterLost,
     AttemptFailed,
     AttemptStarted,
+    CanaryRecorded,
     CommandRecorded,
     ControllerStarted,
     DeploymentConfigured,
@@ -168,6 +169,8 @@ class EngineMember(msgspec.Struct, kw_only=True):
     # treat the version as missing there -- until it is restored, the name is gone from the
     # engine, or the engine restarts.
     mismatched: dict[str, int] = msgspec.field(default_factory=dict)
+    # Canary baselines of this life (CanaryRecorded): name -> the answer later ones must equal.
+    canaries: dict[str, str] = msgspec.field(default_factory=dict)
     # Names this engine must drop before it serves again (name -> the attempt that fences the
     # unload): entries reclaimed or resolved while it was suspended and could not confirm.
     owes: dict[str, int] = msgspec.field(default_factory=dict)
@@ -386,6 +389,7 @@ def _engine_restarted(s: RegistryState, e: EngineRestarted) -> None:
     member.strays = ()
     member.lacks.clear()
     member.mismatched.clear()
+    member.canaries.clear()
     member.owes.clear()
     member.unreachable = None  # it answered, as a new process: whatever outage there was ended
 
@@ -447,6 +451,11 @@ def _served_content_mismatch(s: RegistryState, e: ServedContentMismatch) -> None
     member.mismatched[v.lora_name] = v.version_id
     if v.version_id in s.needed_versions():
         member.lacks[v.lora_name] = v.version_id
+
+
+def _canary_recorded(s: RegistryState, e: CanaryRecorded) -> None:
+    v = _step(s, e.version_id, "CanaryRecorded")
+    s.engines[e.engine].canaries[v.lora_name] = e.answer
 
 
 def _owe(s: RegistryState, engines: tuple[str, ...], v: VersionRecord) -> None:
@@ -723,6 +732,7 @@ def _version_reclaimed(s: RegistryState, e: VersionReclaimed) -> None:
         member.holds.pop(v.lora_name, None)
         member.lacks.pop(v.lora_name, None)
         member.mismatched.pop(v.lora_name, None)
+        member.canaries.pop(v.lora_name, None)
     _owe(s, e.owed_by, v)
 
 
@@ -759,6 +769,7 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     EngineResumed: _engine_resumed,
     AdapterLost: _adapter_lost,
     ServedContentMismatch: _served_content_mismatch,
+    CanaryRecorded: _canary_recorded,
     InventoryObserved: _inventory_observed,
     EngineUnreachable: _engine_unreachable,
     DispatchFailures: _dispatch_failures,

@@ -112,6 +112,18 @@ class ObserveInventory(Command, frozen=True):
     digests: tuple[tuple[str, str], ...] = ()
 
 
+class CheckCanary(Command, frozen=True):
+    """An engine life's answer to a held version's canary prompt (``answer``: its greedy token
+    ids, comma-separated). The first answer of that life is the baseline
+    (``CanaryRecorded``); another one later is other content under the version's name
+    (``ServedContentMismatch``, evidence ``canary``); the same one is a no-op."""
+
+    engine: str
+    incarnation: str
+    version_id: int
+    answer: str
+
+
 class ReportUnreachable(Command, frozen=True):
     """The engine could not be reached at ``at`` (the ledger's clock): a failed probe
     (``source`` ``probe``) or a generation refused a connection before it was sent
@@ -313,6 +325,7 @@ AnyCommand = (
     | ResumeEngine
     | RemoveEngine
     | ObserveInventory
+    | CheckCanary
     | Allocate
     | ClaimTransport
     | RecordPrepared

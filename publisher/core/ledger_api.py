@@ -198,6 +198,16 @@ class LedgerAPI(TypedCommands):
         )
         return await self._run(command, InventoryRecorded)
 
+    async def check_canary(
+        self, engine: str, incarnation: str, version_id: int, answer: str
+    ) -> Done:
+        """An engine life's answer to a held version's canary: its baseline the first time,
+        a ``ServedContentMismatch`` when a later answer differs, else nothing."""
+        command = c.CheckCanary(
+            engine=engine, incarnation=incarnation, version_id=version_id, answer=answer
+        )
+        return await self._run(command, Done)
+
     async def report_unreachable(
         self,
         engine: str,

@@ -548,7 +548,9 @@ def _eventful_run() -> list[Event]:
     book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=()))  # v3 lost there
     book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
-    # other weights under v3's name on e0: out of routing there while present, then restored
+    # e0's canary baseline for v3, then other weights under v3's name there: out of routing
+    # while present, then restored
+    book.run(c.CheckCanary(engine="e0", incarnation="e0-i2", version_id=3, answer="5,6"))
     impostor = ((v3, digest_of("other")),)
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,), digests=impostor))
     book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))

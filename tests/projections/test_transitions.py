@@ -130,9 +130,12 @@ def _steps_taken(records: list[Record], monkeypatch: pytest.MonkeyPatch) -> set[
 
 
 def _served_other_content() -> list[tuple[int, Event]]:
-    """Other weights under both committed names (v2 PUBLISHED, v1 RETIRED with a session),
-    then each restored: the steps a content mismatch takes, which the fault run does not."""
+    """Canary baselines, then other weights under both committed names (v2 PUBLISHED, v1
+    RETIRED with a session), then each restored: the steps of served-content checks, which the
+    fault run does not take."""
     book = _published_twice()
+    for version_id in (1, 2):
+        book.run(c.CheckCanary(engine="e0", incarnation="e0-i1", version_id=version_id, answer="7"))
     names = [book.state.versions[v].lora_name for v in (1, 2)]
     digests = tuple((name, "0" * 64) for name in names)
     book.run(

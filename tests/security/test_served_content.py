@@ -20,11 +20,13 @@ other weights under the published digest's header.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engines.agent import AgentEngine
@@ -32,7 +34,8 @@ from engines.artifacts import ArtifactStore
 from engines.contract import Candidate, Engine
 from engines.local.client import LocalHTTPEngine
 from engines.sglang import SGLangEngine
-from evlog.events import EngineSuspended, ServedContentMismatch
+from engines.vllm import VLLMEngine
+from evlog.events import CanaryRecorded, EngineSuspended, ServedContentMismatch
 from evlog.memory import MemoryStore
 from projections.incidents import incidents
 from publisher.drivers.engine_ops import EngineTimeouts
@@ -40,11 +43,13 @@ from publisher.drivers.fleet import Fleet
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationStatus
 from tests.engines.contract import Published, candidate_for, publish
+from tests.publisher.openai_kit import serve_app
 from tests.publisher.plane_kit import PEFT_WARNINGS, adapter_copy
 from tests.support.log import events_of, records
 from tests.support.paths import REPO
 from tests.support.processes import listening_process
 from tests.support.waiting import wait_for
+from tools.bench.stub_engine import StubEngine
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -71,7 +76,9 @@ async def _engine_process(host: Path | None = None) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def _plane(member: Engine, tmp_path: Path) -> AsyncIterator[ControlPlane]:
+async def _plane(
+    member: Engine, tmp_path: Path, *, canary_every_s: float | None = None
+) -> AsyncIterator[ControlPlane]:
     async with ControlPlane.open(
         MemoryStore(),
         Fleet([member]),
@@ -85,6 +92,7 @@ async def _plane(member: Engine, tmp_path: Path) -> AsyncIterator[ControlPlane]:
         reclaim_tick_s=0.2,
         cleanup_timeout=5.0,
         suspend_after_s=None,
+        canary_every_s=canary_every_s,
     ) as plane:
         yield plane
 
@@ -172,3 +180,63 @@ async def test_other_weights_through_the_agent_leave_routing_with_an_incident(
         swapped_at = await _swap_weights(member, plane, tmp_path)
         took = await _out_of_routing_with_an_incident(plane, swapped_at)
         print(f"agent: content mismatch recorded {took:.2f} s after the swap")
+
+
+async def test_other_weights_under_the_same_path_on_a_vllm_engine_fail_its_canary(
+    tmp_path: Path,
+) -> None:
+    """A vLLM engine names no digest of what it loaded, only the directory: other weights
+    loaded under the name from a directory named like the version's pass the digest check.
+    The canary catches them: its baseline was taken once the engine held the version, and the
+    next pass finds the engine answering it differently. The engine is the benchmark's vLLM
+    stub (a test double for a GPU engine), whose greedy tokens depend on the bytes it loaded
+    under the name, as a real engine's depend on its weights."""
+    stub = StubEngine()
+    async with AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_app(stub.app()))
+        member = VLLMEngine(url, "e0")
+        stack.push_async_callback(member.aclose)
+        plane = await stack.enter_async_context(_plane(member, tmp_path, canary_every_s=0.0))
+        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
+        assert published.status == PublicationStatus.PUBLISHED
+        ledger = plane.ledger
+        v1 = ledger.state.versions[1]
+        await wait_for(
+            "the canary's baseline",
+            lambda: v1.lora_name in ledger.state.engines["e0"].canaries,
+            timeout=30.0,
+        )
+        assert await events_of(ledger, ServedContentMismatch) == []  # same weights: no incident
+        # other weights, in a directory named by v1's digest, loaded under v1's name
+        other = candidate_for(ArtifactStore(tmp_path / "other"), 77).candidate.artifact_path
+        assert other is not None
+        lookalike = tmp_path / "elsewhere" / v1.digest
+        shutil.copytree(other, lookalike)
+        # between two passes over e0 (its lock held), so no pass sees the name briefly absent
+        async with (
+            plane.reconciler._lock("e0"),
+            httpx.AsyncClient(base_url=url, trust_env=False) as client,
+        ):
+            body = {"lora_name": v1.lora_name}
+            assert (await client.post("/v1/unload_lora_adapter", json=body)).status_code == 200
+            body["lora_path"] = str(lookalike)
+            assert (await client.post("/v1/load_lora_adapter", json=body)).status_code == 200
+        swapped_at = time.monotonic()
+        served = {a.lora_name: a.digest for a in (await member.inventory()).adapters}
+        assert served[v1.lora_name] == v1.digest  # the digest check alone cannot tell
+        await wait_for(
+            "the canary's mismatch recorded",
+            lambda: v1.lora_name in ledger.state.engines["e0"].mismatched,
+            timeout=PERIOD_S + 30.0,
+        )
+        took = time.monotonic() - swapped_at
+        assert ledger.state.holders(v1.lora_name) == ()
+        found = await events_of(ledger, ServedContentMismatch)
+        baseline = (await events_of(ledger, CanaryRecorded))[0].answer
+        assert [(e.engine, e.version_id, e.evidence, e.expected) for e in found] == [
+            ("e0", 1, "canary", baseline)
+        ]
+        assert found[0].seen != baseline
+        kinds = [i.kind for i in incidents(await records(ledger))]
+        assert "content_mismatch" in kinds, kinds
+        print(f"vllm stub: canary mismatch recorded {took:.2f} s after the swap")

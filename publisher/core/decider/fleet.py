@@ -18,6 +18,7 @@ import msgspec
 
 from evlog.events import (
     AdapterLost,
+    CanaryRecorded,
     ControllerStarted,
     DeploymentConfigured,
     DeploymentCreated,
@@ -371,3 +372,45 @@ def _served_other_content(
             )
         )
     return found
+
+
+# Answers longer than this are not a canary's handful of token ids: refused, never recorded.
+CANARY_ANSWER_LIMIT = 1000
+
+
+def _check_canary(s: RegistryState, cmd: c.CheckCanary) -> Decision:
+    """The first answer of an engine life to a held version's canary is its baseline; another
+    answer later is other content under the name (the engine reports no content digest, so
+    this is the evidence). Answers for a version the engine is not known to hold, or already
+    recorded as served with other content, change nothing."""
+    _deployment(s)
+    _current_incarnation(s, cmd.engine, cmd.incarnation)
+    v = _version(s, cmd.version_id)
+    if len(cmd.answer) > CANARY_ANSWER_LIMIT:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"a canary answer is at most {CANARY_ANSWER_LIMIT} characters, got {len(cmd.answer)}",
+        )
+    member = s.engines[cmd.engine]
+    if v.state not in SERVING_STATES or v.lora_name not in member.holds:
+        return Decision(outcome=Done(no_op=True))
+    baseline = member.canaries.get(v.lora_name)
+    if baseline is None:
+        recorded = CanaryRecorded(
+            version_id=v.version_id,
+            engine=cmd.engine,
+            incarnation=cmd.incarnation,
+            answer=cmd.answer,
+        )
+        return Decision((recorded,), Done())
+    if baseline == cmd.answer:
+        return Decision(outcome=Done(no_op=True))
+    mismatch = ServedContentMismatch(
+        version_id=v.version_id,
+        engine=cmd.engine,
+        incarnation=cmd.incarnation,
+        evidence="canary",
+        expected=baseline,
+        seen=cmd.answer,
+    )
+    return Decision((mismatch,), Done())

@@ -13,6 +13,7 @@ import pytest
 from evlog.errors import LoraLedgerError
 from evlog.events import (
     AdapterLost,
+    CanaryRecorded,
     EngineLeft,
     EngineRepaired,
     EngineResumed,
@@ -509,3 +510,42 @@ def test_the_right_digest_is_no_incident_and_a_mismatch_on_a_restarted_engine_bl
     book.run(c.RestoreVersion(version_id=1, engine="e0", incarnation="e0-i2"))
     book.run(c.RepairEngine(engine="e0", incarnation="e0-i2"))
     assert book.state.holders(v1.lora_name) == ENGINES
+
+
+def test_a_canary_answer_is_a_baseline_once_then_a_differing_one_is_an_incident() -> None:
+    """The first answer of an engine life to a held version's canary is recorded as its
+    baseline; the same answer again writes nothing; another answer is other content under the
+    name (evidence ``canary``), out of routing there; a restart forgets the baseline."""
+    book = _fleet()
+    v1 = book.state.versions[1]
+
+    def answer(text: str, engine: str = "e1") -> list[object]:
+        before = len(book.events)
+        check = c.CheckCanary(
+            engine=engine, incarnation=book.incarnation(engine), version_id=1, answer=text
+        )
+        book.run(check)
+        return list(book.events[before:])
+
+    assert answer("5,6,7") == [
+        CanaryRecorded(version_id=1, engine="e1", incarnation="e1-i1", answer="5,6,7")
+    ]
+    assert answer("5,6,7") == []
+    assert answer("9,9,9") == [
+        ServedContentMismatch(
+            version_id=1,
+            engine="e1",
+            incarnation="e1-i1",
+            evidence="canary",
+            expected="5,6,7",
+            seen="9,9,9",
+        )
+    ]
+    assert book.state.holders(v1.lora_name) == ("e0", "e2")
+    assert answer("1,1,1") == []  # not held any more: nothing to compare
+    book.refuse(
+        c.CheckCanary(engine="e0", incarnation="e0-i1", version_id=1, answer="1," * 600),
+        Code.INVALID_INPUT,
+    )
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    assert book.state.engines["e1"].canaries == {}
