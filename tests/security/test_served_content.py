@@ -144,18 +144,26 @@ async def _out_of_routing_with_an_incident(plane: ControlPlane, swapped_at: floa
     return took
 
 
+async def _published_swapped_and_found(
+    stack: AsyncExitStack, member: Engine, tmp_path: Path
+) -> float:
+    """Publish v1 on ``member`` (closed with ``stack``), swap its weights, and check what the
+    ledger makes of it; returns how long after the swap the mismatch was recorded."""
+    stack.push_async_callback(member.aclose)
+    plane = await stack.enter_async_context(_plane(member, tmp_path))
+    published = await plane.publisher.publish(adapter_copy(1), version_id=1)
+    assert published.status == PublicationStatus.PUBLISHED
+    swapped_at = await _swap_weights(member, plane, tmp_path)
+    return await _out_of_routing_with_an_incident(plane, swapped_at)
+
+
 async def test_other_weights_on_a_local_engine_leave_routing_with_an_incident(
     tmp_path: Path,
 ) -> None:
     async with AsyncExitStack() as stack:
         url = await stack.enter_async_context(_engine_process())
         member = LocalHTTPEngine(url, "e0", api_key=ENGINE_TOKEN)
-        stack.push_async_callback(member.aclose)
-        plane = await stack.enter_async_context(_plane(member, tmp_path))
-        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
-        assert published.status == PublicationStatus.PUBLISHED
-        swapped_at = await _swap_weights(member, plane, tmp_path)
-        took = await _out_of_routing_with_an_incident(plane, swapped_at)
+        took = await _published_swapped_and_found(stack, member, tmp_path)
         print(f"local engine: content mismatch recorded {took:.2f} s after the swap")
 
 
@@ -173,12 +181,7 @@ async def test_other_weights_through_the_agent_leave_routing_with_an_incident(
         _, row = await stack.enter_async_context(listening_process(args, env=_env()))
         engine = SGLangEngine(engine_url, "e0", api_key=ENGINE_TOKEN)
         member = AgentEngine(row["url"], engine, api_key=AGENT_TOKEN)
-        stack.push_async_callback(member.aclose)
-        plane = await stack.enter_async_context(_plane(member, tmp_path))
-        published = await plane.publisher.publish(adapter_copy(1), version_id=1)
-        assert published.status == PublicationStatus.PUBLISHED
-        swapped_at = await _swap_weights(member, plane, tmp_path)
-        took = await _out_of_routing_with_an_incident(plane, swapped_at)
+        took = await _published_swapped_and_found(stack, member, tmp_path)
         print(f"agent: content mismatch recorded {took:.2f} s after the swap")
 
 
