@@ -19,6 +19,7 @@ other weights under the published digest's header.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rich.console import Console
 
 from engines.agent import AgentEngine
 from engines.artifacts import ArtifactStore
@@ -38,6 +40,7 @@ from engines.vllm import VLLMEngine
 from evlog.events import CanaryRecorded, EngineSuspended, ServedContentMismatch
 from evlog.memory import MemoryStore
 from projections.incidents import incidents
+from projections.status import status_of
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.fleet import Fleet
 from publisher.drivers.plane import ControlPlane
@@ -50,6 +53,7 @@ from tests.support.paths import REPO
 from tests.support.processes import listening_process
 from tests.support.waiting import wait_for
 from tools.bench.stub_engine import StubEngine
+from tools.render import status_view
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
 
@@ -134,6 +138,9 @@ async def _out_of_routing_with_an_incident(plane: ControlPlane, swapped_at: floa
     assert found[0].seen != v1.digest
     kinds = [i.kind for i in incidents(await records(ledger))]
     assert "content_mismatch" in kinds, kinds
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(status_view(status_of(ledger.state), title="status"))
+    assert f"engine e0 serves other content under v1 ({v1.lora_name})" in console.export_text()
     # the version's bytes cannot go back under its name in this engine life (the committed
     # attempt is fenced): the engine is suspended, to be repaired once it restarted
     await wait_for("e0 suspended", lambda: ledger.state.engines["e0"].suspended, timeout=30.0)
