@@ -11,7 +11,8 @@ control plane runs in this process, its full reconcile pass every :data:`PERIOD_
 Engines fence a committed attempt once it was unloaded, so the reconciler cannot put the
 version's bytes back under its name in the same engine life: its restore is refused and the
 engine is suspended (``lost_adapter``), to be repaired as a whole once it restarted -- the
-rule for any lost adapter an engine refuses to reload.
+rule for any lost adapter an engine refuses to reload (the local-engine case restarts it and
+sees the version's own bytes served and routed there again).
 
 Before: the ledger compared only names; the engine went on holding the name, routable, serving
 other weights under the published digest's header.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from anyio.abc import Process
 from rich.console import Console
 
 from engines.agent import AgentEngine
@@ -69,14 +72,16 @@ def _env() -> dict[str, str]:
 
 
 @asynccontextmanager
-async def _engine_process(host: Path | None = None) -> AsyncIterator[str]:
+async def _engine_process(
+    host: Path | None = None, port: int = 0
+) -> AsyncIterator[tuple[Process, str]]:
     """``loraledger engine`` requiring :data:`ENGINE_TOKEN` (reading adapters from ``host``
-    when given); yields its URL."""
-    args = ["engine", "--id", "e0", "--port", "0", "--json"]
+    when given); yields the process and its URL."""
+    args = ["engine", "--id", "e0", "--port", str(port), "--json"]
     if host is not None:
         args += ["--artifacts", str(host)]
-    async with listening_process(args, env=_env()) as (_, row):
-        yield str(row["url"])
+    async with listening_process(args, env=_env()) as (process, row):
+        yield process, str(row["url"])
 
 
 @asynccontextmanager
@@ -153,25 +158,44 @@ async def _out_of_routing_with_an_incident(plane: ControlPlane, swapped_at: floa
 
 async def _published_swapped_and_found(
     stack: AsyncExitStack, member: Engine, tmp_path: Path
-) -> float:
+) -> tuple[ControlPlane, float]:
     """Publish v1 on ``member`` (closed with ``stack``), swap its weights, and check what the
-    ledger makes of it; returns how long after the swap the mismatch was recorded."""
+    ledger makes of it; returns the plane and how long after the swap the mismatch was
+    recorded."""
     stack.push_async_callback(member.aclose)
     plane = await stack.enter_async_context(_plane(member, tmp_path))
     published = await plane.publisher.publish(adapter_copy(1), version_id=1)
     assert published.status == PublicationStatus.PUBLISHED
     swapped_at = await _swap_weights(member, plane, tmp_path)
-    return await _out_of_routing_with_an_incident(plane, swapped_at)
+    return plane, await _out_of_routing_with_an_incident(plane, swapped_at)
 
 
 async def test_other_weights_on_a_local_engine_leave_routing_with_an_incident(
     tmp_path: Path,
 ) -> None:
+    """... and once the engine restarted (a new life: no fences), the repair loads the
+    version's own bytes under its name and routing comes back."""
     async with AsyncExitStack() as stack:
-        url = await stack.enter_async_context(_engine_process())
+        process, url = await stack.enter_async_context(_engine_process())
         member = LocalHTTPEngine(url, "e0", api_key=ENGINE_TOKEN)
-        took = await _published_swapped_and_found(stack, member, tmp_path)
+        plane, took = await _published_swapped_and_found(stack, member, tmp_path)
         print(f"local engine: content mismatch recorded {took:.2f} s after the swap")
+        os.kill(process.pid, signal.SIGKILL)
+        await process.wait()
+        port = int(url.rsplit(":", 1)[1])
+        await stack.enter_async_context(_engine_process(port=port))
+        ledger = plane.ledger
+        v1 = ledger.state.versions[1]
+        await wait_for(
+            "v1 served by the restarted e0",
+            lambda: ledger.state.holders(v1.lora_name) == ("e0",),
+            timeout=60.0,
+        )
+        assert ledger.state.engines["e0"].mismatched == {}
+        served = {a.lora_name: a.digest for a in (await member.inventory()).adapters}
+        assert served == {v1.lora_name: v1.digest}
+        found = [i for i in incidents(await records(ledger)) if i.kind == "content_mismatch"]
+        assert [(i.subject, i.resolved) for i in found] == [("e0", True)], found
 
 
 async def test_other_weights_through_the_agent_leave_routing_with_an_incident(
@@ -182,13 +206,13 @@ async def test_other_weights_through_the_agent_leave_routing_with_an_incident(
     token_file = tmp_path / "agent-token"
     token_file.write_text(f"{AGENT_TOKEN}\n")
     async with AsyncExitStack() as stack:
-        engine_url = await stack.enter_async_context(_engine_process(host))
+        _, engine_url = await stack.enter_async_context(_engine_process(host))
         args = ["agent", "--engine", f"sglang:{engine_url}", "--artifacts", str(host)]
         args += ["--id", "e0", "--token-file", str(token_file), "--port", "0", "--json"]
         _, row = await stack.enter_async_context(listening_process(args, env=_env()))
         engine = SGLangEngine(engine_url, "e0", api_key=ENGINE_TOKEN)
         member = AgentEngine(row["url"], engine, api_key=AGENT_TOKEN)
-        took = await _published_swapped_and_found(stack, member, tmp_path)
+        _, took = await _published_swapped_and_found(stack, member, tmp_path)
         print(f"agent: content mismatch recorded {took:.2f} s after the swap")
 
 
