@@ -619,6 +619,8 @@ class Reconciler:
         version is missing) and start its first failure at the longest wait."""
         for key in [k for k in self._restore_backoff if k[0] == engine_id and k[1] != incarnation]:
             del self._restore_backoff[key]
+        for key in [k for k in self._canary_at if k[0] == engine_id and k[1] != incarnation]:
+            del self._canary_at[key]
 
     async def _suspend_for_loss(
         self, engine_id: str, v: VersionRecord, failures: int, exc: Exception
@@ -726,9 +728,9 @@ class Reconciler:
                 answer = await self._canary(engine_id, engine, v)
                 baseline = self._ledger.state.engines[engine_id].canaries.get(v.lora_name)
                 differs = baseline is not None and answer != baseline
-                if differs and await self._canary(engine_id, engine, v) != answer:
-                    continue  # not stable: no evidence either way; the next pass asks
-                await self._ledger.check_canary(engine_id, incarnation, v.version_id, answer)
+                if not differs or await self._canary(engine_id, engine, v) == answer:
+                    await self._ledger.check_canary(engine_id, incarnation, v.version_id, answer)
+                # else not stable: no evidence either way; asked again a period later
             except (EngineError, LoraLedgerError) as exc:
                 log.warning(
                     "reconciler.canary_failed",
