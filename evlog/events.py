@@ -142,6 +142,37 @@ class AdapterLost(Event, frozen=True):
     incarnation: str
 
 
+class ServedContentMismatch(Event, frozen=True):
+    """An incident: an engine serves other content under a committed version's name than the
+    version's. ``evidence`` says how it was seen: ``digest`` (the engine's inventory reports,
+    per name, the digest of the bytes it loaded: ``expected`` is the version's digest, ``seen``
+    the reported one) or ``canary`` (an engine that cannot report one answered the version's
+    canary prompt differently: ``expected`` and ``seen`` are the two answers). The engine
+    leaves routing for that version at once, as after :class:`AdapterLost`; the reconciler
+    replaces the content with the version's (:class:`VersionRestored`) or suspends the
+    engine. Written once per (engine, version) until then."""
+
+    version_id: int
+    engine: str
+    incarnation: str
+    evidence: str
+    expected: str
+    seen: str
+
+
+class CanaryRecorded(Event, frozen=True):
+    """The baseline of a version's canary on one engine life: the greedy tokens (``answer``,
+    comma-separated ids) that life gave for the fixed canary prompt on the version, taken
+    once it held the version. An engine that cannot report the digest of what it loaded (a
+    path engine: SGLang, vLLM) is checked against it (per engine: hardware can differ); another
+    answer later is a :class:`ServedContentMismatch` with ``evidence`` ``canary``."""
+
+    version_id: int
+    engine: str
+    incarnation: str
+    answer: str
+
+
 class InventoryObserved(Event, frozen=True):
     """What an engine proved it holds (managed names only), read fresh from the engine."""
 
@@ -526,6 +557,8 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     EngineSuspended,
     EngineResumed,
     AdapterLost,
+    ServedContentMismatch,
+    CanaryRecorded,
     InventoryObserved,
     EngineUnreachable,
     DispatchFailures,
@@ -567,6 +600,8 @@ AnyEvent = (
     | EngineSuspended
     | EngineResumed
     | AdapterLost
+    | ServedContentMismatch
+    | CanaryRecorded
     | InventoryObserved
     | EngineUnreachable
     | DispatchFailures

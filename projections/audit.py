@@ -21,6 +21,7 @@ from msgspec.structs import replace
 
 from evlog.events import (
     OwnerLeaseExpired,
+    ServedContentMismatch,
     SessionBound,
     SessionReleased,
     SessionsForgotten,
@@ -111,6 +112,15 @@ class AuditFold:
             case VersionRestored():
                 self._fact(
                     event.version_id, seq, at, "restored", f"reloaded on restarted {event.engine}"
+                )
+            case ServedContentMismatch():
+                # Turns on that engine before this record may have run on other weights.
+                self._fact(
+                    event.version_id,
+                    seq,
+                    at,
+                    "content_mismatch",
+                    f"{event.engine} served other content under its name ({event.evidence})",
                 )
             case SessionBound() if self._wanted(event.session, event.owner):
                 i = self._open_life(event.session, event.owner)

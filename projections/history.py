@@ -36,6 +36,7 @@ from evlog.events import (
     ReceiptRejected,
     ReclaimAmbiguous,
     ReclaimClaimed,
+    ServedContentMismatch,
     SessionBound,
     SessionReleased,
     SessionsForgotten,
@@ -258,6 +259,11 @@ def _detail(event: Event) -> str:
             return f"{len(event.evidence)} in-flight reports, {busy} busy"
         case EngineUnloaded() | VersionRestored():
             return f"{event.engine} ({event.incarnation})"
+        case ServedContentMismatch():
+            return (
+                f"{event.engine} ({event.incarnation}) serves other content: {event.evidence} "
+                f"{event.seen[:16]}, expected {event.expected[:16]}"
+            )
         case ReclaimAmbiguous():
             return f"{event.engine}: {event.reason}"
         case VersionReclaimed():

@@ -36,6 +36,11 @@ Kinds, and why each is worth a line:
   external unload, an eviction), until it was reloaded there, showed up again in that life's
   inventory (loaded outside the ledger), the engine was repaired as a whole, it left, or the
   version was reclaimed (no longer needed). Lost again later, it is a new incident.
+* ``content_mismatch`` -- an engine served other content under a committed version's name
+  (``ServedContentMismatch``: another digest in its inventory, or another canary answer), with
+  the expected and seen evidence, until the version was reloaded there, the engine was
+  repaired as a whole, it left, or the version was reclaimed. The name staying in the
+  inventory does not end it (it is the impostor).
 * ``engine_unreachable`` -- an engine could not be reached (``EngineUnreachable``: its first
   error, and whether a probe or a generation found it), out of routing from then until a probe
   of the same life answered (``EngineReachable``), it came back as a new process life
@@ -80,6 +85,7 @@ from evlog.events import (
     PublicationSkipped,
     ReceiptRejected,
     ReclaimAmbiguous,
+    ServedContentMismatch,
     SessionBound,
     SessionReleased,
     VerdictConflict,
@@ -108,6 +114,7 @@ KINDS = (
     "owner_restarted",
     "engine_suspended",
     "adapter_lost",
+    "content_mismatch",
 )
 
 # States that must be short-lived. RETIRED is watched separately: only while nothing is bound.
@@ -205,7 +212,9 @@ class EngineHealthFold:
     whole after a suspension or restart (``EngineRepaired``), when it leaves, or when the
     version is reclaimed (no longer needed anywhere: nothing will restore it, and an incident
     left open would claim it is still missing); the suspension it may escalate to is listed
-    with it. An outage opens at ``EngineUnreachable`` and closes at ``EngineReachable``, at the
+    with it. A content mismatch (``ServedContentMismatch``) is kept like a lost adapter, except
+    that the name in the inventory is the impostor and closes nothing. An outage opens at
+    ``EngineUnreachable`` and closes at ``EngineReachable``, at the
     engine's ``EngineRestarted`` or at ``EngineLeft``; its ``DispatchFailures`` are listed and
     counted with it."""
 
@@ -260,6 +269,23 @@ class EngineHealthFold:
                             f"({event.incarnation}); no longer routed there",
                         ),
                         lambda _: "lost again before it was restored",
+                    )
+                )
+            case ServedContentMismatch():
+                self._keep(
+                    reopen(
+                        self._lost,
+                        (event.engine, event.version_id),
+                        opened(
+                            "content_mismatch",
+                            event.engine,
+                            at,
+                            seq,
+                            f"v{event.version_id} served with other content ({event.incarnation},"
+                            f" {event.evidence}: expected {event.expected[:16]}, seen "
+                            f"{event.seen[:16]}); no longer routed there",
+                        ),
+                        lambda _: "served other content before it was restored",
                     )
                 )
             case InventoryObserved():
@@ -357,7 +383,8 @@ class EngineHealthFold:
         present = set(event.adapters)
         for key in [k for k in self._lost if k[0] == event.engine]:
             name = self._names.get(key[1])
-            if name in present and self._lost_in.get(key) == event.incarnation:
+            impostor = self._lost[key].kind == "content_mismatch"
+            if name in present and self._lost_in.get(key) == event.incarnation and not impostor:
                 entry = self._lost.pop(key)
                 _add_seq(entry, seq)
                 self._close(entry, at, "back in its inventory without a reload by the ledger")

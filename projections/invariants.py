@@ -65,6 +65,10 @@ def violations(state: RegistryState, *, deep: bool = True) -> list[str]:
         both = sorted(set(member.lacks) & set(member.holds))
         if both:
             found.append(f"engine {member.engine} both holds and lacks {both}")
+        impostors = sorted(set(member.mismatched) & set(member.holds))
+        if impostors:  # other content under a name is never counted as holding the version
+            found.append(f"engine {member.engine} holds names it serves other content under "
+                         f"{impostors}")  # fmt: skip
         if member.routable:
             # A routable engine serves every needed version of an attempt it took part in,
             # unless a lost adapter is recorded (routing skips it until it is restored).

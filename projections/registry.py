@@ -25,6 +25,7 @@ from evlog.events import (
     AdapterLost,
     AttemptFailed,
     AttemptStarted,
+    CanaryRecorded,
     CommandRecorded,
     ControllerStarted,
     DeploymentConfigured,
@@ -52,6 +53,7 @@ from evlog.events import (
     ReceiptRejected,
     ReclaimAmbiguous,
     ReclaimClaimed,
+    ServedContentMismatch,
     SessionBound,
     SessionReleased,
     SessionsForgotten,
@@ -73,9 +75,10 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-5"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
+PROJECTION_VERSION = "registry-6"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
 # 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's
-# proof, engine outages (unreachable), client-held sessions and idle tombstones
+# proof, engine outages (unreachable), client-held sessions and idle tombstones; 6: served
+# content mismatches (``EngineMember.mismatched``)
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -161,6 +164,13 @@ class EngineMember(msgspec.Struct, kw_only=True):
     # Needed versions a fresh inventory showed lost (AdapterLost), until restored: routing
     # does not send them here (they are not in ``holds``).
     lacks: dict[str, int] = msgspec.field(default_factory=dict)
+    # Committed versions' names the engine serves other content under (ServedContentMismatch):
+    # present in its inventory but never counted as held -- routing, repair and publication
+    # treat the version as missing there -- until it is restored, the name is gone from the
+    # engine, or the engine restarts.
+    mismatched: dict[str, int] = msgspec.field(default_factory=dict)
+    # Canary baselines of this life (CanaryRecorded): name -> the answer later ones must equal.
+    canaries: dict[str, str] = msgspec.field(default_factory=dict)
     # Names this engine must drop before it serves again (name -> the attempt that fences the
     # unload): entries reclaimed or resolved while it was suspended and could not confirm.
     owes: dict[str, int] = msgspec.field(default_factory=dict)
@@ -378,6 +388,8 @@ def _engine_restarted(s: RegistryState, e: EngineRestarted) -> None:
     member.holds.clear()  # a new process life holds nothing
     member.strays = ()
     member.lacks.clear()
+    member.mismatched.clear()
+    member.canaries.clear()
     member.owes.clear()
     member.unreachable = None  # it answered, as a new process: whatever outage there was ended
 
@@ -432,6 +444,20 @@ def _adapter_lost(s: RegistryState, e: AdapterLost) -> None:
     member.lacks[v.lora_name] = v.version_id
 
 
+def _served_content_mismatch(s: RegistryState, e: ServedContentMismatch) -> None:
+    v = _step(s, e.version_id, "ServedContentMismatch")
+    member = s.engines[e.engine]
+    member.holds.pop(v.lora_name, None)
+    member.mismatched[v.lora_name] = v.version_id
+    if v.version_id in s.needed_versions():
+        member.lacks[v.lora_name] = v.version_id
+
+
+def _canary_recorded(s: RegistryState, e: CanaryRecorded) -> None:
+    v = _step(s, e.version_id, "CanaryRecorded")
+    s.engines[e.engine].canaries[v.lora_name] = e.answer
+
+
 def _owe(s: RegistryState, engines: tuple[str, ...], v: VersionRecord) -> None:
     """Engines that could not confirm ``v`` gone (suspended) must drop it before serving."""
     for engine in engines:
@@ -450,9 +476,11 @@ def _inventory_observed(s: RegistryState, e: InventoryObserved) -> None:
     present = set(e.adapters)
     member.holds = {}
     legit: set[str] = set()
+    # A name served with other content stays out of ``holds`` while it is present.
+    member.mismatched = {n: vid for n, vid in member.mismatched.items() if n in present}
     for v in s.versions.values():
         held = v.lora_name in present
-        if held and v.state in HOLDABLE_STATES:
+        if held and v.state in HOLDABLE_STATES and v.lora_name not in member.mismatched:
             member.holds[v.lora_name] = v.version_id
             legit.add(v.lora_name)
         awaiting_proof = v.state is VersionState.RECLAIMING or (
@@ -463,7 +491,7 @@ def _inventory_observed(s: RegistryState, e: InventoryObserved) -> None:
                 v.confirmed.pop(e.engine, None)
             else:
                 v.confirmed[e.engine] = e.incarnation
-    member.strays = tuple(sorted(present - legit))
+    member.strays = tuple(sorted(present - legit - set(member.mismatched)))
     if member.lacks:
         member.lacks = {n: vid for n, vid in member.lacks.items() if n not in member.holds}
     if member.owes:
@@ -532,6 +560,7 @@ def _version_restored(s: RegistryState, e: VersionRestored) -> None:
     member = s.engines[e.engine]
     member.holds[v.lora_name] = e.version_id
     member.lacks.pop(v.lora_name, None)
+    member.mismatched.pop(v.lora_name, None)
 
 
 def _version_published(s: RegistryState, e: VersionPublished) -> None:
@@ -702,6 +731,8 @@ def _version_reclaimed(s: RegistryState, e: VersionReclaimed) -> None:
     for member in s.engines.values():
         member.holds.pop(v.lora_name, None)
         member.lacks.pop(v.lora_name, None)
+        member.mismatched.pop(v.lora_name, None)
+        member.canaries.pop(v.lora_name, None)
     _owe(s, e.owed_by, v)
 
 
@@ -737,6 +768,8 @@ _APPLY: dict[type[Event], Callable[[RegistryState, Any], None]] = {
     EngineSuspended: _engine_suspended,
     EngineResumed: _engine_resumed,
     AdapterLost: _adapter_lost,
+    ServedContentMismatch: _served_content_mismatch,
+    CanaryRecorded: _canary_recorded,
     InventoryObserved: _inventory_observed,
     EngineUnreachable: _engine_unreachable,
     DispatchFailures: _dispatch_failures,

@@ -48,6 +48,8 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     holds: tuple[str, ...]
     strays: tuple[str, ...]
     unreachable: OutageStatus | None = None
+    # committed names it serves other content under (out of routing for those versions)
+    mismatched: tuple[str, ...] = ()
 
 
 def outage_status(outage: Outage) -> OutageStatus:
@@ -121,6 +123,7 @@ def status_of(state: RegistryState) -> LedgerStatus:
                 holds=tuple(sorted(e.holds)),
                 strays=e.strays,
                 unreachable=None if e.unreachable is None else outage_status(e.unreachable),
+                mismatched=tuple(sorted(e.mismatched)),
             )
             for e in sorted(state.engines.values(), key=lambda e: e.engine)
         ),

@@ -66,6 +66,10 @@ TRANSITIONS: Mapping[tuple[VersionState | None, str], VersionState] = MappingPro
         (_RETIRED,      "VersionRestored"):         _RETIRED,
         (_PUBLISHED,    "AdapterLost"):             _PUBLISHED,  # an engine lost it (incident)
         (_RETIRED,      "AdapterLost"):             _RETIRED,
+        (_PUBLISHED,    "ServedContentMismatch"):   _PUBLISHED,  # other content under its name
+        (_RETIRED,      "ServedContentMismatch"):   _RETIRED,
+        (_PUBLISHED,    "CanaryRecorded"):          _PUBLISHED,  # an engine's canary baseline
+        (_RETIRED,      "CanaryRecorded"):          _RETIRED,
         (_RETIRED,      "ReclaimClaimed"):          _RECLAIMING,
         (_RECLAIMING,   "EngineUnloaded"):          _RECLAIMING,
         (_RECLAIMING,   "ReclaimAmbiguous"):        _RECLAIMING,

@@ -99,7 +99,17 @@ def status_view(status: LedgerStatus, *, title: str, at: float | None = None) ->
             e.endpoint or "-",
         )
     outages = [_outage_line(e.engine, e.unreachable) for e in status.engines if e.unreachable]
-    return Group(Text(title, style="bold"), *lines, versions, engines, *outages)
+    impostors = [
+        Text(
+            f"engine {e.engine} serves other content under "
+            + ", ".join(f"v{version_of.get(n, 0)} ({n})" for n in e.mismatched)
+            + ": not routed there for those versions",
+            style="bold red",
+        )
+        for e in status.engines
+        if e.mismatched
+    ]
+    return Group(Text(title, style="bold"), *lines, versions, engines, *outages, *impostors)
 
 
 def _outage_line(engine: str, outage: OutageStatus) -> Text:

@@ -88,6 +88,8 @@ class ServeOptions(ServiceOptions, frozen=True, kw_only=True):
     gateway_ttl_s: float = 30.0
     suspend_after_s: float | None = 30.0  # failing probes for this long suspend an engine
     probe_timeout_s: float = 10.0  # one health probe of an engine
+    # how often path engines answer each held version's canary (None: never; docs/operations.md)
+    canary_every_s: float | None = None
     # Once fenced: how long /health keeps answering 503 and clients hear FENCED (rather than a
     # refused connection, which they would retry) before the server stops.
     fenced_linger_s: float = 2.0
@@ -137,6 +139,8 @@ def check_options(opts: ServeOptions) -> None:
     seconds("--probe-timeout", opts.probe_timeout_s)  # 0 s: every probe fails, engines suspended
     if opts.suspend_after_s is not None:  # None: never (the command line's 0)
         seconds("--suspend-after", opts.suspend_after_s, zero="never")
+    if opts.canary_every_s is not None:  # None: never (the command line's 0)
+        seconds("--canary-every", opts.canary_every_s, zero="never")
     seconds("gateway_ttl_s", opts.gateway_ttl_s)
     seconds("fenced_linger_s", opts.fenced_linger_s, zero="stop at once")
 
@@ -252,6 +256,7 @@ async def open_plane(opts: ServeOptions) -> AsyncIterator[Any]:
                     max_staleness=opts.max_staleness,
                     timeouts=EngineTimeouts(probe=opts.probe_timeout_s),
                     suspend_after_s=opts.suspend_after_s,
+                    canary_every_s=opts.canary_every_s,
                 )
             )
             yield plane

@@ -101,9 +101,27 @@ class RemoveEngine(Command, frozen=True):
 
 
 class ObserveInventory(Command, frozen=True):
+    """What a fresh inventory showed. ``digests``: (name, digest) for each name whose engine
+    reports the digest of the bytes it loaded; a committed version's name reported with
+    another digest is served content that is not the version's (``ServedContentMismatch``).
+    An engine that reports no digest for a name says nothing about its content here."""
+
     engine: str
     incarnation: str
     adapters: tuple[str, ...]
+    digests: tuple[tuple[str, str], ...] = ()
+
+
+class CheckCanary(Command, frozen=True):
+    """An engine life's answer to a held version's canary prompt (``answer``: its greedy token
+    ids, comma-separated). The first answer of that life is the baseline
+    (``CanaryRecorded``); another one later is other content under the version's name
+    (``ServedContentMismatch``, evidence ``canary``); the same one is a no-op."""
+
+    engine: str
+    incarnation: str
+    version_id: int
+    answer: str
 
 
 class ReportUnreachable(Command, frozen=True):
@@ -307,6 +325,7 @@ AnyCommand = (
     | ResumeEngine
     | RemoveEngine
     | ObserveInventory
+    | CheckCanary
     | Allocate
     | ClaimTransport
     | RecordPrepared

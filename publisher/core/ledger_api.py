@@ -180,13 +180,33 @@ class LedgerAPI(TypedCommands):
         return await self._run(c.RemoveEngine(engine=engine, cause=cause), Done)
 
     async def observe_inventory(
-        self, engine: str, incarnation: str, adapters: Iterable[str]
+        self,
+        engine: str,
+        incarnation: str,
+        adapters: Iterable[str],
+        *,
+        digests: Iterable[tuple[str, str]] = (),
     ) -> InventoryRecorded:
-        """What an engine says it holds: absence proofs for fatal attempts and reclaims, strays."""
+        """What an engine says it holds: absence proofs for fatal attempts and reclaims, strays,
+        and (``digests``: name, digest of the bytes it loaded) content that is not the
+        version's under a committed name."""
         command = c.ObserveInventory(
-            engine=engine, incarnation=incarnation, adapters=tuple(adapters)
+            engine=engine,
+            incarnation=incarnation,
+            adapters=tuple(adapters),
+            digests=tuple(sorted(digests)),
         )
         return await self._run(command, InventoryRecorded)
+
+    async def check_canary(
+        self, engine: str, incarnation: str, version_id: int, answer: str
+    ) -> Done:
+        """An engine life's answer to a held version's canary: its baseline the first time,
+        a ``ServedContentMismatch`` when a later answer differs, else nothing."""
+        command = c.CheckCanary(
+            engine=engine, incarnation=incarnation, version_id=version_id, answer=answer
+        )
+        return await self._run(command, Done)
 
     async def report_unreachable(
         self,

@@ -78,6 +78,7 @@ class ControlPlane:
         bucket_bytes: int,
         suspend_after_s: float | None = 30.0,
         restore_bytes: RestoreBytes = plan_buckets,
+        canary_every_s: float | None = None,
     ) -> None:
         self.ledger = ledger
         self.fleet = fleet
@@ -95,6 +96,7 @@ class ControlPlane:
             inflight=lambda engine_id, version_id: self.reclaimer.inflight(engine_id, version_id),
             suspend_after_s=suspend_after_s,
             restore_bytes=restore_bytes,
+            canary_every_s=canary_every_s,
         )
         self.publisher = PublicationDriver(
             ledger,
@@ -143,6 +145,7 @@ class ControlPlane:
         max_staleness: int | None = None,
         suspend_after_s: float | None = 30.0,
         restore_bytes: RestoreBytes = plan_buckets,
+        canary_every_s: float | None = None,
     ) -> AsyncIterator[ControlPlane]:
         async with Ledger.open(store, clock=clock) as ledger:
             state = ledger.state
@@ -174,6 +177,7 @@ class ControlPlane:
                 bucket_bytes=bucket_bytes,
                 suspend_after_s=suspend_after_s,
                 restore_bytes=restore_bytes,
+                canary_every_s=canary_every_s,
             )
             plane.started = await plane.reconciler.start()
             log.info(

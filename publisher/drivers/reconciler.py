@@ -78,10 +78,19 @@ import anyio.abc
 import msgspec
 
 from engines.artifacts import ArtifactError, ArtifactStore
-from engines.contract import AmbiguousReply, Candidate, Engine, EngineError, ErrorCode, Inventory
+from engines.contract import (
+    AmbiguousReply,
+    Candidate,
+    Engine,
+    EngineError,
+    ErrorCode,
+    Generation,
+    Inventory,
+    SamplingParams,
+)
 from evlog.errors import LoraLedgerError
 from evlog.events import TurnFailures
-from projections.registry import VersionRecord, VersionState
+from projections.registry import SERVING_STATES, VersionRecord, VersionState
 from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
 from publisher.drivers.adapter_source import RestoreBytes
 from publisher.drivers.engine_ops import (
@@ -103,6 +112,10 @@ log = get_logger("loraledger.reconciler")
 
 ORPHANED_ATTEMPT = "ORPHANED_ATTEMPT"
 _READ_TRIES = 3
+# The canary: a fixed short prompt, a handful of greedy tokens. Cheap, and the same weights on
+# the same engine give the same tokens; other weights under the name do not.
+CANARY_PROMPT = "loraledger canary: the quick brown fox"
+CANARY_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=False)
 # Restores of one version on one engine that may fail before the engine is suspended.
 _RESTORE_TRIES = 3
 # Versions nothing loads any more: what an engine still has staged for them is a leftover.
@@ -174,8 +187,15 @@ class Reconciler:
         restore_backoff_s: float = 1.0,
         restore_backoff_max_s: float = 60.0,
         restore_bytes: RestoreBytes = plan_buckets,
+        canary_every_s: float | None = None,
     ) -> None:
         self._ledger = ledger
+        # How often a path engine's held versions answer their canary (None: never); the
+        # first answer of a life is taken at the first pass that sees the version held.
+        self.canary_every_s = canary_every_s
+        # (engine, incarnation, version) -> clock time of its last canary: soft state, never
+        # logged (only a baseline or a mismatch is a decision)
+        self._canary_at: dict[tuple[str, str, int], float] = {}
         self._restore_bytes = restore_bytes  # how a restore's bytes reach a staged engine
         # None: never suspend on failed probes (an operator still can).
         self.suspend_after_s = suspend_after_s
@@ -375,6 +395,7 @@ class Reconciler:
             inventory = await self._read(engine_id, engine, rep)
             await self._observe(engine_id, inventory, rep)
         await self._repair(engine_id, engine, inventory.incarnation, rep)
+        await self._canaries(engine_id, engine, inventory.incarnation)
 
     async def _read(self, engine_id: str, engine: Engine, rep: _Findings) -> Inventory:
         """A fresh inventory, with membership brought up to date with its incarnation first
@@ -425,8 +446,9 @@ class Reconciler:
             )
 
     async def _observe(self, engine_id: str, inventory: Inventory, rep: _Findings) -> None:
+        managed = managed_names(inventory, self.prefix)
         outcome = await self._ledger.observe_inventory(
-            engine_id, inventory.incarnation, managed_names(inventory, self.prefix)
+            engine_id, inventory.incarnation, managed, digests=served_digests(inventory, managed)
         )
         rep.add(resolved=tuple(outcome.resolved), reclaimed=tuple(outcome.reclaimed))
         if outcome.resolved or outcome.reclaimed or outcome.strays:
@@ -581,6 +603,7 @@ class Reconciler:
                     await self._suspend_for_loss(engine_id, v, failures, exc)
                 continue
             self._restore_backoff.pop(key, None)
+            self._canary_at.pop(key, None)  # a restored version answers its canary at once
             rep.add(restored=(f"{engine_id}:{version_id}",))
         if member.suspended and member.suspend_cause == "operator":
             return  # only an operator lifts it; the repair waits for the resume
@@ -596,13 +619,17 @@ class Reconciler:
         version is missing) and start its first failure at the longest wait."""
         for key in [k for k in self._restore_backoff if k[0] == engine_id and k[1] != incarnation]:
             del self._restore_backoff[key]
+        for key in [k for k in self._canary_at if k[0] == engine_id and k[1] != incarnation]:
+            del self._canary_at[key]
 
     async def _suspend_for_loss(
         self, engine_id: str, v: VersionRecord, failures: int, exc: Exception
     ) -> None:
         """The engine lost a needed version and will not (or keeps failing to) reload it under
         its name: it is suspended and repaired as a whole (a restart clears its fences)."""
-        detail = f"version {v.version_id} lost and not restored after {failures} tries: {exc}"
+        member = self._ledger.state.engines.get(engine_id)
+        how = "served with other content" if member and v.lora_name in member.mismatched else "lost"
+        detail = f"version {v.version_id} {how} and not restored after {failures} tries: {exc}"
         await self._ledger.suspend_engine(engine_id, cause="lost_adapter", detail=detail[:2000])
         log.warning(
             "reconciler.suspended",
@@ -662,6 +689,74 @@ class Reconciler:
         return await inventory_confirms(
             engine, v.lora_name, v.digest, incarnation, timeout=self.timeouts.inventory
         )
+
+    # --- canaries ------------------------------------------------------------------------
+
+    def _canaries_due(self, engine_id: str, incarnation: str) -> list[VersionRecord]:
+        """The held committed versions whose canary this engine life should answer now: never
+        answered in this life (no baseline yet), or last answered ``canary_every_s`` ago. Only
+        for engines that report no digest of the bytes they loaded (kind other than
+        ``local``: a path engine names its digest by the directory it loaded, which other
+        weights under the same path would not change)."""
+        member = self._ledger.state.engines.get(engine_id)
+        every = self.canary_every_s
+        if (
+            every is None
+            or member is None
+            or member.incarnation != incarnation
+            or engine_id not in self._fleet
+            or self._fleet[engine_id].kind == "local"
+        ):
+            return []
+        now = self._clock()
+        due = []
+        for name, version_id in sorted(member.holds.items()):
+            v = self._ledger.state.versions[version_id]
+            if v.state not in SERVING_STATES:
+                continue
+            last = self._canary_at.get((engine_id, incarnation, version_id))
+            if name not in member.canaries or last is None or now - last >= every:
+                due.append(v)
+        return due
+
+    async def _canaries(self, engine_id: str, engine: Engine, incarnation: str) -> None:
+        """Ask each due version's canary and let the ledger compare it with the baseline. An
+        answer that differs is asked again before it counts: only an answer the engine gives
+        twice is evidence (a one-off difference is noise, never an incident)."""
+        for v in self._canaries_due(engine_id, incarnation):
+            try:
+                answer = await self._canary(engine_id, engine, v)
+                baseline = self._ledger.state.engines[engine_id].canaries.get(v.lora_name)
+                differs = baseline is not None and answer != baseline
+                if not differs or await self._canary(engine_id, engine, v) == answer:
+                    await self._ledger.check_canary(engine_id, incarnation, v.version_id, answer)
+                # else not stable: no evidence either way; asked again a period later
+            except (EngineError, LoraLedgerError) as exc:
+                log.warning(
+                    "reconciler.canary_failed",
+                    engine=engine_id,
+                    version=v.version_id,
+                    error=str(exc),
+                )
+                continue
+            self._canary_at[(engine_id, incarnation, v.version_id)] = self._clock()
+            if self._ledger.state.engines[engine_id].mismatched.get(v.lora_name):
+                log.warning(
+                    "reconciler.canary_mismatch",
+                    engine=engine_id,
+                    version=v.version_id,
+                    seq=self._ledger.state.last_seq,
+                )
+
+    async def _canary(self, engine_id: str, engine: Engine, v: VersionRecord) -> str:
+        """The engine's greedy tokens for the canary prompt on ``v``, as comma-separated ids."""
+        out: Generation = await call(
+            engine_id,
+            "generate",
+            self.timeouts.probe + self.timeouts.inventory,
+            lambda: engine.generate(CANARY_PROMPT, v.lora_name, CANARY_PARAMS),
+        )
+        return ",".join(str(t) for t in out.token_ids)
 
     # --- orphans --------------------------------------------------------------------------
 
@@ -856,6 +951,8 @@ class Reconciler:
         member = state.engines.get(engine_id)
         if member is None or member.incarnation != incarnation or not member.routable:
             return True
+        if self._canaries_due(engine_id, incarnation):
+            return True
         if any(name.startswith(self.prefix) for name in member.strays) or member.owes:
             return True
         for version_id in state.needed_versions():
@@ -870,3 +967,18 @@ class Reconciler:
             ):
                 return True
         return False
+
+
+def served_digests(inventory: Inventory, names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(name, digest) for each of ``names`` whose engine reports the digest of the bytes it
+    loaded: the evidence the ledger checks a committed version's content against (an engine
+    that reports none, e.g. a path engine whose directory is not named by its digest, proves
+    nothing here)."""
+    wanted = set(names)
+    return tuple(
+        sorted(
+            (a.lora_name, a.digest)
+            for a in inventory.adapters
+            if a.lora_name in wanted and a.digest is not None
+        )
+    )

@@ -548,6 +548,12 @@ def _eventful_run() -> list[Event]:
     book.run(c.RepairEngine(engine="e1", incarnation="e1-i1"))
     book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=()))  # v3 lost there
     book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
+    # e0's canary baseline for v3, then other weights under v3's name there: out of routing
+    # while present, then restored
+    book.run(c.CheckCanary(engine="e0", incarnation="e0-i2", version_id=3, answer="5,6"))
+    impostor = ((v3, digest_of("other")),)
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i2", adapters=(v3,), digests=impostor))
+    book.run(c.RestoreVersion(version_id=3, engine="e0", incarnation="e0-i2"))
     book.run(c.RegisterOwner(owner="w2", ttl_s=1.0, now=5.0))
     book.run(c.Bind(session="s2", owner="w2"))
     book.run(c.ExpireOwner(owner="w2", now=9.0, last_seen=5.0))

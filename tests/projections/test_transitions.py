@@ -126,6 +126,29 @@ def test_a_release_after_release_and_records_out_of_order_are_refused() -> None:
 
 def _steps_taken(records: list[Record], monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, str]]:
     """Replay ``records`` and collect every (state, event) step taken through the table."""
+    return _steps_of([(r.seq, r.event) for r in records], monkeypatch)
+
+
+def _served_other_content() -> list[tuple[int, Event]]:
+    """Canary baselines, then other weights under both committed names (v2 PUBLISHED, v1
+    RETIRED with a session), then each restored: the steps of served-content checks, which the
+    fault run does not take."""
+    book = _published_twice()
+    for version_id in (1, 2):
+        book.run(c.CheckCanary(engine="e0", incarnation="e0-i1", version_id=version_id, answer="7"))
+    names = [book.state.versions[v].lora_name for v in (1, 2)]
+    digests = tuple((name, "0" * 64) for name in names)
+    book.run(
+        c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=tuple(names), digests=digests)
+    )
+    for version_id in (1, 2):
+        book.run(c.RestoreVersion(version_id=version_id, engine="e0", incarnation="e0-i1"))
+    return list(enumerate(book.events, start=1))
+
+
+def _steps_of(
+    events: list[tuple[int, Event]], monkeypatch: pytest.MonkeyPatch
+) -> set[tuple[object, str]]:
     taken: set[tuple[object, str]] = set()
     real = registry.next_state  # type: ignore[attr-defined]  # the name evolve looks up
 
@@ -135,8 +158,8 @@ def _steps_taken(records: list[Record], monkeypatch: pytest.MonkeyPatch) -> set[
 
     monkeypatch.setattr(registry, "next_state", recording)
     state = RegistryState()
-    for record in records:
-        evolve(state, record.event, record.seq)
+    for seq, event in events:
+        evolve(state, event, seq)
     return taken
 
 
@@ -144,9 +167,12 @@ def test_the_ledger_takes_every_step_of_the_table_and_no_other(
     fault_records: list[Record], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fault run (tests/support/runs.py: a real ledger: clean and fatal failures, a retry,
-    a restart with restorations, a reclaim and an ambiguous one) walks the whole table: every
-    step it takes is in it (or the replay would raise), and no entry is dead."""
-    assert _steps_taken(fault_records, monkeypatch) == set(TRANSITIONS)
+    a restart with restorations, a reclaim and an ambiguous one), with other content served
+    under committed names, walks the whole table: every step it takes is in it (or the replay
+    would raise), and no entry is dead."""
+    taken = _steps_taken(fault_records, monkeypatch)
+    taken |= _steps_of(_served_other_content(), monkeypatch)
+    assert taken == set(TRANSITIONS)
 
 
 def test_every_event_about_a_version_lifecycle_has_a_step() -> None:

@@ -238,6 +238,8 @@ def test_serve_capacity_0_is_a_usage_error_with_nothing_on_disk(tmp_path: Path) 
         ("--header-timeout", "inf"),
         ("--suspend-after", "-1"),  # was "never", silently
         ("--suspend-after", "inf"),
+        ("--canary-every", "-1"),
+        ("--canary-every", "inf"),
     ],
 )
 def test_serve_seconds_must_be_finite_and_positive(option: str, value: str, tmp_path: Path) -> None:

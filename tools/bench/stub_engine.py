@@ -23,7 +23,10 @@ API (docs/engines.md, vLLM) that loraledger and an OpenAI client use, with vLLM'
   ``GET /health``. A generation for a model that is neither the base nor a loaded adapter is
   vLLM's 404 "The model `x` does not exist.".
 
-Generations compute nothing: the reply is ``"ok"`` tokens. It imports no torch.
+Generations compute nothing: the reply is ``"ok"`` tokens. It imports no torch. Their token ids
+are ``7`` for the base model and, for an adapter, a function of the prompt and of the bytes of
+the files loaded under its name (hashed at load), as a real engine's greedy tokens depend on the
+weights: other weights loaded under a name answer a canary differently.
 
 Run ``python -m tools.bench.stub_engine --port-file FILE`` (the port is written once the socket
 listens).
@@ -32,6 +35,7 @@ listens).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import socket
 import time
@@ -72,6 +76,7 @@ class StubEngine:
         self.chunk_interval_s = chunk_interval_s
         self.started = time.time()
         self.adapters: dict[str, str] = {}  # name -> path, in load order
+        self.contents: dict[str, bytes] = {}  # name -> hash of the files loaded under it
         self.running: Counter[str] = Counter()  # adapter -> streams being written now
 
     # --- LoRA management --------------------------------------------------------------------
@@ -99,12 +104,14 @@ class StubEngine:
                 404, "NotFoundError", f"Loading lora {name} failed: No adapter found for {path}"
             )
         self.adapters[name] = path
+        self.contents[name] = await _hash_files(anyio.Path(path))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: Request) -> Response:
         name = msgspec.json.decode(await request.body()).get("lora_name")
         if not name:
             return _error(400, "InvalidUserInput", "'lora_name' needs to be provided.")
+        self.contents.pop(name, None)
         if self.adapters.pop(name, None) is None:
             return _error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -199,7 +206,7 @@ class StubEngine:
             else {
                 "index": 0,
                 "text": text,
-                "token_ids": [7] * max_tokens,
+                "token_ids": self._token_ids(model, str(body.get("prompt", "")), max_tokens),
                 "finish_reason": "length",
             }
         )
@@ -213,6 +220,15 @@ class StubEngine:
                 "usage": usage,
             }
         )
+
+    def _token_ids(self, model: str, prompt: str, n: int) -> list[int]:
+        """``7``s for the base model; for an adapter, ids drawn from its content and the prompt
+        (deterministic: the same bytes and prompt always give the same tokens)."""
+        content = self.contents.get(model)
+        if content is None:
+            return [7] * n
+        seed = hashlib.sha256(content + prompt.encode()).digest()
+        return [1 + seed[i % len(seed)] for i in range(n)]
 
     async def _stream(
         self,
@@ -290,6 +306,14 @@ class StubEngine:
                 Route("/health", self.health),
             ]
         )
+
+
+async def _hash_files(directory: anyio.Path) -> bytes:
+    digest = hashlib.sha256()
+    for path in sorted([p async for p in directory.iterdir()], key=lambda p: p.name):
+        if await path.is_file():
+            digest.update(path.name.encode() + b"\0" + await path.read_bytes())
+    return digest.digest()
 
 
 def listen_and_run(app: Any, port_file: str) -> None:

@@ -272,6 +272,14 @@ def serve(
     probe_timeout: Annotated[
         float, typer.Option("--probe-timeout", help="Seconds one engine health probe may take.")
     ] = 10.0,
+    canary_every: Annotated[
+        float,
+        typer.Option(
+            "--canary-every",
+            help="Seconds between canary checks of what SGLang/vLLM engines serve under each "
+            "managed name (0: never).",
+        ),
+    ] = 0.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
@@ -296,6 +304,7 @@ def serve(
         private_reads=private_reads,
         suspend_after_s=None if suspend_after == 0 else suspend_after,  # checked below
         probe_timeout_s=probe_timeout,
+        canary_every_s=None if canary_every == 0 else canary_every,
     )
     service.check_options(opts)  # before any side effect, logging set-up included
     # Quiet by default, as every command (README): warnings only; -v one line per decision.

@@ -20,6 +20,7 @@ from publisher.core.decider.allocation import _allocate
 from publisher.core.decider.checks import _fingerprint, _well_typed
 from publisher.core.decider.decision import Decision
 from publisher.core.decider.fleet import (
+    _check_canary,
     _configure_deployment,
     _create_deployment,
     _join_engine,
@@ -99,6 +100,7 @@ _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.ResumeEngine: _resume_engine,
     c.RemoveEngine: _remove_engine,
     c.ObserveInventory: _observe_inventory,
+    c.CheckCanary: _check_canary,
     c.ReportUnreachable: _report_unreachable,
     c.CountDispatchFailures: _count_dispatch_failures,
     c.ReportReachable: _report_reachable,

@@ -5,7 +5,9 @@ known at one incarnation (a receipt or an observation from another is stale), se
 after its repair proves it holds every needed version and nothing it must drop, and may be
 suspended (quarantined from routing) and resumed; an operator's suspension is lifted only by an
 operator. Its inventories are the evidence of what it holds: a routable member that lost a
-needed version is recorded (``AdapterLost``) before anything routes there again. A departure,
+needed version is recorded (``AdapterLost``) before anything routes there again, and so is a
+committed version's name served with another digest than the version's
+(``ServedContentMismatch``: other weights loaded under a managed name). A departure,
 a suspension or an inventory may complete a fatal entry or a reclaim that waited only for this
 engine's proof (``absence_proofs``).
 """
@@ -16,6 +18,7 @@ import msgspec
 
 from evlog.events import (
     AdapterLost,
+    CanaryRecorded,
     ControllerStarted,
     DeploymentConfigured,
     DeploymentCreated,
@@ -28,6 +31,7 @@ from evlog.events import (
     Event,
     FatalResolved,
     InventoryObserved,
+    ServedContentMismatch,
     VersionReclaimed,
     VersionRestored,
 )
@@ -259,13 +263,14 @@ def _observe_inventory(s: RegistryState, cmd: c.ObserveInventory) -> Decision:
         _key(name, "adapter name")
     present = set(cmd.adapters)
     member = s.engines[cmd.engine]
+    impostors = _served_other_content(s, cmd, present)
     observed = InventoryObserved(
         engine=cmd.engine, incarnation=cmd.incarnation, adapters=tuple(sorted(present))
     )
     # Lost adapters: a routable engine that held a needed version no longer has it. Recorded
     # once (the fold drops the name from ``holds``, so the next inventory does not see it as
     # held), before the inventory, so that routing never sends the version there again.
-    lost: list[Event] = []
+    lost: list[Event] = list(impostors)
     if member.routable:
         for version_id in s.needed_versions():
             name = s.versions[version_id].lora_name
@@ -316,17 +321,96 @@ def _observe_inventory(s: RegistryState, cmd: c.ObserveInventory) -> Decision:
     outcome = InventoryRecorded(
         engine=cmd.engine, resolved=tuple(resolved), reclaimed=tuple(reclaimed), strays=strays
     )
-    holds = {v.lora_name for v in s.versions.values() if v.state in HOLDABLE_STATES} & present
+    mismatched = set(member.mismatched)
+    holdable = {v.lora_name for v in s.versions.values() if v.state in HOLDABLE_STATES}
+    holds = (holdable & present) - mismatched  # other content under a name is not holding it
     unchanged = (
         not lost
         and not events
         and not proofs_change
         and holds == set(member.holds)
         and strays == member.strays
-        and not (set(member.lacks) & present)
+        and not ((set(member.lacks) - mismatched) & present)
         and set(member.owes) <= present
+        and mismatched <= present
     )
     if unchanged:
         # Only changes are written: an inventory equal to what the ledger knows is no event.
         return Decision(outcome=msgspec.structs.replace(outcome, no_op=True))
     return Decision((*lost, observed, *events), outcome)
+
+
+def _served_other_content(
+    s: RegistryState, cmd: c.ObserveInventory, present: set[str]
+) -> list[ServedContentMismatch]:
+    """Committed versions whose name the engine lists with a digest other than the version's:
+    other weights were loaded under a managed name (by whoever reached the engine's control
+    routes). Each is recorded once, until the version is restored there, the name leaves the
+    engine or the engine restarts (``EngineMember.mismatched``); a name reported without a
+    digest proves nothing either way."""
+    member = s.engines[cmd.engine]
+    reported = dict(cmd.digests)
+    found = []
+    for v in s.versions.values():
+        seen = reported.get(v.lora_name)
+        if (
+            v.state not in SERVING_STATES
+            or seen is None
+            or seen == v.digest
+            or v.lora_name not in present
+            or v.lora_name in member.mismatched
+        ):
+            continue
+        found.append(
+            ServedContentMismatch(
+                version_id=v.version_id,
+                engine=cmd.engine,
+                incarnation=cmd.incarnation,
+                evidence="digest",
+                expected=v.digest,
+                seen=seen,
+            )
+        )
+    return found
+
+
+# Answers longer than this are not a canary's handful of token ids: refused, never recorded.
+CANARY_ANSWER_LIMIT = 1000
+
+
+def _check_canary(s: RegistryState, cmd: c.CheckCanary) -> Decision:
+    """The first answer of an engine life to a held version's canary is its baseline; another
+    answer later is other content under the name (the engine reports no content digest, so
+    this is the evidence). Answers for a version the engine is not known to hold, or already
+    recorded as served with other content, change nothing."""
+    _deployment(s)
+    _current_incarnation(s, cmd.engine, cmd.incarnation)
+    v = _version(s, cmd.version_id)
+    if len(cmd.answer) > CANARY_ANSWER_LIMIT:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"a canary answer is at most {CANARY_ANSWER_LIMIT} characters, got {len(cmd.answer)}",
+        )
+    member = s.engines[cmd.engine]
+    if v.state not in SERVING_STATES or v.lora_name not in member.holds:
+        return Decision(outcome=Done(no_op=True))
+    baseline = member.canaries.get(v.lora_name)
+    if baseline is None:
+        recorded = CanaryRecorded(
+            version_id=v.version_id,
+            engine=cmd.engine,
+            incarnation=cmd.incarnation,
+            answer=cmd.answer,
+        )
+        return Decision((recorded,), Done())
+    if baseline == cmd.answer:
+        return Decision(outcome=Done(no_op=True))
+    mismatch = ServedContentMismatch(
+        version_id=v.version_id,
+        engine=cmd.engine,
+        incarnation=cmd.incarnation,
+        evidence="canary",
+        expected=baseline,
+        seen=cmd.answer,
+    )
+    return Decision((mismatch,), Done())

@@ -145,6 +145,10 @@ def command(name: str, book: Book, stale: bool) -> c.Command:
         "ClaimReclaim": lambda: c.ClaimReclaim(version_id=v),
         "RecordUnloaded": lambda: c.RecordUnloaded(version_id=v, incarnation="e1-i2", **e1),
         "MarkReclaimAmbiguous": lambda: c.MarkReclaimAmbiguous(version_id=v, reason="r", **e1),
+        # e0 holds a committed target since the build (e1 restarted and holds nothing)
+        "CheckCanary": lambda: c.CheckCanary(
+            version_id=v, engine="e0", incarnation="e0-i1", answer="5,6,7"
+        ),
     }
     return commands[name]()
 

@@ -13,12 +13,14 @@ import pytest
 from evlog.errors import LoraLedgerError
 from evlog.events import (
     AdapterLost,
+    CanaryRecorded,
     EngineLeft,
     EngineRepaired,
     EngineResumed,
     EngineSuspended,
     FatalResolved,
     InventoryObserved,
+    ServedContentMismatch,
     VersionReclaimed,
 )
 from projections.registry import VersionState
@@ -442,3 +444,108 @@ def test_a_reclaim_claimed_while_every_member_is_suspended_completes_owed_by_all
     assert book.events[-1] == VersionReclaimed(version_id=1, owed_by=ENGINES)
     name = book.state.versions[1].lora_name
     assert all(book.state.engines[e].owes == {name: 1} for e in ENGINES)
+
+
+# --- served content: a committed name reported with another digest --------------------------
+
+
+def _inventory_with_digests(book: Book, engine: str, digests: dict[int, str]) -> list[object]:
+    before = len(book.events)
+    names = {book.state.versions[v].lora_name: d for v, d in digests.items()}
+    book.run(
+        c.ObserveInventory(
+            engine=engine,
+            incarnation=book.incarnation(engine),
+            adapters=tuple(sorted(names)),
+            digests=tuple(sorted(names.items())),
+        )
+    )
+    return list(book.events[before:])
+
+
+def test_other_content_under_a_committed_name_is_one_incident_and_leaves_routing() -> None:
+    """An engine listing the default's name with another digest serves other weights under it:
+    recorded once (expected and seen digests), that engine stops serving the version while
+    the name stays present, and only a restore brings it back; its repair is refused
+    meanwhile (the version counts as missing there)."""
+    book = _fleet()
+    v1 = book.state.versions[1]
+    other = "0" * 64
+    events = _inventory_with_digests(book, "e1", {1: other})
+    assert events[0] == ServedContentMismatch(
+        version_id=1,
+        engine="e1",
+        incarnation="e1-i1",
+        evidence="digest",
+        expected=v1.digest,
+        seen=other,
+    )
+    assert len(events) == 2 and isinstance(events[1], InventoryObserved)
+    assert book.state.holders(v1.lora_name) == ("e0", "e2")
+    assert book.state.engines["e1"].lacks == {v1.lora_name: 1}
+    assert book.state.engines["e1"].strays == ()  # a committed name: repaired, not unloaded
+    assert _inventory_with_digests(book, "e1", {1: other}) == []  # the same again: nothing
+    assert _inventory(book, "e1", 1) == []  # no digest reported: proves nothing either way
+    assert book.state.holders(v1.lora_name) == ("e0", "e2")
+    book.run(c.RestoreVersion(version_id=1, engine="e1", incarnation="e1-i1"))
+    assert book.state.holders(v1.lora_name) == ENGINES
+    assert book.state.engines["e1"].mismatched == {}
+    assert _inventory_with_digests(book, "e1", {1: v1.digest}) == []
+
+
+def test_the_right_digest_is_no_incident_and_a_mismatch_on_a_restarted_engine_blocks_repair() -> (
+    None
+):
+    book = _fleet()
+    v1 = book.state.versions[1]
+    assert _inventory_with_digests(book, "e0", {1: v1.digest}) == []
+    book.run(c.ObserveRestart(engine="e0", incarnation="e0-i2"))
+    events = _inventory_with_digests(book, "e0", {1: "1" * 64})
+    assert [type(e) for e in events] == [ServedContentMismatch, InventoryObserved]
+    assert v1.lora_name not in book.state.engines["e0"].holds
+    book.refuse(c.RepairEngine(engine="e0", incarnation="e0-i2"), Code.NOT_READY)
+    # the name gone from the engine ends the mismatch: it is simply missing, restored as such
+    _inventory(book, "e0")
+    assert book.state.engines["e0"].mismatched == {}
+    book.run(c.RestoreVersion(version_id=1, engine="e0", incarnation="e0-i2"))
+    book.run(c.RepairEngine(engine="e0", incarnation="e0-i2"))
+    assert book.state.holders(v1.lora_name) == ENGINES
+
+
+def test_a_canary_answer_is_a_baseline_once_then_a_differing_one_is_an_incident() -> None:
+    """The first answer of an engine life to a held version's canary is recorded as its
+    baseline; the same answer again writes nothing; another answer is other content under the
+    name (evidence ``canary``), out of routing there; a restart forgets the baseline."""
+    book = _fleet()
+    v1 = book.state.versions[1]
+
+    def answer(text: str, engine: str = "e1") -> list[object]:
+        before = len(book.events)
+        check = c.CheckCanary(
+            engine=engine, incarnation=book.incarnation(engine), version_id=1, answer=text
+        )
+        book.run(check)
+        return list(book.events[before:])
+
+    assert answer("5,6,7") == [
+        CanaryRecorded(version_id=1, engine="e1", incarnation="e1-i1", answer="5,6,7")
+    ]
+    assert answer("5,6,7") == []
+    assert answer("9,9,9") == [
+        ServedContentMismatch(
+            version_id=1,
+            engine="e1",
+            incarnation="e1-i1",
+            evidence="canary",
+            expected="5,6,7",
+            seen="9,9,9",
+        )
+    ]
+    assert book.state.holders(v1.lora_name) == ("e0", "e2")
+    assert answer("1,1,1") == []  # not held any more: nothing to compare
+    book.refuse(
+        c.CheckCanary(engine="e0", incarnation="e0-i1", version_id=1, answer="1," * 600),
+        Code.INVALID_INPUT,
+    )
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    assert book.state.engines["e1"].canaries == {}
