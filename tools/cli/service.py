@@ -279,7 +279,7 @@ def serve(
             help="Seconds between canary checks of what SGLang/vLLM engines serve under each "
             "managed name (0: never).",
         ),
-    ] = 0.0,
+    ] = 300.0,
     json: JsonOpt = False,
 ) -> None:
     """Run the ledger as a service: /health, /status, /metrics; POST routes need the token.
