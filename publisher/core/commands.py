@@ -87,15 +87,14 @@ class SuspendEngine(Command, frozen=True):
 
 
 class SuspendUnanswered(Command, frozen=True):
-    """Take an engine out of a publication (and out of routing) because it did not answer: its
-    ``call`` of version ``version_id``'s attempt has been outstanding for ``waited_s`` while
-    the control timeout is ``timeout_s``. Suspends it (cause ``unanswered``) only if it waited
-    at least the timeout and the engine's probes failed too (an open outage of
-    ``incarnation``): a busy engine that still answers probes is slow, not frozen."""
+    """Take an engine out of the LOADING version's attempt (and out of routing) because it did
+    not answer: its ``call`` has been outstanding for ``waited_s`` while the control timeout
+    is ``timeout_s``. Suspends it (cause ``unanswered``) only if it waited at least the timeout
+    and the engine's probes failed too (an open outage of ``incarnation``): a busy engine that
+    still answers probes is slow, not frozen."""
 
     engine: str
     incarnation: str
-    version_id: int
     call: str
     waited_s: float
     timeout_s: float

@@ -176,7 +176,6 @@ class LedgerAPI(TypedCommands):
         engine: str,
         incarnation: str,
         *,
-        version_id: int,
         call: str,
         waited_s: float,
         timeout_s: float,
@@ -186,7 +185,6 @@ class LedgerAPI(TypedCommands):
         command = c.SuspendUnanswered(
             engine=engine,
             incarnation=incarnation,
-            version_id=version_id,
             call=call,
             waited_s=waited_s,
             timeout_s=timeout_s,

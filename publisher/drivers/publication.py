@@ -595,7 +595,6 @@ class PublicationDriver:
             done = await self._ledger.suspend_unanswered(
                 run.engine,
                 member.incarnation,
-                version_id=att.version_id,
                 call="publication call",
                 waited_s=waited,
                 timeout_s=timeout,

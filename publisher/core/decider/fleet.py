@@ -232,7 +232,8 @@ UNANSWERED = "unanswered"
 
 
 def _suspend_unanswered(s: RegistryState, cmd: c.SuspendUnanswered) -> Decision:
-    """A publication stops waiting for an engine that does not answer: suspended (cause
+    """The publication in flight (the LOADING version) stops waiting for an engine that does
+    not answer: suspended (cause
     ``unanswered``), it leaves the attempt's target set -- the commit counts active members
     only -- and routing, and serves again only after its repair loaded what is needed.
 
@@ -254,10 +255,10 @@ def _suspend_unanswered(s: RegistryState, cmd: c.SuspendUnanswered) -> Decision:
             f"({timeout:.1f} s): no evidence that it does not answer",
             field="waited_s",
         )
-    v = _version(s, cmd.version_id)
+    v = s.loading()
     outage = member.unreachable
     if (
-        v.state is not VersionState.LOADING
+        v is None
         or cmd.engine not in v.fleet
         or member.suspended
         or cmd.incarnation != member.incarnation

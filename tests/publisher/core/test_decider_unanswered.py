@@ -48,7 +48,6 @@ def _unanswered(waited_s: float = 10.4, *, incarnation: str = "e2-i1") -> c.Susp
     return c.SuspendUnanswered(
         engine="e2",
         incarnation=incarnation,
-        version_id=2,
         call="publication call",
         waited_s=waited_s,
         timeout_s=10.0,
