@@ -78,7 +78,8 @@ class LeaveEngine(Command, frozen=True):
 
 class SuspendEngine(Command, frozen=True):
     """Quarantine an engine: ``cause`` ``unhealthy`` (probes failed for the configured time),
-    ``lost_adapter`` or ``operator``. ``incarnation`` empty: whatever it is now (operators)."""
+    ``lost_adapter`` or ``operator`` (``unanswered`` is decided by :class:`SuspendUnanswered`).
+    ``incarnation`` empty: whatever it is now (operators)."""
 
     engine: str
     cause: str

@@ -25,7 +25,8 @@ The steps, each one recorded in the ledger before the next begins:
    applied" bug class) before ``EngineReady`` is recorded. Engines run concurrently, each
    through :func:`publisher.drivers.engine_protocol.stage_and_load`.
 4. **commit** (``VersionPublished``): the decider moves the default only if every engine of the
-   fleet is READY at its current incarnation.
+   attempt's target set (its fleet less the engines suspended since, each with its cause) is
+   READY at its current incarnation.
 
 Failure rules:
 
@@ -46,6 +47,11 @@ Failure rules:
   long, or an operator) is no longer waited for: its run is abandoned (its failure does not
   fail the attempt), the commit needs READY from the active engines only, and the cleanup
   skips it -- its repair settles what it holds before it serves again.
+* An engine that **does not answer** -- a call outstanding for the control timeout
+  (``timeouts.probe``) while the ledger records an outage of it (its probes fail too) -- is
+  offered to the decider (``SuspendUnanswered``), which suspends it with cause ``unanswered``:
+  it leaves the attempt's target set as above, within the timeout rather than after the
+  reconciler's ``suspend_after_s``. A slow engine that answers probes is waited for.
 * Nothing here pauses generation or flushes a cache, and a failure reclaiming the predecessor
   (the reclaim driver's job, after commit) never turns a committed publication into an error.
 
