@@ -113,9 +113,11 @@ class EngineLeft(Event, frozen=True):
 class EngineSuspended(Event, frozen=True):
     """The engine is quarantined: it gets no new traffic (not routable), and publication and
     reclaim stop waiting for it. ``cause``: ``unhealthy`` (its probes failed for the
-    configured time), ``lost_adapter`` (a lost version could not be reloaded on it) or
-    ``operator``; ``detail`` says what was seen. It serves again only after a repair proves it
-    holds exactly the versions still needed (:class:`EngineRepaired`)."""
+    configured time), ``unanswered`` (a publication's call to it waited the control timeout
+    while its probes failed: it left the attempt's target set), ``lost_adapter`` (a lost
+    version could not be reloaded on it) or ``operator``; ``detail`` says what was seen. It
+    serves again only after a repair proves it holds exactly the versions still needed
+    (:class:`EngineRepaired`)."""
 
     engine: str
     incarnation: str
@@ -201,9 +203,10 @@ class EngineUnreachable(Event, frozen=True):
     once per outage, with its first error. ``at``: when that failure was seen, on the ledger's
     clock (a face's report is dated by its age). ``source``: ``probe`` (the reconciler's
     health probe failed) or ``dispatch`` (a generation was refused a connection, or found the
-    engine gone, before it was sent); ``reporter`` names who saw it. Publication and reclaim
-    still wait for the engine: only the durable suspension (``EngineSuspended``, after
-    ``suspend_after_s`` of failed probes) stops that."""
+    engine gone, before it was sent); ``reporter`` names who saw it. Reclaim still waits for
+    the engine until the durable suspension (``EngineSuspended``, after ``suspend_after_s`` of
+    failed probes); a publication until its call to the engine also went unanswered past the
+    control timeout (cause ``unanswered``)."""
 
     engine: str
     incarnation: str

@@ -78,12 +78,27 @@ class LeaveEngine(Command, frozen=True):
 
 class SuspendEngine(Command, frozen=True):
     """Quarantine an engine: ``cause`` ``unhealthy`` (probes failed for the configured time),
-    ``lost_adapter`` or ``operator``. ``incarnation`` empty: whatever it is now (operators)."""
+    ``lost_adapter`` or ``operator`` (``unanswered`` is decided by :class:`SuspendUnanswered`).
+    ``incarnation`` empty: whatever it is now (operators)."""
 
     engine: str
     cause: str
     detail: str = ""
     incarnation: str = ""
+
+
+class SuspendUnanswered(Command, frozen=True):
+    """Take an engine out of the LOADING version's attempt (and out of routing) because it did
+    not answer: its ``call`` has been outstanding for ``waited_s`` while the control timeout
+    is ``timeout_s``. Suspends it (cause ``unanswered``) only if it waited at least the timeout
+    and the engine's probes failed too (an open outage of ``incarnation``): a busy engine that
+    still answers probes is slow, not frozen."""
+
+    engine: str
+    incarnation: str
+    call: str
+    waited_s: float
+    timeout_s: float
 
 
 class ResumeEngine(Command, frozen=True):
@@ -322,6 +337,7 @@ AnyCommand = (
     | RepairEngine
     | LeaveEngine
     | SuspendEngine
+    | SuspendUnanswered
     | ResumeEngine
     | RemoveEngine
     | ObserveInventory

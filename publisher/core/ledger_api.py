@@ -171,6 +171,26 @@ class LedgerAPI(TypedCommands):
         )
         return await self._run(command, Done)
 
+    async def suspend_unanswered(
+        self,
+        engine: str,
+        incarnation: str,
+        *,
+        call: str,
+        waited_s: float,
+        timeout_s: float,
+    ) -> Done:
+        """Take an engine whose publication call went unanswered past the control timeout,
+        and whose probes fail, out of the attempt and of routing (cause ``unanswered``)."""
+        command = c.SuspendUnanswered(
+            engine=engine,
+            incarnation=incarnation,
+            call=call,
+            waited_s=waited_s,
+            timeout_s=timeout_s,
+        )
+        return await self._run(command, Done)
+
     async def resume_engine(self, engine: str, *, cause: str = "operator") -> Done:
         """Lift a suspension; the engine serves again once the reconciler repaired it."""
         return await self._run(c.ResumeEngine(engine=engine, cause=cause), Done)

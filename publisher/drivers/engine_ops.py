@@ -34,7 +34,8 @@ class EngineTimeouts(msgspec.Struct, frozen=True, kw_only=True):
     the adapter's requests drained (docs/engines.md; the drivers only unload at zero in-flight,
     so it should be instant, but a leaked reference must not hang us forever either)."""
 
-    probe: float = 10.0
+    probe: float = 10.0  # also the control timeout: past it, an unanswered call's engine
+    # whose probes fail too leaves the publication (``SuspendUnanswered``)
     inventory: float = 30.0
     prepare: float = 120.0
     transfer: float = 600.0

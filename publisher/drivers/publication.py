@@ -25,7 +25,8 @@ The steps, each one recorded in the ledger before the next begins:
    applied" bug class) before ``EngineReady`` is recorded. Engines run concurrently, each
    through :func:`publisher.drivers.engine_protocol.stage_and_load`.
 4. **commit** (``VersionPublished``): the decider moves the default only if every engine of the
-   fleet is READY at its current incarnation.
+   attempt's target set (its fleet less the engines suspended since, each with its cause) is
+   READY at its current incarnation.
 
 Failure rules:
 
@@ -46,6 +47,11 @@ Failure rules:
   long, or an operator) is no longer waited for: its run is abandoned (its failure does not
   fail the attempt), the commit needs READY from the active engines only, and the cleanup
   skips it -- its repair settles what it holds before it serves again.
+* An engine that **does not answer** -- a call outstanding for the control timeout
+  (``timeouts.probe``) while the ledger records an outage of it (its probes fail too) -- is
+  offered to the decider (``SuspendUnanswered``), which suspends it with cause ``unanswered``:
+  it leaves the attempt's target set as above, within the timeout rather than after the
+  reconciler's ``suspend_after_s``. A slow engine that answers probes is waited for.
 * Nothing here pauses generation or flushes a cache, and a failure reclaiming the predecessor
   (the reclaim driver's job, after commit) never turns a committed publication into an error.
 
@@ -181,10 +187,22 @@ class _EngineRun:
     timing: EngineTiming | None = None
     error: BaseException | None = None
     ambiguous: bool = False
-    busy: bool = False  # inside an engine call right now (cancellation makes it ambiguous)
     abandoned: bool = False  # the engine was suspended or left mid-attempt: not waited for
     scope: anyio.CancelScope | None = None
     finished: bool = False
+    busy_since: float | None = None  # when the outstanding engine call began (monotonic)
+
+    @property
+    def busy(self) -> bool:
+        """Inside an engine call right now (cancellation makes it ambiguous)."""
+        return self.busy_since is not None
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        if not value:
+            self.busy_since = None
+        elif self.busy_since is None:
+            self.busy_since = time.monotonic()
 
 
 @dataclasses.dataclass
@@ -544,11 +562,16 @@ class PublicationDriver:
 
     async def _abandon_suspended(self, att: _Attempt, runs: dict[str, _EngineRun]) -> None:
         """Cancel the run of an engine suspended mid-attempt: a hung engine must not hold the
-        publication until its calls time out. Polls the ledger's state (cheap, in memory)."""
+        publication until its calls time out. Polls the ledger's state (cheap, in memory).
+        An engine whose call is unanswered past the control timeout (``timeouts.probe``) is
+        offered to the decider for suspension; it suspends only if the probes fail too."""
+        offered: set[str] = set()
         while True:
             for run in runs.values():
                 if run.finished or run.abandoned or run.scope is None:
                     continue
+                if run.engine not in offered and await self._offer_unanswered(att, run):
+                    offered.add(run.engine)
                 if self._suspended(run.engine):
                     run.abandoned = True
                     run.scope.cancel()
@@ -560,6 +583,40 @@ class PublicationDriver:
                         reason="suspended",
                     )
             await anyio.sleep(self.suspension_poll_s)
+
+    async def _offer_unanswered(self, att: _Attempt, run: _EngineRun) -> bool:
+        """Ask the decider to take ``run``'s engine out of the attempt when its call has waited
+        the control timeout while the ledger records an outage of it (the reconciler's probes
+        failed). Whether the evidence suffices is the decider's rule; this only gathers it.
+        Returns whether the engine's case was settled (suspended, or refused: not again)."""
+        since = run.busy_since
+        timeout = self.timeouts.probe
+        member = self._ledger.state.engines.get(run.engine)
+        if since is None or member is None or member.unreachable is None:
+            return False
+        waited = time.monotonic() - since
+        if waited < timeout:
+            return False
+        try:
+            done = await self._ledger.suspend_unanswered(
+                run.engine,
+                member.incarnation,
+                call="publication call",
+                waited_s=waited,
+                timeout_s=timeout,
+            )
+        except LoraLedgerError as exc:  # restarted or left meanwhile: the run settles it
+            log.warning("publication.suspend_refused", engine=run.engine, error=str(exc))
+            return True
+        log.warning(
+            "publication.engine_unanswered",
+            version=att.version_id,
+            attempt=att.attempt,
+            engine=run.engine,
+            waited_s=round(waited, 1),
+            suspended=not done.no_op,
+        )
+        return not done.no_op
 
     async def _write_artifact(self, adapter: AdapterSource, artifact: _ArtifactWrite) -> None:
         """Once per digest (an existing directory is verified and reused, the source's tensors

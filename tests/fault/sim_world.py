@@ -690,7 +690,7 @@ async def operator(world: World) -> None:
                     world.notes.append(f"operator restarts {engine_id} at t={now:.1f}")
                     await world.hosts[index].restart()
                 elif (
-                    member.suspend_cause == "unhealthy"
+                    member.suspend_cause in ("unhealthy", "unanswered")
                     and world.cfg.remove_frozen
                     and frozen is not None
                     and frozen[0] == index

@@ -33,6 +33,7 @@ from publisher.core.decider.fleet import (
     _resume_engine,
     _start_controller,
     _suspend_engine,
+    _suspend_unanswered,
 )
 from publisher.core.decider.owners import _deregister_owner, _expire_owner, _register_owner
 from publisher.core.decider.publication import _claim_transport, _commit, _fail_attempt, _receipt
@@ -104,6 +105,7 @@ _HANDLERS: dict[type[c.Command], Callable[[RegistryState, Any], Decision]] = {
     c.ReportUnreachable: _report_unreachable,
     c.CountDispatchFailures: _count_dispatch_failures,
     c.ReportReachable: _report_reachable,
+    c.SuspendUnanswered: _suspend_unanswered,
     c.Allocate: _allocate,
     c.ClaimTransport: _claim_transport,
     c.RecordPrepared: _receipt,

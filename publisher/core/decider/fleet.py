@@ -50,6 +50,7 @@ from publisher.core.decider.checks import (
     _key,
     _member,
     _members,
+    _time,
     _version,
 )
 from publisher.core.decider.decision import Decision
@@ -226,6 +227,55 @@ def _suspend_engine(s: RegistryState, cmd: c.SuspendEngine) -> Decision:
         return Decision(outcome=Done(no_op=True))
     event = EngineSuspended(
         engine=cmd.engine, incarnation=member.incarnation, cause=cause, detail=cmd.detail[:2000]
+    )
+    follow = _completed_without(s, cmd.engine, leaving=False)
+    return Decision((event, *follow), Done())
+
+
+UNANSWERED = "unanswered"
+
+
+def _suspend_unanswered(s: RegistryState, cmd: c.SuspendUnanswered) -> Decision:
+    """The publication in flight (the LOADING version) stops waiting for an engine that does
+    not answer: suspended (cause
+    ``unanswered``), it leaves the attempt's target set -- the commit counts active members
+    only -- and routing, and serves again only after its repair loaded what is needed.
+
+    Two pieces of evidence, both required: the attempt's call waited at least the control
+    timeout (given as data, so a replay decides the same), and the engine's probes failed too
+    (an outage of the same life is open). A slow engine that answers probes -- a large load --
+    keeps its place; a frozen one is out within the timeout instead of ``suspend_after_s``
+    later. Late evidence writes nothing: the attempt ended, the engine left it, restarted, or
+    is suspended already."""
+    _deployment(s)
+    member = _member(s, cmd.engine)
+    _key(cmd.incarnation, "incarnation")
+    _key(cmd.call, "call")
+    waited, timeout = _time(cmd.waited_s, "waited_s"), _time(cmd.timeout_s, "timeout_s")
+    if timeout <= 0 or waited < timeout:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"engine {cmd.engine}'s {cmd.call} waited {waited:.1f} s, not the control timeout "
+            f"({timeout:.1f} s): no evidence that it does not answer",
+            field="waited_s",
+        )
+    v = s.loading()
+    outage = member.unreachable
+    if (
+        v is None
+        or cmd.engine not in v.fleet
+        or member.suspended
+        or cmd.incarnation != member.incarnation
+        or outage is None
+    ):
+        return Decision(outcome=Done(no_op=True))
+    detail = (
+        f"its {cmd.call} of version {v.version_id} went unanswered for {waited:.1f} s "
+        f"(control timeout {timeout:.1f} s) and it is unreachable ({outage.source}: "
+        f"{outage.error})"
+    )
+    event = EngineSuspended(
+        engine=cmd.engine, incarnation=member.incarnation, cause=UNANSWERED, detail=detail[:2000]
     )
     follow = _completed_without(s, cmd.engine, leaving=False)
     return Decision((event, *follow), Done())

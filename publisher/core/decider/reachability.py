@@ -19,8 +19,10 @@ connection (or found the engine gone) before it was sent, each dated on the ledg
   naming a life the ledger has not recorded is refused (``ENGINE_RESTARTED``): the restart
   must be observed first.
 
-An outage changes routing only: publication and reclaim keep waiting for the engine until the
-durable suspension (``SuspendEngine``, cause ``unhealthy``) says otherwise.
+An outage alone changes routing only: reclaim keeps waiting for the engine until the durable
+suspension (``SuspendEngine``, cause ``unhealthy``) says otherwise; a publication stops waiting
+earlier, when its call to the engine also went unanswered past the control timeout
+(``SuspendUnanswered``, cause ``unanswered``, in ``fleet``).
 """
 
 from __future__ import annotations
