@@ -1,11 +1,12 @@
-"""Shared pytest wiring: the ``--slow`` switch for long variants, the ``anyio`` marker, and the
+"""Shared pytest wiring: the ``--slow`` switch for long variants, ``--contend N`` (busy processes
+beside the run: :mod:`tests.support.contention`), the ``anyio`` marker, and the
 fixtures of :mod:`tests.support.fixtures` for every test folder."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["tests.support.fixtures"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.contention"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

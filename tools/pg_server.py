@@ -12,7 +12,8 @@ the user itself: no ``sudo``/``runuser`` needed) in a directory that user owns.
 
 The server keeps PostgreSQL's durability defaults (``fsync=on``, ``synchronous_commit=on``):
 the benchmark measures durable commits, and the crash tests kill the *client*, whose
-acknowledged appends must then be in the server.
+acknowledged appends must then be in the server. A test that crashes the server itself
+starts it again on its data directory with :func:`restarted`.
 
 The binaries are found on ``PATH`` or in Debian's ``/usr/lib/postgresql/<version>/bin``
 (``LORALEDGER_PG_BIN`` names another directory); ``./test.sh`` installs Debian's
@@ -95,13 +96,14 @@ def _free_port() -> int:
         return port
 
 
-def _ready(data_dir: Path) -> bool:
-    """``postmaster.pid``'s last line is the server status; "ready" once it takes clients."""
+def _ready(data_dir: Path, pid: int) -> bool:
+    """``postmaster.pid``'s last line is the server status; "ready" once it takes clients. Its
+    first line is the PID that wrote it: a file left by a crashed server says "ready" too."""
     try:
         lines = (data_dir / "postmaster.pid").read_text().splitlines()
     except OSError:
         return False
-    return len(lines) >= 8 and lines[7].strip() == "ready"
+    return len(lines) >= 8 and lines[0].strip() == str(pid) and lines[7].strip() == "ready"
 
 
 @contextmanager
@@ -116,14 +118,7 @@ def temporary_server(
             f"{_DEBIAN_ROOT}/*/bin: install Debian's postgresql package "
             f"(./test.sh does when run as root) or set {PG_BIN_ENV}"
         )
-    as_root = os.geteuid() == 0
-    user = pwd.getpwnam(_UNPRIVILEGED) if as_root else None
-    # None: stay who we are; otherwise become ``nobody`` with no supplementary groups.
-    run_as = _RunAs(
-        user=user.pw_uid if user else None,
-        group=user.pw_gid if user else None,
-        extra_groups=[] if user else None,
-    )
+    user, run_as = _unprivileged()
     # A world-traversable parent (the system temp dir): the unprivileged user must reach it.
     root = Path(tempfile.mkdtemp(prefix="loraledger-pg-", dir=directory))
     try:
@@ -156,6 +151,33 @@ def temporary_server(
             yield server
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _unprivileged() -> tuple[pwd.struct_passwd | None, _RunAs]:
+    """Who the server runs as: ourselves, or ``nobody`` (no supplementary groups) as root."""
+    user = pwd.getpwnam(_UNPRIVILEGED) if os.geteuid() == 0 else None
+    return user, _RunAs(
+        user=user.pw_uid if user else None,
+        group=user.pw_gid if user else None,
+        extra_groups=[] if user else None,
+    )
+
+
+@contextmanager
+def restarted(
+    server: PostgresServer, *, settings: dict[str, str] | None = None
+) -> Iterator[PostgresServer]:
+    """Start the server of ``temporary_server``'s block again, on its data directory, after it
+    stopped or crashed (it runs crash recovery from its WAL as any restart does); stop it by its
+    PID at the end of this block, which must end inside ``temporary_server``'s. The new server
+    listens on a new free port: use the URL of the server this yields."""
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        raise PostgresUnavailable("the PostgreSQL server binaries are gone")
+    _, run_as = _unprivileged()
+    root = server.data_dir.parent
+    with _running(bin_dir, root, server.data_dir, settings or {}, run_as) as again:
+        yield again
 
 
 @contextmanager
@@ -193,7 +215,7 @@ def _running(
             )
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
-            while proc.poll() is None and not _ready(data_dir):
+            while proc.poll() is None and not _ready(data_dir, proc.pid):
                 if time.monotonic() > deadline:
                     raise PostgresUnavailable(f"postgres did not start in {START_TIMEOUT_S} s")
                 time.sleep(0.02)

@@ -233,6 +233,7 @@ class Reconciler:
         # engine's outage or dropped once a probe found it reachable (no outage to count in).
         self._tallies: dict[tuple[str, str], FailureTally] = {}
         self.passes = 0
+        self.wakes = 0  # health-loop wakes done (a tick or a poke): what a test counts, not time
         self._busy = False  # the health loop is inside a wake's work
 
     @property
@@ -817,6 +818,7 @@ class Reconciler:
                     await self._record_failures(tallies)
                 finally:
                     self._busy = False
+                    self.wakes += 1
 
     async def _record_outages(self) -> None:
         """Record the outages faces reported, as they come: the log and every process's

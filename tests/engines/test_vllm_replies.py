@@ -457,7 +457,7 @@ async def test_concurrent_generations_share_one_incarnation_probe(
     engine: VLLMEngine, fake: FakeVLLM
 ) -> None:
     async def slow_metrics(request: httpx.Request) -> httpx.Response:
-        await anyio.sleep(0.05)  # every caller arrives while the first probe is out
+        await anyio.wait_all_tasks_blocked()  # every caller arrives while the probe is out
         return httpx.Response(200, text="process_start_time_seconds 1.5e+09\n")
 
     fake.override["/metrics"] = slow_metrics  # type: ignore[assignment]

@@ -23,6 +23,7 @@ from engines.local.engine import LocalEngine
 from engines.local.server import serve as serve_engine
 from engines.local.tinymodel import make_adapter
 from evlog.memory import MemoryStore
+from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.fleet import Fleet
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.trainer import TrainerClient
@@ -155,6 +156,7 @@ async def rig(
     restartable: bool = False,
     probe_interval_s: float = 0.05,
     suspend_after_s: float | None = 30.0,
+    timeouts: EngineTimeouts = FAST,
 ) -> AsyncIterator[Rig]:
     """``engines`` local engines over HTTP, a control plane over them and the OpenAI face.
     ``routes`` overrides the URL the face uses for an engine (a fault relay in front of it).
@@ -162,9 +164,10 @@ async def rig(
     place (same port, a new process life holding nothing); ``Rig.engines`` are their first
     lives. ``probe_interval_s``: the plane's health probe (a long one leaves a restart unseen
     until something reports the engine); ``suspend_after_s``: how long its probes may fail
-    before the engine is suspended (0: at the first failed probe). ``sessions_idle_s``: the
-    face's worker is a relay, as every OpenAI face runs it (its sessions client-held, released
-    idle by the plane)."""
+    before the engine is suspended (0: at the first failed probe); ``timeouts``: the plane's
+    bounds on each engine call (a probe that misses its bound records an outage).
+    ``sessions_idle_s``: the face's worker is a relay, as every OpenAI face runs it (its
+    sessions client-held, released idle by the plane)."""
     hosts: dict[str, HostedEngine] = {}
     servers: dict[str, ServerTask] = {}
     async with contextlib.AsyncExitStack() as stack:
@@ -201,7 +204,7 @@ async def rig(
                 probe_interval_s=probe_interval_s,
                 suspend_after_s=suspend_after_s,
                 reclaim_tick_s=0.05,
-                timeouts=FAST,
+                timeouts=timeouts,
                 cleanup_timeout=5.0,
             )
         )

@@ -45,12 +45,13 @@ def rewrite_prev_hash(path: Path, seq: int, *, rehash: bool) -> None:
 
 
 def reforge(path: Path, seq: int, event: Event) -> None:
-    """Replace record ``seq`` by ``event`` and recompute every hash from there on."""
+    """Replace record ``seq`` by ``event`` (its type, schema and payload) and recompute every
+    hash from there on."""
     with closing(_connect(path)) as conn:
         conn.execute("BEGIN")
         conn.execute(
-            "UPDATE events SET type = ?, payload = ? WHERE seq = ?",
-            (type(event).__name__, encode_event(event), seq),
+            "UPDATE events SET type = ?, schema = ?, payload = ? WHERE seq = ?",
+            (type(event).__name__, event.SCHEMA, encode_event(event), seq),
         )
         prev = _hash_before(conn, seq)
         for row in conn.execute(_ROW + " WHERE seq >= ? ORDER BY seq", (seq,)).fetchall():

@@ -120,6 +120,20 @@ def test_a_reforged_chain_is_caught_by_the_invariant_replay(cli: Cli, fault_log:
     assert "SessionBound" in str(report["problem"])
 
 
+def test_a_reforged_last_record_is_caught_by_the_invariant_replay(
+    cli: Cli, fault_log: Path
+) -> None:
+    """The invariant replay applies every record up to the last one included: a forgery of
+    the newest record (the one a tamperer most likely rewrites) is caught at its seq."""
+    with closing(sqlite3.connect(fault_log)) as conn:
+        (last,) = conn.execute("SELECT max(seq) FROM events").fetchone()
+    tamper.reforge(
+        fault_log, last, SessionBound(session="s-late", owner="w1", version_id=99, revision=1)
+    )
+    code, report = _verdict(cli, fault_log)
+    assert (code, report["stage"], report["first_bad_seq"]) == (Exit.INVARIANT, "invariants", last)
+
+
 def test_a_reforged_but_applicable_event_breaks_a_named_invariant(
     cli: Cli, fault_log: Path
 ) -> None:

@@ -41,12 +41,14 @@ class GatedStore(MemoryStore):
         super().__init__()
         self.gate = anyio.Event()
         self.gated = False
+        self.waiting = 0  # appends that reached the gate (what a test waits for, not time)
         self.fail_next: BaseException | None = None
 
     async def append(
         self, batch: Sequence[Pending], *, expected_seq: int | None = None
     ) -> list[int]:
         if self.gated:
+            self.waiting += 1
             await self.gate.wait()
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
@@ -90,9 +92,10 @@ async def test_nobody_is_answered_before_the_append_commits() -> None:
         async with anyio.create_task_group() as tg:
             for s in ("a", "b", "c"):
                 tg.start_soon(bind, s)
-            await anyio.sleep(0.05)
-            assert answered == {}  # decided, but not durable yet
-            assert ledger.state.last_seq == durable + 3  # all three decided (pipelined) ...
+            await wait_for(  # all three decided (pipelined) ...
+                "three binds decided", lambda: ledger.state.last_seq == durable + 3
+            )
+            assert answered == {}  # ... but not durable yet
             assert store.last_seq == durable  # ... and none of them written: the gate holds
             store.gate.set()
         records = await store.read()
@@ -376,9 +379,9 @@ async def test_batch_decided_during_a_failed_append_is_decided_again() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(bind, "a")
-            await anyio.sleep(0.02)  # "a" is decided and its append waits at the gate
-            tg.start_soon(bind, "b")
-            await anyio.sleep(0.02)  # "b" is decided on top of "a", speculatively
+            await wait_for("a's append waiting at the gate", lambda: store.waiting == 1)
+            tg.start_soon(bind, "b")  # decided on top of "a", speculatively
+            await wait_for("b decided", lambda: "b" in ledger.state.sessions)
             assert {"a", "b"} <= set(ledger.state.sessions)
             store.fail_next = OSError("disk full")
             store.gated = False
@@ -399,15 +402,16 @@ async def test_subscribers_see_each_new_event_once_in_order() -> None:
         seen: list[str] = []
         start = ledger.state.last_seq
 
+        records = ledger.subscribe()  # from here: whenever the task below first reads
+
         async def follow() -> None:
-            async for record in ledger.subscribe():
+            async for record in records:
                 seen.append(type(record.event).__name__)
                 if len(seen) == 3:
                     return
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(follow)
-            await anyio.sleep(0.01)
             await ledger.bind("a", "w")
             await ledger.release("a", "w")
             await ledger.bind("b", "w")

@@ -7,7 +7,6 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -222,8 +221,9 @@ async def test_an_unreachable_engine_waits_for_suspend_after_s(tmp_path: Path) -
     ):
         await plane.publisher.publish(adapter_copy(1), version_id=1)
         plane.fleet.replace(DeadActor(engines[0], ErrorCode.CONNECTION_LOST))  # type: ignore[arg-type]
-        passes = plane.reconciler.passes
-        await anyio.sleep(0.5)  # about ten probes
+        passes, wakes = plane.reconciler.passes, plane.reconciler.wakes
+        # ten probes of the unreachable engine, however long a loaded machine takes for them
+        await wait_for("ten probes", lambda: plane.reconciler.wakes >= wakes + 10)
         assert not plane.ledger.state.engines["e0"].suspended
         assert plane.reconciler.passes == passes  # probes only, no full pass meanwhile
 

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import httpx
+import msgspec
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -32,6 +33,7 @@ from publisher.openai import (
 )
 from publisher.sessions import RolloutWorker
 from tests.publisher.openai_kit import TOKEN, Rig, rig, serve_app
+from tests.publisher.plane_kit import FAST
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.log import events
 from tests.support.relay import Relay
@@ -288,7 +290,7 @@ async def test_a_refusal_for_a_lost_adapter_is_relayed_once_and_moves_routing(
         await wait_for(
             "e0 dropped from the holders of v1",
             lambda: "e0" not in r.plane.ledger.state.holders(name),
-            timeout=2.0,
+            timeout=20.0,  # inside the 30 s to the full pass, whatever the machine's load
         )
         headers, _ = await chat_sync(r, s)
         assert headers["x-loraledger-engine"] == "e1"
@@ -345,7 +347,7 @@ async def test_a_not_loaded_refusal_is_served_by_the_other_holder(
         await wait_for(
             "e0's new life recorded",
             lambda: r.plane.ledger.state.engines["e0"].incarnation == life,
-            timeout=5.0,
+            timeout=IDLE / 60,  # far inside the hour to the next probe
         )
         restarts = [e for e in await events(r.plane.ledger) if isinstance(e, EngineRestarted)]
         assert [e.engine for e in restarts] == ["e0"]
@@ -365,14 +367,16 @@ async def test_an_engine_unreachable_over_http_is_reported_and_probed_at_once(
         s = going_to("e0", ["e0", "e1"])
         assert (await turn(r, s, False))["x-loraledger-engine"] == "e0"
         await r.stop_serving("e0")
-        await anyio.sleep(0.3)
+        await wait_for("the health loop settled", lambda: r.plane.reconciler.settled)
         assert r.plane.ledger.state.engines["e0"].routable  # nobody has looked yet
         sent = r.gateway.dispatched
         headers = await turn(r, s, False)
         assert headers["x-loraledger-engine"] == "e1"
         assert r.gateway.dispatched == sent + 2  # e0 tried once (refused at connect), e1 served
         await wait_for(
-            "e0 suspended", lambda: r.plane.ledger.state.engines["e0"].suspended, timeout=5.0
+            "e0 suspended",
+            lambda: r.plane.ledger.state.engines["e0"].suspended,
+            timeout=IDLE / 60,  # far inside the hour to the next probe
         )
         suspended = [e for e in await events(r.plane.ledger) if isinstance(e, EngineSuspended)]
         assert [(e.engine, e.cause) for e in suspended] == [("e0", "unhealthy")]
@@ -462,7 +466,11 @@ async def test_counts_never_drift(tmp_path: Path, slow: bool) -> None:
     refused for an unloaded adapter."""
     total = 2_000 if slow else 240
     rng = random.Random(13)
-    async with rig(tmp_path, capacity=3) as r:
+    # The engines answer probes on the loop that runs this load: on a loaded machine a probe
+    # can miss FAST's 2 s, the engine is recorded unreachable and turns find NO_ROUTE. Probes
+    # are not what this test is about: they get all the time a loaded machine needs.
+    patient = msgspec.structs.replace(FAST, probe=60.0)
+    async with rig(tmp_path, capacity=3, timeouts=patient) as r:
         await r.publish(1)
         relay = Relay(r.urls["e1"], "reset")
         outcomes: Counter[str] = Counter()
