@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from publisher.gateway.affinity import DEFAULT_LOAD_EPS, place
+from publisher.gateway.affinity import DEFAULT_LOAD_EPS, moved_by_load, place
 
 
 class Turn(msgspec.Struct, frozen=True):
@@ -109,7 +109,8 @@ def simulate(
     names = [f"engine-{i:02d}" for i in range(model.engines)]
     engines = {name: _Engine() for name in names}
     load = dict.fromkeys(names, 0)  # the gateway's signal: requests in flight per engine
-    last: dict[str, str] = {}  # session -> the engine of its last turn
+    last: dict[str, str] = {}  # session -> the engine the bound moved it to (as the gateway)
+    previous: dict[str, str] = {}  # session -> the engine of its last turn (moves counted)
     rotation = itertools.count()
     by_name = {s.name: s for s in sessions}
     events: list[tuple[float, int, str, str, int]] = []  # (time, tie, kind, session, turn)
@@ -150,8 +151,12 @@ def simulate(
                 )
                 assert chosen is not None
                 engine = chosen
-            moves += name in last and last[name] != engine
-            last[name] = engine
+            moves += previous.get(name, engine) != engine
+            previous[name] = engine
+            if policy == "bounded" and moved_by_load(name, engine, names):
+                last[name] = engine
+            else:
+                last.pop(name, None)
             serving[(name, turn)] = (engine, now)
             load[engine] += 1
             prompt_tokens += prompt

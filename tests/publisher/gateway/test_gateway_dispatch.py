@@ -364,6 +364,7 @@ async def test_a_turn_leaves_an_engine_over_the_load_bound_and_stays_where_it_we
     load is gone it stays on e1, where its prefix cache now is. ``load_eps = inf`` is the old
     pure rendezvous."""
     async with rig() as r:
+        r.gateway.load_floor = 0  # the bound alone (by default no engine under 16 is over it)
         await r.publish(1)
         await r.ledger.register_owner("w", ttl_s=60.0)
         homed = [f"s{i}" for i in range(100) if rendezvous(f"s{i}", ("e0", "e1")) == "e0"]
