@@ -15,13 +15,15 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
   from memory; nothing to wait for in process), so a life the ledger has ended never sends.
 * **Route only to holders, sticky per session.** A generation for a version goes to a routable
   engine that holds it (:meth:`LedgerView.holders <publisher.gateway.view.LedgerView.holders>`),
-  chosen by rendezvous hashing of the session id over those holders
-  (:mod:`publisher.gateway.affinity`), so every turn of a session, from any gateway process,
-  lands on the same engine and its prefix cache; it moves only when that engine stops holding
-  the version or stops being routable. Sending an unloaded name to stock SGLang would silently
-  reload it (docs/engines.md), so "not a holder" is never "try anyway". When none is left, a
-  remote view is refreshed once (a bind may name a version published after the last copy);
-  then the caller gets ``NO_ROUTE``.
+  chosen by rendezvous hashing of the session id over those holders with bounded load
+  (:func:`publisher.gateway.affinity.place`), so every turn of a session, from any gateway
+  process, lands on the same engine and its prefix cache; it moves only when that engine stops
+  holding the version, stops being routable, or has more requests in flight from this gateway
+  than ``1 + load_eps`` times the holders' mean and than ``load_floor`` (then to the next
+  holder in its rendezvous order, where it stays while that one is within the bound).
+  Sending an unloaded name to stock SGLang would silently reload it (docs/engines.md), so "not
+  a holder" is never "try anyway". When none is left, a remote view is refreshed once (a bind
+  may name a version published after the last copy); then the caller gets ``NO_ROUTE``.
 * **At most once.** Once a request may have left this process, its outcome is the engine's
   to tell: an ambiguous failure becomes ``AMBIGUOUS_DISPATCH`` and nothing below the caller
   resends it. Only what provably did not run is tried on another holder of the same version,
@@ -88,7 +90,13 @@ from publisher.core.outcomes import Bound
 from publisher.drivers.engine_ops import lacks_adapter, says_about_engine
 from publisher.drivers.fleet import Fleet
 from publisher.drivers.trouble import TroubleHook, says_unreachable
-from publisher.gateway.affinity import least_loaded, rendezvous
+from publisher.gateway.affinity import (
+    DEFAULT_LOAD_EPS,
+    DEFAULT_LOAD_FLOOR,
+    least_loaded,
+    moved_by_load,
+    place,
+)
 from publisher.gateway.failures import DispatchCode, DispatchError, NotSent, try_elsewhere
 from publisher.gateway.inflight import InFlightCounter
 from publisher.gateway.provenance import ProvenanceRecorder, ProvenanceRow, Usage
@@ -106,6 +114,9 @@ DEFAULT_PARAMS = SamplingParams()
 # records the outage within moments and every view routes around it from then on; this only
 # covers that moment, and expires so that a wrong report cannot keep a live engine out.
 UNREACHABLE_MARK_S = 3.0
+# How many sessions' last engines a gateway remembers (soft state, oldest forgotten first): a
+# forgotten session starts again from its rendezvous order, which only costs a cache miss.
+PLACED_SESSIONS_KEPT = 65_536
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -213,7 +224,12 @@ class Gateway:
 
     ``abort_timeout_s`` bounds how long an attempt that ended without the engine's word waits
     for the engine to confirm the request's end before its count is held (module docstring);
-    the caller's cancellation waits that long at most."""
+    the caller's cancellation waits that long at most.
+
+    ``load_eps`` is how far over its version's holders' mean load (this gateway's requests in
+    flight) an engine may go before a session's turn is placed on another holder (module
+    docstring); ``math.inf`` is pure rendezvous, load ignored. Below ``load_floor`` requests
+    in flight an engine is never over the bound (an engine batches that many at once)."""
 
     def __init__(
         self,
@@ -225,8 +241,14 @@ class Gateway:
         clock: Callable[[], float] = time.time,
         on_engine_trouble: TroubleHook | None = None,
         abort_timeout_s: float = 10.0,
+        load_eps: float = DEFAULT_LOAD_EPS,
+        load_floor: int = DEFAULT_LOAD_FLOOR,
     ) -> None:
         self.fleet = fleet
+        self.load_eps = load_eps
+        self.load_floor = load_floor
+        # session -> the engine the load bound moved it to, oldest first (PLACED_SESSIONS_KEPT)
+        self._placed: dict[str, str] = {}
         self.abort_timeout_s = abort_timeout_s
         self._unconfirmed: list[Unconfirmed] = []  # held counts, asked again by confirm_ends
         self.view = view
@@ -533,16 +555,27 @@ class Gateway:
 
     def choose(self, bound: Bound, tried: Sequence[str] = (), *, sticky: bool = True) -> str | None:
         """The engine for the next try of ``bound``'s request: a routable holder of its
-        version in this fleet, not tried yet; by rendezvous hashing of the session id
-        (``sticky``), else the least loaded (round-robin among equals)."""
-        holders = [
+        version in this fleet, not tried yet; by rendezvous hashing of the session id with
+        bounded load (``sticky``), else the least loaded (round-robin among equals)."""
+        holders = self._routable_holders(bound)
+        if sticky:
+            return place(
+                bound.session,
+                holders,
+                load=self._load,
+                eps=self.load_eps,
+                floor=self.load_floor,
+                current=self._placed.get(bound.session),
+                exclude=tried,
+            )
+        return least_loaded(holders, load=self._load, exclude=tried, start=next(self._rr))
+
+    def _routable_holders(self, bound: Bound) -> list[str]:
+        return [
             e
             for e in self.view.holders(bound.lora_name)
             if e in self.fleet and not self.marked_unreachable(e)
         ]
-        if sticky:
-            return rendezvous(bound.session, holders, load=self._load, exclude=tried)
-        return least_loaded(holders, load=self._load, exclude=tried, start=next(self._rr))
 
     def admit(
         self,
@@ -563,6 +596,13 @@ class Gateway:
         if tally is not None:
             tally.enter(key)
         self._load[engine_id] = self._load.get(engine_id, 0) + 1
+        if sticky:
+            self._placed.pop(bound.session, None)  # re-inserted: the newest entry
+            holders = self._routable_holders(bound)
+            if moved_by_load(bound.session, engine_id, holders, exclude=tried):
+                self._placed[bound.session] = engine_id
+                if len(self._placed) > PLACED_SESSIONS_KEPT:
+                    del self._placed[next(iter(self._placed))]
         self._seen.setdefault(bound.version_id, set()).add(engine_id)
         self.dispatched += 1
         return engine_id

@@ -19,6 +19,7 @@ Before: SIGTERM stopped the server after a fixed 2 s; the running generations an
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Sequence
@@ -54,7 +55,8 @@ TURN = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def sessions_on(engine: str, n: int) -> list[str]:
-    """``n`` session ids whose turns go to ``engine`` while both engines hold the version."""
+    """``n`` session ids whose turns go to ``engine`` while both engines hold the version (with
+    pure rendezvous: bounded load would spread the concurrent ones)."""
     ids = (f"s{i}" for i in range(100_000))
     return [s for s in ids if rendezvous(s, ENGINES) == engine][:n]
 
@@ -90,6 +92,7 @@ async def test_a_sigterm_under_traffic_finishes_every_running_turn_and_refuses_n
 ) -> None:
     with engine_processes(tmp_path, n=2, args=("--drain-timeout", "60")) as procs:
         async with plane_over(tmp_path, procs) as (plane, gateway):
+            gateway.load_eps = math.inf  # pile the turns on e0: pure rendezvous, load ignored
             *running, late = await ready(plane, sessions_on("e0", 13))
             e0 = procs["e0"].url
             assert (await post(e0, "/pause_generation", {"mode": "in_place"})).status_code == 200
@@ -133,6 +136,7 @@ async def test_a_drain_past_its_timeout_exits_and_the_cut_turns_are_ambiguous(
 ) -> None:
     with engine_processes(tmp_path, n=2, args=("--drain-timeout", "1")) as procs:
         async with plane_over(tmp_path, procs) as (plane, gateway):
+            gateway.load_eps = math.inf  # pile the turns on e0: pure rendezvous, load ignored
             running = await ready(plane, sessions_on("e0", 3))
             e0 = procs["e0"].url
             assert (await post(e0, "/pause_generation", {"mode": "in_place"})).status_code == 200

@@ -17,6 +17,7 @@ reference in the same run on the same machine, so a figure is always read as a r
 ``gateway``            the OpenAI gateway vs a bare proxy vs the engine directly
 ``proxy``              the bare pass-through proxy ``gateway`` measures against
 ``stub_engine``        the stub vLLM server ``gateway`` (and some tests) drive
+``routing``            session placement policies on simulated prefix-cache engines
 =====================  ==========================================================================
 
 Nothing is imported here, so starting one benchmark (or the stub engine in its own process)

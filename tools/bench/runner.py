@@ -1,4 +1,4 @@
-"""``loraledger bench {store,ledger,publish,memory,ray,ray-publish,gateway}``: thin wrappers
+"""``loraledger bench {store,ledger,publish,memory,ray,ray-publish,gateway,routing}``: thin wrappers
 over the benchmark modules of this package.
 
 The measurements live in ``tools/bench/<name>.py`` (each also runnable with ``python -m
@@ -97,6 +97,13 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
             "chunk_interval_ms": 1.0,
         },
         "workdir",
+    ),
+    "routing": (
+        "tools.bench.routing",
+        "bench_routing",
+        {},
+        {"sessions": 48, "seeds": (1,), "arrival_s": 10.0},
+        "",
     ),
 }
 

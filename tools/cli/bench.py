@@ -57,5 +57,7 @@ for _name, _summary in {
     "ray": "Binds/s through the Ray ledger actor vs a dict in a Ray actor; batched calls.",
     "ray-publish": "Publication through Ray (object store, engine actors) vs in process.",
     "gateway": "OpenAI gateway vs a bare proxy vs direct to a stub engine: req/s, added TTFB.",
+    "routing": "Session placement: round robin, rendezvous, bounded-load rendezvous on simulated "
+    "prefix-cache engines: wall time and cache hit rate.",
 }.items():
     _bench_command(_name, _summary)

@@ -10,6 +10,7 @@ gateway``): each test holds what a surviving mutant changed.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -355,6 +356,28 @@ async def test_the_choice_is_sticky_by_default_and_never_an_engine_already_tried
         assert r.gateway.choose(bound, tried=["e0", "e1"], sticky=False) is None
         r.gateway.finish("e1", 1, tally)
         assert not tally
+
+
+async def test_a_turn_leaves_an_engine_over_the_load_bound_and_stays_where_it_went() -> None:
+    """Bounded load: two turns in flight on e0 and none on e1 put a third on e0 over
+    ceil(1.25 x the mean), so a session whose rendezvous engine is e0 goes to e1; once the
+    load is gone it stays on e1, where its prefix cache now is. ``load_eps = inf`` is the old
+    pure rendezvous."""
+    async with rig() as r:
+        r.gateway.load_floor = 0  # the bound alone (by default no engine under 16 is over it)
+        await r.publish(1)
+        await r.ledger.register_owner("w", ttl_s=60.0)
+        homed = [f"s{i}" for i in range(100) if rendezvous(f"s{i}", ("e0", "e1")) == "e0"]
+        busy = [await r.ledger.bind(s, "w") for s in homed[:2]]
+        assert [r.gateway.admit(b) for b in busy] == ["e0"] * 2  # within the bound each time
+        moved = await r.ledger.bind(homed[2], "w")
+        assert r.gateway.admit(moved) == "e1"
+        r.gateway.finish("e1", 1)
+        for _ in busy:
+            r.gateway.finish("e0", 1)
+        assert r.gateway.choose(moved) == "e1"
+        r.gateway.load_eps = math.inf
+        assert r.gateway.choose(moved) == "e0"
 
 
 @pytest.mark.parametrize(("kind", "logged"), [(EchoesAnother, True), (Recording, False)])

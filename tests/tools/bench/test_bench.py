@@ -41,3 +41,23 @@ def test_bench_memory_quick_reports_growth_per_shape(cli: Cli) -> None:
     for r in out["runs"]:
         assert r["sessions"] == 20_000 and r["peak_mib"] > r["growth_mib"]
         assert r["growth_mib"] < 0.1
+
+
+def test_bench_routing_quick_compares_the_policies_on_one_replay(cli: Cli) -> None:
+    result = cli("bench", "routing", "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    (out,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert out["bench"] == "routing" and f"{os.cpu_count()} cores" in out["machine"]
+    assert out["workload"]["engines_simulated"] is True
+    rows = {r["policy"]: r for r in out["policies"]}
+    assert list(rows) == ["round-robin", "rendezvous", "bounded"]
+    reference = rows["rendezvous"]
+    for r in rows.values():
+        assert r["simulated_wall_s"] > 0 and 0 < r["hit_rate"] <= 1
+        ratio = r["simulated_wall_s"] / reference["simulated_wall_s"]
+        assert r["wall_vs_rendezvous"] == pytest.approx(ratio, rel=0.01)
+    assert out["bounded_vs_rendezvous"]["wall_ratio"] == rows["bounded"]["wall_vs_rendezvous"]
+    # the same replay for every policy; pure rendezvous never moves a session
+    runs = {r["policy"]: r for r in out["runs"]}
+    assert len({r["turns"] for r in runs.values()}) == 1
+    assert runs["rendezvous"]["moved_turns"] == 0 < runs["round-robin"]["moved_turns"]
