@@ -668,8 +668,14 @@ class Reconciler:
             # cleanup unload: an engine fences an unloaded (name, attempt) for the rest of its
             # life, and a committed version's attempt never changes, so a cleanup shut the
             # version out of this engine for good (found by the simulation). What a failed
-            # restore leaves is harmless: staging is replaced by the next prepare.
-            if not await self._loaded_anyway(engine, v, incarnation):
+            # restore leaves is harmless: staging is replaced by the next prepare. A name the
+            # engine was found serving with other content proves nothing by its inventory: a
+            # path engine's digest is the name of the directory it loaded, which the other
+            # content passed already (counting it restored routed those weights again).
+            member = self._ledger.state.engines[engine_id]
+            if v.lora_name in member.mismatched or not await self._loaded_anyway(
+                engine, v, incarnation
+            ):
                 raise
         await self._ledger.restore_version(v.version_id, engine_id, incarnation)
         log.info(

@@ -40,7 +40,12 @@ from engines.contract import Candidate, Engine
 from engines.local.client import LocalHTTPEngine
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
-from evlog.events import CanaryRecorded, EngineSuspended, ServedContentMismatch
+from evlog.events import (
+    CanaryRecorded,
+    EngineSuspended,
+    ServedContentMismatch,
+    VersionRestored,
+)
 from evlog.memory import MemoryStore
 from projections.incidents import incidents
 from projections.status import status_of
@@ -274,6 +279,17 @@ async def test_other_weights_under_the_same_path_on_a_vllm_engine_fail_its_canar
         kinds = [i.kind for i in incidents(await records(ledger))]
         assert "content_mismatch" in kinds, kinds
         print(f"vllm stub: canary mismatch recorded {took:.2f} s after the swap")
+        # the restore is refused (another path under the name), and the inventory proves
+        # nothing for it: the directory's name is all a path engine reports. The engine is
+        # suspended; counting the version restored routed the other weights again, and the
+        # canary found them again, in a loop
+        await wait_for("e0 suspended", lambda: ledger.state.engines["e0"].suspended, timeout=30.0)
+        suspended = await events_of(ledger, EngineSuspended)
+        assert [(e.cause, "served with other content" in e.detail) for e in suspended] == [
+            ("lost_adapter", True)
+        ]
+        assert await events_of(ledger, VersionRestored) == []
+        assert ledger.state.holders(v1.lora_name) == ()
 
 
 async def test_a_canary_answer_that_does_not_repeat_is_no_incident(tmp_path: Path) -> None:
