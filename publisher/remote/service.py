@@ -129,7 +129,7 @@ class LedgerService:
         bind or release without its owner's secret is refused here, undecided: a life
         registered without one (an older log's) is not reachable from another process."""
         results: list[Outcome | LoraLedgerError | None] = [
-            _without_secret(x.owner) if isinstance(x, c.Bind | c.Release) and not x.secret else None
+            self._unproven(x.owner, x.secret) if isinstance(x, c.Bind | c.Release) else None
             for x in commands
         ]
         decided = iter(
@@ -138,6 +138,11 @@ class LedgerService:
             )
         )
         return [next(decided) if r is None else r for r in results], self.routing(mark)
+
+    def _unproven(self, owner: str, secret: str) -> LedgerError | None:
+        """The refusal of a call for a registered ``owner`` that carries no secret (an
+        unknown owner is the ledger's to refuse, ``UNKNOWN_OWNER``)."""
+        return _without_secret(owner) if not secret and owner in self.ledger.state.owners else None
 
     async def register(
         self,
@@ -159,8 +164,8 @@ class LedgerService:
         )
 
     async def deregister(self, owner: str, incarnation: str, *, secret: str) -> Deregistered:
-        if not secret:
-            raise _without_secret(owner)
+        if (refusal := self._unproven(owner, secret)) is not None:
+            raise refusal
         return await self.ledger.deregister_owner(owner, incarnation=incarnation, secret=secret)
 
     def renew(
@@ -200,8 +205,8 @@ class LedgerService:
     ) -> None:
         """One owner's renewal, by the life's ``secret``: only the life that dispatched its
         requests reports them in flight; raises its refusal."""
-        if not secret:
-            raise _without_secret(owner)
+        if (refusal := self._unproven(owner, secret)) is not None:
+            raise refusal
         self.ledger.renew_lease(
             owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
         )

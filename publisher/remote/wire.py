@@ -74,7 +74,7 @@ class LifeRenewal(Body, frozen=True):
     client-held sessions it had a turn of since its last renewal."""
 
     owner: str
-    secret: Secret  # the life's
+    secret: str = ""  # the life's (one life without it is refused alone, not the whole batch)
     incarnation: str = ""
     inflight: list[InFlightCount] = msgspec.field(default_factory=list)
     sessions: list[str] = msgspec.field(default_factory=list)
