@@ -68,12 +68,12 @@ Refusals come back as the ledger's own errors (same class and code), exactly as 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from secrets import token_hex
 from typing import Generic, Protocol, TypeVar
 
 import anyio
@@ -482,7 +482,7 @@ class RemoteLedger(TypedCommands):
         ``sessions_idle_s``: a relay's (its sessions are client-held). ``secret``: the life's
         (its worker's; made here when none is given), kept here to go with the renewals,
         binds and releases sent for it."""
-        secret = secret or token_hex(32)
+        secret = secret or os.urandom(32).hex()  # what secrets.token_hex(32) draws
         done = await self.transport.register_owner(
             owner, ttl_s, incarnation, sessions_idle_s, secret
         )

@@ -35,7 +35,7 @@ trip per group), which is what a Ray actor wants.
 from __future__ import annotations
 
 import math
-import secrets
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -112,7 +112,9 @@ class RolloutWorker:
         # This life's secret, made here with it and sent with every call for the life (the
         # ledger keeps only its digest): another caller that learns the owner id and the
         # incarnation still cannot bind, renew, release or deregister for it. Never logged.
-        self.secret = secret if secret is not None else secrets.token_hex(32)
+        # ``os.urandom`` is what ``secrets`` draws from, read at the call as ``uuid4`` does (a
+        # seeded simulation replays it).
+        self.secret = secret if secret is not None else os.urandom(32).hex()
         self.deregister_on_exit = deregister_on_exit
         self.deregistered: Deregistered | None = None
         self.ttl_s = ttl_s
