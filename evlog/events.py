@@ -385,9 +385,14 @@ class OwnerRegistered(Event, frozen=True):
     owner is a *relay* (an OpenAI face) and its sessions are client-held: the end of its life
     releases none of them; they end by an explicit release, by ``max_staleness``, by an
     operator, or idle, released by the ledger's process after that many seconds without a
-    turn (0: never for idleness). Schema 3 added it (schema 2 records: None, owner-held)."""
+    turn (0: never for idleness). Schema 3 added it (schema 2 records: None, owner-held).
 
-    SCHEMA: ClassVar[int] = 3
+    ``secret_digest``: SHA-256 (hex) of the life's secret, which the registering caller made
+    and keeps; only a call carrying that secret may bind, renew, release or deregister for this
+    life. The log never holds the secret itself. Schema 4 added it (schema 3 records: ``""``, a
+    life registered without a secret, which no remote call can act for: it must re-register)."""
+
+    SCHEMA: ClassVar[int] = 4
 
     owner: str
     ttl_s: float
@@ -395,6 +400,7 @@ class OwnerRegistered(Event, frozen=True):
     incarnation: str = ""
     replaced: str | None = None
     sessions_idle_s: float | None = None
+    secret_digest: str = ""
 
 
 class OwnerDeregistered(Event, frozen=True):
@@ -432,6 +438,9 @@ OWNER_EXITED_CAUSE = "owner_exited"
 # A session released after a time without a turn: by the ledger's process for a client-held
 # session (with ``last_turn``), or by a ``RolloutWorker`` given ``idle_release_s``.
 IDLE_CAUSE = "idle"
+# The causes a caller may state in a release (``closed``: it ended the session; the ledger
+# checks ``too_stale`` and ``idle`` against the log): the others are the ledger's own.
+CALLER_RELEASE_CAUSES = ("closed", IDLE_CAUSE, "too_stale")
 
 
 class SessionReleased(Event, frozen=True):
@@ -726,6 +735,11 @@ def _owner_registered_v1(d: dict[str, Any]) -> dict[str, Any]:
 @upcaster("OwnerRegistered", 2)
 def _owner_registered_v2(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "sessions_idle_s": None}
+
+
+@upcaster("OwnerRegistered", 3)
+def _owner_registered_v3(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "secret_digest": ""}
 
 
 @upcaster("SessionReleased", 1)

@@ -75,10 +75,10 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-6"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
+PROJECTION_VERSION = "registry-7"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
 # 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's
 # proof, engine outages (unreachable), client-held sessions and idle tombstones; 6: served
-# content mismatches (``EngineMember.mismatched``)
+# content mismatches (``EngineMember.mismatched``); 7: the digest of each owner life's secret
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -214,6 +214,7 @@ class Owner(msgspec.Struct, kw_only=True):
     exited: bool = False
     retired: tuple[str, ...] = ()
     sessions_idle_s: float | None = None  # None: owner-held sessions; else a relay's
+    secret_digest: str = ""  # of the life's secret; "": registered without one
 
     @property
     def live(self) -> bool:
@@ -631,6 +632,7 @@ def _owner_registered(s: RegistryState, e: OwnerRegistered) -> None:
         incarnation=e.incarnation,
         retired=retired,
         sessions_idle_s=e.sessions_idle_s,
+        secret_digest=e.secret_digest,
     )
 
 

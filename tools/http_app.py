@@ -270,21 +270,24 @@ def build_app(
 
     async def register(request: Request, body: wire.RegisterOwner) -> Any:
         return await service.register(
-            body.owner, body.ttl_s, body.incarnation, body.sessions_idle_s
+            body.owner, body.ttl_s, body.incarnation, body.sessions_idle_s, secret=body.secret
         )
 
     async def deregister(request: Request, body: wire.DeregisterOwner) -> Any:
-        return await service.deregister(request.path_params["owner"], body.incarnation)
+        owner = request.path_params["owner"]
+        return await service.deregister(owner, body.incarnation, secret=body.secret)
 
     async def renew(request: Request, body: wire.RenewLease) -> Any:
         owner = request.path_params["owner"]
-        service.renew_one(owner, wire.counts(body.inflight), body.incarnation, body.sessions)
+        counts = wire.counts(body.inflight)
+        service.renew_one(owner, counts, body.incarnation, body.sessions, secret=body.secret)
         return wire.Renewed()
 
     async def renew_lives(request: Request, body: wire.RenewLeases) -> Any:
         lives = {(x.owner, x.incarnation): wire.counts(x.inflight) for x in body.lives}
         touched = {(x.owner, x.incarnation): x.sessions for x in body.lives if x.sessions}
-        lost, table = service.renew(lives, body.mark, touched)
+        secrets = {(x.owner, x.incarnation): x.secret for x in body.lives}
+        lost, table = service.renew(lives, body.mark, touched, secrets=secrets)
         return wire.LeasesRenewed(
             lost=[
                 wire.LostLife(owner=owner, incarnation=life, refusal=wire.refusal(error))
@@ -295,7 +298,9 @@ def build_app(
 
     async def bind(request: Request, body: wire.BindSession) -> Any:
         session = request.path_params["session"]
-        return await ledger.bind(session, body.owner, incarnation=body.incarnation)
+        return await ledger.bind(
+            session, body.owner, incarnation=body.incarnation, secret=body.secret
+        )
 
     async def release(request: Request, body: wire.ReleaseSession) -> Any:
         return await ledger.release(
@@ -303,6 +308,7 @@ def build_app(
             body.owner,
             cause=body.cause,
             incarnation=body.incarnation,
+            secret=body.secret,
         )
 
     async def forget(request: Request, body: wire.ForgetSessions) -> Any:

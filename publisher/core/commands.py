@@ -240,22 +240,30 @@ class RegisterOwner(Command, frozen=True):
 
     ``sessions_idle_s``: None, the owner holds the sessions it binds (they end with its life);
     a number >= 0, it relays client-held sessions, which outlive it and are released by the
-    ledger's process after that long without a turn (0: never for idleness)."""
+    ledger's process after that long without a turn (0: never for idleness).
+
+    ``secret``: the life's secret, made by the caller (256 random bits, kept by it, never
+    logged: the event records its digest). Every later bind, renewal, release and
+    deregistration for this life must carry it (``OWNER_SECRET_MISMATCH``); ``""``: a life
+    registered without one (in process only: every remote call carries a secret)."""
 
     owner: str
     ttl_s: float
     now: float
     incarnation: str = ""
     sessions_idle_s: float | None = None
+    secret: str = ""
 
 
 class DeregisterOwner(Command, frozen=True):
     """A clean exit: end ``owner``'s life ``incarnation`` (``""``: whichever is current) and
-    release its sessions still bound (``owner_exited``), without waiting for its lease."""
+    release its sessions still bound (``owner_exited``), without waiting for its lease.
+    ``secret``: the current life's (``RegisterOwner.secret``)."""
 
     owner: str
     now: float
     incarnation: str = ""
+    secret: str = ""
 
 
 class ExpireOwner(Command, frozen=True):
@@ -281,15 +289,20 @@ class Bind(Command, frozen=True):
     owner: str
     incarnation: str = ""
     expect_version: int | None = None
+    secret: str = ""  # the owner's current life's (RegisterOwner.secret)
 
 
 class Release(Command, frozen=True):
-    """``incarnation`` (``""``: not checked) fences a stale life of the owner out."""
+    """``incarnation`` (``""``: not checked) fences a stale life of the owner out; ``secret``
+    (the owner's current life's) proves the caller is that life. ``cause`` is one a caller
+    may state (``CALLER_RELEASE_CAUSES``): the causes that say an owner's life ended are the
+    ledger's own to record."""
 
     session: str
     owner: str
     cause: str = "closed"
     incarnation: str = ""
+    secret: str = ""
 
 
 class ReleaseIdle(Command, frozen=True):

@@ -47,6 +47,7 @@ class Code:
     LEASE_EXPIRED = "LEASE_EXPIRED"
     OWNER_RESTARTED = "OWNER_RESTARTED"  # a newer incarnation of the owner replaced this one
     OWNER_DEREGISTERED = "OWNER_DEREGISTERED"  # this incarnation ended cleanly (DeregisterOwner)
+    OWNER_SECRET_MISMATCH = "OWNER_SECRET_MISMATCH"  # a call without the owner life's secret
     VERSION_NOT_BOUND = "VERSION_NOT_BOUND"  # a first turn names a version that is not the default
     # reclaim
     NOT_RECLAIMABLE = "NOT_RECLAIMABLE"
@@ -95,6 +96,7 @@ class LedgerRefused(
         Code.LEASE_EXPIRED,
         Code.OWNER_RESTARTED,
         Code.OWNER_DEREGISTERED,
+        Code.OWNER_SECRET_MISMATCH,
         Code.VERSION_NOT_BOUND,
         Code.NOT_RECLAIMABLE,
         Code.REQUESTS_IN_FLIGHT,

@@ -234,13 +234,16 @@ class Ledger(LedgerAPI):
         *,
         incarnation: str = "",
         sessions: Iterable[str] = (),
+        secret: str = "",
     ) -> None:
         """As :meth:`LedgerAPI.renew_lease`, refused once this ledger is fenced: a lease of
         this epoch says nothing any more (the new controller may have released the owner's
         sessions), and every turn checks it first, so no cached binding is served after."""
         if self._fenced is not None:
             raise self._fenced
-        super().renew_lease(owner, inflight, incarnation=incarnation, sessions=sessions)
+        super().renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
+        )
 
     def clock(self) -> float:
         return self._clock()

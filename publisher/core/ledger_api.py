@@ -72,17 +72,28 @@ class TypedCommands:
             raise AssertionError(f"{type(command).__name__} answered {outcome!r}")
         return outcome
 
-    async def bind(self, session: str, owner: str, *, incarnation: str = "") -> Bound:
+    async def bind(
+        self, session: str, owner: str, *, incarnation: str = "", secret: str = ""
+    ) -> Bound:
         """Bind a session to the default version, for good (later calls answer the same).
-        ``incarnation`` (``""``: unchecked) fences out a replaced life of the owner."""
-        command = c.Bind(session=session, owner=owner, incarnation=incarnation)
+        ``incarnation`` (``""``: unchecked) fences out a replaced life of the owner;
+        ``secret`` is the owner's current life's (``register_owner``)."""
+        command = c.Bind(session=session, owner=owner, incarnation=incarnation, secret=secret)
         return await self._run(command, Bound)
 
     async def release(
-        self, session: str, owner: str, *, cause: str = "closed", incarnation: str = ""
+        self,
+        session: str,
+        owner: str,
+        *,
+        cause: str = "closed",
+        incarnation: str = "",
+        secret: str = "",
     ) -> Released:
         """Release a session: it is tombstoned and can never bind again."""
-        command = c.Release(session=session, owner=owner, cause=cause, incarnation=incarnation)
+        command = c.Release(
+            session=session, owner=owner, cause=cause, incarnation=incarnation, secret=secret
+        )
         return await self._run(command, Released)
 
     async def forget(self, sessions: Iterable[str]) -> Forgotten:
@@ -385,6 +396,7 @@ class LedgerAPI(TypedCommands):
         ttl_s: float = 30.0,
         incarnation: str = "",
         sessions_idle_s: float | None = None,
+        secret: str = "",
     ) -> Done:
         """Register a session owner; its lease starts now and must be renewed within ``ttl_s``.
 
@@ -395,7 +407,10 @@ class LedgerAPI(TypedCommands):
 
         ``sessions_idle_s`` (None: the owner holds its sessions) registers a relay whose
         sessions are client-held: no end of its life releases them, and this process releases
-        one after that long without a turn (0: never; docs/sessions.md)."""
+        one after that long without a turn (0: never; docs/sessions.md).
+
+        ``secret`` (made by the caller, ``secrets.token_hex(32)``; the log keeps its digest):
+        every later bind, renewal, release and deregistration of this life must carry it."""
         now = self.clock()
         command = c.RegisterOwner(
             owner=owner,
@@ -403,6 +418,7 @@ class LedgerAPI(TypedCommands):
             now=now,
             incarnation=incarnation,
             sessions_idle_s=sessions_idle_s,
+            secret=secret,
         )
         outcome = await self._run(command, Done)
         if outcome.no_op:
@@ -411,11 +427,15 @@ class LedgerAPI(TypedCommands):
             self.leases.restart(owner, now)
         return outcome
 
-    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+    async def deregister_owner(
+        self, owner: str, *, incarnation: str = "", secret: str = ""
+    ) -> Deregistered:
         """A clean exit: end ``owner``'s life (``incarnation``; ``""``: the current one) and
         release its sessions still bound (``owner_exited``) now, without waiting for its lease
         to run out. Recorded as a clean end, not an incident. Idempotent."""
-        command = c.DeregisterOwner(owner=owner, now=self.clock(), incarnation=incarnation)
+        command = c.DeregisterOwner(
+            owner=owner, now=self.clock(), incarnation=incarnation, secret=secret
+        )
         outcome = await self._run(command, Deregistered)
         if not outcome.no_op:
             self.leases.drop(owner)
@@ -428,16 +448,20 @@ class LedgerAPI(TypedCommands):
         *,
         incarnation: str = "",
         sessions: Iterable[str] = (),
+        secret: str = "",
     ) -> None:
         """Renew ``owner``'s lease (not logged) and record its in-flight counts per
         (engine, version_id). A stale worker gets ``OWNER_RESTARTED`` (a newer incarnation
         replaced ``incarnation``), ``LEASE_EXPIRED``, ``OWNER_DEREGISTERED`` or
-        ``UNKNOWN_OWNER``, by the same rule the decider applies to its commands.
+        ``UNKNOWN_OWNER``, by the same rule the decider applies to its commands; a call
+        without the life's ``secret`` ``OWNER_SECRET_MISMATCH``: only the life that dispatched
+        the requests can report them in flight (or none), so no other caller can make a
+        version look idle to reclaim.
 
         ``sessions``: the client-held sessions a relay had a turn of since its last renewal
         (admitted, ended, or running): their last turn is now, by this process's clock (soft
         state, ``publisher/core/session_activity.py``)."""
-        check_lease(self.state, owner, required=True, incarnation=incarnation)
+        check_lease(self.state, owner, required=True, incarnation=incarnation, secret=secret)
         if inflight is not None:
             _check_inflight(inflight)
         now = self.clock()

@@ -84,15 +84,20 @@ class RayTransport:
         return Answered(reply.results, self.mirrored(reply.routing, reply.fleet))
 
     async def register_owner(
-        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+        self,
+        owner: str,
+        ttl_s: float,
+        incarnation: str,
+        sessions_idle_s: float | None,
+        secret: str,
     ) -> Done:
         done: Done = await self.link.call(
-            "register_owner", owner, ttl_s, incarnation, sessions_idle_s
+            "register_owner", owner, ttl_s, incarnation, sessions_idle_s, secret
         )
         return done
 
-    async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
-        outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation)
+    async def deregister_owner(self, owner: str, incarnation: str, secret: str) -> Deregistered:
+        outcome: Deregistered = await self.link.call("deregister_owner", owner, incarnation, secret)
         return outcome
 
     async def renew(
@@ -100,9 +105,10 @@ class RayTransport:
         lives: Mapping[Life, Counts],
         mark: Mark | None,
         sessions: Mapping[Life, Sequence[str]],
+        secrets: Mapping[Life, str],
     ) -> Renewed:
         reply: RenewReply = await self.link.call(
-            "renew_leases", dict(lives), mark, self.fleet_mark, dict(sessions)
+            "renew_leases", dict(lives), mark, self.fleet_mark, dict(sessions), dict(secrets)
         )
         return Renewed(reply.lost, self.mirrored(reply.routing, reply.fleet))
 

@@ -206,12 +206,21 @@ class _Service:
         return Reply(results, table, self.fleet_for(fleet_mark))
 
     async def register_owner(
-        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None = None
+        self,
+        owner: str,
+        ttl_s: float,
+        incarnation: str,
+        sessions_idle_s: float | None = None,
+        secret: str = "",
     ) -> Done:
-        return await self.ledger_service.register(owner, ttl_s, incarnation, sessions_idle_s)
+        return await self.ledger_service.register(
+            owner, ttl_s, incarnation, sessions_idle_s, secret=secret
+        )
 
-    async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
-        return await self.ledger_service.deregister(owner, incarnation)
+    async def deregister_owner(
+        self, owner: str, incarnation: str, secret: str = ""
+    ) -> Deregistered:
+        return await self.ledger_service.deregister(owner, incarnation, secret=secret)
 
     async def renew_leases(
         self,
@@ -219,8 +228,9 @@ class _Service:
         mark: Mark | None,
         fleet_mark: Mark | None,
         sessions: Mapping[Life, Sequence[str]] | None = None,
+        secrets: Mapping[Life, str] | None = None,
     ) -> RenewReply:
-        lost, table = self.ledger_service.renew(renewals, mark, sessions)
+        lost, table = self.ledger_service.renew(renewals, mark, sessions, secrets=secrets or {})
         return RenewReply(lost, table, self.fleet_for(fleet_mark))
 
     async def routing_table(self) -> RoutingTable:
@@ -539,14 +549,18 @@ class LedgerActor:
         ttl_s: float = 30.0,
         incarnation: str = "",
         sessions_idle_s: float | None = None,
+        secret: str = "",
     ) -> Done:
-        """``sessions_idle_s``: a relay's (its sessions are client-held, docs/sessions.md)."""
+        """``sessions_idle_s``: a relay's (its sessions are client-held, docs/sessions.md);
+        ``secret``: the life's (refused without one)."""
         return await self._call(
-            self._service.register_owner, owner, ttl_s, incarnation, sessions_idle_s
+            self._service.register_owner, owner, ttl_s, incarnation, sessions_idle_s, secret
         )
 
-    async def deregister_owner(self, owner: str, incarnation: str = "") -> Deregistered:
-        return await self._call(self._service.deregister_owner, owner, incarnation)
+    async def deregister_owner(
+        self, owner: str, incarnation: str = "", secret: str = ""
+    ) -> Deregistered:
+        return await self._call(self._service.deregister_owner, owner, incarnation, secret)
 
     async def renew_leases(
         self,
@@ -554,11 +568,14 @@ class LedgerActor:
         mark: Mark | None = None,
         fleet_mark: Mark | None = None,
         sessions: dict[Life, tuple[str, ...]] | None = None,
+        secrets: dict[Life, str] | None = None,
     ) -> RenewReply:
-        """Renew each life ``(owner, incarnation)`` with its in-flight counts and (a relay's)
-        the client-held sessions it had a turn of; the lives refused come back by name (see
-        publisher/renewals.py)."""
-        return await self._call(self._service.renew_leases, renewals, mark, fleet_mark, sessions)
+        """Renew each life ``(owner, incarnation)``, proven by its secret (``secrets``), with
+        its in-flight counts and (a relay's) the client-held sessions it had a turn of; the
+        lives refused come back by name (see publisher/renewals.py)."""
+        return await self._call(
+            self._service.renew_leases, renewals, mark, fleet_mark, sessions, secrets
+        )
 
     async def routing(self) -> RoutingTable:
         return await self._call(self._service.routing_table)

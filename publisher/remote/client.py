@@ -68,6 +68,7 @@ Refusals come back as the ledger's own errors (same class and code), exactly as 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -76,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
 
 from engines.contract import EngineError
@@ -136,17 +138,25 @@ class Transport(Protocol):
     async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered: ...
 
     async def register_owner(
-        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+        self,
+        owner: str,
+        ttl_s: float,
+        incarnation: str,
+        sessions_idle_s: float | None,
+        secret: str,
     ) -> Done: ...
 
-    async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered: ...
+    async def deregister_owner(self, owner: str, incarnation: str, secret: str) -> Deregistered: ...
 
     async def renew(
         self,
         lives: Mapping[Life, Counts],
         mark: Mark | None,
         sessions: Mapping[Life, Sequence[str]],
-    ) -> Renewed: ...
+        secrets: Mapping[Life, str],
+    ) -> Renewed:
+        """Forward each life's renewal with its secret (``secrets``)."""
+        ...
 
     async def routing(self) -> RoutingTable: ...
 
@@ -320,6 +330,8 @@ class RemoteLedger(TypedCommands):
         self._tg: TaskGroup | None = None
         self._renewals = PendingRenewals()
         self._registered: dict[str, str] = {}  # owner -> incarnation, until it deregisters
+        # Each life's secret (its worker's), sent with every call for it; never logged.
+        self._secrets: dict[Life, str] = {}
         # (engine, kind) -> what is not reported yet; a key present in _reporting has a sender
         self._trouble: dict[tuple[str, str], _Trouble] = {}
         self._reporting: set[tuple[str, str]] = set()
@@ -370,7 +382,7 @@ class RemoteLedger(TypedCommands):
             return []
         if self._tg is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
-        request = _Request(list(commands))
+        request = _Request([self._proven(command) for command in commands])
         self._queue.append(request)
         if self._senders < self.max_in_flight:
             self._senders += 1
@@ -380,6 +392,15 @@ class RemoteLedger(TypedCommands):
             raise request.error
         assert request.results is not None
         return request.results
+
+    def _proven(self, command: c.Command) -> c.Command:
+        """A bind or release for a life registered through this client, carrying its secret
+        (the caller's own, or the one this client keeps for the life)."""
+        if not isinstance(command, c.Bind | c.Release) or command.secret:
+            return command
+        incarnation = command.incarnation or self._registered.get(command.owner, "")
+        secret = self._secrets.get((command.owner, incarnation))
+        return command if secret is None else msgspec.structs.replace(command, secret=secret)
 
     async def execute(self, command: c.Command) -> Outcome:
         """Decide one command; a refusal is raised (a ``LoraLedgerError``)."""
@@ -455,19 +476,32 @@ class RemoteLedger(TypedCommands):
         ttl_s: float = 30.0,
         incarnation: str = "",
         sessions_idle_s: float | None = None,
+        secret: str = "",
     ) -> Done:
         """Register ``owner``'s life ``incarnation`` (idempotent for the same one);
-        ``sessions_idle_s``: a relay's (its sessions are client-held)."""
-        done = await self.transport.register_owner(owner, ttl_s, incarnation, sessions_idle_s)
+        ``sessions_idle_s``: a relay's (its sessions are client-held). ``secret``: the life's
+        (its worker's; made here when none is given), kept here to go with the renewals,
+        binds and releases sent for it."""
+        secret = secret or os.urandom(32).hex()  # what secrets.token_hex(32) draws
+        done = await self.transport.register_owner(
+            owner, ttl_s, incarnation, sessions_idle_s, secret
+        )
         self._renewals.registered((owner, incarnation))
         self._registered[owner] = incarnation
+        self._secrets[(owner, incarnation)] = secret
         return done
 
-    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+    async def deregister_owner(
+        self, owner: str, *, incarnation: str = "", secret: str = ""
+    ) -> Deregistered:
         """A clean exit: the ledger releases the owner's sessions still bound
         (``owner_exited``) and no renewal of it is forwarded any more (idempotent)."""
-        outcome = await self.transport.deregister_owner(owner, incarnation)
-        self._renewals.ended((owner, incarnation))
+        life = (owner, incarnation)
+        outcome = await self.transport.deregister_owner(
+            owner, incarnation, secret or self._secrets.get(life, "")
+        )
+        self._renewals.ended(life)
+        self._secrets.pop(life, None)
         if self._registered.get(owner) == incarnation:
             del self._registered[owner]
         return outcome
@@ -491,20 +525,25 @@ class RemoteLedger(TypedCommands):
         *,
         incarnation: str = "",
         sessions: Iterable[str] = (),
+        secret: str = "",
     ) -> None:
-        """Record a renewal of ``owner`` (its life ``incarnation``) with its in-flight counts
-        per (engine, version) and the client-held ``sessions`` it had a turn of, and have it
-        forwarded. Raises the refusal (``LEASE_EXPIRED``, ``OWNER_RESTARTED``, ...) once the
-        ledger refused a renewal of this life."""
+        """Record a renewal of ``owner`` (its life ``incarnation``, proven by its ``secret``)
+        with its in-flight counts per (engine, version) and the client-held ``sessions`` it had
+        a turn of, and have it forwarded. Raises the refusal (``LEASE_EXPIRED``,
+        ``OWNER_RESTARTED``, ...) once the ledger refused a renewal of this life."""
+        if secret:
+            self._secrets[(owner, incarnation)] = secret
         self._renewals.record(owner, incarnation, inflight, sessions)
 
-    async def confirm_lease(self, owner: str, *, incarnation: str = "") -> None:
+    async def confirm_lease(self, owner: str, *, incarnation: str = "", secret: str = "") -> None:
         """The ledger's own answer about the life ``(owner, incarnation)``, awaited: returns
         once a renewal of it forwarded after this call was answered live, raises the ledger's
         refusal (``OWNER_RESTARTED``, ``LEASE_EXPIRED``, ``FENCED``, ...) otherwise. Without
         ``confirm_timeout`` it answers from memory, as ``renew_lease`` does; with it, a ledger
         that does not answer in time leaves the last answer standing (module docstring)."""
         life = (owner, incarnation)
+        if secret:
+            self._secrets[life] = secret
         known = self._renewals.lost(life)
         if known is not None:
             raise known
@@ -549,7 +588,8 @@ class RemoteLedger(TypedCommands):
         if not lives:
             return
         try:
-            renewed = await self.transport.renew(lives, self.view.mark, sessions)
+            secrets = {life: self._secrets.get(life, "") for life in lives}
+            renewed = await self.transport.renew(lives, self.view.mark, sessions, secrets)
         except Exception as exc:
             # Unreachable, refused as a whole, or an answer not understood: keep the newest
             # renewals for next time (the client's other work must not stop for it).

@@ -222,24 +222,33 @@ class HttpTransport:
         return Answered(decided, routing)
 
     async def register_owner(
-        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None
+        self,
+        owner: str,
+        ttl_s: float,
+        incarnation: str,
+        sessions_idle_s: float | None,
+        secret: str,
     ) -> Done:
         body = wire.RegisterOwner(
-            owner=owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+            owner=owner,
+            ttl_s=ttl_s,
+            incarnation=incarnation,
+            sessions_idle_s=sessions_idle_s,
+            secret=secret,
         )
         return await self.service.post("/owners", body, Done)
 
-    async def deregister_owner(self, owner: str, incarnation: str) -> Deregistered:
+    async def deregister_owner(self, owner: str, incarnation: str, secret: str) -> Deregistered:
         path = f"/owners/{segment(owner)}/deregister"
-        return await self.service.post(
-            path, wire.DeregisterOwner(incarnation=incarnation), Deregistered
-        )
+        body = wire.DeregisterOwner(incarnation=incarnation, secret=secret)
+        return await self.service.post(path, body, Deregistered)
 
     async def renew(
         self,
         lives: Mapping[Life, Counts],
         mark: Mark | None,
         sessions: Mapping[Life, Sequence[str]],
+        secrets: Mapping[Life, str],
     ) -> Renewed:
         """Every life in one body, unless the sessions they name would pass serve's cap on a
         body: then the rest of the sessions follow in more bodies, each life with its counts
@@ -254,6 +263,7 @@ class HttpTransport:
                         incarnation=incarnation,
                         inflight=wire.inflight(n),
                         sessions=part.get((owner, incarnation), []),
+                        secret=secrets.get((owner, incarnation), ""),
                     )
                     for (owner, incarnation), n in lives.items()
                 ],

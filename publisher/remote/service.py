@@ -25,7 +25,7 @@ from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Deregistered, Done, Outcome
 from publisher.gateway.provenance import ProvenanceRow, stored_row
 from publisher.logs import get_logger
-from publisher.remote.renewals import Counts, Life
+from publisher.remote.renewals import Life
 from publisher.remote.routing import Mark, RoutingTable, RoutingTracker
 
 log = get_logger("loraledger.remote")
@@ -33,6 +33,17 @@ log = get_logger("loraledger.remote")
 # The longest a long poll for the routing is held open: an answer well within every client's
 # request timeout, so a quiet ledger never looks like a lost one.
 MAX_ROUTING_WAIT_S = 30.0
+
+
+def _without_secret(owner: str) -> LedgerError:
+    """A call for ``owner`` from another process that carries no secret: every life reached
+    from outside the ledger's process proves itself by its secret (docs/sessions.md)."""
+    return LedgerError(
+        Code.OWNER_SECRET_MISMATCH,
+        f"owner {owner}: a call from another process must carry the secret of the owner's "
+        "current life (register one with a secret)",
+        owner=owner,
+    )
 
 
 class TroubleBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,48 +125,91 @@ class LedgerService:
     async def execute(
         self, commands: Sequence[c.Command], mark: Mark | None = None
     ) -> tuple[list[Outcome | LoraLedgerError], RoutingTable | None]:
-        """Decide ``commands`` in order (refusals in place), and the routing after them."""
-        results = await self.ledger.execute_many(commands)
-        return results, self.routing(mark)
+        """Decide ``commands`` in order (refusals in place), and the routing after them. A
+        bind or release without its owner's secret is refused here, undecided: a life
+        registered without one (an older log's) is not reachable from another process."""
+        results: list[Outcome | LoraLedgerError | None] = [
+            self._unproven(x.owner, x.secret) if isinstance(x, c.Bind | c.Release) else None
+            for x in commands
+        ]
+        decided = iter(
+            await self.ledger.execute_many(
+                [x for x, r in zip(commands, results, strict=True) if r is None]
+            )
+        )
+        return [next(decided) if r is None else r for r in results], self.routing(mark)
+
+    def _unproven(self, owner: str, secret: str) -> LedgerError | None:
+        """The refusal of a call for a registered ``owner`` that carries no secret (an
+        unknown owner is the ledger's to refuse, ``UNKNOWN_OWNER``)."""
+        return _without_secret(owner) if not secret and owner in self.ledger.state.owners else None
 
     async def register(
-        self, owner: str, ttl_s: float, incarnation: str, sessions_idle_s: float | None = None
+        self,
+        owner: str,
+        ttl_s: float,
+        incarnation: str,
+        sessions_idle_s: float | None = None,
+        *,
+        secret: str,
     ) -> Done:
+        if not secret:
+            raise _without_secret(owner)
         return await self.ledger.register_owner(
-            owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+            owner,
+            ttl_s=ttl_s,
+            incarnation=incarnation,
+            sessions_idle_s=sessions_idle_s,
+            secret=secret,
         )
 
-    async def deregister(self, owner: str, incarnation: str) -> Deregistered:
-        return await self.ledger.deregister_owner(owner, incarnation=incarnation)
+    async def deregister(self, owner: str, incarnation: str, *, secret: str) -> Deregistered:
+        if (refusal := self._unproven(owner, secret)) is not None:
+            raise refusal
+        return await self.ledger.deregister_owner(owner, incarnation=incarnation, secret=secret)
 
     def renew(
         self,
         lives: Mapping[Life, Mapping[tuple[str, int], int]],
         mark: Mark | None = None,
         sessions: Mapping[Life, Sequence[str]] | None = None,
+        *,
+        secrets: Mapping[Life, str],
     ) -> tuple[dict[Life, LoraLedgerError], RoutingTable | None]:
-        """Renew each life ``(owner, incarnation)`` with its in-flight counts and (a relay's)
-        the client-held sessions it had a turn of; the lives the ledger refused come back by
-        name, with their refusal."""
+        """Renew each life ``(owner, incarnation)``, proven by its secret (``secrets``), with
+        its in-flight counts and (a relay's) the client-held sessions it had a turn of; the
+        lives the ledger refused come back by name, with their refusal."""
         lost: dict[Life, LoraLedgerError] = {}
         touched = sessions or {}
         for (owner, incarnation), inflight in lives.items():
             try:
-                self.ledger.renew_lease(
+                self.renew_one(
                     owner,
                     inflight,
-                    incarnation=incarnation,
-                    sessions=touched.get((owner, incarnation), ()),
+                    incarnation,
+                    touched.get((owner, incarnation), ()),
+                    secret=secrets.get((owner, incarnation), ""),
                 )
             except LoraLedgerError as exc:
                 lost[(owner, incarnation)] = exc
         return lost, self.routing(mark)
 
     def renew_one(
-        self, owner: str, inflight: Counts, incarnation: str, sessions: Sequence[str] = ()
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int],
+        incarnation: str,
+        sessions: Sequence[str] = (),
+        *,
+        secret: str,
     ) -> None:
-        """One owner's renewal; raises its refusal."""
-        self.ledger.renew_lease(owner, inflight, incarnation=incarnation, sessions=sessions)
+        """One owner's renewal, by the life's ``secret``: only the life that dispatched its
+        requests reports them in flight; raises its refusal."""
+        if (refusal := self._unproven(owner, secret)) is not None:
+            raise refusal
+        self.ledger.renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
+        )
 
     def trouble(self, engine: str, error: EngineError, batch: TroubleBatch | None = None) -> bool:
         """A remote gateway's generation on ``engine`` failed with ``error``: handed to the

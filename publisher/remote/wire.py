@@ -35,16 +35,22 @@ class Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 
 
 # --- owners and leases -------------------------------------------------------------------------
+# Every call for an owner's life carries the life's ``secret`` (its worker made it and
+# registered it; the ledger keeps its digest): a body without one is refused, so a caller that
+# only knows an owner id and incarnation cannot act for it (docs/sessions.md#owner-secrets).
+Secret = Annotated[str, msgspec.Meta(min_length=32, max_length=256)]
 
 
 class RegisterOwner(Body, frozen=True):
     owner: str
+    secret: Secret  # this life's (printable ASCII: secrets.token_hex(32))
     ttl_s: float = 30.0
     incarnation: str = ""  # this life of the owner (docs/sessions.md#owner-incarnations)
     sessions_idle_s: float | None = None  # a relay's: its sessions are client-held
 
 
 class DeregisterOwner(Body, frozen=True):
+    secret: Secret  # the current life's
     incarnation: str = ""  # "": whichever life is current
 
 
@@ -57,6 +63,7 @@ class InFlightCount(Body, frozen=True):
 class RenewLease(Body, frozen=True):
     """``POST /owners/{owner}/renew``: one owner's renewal."""
 
+    secret: Secret  # the life's
     inflight: list[InFlightCount] = msgspec.field(default_factory=list)
     incarnation: str = ""  # "": not checked
     sessions: list[str] = msgspec.field(default_factory=list)  # a relay's sessions with a turn
@@ -67,6 +74,7 @@ class LifeRenewal(Body, frozen=True):
     client-held sessions it had a turn of since its last renewal."""
 
     owner: str
+    secret: str = ""  # the life's (one life without it is refused alone, not the whole batch)
     incarnation: str = ""
     inflight: list[InFlightCount] = msgspec.field(default_factory=list)
     sessions: list[str] = msgspec.field(default_factory=list)
@@ -84,12 +92,14 @@ class RenewLeases(Body, frozen=True):
 
 class BindSession(Body, frozen=True):
     owner: str
+    secret: Secret  # the owner's current life's
     incarnation: str = ""  # "": not checked
 
 
 class ReleaseSession(Body, frozen=True):
     owner: str
-    cause: str = "closed"
+    secret: Secret  # the owner's current life's
+    cause: str = "closed"  # one a caller may state (evlog.events.CALLER_RELEASE_CAUSES)
     incarnation: str = ""  # "": not checked
 
 

@@ -36,9 +36,12 @@ class LedgerPort(Protocol):
         ttl_s: float = ...,
         incarnation: str = ...,
         sessions_idle_s: float | None = ...,
+        secret: str = ...,
     ) -> Done: ...
 
-    async def deregister_owner(self, owner: str, *, incarnation: str = ...) -> Deregistered: ...
+    async def deregister_owner(
+        self, owner: str, *, incarnation: str = ..., secret: str = ...
+    ) -> Deregistered: ...
 
     def renew_lease(
         self,
@@ -47,6 +50,7 @@ class LedgerPort(Protocol):
         *,
         incarnation: str = ...,
         sessions: Iterable[str] = ...,
+        secret: str = ...,
     ) -> None: ...
 
     async def execute_many(
@@ -61,7 +65,9 @@ class ConfirmsLeases(Protocol):
     is sent (:meth:`~publisher.remote.client.RemoteLedger.confirm_lease`). The in-process
     ledger does not need it: its ``renew_lease`` is the ledger's answer."""
 
-    async def confirm_lease(self, owner: str, *, incarnation: str = ...) -> None: ...
+    async def confirm_lease(
+        self, owner: str, *, incarnation: str = ..., secret: str = ...
+    ) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ trip per group), which is what a Ray actor wants.
 from __future__ import annotations
 
 import math
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -83,6 +84,7 @@ class RolloutWorker:
         incarnation: str | None = None,
         deregister_on_exit: bool = True,
         sessions_idle_s: float | None = None,
+        secret: str | None = None,
     ) -> None:
         if sessions_idle_s is not None and not (
             math.isfinite(sessions_idle_s) and sessions_idle_s >= 0 and idle_release_s == 0
@@ -107,6 +109,12 @@ class RolloutWorker:
         # This life of the owner: made here, at the edge (never by the ledger), so every
         # start of a worker -- a Ray actor restarted by Ray included -- is a new incarnation.
         self.incarnation = incarnation if incarnation is not None else uuid.uuid4().hex
+        # This life's secret, made here with it and sent with every call for the life (the
+        # ledger keeps only its digest): another caller that learns the owner id and the
+        # incarnation still cannot bind, renew, release or deregister for it. Never logged.
+        # ``os.urandom`` is what ``secrets`` draws from, read at the call as ``uuid4`` does (a
+        # seeded simulation replays it).
+        self.secret = secret if secret is not None else os.urandom(32).hex()
         self.deregister_on_exit = deregister_on_exit
         self.deregistered: Deregistered | None = None
         self.ttl_s = ttl_s
@@ -163,12 +171,14 @@ class RolloutWorker:
         incarnation: str | None = None,
         deregister_on_exit: bool = True,
         sessions_idle_s: float | None = None,
+        secret: str | None = None,
     ) -> AsyncIterator[RolloutWorker]:
         """Register (a new incarnation unless ``incarnation`` is given), run the background
         work for the life of the block, and on a normal exit deregister (see the module
         docstring; ``deregister_on_exit=False`` leaves the sessions bound under the lease).
         ``sessions_idle_s`` makes the worker a relay of client-held sessions (module
-        docstring)."""
+        docstring). ``secret``: the life's secret (made here unless given: a worker that
+        takes over a life on purpose passes its ``incarnation`` and ``secret``)."""
         worker = cls(
             ledger,
             gateway,
@@ -182,6 +192,7 @@ class RolloutWorker:
             incarnation=incarnation,
             deregister_on_exit=deregister_on_exit,
             sessions_idle_s=sessions_idle_s,
+            secret=secret,
         )
         worker._forget_lock = anyio.Lock()
         await worker._call(worker._register)
@@ -281,13 +292,14 @@ class RolloutWorker:
     async def _register(self) -> Any:
         if self.sessions_idle_s is None:  # owner-held: the call every ledger port knows
             return await self.ledger.register_owner(
-                self.owner, ttl_s=self.ttl_s, incarnation=self.incarnation
+                self.owner, ttl_s=self.ttl_s, incarnation=self.incarnation, secret=self.secret
             )
         return await self.ledger.register_owner(
             self.owner,
             ttl_s=self.ttl_s,
             incarnation=self.incarnation,
             sessions_idle_s=self.sessions_idle_s,
+            secret=self.secret,
         )
 
     def ensure_live(self) -> None:
@@ -299,7 +311,10 @@ class RolloutWorker:
         try:
             if self.sessions_idle_s is None:
                 self.ledger.renew_lease(
-                    self.owner, self.inflight.counts(), incarnation=self.incarnation
+                    self.owner,
+                    self.inflight.counts(),
+                    incarnation=self.incarnation,
+                    secret=self.secret,
                 )
             else:
                 touched, self._touched = self._touched, set()
@@ -308,6 +323,7 @@ class RolloutWorker:
                     self.inflight.counts(),
                     incarnation=self.incarnation,
                     sessions=touched,
+                    secret=self.secret,
                 )
         except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
@@ -326,7 +342,9 @@ class RolloutWorker:
         if self._confirmer is None:
             return
         try:
-            await self._confirmer.confirm_lease(self.owner, incarnation=self.incarnation)
+            await self._confirmer.confirm_lease(
+                self.owner, incarnation=self.incarnation, secret=self.secret
+            )
         except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:
                 self._owner_lost(exc)
@@ -520,6 +538,7 @@ class RolloutWorker:
                 owner=self.owner,
                 incarnation=self.incarnation,
                 expect_version=b.bind_expect,
+                secret=self.secret,
             )
             for b in binders
         ]
@@ -534,6 +553,7 @@ class RolloutWorker:
                 owner=self.owner,
                 cause=b.release_cause,
                 incarnation=self.incarnation,
+                secret=self.secret,
             )
             for b in binders
         ]
@@ -655,7 +675,9 @@ class RolloutWorker:
             return None
         try:
             outcome = await self._call(
-                lambda: self.ledger.deregister_owner(self.owner, incarnation=self.incarnation)
+                lambda: self.ledger.deregister_owner(
+                    self.owner, incarnation=self.incarnation, secret=self.secret
+                )
             )
         except LoraLedgerError as exc:
             if exc.code in OWNER_LOST_CODES:

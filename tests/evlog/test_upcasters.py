@@ -59,6 +59,26 @@ def test_a_schema_2_owner_registration_reads_as_owner_held_sessions() -> None:
     assert decode_event(encode_event(relay), "OwnerRegistered", OwnerRegistered.SCHEMA) == relay
 
 
+def test_a_schema_3_owner_registration_reads_as_a_life_without_a_secret() -> None:
+    """Schema 4 added ``secret_digest`` to ``OwnerRegistered``: a life registered before had
+    no secret, which reads as ``""`` (no remote call can act for it: it must re-register)."""
+    old = msgspec.msgpack.encode(
+        {"type": "OwnerRegistered", "owner": "gw", "ttl_s": 30.0, "at": 5.0,
+         "incarnation": "a", "replaced": None, "sessions_idle_s": 0.0}
+    )  # fmt: skip
+    event = decode_event(old, "OwnerRegistered", 3)
+    assert event == OwnerRegistered(
+        owner="gw", ttl_s=30.0, at=5.0, incarnation="a", sessions_idle_s=0.0
+    )
+    assert event.secret_digest == ""
+    schema_1 = msgspec.msgpack.encode({"type": "OwnerRegistered", "owner": "w", "ttl_s": 5.0,
+                                       "at": 1.0})  # fmt: skip
+    oldest = decode_event(schema_1, "OwnerRegistered", 1)  # 1 -> 2 -> 3 -> 4
+    assert isinstance(oldest, OwnerRegistered) and oldest.secret_digest == ""
+    proven = OwnerRegistered(owner="gw", ttl_s=30.0, at=6.0, secret_digest="d" * 64)
+    assert decode_event(encode_event(proven), "OwnerRegistered", OwnerRegistered.SCHEMA) == proven
+
+
 def test_a_schema_1_session_release_reads_as_no_idle_evidence() -> None:
     """Schema 2 added ``last_turn``, ``idle_s`` and ``at`` to ``SessionReleased``: no release
     before it was the ledger's idle release, so they read as None."""

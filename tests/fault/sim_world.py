@@ -374,16 +374,23 @@ class ControllerPort:
         ttl_s: float = 30.0,
         incarnation: str = "",
         sessions_idle_s: float | None = None,
+        secret: str = "",
     ) -> Done:
         return await self._remote(
             lambda ledger: ledger.register_owner(
-                owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+                owner,
+                ttl_s=ttl_s,
+                incarnation=incarnation,
+                sessions_idle_s=sessions_idle_s,
+                secret=secret,
             )
         )
 
-    async def deregister_owner(self, owner: str, *, incarnation: str = "") -> Deregistered:
+    async def deregister_owner(
+        self, owner: str, *, incarnation: str = "", secret: str = ""
+    ) -> Deregistered:
         return await self._remote(
-            lambda ledger: ledger.deregister_owner(owner, incarnation=incarnation)
+            lambda ledger: ledger.deregister_owner(owner, incarnation=incarnation, secret=secret)
         )
 
     def renew_lease(
@@ -393,9 +400,10 @@ class ControllerPort:
         *,
         incarnation: str = "",
         sessions: Iterable[str] = (),
+        secret: str = "",
     ) -> None:
         self._world.ledger().renew_lease(
-            owner, inflight, incarnation=incarnation, sessions=sessions
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
         )
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:

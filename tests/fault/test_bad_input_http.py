@@ -294,7 +294,9 @@ async def test_every_serve_route_answers_bad_requests_without_a_500(
     ):
         assert (
             await http.post(
-                "/owners", json={"owner": "w"}, headers=_headers(f"Bearer {TOKEN}", None)
+                "/owners",
+                json={"owner": "w", "secret": "s" * 64},
+                headers=_headers(f"Bearer {TOKEN}", None),
             )
         ).status_code == 200
         for requests, prefixes in cases:

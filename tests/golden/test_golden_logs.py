@@ -173,6 +173,9 @@ async def test_old_payloads_read_as_what_their_schema_meant(golden: tuple[Path, 
     registered = [r.event for r in records if isinstance(r.event, OwnerRegistered)]
     assert registered and all(e.sessions_idle_s is None for e in registered)
     assert all(o.sessions_idle_s is None for o in state.owners.values())
+    # schema 4 added the digest of a life's secret: every life before had none
+    assert all(e.secret_digest == "" for e in registered)
+    assert all(o.secret_digest == "" for o in state.owners.values())
     assert all(b.idle_s is None for b in state.sessions.values())
     releases = [r.event for r in records if isinstance(r.event, SessionReleased)]
     assert releases and all((e.last_turn, e.idle_s, e.at) == (None,) * 3 for e in releases)

@@ -179,8 +179,9 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
         with anyio.fail_after(10):
             while await _inflight(http) != 1:  # noqa: ASYNC110 -- B's renewal reached serve
                 await anyio.sleep(0.05)
-        # Release the session (the binding no longer holds v1): only the count does.
-        reply = await http.post("/sessions/shared/release", json={"owner": "gw-a"})
+        # Release the session through process A (the binding no longer holds v1): only the
+        # count does.
+        reply = await http.post(f"{url_a}/v1/sessions/shared/release")
         assert reply.status_code == 200 and reply.json()["released"] is True, reply.text
         await anyio.sleep(1.5)  # several reclaim ticks of serve
         assert await _state(http, 1) == "RETIRED"

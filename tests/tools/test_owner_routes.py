@@ -89,16 +89,17 @@ async def test_a_clean_exit_and_a_restart_over_http(tmp_path: Path) -> None:
 
             # the routes as a client sends them: a stale incarnation is a 409 with its code
             async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
-                body = {"owner": "h", "ttl_s": 60, "incarnation": "one"}
+                one, two = "1" * 64, "2" * 64  # each life's secret
+                body = {"owner": "h", "ttl_s": 60, "incarnation": "one", "secret": one}
                 assert (await http.post("/owners", json=body, headers=AUTH)).status_code == 200
-                body["incarnation"] = "two"
+                body.update(incarnation="two", secret=two)
                 assert (await http.post("/owners", json=body, headers=AUTH)).status_code == 200
                 stale = await http.post(
-                    "/owners/h/deregister", json={"incarnation": "one"}, headers=AUTH
+                    "/owners/h/deregister", json={"incarnation": "one", "secret": one}, headers=AUTH
                 )
                 assert (stale.status_code, stale.json()["code"]) == (409, "OWNER_RESTARTED")
                 done = await http.post(
-                    "/owners/h/deregister", json={"incarnation": "two"}, headers=AUTH
+                    "/owners/h/deregister", json={"incarnation": "two", "secret": two}, headers=AUTH
                 )
                 assert done.json() == {"type": "Deregistered", "owner": "h", "released": 0,
                                        "no_op": False}  # fmt: skip

@@ -66,6 +66,7 @@ def _fingerprint(command: c.Command) -> str:
     for name, default in later.items():
         if name in body and body[name] == default:
             del body[name]
+    body.pop("secret", None)  # an owner life's secret says who asks, not what; never logged
     return hashlib.sha256(msgspec.msgpack.encode(body)).hexdigest()[:32]
 
 

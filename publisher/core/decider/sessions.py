@@ -13,7 +13,13 @@ the session is not idle by that evidence, as an expiry is refused for a live lea
 
 from __future__ import annotations
 
-from evlog.events import IDLE_CAUSE, SessionBound, SessionReleased, SessionsForgotten
+from evlog.events import (
+    CALLER_RELEASE_CAUSES,
+    IDLE_CAUSE,
+    SessionBound,
+    SessionReleased,
+    SessionsForgotten,
+)
 from projections.registry import RegistryState
 from projections.staleness import TOO_STALE, staleness, too_stale
 from publisher.core import commands as c
@@ -42,7 +48,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
     _deployment(s)
     _is_str(cmd.session, "session")
     _is_str(cmd.owner, "owner")
-    check_lease(s, cmd.owner, required=False, incarnation=cmd.incarnation)
+    check_lease(s, cmd.owner, required=False, incarnation=cmd.incarnation, secret=cmd.secret)
     binding = s.sessions.get(cmd.session)
     if binding is not None:
         return Decision(
@@ -51,7 +57,7 @@ def _bind(s: RegistryState, cmd: c.Bind) -> Decision:
     if cmd.session in s.tombstones:
         raise _closed(s, cmd.session)
     _key(cmd.session, "session")
-    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
+    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation, secret=cmd.secret)
     if s.default is None:
         raise LedgerError(Code.NO_PUBLISHED_VERSION, "no version has been published yet")
     if cmd.expect_version is not None and cmd.expect_version != s.default:
@@ -93,15 +99,35 @@ def _not_the_default(s: RegistryState, session: str, named: int) -> LedgerError:
 
 
 def _release(s: RegistryState, cmd: c.Release) -> Decision:
+    """A release by a live owner's current life (its secret), with a cause a caller may state:
+    the log's causes are claims, so one that says an owner's life ended is the ledger's alone
+    to write, ``too_stale`` only of a session that is, and ``idle`` only by the owner of an
+    owner-held session (a client-held one goes idle by the ledger's ``ReleaseIdle``)."""
     _deployment(s)
     _is_str(cmd.session, "session")
     cause = cmd.cause
-    if not isinstance(cause, str) or not 0 < len(cause) <= 64 or not cause.isprintable():
-        raise LedgerError(Code.INVALID_INPUT, "cause must be a printable string of 1-64 chars")
+    if not isinstance(cause, str) or cause not in CALLER_RELEASE_CAUSES:
+        raise LedgerError(
+            Code.INVALID_INPUT,
+            f"a release's cause is one of {', '.join(CALLER_RELEASE_CAUSES)}; the others are "
+            "recorded by the ledger itself",
+        )
     _is_str(cmd.owner, "owner")
     _fence_incarnation(s, cmd.owner, cmd.incarnation)
     binding = s.sessions.get(cmd.session)
+    if binding is None and cmd.session not in s.tombstones:  # a new id: checked in full
+        _key(cmd.session, "session")
+        _key(cmd.owner, "owner")
+    if binding is not None or cmd.session not in s.tombstones:
+        check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation, secret=cmd.secret)
     if binding is not None:
+        if cause == IDLE_CAUSE and (binding.idle_s is not None or binding.owner != cmd.owner):
+            raise LedgerError(
+                Code.INVALID_INPUT,
+                f"session {cmd.session} is released as {IDLE_CAUSE} only by its own owner "
+                "(a client-held session goes idle by the ledger's own release)",
+                session=cmd.session,
+            )
         if cause == TOO_STALE and not too_stale(
             binding.revision, s.default_revision, s.max_staleness
         ):
@@ -126,9 +152,6 @@ def _release(s: RegistryState, cmd: c.Release) -> Decision:
     if cmd.session in s.tombstones:
         return Decision(outcome=Released(session=cmd.session, released=False))
     # Closed before its first bind: tombstone it so it can never bind.
-    _key(cmd.session, "session")
-    _key(cmd.owner, "owner")
-    check_lease(s, cmd.owner, required=True, incarnation=cmd.incarnation)
     event = SessionReleased(session=cmd.session, owner=cmd.owner, version_id=None, cause=cmd.cause)
     return Decision((event,), Released(session=cmd.session, released=False, tombstoned=True))
 

@@ -313,17 +313,17 @@ def test_sessions_outcomes_and_events_name_the_session_owner_and_cause(book: Boo
     bound = book.run(c.Bind(session="s", owner="w1"))
     again = book.run(c.Bind(session="s", owner="w1"))
     assert again == Bound(**{**msgspec.structs.asdict(bound), "new": False})
-    released = book.run(c.Release(session="s", owner="w1", cause="c" * 64))
+    released = book.run(c.Release(session="s", owner="w1", cause="closed"))
     assert released == Released(session="s", released=True, version_id=1, tombstoned=True)
-    assert book.events[-1] == SessionReleased(session="s", owner="w1", version_id=1, cause="c" * 64)
-    assert book.run(c.Release(session="s", owner="w1", cause="x")) == Released(
+    assert book.events[-1] == SessionReleased(session="s", owner="w1", version_id=1, cause="closed")
+    assert book.run(c.Release(session="s", owner="w1", cause="idle")) == Released(
         session="s", released=False
     )
-    book.refuse(c.Release(session="s2", owner="w1", cause="c" * 65), Code.INVALID_INPUT)
-    closed = book.run(c.Release(session="s2", owner="w1", cause="abandoned"))
+    book.refuse(c.Release(session="s2", owner="w1", cause="abandoned"), Code.INVALID_INPUT)
+    closed = book.run(c.Release(session="s2", owner="w1", cause="idle"))
     assert closed == Released(session="s2", released=False, tombstoned=True)  # it wrote one
     assert book.events[-1] == SessionReleased(
-        session="s2", owner="w1", version_id=None, cause="abandoned"
+        session="s2", owner="w1", version_id=None, cause="idle"
     )
     refused = _refusal(book, c.Bind(session="s2", owner="w1"))
     assert refused.code == Code.SESSION_CLOSED and refused.details["session"] == "s2"
@@ -372,8 +372,8 @@ def test_an_allocation_records_its_size_as_given(book: Book) -> None:
         (c.RegisterOwner(owner="w2", ttl_s=0.0, now=0.0), Code.INVALID_INPUT, {}),
         (c.RegisterOwner(owner="w2", ttl_s=float("nan"), now=0.0), Code.INVALID_INPUT, {}),
         (c.Bind(session="s" * 257, owner="w1"), Code.INVALID_INPUT, {"field": "session"}),
-        (c.Release(session="", owner="w1", cause="c"), Code.INVALID_INPUT, {"field": "session"}),
-        (c.Release(session="s7", owner="", cause="c"), Code.INVALID_INPUT, {"field": "owner"}),
+        (c.Release(session="", owner="w1"), Code.INVALID_INPUT, {"field": "session"}),
+        (c.Release(session="s7", owner=""), Code.INVALID_INPUT, {"field": "owner"}),
         (c.Bind(session="s", owner="stranger"), Code.UNKNOWN_OWNER, {"owner": "stranger"}),
         (c.Allocate(version_id=0, digest=digest_of(0)), Code.INVALID_VERSION, {"version_id": 0}),
         (

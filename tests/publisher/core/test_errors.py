@@ -59,6 +59,7 @@ LEDGER_FAMILY: dict[str, type[LoraLedgerError]] = {
             Code.LEASE_EXPIRED,
             Code.OWNER_RESTARTED,
             Code.OWNER_DEREGISTERED,
+            Code.OWNER_SECRET_MISMATCH,
             Code.VERSION_NOT_BOUND,
             Code.NOT_RECLAIMABLE,
             Code.REQUESTS_IN_FLIGHT,

@@ -76,6 +76,11 @@ def owner_of(session: str) -> str:
     return f"w{session[1]}"
 
 
+# Who asks for the bound sessions again (a resume in another process): an owner of its own, as
+# only a worker's own life may act for it; an existing binding is answered to any owner.
+REBINDER = "rebinder"
+
+
 def prompt(session: str, turn: int) -> tuple[int, ...]:
     """Token ids depending only on (session, turn) (crc32: stable across processes)."""
     h = zlib.crc32(session.encode())
@@ -304,7 +309,8 @@ class InProcessEnv:
         """See :meth:`ledger_down`."""
 
     async def rebind(self, sessions: Sequence[str]) -> list[Bound]:
-        return [await self.plane.ledger.bind(s, owner_of(s)) for s in sessions]
+        await self.plane.ledger.register_owner(REBINDER)
+        return [await self.plane.ledger.bind(s, REBINDER) for s in sessions]
 
     async def version_states(self) -> dict[int, str]:
         return {v.version_id: str(v.state) for v in self.plane.ledger.status().versions}
@@ -496,7 +502,8 @@ class RayEnv:
 
     async def rebind(self, sessions: Sequence[str]) -> list[Bound]:
         async with RayLedger.connect(self.ledger_name, namespace=self.namespace) as ledger:
-            return [await ledger.bind(s, owner_of(s)) for s in sessions]
+            await ledger.register_owner(REBINDER)
+            return [await ledger.bind(s, REBINDER) for s in sessions]
 
     async def version_states(self) -> dict[int, str]:
         async with RayLedger.connect(self.ledger_name, namespace=self.namespace) as ledger:

@@ -116,7 +116,7 @@ async def test_routing_arrives_with_the_replies_and_the_long_poll(ledger_factory
         RayLedger.connect(lut.name) as worker,
     ):
         await create(publisher)
-        await publisher.register_owner("w1")
+        await worker.register_owner("w1")  # the owner's calls go through its own client
         v1 = await publish(publisher, 1)
         await worker.refresh()
         assert worker.view.holders(v1.lora_name) == ENGINES

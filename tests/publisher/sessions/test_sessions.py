@@ -56,13 +56,18 @@ class Port:
         ttl_s: float = 30.0,
         incarnation: str = "",
         sessions_idle_s: float | None = None,
+        secret: str = "",
     ) -> Done:
         return await self.ledger.register_owner(
-            owner, ttl_s=ttl_s, incarnation=incarnation, sessions_idle_s=sessions_idle_s
+            owner,
+            ttl_s=ttl_s,
+            incarnation=incarnation,
+            sessions_idle_s=sessions_idle_s,
+            secret=secret,
         )
 
-    async def deregister_owner(self, owner: str, *, incarnation: str = ""):  # type: ignore[no-untyped-def]
-        return await self.ledger.deregister_owner(owner, incarnation=incarnation)
+    async def deregister_owner(self, owner: str, *, incarnation: str = "", secret: str = ""):  # type: ignore[no-untyped-def]
+        return await self.ledger.deregister_owner(owner, incarnation=incarnation, secret=secret)
 
     def renew_lease(
         self,
@@ -71,8 +76,11 @@ class Port:
         *,
         incarnation: str = "",
         sessions: Iterable[str] = (),
+        secret: str = "",
     ) -> None:
-        self.ledger.renew_lease(owner, inflight, incarnation=incarnation, sessions=sessions)
+        self.ledger.renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
+        )
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
         self.calls.append(list(commands))
@@ -502,7 +510,9 @@ async def test_a_stale_worker_is_refused_with_lease_expired_never_rebound() -> N
         assert len(await events_of(r.store, SessionBound)) == 1
         # the expired life cannot come back (a late retry of its registration) ...
         with pytest.raises(LoraLedgerError) as info:
-            await r.ledger.register_owner("w1", ttl_s=10.0, incarnation=w.incarnation)
+            await r.ledger.register_owner(
+                "w1", ttl_s=10.0, incarnation=w.incarnation, secret=w.secret
+            )
         assert info.value.code == Code.LEASE_EXPIRED
         # ... but a new life of the owner id may start (a worker restarted after its lease ran
         # out): it binds afresh, and "s" stays released
