@@ -10,6 +10,12 @@ GET      ``/status``                      read-only, open unless ``private_reads
                                          (``LedgerStatus`` as JSON)
 GET      ``/metrics``                     read-only, open unless ``private_reads``
                                          (Prometheus text format)
+GET      ``/ui``                          read-only, open unless ``private_reads``: the
+                                         operator's live page (:mod:`tools.ui`);
+         ``/ui/events``                   its server-sent snapshots, one per commit;
+         ``/ui/incidents``,               the last incidents, a version's or an engine's
+         ``/ui/version/{id}``,            timeline (``replay --incidents``/``--version``/
+         ``/ui/engine/{engine}``          ``--engine``, as HTML; 404 without ``replayer``)
 GET      ``/routing``                     read-only, open unless ``private_reads``
                                          (the routing table remote gateways route by;
                                          ``?epoch=E&serial=S&wait=W``: a long poll, answered
@@ -88,6 +94,7 @@ from publisher.remote import wire
 from publisher.remote.service import LedgerService, TroubleBatch, TroubleReceiver
 from publisher.remote.uploads import AdapterUploads
 from tools.metrics import LedgerMetrics
+from tools.ui import Replayer, UiPages
 
 # the body of POST /versions -> outcome struct
 Publish = Callable[[wire.PublishVersion], Awaitable[Any]]
@@ -142,6 +149,7 @@ def build_app(
     report_trouble: TroubleReceiver | None = None,
     provenance: ProvenanceStore | None = None,
     uploads: AdapterUploads | None = None,
+    replayer: Replayer | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
@@ -161,7 +169,9 @@ def build_app(
     engines. ``provenance`` (the store beside the log) keeps the rows gateway processes send
     to ``POST /provenance``; without it that route is refused ``INVALID_STATE``. ``uploads``
     receives adapters remote trainers send (``/adapters/...``, whose weights body is capped by
-    ``uploads.max_bytes`` instead); without it those routes are refused ``INVALID_STATE``."""
+    ``uploads.max_bytes`` instead); without it those routes are refused ``INVALID_STATE``.
+    ``replayer`` (:func:`tools.replay.replay` over this service's log) serves the live page's
+    incidents and timelines; without it they answer 404."""
     expected = token.encode() if token else None
     service = LedgerService(ledger, engine_trouble=report_trouble, provenance=provenance)
 
@@ -409,6 +419,7 @@ def build_app(
         Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
         Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
         Route("/provenance", writer(wire.StoreProvenance, store_provenance), methods=["POST"]),
+        *UiPages(lambda: ledger.state, ledger.wait_committed, replayer=replayer).routes(reader),
         *extra_routes,
     ]
 

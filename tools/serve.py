@@ -33,6 +33,7 @@ copy of serve's own rows too.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -413,6 +414,7 @@ async def serve(
     from publisher.remote.uploads import AdapterUploads
     from tools.http_app import build_app
     from tools.metrics import LedgerMetrics
+    from tools.replay import replay
 
     check_options(opts)
     async with (
@@ -436,6 +438,7 @@ async def serve(
             remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
             report_trouble=plane.reconciler.engine_trouble,
             provenance=provenance,
+            replayer=functools.partial(replay, opts.db),
         )
         server = _server(app, opts, verbosity)
         async with anyio.create_task_group() as tg:

@@ -1,0 +1,284 @@
+"""The operator's live page: ``GET /ui`` of ``loraledger serve``, updated as the log grows.
+
+Nobody watches a terminal for a week-long run; a browser tab they leave open is what they
+look at. The page is one static file (``ui.html``: plain HTML, CSS and a little JavaScript, no
+build chain) that opens ``GET /ui/events``, a stream of server-sent events: one snapshot of the
+ledger's state (:class:`UiSnapshot`) at once, then a fresh one each time a record is committed.
+
+Why snapshots and not the events themselves: the page then needs no fold of its own (one
+projection of the state, here, in Python) and a reconnecting browser is whole again with its
+first message. Why it cannot become a polling storm: a stream waits on the ledger's commit
+signal (``wait_committed``, one event shared by every waiter), sends at most one snapshot per
+``min_interval_s`` however fast the log grows (a burst of commits is coalesced into the next
+snapshot), at most ``max_streams`` streams are open at once (one more is told ``busy`` and
+closed), and each ends after ``stream_s`` (the browser reconnects by itself, ``retry:``), so a
+forgotten tab holds nothing forever. A client that goes away ends its stream: Starlette cancels
+the generator when the connection closes (anyio cancellation; a ``finally`` frees the slot).
+
+The timelines (``/ui/version/{id}``, ``/ui/engine/{name}``) are ``loraledger replay
+--version``/``--engine``: the same replay over the log file and the same renderables
+(:func:`tools.render.subject_views`), exported by rich as HTML. Everything taken from the log
+(engine names, session ids: client text) is escaped: the page writes it with ``textContent``,
+never as markup, and rich's HTML export escapes the timelines.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+from rich.console import Console
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from projections.registry import RegistryState, VersionState
+from projections.status import OutageStatus, outage_status
+
+if TYPE_CHECKING:
+    from tools.replay import ReplayResult
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+# tools.replay.replay over the log this service writes, its path given: (versions=,
+# engines=, incidents=) -> ReplayResult
+Replayer = Callable[..., Awaitable["ReplayResult"]]
+
+INCIDENTS_SHOWN = 12  # the last ones, by time
+SESSIONS_SHOWN = 20  # session ids named per version (the count is always whole)
+_encoder = msgspec.json.Encoder()
+
+
+class UiVersion(msgspec.Struct, frozen=True, kw_only=True):
+    version_id: int
+    lora_name: str
+    state: str
+    attempt: int
+    revision: int | None
+    staleness: int | None  # revisions behind the default (None: never committed)
+    bound: int
+    holders: tuple[str, ...]
+    sessions: tuple[str, ...]  # at most SESSIONS_SHOWN of the sessions pinned to it
+    stall: str | None  # the last refusal of its allocation: code and what was in the way
+    ready: int  # engines that loaded the current attempt (a publication in progress)
+    fleet: int  # engines the current attempt targets
+
+
+class UiEngine(msgspec.Struct, frozen=True, kw_only=True):
+    engine: str
+    kind: str
+    incarnation: str
+    routable: bool  # serves now: repaired and reachable
+    suspended: bool
+    suspend_cause: str
+    holds: tuple[int, ...]
+    lacks: tuple[int, ...]
+    outage: OutageStatus | None
+
+
+class UiSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    view: str  # "ledger" (serve) or "gateway" (a gateway process's own view)
+    deployment: str | None
+    epoch: int
+    seq: int
+    default: int | None
+    default_revision: int
+    capacity: int
+    capacity_used: int
+    max_staleness: int | None
+    sessions_bound: int
+    owners: int
+    blocked_by: tuple[int, ...]
+    versions: tuple[UiVersion, ...]
+    engines: tuple[UiEngine, ...]
+
+
+def snapshot(state: RegistryState, *, view: str = "ledger") -> UiSnapshot:
+    """What the page shows of ``state`` (a pure read, as :func:`projections.status.status_of`)."""
+    pinned: dict[int, list[str]] = {}
+    for session, binding in state.sessions.items():
+        shown = pinned.setdefault(binding.version_id, [])
+        if len(shown) < SESSIONS_SHOWN:
+            shown.append(session)
+    versions = []
+    for v in sorted(state.versions.values(), key=lambda v: v.version_id):
+        stall = state.stalls.get(v.version_id) if v.state is VersionState.LOADING else None
+        versions.append(
+            UiVersion(
+                version_id=v.version_id,
+                lora_name=v.lora_name,
+                state=v.state,
+                attempt=v.attempt,
+                revision=v.revision,
+                staleness=None if v.revision is None else state.default_revision - v.revision,
+                bound=v.bound,
+                holders=state.holders(v.lora_name, routable_only=False),
+                sessions=tuple(sorted(pinned.get(v.version_id, ()))),
+                stall=None if stall is None else _stall_text(stall.code, stall.blocked_by),
+                ready=len(v.ready),
+                fleet=len(v.fleet),
+            )
+        )
+    engines = tuple(
+        UiEngine(
+            engine=e.engine,
+            kind=e.kind,
+            incarnation=e.incarnation,
+            routable=e.serving,
+            suspended=e.suspended,
+            suspend_cause=e.suspend_cause,
+            holds=tuple(sorted(e.holds.values())),
+            lacks=tuple(sorted(e.lacks.values())),
+            outage=None if e.unreachable is None else outage_status(e.unreachable),
+        )
+        for e in sorted(state.engines.values(), key=lambda e: e.engine)
+    )
+    return UiSnapshot(
+        view=view,
+        deployment=state.deployment,
+        epoch=state.epoch,
+        seq=state.last_seq,
+        default=state.default,
+        default_revision=state.default_revision,
+        capacity=state.capacity,
+        capacity_used=state.capacity_used(),
+        max_staleness=state.max_staleness,
+        sessions_bound=len(state.sessions),
+        owners=sum(1 for o in state.owners.values() if o.live),
+        blocked_by=tuple(state.blocked_by()),
+        versions=tuple(versions),
+        engines=engines,
+    )
+
+
+def _stall_text(code: str, blocked_by: tuple[int, ...]) -> str:
+    in_the_way = ", ".join(f"v{b}" for b in blocked_by)
+    return f"{code} (in the way: {in_the_way})" if in_the_way else code
+
+
+def page_html() -> str:
+    return resources.files("tools").joinpath("ui.html").read_text(encoding="utf-8")
+
+
+def _rich_html(title: str, renderables: list[Any], *, back: str = "") -> str:
+    """``renderables`` as the CLI prints them, as a standalone HTML page (rich escapes text);
+    ``back``: a relative link to the live page, and a heading (a full page, not a fragment)."""
+    console = Console(record=True, width=160, file=io.StringIO(), color_system="truecolor")
+    for r in renderables:
+        console.print(r)
+    body = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
+    head = (
+        f'<p><a href="{back}">&larr; live page</a></p><h1>{html.escape(title)}</h1>' if back else ""
+    )
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f'</head><body style="font: 12px monospace">{head}{body}</body></html>'
+    )
+
+
+class UiPages:
+    """The page's routes over a live state. ``state`` reads the current state, ``committed``
+    waits until a record after the given seq is durable (``Ledger.wait_committed``);
+    ``replayer`` (serve's, over its log) enables the timeline pages (404 without one)."""
+
+    def __init__(
+        self,
+        state: Callable[[], RegistryState],
+        committed: Callable[[int], Awaitable[None]],
+        *,
+        replayer: Replayer | None = None,
+        view: str = "ledger",
+        max_streams: int = 32,
+        stream_s: float = 300.0,
+        min_interval_s: float = 0.1,
+        keepalive_s: float = 15.0,
+    ) -> None:
+        self.state = state
+        self.committed = committed
+        self.replayer = replayer
+        self.view = view
+        self.max_streams = max_streams
+        self.stream_s = stream_s
+        self.min_interval_s = min_interval_s
+        self.keepalive_s = keepalive_s
+        self.open_streams = 0
+
+    def routes(self, reader: Callable[[Endpoint], Endpoint]) -> list[Route]:
+        """``reader`` wraps each route with the service's rule for reads (``--private-reads``)."""
+        return [
+            Route("/ui", reader(self.page), methods=["GET"]),
+            Route("/ui/events", reader(self.events), methods=["GET"]),
+            Route("/ui/incidents", reader(self.incidents), methods=["GET"]),
+            Route("/ui/version/{version:int}", reader(self.version), methods=["GET"]),
+            Route("/ui/engine/{engine}", reader(self.engine), methods=["GET"]),
+        ]
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(page_html(), headers={"Cache-Control": "no-store"})
+
+    async def events(self, request: Request) -> Response:
+        return StreamingResponse(
+            self._stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    async def _stream(self) -> AsyncIterator[str]:
+        # The slot is taken and released inside the generator: one never started (its client
+        # left at once) holds none.
+        self.open_streams += 1
+        try:
+            if self.open_streams > self.max_streams:
+                busy = f"{self.max_streams} live pages are open already"
+                yield f"retry: 5000\nevent: busy\ndata: {_encoder.encode(busy).decode()}\n\n"
+                return
+            yield "retry: 1000\n\n"
+            with anyio.move_on_after(self.stream_s):
+                while True:
+                    snap = snapshot(self.state(), view=self.view)
+                    yield f"id: {snap.seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
+                    while True:
+                        with anyio.move_on_after(self.keepalive_s) as waited:
+                            await self.committed(snap.seq)
+                        if not waited.cancelled_caught:
+                            break
+                        yield ": keepalive\n\n"  # proxies keep it open; a gone client shows
+                    await anyio.sleep(self.min_interval_s)  # coalesce a burst of commits
+        finally:
+            self.open_streams -= 1
+
+    async def incidents(self, request: Request) -> Response:
+        from tools.render import incidents_view
+
+        if self.replayer is None:
+            return _no_log()
+        found = (await self.replayer(incidents=True)).incidents or []
+        last = sorted(found, key=lambda i: (i.at, i.seqs))[-INCIDENTS_SHOWN:]
+        title = f"the last {len(last)} of {len(found)} incidents" if found else "incidents"
+        return HTMLResponse(_rich_html(title, [incidents_view(last, title=title)]))
+
+    async def version(self, request: Request) -> Response:
+        vid: int = request.path_params["version"]
+        return await self._timeline(f"timeline of v{vid}", [vid], [])
+
+    async def engine(self, request: Request) -> Response:
+        name: str = request.path_params["engine"]
+        return await self._timeline(f"timeline of engine {name}", [], [name])
+
+    async def _timeline(self, title: str, versions: list[int], engines: list[str]) -> Response:
+        from tools.render import subject_views
+
+        if self.replayer is None:
+            return _no_log()
+        result = await self.replayer(versions=versions, engines=engines)
+        subjects: list[int | str] = [*versions, *engines]
+        views = [view for subject in subjects for view in subject_views(result, subject)]
+        return HTMLResponse(_rich_html(title, views, back="../../ui"))
+
+
+def _no_log() -> Response:
+    return HTMLResponse("<p>no log here: the timelines are served by loraledger serve</p>", 404)
