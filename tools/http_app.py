@@ -419,7 +419,13 @@ def build_app(
         Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
         Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
         Route("/provenance", writer(wire.StoreProvenance, store_provenance), methods=["POST"]),
-        *UiPages(lambda: ledger.state, ledger.wait_committed, replayer=replayer).routes(reader),
+        *UiPages(
+            lambda: ledger.state,
+            ledger.wait_committed,
+            replayer=replayer,
+            log=ledger.store,
+            clock=ledger.clock,
+        ).routes(reader),
         *extra_routes,
     ]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import html
 import io
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from evlog.store import EventStore
 from projections.registry import RegistryState, VersionState
 from projections.status import OutageStatus, outage_status
 
@@ -66,6 +68,8 @@ class UiVersion(msgspec.Struct, frozen=True, kw_only=True):
     stall: str | None  # the last refusal of its allocation: code and what was in the way
     ready: int  # engines that loaded the current attempt (a publication in progress)
     fleet: int  # engines the current attempt targets
+    allocated_at: float | None  # its first record (its age); None before the page read it
+    changed_at: float | None  # its latest record (how long it has been as it is)
 
 
 class UiEngine(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,6 +86,7 @@ class UiEngine(msgspec.Struct, frozen=True, kw_only=True):
 
 class UiSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     view: str  # "ledger" (serve) or "gateway" (a gateway process's own view)
+    now: float  # the service's clock when it was made (the page measures ages against it)
     deployment: str | None
     epoch: int
     seq: int
@@ -97,8 +102,47 @@ class UiSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     engines: tuple[UiEngine, ...]
 
 
-def snapshot(state: RegistryState, *, view: str = "ledger") -> UiSnapshot:
-    """What the page shows of ``state`` (a pure read, as :func:`projections.status.status_of`)."""
+class VersionTimes:
+    """When each version's stream began and last changed, read from the log as it grows.
+
+    The state keeps no times (a fold of the log has no clock), and the page must show ages; the
+    records carry ``recorded_at``. Each snapshot first reads what was committed since the last
+    one (``catch_up``, one reader at a time), so the log is read once in all, not per page."""
+
+    BATCH = 4096
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self.read_to = 0
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self._lock = anyio.Lock()
+
+    async def catch_up(self) -> None:
+        async with self._lock:
+            while batch := await self.store.read(after=self.read_to, limit=self.BATCH):
+                for record in batch:
+                    if record.stream.startswith(_VERSION_STREAM):
+                        vid = int(record.stream[len(_VERSION_STREAM) :])
+                        self.first.setdefault(vid, record.recorded_at)
+                        self.last[vid] = record.recorded_at
+                self.read_to = batch[-1].seq
+
+
+_VERSION_STREAM = "version-"
+
+
+def snapshot(
+    state: RegistryState,
+    *,
+    now: float,
+    view: str = "ledger",
+    times: VersionTimes | None = None,
+) -> UiSnapshot:
+    """What the page shows of ``state`` (a pure read, as :func:`projections.status.status_of`;
+    ``times``: when each version began and last changed, if known)."""
+    first = times.first if times is not None else {}
+    last = times.last if times is not None else {}
     pinned: dict[int, list[str]] = {}
     for session, binding in state.sessions.items():
         shown = pinned.setdefault(binding.version_id, [])
@@ -121,6 +165,8 @@ def snapshot(state: RegistryState, *, view: str = "ledger") -> UiSnapshot:
                 stall=None if stall is None else _stall_text(stall.code, stall.blocked_by),
                 ready=len(v.ready),
                 fleet=len(v.fleet),
+                allocated_at=first.get(v.version_id),
+                changed_at=last.get(v.version_id),
             )
         )
     engines = tuple(
@@ -139,6 +185,7 @@ def snapshot(state: RegistryState, *, view: str = "ledger") -> UiSnapshot:
     )
     return UiSnapshot(
         view=view,
+        now=now,
         deployment=state.deployment,
         epoch=state.epoch,
         seq=state.last_seq,
@@ -183,7 +230,8 @@ def _rich_html(title: str, renderables: list[Any], *, back: str = "") -> str:
 class UiPages:
     """The page's routes over a live state. ``state`` reads the current state, ``committed``
     waits until a record after the given seq is durable (``Ledger.wait_committed``);
-    ``replayer`` (serve's, over its log) enables the timeline pages (404 without one)."""
+    ``replayer`` (serve's, over its log) enables the timeline pages (404 without one);
+    ``log`` (the store the ledger writes) gives the versions' ages; ``clock`` is the service's."""
 
     def __init__(
         self,
@@ -191,6 +239,8 @@ class UiPages:
         committed: Callable[[int], Awaitable[None]],
         *,
         replayer: Replayer | None = None,
+        log: EventStore | None = None,
+        clock: Callable[[], float] = time.time,
         view: str = "ledger",
         max_streams: int = 32,
         stream_s: float = 300.0,
@@ -200,6 +250,8 @@ class UiPages:
         self.state = state
         self.committed = committed
         self.replayer = replayer
+        self.times = VersionTimes(log) if log is not None else None
+        self.clock = clock
         self.view = view
         self.max_streams = max_streams
         self.stream_s = stream_s
@@ -239,7 +291,11 @@ class UiPages:
             yield "retry: 1000\n\n"
             with anyio.move_on_after(self.stream_s):
                 while True:
-                    snap = snapshot(self.state(), view=self.view)
+                    if self.times is not None:
+                        await self.times.catch_up()
+                    snap = snapshot(
+                        self.state(), now=self.clock(), view=self.view, times=self.times
+                    )
                     yield f"id: {snap.seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
                     while True:
                         with anyio.move_on_after(self.keepalive_s) as waited:

@@ -96,6 +96,8 @@ async def test_the_live_page_shows_a_publication_a_pin_and_a_dead_engine_within_
         figures["publication"] = await _shown(
             page, "v1 published", f"{_cell(1, 1)} === 'PUBLISHED'", answered
         )
+        # its age, from the log's times, on the service's clock
+        assert (await page.evaluate(_cell(1, 5))).endswith(" s")
 
         raw = await client.chat.completions.with_raw_response.create(
             model="policy",
@@ -108,7 +110,7 @@ async def test_the_live_page_shows_a_publication_a_pin_and_a_dead_engine_within_
         figures["pin"] = await _shown(
             page,
             "the session pinned to v1",
-            f"({_cell(1, 6)} || '').includes({SESSION!r}) && {_cell(1, 4)} === '1'",
+            f"({_cell(1, 8)} || '').includes({SESSION!r}) && {_cell(1, 4)} === '1'",
             answered,
         )
         # shown as text: no element of it was made, none of its script ran
