@@ -94,7 +94,7 @@ from publisher.remote import wire
 from publisher.remote.service import LedgerService, TroubleBatch, TroubleReceiver
 from publisher.remote.uploads import AdapterUploads
 from tools.metrics import LedgerMetrics
-from tools.ui import Replayer, UiPages
+from tools.ui import Replayer, ledger_pages
 
 # the body of POST /versions -> outcome struct
 Publish = Callable[[wire.PublishVersion], Awaitable[Any]]
@@ -419,13 +419,7 @@ def build_app(
         Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
         Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
         Route("/provenance", writer(wire.StoreProvenance, store_provenance), methods=["POST"]),
-        *UiPages(
-            lambda: ledger.state,
-            ledger.wait_committed,
-            replayer=replayer,
-            log=ledger.store,
-            clock=ledger.clock,
-        ).routes(reader),
+        *ledger_pages(ledger, replayer).routes(reader),
         *extra_routes,
     ]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import html
 import io
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +40,10 @@ from starlette.routing import Route
 
 from evlog.store import EventStore
 from projections.registry import RegistryState, VersionState
-from projections.status import OutageStatus, outage_status
+from projections.status import LedgerStatus, OutageStatus, outage_status
 
 if TYPE_CHECKING:
+    from publisher.core.ledger import Ledger
     from tools.replay import ReplayResult
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -136,7 +137,6 @@ def snapshot(
     state: RegistryState,
     *,
     now: float,
-    view: str = "ledger",
     times: VersionTimes | None = None,
 ) -> UiSnapshot:
     """What the page shows of ``state`` (a pure read, as :func:`projections.status.status_of`;
@@ -184,7 +184,7 @@ def snapshot(
         for e in sorted(state.engines.values(), key=lambda e: e.engine)
     )
     return UiSnapshot(
-        view=view,
+        view="ledger",
         now=now,
         deployment=state.deployment,
         epoch=state.epoch,
@@ -227,32 +227,126 @@ def _rich_html(title: str, renderables: list[Any], *, back: str = "") -> str:
     )
 
 
+# the view now (a snapshot of what the page shows), and a wait until a newer one than the seq
+# given exists
+Snapshots = Callable[[], Awaitable[UiSnapshot]]
+Changed = Callable[[int], Awaitable[None]]
+
+
+def ledger_pages(ledger: Ledger, replayer: Replayer | None = None) -> UiPages:
+    """The page of ``serve``: the ledger's state, a snapshot per commit, ages from its log."""
+    times = VersionTimes(ledger.store)
+
+    async def now() -> UiSnapshot:
+        await times.catch_up()
+        return snapshot(ledger.state, now=ledger.clock(), times=times)
+
+    return UiPages(now, ledger.wait_committed, replayer=replayer)
+
+
+def gateway_pages(
+    status: Callable[[], LedgerStatus],
+    bindings: Callable[[], Mapping[str, int]],
+    *,
+    look_every_s: float = 0.25,
+) -> UiPages:
+    """The page of a ``loraledger gateway`` process: its own view, the ledger's status as it
+    last read it (refreshed every ``--refresh-s``; it routes by the same) and the sessions it
+    holds (session -> version). A new status read is noticed within ``look_every_s``: a look
+    at this process's memory, never a request to the ledger. No timelines: the log is not
+    here (they are on serve's page)."""
+
+    async def now() -> UiSnapshot:
+        return gateway_snapshot(status(), bindings(), now=time.time())
+
+    async def changed(seq: int) -> None:
+        # the remote view has no change signal to wait on; this reads memory, not the network
+        while status().last_seq <= seq:  # noqa: ASYNC110
+            await anyio.sleep(look_every_s)
+
+    return UiPages(now, changed)
+
+
+def gateway_snapshot(
+    status: LedgerStatus, bindings: Mapping[str, int], *, now: float
+) -> UiSnapshot:
+    """A gateway's view: the versions and engines of ``status``, each version with the
+    sessions this process holds on it (``bindings``); what the status does not carry (stalls,
+    suspensions, ages) is left empty."""
+    pinned: dict[int, list[str]] = {}
+    for session, vid in sorted(bindings.items()):
+        pinned.setdefault(vid, []).append(session)
+    head = status.default_revision
+    ids = {v.lora_name: v.version_id for v in status.versions}
+    return UiSnapshot(
+        view="gateway",
+        now=now,
+        deployment=status.deployment,
+        epoch=status.epoch,
+        seq=status.last_seq,
+        default=status.default,
+        default_revision=head,
+        capacity=status.capacity,
+        capacity_used=status.capacity_used,
+        max_staleness=status.max_staleness,
+        sessions_bound=len(bindings),
+        owners=status.owners,
+        blocked_by=status.blocked_by,
+        versions=tuple(
+            UiVersion(
+                version_id=v.version_id,
+                lora_name=v.lora_name,
+                state=v.state,
+                attempt=v.attempt,
+                revision=v.revision,
+                staleness=None if v.revision is None else head - v.revision,
+                bound=len(pinned.get(v.version_id, ())),
+                holders=v.holders,
+                sessions=tuple(pinned.get(v.version_id, ())[:SESSIONS_SHOWN]),
+                stall=None,
+                ready=0,
+                fleet=0,
+                allocated_at=None,
+                changed_at=None,
+            )
+            for v in status.versions
+        ),
+        engines=tuple(
+            UiEngine(
+                engine=e.engine,
+                kind=e.kind,
+                incarnation=e.incarnation,
+                routable=e.routable,
+                suspended=False,
+                suspend_cause="",
+                holds=tuple(sorted(ids[name] for name in e.holds if name in ids)),
+                lacks=(),
+                outage=e.unreachable,
+            )
+            for e in status.engines
+        ),
+    )
+
+
 class UiPages:
-    """The page's routes over a live state. ``state`` reads the current state, ``committed``
-    waits until a record after the given seq is durable (``Ledger.wait_committed``);
-    ``replayer`` (serve's, over its log) enables the timeline pages (404 without one);
-    ``log`` (the store the ledger writes) gives the versions' ages; ``clock`` is the service's."""
+    """The page's routes over a live view. ``snapshots`` makes the view now, ``changed``
+    waits until a view newer than the given seq exists (``Ledger.wait_committed`` for serve);
+    ``replayer`` (serve's, over its log) enables the incidents and timelines (404 without)."""
 
     def __init__(
         self,
-        state: Callable[[], RegistryState],
-        committed: Callable[[int], Awaitable[None]],
+        snapshots: Snapshots,
+        changed: Changed,
         *,
         replayer: Replayer | None = None,
-        log: EventStore | None = None,
-        clock: Callable[[], float] = time.time,
-        view: str = "ledger",
         max_streams: int = 32,
         stream_s: float = 300.0,
         min_interval_s: float = 0.1,
         keepalive_s: float = 15.0,
     ) -> None:
-        self.state = state
-        self.committed = committed
+        self.snapshots = snapshots
+        self.changed = changed
         self.replayer = replayer
-        self.times = VersionTimes(log) if log is not None else None
-        self.clock = clock
-        self.view = view
         self.max_streams = max_streams
         self.stream_s = stream_s
         self.min_interval_s = min_interval_s
@@ -279,7 +373,7 @@ class UiPages:
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
-    async def _stream(self) -> AsyncIterator[str]:
+    async def _stream(self) -> AsyncGenerator[str, None]:
         # The slot is taken and released inside the generator: one never started (its client
         # left at once) holds none.
         self.open_streams += 1
@@ -291,15 +385,11 @@ class UiPages:
             yield "retry: 1000\n\n"
             with anyio.move_on_after(self.stream_s):
                 while True:
-                    if self.times is not None:
-                        await self.times.catch_up()
-                    snap = snapshot(
-                        self.state(), now=self.clock(), view=self.view, times=self.times
-                    )
+                    snap = await self.snapshots()
                     yield f"id: {snap.seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
                     while True:
                         with anyio.move_on_after(self.keepalive_s) as waited:
-                            await self.committed(snap.seq)
+                            await self.changed(snap.seq)
                         if not waited.cancelled_caught:
                             break
                         yield ": keepalive\n\n"  # proxies keep it open; a gone client shows

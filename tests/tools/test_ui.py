@@ -23,16 +23,22 @@ from pathlib import Path
 
 import anyio
 import httpx
+import msgspec
 import openai
 import pytest
 
+from engines.local.server import running_server
+from projections.registry import RegistryState
+from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.browser import Page, browser, chromium_binary
 from tests.support.waiting import wait_for
 from tests.tools.serving import serving
 from tests.tools.test_engine_death import engine_process
+from tests.tools.test_gateway_process import gateway_process
 from tests.tools.test_serve import _adapter_dir
 from tools.service_options import parse_engine
+from tools.ui import UiPages, UiSnapshot, snapshot
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 TOKEN = "ui-token"
@@ -225,3 +231,105 @@ async def test_the_stream_sends_a_snapshot_per_commit_and_ends_when_the_client_l
                         seqs.append(int(line[4:]))
                         break
         assert seqs[1] > seqs[0], seqs
+
+
+class _Commits:
+    """A ledger's commit signal, driven by the test (``Ledger.wait_committed``'s contract)."""
+
+    def __init__(self, state: RegistryState) -> None:
+        self.state = state
+        self._event = anyio.Event()
+
+    def commit(self, seq: int) -> None:
+        self.state.last_seq = seq
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self, seq: int) -> None:
+        while self.state.last_seq <= seq:
+            await self._event.wait()
+
+
+def ledger_pages_over(state: RegistryState, commits: _Commits) -> UiPages:
+    async def now() -> UiSnapshot:
+        return snapshot(state, now=0.0)
+
+    return UiPages(now, commits.wait, max_streams=1, min_interval_s=0.0, keepalive_s=0.05)
+
+
+async def test_streams_are_bounded_coalesced_and_free_their_slot_when_closed() -> None:
+    """One snapshot per wake-up, however many commits came meanwhile; a keepalive comment when
+    nothing is committed; one stream past ``max_streams`` is told it is busy and ends; a closed
+    stream (its client left: Starlette cancels the generator) frees its slot."""
+    state = RegistryState()
+    commits = _Commits(state)
+    pages = ledger_pages_over(state, commits)
+
+    first = pages._stream()
+    assert (await anext(first)).startswith("retry: ")
+    assert (await anext(first)).startswith("id: 0\n")
+    assert pages.open_streams == 1
+
+    busy = [message async for message in pages._stream()]
+    assert len(busy) == 1 and "event: busy" in busy[0], busy
+    assert pages.open_streams == 1
+
+    assert await anext(first) == ": keepalive\n\n"  # nothing committed meanwhile
+    for seq in (1, 2, 3):  # while the client was reading
+        commits.commit(seq)
+    assert (await anext(first)).startswith("id: 3\n")  # one snapshot of them all
+
+    await first.aclose()
+    assert pages.open_streams == 0
+
+
+async def test_a_gateway_process_shows_its_own_view_and_sessions(tmp_path: Path) -> None:
+    """``loraledger gateway``'s ``/ui``: the versions and engines as it last read them, and the
+    sessions it holds pinned to their version (not the other processes' ones)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with AsyncExitStack() as stack:
+        _, engine_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
+        ledger = await stack.enter_async_context(
+            serving(
+                tmp_path / "ledger.db",
+                token=TOKEN,
+                engines=(parse_engine(f"e0=local:{engine_url}"),),
+            )
+        )
+        http = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
+        )
+        reply = await http.post(
+            "/versions", json={"version_id": 1, "adapter_dir": str(_adapter_dir(tmp_path, 1))}
+        )
+        assert reply.status_code == 200, reply.text
+        url = await stack.enter_async_context(
+            gateway_process(ledger, token_file, tmp_path, "gw-ui")
+        )
+        client = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
+        )
+        await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=2,
+            extra_headers={"x-session-id": "g1"},
+        )
+        gateway = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, trust_env=False, timeout=30)
+        )
+        page = await gateway.get("/ui")
+        assert page.status_code == 200 and "EventSource" in page.text
+        async with gateway.stream("GET", "/ui/events") as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    view = msgspec.json.decode(line[6:], type=UiSnapshot)
+                    break
+        assert view.view == "gateway"
+        [v1] = [v for v in view.versions if v.version_id == 1]
+        assert v1.state == "PUBLISHED" and v1.sessions == ("g1",) and v1.holders == ("e0",)
+        assert [e.engine for e in view.engines if e.routable] == ["e0"]
+        # no log in a gateway process: the timelines are serve's
+        assert (await gateway.get("/ui/version/1")).status_code == 404
