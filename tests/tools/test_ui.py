@@ -105,18 +105,19 @@ async def test_the_live_page_shows_a_publication_a_pin_and_a_dead_engine_within_
         # its age, from the log's times, on the service's clock
         assert (await page.evaluate(_cell(1, 5))).endswith(" s")
 
-        raw = await client.chat.completions.with_raw_response.create(
-            model="policy",
-            messages=[{"role": "user", "content": "hello"}],
-            max_tokens=2,
-            extra_headers={"x-session-id": SESSION},
-        )
+        for session in ("episode-0041", SESSION):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=2,
+                extra_headers={"x-session-id": session},
+            )
         answered = time.monotonic()
         victim = raw.headers["x-loraledger-engine"]
         figures["pin"] = await _shown(
             page,
             "the session pinned to v1",
-            f"({_cell(1, 8)} || '').includes({SESSION!r}) && {_cell(1, 4)} === '1'",
+            f"({_cell(1, 8)} || '').includes({SESSION!r}) && {_cell(1, 4)} === '2'",
             answered,
         )
         # shown as text: no element of it was made, none of its script ran
@@ -160,6 +161,19 @@ async def test_the_live_page_shows_a_publication_a_pin_and_a_dead_engine_within_
             timeout=30,
             every=0.05,
         )
+        # the incidents name the session's failed turn, as text there too
+        incidents = "document.getElementById('incidents')?.contentDocument"
+        await wait_for(
+            "the outage's failed turn in the incidents",
+            lambda: _true(
+                page,  # rich wraps a table cell at spaces: a part of the id with none
+                f"({incidents}?.body?.textContent || '').includes({SESSION.split()[-1]!r})",
+            ),
+            timeout=30,
+            every=0.05,
+        )
+        assert await page.evaluate(f"{incidents}.querySelectorAll('img').length") == 0
+        assert await page.evaluate("window.pwned === undefined")
         shot = os.environ.get("LORALEDGER_UI_SCREENSHOT")
         if shot:
             await anyio.Path(shot).write_bytes(await page.screenshot())
