@@ -27,7 +27,7 @@ from __future__ import annotations
 import html
 import io
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from starlette.routing import Route
 
 from evlog.store import EventStore
 from projections.registry import RegistryState, VersionState
-from projections.status import LedgerStatus, OutageStatus, outage_status
+from projections.status import LedgerStatus, status_of
 
 if TYPE_CHECKING:
     from publisher.core.ledger import Ledger
@@ -56,51 +56,46 @@ SESSIONS_SHOWN = 20  # session ids named per version (the count is always whole)
 _encoder = msgspec.json.Encoder()
 
 
-class UiVersion(msgspec.Struct, frozen=True, kw_only=True):
-    version_id: int
-    lora_name: str
-    state: str
-    attempt: int
-    revision: int | None
-    staleness: int | None  # revisions behind the default (None: never committed)
-    bound: int
-    holders: tuple[str, ...]
-    sessions: tuple[str, ...]  # at most SESSIONS_SHOWN of the sessions pinned to it
-    stall: str | None  # the last refusal of its allocation: code and what was in the way
-    ready: int  # engines that loaded the current attempt (a publication in progress)
-    fleet: int  # engines the current attempt targets
-    allocated_at: float | None  # its first record (its age); None before the page read it
-    changed_at: float | None  # its latest record (how long it has been as it is)
+class VersionProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """What the status does not say about a version: its publication's progress, why it
+    stalled, and when it began and last changed (None where the log was not read)."""
+
+    stall: str | None = None  # the last refusal of its allocation: code and what was in the way
+    ready: int = 0  # engines that loaded the current attempt (a publication in progress)
+    fleet: int = 0  # engines the current attempt targets
+    allocated_at: float | None = None  # its first record (its age)
+    changed_at: float | None = None  # its latest record (how long it has been as it is)
 
 
-class UiEngine(msgspec.Struct, frozen=True, kw_only=True):
-    engine: str
-    kind: str
-    incarnation: str
-    routable: bool  # serves now: repaired and reachable
-    suspended: bool
-    suspend_cause: str
-    holds: tuple[int, ...]
-    lacks: tuple[int, ...]
-    outage: OutageStatus | None
+class EngineCondition(msgspec.Struct, frozen=True, kw_only=True):
+    """What the status does not say about an engine: its suspension, the versions it lost."""
+
+    suspended: bool = False
+    suspend_cause: str = ""
+    lacks: tuple[int, ...] = ()
 
 
 class UiSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """One message of the page's stream: the status (:func:`projections.status.status_of`,
+    the struct ``GET /status`` answers) and what the page shows beside it."""
+
     view: str  # "ledger" (serve) or "gateway" (a gateway process's own view)
     now: float  # the service's clock when it was made (the page measures ages against it)
-    deployment: str | None
-    epoch: int
-    seq: int
-    default: int | None
-    default_revision: int
-    capacity: int
-    capacity_used: int
-    max_staleness: int | None
-    sessions_bound: int
-    owners: int
-    blocked_by: tuple[int, ...]
-    versions: tuple[UiVersion, ...]
-    engines: tuple[UiEngine, ...]
+    status: LedgerStatus
+    held: int  # sessions bound in this view (a gateway: the ones this process holds)
+    pinned: dict[int, tuple[str, ...]]  # version -> at most SESSIONS_SHOWN of its sessions
+    progress: dict[int, VersionProgress] = msgspec.field(default_factory=dict)
+    conditions: dict[str, EngineCondition] = msgspec.field(default_factory=dict)
+
+
+def _pinned(bindings: Iterable[tuple[str, int]]) -> dict[int, tuple[str, ...]]:
+    """version -> the first SESSIONS_SHOWN of its sessions (sorted), of (session, version)."""
+    shown: dict[int, list[str]] = {}
+    for session, vid in sorted(bindings):
+        names = shown.setdefault(vid, [])
+        if len(names) < SESSIONS_SHOWN:
+            names.append(session)
+    return {vid: tuple(names) for vid, names in shown.items()}
 
 
 class VersionTimes:
@@ -139,66 +134,35 @@ def snapshot(
     now: float,
     times: VersionTimes | None = None,
 ) -> UiSnapshot:
-    """What the page shows of ``state`` (a pure read, as :func:`projections.status.status_of`;
-    ``times``: when each version began and last changed, if known)."""
+    """What the page shows of ``state`` (a pure read; ``times``: when each version began and
+    last changed, if known)."""
     first = times.first if times is not None else {}
     last = times.last if times is not None else {}
-    pinned: dict[int, list[str]] = {}
-    for session, binding in state.sessions.items():
-        shown = pinned.setdefault(binding.version_id, [])
-        if len(shown) < SESSIONS_SHOWN:
-            shown.append(session)
-    versions = []
-    for v in sorted(state.versions.values(), key=lambda v: v.version_id):
+    progress = {}
+    for v in state.versions.values():
         stall = state.stalls.get(v.version_id) if v.state is VersionState.LOADING else None
-        versions.append(
-            UiVersion(
-                version_id=v.version_id,
-                lora_name=v.lora_name,
-                state=v.state,
-                attempt=v.attempt,
-                revision=v.revision,
-                staleness=None if v.revision is None else state.default_revision - v.revision,
-                bound=v.bound,
-                holders=state.holders(v.lora_name, routable_only=False),
-                sessions=tuple(sorted(pinned.get(v.version_id, ()))),
-                stall=None if stall is None else _stall_text(stall.code, stall.blocked_by),
-                ready=len(v.ready),
-                fleet=len(v.fleet),
-                allocated_at=first.get(v.version_id),
-                changed_at=last.get(v.version_id),
-            )
+        progress[v.version_id] = VersionProgress(
+            stall=None if stall is None else _stall_text(stall.code, stall.blocked_by),
+            ready=len(v.ready),
+            fleet=len(v.fleet),
+            allocated_at=first.get(v.version_id),
+            changed_at=last.get(v.version_id),
         )
-    engines = tuple(
-        UiEngine(
-            engine=e.engine,
-            kind=e.kind,
-            incarnation=e.incarnation,
-            routable=e.serving,
-            suspended=e.suspended,
-            suspend_cause=e.suspend_cause,
-            holds=tuple(sorted(e.holds.values())),
-            lacks=tuple(sorted(e.lacks.values())),
-            outage=None if e.unreachable is None else outage_status(e.unreachable),
-        )
-        for e in sorted(state.engines.values(), key=lambda e: e.engine)
-    )
     return UiSnapshot(
         view="ledger",
         now=now,
-        deployment=state.deployment,
-        epoch=state.epoch,
-        seq=state.last_seq,
-        default=state.default,
-        default_revision=state.default_revision,
-        capacity=state.capacity,
-        capacity_used=state.capacity_used(),
-        max_staleness=state.max_staleness,
-        sessions_bound=len(state.sessions),
-        owners=sum(1 for o in state.owners.values() if o.live),
-        blocked_by=tuple(state.blocked_by()),
-        versions=tuple(versions),
-        engines=engines,
+        status=status_of(state),
+        held=len(state.sessions),
+        pinned=_pinned((s, b.version_id) for s, b in state.sessions.items()),
+        progress=progress,
+        conditions={
+            e.engine: EngineCondition(
+                suspended=e.suspended,
+                suspend_cause=e.suspend_cause,
+                lacks=tuple(sorted(e.lacks.values())),
+            )
+            for e in state.engines.values()
+        },
     )
 
 
@@ -270,61 +234,15 @@ def gateway_pages(
 def gateway_snapshot(
     status: LedgerStatus, bindings: Mapping[str, int], *, now: float
 ) -> UiSnapshot:
-    """A gateway's view: the versions and engines of ``status``, each version with the
-    sessions this process holds on it (``bindings``); what the status does not carry (stalls,
-    suspensions, ages) is left empty."""
-    pinned: dict[int, list[str]] = {}
-    for session, vid in sorted(bindings.items()):
-        pinned.setdefault(vid, []).append(session)
-    head = status.default_revision
-    ids = {v.lora_name: v.version_id for v in status.versions}
+    """A gateway's view: ``status`` as it last read it, and the sessions this process holds
+    (``bindings``) pinned per version; what the status does not carry (stalls, suspensions,
+    ages) is left out."""
     return UiSnapshot(
         view="gateway",
         now=now,
-        deployment=status.deployment,
-        epoch=status.epoch,
-        seq=status.last_seq,
-        default=status.default,
-        default_revision=head,
-        capacity=status.capacity,
-        capacity_used=status.capacity_used,
-        max_staleness=status.max_staleness,
-        sessions_bound=len(bindings),
-        owners=status.owners,
-        blocked_by=status.blocked_by,
-        versions=tuple(
-            UiVersion(
-                version_id=v.version_id,
-                lora_name=v.lora_name,
-                state=v.state,
-                attempt=v.attempt,
-                revision=v.revision,
-                staleness=None if v.revision is None else head - v.revision,
-                bound=len(pinned.get(v.version_id, ())),
-                holders=v.holders,
-                sessions=tuple(pinned.get(v.version_id, ())[:SESSIONS_SHOWN]),
-                stall=None,
-                ready=0,
-                fleet=0,
-                allocated_at=None,
-                changed_at=None,
-            )
-            for v in status.versions
-        ),
-        engines=tuple(
-            UiEngine(
-                engine=e.engine,
-                kind=e.kind,
-                incarnation=e.incarnation,
-                routable=e.routable,
-                suspended=False,
-                suspend_cause="",
-                holds=tuple(sorted(ids[name] for name in e.holds if name in ids)),
-                lacks=(),
-                outage=e.unreachable,
-            )
-            for e in status.engines
-        ),
+        status=status,
+        held=len(bindings),
+        pinned=_pinned(bindings.items()),
     )
 
 
@@ -386,10 +304,10 @@ class UiPages:
             with anyio.move_on_after(self.stream_s):
                 while True:
                     snap = await self.snapshots()
-                    yield f"id: {snap.seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
+                    yield f"id: {snap.status.last_seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
                     while True:
                         with anyio.move_on_after(self.keepalive_s) as waited:
-                            await self.changed(snap.seq)
+                            await self.changed(snap.status.last_seq)
                         if not waited.cancelled_caught:
                             break
                         yield ": keepalive\n\n"  # proxies keep it open; a gone client shows

@@ -27,15 +27,13 @@ import msgspec
 import openai
 import pytest
 
-from engines.local.server import running_server
 from projections.registry import RegistryState
-from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.browser import Page, browser, chromium_binary
 from tests.support.waiting import wait_for
 from tests.tools.serving import serving
 from tests.tools.test_engine_death import engine_process
-from tests.tools.test_gateway_process import gateway_process
+from tests.tools.test_gateway_process import behind_a_gateway
 from tests.tools.test_serve import _adapter_dir
 from tools.service_options import parse_engine
 from tools.ui import UiPages, UiSnapshot, snapshot
@@ -300,31 +298,8 @@ async def test_streams_are_bounded_coalesced_and_free_their_slot_when_closed() -
 async def test_a_gateway_process_shows_its_own_view_and_sessions(tmp_path: Path) -> None:
     """``loraledger gateway``'s ``/ui``: the versions and engines as it last read them, and the
     sessions it holds pinned to their version (not the other processes' ones)."""
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     async with AsyncExitStack() as stack:
-        _, engine_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
-        ledger = await stack.enter_async_context(
-            serving(
-                tmp_path / "ledger.db",
-                token=TOKEN,
-                engines=(parse_engine(f"e0=local:{engine_url}"),),
-            )
-        )
-        http = await stack.enter_async_context(
-            httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
-        )
-        reply = await http.post(
-            "/versions", json={"version_id": 1, "adapter_dir": str(_adapter_dir(tmp_path, 1))}
-        )
-        assert reply.status_code == 200, reply.text
-        url = await stack.enter_async_context(
-            gateway_process(ledger, token_file, tmp_path, "gw-ui")
-        )
-        client = await stack.enter_async_context(
-            openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
-        )
+        _, _, url, client = await behind_a_gateway(stack, tmp_path, "gw-ui")
         await client.chat.completions.create(
             model="policy",
             messages=[{"role": "user", "content": "hello"}],
@@ -341,9 +316,10 @@ async def test_a_gateway_process_shows_its_own_view_and_sessions(tmp_path: Path)
                 if line.startswith("data: "):
                     view = msgspec.json.decode(line[6:], type=UiSnapshot)
                     break
-        assert view.view == "gateway"
-        [v1] = [v for v in view.versions if v.version_id == 1]
-        assert v1.state == "PUBLISHED" and v1.sessions == ("g1",) and v1.holders == ("e0",)
-        assert [e.engine for e in view.engines if e.routable] == ["e0"]
+        assert view.view == "gateway" and view.held == 1
+        [v1] = [v for v in view.status.versions if v.version_id == 1]
+        assert v1.state == "PUBLISHED" and v1.holders == ("e0",)
+        assert view.pinned == {1: ("g1",)}
+        assert [e.engine for e in view.status.engines if e.routable] == ["e0"]
         # no log in a gateway process: the timelines are serve's
         assert (await gateway.get("/ui/version/1")).status_code == 404
