@@ -249,7 +249,8 @@ async def run_gateway(
         # the routes behind their guard (body cap, 413 in OpenAI's shape), as on a Ray actor,
         # and this process's own live page (open: it shows what /status of serve shows)
         page = gateway_pages(face.worker.gateway.view.status, face.worker.bindings)
-        server = _server(openai_app(face, page.routes(lambda e: e)), opts, verbosity)
+        app = openai_app(face, page.routes(lambda e: e))
+        server = _server(app, opts, verbosity, on_shutdown=page.close)
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(_stop_on_signals, server)

@@ -386,6 +386,7 @@ def build_app(
     async def store_provenance(request: Request, body: wire.StoreProvenance) -> Any:
         return wire.ProvenanceStored(stored=await service.store_provenance(body.rows))
 
+    ui = ledger_pages(ledger, replayer)  # kept as app.state.ui: serve ends its streams on stop
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", reader(status), methods=["GET"]),
@@ -419,7 +420,7 @@ def build_app(
         Route("/engines/{engine}/remove", writer(wire.EngineAction, remove), methods=["POST"]),
         Route("/engines/{engine}/trouble", writer(wire.TroubleReport, trouble), methods=["POST"]),
         Route("/provenance", writer(wire.StoreProvenance, store_provenance), methods=["POST"]),
-        *ledger_pages(ledger, replayer).routes(reader),
+        *ui.routes(reader),
         *extra_routes,
     ]
 
@@ -436,7 +437,7 @@ def build_app(
     def error_body_for(path: str) -> ErrorBody:
         return guard_error_body if generation(path) else _error_body
 
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[
             Middleware(
@@ -451,3 +452,5 @@ def build_app(
         ],
         exception_handlers=exception_handlers(_error_body, error_body_for),
     )
+    app.state.ui = ui
+    return app

@@ -270,6 +270,8 @@ class UiPages:
         self.min_interval_s = min_interval_s
         self.keepalive_s = keepalive_s
         self.open_streams = 0
+        self.closed = False
+        self._streams: set[anyio.CancelScope] = set()
 
     def routes(self, reader: Callable[[Endpoint], Endpoint]) -> list[Route]:
         """``reader`` wraps each route with the service's rule for reads (``--private-reads``)."""
@@ -301,19 +303,31 @@ class UiPages:
                 yield f"retry: 5000\nevent: busy\ndata: {_encoder.encode(busy).decode()}\n\n"
                 return
             yield "retry: 1000\n\n"
-            with anyio.move_on_after(self.stream_s):
-                while True:
-                    snap = await self.snapshots()
-                    yield f"id: {snap.status.last_seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
-                    while True:
-                        with anyio.move_on_after(self.keepalive_s) as waited:
-                            await self.changed(snap.status.last_seq)
-                        if not waited.cancelled_caught:
-                            break
-                        yield ": keepalive\n\n"  # proxies keep it open; a gone client shows
-                    await anyio.sleep(self.min_interval_s)  # coalesce a burst of commits
+            with anyio.move_on_after(self.stream_s) as scope:
+                self._streams.add(scope)
+                try:
+                    while not self.closed:
+                        snap = await self.snapshots()
+                        seq = snap.status.last_seq
+                        yield f"id: {seq}\ndata: {_encoder.encode(snap).decode()}\n\n"
+                        while True:
+                            with anyio.move_on_after(self.keepalive_s) as waited:
+                                await self.changed(seq)
+                            if not waited.cancelled_caught:
+                                break
+                            yield ": keepalive\n\n"  # proxies keep it open; a gone client shows
+                        await anyio.sleep(self.min_interval_s)  # coalesce a burst of commits
+                finally:
+                    self._streams.discard(scope)
         finally:
             self.open_streams -= 1
+
+    def close(self) -> None:
+        """End every stream now, and any opened after: the server is stopping, and an open
+        tab must not hold its stop up (uvicorn waits for open responses, then cancels them)."""
+        self.closed = True
+        for scope in self._streams:
+            scope.cancel()
 
     async def incidents(self, request: Request) -> Response:
         from tools.render import incidents_view

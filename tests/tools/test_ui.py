@@ -323,3 +323,29 @@ async def test_a_gateway_process_shows_its_own_view_and_sessions(tmp_path: Path)
         assert [e.engine for e in view.status.engines if e.routable] == ["e0"]
         # no log in a gateway process: the timelines are serve's
         assert (await gateway.get("/ui/version/1")).status_code == 404
+
+
+async def test_an_open_page_does_not_hold_up_a_stop(tmp_path: Path) -> None:
+    """serve's stop ends the page's streams at once: uvicorn would otherwise wait for them, the
+    open responses, ``timeout_graceful_shutdown`` (5 s), then cancel them with an error."""
+    opened, ended = anyio.Event(), anyio.Event()
+
+    async def watch(url: str) -> None:
+        async with (
+            httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as http,
+            http.stream("GET", "/ui/events") as stream,
+        ):
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    opened.set()
+        ended.set()  # the server ended the stream cleanly (no protocol error)
+
+    async with anyio.create_task_group() as tg:
+        async with serving(tmp_path / "ledger.db", token=TOKEN) as url:
+            tg.start_soon(watch, url)
+            await opened.wait()
+            stopping = time.monotonic()
+        took = time.monotonic() - stopping
+        print(f"\nserve stopped in {took:.3f} s with a page open")
+        assert ended.is_set()
+        assert took < 4.0  # uvicorn's wait for open responses is 5 s
