@@ -39,6 +39,7 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from evlog.store import EventStore
+from projections.incidents import Incident
 from projections.registry import RegistryState, VersionState
 from projections.status import LedgerStatus, status_of
 
@@ -205,7 +206,9 @@ def ledger_pages(ledger: Ledger, replayer: Replayer | None = None) -> UiPages:
         await times.catch_up()
         return snapshot(ledger.state, now=ledger.clock(), times=times)
 
-    return UiPages(now, ledger.wait_committed, replayer=replayer)
+    return UiPages(
+        now, ledger.wait_committed, replayer=replayer, log_seq=lambda: ledger.store.last_seq
+    )
 
 
 def gateway_pages(
@@ -249,7 +252,8 @@ def gateway_snapshot(
 class UiPages:
     """The page's routes over a live view. ``snapshots`` makes the view now, ``changed``
     waits until a view newer than the given seq exists (``Ledger.wait_committed`` for serve);
-    ``replayer`` (serve's, over its log) enables the incidents and timelines (404 without)."""
+    ``replayer`` (serve's, over its log) enables the incidents and timelines (404 without);
+    ``log_seq`` says where the log ends now (a replay of the same log is not made twice)."""
 
     def __init__(
         self,
@@ -257,6 +261,7 @@ class UiPages:
         changed: Changed,
         *,
         replayer: Replayer | None = None,
+        log_seq: Callable[[], int] = lambda: 0,
         max_streams: int = 32,
         stream_s: float = 300.0,
         min_interval_s: float = 0.1,
@@ -265,6 +270,7 @@ class UiPages:
         self.snapshots = snapshots
         self.changed = changed
         self.replayer = replayer
+        self.log_seq = log_seq
         self.max_streams = max_streams
         self.stream_s = stream_s
         self.min_interval_s = min_interval_s
@@ -272,6 +278,8 @@ class UiPages:
         self.open_streams = 0
         self.closed = False
         self._streams: set[anyio.CancelScope] = set()
+        self._incidents_lock = anyio.Lock()
+        self._incidents: tuple[int, str | None] = (0, None)  # (the log's last seq, page)
 
     def routes(self, reader: Callable[[Endpoint], Endpoint]) -> list[Route]:
         """``reader`` wraps each route with the service's rule for reads (``--private-reads``)."""
@@ -330,14 +338,17 @@ class UiPages:
             scope.cancel()
 
     async def incidents(self, request: Request) -> Response:
-        from tools.render import incidents_view
-
+        """The last incidents: a replay of the whole log, so made once per state of the log
+        whatever the number of open tabs (one at a time; the others get the same page)."""
         if self.replayer is None:
             return _no_log()
-        found = (await self.replayer(incidents=True)).incidents or []
-        last = sorted(found, key=lambda i: (i.at, i.seqs))[-INCIDENTS_SHOWN:]
-        title = f"the last {len(last)} of {len(found)} incidents" if found else "incidents"
-        return HTMLResponse(_rich_html(title, [incidents_view(last, title=title)]))
+        async with self._incidents_lock:
+            seq, page = self._incidents
+            if page is None or seq != self.log_seq():
+                result = await self.replayer(incidents=True)
+                page = _incidents_page(result.incidents or [])
+                self._incidents = (result.log_last_seq, page)
+        return HTMLResponse(page)
 
     async def version(self, request: Request) -> Response:
         vid: int = request.path_params["version"]
@@ -356,6 +367,14 @@ class UiPages:
         subjects: list[int | str] = [*versions, *engines]
         views = [view for subject in subjects for view in subject_views(result, subject)]
         return HTMLResponse(_rich_html(title, views, back="../../ui"))
+
+
+def _incidents_page(found: list[Incident]) -> str:
+    from tools.render import incidents_view
+
+    last = sorted(found, key=lambda i: (i.at, i.seqs))[-INCIDENTS_SHOWN:]
+    title = f"the last {len(last)} of {len(found)} incidents" if found else "incidents"
+    return _rich_html(title, [incidents_view(last, title=title)])
 
 
 def _no_log() -> Response:
