@@ -38,5 +38,15 @@ if ! command -v promtool >/dev/null; then
     echo "test.sh: no promtool; install Debian's prometheus package" >&2
   fi
 fi
+# The live page (/ui) is tested in a real headless browser, Debian's chromium (driven over its
+# DevTools pipe). Without it, that test fails under CI=true and skips elsewhere.
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+  else
+    echo "test.sh: no chromium; install Debian's chromium package" >&2
+  fi
+fi
 # --durations: every run names its slowest tests, so the suite's wall time stays watched.
 exec .venv/bin/python -m pytest --durations=25 "$@"

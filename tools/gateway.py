@@ -245,14 +245,18 @@ async def run_gateway(
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop``); ``on_ready(url, owner)`` once listening."""
     from publisher.openai import openai_app
+    from tools.ui import gateway_pages
 
     check_options(opts)
     async with (
         listening(opts.host, opts.port) as sockets,  # a busy port: no owner registered yet
         gateway_face(opts) as face,
     ):
-        # the routes behind their guard (body cap, 413 in OpenAI's shape), as on a Ray actor
-        server = _server(openai_app(face), opts, verbosity)
+        # the routes behind their guard (body cap, 413 in OpenAI's shape), as on a Ray actor,
+        # and this process's own live page (open: it shows what /status of serve shows)
+        page = gateway_pages(face.worker.gateway.view.status, face.worker.bindings)
+        app = openai_app(face, page.routes(lambda route, endpoint: endpoint))
+        server = _server(app, opts, verbosity, on_shutdown=page.close)
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(_stop_on_signals, server)

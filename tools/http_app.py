@@ -17,6 +17,14 @@ GET      ``/routing``                     as ``/status``   the routing table rem
                                                            a long poll, answered when it
                                                            is not table (E, S), 204 after
                                                            W seconds)
+GET      ``/ui``                          as ``/status``   the operator's live page
+                                                           (:mod:`tools.ui`)
+GET      ``/ui/events``                   as ``/status``   its server-sent snapshots,
+                                                           one per commit
+GET      ``/ui/incidents``,               as ``/status``   the last incidents, a
+         ``/ui/version/{version}``,                        version's or an engine's
+         ``/ui/engine/{engine}``                           timeline (``replay``'s, as
+                                                           HTML; 404 without ``replayer``)
 POST     ``/owners``                      op ro gw         register a rollout worker
          (an owner or session id in a path is any printable text, percent-escaped: ``/`` too)
 POST     ``/owners/{owner}/renew``        op ro gw         renew its lease (+ in-flight)
@@ -104,6 +112,7 @@ from publisher.remote.service import LedgerService, TroubleBatch, TroubleReceive
 from publisher.remote.uploads import AdapterUploads
 from tools.metrics import LedgerMetrics
 from tools.roles import ROUTE_ROLES
+from tools.ui import Replayer, ledger_pages
 
 # the body of POST /versions -> outcome struct
 Publish = Callable[[wire.PublishVersion], Awaitable[Any]]
@@ -159,6 +168,7 @@ def build_app(
     report_trouble: TroubleReceiver | None = None,
     provenance: ProvenanceStore | None = None,
     uploads: AdapterUploads | None = None,
+    replayer: Replayer | None = None,
 ) -> Starlette:
     """The app over a running ``ledger``. ``publish`` (from a ``ControlPlane``) enables
     ``POST /versions``; without it that route is refused with
@@ -180,7 +190,9 @@ def build_app(
     engines. ``provenance`` (the store beside the log) keeps the rows gateway processes send
     to ``POST /provenance``; without it that route is refused ``INVALID_STATE``. ``uploads``
     receives adapters remote trainers send (``/adapters/...``, whose weights body is capped by
-    ``uploads.max_bytes`` instead); without it those routes are refused ``INVALID_STATE``."""
+    ``uploads.max_bytes`` instead); without it those routes are refused ``INVALID_STATE``.
+    ``replayer`` (:func:`tools.replay.replay` over this service's log) serves the live page's
+    incidents and timelines; without it they answer 404."""
     access = Access(TokenBook(token, tokens), ROUTE_ROLES, private_reads=private_reads)
     service = LedgerService(ledger, engine_trouble=report_trouble, provenance=provenance)
 
@@ -392,6 +404,7 @@ def build_app(
     async def store_provenance(request: Request, body: wire.StoreProvenance) -> Any:
         return wire.ProvenanceStored(stored=await service.store_provenance(body.rows))
 
+    ui = ledger_pages(ledger, replayer)  # kept as app.state.ui: serve ends its streams on stop
     routes = [
         Route("/health", reader("GET /health", health), methods=["GET"]),
         Route("/status", reader("GET /status", status), methods=["GET"]),
@@ -469,6 +482,7 @@ def build_app(
             writer("POST /provenance", wire.StoreProvenance, store_provenance),
             methods=["POST"],
         ),
+        *ui.routes(reader),
         *extra_routes,
     ]
 
@@ -485,7 +499,7 @@ def build_app(
     def error_body_for(path: str) -> ErrorBody:
         return guard_error_body if generation(path) else _error_body
 
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[
             Middleware(
@@ -500,3 +514,5 @@ def build_app(
         ],
         exception_handlers=exception_handlers(_error_body, error_body_for),
     )
+    app.state.ui = ui
+    return app

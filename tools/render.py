@@ -20,6 +20,7 @@ from projections.stalls import Stall
 from projections.status import LedgerStatus, OutageStatus
 from tools.audit import AuditReport
 from tools.demo import DemoRun
+from tools.replay import ReplayResult
 from tools.story import Story
 from tools.timefmt import iso, span
 from tools.verify import VerifyResult
@@ -142,6 +143,22 @@ def timeline_view(subject: str, entries: Sequence[Entry]) -> RenderableType:
             e.detail,
         )
     return table
+
+
+def subject_views(result: ReplayResult, subject: int | str) -> list[RenderableType]:
+    """What ``replay --version N`` (``subject`` the int N) or ``--engine E`` (the str E) prints
+    about it: the timeline, then for a version why it stalled and what made its reclaims
+    possible. One function, so the CLI and the operator's page (``/ui/version/N``,
+    ``/ui/engine/E``) tell the same story."""
+    if isinstance(subject, str):
+        return [timeline_view(subject, result.engines.get(subject, []))]
+    name = f"v{subject}"
+    views = [timeline_view(name, result.versions.get(subject, []))]
+    if result.stalls.get(subject):
+        views.append(stalls_view(name, result.stalls[subject]))
+    if result.reclaims.get(subject):
+        views.append(reclaims_view(name, result.reclaims[subject]))
+    return views
 
 
 def stalls_view(subject: str, stalls: Sequence[Stall]) -> RenderableType:

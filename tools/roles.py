@@ -20,7 +20,8 @@ Why the lines fall where they do:
   calls ``/sessions/forget``: a worker forgets the tombstones it wrote inside its
   ``/sessions/commands`` batch. Forgetting a tombstone lets a closed session id bind again, so
   the bare route is an operator's repair tool.
-* **reads** (``/status``, ``/metrics``, ``/routing`` and its long poll) are open unless
+* **reads** (``/status``, ``/metrics``, ``/routing`` and its long poll, the live page
+  ``/ui`` and its feeds) are open unless
   ``--private-reads``; then any role may read. ``/health`` is always open (probes).
 """
 
@@ -39,6 +40,11 @@ ROUTE_ROLES: dict[str, Rule] = {
     "GET /status": Rule(_ANY, read=True),
     "GET /metrics": Rule(_ANY, read=True),
     "GET /routing": Rule(_ANY, read=True),
+    "GET /ui": Rule(_ANY, read=True),
+    "GET /ui/events": Rule(_ANY, read=True),
+    "GET /ui/incidents": Rule(_ANY, read=True),
+    "GET /ui/version/{version}": Rule(_ANY, read=True),
+    "GET /ui/engine/{engine}": Rule(_ANY, read=True),
     "POST /owners": Rule(_SESSIONS),
     "POST /owners/{owner}/renew": Rule(_SESSIONS),
     "POST /owners/{owner}/deregister": Rule(_SESSIONS),

@@ -33,6 +33,7 @@ copy of serve's own rows too.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -366,7 +367,11 @@ def make_publish(
     return publish
 
 
-def _server(app: Any, opts: ServiceOptions, verbosity: int) -> Any:
+def _server(
+    app: Any, opts: ServiceOptions, verbosity: int, on_shutdown: Callable[[], None] | None = None
+) -> Any:
+    """The uvicorn server of ``app``; ``on_shutdown`` is called as it starts stopping (before
+    it waits for open responses: the live page's streams end then)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -376,6 +381,11 @@ def _server(app: Any, opts: ServiceOptions, verbosity: int) -> Any:
             # order; uvicorn's handler would re-raise the signal after its own shutdown and
             # kill the process before the ledger closed.
             yield
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(
         app,
@@ -420,6 +430,7 @@ async def serve(
     from publisher.remote.uploads import AdapterUploads
     from tools.http_app import build_app
     from tools.metrics import LedgerMetrics
+    from tools.replay import replay
 
     check_options(opts)
     async with (
@@ -444,8 +455,9 @@ async def serve(
             remove_engine=lambda engine_id: plane.remove_engine(engine_id, cause="operator"),
             report_trouble=plane.reconciler.engine_trouble,
             provenance=provenance,
+            replayer=functools.partial(replay, opts.db),
         )
-        server = _server(app, opts, verbosity)
+        server = _server(app, opts, verbosity, on_shutdown=app.state.ui.close)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_follow, ledger, metrics)
             if handle_signals:

@@ -38,7 +38,7 @@ without a known token, 403 ``FORBIDDEN`` for another role (a trainer's), 403
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import httpx
@@ -317,12 +317,12 @@ def openai_routes(face: OpenAIGateway, *, whole_app: bool = False) -> list[BaseR
     ]
 
 
-def openai_app(face: OpenAIGateway) -> Starlette:
+def openai_app(face: OpenAIGateway, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
     """A Starlette app with only the OpenAI routes, behind their body guard (a bare gateway
-    process, a Ray gateway actor, a benchmark): every request outside them is answered in
-    OpenAI's error shape."""
+    process, a Ray gateway actor, a benchmark): every request outside them (and outside
+    ``extra_routes``, a gateway process's own page) is answered in OpenAI's error shape."""
     return Starlette(
-        routes=openai_routes(face, whole_app=True),
+        routes=[*extra_routes, *openai_routes(face, whole_app=True)],
         middleware=[body_guard(face.options.max_body_bytes)],
         exception_handlers=guard.exception_handlers(guard_error_body),
     )

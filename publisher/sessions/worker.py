@@ -215,6 +215,15 @@ class RolloutWorker:
 
     # --- sessions ------------------------------------------------------------------------------
 
+    def bindings(self) -> dict[str, int]:
+        """Session -> the version it is bound to, of the sessions this worker holds now (for a
+        gateway process's own page)."""
+        return {
+            session: binder.bound.version_id
+            for session, binder in self._binders.items()
+            if binder.bound is not None and not binder.closed
+        }
+
     def session(self, session_id: str) -> SessionBinder:
         """The binder of ``session_id`` in this worker (the same object until it is released,
         so two callers of one session still share one bind). Creating it binds nothing.

@@ -205,35 +205,45 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
     assert {r["version_id"] for r in rows if r["session"] == "shared"} == {1}
 
 
+async def behind_a_gateway(
+    stack: AsyncExitStack, tmp_path: Path, name: str
+) -> tuple[Any, httpx.AsyncClient, str, openai.AsyncOpenAI]:
+    """One local engine, serve over it with v1 published, a gateway process ``name`` in front:
+    the engine, a token holder's client of serve, the gateway's URL and an OpenAI client of
+    it, all closed with ``stack``."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    engine, engine_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
+    ledger = await stack.enter_async_context(
+        serving(
+            tmp_path / "ledger.db",
+            token=TOKEN,
+            engines=(parse_engine(f"e0=local:{engine_url}"),),
+        )
+    )
+    http = await stack.enter_async_context(
+        httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
+    )
+    reply = await http.post(
+        "/versions", json={"version_id": 1, "adapter_dir": str(_adapter_dir(tmp_path, 1))}
+    )
+    assert reply.status_code == 200, reply.text
+    url = await stack.enter_async_context(gateway_process(ledger, token_file, tmp_path, name))
+    client = await stack.enter_async_context(
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
+    )
+    return engine, http, url, client
+
+
 async def test_a_gateway_process_reports_a_lost_adapter_to_serve(tmp_path: Path) -> None:
     """An adapter unloaded behind the ledger's back is found within moments of the next request
     through a separate gateway process: the engine refuses the turn, the process posts the
     refusal to serve (``/engines/{e}/trouble``) and serve's reconciler reads that engine's
     inventory at once. Serve's own probes do not read inventories and its full pass is 30 s
     away, so without the report the loss would stay unseen for this test's whole life."""
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     async with AsyncExitStack() as stack:
-        engine, engine_url = await stack.enter_async_context(running_server("e0", limits=LIMITS))
-        ledger = await stack.enter_async_context(
-            serving(
-                tmp_path / "ledger.db",
-                token=TOKEN,
-                engines=(parse_engine(f"e0=local:{engine_url}"),),
-            )
-        )
-        http = await stack.enter_async_context(
-            httpx.AsyncClient(base_url=ledger, trust_env=False, timeout=60, headers=auth)
-        )
-        reply = await http.post(
-            "/versions", json={"version_id": 1, "adapter_dir": str(_adapter_dir(tmp_path, 1))}
-        )
-        assert reply.status_code == 200, reply.text
-        url = await stack.enter_async_context(gateway_process(ledger, token_file, tmp_path, "gw"))
-        client = await stack.enter_async_context(
-            openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
-        )
+        engine, http, _, client = await behind_a_gateway(stack, tmp_path, "gw")
 
         async def turn(session: str) -> str:
             raw = await client.chat.completions.with_raw_response.create(

@@ -69,10 +69,8 @@ def replay(
     from tools.progress import progress_bar
     from tools.render import (
         incidents_view,
-        reclaims_view,
-        stalls_view,
         status_view,
-        timeline_view,
+        subject_views,
     )
     from tools.replay import replay as run_replay
     from tools.timefmt import iso, parse_at, parse_duration
@@ -140,12 +138,10 @@ def replay(
         asked = f" (--at {at} = {iso(result.asked_at)})"
     title = f"{redacted(log)} at seq {result.seq}{limit}{asked}"
     out.print(status_view(status, title=title, at=result.at))
-    for subject, entries in timelines:
-        out.print(timeline_view(subject, entries))
-        if subject.startswith("v") and result.stalls.get(int(subject[1:])):
-            out.print(stalls_view(subject, result.stalls[int(subject[1:])]))
-        if subject.startswith("v") and result.reclaims.get(int(subject[1:])):
-            out.print(reclaims_view(subject, result.reclaims[int(subject[1:])]))
+    subjects: list[int | str] = [*versions, *engines]
+    for about in subjects:
+        for view in subject_views(result, about):
+            out.print(view)
     if result.incidents is not None:
         out.print(incidents_view(result.incidents))
     if written is not None:
