@@ -30,6 +30,7 @@ DOCS = Path(__file__).parents[2] / "docs" / "operations.md"
 TOKENS = {role: f"{role}-t0ken" for role in ROLES}
 OTHERS = tuple((role, token) for role, token in TOKENS.items() if role != "operator")
 NO_TOKEN = "no token"
+_CONVERTER = re.compile(r":\w+}")  # a path parameter's converter: {owner:path}, {version:int}
 # a value for each path parameter: an owner, a session, an engine, a digest, a model
 PARAMS = {
     "owner": "w",
@@ -70,7 +71,7 @@ async def test_every_route_of_the_apps_is_in_the_policy(tmp_path: Path) -> None:
     async with SQLiteStore.open(tmp_path / "l.db") as store, Ledger.open(store) as ledger:
         app = build_app(ledger, LedgerMetrics(lambda: ledger.state), token="t")
         served = {
-            f"{method} {route.path.replace(':path}', '}')}"
+            f"{method} {_CONVERTER.sub('}', route.path)}"
             for route in app.routes
             if isinstance(route, Route)
             for method in route.methods or ()

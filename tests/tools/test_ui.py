@@ -234,7 +234,9 @@ async def test_the_stream_sends_a_snapshot_per_commit_and_ends_when_the_client_l
                     seqs.append(int(line[4:]))
                     break
             reply = await http.post(
-                "/owners", json={"owner": "w", "ttl_s": 60, "incarnation": "i"}, headers=auth
+                "/owners",
+                json={"owner": "w", "ttl_s": 60, "incarnation": "i", "secret": "s" * 64},
+                headers=auth,
             )
             assert reply.status_code == 200, reply.text
             with anyio.fail_after(10):
