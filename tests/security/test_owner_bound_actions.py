@@ -111,6 +111,18 @@ async def test_a_clients_session_is_not_released_under_a_made_up_owner_or_a_forg
     assert "lease_expired" not in causes
 
 
+async def stream_from_a_gateway(remote: HttpLedger, ledger: Ledger) -> None:
+    """A gateway process's relay life (``gw``, life ``gw-1``) streams one request on version 1,
+    and serve has heard its count."""
+    await remote.register_owner("gw", incarnation="gw-1", sessions_idle_s=0.0)
+    remote.renew_lease("gw", {("e0", 1): 1}, incarnation="gw-1")
+    await wait_for("the gateway's in-flight count reaches serve", lambda: _streaming(ledger))
+
+
+def _streaming(ledger: Ledger) -> bool:
+    return any(x.reporter == "gw" and x.count == 1 for x in ledger.inflight_evidence(1))
+
+
 async def test_no_one_but_the_face_that_dispatched_reports_its_requests_finished(
     tmp_path: Path,
 ) -> None:
@@ -119,14 +131,7 @@ async def test_no_one_but_the_face_that_dispatched_reports_its_requests_finished
         serve_with_face(store) as (ledger, _, http, url),
         HttpLedger.connect(url, token=TOKEN, renew_interval=0.05) as remote,
     ):
-        # a gateway process's relay life, streaming one request on version 1
-        await remote.register_owner("gw", incarnation="gw-1", sessions_idle_s=0.0)
-        remote.renew_lease("gw", {("e0", 1): 1}, incarnation="gw-1")
-
-        def streaming() -> bool:
-            return any(x.reporter == "gw" and x.count == 1 for x in ledger.inflight_evidence(1))
-
-        await wait_for("the gateway's in-flight count reaches serve", streaming)
+        await stream_from_a_gateway(remote, ledger)
         idle = {"incarnation": "gw-1", "inflight": []}
         _refused(await http.post("/owners/gw/renew", json=idle))
         forged = {**idle, "secret": FORGED}
@@ -138,7 +143,7 @@ async def test_no_one_but_the_face_that_dispatched_reports_its_requests_finished
             [lost] = renewed.json()["lost"]
             assert lost["refusal"]["code"] == "OWNER_SECRET_MISMATCH"
         # what a reclaim claim would record: the stream is still in flight
-        assert streaming()
+        assert _streaming(ledger)
 
 
 async def test_a_stranger_registering_a_new_life_cannot_free_a_streaming_version(
@@ -152,12 +157,7 @@ async def test_a_stranger_registering_a_new_life_cannot_free_a_streaming_version
         serve_with_face(store) as (ledger, _, http, url),
         HttpLedger.connect(url, token=TOKEN, renew_interval=0.05) as remote,
     ):
-        await remote.register_owner("gw", incarnation="gw-1", sessions_idle_s=0.0)
-        remote.renew_lease("gw", {("e0", 1): 1}, incarnation="gw-1")
-        await wait_for(
-            "the gateway's stream is counted at serve",
-            lambda: any(x.count == 1 for x in ledger.inflight_evidence(1)),
-        )
+        await stream_from_a_gateway(remote, ledger)
         await publish(ledger, 2)  # v1 RETIRED: only the stream's count holds it
         stranger = {"owner": "gw", "incarnation": "gw-evil", "secret": FORGED, "ttl_s": 600.0}
         assert (await http.post("/owners", json=stranger)).status_code == 200
