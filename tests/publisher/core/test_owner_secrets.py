@@ -151,6 +151,7 @@ async def test_a_stranger_replacing_a_live_life_cannot_make_its_running_request_
         clock.now = 1005.0
         await ledger.register_owner("face", ttl_s=600.0, incarnation="x", secret=OTHER)
         ledger.renew_lease("face", {}, incarnation="x", secret=OTHER)  # the stranger: "idle"
+        await ledger.deregister_owner("face", incarnation="x", secret=OTHER)  # and gone
         clock.now = 1013.9  # the replaced life's lease (renewed at 1004, ttl 10) still runs
         with pytest.raises(LedgerError) as busy:
             await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
