@@ -8,6 +8,12 @@ explains every decision without the heartbeats.
 
 After a controller restart every registered owner gets a full ttl of grace (its last renewal
 is unknown), so a restart can never expire a live worker.
+
+A new incarnation may replace a live life without that life's secret (a crashed worker must
+restart at once), so anyone allowed to register could otherwise wipe a running life's counts
+and make its version look idle. The replaced life's last non-zero counts therefore stay in the
+evidence until its lease would have lapsed (last renewal + its ttl), as if it still ran: a
+replacement can fence a life, never shorten how long its running requests hold a version.
 """
 
 from __future__ import annotations
@@ -24,17 +30,42 @@ class Lease(msgspec.Struct):
     inflight: dict[tuple[str, int], int] = msgspec.field(default_factory=dict)
 
 
+class ReplacedLife(msgspec.Struct, frozen=True, kw_only=True):
+    """A life replaced while its lease ran: its last counts hold until ``until``."""
+
+    owner: str
+    incarnation: str
+    last_seen: float
+    until: float
+    inflight: dict[tuple[str, int], int]
+
+
 class LeaseBook:
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
+        self._replaced: list[ReplacedLife] = []
 
     def grant(self, owner: str, now: float) -> None:
         """Start (or restart after a controller restart) a lease at ``now``."""
         self._leases.setdefault(owner, Lease(last_seen=now))
 
-    def restart(self, owner: str, now: float) -> None:
-        """A new incarnation of ``owner``: a fresh lease, and none of its predecessor's
-        in-flight counts (they were that process's; the new one reports its own)."""
+    def restart(self, owner: str, now: float, *, replaced: str = "", ttl_s: float = 0.0) -> None:
+        """A new incarnation of ``owner``: a fresh lease without its predecessor's in-flight
+        counts (they were that process's; the new one reports its own). The predecessor (life
+        ``replaced``, lease ``ttl_s``) keeps its non-zero counts in the evidence until its
+        lease would have lapsed, if it had not lapsed at ``now``."""
+        self._replaced = [life for life in self._replaced if now < life.until]
+        old = self._leases.get(owner)
+        if old is not None and old.inflight and now - old.last_seen < ttl_s:
+            self._replaced.append(
+                ReplacedLife(
+                    owner=owner,
+                    incarnation=replaced,
+                    last_seen=old.last_seen,
+                    until=old.last_seen + ttl_s,
+                    inflight=dict(old.inflight),
+                )
+            )
         self._leases[owner] = Lease(last_seen=now)
 
     def renew(
@@ -60,9 +91,11 @@ class LeaseBook:
             if owner in ttls and now - lease.last_seen >= ttls[owner]
         )
 
-    def inflight(self, version_id: int) -> list[InFlight]:
+    def inflight(self, version_id: int, now: float) -> list[InFlight]:
         """Evidence for a reclaim claim: one entry per live owner (its count per engine where
-        non-zero, else a single zero entry for all engines, dated by its last renewal)."""
+        non-zero, else a single zero entry for all engines, dated by its last renewal), then
+        the non-zero counts of each replaced life whose lease would still run at ``now``."""
+        self._replaced = [life for life in self._replaced if now < life.until]
         reports: list[InFlight] = []
         for owner, lease in sorted(self._leases.items()):
             busy = sorted(
@@ -73,5 +106,16 @@ class LeaseBook:
             reports.extend(
                 InFlight(reporter=owner, engine=engine, count=n, at=lease.last_seen)
                 for engine, n in busy
+            )
+        for life in self._replaced:
+            reports.extend(
+                InFlight(
+                    reporter=f"{life.owner} (replaced life {life.incarnation})",
+                    engine=engine,
+                    count=n,
+                    at=life.last_seen,
+                )
+                for (engine, vid), n in sorted(life.inflight.items())
+                if vid == version_id
             )
         return reports

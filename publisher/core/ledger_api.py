@@ -412,6 +412,10 @@ class LedgerAPI(TypedCommands):
         ``secret`` (made by the caller, ``secrets.token_hex(32)``; the log keeps its digest):
         every later bind, renewal, release and deregistration of this life must carry it."""
         now = self.clock()
+        before = self.state.owners.get(owner)
+        replaced = (
+            (before.incarnation, before.ttl_s) if before is not None and before.live else None
+        )
         command = c.RegisterOwner(
             owner=owner,
             ttl_s=ttl_s,
@@ -423,6 +427,8 @@ class LedgerAPI(TypedCommands):
         outcome = await self._run(command, Done)
         if outcome.no_op:
             self.leases.grant(owner, now)
+        elif replaced is not None:
+            self.leases.restart(owner, now, replaced=replaced[0], ttl_s=replaced[1])
         else:
             self.leases.restart(owner, now)
         return outcome
@@ -524,8 +530,9 @@ class LedgerAPI(TypedCommands):
         return released
 
     def inflight_evidence(self, version_id: int) -> list[InFlight]:
-        """The in-flight counts the live owners last renewed with, for ``claim_reclaim``."""
-        return self.leases.inflight(version_id)
+        """The in-flight counts the live owners last renewed with (and lives replaced while
+        their lease still runs), for ``claim_reclaim``."""
+        return self.leases.inflight(version_id, self.clock())
 
     # --- reclaim -------------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@
 A caller that knows an owner id and its incarnation (both are in the log and in refusals) but
 not the life's secret can neither end a face's life, nor release a client's session under a
 made-up owner or with a cause only the ledger may write, nor renew another face's lease to
-report its requests finished. Every attack is refused and changes nothing."""
+report its requests finished. Every attack is refused and changes nothing. A new life of an
+owner id needs no secret (a crash must restart at once): it fences the life it replaces, but
+cannot free a version that life's running request holds."""
 
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
+from evlog.errors import LoraLedgerError
 from evlog.events import OwnerDeregistered, SessionReleased
 from evlog.sqlite import SQLiteStore
+from projections.registry import VersionState
+from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
 from publisher.drivers.fleet import Fleet
 from publisher.gateway import Gateway, LocalView
@@ -106,6 +111,18 @@ async def test_a_clients_session_is_not_released_under_a_made_up_owner_or_a_forg
     assert "lease_expired" not in causes
 
 
+async def stream_from_a_gateway(remote: HttpLedger, ledger: Ledger) -> None:
+    """A gateway process's relay life (``gw``, life ``gw-1``) streams one request on version 1,
+    and serve has heard its count."""
+    await remote.register_owner("gw", incarnation="gw-1", sessions_idle_s=0.0)
+    remote.renew_lease("gw", {("e0", 1): 1}, incarnation="gw-1")
+    await wait_for("the gateway's in-flight count reaches serve", lambda: _streaming(ledger))
+
+
+def _streaming(ledger: Ledger) -> bool:
+    return any(x.reporter == "gw" and x.count == 1 for x in ledger.inflight_evidence(1))
+
+
 async def test_no_one_but_the_face_that_dispatched_reports_its_requests_finished(
     tmp_path: Path,
 ) -> None:
@@ -114,14 +131,7 @@ async def test_no_one_but_the_face_that_dispatched_reports_its_requests_finished
         serve_with_face(store) as (ledger, _, http, url),
         HttpLedger.connect(url, token=TOKEN, renew_interval=0.05) as remote,
     ):
-        # a gateway process's relay life, streaming one request on version 1
-        await remote.register_owner("gw", incarnation="gw-1", sessions_idle_s=0.0)
-        remote.renew_lease("gw", {("e0", 1): 1}, incarnation="gw-1")
-
-        def streaming() -> bool:
-            return any(x.reporter == "gw" and x.count == 1 for x in ledger.inflight_evidence(1))
-
-        await wait_for("the gateway's in-flight count reaches serve", streaming)
+        await stream_from_a_gateway(remote, ledger)
         idle = {"incarnation": "gw-1", "inflight": []}
         _refused(await http.post("/owners/gw/renew", json=idle))
         forged = {**idle, "secret": FORGED}
@@ -133,4 +143,29 @@ async def test_no_one_but_the_face_that_dispatched_reports_its_requests_finished
             [lost] = renewed.json()["lost"]
             assert lost["refusal"]["code"] == "OWNER_SECRET_MISMATCH"
         # what a reclaim claim would record: the stream is still in flight
-        assert streaming()
+        assert _streaming(ledger)
+
+
+async def test_a_stranger_registering_a_new_life_cannot_free_a_streaming_version(
+    tmp_path: Path,
+) -> None:
+    """A new incarnation replaces a live life without its secret (a crashed gateway restarts
+    at once), so the token alone can fence the gateway's life; but the stream it counted
+    still holds its version against a reclaim until that life's lease would have lapsed."""
+    async with (
+        SQLiteStore.open(tmp_path / "ledger.db") as store,
+        serve_with_face(store) as (ledger, _, http, url),
+        HttpLedger.connect(url, token=TOKEN, renew_interval=0.05) as remote,
+    ):
+        await stream_from_a_gateway(remote, ledger)
+        await publish(ledger, 2)  # v1 RETIRED: only the stream's count holds it
+        stranger = {"owner": "gw", "incarnation": "gw-evil", "secret": FORGED, "ttl_s": 600.0}
+        assert (await http.post("/owners", json=stranger)).status_code == 200
+        idle = {"incarnation": "gw-evil", "inflight": [], "secret": FORGED}
+        renewed = await http.post("/owners/gw/renew", json=idle)
+        assert renewed.status_code < 300, renewed.text
+        with pytest.raises(LoraLedgerError) as busy:
+            await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
+        assert busy.value.code == Code.REQUESTS_IN_FLIGHT
+        assert "gw (replaced life gw-1)" in busy.value.message
+        assert ledger.state.versions[1].state is VersionState.RETIRED

@@ -155,7 +155,7 @@ async def test_one_client_carrying_two_lives_of_an_owner_charges_each_its_own(
         counted = [InFlight(reporter="w", engine="e0", count=2, at=mock.ANY)]
         await wait_for(
             "serve to count life two's two requests in flight",
-            lambda: ledger.leases.inflight(1) == counted,
+            lambda: ledger.inflight_evidence(1) == counted,
         )
         [bound] = await remote.execute_many([Bind(session="s", owner="w", incarnation="two")])
         assert isinstance(bound, Bound) and bound.version_id == 1

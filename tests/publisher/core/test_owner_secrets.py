@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from evlog.events import OwnerRegistered, SessionReleased
+from evlog.memory import MemoryStore
 from evlog.sqlite import SQLiteStore
+from projections.registry import VersionState
 from publisher.core import commands as c
 from publisher.core.decider import check_lease
 from publisher.core.errors import Code, LedgerError
@@ -21,6 +23,7 @@ from publisher.core.ledger import Ledger
 from tests.publisher.core.book import Book
 from tests.publisher.ray.kit import create
 from tests.support.ledger import publish
+from tests.support.runs import Clock
 
 SECRET = "a" * 64
 OTHER = "b" * 64
@@ -128,6 +131,35 @@ async def test_a_lifes_secret_outlives_a_restart_of_the_ledger(tmp_path: Path) -
         assert [x.count for x in ledger.inflight_evidence(1) if x.reporter == "gw"] == [1]
         assert not (await ledger.bind("c1", "gw", incarnation="g", secret=SECRET)).new
     assert_not_stored(tmp_path, SECRET)
+
+
+@pytest.mark.anyio
+async def test_a_stranger_replacing_a_live_life_cannot_make_its_running_request_reclaimable() -> (
+    None
+):
+    """A new incarnation replaces a live life without its secret (a crashed worker restarts
+    at once), so a stranger can fence a life; but the replaced life's last in-flight counts
+    hold its version until that life's lease would have lapsed, as if it still ran."""
+    clock = Clock(1000.0)
+    async with Ledger.open(MemoryStore(), clock=clock) as ledger:
+        await create(ledger)
+        await publish(ledger, 1)
+        await ledger.register_owner("face", ttl_s=10.0, incarnation="a", secret=SECRET)
+        clock.now = 1004.0
+        ledger.renew_lease("face", {("e0", 1): 1}, incarnation="a", secret=SECRET)  # running
+        await publish(ledger, 2)  # v1 RETIRED, no session bound: only the count holds it
+        clock.now = 1005.0
+        await ledger.register_owner("face", ttl_s=600.0, incarnation="x", secret=OTHER)
+        ledger.renew_lease("face", {}, incarnation="x", secret=OTHER)  # the stranger: "idle"
+        await ledger.deregister_owner("face", incarnation="x", secret=OTHER)  # and gone
+        clock.now = 1013.9  # the replaced life's lease (renewed at 1004, ttl 10) still runs
+        with pytest.raises(LedgerError) as busy:
+            await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
+        assert busy.value.code == Code.REQUESTS_IN_FLIGHT
+        assert "face (replaced life a)" in busy.value.message
+        clock.now = 1014.0  # it would have lapsed: the running request is no one's word now
+        await ledger.claim_reclaim(1, ledger.inflight_evidence(1))
+        assert ledger.state.versions[1].state is VersionState.RECLAIMING
 
 
 def assert_not_stored(folder: Path, secret: str) -> None:

@@ -81,7 +81,7 @@ async def test_a_relays_renewal_brings_every_session_it_touched_under_the_cap(
             remote.renew_lease("face", {("e0", 1): 3}, incarnation="a", sessions=sessions)
             await wait_for("every session's turn heard", lambda: len(ledger.activity) == 5000)
             assert ledger.state.last_seq == seq  # nothing logged for a turn
-            assert ledger.leases.inflight(1)[0].count == 3
+            assert ledger.inflight_evidence(1)[0].count == 3
 
 
 async def test_a_command_a_gateway_does_not_send_is_refused_in_place(tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ async def test_a_request_admitted_by_a_remote_gateway_is_counted_by_the_ledger_w
                 async def held_on_the_engine(attempt: Attempt) -> str:
                     await wait_for(
                         "serve to count the admitted request in flight",
-                        lambda: ledger.leases.inflight(1) == running,
+                        lambda: ledger.inflight_evidence(1) == running,
                         timeout=COUNTED_WITHIN_S,
                     )
                     return attempt.engine_id
