@@ -28,25 +28,20 @@ if ! .venv/bin/python -c 'import sys; from tools.pg_server import find_bin_dir a
     echo "test.sh: no PostgreSQL server binaries; install Debian's postgresql package" >&2
   fi
 fi
-# The alert rules of deploy/ are checked with promtool, from Debian's prometheus package (only
-# promtool is used). Without it, those tests fail under CI=true and skip elsewhere.
-if ! command -v promtool >/dev/null; then
+# Debian packages some tests need, installed when their command is missing (root only, as for
+# PostgreSQL above); without one, its tests fail under CI=true and skip elsewhere.
+need_debian_package() {  # COMMAND PACKAGE
+  command -v "$1" >/dev/null && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
-      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >/dev/null; }
   else
-    echo "test.sh: no promtool; install Debian's prometheus package" >&2
+    echo "test.sh: no $1; install Debian's $2 package" >&2
   fi
-fi
-# The live page (/ui) is tested in a real headless browser, Debian's chromium (driven over its
-# DevTools pipe). Without it, that test fails under CI=true and skips elsewhere.
-if ! command -v chromium >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null \
-      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
-  else
-    echo "test.sh: no chromium; install Debian's chromium package" >&2
-  fi
-fi
+}
+# The alert rules of deploy/ are checked with promtool (only it, of the prometheus package).
+need_debian_package promtool prometheus
+# The live page (/ui) is tested in a real headless browser, driven over its DevTools pipe.
+need_debian_package chromium chromium
 # --durations: every run names its slowest tests, so the suite's wall time stays watched.
 exec .venv/bin/python -m pytest --durations=25 "$@"
