@@ -18,6 +18,7 @@ reference in the same run on the same machine, so a figure is always read as a r
 ``proxy``              the bare pass-through proxy ``gateway`` measures against
 ``stub_engine``        the stub vLLM server ``gateway`` (and some tests) drive
 ``routing``            session placement policies on simulated prefix-cache engines
+``fleet``              publication to hundreds of engines; serve's CPU per remote gateway
 =====================  ==========================================================================
 
 Nothing is imported here, so starting one benchmark (or the stub engine in its own process)

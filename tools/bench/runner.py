@@ -1,5 +1,5 @@
-"""``loraledger bench {store,ledger,publish,memory,ray,ray-publish,gateway,routing}``: thin wrappers
-over the benchmark modules of this package.
+"""``loraledger bench {store,ledger,publish,memory,ray,ray-publish,gateway,routing,fleet}``: thin
+wrappers over the benchmark modules of this package.
 
 The measurements live in ``tools/bench/<name>.py`` (each also runnable with ``python -m
 tools.bench.<name>``); this only chooses the sizes (``--quick``: a smoke run small enough for
@@ -104,6 +104,20 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
         {},
         {"sessions": 48, "seeds": (1,), "arrival_s": 10.0},
         "",
+    ),
+    "fleet": (
+        "tools.bench.fleet",
+        "bench_fleet",
+        {},
+        {
+            "sizes": (2, 8),
+            "repeats": 1,
+            "gateways": 4,
+            "binds": 512,
+            "renewals": 4,
+            "rows": 512,
+        },
+        "workdir",
     ),
 }
 

@@ -59,5 +59,7 @@ for _name, _summary in {
     "gateway": "OpenAI gateway vs a bare proxy vs direct to a stub engine: req/s, added TTFB.",
     "routing": "Session placement: round robin, rendezvous, bounded-load rendezvous on simulated "
     "prefix-cache engines: wall time and cache hit rate.",
+    "fleet": "Publication to 8, 64, 256 in-process engines: commit time, events and decide time "
+    "per engine, projection memory; serve's CPU per remote bind, renewal, provenance row.",
 }.items():
     _bench_command(_name, _summary)

@@ -61,3 +61,30 @@ def test_bench_routing_quick_compares_the_policies_on_one_replay(cli: Cli) -> No
     runs = {r["policy"]: r for r in out["runs"]}
     assert len({r["turns"] for r in runs.values()}) == 1
     assert runs["rendezvous"]["moved_turns"] == 0 < runs["round-robin"]["moved_turns"]
+
+
+def test_bench_fleet_quick_reports_per_engine_figures_and_serve_capacity(cli: Cli) -> None:
+    result = cli("bench", "fleet", "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    (out,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert out["bench"] == "fleet" and f"{os.cpu_count()} cores" in out["machine"]
+    assert "LocalEngine" in out["engine_double"]
+    rows = out["publication"]
+    assert [r["engines"] for r in rows] == [2, 8]
+    smallest = rows[0]
+    for r in rows:
+        assert r["commit_ms"] > 0 and r["decide_ms"] > 0 and r["projection_kib"] > 0
+        # every engine is prepared and made ready: at least two events each
+        assert r["events"] >= 2 * r["engines"]
+        assert r["events_per_engine"] == pytest.approx(r["events"] / r["engines"], abs=0.01)
+        assert r["commit_vs_smallest"] == pytest.approx(
+            r["commit_ms"] / smallest["commit_ms"], rel=0.01
+        )
+    assert out["scale"]["commit_ratio"] == rows[-1]["commit_vs_smallest"]
+    service = out["service"]
+    assert "LedgerService" in out["service_called"]
+    assert service["binds"] == 512 and service["renewals"] == 4 * 4 and service["rows"] == 512
+    for key in ("bind_cpu_us", "renewal_cpu_us", "row_cpu_us"):
+        assert service[key] > 0
+    assert service["binds_per_s_per_core"] == pytest.approx(1e6 / service["bind_cpu_us"], rel=0.01)
+    assert service["gateways_per_serve_core"] >= 1
