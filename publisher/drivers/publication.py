@@ -121,6 +121,7 @@ _RETRYABLE_CODES = frozenset(
 # The publication driver's own code: an attempt that started and failed (its ``kind`` and
 # ``details["cause"]`` say how); every other code of a PublicationError is the ledger's.
 PUBLICATION_FAILED = "PUBLICATION_FAILED"
+DEFAULT_MAX_ENGINES_AT_ONCE = 64  # PublicationDriver.max_engines_at_once
 
 
 class PublicationError(LoraLedgerError):
@@ -258,6 +259,11 @@ class PublicationDriver:
         self.timeouts = timeouts or EngineTimeouts()
         self.cleanup_timeout = cleanup_timeout
         self.suspension_poll_s = 0.1
+        # How many engines one attempt drives at once (prepare through confirm, and the
+        # cleanup's unloads): a fleet of hundreds is not hit by hundreds of loads and inventory
+        # reads in the same instant, and this process does not hold a transfer per engine.
+        # 64 keeps 256 engines to four waves of a small fleet's time.
+        self.max_engines_at_once = DEFAULT_MAX_ENGINES_AT_ONCE
         self.owner = owner
         self._clock = clock
         self._running: dict[int, _Running] = {}
@@ -529,12 +535,15 @@ class PublicationDriver:
     ) -> float:
         """Artifact write + every engine's prepare/transfer/load/confirm, concurrently."""
         artifact = _ArtifactWrite(done=anyio.Event())
+        at_once = anyio.CapacityLimiter(self.max_engines_at_once)
         async with anyio.create_task_group() as watching:
             watching.start_soon(self._abandon_suspended, att, runs)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._write_artifact, adapter, artifact)
                 for engine_id in att.fleet:
-                    tg.start_soon(self._engine_run, att, adapter, artifact, runs[engine_id], t0)
+                    tg.start_soon(
+                        self._engine_run, att, adapter, artifact, runs[engine_id], t0, at_once
+                    )
             watching.cancel_scope.cancel()
         failed = [
             r
@@ -642,9 +651,11 @@ class PublicationDriver:
         artifact: _ArtifactWrite,
         run: _EngineRun,
         t0: float,
+        at_once: anyio.CapacityLimiter,
     ) -> None:
-        with anyio.CancelScope() as run.scope:
-            await self._engine_run_once(att, adapter, artifact, run, t0)
+        with anyio.CancelScope() as run.scope:  # an abandoned engine's wait for a turn ends too
+            async with at_once:
+                await self._engine_run_once(att, adapter, artifact, run, t0)
         run.finished = True
 
     async def _engine_run_once(
@@ -812,16 +823,19 @@ class PublicationDriver:
         collect the engines that proved it absent (:func:`unload_and_prove_absent`)."""
         absent: set[str] = set()
 
+        at_once = anyio.CapacityLimiter(self.max_engines_at_once)
+
         async def one(engine_id: str) -> None:
             if engine_id not in self._fleet or self._suspended(engine_id):
                 return  # a suspended engine owes the drop; its repair unloads it
-            absence = await unload_and_prove_absent(
-                self._fleet[engine_id],
-                att.lora_name,
-                attempt=att.attempt,
-                unload_timeout=min(self.timeouts.unload, self.cleanup_timeout),
-                inventory_timeout=min(self.timeouts.inventory, self.cleanup_timeout),
-            )
+            async with at_once:
+                absence = await unload_and_prove_absent(
+                    self._fleet[engine_id],
+                    att.lora_name,
+                    attempt=att.attempt,
+                    unload_timeout=min(self.timeouts.unload, self.cleanup_timeout),
+                    inventory_timeout=min(self.timeouts.inventory, self.cleanup_timeout),
+                )
             if absence.proven:
                 absent.add(engine_id)
 
