@@ -104,8 +104,12 @@ async def _projection_bytes(store: Any) -> int:
     return end - start
 
 
-async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> dict[str, Any]:
-    """Publish a 1 MiB adapter ``repeats`` times to ``engines`` in-process engines."""
+async def _plane_with_one_version(
+    stack: contextlib.AsyncExitStack, root: Path, engines: int, *, capacity: int
+) -> Any:
+    """A control plane on a SQLite ledger (``FULL``) over ``engines`` in-process engines, with
+    version 1 published untimed: the first publication of the process pays imports and
+    warm-up, and a bind needs a version to bind to."""
     from engines.local.admission import ServingLimits
     from engines.local.engine import LocalEngine
     from engines.local.tinymodel import make_adapter
@@ -115,6 +119,36 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
     from publisher.drivers.plane import ControlPlane
 
     limits = ServingLimits(max_lora_rank=ADAPTER_RANK)
+    store = await stack.enter_async_context(
+        SQLiteStore.open(root / "ledger.db", synchronous="FULL")
+    )
+    fleet = [
+        await stack.enter_async_context(LocalEngine(f"e{i:03d}", limits=limits))
+        for i in range(engines)
+    ]
+    plane = await stack.enter_async_context(
+        ControlPlane.open(
+            store,
+            Fleet(fleet),
+            deployment="fleet",
+            prefix="bench",
+            capacity=capacity,
+            artifact_root=root / "artifacts",
+            reclaim_tick_s=0.1,
+            probe_interval_s=60.0,  # no probe rounds inside the timed parts
+            full_reconcile_s=600.0,
+        )
+    )
+    config, tensors = make_adapter(1)
+    await plane.publisher.publish(AdapterCopy.from_state_dict(tensors, config), version_id=1)
+    return plane
+
+
+async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> dict[str, Any]:
+    """Publish a 1 MiB adapter ``repeats`` times to ``engines`` in-process engines."""
+    from engines.local.tinymodel import make_adapter
+    from publisher.drivers.adapter_copy import AdapterCopy
+
     targets = ("k_proj", "o_proj", "q_proj", "v_proj")
     adapters = []
     for i in range(repeats):
@@ -123,29 +157,9 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
     timer = _DecideTimer()
     commit_s, events, decide_s = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=workdir) as tmp:
-        root = Path(tmp)
         async with contextlib.AsyncExitStack() as stack:
-            store = await stack.enter_async_context(
-                SQLiteStore.open(root / "ledger.db", synchronous="FULL")
-            )
-            fleet = [
-                await stack.enter_async_context(LocalEngine(f"e{i:03d}", limits=limits))
-                for i in range(engines)
-            ]
+            plane = await _plane_with_one_version(stack, Path(tmp), engines, capacity=repeats + 3)
             stack.enter_context(timer.installed())
-            plane = await stack.enter_async_context(
-                ControlPlane.open(
-                    store,
-                    Fleet(fleet),
-                    deployment="fleet",
-                    prefix="bench",
-                    capacity=repeats + 3,
-                    artifact_root=root / "artifacts",
-                    reclaim_tick_s=0.1,
-                    probe_interval_s=60.0,  # no probe rounds inside the timed publications
-                    full_reconcile_s=600.0,
-                )
-            )
             ledger = plane.ledger
 
             async def settled() -> None:
@@ -155,11 +169,6 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
                 ):
                     await anyio.sleep(0.02)
 
-            # untimed: the first publication of the process pays imports and warm-up
-            config, tensors = make_adapter(1)
-            await plane.publisher.publish(
-                AdapterCopy.from_state_dict(tensors, config), version_id=1
-            )
             for i, adapter in enumerate(adapters):
                 await settled()
                 seq, decided = ledger.state.last_seq, timer.seconds
@@ -170,7 +179,7 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
                     raise RuntimeError(f"publication to {engines} engines: {outcome.status}")
                 events.append(ledger.state.last_seq - seq)
                 decide_s.append(timer.seconds - decided)
-            projection = await _projection_bytes(store)
+            projection = await _projection_bytes(plane.ledger.store)
             log_events = ledger.state.last_seq
     commit = statistics.median(commit_s)
     return {
@@ -191,42 +200,17 @@ async def service_cpu(
     *, gateways: int, binds: int, batch: int, renewals: int, rows: int, workdir: str | None
 ) -> dict[str, Any]:
     """CPU the ledger's process spends per remote bind, renewal and provenance row."""
-    from engines.local.engine import LocalEngine
-    from engines.local.tinymodel import make_adapter
     from evlog.provenance_store import SQLiteProvenance
-    from evlog.sqlite import SQLiteStore
     from publisher.core import commands as c
-    from publisher.drivers.adapter_copy import AdapterCopy
-    from publisher.drivers.fleet import Fleet
-    from publisher.drivers.plane import ControlPlane
     from publisher.gateway.provenance import ProvenanceRow
     from publisher.remote.service import LedgerService
 
     with tempfile.TemporaryDirectory(prefix="bench-fleet-serve-", dir=workdir) as tmp:
         root = Path(tmp)
         async with contextlib.AsyncExitStack() as stack:
-            store = await stack.enter_async_context(
-                SQLiteStore.open(root / "ledger.db", synchronous="FULL")
-            )
+            plane = await _plane_with_one_version(stack, root, 2, capacity=3)
             provenance = await stack.enter_async_context(
                 SQLiteProvenance.open(root / "provenance.db")
-            )
-            fleet = [await stack.enter_async_context(LocalEngine(f"e{i}")) for i in range(2)]
-            plane = await stack.enter_async_context(
-                ControlPlane.open(
-                    store,
-                    Fleet(fleet),
-                    deployment="fleet",
-                    prefix="bench",
-                    capacity=3,
-                    artifact_root=root / "artifacts",
-                    probe_interval_s=60.0,
-                    full_reconcile_s=600.0,
-                )
-            )
-            config, tensors = make_adapter(1)
-            await plane.publisher.publish(
-                AdapterCopy.from_state_dict(tensors, config), version_id=1
             )
             service = LedgerService(plane.ledger, provenance=provenance)
             lives = [(f"gw-{g}", f"life-{g}") for g in range(gateways)]
