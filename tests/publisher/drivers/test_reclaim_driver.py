@@ -12,7 +12,7 @@ reclaim``, RELIABILITY.md "Mutation testing").
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,7 +195,7 @@ async def test_an_unload_that_hangs_becomes_ambiguous_when_its_timeout_runs_out(
         assert r.fleet["e1"].unloads == [(name, v1.attempt)]  # type: ignore[attr-defined]
 
 
-def _not_recorded(logs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def _not_recorded(logs: list[MutableMapping[str, Any]]) -> list[tuple[str, str]]:
     """(engine, refusal code) of each unload whose record the ledger refused, as logged."""
     return [(x["engine"], x["code"]) for x in logs if x["event"] == "reclaim.unload_not_recorded"]
 
