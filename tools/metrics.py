@@ -18,6 +18,8 @@ Two sources, chosen so no number can drift from the truth:
   default revision), and of the generations served (``loraledger_generation_staleness``), fed
   by the gateways of this process through :class:`StalenessSink` around their provenance sink
   (generations are not in the log, so a service without an in-process gateway shows it empty).
+* **The reclaim driver's sweeps** (``loraledger_reclaim_sweeps_total``), read from the driver
+  at scrape time when the service runs one: its loop is alive while the count grows.
 
 Each service gets its own ``CollectorRegistry`` (never the process-global one), so tests and
 embedded uses can run several.
@@ -28,7 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from evlog.events import (
@@ -223,6 +230,23 @@ def _bound_staleness(s: RegistryState) -> HistogramMetricFamily:
     return family
 
 
+class _ReclaimSweeps(Collector):
+    """The reclaim driver's sweeps since this service started, read at scrape time: the
+    evidence that its loop is alive, and what a caller waits on to know that the driver has
+    looked at the state again since some change (a sweep that starts after it ends before the
+    next starts)."""
+
+    def __init__(self, sweeps: Callable[[], int]) -> None:
+        self._sweeps = sweeps
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "loraledger_reclaim_sweeps",
+            "Sweeps of the reclaim driver since this service started.",
+            value=self._sweeps(),
+        )
+
+
 class LedgerMetrics:
     """The metrics of one ledger. ``observe`` every committed record (the service's log
     follower does); scrape ``registry``."""
@@ -231,10 +255,13 @@ class LedgerMetrics:
         self,
         state: Callable[[], RegistryState],
         inflight: Iterable[InFlightReport] = (),
+        reclaim_sweeps: Callable[[], int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._inflight = list(inflight)
         self.registry.register(_StateCollector(state, self._inflight))
+        if reclaim_sweeps is not None:
+            self.registry.register(_ReclaimSweeps(reclaim_sweeps))
         self.events = Counter(
             "loraledger_events_appended",
             "Events appended to the log since this service started, per type.",

@@ -440,7 +440,11 @@ async def serve(
         openai_face(plane, opts, provenance) as face,
     ):
         ledger = plane.ledger
-        metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
+        metrics = LedgerMetrics(
+            lambda: ledger.state,
+            [ledger.inflight_evidence],
+            reclaim_sweeps=lambda: plane.reclaimer.sweeps,
+        )
         uploads = AdapterUploads(plane.artifacts)
         app = build_app(
             ledger,

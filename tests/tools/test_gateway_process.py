@@ -36,6 +36,7 @@ from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.paths import REPO
 from tests.support.processes import listening_process
+from tests.support.waiting import wait_for
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
 from tools.service_options import parse_engine
@@ -89,6 +90,17 @@ async def _inflight(http: httpx.AsyncClient) -> int:
     return sum(
         int(float(n)) for n in re.findall(r"^loraledger_inflight_requests\{.*\} (\S+)$", text, re.M)
     )
+
+
+async def _reclaim_sweeps(http: httpx.AsyncClient) -> int:
+    text = (await http.get("/metrics")).text
+    found = re.search(r"^loraledger_reclaim_sweeps_total (\S+)$", text, re.M)
+    assert found is not None, "no loraledger_reclaim_sweeps_total in serve's /metrics"
+    return int(float(found.group(1)))
+
+
+async def _swept_past(http: httpx.AsyncClient, sweeps: int) -> bool:
+    return await _reclaim_sweeps(http) > sweeps
 
 
 async def _state(http: httpx.AsyncClient, version_id: int) -> str:
@@ -183,7 +195,14 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
         # count does.
         reply = await http.post(f"{url_a}/v1/sessions/shared/release")
         assert reply.status_code == 200 and reply.json()["released"] is True, reply.text
-        await anyio.sleep(1.5)  # several reclaim ticks of serve
+        # Sweep n+1 starts after the release; n+2 starting means it ended: serve's reclaim
+        # driver has looked at the released state and, held by the count, left v1 alone.
+        sweeps = await _reclaim_sweeps(http)
+        await wait_for(
+            "two more reclaim sweeps of serve",
+            lambda: _swept_past(http, sweeps + 1),
+            timeout=30,
+        )
         assert await _state(http, 1) == "RETIRED"
         engines[engine_of_shared].continue_generation()
         got = 1

@@ -122,3 +122,20 @@ def test_skipped_publications_are_counted_per_code() -> None:
                                hash=b"", event=cast(AnyEvent, event)))  # fmt: skip
     scrape = generate_latest(metrics.registry).decode()
     assert _sample(scrape, 'loraledger_publications_skipped_total{code="CAPACITY_ERROR"}') == 1
+
+
+def test_reclaim_sweeps_are_read_at_scrape_time() -> None:
+    """The reclaim driver's sweep count is read from the driver at each scrape (nothing is
+    incremented by hand), and a service without a driver exposes none."""
+    book = Book().bootstrap()
+    sweeps = [3]
+    metrics = LedgerMetrics(lambda: book.state, reclaim_sweeps=lambda: sweeps[0])
+    assert (
+        _sample(generate_latest(metrics.registry).decode(), "loraledger_reclaim_sweeps_total") == 3
+    )
+    sweeps[0] = 5
+    assert (
+        _sample(generate_latest(metrics.registry).decode(), "loraledger_reclaim_sweeps_total") == 5
+    )
+    bare = generate_latest(LedgerMetrics(lambda: book.state).registry).decode()
+    assert "loraledger_reclaim_sweeps" not in bare
