@@ -444,6 +444,7 @@ async def serve(
             lambda: ledger.state,
             [ledger.inflight_evidence],
             reclaim_sweeps=lambda: plane.reclaimer.sweeps,
+            health_wakes=lambda: plane.reconciler.wakes,
         )
         uploads = AdapterUploads(plane.artifacts)
         app = build_app(

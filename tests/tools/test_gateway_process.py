@@ -103,6 +103,17 @@ async def _swept_past(http: httpx.AsyncClient, sweeps: int) -> bool:
     return await _reclaim_sweeps(http) > sweeps
 
 
+async def _health_wakes(http: httpx.AsyncClient) -> int:
+    text = (await http.get("/metrics")).text
+    found = re.search(r"^loraledger_health_wakes_total (\S+)$", text, re.M)
+    assert found is not None, "no loraledger_health_wakes_total in serve's /metrics"
+    return int(float(found.group(1)))
+
+
+async def _woken_past(http: httpx.AsyncClient, wakes: int) -> bool:
+    return await _health_wakes(http) > wakes
+
+
 async def _state(http: httpx.AsyncClient, version_id: int) -> str:
     status = (await http.get("/status")).json()
     state: str = next(v["state"] for v in status["versions"] if v["version_id"] == version_id)
@@ -281,11 +292,17 @@ async def test_a_gateway_process_reports_a_lost_adapter_to_serve(tmp_path: Path)
         assert await turn("before") == "e0"
         lora_name = (await http.get("/status")).json()["versions"][0]["lora_name"]
         await engine.unload(lora_name, attempt=1)  # someone else's hand, not the ledger's
-        await anyio.sleep(1.0)  # several of serve's probes: none of them reads the inventory
+        # Two whole probes of serve after the unload: none of them reads the inventory.
+        wakes = await _health_wakes(http)
+        await wait_for(
+            "two more health-loop wakes of serve",
+            lambda: _woken_past(http, wakes + 2),
+            timeout=30,
+        )
         assert await holders() == ["e0"]
         with pytest.raises(openai.APIStatusError):  # refused by the engine, never resent
             await turn("after")
-        with anyio.fail_after(5):
+        with anyio.fail_after(20):  # at once after the report; the full pass is 30 s away
             while "e0" in await holders():  # noqa: ASYNC110 -- a remote state
                 await anyio.sleep(0.05)
 
