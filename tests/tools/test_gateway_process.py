@@ -92,26 +92,19 @@ async def _inflight(http: httpx.AsyncClient) -> int:
     )
 
 
-async def _reclaim_sweeps(http: httpx.AsyncClient) -> int:
+SWEEPS, WAKES = "loraledger_reclaim_sweeps_total", "loraledger_health_wakes_total"
+
+
+async def _counter(http: httpx.AsyncClient, name: str) -> int:
+    """A counter of serve's ``/metrics`` (``loraledger_reclaim_sweeps_total``, ...)."""
     text = (await http.get("/metrics")).text
-    found = re.search(r"^loraledger_reclaim_sweeps_total (\S+)$", text, re.M)
-    assert found is not None, "no loraledger_reclaim_sweeps_total in serve's /metrics"
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found is not None, f"no {name} in serve's /metrics"
     return int(float(found.group(1)))
 
 
-async def _swept_past(http: httpx.AsyncClient, sweeps: int) -> bool:
-    return await _reclaim_sweeps(http) > sweeps
-
-
-async def _health_wakes(http: httpx.AsyncClient) -> int:
-    text = (await http.get("/metrics")).text
-    found = re.search(r"^loraledger_health_wakes_total (\S+)$", text, re.M)
-    assert found is not None, "no loraledger_health_wakes_total in serve's /metrics"
-    return int(float(found.group(1)))
-
-
-async def _woken_past(http: httpx.AsyncClient, wakes: int) -> bool:
-    return await _health_wakes(http) > wakes
+async def _counted_past(http: httpx.AsyncClient, name: str, count: int) -> bool:
+    return await _counter(http, name) > count
 
 
 async def _state(http: httpx.AsyncClient, version_id: int) -> str:
@@ -208,10 +201,10 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
         assert reply.status_code == 200 and reply.json()["released"] is True, reply.text
         # Sweep n+1 starts after the release; n+2 starting means it ended: serve's reclaim
         # driver has looked at the released state and, held by the count, left v1 alone.
-        sweeps = await _reclaim_sweeps(http)
+        sweeps = await _counter(http, SWEEPS)
         await wait_for(
             "two more reclaim sweeps of serve",
-            lambda: _swept_past(http, sweeps + 1),
+            lambda: _counted_past(http, SWEEPS, sweeps + 1),
             timeout=30,
         )
         assert await _state(http, 1) == "RETIRED"
@@ -293,10 +286,10 @@ async def test_a_gateway_process_reports_a_lost_adapter_to_serve(tmp_path: Path)
         lora_name = (await http.get("/status")).json()["versions"][0]["lora_name"]
         await engine.unload(lora_name, attempt=1)  # someone else's hand, not the ledger's
         # Two whole probes of serve after the unload: none of them reads the inventory.
-        wakes = await _health_wakes(http)
+        wakes = await _counter(http, WAKES)
         await wait_for(
             "two more health-loop wakes of serve",
-            lambda: _woken_past(http, wakes + 2),
+            lambda: _counted_past(http, WAKES, wakes + 2),
             timeout=30,
         )
         assert await holders() == ["e0"]
