@@ -18,6 +18,9 @@ Two sources, chosen so no number can drift from the truth:
   default revision), and of the generations served (``loraledger_generation_staleness``), fed
   by the gateways of this process through :class:`StalenessSink` around their provenance sink
   (generations are not in the log, so a service without an in-process gateway shows it empty).
+* **The drivers' loops**: the reclaim driver's sweeps (``loraledger_reclaim_sweeps_total``)
+  and the reconciler's health-loop wakes (``loraledger_health_wakes_total``), read from the
+  drivers at scrape time when the service runs them: a loop is alive while its count grows.
 
 Each service gets its own ``CollectorRegistry`` (never the process-global one), so tests and
 embedded uses can run several.
@@ -28,7 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from evlog.events import (
@@ -223,6 +231,34 @@ def _bound_staleness(s: RegistryState) -> HistogramMetricFamily:
     return family
 
 
+class _DriverLoops(Collector):
+    """How often the control plane's loops ran since this service started, read from the
+    drivers at scrape time (each one the service runs): the evidence that a loop is alive, and
+    what a caller waits on to know that a loop has looked at the state again since some change
+    (a pass that starts after the change ends before the next one starts)."""
+
+    def __init__(
+        self, reclaim_sweeps: Callable[[], int] | None, health_wakes: Callable[[], int] | None
+    ) -> None:
+        self._reclaim_sweeps = reclaim_sweeps
+        self._health_wakes = health_wakes
+
+    def collect(self) -> Iterator[Metric]:
+        if self._reclaim_sweeps is not None:
+            yield CounterMetricFamily(
+                "loraledger_reclaim_sweeps",
+                "Sweeps of the reclaim driver since this service started.",
+                value=self._reclaim_sweeps(),
+            )
+        if self._health_wakes is not None:
+            yield CounterMetricFamily(
+                "loraledger_health_wakes",
+                "Wakes of the reconciler's health loop (a probe tick, or a report of an "
+                "engine's trouble) since this service started.",
+                value=self._health_wakes(),
+            )
+
+
 class LedgerMetrics:
     """The metrics of one ledger. ``observe`` every committed record (the service's log
     follower does); scrape ``registry``."""
@@ -231,10 +267,13 @@ class LedgerMetrics:
         self,
         state: Callable[[], RegistryState],
         inflight: Iterable[InFlightReport] = (),
+        reclaim_sweeps: Callable[[], int] | None = None,
+        health_wakes: Callable[[], int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._inflight = list(inflight)
         self.registry.register(_StateCollector(state, self._inflight))
+        self.registry.register(_DriverLoops(reclaim_sweeps, health_wakes))
         self.events = Counter(
             "loraledger_events_appended",
             "Events appended to the log since this service started, per type.",

@@ -440,7 +440,12 @@ async def serve(
         openai_face(plane, opts, provenance) as face,
     ):
         ledger = plane.ledger
-        metrics = LedgerMetrics(lambda: ledger.state, [ledger.inflight_evidence])
+        metrics = LedgerMetrics(
+            lambda: ledger.state,
+            [ledger.inflight_evidence],
+            reclaim_sweeps=lambda: plane.reclaimer.sweeps,
+            health_wakes=lambda: plane.reconciler.wakes,
+        )
         uploads = AdapterUploads(plane.artifacts)
         app = build_app(
             ledger,

@@ -36,6 +36,7 @@ from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.paths import REPO
 from tests.support.processes import listening_process
+from tests.support.waiting import wait_for
 from tests.tools.serving import serving
 from tests.tools.test_serve import _adapter_dir
 from tools.service_options import parse_engine
@@ -89,6 +90,21 @@ async def _inflight(http: httpx.AsyncClient) -> int:
     return sum(
         int(float(n)) for n in re.findall(r"^loraledger_inflight_requests\{.*\} (\S+)$", text, re.M)
     )
+
+
+SWEEPS, WAKES = "loraledger_reclaim_sweeps_total", "loraledger_health_wakes_total"
+
+
+async def _counter(http: httpx.AsyncClient, name: str) -> int:
+    """A counter of serve's ``/metrics`` (``loraledger_reclaim_sweeps_total``, ...)."""
+    text = (await http.get("/metrics")).text
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found is not None, f"no {name} in serve's /metrics"
+    return int(float(found.group(1)))
+
+
+async def _counted_past(http: httpx.AsyncClient, name: str, count: int) -> bool:
+    return await _counter(http, name) > count
 
 
 async def _state(http: httpx.AsyncClient, version_id: int) -> str:
@@ -183,7 +199,14 @@ async def test_two_gateway_processes_serve_one_session_and_hold_reclaim(tmp_path
         # count does.
         reply = await http.post(f"{url_a}/v1/sessions/shared/release")
         assert reply.status_code == 200 and reply.json()["released"] is True, reply.text
-        await anyio.sleep(1.5)  # several reclaim ticks of serve
+        # Sweep n+1 starts after the release; n+2 starting means it ended: serve's reclaim
+        # driver has looked at the released state and, held by the count, left v1 alone.
+        sweeps = await _counter(http, SWEEPS)
+        await wait_for(
+            "two more reclaim sweeps of serve",
+            lambda: _counted_past(http, SWEEPS, sweeps + 1),
+            timeout=30,
+        )
         assert await _state(http, 1) == "RETIRED"
         engines[engine_of_shared].continue_generation()
         got = 1
@@ -262,11 +285,17 @@ async def test_a_gateway_process_reports_a_lost_adapter_to_serve(tmp_path: Path)
         assert await turn("before") == "e0"
         lora_name = (await http.get("/status")).json()["versions"][0]["lora_name"]
         await engine.unload(lora_name, attempt=1)  # someone else's hand, not the ledger's
-        await anyio.sleep(1.0)  # several of serve's probes: none of them reads the inventory
+        # Two whole probes of serve after the unload: none of them reads the inventory.
+        wakes = await _counter(http, WAKES)
+        await wait_for(
+            "two more health-loop wakes of serve",
+            lambda: _counted_past(http, WAKES, wakes + 2),
+            timeout=30,
+        )
         assert await holders() == ["e0"]
         with pytest.raises(openai.APIStatusError):  # refused by the engine, never resent
             await turn("after")
-        with anyio.fail_after(5):
+        with anyio.fail_after(20):  # at once after the report; the full pass is 30 s away
             while "e0" in await holders():  # noqa: ASYNC110 -- a remote state
                 await anyio.sleep(0.05)
 

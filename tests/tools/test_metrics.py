@@ -122,3 +122,24 @@ def test_skipped_publications_are_counted_per_code() -> None:
                                hash=b"", event=cast(AnyEvent, event)))  # fmt: skip
     scrape = generate_latest(metrics.registry).decode()
     assert _sample(scrape, 'loraledger_publications_skipped_total{code="CAPACITY_ERROR"}') == 1
+
+
+def test_the_drivers_loop_counts_are_read_at_scrape_time() -> None:
+    """The reclaim driver's sweeps and the health loop's wakes are read from the drivers at
+    each scrape (nothing is incremented by hand), and a service without drivers has none."""
+    book = Book().bootstrap()
+    loops = {"sweeps": 3, "wakes": 7}
+    metrics = LedgerMetrics(
+        lambda: book.state,
+        reclaim_sweeps=lambda: loops["sweeps"],
+        health_wakes=lambda: loops["wakes"],
+    )
+    scrape = generate_latest(metrics.registry).decode()
+    assert _sample(scrape, "loraledger_reclaim_sweeps_total") == 3
+    assert _sample(scrape, "loraledger_health_wakes_total") == 7
+    loops.update(sweeps=5, wakes=8)
+    scrape = generate_latest(metrics.registry).decode()
+    assert _sample(scrape, "loraledger_reclaim_sweeps_total") == 5
+    assert _sample(scrape, "loraledger_health_wakes_total") == 8
+    bare = generate_latest(LedgerMetrics(lambda: book.state).registry).decode()
+    assert "loraledger_reclaim_sweeps" not in bare and "loraledger_health_wakes" not in bare

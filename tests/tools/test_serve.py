@@ -307,11 +307,16 @@ def _serve_process(tmp_path: Path, name: str, engine: str, *flags: str, **env: s
 
 
 def _serve_for(tmp_path: Path, name: str, engine_url: object, *flags: str) -> str:
-    """``loraledger serve`` over one HTTP engine for a few probe intervals; its stderr."""
+    """``loraledger serve`` over one HTTP engine until its health loop woke three times (each
+    wake probes the engine); its stderr."""
     served = _serve_process(tmp_path, name, f"e0=local:{engine_url}", *flags)
     try:
-        served.ready()
-        time.sleep(3.5)  # the reconciler probes every engine every second
+        url = served.ready()["url"]
+        deadline = time.monotonic() + 60
+        wakes = ("loraledger_health_wakes_total", ())
+        while _metrics(httpx.get(f"{url}/metrics", trust_env=False).text)[wakes] < 3:
+            assert time.monotonic() < deadline, "serve's health loop did not wake 3 times in 60 s"
+            time.sleep(0.05)
     finally:
         assert served.stop() == 0, served.stderr()
     return served.stderr()

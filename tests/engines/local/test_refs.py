@@ -60,12 +60,12 @@ async def test_wait_zero_wakes_exactly_when_the_last_holder_leaves() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # the waiter waits on the two holders
         first.release()
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # it ran on the first release, if it woke at all
         assert not woke.is_set()
         second.release()
-        with anyio.fail_after(1):
+        with anyio.fail_after(10):  # a bound for a hang only: the wake is an event
             await woke.wait()
 
 
@@ -73,5 +73,5 @@ async def test_wait_zero_wakes_exactly_when_the_last_holder_leaves() -> None:
 async def test_wait_zero_returns_at_once_when_unused() -> None:
     refs = RefCounter("a")
     refs.close()
-    with anyio.fail_after(1):
+    with anyio.fail_after(10):  # a bound for a hang only: nothing holds it
         await refs.wait_zero()

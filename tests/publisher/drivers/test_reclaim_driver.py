@@ -12,13 +12,14 @@ reclaim``, RELIABILITY.md "Mutation testing").
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import structlog
 
 from engines.artifacts import ArtifactStore
 from engines.contract import AmbiguousReply, ErrorCode
@@ -194,6 +195,11 @@ async def test_an_unload_that_hangs_becomes_ambiguous_when_its_timeout_runs_out(
         assert r.fleet["e1"].unloads == [(name, v1.attempt)]  # type: ignore[attr-defined]
 
 
+def _not_recorded(logs: list[MutableMapping[str, Any]]) -> list[tuple[str, str]]:
+    """(engine, refusal code) of each unload whose record the ledger refused, as logged."""
+    return [(x["engine"], x["code"]) for x in logs if x["event"] == "reclaim.unload_not_recorded"]
+
+
 async def test_a_refused_record_pokes_the_reconciler_only_for_a_restart() -> None:
     """e1 leaves the fleet while its unload is in flight: recording the unload is refused
     (e1 is no member any more), which is not a restart; e0's proof then completes the reclaim."""
@@ -201,14 +207,18 @@ async def test_a_refused_record_pokes_the_reconciler_only_for_a_restart() -> Non
         await _retired(r)
         pokes = Pokes()
         driver = pokes.driver(r)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(driver.sweep)
-            await _gated(r, "e0").started.wait()
-            await _gated(r, "e1").started.wait()
-            await r.ledger.leave_engine("e1")
-            _gated(r, "e1").gate.set()
-            await anyio.sleep(0.05)  # e1's record is refused meanwhile
-            _gated(r, "e0").gate.set()
+        with structlog.testing.capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(driver.sweep)
+                await _gated(r, "e0").started.wait()
+                await _gated(r, "e1").started.wait()
+                await r.ledger.leave_engine("e1")
+                _gated(r, "e1").gate.set()
+                await wait_for(
+                    "e1's unload record refused",
+                    lambda: _not_recorded(logs) == [("e1", Code.UNKNOWN_ENGINE)],
+                )
+                _gated(r, "e0").gate.set()
         v1 = r.ledger.state.versions[1]
         assert v1.state is VersionState.RECLAIMED
         assert [e.engine for e in await events_of(r.store, EngineUnloaded)] == ["e0"]

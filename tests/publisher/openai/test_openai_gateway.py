@@ -617,19 +617,23 @@ async def _released_causes(r: Rig) -> dict[str, str]:
 
 async def test_an_idle_session_is_released_and_a_late_turn_is_refused(tmp_path: Path) -> None:
     """OpenAI clients never release: a session with no turn for ``idle_release_s`` is released
-    by the gateway (cause ``idle``) so its version can be reclaimed; a session that keeps
-    turning stays bound; a late turn on the released one is a 409 the client does not retry."""
+    by the gateway's idle loop (cause ``idle``) so its version can be reclaimed; a session with
+    a turn in flight stays bound; a late turn on the released one is a 409 the client does not
+    retry. (That a turn inside the idle time keeps a session bound is checked with time as
+    data in ``test_idle_release_takes_time_as_data``: against the real clock, a stall as long
+    as the idle time would release a session that keeps turning.)"""
     async with rig(tmp_path, idle_release_s=0.4) as r:
         await r.publish(1)
         await chat_sync(r, "quiet")
         await chat_sync(r, "busy")
-        with anyio.fail_after(10):
-            while "quiet" not in await _released_causes(r):
-                await chat_sync(r, "busy")  # a turn every few ms keeps "busy" bound
-                await anyio.sleep(0.05)
-        causes = await _released_causes(r)
-        assert causes == {"quiet": "idle"}
-        assert "busy" in r.plane.ledger.state.sessions
+        async with r.worker.session("busy").turn():  # in flight: never idle, however late
+            await wait_for(
+                "session quiet released as idle",
+                lambda: "quiet" not in r.plane.ledger.state.sessions,
+            )
+            causes = await _released_causes(r)
+            assert causes == {"quiet": "idle"}
+            assert "busy" in r.plane.ledger.state.sessions
 
         before = r.face.requests
         with pytest.raises(openai.ConflictError) as refused:
