@@ -29,6 +29,8 @@ from tools.service_options import parse_engine
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# one owner life: its incarnation and the secret every owner-bound call carries
+LIFE = {"incarnation": "life-1", "secret": "s" * 64}
 
 
 def _metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -95,10 +97,10 @@ def test_health_status_metrics_and_the_token(served: Served, cli: Cli) -> None:
         assert http.post("/sessions/s1/bind", json={"owner": "w1"}).status_code == 401
         # nothing happened: the one owner is the OpenAI routes' own (registered at start)
         assert http.get("/status").json()["owners"] == 1
-        ok = http.post("/owners", json={"owner": "w1", "ttl_s": 60}, headers=AUTH)
+        ok = http.post("/owners", json={"owner": "w1", "ttl_s": 60, **LIFE}, headers=AUTH)
         assert ok.status_code == 200, ok.text
         # a refusal keeps the ledger's code
-        bind = http.post("/sessions/s1/bind", json={"owner": "w1"}, headers=AUTH)
+        bind = http.post("/sessions/s1/bind", json={"owner": "w1", **LIFE}, headers=AUTH)
         assert (bind.status_code, bind.json()["code"]) == (409, "NO_PUBLISHED_VERSION")
         bad = http.post("/owners", content=b"{not json", headers=AUTH)
         assert (bad.status_code, bad.json()["code"]) == (400, "INVALID_INPUT")
@@ -197,8 +199,8 @@ async def test_publish_bind_and_inflight_show_in_metrics(tmp_path: Path) -> None
             )
             assert first.status_code == 200, first.text
             assert first.json()["status"] == "PUBLISHED"
-            await http.post("/owners", json={"owner": "w1"}, headers=AUTH)
-            bound = await http.post("/sessions/s1/bind", json={"owner": "w1"}, headers=AUTH)
+            await http.post("/owners", json={"owner": "w1", **LIFE}, headers=AUTH)
+            bound = await http.post("/sessions/s1/bind", json={"owner": "w1", **LIFE}, headers=AUTH)
             assert bound.json()["version_id"] == 1
             second = await http.post(
                 "/versions", json={"version_id": 2, "adapter_dir": str(adapters[1])}, headers=AUTH
@@ -206,7 +208,7 @@ async def test_publish_bind_and_inflight_show_in_metrics(tmp_path: Path) -> None
             assert second.json()["retired"] == 1
             renew = await http.post(
                 "/owners/w1/renew",
-                json={"inflight": [{"engine": "e1", "version_id": 1, "count": 2}]},
+                json={"inflight": [{"engine": "e1", "version_id": 1, "count": 2}], **LIFE},
                 headers=AUTH,
             )
             assert renew.status_code == 200, renew.text
