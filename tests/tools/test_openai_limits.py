@@ -64,13 +64,13 @@ class Seen:
         self.paths: Counter[str] = Counter()
 
     def around(self, build: Callable[..., Any]) -> Callable[..., Any]:
-        def counting_server(app: Any, *args: Any) -> Any:
+        def counting_server(app: Any, *args: Any, **kwargs: Any) -> Any:
             async def counting(scope: Any, receive: Any, send: Any) -> None:
                 if scope["type"] == "http":
                     self.paths[scope["path"]] += 1
                 await app(scope, receive, send)
 
-            return build(counting, *args)
+            return build(counting, *args, **kwargs)
 
         return counting_server
 

@@ -116,7 +116,9 @@ async def test_a_fenced_serve_is_unhealthy_and_refuses_turns_of_its_bound_sessio
                     assert refused.json()["error"]["code"] == "FENCED", refused.text
                     assert refused.headers["x-should-retry"] == "false"
                     bind = await first.post(
-                        "/sessions/s2/bind", json={"owner": "openai-serve"}, headers=AUTH
+                        "/sessions/s2/bind",
+                        json={"owner": "openai-serve", "incarnation": "i", "secret": "s" * 64},
+                        headers=AUTH,
                     )
                     assert (bind.status_code, bind.json()["code"]) == (503, "FENCED")
 

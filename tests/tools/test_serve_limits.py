@@ -21,6 +21,8 @@ from tools.exitcodes import Exit
 
 TOKEN = "t0ken-for-limits"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# one owner life: its incarnation and the secret every owner-bound call carries
+LIFE = {"incarnation": "life-1", "secret": "s" * 64}
 
 
 def running(tmp_path: Path, **options: Any) -> AbstractAsyncContextManager[str]:
@@ -69,13 +71,15 @@ async def test_nan_infinity_and_huge_numbers_reached_the_ledger(tmp_path: Path) 
         running(tmp_path) as url,
         httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http,
     ):
-        assert (await http.post("/owners", json={"owner": "w"}, headers=AUTH)).status_code == 200
+        assert (
+            await http.post("/owners", json={"owner": "w", **LIFE}, headers=AUTH)
+        ).status_code == 200
         for v in NON_NUMBERS:
             bodies = {
                 "/owners": f'{{"owner": "w2", "ttl_s": {v}}}',
                 "/owners/w/renew": RENEW.replace("COUNT", v),
                 "/versions": f'{{"version_id": {v}, "adapter_dir": "/nonexistent"}}',
-                "/sessions/s/bind": f'{{"owner": "w", "x": {v}}}',
+                "/sessions/s/bind": f'{{"owner": "w", "x": {v}}}',  # a number where none belongs
             }
             for path, body in bodies.items():
                 r = await http.post(path, content=body.encode(), headers=AUTH)
@@ -95,15 +99,19 @@ async def test_a_renewal_had_no_cap_on_entries_or_counts(tmp_path: Path) -> None
         running(tmp_path) as url,
         httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http,
     ):
-        assert (await http.post("/owners", json={"owner": "w"}, headers=AUTH)).status_code == 200
+        assert (
+            await http.post("/owners", json={"owner": "w", **LIFE}, headers=AUTH)
+        ).status_code == 200
         many = [{"engine": "e", "version_id": i + 1, "count": 1} for i in range(1025)]
         assert len(many) > MAX_INFLIGHT_ENTRIES
         big = [{"engine": "e", "version_id": 1, "count": MAX_INFLIGHT_COUNT + 1}]
         for inflight in (many, big):
-            r = await http.post("/owners/w/renew", json={"inflight": inflight}, headers=AUTH)
+            r = await http.post(
+                "/owners/w/renew", json={"inflight": inflight, **LIFE}, headers=AUTH
+            )
             assert r.status_code == 400 and r.json()["code"] == "INVALID_INPUT", r.text
         ok = [{"engine": "e", "version_id": 1, "count": MAX_INFLIGHT_COUNT}]
-        r = await http.post("/owners/w/renew", json={"inflight": ok}, headers=AUTH)
+        r = await http.post("/owners/w/renew", json={"inflight": ok, **LIFE}, headers=AUTH)
         assert r.status_code == 200, r.text
 
 

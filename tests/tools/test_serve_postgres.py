@@ -58,7 +58,11 @@ def test_serve_on_postgres_resumes_the_same_log(
 
     def first(base: str) -> None:
         with httpx.Client(base_url=base, trust_env=False, timeout=10) as http:
-            ok = http.post("/owners", json={"owner": "w1", "ttl_s": 600}, headers=AUTH)
+            ok = http.post(
+                "/owners",
+                json={"owner": "w1", "ttl_s": 600, "incarnation": "i", "secret": "s" * 64},
+                headers=AUTH,
+            )
             assert ok.status_code == 200, ok.text
             seen["first"] = http.get("/status").json()
 

@@ -37,6 +37,9 @@ _NODE = {
     "object_store_memory": 96 * 1024 * 1024,
 }
 
+# w1's one life: the worker that lives on while the ledger moves holds its secret
+INCARNATION, SECRET = "w1-life", "s" * 64
+
 
 @pytest.fixture
 def two_nodes() -> Iterator[tuple[Cluster, Any, Any]]:
@@ -97,7 +100,7 @@ async def test_a_ledger_on_postgres_restarted_on_another_node_loses_nothing(
     # (a clean exit of this client would end w1 and release its sessions).
     async with RayLedger.connect(name, reconnect_timeout=120, deregister_on_exit=False) as ledger:
         await create(ledger)
-        await ledger.register_owner("w1", ttl_s=600)
+        await ledger.register_owner("w1", ttl_s=600, incarnation=INCARNATION, secret=SECRET)
         await publish(ledger, 1)
         bound = await _bind_all(ledger, names)
         for session in names[:10]:
@@ -118,6 +121,9 @@ async def test_a_ledger_on_postgres_restarted_on_another_node_loses_nothing(
     after = await _log(postgres_url)
     assert after[: len(before)] == before  # every record, unchanged, the chain continued
     async with RayLedger.connect(name, reconnect_timeout=120) as ledger:
+        await ledger.register_owner(
+            "w1", ttl_s=600, incarnation=INCARNATION, secret=SECRET
+        )  # the same life, attached again
         status = await ledger.status()
         assert status.sessions_bound == 20
         again = await _bind_all(ledger, names)
