@@ -246,15 +246,26 @@ class ControlPlane:
         3. its handle is dropped, so the reconciler does not join it again. Stopping the
            engine's process is its owner's job, safe once this returned 0.
 
+        The reconciler holds the engine out from before the decision is recorded until its
+        handle is gone: a probe of it while it drains would find an engine the ledger no
+        longer has and join it again, routable. If the drain is cancelled, the handle goes all
+        the same: the log says the engine left, and nothing here may bring it back.
+
         Returns how many requests were still counted on it when the drain ended (0: none)."""
-        if cause == "fleet":
-            await self.ledger.leave_engine(engine_id)
-        else:
-            await self.ledger.remove_engine(engine_id, cause=cause)
-        left = await self.drain_engine(engine_id, drain_timeout_s)
+        self.reconciler.hold_out(engine_id)
+        try:
+            if cause == "fleet":
+                await self.ledger.leave_engine(engine_id)
+            else:
+                await self.ledger.remove_engine(engine_id, cause=cause)
+            try:
+                left = await self.drain_engine(engine_id, drain_timeout_s)
+            finally:
+                self.fleet.remove(engine_id)
+        finally:
+            self.reconciler.let_in(engine_id)
         if left:
             log.warning("plane.drain_timed_out", engine=engine_id, in_flight=left)
-        self.fleet.remove(engine_id)
         self.reclaimer.wake()
         return left
 

@@ -167,6 +167,10 @@ class _Findings:
         self.report += report
 
 
+class _Leaving(Exception):
+    """A pass found that the engine it reads is leaving the fleet: it stops there."""
+
+
 class Reconciler:
     """Reconciles the engines of ``fleet`` with ``ledger`` (see the module docstring)."""
 
@@ -220,6 +224,10 @@ class Reconciler:
         self.bucket_bytes = bucket_bytes
         self._clock = clock
         self._locks: dict[str, anyio.Lock] = {}
+        # Engines leaving the fleet: recorded as left (or about to be), their handles kept only
+        # while the requests on them drain. No pass may read, join or repair them: a probe
+        # would find an engine the ledger no longer has and join it again, routable.
+        self._leaving: set[str] = set()
         self._poked: anyio.Event | None = None
         # Engines a gateway saw refuse a generation as not loaded: read at the next wake.
         self._suspects: set[str] = set()
@@ -320,6 +328,20 @@ class Reconciler:
             log.info("reconciler.engine_trouble", engine=engine_id, code=error.code)
             self.poke()
 
+    def hold_out(self, engine_id: str) -> None:
+        """``engine_id`` is leaving the fleet: from now on no pass touches it, though its
+        handle stays in the fleet while it drains (see :meth:`let_in`)."""
+        self._leaving.add(engine_id)
+
+    def let_in(self, engine_id: str) -> None:
+        """End :meth:`hold_out` (the handle is gone, or the removal failed before it was
+        recorded): an engine added again under the same id is reconciled as any other."""
+        self._leaving.discard(engine_id)
+
+    def _members(self) -> list[str]:
+        """The engines passes look at: the fleet's, less those leaving it."""
+        return [e for e in self._fleet.ids() if e not in self._leaving]
+
     def _lock(self, engine_id: str) -> anyio.Lock:
         lock = self._locks.get(engine_id)
         if lock is None:
@@ -351,7 +373,7 @@ class Reconciler:
             rep.merge(await self.reconcile_engine(engine_id))
 
         async with anyio.create_task_group() as tg:
-            for engine_id in self._fleet.ids():
+            for engine_id in self._members():
                 tg.start_soon(one, engine_id)
         self.passes += 1
         self._last_full = self._clock()
@@ -362,8 +384,12 @@ class Reconciler:
         or ledger refusal: they are reported in ``errors``."""
         rep = _Findings(engines=(engine_id,))
         async with self._lock(engine_id):
+            if engine_id in self._leaving:
+                return rep.report
             try:
                 await self._reconcile(engine_id, rep)
+            except _Leaving:
+                pass  # the removal owns it now
             except (EngineError, LoraLedgerError, ArtifactError) as exc:
                 rep.add(errors=(f"{engine_id}: {exc}",))
                 log.warning("reconciler.engine_failed", engine=engine_id, error=str(exc))
@@ -423,6 +449,8 @@ class Reconciler:
     ) -> None:
         ledger = self._ledger
         member = ledger.state.engines.get(engine_id)
+        if member is None and engine_id in self._leaving:
+            raise _Leaving(engine_id)  # it left while this pass read it: nothing to join
         if member is None:
             await ledger.join_engine(
                 engine_id,
@@ -894,7 +922,7 @@ class Reconciler:
         """Probe every engine; reconcile those that need it by the ledger, and ``suspects``
         (their inventory is read whatever the ledger believes)."""
         async with anyio.create_task_group() as tg:
-            for engine_id in self._fleet.ids():
+            for engine_id in self._members():
                 tg.start_soon(self._check, engine_id, engine_id in suspects)
 
     async def _check(self, engine_id: str, suspected: bool = False) -> None:

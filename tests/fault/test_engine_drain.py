@@ -196,6 +196,11 @@ async def test_fleet_remove_routes_away_then_answers_once_the_engine_drained(
                 # routed away first: recorded while the turn still runs, new turns go to e1
                 await wait_for("e0 left", lambda: "e0" not in plane.ledger.state.engines)
                 assert [e.engine for e in await events_of(plane.ledger, EngineLeft)] == ["e0"]
+                # the health loop's passes while it drains leave it out (before: a probe found
+                # an engine the ledger no longer had and joined it again, routable)
+                await plane.reconciler.health_check()
+                await plane.reconciler.reconcile()
+                assert "e0" not in plane.ledger.state.engines
                 assert (await gateway.generate(other, "elsewhere", TURN)).engine == "e1"
                 assert answers == []  # ... and the removal waits for the turn
                 assert plane.inflight_on("e0") == 1
