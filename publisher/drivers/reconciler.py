@@ -8,7 +8,9 @@ docs/engines.md):
 * **Membership**: an engine of this process's fleet that the ledger does not know is joined
   (``EngineJoined``); a new incarnation is a restart (``EngineRestarted``): the engine lost every
   adapter and is not routable. At start, ledger members this process has no handle for leave
-  (``EngineLeft``): the fleet a control plane is opened with is the fleet.
+  (``EngineLeft``): the fleet a control plane is opened with is the fleet. An engine being
+  removed is held out of every pass while it drains (:meth:`Reconciler.hold_out`): its handle
+  is still here, but the ledger no longer has it, and joining it again would undo the removal.
 * **Evidence**: the inventory's managed names (``{prefix}@{deployment}-``; foreign adapters are
   not ours) are recorded (``InventoryObserved``). The decider resolves a ``FAILED_FATAL``
   candidate once every engine of its attempt proved it absent (``FatalResolved``) and completes
