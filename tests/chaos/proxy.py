@@ -205,7 +205,8 @@ async def _swallow(chunk: bytes) -> None:
     return None
 
 
-def _ends(link: str) -> tuple[str, str]:
+def link_ends(link: str) -> tuple[str, str]:
+    """``(caller, server)`` of a link's name ``CALLER->SERVER``; a malformed name is refused."""
     caller, arrow, server = link.partition("->")
     if not arrow or not caller or not server or "->" in server:
         raise ValueError(f"a link is named CALLER->SERVER (e.g. gw0->serve), not {link!r}")
@@ -238,7 +239,7 @@ class Network:
     async def link(self, name: str, host: str, port: int) -> int:
         """A proxy for link ``name`` (``CALLER->SERVER``) in front of ``host:port``; returns
         the port the caller must be given instead."""
-        _ends(name)
+        link_ends(name)
         if name in self.proxies:
             raise ValueError(f"link {name} exists already (retarget it instead)")
         if self._tg is None:
@@ -262,7 +263,7 @@ class Network:
 
     def links_of(self, process: str) -> list[str]:
         """The links with ``process`` at either end, in the order they were made."""
-        return [name for name in self.proxies if process in _ends(name)]
+        return [name for name in self.proxies if process in link_ends(name)]
 
     def partition(self, process: str, fault: Fault | None = None) -> list[str]:
         """Cut ``process`` off from the rest: every link of it gets ``fault`` (a black hole

@@ -1,0 +1,137 @@
+"""The chaos schedule is a pure function of its seed (byte for byte, in another process with
+another hash seed too), seeds differ, every fault kind and process kind is reached, and no
+plan takes the whole fleet down: checked here over many seeds by a sweep of its own, not by
+the planner's code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.chaos.schedule import (
+    NETWORK_FAULTS,
+    PARTITION,
+    PROCESS_FAULTS,
+    Planned,
+    format_schedule,
+    link_fault,
+    schedule,
+)
+from tests.support.paths import REPO
+
+PROCESSES = {
+    "serve": "serve",
+    "gw0": "gateway",
+    "gw1": "gateway",
+    "e1": "engine",
+    "e2": "engine",
+    "e3": "engine",
+    "agent": "agent",
+    "trainer": "trainer",
+}
+LINKS = [
+    "client->gw0",
+    "client->gw1",
+    "gw0->serve",
+    "gw1->serve",
+    "gw0->e1",
+    "gw0->e2",
+    "gw0->e3",
+    "gw1->e1",
+    "gw1->e2",
+    "gw1->e3",
+    "serve->e1",
+    "serve->e2",
+    "serve->agent",
+    "trainer->serve",
+]
+DURATION_S = 60.0
+
+
+def test_one_seed_gives_one_schedule_byte_for_byte_in_any_process() -> None:
+    plan = schedule(7, DURATION_S, LINKS, PROCESSES)
+    assert plan == schedule(7, DURATION_S, list(reversed(LINKS)), dict(reversed(PROCESSES.items())))
+    printed = format_schedule(7, plan)
+    probe = (
+        "from tests.chaos.schedule import format_schedule, schedule\n"
+        "from tests.chaos.test_schedule import DURATION_S, LINKS, PROCESSES\n"
+        "print(format_schedule(7, schedule(7, DURATION_S, LINKS, PROCESSES)), end='')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"}
+    other = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, check=True
+    )
+    assert other.stdout == printed.encode()
+    lines = printed.splitlines()
+    assert lines[0].startswith("chaos schedule: seed 7, ") and len(lines) == len(plan) + 1
+    assert all(p.target in line and p.kind in line for p, line in zip(plan, lines[1:], strict=True))
+
+
+def test_different_seeds_give_different_schedules() -> None:
+    printed = {
+        format_schedule(0, schedule(seed, DURATION_S, LINKS, PROCESSES)) for seed in range(30)
+    }
+    assert len(printed) == 30
+
+
+def _down(fault: Planned) -> set[str]:
+    """The sweep's own reading of which processes a fault takes out."""
+    if fault.kind == "delay":
+        return set()
+    if fault.kind in NETWORK_FAULTS:
+        caller, server = fault.target.split("->")
+        return {caller, server}
+    return {fault.target}
+
+
+@pytest.mark.parametrize("seeds", [range(0, 200)])
+def test_no_schedule_takes_the_fleet_down_and_every_fault_heals_in_time(seeds: range) -> None:
+    kinds: Counter[str] = Counter()
+    targets: set[str] = set()
+    for seed in seeds:
+        plan = schedule(seed, DURATION_S, LINKS, PROCESSES)
+        assert plan, f"seed {seed}: no fault at all"
+        assert [p.at_s for p in plan] == sorted(p.at_s for p in plan)
+        for fault in plan:
+            kinds[fault.kind] += 1
+            targets.add(fault.target)
+            assert fault.at_s >= 0 and fault.heal_after_s >= 0
+            assert fault.heals_at_s <= DURATION_S, f"seed {seed}: {fault} heals after the run"
+            assert (fault.kind == "restart") == (fault.heal_after_s == 0), fault
+            assert (fault.kind == "delay") == (fault.delay_s > 0), fault
+            if fault.kind in NETWORK_FAULTS:
+                assert fault.target in LINKS
+                assert (link_fault(fault).kind, link_fault(fault).seconds) == (
+                    fault.kind,
+                    fault.delay_s,
+                )
+            else:
+                assert fault.target in PROCESSES
+        # Sweep every instant a fault starts: who is down then (heal instant excluded).
+        for instant in sorted({p.at_s for p in plan}):
+            active = [p for p in plan if p.at_s <= instant < max(p.heals_at_s, p.at_s + 1e-3)]
+            down = set().union(*(_down(p) for p in active))
+            for kind in ("engine", "gateway"):
+                up = [n for n, k in PROCESSES.items() if k == kind and n not in down]
+                assert up, f"seed {seed}: every {kind} down at +{instant}s: {active}"
+            on_serve = [p for p in active if "serve" in _down(p)]
+            assert len(on_serve) <= 1, f"seed {seed}: serve faults overlap: {on_serve}"
+            touched = [p.target for p in active]
+            assert len(touched) == len(set(touched)), f"seed {seed}: two faults on one target"
+    assert set(kinds) == {*PROCESS_FAULTS, *NETWORK_FAULTS, PARTITION}, kinds
+    assert set(PROCESSES) <= targets, "some process is never faulted"
+    assert set(LINKS) <= targets, "some link is never faulted"
+
+
+def test_a_fleet_of_one_engine_never_loses_it_and_bad_links_are_refused() -> None:
+    processes = {"serve": "serve", "gw0": "gateway", "gw1": "gateway", "e1": "engine"}
+    links = ["gw0->e1", "gw1->e1", "gw0->serve"]
+    for seed in range(50):
+        plan = schedule(seed, 30.0, links, processes)
+        assert not [p for p in plan if "e1" in _down(p)], f"seed {seed}: the only engine faulted"
+    with pytest.raises(ValueError, match="CALLER->SERVER"):
+        schedule(1, 10.0, ["gw0-serve"], processes)
