@@ -6,19 +6,29 @@ connection stuck after the link heals), a partition cuts every link of one proce
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 import anyio.abc
 import httpx
+import openai
 import pytest
 
 from tests.chaos.proxy import Fault, Network
+from tests.publisher.rollout_kit import ENGINE_WARNINGS
+from tests.support.paths import REPO
+from tests.support.processes import listening_process
 from tests.support.relay import listening, read_request
 from tests.support.waiting import wait_for
+from tests.tools.serving import serving
+from tests.tools.test_serve import _adapter_dir
+from tools.service_options import parse_engine
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
 
 
 class Server:
@@ -161,3 +171,184 @@ async def test_a_partition_cuts_every_link_of_one_process_and_heals() -> None:
             net.partition("nobody")
         with pytest.raises(ValueError, match="CALLER->SERVER"):
             await net.link("gw0-serve", "127.0.0.1", 1)
+
+
+# Promises across real processes: a `loraledger gateway` process in front of two
+# `loraledger engine` processes, each link through the proxy; serve in this process, its
+# links to the engines through the proxy too (a partition of an engine cuts both).
+
+TOKEN = "chaos-net-token"
+UPSTREAM_TIMEOUT_S = 2.0  # the gateway's --upstream-timeout-s: how long it waits in a black hole
+
+
+class Cluster(NamedTuple):
+    net: Network
+    status: httpx.AsyncClient  # serve, as a token holder
+    client: openai.AsyncOpenAI  # the gateway process's OpenAI routes, no retries of its own
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    async with AsyncExitStack() as stack:
+        net = await stack.enter_async_context(Network())
+        engines = {}
+        for engine_id in ("e0", "e1"):
+            args = ["engine", "--id", engine_id, "--port", "0", "--json"]
+            _, row = await stack.enter_async_context(listening_process(args))
+            engines[engine_id] = int(str(row["url"]).rsplit(":", 1)[1])
+
+        async def linked(caller: str, engine_id: str) -> str:
+            port = await net.link(f"{caller}->{engine_id}", "127.0.0.1", engines[engine_id])
+            return f"{engine_id}=local:http://127.0.0.1:{port}"
+
+        specs = [parse_engine(await linked("serve", e)) for e in engines]
+        ledger = await stack.enter_async_context(
+            serving(tmp_path / "ledger.db", token=TOKEN, engines=tuple(specs), probe_timeout_s=1)
+        )
+        status = await stack.enter_async_context(
+            httpx.AsyncClient(
+                base_url=ledger,
+                trust_env=False,
+                timeout=60,
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+        )
+        adapter = _adapter_dir(tmp_path, 1)
+        reply = await status.post("/versions", json={"version_id": 1, "adapter_dir": str(adapter)})
+        assert reply.status_code == 200, reply.text
+        args = [
+            "gateway",
+            *("--ledger", ledger, "--token-file", str(token_file), "--port", "0"),
+            *("--owner", "gw0", "--refresh-s", "0.2"),
+            *("--upstream-timeout-s", str(UPSTREAM_TIMEOUT_S)),
+            *[arg for e in engines for arg in ("--engine", await linked("gw0", e))],
+            "--json",
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("LORALEDGER_TOKEN", None)
+        _, row = await stack.enter_async_context(listening_process(args, env=env))
+        client = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=f"{row['url']}/v1", api_key=TOKEN, max_retries=0)
+        )
+        yield Cluster(net, status, client)
+
+
+async def turn(client: openai.AsyncOpenAI, session: str) -> tuple[str, str]:
+    """One turn of ``session``: the (version, engine) that served it."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model="policy",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=2,
+        extra_headers={"x-session-id": session},
+    )
+    return raw.headers["x-loraledger-version"], raw.headers["x-loraledger-engine"]
+
+
+def generations(net: Network, link: str) -> int:
+    """Generation requests the proxy forwarded on ``link``: what reached that engine."""
+    return sum(line.startswith(b"POST /v1/") for line in net.proxies[link].forwarded)
+
+
+def other(engine: str) -> str:
+    return "e1" if engine == "e0" else "e0"
+
+
+async def test_a_lost_answer_is_ambiguous_once_and_a_lost_request_leaves_later_turns_served(
+    tmp_path: Path,
+) -> None:
+    """``reset_after`` on gateway->engine: the engine ran the turn, its answer is lost; the
+    client hears ``502 AMBIGUOUS_DISPATCH`` and the turn reached an engine once, never resent
+    to the other holder. ``reset_before``: the turn never reached the engine (the gateway
+    cannot tell, so it is ambiguous too); after the heal the session's next turn is served on
+    its version and engine."""
+    async with cluster(tmp_path) as c:
+        version, engine = await turn(c.client, "s")
+        link, spare = f"gw0->{engine}", f"gw0->{other(engine)}"
+        sent = (generations(c.net, link), generations(c.net, spare))
+
+        c.net.set(link, Fault.reset_after())
+        with pytest.raises(openai.APIStatusError) as lost_answer:
+            await turn(c.client, "s")
+        assert (lost_answer.value.status_code, lost_answer.value.code) == (
+            502,
+            "AMBIGUOUS_DISPATCH",
+        )
+        # the gateway's incarnation probe after the lost answer may be reset too: a network
+        # fault hits every request on the link
+        assert c.net.proxies[link].hits["reset_after"] >= 1
+        assert (generations(c.net, link), generations(c.net, spare)) == (sent[0] + 1, sent[1])
+
+        c.net.set(link, Fault.reset_before())
+        with pytest.raises(openai.APIStatusError) as lost_request:
+            await turn(c.client, "s")
+        assert lost_request.value.status_code == 502
+        assert c.net.proxies[link].hits["reset_before"] >= 1
+        assert (generations(c.net, link), generations(c.net, spare)) == (sent[0] + 1, sent[1])
+
+        c.net.heal(link)
+        await wait_for(  # the gateway's next turn after the heal is served, as before
+            "the session's next turn served after the heal",
+            lambda: _served(c.client, "s", (version, engine)),
+            timeout=20,
+            every=0.2,
+        )
+        assert c.net.counts == {"reset_after": 1, "reset_before": 1}
+
+
+async def _served(client: openai.AsyncOpenAI, session: str, where: tuple[str, str]) -> bool:
+    try:
+        return await turn(client, session) == where
+    except openai.APIStatusError:
+        return False
+
+
+async def test_a_partitioned_engine_costs_one_turn_its_timeout_and_is_routed_around(
+    tmp_path: Path,
+) -> None:
+    """A partition of the session's engine (gateway->engine and serve->engine black-holed,
+    half-open): the turn in the hole gives up after the gateway's upstream timeout with
+    ``502 AMBIGUOUS_DISPATCH``, resent nowhere; serve's probes time out and take the engine
+    out of routing, and the session's next turns are served by the other holder on the same
+    version. After the heal the engine is routable again."""
+    async with cluster(tmp_path) as c:
+        version, engine = await turn(c.client, "s")
+        spare = f"gw0->{other(engine)}"
+        before = generations(c.net, spare)
+        assert c.net.partition(engine) == [f"serve->{engine}", f"gw0->{engine}"]
+
+        started = anyio.current_time()
+        with pytest.raises(openai.APIStatusError) as stalled:
+            await turn(c.client, "s")
+        waited = anyio.current_time() - started
+        assert (stalled.value.status_code, stalled.value.code) == (502, "AMBIGUOUS_DISPATCH")
+        assert UPSTREAM_TIMEOUT_S <= waited < UPSTREAM_TIMEOUT_S + 15, waited
+        assert generations(c.net, spare) == before  # never resent to the other holder
+
+        await wait_for(
+            f"{engine} out of serve's routing",
+            lambda: _routable(c.status, engine, False),
+            timeout=20,
+            every=0.1,
+        )
+        await wait_for(
+            "the session served by the other holder, on its version",
+            lambda: _served(c.client, "s", (version, other(engine))),
+            timeout=20,
+            every=0.2,
+        )
+        c.net.heal_all()
+        await wait_for(
+            f"{engine} back in routing after the heal",
+            lambda: _routable(c.status, engine, True),
+            timeout=20,
+            every=0.1,
+        )
+        assert c.net.counts == {"partition": 1}
+
+
+async def _routable(status: httpx.AsyncClient, engine: str, wanted: bool) -> bool:
+    engines = (await status.get("/status")).json()["engines"]
+    row = next(e for e in engines if e["engine"] == engine)
+    return bool(row["routable"]) == wanted
