@@ -18,7 +18,9 @@ import httpx
 import openai
 import pytest
 
+from engines.local.server import running_server
 from tests.chaos.proxy import Fault, Network
+from tests.publisher.plane_kit import LIMITS
 from tests.publisher.rollout_kit import ENGINE_WARNINGS
 from tests.support.paths import REPO
 from tests.support.processes import listening_process
@@ -173,9 +175,11 @@ async def test_a_partition_cuts_every_link_of_one_process_and_heals() -> None:
             await net.link("gw0-serve", "127.0.0.1", 1)
 
 
-# Promises across real processes: a `loraledger gateway` process in front of two
-# `loraledger engine` processes, each link through the proxy; serve in this process, its
-# links to the engines through the proxy too (a partition of an engine cuts both).
+# Promises across processes: a `loraledger gateway` process in front of two local engines'
+# HTTP servers (the server `loraledger engine` runs, here in the test's process: a
+# subprocess each imports its model for many seconds), every link through the proxy; serve in
+# this process, its links to the engines through the proxy too (a partition of an engine
+# cuts both).
 
 TOKEN = "chaos-net-token"
 UPSTREAM_TIMEOUT_S = 2.0  # the gateway's --upstream-timeout-s: how long it waits in a black hole
@@ -195,9 +199,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         net = await stack.enter_async_context(Network())
         engines = {}
         for engine_id in ("e0", "e1"):
-            args = ["engine", "--id", engine_id, "--port", "0", "--json"]
-            _, row = await stack.enter_async_context(listening_process(args))
-            engines[engine_id] = int(str(row["url"]).rsplit(":", 1)[1])
+            _, url = await stack.enter_async_context(running_server(engine_id, limits=LIMITS))
+            engines[engine_id] = int(url.rsplit(":", 1)[1])
 
         async def linked(caller: str, engine_id: str) -> str:
             port = await net.link(f"{caller}->{engine_id}", "127.0.0.1", engines[engine_id])
