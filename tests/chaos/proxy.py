@@ -22,6 +22,9 @@ arrives, so the test's event loop switches it with a plain assignment, no lockin
   connection that lost bytes to it stays stuck after the link heals (the bytes are gone; only
   the caller's own timeout ends it), while connections that sent nothing meanwhile carry on.
 
+A link mirrors its server's death: while the server refuses connections, the link stops
+listening, so callers get the refusal they would get without it (see :meth:`Proxy.serve`).
+
 A :class:`Network` names the links, applies faults by name, partitions a process (every link
 with it at either end black-holed at once) and heals; it counts the faults it was told to
 apply, by kind, for the run's summary. Each proxy also counts what its faults hit
@@ -50,6 +53,8 @@ FAULT_KINDS: tuple[FaultKind, ...] = (
     "reset_after",
     "black_hole",
 )
+# How often a link whose server refused connections tries it again (then listens again).
+REFUSING_POLL_S = 0.05
 # The first bytes of an HTTP/1.1 request line: a chunk starting with one is a request's head.
 _METHODS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"PATCH ")
 
@@ -113,9 +118,10 @@ class Proxy:
     elsewhere) and applies :attr:`fault`.
 
     ``hits`` counts what the faults acted on, by kind: connections dropped, reset (before or
-    after), swallowed by a black hole, and chunks delayed. ``forwarded`` lists the request
-    lines it sent on to the server (``b"POST /generate HTTP/1.1"``), read from chunks that
-    start a request's head."""
+    after), swallowed by a black hole, chunks delayed, and ``refused``: the times the link
+    stopped listening because its server refused (see :meth:`serve`). ``forwarded`` lists
+    the request lines it sent on to the server (``b"POST /generate HTTP/1.1"``), read from
+    chunks that start a request's head."""
 
     def __init__(self, name: str, host: str, port: int) -> None:
         self.name = name
@@ -124,17 +130,42 @@ class Proxy:
         self.hits: Counter[str] = Counter()
         self.forwarded: list[bytes] = []
         self.port: int | None = None
+        self._refusing = anyio.Event()  # set: the server refused, stop listening until it is up
 
     def retarget(self, host: str, port: int) -> None:
         """Later connections go to ``host:port``; open ones stay where they are."""
         self.target = (host, port)
 
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen, report the port through ``task_status``, relay until cancelled."""
-        async with listening(self._relay) as port:
-            self.port = port
-            task_status.started(port)
-            await anyio.sleep_forever()
+        """Listen, report the port through ``task_status``, relay until cancelled.
+
+        While the server refuses connections (it died, or is restarting), so does the link:
+        a caller must see the refusal a dead server gives (a connection refused provably sent
+        nothing; gateways try the next holder), not an accepted connection reset, which reads
+        as a request that may have run. The proxy cannot refuse a connection it already
+        accepted, so the first caller after the death sees a reset; then the listener closes
+        until the server accepts again, and reopens on the same port."""
+        started = False
+        while True:
+            self._refusing = anyio.Event()
+            async with listening(self._relay, self.port or 0) as port:
+                self.port = port
+                if not started:
+                    task_status.started(port)
+                    started = True
+                await self._refusing.wait()
+            self.hits["refused"] += 1
+            await self._until_the_server_accepts()
+
+    async def _until_the_server_accepts(self) -> None:
+        while True:
+            try:
+                probe = await anyio.connect_tcp(*self.target)
+            except OSError:
+                await anyio.sleep(REFUSING_POLL_S)
+                continue
+            await probe.aclose()
+            return
 
     async def _relay(self, client: anyio.abc.SocketStream) -> None:
         async with client:
@@ -149,8 +180,9 @@ class Proxy:
                 return
             try:
                 upstream = await anyio.connect_tcp(*self.target)
-            except OSError:  # the server is down: the caller sees its connection lost
+            except OSError:  # the server is down: this caller sees a reset, later ones a refusal
                 reset_on_close(client)
+                self._refusing.set()
                 return
             async with upstream:
                 conn = _Connection(client, upstream)

@@ -154,6 +154,52 @@ async def test_a_black_hole_stalls_the_caller_and_keeps_its_connection_stuck_aft
         assert [line for _, line in server.requests] == [b"GET /after HTTP/1.1"]
 
 
+async def test_a_dead_server_is_refused_through_its_link_until_it_listens_again() -> None:
+    """A caller must see a dead server's refusal through the proxy too (a refused connection
+    provably sent nothing: a gateway tries the next holder; a reset may have run): the first
+    caller after the death is reset (the proxy had accepted it), later ones are refused, and
+    once the server listens again on its port the link serves again, on the same port."""
+    server = Server()
+    async with Network() as net:
+        async with listening(server.handle) as port:
+            link = await net.link("c->s", "127.0.0.1", port)
+            async with client(f"http://127.0.0.1:{link}") as http:
+                assert (await http.get("/alive")).text == "ran 1"
+        async with client(f"http://127.0.0.1:{link}") as http:  # the server is gone
+            with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError)):
+                await http.get("/first")
+
+            async def refused() -> bool:
+                try:
+                    await http.get("/refused")
+                except httpx.ConnectError:
+                    return True
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    pass
+                return False
+
+            await wait_for("the link to refuse as its server does", refused)
+            assert net.proxies["c->s"].hits["refused"] == 1
+            async with listening(server.handle, port):  # back, on the same port
+                await wait_for(
+                    "the link to serve again",
+                    lambda: _answers(http, "/back"),
+                    timeout=10,
+                    every=0.05,
+                )
+        assert [line for _, line in server.requests] == [
+            b"GET /alive HTTP/1.1",
+            b"GET /back HTTP/1.1",
+        ]
+
+
+async def _answers(http: httpx.AsyncClient, path: str) -> bool:
+    try:
+        return (await http.get(path)).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 async def test_a_partition_cuts_every_link_of_one_process_and_heals() -> None:
     async with world("gw0->s", "gw1->s", "gw0->e1") as (server, net, urls):
         assert net.partition("gw0") == ["gw0->s", "gw0->e1"]

@@ -92,12 +92,13 @@ class Relay:
 @contextlib.asynccontextmanager
 async def listening(
     handle: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+    port: int = 0,
 ) -> AsyncIterator[int]:
-    """A loopback listener on a port the OS picks, each connection handed to ``handle`` in a
-    task of its own; yield the port; on exit stop listening and cancel every connection's
-    task. The one listener of the test relays (this one and the chaos proxy)."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    port: int = listener.extra(anyio.abc.SocketAttribute.local_port)
+    """A loopback listener on ``port`` (0: one the OS picks), each connection handed to
+    ``handle`` in a task of its own; yield the port; on exit stop listening and cancel every
+    connection's task. The one listener of the test relays (this one and the chaos proxy)."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, handle)
         try:
