@@ -132,12 +132,30 @@ def _busy_until(fault: Planned) -> float:
     return end
 
 
+class Pace(msgspec.Struct, frozen=True, kw_only=True):
+    """How densely faults come. The default overlaps faults about once a second; a run on a
+    small machine may want them one at a time (``overlap=False``: the next starts ``gap_s``
+    after the previous one healed and recovered). ``long_stop_s``: a ``long_stop_share`` of
+    the ``sigstop`` faults are held this long instead, to outlast serve's probe timeout (a
+    frozen process must then be suspended and the log must say so)."""
+
+    first_s: tuple[float, float] = FIRST_FAULT_S
+    gap_s: tuple[float, float] = GAP_S
+    overlap: bool = True
+    long_stop_s: float | None = None
+    long_stop_share: float = 0.25
+
+
 def schedule(
-    seed: int, duration_s: float, links: Iterable[str], processes: Mapping[str, str]
+    seed: int,
+    duration_s: float,
+    links: Iterable[str],
+    processes: Mapping[str, str],
+    pace: Pace = Pace(),  # frozen: one shared default is safe
 ) -> list[Planned]:
     """The faults of a run of ``duration_s`` seconds over ``links`` (``CALLER->SERVER``) and
     ``processes`` (name -> kind: ``serve``, ``gateway``, ``engine``, ``agent``, ``trainer``,
-    ``client`` ...), in start order. Same arguments, same list."""
+    ``client`` ...), in start order, at ``pace``. Same arguments, same list."""
     link_names = sorted(set(links))
     for name in link_names:
         link_ends(name)
@@ -145,18 +163,22 @@ def schedule(
     kinds = {name: processes[name] for name in names}
     rng = random.Random(seed)
     plan: list[Planned] = []
-    at = round(rng.uniform(*FIRST_FAULT_S), 3)
+    at = round(rng.uniform(*pace.first_s), 3)
     while at < duration_s:
         for _ in range(ATTEMPTS):
-            candidate = _draw(rng, at, link_names, names)
+            candidate = _draw(rng, at, link_names, names, pace)
             if candidate is not None and _fits(candidate, plan, link_names, kinds, duration_s):
                 plan.append(candidate)
                 break
-        at = round(at + rng.uniform(*GAP_S), 3)
+        if plan and not pace.overlap:
+            at = max(at, _busy_until(plan[-1]))
+        at = round(at + rng.uniform(*pace.gap_s), 3)
     return plan
 
 
-def _draw(rng: random.Random, at: float, links: list[str], names: list[str]) -> Planned | None:
+def _draw(
+    rng: random.Random, at: float, links: list[str], names: list[str], pace: Pace
+) -> Planned | None:
     partitionable = [n for n in names if any(n in link_ends(link) for link in links)]
     if links and (not names or rng.random() < 0.5):
         heal = round(rng.uniform(*NETWORK_HEAL_S), 3)
@@ -171,6 +193,8 @@ def _draw(rng: random.Random, at: float, links: list[str], names: list[str]) -> 
     kind = rng.choice(PROCESS_FAULTS)
     name = rng.choice(names)
     heal = 0.0 if kind == "restart" else round(rng.uniform(*PROCESS_HEAL_S), 3)
+    if kind == "sigstop" and pace.long_stop_s is not None and rng.random() < pace.long_stop_share:
+        heal = pace.long_stop_s
     return Planned(at, name, kind, heal)
 
 

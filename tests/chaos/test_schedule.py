@@ -5,6 +5,7 @@ the planner's code."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from tests.chaos.schedule import (
     NETWORK_FAULTS,
     PARTITION,
     PROCESS_FAULTS,
+    Pace,
     Planned,
     format_schedule,
     link_fault,
@@ -135,3 +137,18 @@ def test_a_fleet_of_one_engine_never_loses_it_and_bad_links_are_refused() -> Non
         assert not [p for p in plan if "e1" in _down(p)], f"seed {seed}: the only engine faulted"
     with pytest.raises(ValueError, match="CALLER->SERVER"):
         schedule(1, 10.0, ["gw0-serve"], processes)
+
+
+def test_a_slower_pace_plans_one_fault_at_a_time_and_long_freezes() -> None:
+    """A run on a small machine asks for one fault at a time, and for some freezes longer
+    than serve's probe timeout (the engine must be suspended, and the log say so)."""
+    pace = Pace(first_s=(5.0, 5.0), gap_s=(4.0, 9.0), overlap=False, long_stop_s=13.0)
+    long_stops = 0
+    for seed in range(50):
+        plan = schedule(seed, 120.0, LINKS, PROCESSES, pace)
+        assert plan == schedule(seed, 120.0, LINKS, PROCESSES, pace)
+        assert plan[0].at_s >= 5.0
+        for before, after in itertools.pairwise(plan):
+            assert after.at_s >= before.heals_at_s + 4.0, (seed, before, after)
+        long_stops += sum(p.kind == "sigstop" and p.heal_after_s == 13.0 for p in plan)
+    assert long_stops > 0
