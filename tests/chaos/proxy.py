@@ -250,12 +250,15 @@ class Network:
 
     ``counts`` are the faults applied through it, by kind (``{"delay": 3, "partition": 1}``):
     each :meth:`set` of a fault other than ``pass`` counts one, and each :meth:`partition`
-    counts one ``partition`` (not one per link it cut). Call its methods from the event loop
+    counts one ``partition`` (not one per link it cut). ``applied`` is every change of a
+    link's fault, heals included, as ``(loop time, link, kind)``: the network's part of a
+    run's history. Call its methods from the event loop
     that entered it; they take effect on the next chunk of every connection of the link."""
 
     def __init__(self) -> None:
         self.proxies: dict[str, Proxy] = {}
         self.counts: Counter[str] = Counter()
+        self.applied: list[tuple[float, str, FaultKind]] = []
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> Network:
@@ -286,7 +289,7 @@ class Network:
         self.proxies[name].retarget(host, port)
 
     def set(self, name: str, fault: Fault) -> None:
-        self.proxies[name].fault = fault
+        self._apply(name, fault)
         if fault.kind != "pass":
             self.counts[fault.kind] += 1
 
@@ -308,10 +311,14 @@ class Network:
         if fault.kind == "pass":
             raise ValueError("a partition needs a fault that cuts (black_hole or drop)")
         for name in cut:
-            self.proxies[name].fault = fault
+            self._apply(name, fault)
         self.counts["partition"] += 1
         return cut
 
     def heal_all(self) -> None:
-        for proxy in self.proxies.values():
-            proxy.fault = Fault.passing()
+        for name in self.proxies:
+            self._apply(name, Fault.passing())
+
+    def _apply(self, name: str, fault: Fault) -> None:
+        self.proxies[name].fault = fault
+        self.applied.append((anyio.current_time(), name, fault.kind))

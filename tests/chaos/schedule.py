@@ -30,9 +30,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal
 
+import anyio
 import msgspec
 
-from tests.chaos.proxy import Fault, link_ends
+from tests.chaos.proxy import Fault, Network, link_ends
 
 PlannedKind = Literal[
     "sigkill",
@@ -234,3 +235,35 @@ def format_schedule(seed: int, plan: Sequence[Planned]) -> str:
         what = f"{p.kind} {p.delay_s:.3f}s" if p.kind == "delay" else p.kind
         lines.append(f"  +{p.at_s:8.3f}s  {what:<16} {p.target:<16} heal +{p.heal_after_s:.3f}s")
     return "\n".join(lines)
+
+
+def start_network_fault(net: Network, planned: Planned) -> None:
+    """Apply a planned network fault: a partition of its process, or its link's fault."""
+    if planned.kind == PARTITION:
+        net.partition(planned.target)
+    else:
+        net.set(planned.target, link_fault(planned))
+
+
+def heal_network_fault(net: Network, planned: Planned) -> None:
+    """End a planned network fault: its link, or every link of its partitioned process."""
+    for name in net.links_of(planned.target) if planned.kind == PARTITION else [planned.target]:
+        net.heal(name)
+
+
+async def play_network_faults(net: Network, plan: Sequence[Planned], started: float) -> None:
+    """Run the network faults of ``plan`` on ``net``, each at ``started + at_s`` on the event
+    loop's clock and healed ``heal_after_s`` later (the process faults are the run's
+    executor's); return once every one has healed. Faults of one plan may overlap, so each
+    runs in a task of its own."""
+
+    async def play(planned: Planned) -> None:
+        await anyio.sleep_until(started + planned.at_s)
+        start_network_fault(net, planned)
+        await anyio.sleep_until(started + planned.heals_at_s)
+        heal_network_fault(net, planned)
+
+    async with anyio.create_task_group() as tg:
+        for planned in plan:
+            if planned.network:
+                tg.start_soon(play, planned)

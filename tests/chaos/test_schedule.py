@@ -11,8 +11,10 @@ import subprocess
 import sys
 from collections import Counter
 
+import anyio
 import pytest
 
+from tests.chaos.proxy import Fault, Network
 from tests.chaos.schedule import (
     NETWORK_FAULTS,
     PARTITION,
@@ -21,6 +23,7 @@ from tests.chaos.schedule import (
     Planned,
     format_schedule,
     link_fault,
+    play_network_faults,
     schedule,
 )
 from tests.support.paths import REPO
@@ -152,3 +155,38 @@ def test_a_slower_pace_plans_one_fault_at_a_time_and_long_freezes() -> None:
             assert after.at_s >= before.heals_at_s + 4.0, (seed, before, after)
         long_stops += sum(p.kind == "sigstop" and p.heal_after_s == 13.0 for p in plan)
     assert long_stops > 0
+
+
+@pytest.mark.anyio
+async def test_the_network_half_of_a_plan_is_played_on_the_proxies_and_healed() -> None:
+    """The network faults of a plan reach their links (a partition every link of its
+    process), each counted once, and every link passes again when the plan is over; process
+    faults are left to the run's executor."""
+    plan = [
+        Planned(0.0, "gw0->serve", "delay", 0.4, delay_s=0.05),
+        Planned(0.05, "e1", "partition", 0.2),
+        Planned(0.05, "gw0", "sigkill", 0.1),
+        Planned(0.1, "client->gw0", "black_hole", 0.05),
+    ]  # distinct instants: the loop's timers fire in order, however late
+    async with Network() as net:
+        for link in ("gw0->serve", "gw0->e1", "serve->e1", "client->gw0"):
+            await net.link(link, "127.0.0.1", 1)
+        started = anyio.current_time()
+        await play_network_faults(net, plan, started)
+        assert net.counts == {"delay": 1, "partition": 1, "black_hole": 1}
+        assert all(p.fault == Fault.passing() for p in net.proxies.values())
+    changes = [(link, kind) for _, link, kind in net.applied]
+    assert changes == [
+        ("gw0->serve", "delay"),
+        ("gw0->e1", "black_hole"),  # the partition of e1: both its links at once
+        ("serve->e1", "black_hole"),
+        ("client->gw0", "black_hole"),
+        ("client->gw0", "pass"),
+        ("gw0->e1", "pass"),
+        ("serve->e1", "pass"),
+        ("gw0->serve", "pass"),
+    ]
+    planned_at = [0.0, 0.05, 0.05, 0.1, 0.15, 0.25, 0.25, 0.4]
+    assert all(
+        when >= started + at for (when, _, _), at in zip(net.applied, planned_at, strict=True)
+    )
