@@ -144,16 +144,23 @@ class Proxy:
         nothing; gateways try the next holder), not an accepted connection reset, which reads
         as a request that may have run. The proxy cannot refuse a connection it already
         accepted, so the first caller after the death sees a reset; then the listener closes
-        until the server accepts again, and reopens on the same port."""
+        until the server accepts again, and reopens on the same port (tried again while
+        something else briefly holds it: an outgoing connection may be given that port)."""
         started = False
         while True:
             self._refusing = anyio.Event()
-            async with listening(self._relay, self.port or 0) as port:
-                self.port = port
+            try:
+                async with listening(self._relay, self.port or 0) as port:
+                    self.port = port
+                    if not started:
+                        task_status.started(port)
+                        started = True
+                    await self._refusing.wait()
+            except OSError:
                 if not started:
-                    task_status.started(port)
-                    started = True
-                await self._refusing.wait()
+                    raise
+                await anyio.sleep(REFUSING_POLL_S)
+                continue
             self.hits["refused"] += 1
             await self._until_the_server_accepts()
 
