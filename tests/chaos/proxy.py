@@ -34,6 +34,7 @@ of whether a request reached the server, independent of the code under test.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any, Literal
 
@@ -143,9 +144,11 @@ class Proxy:
         a caller must see the refusal a dead server gives (a connection refused provably sent
         nothing; gateways try the next holder), not an accepted connection reset, which reads
         as a request that may have run. The proxy cannot refuse a connection it already
-        accepted, so the first caller after the death sees a reset; then the listener closes
-        until the server accepts again, and reopens on the same port (tried again while
-        something else briefly holds it: an outgoing connection may be given that port)."""
+        accepted, so it watches the server (:meth:`_watch_server`) and closes the listener
+        the moment the server's process dies; a caller that comes in before it noticed (or
+        finds the server refusing first) sees a reset. The listener stays closed until the
+        server accepts again, and reopens on the same port (tried again while something else
+        briefly holds it: an outgoing connection may be given that port)."""
         started = False
         while True:
             self._refusing = anyio.Event()
@@ -155,7 +158,10 @@ class Proxy:
                     if not started:
                         task_status.started(port)
                         started = True
-                    await self._refusing.wait()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._watch_server)
+                        await self._refusing.wait()
+                        tg.cancel_scope.cancel()
             except OSError:
                 if not started:
                     raise
@@ -163,6 +169,23 @@ class Proxy:
                 continue
             self.hits["refused"] += 1
             await self._until_the_server_accepts()
+
+    async def _watch_server(self) -> None:
+        """Hold one idle connection to the server: the kernel closes it as the server's
+        process dies (SIGKILL included), long before a caller would find out. A closed one is
+        the server dying or dropping an idle connection; a new connection tells which: it is
+        refused (set :attr:`_refusing`) or it becomes the next watch. A stopped process
+        (SIGSTOP) closes nothing and still accepts: the link stays open, as the network would."""
+        while True:
+            try:
+                watch = await anyio.connect_tcp(*self.target)
+            except OSError:
+                self._refusing.set()
+                return
+            async with watch:
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                    while True:
+                        await watch.receive()  # a server sends nothing unasked but its close
 
     async def _until_the_server_accepts(self) -> None:
         while True:
