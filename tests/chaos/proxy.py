@@ -132,10 +132,13 @@ class Proxy:
         self.forwarded: list[bytes] = []
         self.port: int | None = None
         self._refusing = anyio.Event()  # set: the server refused, stop listening until it is up
+        self._watch_scope = anyio.CancelScope()  # the current watch; cancelled by a retarget
 
     def retarget(self, host: str, port: int) -> None:
-        """Later connections go to ``host:port``; open ones stay where they are."""
+        """Later connections go to ``host:port``; open ones stay where they are. The watch
+        of the server (:meth:`_watch_server`) moves there at once."""
         self.target = (host, port)
+        self._watch_scope.cancel()
 
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen, report the port through ``task_status``, relay until cancelled.
@@ -177,14 +180,18 @@ class Proxy:
         refused (set :attr:`_refusing`) or it becomes the next watch. A stopped process
         (SIGSTOP) closes nothing and still accepts: the link stays open, as the network would."""
         while True:
+            target = self.target
             try:
-                watch = await anyio.connect_tcp(*self.target)
+                watch = await anyio.connect_tcp(*target)
             except OSError:
                 self._refusing.set()
                 return
             async with watch:
-                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
-                    while True:
+                with (
+                    anyio.CancelScope() as self._watch_scope,
+                    contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError),
+                ):
+                    while target == self.target:  # else retargeted while connecting
                         await watch.receive()  # a server sends nothing unasked but its close
 
     async def _until_the_server_accepts(self) -> None:

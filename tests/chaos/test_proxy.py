@@ -7,6 +7,7 @@ connection stuck after the link heals), a partition cuts every link of one proce
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -310,7 +311,8 @@ async def test_a_lost_answer_is_ambiguous_once_and_a_lost_request_leaves_later_t
     client hears ``502 AMBIGUOUS_DISPATCH`` and the turn reached an engine once, never resent
     to the other holder. ``reset_before``: the turn never reached the engine (the gateway
     cannot tell, so it is ambiguous too); after the heal the session's next turn is served on
-    its version and engine."""
+    its version and engine. Then the engine's port refuses (its process gone): the turn is
+    served by the other holder on its version, not answered ambiguous."""
     async with cluster(tmp_path) as c:
         version, engine = await turn(c.client, "s")
         link, spare = f"gw0->{engine}", f"gw0->{other(engine)}"
@@ -343,6 +345,21 @@ async def test_a_lost_answer_is_ambiguous_once_and_a_lost_request_leaves_later_t
             every=0.2,
         )
         assert c.net.counts == {"reset_after": 1, "reset_before": 1}
+
+        # The engine's process gone (its link now leads nowhere): the link refuses, as the
+        # engine's port would, so the turn provably did not run there and the other holder
+        # serves it, on the session's version: no ambiguity from the test's own network.
+        c.net.retarget(link, "127.0.0.1", _closed_port())
+        await wait_for("the link to refuse", lambda: c.net.proxies[link].hits["refused"] == 1)
+        assert await turn(c.client, "s") == (version, other(engine))
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (the OS gave it, then it was closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 async def _served(client: openai.AsyncOpenAI, session: str, where: tuple[str, str]) -> bool:
