@@ -22,8 +22,11 @@ arrives, so the test's event loop switches it with a plain assignment, no lockin
   connection that lost bytes to it stays stuck after the link heals (the bytes are gone; only
   the caller's own timeout ends it), while connections that sent nothing meanwhile carry on.
 
-A link mirrors its server's death: while the server refuses connections, the link stops
-listening, so callers get the refusal they would get without it (see :meth:`Proxy.serve`).
+A link mirrors its server's death: it holds one idle connection to the server, which the
+kernel closes as the process dies, and while the server refuses connections the link stops
+listening, so callers get the refusal they would get without it (see :meth:`Proxy.serve`);
+a server sees that idle connection as one more client. A stopped process (SIGSTOP) still
+accepts and answers nothing, through the link as without it.
 
 A :class:`Network` names the links, applies faults by name, partitions a process (every link
 with it at either end black-holed at once) and heals; it counts the faults it was told to
