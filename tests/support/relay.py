@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -53,14 +53,8 @@ class Relay:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[str]:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with listener, anyio.create_task_group() as tg:
-            tg.start_soon(listener.serve, self._relay)
-            try:
-                yield f"http://127.0.0.1:{port}"
-            finally:
-                tg.cancel_scope.cancel()
+        async with listening(self._relay) as port:
+            yield f"http://127.0.0.1:{port}"
 
     async def _relay(self, client: anyio.abc.SocketStream) -> None:
         async with client:
@@ -82,21 +76,56 @@ class Relay:
                 if generation and self.mode == "cut":
                     await upstream.send(request[:body_at])
                     await self._released.wait()
-                    _reset(upstream)
-                    _reset(client)
+                    reset_on_close(upstream)
+                    reset_on_close(client)
                     return
                 await upstream.send(request)
                 self.delivered += generation
                 if generation and self.mode == "reset":
                     await upstream.receive()  # the engine answered: the request ran there
-                    _reset(client)
+                    reset_on_close(client)
                     return
-                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
-                    while True:  # one request per connection: the reply, until the engine closes
-                        await client.send(await upstream.receive())
+                # one request per connection: the reply, until the engine closes
+                await pipe(upstream, client)
 
 
-def _reset(stream: anyio.abc.SocketStream) -> None:
+@contextlib.asynccontextmanager
+async def listening(
+    handle: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+    port: int = 0,
+) -> AsyncIterator[int]:
+    """A loopback listener on ``port`` (0: one the OS picks), each connection handed to
+    ``handle`` in a task of its own; yield the port; on exit stop listening and cancel every
+    connection's task. The one listener of the test relays (this one and the chaos proxy)."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        try:
+            yield port
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def pipe(
+    source: anyio.abc.ByteReceiveStream,
+    sink: anyio.abc.ByteSendStream,
+    before: Callable[[bytes], Awaitable[bytes | None]] | None = None,
+) -> None:
+    """Copy ``source`` to ``sink`` chunk by chunk until either end closes. ``before`` sees
+    each chunk first and returns what to send (``None``: nothing): the chaos proxy's faults
+    act there."""
+    with contextlib.suppress(
+        anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError
+    ):
+        while True:
+            received = await source.receive()
+            chunk = received if before is None else await before(received)
+            if chunk is not None:
+                await sink.send(chunk)
+
+
+def reset_on_close(stream: anyio.abc.SocketStream) -> None:
     """Close with a reset (SO_LINGER 0) when the stream closes: the peer sees the connection
     lost, not a clean end."""
     raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
