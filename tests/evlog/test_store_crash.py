@@ -111,6 +111,12 @@ def _run_and_kill(
             proc.stdout.close()
 
 
+_OTHER_BACKENDS = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
 def _stored_ids(location: str) -> dict[int, str]:
     if not is_shared(location):
         conn = sqlite3.connect(location)
@@ -122,6 +128,12 @@ def _stored_ids(location: str) -> dict[int, str]:
     async def fetch() -> dict[int, str]:
         conn = await asyncpg.connect(location)
         try:
+            # The killed client's server backends may still be finishing a COMMIT they had
+            # received: rows can land after the kill. Read once they are gone, or the count
+            # read here and the store opened next disagree.
+            with anyio.fail_after(60):
+                while await conn.fetchval(_OTHER_BACKENDS):  # noqa: ASYNC110 -- no event to await
+                    await anyio.sleep(0.05)
             rows = await conn.fetch("SELECT seq, event_id FROM loraledger_events")
             return {seq: eid.hex() for seq, eid in rows}
         finally:
