@@ -15,6 +15,9 @@ order the writer runs it:
 * ``sqlite_append_normal`` / ``sqlite_append_full``: ``SQLiteStore.append`` of the sealed
   batch (its thread hop, one ``executemany``, COMMIT; with FULL the fsync), wall time.
 
+The stages are timed in process CPU time (``time.process_time``), so the machine's other work
+does not count; each is the cheapest of ``repeats`` runs.
+
 Then the whole ledger, end to end, on a :class:`~evlog.memory.MemoryStore` (no disk):
 ``ledger_in_memory_cpu`` is the process CPU time per command of ``concurrency`` tasks binding
 and releasing through :class:`~publisher.core.ledger.Ledger`; what the stages above do not
@@ -66,7 +69,7 @@ async def _stages(concurrency: int, rounds: int, directory: str | None) -> dict[
     totals = dict.fromkeys(("type_check", "decide", "evolve", "invariants", "seal", "chain"), 0.0)
     sealed: list[list[Pending]] = []
     commands = 0
-    clock = time.perf_counter
+    clock = time.process_time  # CPU time: a loaded machine's other work is not counted
     for batch in _batches(concurrency, rounds):
         commands += len(batch)
         start = clock()
@@ -146,7 +149,8 @@ async def profile_ledger(
     """Microseconds per command, stage by stage (see the module docstring): the least of
     ``repeats`` runs for each figure (the machine's other work only ever adds to a figure)."""
     runs = [await _stages(concurrency, rounds, directory) for _ in range(repeats)]
-    stages = {name: min(run[name] for run in runs) for name in runs[0]}
+    # One consistent run (the stages are differences of one run's timings): the cheapest.
+    stages = min(runs, key=lambda run: sum(run.values()))
     in_memory = min([await _ledger_cpu(concurrency, rounds) for _ in range(repeats)]) * 1e6
     explained = sum(v for k, v in stages.items() if not k.startswith("sqlite_"))
     figures = {
