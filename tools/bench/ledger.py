@@ -10,6 +10,8 @@
    1,000 sessions as a worker's cleanup does), replayed in full and from a snapshot at its
    tail; the store is opened without ``quick_check`` for the snapshot case (that full-file
    scan costs ~0.4 s per million events; the tail record is still verified).
+3. Profile (``profile_rounds`` > 0, SQLite only): where a command's time goes at 256 sessions
+   in flight, stage by stage, in microseconds (:mod:`tools.bench.ledger_profile`).
 
 With ``store="postgres"`` (``loraledger bench ledger --store postgres``) the same two parts run
 against a PostgreSQL log on a throwaway server this run starts on 127.0.0.1
@@ -44,6 +46,7 @@ from evlog.store import EventStore
 from projections.recovery import recover, save_snapshot
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Allocated
+from tools.bench.ledger_profile import profile_ledger
 from tools.bench.store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}
@@ -312,8 +315,10 @@ async def bench_ledger(
     replay_events: int = 1_000_000,
     directory: str | None = None,
     store: str = "sqlite",
+    profile_rounds: int = 100,
 ) -> dict[str, Any]:
-    """``store`` is ``sqlite`` (``modes`` apply) or ``postgres`` (a throwaway server)."""
+    """``store`` is ``sqlite`` (``modes`` apply) or ``postgres`` (a throwaway server);
+    ``profile_rounds`` batches of binds and of releases for the profile (0: none)."""
     counts = {**DEFAULT_SESSIONS, **(sessions or {})}
     if store == "postgres":
         return await _bench_postgres(concurrencies, counts, replay_events, directory)
@@ -330,7 +335,10 @@ async def bench_ledger(
             if replay_events
             else None
         )
-    return {"machine": machine(), "sessions": runs, "recovery": replay}
+        profile = (
+            await profile_ledger(rounds=profile_rounds, directory=tmp) if profile_rounds else None
+        )
+    return {"machine": machine(), "sessions": runs, "recovery": replay, "profile": profile}
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -352,6 +360,12 @@ def _print(result: dict[str, Any]) -> None:
             f"recovery of {rec['events']} events: full replay {rec['full_replay_s']} s "
             f"({rec['events_per_s']}/s), from a snapshot {rec['snapshot_recovery_s']} s"
         )
+    prof = result.get("profile")
+    if prof:
+        print(f"where a command's time goes at {prof['concurrency']} sessions in flight (us):")
+        for key, value in prof.items():
+            if key.endswith("_us"):
+                print(f"  {key[:-3]:24} {value:>7.2f}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -360,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="*", default=["FULL", "NORMAL"])
     parser.add_argument("--replay-events", type=int, default=1_000_000)
     parser.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--profile-rounds", type=int, default=100)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = anyio.run(
@@ -368,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             modes=args.modes,
             replay_events=args.replay_events,
             store=args.store,
+            profile_rounds=args.profile_rounds,
         )
     )
     print(json.dumps(result, indent=2)) if args.json else _print(result)

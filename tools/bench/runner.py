@@ -51,6 +51,7 @@ BENCHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], str]] = {
             "modes": ("FULL",),
             "sessions": {1: 100, 16: 800},
             "replay_events": 20_000,
+            "profile_rounds": 4,
         },
         "directory",
     ),

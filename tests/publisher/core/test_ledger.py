@@ -467,6 +467,41 @@ async def test_a_full_queue_makes_callers_wait_and_loses_nothing() -> None:
         assert set(durable.sessions) == expected
 
 
+@pytest.mark.anyio
+async def test_a_caller_cancelled_while_waiting_leaves_the_others_answered() -> None:
+    """Each caller waits on a wake-up of its own: one cancelled while the append it waits
+    for is in flight withdraws only itself. Its command was taken, so it is still decided and
+    durable, and every caller that stayed is answered."""
+    store = GatedStore()
+    async with Ledger.open(store) as ledger:
+        await bootstrap(ledger)
+        await publish(ledger, 1)
+        store.gated = True
+        answered: list[str] = []
+
+        async def bind(session: str) -> None:
+            answered.append((await ledger.bind(session, "w")).session)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bind, "a")  # decided; its append waits at the gate
+            await wait_for("session a bound", lambda: "a" in ledger.state.sessions)
+            with anyio.CancelScope() as gone:
+                async with anyio.create_task_group() as leaving:
+                    leaving.start_soon(bind, "b")
+                    tg.start_soon(bind, "c")  # stays
+                    leaving.start_soon(bind, "d")
+                    await wait_for(  # decided on top of "a", waiting for its COMMIT
+                        "b, c, d bound", lambda: {"b", "c", "d"} <= set(ledger.state.sessions)
+                    )
+                    gone.cancel()
+            tg.start_soon(bind, "e")
+            store.gated = False
+            store.gate.set()
+        assert sorted(answered) == ["a", "c", "e"]
+        durable = await recover(store, use_snapshot=False)
+        assert {"a", "b", "c", "d", "e"} <= set(durable.sessions)
+
+
 def test_the_queue_bound_must_allow_one_command() -> None:
     with pytest.raises(ValueError, match="max_queued"):
         Ledger(

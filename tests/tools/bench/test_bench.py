@@ -24,6 +24,14 @@ def test_bench_ledger_quick_reports_ratios_and_the_machine(cli: Cli) -> None:
         ratio = r["sessions_per_s"] / r["reference_sessions_per_s"]
         assert r["ratio"] == pytest.approx(ratio, rel=0.01)
     assert out["recovery"]["events"] > 20_000
+    # Where a command's time goes, stage by stage, at 256 sessions in flight.
+    profile = out["profile"]
+    assert profile["concurrency"] == 256 and profile["commands"] > 0
+    stages = ("type_check", "decide", "evolve", "invariants", "seal", "chain")
+    for stage in (*stages, "sqlite_append_normal", "sqlite_append_full", "ledger_in_memory_cpu"):
+        assert profile[f"{stage}_us"] > 0, stage
+    explained = sum(profile[f"{stage}_us"] for stage in stages) + profile["queue_and_answers_us"]
+    assert explained >= profile["ledger_in_memory_cpu_us"] - 0.02  # rounding
 
 
 def test_bench_store_quick_human_output(cli: Cli) -> None:
