@@ -60,6 +60,7 @@ class Member:
     args: list[str]
     logs: Path
     module: str = "tools.cli"
+    tree: Path = REPO  # the source tree it runs (a planted copy for a sensitivity run)
     port: int = 0
     url: str = ""
     lives: int = 0
@@ -73,13 +74,14 @@ class Member:
         return self.process.pid
 
     async def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
         env.pop("LORALEDGER_TOKEN", None)
         stack = AsyncExitStack()
         self._stderr = stack.enter_context((self.logs / f"{self.name}.stderr").open("ab"))
         started = listening_process(
             [*self.args, "--port", str(self.port), "--json"],
             env=env,
+            cwd=self.tree,
             module=self.module,
             stderr=self._stderr,
             ready_within=180,
@@ -116,7 +118,7 @@ class Cluster:
     """The members, in start order; :meth:`start` brings them all up, :meth:`stop` ends each
     still running (SIGKILL: the log and the records are what is read afterwards)."""
 
-    def __init__(self, root: Path, *, plant: str | None = None) -> None:
+    def __init__(self, root: Path, *, plant: str | None = None, gateway_tree: Path = REPO) -> None:
         self.root = root
         self.db = root / "ledger.db"
         self.records = root / "records"
@@ -124,7 +126,8 @@ class Cluster:
         for d in (self.records, self.logs, root / "agent-host", root / "artifacts"):
             d.mkdir(parents=True, exist_ok=True)
         (root / "token").write_text(TOKEN + "\n")
-        self.plant = plant
+        self.plant = plant  # an engine plant (``tests/chaos/plants.py``), or None
+        self.gateway_tree = gateway_tree
         self.members: dict[str, Member] = {}
 
     def _engine(self, name: str, *extra: str) -> Member:
@@ -192,6 +195,7 @@ class Cluster:
                         "0.5",
                     ],
                     self.logs,
+                    tree=self.gateway_tree,
                 )
                 tg.start_soon(self._up, gateway)
 

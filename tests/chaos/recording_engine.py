@@ -35,11 +35,11 @@ import engines.local.engine
 from engines.local.name_table import Resident
 from engines.local.refs import Lease
 from tests.chaos.history import EngineRecord
+from tests.chaos.plants import ENGINE_PLANTS
 from tools import local_engine, logconfig
 from tools.demo import quiet_libraries
 from tools.output import emit
 
-PLANTS = ("default", "unload-ignores-inflight")
 _request: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="")
 
 
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--artifacts", default=None)
     parser.add_argument("--record", type=Path, required=True)
-    parser.add_argument("--plant", choices=PLANTS, default=None)
+    parser.add_argument("--plant", choices=ENGINE_PLANTS, default=None)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

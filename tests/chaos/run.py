@@ -40,12 +40,15 @@ from publisher.remote.trainer import HttpTrainerClient
 from tests.chaos.checker import LIVENESS_BOUND_S, Violation, check
 from tests.chaos.cluster import ENGINES, GATEWAYS, TOKEN, Cluster, link
 from tests.chaos.history import ClientOp, Fault, History, log_entries, read_engine_records
+from tests.chaos.plants import ENGINE_PLANTS, PLANTS, SOURCE_PLANTS, planted_tree
+from tests.support.paths import REPO
 
 TARGETS = (*ENGINES, *GATEWAYS, "serve")
 KINDS = ("kill", "term", "stop", "restart")
 CLIENTS = 4
 PUBLISH_EVERY_S = 4.0
 TURN_TIMEOUT_S = 60.0
+LONG_TOKENS = 48  # a streamed turn runs long enough that a fault may catch it in flight
 
 
 class PlannedFault(msgspec.Struct, frozen=True):
@@ -154,8 +157,9 @@ class Run:
             raw = await api.chat.completions.with_raw_response.create(
                 model="policy",
                 messages=history[-4:],  # type: ignore[arg-type]
-                max_tokens=4,
+                max_tokens=4 if mode == "plain" else LONG_TOKENS,
                 stream=mode != "plain",
+                extra_body={} if mode == "plain" else {"ignore_eos": True},
                 extra_headers={"x-session-id": session, "x-request-id": rid},
             )
             fields["version"] = int(raw.headers["x-loraledger-version"])
@@ -301,7 +305,9 @@ async def run(
     say(f"chaos seed {seed}, {duration:g} s, plant {plant}; process faults:")
     for f in plan:
         say(f"  +{f.at:5.1f} s {f.kind:7} {f.target:5} hold {f.hold:g} s")
-    cluster = Cluster(root, plant=plant)
+    engine_plant = plant if plant in ENGINE_PLANTS else None
+    tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
+    cluster = Cluster(root, plant=engine_plant, gateway_tree=tree)
     (root / "adapters").mkdir(exist_ok=True)
     state = Run(cluster, seed, root / "adapters")
     try:
@@ -366,7 +372,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--duration", type=float, default=45.0)
     parser.add_argument("--dir", type=Path, default=None, help="keep the run's files here")
-    parser.add_argument("--plant", default=None, help="a recording engine's planted bug")
+    parser.add_argument("--plant", choices=PLANTS, default=None, help="a known bug to plant")
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix=f"chaos-{args.seed}-"))
     root.mkdir(parents=True, exist_ok=True)
