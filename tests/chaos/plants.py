@@ -3,7 +3,9 @@ under test: a test-only engine wrapper, or a patched copy of the source tree).
 
 * engine plants, carried out by ``tests/chaos/recording_engine.py --plant``: ``default`` (a
   turn served on the newest default instead of its session's version: pinning),
-  ``unload-ignores-inflight`` (weights freed without the drain: safe reclaim);
+  ``unload-ignores-inflight`` (weights freed without the drain: safe reclaim; today's runs do
+  not catch it, as the ledger never asks for an unload while its in-flight evidence shows a
+  request running, so the engine's drain is a second line the runs never need);
 * source plants, one text replacement in a copy of the tree that the gateway processes run
   from: ``resend`` (every failed dispatch tried on another holder, an ambiguous one too: at
   most once), ``release-on-restart`` (the gateway registers as an ordinary worker, not a

@@ -165,7 +165,7 @@ class Run:
             fields["version"] = int(raw.headers["x-loraledger-version"])
             fields["engine"] = raw.headers["x-loraledger-engine"]
             if mode == "plain":
-                reply = raw.parse()
+                reply: Any = raw.parse()
                 history.append(
                     {"role": "assistant", "content": reply.choices[0].message.content or ""}
                 )
@@ -231,7 +231,7 @@ class Run:
         for k in range(1_000_000):
             if self.stop.is_set():
                 return
-            session, history = f"{name}-s{k}", []
+            session, history = f"{name}-s{k}", list[dict[str, str]]()
             gateway = rng.choice(GATEWAYS)
             for _ in range(rng.randint(2, 5)):
                 if self.stop.is_set():
