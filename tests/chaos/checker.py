@@ -23,7 +23,7 @@ What each one holds, and why it reads what it reads:
 * **liveness** -- after the last fault healed, a publication committed and every live
   session's next turn was served, within ``bound`` seconds.
 * **observability** -- every engine fault that took the engine away (SIGKILL, SIGTERM, a
-  SIGSTOP longer than ``stop_visible_s``) shows in the log as a record of that engine
+  SIGSTOP of at least ``stop_visible_s``) shows in the log as a record of that engine
   (outage, restart, suspension, failures) within ``bound`` seconds.
 """
 
@@ -38,7 +38,9 @@ from tests.chaos.history import ClientOp, EngineRecord, History, client_request_
 
 LIVENESS_BOUND_S = 90.0  # generous: a loaded 2-core CI machine restarts processes slowly
 OBSERVABILITY_BOUND_S = 30.0
-STOP_VISIBLE_S = 12.0  # a freeze longer than the probe timeout (10 s) must be seen
+# A freeze this long must be seen: twice serve's probe timeout (10 s), as a probe gives up
+# 10 s after it began and, on a loaded machine, the next probe may begin seconds late.
+FREEZE_SEEN_S = 20.0
 CLIENT_CAUSES = ("closed",)
 LEDGER_CAUSES = ("idle", "too_stale", "operator")
 ENGINE_EVENTS = (
@@ -211,7 +213,7 @@ def liveness(h: History, bound: float = LIVENESS_BOUND_S) -> list[Violation]:
 
 
 def observability(
-    h: History, bound: float = OBSERVABILITY_BOUND_S, stop_visible_s: float = STOP_VISIBLE_S
+    h: History, bound: float = OBSERVABILITY_BOUND_S, stop_visible_s: float = FREEZE_SEEN_S
 ) -> list[Violation]:
     out: list[Violation] = []
     for f in h.faults:

@@ -37,7 +37,7 @@ import openai
 from evlog.sqlite import SQLiteStore
 from publisher.drivers.publication import PublicationError, PublicationStatus
 from publisher.remote.trainer import HttpTrainerClient
-from tests.chaos.checker import LIVENESS_BOUND_S, Violation, check
+from tests.chaos.checker import FREEZE_SEEN_S, LIVENESS_BOUND_S, Violation, check
 from tests.chaos.cluster import ENGINES, GATEWAYS, TOKEN, Cluster, link
 from tests.chaos.history import ClientOp, Fault, History, log_entries, read_engine_records
 from tests.chaos.plants import ENGINE_PLANTS, PLANTS, SOURCE_PLANTS, planted_tree
@@ -63,7 +63,7 @@ class PlannedFault(msgspec.Struct, frozen=True):
 
 def process_faults(seed: int, duration: float) -> list[PlannedFault]:
     """The run's process faults: a pure function of the seed. One every 4-9 s from 5 s on,
-    each held 0.5-3 s (a freeze sometimes 13 s, longer than the probe timeout)."""
+    each held 0.5-3 s (a freeze sometimes ``FREEZE_SEEN_S``, twice the probe timeout)."""
     rng = random.Random(seed)
     out: list[PlannedFault] = []
     at = 5.0
@@ -71,7 +71,7 @@ def process_faults(seed: int, duration: float) -> list[PlannedFault]:
         kind = rng.choice(KINDS)
         hold = 0.0 if kind == "restart" else round(rng.uniform(0.5, 3.0), 2)
         if kind == "stop" and rng.random() < 0.25:
-            hold = 13.0
+            hold = FREEZE_SEEN_S
         if at + hold > duration:
             return out
         out.append(PlannedFault(at=round(at, 2), target=rng.choice(TARGETS), kind=kind, hold=hold))
