@@ -89,6 +89,22 @@ class Run:
         self.next_version = 1
         self.requests = 0
 
+    def _done(
+        self, client: str, kind: str, invoked: float, outcome: str, code: str, **fields: Any
+    ) -> None:
+        """Record a publication or a close that just ended."""
+        self.ops.append(
+            ClientOp(
+                client=client,
+                kind=kind,  # type: ignore[arg-type]
+                invoked=invoked,
+                completed=time.time(),
+                outcome=outcome,  # type: ignore[arg-type]
+                code=code,
+                **fields,
+            )
+        )
+
     # --- the trainer -------------------------------------------------------------------------
 
     def _adapter(self, version: int) -> Path:
@@ -110,17 +126,7 @@ class Run:
             outcome, code = "fail", str(exc.code)
         except Exception as exc:  # an unreachable serve past the retry window: not known
             code = type(exc).__name__
-        self.ops.append(
-            ClientOp(
-                client="trainer",
-                kind="publish",
-                invoked=invoked,
-                completed=time.time(),
-                outcome=outcome,  # type: ignore[arg-type]
-                version=version,
-                code=code,
-            )
-        )
+        self._done("trainer", "publish", invoked, outcome, code, version=version)
 
     async def trainer(self) -> None:
         async with self._trainer_client() as trainer:
@@ -213,17 +219,7 @@ class Run:
             outcome, code = ("ok", "") if reply.status_code == 200 else ("fail", reply.text[:200])
         except httpx.HTTPError as exc:
             code = type(exc).__name__
-        self.ops.append(
-            ClientOp(
-                client=client,
-                kind="close",
-                invoked=invoked,
-                completed=time.time(),
-                outcome=outcome,  # type: ignore[arg-type]
-                session=session,
-                code=code,
-            )
-        )
+        self._done(client, "close", invoked, outcome, code, session=session)
 
     async def rollout_client(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)

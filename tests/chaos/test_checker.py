@@ -99,15 +99,8 @@ def test_at_most_once_sees_a_request_started_twice() -> None:
 
 
 def test_at_most_once_sees_an_ambiguous_answer_for_a_turn_that_never_ran() -> None:
-    lost = ClientOp(
-        client="c0",
-        kind="turn",
-        invoked=5.0,
-        completed=6.0,
-        outcome="fail",
-        session="s0",
-        request_id="c0-9",
-        code="AMBIGUOUS_DISPATCH",
+    lost = msgspec.structs.replace(
+        TURN, outcome="fail", request_id="c0-9", invoked=5.0, completed=6.0, code="AMBIGUOUS"
     )
     h = msgspec.structs.replace(CLEAN, ops=(*CLEAN.ops, lost))
     assert _only(h, "at_most_once")
