@@ -46,6 +46,7 @@ class ClientOp(msgspec.Struct, frozen=True, kw_only=True):
     engine: str = ""
     stream: bool = False
     code: str = ""
+    via: str = ""  # the gateway a turn or close was sent to
 
 
 class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):

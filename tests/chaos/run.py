@@ -202,6 +202,7 @@ class Run:
             session=session,
             request_id=rid,
             stream=mode != "plain",
+            via=gateway,
             **fields,
         )
         self.ops.append(op)
@@ -219,7 +220,7 @@ class Run:
             outcome, code = ("ok", "") if reply.status_code == 200 else ("fail", reply.text[:200])
         except httpx.HTTPError as exc:
             code = type(exc).__name__
-        self._done(client, "close", invoked, outcome, code, session=session)
+        self._done(client, "close", invoked, outcome, code, session=session, via=gateway)
 
     async def rollout_client(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
@@ -346,9 +347,13 @@ async def run(
 def _summary(
     seed: int, duration: float, cluster: Cluster, h: History, found: dict[str, list[Violation]]
 ) -> dict[str, Any]:
-    recover: dict[str, list[float]] = {}
+    healed: dict[str, list[float]] = {}
+    recovered: dict[str, list[float]] = {}
     for f in h.faults:
-        recover.setdefault(f.kind, []).append(f.healed - f.at)
+        healed.setdefault(f.kind, []).append(f.healed - f.at)
+        served = _served_again(h, f)
+        if served is not None:
+            recovered.setdefault(f"{f.kind}:{_role(f.target)}", []).append(served - f.at)
     return {
         "seed": seed,
         "duration_s": duration,
@@ -358,9 +363,33 @@ def _summary(
         "log_events": len(h.log),
         "faults": dict(Counter(f"{f.kind}:{f.target}" for f in h.faults)),
         "faults_by_kind": dict(Counter(f.kind for f in h.faults)),
-        "fault_to_healed_s": {k: round(max(v), 2) for k, v in recover.items()},
+        "fault_to_healed_s": {k: round(max(v), 2) for k, v in healed.items()},
+        "fault_to_served_again_s": {k: round(max(v), 2) for k, v in recovered.items()},
         "violations": {name: len(v) for name, v in found.items()},
     }
+
+
+def _role(target: str) -> str:
+    return "serve" if target == "serve" else "gateway" if target in GATEWAYS else "engine"
+
+
+def _served_again(h: History, f: Fault) -> float | None:
+    """When the faulted process served again after it healed: an engine, the first turn it
+    answered; a gateway, the first turn answered through it; serve, the first close or
+    publication it acknowledged (a cached binding serves turns without it)."""
+    role = _role(f.target)
+    times = [
+        op.completed
+        for op in h.ops
+        if op.outcome == "ok"
+        and op.completed >= f.healed
+        and (
+            (role == "engine" and op.kind == "turn" and op.engine == f.target)
+            or (role == "gateway" and op.kind == "turn" and op.via == f.target)
+            or (role == "serve" and op.kind in ("close", "publish"))
+        )
+    ]
+    return min(times, default=None)
 
 
 def main() -> None:
