@@ -173,7 +173,7 @@ class Cluster:
                 "--artifacts",
                 str(self.root / "artifacts"),
                 "--capacity",
-                "4",
+                "6",  # four clients pin at most four retired versions at once
                 *specs,
             ],
             self.logs,

@@ -48,6 +48,7 @@ KINDS = ("kill", "term", "stop", "restart")
 CLIENTS = 4
 PUBLISH_EVERY_S = 4.0
 TURN_TIMEOUT_S = 60.0
+CLOSE_RETRY_S = 60.0
 LONG_TOKENS = 48  # a streamed turn runs long enough that a fault may catch it in flight
 
 
@@ -91,19 +92,19 @@ class Run:
 
     def _done(
         self, client: str, kind: str, invoked: float, outcome: str, code: str, **fields: Any
-    ) -> None:
+    ) -> ClientOp:
         """Record a publication or a close that just ended."""
-        self.ops.append(
-            ClientOp(
-                client=client,
-                kind=kind,  # type: ignore[arg-type]
-                invoked=invoked,
-                completed=time.time(),
-                outcome=outcome,  # type: ignore[arg-type]
-                code=code,
-                **fields,
-            )
+        op = ClientOp(
+            client=client,
+            kind=kind,  # type: ignore[arg-type]
+            invoked=invoked,
+            completed=time.time(),
+            outcome=outcome,  # type: ignore[arg-type]
+            code=code,
+            **fields,
         )
+        self.ops.append(op)
+        return op
 
     # --- the trainer -------------------------------------------------------------------------
 
@@ -208,7 +209,7 @@ class Run:
         self.ops.append(op)
         return op
 
-    async def close(self, client: str, gateway: str, session: str) -> None:
+    async def close(self, client: str, gateway: str, session: str) -> ClientOp:
         invoked = time.time()
         outcome, code = "info", ""
         try:
@@ -217,10 +218,26 @@ class Run:
                     f"{self.cluster.url(gateway)}/v1/sessions/{session}/release",
                     headers={"Authorization": f"Bearer {TOKEN}"},
                 )
-            outcome, code = ("ok", "") if reply.status_code == 200 else ("fail", reply.text[:200])
+            ok = reply.status_code == 200
+            outcome, code = (
+                ("ok", "") if ok else ("fail", f"{reply.status_code} {reply.text[:200]}")
+            )
         except httpx.HTTPError as exc:
             code = type(exc).__name__
-        self._done(client, "close", invoked, outcome, code, session=session, via=gateway)
+        return self._done(client, "close", invoked, outcome, code, session=session, via=gateway)
+
+    async def close_for_sure(self, client: str, gateway: str, session: str) -> None:
+        """Close a session, asked again (through the other gateway) while the answer is not
+        known or says to retry (serve down: 503), as a client that must not leak sessions
+        does: a leaked session pins its version, and capacity then refuses publications."""
+        deadline = time.time() + CLOSE_RETRY_S
+        while True:
+            op = await self.close(client, gateway, session)
+            retry = op.outcome == "info" or op.code.startswith("5")
+            if not retry or time.time() > deadline:
+                return
+            gateway = GATEWAYS[1 - GATEWAYS.index(gateway)]
+            await anyio.sleep(0.5)
 
     async def rollout_client(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
@@ -241,7 +258,7 @@ class Run:
                 elif op.outcome == "fail" and "SESSION_CLOSED" in op.code:
                     break
             else:
-                await self.close(name, gateway, session)
+                await self.close_for_sure(name, gateway, session)
 
     # --- the faults --------------------------------------------------------------------------
 
