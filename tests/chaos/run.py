@@ -49,7 +49,11 @@ CLIENTS = 4
 PUBLISH_EVERY_S = 4.0
 TURN_TIMEOUT_S = 60.0
 CLOSE_RETRY_S = 60.0
-LONG_TOKENS = 48  # a streamed turn runs long enough that a fault may catch it in flight
+CATCH_IN_FLIGHT_S = 5.0
+# A long turn (streamed or not) runs long enough that a fault may catch it in flight: a
+# dispatch cut before its answer began is the ambiguous case, streamed or not.
+LONG_TOKENS = 96
+STREAMED = ("stream", "cancel")
 
 
 class PlannedFault(msgspec.Struct, frozen=True):
@@ -165,13 +169,13 @@ class Run:
                 model="policy",
                 messages=history[-4:],  # type: ignore[arg-type]
                 max_tokens=4 if mode == "plain" else LONG_TOKENS,
-                stream=mode != "plain",
+                stream=mode in STREAMED,
                 extra_body={} if mode == "plain" else {"ignore_eos": True},
                 extra_headers={"x-session-id": session, "x-request-id": rid},
             )
             fields["version"] = int(raw.headers["x-loraledger-version"])
             fields["engine"] = raw.headers["x-loraledger-engine"]
-            if mode == "plain":
+            if mode not in STREAMED:
                 reply: Any = raw.parse()
                 history.append(
                     {"role": "assistant", "content": reply.choices[0].message.content or ""}
@@ -202,7 +206,7 @@ class Run:
             completed=time.time(),
             session=session,
             request_id=rid,
-            stream=mode != "plain",
+            stream=mode in STREAMED,
             via=gateway,
             **fields,
         )
@@ -250,7 +254,7 @@ class Run:
             for _ in range(rng.randint(2, 5)):
                 if self.stop.is_set():
                     return  # left open: the liveness phase serves its next turn
-                mode = rng.choices(("plain", "stream", "cancel"), (6, 3, 1))[0]
+                mode = rng.choices(("plain", "long", "stream", "cancel"), (4, 2, 3, 1))[0]
                 op = await self.turn(name, gateway, session, history, mode)
                 if op.outcome == "info" and op.code != "cancelled":
                     gateway = GATEWAYS[1 - GATEWAYS.index(gateway)]  # that one is down
@@ -267,6 +271,8 @@ class Run:
         for planned in plan:
             await anyio.sleep(max(0.0, started + planned.at - anyio.current_time()))
             member = self.cluster.members[planned.target]
+            if planned.kind == "kill" and planned.target in ENGINES:
+                await self._until_running(planned.target)
             at = time.time()
             if planned.kind == "stop":
                 member.signal(signal.SIGSTOP)
@@ -283,6 +289,22 @@ class Run:
                 f"  fault {planned.kind} {planned.target}: healed after {time.time() - at:.1f} s",
                 flush=True,
             )
+
+    async def _until_running(self, engine: str) -> None:
+        """Wait (at most ``CATCH_IN_FLIGHT_S``) until ``engine`` runs a request: a SIGKILL
+        that catches one is the case at most once is about (the answer is ambiguous), and
+        an idle moment would waste the fault."""
+        records = self.cluster.records / f"{engine}.jsonl"
+        life = self.cluster.members[engine].pid
+        with anyio.move_on_after(CATCH_IN_FLIGHT_S):
+            while True:
+                running: set[str] = set()
+                for r in read_engine_records([records]):
+                    if r.life == life and r.request_id:
+                        (running.add if r.kind == "start" else running.discard)(r.request_id)
+                if running:
+                    return
+                await anyio.sleep(0.01)
 
     # --- liveness ----------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ a run carrying a known bug must end with violations of the invariant that bug br
 * ``default`` -- every request served on the newest default, not its session's version:
   pinning;
 * ``resend`` -- a dispatch that failed after it was sent (its engine SIGKILLed mid-stream) is
-  tried on another holder: at most once (seed 6 kills an engine at 5 s);
+  tried on another holder: at most once (seed 140 SIGKILLs two engines, each while it
+  runs a request);
 * ``release-on-restart`` -- the gateway registers as an ordinary worker, so its restart
   releases the sessions it bound: continuity (seed 1 restarts a gateway at 12 s).
 
@@ -30,7 +31,7 @@ DURATION_S = 20.0
     ("plant", "seed", "invariant"),
     [
         ("default", 3, "pinning"),
-        ("resend", 6, "at_most_once"),
+        ("resend", 140, "at_most_once"),
         ("release-on-restart", 1, "continuity"),
     ],
 )
