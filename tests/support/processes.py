@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -32,6 +33,8 @@ async def listening_process(
     cwd: Path = REPO,
     ready_within: float = 120.0,
     stop_with: signal.Signals = signal.SIGKILL,
+    module: str = "tools.cli",
+    stderr: Any = subprocess.PIPE,
 ) -> AsyncIterator[tuple[Process, dict[str, Any]]]:
     """``python -m tools.cli ARGS`` (``ARGS`` end in ``--json``) in ``cwd``; yield the process
     and its ``listening`` row, checked to come from that process.
@@ -39,11 +42,13 @@ async def listening_process(
     ``env``: the whole environment (default: this one, with this tree first on the import
     path, so the code under test runs). On exit the process is sent ``stop_with`` by PID if it
     is still running, and reaped; a caller that checks how it exited reads ``returncode``
-    after the block (or stops it itself first)."""
+    after the block (or stops it itself first). ``module``: another program that prints the
+    same row (a test-only wrapper around a command, ``tests.chaos.recording_engine``);
+    ``stderr``: where its log goes (a file for a long run: an unread pipe fills and blocks it)."""
     if env is None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "tools.cli", *args]
-    process: Process = await anyio.open_process(argv, cwd=cwd, env=env)
+    argv = [sys.executable, "-m", module, *args]
+    process: Process = await anyio.open_process(argv, cwd=cwd, env=env, stderr=stderr)
     try:
         assert process.stdout is not None
         line = b""

@@ -1,0 +1,223 @@
+"""The chaos run's cluster: real ``loraledger`` processes on loopback, each started, signalled
+and stopped by its PID.
+
+* ``serve`` on a SQLite log (restarted on the same log and port);
+* three engines: ``e0`` and ``e1`` joined as ``local:URL``, ``e2`` behind a ``loraledger
+  agent`` (``agent:AGENT_URL,sglang:ENGINE_URL``, adapters written to the agent's own
+  directory); each is ``tests.chaos.recording_engine`` (the ``loraledger engine`` command,
+  writing what it runs to ``<dir>/<id>.jsonl``);
+* two ``loraledger gateway`` processes, ``gw-a`` and ``gw-b``, in front of ``serve``.
+
+Every address one process is given for another goes through :func:`link` (client -> gateway,
+gateway -> serve, serve -> engine, serve -> agent): today the identity, the one place a
+fault-injecting proxy is put on each link. A gateway reaches an engine at the address ``serve``
+recorded for it, so the serve -> engine link carries the gateway -> engine traffic too.
+
+A member restarts on the port its first life got (port 0 the first time): the others were
+given that address.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import anyio
+from anyio.abc import Process
+
+from tests.support.paths import REPO
+from tests.support.processes import listening_process
+
+HOST = "127.0.0.1"
+TOKEN = "chaos-run-token"
+ENGINES = ("e0", "e1", "e2")
+AGENT_ENGINE = "e2"
+GATEWAYS = ("gw-a", "gw-b")
+
+
+def link(name: str, host: str, port: int) -> int:
+    """The port through which the link ``name`` (``serve->e0``, ``client->gw-a``) reaches
+    ``host:port``. The identity for now: the seam where a fault-injecting proxy goes."""
+    return port
+
+
+def _url(name: str, url: str) -> str:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None, url
+    return f"{parts.scheme}://{parts.hostname}:{link(name, parts.hostname, parts.port)}"
+
+
+@dataclass(eq=False)
+class Member:
+    """One process of the cluster across its lives: ``args`` without ``--port``/``--json``."""
+
+    name: str
+    args: list[str]
+    logs: Path
+    module: str = "tools.cli"
+    tree: Path = REPO  # the source tree it runs (a planted copy for a sensitivity run)
+    port: int = 0
+    url: str = ""
+    lives: int = 0
+    process: Process | None = None
+    _stack: AsyncExitStack | None = None
+    _stderr: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} is not running"
+        return self.process.pid
+
+    async def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        env.pop("LORALEDGER_TOKEN", None)
+        stack = AsyncExitStack()
+        self._stderr = stack.enter_context((self.logs / f"{self.name}.stderr").open("ab"))
+        started = listening_process(
+            [*self.args, "--port", str(self.port), "--json"],
+            env=env,
+            cwd=self.tree,
+            module=self.module,
+            stderr=self._stderr,
+            ready_within=180,
+        )
+        try:
+            self.process, row = await stack.enter_async_context(started)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack, self.url = stack, str(row["url"])
+        self.port = urlsplit(self.url).port or 0
+        self.lives += 1
+
+    async def stop(self, sig: signal.Signals = signal.SIGKILL) -> int | None:
+        """Send ``sig`` by PID (SIGCONT after it, should the process be frozen), wait for its
+        exit and reap it; its exit status."""
+        if self._stack is None or self.process is None:
+            return None
+        process, stack = self.process, self._stack
+        self.process, self._stack = None, None
+        if process.returncode is None:
+            os.kill(process.pid, sig)
+            os.kill(process.pid, signal.SIGCONT)
+        with anyio.fail_after(90):
+            await process.wait()
+        await stack.aclose()
+        return process.returncode
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.pid, sig)
+
+
+class Cluster:
+    """The members, in start order; :meth:`start` brings them all up, :meth:`stop` ends each
+    still running (SIGKILL: the log and the records are what is read afterwards)."""
+
+    def __init__(self, root: Path, *, plant: str | None = None, gateway_tree: Path = REPO) -> None:
+        self.root = root
+        self.db = root / "ledger.db"
+        self.records = root / "records"
+        self.logs = root / "logs"
+        for d in (self.records, self.logs, root / "agent-host", root / "artifacts"):
+            d.mkdir(parents=True, exist_ok=True)
+        (root / "token").write_text(TOKEN + "\n")
+        self.plant = plant  # an engine plant (``tests/chaos/plants.py``), or None
+        self.gateway_tree = gateway_tree
+        self.members: dict[str, Member] = {}
+
+    def _engine(self, name: str, *extra: str) -> Member:
+        args = ["--id", name, "--record", str(self.records / f"{name}.jsonl"), *extra]
+        if self.plant is not None:
+            args += ["--plant", self.plant]
+        return Member(name, args, self.logs, module="tests.chaos.recording_engine")
+
+    async def start(self) -> None:
+        host = self.root / "agent-host"
+        async with anyio.create_task_group() as tg:  # the engines load their models at once
+            for name in ENGINES:
+                extra = ("--artifacts", str(host)) if name == AGENT_ENGINE else ()
+                tg.start_soon(self._up, self._engine(name, *extra))
+        e2 = self.members[AGENT_ENGINE]
+        agent = Member(
+            "agent",
+            ["agent", "--engine", f"sglang:{e2.url}", "--artifacts", str(host), "--id", "e2"],
+            self.logs,
+        )
+        await self._up(agent)
+        specs: list[str] = []
+        for name in ENGINES:
+            if name == AGENT_ENGINE:
+                engine_url = _url(f"agent->{name}", e2.url)
+                specs += [
+                    "--engine",
+                    f"{name}=agent:{_url('serve->agent', agent.url)},sglang:{engine_url}",
+                ]
+            else:
+                specs += [
+                    "--engine",
+                    f"{name}=local:{_url(f'serve->{name}', self.members[name].url)}",
+                ]
+        serve = Member(
+            "serve",
+            [
+                "serve",
+                "--db",
+                str(self.db),
+                "--token-file",
+                str(self.root / "token"),
+                "--artifacts",
+                str(self.root / "artifacts"),
+                "--capacity",
+                "6",  # four clients pin at most four retired versions at once
+                *specs,
+            ],
+            self.logs,
+        )
+        await self._up(serve)
+        async with anyio.create_task_group() as tg:
+            for name in GATEWAYS:
+                gateway = Member(
+                    name,
+                    [
+                        "gateway",
+                        "--ledger",
+                        _url(f"{name}->serve", serve.url),
+                        "--token-file",
+                        str(self.root / "token"),
+                        "--owner",
+                        name,
+                        "--refresh-s",
+                        "0.5",
+                    ],
+                    self.logs,
+                    tree=self.gateway_tree,
+                )
+                tg.start_soon(self._up, gateway)
+
+    async def _up(self, member: Member) -> None:
+        self.members[member.name] = member
+        await member.start()
+
+    def url(self, name: str) -> str:
+        """The address a client uses for member ``name`` (through its link)."""
+        return _url(f"client->{name}", self.members[name].url)
+
+    def engine_records(self) -> list[Path]:
+        return sorted(self.records.glob("*.jsonl"))
+
+    async def stop(self) -> None:
+        for member in reversed(list(self.members.values())):
+            with anyio.CancelScope(shield=True):  # cleanup: every process reaped
+                await member.stop(signal.SIGKILL)
+
+    def started(self) -> int:
+        """Processes started over the run, restarts included."""
+        return sum(m.lives for m in self.members.values())
+
+    def describe(self) -> dict[str, Any]:
+        return {m.name: {"url": m.url, "lives": m.lives} for m in self.members.values()}

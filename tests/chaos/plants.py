@@ -1,0 +1,50 @@
+"""Known bugs planted in a chaos run, to show the checker catches them (never in the code
+under test: a test-only engine wrapper, or a patched copy of the source tree).
+
+* engine plants, carried out by ``tests/chaos/recording_engine.py --plant``: ``default`` (a
+  turn served on the newest default instead of its session's version: pinning),
+  ``unload-ignores-inflight`` (weights freed without the drain: safe reclaim; today's runs do
+  not catch it, as the ledger never asks for an unload while its in-flight evidence shows a
+  request running, so the engine's drain is a second line the runs never need);
+* source plants, one text replacement in a copy of the tree that the gateway processes run
+  from: ``resend`` (every failed dispatch tried on another holder, an ambiguous one too: at
+  most once), ``release-on-restart`` (the gateway registers as an ordinary worker, not a
+  relay, so a new life of it releases the sessions it bound: continuity).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tests.support.paths import REPO
+
+ENGINE_PLANTS = ("default", "unload-ignores-inflight")
+SOURCE_PLANTS: dict[str, tuple[str, str, str]] = {
+    "resend": (
+        "publisher/gateway/failures.py",
+        "    if not exc.dispatched:\n        return True\n",
+        "    return True  # planted: an ambiguous dispatch is resent\n",
+    ),
+    "release-on-restart": (
+        "tools/gateway.py",
+        "ttl_s=opts.ttl_s, sessions_idle_s=opts.session_idle_s",
+        "ttl_s=opts.ttl_s, sessions_idle_s=None",
+    ),
+}
+PLANTS = (*ENGINE_PLANTS, *SOURCE_PLANTS)
+_PACKAGES = ("evlog", "projections", "publisher", "engines", "tools")
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def planted_tree(dest: Path, plant: str) -> Path:
+    """A copy of the source packages in ``dest`` with ``plant`` applied; fails if the text it
+    replaces is gone (a plant that silently changes nothing would prove nothing)."""
+    path, old, new = SOURCE_PLANTS[plant]
+    for package in _PACKAGES:
+        shutil.copytree(REPO / package, dest / package, ignore=_IGNORE)
+    shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")
+    source = (dest / path).read_text()
+    assert source.count(old) == 1, f"plant {plant}: {old!r} is not once in {path}"
+    (dest / path).write_text(source.replace(old, new))
+    return dest

@@ -1,0 +1,45 @@
+"""The chaos checker catches planted bugs in real runs (``tests/chaos/plants.py``: a test-only
+engine wrapper, or a patched copy of the gateway's source; the code under test is unchanged):
+a run carrying a known bug must end with violations of the invariant that bug breaks.
+
+* ``default`` -- every request served on the newest default, not its session's version:
+  pinning;
+* ``resend`` -- a dispatch that failed after it was sent (its engine SIGKILLed mid-stream) is
+  tried on another holder: at most once (seed 140 SIGKILLs two engines, each while it
+  runs a request);
+* ``release-on-restart`` -- the gateway registers as an ordinary worker, so its restart
+  releases the sessions it bound: continuity (seed 11 restarts or SIGTERMs a gateway three
+  times, so one of them finds sessions it bound still open).
+
+Each is a whole cluster run (1-2 minutes on two loaded cores), so they run under ``--slow``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.run import run
+from tests.publisher.rollout_kit import ENGINE_WARNINGS
+
+pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
+DURATION_S = 25.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("plant", "seed", "invariant"),
+    [
+        ("default", 3, "pinning"),
+        ("resend", 140, "at_most_once"),
+        ("release-on-restart", 11, "continuity"),
+    ],
+)
+async def test_the_checker_catches_a_planted_bug_in_a_real_run(
+    tmp_path: Path, plant: str, seed: int, invariant: str, slow: bool
+) -> None:
+    if not slow:
+        pytest.skip("each planted run is a whole cluster (1-2 min): they run under --slow")
+    summary = await run(seed, DURATION_S, tmp_path, plant=plant)
+    assert summary["violations"][invariant] > 0, summary
