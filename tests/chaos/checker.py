@@ -23,8 +23,9 @@ What each one holds, and why it reads what it reads:
 * **liveness** -- after the last fault healed, a publication committed and every live
   session's next turn was served, within ``bound`` seconds.
 * **observability** -- every engine fault that took the engine away (SIGKILL, SIGTERM, a
-  SIGSTOP of at least ``stop_visible_s``) shows in the log as a record of that engine
-  (outage, restart, suspension, failures) within ``bound`` seconds.
+  SIGSTOP or a partition of at least ``stop_visible_s``) shows in the log as a record of that
+  engine (outage, restart, suspension, failures) within ``bound`` seconds. A shorter freeze or
+  partition, or a fault of one link, may end before any probe or turn meets it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ OBSERVABILITY_BOUND_S = 30.0
 # A freeze this long must be seen: twice serve's probe timeout (10 s), as a probe gives up
 # 10 s after it began and, on a loaded machine, the next probe may begin seconds late.
 FREEZE_SEEN_S = 20.0
+# Faults that end the process (it must be restarted): always visible in the log.
+TAKES_THE_PROCESS_AWAY = ("kill", "term", "restart")
 CLIENT_CAUSES = ("closed",)
 LEDGER_CAUSES = ("idle", "too_stale", "operator")
 ENGINE_EVENTS = (
@@ -107,8 +110,15 @@ def is_engine(target: str) -> bool:
     return target[:1] == "e" and target[1:].isdigit()
 
 
+def touches_an_engine(target: str) -> bool:
+    """A fault's target is an engine, or a link to one (``serve->e0``, which carries the
+    gateways' generations too; ``serve->agent``, ``e2``'s control path)."""
+    ends = target.split("->")
+    return any(is_engine(end) or end == "agent" for end in ends)
+
+
 def _engines_faulted(h: History, start: float, end: float) -> bool:
-    return any(is_engine(f.target) and f.at <= end and f.healed >= start for f in h.faults)
+    return any(touches_an_engine(f.target) and f.at <= end and f.healed >= start for f in h.faults)
 
 
 def at_most_once(h: History) -> list[Violation]:
@@ -218,8 +228,9 @@ def observability(
     out: list[Violation] = []
     for f in h.faults:
         if not is_engine(f.target):
-            continue
-        if f.kind == "stop" and f.healed - f.at < stop_visible_s:
+            continue  # a link's fault, or a gateway's or serve's
+        brief = f.kind not in TAKES_THE_PROCESS_AWAY and f.healed - f.at < stop_visible_s
+        if brief:  # a freeze or a partition shorter than serve's probes need to see it
             continue
         seen = any(
             e.fields.get("engine") == f.target and f.at <= e.at <= f.at + bound

@@ -8,10 +8,12 @@ and stopped by its PID.
   writing what it runs to ``<dir>/<id>.jsonl``);
 * two ``loraledger gateway`` processes, ``gw-a`` and ``gw-b``, in front of ``serve``.
 
-Every address one process is given for another goes through :func:`link` (client -> gateway,
-gateway -> serve, serve -> engine, serve -> agent): today the identity, the one place a
-fault-injecting proxy is put on each link. A gateway reaches an engine at the address ``serve``
-recorded for it, so the serve -> engine link carries the gateway -> engine traffic too.
+Every address one process is given for another goes through :meth:`Cluster.link`
+(``client->gw-a``, ``gw-a->serve``, ``serve->e0``, ``serve->agent``, ``trainer->serve``): with
+a :class:`~tests.chaos.proxy.Network`, through a fault-injecting proxy of its own, the one
+place network faults are played. A gateway reaches an engine at the address ``serve`` recorded
+for it, so the ``serve->eN`` link carries the gateway -> engine traffic too (``e2``'s
+generations included; its control calls go through ``serve->agent``).
 
 A member restarts on the port its first life got (port 0 the first time): the others were
 given that address.
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit
 import anyio
 from anyio.abc import Process
 
+from tests.chaos.proxy import Network
 from tests.support.paths import REPO
 from tests.support.processes import listening_process
 
@@ -38,18 +41,6 @@ TOKEN = "chaos-run-token"
 ENGINES = ("e0", "e1", "e2")
 AGENT_ENGINE = "e2"
 GATEWAYS = ("gw-a", "gw-b")
-
-
-def link(name: str, host: str, port: int) -> int:
-    """The port through which the link ``name`` (``serve->e0``, ``client->gw-a``) reaches
-    ``host:port``. The identity for now: the seam where a fault-injecting proxy goes."""
-    return port
-
-
-def _url(name: str, url: str) -> str:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None, url
-    return f"{parts.scheme}://{parts.hostname}:{link(name, parts.hostname, parts.port)}"
 
 
 @dataclass(eq=False)
@@ -118,8 +109,18 @@ class Cluster:
     """The members, in start order; :meth:`start` brings them all up, :meth:`stop` ends each
     still running (SIGKILL: the log and the records are what is read afterwards)."""
 
-    def __init__(self, root: Path, *, plant: str | None = None, gateway_tree: Path = REPO) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        plant: str | None = None,
+        gateway_tree: Path = REPO,
+        net: Network | None = None,
+    ) -> None:
         self.root = root
+        self.net = net  # None: every link direct
+        self.client_urls: dict[str, str] = {}  # gateway -> the address clients use
+        self.trainer_url = ""
         self.db = root / "ledger.db"
         self.records = root / "records"
         self.logs = root / "logs"
@@ -129,6 +130,17 @@ class Cluster:
         self.plant = plant  # an engine plant (``tests/chaos/plants.py``), or None
         self.gateway_tree = gateway_tree
         self.members: dict[str, Member] = {}
+
+    async def link(self, name: str, url: str) -> str:
+        """The address through which the link ``name`` reaches ``url``: its proxy's, or
+        ``url`` itself without a network. Members restart on their first port, so a proxy
+        set up once serves every later life."""
+        if self.net is None:
+            return url
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None, url
+        port = await self.net.link(name, parts.hostname, parts.port)
+        return f"{parts.scheme}://{parts.hostname}:{port}"
 
     def _engine(self, name: str, *extra: str) -> Member:
         args = ["--id", name, "--record", str(self.records / f"{name}.jsonl"), *extra]
@@ -152,15 +164,13 @@ class Cluster:
         specs: list[str] = []
         for name in ENGINES:
             if name == AGENT_ENGINE:
-                engine_url = _url(f"agent->{name}", e2.url)
-                specs += [
-                    "--engine",
-                    f"{name}=agent:{_url('serve->agent', agent.url)},sglang:{engine_url}",
-                ]
+                engine_url = await self.link(f"serve->{name}", e2.url)
+                agent_url = await self.link("serve->agent", agent.url)
+                specs += ["--engine", f"{name}=agent:{agent_url},sglang:{engine_url}"]
             else:
                 specs += [
                     "--engine",
-                    f"{name}=local:{_url(f'serve->{name}', self.members[name].url)}",
+                    f"{name}=local:{await self.link(f'serve->{name}', self.members[name].url)}",
                 ]
         serve = Member(
             "serve",
@@ -179,6 +189,8 @@ class Cluster:
             self.logs,
         )
         await self._up(serve)
+        self.trainer_url = await self.link("trainer->serve", serve.url)
+        ledger_urls = {name: await self.link(f"{name}->serve", serve.url) for name in GATEWAYS}
         async with anyio.create_task_group() as tg:
             for name in GATEWAYS:
                 gateway = Member(
@@ -186,7 +198,7 @@ class Cluster:
                     [
                         "gateway",
                         "--ledger",
-                        _url(f"{name}->serve", serve.url),
+                        ledger_urls[name],
                         "--token-file",
                         str(self.root / "token"),
                         "--owner",
@@ -198,14 +210,16 @@ class Cluster:
                     tree=self.gateway_tree,
                 )
                 tg.start_soon(self._up, gateway)
+        for name in GATEWAYS:
+            self.client_urls[name] = await self.link(f"client->{name}", self.members[name].url)
 
     async def _up(self, member: Member) -> None:
         self.members[member.name] = member
         await member.start()
 
-    def url(self, name: str) -> str:
-        """The address a client uses for member ``name`` (through its link)."""
-        return _url(f"client->{name}", self.members[name].url)
+    def url(self, gateway: str) -> str:
+        """The address a client uses for ``gateway`` (through its link)."""
+        return self.client_urls[gateway]
 
     def engine_records(self) -> list[Path]:
         return sorted(self.records.glob("*.jsonl"))

@@ -11,8 +11,11 @@ processes stop, the log is read, and the checker (``tests/chaos/checker.py``) ju
 history. The summary lists processes, operations, faults by kind and violations by invariant;
 the schedule is printed first, so a failing run is rerun with its seed.
 
-The process-fault schedule is a pure function of the seed (:func:`process_faults`); the
-network faults of the proxy join it by the same seed.
+Both fault plans are pure functions of the seed and are printed before the run: the process
+faults (:func:`process_faults`, one at a time) and the network faults on every link
+(:func:`tests.chaos.schedule.schedule` over the cluster's links, one at a time, played on the
+proxies of a :class:`~tests.chaos.proxy.Network`). The two plans run side by side, so a
+network fault may meet a process fault (the three engines and two gateways leave room).
 """
 
 from __future__ import annotations
@@ -38,12 +41,30 @@ from evlog.sqlite import SQLiteStore
 from publisher.drivers.publication import PublicationError, PublicationStatus
 from publisher.remote.trainer import HttpTrainerClient
 from tests.chaos.checker import FREEZE_SEEN_S, LIVENESS_BOUND_S, Violation, check
-from tests.chaos.cluster import ENGINES, GATEWAYS, TOKEN, Cluster, link
+from tests.chaos.cluster import ENGINES, GATEWAYS, TOKEN, Cluster
 from tests.chaos.history import ClientOp, Fault, History, log_entries, read_engine_records
 from tests.chaos.plants import ENGINE_PLANTS, PLANTS, SOURCE_PLANTS, planted_tree
+from tests.chaos.proxy import Network
+from tests.chaos.schedule import (
+    Pace,
+    Planned,
+    format_schedule,
+    heal_network_fault,
+    schedule,
+    start_network_fault,
+)
 from tests.support.paths import REPO
 
 TARGETS = (*ENGINES, *GATEWAYS, "serve")
+# Every link of the cluster (tests/chaos/cluster.py names them where it makes them).
+LINKS = (
+    *(f"client->{g}" for g in GATEWAYS),
+    *(f"{g}->serve" for g in GATEWAYS),
+    *(f"serve->{e}" for e in ENGINES),
+    "serve->agent",
+    "trainer->serve",
+)
+NETWORK_PACE = Pace(first_s=(3.0, 3.0), gap_s=(3.0, 8.0), overlap=False)
 KINDS = ("kill", "term", "stop", "restart")
 CLIENTS = 4
 PUBLISH_EVERY_S = 4.0
@@ -144,9 +165,7 @@ class Run:
                     await self.stop.wait()
 
     def _trainer_client(self) -> HttpTrainerClient:
-        serve = self.cluster.members["serve"]
-        port = link("trainer->serve", "127.0.0.1", serve.port)
-        return HttpTrainerClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for_s=120)
+        return HttpTrainerClient(self.cluster.trainer_url, token=TOKEN, retry_for_s=120)
 
     # --- the rollout clients -----------------------------------------------------------------
 
@@ -290,6 +309,19 @@ class Run:
                 flush=True,
             )
 
+    async def play_network(self, net: Network, plan: list[Planned], started: float) -> None:
+        """The network plan on the proxies, one fault at a time, each recorded as it healed."""
+        for planned in plan:
+            await anyio.sleep_until(started + planned.at_s)
+            at = time.time()
+            start_network_fault(net, planned)
+            await anyio.sleep_until(started + planned.heals_at_s)
+            heal_network_fault(net, planned)
+            self.faults.append(
+                Fault(target=planned.target, kind=planned.kind, at=at, healed=time.time())
+            )
+            print(f"  fault {planned.kind} {planned.target}: healed", flush=True)
+
     async def _until_running(self, engine: str) -> None:
         """Wait (at most ``CATCH_IN_FLIGHT_S``) until ``engine`` runs a request: a SIGKILL
         that catches one is the case at most once is about (the answer is ambiguous), and
@@ -341,29 +373,34 @@ async def run(
     say(f"chaos seed {seed}, {duration:g} s, plant {plant}; process faults:")
     for f in plan:
         say(f"  +{f.at:5.1f} s {f.kind:7} {f.target:5} hold {f.hold:g} s")
+    network_plan = schedule(seed, duration, LINKS, {}, NETWORK_PACE)
+    say(format_schedule(seed, network_plan))
     engine_plant = plant if plant in ENGINE_PLANTS else None
     tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
-    cluster = Cluster(root, plant=engine_plant, gateway_tree=tree)
     (root / "adapters").mkdir(exist_ok=True)
-    state = Run(cluster, seed, root / "adapters")
-    try:
-        await cluster.start()
-        async with state._trainer_client() as trainer:
-            await state.publish(trainer)  # the first default: sessions bind to it
-        started = anyio.current_time()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(state.trainer)
-            for i in range(CLIENTS):
-                tg.start_soon(state.rollout_client, i)
-            await state.inject(plan, started)
-            await anyio.sleep(max(0.0, started + duration - anyio.current_time()))
-            state.stop.set()
-        heal = max((f.healed for f in state.faults), default=time.time())
-        async with state._trainer_client() as trainer, anyio.create_task_group() as tg:
-            tg.start_soon(state.publish, trainer)
-            await state.last_turns(heal + LIVENESS_BOUND_S)
-    finally:
-        await cluster.stop()
+    async with Network() as net:
+        cluster = Cluster(root, plant=engine_plant, gateway_tree=tree, net=net)
+        state = Run(cluster, seed, root / "adapters")
+        try:
+            await cluster.start()
+            async with state._trainer_client() as trainer:
+                await state.publish(trainer)  # the first default: sessions bind to it
+            started = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(state.trainer)
+                for i in range(CLIENTS):
+                    tg.start_soon(state.rollout_client, i)
+                async with anyio.create_task_group() as faults:
+                    faults.start_soon(state.play_network, net, network_plan, started)
+                    await state.inject(plan, started)
+                await anyio.sleep(max(0.0, started + duration - anyio.current_time()))
+                state.stop.set()
+            heal = max((f.healed for f in state.faults), default=time.time())
+            async with state._trainer_client() as trainer, anyio.create_task_group() as tg:
+                tg.start_soon(state.publish, trainer)
+                await state.last_turns(heal + LIVENESS_BOUND_S)
+        finally:
+            await cluster.stop()
     async with SQLiteStore.open(cluster.db) as store:
         records = await store.read()
     history = History(
