@@ -23,9 +23,10 @@ and a managed adapter is unloaded only under its attempt's fence whatever the to
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -87,9 +88,12 @@ async def run_engine(
                 engine, host=HOST, port=opts.port, token=opts.token, drain=drain
             ) as url:
                 log.info("engine.listening", engine=opts.engine_id, url=url)
-                if on_ready is not None:
-                    on_ready(url)
-                await _until_stopped(stop)
+                with _stop_signals(stop) as signals:
+                    # Listening for SIGTERM before saying "ready": a signal sent as soon as
+                    # the caller read that line drains, it does not kill the process.
+                    if on_ready is not None:
+                        on_ready(url)
+                    await _until_stopped(stop, signals)
                 drain.begin()
                 log.info("engine.draining", engine=opts.engine_id, in_flight=drain.in_flight)
                 left = await drain.wait(opts.drain_timeout_s)
@@ -120,10 +124,19 @@ def _check_port(port: int) -> None:
             ) from None
 
 
-async def _until_stopped(stop: anyio.Event | None) -> None:
+def _stop_signals(
+    stop: anyio.Event | None,
+) -> contextlib.AbstractContextManager[AsyncIterator[int] | None]:
+    """SIGINT and SIGTERM, received from now on; none when the caller stops it (``stop``)."""
+    if stop is not None:
+        return contextlib.nullcontext()
+    return anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+
+
+async def _until_stopped(stop: anyio.Event | None, signals: AsyncIterator[int] | None) -> None:
     if stop is not None:
         await stop.wait()
         return
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            return
+    assert signals is not None
+    async for _ in signals:
+        return
