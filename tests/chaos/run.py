@@ -377,7 +377,7 @@ async def run(
     say(format_schedule(seed, network_plan))
     engine_plant = plant if plant in ENGINE_PLANTS else None
     tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
-    (root / "adapters").mkdir(exist_ok=True)
+    (root / "adapters").mkdir(parents=True, exist_ok=True)
     async with Network() as net:
         cluster = Cluster(root, plant=engine_plant, gateway_tree=tree, net=net)
         state = Run(cluster, seed, root / "adapters")
