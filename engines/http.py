@@ -23,11 +23,14 @@ keep-alive timer (uvicorn, which serves vLLM's and SGLang's APIs: 5 s) closes it
 request goes out on it; the server drops the request unread, and the caller gets an ambiguous
 ``CONNECTION_LOST`` for nothing (a lost generation). What keeps that away:
 
-* **We close first.** A connection idle for :data:`POOL_IDLE_EXPIRY_S` (2 s) is closed by the
+* **We close first.** A connection idle for :data:`POOL_IDLE_EXPIRY_S` (1 s) is closed by the
   pool and never reused, well inside the engine's 5 s. Until then the engine's timer has not
-  fired, so it cannot close the connection under a request -- unless its loop stalls for more
-  than the 3 s margin and the timer fires late, after a request arrived (a starved vLLM in CI
-  once did this against httpx's default expiry, which equals uvicorn's 5 s: no margin at all).
+  fired, so it cannot close the connection under a request -- unless the engine's loop is
+  blocked for the whole 4 s margin, from before the request arrives until the timer is due:
+  uvloop (vLLM's loop) then runs the due timer before it reads the socket. A starved vLLM in CI
+  lost a generation that way against httpx's default expiry, which equals uvicorn's 5 s: no
+  margin at all. A caller idle for over 1 s pays one new connection (about half a millisecond,
+  BENCHMARKS.md), nothing next to a generation; a busy one reuses its connections.
 * **The provable case is httpcore's.** Before reusing a connection, httpcore's pool checks its
   socket: a connection the server closed or reset (its FIN or RST arrived) is dropped and the
   request goes out on a new one, before any byte of it was written. That is the only point at
@@ -56,8 +59,8 @@ from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCod
 # uvicorn's default ``timeout_keep_alive``, with which vLLM and SGLang serve their APIs.
 ENGINE_KEEP_ALIVE_S = 5.0
 # How long a pooled engine connection may stay idle before the pool closes it: under the
-# engine's keep-alive with a margin of 3 s for a stalled server loop (module docstring).
-POOL_IDLE_EXPIRY_S = 2.0
+# engine's keep-alive with a margin of 4 s for a blocked engine loop (module docstring).
+POOL_IDLE_EXPIRY_S = 1.0
 # Connections per client (httpx's default cap) and as many kept idle, so a burst of concurrent
 # calls does not close and reopen connections on every request.
 POOL_MAX_CONNECTIONS = 100
