@@ -22,8 +22,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import uvicorn
 
-from engines import http
+from engines import guard, http
 from engines.contract import AmbiguousReply, ErrorCode
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
@@ -215,3 +216,12 @@ async def test_a_reset_that_crosses_the_request_is_ambiguous_and_never_resent(
             await _get(client, closing_server.port)
     assert (lost.value.code, lost.value.dispatched) == (ErrorCode.CONNECTION_LOST, True)
     assert (closing_server.connections, closing_server.requests, heads) == (1, 1, 2)
+
+
+def test_the_pool_expires_idle_connections_seconds_before_any_engine_server_would() -> None:
+    """The margin the pool's safety rests on: uvicorn's default keep-alive (vLLM, SGLang) and
+    the local engine's (``engines.guard``) are the 5 s the pool counts on, and the pool lets go
+    of an idle connection 4 s before that."""
+    assert uvicorn.Config(app="unused:app").timeout_keep_alive == http.ENGINE_KEEP_ALIVE_S
+    assert guard.KEEP_ALIVE_S == http.ENGINE_KEEP_ALIVE_S
+    assert http.ENGINE_KEEP_ALIVE_S - http.POOL_IDLE_EXPIRY_S >= 4.0
