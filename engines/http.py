@@ -55,6 +55,7 @@ from typing import Any
 import httpx
 
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCode
+from engines.http_pool import ShardedTransport
 
 # uvicorn's default ``timeout_keep_alive``, with which vLLM and SGLang serve their APIs.
 ENGINE_KEEP_ALIVE_S = 5.0
@@ -64,6 +65,9 @@ POOL_IDLE_EXPIRY_S = 1.0
 # Connections per client (httpx's default cap) and as many kept idle, so a burst of concurrent
 # calls does not close and reopen connections on every request.
 POOL_MAX_CONNECTIONS = 100
+# Shards of the pool (engines.http_pool): each holds at most 13 of the 100 connections, so the
+# pool's per-request bookkeeping stays small at any concurrency.
+POOL_SHARDS = 8
 
 
 def engine_client(
@@ -71,14 +75,19 @@ def engine_client(
 ) -> httpx.AsyncClient:
     """The HTTP client every engine caller uses (adapters, the OpenAI relay): a pool of
     kept-alive connections per engine that closes idle ones before the engine would (module
-    docstring). Loopback/cluster traffic never goes through a proxy from the environment (a
-    proxy would blur "never sent" and "sent once")."""
+    docstring), in shards (:mod:`engines.http_pool`). Loopback/cluster traffic never goes
+    through a proxy from the environment (a proxy would blur "never sent" and "sent once")."""
     limits = httpx.Limits(
         max_connections=POOL_MAX_CONNECTIONS,
         max_keepalive_connections=POOL_MAX_CONNECTIONS,
         keepalive_expiry=POOL_IDLE_EXPIRY_S,
     )
-    return httpx.AsyncClient(base_url=base_url, trust_env=False, headers=headers, limits=limits)
+    return httpx.AsyncClient(
+        base_url=base_url,
+        trust_env=False,
+        headers=headers,
+        transport=ShardedTransport(limits, shards=POOL_SHARDS),
+    )
 
 
 async def request(
