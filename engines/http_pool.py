@@ -16,7 +16,9 @@ closed (read to the end, or given up: the connection is then closed, never reuse
 
 from __future__ import annotations
 
+import functools
 import math
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -34,7 +36,8 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             max_keepalive_connections=share,
             keepalive_expiry=limits.keepalive_expiry,
         )
-        self._shards = [httpx.AsyncHTTPTransport(limits=each) for _ in range(shards)]
+        tls = _tls_context()
+        self._shards = [httpx.AsyncHTTPTransport(limits=each, verify=tls) for _ in range(shards)]
         self._in_flight = [0] * shards
 
     @property
@@ -61,6 +64,14 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         for shard in self._shards:
             await shard.aclose()
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (certifi's roots), built once per process and shared by
+    every shard of every engine client: building one costs tens of milliseconds of CPU (the
+    root store), which once per shard made a fleet's adapters slow to construct."""
+    return httpx.create_ssl_context()
 
 
 class _CountedStream(httpx.AsyncByteStream):
