@@ -17,18 +17,33 @@ classification, written once:
   nothing);
 * 2xx -> returned.
 
-Every request goes out on a connection of its own and asks the server to close it after the
-reply (``Connection: close``). A pooled idle connection can be closed by the server's
-keep-alive timer (uvicorn, which serves vLLM's and SGLang's APIs: 5 s) just as a request goes
-out on it; the server resets the connection with the request unread, and since nothing here is
-ever resent, the caller gets an ambiguous ``CONNECTION_LOST`` for nothing. Expiring idle
-connections early on the client side narrows that window but cannot close it: a server whose
-event loop stalls fires its timer late, after the request has arrived (a generation in CI,
-against a starved vLLM; uvloop runs a due timer before it reads the socket). A fresh connection
-has no idle timer to race. It costs one loopback or LAN handshake, well under a millisecond,
-nothing next to an engine call (BENCHMARKS.md, Engine HTTP connections); and because the server
-closes first, the TIME_WAIT left behind is the server's, so a busy client does not run out of
-ephemeral ports.
+Engine connections are pooled (:func:`engine_client`, the one client factory of every engine
+caller) and a request is never resent. The hazard of a kept-alive connection: the server's
+keep-alive timer (uvicorn, which serves vLLM's and SGLang's APIs: 5 s) closes it just as a
+request goes out on it; the server drops the request unread, and the caller gets an ambiguous
+``CONNECTION_LOST`` for nothing (a lost generation). What keeps that away:
+
+* **We close first.** A connection idle for :data:`POOL_IDLE_EXPIRY_S` (1 s) is closed by the
+  pool and never reused, well inside the engine's 5 s. Until then the engine's timer has not
+  fired, so it cannot close the connection under a request -- unless the engine's loop is
+  blocked for the whole 4 s margin, from before the request arrives until the timer is due:
+  uvloop (vLLM's loop) then runs the due timer before it reads the socket. A starved vLLM in CI
+  lost a generation that way against httpx's default expiry, which equals uvicorn's 5 s: no
+  margin at all. A caller idle for over 1 s pays one new connection (about half a millisecond,
+  BENCHMARKS.md), nothing next to a generation; a busy one reuses its connections.
+* **The provable case is httpcore's.** Before reusing a connection, httpcore's pool checks its
+  socket: a connection the server closed or reset (its FIN or RST arrived) is dropped and the
+  request goes out on a new one, before any byte of it was written. That is the only point at
+  which "never left" is provable: once the head is handed to the socket, a reset, a timeout or
+  "Server disconnected without sending a response" may come after the server read the request
+  (a reset that arrives between that check and the write looks exactly the same: asyncio
+  swallows the failed write, and the error surfaces on the read). So nothing is resent here:
+  every such failure is an ambiguous ``CONNECTION_LOST`` (at most once; never silent).
+
+An engine whose keep-alive is shorter than :data:`POOL_IDLE_EXPIRY_S` (not uvicorn's default)
+closes connections the pool still holds: a reuse after its FIN arrived is safe (the check
+above), but a request that crosses the FIN on the wire is lost, ambiguously, as above;
+``tests/engines/test_connection_pool.py`` runs that race against a real uvicorn.
 """
 
 from __future__ import annotations
@@ -40,15 +55,39 @@ from typing import Any
 import httpx
 
 from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCode
+from engines.http_pool import ShardedTransport
 
-# Sent with every request: see the module docstring.
-ONE_REQUEST_PER_CONNECTION = {"Connection": "close"}
+# uvicorn's default ``timeout_keep_alive``, with which vLLM and SGLang serve their APIs.
+ENGINE_KEEP_ALIVE_S = 5.0
+# How long a pooled engine connection may stay idle before the pool closes it: under the
+# engine's keep-alive with a margin of 4 s for a blocked engine loop (module docstring).
+POOL_IDLE_EXPIRY_S = 1.0
+# Connections per client (httpx's default cap) and as many kept idle, so a burst of concurrent
+# calls does not close and reopen connections on every request.
+POOL_MAX_CONNECTIONS = 100
+# Shards of the pool (engines.http_pool): each holds at most 13 of the 100 connections, so the
+# pool's per-request bookkeeping stays small at any concurrency.
+POOL_SHARDS = 8
 
 
-def engine_client(base_url: str, *, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
-    """The HTTP client every engine adapter uses: loopback/cluster traffic never goes through
-    a proxy from the environment (a proxy would blur "never sent" and "sent once")."""
-    return httpx.AsyncClient(base_url=base_url, trust_env=False, headers=headers)
+def engine_client(
+    base_url: str = "", *, headers: dict[str, str] | None = None
+) -> httpx.AsyncClient:
+    """The HTTP client every engine caller uses (adapters, the OpenAI relay): a pool of
+    kept-alive connections per engine that closes idle ones before the engine would (module
+    docstring), in shards (:mod:`engines.http_pool`). Loopback/cluster traffic never goes
+    through a proxy from the environment (a proxy would blur "never sent" and "sent once")."""
+    limits = httpx.Limits(
+        max_connections=POOL_MAX_CONNECTIONS,
+        max_keepalive_connections=POOL_MAX_CONNECTIONS,
+        keepalive_expiry=POOL_IDLE_EXPIRY_S,
+    )
+    return httpx.AsyncClient(
+        base_url=base_url,
+        trust_env=False,
+        headers=headers,
+        transport=ShardedTransport(limits, shards=POOL_SHARDS),
+    )
 
 
 async def request(
@@ -62,18 +101,16 @@ async def request(
     content: bytes | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> httpx.Response:
-    """Send once (never retried here) and classify transport-level failures. ``content`` (with
-    its ``headers``) carries a binary body, e.g. a msgpack bucket, instead of ``json``. The
-    request travels on a fresh connection (module docstring), through an injected client too,
-    provided nothing else leaves kept-alive connections in that client's pool (httpx reuses an
-    idle one whatever this request's headers say).
+    """Send once (never resent: module docstring) and classify transport-level failures.
+    ``content`` (with its ``headers``) carries a binary body, e.g. a msgpack bucket, instead of
+    ``json``. ``client`` is an :func:`engine_client` pool.
 
     A binary body is sent as a one-shot stream (with its ``Content-Length``: the same bytes on
     the wire). Why: httpx keeps each response in a reference cycle with its request, freed
     only when the cyclic garbage collector runs, and a ``bytes`` body stays alive as long;
     a staged transfer sends bucket after bucket of several MiB, which piled up (16 buckets of
     4 MiB alive at once), while a finished stream holds nothing."""
-    headers = {**(headers or {}), **ONE_REQUEST_PER_CONNECTION}
+    headers = dict(headers or {})
     what = f"{method} {path}"
     body: AsyncIterator[bytes] | None = None
     if content is not None:

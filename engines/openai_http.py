@@ -19,12 +19,12 @@ other engine call uses (:func:`engines.http.transport_failure`,
 nothing was sent (``dispatched=False``); a timeout, a reset or a 5xx is ambiguous (so is a
 failure while the caller reads the body: :func:`read_failure`); a 4xx is the engine's
 refusal, read by :func:`refusal_of` with the rule of that engine's own adapter. The request
-goes out on a connection of its own (``Connection: close``, same reason as
-:mod:`engines.http`: a pooled connection the server's keep-alive timer closes just as the
-request leaves turns a healthy request into an ambiguous one). The response is returned
-*streaming*: the caller reads the body chunk by chunk as the engine writes it, and closing it (a
-client that went away) closes the connection, which is how every one of these engines learns to
-abort the request.
+goes out on the caller's :func:`engines.http.engine_client` pool, never resent
+(:mod:`engines.http` says why that pool does not lose requests to the engine's keep-alive
+timer). The response is returned *streaming*: the caller reads the body chunk by chunk as the
+engine writes it, and closing it (a client that went away) closes the connection (an unfinished
+reply's connection never goes back to the pool), which is how every one of these engines learns
+to abort the request.
 
 This module imports nothing of the ledger: an engine is addressed by URL, kind and headers.
 """
@@ -39,7 +39,7 @@ import httpx
 
 from engines import sglang, vllm
 from engines.contract import AmbiguousReply, CleanRefusal
-from engines.http import ONE_REQUEST_PER_CONNECTION, server_failure, transport_failure
+from engines.http import server_failure, transport_failure
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -103,7 +103,6 @@ async def open_upstream(
         "content-type": "application/json",
         "x-request-id": request_id,
         **(headers or {}),
-        **ONE_REQUEST_PER_CONNECTION,
     }
     request = client.build_request(
         "POST", url, content=content, headers=sent_headers, timeout=timeout

@@ -26,6 +26,7 @@ import msgspec
 from starlette.types import Send
 
 from engines.contract import CleanRefusal
+from engines.http import engine_client
 from engines.openai_http import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -107,7 +108,8 @@ class UsageReader:
 
 
 class Relay:
-    """Sends attempts to engines over one HTTP client (the engines' token, the timeouts)."""
+    """Sends attempts to engines over one pooled client (:func:`engines.http.engine_client`,
+    with the engines' token and the timeouts)."""
 
     def __init__(
         self,
@@ -117,7 +119,7 @@ class Relay:
         connect_timeout_s: float,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self._client = client or httpx.AsyncClient(trust_env=False)
+        self._client = client or engine_client()
         self._headers = {"authorization": f"Bearer {engine_token}"} if engine_token else {}
         self._timeout = httpx.Timeout(upstream_timeout_s, connect=connect_timeout_s)
 

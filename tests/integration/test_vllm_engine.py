@@ -215,9 +215,8 @@ async def unload_under_requests(
 
     # One client for the gauge polls, made before the requests start: building an httpx
     # client (its SSL context) holds the GIL for tens of ms, far longer on a busy 2-core box.
-    # Each poll on a fresh connection, as the engine's own requests (engines.http: a starved
-    # server may reset a kept-alive one).
-    probe_client = httpx.AsyncClient(trust_env=False, headers=http.ONE_REQUEST_PER_CONNECTION)
+    # The engine's own pool (engines.http: idle connections closed before the server would).
+    probe_client = http.engine_client()
     async with probe_client as probe, anyio.create_task_group() as tg:
         for i in range(n_requests):
             tg.start_soon(one, i)

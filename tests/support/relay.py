@@ -1,8 +1,10 @@
 """A TCP relay in front of an engine's HTTP server, for tests that need a fault between a
 caller and a real engine: a reply lost after the engine ran the request, or a request held
 until the test lets it go; or in front of ``serve``: an upload cut mid-body, a byte of it
-corrupted. One request per connection (every engine client here sends ``Connection: close``;
-a test's own client disables keep-alive)."""
+corrupted. One request per connection: the relay forwards each request with ``Connection:
+close``, so the server's reply says so too and the caller (engine clients pool their
+connections) opens a new connection for its next request instead of sending it into a relay
+that reads no more."""
 
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ class Relay:
 
     async def _relay(self, client: anyio.abc.SocketStream) -> None:
         async with client:
-            request = await read_request(client)
+            request = one_request_per_connection(await read_request(client))
             generation = request.startswith(self.requests)
             if generation and self.faults is not None:
                 generation = self.faults > 0
@@ -130,6 +132,13 @@ def reset_on_close(stream: anyio.abc.SocketStream) -> None:
     lost, not a clean end."""
     raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def one_request_per_connection(request: bytes) -> bytes:
+    """``request`` asking the server to close the connection after its reply (a header added
+    after the request line; the body's offset moves with the head)."""
+    line, rest = request.split(b"\r\n", 1)
+    return line + b"\r\nConnection: close\r\n" + rest
 
 
 async def read_request(client: anyio.abc.SocketStream) -> bytes:

@@ -13,7 +13,7 @@ reference in the same run on the same machine, so a figure is always read as a r
 ``transports``         publication by path, through an agent, by SGLang's tensor route
 ``ray``                binds through the Ray ledger actor vs a dict in a Ray actor
 ``ray_publish``        publication through Ray vs in process
-``http``               a fresh connection per engine request vs a kept-alive one
+``http``               the engine connection pool vs a fresh connection per request
 ``gateway``            the OpenAI gateway vs a bare proxy vs the engine directly
 ``proxy``              the bare pass-through proxy ``gateway`` measures against
 ``stub_engine``        the stub vLLM server ``gateway`` (and some tests) drive

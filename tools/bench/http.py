@@ -1,13 +1,13 @@
-"""Benchmark: what a fresh connection per engine request costs, next to a kept-alive one.
+"""Benchmark: the engine connection pool next to a fresh connection per engine request.
 
-``engines.http.request`` sends every engine call on a connection of its own (``Connection:
-close``), so that a server closing an idle keep-alive connection can never swallow a request
-(see that module). This measures the price, in the same run and on the same server:
+Every engine caller sends through :func:`engines.http.engine_client`'s pool, which closes idle
+connections before the engine's keep-alive timer could (see that module). Before the pool,
+every request went out on a connection of its own (``Connection: close``). This measures both,
+in the same run and on the same server:
 
-* ``kept_alive`` -- the reference: one pooled ``httpx.AsyncClient`` reusing its connections
-  (what the adapters did before);
-* ``fresh`` -- the same client through ``engines.http.request``: a TCP handshake and a close
-  per request.
+* ``pooled`` -- ``engines.http.request`` through ``engines.http.engine_client`` (today's rule);
+* ``fresh`` -- the same, with ``Connection: close`` on every request: a TCP handshake and a
+  close per request (the rule before the pool).
 
 The server is uvicorn (what vLLM and SGLang run) in a subprocess of its own on loopback,
 answering ``GET /ping`` at once: the figures are pure per-request overhead, the worst case for
@@ -87,16 +87,20 @@ def _server(workdir: str) -> Iterator[str]:
             proc.wait()
 
 
+# The rule before the pool: the server closes the connection after each reply.
+_ONE_REQUEST_PER_CONNECTION = {"Connection": "close"}
+
+
 async def _arm(client: httpx.AsyncClient, fresh: bool, requests: int, concurrency: int) -> float:
     """Requests per second for one arm; every reply must be ``pong``."""
     per_task = requests // concurrency
+    headers = _ONE_REQUEST_PER_CONNECTION if fresh else None
 
     async def one_task() -> None:
         for _ in range(per_task):
-            if fresh:
-                response = await http.request(client, "GET", "/ping", engine_id="b", timeout=30)
-            else:
-                response = await client.get("/ping", timeout=30)
+            response = await http.request(
+                client, "GET", "/ping", engine_id="b", timeout=30, headers=headers
+            )
             if response.text != "pong":
                 raise RuntimeError(f"unexpected reply {response.status_code} {response.text!r}")
 
@@ -111,27 +115,27 @@ async def bench_http(
     base_url: str,
     *,
     requests: int = 2000,
-    concurrencies: tuple[int, ...] = (1, 32),
+    concurrencies: tuple[int, ...] = (1, 32, 256),
     rounds: int = 5,
 ) -> dict[str, Any]:
     rows = []
-    async with httpx.AsyncClient(base_url=base_url, trust_env=False) as client:
+    async with http.engine_client(base_url) as client:
         await _arm(client, False, 50, 1)  # warm-up: imports, first connection
         for concurrency in concurrencies:
-            samples: dict[str, list[float]] = {"kept_alive": [], "fresh": []}
+            samples: dict[str, list[float]] = {"pooled": [], "fresh": []}
             for _ in range(rounds):
-                samples["kept_alive"].append(await _arm(client, False, requests, concurrency))
+                samples["pooled"].append(await _arm(client, False, requests, concurrency))
                 samples["fresh"].append(await _arm(client, True, requests, concurrency))
-            kept, fresh = (statistics.median(samples[k]) for k in ("kept_alive", "fresh"))
+            pooled, fresh = (statistics.median(samples[k]) for k in ("pooled", "fresh"))
             rows.append(
                 {
                     "concurrency": concurrency,
-                    "kept_alive_rps": round(kept),
+                    "pooled_rps": round(pooled),
                     "fresh_rps": round(fresh),
-                    "ratio": round(fresh / kept, 2),
+                    "ratio": round(pooled / fresh, 2),
                     # Per request, as one sequential caller waits it (concurrency 1 only).
-                    "extra_us_per_request": (
-                        round((1 / fresh - 1 / kept) * 1e6) if concurrency == 1 else None
+                    "saved_us_per_request": (
+                        round((1 / fresh - 1 / pooled) * 1e6) if concurrency == 1 else None
                     ),
                     "samples": samples,
                 }
@@ -140,6 +144,7 @@ async def bench_http(
         "machine": (
             f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
         ),
+        "load_average": os.getloadavg(),
         "requests": requests,
         "rounds": rounds,
         "rows": rows,
@@ -164,14 +169,15 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result, indent=2))
         return
     print(
-        f"machine: {result['machine']}; {result['requests']} requests x {result['rounds']} rounds"
+        f"machine: {result['machine']}; {result['requests']} requests x {result['rounds']} rounds;"
+        f" load average at the end {result['load_average'][0]:.2f}"
     )
     for row in result["rows"]:
-        extra = row["extra_us_per_request"]
+        saved = row["saved_us_per_request"]
         print(
-            f"concurrency {row['concurrency']:>3}: kept-alive {row['kept_alive_rps']:>6} req/s, "
+            f"concurrency {row['concurrency']:>3}: pooled {row['pooled_rps']:>6} req/s, "
             f"fresh connection {row['fresh_rps']:>6} req/s, ratio {row['ratio']:.2f}"
-            + (f" ({extra:+} us per request)" if extra is not None else "")
+            + (f" ({saved:+} us per request saved)" if saved is not None else "")
         )
 
 

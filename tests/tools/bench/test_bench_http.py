@@ -21,8 +21,8 @@ def test_bench_http_small(tmp_path) -> None:  # type: ignore[no-untyped-def]
         httpx.get(f"{base_url}/ping", timeout=5)
     assert [row["concurrency"] for row in result["rows"]] == [1, 8]
     for row in result["rows"]:
-        assert len(row["samples"]["kept_alive"]) == len(row["samples"]["fresh"]) == 2
-        assert row["kept_alive_rps"] > 0 and row["fresh_rps"] > 0
-        assert row["ratio"] == pytest.approx(row["fresh_rps"] / row["kept_alive_rps"], abs=0.01)
-    assert isinstance(result["rows"][0]["extra_us_per_request"], int)
-    assert result["rows"][1]["extra_us_per_request"] is None
+        assert len(row["samples"]["pooled"]) == len(row["samples"]["fresh"]) == 2
+        assert row["pooled_rps"] > 0 and row["fresh_rps"] > 0
+        assert row["ratio"] == pytest.approx(row["pooled_rps"] / row["fresh_rps"], abs=0.01)
+    assert isinstance(result["rows"][0]["saved_us_per_request"], int)
+    assert result["rows"][1]["saved_us_per_request"] is None
