@@ -174,6 +174,22 @@ CAMPAIGNS: dict[str, Campaign] = {
             ),
             gated=True,
         ),
+        Campaign(
+            "tensor_wire",
+            # the untrusted payload's decoding: an allowlist unpickler, storages weights-only
+            ("engines/tensor_wire.py",),
+            (
+                "tests/engines/test_tensor_payloads_never_run_code.py",
+                "tests/engines/test_sglang_tensor_route.py",
+            ),
+            gated=True,
+        ),
+        Campaign(
+            "renewals",
+            ("publisher/remote/renewals.py",),
+            ("tests/publisher/remote/test_renewals.py",),
+            gated=True,
+        ),
     )
 }
 
@@ -253,12 +269,18 @@ def _copy_tree(dest: Path, campaign: Campaign) -> None:
     shutil.copytree(ROOT / "tests", dest / "tests", ignore=_IGNORE)
     # test_check_order.py reads the state machine's table from docs/state-machine.md
     shutil.copytree(ROOT / "docs", dest / "docs", ignore=_IGNORE)
+    # mutmut mutates only under its source paths and copies the rest as is: a campaign over
+    # engines/ or tools/ adds that package to the sources (only_mutate still picks the files).
+    sources = sorted(
+        {"evlog", "projections", "publisher"} | {p.split("/")[0] for p in campaign.mutate}
+    )
+    copied = [pkg for pkg in ("engines", "tools") if pkg not in sources] + ["docs"]
     config = (ROOT / "pyproject.toml").read_text("utf-8")
     config += "\n[tool.mutmut]\n" + "\n".join(
         [
-            'source_paths = ["evlog", "projections", "publisher"]',
+            f"source_paths = {json.dumps(sources)}",
             f"only_mutate = {json.dumps(list(campaign.mutate))}",
-            'also_copy = ["engines", "tools", "docs"]',
+            f"also_copy = {json.dumps(copied)}",
             # --timeout: a mutant that hangs a test (a stranded group-commit leader, a lost
             # wake-up) fails it after 60 s instead of costing mutmut's wall timeout, which is a
             # multiple of the time of every test that covers the function (minutes). The
