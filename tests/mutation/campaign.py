@@ -180,7 +180,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             ("engines/tensor_wire.py",),
             (
                 "tests/engines/test_tensor_payloads_never_run_code.py",
-                "tests/engines/test_sglang_tensor_route.py",
+                "tests/engines/test_tensor_wire_refusals.py",  # each refusal, empty tensors
             ),
             gated=True,
         ),
@@ -188,6 +188,31 @@ CAMPAIGNS: dict[str, Campaign] = {
             "renewals",
             ("publisher/remote/renewals.py",),
             ("tests/publisher/remote/test_renewals.py",),
+            gated=True,
+        ),
+        Campaign(
+            "guard",
+            # what every HTTP server checks before a handler: token, body cap, strict JSON
+            ("engines/guard.py",),
+            (
+                "tests/engines/test_guard_drain.py",
+                "tests/engines/local/test_server_trust.py",
+                "tests/security/test_token_files.py",
+                "tests/tools/test_serve_limits.py",
+            ),
+            gated=True,
+        ),
+        Campaign(
+            "verify",
+            ("tools/verify.py",),
+            ("tests/tools/test_verify.py",),
+            gated=True,
+        ),
+        Campaign(
+            "forensics",
+            # the folds the forensic commands read: why a version stalls, a session's audit
+            ("projections/stalls.py", "projections/audit.py"),
+            ("tests/projections/test_history.py", "tests/projections/test_audit.py"),
             gated=True,
         ),
     )
