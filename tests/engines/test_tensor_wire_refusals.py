@@ -198,3 +198,13 @@ def test_a_request_read_as_base64_is_strict_about_its_alphabet() -> None:
     with pytest.raises(PayloadError, match="not base64"):
         decode_request(_request(["\n" + blob]), 1)
     assert base64.b64decode("\n" + blob) == base64.b64decode(blob)  # what lenience would read
+
+
+def test_checksums_name_every_tensor_by_the_sha256_of_its_raw_bytes() -> None:
+    """SGLang's checksum: the raw contiguous bytes only, neither dtype nor shape."""
+    import hashlib
+
+    _, tensors = make_adapter(1)
+    assert checksums(tensors) == {
+        name: hashlib.sha256(t.data).hexdigest() for name, t in tensors.items()
+    }
