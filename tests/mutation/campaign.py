@@ -205,14 +205,19 @@ CAMPAIGNS: dict[str, Campaign] = {
         Campaign(
             "verify",
             ("tools/verify.py",),
-            ("tests/tools/test_verify.py",),
+            # the CLI on damaged files; the verdict's every field, its progress, a changed file
+            ("tests/tools/test_verify.py", "tests/tools/test_verify_verdict.py"),
             gated=True,
         ),
         Campaign(
             "forensics",
             # the folds the forensic commands read: why a version stalls, a session's audit
             ("projections/stalls.py", "projections/audit.py"),
-            ("tests/projections/test_history.py", "tests/projections/test_audit.py"),
+            (
+                "tests/projections/test_history.py",
+                "tests/projections/test_audit.py",
+                "tests/tools/test_replay.py",  # `replay --why`: each obstacle and what cleared it
+            ),
             gated=True,
         ),
     )

@@ -1,0 +1,126 @@
+"""``verify``'s verdict, field by field, and what it reports while it works.
+
+``verify --json`` is read by scripts: every field of the verdict is a promise (where, how many
+records, the head hash a second copy can be compared with, the time it took, the seq to look
+at). And the verdict judges exactly the records the chain check counted: a file a
+writer changes meanwhile is refused, to be verified again.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from evlog.record import Record
+from evlog.stores import describe
+from projections.incidents import EngineHealthFold
+from tests.tools import tamper
+from tools.exitcodes import Exit
+from tools.verify import VerifyResult, verify_log
+
+pytestmark = pytest.mark.anyio
+
+Calls = list[tuple[str, int, int]]
+
+
+def _head(log: Path, upto: int | None = None) -> tuple[int, str]:
+    """The seq and hash of the last record (up to ``upto``)."""
+    with closing(sqlite3.connect(log)) as conn:
+        seq, head = conn.execute(
+            "SELECT seq, hash FROM events WHERE seq <= ? ORDER BY seq DESC", (upto or 2**62,)
+        ).fetchone()
+    return seq, head.hex()
+
+
+def _seconds_are_measured(result: VerifyResult) -> None:
+    assert 0 < result.seconds < 120 and result.seconds == round(result.seconds, 3)
+
+
+async def test_an_intact_log_gives_every_field_and_reports_each_phase(
+    fault_log: Path, fault_records: list[Record], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("projections.recovery.PROGRESS_EVERY", 10)
+    calls: Calls = []
+    result = await verify_log(fault_log, progress=lambda *call: calls.append(call))
+    last, head = _head(fault_log)
+    health = EngineHealthFold()
+    for record in fault_records:
+        health.apply(record)
+    assert (result.path, result.ok, result.exit_code, result.stage) == (
+        describe(fault_log),
+        True,
+        Exit.OK,
+        "done",
+    )
+    assert (result.records, result.last_seq, result.head_hash) == (last, last, head)
+    assert result.incidents == tuple(health.finish())
+    _seconds_are_measured(result)
+    every = [("invariants", seq, last) for seq in range(10, last + 1, 10)]
+    assert calls == [("chain", 0, last), ("chain", last, last), *every, ("invariants", last, last)]
+
+
+async def test_a_broken_chain_gives_the_chains_figures_and_its_code(fault_log: Path) -> None:
+    """The chain's figures stop at the last record that links: what a copy can be compared
+    with up to there."""
+    tamper.rewrite_prev_hash(fault_log, 20, rehash=True)  # (a bad tail is refused at open)
+    result = await verify_log(fault_log)
+    assert (result.ok, result.stage, result.first_bad_seq) == (False, "chain", 20)
+    assert (result.records, result.last_seq, result.head_hash) == (19, 19, _head(fault_log, 19)[1])
+    assert result.code is not None and result.exit_code == Exit.TAMPERED
+    assert result.problem and result.path == describe(fault_log)
+    _seconds_are_measured(result)
+
+
+async def test_a_broken_invariant_gives_the_logs_figures_and_the_incidents_so_far(
+    fault_log: Path, fault_records: list[Record]
+) -> None:
+    from evlog.events import SessionBound
+
+    last = _head(fault_log)[0]
+    tamper.reforge(
+        fault_log, last, SessionBound(session="s", owner="w1", version_id=99, revision=1)
+    )
+    head = _head(fault_log)[1]
+    result = await verify_log(fault_log)
+    assert (result.stage, result.code, result.exit_code) == (
+        "invariants",
+        "INVARIANT",
+        Exit.INVARIANT,
+    )
+    assert (result.records, result.last_seq, result.head_hash) == (last, last, head)
+    assert result.first_bad_seq == last and "SessionBound" in result.problem
+    before = EngineHealthFold()
+    for record in fault_records[:-1]:  # every record applied before the forged one
+        before.apply(record)
+    assert result.incidents == tuple(before.finish())
+    _seconds_are_measured(result)
+
+
+async def test_an_empty_ledger_is_refused_at_open_naming_it(tmp_path: Path) -> None:
+    from evlog.sqlite import SQLiteStore
+
+    log = tmp_path / "empty.db"
+    store = await SQLiteStore.connect(log)
+    await store.close()
+    result = await verify_log(log)
+    assert (result.ok, result.stage, result.exit_code) == (False, "open", Exit.EMPTY)
+    assert result.problem == f"{describe(log)}: the ledger holds no events"
+
+
+async def test_a_log_a_writer_changes_while_it_is_verified_is_refused_to_run_again(
+    fault_log: Path,
+) -> None:
+    """A verdict is about one state of the file: a writer that changes it between the chain
+    check and the invariant replay (here: a record altered, as a tamperer would) makes the
+    verdict void, said as such, never a verdict on a mix of two files."""
+
+    def alter(phase: str, done: int, total: int) -> None:
+        if (phase, done) == ("chain", total):
+            tamper.flip_payload_byte(fault_log, 20)
+
+    result = await verify_log(fault_log, progress=alter)
+    assert (result.ok, result.stage, result.exit_code) == (False, "open", Exit.FAILED)
+    assert "the log changed while it was read" in result.problem
