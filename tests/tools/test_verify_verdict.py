@@ -124,3 +124,24 @@ async def test_a_log_a_writer_changes_while_it_is_verified_is_refused_to_run_aga
     result = await verify_log(fault_log, progress=alter)
     assert (result.ok, result.stage, result.exit_code) == (False, "open", Exit.FAILED)
     assert "the log changed while it was read" in result.problem
+
+
+async def test_the_per_session_invariants_run_at_each_record_only_when_deep(
+    fault_log: Path, fault_records: list[Record]
+) -> None:
+    """By default the per-session invariants (O(sessions)) run once, on the final state: a
+    breach the log heals later (a binding forged at a revision not yet published, released
+    since) passes. ``deep`` runs them after every record and names the record that broke
+    them: the cost ``--deep`` buys."""
+    import msgspec
+
+    from evlog.events import SessionBound
+
+    first = next(r for r in fault_records if isinstance(r.event, SessionBound))
+    assert isinstance(first.event, SessionBound)
+    tamper.reforge(fault_log, first.seq, msgspec.structs.replace(first.event, revision=99))
+    deep = await verify_log(fault_log, deep=True)
+    cheap = await verify_log(fault_log)
+    assert (deep.stage, deep.first_bad_seq) == ("invariants", first.seq)
+    assert "bound at future revision 99" in deep.problem
+    assert (cheap.ok, cheap.stage) == (True, "done")
