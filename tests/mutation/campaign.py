@@ -216,6 +216,8 @@ CAMPAIGNS: dict[str, Campaign] = {
             (
                 "tests/projections/test_history.py",
                 "tests/projections/test_audit.py",
+                "tests/projections/test_audit_fold.py",  # every life, fact for fact
+                "tests/projections/test_stall_explain.py",  # every stall, field for field
                 "tests/tools/test_replay.py",  # `replay --why`: each obstacle and what cleared it
             ),
             gated=True,
