@@ -25,7 +25,9 @@ Run (one command; ``--slow`` runs the gated campaigns through ``test_mutation.py
     python -m tests.mutation.campaign decider registry      # or: all
     pytest --slow tests/mutation
 
-CPU: the decider campaign generates ~2,200 mutants and takes ~28 min on two idle cores.
+CPU: the decider campaign generates ~2,200 mutants and takes ~28 min on two idle cores; the
+campaigns over the grown modules (tensor_wire, renewals, verify, forensics, guard) take from
+seconds (renewals) to ~5 min (tensor_wire, whose tests load torch) each.
 """
 
 from __future__ import annotations
@@ -197,10 +199,14 @@ CAMPAIGNS: dict[str, Campaign] = {
             (
                 "tests/engines/test_guard_drain.py",
                 "tests/engines/local/test_server_trust.py",
-                "tests/security/test_token_files.py",
+                # in process only: a server started as a subprocess imports the mutated module
+                # outside mutmut's folder and cannot start (test_token_files.py's fleet)
                 "tests/tools/test_serve_limits.py",
+                "tests/engines/test_guard_parsing.py",  # strict JSON's bounds, the messages
             ),
-            gated=True,
+            # Not gated yet: its first whole run (541 mutants) did not fit the session, so its
+            # survivors are not all judged (RELIABILITY.md, "Fifth run").
+            gated=False,
         ),
         Campaign(
             "verify",
