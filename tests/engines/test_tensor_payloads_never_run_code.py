@@ -83,3 +83,19 @@ def test_an_honest_payload_still_decodes() -> None:
     _, tensors = make_adapter(2)
     assert decode_tensors(encode_tensors(tensors)) == tensors
     assert RAN == []
+
+
+def test_storage_bytes_are_read_weights_only_whatever_torch_defaults_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Torch's default for ``torch.load`` is not the decoder's to rely on: it was the full
+    unpickler before torch 2.6, and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` in the process's
+    environment makes it so again. Only an explicit ``weights_only=True`` holds either way."""
+    import torch
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    buffer = io.BytesIO()
+    torch.save(_CallsMarker("storage"), buffer)
+    with pytest.raises(PayloadError, match="undecodable"):
+        decode_tensors(pickle.dumps({"w": _StorageFromBytes(buffer.getvalue())}))
+    assert RAN == []

@@ -66,3 +66,39 @@ def test_a_relays_sessions_are_joined_until_forwarded_and_kept_when_not() -> Non
     book.record("face", "a", {}, ["s5"])
     book.ended(("face", "a"))  # deregistered: nothing of it is forwarded any more
     assert (book.take(), book.take_sessions()) == ({}, {})
+
+
+def test_a_pended_life_is_forwarded_again_with_its_newest_counts() -> None:
+    """A confirmation needs the ledger's answer about a life even when nothing new was
+    recorded: ``pend`` sends its newest counts again, never over a newer pending renewal."""
+    book = PendingRenewals()
+    book.record("w", "one", {("e0", 1): 3})
+    book.take()
+    assert not book.wanted.is_set()
+    book.pend(("w", "one"))
+    assert book.wanted.is_set()
+    assert book.take() == {("w", "one"): {("e0", 1): 3}}
+    book.record("w", "one", {("e0", 1): 1})
+    book.pend(("w", "one"))  # the pending renewal is newer: it stays
+    book.pend(("w", "new"))  # a life that never renewed is forwarded with no counts
+    assert book.take() == {("w", "one"): {("e0", 1): 1}, ("w", "new"): {}}
+
+
+def test_an_ended_life_is_forgotten_and_ending_or_registering_twice_is_harmless() -> None:
+    """Deregistration forgets a life's counts, so a later confirmation of it forwards none;
+    a life ended after its renewal was forwarded, or registered without a refusal, is no
+    error (a client calls both on every deregistration and registration)."""
+    book = PendingRenewals()
+    refusal = LedgerRefused(Code.LEASE_EXPIRED, "lease of w expired")
+    assert book.lost(("w", "one")) is None
+    book.refused(("w", "one"), refusal)
+    assert book.lost(("w", "one")) is refusal and book.lost(("w", "two")) is None
+    book.registered(("w", "one"))
+    book.registered(("w", "one"))  # nothing refused any more
+    assert book.lost(("w", "one")) is None
+    book.record("w", "one", {("e0", 1): 2})
+    book.take()  # forwarded: nothing pending for it now
+    book.ended(("w", "one"))
+    book.ended(("w", "one"))
+    book.pend(("w", "one"))
+    assert book.take() == {("w", "one"): {}}
