@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.history import ClientOp, Fault, History
+from tests.chaos.history import ClientOp, Fault, History, Outcome
 from tests.chaos.picture import draw
 
 
 def test_a_history_is_drawn_as_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the picture needs the plot extra (matplotlib)")
+    ended: tuple[tuple[float, Outcome], ...] = ((100.0, "ok"), (101.0, "info"), (102.5, "fail"))
     ops = tuple(
         ClientOp(client="c0", kind="turn", invoked=t, completed=t + 0.5, outcome=outcome)
-        for t, outcome in ((100.0, "ok"), (101.0, "info"), (102.5, "fail"))
+        for t, outcome in ended
     )
     faults = (
         Fault(target="e0", kind="kill", at=100.2, healed=101.7),
