@@ -27,7 +27,6 @@ Run ``python -m tools.bench.ledger`` or ``loraledger bench ledger [--store postg
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -45,8 +44,8 @@ from evlog.sqlite import SQLiteStore, Synchronous
 from evlog.store import EventStore
 from projections.recovery import recover, save_snapshot
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Allocated
 from tools.bench.ledger_profile import profile_ledger
+from tools.bench.ledger_workload import bootstrap, drive
 from tools.bench.store import reference_append
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}
@@ -56,55 +55,11 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
-async def _bootstrap(ledger: Ledger) -> None:
-    await ledger.create_deployment("bench", prefix="agent", capacity=2)
-    for engine in ("e0", "e1"):
-        await ledger.join_engine(engine, f"{engine}-1")
-        await ledger.repair_engine(engine, f"{engine}-1")
-    digest = hashlib.sha256(b"bench").hexdigest()
-    allocated = await ledger.allocate(1, digest)
-    assert isinstance(allocated, Allocated), allocated  # a fresh version is never skipped
-    await ledger.claim_transport(1, allocated.attempt, "bench")
-    for engine in allocated.fleet:
-        await ledger.record_prepared(1, 1, engine, f"{engine}-1", digest, allocated.lora_name)
-        await ledger.record_ready(1, 1, engine, f"{engine}-1", digest, allocated.lora_name)
-    await ledger.commit(1, 1)
-    await ledger.register_owner("worker", ttl_s=3600)
-
-
-async def _drive(
-    store: EventStore, concurrency: int, sessions: int
-) -> tuple[int, int, float, int, float]:
-    """Bind and release ``sessions`` sessions from ``concurrency`` tasks through a ledger on
-    ``store``: (sessions done, first seq written, seconds, events written, mean events per
-    commit)."""
-    async with Ledger.open(store, snapshot_on_close=False) as ledger:
-        await _bootstrap(ledger)
-        first_seq = store.last_seq
-        batches, events = ledger.batches, ledger.events_written
-        per_task = sessions // concurrency
-
-        async def worker(k: int) -> None:
-            for i in range(per_task):
-                name = f"s{k}-{i}"
-                await ledger.bind(name, "worker")
-                await ledger.release(name, "worker")
-
-        start = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for k in range(concurrency):
-                tg.start_soon(worker, k)
-        seconds = time.perf_counter() - start
-        written = ledger.events_written - events
-        mean_batch = written / max(ledger.batches - batches, 1)
-    return per_task * concurrency, first_seq, seconds, written, mean_batch
-
-
 async def _sessions(
     path: str, concurrency: int, sessions: int, sync: Synchronous
 ) -> dict[str, Any]:
     async with SQLiteStore.open(path, synchronous=sync) as store:
-        done, first_seq, seconds, written, mean_batch = await _drive(store, concurrency, sessions)
+        done, first_seq, seconds, written, mean_batch = await drive(store, concurrency, sessions)
     rows = _rows_after(path, first_seq)
     assert len(rows) == written, (len(rows), written)
     ref_path = path + ".ref"
@@ -137,7 +92,7 @@ def _rows_after(path: str, seq: int) -> list[tuple[Any, ...]]:
 async def _fill(store: EventStore, events: int) -> None:
     """A log of about ``events`` session events: bind, release, a forget per 1,000."""
     async with Ledger.open(store, snapshot_on_close=False) as ledger:
-        await _bootstrap(ledger)
+        await bootstrap(ledger)
     batch: list[Event] = []
     session = 0
     while store.last_seq + len(batch) < events:
@@ -224,7 +179,7 @@ async def _pg_sessions(server: Any, run: str, concurrency: int, sessions: int) -
 
     url = await create_database(server, f"ledger_{run}")
     async with PostgresStore.open(url) as store:
-        done, first_seq, seconds, written, mean_batch = await _drive(store, concurrency, sessions)
+        done, first_seq, seconds, written, mean_batch = await drive(store, concurrency, sessions)
     rows = await _pg_rows_after(url, first_seq)
     assert len(rows) == written, (len(rows), written)
     reference = await create_database(server, f"reference_{run}")

@@ -43,13 +43,13 @@ from publisher.core import commands as c
 from publisher.core.decider import decide
 from publisher.core.decider.checks import _well_typed
 from publisher.core.ledger import Ledger
+from tools.bench.ledger_workload import bootstrap, drive
 
 
 async def _bootstrapped() -> RegistryState:
-    from tools.bench.ledger import _bootstrap
 
     async with Ledger.open(MemoryStore(), snapshot_on_close=False, watch_every_s=None) as ledger:
-        await _bootstrap(ledger)
+        await bootstrap(ledger)
         return ledger.state
 
 
@@ -120,10 +120,9 @@ async def _stages(concurrency: int, rounds: int, directory: str | None) -> dict[
 async def _ledger_cpu(concurrency: int, rounds: int) -> float:
     """Process CPU seconds per command of the whole ledger on a MemoryStore: ``bench
     ledger``'s own closed loop (its bootstrap included: a few dozen commands)."""
-    from tools.bench.ledger import _drive
 
     start = time.process_time()
-    _, _, _, written, _ = await _drive(MemoryStore(), concurrency, concurrency * rounds)
+    _, _, _, written, _ = await drive(MemoryStore(), concurrency, concurrency * rounds)
     return (time.process_time() - start) / written
 
 
