@@ -114,7 +114,7 @@ class Cluster:
         root: Path,
         *,
         plant: str | None = None,
-        gateway_tree: Path = REPO,
+        tree: Path = REPO,
         net: Network | None = None,
     ) -> None:
         self.root = root
@@ -128,7 +128,7 @@ class Cluster:
             d.mkdir(parents=True, exist_ok=True)
         (root / "token").write_text(TOKEN + "\n")
         self.plant = plant  # an engine plant (``tests/chaos/plants.py``), or None
-        self.gateway_tree = gateway_tree
+        self.tree = tree  # what serve and the gateways run (a planted copy, or this tree)
         self.members: dict[str, Member] = {}
 
     async def link(self, name: str, url: str) -> str:
@@ -187,6 +187,7 @@ class Cluster:
                 *specs,
             ],
             self.logs,
+            tree=self.tree,
         )
         await self._up(serve)
         self.trainer_url = await self.link("trainer->serve", serve.url)
@@ -207,7 +208,7 @@ class Cluster:
                         "0.5",
                     ],
                     self.logs,
-                    tree=self.gateway_tree,
+                    tree=self.tree,
                 )
                 tg.start_soon(self._up, gateway)
         for name in GATEWAYS:

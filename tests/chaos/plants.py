@@ -6,10 +6,12 @@ under test: a test-only engine wrapper, or a patched copy of the source tree).
   ``unload-ignores-inflight`` (weights freed without the drain: safe reclaim; today's runs do
   not catch it, as the ledger never asks for an unload while its in-flight evidence shows a
   request running, so the engine's drain is a second line the runs never need);
-* source plants, one text replacement in a copy of the tree that the gateway processes run
-  from: ``resend`` (every failed dispatch tried on another holder, an ambiguous one too: at
-  most once), ``release-on-restart`` (the gateway registers as an ordinary worker, not a
-  relay, so a new life of it releases the sessions it bound: continuity).
+* source plants, one text replacement in a copy of the tree that ``serve`` and the gateway
+  processes run from: ``resend`` (every failed dispatch tried on another holder, an ambiguous
+  one too: at most once), ``release-on-restart`` (the gateway registers as an ordinary worker,
+  not a relay, so a new life of it releases the sessions it bound: continuity),
+  ``answer-before-commit`` (the ledger answers a batch, then appends it 0.3 s later: a
+  ``serve`` killed in between loses what it acknowledged; durability).
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ SOURCE_PLANTS: dict[str, tuple[str, str, str]] = {
         "tools/gateway.py",
         "ttl_s=opts.ttl_s, sessions_idle_s=opts.session_idle_s",
         "ttl_s=opts.ttl_s, sessions_idle_s=None",
+    ),
+    "answer-before-commit": (
+        "publisher/core/ledger.py",
+        "            seqs = await self._store.append(",
+        "            self._deliver(batch, decided)  # planted: answered before the COMMIT\n"
+        "            await anyio.sleep(0.3)\n"
+        "            seqs = await self._store.append(",
     ),
 }
 PLANTS = (*ENGINE_PLANTS, *SOURCE_PLANTS)

@@ -379,7 +379,7 @@ async def run(
     tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
     (root / "adapters").mkdir(parents=True, exist_ok=True)
     async with Network() as net:
-        cluster = Cluster(root, plant=engine_plant, gateway_tree=tree, net=net)
+        cluster = Cluster(root, plant=engine_plant, tree=tree, net=net)
         state = Run(cluster, seed, root / "adapters")
         try:
             await cluster.start()

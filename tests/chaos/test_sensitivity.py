@@ -9,7 +9,10 @@ a run carrying a known bug must end with violations of the invariant that bug br
   runs a request);
 * ``release-on-restart`` -- the gateway registers as an ordinary worker, so its restart
   releases the sessions it bound: continuity (seed 11 restarts or SIGTERMs a gateway three
-  times, so one of them finds sessions it bound still open).
+  times, so one of them finds sessions it bound still open);
+* ``answer-before-commit`` -- the ledger in ``serve`` answers a batch 0.3 s before it appends
+  it: durability (seed 14 SIGKILLs ``serve`` at 5 s, while binds and a publication are being
+  acknowledged).
 
 Each is a whole cluster run (1-2 minutes on two loaded cores), so they run under ``--slow``.
 """
@@ -34,6 +37,7 @@ DURATION_S = 25.0
         ("default", 3, "pinning"),
         ("resend", 140, "at_most_once"),
         ("release-on-restart", 11, "continuity"),
+        ("answer-before-commit", 14, "durability"),
     ],
 )
 async def test_the_checker_catches_a_planted_bug_in_a_real_run(
