@@ -61,7 +61,12 @@ pytestmark = [
 ]
 
 SUSPEND_AFTER_S = 3.0
-TIMEOUTS = EngineTimeouts(probe=2.0, inventory=5, prepare=30, transfer=30, load=30, unload=10)
+# A live engine process must answer every probe within this, or it counts as unreachable and
+# the publication rightly goes on without it: 2 s was missed by a live engine at load 22 on
+# two cores. The bounds below are about which mechanism acted (the probe loop, not a full pass
+# an hour away), so they carry generous slack for the same reason.
+SLACK_S = 30.0
+TIMEOUTS = EngineTimeouts(probe=5.0, inventory=5, prepare=30, transfer=30, load=30, unload=10)
 TOKEN = "operator-token"
 
 
@@ -185,7 +190,7 @@ async def test_a_frozen_engine_is_suspended_publication_goes_on_and_it_is_repair
             assert outcome.status == PublicationStatus.PUBLISHED
             assert sorted(t.engine for t in outcome.engines) == ["e0", "e1"]
             # suspension (probe timeouts + SUSPEND_AFTER_S) plus one publication, with slack
-            assert took < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + 10.0, took
+            assert took < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + SLACK_S, took
             suspended = await events_of(plane.ledger, EngineSuspended)
             # its publication call went unanswered past the control timeout (the probe
             # timeout) while its probes failed: out before the durable suspension's time
@@ -236,7 +241,7 @@ async def test_a_killed_engine_is_suspended_and_an_operator_removes_it(tmp_path:
                 await plane.publisher.publish(adapter_copy(2), version_id=2)
             await wait_for("e2 suspended", lambda: ledger.state.engines["e2"].suspended, timeout=30)
             outcome = await plane.publisher.publish(adapter_copy(2), version_id=2)
-            assert time.monotonic() - killed_at < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + 10.0
+            assert time.monotonic() - killed_at < SUSPEND_AFTER_S + 3 * TIMEOUTS.probe + SLACK_S
             assert outcome.status == PublicationStatus.PUBLISHED
             assert sorted(t.engine for t in outcome.engines) == ["e0", "e1"]
             assert ledger.state.engines["e2"].suspended
