@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import locale
 import logging
 import resource
 import socket
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from engines import guard
 from engines.guard import (
     HEADER_TIMEOUT_S,
     KEEP_ALIVE_S,
@@ -36,6 +38,7 @@ from engines.guard import (
     connection_cap,
     exception_handlers,
     guarded_protocol,
+    is_loopback,
     read_token,
     token_lines,
     uvicorn_limits,
@@ -109,8 +112,13 @@ def test_a_token_file_is_read_as_utf_8(tmp_path: Path) -> None:
     """A non-ASCII token is refused as such (not as an undecodable file), whatever the locale."""
     path = tmp_path / "token"
     path.write_bytes("caf\u00e9\n".encode())
-    with pytest.raises(ValueError, match="4 characters"):
-        read_token("SOME_TOKEN", path)
+    saved = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")  # the locale's encoding is now ASCII
+    try:
+        with pytest.raises(ValueError, match="4 characters"):
+            read_token("SOME_TOKEN", path)
+    finally:
+        locale.setlocale(locale.LC_CTYPE, saved)
 
 
 def test_token_lines_number_every_line_from_one_and_skip_blanks_and_comments() -> None:
@@ -161,7 +169,15 @@ def test_uvicorn_is_given_the_guarded_protocol_and_the_limits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1000, resource.RLIM_INFINITY))
+    made = []
+
+    def protocol(**limits: Any) -> type[Any]:
+        made.append(limits)
+        return guarded_protocol(**limits)
+
+    monkeypatch.setattr(guard, "guarded_protocol", protocol)
     limits = uvicorn_limits(max_connections=5000, header_timeout_s=3.5)
+    assert made == [{"max_connections": 936, "header_timeout_s": 3.5}]  # 1000 - 64 descriptors
     assert limits["timeout_keep_alive"] == KEEP_ALIVE_S == 5
     assert limits["h11_max_incomplete_event_size"] == MAX_HEADER_BYTES == 64 * 1024
     assert issubclass(limits["http"], H11Protocol)
@@ -187,19 +203,26 @@ class _Exchange:
     200 with its length: the body's parts as the client sends them, every ``receive`` the guard
     or the handler made, everything sent back."""
 
-    def __init__(self, parts: list[bytes], *, then_disconnect: bool = False) -> None:
+    def __init__(
+        self, parts: list[bytes], *, then_disconnect: bool = False, then_silence: bool = False
+    ) -> None:
+        """``then_disconnect``: the client goes after its parts; ``then_silence``: it says
+        more is coming and never sends it. Otherwise the last part ends the body, as ASGI
+        allows, by leaving ``more_body`` out."""
         self.messages: list[Message] = [
-            {"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
-            for i, part in enumerate(parts)
+            {"type": "http.request", "body": part, "more_body": True} for part in parts
         ]
         if then_disconnect:
-            self.messages[-1]["more_body"] = True
             self.messages.append({"type": "http.disconnect"})
+        elif not then_silence:
+            del self.messages[-1]["more_body"]
+        self.silent = then_silence
         self.received = 0  # messages handed out
         self.sent: list[Message] = []
-        self.handled = False
 
     async def receive(self) -> Message:
+        if self.received >= len(self.messages) and self.silent:
+            await anyio.sleep_forever()
         if self.received >= len(self.messages):
             raise AssertionError("read past the end of the client's body")
         self.received += 1
@@ -303,13 +326,26 @@ async def test_a_scope_other_than_http_passes_untouched() -> None:
     seen: list[Scope] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append(scope)
+        seen.append((scope, await receive()))
         await send({"type": "lifespan.startup.complete"})
 
     scope = {"type": "lifespan", "path": "/private/x", "headers": []}
-    done = await _through(_guard(app), scope, _Exchange([b""]))
-    assert seen == [scope]
+    done = await _through(_guard(app), scope, _Exchange([b"as sent"]))
+    assert seen == [(scope, {"type": "http.request", "body": b"as sent"})]
     assert done.sent == [{"type": "lifespan.startup.complete"}]
+
+
+@pytest.mark.anyio
+async def test_the_handler_gets_the_request_s_scope() -> None:
+    seen: list[Scope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope)
+        await _handler(scope, receive, send)
+
+    scope = _scope("/private/x", authorization=f"Bearer {TOKEN}")
+    done = await _through(_guard(app), scope, _Exchange([b"ab"]))
+    assert (done.status, seen) == (200, [scope])
 
 
 @pytest.mark.anyio
@@ -356,6 +392,13 @@ async def test_a_body_declared_over_the_cap_on_a_draining_path_is_read_after_the
     assert [m.get("more_body", False) for m in done.sent[1:]] == [True, False]
     assert done.sent[-1]["body"] == b""
     assert done.body["code"] == "BODY_TOO_LARGE"
+
+
+@pytest.mark.anyio
+async def test_a_drain_ends_with_the_body() -> None:
+    parts = [b"x" * 8, b"x" * 7]  # 15 bytes declared and sent: less than the budget
+    done = await _through(_draining(), _scope("/drain", content_length="15"), _Exchange(parts))
+    assert (done.status, done.received) == (413, 2)
 
 
 @pytest.mark.anyio
@@ -416,6 +459,35 @@ async def test_an_undeclared_body_over_the_cap_on_a_draining_path_is_read_up_to_
 
 
 @pytest.mark.anyio
+async def test_a_drain_reads_its_last_byte_of_budget() -> None:
+    """19 bytes read when the body passed the cap: the drain may read 1 more, so it reads."""
+    parts = [b"x" * 6, b"x" * 13, b"x", b"x"]
+    done = await _through(_draining(), _scope("/drain"), _Exchange(parts))
+    assert (done.status, done.received) == (413, 3)
+    assert [m["type"] for m in done.sent] == [
+        "http.response.start",
+        "http.response.body",
+        "http.response.body",
+    ]
+    assert [m.get("more_body", False) for m in done.sent[1:]] == [True, False]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("declared", [None, "20"])
+async def test_a_drain_ends_after_its_seconds_when_the_client_stops_sending(
+    declared: str | None,
+) -> None:
+    """A client that says more is coming and sends nothing holds the server ``drain_s``, not
+    for ever."""
+    scope = _scope("/drain") if declared is None else _scope("/drain", content_length=declared)
+    parts = [b"x" * 6, b"x" * 5] if declared is None else [b"x" * 5]
+    with anyio.fail_after(30):
+        done = await _through(_draining(drain_s=0.05), scope, _Exchange(parts, then_silence=True))
+    assert done.status == 413
+    assert done.sent[-1] == {"type": "http.response.body", "body": b""}
+
+
+@pytest.mark.anyio
 async def test_a_body_that_ended_as_it_passed_the_cap_is_not_drained() -> None:
     done = await _through(_draining(), _scope("/drain"), _Exchange([b"x" * 6, b"x" * 5]))
     assert (done.status, done.received) == (413, 2)
@@ -465,14 +537,110 @@ async def test_the_handler_s_own_413_on_a_draining_path_is_held_open_while_the_r
 
 
 @pytest.mark.anyio
-async def test_each_path_is_refused_in_its_own_shape() -> None:
-    guard = _guard(error_body_for=lambda path: _other_shape if path == "/v1/x" else _shape)
-    done = await _through(guard, _scope("/v1/x", content_length="x"), _Exchange([b""]))
-    assert done.body == {
-        "error": {"code": "BAD_JSON", "message": "Content-Length is not a byte count"}
-    }
-    done = await _through(guard, _scope("/other", content_length="x"), _Exchange([b""]))
-    assert done.body == {"code": "BAD_JSON", "message": "Content-Length is not a byte count"}
+@pytest.mark.parametrize(
+    ("headers", "parts", "code"),
+    [
+        ({}, [b""], "UNAUTHORIZED"),
+        ({"authorization": f"Bearer {TOKEN}", "content_length": "x"}, [b""], "BAD_JSON"),
+        ({"authorization": f"Bearer {TOKEN}", "content_length": "11"}, [b""], "BODY_TOO_LARGE"),
+        ({"authorization": f"Bearer {TOKEN}"}, [b"x" * 6, b"x" * 5], "BODY_TOO_LARGE"),
+    ],
+)
+async def test_each_refusal_is_in_its_path_s_own_shape(
+    headers: dict[str, str], parts: list[bytes], code: str
+) -> None:
+    guard = _guard(error_body_for=lambda path: _other_shape if path == "/private/v1" else _shape)
+    done = await _through(guard, _scope("/private/v1", **headers), _Exchange(parts))
+    assert list(done.body) == ["error"] and done.body["error"]["code"] == code
+    done = await _through(guard, _scope("/private/v2", **headers), _Exchange(parts))
+    assert done.body["code"] == code
+
+
+@pytest.mark.anyio
+async def test_each_path_has_its_own_cap() -> None:
+    guard = _guard(cap=lambda path: 2 if path == "/small" else CAP)
+    small = await _through(guard, _scope("/small"), _Exchange([b"abc"]))
+    assert small.status == 413
+    assert small.body["message"] == "request body over 2 bytes for /small"
+    assert (await _through(guard, _scope("/large"), _Exchange([b"abc"]))).body == 3
+
+
+@pytest.mark.anyio
+async def test_a_path_that_does_not_drain_reads_no_byte_of_a_refused_body() -> None:
+    """Even with a cap of 0, whose refused bodies are one byte long."""
+    guard = _guard(cap=lambda path: 0)
+    done = await _through(guard, _scope(content_length="1"), _Exchange([b"x"]))
+    assert (done.status, done.received) == (413, 0)
+    done = await _through(guard, _scope(), _Exchange([b"x", b"y"]))
+    assert (done.status, done.received) == (413, 1)
+
+
+@pytest.mark.anyio
+async def test_an_answer_given_before_the_body_was_read_is_passed_on_as_it_is() -> None:
+    """A handler that answers without reading (a 404) on a draining path: nothing overflowed,
+    so nothing is drained or held open."""
+
+    async def unread(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    done = await _through(_draining(app=unread), _scope("/drain"), _Exchange([b"ab", b"cd"]))
+    assert done.received == 0
+    assert done.sent[1:] == [{"type": "http.response.body", "body": b"no"}]
+
+
+async def _own_413(scope: Scope, receive: Receive, send: Send) -> None:
+    """A handler that answers a cut-off body itself (``exception_handlers``), in two parts."""
+    try:
+        await _handler(scope, receive, send)
+    except BodyTooLarge:
+        await send({"type": "http.response.start", "status": 413, "headers": []})
+        await send({"type": "http.response.body", "body": b'"o', "more_body": True})
+        await send({"type": "http.response.body", "body": b'wn"'})
+
+
+@pytest.mark.anyio
+async def test_the_handler_s_own_413_is_held_open_at_its_last_part_only() -> None:
+    parts = [b"x" * 6, b"x" * 5, b"x" * 5, b"x" * 4, b"x"]
+    done = await _through(_draining(app=_own_413), _scope("/drain"), _Exchange(parts))
+    assert done.received == 4
+    assert done.sent[1:] == [
+        {"type": "http.response.body", "body": b'"o', "more_body": True},
+        {"type": "http.response.body", "body": b'wn"', "more_body": True},
+        {"type": "http.response.body", "body": b""},
+    ]
+
+
+@pytest.mark.anyio
+async def test_the_handler_s_own_413_after_the_whole_budget_was_read_is_not_held() -> None:
+    parts = [b"x" * 6, b"x" * 14, b"x"]  # 20 bytes read when the cap was passed: the budget
+    done = await _through(_draining(app=_own_413), _scope("/drain"), _Exchange(parts))
+    assert done.received == 2
+    assert done.sent[1:] == [
+        {"type": "http.response.body", "body": b'"o', "more_body": True},
+        {"type": "http.response.body", "body": b'wn"'},
+    ]
+
+
+@pytest.mark.anyio
+async def test_the_handler_s_own_413_ends_after_the_drain_s_seconds_too() -> None:
+    with anyio.fail_after(30):
+        done = await _through(
+            _draining(app=_own_413, drain_s=0.05),
+            _scope("/drain"),
+            _Exchange([b"x" * 6, b"x" * 5], then_silence=True),
+        )
+    assert done.sent[-1] == {"type": "http.response.body", "body": b""}
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("localhost", True), ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
+     ("[::1]", True), ("0.0.0.0", False), ("10.0.0.1", False), ("::", False),
+     ("example.com", False), ("localhost.example.com", False), ("", False), ("X::1X", False)],
+)  # fmt: skip
+def test_only_a_loopback_address_or_localhost_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
 
 
 @pytest.mark.anyio
@@ -480,7 +648,10 @@ async def test_each_path_is_refused_in_its_own_shape() -> None:
 async def test_a_body_over_the_cap_met_by_a_handler_is_answered_413_in_its_path_s_shape(
     per_path: bool,
 ) -> None:
-    handlers = exception_handlers(_shape, (lambda path: _other_shape) if per_path else None)
+    def by_path(path: str) -> Any:
+        return _other_shape if path == "/v1/x" else _shape
+
+    handlers = exception_handlers(_shape, by_path if per_path else None)
     assert list(handlers) == [BodyTooLarge]
     request = Request({"type": "http", "path": "/v1/x", "headers": [], "query_string": b""})
     answer = await handlers[BodyTooLarge](request, BodyTooLarge(CAP))
@@ -622,6 +793,7 @@ def test_refused_connections_are_logged_at_most_once_per_10_s_with_their_count(
         finally:
             loop.close()
         assert transport.closed and transport.written == SERVICE_UNAVAILABLE
+        assert {r.name for r in caplog.records} <= {"loraledger.http"}
         logged.append([r.getMessage() for r in caplog.records])
         caplog.clear()
     assert logged == [
@@ -631,3 +803,37 @@ def test_refused_connections_are_logged_at_most_once_per_10_s_with_their_count(
         [],
         ["refusing connections over the cap of 0 (5 refused so far)"],
     ]
+
+
+@pytest.mark.anyio
+async def test_a_request_still_being_handled_is_not_closed_by_the_header_timer() -> None:
+    """The timer armed when the connection opened fires while the handler runs (the handler
+    waits on the loop's clock past it: the loop runs the earlier timer first); the request,
+    whose headers arrived, is answered."""
+
+    async def slow(scope: Scope, receive: Receive, send: Send) -> None:
+        await anyio.sleep(0.3)  # the header timer (0.05 s) is due first, so it has fired
+        await _handler(scope, receive, send)
+
+    async with (
+        _serving(guarded_protocol(header_timeout_s=0.05), app=slow) as address,
+        await anyio.connect_tcp(*address) as client,
+    ):
+        await client.send(REQUEST)
+        with anyio.fail_after(30):
+            assert (await client.receive()).startswith(b"HTTP/1.1 200 OK")
+
+
+@pytest.mark.anyio
+async def test_a_connection_closed_by_the_header_timer_frees_its_place() -> None:
+    async with _serving(guarded_protocol(max_connections=1, header_timeout_s=0.1)) as address:
+        async with await anyio.connect_tcp(*address) as idle:
+            assert await _until_closed(idle) == b""  # closed by the timer
+        with anyio.fail_after(30):
+            while True:  # until the server has seen the close: then the one place is free
+                async with await anyio.connect_tcp(*address) as next_one:
+                    await next_one.send(REQUEST)
+                    reply = await _until_closed(next_one)
+                if reply != SERVICE_UNAVAILABLE:
+                    break
+        assert reply.startswith(b"HTTP/1.1 200 OK"), reply
