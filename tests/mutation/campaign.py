@@ -210,6 +210,17 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "logfile",
+            # how the read-only tools open a log: refusals from the raw bytes, the three ways
+            # to read without writing, a read that raced a writer
+            ("tools/logfile.py",),
+            (
+                "tests/tools/test_logfile.py",
+                "tests/tools/test_tools_read_the_wal.py",  # a crashed writer's -wal is read
+            ),
+            gated=True,
+        ),
+        Campaign(
             "verify",
             ("tools/verify.py",),
             # the CLI on damaged files; the verdict's every field, its progress, a changed file
