@@ -221,6 +221,16 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "audit_tool",
+            # `loraledger audit`: a session's generations joined with its bindings, mismatches
+            ("tools/audit.py",),
+            (
+                "tests/tools/test_audit.py",  # the command on the fault run's log
+                "tests/tools/test_audit_join.py",  # the join, pure: lives, order, each mismatch
+            ),
+            gated=True,
+        ),
+        Campaign(
             "verify",
             ("tools/verify.py",),
             # the CLI on damaged files; the verdict's every field, its progress, a changed file
