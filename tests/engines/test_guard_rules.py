@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.abc
 import pytest
 import uvicorn
 import uvicorn.server
@@ -43,6 +42,7 @@ from engines.guard import (
     token_lines,
     uvicorn_limits,
 )
+from tests.engines.test_guard_drain import _Quiet, _to_close
 
 
 def test_a_token_file_gives_the_first_field_of_its_first_line_that_is_not_blank_or_a_comment(
@@ -323,7 +323,7 @@ async def test_only_protected_paths_need_the_token_and_none_when_the_server_has_
 
 @pytest.mark.anyio
 async def test_a_scope_other_than_http_passes_untouched() -> None:
-    seen: list[Scope] = []
+    seen: list[tuple[Scope, Message]] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         seen.append((scope, await receive()))
@@ -666,12 +666,6 @@ async def test_a_body_over_the_cap_met_by_a_handler_is_answered_413_in_its_path_
 # --- connections: the guarded protocol on a real uvicorn ----------------------------------------
 
 
-class _Quiet(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        yield
-
-
 @contextlib.asynccontextmanager
 async def _serving(protocol: type[Any], app: ASGIApp = _handler) -> AsyncIterator[tuple[str, int]]:
     """A uvicorn whose keep-alive timeout (60 s) is far beyond the header timeouts tested, so a
@@ -697,16 +691,6 @@ async def _serving(protocol: type[Any], app: ASGIApp = _handler) -> AsyncIterato
         sock.close()
 
 
-async def _until_closed(stream: anyio.abc.ByteStream) -> bytes:
-    reply = b""
-    with anyio.fail_after(30):
-        while True:
-            try:
-                reply += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return reply
-
-
 REQUEST = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab"
 SERVICE_UNAVAILABLE = (
     b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
@@ -720,7 +704,7 @@ async def test_a_connection_beyond_the_cap_is_answered_503_and_closed_at_once() 
         second = await anyio.connect_tcp(*address)
         async with first, second:
             async with await anyio.connect_tcp(*address) as third:
-                assert await _until_closed(third) == SERVICE_UNAVAILABLE
+                assert await _to_close(third) == SERVICE_UNAVAILABLE
             for held in (first, second):  # the two within the cap are served
                 await held.send(REQUEST)
                 with anyio.fail_after(30):
@@ -731,10 +715,10 @@ async def test_a_connection_beyond_the_cap_is_answered_503_and_closed_at_once() 
 async def test_a_connection_that_never_completes_its_headers_is_closed_after_the_timeout() -> None:
     async with _serving(guarded_protocol(header_timeout_s=0.2)) as address:
         async with await anyio.connect_tcp(*address) as silent:
-            assert await _until_closed(silent) == b""
+            assert await _to_close(silent) == b""
         async with await anyio.connect_tcp(*address) as slow:
             await slow.send(b"POST /x HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-            assert await _until_closed(slow) == b""
+            assert await _to_close(slow) == b""
 
 
 @pytest.mark.anyio
@@ -745,7 +729,7 @@ async def test_a_connection_idle_after_its_answer_is_closed_after_the_header_tim
         await anyio.connect_tcp(*address) as client,
     ):
         await client.send(REQUEST)
-        reply = await _until_closed(client)
+        reply = await _to_close(client)
     assert reply.startswith(b"HTTP/1.1 200 OK") and reply.endswith(b"\r\n1\r\n2\r\n0\r\n\r\n"), (
         reply
     )
@@ -828,12 +812,12 @@ async def test_a_request_still_being_handled_is_not_closed_by_the_header_timer()
 async def test_a_connection_closed_by_the_header_timer_frees_its_place() -> None:
     async with _serving(guarded_protocol(max_connections=1, header_timeout_s=0.1)) as address:
         async with await anyio.connect_tcp(*address) as idle:
-            assert await _until_closed(idle) == b""  # closed by the timer
+            assert await _to_close(idle) == b""  # closed by the timer
         with anyio.fail_after(30):
             while True:  # until the server has seen the close: then the one place is free
                 async with await anyio.connect_tcp(*address) as next_one:
                     await next_one.send(REQUEST)
-                    reply = await _until_closed(next_one)
+                    reply = await _to_close(next_one)
                 if reply != SERVICE_UNAVAILABLE:
                     break
         assert reply.startswith(b"HTTP/1.1 200 OK"), reply
