@@ -313,7 +313,7 @@ async def _drain(receive: Receive, budget: int, seconds: float) -> None:
     """Read and discard the rest of a refused body: until it ends, the client goes, ``budget``
     bytes have been read or ``seconds`` have passed, whichever comes first."""
     with anyio.move_on_after(seconds):
-        while budget >= 0:
+        while budget > 0:
             message = await receive()
             if message["type"] != "http.request":
                 return

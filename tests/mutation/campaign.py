@@ -196,17 +196,39 @@ CAMPAIGNS: dict[str, Campaign] = {
             "guard",
             # what every HTTP server checks before a handler: token, body cap, strict JSON
             ("engines/guard.py",),
+            # In process only: a server started as a subprocess imports the mutated module
+            # outside mutmut's folder and cannot start (test_token_files.py's fleet). The
+            # servers' trust, limit and drain tests (test_server_trust.py,
+            # test_serve_limits.py, test_guard_drain.py: 16 MB uploads, a minute per mutant
+            # under load) are left to the suite: test_guard_rules.py states each of their
+            # guard rules on the guard itself, in seconds.
             (
-                "tests/engines/test_guard_drain.py",
-                "tests/engines/local/test_server_trust.py",
-                # in process only: a server started as a subprocess imports the mutated module
-                # outside mutmut's folder and cannot start (test_token_files.py's fleet)
-                "tests/tools/test_serve_limits.py",
                 "tests/engines/test_guard_parsing.py",  # strict JSON's bounds, the messages
+                # token files, each refusal, the checks before a handler, the connection limits
+                "tests/engines/test_guard_rules.py",
             ),
-            # Not gated yet: its first whole run (541 mutants) did not fit the session, so its
-            # survivors are not all judged (RELIABILITY.md, "Fifth run").
-            gated=False,
+            gated=True,
+        ),
+        Campaign(
+            "logfile",
+            # how the read-only tools open a log: refusals from the raw bytes, the three ways
+            # to read without writing, a read that raced a writer
+            ("tools/logfile.py",),
+            (
+                "tests/tools/test_logfile.py",
+                "tests/tools/test_tools_read_the_wal.py",  # a crashed writer's -wal is read
+            ),
+            gated=True,
+        ),
+        Campaign(
+            "audit_tool",
+            # `loraledger audit`: a session's generations joined with its bindings, mismatches
+            ("tools/audit.py",),
+            (
+                "tests/tools/test_audit.py",  # the command on the fault run's log
+                "tests/tools/test_audit_join.py",  # the join, pure: lives, order, each mismatch
+            ),
+            gated=True,
         ),
         Campaign(
             "verify",
