@@ -24,6 +24,10 @@ Method (one process, one run, so the numbers are comparable):
   source for restores and repairs), as the publication driver always does.
 * **Reference**: the bytes written twice to files with fsync (``tools.bench.publish``), median
   of ``repeats`` interleaved with the publications.
+* **Memory**: this process's peak resident set (Linux ``VmHWM``, reset through
+  ``/proc/self/clear_refs`` before each transport's publications), absolute and above the
+  resident set when the transport started; the engines, agents and control plane all live in
+  this process, so it is the sum of every side's buffers.
 
 Run: ``python -m tools.bench.transports [--size-mib 64] [--repeats 3] [--json]``.
 """
@@ -76,6 +80,7 @@ async def bench_transports(
         return AdapterCopy.from_state_dict(tensors, config)
 
     results: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    peaks: dict[str, dict[str, float]] = {}
     write_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-transports-", dir=workdir) as tmp:
         root = Path(tmp)
@@ -123,6 +128,7 @@ async def bench_transports(
                         reclaim_tick_s=0.1,
                     )
                 )
+                start_rss = reset_peak_rss()
                 for i in range(repeats):
                     copy = await anyio.to_thread.run_sync(adapter)
                     write_s.append(
@@ -131,6 +137,12 @@ async def bench_transports(
                     t = time.perf_counter()
                     await plane.publisher.publish(copy, version_id=1 + i)
                     results[transport].append(time.perf_counter() - t)
+                    del copy
+                peak = peak_rss()
+                peaks[transport] = {
+                    "peak_rss_mib": peak / 2**20,
+                    "peak_above_start_mib": (peak - start_rss) / 2**20,
+                }
     reference = statistics.median(write_s)
     return {
         "machine": machine(),
@@ -140,7 +152,27 @@ async def bench_transports(
         "publish_s": {t: statistics.median(v) for t, v in results.items()},
         "publish_all_s": results,
         "ratio_to_write_twice": {t: statistics.median(v) / reference for t, v in results.items()},
+        "memory": peaks,
     }
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident set (Linux) and return the resident set now."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set since the last :func:`reset_peak_rss` (Linux)."""
+    return _status_bytes("VmHWM")
 
 
 def render(result: dict[str, Any]) -> str:
@@ -152,7 +184,9 @@ def render(result: dict[str, Any]) -> str:
     for t in TRANSPORTS:
         lines.append(
             f"  {t:7s} {result['publish_s'][t] * 1e3:8.0f} ms  "
-            f"{result['ratio_to_write_twice'][t]:.2f}x the durable double write"
+            f"{result['ratio_to_write_twice'][t]:.2f}x the durable double write, "
+            f"peak RSS {result['memory'][t]['peak_rss_mib']:.0f} MiB "
+            f"(+{result['memory'][t]['peak_above_start_mib']:.0f})"
         )
     return "\n".join(lines)
 
