@@ -24,6 +24,9 @@ Method (one process, one run, so the numbers are comparable):
   source for restores and repairs), as the publication driver always does.
 * **Reference**: the bytes written twice to files with fsync (``tools.bench.publish``), median
   of ``repeats`` interleaved with the publications.
+* **CPU**: this process's CPU time per publication (every thread: control plane, engines and
+  agents alike), median: the work itself, which a loaded machine stretches in wall time but
+  does not change.
 * **Memory**: this process's peak resident set during each publication (Linux ``VmHWM``,
   reset through ``/proc/self/clear_refs`` just before it), absolute and above the resident
   set at its start (the adapter itself is already held then), the largest of the repeats; the
@@ -81,6 +84,7 @@ async def bench_transports(
         return AdapterCopy.from_state_dict(tensors, config)
 
     results: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     peaks: dict[str, dict[str, float]] = {}
     write_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-transports-", dir=workdir) as tmp:
@@ -136,9 +140,10 @@ async def bench_transports(
                         await anyio.to_thread.run_sync(write_twice, dict(copy.tensors), root)
                     )
                     start_rss = reset_peak_rss()
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     await plane.publisher.publish(copy, version_id=1 + i)
                     results[transport].append(time.perf_counter() - t)
+                    cpu[transport].append(time.process_time() - c)
                     peak = peak_rss()
                     peak_rss_mib = max(peak_rss_mib, peak / 2**20)
                     peak_above_mib = max(peak_above_mib, (peak - start_rss) / 2**20)
@@ -156,6 +161,7 @@ async def bench_transports(
         "publish_s": {t: statistics.median(v) for t, v in results.items()},
         "publish_all_s": results,
         "ratio_to_write_twice": {t: statistics.median(v) / reference for t, v in results.items()},
+        "cpu_s": {t: statistics.median(v) for t, v in cpu.items()},
         "memory": peaks,
     }
 
@@ -189,6 +195,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"  {t:7s} {result['publish_s'][t] * 1e3:8.0f} ms  "
             f"{result['ratio_to_write_twice'][t]:.2f}x the durable double write, "
+            f"CPU {result['cpu_s'][t] * 1e3:.0f} ms, "
             f"peak RSS {result['memory'][t]['peak_rss_mib']:.0f} MiB "
             f"(+{result['memory'][t]['peak_above_start_mib']:.0f})"
         )
