@@ -282,7 +282,12 @@ class Agent:
             )
         self._check_room(upload, staging, arriving)  # again: other buckets arrived meanwhile
         for name, (t, checksum) in checked.items():
-            await anyio.to_thread.run_sync(weights.write, name, t, checksum)
+            try:
+                await anyio.to_thread.run_sync(weights.write, name, t, checksum)
+            except FileNotFoundError as exc:  # unloaded or expired while it was written
+                raise CleanRefusal(
+                    ErrorCode.NOT_PREPARED, f"{upload.lora_name} was dropped meanwhile"
+                ) from exc
         staging.touched = self._clock()
         return len(weights.written)
 

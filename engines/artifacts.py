@@ -660,18 +660,19 @@ class StagedWeights:
     def commit(self) -> Path:
         """Fsync the weights once, then install the directory (``INVALID_ADAPTER`` while a
         tensor is missing, ``DIGEST_MISMATCH`` if the checksums taken on the way do not give
-        the digest)."""
-        missing = self.missing()
-        if missing:
-            raise ArtifactError(
-                "INVALID_ADAPTER",
-                f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
-            )
-        infos = tuple(
-            msgspec.structs.replace(self._infos[n], sha256=self._written[n]) for n in self._written
-        )
-        _check_digest(self.manifest, infos)
+        the digest). Committed or refused, the temp dir is gone afterwards."""
         try:
+            missing = self.missing()
+            if missing:
+                raise ArtifactError(
+                    "INVALID_ADAPTER",
+                    f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
+                )
+            infos = tuple(
+                msgspec.structs.replace(self._infos[n], sha256=self._written[n])
+                for n in self._written
+            )
+            _check_digest(self.manifest, infos)
             fd = os.open(self.tmp / WEIGHTS_FILE, os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -82,3 +82,36 @@ def test_bytes_that_are_not_the_manifests_are_refused_and_leave_nothing(
     assert _entries(store.root) == before  # no directory, no temp dir left behind
     if stored_before:
         assert store.verify(manifest.digest).digest == manifest.digest
+
+
+def test_a_staged_directory_takes_only_the_manifests_bytes_and_all_of_them(
+    tmp_path: Path,
+) -> None:
+    """Tensor by tensor (:meth:`ArtifactStore.begin`, what the engine-host agent stages into):
+    bytes that are not the manifest's are refused before they touch the file, and a directory
+    missing a tensor is never installed; either way nothing is left behind."""
+    config, tensors = make_adapter(6, targets=TARGETS)
+    manifest = build_manifest(config, tensors)
+    store = ArtifactStore(tmp_path / "store")
+    names = sorted(tensors)
+    staged = store.begin(manifest)
+    bad = _tampered(tensors)[names[-1]]
+    with pytest.raises(ArtifactError) as refused:
+        staged.check(names[-1], bad)
+    assert refused.value.code == "DIGEST_MISMATCH"
+    with pytest.raises(ArtifactError):  # a checksum that is not the manifest's is not written
+        staged.write(names[-1], bad, "0" * 64)
+    for name in names[:-1]:
+        staged.write(name, tensors[name], staged.check(name, tensors[name]))
+    assert staged.missing() == [names[-1]]
+    with pytest.raises(ArtifactError) as incomplete:
+        staged.commit()
+    assert incomplete.value.code == "INVALID_ADAPTER"
+    assert _entries(store.root) == []
+
+    staged = store.begin(manifest)
+    for name in names:
+        staged.write(name, tensors[name], staged.check(name, tensors[name]))
+    path = staged.commit()
+    assert _entries(store.root) == [manifest.digest]
+    assert read_adapter_dir(path)[1] == tensors
