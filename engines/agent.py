@@ -11,11 +11,14 @@ step                      what the agent does
 ========================  ===================================================================
 ``prepare``               checks the candidate (name, attempt, digest recomputed from the
                           manifest), fences the attempt, opens a staging area
-``bucket``                verifies each tensor against the manifest on arrival; a mismatch
-                          refuses that bucket only (staging is per attempt: :class:`Agent`)
-``load``                  recomputes the digest from the staged bytes, writes the immutable
-                          PEFT directory into its **local** artifact store (temp dir, fsync,
-                          rename: :class:`~engines.artifacts.ArtifactStore`), then asks its
+``bucket``                verifies each tensor against the manifest on arrival and writes it,
+                          once, at its place in the directory being staged in its **local**
+                          artifact store (:class:`~engines.artifacts.StagedWeights`); a
+                          mismatch refuses that bucket only and never reaches the file
+                          (staging is per attempt: :class:`Agent`)
+``load``                  recomputes the digest from the checksums taken on arrival (no
+                          re-read), fsyncs the directory once and renames it into place
+                          (:class:`~engines.artifacts.ArtifactStore`), then asks its
                           engine to load that path (the engine's own adapter: prepare re-reads
                           and re-hashes the directory, load proves it with ``/v1/models``)
 ``unload``                its engine's unload (a managed name only with its attempt)
@@ -45,7 +48,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,7 +61,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engines import embedded, guard
-from engines.artifacts import ArtifactError, ArtifactStore
+from engines.artifacts import ArtifactError, ArtifactStore, StagedWeights
 from engines.contract import (
     Bucket,
     Candidate,
@@ -83,16 +86,15 @@ from engines.local.client import LocalHTTPEngine
 from engines.manifest import (
     ManifestError,
     TensorData,
-    TensorInfo,
     compute_digest,
-    tensor_checksum,
 )
 from engines.path_engine import AttemptFence
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_BUCKET_BYTES = 256 * 1024 * 1024
-# Staging lives in memory: every byte received for a prepared attempt until its load. The cap
-# bounds what callers can make the agent hold at once (the largest adapters are ~1-2 GiB); the
+# Staging lives on disk, in a temp dir of the local store: every byte received for a prepared
+# attempt until its load (memory holds the bucket being received, never the adapter). The cap
+# bounds what callers can make the agent stage at once (the largest adapters are ~1-2 GiB); the
 # idle bound frees what a publisher gave up on without a cleanup (prepared, never loaded).
 DEFAULT_STAGING_BYTES = 4 * 1024 * 1024 * 1024
 DEFAULT_STAGING_IDLE_S = 600.0
@@ -128,15 +130,23 @@ def check_configuration(host: str, token: str | None, engine_token: str | None) 
 @dataclass(eq=False)
 class _Staging:
     """Bytes received for exactly one (name, attempt, digest), each tensor verified against the
-    manifest on arrival; ``touched``: the clock at its last step (the idle expiry reads it)."""
+    manifest on arrival and written into ``weights`` (created with the first bucket: a digest
+    already stored needs none); ``touched``: the clock at its last step (the idle expiry reads
+    it)."""
 
     candidate: Candidate
     touched: float
-    tensors: dict[str, TensorData] = field(default_factory=dict)
-    sums: dict[str, str] = field(default_factory=dict)
+    weights: StagedWeights | None = None
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return 0 if self.weights is None else self.weights.written_bytes
+
+    def received(self) -> frozenset[str]:
+        return frozenset() if self.weights is None else self.weights.written
+
+    def discard(self) -> None:
+        if self.weights is not None:
+            self.weights.discard()
 
 
 class Agent:
@@ -184,7 +194,7 @@ class Agent:
         now = self._clock()
         idle = [n for n, s in self._staging.items() if now - s.touched >= self.staging_idle_s]
         for name in idle:
-            del self._staging[name]
+            self._staging.pop(name).discard()
         return idle
 
     async def expire_idle_forever(self) -> None:
@@ -227,6 +237,8 @@ class Agent:
                 current.touched = self._clock()  # a retried prepare keeps what arrived
             else:
                 self._fence.stage(c, str(self.store.path_for(c.digest)))
+                if current is not None:
+                    current.discard()
                 self._staging[c.lora_name] = _Staging(c, self._clock())
         return _receipt(c, incarnation, "prepared", self.engine.engine_id)
 
@@ -243,21 +255,25 @@ class Agent:
         self.expire_idle()
         staging = self._staged(upload.lora_name, upload.attempt, upload.digest)
         staging.touched = self._clock()
-        expected = {t.name: t for t in staging.candidate.manifest.tensors}
         arriving = {item.name: item.tensor for item in upload.bucket.tensors}
         self._check_room(upload, staging, arriving)
+        if staging.weights is None:
+            try:
+                begun = await anyio.to_thread.run_sync(self.store.begin, staging.candidate.manifest)
+            except ArtifactError as exc:
+                raise CleanRefusal(exc.code, exc.message) from exc
+            if staging.weights is None:
+                staging.weights = begun
+            else:  # another bucket of this attempt began it meanwhile
+                begun.discard()
+        weights = staging.weights
         checked: dict[str, tuple[TensorData, str]] = {}
         for item in upload.bucket.tensors:
-            t = item.tensor
-            checksum = await anyio.to_thread.run_sync(tensor_checksum, t.dtype, t.shape, t.data)
-            info = expected.get(item.name)
-            if info is None:
-                raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r} not in manifest")
-            if (info.dtype, tuple(info.shape)) != (t.dtype, tuple(t.shape)):
-                raise CleanRefusal(ErrorCode.INVALID_ADAPTER, f"{item.name!r}: wrong shape")
-            if info.sha256 != checksum:
-                raise CleanRefusal(ErrorCode.DIGEST_MISMATCH, f"{item.name!r}: bad bytes")
-            checked[item.name] = (t, checksum)
+            try:
+                checksum = await anyio.to_thread.run_sync(weights.check, item.name, item.tensor)
+            except ArtifactError as exc:
+                raise CleanRefusal(exc.code, exc.message) from exc
+            checked[item.name] = (item.tensor, checksum)
         # Only a whole verified bucket is kept, and only into the area it was checked against
         # (a newer attempt may have replaced it during the checksums).
         if self._staging.get(upload.lora_name) is not staging:
@@ -266,16 +282,21 @@ class Agent:
             )
         self._check_room(upload, staging, arriving)  # again: other buckets arrived meanwhile
         for name, (t, checksum) in checked.items():
-            staging.tensors[name] = t
-            staging.sums[name] = checksum
+            try:
+                await anyio.to_thread.run_sync(weights.write, name, t, checksum)
+            except FileNotFoundError as exc:  # unloaded or expired while it was written
+                raise CleanRefusal(
+                    ErrorCode.NOT_PREPARED, f"{upload.lora_name} was dropped meanwhile"
+                ) from exc
         staging.touched = self._clock()
-        return len(staging.tensors)
+        return len(weights.written)
 
     def _check_room(
         self, upload: wire.BucketUpload, staging: _Staging, arriving: dict[str, TensorData]
     ) -> None:
         """Refuse a bucket whose new tensors would take all staging past the byte cap."""
-        growth = sum(t.nbytes for n, t in arriving.items() if n not in staging.tensors)
+        received = staging.received()
+        growth = sum(t.nbytes for n, t in arriving.items() if n not in received)
         held = self.staged_bytes()
         if held + growth > self.staging_bytes:
             raise CleanRefusal(
@@ -289,19 +310,13 @@ class Agent:
         self._fence.prepared(c)
         staging = self._staged(c.lora_name, c.attempt, c.digest)
         staging.touched = self._clock()
-        if staging.tensors or not self.store.contains(c.digest):
-            missing = sorted({t.name for t in c.manifest.tensors} - set(staging.tensors))
+        if staging.received() or not self.store.contains(c.digest):
+            missing = sorted({t.name for t in c.manifest.tensors} - staging.received())
             if missing:
                 raise CleanRefusal(
                     ErrorCode.INVALID_ADAPTER,
                     f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
                 )
-            infos = [
-                TensorInfo(n, t.dtype, tuple(t.shape), t.nbytes, staging.sums[n])
-                for n, t in staging.tensors.items()
-            ]
-            if compute_digest(c.manifest.config, infos) != c.digest:
-                raise CleanRefusal(ErrorCode.DIGEST_MISMATCH, f"{c.lora_name}: content differs")
         try:
             # an existing directory is verified and reused, never overwritten
             path = await anyio.to_thread.run_sync(self._write, c, staging)
@@ -317,10 +332,16 @@ class Agent:
         return receipt
 
     def _write(self, c: Candidate, staging: _Staging) -> Path:
-        if staging.tensors:
-            return self.store.put(c.manifest, staging.tensors)
-        _, tensors = self.store.open(c.digest)  # re-verified against the digest
-        return self.store.put(c.manifest, tensors)
+        """The directory of ``c``: the staged one, its digest recomputed from the checksums
+        taken on arrival, fsynced and renamed into place; or the stored one, re-verified."""
+        if self.store.contains(c.digest):
+            staging.discard()
+            self.store.verify(c.digest)
+            return self.store.path_for(c.digest)
+        if staging.weights is None:
+            raise ArtifactError("INVALID_ADAPTER", f"{c.lora_name}: no bytes were staged")
+        weights, staging.weights = staging.weights, None
+        return weights.commit()  # committed or refused, the temp dir is gone either way
 
     async def unload(
         self, name: str, attempt: int | None, *, fenced_only: bool = False
@@ -339,7 +360,9 @@ class Agent:
         receipt = await self.engine.unload(name, attempt=attempt)
         if attempt is not None:
             self._fence.close(name, attempt, refuse_older_cleanups=True)
-        self._staging.pop(name, None)
+        dropped = self._staging.pop(name, None)
+        if dropped is not None:
+            dropped.discard()
         return receipt
 
     async def _managed(self, name: str) -> bool:

@@ -22,7 +22,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,7 +34,11 @@ from engines.manifest import (
     Manifest,
     ManifestError,
     TensorData,
+    TensorInfo,
     build_manifest,
+    compute_digest,
+    tensor_checksum,
+    tensor_hasher,
 )
 from engines.weights_file import CHUNK_BYTES, file_manifest, read_layout
 
@@ -319,6 +323,64 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def weights_header(
+    tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
+) -> tuple[bytes, dict[str, int]]:
+    """The first bytes of a safetensors file holding ``(name, dtype, shape, nbytes)`` in that
+    order (the length, then the JSON header padded with spaces to 8 bytes, as the library
+    writes it) and each tensor's offset in the data section that follows."""
+    header: dict[str, Any] = {}
+    offsets: dict[str, int] = {}
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offsets[name] = offset
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def write_weights_hashed(path: Path, tensors: Mapping[str, TensorData]) -> tuple[TensorInfo, ...]:
+    """Write the safetensors file of ``tensors`` (name order, header padded to 8 bytes as the
+    library pads it) to the new file ``path``, fsynced, hashing every tensor chunk by chunk as
+    it is written: what was written, described (one pass over the bytes, no copy of them)."""
+    names = sorted(tensors)
+    head, _ = weights_header(
+        (n, tensors[n].dtype, tuple(tensors[n].shape), tensors[n].nbytes) for n in names
+    )
+    infos = []
+    with open(path, "xb") as f:
+        f.write(head)
+        for name in names:
+            t = tensors[name]
+            hasher = tensor_hasher(t.dtype, t.shape)
+            view = memoryview(t.data)
+            for start in range(0, len(view), CHUNK_BYTES):
+                chunk = view[start : start + CHUNK_BYTES]
+                hasher.update(chunk)
+                f.write(chunk)
+            infos.append(TensorInfo(name, t.dtype, tuple(t.shape), t.nbytes, hasher.hexdigest()))
+        f.flush()
+        os.fsync(f.fileno())
+    return tuple(infos)
+
+
+def _check_digest(manifest: Manifest, infos: tuple[TensorInfo, ...]) -> None:
+    """``DIGEST_MISMATCH`` unless ``infos`` (the bytes at hand, hashed) give the manifest's
+    digest."""
+    digest = compute_digest(manifest.config, infos)
+    if digest != manifest.digest:
+        raise ArtifactError(
+            "DIGEST_MISMATCH",
+            f"tensors hash to {digest[:16]}, manifest says {manifest.digest[:16]}",
+        )
+
+
 def _write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -364,23 +426,36 @@ class ArtifactStore:
         """Write the adapter once; an existing directory is verified and reused, never rewritten.
 
         The bytes must match the manifest: the digest is recomputed from ``tensors`` and must
-        equal ``manifest.digest`` (a trainer-side bug must not publish something else)."""
-        recomputed = build_manifest(manifest.config, tensors)
-        if recomputed.digest != manifest.digest:
-            raise ArtifactError(
-                "DIGEST_MISMATCH",
-                f"tensors hash to {recomputed.digest[:16]}, manifest says {manifest.digest[:16]}",
-            )
+        equal ``manifest.digest`` (a trainer-side bug must not publish something else). One
+        pass: each tensor is hashed as it is written (:func:`write_weights_hashed`), and the
+        directory is renamed into place only once the digest of what was written matches; a
+        mismatch leaves nothing behind. (Hashing first, then serializing the whole file in
+        memory, then writing it read the adapter three times and held it twice.)"""
         validate_adapter(manifest.config, tensors)
         target = self.path_for(manifest.digest)
         if target.exists():
+            _check_digest(manifest, build_manifest(manifest.config, tensors).tensors)
             self.verify(manifest.digest)  # the existing copy
             return target
 
         def fill(tmp: Path) -> None:
-            _write_file(tmp / WEIGHTS_FILE, serialize_safetensors(tensors))
+            _check_digest(manifest, write_weights_hashed(tmp / WEIGHTS_FILE, tensors))
 
         return self._install(manifest, fill)
+
+    def begin(self, manifest: Manifest) -> StagedWeights:
+        """A directory of ``manifest`` being received tensor by tensor (an engine-host agent's
+        buckets): a temp dir in the root whose weights file is laid out from the manifest, so
+        each tensor is written once, at its place, as it arrives; nothing is held in memory.
+        :meth:`StagedWeights.commit` fsyncs it once and renames it into place."""
+        validate_adapter(manifest.config, {t.name: t for t in manifest.tensors})
+        self.path_for(manifest.digest)  # a digest that names no directory is refused here
+        tmp = Path(tempfile.mkdtemp(prefix=f".{manifest.digest[:16]}-", dir=self.root))
+        try:
+            return StagedWeights(self, manifest, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def ensure(self, manifest: Manifest, tensors: Callable[[], Mapping[str, TensorData]]) -> Path:
         """The directory of ``manifest.digest``: an existing one is verified (streamed) and
@@ -456,22 +531,28 @@ class ArtifactStore:
         """Write a directory atomically: the config and what ``fill`` puts in a temp dir
         inside the root, fsynced, then renamed into place (a concurrent writer of the same
         digest may win: its copy is verified instead)."""
-        target = self.path_for(manifest.digest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{manifest.digest[:16]}-", dir=self.root))
         try:
-            _write_file(tmp / CONFIG_FILE, json.dumps(manifest.config, sort_keys=True).encode())
             fill(tmp)
-            _fsync_dir(tmp)
-            try:
-                tmp.rename(target)
-            except OSError:
-                if not target.exists():
-                    raise
-                self.verify(manifest.digest)  # a concurrent writer won; same bytes by digest
-            _fsync_dir(self.root)
+            return self._finish(manifest, tmp)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+    def _finish(self, manifest: Manifest, tmp: Path) -> Path:
+        """Add the config to the temp dir ``tmp`` (weights already written and fsynced), fsync
+        the directory, rename it into place and fsync the root: one fsync per file and per
+        directory, all at the end."""
+        target = self.path_for(manifest.digest)
+        _write_file(tmp / CONFIG_FILE, json.dumps(manifest.config, sort_keys=True).encode())
+        _fsync_dir(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.exists():
+                raise
+            self.verify(manifest.digest)  # a concurrent writer won; same bytes by digest
+        _fsync_dir(self.root)
         return target
 
     def weights_path(self, digest: str) -> Path:
@@ -508,3 +589,99 @@ class ArtifactStore:
         target.rename(trash / digest)  # atomic disappearance, then the slow delete
         shutil.rmtree(trash, ignore_errors=True)
         return True
+
+
+class StagedWeights:
+    """One adapter directory being filled tensor by tensor (:meth:`ArtifactStore.begin`).
+
+    The weights file is created at its full size with the header the manifest implies, and
+    :meth:`write` puts one tensor's bytes at its offset, once they hash to the manifest's
+    checksum (a tensor that does not is refused and never touches the file, so a stray or
+    corrupt bucket cannot spoil bytes already accepted). :meth:`commit` needs every tensor,
+    recomputes the digest from the checksums taken on the way (no re-read), fsyncs the file
+    and the directory once, and renames the directory into place. :meth:`discard` removes
+    it. Blocking methods: call them in a worker thread."""
+
+    def __init__(self, store: ArtifactStore, manifest: Manifest, tmp: Path) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.tmp = tmp
+        self._infos = {t.name: t for t in manifest.tensors}
+        self._written: dict[str, str] = {}
+        head, self._offsets = weights_header(
+            (t.name, t.dtype, tuple(t.shape), t.nbytes)
+            for t in sorted(manifest.tensors, key=lambda t: t.name)
+        )
+        self._data_start = len(head)
+        with open(tmp / WEIGHTS_FILE, "xb") as f:
+            f.write(head)
+            f.truncate(self._data_start + sum(t.nbytes for t in manifest.tensors))
+
+    @property
+    def written(self) -> frozenset[str]:
+        """The tensors written so far."""
+        return frozenset(self._written)
+
+    @property
+    def written_bytes(self) -> int:
+        return sum(self._infos[n].nbytes for n in self._written)
+
+    def check(self, name: str, tensor: TensorData) -> str:
+        """The checksum of ``tensor`` if it is the manifest's ``name`` (``INVALID_ADAPTER``
+        for a name, dtype or shape it does not list, ``DIGEST_MISMATCH`` for other bytes)."""
+        info = self._infos.get(name)
+        if info is None:
+            raise ArtifactError("INVALID_ADAPTER", f"{name!r} not in manifest")
+        if (info.dtype, tuple(info.shape)) != (tensor.dtype, tuple(tensor.shape)):
+            raise ArtifactError("INVALID_ADAPTER", f"{name!r}: wrong shape")
+        checksum = tensor_checksum(tensor.dtype, tensor.shape, tensor.data)
+        if checksum != info.sha256:
+            raise ArtifactError("DIGEST_MISMATCH", f"{name!r}: bad bytes")
+        return checksum
+
+    def write(self, name: str, tensor: TensorData, checksum: str) -> None:
+        """Write a tensor :meth:`check` accepted (``checksum`` its answer) at its offset."""
+        if checksum != self._infos[name].sha256:
+            raise ArtifactError("DIGEST_MISMATCH", f"{name!r}: bad bytes")
+        fd = os.open(self.tmp / WEIGHTS_FILE, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            view = memoryview(tensor.data)
+            position = self._data_start + self._offsets[name]
+            while view:
+                done = os.pwrite(fd, view[: CHUNK_BYTES * 16], position)
+                view, position = view[done:], position + done
+        finally:
+            os.close(fd)
+        self._written[name] = checksum
+
+    def missing(self) -> list[str]:
+        return sorted(set(self._infos) - set(self._written))
+
+    def commit(self) -> Path:
+        """Fsync the weights once, then install the directory (``INVALID_ADAPTER`` while a
+        tensor is missing, ``DIGEST_MISMATCH`` if the checksums taken on the way do not give
+        the digest). Committed or refused, the temp dir is gone afterwards."""
+        try:
+            missing = self.missing()
+            if missing:
+                raise ArtifactError(
+                    "INVALID_ADAPTER",
+                    f"{len(missing)} manifest tensors never arrived, e.g. {missing[:3]}",
+                )
+            infos = tuple(
+                msgspec.structs.replace(self._infos[n], sha256=self._written[n])
+                for n in self._written
+            )
+            _check_digest(self.manifest, infos)
+            fd = os.open(self.tmp / WEIGHTS_FILE, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return self.store._finish(self.manifest, self.tmp)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the temp dir (nothing if :meth:`commit` renamed it into place)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -23,6 +23,11 @@ Rules, each from a recorded fact (docs/engines.md, SGLang's tensor route):
   asserts it for every dynamic LoRA operation and nothing reaches the other replicas),
   ``--max-loaded-loras`` set (SGLang would LRU-unload a tensor adapter inside another load,
   and a tensor adapter cannot be reloaded: it would be lost), and a server older than 0.5.17.
+* **Encoded once.** Every engine of a fleet that takes the same bytes (same digest, name and
+  TP size) sends the same request body: the first load builds it (:func:`~engines.tensor_wire.
+  encode_request_body`, one pass, one buffer), the others wait for it and send those bytes;
+  it is dropped once no staging refers to it. The digest is what makes sharing safe: every
+  engine verified its own buckets against it before its load reads the body.
 * **Listed with ``root == "__tensor__"``**: the server knows no digest, so this adapter vouches
   for the digests of what *it* loaded in the current incarnation, and reports the others
   without one. Such an adapter is never implicitly reloaded after an unload (SGLang fails the
@@ -32,6 +37,7 @@ Rules, each from a recorded fact (docs/engines.md, SGLang's tensor route):
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,21 +61,46 @@ from engines.tensor_wire import (
     FIRST_VERSION,
     ROUTE,
     TENSOR_ROOT,
-    checksums,
-    encode_request_payloads,
+    encode_request_body,
 )
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)")
 
 
+class _SharedBody:
+    """The request body of one (digest, name, TP size), built by the first load that needs it
+    and reused by every other; it lives as long as a staging refers to it."""
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        self.body: bytes | None = None
+
+
+# Weak values: a body disappears with the last staging that holds it (loaded, unloaded,
+# replaced by a new attempt), so nothing outlives the loads that needed it.
+_BODIES: weakref.WeakValueDictionary[tuple[str, str, int], _SharedBody] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def _shared_body(digest: str, lora_name: str, tp_size: int) -> _SharedBody:
+    key = (digest, lora_name, tp_size)
+    shared = _BODIES.get(key)
+    if shared is None:
+        shared = _BODIES[key] = _SharedBody()
+    return shared
+
+
 @dataclass
 class _Staging:
-    """The buckets received for one attempt, each tensor verified on arrival."""
+    """The buckets received for one attempt, each tensor verified on arrival, and the request
+    body its load sends (shared with every engine staging the same bytes)."""
 
     attempt: int
     digest: str
     tp_size: int
     incarnation: str
+    shared: _SharedBody
     tensors: dict[str, TensorData] = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)  # the manifest's checksums, verified
 
@@ -124,8 +155,13 @@ class SGLangTensorEngine(SGLangEngine):
         self._refuse_config(info)
         self._check_limits(candidate.manifest.config, info)
         self._attempts.stage(candidate, TENSOR_ROOT)
+        tp_size = int(info.get("tp_size") or 1)
         self._staging[candidate.lora_name] = _Staging(
-            candidate.attempt, candidate.digest, int(info.get("tp_size") or 1), incarnation
+            candidate.attempt,
+            candidate.digest,
+            tp_size,
+            incarnation,
+            _shared_body(candidate.digest, candidate.lora_name, tp_size),
         )
         return self._receipt(candidate, incarnation, "prepared")
 
@@ -186,9 +222,7 @@ class SGLangTensorEngine(SGLangEngine):
         ]
         if compute_digest(candidate.manifest.config, infos) != candidate.digest:
             raise self._clean(ErrorCode.DIGEST_MISMATCH, f"{name}: received content differs")
-        body = await anyio.to_thread.run_sync(
-            lambda: msgspec.json.encode(self._body(candidate, staging))
-        )
+        body = await self._body(candidate, staging)
         try:
             response = await self._send(
                 "POST",
@@ -217,14 +251,20 @@ class SGLangTensorEngine(SGLangEngine):
         raise self._unrecognised(f"load {name}", response)
 
     @staticmethod
-    def _body(candidate: Candidate, staging: _Staging) -> dict[str, Any]:
-        return {
-            "lora_name": candidate.lora_name,
-            "config_dict": candidate.manifest.config,
-            "serialized_named_tensors": encode_request_payloads(staging.tensors, staging.tp_size),
-            "expected_checksums": checksums(staging.tensors),
-            "pinned": False,
-        }
+    async def _body(candidate: Candidate, staging: _Staging) -> bytes:
+        """The shared body, built here if no other engine built it yet (in a worker thread:
+        seconds of CPU for a large adapter)."""
+        shared = staging.shared
+        async with shared.lock:
+            if shared.body is None:
+                shared.body = await anyio.to_thread.run_sync(
+                    encode_request_body,
+                    candidate.lora_name,
+                    candidate.manifest.config,
+                    staging.tensors,
+                    staging.tp_size,
+                )
+            return shared.body
 
     async def _probable_restart(self, exc: AmbiguousReply, staging: _Staging) -> AmbiguousReply:
         """SGLang does not catch a payload failure in its TP worker: the server may be gone."""

@@ -39,8 +39,9 @@ import binascii
 import hashlib
 import io
 import pickle
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -89,25 +90,107 @@ def checksums(tensors: Mapping[str, TensorData]) -> dict[str, str]:
 
 def encode_tensors(tensors: Mapping[str, TensorData]) -> bytes:
     """``{name: CPU tensor}`` pickled by value (storages as bytes, never handles)."""
+    out = io.BytesIO()
+    _pickle_tensors(tensors, out)
+    return out.getvalue()
+
+
+def _pickle_tensors(tensors: Mapping[str, TensorData], out: _Writable) -> None:
+    """Pickle ``{name: CPU tensor}`` by value into ``out`` as it goes: the tensors are views of
+    the owned bytes (read only, never copied), and the pickler hands every storage's bytes to
+    ``out`` one tensor at a time, so nothing holds the whole pickle unless ``out`` does."""
     import torch
 
     named = {}
     for name, t in sorted(tensors.items()):
         dtype = getattr(torch, _TORCH_DTYPES[t.dtype])
-        flat = torch.frombuffer(bytearray(t.data), dtype=torch.uint8) if t.data else None
-        value = (
-            flat.view(dtype).reshape(t.shape)
-            if flat is not None
-            else torch.empty(t.shape, dtype=dtype)
-        )
+        if t.data:
+            with warnings.catch_warnings():  # read only: the tensor is pickled, never written
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                flat = torch.frombuffer(t.data, dtype=torch.uint8)
+            value = flat.view(dtype).reshape(t.shape)
+        else:
+            value = torch.empty(t.shape, dtype=dtype)
         named[name] = value
-    return pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)
+    pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(named)
 
 
 def encode_request_payloads(tensors: Mapping[str, TensorData], tp_size: int) -> list[str]:
     """One base64 payload per TP rank (every rank gets the whole adapter; SGLang shards it)."""
     blob = base64.b64encode(encode_tensors(tensors)).decode("ascii")
     return [blob] * tp_size
+
+
+class _Writable(Protocol):
+    def write(self, data: Any, /) -> int: ...
+
+
+_B64_SLICE = 3 * 256 * 1024  # base64 encodes 3 bytes at a time: slices a multiple of 3
+
+
+class _Base64Writer:
+    """A file that base64-encodes what is written to it into ``out`` as it arrives (keeping
+    the 0-2 bytes that do not yet make a group of 3), so a pickle streams into a JSON string
+    without ever existing whole in plain form."""
+
+    def __init__(self, out: io.BytesIO) -> None:
+        self._out = out
+        self._rest = b""
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if self._rest:
+            head = self._rest + bytes(view[: 3 - len(self._rest)])
+            view = view[3 - len(self._rest) :]
+            if len(head) < 3:
+                self._rest = head
+                return size
+            self._out.write(binascii.b2a_base64(head, newline=False))
+        whole = len(view) - len(view) % 3
+        for start in range(0, whole, _B64_SLICE):
+            self._out.write(
+                binascii.b2a_base64(view[start : min(start + _B64_SLICE, whole)], newline=False)
+            )
+        self._rest = bytes(view[whole:])
+        return size
+
+    def close(self) -> None:
+        if self._rest:
+            self._out.write(binascii.b2a_base64(self._rest, newline=False))
+            self._rest = b""
+
+
+def encode_request_body(
+    lora_name: str, config: Mapping[str, Any], tensors: Mapping[str, TensorData], tp_size: int
+) -> bytes:
+    """The whole JSON body of one tensor load (:class:`TensorLoadRequest`: every rank's payload,
+    the checksums, ``pinned`` false), built in one pass and in one buffer: the pickle streams
+    through base64 straight into the body, and the other ranks' payloads are copied from the
+    first one in slices. Memory: the body (4/3 of the adapter per rank) plus one tensor's
+    storage bytes while it is pickled; before, a body held the adapter as a copy, a pickle, its
+    base64, a ``str`` of it and the JSON, and each engine built its own."""
+    out = io.BytesIO()
+    out.write(b'{"lora_name":' + _encoder.encode(lora_name))
+    out.write(b',"config_dict":' + _encoder.encode(config))
+    out.write(b',"serialized_named_tensors":["')
+    start = out.tell()
+    encoder = _Base64Writer(out)
+    _pickle_tensors(tensors, encoder)
+    encoder.close()
+    end = out.tell()
+    for _ in range(tp_size - 1):
+        out.write(b'","')
+        for offset in range(start, end, _B64_SLICE):
+            with out.getbuffer() as view:  # released before the next write may grow the buffer
+                piece = bytes(view[offset : min(offset + _B64_SLICE, end)])
+            out.write(piece)
+    out.write(b'"],"expected_checksums":' + _encoder.encode(checksums(tensors)))
+    out.write(b',"pinned":false}')
+    return out.getvalue()  # no copy: the buffer becomes the bytes
+
+
+_encoder = msgspec.json.Encoder()
 
 
 class _ByValueUnpickler(pickle.Unpickler):

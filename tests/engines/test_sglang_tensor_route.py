@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -40,7 +41,15 @@ from engines.tensor_wire import (
     encode_request_payloads,
     encode_tensors,
 )
-from tests.engines.contract import GREEDY, PROMPT, candidate_for, expect_refusal, publish
+from tests.engines.contract import (
+    GREEDY,
+    PROMPT,
+    aiter_list,
+    buckets_of,
+    candidate_for,
+    expect_refusal,
+    publish,
+)
 from tests.support.paths import REPO
 from tests.tools.conftest import script_env
 
@@ -251,6 +260,63 @@ async def test_client_sends_one_payload_per_tp_rank(tmp_path: Path) -> None:
             await client.aclose()
 
 
+class _CountingPickle:
+    """The ``pickle`` module as :mod:`engines.tensor_wire` sees it, counting every pickling
+    (one per request body encoded; decoding unpickles, which is not counted)."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+    def dumps(self, *args: Any, **kwargs: Any) -> bytes:
+        self.encoded += 1
+        return pickle.dumps(*args, **kwargs)
+
+    def Pickler(self, *args: Any, **kwargs: Any) -> pickle.Pickler:
+        self.encoded += 1
+        return pickle.Pickler(*args, **kwargs)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_engines_taking_the_same_bytes_share_one_encoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int
+) -> None:
+    """Two engines staging the same digest under the same name and TP size send one request
+    body, encoded once (every rank's payload copied from the first); the body is dropped once
+    neither staging holds it. Before, each engine pickled, base64-encoded and JSON-encoded the
+    whole adapter for itself."""
+    import gc
+
+    from engines import sglang_tensors, tensor_wire
+
+    counting = _CountingPickle()
+    monkeypatch.setattr(tensor_wire, "pickle", counting)
+    store = ArtifactStore(tmp_path / "a")
+    p = candidate_for(store, 12)
+    info = {"tp_size": tp}
+    async with (
+        running_server("s1", limits=LIMITS, sglang_info=info) as (_, url1),
+        running_server("s2", limits=LIMITS, sglang_info=info) as (_, url2),
+    ):
+        clients = [SGLangTensorEngine(url1, "s1"), SGLangTensorEngine(url2, "s2")]
+        try:
+            for client in clients:
+                await client.prepare(p.candidate)
+                await client.transfer(p.candidate, aiter_list(buckets_of(p.tensors)))
+            for client in clients:
+                await client.load(p.candidate)
+            assert counting.encoded == 1
+            for url in (url1, url2):
+                assert await _models(url) == {p.name: TENSOR_ROOT}
+            gc.collect()
+            assert len(sglang_tensors._BODIES) == 0  # nothing outlives the loads
+        finally:
+            for client in clients:
+                await client.aclose()
+
+
 # --- the crash fault: the process form dies on a bad payload --------------------------------------
 
 
@@ -308,11 +374,12 @@ class _Corrupting(SGLangTensorEngine):
     this test double can make the server see a bad payload, since the real client verifies."""
 
     @staticmethod
-    def _body(candidate: Any, staging: _Staging) -> dict[str, Any]:
-        body = SGLangTensorEngine._body(candidate, staging)
+    async def _body(candidate: Any, staging: _Staging) -> bytes:
+        # a decoded copy: the shared body other engines may send stays intact
+        body = msgspec.json.decode(await SGLangTensorEngine._body(candidate, staging))
         first = sorted(body["expected_checksums"])[0]
         body["expected_checksums"][first] = "0" * 64
-        return body
+        return msgspec.json.encode(body)
 
 
 async def test_a_bad_payload_kills_the_server_and_the_client_says_engine_stopped(

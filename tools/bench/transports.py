@@ -24,6 +24,14 @@ Method (one process, one run, so the numbers are comparable):
   source for restores and repairs), as the publication driver always does.
 * **Reference**: the bytes written twice to files with fsync (``tools.bench.publish``), median
   of ``repeats`` interleaved with the publications.
+* **CPU**: this process's CPU time per publication (every thread: control plane, engines and
+  agents alike), median: the work itself, which a loaded machine stretches in wall time but
+  does not change.
+* **Memory**: this process's peak resident set during each publication (Linux ``VmHWM``,
+  reset through ``/proc/self/clear_refs`` just before it), absolute and above the resident
+  set at its start (the adapter itself is already held then), the largest of the repeats; the
+  engines, agents and control plane all live in this process, so it is the sum of every
+  side's buffers.
 
 Run: ``python -m tools.bench.transports [--size-mib 64] [--repeats 3] [--json]``.
 """
@@ -76,6 +84,8 @@ async def bench_transports(
         return AdapterCopy.from_state_dict(tensors, config)
 
     results: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    peaks: dict[str, dict[str, float]] = {}
     write_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-transports-", dir=workdir) as tmp:
         root = Path(tmp)
@@ -123,14 +133,25 @@ async def bench_transports(
                         reclaim_tick_s=0.1,
                     )
                 )
+                peak_rss_mib = peak_above_mib = 0.0
                 for i in range(repeats):
                     copy = await anyio.to_thread.run_sync(adapter)
                     write_s.append(
                         await anyio.to_thread.run_sync(write_twice, dict(copy.tensors), root)
                     )
-                    t = time.perf_counter()
+                    start_rss = reset_peak_rss()
+                    t, c = time.perf_counter(), time.process_time()
                     await plane.publisher.publish(copy, version_id=1 + i)
                     results[transport].append(time.perf_counter() - t)
+                    cpu[transport].append(time.process_time() - c)
+                    peak = peak_rss()
+                    peak_rss_mib = max(peak_rss_mib, peak / 2**20)
+                    peak_above_mib = max(peak_above_mib, (peak - start_rss) / 2**20)
+                    del copy
+                peaks[transport] = {
+                    "peak_rss_mib": peak_rss_mib,
+                    "peak_above_start_mib": peak_above_mib,
+                }
     reference = statistics.median(write_s)
     return {
         "machine": machine(),
@@ -140,7 +161,28 @@ async def bench_transports(
         "publish_s": {t: statistics.median(v) for t, v in results.items()},
         "publish_all_s": results,
         "ratio_to_write_twice": {t: statistics.median(v) / reference for t, v in results.items()},
+        "cpu_s": {t: statistics.median(v) for t, v in cpu.items()},
+        "memory": peaks,
     }
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident set (Linux) and return the resident set now."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set since the last :func:`reset_peak_rss` (Linux)."""
+    return _status_bytes("VmHWM")
 
 
 def render(result: dict[str, Any]) -> str:
@@ -152,7 +194,10 @@ def render(result: dict[str, Any]) -> str:
     for t in TRANSPORTS:
         lines.append(
             f"  {t:7s} {result['publish_s'][t] * 1e3:8.0f} ms  "
-            f"{result['ratio_to_write_twice'][t]:.2f}x the durable double write"
+            f"{result['ratio_to_write_twice'][t]:.2f}x the durable double write, "
+            f"CPU {result['cpu_s'][t] * 1e3:.0f} ms, "
+            f"peak RSS {result['memory'][t]['peak_rss_mib']:.0f} MiB "
+            f"(+{result['memory'][t]['peak_above_start_mib']:.0f})"
         )
     return "\n".join(lines)
 
