@@ -56,7 +56,7 @@ from engines.contract import (
     UnloadReceipt,
     check_name,
 )
-from engines.local.name_table import NameTable, Resident, new_adapter_id
+from engines.local.name_table import NameTable, Resident
 from engines.local.refs import RefCounter
 
 
@@ -74,6 +74,7 @@ class FleetStubEngine:
         self.load_latency_s = load_latency_s
         self._incarnation = uuid.uuid4().hex
         self._names = NameTable()
+        self._loads = 0
         self._closed = False
 
     async def __aenter__(self) -> Self:
@@ -172,7 +173,8 @@ class FleetStubEngine:
                     await anyio.sleep(self.load_latency_s)
                 # the name may have been prepared again or cleaned up while this load slept
                 self._names.staging_for(name, attempt, digest)
-                adapter_id = new_adapter_id()
+                self._loads += 1  # an engine-local id, fresh per load (no uuid: no syscall)
+                adapter_id = f"l{self._loads}"
                 self._names.register(
                     Resident(
                         lora_name=name,
