@@ -4,17 +4,7 @@ square: a publication to hundreds of engines runs the check after each of its ba
 from __future__ import annotations
 
 from projections import invariants
-from tests.publisher.core.book import Book
-
-
-class _CountedFleet(tuple[str, ...]):
-    """An attempt's fleet that counts the membership questions put to it (a scan each)."""
-
-    scans = 0
-
-    def __contains__(self, engine: object) -> bool:
-        type(self).scans += 1
-        return super().__contains__(engine)
+from tests.publisher.core.book import Book, CountedFleet
 
 
 def test_the_routable_members_check_reads_each_needed_fleet_once() -> None:
@@ -23,10 +13,10 @@ def test_the_routable_members_check_reads_each_needed_fleet_once() -> None:
     book.publish(1)
     state = book.state
     v = state.versions[1]
-    v.fleet = _CountedFleet(v.fleet)
-    _CountedFleet.scans = 0
+    v.fleet = CountedFleet(v.fleet)
+    CountedFleet.scans = 0
     assert invariants.violations(state) == []
-    assert _CountedFleet.scans == 0  # not one scan per member: O(engines), not O(engines^2)
+    assert CountedFleet.scans == 0  # not one scan per member: O(engines), not O(engines^2)
 
     # and the check still finds a routable member that lacks a needed version
     del state.engines["e3"].holds[v.lora_name]

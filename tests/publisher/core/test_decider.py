@@ -31,7 +31,7 @@ from publisher.core import commands as c
 from publisher.core.decider import check_lease
 from publisher.core.errors import Code
 from publisher.core.outcomes import Allocated, Bound, Released, Skipped
-from tests.publisher.core.book import Book, digest_of
+from tests.publisher.core.book import Book, CountedFleet, digest_of
 
 
 @pytest.fixture
@@ -281,16 +281,6 @@ def test_receipt_from_an_engine_outside_the_fleet_is_fleet_mismatch(book: Book) 
     assert isinstance(recorded[0], ReceiptRejected)
 
 
-class _CountedFleet(tuple[str, ...]):
-    """An attempt's fleet that counts the membership questions put to it (a scan each)."""
-
-    scans = 0
-
-    def __contains__(self, engine: object) -> bool:
-        type(self).scans += 1
-        return super().__contains__(engine)
-
-
 def test_receipts_are_checked_against_the_fleet_without_scanning_it() -> None:
     """A publication to n engines decides 2n receipts: each asks whether its engine is in the
     attempt's fleet, which the fold keeps by engine while the attempt loads -- a scan of the
@@ -300,10 +290,10 @@ def test_receipts_are_checked_against_the_fleet_without_scanning_it() -> None:
     book.allocate(1)
     v = book.state.versions[1]
     assert v.loading_fleet == dict.fromkeys(engines)
-    _CountedFleet.scans = 0
-    v.fleet = _CountedFleet(v.fleet)
+    CountedFleet.scans = 0
+    v.fleet = CountedFleet(v.fleet)
     book.ready_all(1)
-    assert _CountedFleet.scans == 0
+    assert CountedFleet.scans == 0
     book.run(c.Commit(version_id=1, attempt=1))
     assert book.state.versions[1].loading_fleet == {}  # nothing kept once the attempt ended
 
