@@ -202,7 +202,7 @@ async def publication_at(
         config, tensors = make_adapter(200 + i, r=ADAPTER_RANK, targets=targets)
         adapters.append(AdapterCopy.from_state_dict(tensors, config))
     timer = _DecideTimer()
-    commit_s, events, decide_s = [], [], []
+    commit_s, commit_cpu_s, events, decide_s = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=workdir) as tmp:
         async with contextlib.AsyncExitStack() as stack:
             plane = await _plane_with_one_version(
@@ -221,9 +221,10 @@ async def publication_at(
             for i, adapter in enumerate(adapters):
                 await settled()
                 seq, decided = ledger.state.last_seq, timer.seconds
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 outcome = await plane.publisher.publish(adapter, version_id=10 + i)
                 commit_s.append(time.perf_counter() - t)
+                commit_cpu_s.append(time.process_time() - cpu)
                 if outcome.status != "PUBLISHED":
                     raise RuntimeError(f"publication to {engines} engines: {outcome.status}")
                 events.append(ledger.state.last_seq - seq)
@@ -235,6 +236,9 @@ async def publication_at(
         "engines": engines,
         "commit_ms": round(commit * 1e3, 1),
         "commit_ms_per_engine": round(commit * 1e3 / engines, 3),
+        # this process's CPU (all threads, the engine doubles' included) during the commit:
+        # on a loaded machine, what the wall time cannot separate from waiting for a core
+        "commit_cpu_ms": round(statistics.median(commit_cpu_s) * 1e3, 1),
         "events": statistics.median(events),
         "events_per_engine": round(statistics.median(events) / engines, 2),
         "decide_ms": round(statistics.median(decide_s) * 1e3, 2),
@@ -387,6 +391,7 @@ async def bench_fleet(
             "engines": f"{base['engines']} -> {largest['engines']} "
             f"({largest['engines'] / base['engines']:.0f}x)",
             "commit_ratio": largest["commit_vs_smallest"],
+            "commit_cpu_ratio": round(largest["commit_cpu_ms"] / base["commit_cpu_ms"], 2),
             "target_commit_ratio": 4.0,
             "events_per_engine_ratio": round(
                 largest["events_per_engine"] / base["events_per_engine"], 2

@@ -82,6 +82,7 @@ def test_bench_fleet_quick_reports_per_engine_figures_and_serve_capacity(cli: Cl
     smallest = rows[0]
     for r in rows:
         assert r["commit_ms"] > 0 and r["decide_ms"] > 0 and r["projection_kib"] > 0
+        assert r["commit_cpu_ms"] > 0
         # every engine is prepared and made ready: at least two events each
         assert r["events"] >= 2 * r["engines"]
         assert r["events_per_engine"] == pytest.approx(r["events"] / r["engines"], abs=0.01)
