@@ -55,7 +55,10 @@ def violations(state: RegistryState, *, deep: bool = True) -> list[str]:
             elif held.state in (VersionState.RECLAIMED, VersionState.FAILED_RETRYABLE):
                 found.append(f"engine {member.engine} still holds {held.state} {name}")
 
-    needed = [versions[vid] for vid in state.needed_versions()]
+    # Each needed version with its attempt's fleet as a set: the check below asks, for every
+    # member, whether it took part -- a scan of the fleet tuple there would make this check
+    # O(engines^2), run after every batch of a publication to hundreds of engines.
+    needed = [(versions[vid], frozenset(versions[vid].fleet)) for vid in state.needed_versions()]
     for member in state.engines.values():
         if member.suspended and member.routable:
             found.append(f"engine {member.engine} is suspended and routable")
@@ -75,8 +78,8 @@ def violations(state: RegistryState, *, deep: bool = True) -> list[str]:
             # A version committed while the engine was being repaired is restored later.
             missing = [
                 v.version_id
-                for v in needed
-                if member.engine in v.fleet
+                for v, fleet in needed
+                if member.engine in fleet
                 and v.lora_name not in member.holds
                 and v.lora_name not in member.lacks
             ]

@@ -75,10 +75,11 @@ from projections.transitions import VersionState as VersionState  # its home is 
 
 # Bump when evolve() or the state layout changes meaning: older snapshots are then ignored and
 # the state is rebuilt from the log (snapshots are a cache, never a source of truth).
-PROJECTION_VERSION = "registry-7"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
+PROJECTION_VERSION = "registry-8"  # 2: max_staleness, stalls; 3: engine health, lost adapters;
 # 4: owner incarnations and clean deregistration; 5: an ambiguous unload voids the engine's
 # proof, engine outages (unreachable), client-held sessions and idle tombstones; 6: served
-# content mismatches (``EngineMember.mismatched``); 7: the digest of each owner life's secret
+# content mismatches (``EngineMember.mismatched``); 7: the digest of each owner life's secret;
+# 8: the loading attempt's fleet by engine (``VersionRecord.loading_fleet``)
 
 
 # Versions an engine may legitimately hold: being loaded (LOADING), serving (PUBLISHED,
@@ -109,7 +110,11 @@ SERVING_STATES = frozenset({VersionState.PUBLISHED, VersionState.RETIRED})
 
 class VersionRecord(msgspec.Struct, kw_only=True):
     """One version id's whole life. ``prepared``/``ready`` belong to the current attempt;
-    ``confirmed`` collects unload/absence proofs of the current reclaim or fatal resolution."""
+    ``confirmed`` collects unload/absence proofs of the current reclaim or fatal resolution.
+
+    ``loading_fleet`` is ``fleet`` keyed by engine while the attempt is LOADING (empty once it
+    ended): every receipt of a publication asks whether its engine is in the attempt's fleet,
+    and a scan of the tuple there would make a publication to n engines cost O(n^2)."""
 
     version_id: int
     digest: str
@@ -118,6 +123,7 @@ class VersionRecord(msgspec.Struct, kw_only=True):
     state: VersionState = VersionState.LOADING
     attempt: int = 0
     fleet: tuple[str, ...] = ()
+    loading_fleet: dict[str, None] = msgspec.field(default_factory=dict)
     claimed_by: str | None = None
     prepared: dict[str, str] = msgspec.field(default_factory=dict)
     ready: dict[str, str] = msgspec.field(default_factory=dict)
@@ -532,6 +538,7 @@ def _attempt_started(s: RegistryState, e: AttemptStarted) -> None:
     v.state = state
     v.attempt = e.attempt
     v.fleet = e.fleet
+    v.loading_fleet = dict.fromkeys(e.fleet)
     s.stalls.pop(v.version_id, None)  # the stall is over: a later one is a new one
     v.claimed_by = None
     v.prepared = {}
@@ -580,6 +587,7 @@ def _version_published(s: RegistryState, e: VersionPublished) -> None:
     if e.retired is not None:
         _step(s, e.retired, PUBLISHED_RETIRES)
     v.state = published
+    v.loading_fleet = {}
     v.revision = e.revision
     s.default = e.version_id
     s.default_revision = e.revision
@@ -593,6 +601,7 @@ def _attempt_failed(s: RegistryState, e: AttemptFailed) -> None:
     v.failure_reason = e.reason
     v.claimed_by = None
     v.confirmed = {}
+    v.loading_fleet = {}
     if e.clean:
         for member in s.engines.values():
             member.holds.pop(v.lora_name, None)

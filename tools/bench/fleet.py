@@ -4,9 +4,16 @@ spends on each remote gateway's binds, renewals and provenance rows.
 Method (one process, one run; every figure is read against one measured in the same run):
 
 * **Publication**: for each fleet size, a fresh SQLite ledger (``synchronous=FULL``) and that
-  many in-process :class:`~engines.local.engine.LocalEngine` s -- the engine double the other
-  publication benches use (a real engine's protocol: prepare, per-tensor checksummed transfer,
-  peft load, inventory), not GPU servers: 256 engine processes would not fit this machine.
+  many in-process engine doubles (``engines``): by default
+  :class:`~tools.bench.fleet_engine.FleetStubEngine` s, the staged protocol answered as a real
+  engine answers it with none of the engine's own work on the bytes (a real engine checksums
+  and builds weights on a machine of its own; in this one process that CPU would hide the
+  control plane's), optionally after a simulated load latency (``engine_load_ms``); or
+  (``engines="local"``) :class:`~engines.local.engine.LocalEngine` s, the tiny-model engine the
+  other publication benches use, whose checksums and peft loads run in this process. The
+  output names the double (``engine_double``). 256 engine processes would not fit this
+  machine. The health loop probes every engine once a minute (``probe_interval_s``): no probe
+  round falls inside a timed publication.
   After an untimed warm-up publication, a 1 MiB adapter (rank 128, so the protocol shows, not
   the bytes) is published ``repeats`` times through ``ControlPlane.publish``; the median time
   to commit is reported with its ratio to the smallest fleet's (target: 256 engines within 4x
@@ -24,7 +31,8 @@ Method (one process, one run; every figure is read against one measured in the s
   row. From those: binds per second per ``serve`` core (target >= 10,000), and how many
   gateway processes one core carries at a stated load per gateway.
 
-Run ``loraledger bench fleet`` (``--quick``: smoke sizes) or ``python -m tools.bench.fleet``.
+Run ``loraledger bench fleet`` (``--quick``: smoke sizes; ``--engines local``: LocalEngines) or
+``python -m tools.bench.fleet`` (``--engines``, ``--engine-load-ms``).
 """
 
 from __future__ import annotations
@@ -44,12 +52,19 @@ from typing import Any
 import anyio
 
 from tools.bench.ledger import machine
+from tools.exitcodes import Exit, ToolError
 
 ADAPTER_RANK = 128  # q/k/v/o of the tiny model's 2 layers at hidden 128, float32: 1 MiB
 # The load one remote gateway puts on ``serve`` when the number it carries is computed:
 # new sessions per second, generations (provenance rows) per second, renewals per second.
 GATEWAY_LOAD = {"new_sessions_per_s": 100.0, "rows_per_s": 1000.0, "renewals_per_s": 1.0}
 
+
+# The engine doubles a publication can run against, and how the output names each.
+DOUBLES = {
+    "stub": "in-process FleetStubEngine (the staged protocol, none of an engine's own work)",
+    "local": "in-process LocalEngine (tiny model), not GPU servers",
+}
 
 _DECIDE = "decide"  # the name the ledger's writer calls the decider by
 
@@ -104,28 +119,53 @@ async def _projection_bytes(store: Any) -> int:
     return end - start
 
 
+async def _engine_doubles(
+    stack: contextlib.AsyncExitStack, engines: int, double: str, load_ms: float
+) -> list[Any]:
+    """``engines`` in-process engine doubles of the kind ``double`` names (:data:`DOUBLES`)."""
+    if double == "local":
+        from engines.local.admission import ServingLimits
+        from engines.local.engine import LocalEngine
+
+        limits = ServingLimits(max_lora_rank=ADAPTER_RANK)
+        return [
+            await stack.enter_async_context(LocalEngine(f"e{i:03d}", limits=limits))
+            for i in range(engines)
+        ]
+    if double == "stub":
+        from tools.bench.fleet_engine import FleetStubEngine
+
+        return [
+            await stack.enter_async_context(
+                FleetStubEngine(f"e{i:03d}", load_latency_s=load_ms / 1e3)
+            )
+            for i in range(engines)
+        ]
+    raise ValueError(f"engine double {double!r} is not one of {', '.join(DOUBLES)}")
+
+
 async def _plane_with_one_version(
-    stack: contextlib.AsyncExitStack, root: Path, engines: int, *, capacity: int
+    stack: contextlib.AsyncExitStack,
+    root: Path,
+    engines: int,
+    *,
+    capacity: int,
+    double: str = "local",
+    load_ms: float = 0.0,
 ) -> Any:
-    """A control plane on a SQLite ledger (``FULL``) over ``engines`` in-process engines, with
-    version 1 published untimed: the first publication of the process pays imports and
-    warm-up, and a bind needs a version to bind to."""
-    from engines.local.admission import ServingLimits
-    from engines.local.engine import LocalEngine
+    """A control plane on a SQLite ledger (``FULL``) over ``engines`` in-process engine
+    doubles, with version 1 published untimed: the first publication of the process pays
+    imports and warm-up, and a bind needs a version to bind to."""
     from engines.local.tinymodel import make_adapter
     from evlog.sqlite import SQLiteStore
     from publisher.drivers.adapter_copy import AdapterCopy
     from publisher.drivers.fleet import Fleet
     from publisher.drivers.plane import ControlPlane
 
-    limits = ServingLimits(max_lora_rank=ADAPTER_RANK)
     store = await stack.enter_async_context(
         SQLiteStore.open(root / "ledger.db", synchronous="FULL")
     )
-    fleet = [
-        await stack.enter_async_context(LocalEngine(f"e{i:03d}", limits=limits))
-        for i in range(engines)
-    ]
+    fleet = await _engine_doubles(stack, engines, double, load_ms)
     plane = await stack.enter_async_context(
         ControlPlane.open(
             store,
@@ -144,8 +184,15 @@ async def _plane_with_one_version(
     return plane
 
 
-async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> dict[str, Any]:
-    """Publish a 1 MiB adapter ``repeats`` times to ``engines`` in-process engines."""
+async def publication_at(
+    engines: int,
+    *,
+    repeats: int,
+    workdir: str | None,
+    double: str = "stub",
+    load_ms: float = 0.0,
+) -> dict[str, Any]:
+    """Publish a 1 MiB adapter ``repeats`` times to ``engines`` in-process engine doubles."""
     from engines.local.tinymodel import make_adapter
     from publisher.drivers.adapter_copy import AdapterCopy
 
@@ -155,10 +202,12 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
         config, tensors = make_adapter(200 + i, r=ADAPTER_RANK, targets=targets)
         adapters.append(AdapterCopy.from_state_dict(tensors, config))
     timer = _DecideTimer()
-    commit_s, events, decide_s = [], [], []
+    commit_s, commit_cpu_s, events, decide_s = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=workdir) as tmp:
         async with contextlib.AsyncExitStack() as stack:
-            plane = await _plane_with_one_version(stack, Path(tmp), engines, capacity=repeats + 3)
+            plane = await _plane_with_one_version(
+                stack, Path(tmp), engines, capacity=repeats + 3, double=double, load_ms=load_ms
+            )
             stack.enter_context(timer.installed())
             ledger = plane.ledger
 
@@ -172,9 +221,10 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
             for i, adapter in enumerate(adapters):
                 await settled()
                 seq, decided = ledger.state.last_seq, timer.seconds
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 outcome = await plane.publisher.publish(adapter, version_id=10 + i)
                 commit_s.append(time.perf_counter() - t)
+                commit_cpu_s.append(time.process_time() - cpu)
                 if outcome.status != "PUBLISHED":
                     raise RuntimeError(f"publication to {engines} engines: {outcome.status}")
                 events.append(ledger.state.last_seq - seq)
@@ -186,6 +236,9 @@ async def publication_at(engines: int, *, repeats: int, workdir: str | None) -> 
         "engines": engines,
         "commit_ms": round(commit * 1e3, 1),
         "commit_ms_per_engine": round(commit * 1e3 / engines, 3),
+        # this process's CPU (all threads, the engine doubles' included) during the commit:
+        # on a loaded machine, what the wall time cannot separate from waiting for a core
+        "commit_cpu_ms": round(statistics.median(commit_cpu_s) * 1e3, 1),
         "events": statistics.median(events),
         "events_per_engine": round(statistics.median(events) / engines, 2),
         "decide_ms": round(statistics.median(decide_s) * 1e3, 2),
@@ -312,22 +365,33 @@ async def bench_fleet(
     renewals: int = 200,
     rows: int = 20_000,
     workdir: str | None = None,
+    engines: str = "stub",
+    engine_load_ms: float = 0.0,
 ) -> dict[str, Any]:
     """Run the benchmark and return its results (see the module docstring)."""
-    publication = [await publication_at(n, repeats=repeats, workdir=workdir) for n in sizes]
+    if engines not in DOUBLES:
+        raise ToolError(Exit.USAGE, f"--engines must be one of {', '.join(DOUBLES)}")
+    publication = [
+        await publication_at(
+            n, repeats=repeats, workdir=workdir, double=engines, load_ms=engine_load_ms
+        )
+        for n in sizes
+    ]
     base = publication[0]
     for row in publication:
         row["commit_vs_smallest"] = round(row["commit_ms"] / base["commit_ms"], 2)
     largest = publication[-1]
     return {
         "machine_detail": machine(),
-        "engine_double": "in-process LocalEngine (tiny model), not GPU servers",
+        "engine_double": DOUBLES[engines],
+        "engine_load_ms": engine_load_ms if engines == "stub" else None,
         "adapter_mib": 1,
         "publication": publication,
         "scale": {
             "engines": f"{base['engines']} -> {largest['engines']} "
             f"({largest['engines'] / base['engines']:.0f}x)",
             "commit_ratio": largest["commit_vs_smallest"],
+            "commit_cpu_ratio": round(largest["commit_cpu_ms"] / base["commit_cpu_ms"], 2),
             "target_commit_ratio": 4.0,
             "events_per_engine_ratio": round(
                 largest["events_per_engine"] / base["events_per_engine"], 2
@@ -352,12 +416,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", choices=sorted(DOUBLES), default="stub")
+    parser.add_argument("--engine-load-ms", type=float, default=0.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings+
-    result = anyio.run(lambda: bench_fleet(sizes=args.sizes, repeats=args.repeats))
+    result = anyio.run(
+        lambda: bench_fleet(
+            sizes=args.sizes,
+            repeats=args.repeats,
+            engines=args.engines,
+            engine_load_ms=args.engine_load_ms,
+        )
+    )
     print(json.dumps(result, indent=2))
 
 

@@ -155,7 +155,13 @@ def _function(name: str) -> Callable[..., Any]:  # a sync or an async bench, fou
 
 
 def run_bench(
-    name: str, *, quick: bool, directory: Path | None, json: bool, store: str | None = None
+    name: str,
+    *,
+    quick: bool,
+    directory: Path | None,
+    json: bool,
+    store: str | None = None,
+    engines: str | None = None,
 ) -> dict[str, Any]:
     fn = _function(name)
     _, _, full, small, scratch = BENCHES[name]
@@ -172,6 +178,10 @@ def run_bench(
             kwargs.pop("modes", None)  # SQLite's synchronous modes
             if not quick:
                 kwargs["replay_events"] = POSTGRES_REPLAY_EVENTS
+    if engines is not None:
+        if "engines" not in inspect.signature(fn).parameters:
+            raise ToolError(Exit.USAGE, f"bench {name} has no --engines choice")
+        kwargs["engines"] = engines
     run = inspect.iscoroutinefunction(fn)
     with working(f"bench {name}", json=json):
         result: dict[str, Any] = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)

@@ -38,10 +38,18 @@ def _bench_command(name: str, summary: str) -> None:
                 "or postgres (a throwaway local server this run starts).",
             ),
         ] = None,
+        engines: Annotated[
+            str | None,
+            typer.Option(
+                "--engines",
+                help="Engine doubles, for the benches that take them (fleet): stub (default: "
+                "the protocol only) or local (in-process LocalEngines, the tiny model).",
+            ),
+        ] = None,
     ) -> None:
         from tools.bench.runner import run_bench
 
-        run_bench(name, quick=quick, directory=directory, json=json, store=store)
+        run_bench(name, quick=quick, directory=directory, json=json, store=store, engines=engines)
 
     command.__doc__ = summary
     command.__name__ = f"bench_{name}"
@@ -59,7 +67,7 @@ for _name, _summary in {
     "gateway": "OpenAI gateway vs a bare proxy vs direct to a stub engine: req/s, added TTFB.",
     "routing": "Session placement: round robin, rendezvous, bounded-load rendezvous on simulated "
     "prefix-cache engines: wall time and cache hit rate.",
-    "fleet": "Publication to 8, 64, 256 in-process engines: commit time, events and decide time "
+    "fleet": "Publication to 8, 64, 256 engine doubles: commit time, events and decide time "
     "per engine, projection memory; serve's CPU per remote bind, renewal, provenance row.",
 }.items():
     _bench_command(_name, _summary)

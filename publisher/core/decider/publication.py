@@ -108,7 +108,7 @@ def _receipt_refusal(
     except LedgerError as refusal:
         return refusal.code, refusal.message
     incarnation = s.engines[cmd.engine].incarnation
-    if cmd.engine not in v.fleet:
+    if cmd.engine not in v.loading_fleet:  # the fleet by engine: O(1) per receipt
         return Code.FLEET_MISMATCH, f"{cmd.engine} is not in the attempt's fleet {v.fleet}"
     if cmd.incarnation != incarnation:
         return (

@@ -23,6 +23,18 @@ def digest_of(label: Any) -> str:
     return hashlib.sha256(str(label).encode()).hexdigest()
 
 
+class CountedFleet(tuple[str, ...]):
+    """An attempt's fleet that counts the membership questions put to it (each one a scan of
+    the tuple): put in place of ``VersionRecord.fleet``, it shows whether a check costs
+    O(engines) per event."""
+
+    scans = 0
+
+    def __contains__(self, engine: object) -> bool:
+        type(self).scans += 1
+        return super().__contains__(engine)
+
+
 class Book:
     def __init__(self) -> None:
         self.state = RegistryState()

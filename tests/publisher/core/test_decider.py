@@ -31,7 +31,7 @@ from publisher.core import commands as c
 from publisher.core.decider import check_lease
 from publisher.core.errors import Code
 from publisher.core.outcomes import Allocated, Bound, Released, Skipped
-from tests.publisher.core.book import Book, digest_of
+from tests.publisher.core.book import Book, CountedFleet, digest_of
 
 
 @pytest.fixture
@@ -278,6 +278,39 @@ def test_receipt_from_an_engine_outside_the_fleet_is_fleet_mismatch(book: Book) 
     book.allocate(1)
     book.run(c.JoinEngine(engine="e2", incarnation="e2-i1"))  # joined after allocation
     recorded = book.refuse(_ready(book, 1, "e2"), Code.FLEET_MISMATCH)
+    assert isinstance(recorded[0], ReceiptRejected)
+
+
+def test_receipts_are_checked_against_the_fleet_without_scanning_it() -> None:
+    """A publication to n engines decides 2n receipts: each asks whether its engine is in the
+    attempt's fleet, which the fold keeps by engine while the attempt loads -- a scan of the
+    fleet per receipt would make the publication's decisions O(n^2)."""
+    engines = tuple(f"e{i}" for i in range(6))
+    book = Book().bootstrap(capacity=3, engines=engines)
+    book.allocate(1)
+    v = book.state.versions[1]
+    assert v.loading_fleet == dict.fromkeys(engines)
+    CountedFleet.scans = 0
+    v.fleet = CountedFleet(v.fleet)
+    book.ready_all(1)
+    assert CountedFleet.scans == 0
+    book.run(c.Commit(version_id=1, attempt=1))
+    assert book.state.versions[1].loading_fleet == {}  # nothing kept once the attempt ended
+
+
+def test_a_retried_attempt_checks_receipts_against_its_own_fleet(book: Book) -> None:
+    book.allocate(1)
+    book.claim(1)
+    book.run(
+        c.FailAttempt(
+            version_id=1, attempt=1, clean=True, code="T", reason="t", absent_on=("e0", "e1")
+        )
+    )
+    assert book.state.versions[1].loading_fleet == {}
+    book.run(c.SuspendEngine(engine="e1", cause="operator"))
+    book.allocate(1)  # attempt 2, on the engines that serve now
+    assert book.state.versions[1].loading_fleet == {"e0": None}
+    recorded = book.refuse(_ready(book, 1, "e1"), Code.FLEET_MISMATCH)
     assert isinstance(recorded[0], ReceiptRejected)
 
 

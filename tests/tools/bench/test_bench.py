@@ -76,12 +76,13 @@ def test_bench_fleet_quick_reports_per_engine_figures_and_serve_capacity(cli: Cl
     assert result.returncode == 0, result.stderr
     (out,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert out["bench"] == "fleet" and f"{os.cpu_count()} cores" in out["machine"]
-    assert "LocalEngine" in out["engine_double"]
+    assert "FleetStubEngine" in out["engine_double"]  # the protocol stub unless --engines
     rows = out["publication"]
     assert [r["engines"] for r in rows] == [2, 8]
     smallest = rows[0]
     for r in rows:
         assert r["commit_ms"] > 0 and r["decide_ms"] > 0 and r["projection_kib"] > 0
+        assert r["commit_cpu_ms"] > 0
         # every engine is prepared and made ready: at least two events each
         assert r["events"] >= 2 * r["engines"]
         assert r["events_per_engine"] == pytest.approx(r["events"] / r["engines"], abs=0.01)
@@ -96,3 +97,18 @@ def test_bench_fleet_quick_reports_per_engine_figures_and_serve_capacity(cli: Cl
         assert service[key] > 0
     assert service["binds_per_s_per_core"] == pytest.approx(1e6 / service["bind_cpu_us"], rel=0.01)
     assert service["gateways_per_serve_core"] >= 1
+
+
+def test_bench_fleet_runs_local_engines_when_asked(cli: Cli) -> None:
+    result = cli("bench", "fleet", "--quick", "--json", "--engines", "local")
+    assert result.returncode == 0, result.stderr
+    (out,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert "LocalEngine" in out["engine_double"]
+    assert [r["engines"] for r in out["publication"]] == [2, 8]
+
+
+def test_bench_engines_choice_is_checked(cli: Cli) -> None:
+    unknown = cli("bench", "fleet", "--quick", "--engines", "gpu")
+    assert unknown.returncode != 0 and "--engines must be one of" in unknown.stderr
+    elsewhere = cli("bench", "routing", "--quick", "--engines", "stub")
+    assert elsewhere.returncode != 0 and "has no --engines choice" in elsewhere.stderr
