@@ -37,12 +37,11 @@ import httpx
 import msgspec
 import openai
 
-from evlog.sqlite import SQLiteStore
 from publisher.drivers.publication import PublicationError, PublicationStatus
 from publisher.remote.trainer import HttpTrainerClient
 from tests.chaos.checker import FREEZE_SEEN_S, LIVENESS_BOUND_S, Violation, check
-from tests.chaos.cluster import ENGINES, GATEWAYS, TOKEN, Cluster
-from tests.chaos.history import ClientOp, Fault, History, log_entries, read_engine_records
+from tests.chaos.cluster import ENGINES, GATEWAYS, STORES, TOKEN, Cluster, StoreKind, log_store
+from tests.chaos.history import ClientOp, Fault, History, read_engine_records, read_log
 from tests.chaos.plants import ENGINE_PLANTS, PLANTS, SOURCE_PLANTS, planted_tree
 from tests.chaos.proxy import Network
 from tests.chaos.schedule import (
@@ -366,11 +365,13 @@ async def run(
     root: Path,
     *,
     plant: str | None = None,
+    store: StoreKind = "sqlite",
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """One run; its summary (``violations``: the checker's, by invariant)."""
+    """One run; its summary (``violations``: the checker's, by invariant). ``store``: where
+    ``serve`` keeps its log (``tests/chaos/cluster.py``, :func:`log_store`)."""
     plan = process_faults(seed, duration)
-    say(f"chaos seed {seed}, {duration:g} s, plant {plant}; process faults:")
+    say(f"chaos seed {seed}, {duration:g} s, plant {plant}, store {store}; process faults:")
     for f in plan:
         say(f"  +{f.at:5.1f} s {f.kind:7} {f.target:5} hold {f.hold:g} s")
     network_plan = schedule(seed, duration, LINKS, {}, NETWORK_PACE)
@@ -378,8 +379,8 @@ async def run(
     engine_plant = plant if plant in ENGINE_PLANTS else None
     tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
     (root / "adapters").mkdir(parents=True, exist_ok=True)
-    async with Network() as net:
-        cluster = Cluster(root, plant=engine_plant, tree=tree, net=net)
+    async with Network() as net, log_store(root, store) as db:
+        cluster = Cluster(root, plant=engine_plant, tree=tree, net=net, db=db)
         state = Run(cluster, seed, root / "adapters")
         try:
             await cluster.start()
@@ -401,13 +402,12 @@ async def run(
                 await state.last_turns(heal + LIVENESS_BOUND_S)
         finally:
             await cluster.stop()
-    async with SQLiteStore.open(cluster.db) as store:
-        records = await store.read()
+        log = await read_log(db)  # before a PostgreSQL server stops with the block
     history = History(
         ops=tuple(state.ops),
         engine=tuple(read_engine_records(cluster.engine_records())),
         faults=tuple(state.faults),
-        log=tuple(log_entries(records)),
+        log=tuple(log),
         heal=heal,
     )
     (root / "history.json").write_bytes(msgspec.json.encode(history))
@@ -474,10 +474,15 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=45.0)
     parser.add_argument("--dir", type=Path, default=None, help="keep the run's files here")
     parser.add_argument("--plant", choices=PLANTS, default=None, help="a known bug to plant")
+    parser.add_argument(
+        "--store", choices=STORES, default="sqlite", help="serve's log (postgres: its own server)"
+    )
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix=f"chaos-{args.seed}-"))
     root.mkdir(parents=True, exist_ok=True)
-    summary = anyio.run(lambda: run(args.seed, args.duration, root, plant=args.plant))
+    summary = anyio.run(
+        lambda: run(args.seed, args.duration, root, plant=args.plant, store=args.store)
+    )
     print(f"files: {root}")
     sys.exit(1 if any(summary["violations"].values()) else 0)
 
