@@ -26,7 +26,7 @@ import msgspec
 
 Outcome = Literal["ok", "fail", "info"]
 OpKind = Literal["turn", "close", "publish"]
-EngineKind = Literal["start", "end", "load", "unload"]
+EngineKind = Literal["start", "end", "load", "unloading", "unload"]
 
 
 class ClientOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,7 +53,8 @@ class ClientOp(msgspec.Struct, frozen=True, kw_only=True):
 class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One thing an engine process did. ``start``: a request took its adapter's reference (it
     runs from here); ``end``: it gave it back; ``load``: an adapter became resident;
-    ``unload``: an adapter's weights were freed (after its drain, on a correct engine).
+    ``unloading``: an unload of it reached the engine (the name unregistered, its drain
+    begins); ``unload``: its weights were freed (after its drain, on a correct engine).
     ``life``: the process's PID, so a restart's records are never joined to an older life's."""
 
     engine: str
