@@ -7,7 +7,10 @@ last renewal it saw, ``ReclaimClaimed`` records the in-flight reports. A replay 
 explains every decision without the heartbeats.
 
 After a controller restart every registered owner gets a full ttl of grace (its last renewal
-is unknown), so a restart can never expire a live worker.
+is unknown), so a restart can never expire a live worker. Its in-flight counts are unknown too
+(they were only ever in the previous controller's memory): such an owner is *unheard* until
+its first renewal, or until its lease ends, and reclaim waits for it (:meth:`LeaseBook.unheard`)
+rather than read the missing counts as zero.
 
 A new incarnation may replace a live life without that life's secret (a crashed worker must
 restart at once), so anyone allowed to register could otherwise wipe a running life's counts
@@ -44,10 +47,19 @@ class LeaseBook:
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
         self._replaced: list[ReplacedLife] = []
+        self._unheard: set[str] = set()
 
-    def grant(self, owner: str, now: float) -> None:
-        """Start (or restart after a controller restart) a lease at ``now``."""
+    def grant(self, owner: str, now: float, *, heard: bool = True) -> None:
+        """Start (or restart after a controller restart) a lease at ``now``; ``heard=False``
+        (a controller's start): the owner's in-flight counts are unknown until it renews."""
+        if owner not in self._leases and not heard:
+            self._unheard.add(owner)
         self._leases.setdefault(owner, Lease(last_seen=now))
+
+    def unheard(self) -> list[str]:
+        """Owners granted at a controller's start that have not renewed since, their leases
+        still running: requests of theirs may run that no in-flight count shows."""
+        return sorted(self._unheard)
 
     def restart(self, owner: str, now: float, *, replaced: str = "", ttl_s: float = 0.0) -> None:
         """A new incarnation of ``owner``: a fresh lease without its predecessor's in-flight
@@ -55,6 +67,7 @@ class LeaseBook:
         ``replaced``, lease ``ttl_s``) keeps its non-zero counts in the evidence until its
         lease would have lapsed, if it had not lapsed at ``now``."""
         self._replaced = [life for life in self._replaced if now < life.until]
+        self._unheard.discard(owner)
         old = self._leases.get(owner)
         if old is not None and old.inflight and now - old.last_seen < ttl_s:
             self._replaced.append(
@@ -75,9 +88,11 @@ class LeaseBook:
         lease.last_seen = max(lease.last_seen, now)
         if inflight is not None:
             lease.inflight = {key: n for key, n in inflight.items() if n}
+            self._unheard.discard(owner)
 
     def drop(self, owner: str) -> None:
         self._leases.pop(owner, None)
+        self._unheard.discard(owner)
 
     def last_seen(self, owner: str) -> float | None:
         lease = self._leases.get(owner)

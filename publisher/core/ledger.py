@@ -173,8 +173,8 @@ class Ledger(LedgerAPI):
         )
         now = clock()
         for owner, record in state.owners.items():
-            if record.live:
-                ledger.leases.grant(owner, now)
+            if record.live:  # its in-flight counts unknown until it renews
+                ledger.leases.grant(owner, now, heard=False)
         send, receive = anyio.create_memory_object_stream[_Call](max_buffer_size=max_queued)
         ledger._send = send
         ledger._committed_seq = state.last_seq

@@ -534,6 +534,12 @@ class LedgerAPI(TypedCommands):
         their lease still runs), for ``claim_reclaim``."""
         return self.leases.inflight(version_id, self.clock())
 
+    def inflight_unheard(self) -> list[str]:
+        """Live owners whose in-flight counts this controller has not heard since it started
+        (no renewal yet, lease still running): until each renews or expires, a request of
+        theirs may run on a version with no count to show it, so reclaim waits."""
+        return self.leases.unheard()
+
     # --- reclaim -------------------------------------------------------------------------------
 
     async def claim_reclaim(

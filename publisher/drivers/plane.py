@@ -110,6 +110,8 @@ class ControlPlane:
         self.reclaimer = ReclaimDriver(
             ledger,
             fleet,
+            # the reconciler's canaries are requests on a version too (none without canaries)
+            sources=() if canary_every_s is None else (self.reconciler,),
             timeouts=timeouts,
             tick_s=reclaim_tick_s,
             artifacts=artifacts,

@@ -8,7 +8,9 @@ by a periodic tick (in-flight counts fall without a ledger event). Each sweep:
 1. **claims** every ``RETIRED`` version with no binding whose in-flight evidence is all zero --
    the counts of this process's sources (gateways: :class:`publisher.drivers.fleet.InFlightSource`)
    and of remote workers' lease renewals (``ledger.inflight_evidence``). The evidence is
-   recorded in ``ReclaimClaimed``, so a replay shows what the decision relied on;
+   recorded in ``ReclaimClaimed``, so a replay shows what the decision relied on. After a
+   controller restart no sweep claims or unloads until every live owner renewed (its counts
+   were only in the previous controller's memory) or its lease ended;
 2. **unloads** every ``RECLAIMING`` version on each member engine that has not confirmed yet,
    and only when that engine's in-flight count for it is zero right now (SGLang's unload blocks
    until the adapter's requests drain, docs/engines.md: at zero it is instant). Each
@@ -161,6 +163,10 @@ class ReclaimDriver:
         for source in self._sources:  # held counts the engines can now confirm end first
             if isinstance(source, HoldsCounts):
                 await source.confirm_ends()
+        unheard = self._ledger.inflight_unheard()
+        if unheard:  # after a controller restart: counts unknown are not zero counts
+            log.info("reclaim.waiting_for_owners", owners=unheard)
+            return []
         state = self._ledger.state
         before = {
             v.version_id for v in state.versions.values() if v.state is VersionState.RECLAIMED

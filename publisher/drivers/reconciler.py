@@ -91,7 +91,7 @@ from engines.contract import (
     SamplingParams,
 )
 from evlog.errors import LoraLedgerError
-from evlog.events import TurnFailures
+from evlog.events import InFlight, TurnFailures
 from projections.registry import SERVING_STATES, VersionRecord, VersionState
 from publisher.drivers.adapter_copy import DEFAULT_BUCKET_BYTES, plan_buckets
 from publisher.drivers.adapter_source import RestoreBytes
@@ -202,6 +202,9 @@ class Reconciler:
         # (engine, incarnation, version) -> clock time of its last canary: soft state, never
         # logged (only a baseline or a mismatch is a decision)
         self._canary_at: dict[tuple[str, str, int], float] = {}
+        # canaries running per (engine, version_id): requests of this controller's own on the
+        # version, which reclaim must wait for as for a gateway's (inflight_evidence)
+        self._canaries_running: dict[tuple[str, int], int] = {}
         self._restore_bytes = restore_bytes  # how a restore's bytes reach a staged engine
         # None: never suspend on failed probes (an operator still can).
         self.suspend_after_s = suspend_after_s
@@ -763,6 +766,8 @@ class Reconciler:
         for v in self._canaries_due(engine_id, incarnation):
             try:
                 answer = await self._canary(engine_id, engine, v)
+                if answer is None:
+                    continue  # claimed for reclaim meanwhile: not asked
                 baseline = self._ledger.state.engines[engine_id].canaries.get(v.lora_name)
                 differs = baseline is not None and answer != baseline
                 if not differs or await self._canary(engine_id, engine, v) == answer:
@@ -785,15 +790,43 @@ class Reconciler:
                     seq=self._ledger.state.last_seq,
                 )
 
-    async def _canary(self, engine_id: str, engine: Engine, v: VersionRecord) -> str:
-        """The engine's greedy tokens for the canary prompt on ``v``, as comma-separated ids."""
-        out: Generation = await call(
-            engine_id,
-            "generate",
-            self.timeouts.probe + self.timeouts.inventory,
-            lambda: engine.generate(CANARY_PROMPT, v.lora_name, CANARY_PARAMS),
-        )
+    async def _canary(self, engine_id: str, engine: Engine, v: VersionRecord) -> str | None:
+        """The engine's greedy tokens for the canary prompt on ``v``, as comma-separated ids;
+        None, unasked, once ``v`` no longer serves (a reclaim claimed it meanwhile).
+
+        A canary is a request on the version like any turn: counted in flight from before it
+        is sent until the engine answered (:meth:`inflight_evidence`), or reclaim would unload
+        a retired version under it (on SGLang a request naming an unloaded adapter even loads
+        it again). The state is read and the count taken with no await between, so a claim
+        either came first (not asked) or sees the count (it waits)."""
+        if self._ledger.state.versions[v.version_id].state not in SERVING_STATES:
+            return None
+        key = (engine_id, v.version_id)
+        self._canaries_running[key] = self._canaries_running.get(key, 0) + 1
+        try:
+            out: Generation = await call(
+                engine_id,
+                "generate",
+                self.timeouts.probe + self.timeouts.inventory,
+                lambda: engine.generate(CANARY_PROMPT, v.lora_name, CANARY_PARAMS),
+            )
+        finally:
+            # A canary that timed out may still run its few tokens on the engine: its count is
+            # not held until the engine confirms the end, as a gateway holds a lost request's.
+            left = self._canaries_running.pop(key) - 1
+            if left:
+                self._canaries_running[key] = left
         return ",".join(str(t) for t in out.token_ids)
+
+    def inflight_evidence(self, version_id: int) -> list[InFlight]:
+        """The canaries running on ``version_id`` per engine, or one zero entry for all
+        engines: this controller's own requests, an in-flight source of reclaim."""
+        now = self._clock()
+        busy = sorted((e, n) for (e, vid), n in self._canaries_running.items() if vid == version_id)
+        return [
+            InFlight(reporter="canaries", engine=engine, count=n, at=now)
+            for engine, n in busy or [("*", 0)]
+        ]
 
     # --- orphans --------------------------------------------------------------------------
 

@@ -13,8 +13,11 @@ What each one holds, and why it reads what it reads:
 * **at most once** -- no client request started on an engine twice; and no turn was answered
   ``AMBIGUOUS_DISPATCH`` when it provably did not run (no engine started it while every engine
   stayed up through the turn: nothing could have lost its record).
-* **safe reclaim** -- no adapter was freed on an engine while a request of that engine's same
-  process life was running on it.
+* **safe reclaim** -- no unload of an adapter reached an engine, and none was freed, while a
+  request of that engine's same process life was running on it. The ledger promises the
+  first (it asks only when its in-flight evidence is zero): an engine that drains before it
+  frees (SGLang) would hide a ledger that asks too early, one that does not (vLLM) would
+  free the weights under the request.
 * **durability** -- every acknowledged bind (a served turn), close and publication is in the
   log.
 * **continuity** -- no session ended except by its client (``closed`` after a close it asked
@@ -156,14 +159,15 @@ def safe_reclaim(h: History) -> list[Violation]:
         running[(engine, life, name)].append((at, float("inf")))
     out: list[Violation] = []
     for r in h.engine:
-        if r.kind != "unload" or r.lora_name is None:
+        if r.kind not in ("unloading", "unload") or r.lora_name is None:
             continue
+        what = "asked to unload" if r.kind == "unloading" else "freed"
         for start, end in running[(r.engine, r.life, r.lora_name)]:
             if start < r.at < end:
                 out.append(
                     Violation(
                         "safe_reclaim",
-                        f"{r.lora_name} freed on {r.engine} at {r.at:.3f} while a request "
+                        f"{r.lora_name} {what} on {r.engine} at {r.at:.3f} while a request "
                         f"ran on it ({start:.3f} to {end:.3f})",
                     )
                 )

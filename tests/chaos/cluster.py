@@ -1,7 +1,9 @@
 """The chaos run's cluster: real ``loraledger`` processes on loopback, each started, signalled
 and stopped by its PID.
 
-* ``serve`` on a SQLite log (restarted on the same log and port);
+* ``serve`` on a SQLite log, or on a database of a throwaway PostgreSQL server the run starts
+  for itself (:func:`log_store`, stopped by its PID at the end; never faulted itself: the
+  faults are the ledger's processes and links); restarted on the same log and port;
 * three engines: ``e0`` and ``e1`` joined as ``local:URL``, ``e2`` behind a ``loraledger
   agent`` (``agent:AGENT_URL,sglang:ENGINE_URL``, adapters written to the agent's own
   directory); each is ``tests.chaos.recording_engine`` (the ``loraledger engine`` command,
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import os
 import signal
-from contextlib import AsyncExitStack
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 from urllib.parse import urlsplit
 
 import anyio
@@ -41,6 +45,29 @@ TOKEN = "chaos-run-token"
 ENGINES = ("e0", "e1", "e2")
 AGENT_ENGINE = "e2"
 GATEWAYS = ("gw-a", "gw-b")
+StoreKind = Literal["sqlite", "postgres"]
+STORES: tuple[StoreKind, ...] = ("sqlite", "postgres")
+
+
+@asynccontextmanager
+async def log_store(root: Path, kind: StoreKind) -> AsyncIterator[str]:
+    """Where ``serve`` keeps its log for the block, as ``--db`` takes it: a SQLite file under
+    ``root``, or a fresh database on a throwaway PostgreSQL server (``tools/pg_server.py``:
+    ``initdb`` in a temporary directory, the ``postgres`` process stopped by its PID when the
+    block ends, so the log must be read inside the block). Raises ``PostgresUnavailable``
+    without the server binaries."""
+    if kind == "sqlite":
+        yield str(root / "ledger.db")
+        return
+    from tools.pg_server import create_database, temporary_server
+
+    server_cm = temporary_server()
+    server = await anyio.to_thread.run_sync(server_cm.__enter__)  # initdb, then the server
+    try:
+        yield await create_database(server, f"chaos_{uuid.uuid4().hex[:12]}")
+    finally:
+        with anyio.CancelScope(shield=True):  # cleanup: the server stopped by its PID
+            await anyio.to_thread.run_sync(server_cm.__exit__, None, None, None)
 
 
 @dataclass(eq=False)
@@ -116,12 +143,13 @@ class Cluster:
         plant: str | None = None,
         tree: Path = REPO,
         net: Network | None = None,
+        db: str = "",
     ) -> None:
         self.root = root
         self.net = net  # None: every link direct
         self.client_urls: dict[str, str] = {}  # gateway -> the address clients use
         self.trainer_url = ""
-        self.db = root / "ledger.db"
+        self.db = db or str(root / "ledger.db")  # serve's --db: a file or a postgresql:// URL
         self.records = root / "records"
         self.logs = root / "logs"
         for d in (self.records, self.logs, root / "agent-host", root / "artifacts"):
@@ -177,7 +205,7 @@ class Cluster:
             [
                 "serve",
                 "--db",
-                str(self.db),
+                self.db,
                 "--token-file",
                 str(self.root / "token"),
                 "--artifacts",

@@ -8,7 +8,8 @@ by the run's clients (one record per operation, holding its invocation time and 
 stream or a lost connection); engine records are written by each engine process as JSON lines
 (``tests/chaos/recording_engine.py``: a line is flushed before the reply leaves, so a served
 turn always has its record, even when the engine is SIGKILLed right after); the log is read
-with the store after the run and kept as ``(seq, recorded_at, type, fields)``.
+with the store after the run (:func:`read_log`, SQLite or PostgreSQL alike) and kept as
+``(seq, recorded_at, type, fields)``.
 
 Every time is wall-clock seconds (``time.time()``) of this one machine, the ledger's
 ``recorded_at`` included, so the three sources can be compared.
@@ -25,7 +26,7 @@ import msgspec
 
 Outcome = Literal["ok", "fail", "info"]
 OpKind = Literal["turn", "close", "publish"]
-EngineKind = Literal["start", "end", "load", "unload"]
+EngineKind = Literal["start", "end", "load", "unloading", "unload"]
 
 
 class ClientOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,7 +53,8 @@ class ClientOp(msgspec.Struct, frozen=True, kw_only=True):
 class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One thing an engine process did. ``start``: a request took its adapter's reference (it
     runs from here); ``end``: it gave it back; ``load``: an adapter became resident;
-    ``unload``: an adapter's weights were freed (after its drain, on a correct engine).
+    ``unloading``: an unload of it reached the engine (the name unregistered, its drain
+    begins); ``unload``: its weights were freed (after its drain, on a correct engine).
     ``life``: the process's PID, so a restart's records are never joined to an older life's."""
 
     engine: str
@@ -135,3 +137,12 @@ def log_entries(records: Iterable[Any]) -> list[LogEntry]:
         )
         for r in records
     ]
+
+
+async def read_log(location: str) -> list[LogEntry]:
+    """Every raw event of the log at ``location`` (``serve``'s ``--db``: a SQLite file or a
+    ``postgresql://`` URL), read through the store itself, never the projections."""
+    from evlog.stores import open_store
+
+    async with open_store(location) as store:
+        return log_entries(await store.read())

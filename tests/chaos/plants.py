@@ -1,17 +1,17 @@
 """Known bugs planted in a chaos run, to show the checker catches them (never in the code
 under test: a test-only engine wrapper, or a patched copy of the source tree).
 
-* engine plants, carried out by ``tests/chaos/recording_engine.py --plant``: ``default`` (a
-  turn served on the newest default instead of its session's version: pinning),
-  ``unload-ignores-inflight`` (weights freed without the drain: safe reclaim; today's runs do
-  not catch it, as the ledger never asks for an unload while its in-flight evidence shows a
-  request running, so the engine's drain is a second line the runs never need);
+* an engine plant, carried out by ``tests/chaos/recording_engine.py --plant``: ``default`` (a
+  turn served on the newest default instead of its session's version: pinning);
 * source plants, one text replacement in a copy of the tree that ``serve`` and the gateway
   processes run from: ``resend`` (every failed dispatch tried on another holder, an ambiguous
   one too: at most once), ``release-on-restart`` (the gateway registers as an ordinary worker,
   not a relay, so a new life of it releases the sessions it bound: continuity),
   ``answer-before-commit`` (the ledger answers a batch, then appends it 0.3 s later: a
-  ``serve`` killed in between loses what it acknowledged; durability).
+  ``serve`` killed in between loses what it acknowledged; durability),
+  ``unload-ignores-inflight`` (the reclaim driver decides on no in-flight evidence at all, so
+  a retired version no session is bound to is claimed and unloaded while a request still runs
+  on it -- the run's abandoned sessions make that case in every seed: safe reclaim).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tests.support.paths import REPO
 
-ENGINE_PLANTS = ("default", "unload-ignores-inflight")
+ENGINE_PLANTS = ("default",)
 SOURCE_PLANTS: dict[str, tuple[str, str, str]] = {
     "resend": (
         "publisher/gateway/failures.py",
@@ -39,6 +39,12 @@ SOURCE_PLANTS: dict[str, tuple[str, str, str]] = {
         "            self._deliver(batch, decided)  # planted: answered before the COMMIT\n"
         "            await anyio.sleep(0.3)\n"
         "            seqs = await self._store.append(",
+    ),
+    "unload-ignores-inflight": (
+        "publisher/drivers/reclaim.py",
+        "        reports.extend(self._ledger.inflight_evidence(version_id))\n"
+        "        return reports\n",
+        "        return []  # planted: no request in flight, whatever the reporters say\n",
     ),
 }
 PLANTS = (*ENGINE_PLANTS, *SOURCE_PLANTS)

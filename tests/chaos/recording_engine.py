@@ -5,18 +5,18 @@ Why a wrapper: the checker must know what an engine really ran (which adapter na
 used, when it held its adapter, when an adapter's weights were freed), not what the gateway
 believes it sent. The bundled engine is subclassed here and handed to the very
 ``tools.local_engine.run_engine`` the command runs, so its server, drain and signals are the
-command's; only four observations are added, one JSON line each, flushed before the engine
+command's; only these observations are added, one JSON line each, flushed before the engine
 goes on (so a reply that left has its record, even under a SIGKILL right after):
 
 * ``start`` when a request took its adapter's reference (it runs from here), ``end`` just
   before it gave it back (so an unload waiting for that reference is recorded after it);
-* ``load`` when a name became resident (with its attempt), ``unload`` when its weights were
-  freed (after the drain).
+* ``load`` when a name became resident (with its attempt), ``unloading`` when an unload of it
+  arrived (the name unregistered: what the control plane asked, before the drain hides it),
+  ``unload`` when its weights were freed (after the drain).
 
 ``--plant`` puts one known bug in this process, to show the checker catches it in a real run
 (never in the code under test): ``default`` serves every request on the adapter loaded last
-(the newest default) whatever name was asked; ``unload-ignores-inflight`` frees an adapter's
-weights without waiting for its running requests.
+(the newest default) whatever name was asked.
 """
 
 from __future__ import annotations
@@ -104,15 +104,7 @@ def recording_engine(
             journal.write("load", lora_name=name, attempt=kw.get("attempt"))
 
         async def _free_when_drained(self, resident: Resident) -> None:
-            if plant == "unload-ignores-inflight":  # the base's body without its drain
-                journal.write("unload", lora_name=resident.lora_name)
-                runner = self._require_runner()
-                await self._require_scheduler().run_model(
-                    runner.remove_adapter, resident.adapter_id
-                )
-                self._names.freed(resident)
-                self._freed.pop(resident.adapter_id).set()
-                return
+            journal.write("unloading", lora_name=resident.lora_name)
             await super()._free_when_drained(resident)
             journal.write("unload", lora_name=resident.lora_name)
 

@@ -4,7 +4,8 @@ It starts the cluster (``tests/chaos/cluster.py``), publishes a first version, t
 ``duration`` seconds runs at once: a trainer publishing a version every few seconds through
 the HTTP trainer client, rollout clients driving multi-turn sessions through the two gateways
 with the official ``openai`` client (some turns streamed, some streams cancelled after their
-first chunk, sessions closed after a few turns), and the seed's process faults, one at a time
+first chunk, sessions closed after a few turns, every second one released while its last
+turn still streams), and the seed's process faults, one at a time
 (so at least one engine and one gateway are always up). After the last fault healed, the
 liveness phase: one more publication, and one more turn of every session still open. Then the
 processes stop, the log is read, and the checker (``tests/chaos/checker.py``) judges the
@@ -37,12 +38,11 @@ import httpx
 import msgspec
 import openai
 
-from evlog.sqlite import SQLiteStore
 from publisher.drivers.publication import PublicationError, PublicationStatus
 from publisher.remote.trainer import HttpTrainerClient
 from tests.chaos.checker import FREEZE_SEEN_S, LIVENESS_BOUND_S, Violation, check
-from tests.chaos.cluster import ENGINES, GATEWAYS, TOKEN, Cluster
-from tests.chaos.history import ClientOp, Fault, History, log_entries, read_engine_records
+from tests.chaos.cluster import ENGINES, GATEWAYS, STORES, TOKEN, Cluster, StoreKind, log_store
+from tests.chaos.history import ClientOp, Fault, History, read_engine_records, read_log
 from tests.chaos.plants import ENGINE_PLANTS, PLANTS, SOURCE_PLANTS, planted_tree
 from tests.chaos.proxy import Network
 from tests.chaos.schedule import (
@@ -74,7 +74,11 @@ CATCH_IN_FLIGHT_S = 5.0
 # A long turn (streamed or not) runs long enough that a fault may catch it in flight: a
 # dispatch cut before its answer began is the ambiguous case, streamed or not.
 LONG_TOKENS = 96
-STREAMED = ("stream", "cancel")
+STREAMED = ("stream", "cancel", "abandon")
+# Every second session of each client is abandoned (``Run.abandon``), whatever the seed: its
+# last turn streams this many tokens while the session is released through the other gateway.
+ABANDON_EVERY = 2
+ABANDON_TOKENS = 4 * LONG_TOKENS
 
 
 class PlannedFault(msgspec.Struct, frozen=True):
@@ -170,8 +174,15 @@ class Run:
     # --- the rollout clients -----------------------------------------------------------------
 
     async def turn(
-        self, client: str, gateway: str, session: str, history: list[dict[str, str]], mode: str
+        self,
+        client: str,
+        gateway: str,
+        session: str,
+        history: list[dict[str, str]],
+        mode: str,
+        streaming: anyio.Event | None = None,
     ) -> ClientOp:
+        """One turn; ``streaming`` is set once its first chunk arrived (or it ended without)."""
         self.requests += 1
         rid = f"{client}-{self.requests}"
         history.append({"role": "user", "content": f"turn {len(history)} of {session}"})
@@ -187,7 +198,7 @@ class Run:
             raw = await api.chat.completions.with_raw_response.create(
                 model="policy",
                 messages=history[-4:],  # type: ignore[arg-type]
-                max_tokens=4 if mode == "plain" else LONG_TOKENS,
+                max_tokens={"plain": 4, "abandon": ABANDON_TOKENS}.get(mode, LONG_TOKENS),
                 stream=mode in STREAMED,
                 extra_body={} if mode == "plain" else {"ignore_eos": True},
                 extra_headers={"x-session-id": session, "x-request-id": rid},
@@ -203,6 +214,8 @@ class Run:
             else:
                 stream: Any = raw.parse()
                 async for _chunk in stream:
+                    if streaming is not None:
+                        streaming.set()
                     if mode == "cancel":
                         fields["code"] = "cancelled"  # the client went away mid-stream
                         break
@@ -217,6 +230,8 @@ class Run:
         except openai.APIError as exc:  # an error event in a stream: the answer's code
             fields.update(outcome="fail", code=str(exc.code or exc.message))
         finally:
+            if streaming is not None:
+                streaming.set()
             await api.close()
         op = ClientOp(
             client=client,
@@ -262,6 +277,21 @@ class Run:
             gateway = GATEWAYS[1 - GATEWAYS.index(gateway)]
             await anyio.sleep(0.5)
 
+    async def abandon(
+        self, client: str, gateway: str, session: str, history: list[dict[str, str]]
+    ) -> None:
+        """Release a session while a long turn of it still streams, as an RL worker abandoning
+        an episode does: the turn streams through ``gateway``, and once its first chunk came
+        the release goes through the other gateway (which has no turn of it to wait for). The
+        ledger then holds a version with no session bound and a request running on it: only
+        its in-flight evidence keeps the version from being reclaimed under that request."""
+        streaming = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.turn, client, gateway, session, history, "abandon", streaming)
+            await streaming.wait()
+            other = GATEWAYS[1 - GATEWAYS.index(gateway)]
+            await self.close_for_sure(client, other, session)
+
     async def rollout_client(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
         name = f"c{index}"
@@ -281,7 +311,10 @@ class Run:
                 elif op.outcome == "fail" and "SESSION_CLOSED" in op.code:
                     break
             else:
-                await self.close_for_sure(name, gateway, session)
+                if k % ABANDON_EVERY == ABANDON_EVERY - 1:
+                    await self.abandon(name, gateway, session, history)
+                else:
+                    await self.close_for_sure(name, gateway, session)
 
     # --- the faults --------------------------------------------------------------------------
 
@@ -366,11 +399,13 @@ async def run(
     root: Path,
     *,
     plant: str | None = None,
+    store: StoreKind = "sqlite",
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """One run; its summary (``violations``: the checker's, by invariant)."""
+    """One run; its summary (``violations``: the checker's, by invariant). ``store``: where
+    ``serve`` keeps its log (``tests/chaos/cluster.py``, :func:`log_store`)."""
     plan = process_faults(seed, duration)
-    say(f"chaos seed {seed}, {duration:g} s, plant {plant}; process faults:")
+    say(f"chaos seed {seed}, {duration:g} s, plant {plant}, store {store}; process faults:")
     for f in plan:
         say(f"  +{f.at:5.1f} s {f.kind:7} {f.target:5} hold {f.hold:g} s")
     network_plan = schedule(seed, duration, LINKS, {}, NETWORK_PACE)
@@ -378,8 +413,8 @@ async def run(
     engine_plant = plant if plant in ENGINE_PLANTS else None
     tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
     (root / "adapters").mkdir(parents=True, exist_ok=True)
-    async with Network() as net:
-        cluster = Cluster(root, plant=engine_plant, tree=tree, net=net)
+    async with Network() as net, log_store(root, store) as db:
+        cluster = Cluster(root, plant=engine_plant, tree=tree, net=net, db=db)
         state = Run(cluster, seed, root / "adapters")
         try:
             await cluster.start()
@@ -401,13 +436,12 @@ async def run(
                 await state.last_turns(heal + LIVENESS_BOUND_S)
         finally:
             await cluster.stop()
-    async with SQLiteStore.open(cluster.db) as store:
-        records = await store.read()
+        log = await read_log(db)  # before a PostgreSQL server stops with the block
     history = History(
         ops=tuple(state.ops),
         engine=tuple(read_engine_records(cluster.engine_records())),
         faults=tuple(state.faults),
-        log=tuple(log_entries(records)),
+        log=tuple(log),
         heal=heal,
     )
     (root / "history.json").write_bytes(msgspec.json.encode(history))
@@ -474,10 +508,15 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=45.0)
     parser.add_argument("--dir", type=Path, default=None, help="keep the run's files here")
     parser.add_argument("--plant", choices=PLANTS, default=None, help="a known bug to plant")
+    parser.add_argument(
+        "--store", choices=STORES, default="sqlite", help="serve's log (postgres: its own server)"
+    )
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix=f"chaos-{args.seed}-"))
     root.mkdir(parents=True, exist_ok=True)
-    summary = anyio.run(lambda: run(args.seed, args.duration, root, plant=args.plant))
+    summary = anyio.run(
+        lambda: run(args.seed, args.duration, root, plant=args.plant, store=args.store)
+    )
     print(f"files: {root}")
     sys.exit(1 if any(summary["violations"].values()) else 0)
 

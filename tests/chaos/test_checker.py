@@ -110,11 +110,12 @@ def test_at_most_once_sees_an_ambiguous_answer_for_a_turn_that_never_ran() -> No
     assert not checker.at_most_once(faulted)  # the engine died: its record may be lost
 
 
-def test_safe_reclaim_sees_an_adapter_freed_under_a_running_request() -> None:
-    freed = EngineRecord(engine="e0", life=7, kind="unload", at=3.5, lora_name="policy-1")
-    h = msgspec.structs.replace(CLEAN, engine=(*ENGINE, freed))
+@pytest.mark.parametrize("kind", ["unload", "unloading"], ids=["freed", "asked"])
+def test_safe_reclaim_sees_an_adapter_unloaded_under_a_running_request(kind: str) -> None:
+    unload = EngineRecord(engine="e0", life=7, kind=kind, at=3.5, lora_name="policy-1")  # type: ignore[arg-type]
+    h = msgspec.structs.replace(CLEAN, engine=(*ENGINE, unload))
     assert _only(h, "safe_reclaim")
-    later_life = msgspec.structs.replace(freed, life=8)
+    later_life = msgspec.structs.replace(unload, life=8)
     assert not checker.safe_reclaim(msgspec.structs.replace(CLEAN, engine=(*ENGINE, later_life)))
 
 

@@ -1,7 +1,7 @@
 """The recording engine (``tests/chaos/recording_engine.py``) writes what the engine really
 did, the ground truth the chaos checker holds the gateways' answers to: a load with its name
 and attempt, each request's start and end on the adapter it used with the id it was sent
-under, and the unload only once the weights are freed, after the running request ended."""
+under, the unload when it arrived, and the weights freed only after the running request ended."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ async def test_the_engine_records_load_requests_and_unload_after_the_drain(
     assert kinds == [
         ("load", name, "", 3),
         ("start", name, "r-1", None),
+        ("unloading", name, "", None),  # asked while r-1 ran: the drain waits for it
         ("end", name, "r-1", None),
         ("unload", name, "", None),
     ], kinds

@@ -12,7 +12,10 @@ a run carrying a known bug must end with violations of the invariant that bug br
   times, so one of them finds sessions it bound still open);
 * ``answer-before-commit`` -- the ledger in ``serve`` answers a batch 0.3 s before it appends
   it: durability (seed 14 SIGKILLs ``serve`` at 5 s, while binds and a publication are being
-  acknowledged).
+  acknowledged);
+* ``unload-ignores-inflight`` -- the reclaim driver in ``serve`` decides on no in-flight
+  evidence: a version whose last session was released while its turn still streams (every
+  second session of each client, whatever the seed) is unloaded under that turn: safe reclaim.
 
 Each is a whole cluster run (1-2 minutes on two loaded cores), so they run under ``--slow``.
 """
@@ -38,6 +41,7 @@ DURATION_S = 25.0
         ("resend", 140, "at_most_once"),
         ("release-on-restart", 11, "continuity"),
         ("answer-before-commit", 14, "durability"),
+        ("unload-ignores-inflight", 1, "safe_reclaim"),
     ],
 )
 async def test_the_checker_catches_a_planted_bug_in_a_real_run(

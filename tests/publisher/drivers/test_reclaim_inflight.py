@@ -17,6 +17,10 @@ gateway as its in-flight source, and the real reconciler reading the driver's co
   only after the claim). The driver's unload and the reconciler's fenced unload of the
   reclaiming version both wait for it, on an engine whose unload drains and on one whose
   unload does not (vLLM's: nothing on the engine side would wait).
+* After a controller restart: the owners' counts were only in the previous controller's
+  memory, so no claim until each owner renewed (or its lease ended).
+* The controller's own requests: the reconciler's canary on a retired version (a path engine's
+  check of what it serves) is in flight like a turn, and holds off the reclaim until it ends.
 """
 
 from __future__ import annotations
@@ -33,11 +37,17 @@ from engines.artifacts import ArtifactStore
 from engines.contract import SamplingParams
 from evlog.errors import LoraLedgerError
 from evlog.events import ReclaimClaimed
+from evlog.memory import MemoryStore
 from projections.registry import VersionState
 from publisher.core.errors import Code
+from publisher.core.ledger import Ledger
+from publisher.drivers.fleet import Fleet
+from publisher.drivers.plane import ControlPlane
+from publisher.drivers.reclaim import ReclaimDriver
 from publisher.drivers.reconciler import Reconciler
 from publisher.gateway import Served
 from publisher.sessions import RolloutWorker
+from tests.publisher.ray.kit import create
 from tests.publisher.rollout_kit import (
     ENGINE_WARNINGS,
     PROMPT,
@@ -47,6 +57,8 @@ from tests.publisher.rollout_kit import (
     Rig,
     rig,
 )
+from tests.support.ledger import publish
+from tests.support.runs import Clock
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, *ENGINE_WARNINGS]
@@ -385,3 +397,103 @@ async def test_a_held_count_ends_when_a_worker_renewal_finds_the_engine_answerin
             )
             for engine in r.local.values():
                 engine.continue_generation()
+
+
+# --- the controller's own requests: canaries ------------------------------------------------
+
+
+class PathEngine(Recording):
+    """A real local engine that reports SGLang's kind: a path engine, whose held versions the
+    reconciler checks with a canary generation (a ``local`` engine names its digest itself)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.kind = "sglang"
+
+
+async def test_a_canary_running_on_a_retired_version_holds_off_its_reclaim(
+    tmp_path: Path,
+) -> None:
+    """v1 is retired and no session is bound to it: only the canary the reconciler is asking
+    on it stands between v1 and its unload. No claim while the canary runs; once it answered,
+    v1 is reclaimed with no unload sent under it."""
+    async with rig(timeout=60, wrap=PathEngine) as r:
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), canary_every_s=300.0
+        )
+        driver = ReclaimDriver(r.ledger, r.fleet, sources=[r.gateway, reconciler])
+        await r.publish(1)
+        v1 = r.names[1]
+        await r.publish(2)  # v1 RETIRED, unbound: reclaimable but for requests in flight
+        assert r.ledger.state.versions[1].bound == 0
+        r.local["e0"].pause_generation()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e0")  # asks v1's canary first
+            await wait_for("v1's canary running on e0", lambda: r.local["e0"].refcount(v1) == 1)
+            for _ in range(3):
+                with anyio.fail_after(5):
+                    assert await driver.sweep() == []
+            assert r.ledger.state.versions[1].state is VersionState.RETIRED
+            assert [(x.reporter, x.engine, x.count) for x in driver.evidence(1) if x.count] == [
+                ("canaries", "e0", 1)
+            ]
+            r.local["e0"].continue_generation()
+        await driver.sweep()
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+        for member in r.fleet:  # PathEngine wrappers, typed as the fleet's Engine
+            assert member.unloaded_under_requests == []  # type: ignore[attr-defined]
+
+
+async def test_the_control_plane_counts_its_canaries_in_reclaim_evidence(tmp_path: Path) -> None:
+    """The plane wires the reconciler's canaries into its reclaim driver (when it asks any)."""
+    async with ControlPlane.open(
+        MemoryStore(),
+        Fleet(),
+        deployment="dep",
+        prefix="agent",
+        capacity=4,
+        artifact_root=tmp_path / "artifacts",
+        canary_every_s=300.0,
+    ) as plane:
+        assert "canaries" in {x.reporter for x in plane.reclaimer.evidence(1)}
+
+
+# --- after a controller restart: counts unknown are not zero ---------------------------------
+
+
+async def test_after_a_restart_reclaim_waits_until_every_owner_reported_its_requests() -> None:
+    """v1 is retired, no session bound, and w1 still runs a request on it when the controller
+    restarts: the new controller knows w1's lease but not its count. No claim until w1
+    renewed (its count then holds v1); v1 is claimed once w1 says it is idle."""
+    store, clock = MemoryStore(), Clock(1000.0)
+    async with Ledger.open(store, clock=clock) as ledger:
+        await create(ledger)
+        await publish(ledger, 1)
+        await ledger.register_owner("w1", ttl_s=30.0)
+        ledger.renew_lease("w1", {("e0", 1): 1})  # a request running on v1
+        await publish(ledger, 2)  # v1 RETIRED, unbound: only the count holds it
+    async with Ledger.open(store, clock=clock) as ledger:  # the controller restarted
+        driver = ReclaimDriver(ledger, Fleet())
+        assert await driver.sweep() == []
+        assert ledger.state.versions[1].state is VersionState.RETIRED
+        assert ledger.inflight_unheard() == ["w1"]
+        ledger.renew_lease("w1", {("e0", 1): 1})  # its first renewal: still running
+        await driver.sweep()
+        assert ledger.state.versions[1].state is VersionState.RETIRED
+        ledger.renew_lease("w1", {})  # the request ended
+        await driver.sweep()
+        assert ledger.state.versions[1].state is VersionState.RECLAIMING  # claimed
+
+
+async def test_an_owner_that_never_renews_after_a_restart_holds_reclaim_until_its_lease_ends() -> (
+    None
+):
+    store, clock = MemoryStore(), Clock(1000.0)
+    async with Ledger.open(store, clock=clock) as ledger:
+        await create(ledger)
+        await ledger.register_owner("w1", ttl_s=30.0)
+    async with Ledger.open(store, clock=clock) as ledger:
+        assert ledger.inflight_unheard() == ["w1"]
+        clock.now = 1031.0
+        assert [x.owner for x in await ledger.expire_leases()] == ["w1"]
+        assert ledger.inflight_unheard() == []
