@@ -25,7 +25,7 @@ from projections.registry import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Done, Outcome, Released
+from publisher.core.outcomes import Bound, Done, Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
 from tests.support.log import events_of, numbered
@@ -561,3 +561,238 @@ async def test_a_clean_exit_waits_for_turns_running_beside_the_block() -> None:
         assert served.generation.finish_reason == "length"  # type: ignore[attr-defined]
         assert len(await events_of(r.store, OwnerDeregistered)) == 1
         assert "s" not in r.ledger.state.sessions
+
+
+# --- rules each shown by a mutant that survived the sessions campaign ------------------------
+
+
+async def test_bind_alone_returns_the_binding_and_bindings_list_the_bound_sessions() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("s")
+        first = await s.bind()
+        assert isinstance(first, Bound) and (first.session, first.version_id) == ("s", 1)
+        assert await s.bind() is first  # kept: never asked again
+        w.session("unbound")
+        await w.session("closed").close()
+        assert w.bindings() == {"s": 1}
+
+
+async def test_bind_many_answers_each_binder_in_place() -> None:
+    async with rig() as r, worker_on(r) as w:
+        (early,) = await w.bind_many([w.session("early")])
+        assert isinstance(early, LoraLedgerError) and early.code == Code.NO_PUBLISHED_VERSION
+        await r.publish(1)
+        closed = w.session("closed")
+        await closed.close()
+        refused, bound = await w.bind_many([closed, w.session("open")])
+        assert isinstance(refused, LoraLedgerError) and refused.code == Code.SESSION_CLOSED
+        assert (refused.message, refused.details) == (
+            "session closed is closed",
+            {"session": "closed"},
+        )
+        assert isinstance(bound, Bound) and (bound.session, bound.version_id) == ("open", 1)
+
+
+async def test_a_replaced_worker_hears_owner_restarted_naming_itself() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1") as old:
+            s = old.session("s")
+            await s.generate(PROMPT, SHORT)
+            async with worker_on(r, "w1") as new:  # a second incarnation of the owner
+                assert new.incarnation != old.incarnation
+                with pytest.raises(LoraLedgerError) as first:  # the ledger's refusal
+                    await s.generate(PROMPT, SHORT)
+                assert first.value.code == Code.OWNER_RESTARTED
+                with pytest.raises(LoraLedgerError) as info:  # then the worker's own word
+                    await s.generate(PROMPT, SHORT)
+                assert info.value.code == Code.OWNER_RESTARTED
+                assert info.value.message == (
+                    f"owner w1 was restarted: a newer incarnation replaced this worker "
+                    f"({old.incarnation}) and its sessions were released. Stop this worker."
+                )
+                assert info.value.details == {"owner": "w1"} and old.lost is info.value
+
+
+async def test_a_worker_whose_lease_expired_is_told_why_and_what_to_do() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+            await w.session("s").generate(PROMPT, SHORT)
+            r.clock.advance(11.0)
+            await r.ledger.expire_leases()
+            with pytest.raises(LoraLedgerError):  # the ledger's refusal
+                await w.session("s").generate(PROMPT, SHORT)
+            with pytest.raises(LoraLedgerError) as info:  # then the worker's own word
+                await w.session("s").generate(PROMPT, SHORT)
+            assert info.value is w.lost
+            assert (info.value.code, info.value.details) == (
+                Code.LEASE_EXPIRED,
+                {"owner": "w1", "cause": Code.LEASE_EXPIRED},
+            )
+            assert info.value.message == (
+                "owner w1 lost its lease (LEASE_EXPIRED); its sessions were released. "
+                "Register a new worker under a new owner id."
+            )
+            assert await w.release_idle(now=anyio.current_time() + 1e6) == 0  # it acts no more
+
+
+async def test_every_release_names_its_life_and_its_cause() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            a, b = w.session("a"), w.session("b")
+            await a.generate(PROMPT, SHORT)
+            await w.close_many([a, b], cause="idle")
+            assert {(x.session, x.cause) for x in await events_of(r.store, SessionReleased)} == {
+                ("a", "idle"),
+                ("b", "idle"),
+            }
+            releases = port.sent(c.Release)
+            assert len(releases) == 2
+            for release in releases:
+                assert isinstance(release, c.Release)
+                assert (release.incarnation, release.secret) == (w.incarnation, w.secret)
+
+
+async def test_a_relay_forgets_only_the_tombstones_it_wrote() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "relay", sessions_idle_s=60.0) as w:
+            mine, elsewhere = w.session("mine"), w.session("elsewhere")
+            await mine.generate(PROMPT, SHORT)
+            await elsewhere.generate(PROMPT, SHORT)
+            # another face of the same owner life releases "elsewhere" first
+            await r.ledger.execute(
+                c.Release(
+                    session="elsewhere", owner="relay", incarnation=w.incarnation, secret=w.secret
+                )
+            )
+            assert (await elsewhere.close()).tombstoned is False
+            assert w.unforgotten == 0  # its tombstone is its writer's to forget
+            assert (await mine.close()).tombstoned is True
+            assert w.unforgotten == 1
+            assert await w.flush_forgets() == 1
+        assert "elsewhere" in r.ledger.state.tombstones
+
+
+async def test_idle_sessions_are_released_at_their_bound_and_forgotten_after_theirs() -> None:
+    """``release_idle(now)``, time as data (anyio's clock, as ``last_used`` is): a session
+    with no turn for exactly ``idle_release_s`` is released, cause ``idle``; one used later is
+    not; one whose bind failed is dropped without asking the ledger; a late turn is refused
+    naming the idle time; the tombstone is forgotten exactly ``idle_tombstone_s`` later."""
+    async with rig() as r, worker_on(r, idle_release_s=100.0, idle_tombstone_s=1000.0) as w:
+        failed = w.session("failed")
+        with pytest.raises(LoraLedgerError):
+            await failed.generate(PROMPT, SHORT)  # nothing published yet
+        await r.publish(1)
+        idle, busy = w.session("idle"), w.session("busy")
+        await idle.generate(PROMPT, SHORT)
+        await busy.generate(PROMPT, SHORT)
+        idle.last_used, busy.last_used, failed.last_used = 1000.0, 1000.5, 1000.0
+        assert await w.release_idle(now=1099.5) == 0
+        assert await w.release_idle(now=1100.0) == 1
+        assert w.idle_releases == 1 and w.session("failed") is not failed
+        assert set(r.ledger.state.sessions) == {"busy"}
+        (released,) = await events_of(r.store, SessionReleased)
+        assert (released.session, released.cause) == ("idle", "idle")
+        with pytest.raises(LoraLedgerError) as late:
+            await w.session("idle").generate(PROMPT, SHORT)
+        assert (late.value.code, late.value.details) == (
+            Code.SESSION_CLOSED,
+            {"session": "idle", "cause": "idle"},
+        )
+        assert late.value.message == (
+            "session idle was released after 100 s without a turn (cause idle): its version "
+            "may be reclaimed; start a new session id"
+        )
+        at = w._idle_released["idle"]  # when it was released, by anyio's clock
+        await w.release_idle(now=at + 999.0)
+        assert w.idle_released("idle") and w.unforgotten == 0
+        await w.release_idle(now=at + 1000.0)
+        assert not w.idle_released("idle") and w.unforgotten == 1
+
+
+async def test_a_worker_without_an_idle_bound_releases_nothing_for_idleness() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        await w.session("s").generate(PROMPT, SHORT)
+        assert await w.release_idle(now=anyio.current_time() + 1e6) == 0
+        assert set(r.ledger.state.sessions) == {"s"}
+
+
+async def test_a_session_too_stale_is_released_as_such_once_and_refused_after() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.ledger.configure_deployment(max_staleness=1)
+        await r.publish(1)
+        s = w.session("s")
+        await s.generate(PROMPT, SHORT)
+        await r.publish(2)
+        await r.publish(3)
+        with pytest.raises(LoraLedgerError) as info:
+            await s.generate(PROMPT, SHORT)
+        assert info.value.code == Code.SESSION_TOO_STALE
+        with pytest.raises(LoraLedgerError) as again:
+            await s.generate(PROMPT, SHORT)
+        assert again.value is info.value
+        released = await events_of(r.store, SessionReleased)
+        assert [(e.session, e.cause) for e in released] == [("s", "too_stale")]
+
+
+class HeldReleases(Port):
+    """The port, holding every release until ``release_gate`` is set."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger)
+        self.release_gate = anyio.Event()
+        self.releases_waiting = 0
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
+        if any(isinstance(x, c.Release) for x in commands):
+            self.releases_waiting += 1
+            await self.release_gate.wait()
+        return await super().execute_many(commands)
+
+
+@pytest.mark.parametrize("what", ["bind", "release"])
+async def test_a_worker_stopped_mid_call_answers_every_waiter(what: str) -> None:
+    """The shared bind and release run in the worker's task group: when it stops (its host
+    raised) while one is under way, each waiter beside the block hears ``LEDGER_CLOSED``
+    naming the worker and the call, never waits forever."""
+    async with rig() as r:
+        await r.publish(1)
+        port = HeldReleases(r.ledger)
+        port.gate = anyio.Event() if what == "bind" else None
+        heard: list[object] = []
+        async with anyio.create_task_group() as beside:
+            try:
+                async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+                    s = w.session("s")
+                    if what == "release":
+                        await s.bind()
+
+                    async def wait() -> None:
+                        with anyio.fail_after(10):
+                            try:
+                                await (s.bind() if what == "bind" else s.close())
+                            except LoraLedgerError as exc:
+                                heard.append(exc)
+
+                    beside.start_soon(wait)
+                    await wait_for(
+                        f"the {what} held at the port",
+                        lambda: (port.waiting if what == "bind" else port.releases_waiting) == 1,
+                    )
+                    raise RuntimeError("the host stops")
+            except* RuntimeError:
+                pass
+        (error,) = heard
+        assert isinstance(error, LoraLedgerError) and error.code == Code.LEDGER_CLOSED
+        assert error.message == f"rollout worker w1 stopped during a {what}"
+
+
+def test_retries_wait_twice_as_long_each_time_up_to_the_longest_wait() -> None:
+    policy = RetryPolicy(first_delay=0.02, max_delay=1.0)
+    assert [policy.delay(n) for n in range(7)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0]
