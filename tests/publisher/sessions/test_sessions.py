@@ -4,6 +4,7 @@ leases (renewal, expiry, stale workers) and the batch API."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -265,7 +266,8 @@ async def test_close_before_the_first_bind_can_never_bind() -> None:
         assert tomb.version_id is None
 
 
-async def test_close_waits_for_running_generations_then_releases_once() -> None:
+@pytest.mark.parametrize("by", ["binder", "worker"])
+async def test_close_waits_for_running_generations_then_releases_once(by: str) -> None:
     async with rig() as r, worker_on(r) as w:
         await r.publish(1)
         s = w.session("s")
@@ -278,8 +280,8 @@ async def test_close_waits_for_running_generations_then_releases_once() -> None:
             async def run() -> None:
                 results.append(await s.generate(PROMPT, LONG))
 
-            async def close() -> None:
-                results.append(await s.close())
+            async def close() -> None:  # by default, close waits for the turn
+                results.append(await s.close() if by == "binder" else (await w.close_many([s]))[0])
 
             tg.start_soon(run)
             await wait_for(
@@ -691,9 +693,11 @@ async def test_idle_sessions_are_released_at_their_bound_and_forgotten_after_the
         idle, busy = w.session("idle"), w.session("busy")
         await idle.generate(PROMPT, SHORT)
         await busy.generate(PROMPT, SHORT)
-        idle.last_used, busy.last_used, failed.last_used = 1000.0, 1000.5, 1000.0
-        assert await w.release_idle(now=1099.5) == 0
-        assert await w.release_idle(now=1100.0) == 1
+        # later than anyio's clock (a `now` ignored shows), integer-valued (exact bounds)
+        t = float(math.ceil(anyio.current_time())) + 1000.0
+        idle.last_used, busy.last_used, failed.last_used = t, t + 0.5, t
+        assert await w.release_idle(now=t + 99.5) == 0
+        assert await w.release_idle(now=t + 100.0) == 1
         assert w.idle_releases == 1 and w.session("failed") is not failed
         assert set(r.ledger.state.sessions) == {"busy"}
         (released,) = await events_of(r.store, SessionReleased)
@@ -796,3 +800,83 @@ async def test_a_worker_stopped_mid_call_answers_every_waiter(what: str) -> None
 def test_retries_wait_twice_as_long_each_time_up_to_the_longest_wait() -> None:
     policy = RetryPolicy(first_delay=0.02, max_delay=1.0)
     assert [policy.delay(n) for n in range(7)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0]
+
+
+async def test_a_refused_release_comes_back_in_place_and_is_asked_again() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            (first,) = await w.close_many([s], cause="no such cause")
+            assert isinstance(first, LoraLedgerError) and first.code == Code.INVALID_INPUT
+            with pytest.raises(LoraLedgerError) as again:  # a failed release may be asked again
+                await s.close()
+            assert again.value.code == first.code and again.value is not first
+            assert len(port.sent(c.Release)) == 2
+            assert "s" in r.ledger.state.sessions
+
+
+async def test_a_relay_forgets_bindings_unused_for_its_cache_time_and_only_those() -> None:
+    """``drop_unused(now)``, time as data: a relay's binding with no turn here for
+    ``binding_cache_s`` is dropped here (the ledger is not asked), so its next turn asks the
+    ledger again; a binding with a turn in flight, or used later, is kept, and so is one whose
+    bind is under way; a failed bind is dropped. An owner-held worker drops nothing."""
+    async with rig() as r:
+        port = Port(r.ledger)
+        async with (
+            worker_on(r, "owner-held") as held,
+            RolloutWorker.open(port, r.gateway, owner="relay", sessions_idle_s=60.0) as w,  # type: ignore[arg-type]
+        ):
+            failed = w.session("failed")
+            with pytest.raises(LoraLedgerError):
+                await failed.generate(PROMPT, SHORT)  # nothing published yet
+            await r.publish(1)
+            await held.session("h").generate(PROMPT, SHORT)
+            unused, used, running = w.session("unused"), w.session("used"), w.session("running")
+            for binder in (unused, used, running):
+                await binder.generate(PROMPT, SHORT)
+            binding = w.session("binding")
+            port.gate = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(binding.bind)
+                await wait_for("the bind held at the port", lambda: port.waiting == 1)
+                t = float(math.ceil(anyio.current_time())) + 1000.0  # exact, later than now
+                unused.last_used, used.last_used = t, t + 0.5
+                running.last_used = binding.last_used = t
+                failed.last_used = t - 100.0
+                assert held.drop_unused(now=t + 1e6) == 0
+                async with running.turn():
+                    assert w.drop_unused(now=t + 59.5) == 1  # the failed bind only
+                    assert w.drop_unused(now=t + 60.0) == 1  # "unused", at its bound
+                assert w.session("used") is used and w.session("running") is running
+                assert w.session("binding") is binding
+                port.gate.set()
+            again = w.session("unused")
+            assert again is not unused and w.session("failed") is not failed
+            w.discard(unused)  # a binder no longer this worker's: its successor stays
+            assert w.session("unused") is again
+            binds = len(port.sent(c.Bind))
+            await again.generate(PROMPT, SHORT)  # asks the ledger: the same binding
+            assert len(port.sent(c.Bind)) == binds + 1 and again.bound is not None
+
+
+async def test_the_idle_loop_looks_every_quarter_of_the_idle_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session goes 1 to 1.25 idle periods without a turn before it is released (or, in a
+    relay, its cached binding dropped): the loop wakes every quarter of the idle time."""
+    slept: list[float] = []
+    sleep = anyio.sleep
+
+    async def recording(seconds: float) -> None:
+        slept.append(seconds)
+        await sleep(seconds)
+
+    monkeypatch.setattr(anyio, "sleep", recording)
+    async with rig() as r:
+        async with worker_on(r, "w1", ttl_s=3.0, idle_release_s=7.0):
+            await wait_for("the idle loop asleep", lambda: 1.75 in slept)
+        async with worker_on(r, "relay", ttl_s=3.0, sessions_idle_s=7.0):
+            await wait_for("the relay's loop asleep", lambda: slept.count(1.75) == 2)
