@@ -880,3 +880,26 @@ async def test_the_idle_loop_looks_every_quarter_of_the_idle_time(
             await wait_for("the idle loop asleep", lambda: 1.75 in slept)
         async with worker_on(r, "relay", ttl_s=3.0, sessions_idle_s=7.0):
             await wait_for("the relay's loop asleep", lambda: slept.count(1.75) == 2)
+
+
+async def test_a_turn_sends_the_callers_request_id_and_extra_body() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("s")
+        served = await s.generate(PROMPT, SHORT, request_id="trace-1")
+        assert served.provenance.request_id == "trace-1"
+        with pytest.raises(LoraLedgerError) as info:  # a local engine takes no extra fields
+            await s.generate(PROMPT, SHORT, extra_body={"top_k": 5})
+        assert info.value.message.endswith("takes no extra body fields (['top_k'])")
+
+
+async def test_a_relays_idle_loop_keeps_dropping_unused_bindings() -> None:
+    """A relay's loop drops the cached bindings unused for its idle time (here only: nothing
+    is released in the ledger), tick after tick."""
+    async with rig() as r, worker_on(r, "relay", sessions_idle_s=0.2) as w:
+        await r.publish(1)
+        for round_ in range(2):
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            await wait_for(f"drop {round_ + 1}", lambda: w.session("s") is not s)  # noqa: B023
+        assert "s" in r.ledger.state.sessions
