@@ -24,7 +24,7 @@ from evlog.events import (
 )
 from projections.registry import VersionState
 from publisher.core import commands as c
-from publisher.core.errors import Code
+from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Bound, Done, Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
@@ -903,3 +903,153 @@ async def test_a_relays_idle_loop_keeps_dropping_unused_bindings() -> None:
             await s.generate(PROMPT, SHORT)
             await wait_for(f"drop {round_ + 1}", lambda: w.session("s") is not s)  # noqa: B023
         assert "s" in r.ledger.state.sessions
+
+
+async def test_a_workers_defaults_are_the_documented_ones() -> None:
+    async with rig() as r:
+        direct = RolloutWorker(r.ledger, r.gateway, owner="direct")
+        async with worker_on(r, "opened") as opened:
+            for w in (direct, opened):
+                assert (w.ttl_s, w.renew_every, w.forget_batch) == (30.0, 10.0, 256)
+                assert (w.idle_release_s, w.idle_tombstone_s) == (0.0, 86400.0)
+
+
+class Confirming(Port):
+    """The port of a remote ledger (``ConfirmsLeases``): records each confirmation and
+    answers it with ``refusal`` when set, as the ledger would."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger)
+        self.confirmed: list[tuple[str, str, str]] = []
+        self.refusal: LoraLedgerError | None = None
+
+    async def confirm_lease(self, owner: str, *, incarnation: str = "", secret: str = "") -> None:
+        self.confirmed.append((owner, incarnation, secret))
+        if self.refusal is not None:
+            raise self.refusal
+
+
+async def test_a_turn_is_confirmed_for_its_life_and_only_an_owners_end_ends_it() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Confirming(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            assert port.confirmed == [("w1", w.incarnation, w.secret)]
+            port.refusal = LedgerError(Code.LEDGER_CLOSED, "the ledger is stopping")
+            with pytest.raises(LoraLedgerError) as passing:
+                await s.generate(PROMPT, SHORT)
+            assert passing.value is port.refusal and w.lost is None  # not the owner's end
+            port.refusal = LedgerError(Code.OWNER_RESTARTED, "replaced", owner="w1")
+            with pytest.raises(LoraLedgerError):
+                await s.generate(PROMPT, SHORT)
+            assert w.lost is not None and w.lost.code == Code.OWNER_RESTARTED
+
+
+async def test_a_bind_the_ledger_refuses_for_a_lost_owner_hears_the_workers_word() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        port.gate = anyio.Event()
+        async with RolloutWorker.open(
+            port, r.gateway, owner="w1", ttl_s=10.0, renew_every=3600
+        ) as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            heard: list[BaseException] = []
+
+            async def bind() -> None:
+                try:
+                    await s.bind()
+                except LoraLedgerError as exc:
+                    heard.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bind)
+                await wait_for("the bind held at the port", lambda: port.waiting == 1)
+                r.clock.advance(11.0)
+                await r.ledger.expire_leases()  # while the bind was on its way
+                port.gate.set()
+            (error,) = heard
+            assert error is w.lost and error.code == Code.LEASE_EXPIRED
+
+
+async def test_deregistering_ends_the_life_or_says_why_it_could_not() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", deregister_on_exit=False) as w:
+            assert await w.deregister() is not None and w.deregistered is not None
+            assert w.lost is not None and w.lost.code == Code.OWNER_DEREGISTERED
+            assert w.lost.details == {"owner": "w1"}
+            assert w.lost.message == (
+                f"rollout worker w1 deregistered (incarnation {w.incarnation}): "
+                "open a new worker to act again"
+            )
+        # a newer life of w2 registers; the old one has not heard yet
+        async with worker_on(r, "w2", deregister_on_exit=False) as w2, worker_on(r, "w2"):
+            assert await w2.deregister() is None
+            assert w2.lost is not None and w2.lost.code == Code.OWNER_RESTARTED
+
+        class Unreachable(Port):
+            def __init__(self, ledger: Ledger, error: Exception) -> None:
+                super().__init__(ledger)
+                self.error = error
+
+            async def deregister_owner(
+                self, owner: str, *, incarnation: str = "", secret: str = ""
+            ):  # type: ignore[no-untyped-def]
+                raise self.error
+
+        fast = RetryPolicy(attempts=2, first_delay=0.0)
+        lost = Unreachable(r.ledger, ConnectionResetError("reply lost"))
+        async with RolloutWorker.open(lost, r.gateway, owner="w3", retry=fast) as w3:  # type: ignore[arg-type]
+            pass  # an unreachable ledger: logged, the lease left to expire
+        assert w3.deregistered is None and w3.lost is None
+        broken = Unreachable(r.ledger, RuntimeError("a bug"))
+        raised = False
+        try:  # not a lost reply: a bug, raised
+            async with RolloutWorker.open(broken, r.gateway, owner="w4", retry=fast):  # type: ignore[arg-type]
+                pass
+        except* RuntimeError:
+            raised = True
+        assert raised
+
+
+async def test_every_forgotten_tombstone_is_counted_once_across_batches() -> None:
+    async with rig() as r, worker_on(r, forget_batch=2) as w:
+        await r.publish(1)
+        await w.close_many([w.session(f"s{i}") for i in range(3)])  # starts a forget
+        await w.flush_forgets()
+        await wait_for("every tombstone forgotten", lambda: w.unforgotten == 0)
+        assert w.forgotten == 3
+        await w.session("s3").close()
+        assert await w.flush_forgets() == 1 and w.forgotten == 4
+
+
+async def test_a_turn_sharing_a_bind_made_for_another_version_asks_again() -> None:
+    """A bind in flight is shared whatever it expects: refused for the version the first turn
+    named (``VERSION_NOT_BOUND``), a turn that names none asks again and binds the default."""
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        port.gate = anyio.Event()
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            heard: list[object] = []
+
+            async def turn(expect: int | None) -> None:
+                try:
+                    async with s.turn(expect_version=expect) as bound:
+                        heard.append((expect, bound.version_id))
+                except LoraLedgerError as exc:
+                    heard.append((expect, exc.code))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(turn, 7)
+                await wait_for("the bind held at the port", lambda: port.waiting == 1)
+                tg.start_soon(turn, None)
+                await wait_for("both turns in", lambda: s.in_flight == 2)
+                port.gate.set()
+            assert sorted(heard, key=str) == sorted(
+                [(7, Code.VERSION_NOT_BOUND), (None, 1)], key=str
+            )
