@@ -1053,3 +1053,44 @@ async def test_a_turn_sharing_a_bind_made_for_another_version_asks_again() -> No
             assert sorted(heard, key=str) == sorted(
                 [(7, Code.VERSION_NOT_BOUND), (None, 1)], key=str
             )
+
+
+RELAY_BOUNDS = (
+    "sessions_idle_s must be finite and >= 0, without idle_release_s (a relay's sessions are "
+    "released for idleness by the ledger's process)"
+)
+LEASE_BOUNDS = "ttl_s must be > 0 and forget_batch >= 1"
+IDLE_BOUNDS = "idle_release_s and idle_tombstone_s must be finite and >= 0"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"sessions_idle_s": -1.0}, RELAY_BOUNDS),
+        ({"sessions_idle_s": math.inf}, RELAY_BOUNDS),
+        ({"sessions_idle_s": 60.0, "idle_release_s": 1.0}, RELAY_BOUNDS),
+        ({"ttl_s": 0.0}, LEASE_BOUNDS),
+        ({"ttl_s": math.inf}, LEASE_BOUNDS),
+        ({"forget_batch": 0}, LEASE_BOUNDS),
+        ({"idle_release_s": -1.0}, IDLE_BOUNDS),
+        ({"idle_release_s": math.inf}, IDLE_BOUNDS),
+        ({"idle_tombstone_s": -1.0}, IDLE_BOUNDS),
+        ({"idle_tombstone_s": math.inf}, IDLE_BOUNDS),
+    ],
+)
+def test_a_worker_refuses_settings_out_of_bounds_naming_them(
+    settings: dict[str, float], message: str
+) -> None:
+    with pytest.raises(LoraLedgerError) as info:
+        RolloutWorker(object(), object(), owner="w", **settings)  # type: ignore[arg-type]
+    assert (info.value.code, info.value.message) == ("INVALID_INPUT", message)
+
+
+def test_a_worker_takes_every_setting_at_its_bound() -> None:
+    for settings in (
+        {"sessions_idle_s": 0.0},
+        {"ttl_s": 0.001, "forget_batch": 1},
+        {"idle_release_s": 0.0, "idle_tombstone_s": 0.0},
+    ):
+        w = RolloutWorker(object(), object(), owner="w", **settings)  # type: ignore[arg-type]
+        assert w.deregister_on_exit  # and a clean exit deregisters, by default
