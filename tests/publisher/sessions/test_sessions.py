@@ -1094,3 +1094,19 @@ def test_a_worker_takes_every_setting_at_its_bound() -> None:
     ):
         w = RolloutWorker(object(), object(), owner="w", **settings)  # type: ignore[arg-type]
         assert w.deregister_on_exit  # and a clean exit deregisters, by default
+
+
+def test_a_worker_takes_the_life_it_is_given_or_makes_one() -> None:
+    given = RolloutWorker(
+        object(),  # type: ignore[arg-type]
+        object(),  # type: ignore[arg-type]
+        owner="w",
+        incarnation="inc-1",
+        secret="secret-1",
+        renew_every=5.0,
+    )
+    assert (given.incarnation, given.secret, given.renew_every) == ("inc-1", "secret-1", 5.0)
+    made = RolloutWorker(object(), object(), owner="w")  # type: ignore[arg-type]
+    assert len(made.secret) == 64 and int(made.secret, 16) >= 0  # 32 random bytes, in hex
+    assert made.incarnation != RolloutWorker(object(), object(), owner="w").incarnation  # type: ignore[arg-type]
+    assert (made.renewals, made.forgotten, made.idle_releases) == (0, 0, 0)
