@@ -690,7 +690,7 @@ async def test_idle_sessions_are_released_at_their_bound_and_forgotten_after_the
         with pytest.raises(LoraLedgerError):
             await failed.generate(PROMPT, SHORT)  # nothing published yet
         await r.publish(1)
-        idle, busy = w.session("idle"), w.session("busy")
+        busy, idle = w.session("busy"), w.session("idle")  # a skipped one first, in order
         await idle.generate(PROMPT, SHORT)
         await busy.generate(PROMPT, SHORT)
         # later than anyio's clock (a `now` ignored shows), integer-valued (exact bounds)
@@ -717,6 +717,20 @@ async def test_idle_sessions_are_released_at_their_bound_and_forgotten_after_the
         assert w.idle_released("idle") and w.unforgotten == 0
         await w.release_idle(now=at + 1000.0)
         assert not w.idle_released("idle") and w.unforgotten == 1
+        async with busy.turn():  # a turn in flight: never idle, however long ago the last
+            assert await w.release_idle(now=t + 1e5) == 0
+        assert await w.release_idle(now=t + 1e5) == 1 and w.idle_releases == 2
+        with pytest.raises(LoraLedgerError) as later:  # its binder still knows why
+            await idle.generate(PROMPT, SHORT)
+        assert later.value.details == {"session": "idle", "cause": "idle"}
+
+
+async def test_the_idle_loop_releases_an_idle_session_by_itself() -> None:
+    async with rig() as r, worker_on(r, idle_release_s=0.2) as w:
+        await r.publish(1)
+        await w.session("s").generate(PROMPT, SHORT)
+        await wait_for("the idle release", lambda: "s" not in r.ledger.state.sessions)
+        assert w.idle_releases == 1 and w.idle_released("s")
 
 
 async def test_a_worker_without_an_idle_bound_releases_nothing_for_idleness() -> None:
