@@ -26,7 +26,7 @@ from projections.registry import VersionState
 from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Bound, Done, Outcome, Released
+from publisher.core.outcomes import Bound, Deregistered, Done, Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
 from tests.support.log import events_of, numbered
@@ -644,7 +644,7 @@ async def test_every_release_names_its_life_and_its_cause() -> None:
     async with rig() as r:
         await r.publish(1)
         port = Port(r.ledger)
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             a, b = w.session("a"), w.session("b")
             await a.generate(PROMPT, SHORT)
             await w.close_many([a, b], cause="idle")
@@ -786,7 +786,7 @@ async def test_a_worker_stopped_mid_call_answers_every_waiter(what: str) -> None
         heard: list[object] = []
         async with anyio.create_task_group() as beside:
             try:
-                async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+                async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
                     s = w.session("s")
                     if what == "release":
                         await s.bind()
@@ -820,7 +820,7 @@ async def test_a_refused_release_comes_back_in_place_and_is_asked_again() -> Non
     async with rig() as r:
         await r.publish(1)
         port = Port(r.ledger)
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             s = w.session("s")
             await s.generate(PROMPT, SHORT)
             (first,) = await w.close_many([s], cause="no such cause")
@@ -841,7 +841,7 @@ async def test_a_relay_forgets_bindings_unused_for_its_cache_time_and_only_those
         port = Port(r.ledger)
         async with (
             worker_on(r, "owner-held") as held,
-            RolloutWorker.open(port, r.gateway, owner="relay", sessions_idle_s=60.0) as w,  # type: ignore[arg-type]
+            RolloutWorker.open(port, r.gateway, owner="relay", sessions_idle_s=60.0) as w,
         ):
             failed = w.session("failed")
             with pytest.raises(LoraLedgerError):
@@ -947,7 +947,7 @@ async def test_a_turn_is_confirmed_for_its_life_and_only_an_owners_end_ends_it()
     async with rig() as r:
         await r.publish(1)
         port = Confirming(r.ledger)
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             s = w.session("s")
             await s.generate(PROMPT, SHORT)
             assert port.confirmed == [("w1", w.incarnation, w.secret)]
@@ -968,7 +968,7 @@ async def test_a_bind_the_ledger_refuses_for_a_lost_owner_hears_the_workers_word
         port.gate = anyio.Event()
         async with RolloutWorker.open(
             port, r.gateway, owner="w1", ttl_s=10.0, renew_every=3600
-        ) as w:  # type: ignore[arg-type]
+        ) as w:
             s = w.session("s")
             heard: list[BaseException] = []
 
@@ -1011,18 +1011,18 @@ async def test_deregistering_ends_the_life_or_says_why_it_could_not() -> None:
 
             async def deregister_owner(
                 self, owner: str, *, incarnation: str = "", secret: str = ""
-            ):  # type: ignore[no-untyped-def]
+            ) -> Deregistered:
                 raise self.error
 
         fast = RetryPolicy(attempts=2, first_delay=0.0)
         lost = Unreachable(r.ledger, ConnectionResetError("reply lost"))
-        async with RolloutWorker.open(lost, r.gateway, owner="w3", retry=fast) as w3:  # type: ignore[arg-type]
+        async with RolloutWorker.open(lost, r.gateway, owner="w3", retry=fast) as w3:
             pass  # an unreachable ledger: logged, the lease left to expire
         assert w3.deregistered is None and w3.lost is None
         broken = Unreachable(r.ledger, RuntimeError("a bug"))
         raised = False
         try:  # not a lost reply: a bug, raised
-            async with RolloutWorker.open(broken, r.gateway, owner="w4", retry=fast):  # type: ignore[arg-type]
+            async with RolloutWorker.open(broken, r.gateway, owner="w4", retry=fast):
                 pass
         except* RuntimeError:
             raised = True
@@ -1047,7 +1047,7 @@ async def test_a_turn_sharing_a_bind_made_for_another_version_asks_again() -> No
         await r.publish(1)
         port = Port(r.ledger)
         port.gate = anyio.Event()
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             s = w.session("s")
             heard: list[object] = []
 
