@@ -587,6 +587,13 @@ async def test_bind_many_answers_each_binder_in_place() -> None:
         await r.publish(1)
         closed = w.session("closed")
         await closed.close()
+        with pytest.raises(LoraLedgerError) as info:
+            await closed.generate(PROMPT, SHORT)
+        assert (info.value.code, info.value.message, info.value.details) == (
+            Code.SESSION_CLOSED,
+            "session closed is closed",
+            {"session": "closed"},
+        )
         refused, bound = await w.bind_many([closed, w.session("open")])
         assert isinstance(refused, LoraLedgerError) and refused.code == Code.SESSION_CLOSED
         assert (refused.message, refused.details) == (
@@ -657,6 +664,9 @@ async def test_every_release_names_its_life_and_its_cause() -> None:
             for release in releases:
                 assert isinstance(release, c.Release)
                 assert (release.incarnation, release.secret) == (w.incarnation, w.secret)
+            (bind,) = port.sent(c.Bind)  # and so does every bind
+            assert isinstance(bind, c.Bind)
+            assert (bind.incarnation, bind.secret) == (w.incarnation, w.secret)
 
 
 async def test_a_relay_forgets_only_the_tombstones_it_wrote() -> None:
@@ -1124,3 +1134,11 @@ def test_a_worker_takes_the_life_it_is_given_or_makes_one() -> None:
     assert len(made.secret) == 64 and int(made.secret, 16) >= 0  # 32 random bytes, in hex
     assert made.incarnation != RolloutWorker(object(), object(), owner="w").incarnation  # type: ignore[arg-type]
     assert (made.renewals, made.forgotten, made.idle_releases) == (0, 0, 0)
+
+
+async def test_turn_labels_count_from_zero_and_move_past_a_label_given() -> None:
+    async with rig() as r, worker_on(r) as w:
+        s = w.session("s")
+        assert [s.next_turn(), s.next_turn()] == [0, 1]
+        assert s.next_turn(5) == 5 and s.next_turn() == 6
+        assert s.next_turn(2) == 2 and s.next_turn() == 7  # a retry of an old turn
