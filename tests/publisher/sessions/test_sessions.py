@@ -1142,3 +1142,16 @@ async def test_turn_labels_count_from_zero_and_move_past_a_label_given() -> None
         assert [s.next_turn(), s.next_turn()] == [0, 1]
         assert s.next_turn(5) == 5 and s.next_turn() == 6
         assert s.next_turn(2) == 2 and s.next_turn() == 7  # a retry of an old turn
+
+
+async def test_a_worker_whose_block_ended_starts_nothing_and_says_so() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", deregister_on_exit=False) as w:
+            s = w.session("s")
+        with pytest.raises(LoraLedgerError) as info:  # its lease still runs: not lost, stopped
+            await s.bind()
+        assert (info.value.code, info.value.message) == (
+            Code.LEDGER_CLOSED,
+            "rollout worker w1 is not running",
+        )
