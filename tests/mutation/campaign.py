@@ -250,6 +250,22 @@ CAMPAIGNS: dict[str, Campaign] = {
             ),
             gated=True,
         ),
+        Campaign(
+            "sessions",
+            # a session's bind, pin and release; its owner's lease, renewals, idle release
+            (
+                "publisher/sessions/binder.py",
+                "publisher/sessions/worker.py",
+                "publisher/sessions/port.py",
+            ),
+            (
+                "tests/publisher/sessions/test_sessions.py",
+                "tests/publisher/core/test_idle_release.py",
+                "tests/publisher/openai/test_relay_sessions.py",  # client-held sessions
+                "tests/publisher/drivers/test_reclaim_inflight.py",  # counts with renewals
+            ),
+            gated=False,  # until its first run is triaged
+        ),
     )
 }
 

@@ -4,6 +4,7 @@ leases (renewal, expiry, stale workers) and the batch API."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -23,9 +24,9 @@ from evlog.events import (
 )
 from projections.registry import VersionState
 from publisher.core import commands as c
-from publisher.core.errors import Code
+from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Done, Outcome, Released
+from publisher.core.outcomes import Bound, Deregistered, Done, Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
 from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
 from tests.support.log import events_of, numbered
@@ -265,7 +266,8 @@ async def test_close_before_the_first_bind_can_never_bind() -> None:
         assert tomb.version_id is None
 
 
-async def test_close_waits_for_running_generations_then_releases_once() -> None:
+@pytest.mark.parametrize("by", ["binder", "worker"])
+async def test_close_waits_for_running_generations_then_releases_once(by: str) -> None:
     async with rig() as r, worker_on(r) as w:
         await r.publish(1)
         s = w.session("s")
@@ -278,8 +280,8 @@ async def test_close_waits_for_running_generations_then_releases_once() -> None:
             async def run() -> None:
                 results.append(await s.generate(PROMPT, LONG))
 
-            async def close() -> None:
-                results.append(await s.close())
+            async def close() -> None:  # by default, close waits for the turn
+                results.append(await s.close() if by == "binder" else (await w.close_many([s]))[0])
 
             tg.start_soon(run)
             await wait_for(
@@ -561,3 +563,595 @@ async def test_a_clean_exit_waits_for_turns_running_beside_the_block() -> None:
         assert served.generation.finish_reason == "length"  # type: ignore[attr-defined]
         assert len(await events_of(r.store, OwnerDeregistered)) == 1
         assert "s" not in r.ledger.state.sessions
+
+
+# --- rules each shown by a mutant that survived the sessions campaign ------------------------
+
+
+async def test_bind_alone_returns_the_binding_and_bindings_list_the_bound_sessions() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("s")
+        first = await s.bind()
+        assert isinstance(first, Bound) and (first.session, first.version_id) == ("s", 1)
+        assert await s.bind() is first  # kept: never asked again
+        w.session("unbound")
+        await w.session("closed").close()
+        assert w.bindings() == {"s": 1}
+
+
+async def test_bind_many_answers_each_binder_in_place() -> None:
+    async with rig() as r, worker_on(r) as w:
+        (early,) = await w.bind_many([w.session("early")])
+        assert isinstance(early, LoraLedgerError) and early.code == Code.NO_PUBLISHED_VERSION
+        await r.publish(1)
+        closed = w.session("closed")
+        await closed.close()
+        with pytest.raises(LoraLedgerError) as info:
+            await closed.generate(PROMPT, SHORT)
+        assert (info.value.code, info.value.message, info.value.details) == (
+            Code.SESSION_CLOSED,
+            "session closed is closed",
+            {"session": "closed"},
+        )
+        refused, bound = await w.bind_many([closed, w.session("open")])
+        assert isinstance(refused, LoraLedgerError) and refused.code == Code.SESSION_CLOSED
+        assert (refused.message, refused.details) == (
+            "session closed is closed",
+            {"session": "closed"},
+        )
+        assert isinstance(bound, Bound) and (bound.session, bound.version_id) == ("open", 1)
+
+
+async def test_a_replaced_worker_hears_owner_restarted_naming_itself() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1") as old:
+            s = old.session("s")
+            await s.generate(PROMPT, SHORT)
+            async with worker_on(r, "w1") as new:  # a second incarnation of the owner
+                assert new.incarnation != old.incarnation
+                with pytest.raises(LoraLedgerError) as first:  # the ledger's refusal
+                    await s.generate(PROMPT, SHORT)
+                assert first.value.code == Code.OWNER_RESTARTED
+                with pytest.raises(LoraLedgerError) as info:  # then the worker's own word
+                    await s.generate(PROMPT, SHORT)
+                assert info.value.code == Code.OWNER_RESTARTED
+                assert info.value.message == (
+                    f"owner w1 was restarted: a newer incarnation replaced this worker "
+                    f"({old.incarnation}) and its sessions were released. Stop this worker."
+                )
+                assert info.value.details == {"owner": "w1"} and old.lost is info.value
+
+
+async def test_a_worker_whose_lease_expired_is_told_why_and_what_to_do() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", ttl_s=10.0, renew_every=3600) as w:
+            await w.session("s").generate(PROMPT, SHORT)
+            r.clock.advance(11.0)
+            await r.ledger.expire_leases()
+            with pytest.raises(LoraLedgerError):  # the ledger's refusal
+                await w.session("s").generate(PROMPT, SHORT)
+            with pytest.raises(LoraLedgerError) as info:  # then the worker's own word
+                await w.session("s").generate(PROMPT, SHORT)
+            assert info.value is w.lost
+            assert (info.value.code, info.value.details) == (
+                Code.LEASE_EXPIRED,
+                {"owner": "w1", "cause": Code.LEASE_EXPIRED},
+            )
+            assert info.value.message == (
+                "owner w1 lost its lease (LEASE_EXPIRED); its sessions were released. "
+                "Register a new worker under a new owner id."
+            )
+            assert await w.release_idle(now=anyio.current_time() + 1e6) == 0  # it acts no more
+
+
+async def test_every_release_names_its_life_and_its_cause() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
+            a, b = w.session("a"), w.session("b")
+            await a.generate(PROMPT, SHORT)
+            await w.close_many([a, b], cause="idle")
+            assert {(x.session, x.cause) for x in await events_of(r.store, SessionReleased)} == {
+                ("a", "idle"),
+                ("b", "idle"),
+            }
+            releases = port.sent(c.Release)
+            assert len(releases) == 2
+            for release in releases:
+                assert isinstance(release, c.Release)
+                assert (release.incarnation, release.secret) == (w.incarnation, w.secret)
+            (bind,) = port.sent(c.Bind)  # and so does every bind
+            assert isinstance(bind, c.Bind)
+            assert (bind.incarnation, bind.secret) == (w.incarnation, w.secret)
+
+
+async def test_a_relay_forgets_only_the_tombstones_it_wrote() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "relay", sessions_idle_s=60.0) as w:
+            mine, elsewhere = w.session("mine"), w.session("elsewhere")
+            await mine.generate(PROMPT, SHORT)
+            await elsewhere.generate(PROMPT, SHORT)
+            # another face of the same owner life releases "elsewhere" first
+            await r.ledger.execute(
+                c.Release(
+                    session="elsewhere", owner="relay", incarnation=w.incarnation, secret=w.secret
+                )
+            )
+            assert (await elsewhere.close()).tombstoned is False
+            assert w.unforgotten == 0  # its tombstone is its writer's to forget
+            assert (await mine.close()).tombstoned is True
+            assert w.unforgotten == 1
+            assert await w.flush_forgets() == 1
+        assert "elsewhere" in r.ledger.state.tombstones
+
+
+async def test_idle_sessions_are_released_at_their_bound_and_forgotten_after_theirs() -> None:
+    """``release_idle(now)``, time as data (anyio's clock, as ``last_used`` is): a session
+    with no turn for exactly ``idle_release_s`` is released, cause ``idle``; one used later is
+    not; one whose bind failed is dropped without asking the ledger; a late turn is refused
+    naming the idle time; the tombstone is forgotten exactly ``idle_tombstone_s`` later."""
+    async with rig() as r, worker_on(r, idle_release_s=100.0, idle_tombstone_s=1000.0) as w:
+        failed = w.session("failed")
+        with pytest.raises(LoraLedgerError):
+            await failed.generate(PROMPT, SHORT)  # nothing published yet
+        await r.publish(1)
+        busy, idle = w.session("busy"), w.session("idle")  # a skipped one first, in order
+        await idle.generate(PROMPT, SHORT)
+        await busy.generate(PROMPT, SHORT)
+        # later than anyio's clock (a `now` ignored shows), integer-valued (exact bounds)
+        t = float(math.ceil(anyio.current_time())) + 1000.0
+        idle.last_used, busy.last_used, failed.last_used = t, t + 0.5, t
+        assert await w.release_idle(now=t + 99.5) == 0
+        assert await w.release_idle(now=t + 100.0) == 1
+        assert w.idle_releases == 1 and w.session("failed") is not failed
+        assert set(r.ledger.state.sessions) == {"busy"}
+        (released,) = await events_of(r.store, SessionReleased)
+        assert (released.session, released.cause) == ("idle", "idle")
+        with pytest.raises(LoraLedgerError) as late:
+            await w.session("idle").generate(PROMPT, SHORT)
+        assert (late.value.code, late.value.details) == (
+            Code.SESSION_CLOSED,
+            {"session": "idle", "cause": "idle"},
+        )
+        assert late.value.message == (
+            "session idle was released after 100 s without a turn (cause idle): its version "
+            "may be reclaimed; start a new session id"
+        )
+        at = w._idle_released["idle"]  # when it was released, by anyio's clock
+        await w.release_idle(now=at + 999.0)
+        assert w.idle_released("idle") and w.unforgotten == 0
+        await w.release_idle(now=at + 1000.0)
+        assert not w.idle_released("idle") and w.unforgotten == 1
+        async with busy.turn():  # a turn in flight: never idle, however long ago the last
+            assert await w.release_idle(now=t + 1e5) == 0
+        assert await w.release_idle(now=t + 1e5) == 1 and w.idle_releases == 2
+        with pytest.raises(LoraLedgerError) as later:  # its binder still knows why
+            await idle.generate(PROMPT, SHORT)
+        assert later.value.details == {"session": "idle", "cause": "idle"}
+
+
+async def test_the_idle_loop_releases_an_idle_session_by_itself() -> None:
+    async with rig() as r, worker_on(r, idle_release_s=0.2) as w:
+        await r.publish(1)
+        await w.session("s").generate(PROMPT, SHORT)
+        await wait_for("the idle release", lambda: "s" not in r.ledger.state.sessions)
+        assert w.idle_releases == 1 and w.idle_released("s")
+
+
+async def test_a_worker_without_an_idle_bound_releases_nothing_for_idleness() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        await w.session("s").generate(PROMPT, SHORT)
+        assert await w.release_idle(now=anyio.current_time() + 1e6) == 0
+        assert set(r.ledger.state.sessions) == {"s"}
+
+
+async def test_a_session_too_stale_is_released_as_such_once_and_refused_after() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.ledger.configure_deployment(max_staleness=1)
+        await r.publish(1)
+        s = w.session("s")
+        await s.generate(PROMPT, SHORT)
+        await r.publish(2)
+        await r.publish(3)
+        with pytest.raises(LoraLedgerError) as info:
+            await s.generate(PROMPT, SHORT)
+        assert info.value.code == Code.SESSION_TOO_STALE
+        with pytest.raises(LoraLedgerError) as again:
+            await s.generate(PROMPT, SHORT)
+        assert again.value is info.value
+        released = await events_of(r.store, SessionReleased)
+        assert [(e.session, e.cause) for e in released] == [("s", "too_stale")]
+
+
+class HeldReleases(Port):
+    """The port, holding every release until ``release_gate`` is set."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger)
+        self.release_gate = anyio.Event()
+        self.releases_waiting = 0
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
+        if any(isinstance(x, c.Release) for x in commands):
+            self.releases_waiting += 1
+            await self.release_gate.wait()
+        return await super().execute_many(commands)
+
+
+@pytest.mark.parametrize("what", ["bind", "release"])
+async def test_a_worker_stopped_mid_call_answers_every_waiter(what: str) -> None:
+    """The shared bind and release run in the worker's task group: when it stops (its host
+    raised) while one is under way, each waiter beside the block hears ``LEDGER_CLOSED``
+    naming the worker and the call, never waits forever."""
+    async with rig() as r:
+        await r.publish(1)
+        port = HeldReleases(r.ledger)
+        port.gate = anyio.Event() if what == "bind" else None
+        heard: list[object] = []
+        async with anyio.create_task_group() as beside:
+            try:
+                async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
+                    s = w.session("s")
+                    if what == "release":
+                        await s.bind()
+
+                    async def wait() -> None:
+                        with anyio.fail_after(10):
+                            try:
+                                await (s.bind() if what == "bind" else s.close())
+                            except LoraLedgerError as exc:
+                                heard.append(exc)
+
+                    beside.start_soon(wait)
+                    await wait_for(
+                        f"the {what} held at the port",
+                        lambda: (port.waiting if what == "bind" else port.releases_waiting) == 1,
+                    )
+                    raise RuntimeError("the host stops")
+            except* RuntimeError:
+                pass
+        (error,) = heard
+        assert isinstance(error, LoraLedgerError) and error.code == Code.LEDGER_CLOSED
+        assert error.message == f"rollout worker w1 stopped during a {what}"
+
+
+def test_retries_wait_twice_as_long_each_time_up_to_the_longest_wait() -> None:
+    policy = RetryPolicy(first_delay=0.02, max_delay=1.0)
+    assert [policy.delay(n) for n in range(7)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0]
+
+
+async def test_a_refused_release_comes_back_in_place_and_is_asked_again() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            (first,) = await w.close_many([s], cause="no such cause")
+            assert isinstance(first, LoraLedgerError) and first.code == Code.INVALID_INPUT
+            with pytest.raises(LoraLedgerError) as again:  # a failed release may be asked again
+                await s.close()
+            assert again.value.code == first.code and again.value is not first
+            assert len(port.sent(c.Release)) == 2
+            assert "s" in r.ledger.state.sessions
+
+
+async def test_a_relay_forgets_bindings_unused_for_its_cache_time_and_only_those() -> None:
+    """``drop_unused(now)``, time as data: a relay's binding with no turn here for
+    ``binding_cache_s`` is dropped here (the ledger is not asked), so its next turn asks the
+    ledger again; a binding with a turn in flight, or used later, is kept, and so is one whose
+    bind is under way; a failed bind is dropped. An owner-held worker drops nothing."""
+    async with rig() as r:
+        port = Port(r.ledger)
+        async with (
+            worker_on(r, "owner-held") as held,
+            RolloutWorker.open(port, r.gateway, owner="relay", sessions_idle_s=60.0) as w,
+        ):
+            failed = w.session("failed")
+            with pytest.raises(LoraLedgerError):
+                await failed.generate(PROMPT, SHORT)  # nothing published yet
+            await r.publish(1)
+            await held.session("h").generate(PROMPT, SHORT)
+            unused, used, running = w.session("unused"), w.session("used"), w.session("running")
+            for binder in (unused, used, running):
+                await binder.generate(PROMPT, SHORT)
+            binding = w.session("binding")
+            port.gate = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(binding.bind)
+                await wait_for("the bind held at the port", lambda: port.waiting == 1)
+                t = float(math.ceil(anyio.current_time())) + 1000.0  # exact, later than now
+                unused.last_used, used.last_used = t, t + 0.5
+                running.last_used = binding.last_used = t
+                failed.last_used = t - 100.0
+                assert held.drop_unused(now=t + 1e6) == 0
+                async with running.turn():
+                    assert w.drop_unused(now=t + 59.5) == 1  # the failed bind only
+                    assert w.drop_unused(now=t + 60.0) == 1  # "unused", at its bound
+                assert w.session("used") is used and w.session("running") is running
+                assert w.session("binding") is binding
+                port.gate.set()
+            again = w.session("unused")
+            assert again is not unused and w.session("failed") is not failed
+            w.discard(unused)  # a binder no longer this worker's: its successor stays
+            assert w.session("unused") is again
+            binds = len(port.sent(c.Bind))
+            await again.generate(PROMPT, SHORT)  # asks the ledger: the same binding
+            assert len(port.sent(c.Bind)) == binds + 1 and again.bound is not None
+
+
+async def test_the_idle_loop_looks_every_quarter_of_the_idle_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session goes 1 to 1.25 idle periods without a turn before it is released (or, in a
+    relay, its cached binding dropped): the loop wakes every quarter of the idle time."""
+    slept: list[float] = []
+    sleep = anyio.sleep
+
+    async def recording(seconds: float) -> None:
+        slept.append(seconds)
+        await sleep(seconds)
+
+    monkeypatch.setattr(anyio, "sleep", recording)
+    async with rig() as r:
+        async with worker_on(r, "w1", ttl_s=3.0, idle_release_s=7.0):
+            await wait_for("the idle loop asleep", lambda: 1.75 in slept)
+        async with worker_on(r, "relay", ttl_s=3.0, sessions_idle_s=7.0):
+            await wait_for("the relay's loop asleep", lambda: slept.count(1.75) == 2)
+
+
+async def test_a_turn_sends_the_callers_request_id_and_extra_body() -> None:
+    async with rig() as r, worker_on(r) as w:
+        await r.publish(1)
+        s = w.session("s")
+        served = await s.generate(PROMPT, SHORT, request_id="trace-1")
+        assert served.provenance.request_id == "trace-1"
+        with pytest.raises(LoraLedgerError) as info:  # a local engine takes no extra fields
+            await s.generate(PROMPT, SHORT, extra_body={"top_k": 5})
+        assert info.value.message.endswith("takes no extra body fields (['top_k'])")
+
+
+async def test_a_relays_idle_loop_keeps_dropping_unused_bindings() -> None:
+    """A relay's loop drops the cached bindings unused for its idle time (here only: nothing
+    is released in the ledger), tick after tick."""
+    async with rig() as r, worker_on(r, "relay", sessions_idle_s=0.2) as w:
+        await r.publish(1)
+        for round_ in range(2):
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            await wait_for(f"drop {round_ + 1}", lambda: w.session("s") is not s)  # noqa: B023
+        assert "s" in r.ledger.state.sessions
+
+
+async def test_a_workers_defaults_are_the_documented_ones() -> None:
+    async with rig() as r:
+        direct = RolloutWorker(r.ledger, r.gateway, owner="direct")
+        async with worker_on(r, "opened") as opened:
+            for w in (direct, opened):
+                assert (w.ttl_s, w.renew_every, w.forget_batch) == (30.0, 10.0, 256)
+                assert (w.idle_release_s, w.idle_tombstone_s) == (0.0, 86400.0)
+
+
+class Confirming(Port):
+    """The port of a remote ledger (``ConfirmsLeases``): records each confirmation and
+    answers it with ``refusal`` when set, as the ledger would."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger)
+        self.confirmed: list[tuple[str, str, str]] = []
+        self.refusal: LoraLedgerError | None = None
+
+    async def confirm_lease(self, owner: str, *, incarnation: str = "", secret: str = "") -> None:
+        self.confirmed.append((owner, incarnation, secret))
+        if self.refusal is not None:
+            raise self.refusal
+
+
+async def test_a_turn_is_confirmed_for_its_life_and_only_an_owners_end_ends_it() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Confirming(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
+            s = w.session("s")
+            await s.generate(PROMPT, SHORT)
+            assert port.confirmed == [("w1", w.incarnation, w.secret)]
+            port.refusal = LedgerError(Code.LEDGER_CLOSED, "the ledger is stopping")
+            with pytest.raises(LoraLedgerError) as passing:
+                await s.generate(PROMPT, SHORT)
+            assert passing.value is port.refusal and w.lost is None  # not the owner's end
+            port.refusal = LedgerError(Code.OWNER_RESTARTED, "replaced", owner="w1")
+            with pytest.raises(LoraLedgerError):
+                await s.generate(PROMPT, SHORT)
+            assert w.lost is not None and w.lost.code == Code.OWNER_RESTARTED
+
+
+async def test_a_bind_the_ledger_refuses_for_a_lost_owner_hears_the_workers_word() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        port.gate = anyio.Event()
+        async with RolloutWorker.open(
+            port, r.gateway, owner="w1", ttl_s=10.0, renew_every=3600
+        ) as w:
+            s = w.session("s")
+            heard: list[BaseException] = []
+
+            async def bind() -> None:
+                try:
+                    await s.bind()
+                except LoraLedgerError as exc:
+                    heard.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bind)
+                await wait_for("the bind held at the port", lambda: port.waiting == 1)
+                r.clock.advance(11.0)
+                await r.ledger.expire_leases()  # while the bind was on its way
+                port.gate.set()
+            (error,) = heard
+            assert error is w.lost and error.code == Code.LEASE_EXPIRED
+
+
+async def test_deregistering_ends_the_life_or_says_why_it_could_not() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", deregister_on_exit=False) as w:
+            assert await w.deregister() is not None and w.deregistered is not None
+            assert w.lost is not None and w.lost.code == Code.OWNER_DEREGISTERED
+            assert w.lost.details == {"owner": "w1"}
+            assert w.lost.message == (
+                f"rollout worker w1 deregistered (incarnation {w.incarnation}): "
+                "open a new worker to act again"
+            )
+        # a newer life of w2 registers; the old one has not heard yet
+        async with worker_on(r, "w2", deregister_on_exit=False) as w2, worker_on(r, "w2"):
+            assert await w2.deregister() is None
+            assert w2.lost is not None and w2.lost.code == Code.OWNER_RESTARTED
+
+        class Unreachable(Port):
+            def __init__(self, ledger: Ledger, error: Exception) -> None:
+                super().__init__(ledger)
+                self.error = error
+
+            async def deregister_owner(
+                self, owner: str, *, incarnation: str = "", secret: str = ""
+            ) -> Deregistered:
+                raise self.error
+
+        fast = RetryPolicy(attempts=2, first_delay=0.0)
+        lost = Unreachable(r.ledger, ConnectionResetError("reply lost"))
+        async with RolloutWorker.open(lost, r.gateway, owner="w3", retry=fast) as w3:
+            pass  # an unreachable ledger: logged, the lease left to expire
+        assert w3.deregistered is None and w3.lost is None
+        broken = Unreachable(r.ledger, RuntimeError("a bug"))
+        raised = False
+        try:  # not a lost reply: a bug, raised
+            async with RolloutWorker.open(broken, r.gateway, owner="w4", retry=fast):
+                pass
+        except* RuntimeError:
+            raised = True
+        assert raised
+
+
+async def test_every_forgotten_tombstone_is_counted_once_across_batches() -> None:
+    async with rig() as r, worker_on(r, forget_batch=2) as w:
+        await r.publish(1)
+        await w.close_many([w.session(f"s{i}") for i in range(3)])  # starts a forget
+        await w.flush_forgets()
+        await wait_for("every tombstone forgotten", lambda: w.unforgotten == 0)
+        assert w.forgotten == 3
+        await w.session("s3").close()
+        assert await w.flush_forgets() == 1 and w.forgotten == 4
+
+
+async def test_a_turn_sharing_a_bind_made_for_another_version_asks_again() -> None:
+    """A bind in flight is shared whatever it expects: refused for the version the first turn
+    named (``VERSION_NOT_BOUND``), a turn that names none asks again and binds the default."""
+    async with rig() as r:
+        await r.publish(1)
+        port = Port(r.ledger)
+        port.gate = anyio.Event()
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
+            s = w.session("s")
+            heard: list[object] = []
+
+            async def turn(expect: int | None) -> None:
+                try:
+                    async with s.turn(expect_version=expect) as bound:
+                        heard.append((expect, bound.version_id))
+                except LoraLedgerError as exc:
+                    heard.append((expect, exc.code))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(turn, 7)
+                await wait_for("the bind held at the port", lambda: port.waiting == 1)
+                tg.start_soon(turn, None)
+                await wait_for("both turns in", lambda: s.in_flight == 2)
+                port.gate.set()
+            assert sorted(heard, key=str) == sorted(
+                [(7, Code.VERSION_NOT_BOUND), (None, 1)], key=str
+            )
+
+
+RELAY_BOUNDS = (
+    "sessions_idle_s must be finite and >= 0, without idle_release_s (a relay's sessions are "
+    "released for idleness by the ledger's process)"
+)
+LEASE_BOUNDS = "ttl_s must be > 0 and forget_batch >= 1"
+IDLE_BOUNDS = "idle_release_s and idle_tombstone_s must be finite and >= 0"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"sessions_idle_s": -1.0}, RELAY_BOUNDS),
+        ({"sessions_idle_s": math.inf}, RELAY_BOUNDS),
+        ({"sessions_idle_s": 60.0, "idle_release_s": 1.0}, RELAY_BOUNDS),
+        ({"ttl_s": 0.0}, LEASE_BOUNDS),
+        ({"ttl_s": math.inf}, LEASE_BOUNDS),
+        ({"forget_batch": 0}, LEASE_BOUNDS),
+        ({"idle_release_s": -1.0}, IDLE_BOUNDS),
+        ({"idle_release_s": math.inf}, IDLE_BOUNDS),
+        ({"idle_tombstone_s": -1.0}, IDLE_BOUNDS),
+        ({"idle_tombstone_s": math.inf}, IDLE_BOUNDS),
+    ],
+)
+def test_a_worker_refuses_settings_out_of_bounds_naming_them(
+    settings: dict[str, float], message: str
+) -> None:
+    with pytest.raises(LoraLedgerError) as info:
+        RolloutWorker(object(), object(), owner="w", **settings)  # type: ignore[arg-type]
+    assert (info.value.code, info.value.message) == ("INVALID_INPUT", message)
+
+
+def test_a_worker_takes_every_setting_at_its_bound() -> None:
+    for settings in (
+        {"sessions_idle_s": 0.0},
+        {"ttl_s": 0.001, "forget_batch": 1},
+        {"idle_release_s": 0.0, "idle_tombstone_s": 0.0},
+    ):
+        w = RolloutWorker(object(), object(), owner="w", **settings)  # type: ignore[arg-type]
+        assert w.deregister_on_exit  # and a clean exit deregisters, by default
+
+
+def test_a_worker_takes_the_life_it_is_given_or_makes_one() -> None:
+    given = RolloutWorker(
+        object(),  # type: ignore[arg-type]
+        object(),  # type: ignore[arg-type]
+        owner="w",
+        incarnation="inc-1",
+        secret="secret-1",
+        renew_every=5.0,
+    )
+    assert (given.incarnation, given.secret, given.renew_every) == ("inc-1", "secret-1", 5.0)
+    made = RolloutWorker(object(), object(), owner="w")  # type: ignore[arg-type]
+    assert len(made.secret) == 64 and int(made.secret, 16) >= 0  # 32 random bytes, in hex
+    assert made.incarnation != RolloutWorker(object(), object(), owner="w").incarnation  # type: ignore[arg-type]
+    assert (made.renewals, made.forgotten, made.idle_releases) == (0, 0, 0)
+
+
+async def test_turn_labels_count_from_zero_and_move_past_a_label_given() -> None:
+    async with rig() as r, worker_on(r) as w:
+        s = w.session("s")
+        assert [s.next_turn(), s.next_turn()] == [0, 1]
+        assert s.next_turn(5) == 5 and s.next_turn() == 6
+        assert s.next_turn(2) == 2 and s.next_turn() == 7  # a retry of an old turn
+
+
+async def test_a_worker_whose_block_ended_starts_nothing_and_says_so() -> None:
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "w1", deregister_on_exit=False) as w:
+            s = w.session("s")
+        with pytest.raises(LoraLedgerError) as info:  # its lease still runs: not lost, stopped
+            await s.bind()
+        assert (info.value.code, info.value.message) == (
+            Code.LEDGER_CLOSED,
+            "rollout worker w1 is not running",
+        )
