@@ -1,9 +1,10 @@
 """A remote gateway's newly admitted request is counted by the ledger before it ends: the
 executor records the owner's new in-flight count (``owner.report()``) before the attempt is
-sent, and the remote client's renewer forwards it within one renewal interval (it sends at most
-one renewal per ``renew_interval``), not at the end of the turn nor at the worker's next
-periodic renewal. Were the count forwarded only then, the ledger would see no request in
-flight on the version for as long as the turn runs, and could unload it under the request.
+sent, and the remote client forwards it before the attempt leaves (the first count on a
+version: publisher/remote/renewals.py) or within one renewal interval, not at the end of the
+turn nor at the worker's next periodic renewal. Were the count forwarded only then, the ledger
+would see no request in flight on the version for as long as the turn runs, and could unload it
+under the request.
 
 Real parts: serve's app over a real ledger (SQLite) on a loopback port, ``HttpLedger``, a
 ``RolloutWorker`` over it and the gateway's executor with a real local engine in its fleet. The
