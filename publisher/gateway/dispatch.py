@@ -31,9 +31,10 @@ call; an HTTP request relayed to a client) -- and it does everything else, once:
   is ``GENERATION_FAILED``; when no holder is left after refusals, the last one is the answer.
 * **Count what is in flight, until the engine says it is over.** Per (engine, version),
   incremented before the attempt; the owner's own tally too, which its lease renewals carry,
-  and the new count is reported at once (``owner.report()``) so a remote ledger's renewer
-  sends it within one renewal interval of admission (at most one renewal per interval), not
-  only at the turn's end or the next periodic renewal. The count ends when the engine's word does:
+  and the new count is reported at once (``owner.report()``); a remote ledger forwards it on
+  its renewal timer, or, when the ledger may hold that engine and version at zero, at once and
+  answered before the attempt is sent (``owner.confirm_live()``; publisher/remote/renewals.py).
+  The count ends when the engine's word does:
   its reply, a clean refusal, a send that never left. An attempt that ended without that word
   -- the caller cancelled (a client disconnect, ``close_session(cancel=True)``), a timeout, a
   lost reply -- may still run on the engine, so the request is aborted there
@@ -383,7 +384,7 @@ class Gateway:
             over = False  # the engine's word ended the request: its count may end now
             try:
                 if owner is not None:
-                    owner.report()  # a remote ledger's renewer sends the new count at once
+                    owner.report()  # the new count, reached the ledger when confirm_live returns
                     try:
                         # The ledger's answer reaches a remote owner before anything is sent:
                         # a zombie whose sessions were released is refused here, not served.

@@ -26,7 +26,9 @@ What differs from in process, and why, once for every transport:
   what the client already knows (the life ended); a background task forwards the newest
   renewal of every life, at most one round trip at a time and at most every
   ``renew_interval`` seconds, and learns refusals from the reply. The counts are what the
-  ledger's reclaim waits for.
+  ledger's reclaim waits for: a request on an engine and version whose count the ledger may
+  hold at zero is not sent before its renewal was answered (``confirm_lease``, at most
+  ``count_timeout``), later ones ride the interval (:mod:`publisher.remote.renewals`).
 * **Routing is a copy** (:class:`RemoteView`): the newest routing table any reply carried
   (every reply carries it when it changed since the caller's mark, so a bind's reply routes to
   the version it bound), and the last status read, refreshed every ``refresh_interval``
@@ -308,6 +310,7 @@ class RemoteLedger(TypedCommands):
         renew_interval: float = 0.5,
         refresh_interval: float | None = 1.0,
         confirm_timeout: float | None = None,
+        count_timeout: float = 2.0,
     ) -> None:
         if max_in_flight < 1 or max_batch < 1:
             raise InvalidInput(INVALID_INPUT, "max_in_flight and max_batch must be >= 1")
@@ -315,6 +318,7 @@ class RemoteLedger(TypedCommands):
             ("renew_interval", renew_interval),
             ("refresh_interval", refresh_interval),
             ("confirm_timeout", confirm_timeout),
+            ("count_timeout", count_timeout),
         ):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise InvalidInput(INVALID_INPUT, f"{name} must be a finite number >= 0")
@@ -325,6 +329,7 @@ class RemoteLedger(TypedCommands):
         self.renew_interval = renew_interval
         self.refresh_interval = refresh_interval
         self.confirm_timeout = confirm_timeout  # None: turns are not confirmed (module docstring)
+        self.count_timeout = count_timeout  # how long a count the ledger has not seen is awaited
         self._queue: deque[_Request[c.Command]] = deque()
         self._senders = 0
         self._tg: TaskGroup | None = None
@@ -540,14 +545,22 @@ class RemoteLedger(TypedCommands):
         once a renewal of it forwarded after this call was answered live, raises the ledger's
         refusal (``OWNER_RESTARTED``, ``LEASE_EXPIRED``, ``FENCED``, ...) otherwise. Without
         ``confirm_timeout`` it answers from memory, as ``renew_lease`` does; with it, a ledger
-        that does not answer in time leaves the last answer standing (module docstring)."""
+        that does not answer in time leaves the last answer standing (module docstring).
+
+        Either way, a life that counts a request on a key its ledger evidence may hold at zero
+        (:meth:`PendingRenewals.unseen <publisher.remote.renewals.PendingRenewals.unseen>`)
+        has its renewal forwarded now and waited for (at most ``count_timeout``), so that
+        request's count reaches the ledger before the request is sent, not at the next tick."""
         life = (owner, incarnation)
         if secret:
             self._secrets[life] = secret
         known = self._renewals.lost(life)
         if known is not None:
             raise known
-        if self.confirm_timeout is None:
+        timeout = self.confirm_timeout
+        if self._renewals.unseen(life):
+            timeout = max(timeout or 0.0, self.count_timeout)
+        elif timeout is None:
             return
         if self._tg is None:
             raise LedgerError(Code.LEDGER_CLOSED, "the ledger client is not connected")
@@ -555,7 +568,7 @@ class RemoteLedger(TypedCommands):
         round_ = self._next_round  # it takes everything pending, this life included
         self._urgent.set()
         if not self._unanswered:
-            with anyio.move_on_after(self.confirm_timeout):
+            with anyio.move_on_after(timeout):
                 await round_.done.wait()
         refused = round_.refused.get(life) or self._renewals.lost(life)
         if refused is not None:
@@ -578,12 +591,17 @@ class RemoteLedger(TypedCommands):
         round_, self._next_round = self._next_round, _Round()
         self._urgent = anyio.Event()
         try:
-            await self._forward(round_, self._renewals.take(), self._renewals.take_sessions())
+            lives, take = self._renewals.take(), self._renewals.takes
+            await self._forward(round_, lives, self._renewals.take_sessions(), take)
         finally:
             round_.done.set()
 
     async def _forward(
-        self, round_: _Round, lives: dict[Life, Counts], sessions: dict[Life, tuple[str, ...]]
+        self,
+        round_: _Round,
+        lives: dict[Life, Counts],
+        sessions: dict[Life, tuple[str, ...]],
+        take: int,
     ) -> None:
         if not lives:
             return
@@ -607,6 +625,9 @@ class RemoteLedger(TypedCommands):
                 self._renewals.refused(life, error)
             else:
                 log.warning("remote.renew_refused", owner=life[0], code=error.code)
+        self._renewals.answered(
+            {life: counts for life, counts in lives.items() if life not in renewed.lost}, take
+        )
         self.view.take(renewed.routing)
 
     # --- engine trouble ----------------------------------------------------------------------

@@ -11,6 +11,32 @@ the zombie hears its refusal and the successor is untouched.
 A relay's renewal also names the client-held sessions it had a turn of (docs/sessions.md, "Who
 owns a session"). Counts are a state (the newest replaces the older), sessions are news: every
 session recorded since the last forward is sent, the sets of several renewals joined.
+
+**Renewals ride a timer; a count the ledger has not seen does not.** The client forwards at
+most one renewal round trip per ``renew_interval`` (every life's newest counts in one body:
+many admissions in an interval cost one round trip), and that is enough for every count but
+one kind. In-flight counts are reclaim evidence: a version is unloaded only when no session is
+bound to it *and* no reporter counts a request on it. While a session is bound to the version,
+the binding alone blocks the reclaim and the count is moot; it matters when the request
+outlives its binding -- a client-held session released as idle or by an operator while its
+turn runs, an owner life replaced by a new incarnation (the old life's last forwarded counts
+stay evidence until its lease would lapse) -- and none of those waits for the next tick. So a
+count that would reach the ledger only at the next tick leaves a window, up to one interval
+long, in which a reclaim can act on a version with a request running on it.
+
+What closes it cheaply: the ledger's evidence per ``(engine, version)`` blocks the reclaim
+whatever the number, as long as it is not zero. A key the ledger already holds at one or more
+from this life (*seen*: an answered forward carried it, and no forward taken since carried it
+at zero) stays blocked until the next forward, and the next forward carries the newest counts,
+this request's included: a later request on a seen key rides the timer. A request on a key not
+seen (the first on that engine and version, or the first since a forward said zero) is
+forwarded at once and waited for before it is sent (:meth:`PendingRenewals.unseen`, read by
+``RemoteLedger.confirm_lease``); requests admitted meanwhile share that round trip. A key
+leaves *seen* when a forward carrying it at zero is taken (it may be applied before the next
+request's count is), and every key of a life does when a forward of it fails (the ledger may
+have restarted and lost its soft state). Reclaim asking the holders before it acts was the
+other choice: it would make every reclaim wait on every gateway process, reachable or not,
+where this costs a round trip only on the first request of a key.
 """
 
 from __future__ import annotations
@@ -39,6 +65,10 @@ class PendingRenewals:
         self._newest: dict[Life, Counts] = {}  # each life's newest counts, forwarded or not
         self._sessions: dict[Life, set[str]] = {}
         self._lost: dict[Life, LoraLedgerError] = {}
+        # Keys each life's ledger evidence holds at >= 1 until its next forward (docstring).
+        self._seen: dict[Life, set[tuple[str, int]]] = {}
+        self._last_take: dict[Life, int] = {}  # the number of the last take that carried it
+        self.takes = 0  # takes so far: the number of the one just taken, read right after it
         self.wanted = anyio.Event()  # set while something waits to be forwarded
 
     def record(
@@ -76,7 +106,26 @@ class PendingRenewals:
         between); the next ``record`` wakes the forwarder again."""
         self.wanted = anyio.Event()
         taken, self._pending = self._pending, {}
+        self.takes += 1
+        for life, counts in taken.items():
+            self._last_take[life] = self.takes
+            seen = self._seen.get(life)
+            if seen:  # a key sent at zero may be applied before a new count: not seen now
+                seen.intersection_update(counts)
         return taken
+
+    def answered(self, lives: Mapping[Life, Counts], take: int) -> None:
+        """The ledger applied the forward of take number ``take`` (``lives``): its keys are
+        seen, unless a later take carried the life (its zeros, if any, may land last)."""
+        for life, counts in lives.items():
+            if self._last_take.get(life) == take and life not in self._lost:
+                self._seen.setdefault(life, set()).update(counts)
+
+    def unseen(self, life: Life) -> bool:
+        """Whether ``life`` counts a request on a key its ledger evidence may hold at zero:
+        then its renewal must reach the ledger before that request is sent (docstring)."""
+        seen = self._seen.get(life, set())
+        return any(key not in seen for key in self._newest.get(life, {}))
 
     def take_sessions(self) -> dict[Life, tuple[str, ...]]:
         """The sessions each life touched since the last take, to forward with its counts."""
@@ -85,7 +134,9 @@ class PendingRenewals:
 
     def keep(self, life: Life, counts: Counts, sessions: Iterable[str] = ()) -> None:
         """A forward that did not reach the ledger: send it next time, unless a newer renewal
-        of the same life was recorded meanwhile (its sessions are sent either way)."""
+        of the same life was recorded meanwhile (its sessions are sent either way). Nothing
+        of the life is seen any more: the ledger may be a new process without its counts."""
+        self._seen.pop(life, None)
         self._pending.setdefault(life, counts)
         if sessions:
             self._sessions.setdefault(life, set()).update(sessions)
@@ -105,3 +156,5 @@ class PendingRenewals:
         self._pending.pop(life, None)
         self._newest.pop(life, None)
         self._sessions.pop(life, None)
+        self._seen.pop(life, None)
+        self._last_take.pop(life, None)

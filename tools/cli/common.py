@@ -8,6 +8,7 @@ script's entry point. The commands are registered on the application by the pack
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 import traceback
@@ -160,6 +161,19 @@ def verbosity() -> int:
 
 def run_async(fn: Callable[..., Any], *args: Any) -> Any:
     return anyio.run(fn, *args)
+
+
+def run_server(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a long-lived server (``serve``, ``gateway``) on uvloop where it is installed (the
+    ``fast`` extra), else on asyncio's own loop: every request's scheduling and socket work is
+    the loop's, and uvloop's costs less of the process's CPU (BENCHMARKS.md, Gateway). Nothing
+    else changes: the code is the same on either loop."""
+    return anyio.run(fn, *args, backend_options=server_loop_options())
+
+
+def server_loop_options(find: Callable[[str], object] = importlib.util.find_spec) -> dict[str, Any]:
+    """anyio's asyncio backend options for :func:`run_server`: uvloop when ``find`` finds it."""
+    return {"use_uvloop": find("uvloop") is not None}
 
 
 def secret(

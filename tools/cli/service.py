@@ -16,7 +16,7 @@ import typer
 
 from evlog.locations import redacted
 from tools import logconfig
-from tools.cli.common import DEFAULT_PORT, JsonOpt, guarded, run_async, secret, verbosity
+from tools.cli.common import DEFAULT_PORT, JsonOpt, guarded, run_server, secret, verbosity
 from tools.exitcodes import Exit, ToolError
 from tools.output import emit
 
@@ -324,7 +324,9 @@ def serve(
                 flush=True,
             )
 
-    run_async(functools.partial(service.serve, opts, verbosity=max(verbosity(), 1), on_ready=ready))
+    run_server(
+        functools.partial(service.serve, opts, verbosity=max(verbosity(), 1), on_ready=ready)
+    )
 
 
 @guarded
@@ -390,6 +392,6 @@ def gateway(
                 flush=True,
             )
 
-    run_async(
+    run_server(
         functools.partial(front.run_gateway, opts, verbosity=max(verbosity(), 1), on_ready=ready)
     )

@@ -102,3 +102,38 @@ def test_an_ended_life_is_forgotten_and_ending_or_registering_twice_is_harmless(
     book.ended(("w", "one"))
     book.pend(("w", "one"))
     assert book.take() == {("w", "one"): {}}
+
+
+def test_a_key_is_seen_once_answered_and_unseen_once_a_zero_may_land() -> None:
+    """``unseen`` says a life counts a request the ledger may hold at zero (its renewal must be
+    answered before the request is sent). A key sent at zero stops being seen when that forward
+    is taken, not when it is answered; an older forward's answer never marks a key seen that a
+    later take carried at zero; a failed forward forgets everything of its life."""
+    book = PendingRenewals()
+    life = ("w", "one")
+    book.record(*life, {("e0", 1): 1})
+    assert book.unseen(life)
+    first = book.take()
+    book.answered(first, book.takes)
+    assert not book.unseen(life)
+    book.record(*life, {("e0", 1): 2})  # a second request on a seen key rides the timer
+    assert not book.unseen(life)
+    book.record(*life, {("e0", 1): 1, ("e1", 1): 1})  # another engine: its first count
+    assert book.unseen(life)
+    second, number = book.take(), book.takes
+    book.answered(second, number)
+    assert not book.unseen(life)
+
+    book.record(*life, {})  # every request ended
+    zero = book.take()  # on its way: the ledger may hear zero any moment now
+    book.record(*life, {("e0", 1): 1})
+    assert book.unseen(life)
+    book.answered(second, number)  # a late answer of the older forward changes nothing
+    assert book.unseen(life)
+    book.answered(zero, book.takes)
+    assert book.unseen(life)
+
+    book.answered(book.take(), book.takes)
+    assert not book.unseen(life)
+    book.keep(life, {("e0", 1): 1})  # a forward that failed: the ledger may have restarted
+    assert book.unseen(life)
