@@ -27,6 +27,7 @@ Run ``python -m tools.bench.ledger`` or ``loraledger bench ledger [--store postg
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -47,12 +48,21 @@ from publisher.core.ledger import Ledger
 from tools.bench.ledger_profile import profile_ledger
 from tools.bench.ledger_workload import bootstrap, drive
 from tools.bench.store import reference_append
+from tools.cli.common import server_loop_options
 
 DEFAULT_SESSIONS = {1: 400, 16: 4_000, 256: 40_000}
 
 
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def running_loop() -> str:
+    """Which event loop ran the figures: ``serve`` runs on uvloop where the ``fast`` extra
+    installed it, and the ledger's per-command cost is half asyncio wake-ups, so it shows."""
+    return (
+        "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+    )
 
 
 async def _sessions(
@@ -293,11 +303,17 @@ async def bench_ledger(
         profile = (
             await profile_ledger(rounds=profile_rounds, directory=tmp) if profile_rounds else None
         )
-    return {"machine": machine(), "sessions": runs, "recovery": replay, "profile": profile}
+    return {
+        "machine": machine(),
+        "event_loop": running_loop(),
+        "sessions": runs,
+        "recovery": replay,
+        "profile": profile,
+    }
 
 
 def _print(result: dict[str, Any]) -> None:
-    print(f"machine: {result['machine']}")
+    print(f"machine: {result['machine']}, event loop: {result.get('event_loop', 'asyncio')}")
     raw = "asyncpg" if result.get("server") else "sqlite3"
     print(f"durable bind+release (sessions/s), ledger vs raw {raw} executemany of the same rows")
     if result.get("server"):
@@ -339,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             replay_events=args.replay_events,
             store=args.store,
             profile_rounds=args.profile_rounds,
-        )
+        ),
+        backend_options=server_loop_options(),  # the loop serve runs the ledger on
     )
     print(json.dumps(result, indent=2)) if args.json else _print(result)
 

@@ -24,6 +24,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from tools.cli.common import server_loop_options
 from tools.exitcodes import Exit, ToolError
 from tools.output import emit, stdout_console
 from tools.progress import working
@@ -184,7 +185,12 @@ def run_bench(
         kwargs["engines"] = engines
     run = inspect.iscoroutinefunction(fn)
     with working(f"bench {name}", json=json):
-        result: dict[str, Any] = anyio.run(lambda: fn(**kwargs)) if run else fn(**kwargs)
+        result: dict[str, Any] = (
+            # the loop serve and gateway run on (uvloop where the fast extra installed it)
+            anyio.run(lambda: fn(**kwargs), backend_options=server_loop_options())
+            if run
+            else fn(**kwargs)
+        )
     out = {"bench": name, "quick": quick, **result, "machine": machine()}
     if json:
         emit({"row": "bench", **out})
