@@ -1,10 +1,12 @@
 """The chaos schedule is a pure function of its seed (byte for byte, in another process with
 another hash seed too), seeds differ, every fault kind and process kind is reached, and no
 plan takes the whole fleet down: checked here over many seeds by a sweep of its own, not by
-the planner's code."""
+the planner's code. Playing a plan never overlaps faults the plan kept apart, however long a
+fault really takes."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import subprocess
@@ -21,9 +23,10 @@ from tests.chaos.schedule import (
     PROCESS_FAULTS,
     Pace,
     Planned,
+    act_on_network,
     format_schedule,
     link_fault,
-    play_network_faults,
+    play,
     schedule,
 )
 from tests.support.paths import REPO
@@ -158,23 +161,32 @@ def test_a_slower_pace_plans_one_fault_at_a_time_and_long_freezes() -> None:
 
 
 @pytest.mark.anyio
-async def test_the_network_half_of_a_plan_is_played_on_the_proxies_and_healed() -> None:
+async def test_the_network_faults_of_a_plan_are_played_on_the_proxies_and_healed() -> None:
     """The network faults of a plan reach their links (a partition every link of its
-    process), each counted once, and every link passes again when the plan is over; process
-    faults are left to the run's executor."""
+    process), each counted once, and every link passes again when the plan is over; a
+    process fault goes to the run's own act."""
     plan = [
         Planned(0.0, "gw0->serve", "delay", 0.4, delay_s=0.05),
         Planned(0.05, "e1", "partition", 0.2),
         Planned(0.05, "gw0", "sigkill", 0.1),
         Planned(0.1, "client->gw0", "black_hole", 0.05),
     ]  # distinct instants: the loop's timers fire in order, however late
+    signalled: list[Planned] = []
+
+    async def act(net: Network, planned: Planned) -> None:
+        if planned.network:
+            await act_on_network(net, planned)
+        else:
+            signalled.append(planned)
+
     async with Network() as net:
         for link in ("gw0->serve", "gw0->e1", "serve->e1", "client->gw0"):
             await net.link(link, "127.0.0.1", 1)
         started = anyio.current_time()
-        await play_network_faults(net, plan, started)
+        await play(plan, started, functools.partial(act, net))
         assert net.counts == {"delay": 1, "partition": 1, "black_hole": 1}
         assert all(p.fault == Fault.passing() for p in net.proxies.values())
+    assert signalled == [plan[2]]
     changes = [(link, kind) for _, link, kind in net.applied]
     assert changes == [
         ("gw0->serve", "delay"),
@@ -190,3 +202,28 @@ async def test_the_network_half_of_a_plan_is_played_on_the_proxies_and_healed() 
     assert all(
         when >= started + at for (when, _, _), at in zip(net.applied, planned_at, strict=True)
     )
+
+
+@pytest.mark.anyio
+async def test_a_fault_that_outlasts_its_plan_delays_what_the_plan_put_after_it() -> None:
+    """A restart that takes far longer than planned (a process slow to listen again) holds
+    back the faults the plan starts after its recovery, so they never overlap it; a fault the
+    plan overlaps with it is not held back."""
+    plan = [
+        Planned(0.0, "e1", "restart", 0.0),  # planned busy until 0 + RECOVERY_S
+        Planned(0.2, "gw0", "sigstop", 0.1),  # overlaps it in the plan
+        Planned(1.5, "e2", "sigkill", 0.1),  # after its recovery in the plan
+    ]
+    slow_restart_done = anyio.Event()
+    began: dict[str, bool] = {}
+
+    async def act(planned: Planned) -> None:
+        began[planned.target] = slow_restart_done.is_set()
+        if planned.target == "e1":
+            await anyio.sleep(2.5)  # the restart really takes this long
+            slow_restart_done.set()
+        else:
+            await anyio.sleep(planned.heal_after_s)
+
+    await play(plan, anyio.current_time(), act)
+    assert began == {"e1": False, "gw0": False, "e2": True}
