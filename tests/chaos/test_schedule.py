@@ -1,8 +1,9 @@
 """The chaos schedule is a pure function of its seed (byte for byte, in another process with
 another hash seed too), seeds differ, every fault kind and process kind is reached, and no
 plan takes the whole fleet down: checked here over many seeds by a sweep of its own, not by
-the planner's code. Playing a plan never overlaps faults the plan kept apart, however long a
-fault really takes."""
+the planner's code. The run's own plan (``tests.chaos.run.plan``) is one schedule of process
+and network faults on every process kind, and playing a plan never overlaps faults the plan
+kept apart, however long a fault really takes."""
 
 from __future__ import annotations
 
@@ -227,3 +228,43 @@ async def test_a_fault_that_outlasts_its_plan_delays_what_the_plan_put_after_it(
 
     await play(plan, anyio.current_time(), act)
     assert began == {"e1": False, "gw0": False, "e2": True}
+
+
+def _recovered_at(fault: Planned) -> float:
+    """The sweep's own reading of when a fault is over: a process started again takes a
+    second more to listen."""
+    return fault.heals_at_s + (1.0 if fault.kind in ("sigkill", "sigterm", "restart") else 0.0)
+
+
+def _overlap(a: Planned, b: Planned) -> bool:
+    return a.at_s < _recovered_at(b) and b.at_s < _recovered_at(a)
+
+
+def test_the_runs_plan_is_one_schedule_of_process_and_network_faults_on_every_kind() -> None:
+    """One plan, a pure function of the seed: over a few seeds every fault kind, every
+    process (agent and trainer too) and every link is faulted; a process fault never meets
+    another fault on the same process; at most two faults at once; an engine and a gateway
+    always unimpaired; every fault healed (and recovered) within the run."""
+    from tests.chaos import run
+
+    kinds: Counter[str] = Counter()
+    targets: set[str] = set()
+    for seed in range(1, 31):
+        plan = run.plan(seed, 30.0)
+        assert plan == run.plan(seed, 30.0)
+        for fault in plan:
+            kinds[fault.kind] += 1
+            targets.add(fault.target)
+            assert _recovered_at(fault) <= 30.0, (seed, fault)
+        for a, b in itertools.combinations(plan, 2):
+            if not _overlap(a, b) or (a.network and b.network):
+                continue
+            assert not _down(a) & _down(b), f"seed {seed}: {a} meets {b}"
+        for instant in sorted({p.at_s for p in plan}):
+            active = [p for p in plan if p.at_s <= instant < p.heals_at_s + 1e-3]
+            assert len(active) <= 2, f"seed {seed}: {len(active)} faults at +{instant}s"
+            down = set().union(*(_down(p) for p in active))
+            for kind in ("engine", "gateway"):
+                assert [n for n, k in run.PROCESSES.items() if k == kind and n not in down]
+    assert set(kinds) == {*PROCESS_FAULTS, *NETWORK_FAULTS, PARTITION}, kinds
+    assert {"agent", "trainer", *run.PROCESSES, *run.LINKS} <= targets
