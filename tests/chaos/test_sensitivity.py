@@ -5,14 +5,14 @@ a run carrying a known bug must end with violations of the invariant that bug br
 * ``default`` -- every request served on the newest default, not its session's version:
   pinning;
 * ``resend`` -- a dispatch that failed after it was sent (its engine SIGKILLed mid-stream) is
-  tried on another holder: at most once (seed 140 SIGKILLs two engines, each while it
-  runs a request);
+  tried on another holder: at most once (seed 214 SIGKILLs engines three times, each while
+  it runs a request);
 * ``release-on-restart`` -- the gateway registers as an ordinary worker, so its restart
-  releases the sessions it bound: continuity (seed 11 restarts or SIGTERMs a gateway three
+  releases the sessions it bound: continuity (seed 87 SIGKILLs or restarts a gateway four
   times, so one of them finds sessions it bound still open);
 * ``answer-before-commit`` -- the ledger in ``serve`` answers a batch 0.3 s before it appends
-  it: durability (seed 14 SIGKILLs ``serve`` at 5 s, while binds and a publication are being
-  acknowledged).
+  it: durability (seed 2105 SIGKILLs ``serve`` at 3.3 s and 9.9 s, while binds and a
+  publication are being acknowledged).
 
 Each is a whole cluster run (1-2 minutes on two loaded cores), so they run under ``--slow``.
 """
@@ -34,10 +34,10 @@ DURATION_S = 25.0
 @pytest.mark.parametrize(
     ("plant", "seed", "invariant"),
     [
-        ("default", 3, "pinning"),
-        ("resend", 140, "at_most_once"),
-        ("release-on-restart", 11, "continuity"),
-        ("answer-before-commit", 14, "durability"),
+        ("default", 6, "pinning"),
+        ("resend", 214, "at_most_once"),
+        ("release-on-restart", 87, "continuity"),
+        ("answer-before-commit", 2105, "durability"),
     ],
 )
 async def test_the_checker_catches_a_planted_bug_in_a_real_run(
