@@ -17,7 +17,9 @@ liveness. A process is impaired by a process fault on it, by a partition of it, 
 cutting fault (anything but ``delay``) on a link at either of whose ends it sits; two faults
 never act on one process or one link at once (a heal would otherwise end the other's fault),
 and a process fault never meets another fault that impairs the same process (a SIGKILL of an
-engine under a black hole of its link would leave neither fault's effect readable). A
+engine under a black hole of its link would leave neither fault's effect readable), nor is a
+gateway (it reads serve before it listens, and exits if it cannot) started again while a fault
+keeps serve away. A
 ``Pace`` may bound how many faults act at once. A process killed or restarted is counted
 impaired for ``RECOVERY_S`` more after its heal (it takes that long to listen again); serve for
 ``SERVE_QUIET_S`` more.
@@ -68,6 +70,10 @@ PARTITION: Final = "partition"
 # Kinds of process of which one must stay unimpaired at every instant (if the fleet has any).
 KEEP_ONE = ("engine", "gateway")
 SERVE = "serve"
+# Kinds of process that read serve before they listen, and exit if they cannot: one is never
+# started again while a fault keeps serve away.
+NEEDS_SERVE_TO_START = ("gateway",)
+RESTARTS: tuple[PlannedKind, ...] = ("sigkill", "sigterm", "restart")
 RECOVERY_S = 1.0  # a process started again takes this long to listen (counted impaired)
 SERVE_QUIET_S = 2.0  # after a serve fault heals, this long before the next may start
 FIRST_FAULT_S = (0.5, 1.5)  # the cluster serves a little before the first fault
@@ -231,6 +237,12 @@ def _fits(
         for p in overlapping
     ):
         return False  # a process fault meets another fault on the same process
+    if any(
+        _starts_without_serve(a, b, kinds)
+        for p in overlapping
+        for a, b in ((candidate, p), (p, candidate))
+    ):
+        return False
     instants = {start, *(p.at_s for p in overlapping if start <= p.at_s < end)}
     for instant in instants:
         active = [candidate, *(p for p in overlapping if p.at_s <= instant < _busy_until(p))]
@@ -244,6 +256,16 @@ def _fits(
             if members and all(n in down for n in members):
                 return False
     return True
+
+
+def _starts_without_serve(restarted: Planned, other: Planned, kinds: Mapping[str, str]) -> bool:
+    """``restarted`` starts a process that needs serve to start while ``other`` keeps serve
+    away."""
+    return (
+        restarted.kind in RESTARTS
+        and kinds.get(restarted.target) in NEEDS_SERVE_TO_START
+        and SERVE in impaired(other)
+    )
 
 
 def format_schedule(seed: int, plan: Sequence[Planned]) -> str:

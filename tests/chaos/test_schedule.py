@@ -243,7 +243,8 @@ def _overlap(a: Planned, b: Planned) -> bool:
 def test_the_runs_plan_is_one_schedule_of_process_and_network_faults_on_every_kind() -> None:
     """One plan, a pure function of the seed: over a few seeds every fault kind, every
     process (agent and trainer too) and every link is faulted; a process fault never meets
-    another fault on the same process; at most two faults at once; an engine and a gateway
+    another fault on the same process; a gateway (it reads serve before it listens) is never
+    started again while serve is away; at most two faults at once; an engine and a gateway
     always unimpaired; every fault healed (and recovered) within the run."""
     from tests.chaos import run
 
@@ -260,6 +261,12 @@ def test_the_runs_plan_is_one_schedule_of_process_and_network_faults_on_every_ki
             if not _overlap(a, b) or (a.network and b.network):
                 continue
             assert not _down(a) & _down(b), f"seed {seed}: {a} meets {b}"
+        for restarted, other in itertools.permutations(plan, 2):
+            gateway_restarted = restarted.kind in ("sigkill", "sigterm", "restart") and (
+                run.PROCESSES.get(restarted.target) == "gateway"
+            )
+            if gateway_restarted and _overlap(restarted, other):
+                assert "serve" not in _down(other), f"seed {seed}: {restarted} under {other}"
         for instant in sorted({p.at_s for p in plan}):
             active = [p for p in plan if p.at_s <= instant < p.heals_at_s + 1e-3]
             assert len(active) <= 2, f"seed {seed}: {len(active)} faults at +{instant}s"
