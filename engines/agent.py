@@ -401,7 +401,10 @@ async def _answer(action: Callable[[], Coroutine[Any, Any, Any]]) -> Response:
     try:
         return _reply(await action())
     except CleanRefusal as exc:
-        return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 400)
+        # The engine's own drain refusal keeps the one spelling callers read as clean (503
+        # ENGINE_DRAINING, engines.drain): a 400 with that code would read as unrecognised.
+        status = 503 if exc.code == ErrorCode.ENGINE_DRAINING else 400
+        return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), status)
     except EngineError as exc:  # the engine's answer was ambiguous: so is ours
         return _reply(wire.ErrorBody(wire.ErrorDetail(exc.code, exc.message)), 503)
 

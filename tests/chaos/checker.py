@@ -27,7 +27,8 @@ What each one holds, and why it reads what it reads:
   session's next turn was served, within ``bound`` seconds.
 * **observability** -- every engine fault that took the engine away (SIGKILL, SIGTERM, a
   SIGSTOP or a partition of at least ``stop_visible_s``) shows in the log as a record of that
-  engine (outage, restart, suspension, failures) within ``bound`` seconds. A shorter freeze or
+  engine (outage, restart, suspension, failures) within ``bound`` seconds (of serve being
+  back, should a fault on serve have taken the log's writer away meanwhile). A shorter freeze or
   partition, or a fault of one link, may end before any probe or turn meets it.
 """
 
@@ -226,6 +227,22 @@ def liveness(h: History, bound: float = LIVENESS_BOUND_S) -> list[Violation]:
     return out
 
 
+def _serve_back(h: History, at: float, bound: float) -> float:
+    """When ``serve``, the log's one writer, could record again what happened at ``at``: ``at``
+    itself, or the heal of a fault on serve (its process, or its partition) that began
+    before the bound ran out and lasted past ``at``."""
+    return max(
+        [
+            at,
+            *(
+                f.healed
+                for f in h.faults
+                if f.target == "serve" and f.at <= at + bound and f.healed >= at
+            ),
+        ]
+    )
+
+
 def observability(
     h: History, bound: float = OBSERVABILITY_BOUND_S, stop_visible_s: float = FREEZE_SEEN_S
 ) -> list[Violation]:
@@ -236,8 +253,9 @@ def observability(
         brief = f.kind not in TAKES_THE_PROCESS_AWAY and f.healed - f.at < stop_visible_s
         if brief:  # a freeze or a partition shorter than serve's probes need to see it
             continue
+        until = _serve_back(h, f.at, bound) + bound
         seen = any(
-            e.fields.get("engine") == f.target and f.at <= e.at <= f.at + bound
+            e.fields.get("engine") == f.target and f.at <= e.at <= until
             for e in h.of_type(*ENGINE_EVENTS)
         )
         if not seen:

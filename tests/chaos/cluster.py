@@ -8,7 +8,9 @@ and stopped by its PID.
   agent`` (``agent:AGENT_URL,sglang:ENGINE_URL``, adapters written to the agent's own
   directory); each is ``tests.chaos.recording_engine`` (the ``loraledger engine`` command,
   writing what it runs to ``<dir>/<id>.jsonl``);
-* two ``loraledger gateway`` processes, ``gw-a`` and ``gw-b``, in front of ``serve``.
+* two ``loraledger gateway`` processes, ``gw-a`` and ``gw-b``, in front of ``serve``;
+* the ``trainer`` (``tests.chaos.trainer``), publishing a version every few seconds through the
+  HTTP trainer client, its publications recorded in ``<dir>/trainer-ops.jsonl``.
 
 Every address one process is given for another goes through :meth:`Cluster.link`
 (``client->gw-a``, ``gw-a->serve``, ``serve->e0``, ``serve->agent``, ``trainer->serve``): with
@@ -241,6 +243,15 @@ class Cluster:
                 tg.start_soon(self._up, gateway)
         for name in GATEWAYS:
             self.client_urls[name] = await self.link(f"client->{name}", self.members[name].url)
+        trainer = ["--serve", self.trainer_url, "--token-file", str(self.root / "token")]
+        await self._up(
+            Member(
+                "trainer",
+                [*trainer, "--dir", str(self.root)],
+                self.logs,
+                module="tests.chaos.trainer",
+            )
+        )
 
     async def _up(self, member: Member) -> None:
         self.members[member.name] = member

@@ -1,27 +1,29 @@
 """One seeded chaos run: ``python -m tests.chaos.run --seed N --duration S``.
 
-It starts the cluster (``tests/chaos/cluster.py``), publishes a first version, then for
-``duration`` seconds runs at once: a trainer publishing a version every few seconds through
-the HTTP trainer client, rollout clients driving multi-turn sessions through the two gateways
-with the official ``openai`` client (some turns streamed, some streams cancelled after their
-first chunk, sessions closed after a few turns, every second one released while its last
-turn still streams), and the seed's process faults, one at a time
-(so at least one engine and one gateway are always up). After the last fault healed, the
-liveness phase: one more publication, and one more turn of every session still open. Then the
-processes stop, the log is read, and the checker (``tests/chaos/checker.py``) judges the
-history. The summary lists processes, operations, faults by kind and violations by invariant;
-the schedule is printed first, so a failing run is rerun with its seed.
+It starts the cluster (``tests/chaos/cluster.py``: its trainer process publishes a version
+every few seconds through the HTTP trainer client), waits for the first publication, then for
+``duration`` seconds runs at once: rollout clients driving multi-turn sessions through the two
+gateways with the official ``openai`` client (some turns streamed, some streams cancelled after
+their first chunk, sessions closed after a few turns, every second one released while its last
+turn still streams), and the seed's faults. After the last
+fault healed, the liveness phase: a publication acknowledged, and one more turn of every
+session still open. Then the processes stop, the log is read, and the checker
+(``tests/chaos/checker.py``) judges the history. The summary lists processes, operations,
+faults by kind and violations by invariant; the schedule is printed first, so a failing run is
+rerun with its seed.
 
-Both fault plans are pure functions of the seed and are printed before the run: the process
-faults (:func:`process_faults`, one at a time) and the network faults on every link
-(:func:`tests.chaos.schedule.schedule` over the cluster's links, one at a time, played on the
-proxies of a :class:`~tests.chaos.proxy.Network`). The two plans run side by side, so a
-network fault may meet a process fault (the three engines and two gateways leave room).
+The faults are one plan, a pure function of the seed (:func:`plan`: ``tests/chaos/schedule.py``
+over the cluster's processes and links), printed before the run: process faults (SIGKILL,
+SIGTERM, SIGSTOP then SIGCONT, restart) on every process kind (engines, the agent, gateways,
+``serve``, the trainer) and network faults on every link, played by :meth:`Run.act` (signals,
+or the proxies of a :class:`~tests.chaos.proxy.Network`). The plan keeps an engine and a
+gateway unimpaired at every instant and at most two faults at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import signal
@@ -38,24 +40,32 @@ import httpx
 import msgspec
 import openai
 
-from publisher.drivers.publication import PublicationError, PublicationStatus
-from publisher.remote.trainer import HttpTrainerClient
 from tests.chaos.checker import FREEZE_SEEN_S, LIVENESS_BOUND_S, Violation, check
-from tests.chaos.cluster import ENGINES, GATEWAYS, STORES, TOKEN, Cluster, StoreKind, log_store
+from tests.chaos.cluster import (
+    AGENT_ENGINE,
+    ENGINES,
+    GATEWAYS,
+    STORES,
+    TOKEN,
+    Cluster,
+    StoreKind,
+    log_store,
+)
 from tests.chaos.history import ClientOp, Fault, History, read_engine_records, read_log
 from tests.chaos.plants import ENGINE_PLANTS, PLANTS, SOURCE_PLANTS, planted_tree
 from tests.chaos.proxy import Network
-from tests.chaos.schedule import (
-    Pace,
-    Planned,
-    format_schedule,
-    heal_network_fault,
-    schedule,
-    start_network_fault,
-)
+from tests.chaos.schedule import Pace, Planned, act_on_network, format_schedule, play, schedule
+from tests.chaos.trainer import OPS_FILE, read_trainer_ops
 from tests.support.paths import REPO
 
-TARGETS = (*ENGINES, *GATEWAYS, "serve")
+# Every process of the cluster, by kind (tests/chaos/cluster.py starts them).
+PROCESSES = {
+    **{e: "engine" for e in ENGINES},
+    **{g: "gateway" for g in GATEWAYS},
+    "serve": "serve",
+    "agent": "agent",
+    "trainer": "trainer",
+}
 # Every link of the cluster (tests/chaos/cluster.py names them where it makes them).
 LINKS = (
     *(f"client->{g}" for g in GATEWAYS),
@@ -64,10 +74,16 @@ LINKS = (
     "serve->agent",
     "trainer->serve",
 )
-NETWORK_PACE = Pace(first_s=(3.0, 3.0), gap_s=(3.0, 8.0), overlap=False)
-KINDS = ("kill", "term", "stop", "restart")
+# A fault starts every 1.5-4.5 s from 3-5 s on, at most two at once (a small machine restarts
+# processes slowly); a quarter of the freezes outlast serve's probe timeout.
+PACE = Pace(
+    first_s=(3.0, 5.0), gap_s=(1.5, 4.5), overlap=True, at_once=2, long_stop_s=FREEZE_SEEN_S
+)
+# The history's name of each process fault (the checker's vocabulary).
+RECORDED_AS = {"sigkill": "kill", "sigterm": "term", "sigstop": "stop", "restart": "restart"}
+SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "restart": signal.SIGTERM}
 CLIENTS = 4
-PUBLISH_EVERY_S = 4.0
+FIRST_PUBLICATION_S = 120.0
 TURN_TIMEOUT_S = 60.0
 CLOSE_RETRY_S = 60.0
 CATCH_IN_FLIGHT_S = 5.0
@@ -81,48 +97,25 @@ ABANDON_EVERY = 2
 ABANDON_TOKENS = 4 * LONG_TOKENS
 
 
-class PlannedFault(msgspec.Struct, frozen=True):
-    """``kind`` on ``target`` at ``at`` seconds into the run, held ``hold`` seconds (down
-    before the restart, or frozen before SIGCONT)."""
-
-    at: float
-    target: str
-    kind: str
-    hold: float
-
-
-def process_faults(seed: int, duration: float) -> list[PlannedFault]:
-    """The run's process faults: a pure function of the seed. One every 4-9 s from 5 s on,
-    each held 0.5-3 s (a freeze sometimes ``FREEZE_SEEN_S``, twice the probe timeout)."""
-    rng = random.Random(seed)
-    out: list[PlannedFault] = []
-    at = 5.0
-    while True:
-        kind = rng.choice(KINDS)
-        hold = 0.0 if kind == "restart" else round(rng.uniform(0.5, 3.0), 2)
-        if kind == "stop" and rng.random() < 0.25:
-            hold = FREEZE_SEEN_S
-        if at + hold > duration:
-            return out
-        out.append(PlannedFault(at=round(at, 2), target=rng.choice(TARGETS), kind=kind, hold=hold))
-        at += hold + rng.uniform(4.0, 9.0)
+def plan(seed: int, duration: float) -> list[Planned]:
+    """The run's faults: a pure function of the seed, process and network faults in one plan."""
+    return schedule(seed, duration, LINKS, PROCESSES, PACE)
 
 
 class Run:
     """The shared state of one run: the cluster, what the clients saw, the faults."""
 
-    def __init__(self, cluster: Cluster, seed: int, adapters: Path) -> None:
-        self.cluster, self.seed, self.adapters = cluster, seed, adapters
+    def __init__(self, cluster: Cluster, seed: int) -> None:
+        self.cluster, self.seed = cluster, seed
         self.ops: list[ClientOp] = []
         self.faults: list[Fault] = []
         self.stop = anyio.Event()
-        self.next_version = 1
         self.requests = 0
 
     def _done(
         self, client: str, kind: str, invoked: float, outcome: str, code: str, **fields: Any
     ) -> ClientOp:
-        """Record a publication or a close that just ended."""
+        """Record a close that just ended."""
         op = ClientOp(
             client=client,
             kind=kind,  # type: ignore[arg-type]
@@ -135,41 +128,20 @@ class Run:
         self.ops.append(op)
         return op
 
-    # --- the trainer -------------------------------------------------------------------------
+    # --- the trainer ------------------------------------------------------------------------
 
-    def _adapter(self, version: int) -> Path:
-        from tests.tools.test_serve import _adapter_dir
+    def publications(self) -> list[ClientOp]:
+        """The trainer process's publications so far, every life of it."""
+        return read_trainer_ops(self.cluster.root / OPS_FILE)
 
-        out = self.adapters / f"adapter-{version}"
-        return out if out.exists() else _adapter_dir(self.adapters, version)
-
-    async def publish(self, trainer: HttpTrainerClient) -> None:
-        version = self.next_version
-        self.next_version += 1
-        invoked = time.time()
-        outcome, code = "info", ""
-        try:
-            answer = await trainer.publish(self._adapter(version), step=version)
-            ok = answer.status in (PublicationStatus.PUBLISHED, PublicationStatus.NO_OP)
-            outcome, code = ("ok", "") if ok else ("fail", f"{answer.status} {answer.code}")
-        except PublicationError as exc:
-            outcome, code = "fail", str(exc.code)
-        except Exception as exc:  # an unreachable serve past the retry window: not known
-            code = type(exc).__name__
-        self._done("trainer", "publish", invoked, outcome, code, version=version)
-
-    async def trainer(self) -> None:
-        async with self._trainer_client() as trainer:
-            while not self.stop.is_set():
-                started = anyio.current_time()
-                await self.publish(trainer)
-                with anyio.move_on_after(
-                    max(0.0, PUBLISH_EVERY_S - (anyio.current_time() - started))
-                ):
-                    await self.stop.wait()
-
-    def _trainer_client(self) -> HttpTrainerClient:
-        return HttpTrainerClient(self.cluster.trainer_url, token=TOKEN, retry_for_s=120)
+    async def acknowledged(self, after: float, deadline: float) -> bool:
+        """Wait until the trainer has a publication acknowledged that it asked for at
+        ``after`` or later (False: none by ``deadline``)."""
+        while time.time() < deadline:
+            if any(op.outcome == "ok" and op.invoked >= after for op in self.publications()):
+                return True
+            await anyio.sleep(0.2)
+        return False
 
     # --- the rollout clients -----------------------------------------------------------------
 
@@ -316,44 +288,33 @@ class Run:
                 else:
                     await self.close_for_sure(name, gateway, session)
 
-    # --- the faults --------------------------------------------------------------------------
+    # --- the faults -------------------------------------------------------------------------
 
-    async def inject(self, plan: list[PlannedFault], started: float) -> None:
-        sigs = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "restart": signal.SIGTERM}
-        for planned in plan:
-            await anyio.sleep(max(0.0, started + planned.at - anyio.current_time()))
+    async def act(self, net: Network, planned: Planned) -> None:
+        """One planned fault from start to heal, recorded once healed. A process fault is sent
+        by PID: SIGSTOP then SIGCONT after ``heal_after_s``; otherwise the signal (SIGTERM for
+        a restart), the exit awaited, and the process started again on its port after
+        ``heal_after_s``. An engine's SIGKILL first waits for a request in flight on it."""
+        at = time.time()
+        kind: str = planned.kind
+        if planned.network:
+            await act_on_network(net, planned)
+        else:
             member = self.cluster.members[planned.target]
-            if planned.kind == "kill" and planned.target in ENGINES:
+            if planned.kind == "sigkill" and planned.target in ENGINES:
                 await self._until_running(planned.target)
-            at = time.time()
-            if planned.kind == "stop":
+                at = time.time()
+            if planned.kind == "sigstop":
                 member.signal(signal.SIGSTOP)
-                await anyio.sleep(planned.hold)
+                await anyio.sleep(planned.heal_after_s)
                 member.signal(signal.SIGCONT)
             else:
-                await member.stop(sigs[planned.kind])
-                await anyio.sleep(planned.hold)
+                await member.stop(SIGNALS[planned.kind])
+                await anyio.sleep(planned.heal_after_s)
                 await member.start()
-            self.faults.append(
-                Fault(target=planned.target, kind=planned.kind, at=at, healed=time.time())
-            )
-            print(
-                f"  fault {planned.kind} {planned.target}: healed after {time.time() - at:.1f} s",
-                flush=True,
-            )
-
-    async def play_network(self, net: Network, plan: list[Planned], started: float) -> None:
-        """The network plan on the proxies, one fault at a time, each recorded as it healed."""
-        for planned in plan:
-            await anyio.sleep_until(started + planned.at_s)
-            at = time.time()
-            start_network_fault(net, planned)
-            await anyio.sleep_until(started + planned.heals_at_s)
-            heal_network_fault(net, planned)
-            self.faults.append(
-                Fault(target=planned.target, kind=planned.kind, at=at, healed=time.time())
-            )
-            print(f"  fault {planned.kind} {planned.target}: healed", flush=True)
+            kind = RECORDED_AS[planned.kind]
+        self.faults.append(Fault(target=planned.target, kind=kind, at=at, healed=time.time()))
+        print(f"  fault {kind} {planned.target}: healed after {time.time() - at:.1f} s", flush=True)
 
     async def _until_running(self, engine: str) -> None:
         """Wait (at most ``CATCH_IN_FLIGHT_S``) until ``engine`` runs a request: a SIGKILL
@@ -404,39 +365,34 @@ async def run(
 ) -> dict[str, Any]:
     """One run; its summary (``violations``: the checker's, by invariant). ``store``: where
     ``serve`` keeps its log (``tests/chaos/cluster.py``, :func:`log_store`)."""
-    plan = process_faults(seed, duration)
-    say(f"chaos seed {seed}, {duration:g} s, plant {plant}, store {store}; process faults:")
-    for f in plan:
-        say(f"  +{f.at:5.1f} s {f.kind:7} {f.target:5} hold {f.hold:g} s")
-    network_plan = schedule(seed, duration, LINKS, {}, NETWORK_PACE)
-    say(format_schedule(seed, network_plan))
+    faults = plan(seed, duration)
+    say(f"chaos seed {seed}, {duration:g} s, plant {plant}, store {store}")
+    say(format_schedule(seed, faults))
     engine_plant = plant if plant in ENGINE_PLANTS else None
     tree = planted_tree(root / "tree", plant) if plant in SOURCE_PLANTS else REPO
-    (root / "adapters").mkdir(parents=True, exist_ok=True)
     async with Network() as net, log_store(root, store) as db:
         cluster = Cluster(root, plant=engine_plant, tree=tree, net=net, db=db)
-        state = Run(cluster, seed, root / "adapters")
+        state = Run(cluster, seed)
         try:
             await cluster.start()
-            async with state._trainer_client() as trainer:
-                await state.publish(trainer)  # the first default: sessions bind to it
+            # The first default, which the first sessions bind to.
+            if not await state.acknowledged(0.0, time.time() + FIRST_PUBLICATION_S):
+                raise RuntimeError(f"no first publication in {FIRST_PUBLICATION_S:g} s")
             started = anyio.current_time()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(state.trainer)
                 for i in range(CLIENTS):
                     tg.start_soon(state.rollout_client, i)
-                async with anyio.create_task_group() as faults:
-                    faults.start_soon(state.play_network, net, network_plan, started)
-                    await state.inject(plan, started)
+                await play(faults, started, functools.partial(state.act, net))
                 await anyio.sleep(max(0.0, started + duration - anyio.current_time()))
                 state.stop.set()
             heal = max((f.healed for f in state.faults), default=time.time())
-            async with state._trainer_client() as trainer, anyio.create_task_group() as tg:
-                tg.start_soon(state.publish, trainer)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(state.acknowledged, heal, heal + LIVENESS_BOUND_S)
                 await state.last_turns(heal + LIVENESS_BOUND_S)
         finally:
             await cluster.stop()
         log = await read_log(db)  # before a PostgreSQL server stops with the block
+    state.ops += state.publications()
     history = History(
         ops=tuple(state.ops),
         engine=tuple(read_engine_records(cluster.engine_records())),
@@ -463,7 +419,7 @@ def _summary(
         healed.setdefault(f.kind, []).append(f.healed - f.at)
         served = _served_again(h, f)
         if served is not None:
-            recovered.setdefault(f"{f.kind}:{_role(f.target)}", []).append(served - f.at)
+            recovered.setdefault(f"{f.kind}:{PROCESSES[f.target]}", []).append(served - f.at)
     return {
         "seed": seed,
         "duration_s": duration,
@@ -479,15 +435,16 @@ def _summary(
     }
 
 
-def _role(target: str) -> str:
-    return "serve" if target == "serve" else "gateway" if target in GATEWAYS else "engine"
-
-
 def _served_again(h: History, f: Fault) -> float | None:
     """When the faulted process served again after it healed: an engine, the first turn it
     answered; a gateway, the first turn answered through it; serve, the first close or
-    publication it acknowledged (a cached binding serves turns without it)."""
-    role = _role(f.target)
+    publication it acknowledged (a cached binding serves turns without it); the agent, the
+    first adapter its engine loaded; the trainer, its first publication acknowledged. None
+    for a link's fault, or when it did not serve again in the run."""
+    role = PROCESSES.get(f.target)
+    if role == "agent":
+        loads = [r.at for r in h.engine if r.engine == AGENT_ENGINE and r.kind == "load"]
+        return min((at for at in loads if at >= f.healed), default=None)
     times = [
         op.completed
         for op in h.ops
@@ -497,6 +454,7 @@ def _served_again(h: History, f: Fault) -> float | None:
             (role == "engine" and op.kind == "turn" and op.engine == f.target)
             or (role == "gateway" and op.kind == "turn" and op.via == f.target)
             or (role == "serve" and op.kind in ("close", "publish"))
+            or (role == "trainer" and op.kind == "publish")
         )
     ]
     return min(times, default=None)

@@ -15,9 +15,20 @@ most one fault touches ``serve`` and the next one waits until it has healed and 
 every fault has healed (recovery included) by ``duration_s``, so the end of a run can ask for
 liveness. A process is impaired by a process fault on it, by a partition of it, or by a
 cutting fault (anything but ``delay``) on a link at either of whose ends it sits; two faults
-never act on one process or one link at once (a heal would otherwise end the other's fault).
-A process killed or restarted is counted impaired for ``RECOVERY_S`` more after its heal (it
-takes that long to listen again); serve for ``SERVE_QUIET_S`` more.
+never act on one process or one link at once (a heal would otherwise end the other's fault),
+and a process fault never meets another fault that impairs the same process (a SIGKILL of an
+engine under a black hole of its link would leave neither fault's effect readable), nor is a
+gateway (it reads serve before it listens, and exits if it cannot) started again while a fault
+keeps serve away. A
+``Pace`` may bound how many faults act at once. A process killed or restarted is counted
+impaired for ``RECOVERY_S`` more after its heal (it takes that long to listen again); serve for
+``SERVE_QUIET_S`` more.
+
+:func:`play` carries a plan out, process and network faults alike, each by the run's own
+``act``. A real fault may take longer than planned (a restart waits for the process to listen,
+an engine drains on SIGTERM), so a fault also waits for every fault the plan ended before it:
+faults that never overlap in the plan never overlap when played, so every set of faults that
+acts at once was checked by the planner.
 
 Only ``random.Random(seed)`` draws, and every input is read in sorted order, so the same
 arguments give a byte-identical schedule in any process (no hash order, no clock).
@@ -27,7 +38,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Final, Literal
 
 import anyio
@@ -59,6 +70,10 @@ PARTITION: Final = "partition"
 # Kinds of process of which one must stay unimpaired at every instant (if the fleet has any).
 KEEP_ONE = ("engine", "gateway")
 SERVE = "serve"
+# Kinds of process that read serve before they listen, and exit if they cannot: one is never
+# started again while a fault keeps serve away.
+NEEDS_SERVE_TO_START = ("gateway",)
+RESTARTS: tuple[PlannedKind, ...] = ("sigkill", "sigterm", "restart")
 RECOVERY_S = 1.0  # a process started again takes this long to listen (counted impaired)
 SERVE_QUIET_S = 2.0  # after a serve fault heals, this long before the next may start
 FIRST_FAULT_S = (0.5, 1.5)  # the cluster serves a little before the first fault
@@ -138,11 +153,13 @@ class Pace(msgspec.Struct, frozen=True, kw_only=True):
     small machine may want them one at a time (``overlap=False``: the next starts ``gap_s``
     after the previous one healed and recovered). ``long_stop_s``: a ``long_stop_share`` of
     the ``sigstop`` faults are held this long instead, to outlast serve's probe timeout (a
-    frozen process must then be suspended and the log must say so)."""
+    frozen process must then be suspended and the log must say so). ``at_once``: at most this
+    many faults act at any instant (None: as many as the other rules allow)."""
 
     first_s: tuple[float, float] = FIRST_FAULT_S
     gap_s: tuple[float, float] = GAP_S
     overlap: bool = True
+    at_once: int | None = None
     long_stop_s: float | None = None
     long_stop_share: float = 0.25
 
@@ -168,7 +185,9 @@ def schedule(
     while at < duration_s:
         for _ in range(ATTEMPTS):
             candidate = _draw(rng, at, link_names, names, pace)
-            if candidate is not None and _fits(candidate, plan, link_names, kinds, duration_s):
+            if candidate is not None and _fits(
+                candidate, plan, link_names, kinds, duration_s, pace.at_once
+            ):
                 plan.append(candidate)
                 break
         if plan and not pace.overlap:
@@ -205,6 +224,7 @@ def _fits(
     links: list[str],
     kinds: Mapping[str, str],
     duration_s: float,
+    at_once: int | None,
 ) -> bool:
     if _busy_until(candidate) > duration_s:
         return False
@@ -212,9 +232,22 @@ def _fits(
     overlapping = [p for p in plan if p.at_s < end and start < _busy_until(p)]
     if any(_touched(candidate, links) & _touched(p, links) for p in overlapping):
         return False
+    if any(
+        (not candidate.network or not p.network) and impaired(candidate) & impaired(p)
+        for p in overlapping
+    ):
+        return False  # a process fault meets another fault on the same process
+    if any(
+        _starts_without_serve(a, b, kinds)
+        for p in overlapping
+        for a, b in ((candidate, p), (p, candidate))
+    ):
+        return False
     instants = {start, *(p.at_s for p in overlapping if start <= p.at_s < end)}
     for instant in instants:
         active = [candidate, *(p for p in overlapping if p.at_s <= instant < _busy_until(p))]
+        if at_once is not None and len(active) > at_once:
+            return False
         down: set[str] = set().union(*(impaired(p) for p in active))
         if sum(SERVE in impaired(p) for p in active) > 1:
             return False
@@ -223,6 +256,16 @@ def _fits(
             if members and all(n in down for n in members):
                 return False
     return True
+
+
+def _starts_without_serve(restarted: Planned, other: Planned, kinds: Mapping[str, str]) -> bool:
+    """``restarted`` starts a process that needs serve to start while ``other`` keeps serve
+    away."""
+    return (
+        restarted.kind in RESTARTS
+        and kinds.get(restarted.target) in NEEDS_SERVE_TO_START
+        and SERVE in impaired(other)
+    )
 
 
 def format_schedule(seed: int, plan: Sequence[Planned]) -> str:
@@ -251,19 +294,33 @@ def heal_network_fault(net: Network, planned: Planned) -> None:
         net.heal(name)
 
 
-async def play_network_faults(net: Network, plan: Sequence[Planned], started: float) -> None:
-    """Run the network faults of ``plan`` on ``net``, each at ``started + at_s`` on the event
-    loop's clock and healed ``heal_after_s`` later (the process faults are the run's
-    executor's); return once every one has healed. Faults of one plan may overlap, so each
-    runs in a task of its own."""
+async def act_on_network(net: Network, planned: Planned) -> None:
+    """A planned network fault from start to heal: applied, held ``heal_after_s``, healed."""
+    start_network_fault(net, planned)
+    await anyio.sleep(planned.heal_after_s)
+    heal_network_fault(net, planned)
 
-    async def play(planned: Planned) -> None:
+
+async def play(
+    plan: Sequence[Planned], started: float, act: Callable[[Planned], Awaitable[None]]
+) -> None:
+    """Carry ``plan`` out: ``act(planned)`` starts a fault, holds it and heals it (the run's
+    executor: signals for a process fault, the proxies for a network one). Each fault begins
+    at ``started + at_s`` on the event loop's clock, but never before every fault the plan
+    ended (recovery included) before it has really healed and recovered: a slow restart
+    delays what the plan put after it rather than overlap it. Faults the plan overlaps run
+    side by side, each in a task of its own; return once every one has healed."""
+    done = [anyio.Event() for _ in plan]
+
+    async def one(index: int, planned: Planned) -> None:
+        for earlier, event in zip(plan[:index], done, strict=False):
+            if _busy_until(earlier) <= planned.at_s:
+                await event.wait()
         await anyio.sleep_until(started + planned.at_s)
-        start_network_fault(net, planned)
-        await anyio.sleep_until(started + planned.heals_at_s)
-        heal_network_fault(net, planned)
+        await act(planned)
+        await anyio.sleep(_busy_until(planned) - planned.heals_at_s)  # its recovery
+        done[index].set()
 
     async with anyio.create_task_group() as tg:
-        for planned in plan:
-            if planned.network:
-                tg.start_soon(play, planned)
+        for index, planned in enumerate(plan):
+            tg.start_soon(one, index, planned)

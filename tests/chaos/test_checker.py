@@ -160,3 +160,18 @@ def test_observability_sees_an_engine_kill_the_log_never_told() -> None:
     assert not checker.observability(msgspec.structs.replace(h, log=(*LOG, *told)))
     short_stop = Fault(target="e0", kind="stop", at=4.0, healed=5.0)
     assert not checker.observability(msgspec.structs.replace(CLEAN, faults=(short_stop,)))
+
+
+def test_observability_waits_for_serve_to_be_back_when_a_fault_took_it_away() -> None:
+    """The log has one writer: an engine killed just before ``serve`` went down for longer
+    than the bound can only show once serve is back, and then within the bound."""
+    killed = Fault(target="e0", kind="kill", at=4.0, healed=5.0)
+    serve_down = Fault(target="serve", kind="term", at=6.0, healed=50.0)
+    told_late = _log(("EngineUnreachable", {"engine": "e0", "at": 55.0}, 55.0))
+    h = msgspec.structs.replace(CLEAN, faults=(killed, serve_down), log=(*LOG, *told_late))
+    assert not checker.observability(h)
+    never_told = msgspec.structs.replace(h, log=LOG)
+    assert checker.observability(never_told)
+    serve_only_briefly_down = Fault(target="serve", kind="term", at=6.0, healed=8.0)
+    h = msgspec.structs.replace(h, faults=(killed, serve_only_briefly_down))
+    assert checker.observability(h), "told 51 s after the kill, serve back 47 s before"

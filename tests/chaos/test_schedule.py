@@ -1,10 +1,13 @@
 """The chaos schedule is a pure function of its seed (byte for byte, in another process with
 another hash seed too), seeds differ, every fault kind and process kind is reached, and no
 plan takes the whole fleet down: checked here over many seeds by a sweep of its own, not by
-the planner's code."""
+the planner's code. The run's own plan (``tests.chaos.run.plan``) is one schedule of process
+and network faults on every process kind, and playing a plan never overlaps faults the plan
+kept apart, however long a fault really takes."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import subprocess
@@ -21,9 +24,10 @@ from tests.chaos.schedule import (
     PROCESS_FAULTS,
     Pace,
     Planned,
+    act_on_network,
     format_schedule,
     link_fault,
-    play_network_faults,
+    play,
     schedule,
 )
 from tests.support.paths import REPO
@@ -158,23 +162,32 @@ def test_a_slower_pace_plans_one_fault_at_a_time_and_long_freezes() -> None:
 
 
 @pytest.mark.anyio
-async def test_the_network_half_of_a_plan_is_played_on_the_proxies_and_healed() -> None:
+async def test_the_network_faults_of_a_plan_are_played_on_the_proxies_and_healed() -> None:
     """The network faults of a plan reach their links (a partition every link of its
-    process), each counted once, and every link passes again when the plan is over; process
-    faults are left to the run's executor."""
+    process), each counted once, and every link passes again when the plan is over; a
+    process fault goes to the run's own act."""
     plan = [
         Planned(0.0, "gw0->serve", "delay", 0.4, delay_s=0.05),
         Planned(0.05, "e1", "partition", 0.2),
         Planned(0.05, "gw0", "sigkill", 0.1),
         Planned(0.1, "client->gw0", "black_hole", 0.05),
     ]  # distinct instants: the loop's timers fire in order, however late
+    signalled: list[Planned] = []
+
+    async def act(net: Network, planned: Planned) -> None:
+        if planned.network:
+            await act_on_network(net, planned)
+        else:
+            signalled.append(planned)
+
     async with Network() as net:
         for link in ("gw0->serve", "gw0->e1", "serve->e1", "client->gw0"):
             await net.link(link, "127.0.0.1", 1)
         started = anyio.current_time()
-        await play_network_faults(net, plan, started)
+        await play(plan, started, functools.partial(act, net))
         assert net.counts == {"delay": 1, "partition": 1, "black_hole": 1}
         assert all(p.fault == Fault.passing() for p in net.proxies.values())
+    assert signalled == [plan[2]]
     changes = [(link, kind) for _, link, kind in net.applied]
     assert changes == [
         ("gw0->serve", "delay"),
@@ -190,3 +203,75 @@ async def test_the_network_half_of_a_plan_is_played_on_the_proxies_and_healed() 
     assert all(
         when >= started + at for (when, _, _), at in zip(net.applied, planned_at, strict=True)
     )
+
+
+@pytest.mark.anyio
+async def test_a_fault_that_outlasts_its_plan_delays_what_the_plan_put_after_it() -> None:
+    """A restart that takes far longer than planned (a process slow to listen again) holds
+    back the faults the plan starts after its recovery, so they never overlap it; a fault the
+    plan overlaps with it is not held back."""
+    plan = [
+        Planned(0.0, "e1", "restart", 0.0),  # planned busy until 0 + RECOVERY_S
+        Planned(0.2, "gw0", "sigstop", 0.1),  # overlaps it in the plan
+        Planned(1.5, "e2", "sigkill", 0.1),  # after its recovery in the plan
+    ]
+    slow_restart_done = anyio.Event()
+    began: dict[str, bool] = {}
+
+    async def act(planned: Planned) -> None:
+        began[planned.target] = slow_restart_done.is_set()
+        if planned.target == "e1":
+            await anyio.sleep(2.5)  # the restart really takes this long
+            slow_restart_done.set()
+        else:
+            await anyio.sleep(planned.heal_after_s)
+
+    await play(plan, anyio.current_time(), act)
+    assert began == {"e1": False, "gw0": False, "e2": True}
+
+
+def _recovered_at(fault: Planned) -> float:
+    """The sweep's own reading of when a fault is over: a process started again takes a
+    second more to listen."""
+    return fault.heals_at_s + (1.0 if fault.kind in ("sigkill", "sigterm", "restart") else 0.0)
+
+
+def _overlap(a: Planned, b: Planned) -> bool:
+    return a.at_s < _recovered_at(b) and b.at_s < _recovered_at(a)
+
+
+def test_the_runs_plan_is_one_schedule_of_process_and_network_faults_on_every_kind() -> None:
+    """One plan, a pure function of the seed: over a few seeds every fault kind, every
+    process (agent and trainer too) and every link is faulted; a process fault never meets
+    another fault on the same process; a gateway (it reads serve before it listens) is never
+    started again while serve is away; at most two faults at once; an engine and a gateway
+    always unimpaired; every fault healed (and recovered) within the run."""
+    from tests.chaos import run
+
+    kinds: Counter[str] = Counter()
+    targets: set[str] = set()
+    for seed in range(1, 31):
+        plan = run.plan(seed, 30.0)
+        assert plan == run.plan(seed, 30.0)
+        for fault in plan:
+            kinds[fault.kind] += 1
+            targets.add(fault.target)
+            assert _recovered_at(fault) <= 30.0, (seed, fault)
+        for a, b in itertools.combinations(plan, 2):
+            if not _overlap(a, b) or (a.network and b.network):
+                continue
+            assert not _down(a) & _down(b), f"seed {seed}: {a} meets {b}"
+        for restarted, other in itertools.permutations(plan, 2):
+            gateway_restarted = restarted.kind in ("sigkill", "sigterm", "restart") and (
+                run.PROCESSES.get(restarted.target) == "gateway"
+            )
+            if gateway_restarted and _overlap(restarted, other):
+                assert "serve" not in _down(other), f"seed {seed}: {restarted} under {other}"
+        for instant in sorted({p.at_s for p in plan}):
+            active = [p for p in plan if p.at_s <= instant < p.heals_at_s + 1e-3]
+            assert len(active) <= 2, f"seed {seed}: {len(active)} faults at +{instant}s"
+            down = set().union(*(_down(p) for p in active))
+            for kind in ("engine", "gateway"):
+                assert [n for n, k in run.PROCESSES.items() if k == kind and n not in down]
+    assert set(kinds) == {*PROCESS_FAULTS, *NETWORK_FAULTS, PARTITION}, kinds
+    assert {"agent", "trainer", *run.PROCESSES, *run.LINKS} <= targets
