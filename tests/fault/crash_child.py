@@ -171,6 +171,10 @@ async def run(plane: ControlPlane, scenario: str) -> None:
     ledger = plane.ledger
     trainer = TrainerClient(plane)
     await _retrying("register", lambda: ledger.register_owner(OWNER, ttl_s=3600))
+    # As a worker's renewal loop does at once: this owner runs no request, and says so. After a
+    # restart the ledger reads an owner's unknown counts as "maybe running" until it does, and
+    # reclaim waits for it (or for its hour-long lease to end).
+    ledger.renew_lease(OWNER, {})
     for step, arg in SCENARIOS[scenario]:
         state = ledger.state
         if step == "publish":
