@@ -31,6 +31,7 @@ def _turn(client: openai.OpenAI) -> tuple[str, str]:
         model="policy",
         messages=[{"role": "user", "content": "hello"}],
         max_tokens=2,
+        extra_body={"ignore_eos": True},  # sampled, the tiny model may end first: "stop"
         extra_headers={"x-session-id": "rollout-1"},
     )
     assert raw.parse().choices[0].finish_reason == "length"
