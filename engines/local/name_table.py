@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engines.contract import Candidate, CleanRefusal, ErrorCode
+from engines.contract import Candidate, CleanRefusal, ErrorCode, Inventory, InventoryEntry
 from engines.local.refs import Lease, RefCounter
 from engines.manifest import TensorData
 from engines.tensor_wire import TENSOR_ROOT
@@ -243,6 +243,19 @@ class NameTable:
 
     def loaded_paths(self) -> dict[str, str]:
         return {n: r.path or TENSOR_ROOT for n, r in self.residents.items()}
+
+    def inventory(self, engine_id: str, incarnation: str) -> Inventory:
+        """What this table holds, as the engine contract reports it: residents by name, each
+        with the digest it was loaded with, and the names still staging."""
+        return Inventory(
+            engine_id=engine_id,
+            incarnation=incarnation,
+            adapters=tuple(
+                InventoryEntry(lora_name=r.lora_name, digest=r.digest, path=r.path)
+                for r in sorted(self.residents.values(), key=lambda r: r.lora_name)
+            ),
+            staged=tuple(sorted(self.staging)),
+        )
 
     @staticmethod
     def _check_attempt(name: str, attempt: int, fence: Fence | None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 
 from engines.artifacts import HEADER_ALLOWANCE, ArtifactError, read_adapter_dir
-from engines.contract import CleanRefusal, ErrorCode, Inventory, InventoryEntry
+from engines.contract import CleanRefusal, ErrorCode, Inventory
 from engines.local.admission import AdapterPlan
 from engines.local.lifecycle import EngineLifecycle
 from engines.local.name_table import Resident, new_adapter_id
@@ -57,15 +57,7 @@ class Residency(EngineLifecycle):
 
     async def inventory(self) -> Inventory:
         self._require_runner()
-        return Inventory(
-            engine_id=self.engine_id,
-            incarnation=self._incarnation,
-            adapters=tuple(
-                InventoryEntry(lora_name=r.lora_name, digest=r.digest, path=r.path)
-                for r in sorted(self._names.residents.values(), key=lambda r: r.lora_name)
-            ),
-            staged=tuple(sorted(self._names.staging)),
-        )
+        return self._names.inventory(self.engine_id, self._incarnation)
 
     def loaded_adapters(self) -> dict[str, str]:
         """``{name: path}`` as SGLang's ``loaded_adapters`` (staged loads show ``__tensor__``)."""

@@ -49,7 +49,6 @@ from engines.contract import (
     ErrorCode,
     Generation,
     Inventory,
-    InventoryEntry,
     Receipt,
     SamplingParams,
     Transport,
@@ -106,15 +105,7 @@ class FleetStubEngine:
 
     async def inventory(self) -> Inventory:
         self._check_running()
-        return Inventory(
-            engine_id=self.engine_id,
-            incarnation=self._incarnation,
-            adapters=tuple(
-                InventoryEntry(lora_name=r.lora_name, digest=r.digest, path=r.path)
-                for r in sorted(self._names.residents.values(), key=lambda r: r.lora_name)
-            ),
-            staged=tuple(sorted(self._names.staging)),
-        )
+        return self._names.inventory(self.engine_id, self._incarnation)
 
     async def prepare(self, candidate: Candidate) -> Receipt:
         self._check_running()
