@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engines.contract import ErrorCode
+from engines.contract import CleanRefusal, ErrorCode
 from evlog.events import (
     AttemptFailed,
     EnginePrepared,
@@ -428,9 +428,14 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             engines, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE
         ) as plane:
             assert plane.started is not None and plane.started.orphans == (1,)
+            # cleaned off the engines before its attempt ended: nothing left for the pass
+            assert plane.started.unloaded == ()
             v = plane.ledger.state.versions[1]
             assert v.state is VersionState.FAILED_RETRYABLE  # ended, then resolved by inventory
             assert allocated.lora_name not in await names(engines[0])
+            # fenced by its attempt: a late call of the dead driver cannot stage it again
+            with pytest.raises(CleanRefusal):
+                await engines[0].prepare(candidate)
             history = await events(plane.ledger)
             failed = of_type(history, AttemptFailed)[0]
             assert failed.code == "ORPHANED_ATTEMPT" and not failed.clean
@@ -489,3 +494,28 @@ async def test_publication_stays_blocked_when_reconciliation_cannot_resolve(
         log = await events(plane.ledger, after=seq)
         assert [e.engine for e in of_type(log, InventoryObserved)] == ["e0"]  # it tried, once
         assert of_type(log, VersionAllocated) == [] and 2 not in plane.ledger.state.versions
+
+
+async def test_an_orphans_cleanup_that_hangs_is_bounded_by_the_cleanup_timeout(
+    tmp_path: Path,
+) -> None:
+    """The orphan's cleanup unload never answers: the start-up pass waits ``cleanup_timeout``
+    for it, not for the engine, and ends the attempt (the inventories read next decide)."""
+    log = MemoryLog()
+    async with faulty_engines(2) as engines:
+        async with open_plane(
+            engines, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE
+        ) as plane:
+            allocated = await plane.ledger.allocate(1, adapter_copy(1).digest)
+            assert isinstance(allocated, Allocated), allocated
+            await plane.ledger.claim_transport(1, allocated.attempt, "dead-publisher")
+        engines[0].inject("unload", Delay(seconds=60.0))
+        with anyio.fail_after(30):
+            async with open_plane(
+                engines,
+                tmp_path,
+                store=MemoryStore(log),
+                probe_interval_s=IDLE,
+                cleanup_timeout=0.5,
+            ) as plane:
+                assert plane.started is not None and plane.started.orphans == (1,)
