@@ -52,6 +52,7 @@ from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconcile
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from tests.engines.faulty_engine import Drop, FaultyEngine, Restart, ServerError
+from tests.publisher.drivers.test_reconciler import load_managed
 from tests.publisher.plane_kit import (
     FAST,
     PEFT_WARNINGS,
@@ -263,7 +264,8 @@ async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
         assert kinds.count(AdapterLost) == 1 and kinds.count(EngineSuspended) == 1, kinds
         assert len(written) <= 3, kinds  # the loss (+ its inventory), the suspension
         suspended = next(e for e in written if isinstance(e, EngineSuspended))
-        assert suspended.cause == "lost_adapter" and "after 3 tries" in suspended.detail
+        assert suspended.cause == "lost_adapter"
+        assert suspended.detail.startswith("version 1 lost and not restored after 3 tries: ")
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
 
 
@@ -537,6 +539,16 @@ async def test_only_an_other_answer_given_twice_is_a_content_mismatch(tmp_path: 
             ("e0", 1, "canary", baseline, "1,2,3")
         ]
         assert r.ledger.state.holders(r.names[1]) == ()
+        # its restore keeps failing (this reconciler's store lacks the bytes): suspended,
+        # saying why the version was missing
+        for _ in range(3):
+            clock.now += 100.0
+            await reconciler.reconcile_engine("e0")
+        (suspended,) = of_type(await events(r.ledger, after=seq), EngineSuspended)
+        assert suspended.cause == "lost_adapter"
+        assert suspended.detail.startswith(
+            "version 1 served with other content and not restored after 3 tries: "
+        ), suspended.detail
 
 
 @pytest.mark.parametrize(("kind", "every"), [("local", 0.0), ("sglang", None)])
@@ -664,3 +676,45 @@ async def test_a_restore_answered_by_another_life_of_the_engine_is_not_recorded(
         assert report.restarted == ("e1",) and report.restored == (), report
         assert of_type(await log_after(plane, seq), VersionRestored) == []
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
+
+
+# --- what a probe reconciles ---------------------------------------------------------------
+
+
+async def test_a_probe_reconciles_an_engine_still_holding_a_stray(tmp_path: Path) -> None:
+    """A stray of this deployment whose unload failed stays on the engine's record: the next
+    probe (no report, no full pass) reconciles the engine again and unloads it."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        reconciler = reconciler_for(plane, Clock())
+        sick = engines[1]
+        stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
+        await load_managed(host(sick).current, stray, 51)
+        sick.inject("unload", ServerError())
+        await reconciler.reconcile_engine("e1")
+        assert stray in plane.ledger.state.engines["e1"].strays
+        await reconciler.health_check()
+        assert stray not in (await sick.inventory()).names()
+        assert stray not in plane.ledger.state.engines["e1"].strays
+
+
+async def test_a_probe_reconciles_a_routable_engine_lacking_a_needed_version(
+    tmp_path: Path,
+) -> None:
+    """e1 lost the default (recorded): it stays routable for the rest, and every probe -- no
+    report, no full pass -- retries the reload (backing off) until the tries run out and the
+    engine is suspended."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=1.0)
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)
+        sick.inject("prepare", ServerError(), times=1000)
+        await reconciler.health_check({"e1"})  # a gateway's report: the loss recorded
+        member = plane.ledger.state.engines["e1"]
+        assert member.routable and v1.lora_name not in member.holds
+        prepares = sick.count("prepare")  # its first reload failed
+        for second in (1, 2):  # probes only: the second and third tries
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert sick.count("prepare") == prepares + 2
+        assert plane.ledger.state.engines["e1"].suspend_cause == "lost_adapter"

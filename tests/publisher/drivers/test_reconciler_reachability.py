@@ -25,8 +25,9 @@ from evlog.events import (
     EngineUnreachable,
     TurnFailures,
 )
+from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.reconciler import Reconciler
-from tests.engines.faulty_engine import FaultyEngine, ServerError
+from tests.engines.faulty_engine import Delay, FaultyEngine, ServerError
 from tests.publisher.drivers.test_reconciler_health import (
     IDLE,
     Clock,
@@ -278,5 +279,62 @@ async def test_an_engine_in_the_fleet_but_not_in_the_ledger_is_reported_and_prob
         for second in range(3):
             clock.now = float(second)
             await reconciler.health_check()
+        async with anyio.create_task_group() as tg:  # and the loop, with its counts
+            await tg.start(reconciler.run)
+            reconciler.engine_trouble("e1", refused("e1"), session="s1")
+            await wait_for("the report acted on", lambda: reconciler.settled)
+            tg.cancel_scope.cancel()
         assert await events(r.ledger, after=seq) == []
         assert "e1" not in r.ledger.state.engines
+
+
+async def test_the_failures_of_each_engine_in_an_outage_are_recorded_and_no_others(
+    tmp_path: Path,
+) -> None:
+    """One wake, three engines reported: e0 answers its probe (no outage: its counts are
+    dropped), e1 is down but its report named no session (nothing to count), e2 is down and
+    its session's turn is recorded against its outage."""
+    async with rig(engines=3, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        for down in ("e1", "e2"):
+            faulty(r, down).inject("incarnation", ServerError(), times=1000)
+        reconciler = hand_driven(r, Clock(), tmp_path)
+        ambiguous = AmbiguousReply(ErrorCode.SERVER_ERROR, "503", engine_id="e0")
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            reconciler.engine_trouble("e0", ambiguous, session="s0")
+            reconciler.engine_trouble("e1", refused("e1"))
+            reconciler.engine_trouble("e2", refused("e2"), session="s2")
+
+            async def counted() -> bool:
+                return bool(of_type(await events(r.ledger), DispatchFailures))
+
+            await wait_for("the failures recorded", counted)
+            await wait_for("the wake done", lambda: reconciler.settled)
+            tg.cancel_scope.cancel()
+        recorded = of_type(await events(r.ledger), DispatchFailures)
+        assert [(e.engine, e.failures) for e in recorded] == [
+            ("e2", (TurnFailures(session="s2", not_run=1),))
+        ]
+
+
+async def test_a_probe_that_hangs_is_an_outage_naming_the_call_and_the_engine(
+    tmp_path: Path,
+) -> None:
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", Delay(seconds=30.0))
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=EngineTimeouts(probe=0.2),
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        await reconciler.health_check()
+        (outage,) = of_type(await events(r.ledger), EngineUnreachable)
+        assert (outage.engine, outage.error) == (
+            "e1",
+            "TIMEOUT: incarnation on e1: no reply within 0.2s",
+        )
