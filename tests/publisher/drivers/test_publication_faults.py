@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engines.contract import CleanRefusal, ErrorCode
+from engines.contract import Candidate, CleanRefusal, ErrorCode
 from evlog.events import (
     AttemptFailed,
     EnginePrepared,
@@ -341,6 +341,13 @@ async def test_fatal_candidate_still_present_is_unloaded_by_the_reconciler(tmp_p
         v3 = await plane.publisher.publish(adapter_copy(3), version_id=3)
         assert v3.status == PublicationStatus.PUBLISHED
         assert name not in await names(engines[0])
+        # unloaded fenced by its attempt: a late duplicate of its publication cannot stage it
+        v2 = plane.ledger.state.versions[2]
+        late = Candidate(
+            lora_name=name, digest=v2.digest, attempt=v2.attempt, manifest=adapter_copy(2).manifest
+        )
+        with pytest.raises(CleanRefusal):
+            await engines[0].prepare(late)
         log = await events(plane.ledger, after=seq)
         on_e0 = [e for e in log if isinstance(e, InventoryObserved) and e.engine == "e0"]
         assert name in on_e0[0].adapters and name not in on_e0[1].adapters

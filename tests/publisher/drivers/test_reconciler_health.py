@@ -690,7 +690,9 @@ async def test_a_probe_reconciles_an_engine_still_holding_a_stray(tmp_path: Path
         stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
         await load_managed(host(sick).current, stray, 51)
         sick.inject("unload", ServerError())
-        await reconciler.reconcile_engine("e1")
+        report = await reconciler.reconcile_engine("e1")
+        assert report.unloaded == ()  # not gone: reported as an error
+        assert [e.split(": SERVER_ERROR")[0] for e in report.errors] == [f"e1: unload {stray}"]
         assert stray in plane.ledger.state.engines["e1"].strays
         await reconciler.health_check()
         assert stray not in (await sick.inventory()).names()
@@ -718,3 +720,28 @@ async def test_a_probe_reconciles_a_routable_engine_lacking_a_needed_version(
             await reconciler.health_check()
         assert sick.count("prepare") == prepares + 2
         assert plane.ledger.state.engines["e1"].suspend_cause == "lost_adapter"
+
+
+async def test_restores_back_off_from_one_second_doubling_up_to_a_minute_by_default(
+    tmp_path: Path,
+) -> None:
+    """The back-off the control plane runs with (it passes none of its own): a failing reload
+    is tried again 1 s later, then 2, 4, ... s, never more than 60 s apart."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = Reconciler(
+            plane.ledger, plane.fleet, plane.artifacts, timeouts=FAST, clock=clock
+        )
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)
+        sick.inject("prepare", ServerError(), times=1000)
+        await reconciler.health_check({"e1"})  # the loss recorded, the first try fails
+        tries = sick.count("prepare")
+        for second in (1, 3, 7, 15, 31, 63, 123):  # each try due exactly then, none before
+            clock.now = second - 0.01
+            await reconciler.health_check()
+            assert sick.count("prepare") == tries, second
+            clock.now = float(second)
+            await reconciler.health_check()
+            assert sick.count("prepare") == tries + 1, second
+            tries += 1
