@@ -45,7 +45,7 @@ from evlog.events import (
     ServedContentMismatch,
     VersionRestored,
 )
-from projections.registry import VersionRecord
+from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
@@ -193,6 +193,25 @@ async def test_an_answer_to_a_full_pass_ends_a_run_of_failed_probes(tmp_path: Pa
         ]
         assert not plane.ledger.state.engines["e1"].suspended
         assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1")
+
+
+async def test_a_probe_that_answers_ends_a_run_of_failed_probes(tmp_path: Path) -> None:
+    """Probes fail for 9 s (not yet long enough to suspend), then one answers: a failure long
+    after that starts a new run, and does not suspend the engine as the old run's tenth
+    second would."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock)
+        engines[1].inject("incarnation", ServerError(), times=int(SUSPEND_AFTER_S))
+        for second in range(int(SUSPEND_AFTER_S)):
+            clock.now = float(second)
+            await reconciler.health_check()
+        clock.now = SUSPEND_AFTER_S
+        await reconciler.health_check()  # it answers
+        engines[1].inject("incarnation", ServerError())
+        clock.now = 2 * SUSPEND_AFTER_S
+        await reconciler.health_check()  # one failure of a new run
+        assert not plane.ledger.state.engines["e1"].suspended
 
 
 async def test_an_engine_answering_again_is_routable_only_after_its_repair(tmp_path: Path) -> None:
@@ -745,3 +764,22 @@ async def test_restores_back_off_from_one_second_doubling_up_to_a_minute_by_defa
             await reconciler.health_check()
             assert sick.count("prepare") == tries + 1, second
             tries += 1
+
+
+async def test_a_reconciler_with_no_in_flight_source_fences_and_confirms_a_reclaim(
+    tmp_path: Path,
+) -> None:
+    """Built without an in-flight source (none counted), the reconciler unloads a version
+    being reclaimed, fenced, before the engine's inventory counts for it, and the reclaim
+    completes on the inventories it reads."""
+    async with rig(engines=2) as r:
+        await r.publish(1)
+        await r.publish(2)  # v1 retired, unbound
+        driver = r.reclaimer()
+        await r.ledger.claim_reclaim(1, driver.evidence(1))
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMING
+        reconciler = Reconciler(r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"))
+        report = await reconciler.reconcile()
+        assert report.reclaimed == (1,), report
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+        assert all(r.names[1] not in e.loaded_adapters() for e in r.local.values())
