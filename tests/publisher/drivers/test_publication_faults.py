@@ -446,6 +446,10 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             history = await events(plane.ledger)
             failed = of_type(history, AttemptFailed)[0]
             assert failed.code == "ORPHANED_ATTEMPT" and not failed.clean
+            assert failed.reason == (
+                "attempt 1 was LOADING when this controller started: its driver is gone; "
+                "inventories decide"
+            )
             assert of_type(history, FatalResolved)[0].version_id == 1
             out = await plane.publisher.publish(snap, version_id=1)
             assert out.status == PublicationStatus.PUBLISHED and out.attempt == 2

@@ -31,6 +31,8 @@ from engines.contract import (
     Transport,
 )
 from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
 from engines.testing import RestartableEngine
 from evlog.events import (
     AdapterLost,
@@ -47,11 +49,13 @@ from evlog.events import (
 )
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
+from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.plane import ControlPlane
+from publisher.drivers.publication import PublicationError
 from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
-from tests.engines.faulty_engine import Drop, FaultyEngine, Restart, ServerError
+from tests.engines.faulty_engine import Delay, Drop, FaultyEngine, Restart, ServerError
 from tests.publisher.drivers.test_reconciler import load_managed
 from tests.publisher.plane_kit import (
     FAST,
@@ -783,3 +787,70 @@ async def test_a_reconciler_with_no_in_flight_source_fences_and_confirms_a_recla
         assert report.reclaimed == (1,), report
         assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
         assert all(r.names[1] not in e.loaded_adapters() for e in r.local.values())
+
+
+async def test_a_restore_confirmation_that_hangs_is_bounded_by_the_inventory_timeout(
+    tmp_path: Path,
+) -> None:
+    """The load's reply was lost and the inventory that should decide never answers: the
+    restore fails after ``timeouts.inventory`` (the engine is not waited for) and counts
+    nothing."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        sick = engines[1]
+        await host(sick).restart()  # a new process: it lost every adapter
+        reconciler = Reconciler(
+            plane.ledger,
+            plane.fleet,
+            plane.artifacts,
+            timeouts=EngineTimeouts(probe=2.0, inventory=2.0, prepare=10, transfer=20, load=20),
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        sick.inject("load", Drop())
+        # the pass's own read, then the confirmation's
+        sick.inject("inventory", Delay(seconds=60.0), call=sick.count("inventory") + 2)
+        with anyio.fail_after(30):
+            report = await reconciler.reconcile_engine("e1")
+        assert report.restored == (), report
+        assert any("restore version 1" in e for e in report.errors), report
+
+
+async def test_a_probe_reconciles_an_engine_whose_word_a_reclaim_still_needs(
+    tmp_path: Path,
+) -> None:
+    """e2 joined after v1 was published (not in its fleet, never held it); v1 is being
+    reclaimed, blocking publications (an unload's reply was lost): a probe reconciles e2
+    too, whose inventory proves v1 absent, and the reclaim completes without waiting for a
+    full pass."""
+    async with rig(engines=2) as r, LocalEngine("e2") as joining:
+        store = ArtifactStore(tmp_path / "artifacts")
+        for version_id in (1, 2):
+            config, tensors = make_adapter(version_id)
+            store.put(build_manifest(config, tensors), tensors)
+        await r.publish(1)
+        await r.publish(2)  # v1 retired, unbound
+        r.fleet.add(joining)
+        reconciler = Reconciler(r.ledger, r.fleet, store, timeouts=FAST)
+        report = await reconciler.reconcile_engine("e2")
+        assert report.joined == ("e2",) and report.repaired == ("e2",), report
+        await r.ledger.claim_reclaim(1, r.reclaimer().evidence(1))
+        # its unload's reply was lost somewhere: the reclaim now blocks publications
+        await r.ledger.mark_reclaim_ambiguous(1, "e0", "the unload's reply was lost")
+        await reconciler.health_check()
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+
+
+async def test_a_probe_reconciles_the_fleet_of_a_fatal_candidate(tmp_path: Path) -> None:
+    """v2's load on e1 lost its reply (fatal, blocking publications): the next probe -- no
+    report, no full pass -- reads the engines of its fleet, unloads the candidate and
+    resolves it."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        engines[1].inject("load", Drop())
+        engines[1].inject("unload", ServerError())  # and its cleanup never arrives
+        with pytest.raises(PublicationError):
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
+        assert plane.ledger.state.blocked_by() == [2]
+        name = plane.ledger.state.versions[2].lora_name
+        await reconciler_for(plane, Clock()).health_check()
+        assert plane.ledger.state.blocked_by() == []
+        assert name not in (await engines[1].inventory()).names()

@@ -181,8 +181,8 @@ async def test_a_report_is_dated_when_it_was_seen_and_only_unreachable_opens_an_
 ) -> None:
     """A refusal as not loaded says nothing of reachability: no outage. A refused connection
     reported without a life is about the life the ledger knows, dated ``age_s`` before the
-    report (never after it: a negative age counts as none)."""
-    async with rig(engines=2, wrap=FaultyEngine) as r:
+    report (when it was made without one, or a negative one: when it was made)."""
+    async with rig(engines=3, wrap=FaultyEngine) as r:
         await r.publish(1)
         reconciler = hand_driven(r, Clock(), tmp_path)
         seq = r.ledger.state.last_seq
@@ -193,20 +193,22 @@ async def test_a_report_is_dated_when_it_was_seen_and_only_unreachable_opens_an_
             assert of_type(await events(r.ledger, after=seq), EngineUnreachable) == []
             reconciler.engine_trouble("e1", refused("e1"), age_s=2.5)
             r.clock.now += 10.0
-            reconciler.engine_trouble("e0", refused("e0"), age_s=-3.0)
+            reconciler.engine_trouble("e0", refused("e0"))
+            reconciler.engine_trouble("e2", refused("e2"), age_s=-3.0)
 
             async def outages() -> list[EngineUnreachable]:
                 return of_type(await events(r.ledger, after=seq), EngineUnreachable)
 
-            async def both_recorded() -> bool:
-                return len(await outages()) == 2
+            async def all_recorded() -> bool:
+                return len(await outages()) == 3
 
-            await wait_for("both outages recorded", both_recorded)
+            await wait_for("the three outages recorded", all_recorded)
             tg.cancel_scope.cancel()
         state = r.ledger.state
         assert sorted((e.engine, e.incarnation, e.at, e.source) for e in await outages()) == [
             ("e0", state.engines["e0"].incarnation, 1010.0, "dispatch"),
             ("e1", state.engines["e1"].incarnation, 997.5, "dispatch"),
+            ("e2", state.engines["e2"].incarnation, 1010.0, "dispatch"),
         ]
 
 
