@@ -12,6 +12,7 @@ the log silent, for ``suspend_after_s``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -340,3 +341,43 @@ async def test_a_probe_that_hangs_is_an_outage_naming_the_call_and_the_engine(
             "e1",
             "TIMEOUT: incarnation on e1: no reply within 0.2s",
         )
+
+
+class RestartLandsWithTheOutage:
+    """The real ledger, but an engine's restart is recorded right after its outage: what a
+    restart observed between a failed probe and the suspension that probe decides looks like
+    (the ledger is shared: any pass may record it meanwhile)."""
+
+    def __init__(self, ledger: Any, new_life: str) -> None:
+        self._ledger = ledger
+        self._new_life = new_life
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+    async def report_unreachable(self, engine_id: str, life: str, **kwargs: Any) -> Any:
+        outcome = await self._ledger.report_unreachable(engine_id, life, **kwargs)
+        await self._ledger.observe_restart(engine_id, self._new_life)
+        return outcome
+
+
+async def test_a_suspension_for_failed_probes_is_for_the_life_that_failed_them(
+    tmp_path: Path,
+) -> None:
+    """The probes failed in one life; the engine restarted before the suspension was
+    recorded: the new life, which nothing has probed yet, is not suspended."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", ServerError())
+        reconciler = Reconciler(
+            RestartLandsWithTheOutage(r.ledger, "new-life"),  # type: ignore[arg-type]
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=0.0,
+        )
+        await reconciler.health_check()
+        member = r.ledger.state.engines["e1"]
+        assert member.incarnation == "new-life" and not member.suspended
+        assert of_type(await events(r.ledger), EngineSuspended) == []
