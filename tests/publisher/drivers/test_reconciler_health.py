@@ -854,3 +854,51 @@ async def test_a_probe_reconciles_the_fleet_of_a_fatal_candidate(tmp_path: Path)
         await reconciler_for(plane, Clock()).health_check()
         assert plane.ledger.state.blocked_by() == []
         assert name not in (await engines[1].inventory()).names()
+
+
+async def test_a_stray_unload_that_hangs_is_bounded_by_the_cleanup_timeout(tmp_path: Path) -> None:
+    """The engine never answers the unload of a stray: the pass gives up after
+    ``cleanup_timeout`` (shorter than the unload timeout), reports it, and goes on."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        sick = engines[1]
+        stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
+        await load_managed(host(sick).current, stray, 51)
+        sick.inject("unload", Delay(seconds=60.0))
+        reconciler = Reconciler(
+            plane.ledger,
+            plane.fleet,
+            plane.artifacts,
+            timeouts=FAST,
+            cleanup_timeout=0.5,
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        with anyio.fail_after(15):
+            report = await reconciler.reconcile_engine("e1")
+        assert report.unloaded == ()
+        assert [e.split(": TIMEOUT")[0] for e in report.errors] == [f"e1: unload {stray}"]
+
+
+async def test_a_canary_that_hangs_gives_up_after_a_probe_and_an_inventory_timeout(
+    tmp_path: Path,
+) -> None:
+    """The engine never answers the canary: the pass gives up after the probe and inventory
+    timeouts together, records no baseline, and no longer counts the canary in flight."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=EngineTimeouts(probe=1.0, inventory=2.0),
+            clock=Clock(),
+            canary_every_s=0.0,
+        )
+        r.local["e0"].pause_generation()
+        try:
+            with anyio.fail_after(20):
+                await reconciler.reconcile_engine("e0")
+        finally:
+            r.local["e0"].continue_generation()
+        assert r.ledger.state.engines["e0"].canaries == {}
+        assert [x.count for x in reconciler.inflight_evidence(1)] == [0]
