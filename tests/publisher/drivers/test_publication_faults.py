@@ -440,9 +440,11 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             v = plane.ledger.state.versions[1]
             assert v.state is VersionState.FAILED_RETRYABLE  # ended, then resolved by inventory
             assert allocated.lora_name not in await names(engines[0])
-            # fenced by its attempt: a late call of the dead driver cannot stage it again
-            with pytest.raises(CleanRefusal):
-                await engines[0].prepare(candidate)
+            # fenced by its attempt on every engine of its fleet, even one the dead driver
+            # never reached: a late call of that driver cannot stage it anywhere
+            for engine in engines:
+                with pytest.raises(CleanRefusal):
+                    await engine.prepare(candidate)
             history = await events(plane.ledger)
             failed = of_type(history, AttemptFailed)[0]
             assert failed.code == "ORPHANED_ATTEMPT" and not failed.clean

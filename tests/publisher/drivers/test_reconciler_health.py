@@ -636,7 +636,7 @@ async def test_a_restore_sends_a_staged_engine_the_bytes_and_a_path_engine_the_d
         ) as plane:
             await plane.publisher.publish(adapter_copy(1), version_id=1)
             v1 = plane.ledger.state.versions[1]
-            plane.fleet.add(joining)  # type: ignore[arg-type]  # a recording wrapper
+            plane.fleet.add(joining)  # a recording wrapper
             reconciler = Reconciler(
                 plane.ledger,
                 plane.fleet,
