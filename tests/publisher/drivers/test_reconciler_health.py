@@ -462,15 +462,15 @@ class PathEngine(Recording):
         return out
 
 
+def rig_reconciler(r: Rig, clock: Clock, tmp_path: Path, **options: Any) -> Reconciler:
+    """A reconciler of its own over a rig's ledger and fleet: its clock, an empty artifact
+    store, the fast engine timeouts."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    return Reconciler(r.ledger, r.fleet, store, timeouts=FAST, clock=clock, **options)
+
+
 def canary_reconciler(r: Rig, clock: Clock, every: float | None, tmp_path: Path) -> Reconciler:
-    return Reconciler(
-        r.ledger,
-        r.fleet,
-        ArtifactStore(tmp_path / "artifacts"),
-        timeouts=FAST,
-        clock=clock,
-        canary_every_s=every,
-    )
+    return rig_reconciler(r, clock, tmp_path, canary_every_s=every)
 
 
 async def canary_answer(r: Rig, engine_id: str, name: str) -> str:

@@ -35,6 +35,7 @@ from tests.publisher.drivers.test_reconciler_health import (
     log_after,
     published_on_two,
     reconciler_for,
+    rig_reconciler,
 )
 from tests.publisher.plane_kit import FAST, PEFT_WARNINGS, adapter_copy, faulty_engines, open_plane
 from tests.publisher.rollout_kit import Rig, rig
@@ -159,15 +160,8 @@ async def test_a_report_about_an_earlier_life_opens_nothing(tmp_path: Path) -> N
 def hand_driven(r: Rig, clock: Clock, tmp_path: Path) -> Reconciler:
     """A reconciler whose loop wakes only when a report pokes it (probes an hour apart) and
     never suspends; ``clock`` is its own, the rig's ledger clock dates the events."""
-    return Reconciler(
-        r.ledger,
-        r.fleet,
-        ArtifactStore(tmp_path / "artifacts"),
-        timeouts=FAST,
-        clock=clock,
-        probe_interval_s=IDLE,
-        full_every_s=IDLE,
-        suspend_after_s=None,
+    return rig_reconciler(
+        r, clock, tmp_path, probe_interval_s=IDLE, full_every_s=IDLE, suspend_after_s=None
     )
 
 
