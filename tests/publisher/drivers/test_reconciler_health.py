@@ -49,7 +49,6 @@ from evlog.events import (
 )
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
-from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationError
 from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
@@ -793,8 +792,8 @@ async def test_a_restore_confirmation_that_hangs_is_bounded_by_the_inventory_tim
     tmp_path: Path,
 ) -> None:
     """The load's reply was lost and the inventory that should decide never answers: the
-    restore fails after ``timeouts.inventory`` (the engine is not waited for) and counts
-    nothing."""
+    restore fails after ``timeouts.inventory`` (5 s here; the engine is not waited for) and
+    counts nothing."""
     async with published_on_two(tmp_path) as (engines, plane, _):
         sick = engines[1]
         await host(sick).restart()  # a new process: it lost every adapter
@@ -802,7 +801,7 @@ async def test_a_restore_confirmation_that_hangs_is_bounded_by_the_inventory_tim
             plane.ledger,
             plane.fleet,
             plane.artifacts,
-            timeouts=EngineTimeouts(probe=2.0, inventory=2.0, prepare=10, transfer=20, load=20),
+            timeouts=FAST,
             clock=Clock(),
             suspend_after_s=None,
         )
@@ -890,7 +889,7 @@ async def test_a_canary_that_hangs_gives_up_after_a_probe_and_an_inventory_timeo
             r.ledger,
             r.fleet,
             ArtifactStore(tmp_path / "artifacts"),
-            timeouts=EngineTimeouts(probe=1.0, inventory=2.0),
+            timeouts=FAST,  # the canary's bound: 2 + 5 s
             clock=Clock(),
             canary_every_s=0.0,
         )
