@@ -993,10 +993,13 @@ class Reconciler:
         since, _ = self._failing.get(engine_id, (now, error))
         self._failing[engine_id] = (since, error)
         member = self._ledger.state.engines.get(engine_id)
+        # The life the probes failed in, read before any await: the ledger's state evolves in
+        # place, and a restart recorded meanwhile must not have its new life suspended.
+        life = "" if member is None else member.incarnation
         if member is not None and member.unreachable is None:
             first = f"{exc.code}: {exc.message}"
             at = self._ledger.clock()
-            await self._outage(engine_id, member.incarnation, at, first, "probe", "reconciler")
+            await self._outage(engine_id, life, at, first, "probe", "reconciler")
         if self.suspend_after_s is None or member is None or member.suspended:
             return
         if now - since < self.suspend_after_s and not gone:
@@ -1004,7 +1007,7 @@ class Reconciler:
         detail = f"{'gone' if gone else 'probes failed'} for {now - since:.1f} s: {error}"
         try:
             await self._ledger.suspend_engine(
-                engine_id, cause="unhealthy", detail=detail[:2000], incarnation=member.incarnation
+                engine_id, cause="unhealthy", detail=detail[:2000], incarnation=life
             )
         except LoraLedgerError as exc:  # restarted or left meanwhile: the next probe decides
             log.warning("reconciler.suspend_refused", engine=engine_id, error=str(exc))

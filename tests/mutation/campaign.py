@@ -177,6 +177,22 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "reconciler",
+            # the health loop: probes, reports of trouble, repairs and restores, hold out and let
+            # in, suspend and resume, `settled`, `wakes`
+            ("publisher/drivers/reconciler.py",),
+            # In process, against the recording engine double. The fault tests with real
+            # processes (tests/fault) import the unmutated module: left to the suite.
+            (
+                "tests/publisher/drivers/test_reconciler.py",
+                "tests/publisher/drivers/test_reconciler_health.py",
+                "tests/publisher/drivers/test_reconciler_reachability.py",
+                # lost replies, restarts mid-publication, fatal candidates the reconciler unloads
+                "tests/publisher/drivers/test_publication_faults.py",
+            ),
+            gated=False,  # until a whole run judges every mutant (the first judged 564 of 1,217)
+        ),
+        Campaign(
             "tensor_wire",
             # the untrusted payload's decoding: an allowlist unpickler, storages weights-only
             ("engines/tensor_wire.py",),

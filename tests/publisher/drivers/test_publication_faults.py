@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engines.contract import ErrorCode
+from engines.contract import Candidate, CleanRefusal, ErrorCode
 from evlog.events import (
     AttemptFailed,
     EnginePrepared,
@@ -341,6 +341,13 @@ async def test_fatal_candidate_still_present_is_unloaded_by_the_reconciler(tmp_p
         v3 = await plane.publisher.publish(adapter_copy(3), version_id=3)
         assert v3.status == PublicationStatus.PUBLISHED
         assert name not in await names(engines[0])
+        # unloaded fenced by its attempt: a late duplicate of its publication cannot stage it
+        v2 = plane.ledger.state.versions[2]
+        late = Candidate(
+            lora_name=name, digest=v2.digest, attempt=v2.attempt, manifest=adapter_copy(2).manifest
+        )
+        with pytest.raises(CleanRefusal):
+            await engines[0].prepare(late)
         log = await events(plane.ledger, after=seq)
         on_e0 = [e for e in log if isinstance(e, InventoryObserved) and e.engine == "e0"]
         assert name in on_e0[0].adapters and name not in on_e0[1].adapters
@@ -428,12 +435,23 @@ async def test_orphaned_attempt_is_ended_when_a_controller_starts(tmp_path: Path
             engines, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE
         ) as plane:
             assert plane.started is not None and plane.started.orphans == (1,)
+            # cleaned off the engines before its attempt ended: nothing left for the pass
+            assert plane.started.unloaded == ()
             v = plane.ledger.state.versions[1]
             assert v.state is VersionState.FAILED_RETRYABLE  # ended, then resolved by inventory
             assert allocated.lora_name not in await names(engines[0])
+            # fenced by its attempt on every engine of its fleet, even one the dead driver
+            # never reached: a late call of that driver cannot stage it anywhere
+            for engine in engines:
+                with pytest.raises(CleanRefusal):
+                    await engine.prepare(candidate)
             history = await events(plane.ledger)
             failed = of_type(history, AttemptFailed)[0]
             assert failed.code == "ORPHANED_ATTEMPT" and not failed.clean
+            assert failed.reason == (
+                "attempt 1 was LOADING when this controller started: its driver is gone; "
+                "inventories decide"
+            )
             assert of_type(history, FatalResolved)[0].version_id == 1
             out = await plane.publisher.publish(snap, version_id=1)
             assert out.status == PublicationStatus.PUBLISHED and out.attempt == 2
@@ -489,3 +507,28 @@ async def test_publication_stays_blocked_when_reconciliation_cannot_resolve(
         log = await events(plane.ledger, after=seq)
         assert [e.engine for e in of_type(log, InventoryObserved)] == ["e0"]  # it tried, once
         assert of_type(log, VersionAllocated) == [] and 2 not in plane.ledger.state.versions
+
+
+async def test_an_orphans_cleanup_that_hangs_is_bounded_by_the_cleanup_timeout(
+    tmp_path: Path,
+) -> None:
+    """The orphan's cleanup unload never answers: the start-up pass waits ``cleanup_timeout``
+    for it, not for the engine, and ends the attempt (the inventories read next decide)."""
+    log = MemoryLog()
+    async with faulty_engines(2) as engines:
+        async with open_plane(
+            engines, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE
+        ) as plane:
+            allocated = await plane.ledger.allocate(1, adapter_copy(1).digest)
+            assert isinstance(allocated, Allocated), allocated
+            await plane.ledger.claim_transport(1, allocated.attempt, "dead-publisher")
+        engines[0].inject("unload", Delay(seconds=60.0))
+        with anyio.fail_after(30):
+            async with open_plane(
+                engines,
+                tmp_path,
+                store=MemoryStore(log),
+                probe_interval_s=IDLE,
+                cleanup_timeout=0.5,
+            ) as plane:
+                assert plane.started is not None and plane.started.orphans == (1,)

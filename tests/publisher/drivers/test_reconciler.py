@@ -37,6 +37,7 @@ from tests.publisher.plane_kit import (
     PEFT_WARNINGS,
     PROMPT,
     adapter_copy,
+    faulty_engines,
     local_engines,
     names,
     open_plane,
@@ -208,7 +209,8 @@ async def test_an_engine_gone_for_good_is_suspended_at_its_first_failed_probe(
         await wait_for("e0 suspended", lambda: ledger.state.engines["e0"].suspended, timeout=10)
         suspended = of_type(await events(ledger), EngineSuspended)
         assert [(e.engine, e.cause) for e in suspended] == [("e0", "unhealthy")]
-        assert "ENGINE_GONE" in suspended[0].detail
+        # at the first failure: gone for no time at all, and why
+        assert suspended[0].detail.startswith("gone for 0.0 s: ENGINE_GONE"), suspended[0].detail
         assert ledger.state.routable_engines() == ("e1",)
 
 
@@ -272,3 +274,26 @@ async def test_a_restart_behind_another_address_moves_the_recorded_endpoint(
             assert [e.endpoint for e in plane.ledger.status().engines] == [new_url]
             [restart] = of_type(await events(plane.ledger), EngineRestarted)
             assert (restart.endpoint, restart.kind) == (new_url, None)  # the kind is the same
+
+
+async def test_an_engine_held_out_is_neither_probed_nor_reconciled_until_let_in(
+    tmp_path: Path,
+) -> None:
+    """An engine being removed stays in the fleet while it drains, but no pass touches it: no
+    probe, no reconcile; let in again, it is read like any other."""
+    async with (
+        faulty_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE) as plane,
+    ):
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        reconciler = plane.reconciler
+        reconciler.hold_out("e1")
+        probes = engines[1].count()
+        await reconciler.health_check()
+        report = await reconciler.reconcile()
+        assert report.engines == ("e0",)
+        assert engines[1].count() == probes
+        reconciler.let_in("e1")
+        report = await reconciler.reconcile()
+        assert sorted(report.engines) == ["e0", "e1"]
+        assert engines[1].count() > probes

@@ -15,28 +15,57 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import anyio
+import msgspec
 import pytest
 
-from engines.contract import CleanRefusal, ErrorCode
+from engines.artifacts import ArtifactStore
+from engines.contract import (
+    Candidate,
+    CleanRefusal,
+    ErrorCode,
+    Generation,
+    SamplingParams,
+    Transport,
+)
+from engines.local.engine import LocalEngine
+from engines.local.tinymodel import make_adapter
+from engines.manifest import build_manifest
 from engines.testing import RestartableEngine
 from evlog.events import (
     AdapterLost,
+    CanaryRecorded,
     EngineReachable,
     EngineRestarted,
     EngineSuspended,
     EngineUnreachable,
     Event,
+    InFlight,
     InventoryObserved,
+    ServedContentMismatch,
+    VersionRestored,
 )
-from projections.registry import VersionRecord
+from projections.registry import VersionRecord, VersionState
+from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
 from publisher.drivers.plane import ControlPlane
-from publisher.drivers.reconciler import Reconciler
+from publisher.drivers.publication import PublicationError
+from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
-from tests.engines.faulty_engine import FaultyEngine, ServerError
-from tests.publisher.plane_kit import FAST, PEFT_WARNINGS, adapter_copy, faulty_engines, open_plane
-from tests.support.log import events
+from tests.engines.faulty_engine import Delay, Drop, FaultyEngine, Restart, ServerError
+from tests.publisher.drivers.test_reconciler import load_managed
+from tests.publisher.plane_kit import (
+    FAST,
+    PEFT_WARNINGS,
+    adapter_copy,
+    faulty_engines,
+    local_engines,
+    open_plane,
+)
+from tests.publisher.rollout_kit import Recording, Rig, rig
+from tests.support.log import events, of_type
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
@@ -169,6 +198,25 @@ async def test_an_answer_to_a_full_pass_ends_a_run_of_failed_probes(tmp_path: Pa
         assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1")
 
 
+async def test_a_probe_that_answers_ends_a_run_of_failed_probes(tmp_path: Path) -> None:
+    """Probes fail for 9 s (not yet long enough to suspend), then one answers: a failure long
+    after that starts a new run, and does not suspend the engine as the old run's tenth
+    second would."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock)
+        engines[1].inject("incarnation", ServerError(), times=int(SUSPEND_AFTER_S))
+        for second in range(int(SUSPEND_AFTER_S)):
+            clock.now = float(second)
+            await reconciler.health_check()
+        clock.now = SUSPEND_AFTER_S
+        await reconciler.health_check()  # it answers
+        engines[1].inject("incarnation", ServerError())
+        clock.now = 2 * SUSPEND_AFTER_S
+        await reconciler.health_check()  # one failure of a new run
+        assert not plane.ledger.state.engines["e1"].suspended
+
+
 async def test_an_engine_answering_again_is_routable_only_after_its_repair(tmp_path: Path) -> None:
     """Suspended while unreachable; it comes back as a new process (it lost every adapter) and
     cannot reload the default for a while: it stays out of routing, each failed restore
@@ -238,7 +286,8 @@ async def test_a_routable_engine_whose_reload_keeps_failing_is_suspended_once(
         assert kinds.count(AdapterLost) == 1 and kinds.count(EngineSuspended) == 1, kinds
         assert len(written) <= 3, kinds  # the loss (+ its inventory), the suspension
         suspended = next(e for e in written if isinstance(e, EngineSuspended))
-        assert suspended.cause == "lost_adapter" and "after 3 tries" in suspended.detail
+        assert suspended.cause == "lost_adapter"
+        assert suspended.detail.startswith("version 1 lost and not restored after 3 tries: ")
         assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
 
 
@@ -385,3 +434,470 @@ async def test_a_missing_adapter_and_an_engine_failure_both_reach_the_reconciler
 def going_to(engine_id: str, holders: list[str]) -> str:
     """A session id whose first choice (rendezvous) among ``holders`` is ``engine_id``."""
     return next(f"s{i}" for i in range(1000) if rendezvous(f"s{i}", holders) == engine_id)
+
+
+# --- canaries: what a path engine serves under a version's name -----------------------------
+
+
+class PathEngine(Recording):
+    """A real local engine reporting SGLang's kind (a path engine: no digest of what it loaded,
+    so the reconciler asks each held version's canary), recording every generation it is asked
+    (prompt, name, parameters); ``other_answers`` are token ids it answers instead, in order
+    (other weights under the name), one per generation."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.kind = "sglang"
+        self.asked: list[tuple[Any, str | None, SamplingParams]] = []
+        self.other_answers: list[tuple[int, ...]] = []
+
+    async def generate(
+        self, prompt: Any, lora_name: str | None, params: SamplingParams, **kwargs: Any
+    ) -> Generation:
+        self.asked.append((prompt, lora_name, params))
+        out = await super().generate(prompt, lora_name, params, **kwargs)
+        if self.other_answers:
+            return msgspec.structs.replace(out, token_ids=self.other_answers.pop(0))
+        return out
+
+
+def rig_reconciler(r: Rig, clock: Clock, tmp_path: Path, **options: Any) -> Reconciler:
+    """A reconciler of its own over a rig's ledger and fleet: its clock, an empty artifact
+    store, the fast engine timeouts."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    return Reconciler(r.ledger, r.fleet, store, timeouts=FAST, clock=clock, **options)
+
+
+def canary_reconciler(r: Rig, clock: Clock, every: float | None, tmp_path: Path) -> Reconciler:
+    return rig_reconciler(r, clock, tmp_path, canary_every_s=every)
+
+
+async def canary_answer(r: Rig, engine_id: str, name: str) -> str:
+    """What the version's canary is, asked of the real engine directly."""
+    out = await r.local[engine_id].generate(CANARY_PROMPT, name, CANARY_PARAMS)
+    return ",".join(str(t) for t in out.token_ids)
+
+
+async def test_a_path_engine_answers_each_held_versions_canary_once_per_period(
+    tmp_path: Path,
+) -> None:
+    """The canary is the fixed prompt, greedy, on the version's own name; the first answer of
+    the engine's life is the baseline, recorded as the engine gave it; it is asked again only
+    ``canary_every_s`` after the last answer (not at every pass), and while it runs it is a
+    request in flight on that version and engine (reclaim's evidence), at zero afterwards."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        await r.publish(2)
+        clock = Clock()
+        reconciler = canary_reconciler(r, clock, 10.0, tmp_path)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        await reconciler.reconcile_engine("e0")
+        assert engine.asked == [
+            (CANARY_PROMPT, r.names[1], CANARY_PARAMS),
+            (CANARY_PROMPT, r.names[2], CANARY_PARAMS),
+        ]
+        baselines = {
+            (e.engine, e.version_id, e.answer)
+            for e in of_type(await events(r.ledger), CanaryRecorded)
+        }
+        assert baselines == {
+            ("e0", 1, await canary_answer(r, "e0", r.names[1])),
+            ("e0", 2, await canary_answer(r, "e0", r.names[2])),
+        }
+        clock.now = 5.0
+        assert reconciler.inflight_evidence(1) == [
+            InFlight(reporter="canaries", engine="*", count=0, at=5.0)
+        ]
+        asked = len(engine.asked)
+        clock.now = 9.5  # not yet due: neither a probe nor a pass asks it
+        await reconciler.health_check()
+        await reconciler.reconcile_engine("e0")
+        assert len(engine.asked) == asked
+        clock.now = 10.0  # due, exactly a period after the last answer: the probe reconciles
+        await reconciler.health_check()
+        assert len(engine.asked) == asked + 2
+        # while a canary runs, it is in flight on its version and engine, and only there
+        r.local["e0"].pause_generation()
+        clock.now = 20.0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e0")
+            await wait_for("v1's canary running", lambda: r.local["e0"].refcount(r.names[1]) == 1)
+            assert reconciler.inflight_evidence(1) == [
+                InFlight(reporter="canaries", engine="e0", count=1, at=20.0)
+            ]
+            assert reconciler.inflight_evidence(2) == [
+                InFlight(reporter="canaries", engine="*", count=0, at=20.0)
+            ]
+            r.local["e0"].continue_generation()
+        assert reconciler.inflight_evidence(1) == [
+            InFlight(reporter="canaries", engine="*", count=0, at=20.0)
+        ]
+        assert r.ledger.state.engines["e0"].mismatched == {}
+
+
+async def test_only_an_other_answer_given_twice_is_a_content_mismatch(tmp_path: Path) -> None:
+    """An answer that differs from the baseline is asked again at once: one that does not
+    repeat is no evidence (nothing written); one the engine gives twice is the mismatch,
+    recorded with both answers, and the engine leaves routing for the version."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        clock = Clock()
+        reconciler = canary_reconciler(r, clock, 0.0, tmp_path)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        await reconciler.reconcile_engine("e0")
+        baseline = r.ledger.state.engines["e0"].canaries[r.names[1]]
+        seq = r.ledger.state.last_seq
+        engine.other_answers = [(1, 2, 3)]  # once: the second ask gives the baseline again
+        asked = len(engine.asked)
+        await reconciler.reconcile_engine("e0")
+        assert len(engine.asked) == asked + 2
+        assert await events(r.ledger, after=seq) == []
+        engine.other_answers = [(1, 2, 3), (1, 2, 3)]
+        await reconciler.reconcile_engine("e0")
+        found = of_type(await events(r.ledger, after=seq), ServedContentMismatch)
+        assert [(e.engine, e.version_id, e.evidence, e.expected, e.seen) for e in found] == [
+            ("e0", 1, "canary", baseline, "1,2,3")
+        ]
+        assert r.ledger.state.holders(r.names[1]) == ()
+        # its restore keeps failing (this reconciler's store lacks the bytes): suspended,
+        # saying why the version was missing
+        for _ in range(3):
+            clock.now += 100.0
+            await reconciler.reconcile_engine("e0")
+        (suspended,) = of_type(await events(r.ledger, after=seq), EngineSuspended)
+        assert suspended.cause == "lost_adapter"
+        assert suspended.detail.startswith(
+            "version 1 served with other content and not restored after 3 tries: "
+        ), suspended.detail
+
+
+@pytest.mark.parametrize(("kind", "every"), [("local", 0.0), ("sglang", None)])
+async def test_no_canary_for_an_engine_naming_its_digest_or_when_none_is_configured(
+    tmp_path: Path, kind: str, every: float | None
+) -> None:
+    """A ``local`` engine reports the digest of what it loaded (the inventory's check holds),
+    and ``canary_every_s=None`` asks none: no generation is sent by any pass."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        engine.kind = kind
+        reconciler = canary_reconciler(r, Clock(), every, tmp_path)
+        await reconciler.reconcile_engine("e0")
+        await reconciler.health_check()
+        assert engine.asked == []
+
+
+# --- restores: what is sent, and what counts as restored -------------------------------------
+
+BUCKET_BYTES = 1024  # smaller than the default: a restore's bytes go as several buckets
+
+
+class Restoring:
+    """A real local engine recording what a restore sends it: each prepared candidate, and how
+    many buckets each transfer carried."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        self.inner = inner
+        self.prepared: list[Candidate] = []
+        self.buckets: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def prepare(self, candidate: Candidate) -> Any:
+        self.prepared.append(candidate)
+        return await self.inner.prepare(candidate)
+
+    async def transfer(self, candidate: Candidate, buckets: Any) -> Any:
+        sent = [b async for b in buckets]
+        self.buckets.append(len(sent))
+        return await self.inner.transfer(candidate, aiter_buckets(sent))
+
+
+@pytest.mark.parametrize("transport", ["staged", "artifact"])
+async def test_a_restore_sends_a_staged_engine_the_bytes_and_a_path_engine_the_directory(
+    tmp_path: Path, transport: Transport
+) -> None:
+    """The version's committed candidate (name, digest, attempt) from the artifact store: a
+    staged engine gets its bytes in buckets of the configured size and no path; a path engine
+    gets the store's directory and no bytes. (Restored on an engine that joins.)"""
+    async with local_engines(3, transport=transport) as engines:
+        joining = Restoring(engines[2])
+        async with open_plane(
+            engines[:2],
+            tmp_path,
+            probe_interval_s=IDLE,
+            full_reconcile_s=IDLE,
+            suspend_after_s=None,
+        ) as plane:
+            await plane.publisher.publish(adapter_copy(1), version_id=1)
+            v1 = plane.ledger.state.versions[1]
+            plane.fleet.add(joining)  # a recording wrapper
+            reconciler = Reconciler(
+                plane.ledger,
+                plane.fleet,
+                plane.artifacts,
+                timeouts=FAST,
+                bucket_bytes=BUCKET_BYTES,
+                full_every_s=IDLE,
+                suspend_after_s=None,
+            )
+            report = await reconciler.reconcile_engine("e2")
+            assert report.restored == ("e2:1",), report
+            (candidate,) = joining.prepared
+            assert (candidate.lora_name, candidate.digest, candidate.attempt) == (
+                v1.lora_name,
+                v1.digest,
+                v1.attempt,
+            )
+            _, tensors = plane.artifacts.open(v1.digest)
+            if transport == "staged":
+                assert candidate.artifact_path is None
+                assert joining.buckets == [len(plan_buckets(tensors, BUCKET_BYTES))]
+                assert joining.buckets[0] > len(plan_buckets(tensors))
+            else:
+                assert candidate.artifact_path == str(plane.artifacts.path_for(v1.digest))
+                assert joining.buckets == [0]
+            assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1", "e2")
+
+
+async def test_a_restore_whose_load_reply_was_lost_counts_once_the_inventory_shows_it(
+    tmp_path: Path,
+) -> None:
+    """The load ran but its reply was lost: a fresh inventory of the same life, listing the
+    name with the version's digest, proves the restore (recorded in the same pass, no second
+    load)."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        reconciler = reconciler_for(plane, Clock())
+        sick = engines[1]
+        await host(sick).restart()  # a new process: it lost every adapter
+        sick.inject("load", Drop())
+        loads = sick.count("load")
+        report = await reconciler.reconcile_engine("e1")
+        assert report.restarted == ("e1",) and report.restored == ("e1:1",), report
+        assert sick.count("load") == loads + 1
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0", "e1")
+
+
+async def test_a_restore_answered_by_another_life_of_the_engine_is_not_recorded(
+    tmp_path: Path,
+) -> None:
+    """The engine restarts just before the restore's prepare reaches it: the restore ran in a
+    life the pass did not inspect, so it proves nothing for the life the ledger knows: no
+    ``VersionRestored`` is written for that life."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        reconciler = reconciler_for(plane, Clock())
+        sick = engines[1]
+        await host(sick).restart()  # a new process: it lost every adapter
+        sick.inject("prepare", Restart())  # ... and another, as the restore begins
+        seq = plane.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e1")
+        assert report.restarted == ("e1",) and report.restored == (), report
+        assert of_type(await log_after(plane, seq), VersionRestored) == []
+        assert plane.ledger.state.holders(v1.lora_name) == ("e0",)
+
+
+# --- what a probe reconciles ---------------------------------------------------------------
+
+
+async def test_a_probe_reconciles_an_engine_still_holding_a_stray(tmp_path: Path) -> None:
+    """A stray of this deployment whose unload failed stays on the engine's record: the next
+    probe (no report, no full pass) reconciles the engine again and unloads it."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        reconciler = reconciler_for(plane, Clock())
+        sick = engines[1]
+        stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
+        await load_managed(host(sick).current, stray, 51)
+        sick.inject("unload", ServerError())
+        report = await reconciler.reconcile_engine("e1")
+        assert report.unloaded == ()  # not gone: reported as an error
+        assert [e.split(": SERVER_ERROR")[0] for e in report.errors] == [f"e1: unload {stray}"]
+        assert stray in plane.ledger.state.engines["e1"].strays
+        await reconciler.health_check()
+        assert stray not in (await sick.inventory()).names()
+        assert stray not in plane.ledger.state.engines["e1"].strays
+
+
+async def test_a_probe_reconciles_a_routable_engine_lacking_a_needed_version(
+    tmp_path: Path,
+) -> None:
+    """e1 lost the default (recorded): it stays routable for the rest, and every probe -- no
+    report, no full pass -- retries the reload (backing off) until the tries run out and the
+    engine is suspended."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = reconciler_for(plane, clock, restore_backoff_s=1.0, restore_backoff_max_s=1.0)
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)
+        sick.inject("prepare", ServerError(), times=1000)
+        await reconciler.health_check({"e1"})  # a gateway's report: the loss recorded
+        member = plane.ledger.state.engines["e1"]
+        assert member.routable and v1.lora_name not in member.holds
+        prepares = sick.count("prepare")  # its first reload failed
+        for second in (1, 2):  # probes only: the second and third tries
+            clock.now = float(second)
+            await reconciler.health_check()
+        assert sick.count("prepare") == prepares + 2
+        assert plane.ledger.state.engines["e1"].suspend_cause == "lost_adapter"
+
+
+async def test_restores_back_off_from_one_second_doubling_up_to_a_minute_by_default(
+    tmp_path: Path,
+) -> None:
+    """The back-off the control plane runs with (it passes none of its own): a failing reload
+    is tried again 1 s later, then 2, 4, ... s, never more than 60 s apart."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        clock = Clock()
+        reconciler = Reconciler(
+            plane.ledger, plane.fleet, plane.artifacts, timeouts=FAST, clock=clock
+        )
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)
+        sick.inject("prepare", ServerError(), times=1000)
+        await reconciler.health_check({"e1"})  # the loss recorded, the first try fails
+        tries = sick.count("prepare")
+        for second in (1, 3, 7, 15, 31, 63, 123):  # each try due exactly then, none before
+            clock.now = second - 0.01
+            await reconciler.health_check()
+            assert sick.count("prepare") == tries, second
+            clock.now = float(second)
+            await reconciler.health_check()
+            assert sick.count("prepare") == tries + 1, second
+            tries += 1
+
+
+async def test_a_reconciler_with_no_in_flight_source_fences_and_confirms_a_reclaim(
+    tmp_path: Path,
+) -> None:
+    """Built without an in-flight source (none counted), the reconciler unloads a version
+    being reclaimed, fenced, before the engine's inventory counts for it, and the reclaim
+    completes on the inventories it reads."""
+    async with rig(engines=2) as r:
+        await r.publish(1)
+        await r.publish(2)  # v1 retired, unbound
+        driver = r.reclaimer()
+        await r.ledger.claim_reclaim(1, driver.evidence(1))
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMING
+        reconciler = Reconciler(r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"))
+        report = await reconciler.reconcile()
+        assert report.reclaimed == (1,), report
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+        assert all(r.names[1] not in e.loaded_adapters() for e in r.local.values())
+
+
+async def test_a_restore_confirmation_that_hangs_is_bounded_by_the_inventory_timeout(
+    tmp_path: Path,
+) -> None:
+    """The load's reply was lost and the inventory that should decide never answers: the
+    restore fails after ``timeouts.inventory`` (5 s here; the engine is not waited for) and
+    counts nothing."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        sick = engines[1]
+        await host(sick).restart()  # a new process: it lost every adapter
+        reconciler = Reconciler(
+            plane.ledger,
+            plane.fleet,
+            plane.artifacts,
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        sick.inject("load", Drop())
+        # the pass's own read, then the confirmation's
+        sick.inject("inventory", Delay(seconds=60.0), call=sick.count("inventory") + 2)
+        with anyio.fail_after(30):
+            report = await reconciler.reconcile_engine("e1")
+        assert report.restored == (), report
+        assert any("restore version 1" in e for e in report.errors), report
+
+
+async def test_a_probe_reconciles_an_engine_whose_word_a_reclaim_still_needs(
+    tmp_path: Path,
+) -> None:
+    """e2 joined after v1 was published (not in its fleet, never held it); v1 is being
+    reclaimed, blocking publications (an unload's reply was lost): a probe reconciles e2
+    too, whose inventory proves v1 absent, and the reclaim completes without waiting for a
+    full pass."""
+    async with rig(engines=2) as r, LocalEngine("e2") as joining:
+        store = ArtifactStore(tmp_path / "artifacts")
+        for version_id in (1, 2):
+            config, tensors = make_adapter(version_id)
+            store.put(build_manifest(config, tensors), tensors)
+        await r.publish(1)
+        await r.publish(2)  # v1 retired, unbound
+        r.fleet.add(joining)
+        reconciler = Reconciler(r.ledger, r.fleet, store, timeouts=FAST)
+        report = await reconciler.reconcile_engine("e2")
+        assert report.joined == ("e2",) and report.repaired == ("e2",), report
+        await r.ledger.claim_reclaim(1, r.reclaimer().evidence(1))
+        # its unload's reply was lost somewhere: the reclaim now blocks publications
+        await r.ledger.mark_reclaim_ambiguous(1, "e0", "the unload's reply was lost")
+        await reconciler.health_check()
+        assert r.ledger.state.versions[1].state is VersionState.RECLAIMED
+
+
+async def test_a_probe_reconciles_the_fleet_of_a_fatal_candidate(tmp_path: Path) -> None:
+    """v2's load on e1 lost its reply (fatal, blocking publications): the next probe -- no
+    report, no full pass -- reads the engines of its fleet, unloads the candidate and
+    resolves it."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        engines[1].inject("load", Drop())
+        engines[1].inject("unload", ServerError())  # and its cleanup never arrives
+        with pytest.raises(PublicationError):
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
+        assert plane.ledger.state.blocked_by() == [2]
+        name = plane.ledger.state.versions[2].lora_name
+        await reconciler_for(plane, Clock()).health_check()
+        assert plane.ledger.state.blocked_by() == []
+        assert name not in (await engines[1].inventory()).names()
+
+
+async def test_a_stray_unload_that_hangs_is_bounded_by_the_cleanup_timeout(tmp_path: Path) -> None:
+    """The engine never answers the unload of a stray: the pass gives up after
+    ``cleanup_timeout`` (shorter than the unload timeout), reports it, and goes on."""
+    async with published_on_two(tmp_path) as (engines, plane, _):
+        sick = engines[1]
+        stray = "agent@dep-99-0123456789abcdef"  # our prefix, unknown to the ledger
+        await load_managed(host(sick).current, stray, 51)
+        sick.inject("unload", Delay(seconds=60.0))
+        reconciler = Reconciler(
+            plane.ledger,
+            plane.fleet,
+            plane.artifacts,
+            timeouts=FAST,
+            cleanup_timeout=0.5,
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        with anyio.fail_after(15):
+            report = await reconciler.reconcile_engine("e1")
+        assert report.unloaded == ()
+        assert [e.split(": TIMEOUT")[0] for e in report.errors] == [f"e1: unload {stray}"]
+
+
+async def test_a_canary_that_hangs_gives_up_after_a_probe_and_an_inventory_timeout(
+    tmp_path: Path,
+) -> None:
+    """The engine never answers the canary: the pass gives up after the probe and inventory
+    timeouts together, records no baseline, and no longer counts the canary in flight."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,  # the canary's bound: 2 + 5 s
+            clock=Clock(),
+            canary_every_s=0.0,
+        )
+        r.local["e0"].pause_generation()
+        try:
+            with anyio.fail_after(20):
+                await reconciler.reconcile_engine("e0")
+        finally:
+            r.local["e0"].continue_generation()
+        assert r.ledger.state.engines["e0"].canaries == {}
+        assert [x.count for x in reconciler.inflight_evidence(1)] == [0]

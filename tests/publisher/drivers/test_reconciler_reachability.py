@@ -12,10 +12,13 @@ the log silent, for ``suspend_after_s``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
-from engines.contract import AmbiguousReply, ErrorCode
+from engines.artifacts import ArtifactStore
+from engines.contract import AmbiguousReply, CleanRefusal, ErrorCode
 from evlog.events import (
     DispatchFailures,
     EngineReachable,
@@ -23,16 +26,20 @@ from evlog.events import (
     EngineUnreachable,
     TurnFailures,
 )
-from tests.engines.faulty_engine import ServerError
+from publisher.drivers.engine_ops import EngineTimeouts
+from publisher.drivers.reconciler import Reconciler
+from tests.engines.faulty_engine import Delay, FaultyEngine, ServerError
 from tests.publisher.drivers.test_reconciler_health import (
     IDLE,
     Clock,
     log_after,
     published_on_two,
     reconciler_for,
+    rig_reconciler,
 )
-from tests.publisher.plane_kit import PEFT_WARNINGS, adapter_copy, faulty_engines, open_plane
-from tests.support.log import events
+from tests.publisher.plane_kit import FAST, PEFT_WARNINGS, adapter_copy, faulty_engines, open_plane
+from tests.publisher.rollout_kit import Rig, rig
+from tests.support.log import events, of_type
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, PEFT_WARNINGS]
@@ -145,3 +152,225 @@ async def test_a_report_about_an_earlier_life_opens_nothing(tmp_path: Path) -> N
         written = await events(plane.ledger, after=seq)
         assert [e for e in written if getattr(e, "engine", "") == "e1"] == []
         assert "e1" in plane.ledger.state.holders(v1.lora_name)
+
+
+# --- what a report says, on a hand-driven clock --------------------------------------------
+
+
+def hand_driven(r: Rig, clock: Clock, tmp_path: Path) -> Reconciler:
+    """A reconciler whose loop wakes only when a report pokes it (probes an hour apart) and
+    never suspends; ``clock`` is its own, the rig's ledger clock dates the events."""
+    return rig_reconciler(
+        r, clock, tmp_path, probe_interval_s=IDLE, full_every_s=IDLE, suspend_after_s=None
+    )
+
+
+def faulty(r: Rig, engine_id: str) -> FaultyEngine:
+    engine = r.fleet[engine_id]
+    assert isinstance(engine, FaultyEngine)
+    return engine
+
+
+async def test_a_report_is_dated_when_it_was_seen_and_only_unreachable_opens_an_outage(
+    tmp_path: Path,
+) -> None:
+    """A refusal as not loaded says nothing of reachability: no outage. A refused connection
+    reported without a life is about the life the ledger knows, dated ``age_s`` before the
+    report (when it was made without one, or a negative one: when it was made)."""
+    async with rig(engines=3, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        reconciler = hand_driven(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            reconciler.engine_trouble("e0", CleanRefusal(ErrorCode.NOT_LOADED, "not loaded"))
+            await wait_for("the report acted on", lambda: reconciler.settled)
+            assert of_type(await events(r.ledger, after=seq), EngineUnreachable) == []
+            reconciler.engine_trouble("e1", refused("e1"), age_s=2.5)
+            r.clock.now += 10.0
+            reconciler.engine_trouble("e0", refused("e0"))
+            reconciler.engine_trouble("e2", refused("e2"), age_s=-3.0)
+
+            async def outages() -> list[EngineUnreachable]:
+                return of_type(await events(r.ledger, after=seq), EngineUnreachable)
+
+            async def all_recorded() -> bool:
+                return len(await outages()) == 3
+
+            await wait_for("the three outages recorded", all_recorded)
+            tg.cancel_scope.cancel()
+        state = r.ledger.state
+        assert sorted((e.engine, e.incarnation, e.at, e.source) for e in await outages()) == [
+            ("e0", state.engines["e0"].incarnation, 1010.0, "dispatch"),
+            ("e1", state.engines["e1"].incarnation, 997.5, "dispatch"),
+            ("e2", state.engines["e2"].incarnation, 1010.0, "dispatch"),
+        ]
+
+
+async def test_only_a_sessions_failures_are_counted_against_the_outage(tmp_path: Path) -> None:
+    """A report that names no session counts no turn: the outage's ``DispatchFailures`` holds
+    only the turns of the sessions that were named."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", ServerError(), times=1000)  # it is really down
+        reconciler = hand_driven(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            reconciler.engine_trouble("e1", refused("e1"))
+            reconciler.engine_trouble("e1", refused("e1"), session="s1")
+
+            async def counted() -> bool:
+                return bool(of_type(await events(r.ledger), DispatchFailures))
+
+            await wait_for("the failures recorded", counted)
+            tg.cancel_scope.cancel()
+        (counts,) = of_type(await events(r.ledger), DispatchFailures)
+        assert counts.failures == (TurnFailures(session="s1", not_run=1),)
+
+
+async def test_reports_wake_the_loop_at_most_once_per_probe_interval(tmp_path: Path) -> None:
+    """Many reports about an engine before the next probe interval are one wake: the loop is
+    poked again by a report exactly ``probe_interval_s`` after the one that woke it, not
+    before."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        clock = Clock()
+        reconciler = hand_driven(r, clock, tmp_path)
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            await wait_for("the loop waiting", lambda: reconciler.settled)
+            reconciler.engine_trouble("e0", refused("e0"))
+            assert not reconciler.settled  # woken
+            await wait_for("the report acted on", lambda: reconciler.settled)
+            wakes = reconciler.wakes
+            clock.now = IDLE - 0.5
+            reconciler.engine_trouble("e0", refused("e0"))
+            assert reconciler.settled  # not woken again
+            clock.now = IDLE
+            reconciler.engine_trouble("e0", refused("e0"))
+            assert not reconciler.settled
+            await wait_for("the second wake done", lambda: reconciler.wakes == wakes + 1)
+            tg.cancel_scope.cancel()
+
+
+async def test_an_engine_in_the_fleet_but_not_in_the_ledger_is_reported_and_probed_harmlessly(
+    tmp_path: Path,
+) -> None:
+    """An engine that left the ledger while its handle is still in the fleet: a report about it
+    and a failed probe of it open nothing, suspend nothing, and take nothing down."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        await r.ledger.leave_engine("e1")
+        faulty(r, "e1").inject("incarnation", ServerError(), times=1000)
+        clock = Clock()
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=clock,
+            suspend_after_s=0.0,
+        )
+        seq = r.ledger.state.last_seq
+        reconciler.engine_trouble("e1", refused("e1"), session="s1")
+        for second in range(3):
+            clock.now = float(second)
+            await reconciler.health_check()
+        async with anyio.create_task_group() as tg:  # and the loop, with its counts
+            await tg.start(reconciler.run)
+            reconciler.engine_trouble("e1", refused("e1"), session="s1")
+            await wait_for("the report acted on", lambda: reconciler.settled)
+            tg.cancel_scope.cancel()
+        assert await events(r.ledger, after=seq) == []
+        assert "e1" not in r.ledger.state.engines
+
+
+async def test_the_failures_of_each_engine_in_an_outage_are_recorded_and_no_others(
+    tmp_path: Path,
+) -> None:
+    """One wake, three engines reported: e0 answers its probe (no outage: its counts are
+    dropped), e1 is down but its report named no session (nothing to count), e2 is down and
+    its session's turn is recorded against its outage."""
+    async with rig(engines=3, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        for down in ("e1", "e2"):
+            faulty(r, down).inject("incarnation", ServerError(), times=1000)
+        reconciler = hand_driven(r, Clock(), tmp_path)
+        ambiguous = AmbiguousReply(ErrorCode.SERVER_ERROR, "503", engine_id="e0")
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            reconciler.engine_trouble("e0", ambiguous, session="s0")
+            reconciler.engine_trouble("e1", refused("e1"))
+            reconciler.engine_trouble("e2", refused("e2"), session="s2")
+
+            async def counted() -> bool:
+                return bool(of_type(await events(r.ledger), DispatchFailures))
+
+            await wait_for("the failures recorded", counted)
+            await wait_for("the wake done", lambda: reconciler.settled)
+            tg.cancel_scope.cancel()
+        recorded = of_type(await events(r.ledger), DispatchFailures)
+        assert [(e.engine, e.failures) for e in recorded] == [
+            ("e2", (TurnFailures(session="s2", not_run=1),))
+        ]
+
+
+async def test_a_probe_that_hangs_is_an_outage_naming_the_call_and_the_engine(
+    tmp_path: Path,
+) -> None:
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", Delay(seconds=30.0))
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=EngineTimeouts(probe=1.0),
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        await reconciler.health_check()
+        outages = of_type(await events(r.ledger), EngineUnreachable)
+        assert [o.error for o in outages if o.engine == "e1"] == [
+            "TIMEOUT: incarnation on e1: no reply within 1s"
+        ]
+
+
+class RestartLandsWithTheOutage:
+    """The real ledger, but an engine's restart is recorded right after its outage: what a
+    restart observed between a failed probe and the suspension that probe decides looks like
+    (the ledger is shared: any pass may record it meanwhile)."""
+
+    def __init__(self, ledger: Any, new_life: str) -> None:
+        self._ledger = ledger
+        self._new_life = new_life
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+    async def report_unreachable(self, engine_id: str, life: str, **kwargs: Any) -> Any:
+        outcome = await self._ledger.report_unreachable(engine_id, life, **kwargs)
+        await self._ledger.observe_restart(engine_id, self._new_life)
+        return outcome
+
+
+async def test_a_suspension_for_failed_probes_is_for_the_life_that_failed_them(
+    tmp_path: Path,
+) -> None:
+    """The probes failed in one life; the engine restarted before the suspension was
+    recorded: the new life, which nothing has probed yet, is not suspended."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", ServerError())
+        reconciler = Reconciler(
+            RestartLandsWithTheOutage(r.ledger, "new-life"),  # type: ignore[arg-type]
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=0.0,
+        )
+        await reconciler.health_check()
+        member = r.ledger.state.engines["e1"]
+        assert member.incarnation == "new-life" and not member.suspended
+        assert of_type(await events(r.ledger), EngineSuspended) == []
