@@ -193,6 +193,24 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "remote_ledger",
+            # the remote ledger client a gateway or face reaches serve with: coalesced round
+            # trips, forwarded renewals and confirmations, trouble reports, provenance resends,
+            # the routing copy; and the routing tables serve sends it
+            ("publisher/remote/client.py", "publisher/remote/routing.py"),
+            # In process only (serve's app through httpx's ASGI transport, or uvicorn on a
+            # loopback port in the test's own process), so the mutated client is what runs.
+            (
+                "tests/publisher/remote/test_remote_client.py",  # rule by rule, in seconds
+                "tests/publisher/remote/test_routing.py",
+                "tests/publisher/remote/test_http_ledger.py",
+                "tests/publisher/remote/test_lease_confirmation.py",
+                "tests/publisher/remote/test_inflight_reaches_the_ledger_at_admission.py",
+                "tests/publisher/remote/test_provenance_to_the_ledger.py",
+            ),
+            gated=False,
+        ),
+        Campaign(
             "guard",
             # what every HTTP server checks before a handler: token, body cap, strict JSON
             ("engines/guard.py",),
