@@ -8,21 +8,33 @@ test, so the mutation campaign can run them for every mutant)."""
 
 from __future__ import annotations
 
+import json
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
 import pytest
+import structlog.testing
 
+from engines.contract import AmbiguousReply, CleanRefusal, EngineError, ErrorCode
+from evlog.errors import INVALID_INPUT, InvalidInput, LoraLedgerError, StoreCode
+from evlog.provenance_store import open_provenance
 from evlog.sqlite import SQLiteStore
 from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Bound
-from publisher.remote.http import HttpLedger, HttpTransport, ServiceClient
+from publisher.remote.client import RemoteLedger, RemoteView, Transport
+from publisher.remote.http import HttpLedger, HttpTransport, LedgerUnreachable, ServiceClient
+from publisher.remote.routing import RoutingTable
 from tests.support.ledger import publish
+from tests.support.waiting import wait_for
+from tests.tools.test_audit import _row
 from tools.http_app import build_app
 from tools.metrics import LedgerMetrics
 
@@ -42,28 +54,173 @@ async def ledger_at(path: Path) -> AsyncIterator[Ledger]:
         yield ledger
 
 
-def in_process(app: Any) -> ServiceClient:
-    """A service client of ``app`` through httpx's ASGI transport."""
-    http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url=URL,
-        headers={"authorization": f"Bearer {TOKEN}"},
-    )
-    return ServiceClient(URL, token=TOKEN, client=http)
+class Link:
+    """The network between the client and serve's app, in process. A path ``hold``-ed waits
+    until released (the request is in, not answered); a path ``cut`` raises a connection
+    error (no reply: the client cannot tell whether it ran); a path ``refuse``-d answers the
+    given error body. Every request's path is kept, in order (``seen``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.real = httpx.ASGITransport(app=app)
+        self.held: dict[str, anyio.Event] = {}
+        self.cut: set[str] = set()
+        self.drops: dict[str, int] = {}  # path -> how many requests more get no reply
+        self.refused: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        self.seen: list[str] = []
+
+    def hold(self, path: str) -> None:
+        self.held[path] = anyio.Event()
+
+    def release(self, path: str) -> None:
+        self.held.pop(path).set()
+
+    def refuse(self, path: str, code: str, times: int = 1, status: int = 503) -> None:
+        body = {"code": code, "message": f"{code} for the test", "details": {}}
+        self.refused.setdefault(path, []).extend([(status, body)] * times)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.seen.append(path)
+        if path in self.cut or self.drops.get(path, 0) > 0:
+            self.drops[path] = self.drops.get(path, 0) - 1
+            raise httpx.ConnectError(f"{path}: the link is cut", request=request)
+        if self.refused.get(path):
+            status, body = self.refused[path].pop(0)
+            return httpx.Response(status, content=json.dumps(body).encode())
+        gate = self.held.get(path)
+        if gate is not None:
+            await gate.wait()
+        return await self.real.handle_async_request(request)
+
+
+class _Transport(httpx.AsyncBaseTransport):
+    def __init__(self, link: Link) -> None:
+        self.link = link
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.link.handle_async_request(request)
+
+
+def app_of(ledger: Ledger, **options: Any) -> Any:
+    return build_app(ledger, LedgerMetrics(lambda: ledger.state), token=TOKEN, **options)
 
 
 @asynccontextmanager
 async def remote_of(
-    ledger: Ledger, *, deregister_on_exit: bool = True, **options: Any
+    target: Ledger | Link, *, deregister_on_exit: bool = True, **options: Any
 ) -> AsyncIterator[HttpLedger]:
-    """An ``HttpLedger`` of serve's app over ``ledger``, running."""
-    service = in_process(build_app(ledger, LedgerMetrics(lambda: ledger.state), token=TOKEN))
+    """An ``HttpLedger`` of serve's app (over ``target``, a ledger or the link to its app),
+    running."""
+    link = target if isinstance(target, Link) else Link(app_of(target))
+    http = httpx.AsyncClient(
+        transport=_Transport(link),
+        base_url=URL,
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    service = ServiceClient(URL, token=TOKEN, client=http)
     remote = HttpLedger(HttpTransport(service), **options)
     try:
         async with remote.running(deregister_on_exit=deregister_on_exit):
             yield remote
     finally:
         await service.aclose()
+
+
+NO_TRANSPORT = cast(Transport, object())  # for what the client decides before any call
+
+
+def table(serial: int, holders: dict[str, tuple[str, ...]], *, epoch: int = 1) -> RoutingTable:
+    return RoutingTable(epoch=epoch, serial=serial, default_revision=serial, holders=holders)
+
+
+# --- construction -----------------------------------------------------------------------------
+
+
+def test_the_documented_defaults() -> None:
+    remote = RemoteLedger(NO_TRANSPORT)
+    assert (remote.max_in_flight, remote.max_batch) == (2, 4096)
+    assert (remote.renew_interval, remote.refresh_interval) == (0.5, 1.0)
+    assert (remote.confirm_timeout, remote.count_timeout) == (None, 2.0)
+    assert remote.provenance_resend_s == (0.1, 5.0)
+    assert (remote.round_trips, remote.renewals_sent, remote.provenance_round_trips) == (0, 0, 0)
+    assert (remote.routing_polls, remote.unconfirmed) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["max_in_flight", "max_batch"])
+def test_a_bound_under_one_is_refused(name: str) -> None:
+    RemoteLedger(NO_TRANSPORT, **{name: 1})  # one is enough
+    with pytest.raises(InvalidInput) as refused:
+        RemoteLedger(NO_TRANSPORT, **{name: 0})
+    assert refused.value.code == INVALID_INPUT
+    assert refused.value.message == "max_in_flight and max_batch must be >= 1"
+
+
+@pytest.mark.parametrize(
+    "name", ["renew_interval", "refresh_interval", "confirm_timeout", "count_timeout"]
+)
+def test_a_time_that_is_not_a_finite_number_from_zero_is_refused(name: str) -> None:
+    assert getattr(RemoteLedger(NO_TRANSPORT, **{name: 0.0}), name) == 0.0
+    for bad in (-0.001, math.nan, math.inf):
+        with pytest.raises(InvalidInput) as refused:
+            RemoteLedger(NO_TRANSPORT, **{name: bad})
+        assert refused.value.code == INVALID_INPUT
+        assert refused.value.message == f"{name} must be a finite number >= 0", bad
+
+
+@pytest.mark.parametrize("name", ["refresh_interval", "confirm_timeout"])
+def test_none_turns_a_timer_off(name: str) -> None:
+    assert getattr(RemoteLedger(NO_TRANSPORT, **{name: None}), name) is None
+
+
+# --- the routing copy -------------------------------------------------------------------------
+
+
+def test_a_view_that_read_nothing_yet_routes_nowhere_and_has_no_status() -> None:
+    view = RemoteView(NO_TRANSPORT)
+    assert (view.mark, view.table, view.holders("a"), view.incarnation("e0")) == (
+        None,
+        None,
+        (),
+        "",
+    )
+    assert (view.default_revision, view.max_staleness, view.refreshes) == (0, None, 0)
+    with pytest.raises(LedgerError) as closed:
+        view.status()
+    assert closed.value.code == Code.LEDGER_CLOSED
+    assert not view.knows_unbound("s1")  # the status lists no sessions
+
+
+def test_a_view_keeps_the_newest_table_whatever_order_replies_arrive_in() -> None:
+    view = RemoteView(NO_TRANSPORT)
+    view.take(None)
+    assert view.table is None
+    second = RoutingTable(
+        epoch=1,
+        serial=2,
+        default_revision=7,
+        holders={"a": ("e0", "e1")},
+        max_staleness=3,
+        incarnations={"e0": "life-1"},
+    )
+    view.take(second)
+    assert view.table is second and view.mark == (1, 2)
+    assert (view.holders("a"), view.holders("b"), view.default_revision) == (("e0", "e1"), (), 7)
+    assert (view.max_staleness, view.incarnation("e0"), view.incarnation("e9")) == (
+        3,
+        "life-1",
+        "",
+    )
+    view.take(table(1, {}))  # an older reply, arriving late
+    view.take(table(2, {}))  # the same mark: the same table
+    view.take(None)  # unchanged since the caller's mark
+    assert view.table is second
+    newer = table(1, {"a": ("e1",)}, epoch=2)  # a later controller's first table
+    view.take(newer)
+    assert view.table is newer
+
+
+# --- commands ---------------------------------------------------------------------------------
 
 
 async def test_callers_queued_behind_a_round_trip_share_one_and_each_hears_its_own(
@@ -93,3 +250,334 @@ async def test_callers_queued_behind_a_round_trip_share_one_and_each_hears_its_o
                 f"s{k}-a",
                 f"s{k}-b",
             ]
+
+
+@pytest.mark.parametrize(("max_batch", "round_trips"), [(3, 4), (4, 2), (8, 1)])
+async def test_a_round_trip_carries_whole_callers_up_to_max_batch_commands(
+    tmp_path: Path, max_batch: int, round_trips: int
+) -> None:
+    """Four callers of two commands each: as many callers per round trip as ``max_batch``
+    holds (a caller's commands are never split); a caller larger than it still goes alone."""
+    async with (
+        ledger_at(tmp_path / "ledger.db") as ledger,
+        remote_of(ledger, max_in_flight=1, max_batch=max_batch) as remote,
+    ):
+        await remote.register_owner("w")
+        before = remote.round_trips
+        async with anyio.create_task_group() as tg:
+            for k in range(4):
+                tg.start_soon(
+                    remote.execute_many,
+                    [c.Bind(session=f"s{k}-a", owner="w"), c.Bind(session=f"s{k}-b", owner="w")],
+                )
+        assert remote.round_trips - before == round_trips
+        big = [c.Bind(session=f"big-{k}", owner="w") for k in range(max_batch + 1)]
+        results = await remote.execute_many(big)
+        assert all(isinstance(r, Bound) for r in results) and len(results) == len(big)
+        assert remote.round_trips - before == round_trips + 1
+
+
+async def test_no_commands_cost_no_round_trip_and_a_client_not_running_refuses(
+    tmp_path: Path,
+) -> None:
+    remote = RemoteLedger(NO_TRANSPORT)
+    assert await remote.execute_many([]) == []
+    with pytest.raises(LedgerError) as closed:
+        await remote.execute_many([c.Bind(session="s1", owner="w")])
+    assert closed.value.code == Code.LEDGER_CLOSED
+    assert closed.value.message == "the ledger client is not connected"
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        async with remote_of(ledger) as running:
+            before = running.round_trips
+            assert await running.execute_many([]) == []
+            assert running.round_trips == before
+        with pytest.raises(LedgerError) as after:
+            await running.execute_many([c.Bind(session="s1", owner="w")])
+        assert after.value.code == Code.LEDGER_CLOSED
+
+
+async def test_execute_returns_the_outcome_or_raises_the_refusal(tmp_path: Path) -> None:
+    async with (
+        ledger_at(tmp_path / "ledger.db") as ledger,
+        remote_of(ledger, refresh_interval=None) as remote,
+    ):
+        await remote.register_owner("w")
+        bound = await remote.execute(c.Bind(session="s1", owner="w"))
+        assert isinstance(bound, Bound) and bound.version_id == 1
+        with pytest.raises(LoraLedgerError) as refused:
+            await remote.execute(c.Allocate(version_id=2, digest="0" * 64))
+        assert refused.value.code == INVALID_INPUT
+        assert remote.view.status().sessions_bound == 0  # the copy read at connect
+        status = await remote.status()  # read now, not the view's copy
+        assert (status.sessions_bound, status.last_seq) == (1, ledger.state.last_seq)
+
+
+async def test_a_round_trip_with_no_reply_fails_every_caller_of_it_and_the_next_goes_on(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, max_in_flight=1) as remote:
+            await remote.register_owner("w")
+            link.cut.add("/sessions/commands")
+            heard: list[str] = []
+
+            async def caller(k: int) -> None:
+                try:
+                    await remote.execute_many([c.Bind(session=f"s{k}", owner="w")])
+                    heard.append("answered")
+                except LedgerUnreachable:
+                    heard.append("unreachable")
+
+            async with anyio.create_task_group() as tg:
+                for k in range(3):
+                    tg.start_soon(caller, k)
+            assert heard == ["unreachable"] * 3
+            assert link.seen.count("/sessions/commands") == 1  # one group, sent once
+            link.cut.clear()
+            assert isinstance(await remote.execute(c.Bind(session="s0", owner="w")), Bound)
+
+
+# --- engine trouble ---------------------------------------------------------------------------
+
+
+class Heard:
+    """The reconciler's ``engine_trouble``, as serve's service calls it: every report kept,
+    with when it arrived."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+
+    def __call__(
+        self,
+        engine_id: str,
+        error: EngineError,
+        /,
+        *,
+        incarnation: str = "",
+        failures: tuple[Any, ...] = (),
+        age_s: float = 0.0,
+        reporter: str = "",
+    ) -> None:
+        self.reports.append(
+            {
+                "engine": engine_id,
+                "code": error.code,
+                "clean": error.clean,
+                "dispatched": error.dispatched,
+                "incarnation": incarnation,
+                "failures": [(f.session, f.not_run, f.ambiguous) for f in failures],
+                "age_s": age_s,
+                "reporter": reporter,
+                "at": time.monotonic(),
+            }
+        )
+
+    def by_code(self) -> dict[str, dict[str, Any]]:
+        return {r["code"]: r for r in self.reports}
+
+
+TROUBLE = "/engines/e0/trouble"
+
+
+async def test_engine_trouble_goes_one_report_per_engine_and_kind_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """While a report of one kind is on its way, the next errors of that kind wait and their
+    failed turns are counted per session, to go with the next report (dated by its first
+    error); a report of another kind (could not reach it, lacks the adapter) does not wait.
+    Each report names the life it was routed to and the owners that report."""
+    heard = Heard()
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger, report_trouble=heard))
+        async with remote_of(link) as remote:
+            await remote.register_owner("w2")
+            await remote.register_owner("w1")
+            link.hold(TROUBLE)
+            failed_at = {"TIMEOUT": time.monotonic()}
+            remote.engine_failed("e0", AmbiguousReply("TIMEOUT", "no answer"), session="s1")
+            await wait_for("the first report sent", lambda: link.seen.count(TROUBLE) == 1)
+            failed_at["ENGINE_5XX"] = time.monotonic()
+            later = AmbiguousReply("ENGINE_5XX", "HTTP 502")
+            remote.engine_failed("e0", later, session="s1", incarnation="life-1")
+            remote.engine_failed("e0", AmbiguousReply("OTHER", "x"), session="s2")
+            remote.engine_failed("e0", later, session="s1", incarnation="life-9")
+            failed_at[ErrorCode.ENGINE_UNREACHABLE] = time.monotonic()
+            refused = AmbiguousReply(ErrorCode.ENGINE_UNREACHABLE, "refused", dispatched=False)
+            remote.engine_failed("e0", refused, session="s3", incarnation="life-1")
+            failed_at[ErrorCode.NOT_LOADED] = time.monotonic()
+            missing = CleanRefusal(ErrorCode.NOT_LOADED, "no such adapter")
+            remote.engine_failed("e0", missing, session="s4", incarnation="life-1")
+            await wait_for("three kinds on their way", lambda: link.seen.count(TROUBLE) == 3)
+            link.release(TROUBLE)
+            await wait_for("the fourth report", lambda: len(heard.reports) == 4)
+            reports = heard.by_code()
+            assert reports["TIMEOUT"]["failures"] == [("s1", 0, 1)]
+            assert reports["TIMEOUT"]["incarnation"] == ""
+            # the errors that came while it was on its way: one report, the first error's life
+            assert reports["ENGINE_5XX"]["failures"] == [("s1", 0, 2), ("s2", 0, 1)]
+            assert reports["ENGINE_5XX"]["incarnation"] == "life-1"
+            assert "OTHER" not in reports
+            unreachable = reports[ErrorCode.ENGINE_UNREACHABLE]
+            assert (unreachable["failures"], unreachable["dispatched"]) == ([("s3", 1, 0)], False)
+            lacking = reports[ErrorCode.NOT_LOADED]
+            assert (lacking["failures"], lacking["clean"]) == ([], True)  # proved, not a failure
+            for code, report in reports.items():
+                assert report["engine"] == "e0"
+                assert report["reporter"] == "w1, w2"
+                assert 0.0 <= report["age_s"] <= report["at"] - failed_at[code], code
+            # nothing pending: the next error is a report of its own, at once
+            remote.engine_failed("e0", AmbiguousReply("TIMEOUT", "again"), session="s5")
+            await wait_for("a fifth report", lambda: len(heard.reports) == 5)
+            assert heard.reports[-1]["failures"] == [("s5", 0, 1)]
+
+
+async def test_a_lost_trouble_report_is_logged_and_the_next_one_is_sent(tmp_path: Path) -> None:
+    heard = Heard()
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger, report_trouble=heard))
+        async with remote_of(link) as remote:
+            long_names = ["a" * 150, "b" * 150]
+            for owner in long_names:
+                await remote.register_owner(owner)
+            link.drops[TROUBLE] = 1
+            with structlog.testing.capture_logs() as logs:
+                remote.engine_failed("e0", AmbiguousReply("TIMEOUT", "lost"), session="s1")
+                await wait_for("the report's loss logged", lambda: len(logs) > 0)
+            assert [x["event"] for x in logs] == ["remote.trouble_report_failed"]
+            remote.engine_failed("e0", AmbiguousReply("TIMEOUT", "heard"), session="s2")
+            await wait_for("the next report", lambda: len(heard.reports) == 1)
+            assert heard.reports[0]["failures"] == [("s2", 0, 1)]  # the lost one's are gone
+            assert heard.reports[0]["reporter"] == ", ".join(long_names)[:200]
+
+
+def test_engine_trouble_outside_a_running_client_is_dropped_without_raising() -> None:
+    RemoteLedger(NO_TRANSPORT).engine_failed("e0", AmbiguousReply("TIMEOUT", "x"), session="s")
+
+
+# --- provenance -------------------------------------------------------------------------------
+
+PROVENANCE = "/provenance"
+
+
+@asynccontextmanager
+async def with_store(path: Path) -> AsyncIterator[tuple[Link, Any]]:
+    async with (
+        SQLiteStore.open(path) as store,
+        Ledger.open(store) as ledger,
+        open_provenance(path) as provenance,
+    ):
+        yield Link(app_of(ledger, provenance=provenance)), provenance
+
+
+def _rows(n: int, prefix: str = "row") -> list[Any]:
+    return [_row("s", k, 1, started=1000.0 + k, row_id=f"{prefix}-{k}") for k in range(n)]
+
+
+async def test_provenance_is_sent_again_after_a_wait_that_doubles_up_to_the_longest(
+    tmp_path: Path,
+) -> None:
+    async with with_store(tmp_path / "ledger.db") as (link, store):
+        async with remote_of(link) as remote:
+            remote.provenance_resend_s = (0.01, 0.03)
+            link.drops[PROVENANCE] = 4
+            with structlog.testing.capture_logs() as logs:
+                await remote.store_provenance(_rows(2))
+            assert remote.provenance_round_trips == 5
+        waits = [x["in_s"] for x in logs if x["event"] == "remote.provenance_resend"]
+        assert waits == [0.01, 0.02, 0.03, 0.03]
+        assert await store.count() == 2
+
+
+@pytest.mark.parametrize(
+    "code",
+    [Code.LEDGER_CLOSED, Code.FENCED, StoreCode.STORE_FAILED, StoreCode.STORE_CLOSED],
+)
+async def test_provenance_refused_for_now_is_sent_again(tmp_path: Path, code: str) -> None:
+    async with with_store(tmp_path / "ledger.db") as (link, store):
+        async with remote_of(link) as remote:
+            remote.provenance_resend_s = (0.01, 0.01)
+            link.refuse(PROVENANCE, code, times=2)
+            await remote.store_provenance(_rows(1))
+            assert remote.provenance_round_trips == 3
+        assert await store.count() == 1
+
+
+async def test_provenance_refused_for_good_is_raised_at_once(tmp_path: Path) -> None:
+    async with with_store(tmp_path / "ledger.db") as (link, store):
+        async with remote_of(link) as remote:
+            link.refuse(PROVENANCE, StoreCode.CORRUPT_STORE, status=500)
+            with pytest.raises(LoraLedgerError) as refused:
+                await remote.store_provenance(_rows(1))
+            assert refused.value.code == StoreCode.CORRUPT_STORE
+            assert remote.provenance_round_trips == 1
+            await remote.store_provenance(_rows(1, "next"))  # the client goes on
+        assert await store.count() == 1
+
+
+async def test_no_rows_cost_no_round_trip_and_a_client_not_running_refuses(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(LedgerError) as closed:
+        await RemoteLedger(NO_TRANSPORT).store_provenance(_rows(1))
+    assert closed.value.code == Code.LEDGER_CLOSED
+    assert closed.value.message == "the ledger client is not connected"
+    async with with_store(tmp_path / "ledger.db") as (link, store):
+        async with remote_of(link) as remote:
+            await remote.store_provenance([])
+            assert remote.provenance_round_trips == 0
+            await remote.provenance_sink().write(_rows(3))  # a recorder's sink: the same call
+            assert remote.provenance_round_trips == 1
+        assert await store.count() == 3
+
+
+# --- a clean exit -----------------------------------------------------------------------------
+
+
+async def test_a_clean_exit_ends_the_owners_registered_through_the_client(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link) as remote:
+            await remote.register_owner("w1", incarnation="a")
+            await remote.register_owner("w2")
+            await remote.register_owner("w3")
+            await remote.deregister_owner("w3")  # ended already: not asked again
+            await remote.execute(c.Bind(session="s1", owner="w1", incarnation="a"))
+        owners = ledger.state.owners
+        assert owners["w1"].exited and owners["w2"].exited and owners["w3"].exited
+        assert "s1" not in ledger.state.sessions
+        assert link.seen.count("/owners/w3/deregister") == 1
+        async with remote_of(link, deregister_on_exit=False) as remote:
+            await remote.register_owner("kept")
+        assert ledger.state.owners["kept"].live
+
+
+async def test_an_exit_on_an_error_leaves_the_owners_to_their_leases(tmp_path: Path) -> None:
+    async def fail_inside(ledger: Ledger) -> None:
+        async with remote_of(ledger) as remote:
+            await remote.register_owner("w")
+            raise RuntimeError("the process fails")
+
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        with pytest.raises(BaseExceptionGroup) as failed:
+            await fail_inside(ledger)
+        assert failed.group_contains(RuntimeError)
+        assert ledger.state.owners["w"].live
+
+
+async def test_an_exit_tolerates_owners_ended_elsewhere_and_a_ledger_out_of_reach(
+    tmp_path: Path,
+) -> None:
+    """A life replaced by another process has nothing to end (said nowhere); a ledger out of
+    reach leaves the rest to their leases, logged; the exit itself never fails for either."""
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        with structlog.testing.capture_logs() as logs:
+            async with remote_of(link) as remote:
+                await remote.register_owner("replaced", incarnation="a", secret="s" * 64)
+                await remote.register_owner("cut-off")
+                await ledger.register_owner("replaced", incarnation="b", secret="t" * 64)
+                link.cut.add("/owners/cut-off/deregister")
+        failed = [x for x in logs if x["event"] == "remote.deregister_failed"]
+        assert [x["owner"] for x in failed] == ["cut-off"], logs
+        assert ledger.state.owners["cut-off"].live
