@@ -91,6 +91,8 @@ class Link:
         gate = self.held.get(path)
         if gate is not None:
             await gate.wait()
+            if path in self.cut:
+                raise httpx.ReadError(f"{path}: the reply was lost", request=request)
         return await self.real.handle_async_request(request)
 
 
@@ -581,3 +583,324 @@ async def test_an_exit_tolerates_owners_ended_elsewhere_and_a_ledger_out_of_reac
         failed = [x for x in logs if x["event"] == "remote.deregister_failed"]
         assert [x["owner"] for x in failed] == ["cut-off"], logs
         assert ledger.state.owners["cut-off"].live
+
+
+# --- renewals, in-flight counts, confirmations --------------------------------------------------
+
+RENEW = "/leases/renew"
+KEY = ("e0", 1)
+
+
+def counted(ledger: Ledger, owner: str = "w") -> int:
+    """What serve's ledger counts in flight on version 1 from ``owner``'s lives."""
+    return sum(x.count for x in ledger.inflight_evidence(1) if x.reporter == owner)
+
+
+async def test_a_first_count_is_on_the_ledger_before_the_confirmation_returns(
+    tmp_path: Path,
+) -> None:
+    """A count on a key the ledger may hold at zero is forwarded now and waited for; later
+    counts on it ride the renewal interval (here an hour), not a round trip each."""
+    async with (
+        ledger_at(tmp_path / "ledger.db") as ledger,
+        remote_of(ledger, renew_interval=3600.0, refresh_interval=None) as remote,
+    ):
+        await remote.register_owner("w")
+        remote.renew_lease("w", {KEY: 1})
+        await remote.confirm_lease("w")
+        assert counted(ledger) == 1
+        sent = remote.renewals_sent
+        remote.renew_lease("w", {KEY: 2})
+        await remote.confirm_lease("w")  # seen by the ledger already: from memory
+        assert (remote.renewals_sent, counted(ledger), remote.unconfirmed) == (sent, 1, 0)
+
+
+async def test_a_first_count_waits_for_the_ledger_at_most_count_timeout(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, count_timeout=0.2, refresh_interval=None) as remote:
+            await remote.register_owner("w")
+            link.hold(RENEW)
+            remote.renew_lease("w", {KEY: 1})
+            with anyio.fail_after(30):
+                await remote.confirm_lease("w")  # unanswered: goes on under the last answer
+            assert remote.unconfirmed == 1
+            link.release(RENEW)
+            await wait_for("the count reaches the ledger", lambda: counted(ledger) == 1)
+
+
+async def test_the_last_counts_are_forwarded_when_the_client_exits(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        async with remote_of(
+            ledger, renew_interval=3600.0, refresh_interval=None, deregister_on_exit=False
+        ) as remote:
+            await remote.register_owner("w")
+            remote.renew_lease("w", {KEY: 1})
+            await remote.confirm_lease("w")
+            assert counted(ledger) == 1
+            remote.renew_lease("w", {KEY: 0})
+        assert counted(ledger) == 0
+
+
+async def test_a_renewal_with_no_reply_is_sent_again_with_the_newest_counts(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, renew_interval=0.05, refresh_interval=None) as remote:
+            await remote.register_owner("w")
+            remote.renew_lease("w")
+            await wait_for("a renewal answered", lambda: remote.renewals_sent > 0)
+            link.drops[RENEW] = 1
+            with structlog.testing.capture_logs() as logs:
+                remote.renew_lease("w", {KEY: 3})
+                await wait_for("the count reaches the ledger", lambda: counted(ledger) == 3)
+            assert "remote.renew_failed" in [x["event"] for x in logs]
+
+
+async def test_a_life_the_ledger_ended_is_refused_by_the_next_renewal_and_then_from_memory(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, renew_interval=0.05, refresh_interval=None) as remote:
+            await remote.register_owner("w", incarnation="a")
+            await ledger.register_owner("w", incarnation="b", secret="b" * 64)
+
+            def refused() -> bool:
+                try:
+                    remote.renew_lease("w", incarnation="a")
+                except LoraLedgerError as exc:
+                    return exc.code == Code.OWNER_RESTARTED
+                return False
+
+            await wait_for("the renewal's refusal heard", refused)
+            asked = link.seen.count(RENEW)
+            with pytest.raises(LoraLedgerError) as known:
+                await remote.confirm_lease("w", incarnation="a")
+            assert known.value.code == Code.OWNER_RESTARTED
+            assert link.seen.count(RENEW) == asked  # known: not asked again
+
+
+async def test_a_refusal_that_does_not_end_the_life_is_heard_by_a_confirmation_only(
+    tmp_path: Path,
+) -> None:
+    """A renewal refused for its secret is logged; the life goes on (the next renewal, with
+    the right secret, is answered), and a confirmation waiting for it hears that refusal."""
+    async with (
+        ledger_at(tmp_path / "ledger.db") as ledger,
+        remote_of(ledger, confirm_timeout=10.0, refresh_interval=None) as remote,
+    ):
+        await remote.register_owner("w", secret="s" * 64)
+        await remote.confirm_lease("w")
+        with structlog.testing.capture_logs() as logs:
+            with pytest.raises(LoraLedgerError) as refused:
+                await remote.confirm_lease("w", secret="x" * 64)
+            assert refused.value.code == Code.OWNER_SECRET_MISMATCH
+            remote.renew_lease("w", secret="x" * 64)  # nothing known that ends it
+        assert "remote.renew_refused" in [x["event"] for x in logs]
+        await remote.confirm_lease("w", secret="s" * 64)
+        assert remote.unconfirmed == 0
+
+
+async def test_an_unanswered_confirmation_lets_the_next_ones_go_on_until_a_renewal_is_answered(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, confirm_timeout=0.2, refresh_interval=None) as remote:
+            await remote.register_owner("w")
+            await remote.confirm_lease("w")
+            assert remote.unconfirmed == 0
+            sent = remote.renewals_sent
+            link.hold(RENEW)
+            await remote.confirm_lease("w")  # waited confirm_timeout, then went on
+            assert remote.unconfirmed == 1
+            remote.confirm_timeout = 3600.0
+            with anyio.fail_after(30):  # out of reach: the next ones do not wait
+                await remote.confirm_lease("w")
+                await remote.confirm_lease("w")
+            assert remote.unconfirmed == 3
+            link.release(RENEW)
+            await wait_for("a renewal answered again", lambda: remote.renewals_sent > sent)
+            with anyio.fail_after(30):
+                await remote.confirm_lease("w")  # answered again: waits for the ledger
+            assert remote.unconfirmed == 3
+
+
+async def test_a_confirmation_needs_a_running_client() -> None:
+    idle = RemoteLedger(NO_TRANSPORT)
+    await idle.confirm_lease("w")  # nothing to confirm: from memory, as renew_lease
+    with pytest.raises(LedgerError) as closed:
+        await RemoteLedger(NO_TRANSPORT, confirm_timeout=1.0).confirm_lease("w")
+    assert closed.value.code == Code.LEDGER_CLOSED
+    assert closed.value.message == "the ledger client is not connected"
+
+
+# --- the view's reads -------------------------------------------------------------------------
+
+
+async def test_callers_during_a_refresh_share_its_read_and_its_failure(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, refresh_interval=None) as remote:
+            refreshes = remote.view.refreshes
+            link.hold("/status")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(remote.refresh)
+                await wait_for("the read under way", lambda: "/status" in link.held)
+                await wait_for("its status asked", lambda: link.seen.count("/status") == 2)
+                tg.start_soon(remote.refresh)
+                await anyio.wait_all_tasks_blocked()
+                link.release("/status")
+            assert remote.view.refreshes == refreshes + 1
+            assert link.seen.count("/status") == 2  # connect's, and the shared one
+            link.hold("/status")
+            link.cut.add("/status")
+            heard: list[str] = []
+
+            async def refresh() -> None:
+                try:
+                    await remote.refresh()
+                except LedgerUnreachable:
+                    heard.append("unreachable")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(refresh)
+                await wait_for("the read under way", lambda: link.seen.count("/status") == 3)
+                tg.start_soon(refresh)
+                await anyio.wait_all_tasks_blocked()
+                link.release("/status")
+            assert heard == ["unreachable", "unreachable"]
+            assert remote.view.refreshes == refreshes + 1
+
+
+async def test_a_cancelled_refresh_is_heard_as_closed_by_whoever_waited_for_it(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, refresh_interval=None) as remote:
+            link.hold("/status")
+            heard: list[str] = []
+
+            async def follower() -> None:
+                try:
+                    await remote.refresh()
+                except LedgerError as exc:
+                    heard.append(f"{exc.code}: {exc.message}")
+
+            leader = anyio.CancelScope()
+
+            async def lead() -> None:
+                with leader:
+                    await remote.refresh()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lead)
+                await wait_for("the read under way", lambda: link.seen.count("/status") == 2)
+                tg.start_soon(follower)
+                await anyio.wait_all_tasks_blocked()
+                leader.cancel()
+            assert heard == ["LEDGER_CLOSED: the refresh was cancelled"]
+            link.release("/status")
+            await remote.refresh()  # the next one reads again
+
+
+async def test_the_view_is_read_every_refresh_interval_and_a_failed_read_is_logged(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, refresh_interval=0.05) as remote:
+            await wait_for("two refreshes", lambda: remote.view.refreshes >= 2)
+            with structlog.testing.capture_logs() as logs:
+                link.cut.add("/status")
+                await wait_for("a failed refresh logged", lambda: len(logs) > 0)
+                link.cut.clear()
+                again = remote.view.refreshes
+                await wait_for("refreshed again", lambda: remote.view.refreshes > again)
+            assert "remote.refresh_failed" in [x["event"] for x in logs]
+
+
+async def test_the_long_poll_brings_every_routing_change_and_rides_over_a_failure(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        lora = ledger.state.versions[1].lora_name
+        link = Link(app_of(ledger))
+        async with remote_of(link, refresh_interval=None) as remote:
+            assert remote.view.holders(lora) == ("e0",)
+            await ledger.report_unreachable(
+                "e0", "life-1", at=ledger.clock(), error="ENGINE_UNREACHABLE: x", source="probe"
+            )
+            await wait_for("the outage routed", lambda: remote.view.holders(lora) == ())
+            assert remote.routing_polls >= 1
+            with structlog.testing.capture_logs() as logs:
+                link.cut.add("/routing")
+                await wait_for("a failed poll logged", lambda: len(logs) > 0)
+                assert logs[0]["event"] == "remote.routing_watch_failed"
+                link.cut.clear()
+                await ledger.report_reachable("e0", "life-1", at=ledger.clock())
+                await wait_for("the repair routed", lambda: remote.view.holders(lora) == ("e0",))
+
+
+# --- the client's life ------------------------------------------------------------------------
+
+
+async def test_calls_under_way_when_the_client_exits_hear_it_was_closed(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        heard: list[str] = []
+
+        async def caller(remote: HttpLedger, session: str) -> None:
+            try:
+                await remote.execute_many([c.Bind(session=session, owner="w")])
+            except LedgerError as exc:
+                heard.append(f"{session}: {exc.code}: {exc.message}")
+
+        async with (
+            anyio.create_task_group() as tg,
+            remote_of(link, max_in_flight=1, deregister_on_exit=False) as remote,
+        ):
+            await remote.register_owner("w")
+            link.hold("/sessions/commands")
+            tg.start_soon(caller, remote, "sent")
+            await wait_for("sent", lambda: "/sessions/commands" in link.seen)
+            tg.start_soon(caller, remote, "queued")
+            await anyio.wait_all_tasks_blocked()
+        assert sorted(heard) == [
+            "queued: LEDGER_CLOSED: the ledger client was closed",
+            "sent: LEDGER_CLOSED: the ledger client was closed",
+        ]
+
+
+async def test_a_client_that_cannot_read_the_view_does_not_start(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        link.refuse("/routing", "UNAUTHORIZED", status=401)
+        with pytest.raises(LoraLedgerError):
+            async with remote_of(link):
+                pass
+        assert link.seen == ["/routing"]
+
+
+async def test_binds_and_releases_carry_the_lives_secret(tmp_path: Path) -> None:
+    """serve refuses a bind or release from another process without the life's secret: the
+    client adds the one it keeps (its life named by the command, or the one registered here),
+    and never replaces one the caller gave."""
+    async with ledger_at(tmp_path / "ledger.db") as ledger, remote_of(ledger) as remote:
+        await remote.register_owner("w", incarnation="a")
+        await remote.register_owner("v")
+        assert isinstance(await remote.execute(c.Bind(session="s1", owner="w")), Bound)
+        assert isinstance(
+            await remote.execute(c.Bind(session="s2", owner="w", incarnation="a")), Bound
+        )
+        assert isinstance(await remote.execute(c.Bind(session="s3", owner="v")), Bound)
+        await remote.execute(c.Release(session="s1", owner="w", cause="closed"))
+        assert "s1" not in ledger.state.sessions
+        with pytest.raises(LoraLedgerError) as wrong:
+            await remote.execute(c.Bind(session="s4", owner="w", secret="x" * 64))
+        assert wrong.value.code == Code.OWNER_SECRET_MISMATCH
+        digests = {ledger.state.owners[o].secret_digest for o in ("w", "v")}
+        assert len(digests) == 2 and "" not in digests  # a secret of its own, made here
