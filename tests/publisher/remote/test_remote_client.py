@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -29,9 +29,10 @@ from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Bound
-from publisher.remote.client import RemoteLedger, RemoteView, Transport
+from publisher.remote.client import Answered, RemoteLedger, RemoteView, Transport
 from publisher.remote.http import HttpLedger, HttpTransport, LedgerUnreachable, ServiceClient
-from publisher.remote.routing import RoutingTable
+from publisher.remote.routing import Mark, RoutingTable
+from publisher.remote.service import TroubleBatch
 from tests.support.ledger import publish
 from tests.support.waiting import wait_for
 from tests.tools.test_audit import _row
@@ -68,6 +69,7 @@ class Link:
         self.drops: dict[str, int] = {}  # path -> how many requests more get no reply
         self.refused: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self.seen: list[str] = []
+        self.late: dict[str, anyio.Event] = {}  # path -> replies held until it is set
 
     def hold(self, path: str) -> None:
         self.held[path] = anyio.Event()
@@ -93,7 +95,28 @@ class Link:
             await gate.wait()
             if path in self.cut:
                 raise httpx.ReadError(f"{path}: the reply was lost", request=request)
-        return await self.real.handle_async_request(request)
+        reply = await self.real.handle_async_request(request)
+        while (late := self.late.get(path)) is not None:  # answered there, not back yet
+            await late.wait()
+        return reply
+
+
+class Recording(HttpTransport):
+    """``HttpLedger``'s own transport, keeping what the client hands it: each execute's mark
+    and each trouble report's batch (what the wire then carries is the transport's affair)."""
+
+    def __init__(self, service: ServiceClient) -> None:
+        super().__init__(service)
+        self.marks: list[Mark | None] = []
+        self.batches: list[TroubleBatch] = []
+
+    async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered:
+        self.marks.append(mark)
+        return await super().execute(commands, mark)
+
+    async def report_trouble(self, engine_id: str, error: EngineError, batch: TroubleBatch) -> None:
+        self.batches.append(batch)
+        await super().report_trouble(engine_id, error, batch)
 
 
 class _Transport(httpx.AsyncBaseTransport):
@@ -121,7 +144,7 @@ async def remote_of(
         headers={"authorization": f"Bearer {TOKEN}"},
     )
     service = ServiceClient(URL, token=TOKEN, client=http)
-    remote = HttpLedger(HttpTransport(service), **options)
+    remote = HttpLedger(Recording(service), **options)
     try:
         async with remote.running(deregister_on_exit=deregister_on_exit):
             yield remote
@@ -190,6 +213,7 @@ def test_a_view_that_read_nothing_yet_routes_nowhere_and_has_no_status() -> None
     with pytest.raises(LedgerError) as closed:
         view.status()
     assert closed.value.code == Code.LEDGER_CLOSED
+    assert closed.value.message == "no status read from the ledger yet"
     assert not view.knows_unbound("s1")  # the status lists no sessions
 
 
@@ -904,3 +928,137 @@ async def test_binds_and_releases_carry_the_lives_secret(tmp_path: Path) -> None
         assert wrong.value.code == Code.OWNER_SECRET_MISMATCH
         digests = {ledger.state.owners[o].secret_digest for o in ("w", "v")}
         assert len(digests) == 2 and "" not in digests  # a secret of its own, made here
+
+
+# --- what the client hands its transport ---------------------------------------------------------
+
+COMMANDS = "/sessions/commands"
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+async def test_at_most_max_in_flight_round_trips_are_under_way(
+    tmp_path: Path, max_in_flight: int
+) -> None:
+    """Callers beyond ``max_in_flight`` round trips under way wait, and go together in the
+    next one; twice over (a round trip that ended frees its place, no more)."""
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, max_in_flight=max_in_flight) as remote:
+            await remote.register_owner("w")
+            for again in range(2):
+                sent = link.seen.count(COMMANDS)
+                link.hold(COMMANDS)
+                async with anyio.create_task_group() as tg:
+                    for k in range(max_in_flight):
+                        tg.start_soon(remote.execute, c.Bind(session=f"a{again}{k}", owner="w"))
+                        expected = sent + k + 1
+                        await wait_for(
+                            "sent",
+                            lambda n=expected: link.seen.count(COMMANDS) == n,  # type: ignore[misc]
+                        )
+                    for k in range(3):
+                        tg.start_soon(remote.execute, c.Bind(session=f"b{again}{k}", owner="w"))
+                    await anyio.wait_all_tasks_blocked()
+                    assert link.seen.count(COMMANDS) == sent + max_in_flight
+                    link.release(COMMANDS)
+                assert link.seen.count(COMMANDS) == sent + max_in_flight + 1
+            assert all(f"b1{k}" in ledger.state.sessions for k in range(3))
+
+
+async def test_a_reply_brings_the_routing_it_was_decided_under(tmp_path: Path) -> None:
+    """Each round trip names the table the view holds; a bind's reply carries the routing
+    after it (here a publication the long poll has not brought yet), so the gateway routes to
+    the version bound."""
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, refresh_interval=None) as remote:
+            await remote.register_owner("w")
+            link.late["/routing"] = anyio.Event()  # the long poll's answers stay away
+            await publish(ledger, 2)
+            assert remote.view.default_revision == 1
+            mark = remote.view.mark
+            bound = await remote.execute(c.Bind(session="s1", owner="w"))
+            assert isinstance(bound, Bound) and bound.version_id == 2
+            assert remote.view.default_revision == 2
+            assert cast(Recording, remote.transport).marks[-1] == mark
+            link.late.pop("/routing").set()
+
+
+async def test_trouble_batches_carry_the_reporters_and_no_session_when_none_was_named(
+    tmp_path: Path,
+) -> None:
+    heard = Heard()
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger, report_trouble=heard))
+        async with remote_of(link) as remote:
+            owners = ["b" * 150, "a" * 150]
+            for owner in owners:
+                await remote.register_owner(owner)
+            remote.engine_failed("e0", AmbiguousReply("TIMEOUT", "no answer"))
+            await wait_for("the report", lambda: len(heard.reports) == 1)
+        (batch,) = cast(Recording, remote.transport).batches
+        assert batch.reporter == ("a" * 150 + ", " + "b" * 150)[:200]
+        assert batch.failures == ()  # a failure of no session counts no turn
+
+
+async def test_concurrent_provenance_goes_one_round_trip_at_a_time(tmp_path: Path) -> None:
+    async with with_store(tmp_path / "ledger.db") as (link, store):
+        async with remote_of(link) as remote:
+            link.hold(PROVENANCE)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(remote.store_provenance, _rows(1, "first"))
+                await wait_for("sent", lambda: link.seen.count(PROVENANCE) == 1)
+                for k in range(4):
+                    tg.start_soon(remote.store_provenance, _rows(1, f"next{k}"))
+                await anyio.wait_all_tasks_blocked()
+                assert link.seen.count(PROVENANCE) == 1
+                link.release(PROVENANCE)
+            assert remote.provenance_round_trips == 2
+        assert await store.count() == 5
+
+
+async def test_an_owner_registered_with_its_defaults_and_a_relays_idle_bound(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger, remote_of(ledger) as remote:
+        await remote.register_owner("w")
+        await remote.register_owner("relay", sessions_idle_s=60.0, ttl_s=5.0)
+        owners = ledger.state.owners
+        assert (owners["w"].ttl_s, owners["w"].sessions_idle_s) == (30.0, None)
+        assert (owners["relay"].ttl_s, owners["relay"].sessions_idle_s) == (5.0, 60.0)
+
+
+async def test_a_registration_makes_an_earlier_refusal_of_the_life_moot(tmp_path: Path) -> None:
+    async with (
+        ledger_at(tmp_path / "ledger.db") as ledger,
+        remote_of(ledger, renew_interval=0.05, refresh_interval=None) as remote,
+    ):
+
+        def refused() -> bool:
+            try:
+                remote.renew_lease("late")  # never registered
+            except LoraLedgerError as exc:
+                return exc.code == Code.UNKNOWN_OWNER
+            return False
+
+        await wait_for("the renewal's refusal heard", refused)
+        await remote.register_owner("late")
+        remote.renew_lease("late")  # raises no more
+
+
+async def test_an_owner_not_registered_here_deregisters_and_its_life_is_forwarded_no_more(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, renew_interval=3600.0, refresh_interval=None) as remote:
+            await ledger.register_owner("local", secret="l" * 64)  # in serve's process
+            await remote.deregister_owner("local", secret="l" * 64)
+            assert ledger.state.owners["local"].exited
+            await remote.register_owner("w")
+            remote.renew_lease("w")
+            await wait_for("a renewal answered", lambda: remote.renewals_sent == 1)
+            remote.renew_lease("w", {KEY: 0})  # pending until the next tick (an hour)
+            await remote.deregister_owner("w")
+            renewals = link.seen.count(RENEW)
+        assert link.seen.count(RENEW) == renewals  # the exit's last forward had nothing of w
