@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -29,8 +29,9 @@ from publisher.core import commands as c
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Bound
-from publisher.remote.client import Answered, RemoteLedger, RemoteView, Transport
+from publisher.remote.client import Answered, RemoteLedger, RemoteView, Renewed, Transport
 from publisher.remote.http import HttpLedger, HttpTransport, LedgerUnreachable, ServiceClient
+from publisher.remote.renewals import Counts, Life
 from publisher.remote.routing import Mark, RoutingTable
 from publisher.remote.service import TroubleBatch
 from tests.support.ledger import publish
@@ -69,7 +70,8 @@ class Link:
         self.drops: dict[str, int] = {}  # path -> how many requests more get no reply
         self.refused: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self.seen: list[str] = []
-        self.late: dict[str, anyio.Event] = {}  # path -> replies held until it is set
+        # path (or "poll": the routing's long poll) -> its replies held until the event is set
+        self.late: dict[str, anyio.Event] = {}
 
     def hold(self, path: str) -> None:
         self.held[path] = anyio.Event()
@@ -96,8 +98,9 @@ class Link:
             if path in self.cut:
                 raise httpx.ReadError(f"{path}: the reply was lost", request=request)
         reply = await self.real.handle_async_request(request)
-        while (late := self.late.get(path)) is not None:  # answered there, not back yet
-            await late.wait()
+        poll = path == "/routing" and "wait" in request.url.params
+        while (late := self.late.get("poll" if poll else path)) is not None:
+            await late.wait()  # answered there, not back yet
         return reply
 
 
@@ -108,7 +111,18 @@ class Recording(HttpTransport):
     def __init__(self, service: ServiceClient) -> None:
         super().__init__(service)
         self.marks: list[Mark | None] = []
+        self.renewal_marks: list[Mark | None] = []
         self.batches: list[TroubleBatch] = []
+
+    async def renew(
+        self,
+        lives: Mapping[Life, Counts],
+        mark: Mark | None,
+        sessions: Mapping[Life, Sequence[str]],
+        secrets: Mapping[Life, str],
+    ) -> Renewed:
+        self.renewal_marks.append(mark)
+        return await super().renew(lives, mark, sessions, secrets)
 
     async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered:
         self.marks.append(mark)
@@ -625,18 +639,22 @@ async def test_a_first_count_is_on_the_ledger_before_the_confirmation_returns(
 ) -> None:
     """A count on a key the ledger may hold at zero is forwarded now and waited for; later
     counts on it ride the renewal interval (here an hour), not a round trip each."""
-    async with (
-        ledger_at(tmp_path / "ledger.db") as ledger,
-        remote_of(ledger, renew_interval=3600.0, refresh_interval=None) as remote,
-    ):
-        await remote.register_owner("w")
-        remote.renew_lease("w", {KEY: 1})
-        await remote.confirm_lease("w")
-        assert counted(ledger) == 1
-        sent = remote.renewals_sent
-        remote.renew_lease("w", {KEY: 2})
-        await remote.confirm_lease("w")  # seen by the ledger already: from memory
-        assert (remote.renewals_sent, counted(ledger), remote.unconfirmed) == (sent, 1, 0)
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, renew_interval=3600.0, refresh_interval=None) as remote:
+            await remote.register_owner("w")
+            remote.renew_lease("w")
+            await wait_for("the first renewal", lambda: remote.renewals_sent == 1)
+            remote.renew_lease("w", {KEY: 1})
+            await remote.confirm_lease("w")
+            assert counted(ledger) == 1
+            sent = remote.renewals_sent
+            assert sent == link.seen.count(RENEW) >= 2  # each one answered, counted once
+            remote.renew_lease("w", {KEY: 2})
+            await remote.confirm_lease("w")  # seen by the ledger already: from memory
+            assert (remote.renewals_sent, counted(ledger), remote.unconfirmed) == (sent, 1, 0)
+            marks = cast(Recording, remote.transport).renewal_marks
+            assert marks and set(marks) == {remote.view.mark}  # the table the view holds
 
 
 async def test_a_first_count_waits_for_the_ledger_at_most_count_timeout(tmp_path: Path) -> None:
@@ -859,7 +877,17 @@ async def test_the_long_poll_brings_every_routing_change_and_rides_over_a_failur
                 "e0", "life-1", at=ledger.clock(), error="ENGINE_UNREACHABLE: x", source="probe"
             )
             await wait_for("the outage routed", lambda: remote.view.holders(lora) == ())
-            assert remote.routing_polls >= 1
+            await ledger.report_reachable("e0", "life-1", at=ledger.clock())
+            await wait_for("the repair routed", lambda: remote.view.holders(lora) == ("e0",))
+            await publish(ledger, 2)
+            await wait_for("the publication routed", lambda: remote.view.default_revision == 2)
+            # every poll answered is counted once (connect's read, and one poll in flight)
+            seen = link.seen.count("/routing")
+            assert seen - 2 <= remote.routing_polls <= seen - 1, (seen, remote.routing_polls)
+            await ledger.report_unreachable(
+                "e0", "life-1", at=ledger.clock(), error="ENGINE_UNREACHABLE: x", source="probe"
+            )
+            await wait_for("the outage routed", lambda: remote.view.holders(lora) == ())
             with structlog.testing.capture_logs() as logs:
                 link.cut.add("/routing")
                 await wait_for("a failed poll logged", lambda: len(logs) > 0)
@@ -973,7 +1001,7 @@ async def test_a_reply_brings_the_routing_it_was_decided_under(tmp_path: Path) -
         link = Link(app_of(ledger))
         async with remote_of(link, refresh_interval=None) as remote:
             await remote.register_owner("w")
-            link.late["/routing"] = anyio.Event()  # the long poll's answers stay away
+            link.late["poll"] = anyio.Event()  # the long poll's answers stay away
             await publish(ledger, 2)
             assert remote.view.default_revision == 1
             mark = remote.view.mark
@@ -981,7 +1009,7 @@ async def test_a_reply_brings_the_routing_it_was_decided_under(tmp_path: Path) -
             assert isinstance(bound, Bound) and bound.version_id == 2
             assert remote.view.default_revision == 2
             assert cast(Recording, remote.transport).marks[-1] == mark
-            link.late.pop("/routing").set()
+            link.late.pop("poll").set()
 
 
 async def test_trouble_batches_carry_the_reporters_and_no_session_when_none_was_named(
@@ -1062,3 +1090,35 @@ async def test_an_owner_not_registered_here_deregisters_and_its_life_is_forwarde
             await remote.deregister_owner("w")
             renewals = link.seen.count(RENEW)
         assert link.seen.count(RENEW) == renewals  # the exit's last forward had nothing of w
+
+
+async def test_a_refresh_and_a_renewal_bring_the_routing_too(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, refresh_interval=None, renew_interval=0.05) as remote:
+            await remote.register_owner("w")
+            link.late["poll"] = anyio.Event()  # the long poll's answers stay away
+            await publish(ledger, 2)
+            await remote.refresh()
+            assert remote.view.default_revision == 2
+            await publish(ledger, 3)
+            remote.renew_lease("w")
+            sent = remote.renewals_sent
+            await wait_for("a renewal answered", lambda: remote.renewals_sent > sent)
+            assert remote.view.default_revision == 3
+            link.late.pop("poll").set()
+
+
+async def test_a_renewal_with_no_reply_lets_confirmations_go_on(tmp_path: Path) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, confirm_timeout=3600.0, refresh_interval=None) as remote:
+            await remote.register_owner("w")
+            link.cut.add(RENEW)
+            with structlog.testing.capture_logs() as logs:
+                remote.renew_lease("w")
+                await wait_for("the forward failed", lambda: len(logs) > 0)
+            assert logs[0]["event"] == "remote.renew_failed"
+            with anyio.fail_after(30):  # out of reach: not an hour
+                await remote.confirm_lease("w")
+            assert remote.unconfirmed == 1
