@@ -112,6 +112,7 @@ class Recording(HttpTransport):
         super().__init__(service)
         self.marks: list[Mark | None] = []
         self.renewal_marks: list[Mark | None] = []
+        self.renewal_sessions: list[dict[Life, tuple[str, ...]]] = []
         self.batches: list[TroubleBatch] = []
 
     async def renew(
@@ -122,6 +123,7 @@ class Recording(HttpTransport):
         secrets: Mapping[Life, str],
     ) -> Renewed:
         self.renewal_marks.append(mark)
+        self.renewal_sessions.append({life: tuple(ids) for life, ids in sessions.items()})
         return await super().renew(lives, mark, sessions, secrets)
 
     async def execute(self, commands: Sequence[c.Command], mark: Mark | None) -> Answered:
@@ -1122,3 +1124,28 @@ async def test_a_renewal_with_no_reply_lets_confirmations_go_on(tmp_path: Path) 
             with anyio.fail_after(30):  # out of reach: not an hour
                 await remote.confirm_lease("w")
             assert remote.unconfirmed == 1
+
+
+async def test_a_relays_sessions_of_a_renewal_with_no_reply_go_with_the_next(
+    tmp_path: Path,
+) -> None:
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, renew_interval=0.05, refresh_interval=None) as remote:
+            await remote.register_owner("relay", sessions_idle_s=60.0)
+            link.drops[RENEW] = 1
+            remote.renew_lease("relay", sessions=["s1", "s2"])
+            sent = cast(Recording, remote.transport).renewal_sessions
+            await wait_for("sent again", lambda: remote.renewals_sent == 1)
+            assert sent[0] == sent[-1] == {("relay", ""): ("s1", "s2")}
+
+
+async def test_a_life_that_ended_here_is_never_sent_its_secret_again(tmp_path: Path) -> None:
+    """The client forgets a life's secret when it deregisters: a later bind for it goes
+    without one (and is refused for that), never proving an ended life."""
+    async with ledger_at(tmp_path / "ledger.db") as ledger, remote_of(ledger) as remote:
+        await remote.register_owner("w")
+        await remote.deregister_owner("w")
+        with pytest.raises(LoraLedgerError) as refused:
+            await remote.execute(c.Bind(session="s1", owner="w"))
+        assert refused.value.code == Code.OWNER_SECRET_MISMATCH
