@@ -201,17 +201,20 @@ def test_a_bound_under_one_is_refused(name: str) -> None:
     "name", ["renew_interval", "refresh_interval", "confirm_timeout", "count_timeout"]
 )
 def test_a_time_that_is_not_a_finite_number_from_zero_is_refused(name: str) -> None:
-    assert getattr(RemoteLedger(NO_TRANSPORT, **{name: 0.0}), name) == 0.0
+    zero: dict[str, Any] = {name: 0.0}
+    assert getattr(RemoteLedger(NO_TRANSPORT, **zero), name) == 0.0
     for bad in (-0.001, math.nan, math.inf):
+        options: dict[str, Any] = {name: bad}
         with pytest.raises(InvalidInput) as refused:
-            RemoteLedger(NO_TRANSPORT, **{name: bad})
+            RemoteLedger(NO_TRANSPORT, **options)
         assert refused.value.code == INVALID_INPUT
         assert refused.value.message == f"{name} must be a finite number >= 0", bad
 
 
 @pytest.mark.parametrize("name", ["refresh_interval", "confirm_timeout"])
 def test_none_turns_a_timer_off(name: str) -> None:
-    assert getattr(RemoteLedger(NO_TRANSPORT, **{name: None}), name) is None
+    off: dict[str, Any] = {name: None}
+    assert getattr(RemoteLedger(NO_TRANSPORT, **off), name) is None
 
 
 # --- the routing copy -------------------------------------------------------------------------
