@@ -454,6 +454,7 @@ async def test_engine_trouble_goes_one_report_per_engine_and_kind_at_a_time(
             missing = CleanRefusal(ErrorCode.NOT_LOADED, "no such adapter")
             remote.engine_failed("e0", missing, session="s4", incarnation="life-1")
             await wait_for("three kinds on their way", lambda: link.seen.count(TROUBLE) == 3)
+            released_at = time.monotonic()
             link.release(TROUBLE)
             await wait_for("the fourth report", lambda: len(heard.reports) == 4)
             reports = heard.by_code()
@@ -462,6 +463,8 @@ async def test_engine_trouble_goes_one_report_per_engine_and_kind_at_a_time(
             # the errors that came while it was on its way: one report, the first error's life
             assert reports["ENGINE_5XX"]["failures"] == [("s1", 0, 2), ("s2", 0, 1)]
             assert reports["ENGINE_5XX"]["incarnation"] == "life-1"
+            waited = released_at - failed_at["ENGINE_5XX"]  # before it could leave at all
+            assert 0.0 < waited <= reports["ENGINE_5XX"]["age_s"]
             assert "OTHER" not in reports
             unreachable = reports[ErrorCode.ENGINE_UNREACHABLE]
             assert (unreachable["failures"], unreachable["dispatched"]) == ([("s3", 1, 0)], False)
@@ -803,7 +806,6 @@ async def test_callers_during_a_refresh_share_its_read_and_its_failure(tmp_path:
             assert remote.view.refreshes == refreshes + 1
             assert link.seen.count("/status") == 2  # connect's, and the shared one
             link.hold("/status")
-            link.cut.add("/status")
             heard: list[str] = []
 
             async def refresh() -> None:
@@ -815,10 +817,12 @@ async def test_callers_during_a_refresh_share_its_read_and_its_failure(tmp_path:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(refresh)
                 await wait_for("the read under way", lambda: link.seen.count("/status") == 3)
+                link.cut.add("/status")  # its reply is lost
                 tg.start_soon(refresh)
                 await anyio.wait_all_tasks_blocked()
                 link.release("/status")
             assert heard == ["unreachable", "unreachable"]
+            assert link.seen.count("/status") == 3  # one read, failed for both
             assert remote.view.refreshes == refreshes + 1
 
 
@@ -1124,9 +1128,12 @@ async def test_a_renewal_with_no_reply_lets_confirmations_go_on(tmp_path: Path) 
                 remote.renew_lease("w")
                 await wait_for("the forward failed", lambda: len(logs) > 0)
             assert logs[0]["event"] == "remote.renew_failed"
+            link.cut.clear()
+            link.hold(RENEW)  # the next forward is not answered either
             with anyio.fail_after(30):  # out of reach: not an hour
                 await remote.confirm_lease("w")
             assert remote.unconfirmed == 1
+            link.release(RENEW)
 
 
 async def test_a_relays_sessions_of_a_renewal_with_no_reply_go_with_the_next(
@@ -1152,3 +1159,83 @@ async def test_a_life_that_ended_here_is_never_sent_its_secret_again(tmp_path: P
         with pytest.raises(LoraLedgerError) as refused:
             await remote.execute(c.Bind(session="s1", owner="w"))
         assert refused.value.code == Code.OWNER_SECRET_MISMATCH
+
+
+async def test_a_life_registered_elsewhere_is_proven_by_the_secret_its_renewal_gave(
+    tmp_path: Path,
+) -> None:
+    """A life this client did not register (its worker registered it in serve's process):
+    its renewal goes with the secret the caller gave, and that secret proves the life's binds
+    as well. One without a secret is refused alone, not the forward it went in."""
+    async with (
+        ledger_at(tmp_path / "ledger.db") as ledger,
+        remote_of(ledger, renew_interval=0.05, refresh_interval=None) as remote,
+    ):
+        await ledger.register_owner("w", secret="s" * 64)
+        await ledger.register_owner("plain")
+        with structlog.testing.capture_logs() as logs:
+            remote.renew_lease("plain", {KEY: 2})
+            remote.renew_lease("w", {KEY: 1}, secret="s" * 64)
+            await wait_for("w's count", lambda: counted(ledger) == 1)
+        refused = [x for x in logs if x["event"] == "remote.renew_refused"]
+        assert refused and refused[0]["owner"] == "plain"
+        assert refused[0]["code"] == Code.OWNER_SECRET_MISMATCH
+        assert isinstance(await remote.execute(c.Bind(session="s1", owner="w")), Bound)
+
+
+async def test_a_first_count_is_waited_for_count_timeout_not_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``confirm_timeout``, a first count waits for the ledger ``count_timeout``
+    (here a quarter of a second), the bound given, whatever it is. Read from the waits the
+    client asks anyio for: the wall clock would depend on the scheduler."""
+    waits: list[float | None] = []
+    real = anyio.move_on_after
+
+    def move_on_after(delay: float | None, shield: bool = False) -> anyio.CancelScope:
+        waits.append(delay)
+        return real(delay, shield=shield)
+
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(
+            link, count_timeout=0.25, renew_interval=3600.0, refresh_interval=None
+        ) as remote:
+            await remote.register_owner("w")
+            link.hold(RENEW)
+            monkeypatch.setattr(anyio, "move_on_after", move_on_after)
+            remote.renew_lease("w", {KEY: 1})
+            await remote.confirm_lease("w")
+            monkeypatch.undo()
+            assert 0.25 in waits and remote.unconfirmed == 1
+            link.release(RENEW)
+
+
+async def test_a_refusal_an_earlier_renewal_brought_ends_a_confirmation_left_unanswered(
+    tmp_path: Path,
+) -> None:
+    """The confirmation's own renewal got no reply, but the forward before it (under way when
+    the confirmation began) brought the ledger's refusal of the life: that is raised."""
+    async with ledger_at(tmp_path / "ledger.db") as ledger:
+        link = Link(app_of(ledger))
+        async with remote_of(link, confirm_timeout=10.0, refresh_interval=None) as remote:
+            await remote.register_owner("w", incarnation="a")
+            link.hold(RENEW)
+            remote.renew_lease("w", incarnation="a")
+            await wait_for("a forward under way", lambda: RENEW in link.seen)
+            await ledger.register_owner("w", incarnation="b", secret="b" * 64)
+            async with anyio.create_task_group() as tg:
+                heard: list[str] = []
+
+                async def confirm() -> None:
+                    try:
+                        await remote.confirm_lease("w", incarnation="a")
+                    except LoraLedgerError as exc:
+                        heard.append(exc.code)
+
+                tg.start_soon(confirm)
+                await anyio.wait_all_tasks_blocked()
+                link.drops[RENEW] = 1  # the confirmation's own forward: no reply
+                link.release(RENEW)
+            assert heard == [Code.OWNER_RESTARTED]
+            assert link.seen.count(RENEW) == 2
