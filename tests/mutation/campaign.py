@@ -208,7 +208,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/remote/test_remote_client.py",
                 "tests/publisher/remote/test_routing.py",
             ),
-            gated=False,
+            gated=True,
         ),
         Campaign(
             "guard",
