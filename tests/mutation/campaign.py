@@ -209,6 +209,24 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "remote_ledger",
+            # the remote ledger client a gateway or face reaches serve with: coalesced round
+            # trips, forwarded renewals and confirmations, trouble reports, provenance resends,
+            # the routing copy; and the routing tables serve sends it
+            ("publisher/remote/client.py", "publisher/remote/routing.py"),
+            # In process: serve's app through httpx's ASGI transport, so the mutated client is
+            # what runs, a fraction of a second a test. The loopback tests of the same client
+            # (test_http_ledger.py, test_lease_confirmation.py, test_provenance_to_the_ledger.py,
+            # test_inflight_reaches_the_ledger_at_admission.py: uvicorn per test, whose
+            # shutdown waits 2 s for the client's long poll) are left to the suite:
+            # test_remote_client.py states each of their client rules on the client itself.
+            (
+                "tests/publisher/remote/test_remote_client.py",
+                "tests/publisher/remote/test_routing.py",
+            ),
+            gated=True,
+        ),
+        Campaign(
             "guard",
             # what every HTTP server checks before a handler: token, body cap, strict JSON
             ("engines/guard.py",),
