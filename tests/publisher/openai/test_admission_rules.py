@@ -123,11 +123,16 @@ def test_a_cached_binding_is_gone_when_its_version_is_reclaimed_unlisted_or_unbo
         default=4,
     )
     admission = Admission(SnapshotView(snapshot), "policy")
-    assert "policy@v1 is RECLAIMING" in closed(admission, bound(1))
-    assert "policy@v2 is RECLAIMED" in closed(admission, bound(2))
-    assert "no session is bound to policy@v3 any more" in closed(admission, bound(3))
-    assert "policy@v9 is gone" in closed(admission, bound(9))
-    assert "released elsewhere" in closed(admission, bound(9))
+    for version_id, why in [
+        (1, "policy@v1 is RECLAIMING"),
+        (2, "policy@v2 is RECLAIMED"),
+        (3, "no session is bound to policy@v3 any more"),
+        (9, "policy@v9 is gone"),
+    ]:
+        assert closed(admission, bound(version_id)) == (
+            f"session s1 was released elsewhere ({why}): another gateway process or its idle "
+            "release ended it; start a new session"
+        )
     assert admission.binding_gone(bound(4)) is None
     assert Admission(SnapshotView(None), "policy").binding_gone(bound(1)) is None
 
@@ -192,18 +197,30 @@ async def test_a_first_turn_naming_a_version_not_the_default_is_refused_only_whe
     otherwise the bind decides (the session may be bound to that version already)."""
     snapshot = status(version(1, "RETIRED"), version(2, "PUBLISHED"), default=2)
     admission = Admission(SnapshotView(snapshot, unbound=frozenset({"fresh"})), "policy")
-    one_turn = await admission.before_bind(ask("policy@v1", session=None))
-    assert one_turn is not None and one_turn[0] == OpenAICode.VERSION_NOT_BOUND
-    assert "one-turn" in one_turn[1] and "policy@v2 (version 2)" in one_turn[1]
-    fresh = await admission.before_bind(ask("policy@v1", session="fresh"))
-    assert fresh is not None and fresh[0] == OpenAICode.VERSION_NOT_BOUND
-    assert "session fresh is not bound yet" in fresh[1]
+    rest = (
+        "model 'policy@v1' (version 1) is served only to sessions already bound to it: send "
+        "'policy', or that version's name on a session bound to it"
+    )
+    assert await admission.before_bind(ask("policy@v1", session=None)) == (
+        OpenAICode.VERSION_NOT_BOUND,
+        "a request without a session id is a new one-turn session, and a first turn binds to "
+        f"the current default, policy@v2 (version 2); {rest}",
+    )
+    assert await admission.before_bind(ask("policy@v1", session="fresh")) == (
+        OpenAICode.VERSION_NOT_BOUND,
+        "session fresh is not bound yet, and a first turn binds to the current default, "
+        f"policy@v2 (version 2); {rest}",
+    )
     assert await admission.before_bind(ask("policy@v1", session="maybe-bound")) is None
     no_default = status(version(1, "RETIRED"), default=None)
     refusal = await Admission(SnapshotView(no_default), "policy").before_bind(
         ask("policy@v1", session=None)
     )
-    assert refusal is not None and "the default once one is published" in refusal[1]
+    assert refusal == (
+        OpenAICode.VERSION_NOT_BOUND,
+        "a request without a session id is a new one-turn session, and a first turn binds to "
+        f"the default once one is published; {rest}",
+    )
 
 
 async def test_without_a_status_or_a_readable_ledger_the_bind_decides() -> None:
