@@ -184,6 +184,12 @@ async def test_models_retrieve_answers_the_entry_of_the_list(tmp_path: Path) -> 
         raw = await client.models.with_raw_response.retrieve(v1)
         assert raw.headers["content-type"] == "application/json"
         assert raw.parse().created == 1234
+        async with httpx.AsyncClient(base_url=r.url, headers=AUTH, trust_env=False) as http:
+            listing = await http.get("/v1/models")
+        assert listing.status_code == 200
+        assert listing.headers["content-type"] == "application/json"
+        assert set(listing.json()) == {"object", "data"} and listing.json()["object"] == "list"
+        assert {card["created"] for card in listing.json()["data"]} == {1234}
         with pytest.raises(openai.AuthenticationError):
             await client.with_options(api_key="nope").models.retrieve("policy")
 
