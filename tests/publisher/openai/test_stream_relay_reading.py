@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from engines.contract import ErrorCode
 from publisher.openai.admission import Ask, parse_ask
-from publisher.openai.relay import UsageReader, _relay_stream, _stream_error
+from publisher.openai.relay import EngineRoute, UsageReader, _refusal, _relay_stream, _stream_error
 
 pytestmark = pytest.mark.anyio
 
@@ -147,3 +148,26 @@ async def test_the_served_name_is_read_from_the_first_event_that_has_one() -> No
     first = b'data: {"id":"c1","model":"policy@v1","choices":[{"index":0,"delta":{}}]}'
     _, _, reader = await relay(first + b"\n\n", _DONE + b"\n\n")
     assert reader.served == "policy@v1"
+
+
+async def test_an_engines_refusal_is_read_by_its_own_adapters_rule() -> None:
+    """vLLM's 404 "The model `<name>` does not exist." is ``NOT_LOADED`` only for a vLLM
+    engine and only for the adapter that was asked for; a body that is not JSON keeps the
+    engine's status alone."""
+    vllm = EngineRoute(engine_id="v1", kind="vllm", base_url="http://127.0.0.1:1")
+    missing = {
+        "error": {
+            "message": "The model `policy@v1` does not exist.",
+            "type": "NotFoundError",
+            "param": None,
+            "code": 404,
+        }
+    }
+    refusal = await _refusal(httpx.Response(404, json=missing), vllm, "policy@v1")
+    assert (refusal.code, refusal.status, refusal.engine_id) == (ErrorCode.NOT_LOADED, 404, "v1")
+    other = await _refusal(httpx.Response(404, json=missing), vllm, "policy@v2")
+    assert other.code == "404"
+    local = EngineRoute(engine_id="e1", kind="local", base_url="http://127.0.0.1:1")
+    assert (await _refusal(httpx.Response(404, json=missing), local, "policy@v1")).code == "404"
+    garbled = await _refusal(httpx.Response(400, content=b"<html>"), vllm, "policy@v1")
+    assert (garbled.code, garbled.message, garbled.status) == ("", "HTTP 400", 400)
