@@ -16,8 +16,16 @@ import httpx
 import pytest
 
 from engines.contract import ErrorCode
+from publisher.core.outcomes import Bound
 from publisher.openai.admission import Ask, parse_ask
-from publisher.openai.relay import EngineRoute, UsageReader, _refusal, _relay_stream, _stream_error
+from publisher.openai.relay import (
+    EngineRoute,
+    UsageReader,
+    _headers_for,
+    _refusal,
+    _relay_stream,
+    _stream_error,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -171,3 +179,37 @@ async def test_an_engines_refusal_is_read_by_its_own_adapters_rule() -> None:
     assert (await _refusal(httpx.Response(404, json=missing), local, "policy@v1")).code == "404"
     garbled = await _refusal(httpx.Response(400, content=b"<html>"), vllm, "policy@v1")
     assert (garbled.code, garbled.message, garbled.status) == ("", "HTTP 400", 400)
+
+
+def test_the_reply_carries_its_provenance_headers_before_the_first_byte() -> None:
+    bound = Bound(
+        session="s1", version_id=3, lora_name="policy@v3", digest="d3", revision=3, new=False
+    )
+    route = EngineRoute(engine_id="e1", kind="local", base_url="http://127.0.0.1:1")
+    sse = httpx.Response(200, headers={"content-type": "text/event-stream"})
+    assert _headers_for(ask(usage=False), bound, route, 2, sse) == [
+        (b"content-type", b"text/event-stream"),
+        (b"x-loraledger-version", b"3"),
+        (b"x-loraledger-digest", b"d3"),
+        (b"x-loraledger-engine", b"e1"),
+        (b"x-loraledger-staleness", b"2"),
+        (b"x-request-id", b"rid-1"),
+        (b"x-session-id", b"s1"),
+        (b"cache-control", b"no-cache"),
+    ]
+    one_turn = parse_ask(
+        b'{"model": "policy"}',
+        {"x-request-id": "rid-2"},
+        chat=False,
+        alias="policy",
+        max_body_bytes=1 << 20,
+        one_turn_prefix="gw",
+    )
+    assert _headers_for(one_turn, bound, route, 0, httpx.Response(200)) == [
+        (b"content-type", b"application/json"),  # the engine said nothing: JSON
+        (b"x-loraledger-version", b"3"),
+        (b"x-loraledger-digest", b"d3"),
+        (b"x-loraledger-engine", b"e1"),
+        (b"x-loraledger-staleness", b"0"),
+        (b"x-request-id", b"rid-2"),
+    ]
