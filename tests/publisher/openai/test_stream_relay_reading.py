@@ -127,6 +127,13 @@ async def test_a_whole_stream_is_relayed_as_it_came_and_the_usage_chunk_only_whe
     assert outcome is None and events_of(sent) == [_CHUNK, _FINISH, _USAGE, _DONE]
 
 
+async def test_events_of_one_read_are_all_relayed_past_a_dropped_usage_chunk() -> None:
+    one_read = _CHUNK + b"\n\n" + _USAGE + b"\n\n" + _DONE + b"\n\n"
+    outcome, sent, reader = await relay(one_read)
+    assert outcome is None and events_of(sent) == [_CHUNK, _DONE]
+    assert reader.completion == 3
+
+
 async def test_done_without_its_blank_line_still_ends_the_stream() -> None:
     outcome, sent, _ = await relay(_CHUNK + b"\n\n", _FINISH + b"\n\n", _DONE)
     assert outcome is None
@@ -139,6 +146,10 @@ async def test_an_error_event_is_relayed_once_and_the_row_says_engine_error() ->
     outcome, sent, _ = await relay(_CHUNK + b"\n\n" + error + b"\n\n", _DONE + b"\n\n")
     assert outcome == "engine_error"
     assert events_of(sent) == [_CHUNK, error, _DONE]
+    # the first error decides: a later chunk whose text is "error" does not undo it
+    says_error = b'data: {"choices":[{"index":0,"delta":{"content":"error"}}]}'
+    outcome, _, _ = await relay(error + b"\n\n", says_error + b"\n\n", _DONE + b"\n\n")
+    assert outcome == "engine_error"
 
 
 async def test_a_stream_cut_before_done_ends_with_an_ambiguous_error_event() -> None:
