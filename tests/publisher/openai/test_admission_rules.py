@@ -144,6 +144,7 @@ def test_what_models_lists_the_alias_then_each_version_engines_hold_or_may_serve
         version(3, "RETIRED"),
         version(4, "PUBLISHED"),
         version(5, "LOADING"),
+        version(6, "PUBLISHED"),  # published, held by no engine yet: listed, not routable
         default=4,
     )
     view = SnapshotView(snapshot, holders={"policy@v2": ("e1",), "policy@v4": ("e1", "e2")})
@@ -157,7 +158,8 @@ def test_what_models_lists_the_alias_then_each_version_engines_hold_or_may_serve
         "parent": None,
         "default_version": 4,
     }
-    assert [c["id"] for c in cards[1:]] == ["policy@v2", "policy@v3", "policy@v4"]
+    assert [c["id"] for c in cards[1:]] == ["policy@v2", "policy@v3", "policy@v4", "policy@v6"]
+    assert cards[4]["routable"] is False
     assert cards[3] == {
         "id": "policy@v4",
         "object": "model",
