@@ -21,6 +21,7 @@ from publisher.openai.admission import Ask, parse_ask
 from publisher.openai.relay import (
     EngineRoute,
     UsageReader,
+    _event_json,
     _headers_for,
     _refusal,
     _relay_stream,
@@ -110,8 +111,19 @@ def test_the_usage_reader_keeps_the_engines_counts_its_finish_and_the_first_mode
     assert (usage.finish_reason, usage.served_name) == ("length", "policy@v1")
     assert reader.finish == "length"
     empty = UsageReader()
-    empty.read({"usage": {"prompt_tokens": None}, "choices": [{"finish_reason": None}, "x"]})
+    empty.read(
+        {
+            "usage": {"prompt_tokens": None, "prompt_tokens_details": {"cached_tokens": None}},
+            "choices": [{"finish_reason": None}, "x"],
+        }
+    )
     assert (empty.prompt, empty.completion, empty.cached, empty.finish) == (0, 0, 0, "")
+
+
+def test_an_events_json_is_its_data_line_whatever_lines_come_before() -> None:
+    assert _event_json(b'id: 7\nevent: chunk\ndata: {"a": 1}') == {"a": 1}
+    assert _event_json(b"data: {broken") is None
+    assert _event_json(b": a comment") is None
 
 
 async def test_a_whole_stream_is_relayed_as_it_came_and_the_usage_chunk_only_when_asked() -> None:
