@@ -132,6 +132,7 @@ def test_the_bounds_of_a_body_a_session_id_and_a_request_id_are_inclusive() -> N
         with pytest.raises(BadRequest, match="1-256 printable"):
             ask_of(body, {"x-session-id": session})
     assert ask_of(body, {"x-request-id": "r" * 128}).request_id == "r" * 128
+    assert ask_of(body, {"x-request-id": "r"}).request_id == "r"
     for rid in ("r" * 129, "run-é", "line\nbreak"):
         with pytest.raises(BadRequest, match="x-request-id must be 1-128 printable ASCII"):
             ask_of(body, {"x-request-id": rid})
