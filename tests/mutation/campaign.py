@@ -37,6 +37,7 @@ import ast
 import copy
 import fnmatch
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -57,8 +58,9 @@ PACKAGES = ("evlog", "projections", "publisher", "engines", "tools")
 # also put it in the error's details, as `field`: a machine-read value, not counted as wording).
 LABEL_HELPERS = frozenset({"_time"})
 # Calls that build an error from a message, besides ``...Error(...)`` classes: the registry's
-# ``impossible(subject, state, event, reason)``.
-ERROR_BUILDERS = frozenset({"impossible"})
+# ``impossible(subject, state, event, reason)``; the OpenAI face's ``BadRequest(message)`` (400
+# INVALID_INPUT), ``error_response(code, message)`` and ``send_error(send, code, message)``.
+ERROR_BUILDERS = frozenset({"impossible", "BadRequest", "error_response", "send_error"})
 # A mutant that only changes the arguments of a log call (the event name, a field) is counted
 # apart as ``log``: log lines are diagnostics for a person, not a promise the tests hold.
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "exception", "critical"})
@@ -164,6 +166,24 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/gateway/test_gateway_elsewhere.py",
             ),
             gated=True,
+        ),
+        Campaign(
+            "openai",
+            # the OpenAI-compatible face: admission (roles, body cap, the session, the pin), the
+            # relay's client-held sessions, the streaming relay, OpenAI's error shape
+            (
+                "publisher/openai/admission.py",
+                "publisher/openai/relay.py",
+                "publisher/openai/face.py",
+            ),
+            # In process only: the apps over httpx's ASGI transport or uvicorn on loopback, in
+            # this process, so they import the mutated modules.
+            (
+                "tests/publisher/openai",
+                "tests/publisher/gateway/test_dispatch_faces.py",  # one executor, both faces
+                "tests/tools/test_openai_limits.py",  # the body cap, the upstream timeout
+            ),
+            gated=False,
         ),
         Campaign(
             "reclaim",
@@ -455,8 +475,9 @@ def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
     (:data:`LABEL_HELPERS`) changed: message wording only."""
     calls = [_call_name(n) for n in chain if isinstance(n, ast.Call)]
     in_fstring = [i for i, n in enumerate(chain) if isinstance(n, ast.JoinedStr)]
-    if in_fstring and any(
-        _is_error(_call_name(n)) for n in chain[: in_fstring[0]] if isinstance(n, ast.Call)
+    if in_fstring and (
+        any(_is_error(_call_name(n)) for n in chain[: in_fstring[0]] if isinstance(n, ast.Call))
+        or _is_refusal_message(chain[: in_fstring[0] + 1])
     ):
         return True  # a value formatted into an error's message
     if not (isinstance(old, ast.Constant) and isinstance(old.value, str)):
@@ -467,7 +488,22 @@ def _is_message(old: ast.AST, new: ast.AST, chain: list[ast.AST]) -> bool:
         return False
     if old.value.lower() != new.value.lower() and f"XX{old.value}XX" != new.value:
         return False
-    return any(_is_error(name) for name in calls)
+    return any(_is_error(name) for name in calls) or _is_refusal_message([*chain, old])
+
+
+def _is_refusal_message(nodes: list[ast.AST]) -> bool:
+    """Whether ``nodes`` (ancestors, outermost first) pass through the message of a refusal
+    returned as a ``(code, message)`` pair, ``(OpenAICode.MODEL_NOT_FOUND, f"...")``: a pair
+    whose first element is a constant of a ``...Code`` class, its second the next node."""
+    return any(
+        isinstance(pair, ast.Tuple)
+        and len(pair.elts) == 2
+        and isinstance(pair.elts[0], ast.Attribute)
+        and isinstance(pair.elts[0].value, ast.Name)
+        and pair.elts[0].value.id.endswith("Code")
+        and below is pair.elts[1]
+        for pair, below in itertools.pairwise(nodes)
+    )
 
 
 def _is_log_call(node: ast.AST) -> bool:

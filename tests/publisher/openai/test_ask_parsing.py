@@ -116,3 +116,70 @@ def test_a_session_header_wins_over_the_body_and_an_empty_one_is_none() -> None:
     assert ask_of(body, {"x-session-id": "from-header"}).session == "from-header"
     one_turn = ask_of(b'{"model": "policy", "session_id": null}', {"x-session-id": ""})
     assert one_turn.one_turn and one_turn.session.startswith("gw-once-")
+
+
+def test_the_bounds_of_a_body_a_session_id_and_a_request_id_are_inclusive() -> None:
+    body = b'{"model": "policy"}'
+    assert parse_ask(
+        body, {}, chat=True, alias="policy", max_body_bytes=len(body), one_turn_prefix="gw"
+    )
+    with pytest.raises(BadRequest, match=f"over {len(body) - 1} bytes"):
+        parse_ask(
+            body, {}, chat=True, alias="policy", max_body_bytes=len(body) - 1, one_turn_prefix="gw"
+        )
+    assert ask_of(body, {"x-session-id": "s" * 256}).session == "s" * 256
+    for session in ("s" * 257, "tab\there"):
+        with pytest.raises(BadRequest, match="1-256 printable"):
+            ask_of(body, {"x-session-id": session})
+    assert ask_of(body, {"x-request-id": "r" * 128}).request_id == "r" * 128
+    assert ask_of(body, {"x-request-id": "r"}).request_id == "r"
+    for rid in ("r" * 129, "run-é", "line\nbreak"):
+        with pytest.raises(BadRequest, match="x-request-id must be 1-128 printable ASCII"):
+            ask_of(body, {"x-request-id": rid})
+
+
+def test_a_body_that_is_not_utf_8_anywhere_is_refused_as_such() -> None:
+    """At its first byte, at its last (a character cut at the end) or in a later chunk."""
+    for raw in (
+        b'\xff{"model": "policy"}',
+        b'{"model": "policy"}\xc3',
+        b'{"model": "policy", "prompt": "' + "é".encode() * (1024 * 1024) + b'\xff"}',
+    ):
+        with pytest.raises(BadRequest, match="not UTF-8"):
+            ask_of(raw)
+
+
+def test_the_ids_a_request_is_answered_and_sent_under() -> None:
+    """The client's ``x-request-id`` is echoed; the engine gets it with a 12-character suffix
+    of its own (two running requests of one id are two requests to it); without one, a new
+    id serves both. A one-turn session is named after the gateway and a new uuid."""
+    body = b'{"model": "policy"}'
+    given = ask_of(body, {"x-request-id": "trace-1"})
+    assert given.request_id == "trace-1"
+    prefix, _, suffix = given.engine_request_id.rpartition("-")
+    assert prefix == "trace-1" and len(suffix) == 12 and int(suffix, 16) >= 0
+    assert ask_of(body, {"x-request-id": "trace-1"}).engine_request_id != given.engine_request_id
+    made = ask_of(body)
+    assert len(made.request_id) == 32 and made.engine_request_id == made.request_id
+    assert ask_of(body, {"x-request-id": ""}).request_id != ""
+    assert made.one_turn and made.session.startswith("gw-once-")
+    assert len(made.session) == len("gw-once-") + 32
+    assert ask_of(body).session != made.session and not ask_of(body, {"x-session-id": "s"}).one_turn
+
+
+def test_stream_and_its_options_are_read_and_a_null_option_is_not_sent() -> None:
+    plain = ask_of(b'{"model": "policy"}')
+    assert (plain.stream, plain.wants_usage, plain.chat) == (False, False, True)
+    assert set(plain.fields) == {"model"}
+    null = ask_of(b'{"model": "policy", "stream": true, "stream_options": null}')
+    assert (null.stream, null.wants_usage) == (True, False) and "stream_options" not in null.fields
+    usage = ask_of(
+        b'{"model": "policy", "stream": true, "stream_options": {"include_usage": true}}'
+    )
+    assert usage.wants_usage and set(usage.fields["stream_options"]) == {"include_usage"}
+    off = ask_of(b'{"model": "policy", "stream_options": {"include_usage": false}}')
+    assert not off.wants_usage and "stream_options" in off.fields
+    completions = parse_ask(
+        b'{"model": "v"}', {}, chat=False, alias="policy", max_body_bytes=99, one_turn_prefix="g"
+    )
+    assert not completions.chat and completions.model == "v"

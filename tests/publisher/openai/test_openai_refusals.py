@@ -179,7 +179,17 @@ async def test_models_retrieve_answers_the_entry_of_the_list(tmp_path: Path) -> 
         assert (await client.models.retrieve(v1)).model_extra["state"] == "RETIRED"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError) as info:
             await client.models.retrieve("gpt-4o")
-        assert info.value.code == "model_not_found"
+        assert info.value.code == "model_not_found" and "'gpt-4o'" in info.value.message
+        r.face.clock = lambda: 1234.9  # the cards' `created`: the face's clock, in seconds
+        raw = await client.models.with_raw_response.retrieve(v1)
+        assert raw.headers["content-type"] == "application/json"
+        assert raw.parse().created == 1234
+        async with httpx.AsyncClient(base_url=r.url, headers=AUTH, trust_env=False) as http:
+            listing = await http.get("/v1/models")
+        assert listing.status_code == 200
+        assert listing.headers["content-type"] == "application/json"
+        assert set(listing.json()) == {"object", "data"} and listing.json()["object"] == "list"
+        assert {card["created"] for card in listing.json()["data"]} == {1234}
         with pytest.raises(openai.AuthenticationError):
             await client.with_options(api_key="nope").models.retrieve("policy")
 
@@ -208,9 +218,17 @@ async def test_requests_outside_the_routes_answer_in_openai_shape(tmp_path: Path
             )
             assert response.status_code == 404, response.text
             error = openai_error(response)
-            assert (
-                error["code"] == "UNKNOWN_ROUTE"
-                and "POST /v1/chat/completions " in error["message"]
+            assert error["code"] == "UNKNOWN_ROUTE"
+            assert error["message"] == (
+                "no route POST /v1/chat/completions/ on this gateway: did you mean "
+                "POST /v1/chat/completions (no trailing slash)?"
+            )
+            # only the slash is stripped: a path that names no route without it gets the list
+            response = await http.post("/v1/chat/completionsX/", json={})
+            assert openai_error(response)["message"] == (
+                "no route POST /v1/chat/completionsX/ on this gateway: the routes are "
+                "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+                "GET /v1/models/{model:path}, POST /v1/sessions/{session:path}/release"
             )
             for method, path in [
                 ("POST", "/v1/embeddings"),
@@ -354,3 +372,19 @@ async def test_a_face_that_reaches_no_engine_refuses_before_anything_is_bound(
             assert "nothing was bound" in refused.value.message
         assert await session_events(r) == before
         assert r.gateway.dispatched == 0
+
+
+async def test_a_release_answers_the_ledgers_outcome_or_its_refusal_in_openais_shape(
+    tmp_path: Path,
+) -> None:
+    async with rig(tmp_path) as r, httpx.AsyncClient(base_url=r.url, trust_env=False) as http:
+        await r.publish(1)
+        await r.worker.session("ep-9").bind()
+        released = await http.post("/v1/sessions/ep-9/release", headers=AUTH)
+        assert released.status_code == 200
+        assert released.headers["content-type"] == "application/json"
+        assert released.json()["session"] == "ep-9" and released.json()["released"] is True
+        refused = await http.post("/v1/sessions/%01/release", headers=AUTH)  # not printable
+        assert refused.status_code == 400, refused.text
+        error = openai_error(refused)
+        assert error["code"] == "INVALID_INPUT" and "printable" in error["message"], error
