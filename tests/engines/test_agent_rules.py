@@ -1,0 +1,859 @@
+"""The engine-host agent's rules, each stated on the agent itself (in process, a real local
+engine on loopback behind it): which candidates ``prepare`` refuses, how staging is kept per
+attempt, what ``load`` writes and reuses, which unloads are fenced, how a refusal is answered
+over HTTP, and what the control-plane members send where."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+import pytest
+
+from engines import agent as agent_module
+from engines.agent import (
+    AGENT_TOKEN_ENV,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_IDLE_S,
+    DRAIN_REFUSES,
+    ENGINE_TOKEN_ENV,
+    EXIT_AFTER_WRITE,
+    MAX_BODY_BYTES,
+    MAX_BUCKET_BYTES,
+    Agent,
+    AgentEngine,
+    HostedAgentEngine,
+    UnsafeConfiguration,
+    check_configuration,
+    create_app,
+    engine_adapter,
+    hosted_agent,
+    main,
+    run,
+    serve_agent,
+)
+from engines.artifacts import ArtifactStore
+from engines.contract import (
+    AmbiguousReply,
+    CleanRefusal,
+    EngineCapabilities,
+    ErrorCode,
+    Inventory,
+    UnloadReceipt,
+)
+from engines.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
+from engines.local import wire
+from engines.local.client import LocalHTTPEngine
+from engines.local.engine import LocalEngine
+from engines.local.server import running_server
+from engines.sglang import SGLangEngine
+from engines.vllm import VLLMEngine
+from tests.engines.contract import (
+    GREEDY,
+    PROMPT,
+    Published,
+    aiter_list,
+    buckets_of,
+    candidate_for,
+    expect_refusal,
+    publish,
+)
+from tests.engines.test_contract_local import LIMITS
+from tests.support.waiting import wait_for
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+]
+
+ENGINE_TOKEN = "engine-secret-0123"
+AGENT_TOKEN = "agent-secret-4567"
+
+
+@dataclass
+class OnEngine:
+    """An agent in process in front of a real local engine on loopback."""
+
+    agent: Agent
+    engine: LocalEngine  # the engine itself, to read what it holds
+    engine_url: str
+    host: Path  # the agent's store, the only directory the engine reads
+    trainer: ArtifactStore  # the publisher's side
+
+    def published(self, seed: int, **options: Any) -> Published:
+        return candidate_for(self.trainer, seed, **options)
+
+
+@asynccontextmanager
+async def on_engine(tmp_path: Path, **options: Any) -> AsyncIterator[OnEngine]:
+    host = tmp_path / "host"
+    host.mkdir()
+    async with running_server("h0", limits=LIMITS, artifact_root=host) as (engine, url):
+        agent = Agent(SGLangEngine(url, "h0"), ArtifactStore(host), **options)
+        try:
+            yield OnEngine(agent, engine, url, host, ArtifactStore(tmp_path / "trainer"))
+        finally:
+            await agent.engine.aclose()
+
+
+@asynccontextmanager
+async def over_http(
+    a: OnEngine, *, token: str | None = None, drain: Drain | None = None
+) -> AsyncIterator[tuple[str, LocalHTTPEngine]]:
+    """The agent's app served on loopback, and the control plane's client of it."""
+    async with serve_agent(a.agent, token=token, drain=drain) as url:
+        client = LocalHTTPEngine(url, "h0", api_key=token)
+        try:
+            yield url, client
+        finally:
+            await client.aclose()
+
+
+async def upload(a: OnEngine, p: Published, *, max_bytes: int = 64 * 1024) -> None:
+    """Every bucket of ``p`` into the agent, as the HTTP face hands them over."""
+    for bucket in buckets_of(p.tensors, max_bytes):
+        await a.agent.receive_bucket(
+            wire.BucketUpload(
+                lora_name=p.name,
+                attempt=p.candidate.attempt,
+                digest=p.candidate.digest,
+                bucket=bucket,
+            )
+        )
+
+
+async def held(engine: LocalEngine) -> set[str]:
+    return {a.lora_name for a in (await engine.inventory()).adapters}
+
+
+# --- whom the agent starts for ------------------------------------------------------------------
+
+
+def test_an_agent_holding_the_engine_token_needs_its_own() -> None:
+    with pytest.raises(UnsafeConfiguration) as refused:
+        check_configuration("127.0.0.1", None, ENGINE_TOKEN)
+    words = str(refused.value)
+    assert "--token-file" in words and AGENT_TOKEN_ENV in words and ENGINE_TOKEN_ENV in words
+    assert ENGINE_TOKEN not in words
+    check_configuration("127.0.0.1", AGENT_TOKEN, ENGINE_TOKEN)  # its own token: starts
+    check_configuration("127.0.0.1", None, None)  # loopback, no engine token: starts
+    check_configuration("127.0.0.1", None, "")  # an empty engine token is none
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "engine-host.example"])
+def test_beyond_loopback_the_agent_needs_a_token(host: str) -> None:
+    with pytest.raises(UnsafeConfiguration) as refused:
+        check_configuration(host, None, None)
+    assert repr(host) in str(refused.value) and "--token-file" in str(refused.value)
+    check_configuration(host, AGENT_TOKEN, None)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_on_loopback_the_agent_starts_without_a_token(host: str) -> None:
+    check_configuration(host, None, None)
+
+
+async def test_serve_agent_refuses_a_host_beyond_loopback_without_a_token(tmp_path: Path) -> None:
+    agent = Agent(SGLangEngine("http://127.0.0.1:9", "h0"), ArtifactStore(tmp_path))
+    with pytest.raises(UnsafeConfiguration):
+        async with serve_agent(agent, host="0.0.0.0"):
+            pytest.fail("it listened")
+    await agent.engine.aclose()
+
+
+def test_the_command_refuses_an_unsafe_configuration_with_exit_11(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(AGENT_TOKEN_ENV, raising=False)
+    monkeypatch.setenv(ENGINE_TOKEN_ENV, ENGINE_TOKEN)
+    started: list[dict[str, Any]] = []
+
+    async def never(**options: Any) -> None:
+        started.append(options)
+
+    monkeypatch.setattr(agent_module, "run", never)
+    with pytest.raises(SystemExit) as exited:
+        main(["--engine", "sglang:http://127.0.0.1:9", "--artifacts", "/nowhere"])
+    assert exited.value.code == 11
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("engines.agent: refusing to start") and AGENT_TOKEN_ENV in out.err
+    assert started == []
+
+
+def test_the_command_runs_the_agent_with_what_it_was_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every option reaches the agent, the tokens come from the environment (never argv),
+    and the port is the first line on stdout."""
+    monkeypatch.setenv(AGENT_TOKEN_ENV, AGENT_TOKEN)
+    monkeypatch.setenv(ENGINE_TOKEN_ENV, ENGINE_TOKEN)
+    ran: list[dict[str, Any]] = []
+
+    async def recorded(**options: Any) -> None:
+        ran.append(options)
+        options["on_ready"]("http://127.0.0.1:43210")
+
+    monkeypatch.setattr(agent_module, "run", recorded)
+    main(
+        [
+            "--engine",
+            "vllm:http://127.0.0.1:9",
+            "--artifacts",
+            "/srv/adapters",
+            "--id",
+            "h7",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "4321",
+            "--served-model",
+            "base",
+            "--exit-after-write",
+            "--drain-timeout",
+            "2.5",
+            "--staging-bytes",
+            "1000",
+            "--staging-idle",
+            "7.5",
+        ]
+    )
+    assert capsys.readouterr().out == "43210\n"
+    (options,) = ran
+    options.pop("on_ready")
+    assert options == {
+        "engine": "vllm:http://127.0.0.1:9",
+        "artifacts": "/srv/adapters",
+        "engine_id": "h7",
+        "host": "0.0.0.0",
+        "port": 4321,
+        "token": AGENT_TOKEN,
+        "engine_token": ENGINE_TOKEN,
+        "exit_after_write": True,
+        "served_model": "base",
+        "drain_timeout": 2.5,
+        "staging_bytes": 1000,
+        "staging_idle_s": 7.5,
+    }
+
+
+def test_the_commands_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AGENT_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(ENGINE_TOKEN_ENV, raising=False)
+    ran: list[dict[str, Any]] = []
+
+    async def recorded(**options: Any) -> None:
+        ran.append(options)
+
+    monkeypatch.setattr(agent_module, "run", recorded)
+    main(["--engine", "sglang:http://127.0.0.1:9", "--artifacts", "/srv/adapters"])
+    (options,) = ran
+    options.pop("on_ready")
+    assert options == {
+        "engine": "sglang:http://127.0.0.1:9",
+        "artifacts": "/srv/adapters",
+        "engine_id": "agent",
+        "host": "127.0.0.1",
+        "port": 0,
+        "token": None,
+        "engine_token": None,
+        "exit_after_write": False,
+        "served_model": "tiny",
+        "drain_timeout": DEFAULT_DRAIN_TIMEOUT_S,
+        "staging_bytes": DEFAULT_STAGING_BYTES,
+        "staging_idle_s": DEFAULT_STAGING_IDLE_S,
+    }
+    assert (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_IDLE_S) == (4 * 1024**3, 600.0)
+
+
+@pytest.mark.parametrize("missing", ["--engine", "--artifacts"])
+def test_the_command_needs_an_engine_and_a_store(missing: str) -> None:
+    argv = ["--engine", "sglang:http://127.0.0.1:9", "--artifacts", "/srv/adapters"]
+    at = argv.index(missing)
+    with pytest.raises(SystemExit) as exited:
+        main(argv[:at] + argv[at + 2 :])
+    assert exited.value.code == 2
+
+
+# --- the process: run() until SIGTERM, then drain -------------------------------------------
+
+
+class _Gates(list[Drain]):
+    """Every drain gate ``run`` creates (engines.agent.Drain patched to record them)."""
+
+    def make(self, engine_id: str = "") -> Drain:
+        gate = Drain(engine_id)
+        self.append(gate)
+        return gate
+
+
+@asynccontextmanager
+async def running_agent(
+    monkeypatch: pytest.MonkeyPatch, engine_url: str, host: Path, **options: Any
+) -> AsyncIterator[tuple[str, Drain, anyio.Event]]:
+    """``run`` in a task of this process (the agent's process without its CLI): yields its URL,
+    its drain gate and the event set when ``run`` returned; on exit, SIGTERM if still running."""
+    gates = _Gates()
+    monkeypatch.setattr(agent_module, "Drain", gates.make)
+    urls: list[str] = []
+    ready, returned = anyio.Event(), anyio.Event()
+
+    def on_ready(url: str) -> None:
+        urls.append(url)
+        ready.set()
+
+    async def process() -> None:
+        await run(
+            engine=f"sglang:{engine_url}",
+            artifacts=str(host),
+            engine_id="h0",
+            on_ready=on_ready,
+            **options,
+        )
+        returned.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(process)
+        with anyio.fail_after(30):
+            await ready.wait()
+        try:
+            yield urls[0], gates[0], returned
+        finally:
+            if not returned.is_set():
+                sigterm()
+            with anyio.fail_after(30):
+                await returned.wait()
+
+
+def sigterm() -> None:
+    """SIGTERM to this process, which ``run`` receives (never sent unless its handler is in)."""
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _held_step(url: str, release: anyio.Event, answers: list[int]) -> None:
+    """A bucket upload whose body is held until ``release``: a publication step in flight."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"\x80"
+        await release.wait()
+
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+        try:
+            response = await client.post(
+                f"{url}{wire.PREFIX}/bucket",
+                content=body(),
+                headers={"Authorization": f"Bearer {AGENT_TOKEN}"},
+            )
+        except httpx.HTTPError:
+            answers.append(0)  # cut when the server stopped
+        else:
+            answers.append(response.status_code)
+
+
+async def test_run_serves_with_its_options_until_sigterm_then_drains_what_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = tmp_path / "host"
+    host.mkdir()
+    trainer = ArtifactStore(tmp_path / "trainer")
+    published = candidate_for(trainer, 81)
+    cap = published.candidate.manifest.total_bytes
+    async with AsyncExitStack() as stack:
+        _, engine_url = await stack.enter_async_context(
+            running_server("h0", limits=LIMITS, artifact_root=host, token=ENGINE_TOKEN)
+        )
+        url, gate, returned = await stack.enter_async_context(
+            running_agent(
+                monkeypatch,
+                engine_url,
+                host,
+                token=AGENT_TOKEN,
+                engine_token=ENGINE_TOKEN,
+                staging_bytes=cap,
+                staging_idle_s=0.5,
+            )
+        )
+        assert gate.engine_id == "h0"
+        engine = SGLangEngine(engine_url, "h0", api_key=ENGINE_TOKEN)
+        member = AgentEngine(url, engine, api_key=AGENT_TOKEN)
+        stack.push_async_callback(member.aclose)
+        # the agent forwards with the engine's token (the engine refuses every other caller)
+        await publish(member, published)
+        assert published.name in {a.lora_name for a in (await engine.inventory()).adapters}
+        # its staging cap and idle bound are the ones given
+        bigger = candidate_for(trainer, 82, r=16)
+        await expect_refusal(ErrorCode.STAGING_FULL, member.prepare(bigger.candidate))
+        left = candidate_for(trainer, 83)
+        await member.prepare(left.candidate)
+        assert (await member.agent.inventory()).staged == (left.name,)
+
+        async def expired() -> bool:
+            return (await member.agent.inventory()).staged == ()
+
+        await wait_for("the idle staging to expire", expired, every=0.05)
+        # SIGTERM while a step runs: new steps are refused, the running one finishes
+        release, answers = anyio.Event(), list[int]()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_held_step, url, release, answers)
+            await wait_for("the held step admitted", lambda: gate.in_flight == 1)
+            sigterm()
+            await wait_for("the drain begun", lambda: gate.draining)
+            await expect_refusal(ErrorCode.ENGINE_DRAINING, member.prepare(left.candidate))
+            assert (await member.agent.inventory()).adapters  # reads stay open
+            assert not returned.is_set()
+            release.set()
+        assert answers == [400]  # it ran to its end (a bad body, answered)
+        with anyio.fail_after(30):
+            await returned.wait()
+
+
+class _Died(Exception):
+    """``os._exit`` in this process, recorded instead (the fault mode's exit)."""
+
+
+async def test_run_in_fault_mode_exits_71_after_the_write_and_cuts_a_drain_at_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    host = tmp_path / "host"
+    host.mkdir()
+    published = candidate_for(ArtifactStore(tmp_path / "trainer"), 84)
+    exits: list[int] = []
+
+    def exit_now(status: int) -> None:
+        exits.append(status)
+        raise _Died(status)
+
+    async with AsyncExitStack() as stack:
+        engine, engine_url = await stack.enter_async_context(
+            running_server("h0", limits=LIMITS, artifact_root=host)
+        )
+        url, gate, returned = await stack.enter_async_context(
+            running_agent(
+                monkeypatch,
+                engine_url,
+                host,
+                token=AGENT_TOKEN,
+                exit_after_write=True,
+                drain_timeout=0.3,
+            )
+        )
+        client = LocalHTTPEngine(url, "h0", api_key=AGENT_TOKEN)
+        stack.push_async_callback(client.aclose)
+        await client.prepare(published.candidate)
+        await client.transfer(published.candidate, aiter_list(buckets_of(published.tensors)))
+        monkeypatch.setattr(os, "_exit", exit_now)
+        with pytest.raises(AmbiguousReply):
+            await client.load(published.candidate)
+        monkeypatch.undo()
+        assert exits == [EXIT_AFTER_WRITE] == [71]
+        assert "exiting after the write" in capfd.readouterr().err
+        assert ArtifactStore(host).contains(published.candidate.digest)  # written
+        assert published.name not in await held(engine)  # never loaded
+
+        release, answers = anyio.Event(), list[int]()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_held_step, url, release, answers)
+            await wait_for("the held step admitted", lambda: gate.in_flight == 1)
+            sigterm()
+            with anyio.fail_after(30):
+                await returned.wait()  # cut at the drain timeout, the step still held
+            release.set()
+        assert "drain timed out after 0.3s with 1 step(s) still running" in capfd.readouterr().err
+
+
+# --- the fleet members: publication to the agent, the rest to the engine ------------------------
+
+
+class RecordingEngine:
+    """Test double of an engine adapter: records what reaches it, answers fixed values."""
+
+    transport = "artifact"
+
+    def __init__(self, *, confirms_end: bool = True) -> None:
+        self.engine_id = "e9"
+        self.kind = "sglang"
+        self.capabilities = EngineCapabilities(
+            extra_body=True, endpoint="http://10.0.0.9:30000", confirms_end=confirms_end
+        )
+        self.calls: list[tuple[Any, ...]] = []
+        self.inventory_answer = Inventory(engine_id="e9", incarnation="life-1", adapters=())
+
+    down = False  # every read fails, as on an engine that is not reachable
+
+    async def incarnation(self) -> str:
+        self.calls.append(("incarnation",))
+        if self.down:
+            raise AmbiguousReply(ErrorCode.ENGINE_UNREACHABLE, "the engine is down")
+        return "life-1"
+
+    async def inventory(self) -> Inventory:
+        self.calls.append(("inventory",))
+        return self.inventory_answer
+
+    async def abort_request(self, request_id: str, lora_name: str | None) -> bool:
+        self.calls.append(("abort_request", request_id, lora_name))
+        return True
+
+    async def generate(self, prompt: Any, lora_name: Any, params: Any, **options: Any) -> Any:
+        self.calls.append(("generate", prompt, lora_name, params, options))
+        return "generated"
+
+    async def unload(self, lora_name: str, *, attempt: int | None = None) -> UnloadReceipt:
+        self.calls.append(("unload", lora_name, attempt))
+        return UnloadReceipt(
+            engine_id="e9", incarnation="life-1", lora_name=lora_name, was_loaded=True
+        )
+
+    async def aclose(self) -> None:
+        self.calls.append(("aclose",))
+
+
+class SlowInventoryEngine(RecordingEngine):
+    """Its inventory answers only once ``release`` is set (a slow engine); or fails."""
+
+    def __init__(self, *, fails: bool = False) -> None:
+        super().__init__()
+        self.asked = anyio.Event()
+        self.release = anyio.Event()
+        self.fails = fails
+
+    async def inventory(self) -> Inventory:
+        self.calls.append(("inventory",))
+        if self.fails:
+            raise AmbiguousReply(ErrorCode.ENGINE_UNREACHABLE, "the engine is down")
+        self.asked.set()
+        await self.release.wait()
+        return self.inventory_answer
+
+
+DEAD_AGENT = "http://127.0.0.1:9"  # nothing listens: the calls below never reach an agent
+
+
+def _members(engine: RecordingEngine, tmp_path: Path) -> list[Any]:
+    return [
+        AgentEngine(DEAD_AGENT, engine),  # type: ignore[arg-type]
+        HostedAgentEngine(Agent(engine, ArtifactStore(tmp_path))),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["agent", "hosted"])
+async def test_a_member_is_its_engine_for_identity_reads_and_generation(
+    tmp_path: Path, which: int
+) -> None:
+    engine = RecordingEngine()
+    member = _members(engine, tmp_path)[which]
+    assert (member.engine_id, member.kind, member.transport) == ("e9", "sglang", "staged")
+    # the engine's address and end confirmation; no extra body (it forwards the contract only)
+    assert member.capabilities == EngineCapabilities(
+        endpoint="http://10.0.0.9:30000", confirms_end=True
+    )
+    assert await member.incarnation() == "life-1"
+    assert await member.inventory() is engine.inventory_answer
+    assert await member.abort_request("r-1", "lora-a") is True
+    out = await member.generate(PROMPT, "lora-a", GREEDY, request_id="r-2", cache_salt="salt-3")
+    assert out == "generated"
+    assert engine.calls == [
+        ("incarnation",),
+        ("inventory",),
+        ("abort_request", "r-1", "lora-a"),
+        ("generate", PROMPT, "lora-a", GREEDY, {"request_id": "r-2", "cache_salt": "salt-3"}),
+    ]
+    await member.aclose()
+    assert engine.calls[-1] == ("aclose",)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["agent", "hosted"])
+async def test_a_member_never_aborts_on_an_engine_that_does_not_confirm_ends(
+    tmp_path: Path, which: int
+) -> None:
+    engine = RecordingEngine(confirms_end=False)
+    member = _members(engine, tmp_path)[which]
+    assert member.capabilities.confirms_end is False
+    assert await member.abort_request("r-1", None) is False
+    assert engine.calls == []
+
+
+async def test_the_agent_member_closes_its_agent_client_and_its_engine(tmp_path: Path) -> None:
+    engine = RecordingEngine()
+    member = AgentEngine(DEAD_AGENT, engine, api_key=AGENT_TOKEN)  # type: ignore[arg-type]
+    assert member.agent.engine_id == "e9" and member.agent.base_url == DEAD_AGENT
+    await member.aclose()
+    assert engine.calls == [("aclose",)]
+    assert member.agent._client.is_closed
+
+
+async def test_the_hosted_member_names_its_engine_in_every_refusal(tmp_path: Path) -> None:
+    async with on_engine(tmp_path) as a:
+        async with HostedAgentEngine(a.agent) as member:
+            p = a.published(85)
+            unprepared = [
+                member.load(p.candidate),
+                member.transfer(p.candidate, aiter_list(buckets_of(p.tensors))),
+                member.unload("bad/name"),
+                member.prepare(msgspec.structs.replace(p.candidate, attempt=0)),
+            ]
+            for step in unprepared:
+                refusal = await expect_refusal(
+                    {ErrorCode.NOT_PREPARED, ErrorCode.INVALID_NAME, ErrorCode.BAD_REQUEST}, step
+                )
+                assert refusal.engine_id == "h0", refusal
+            await publish(member, p)
+            assert (await member.unload(p.name, attempt=1)).was_loaded is True
+        assert a.agent.engine._client.is_closed  # type: ignore[attr-defined]
+
+
+def test_engine_adapter_builds_the_path_loading_adapter_of_its_kind() -> None:
+    sglang = engine_adapter("sglang", "http://127.0.0.1:30000", "e1", api_key=ENGINE_TOKEN)
+    assert type(sglang) is SGLangEngine
+    assert (sglang.base_url, sglang.engine_id) == ("http://127.0.0.1:30000", "e1")
+    assert sglang._client.headers["authorization"] == f"Bearer {ENGINE_TOKEN}"
+    vllm = engine_adapter("vllm", "http://127.0.0.1:8000", "e2", served_model="base")
+    assert type(vllm) is VLLMEngine
+    assert (vllm.base_url, vllm.engine_id, vllm.served_model) == (
+        "http://127.0.0.1:8000",
+        "e2",
+        "base",
+    )
+    assert "authorization" not in vllm._client.headers
+    assert engine_adapter("vllm", "http://127.0.0.1:8000", "e3").served_model == "tiny"
+    with pytest.raises(ValueError, match="'local'"):
+        engine_adapter("local", "http://127.0.0.1:1", "e4")
+
+
+def test_hosted_agent_writes_into_its_store_for_its_engine(tmp_path: Path) -> None:
+    member = hosted_agent("vllm:http://127.0.0.1:8000", str(tmp_path), "e5", served_model="base")
+    engine = member.agent.engine
+    assert type(engine) is VLLMEngine
+    assert (engine.base_url, engine.engine_id, engine.served_model) == (
+        "http://127.0.0.1:8000",
+        "e5",
+        "base",
+    )
+    assert member.agent.store.root == tmp_path
+    default = hosted_agent("vllm:http://127.0.0.1:8000", str(tmp_path), "e6").agent.engine
+    assert isinstance(default, VLLMEngine) and default.served_model == "tiny"
+
+
+# --- unload: fenced by attempt, told to the engine, managed names ------------------------------
+
+
+def _agent_over(engine: RecordingEngine, tmp_path: Path) -> Agent:
+    return Agent(engine, ArtifactStore(tmp_path / "host"))  # type: ignore[arg-type]
+
+
+async def test_a_cleanup_names_its_attempt_to_the_engine_and_fences_older_cleanups(
+    tmp_path: Path,
+) -> None:
+    engine = RecordingEngine()
+    agent = _agent_over(engine, tmp_path)
+    receipt = await agent.unload("lora-a", 3)
+    assert receipt.was_loaded is True
+    assert engine.calls == [("unload", "lora-a", 3)]
+    # a late cleanup of an older attempt never reaches the engine
+    refusal = await expect_refusal(ErrorCode.STALE_ATTEMPT, agent.unload("lora-a", 2))
+    assert "lora-a" in refusal.message
+    assert engine.calls == [("unload", "lora-a", 3)]
+
+
+async def test_a_cleanup_older_than_the_prepared_attempt_leaves_its_staging(
+    tmp_path: Path,
+) -> None:
+    engine = RecordingEngine()
+    agent = _agent_over(engine, tmp_path)
+    p = candidate_for(ArtifactStore(tmp_path / "trainer"), 86, attempt=2)
+    await agent.prepare(p.candidate)
+    refusal = await expect_refusal(ErrorCode.STALE_ATTEMPT, agent.unload(p.name, 1))
+    assert p.name in refusal.message
+    assert agent.staged_names() == (p.name,)
+    assert ("unload", p.name, 1) not in engine.calls
+
+
+async def test_an_unfenced_unload_of_a_managed_name_is_refused_only_on_the_http_face(
+    tmp_path: Path,
+) -> None:
+    engine = RecordingEngine()
+    agent = _agent_over(engine, tmp_path)
+    p = candidate_for(ArtifactStore(tmp_path / "trainer"), 87)
+    await agent.prepare(p.candidate)
+    refusal = await expect_refusal(
+        ErrorCode.ATTEMPT_REQUIRED, agent.unload(p.name, None, fenced_only=True)
+    )
+    assert p.name in refusal.message
+    assert agent.staged_names() == (p.name,)
+    # in process (the hosted member) the caller is the control plane itself
+    await agent.unload(p.name, None)
+    assert engine.calls[-1] == ("unload", p.name, None)
+    assert agent.staged_names() == ()
+
+
+async def test_a_name_this_agent_cleaned_up_is_managed_without_asking_the_engine(
+    tmp_path: Path,
+) -> None:
+    """Refusing an unfenced unload of a name the agent knows needs no engine (it may be down)."""
+    engine = SlowInventoryEngine(fails=True)
+    agent = _agent_over(engine, tmp_path)
+    await agent.unload("lora-a", 1)
+    await expect_refusal(ErrorCode.ATTEMPT_REQUIRED, agent.unload("lora-a", None, fenced_only=True))
+    assert engine.calls == [("unload", "lora-a", 1)]
+
+
+async def test_a_name_prepared_while_the_inventory_was_read_is_managed(tmp_path: Path) -> None:
+    engine = SlowInventoryEngine()
+    agent = _agent_over(engine, tmp_path)
+    p = candidate_for(ArtifactStore(tmp_path / "trainer"), 88)
+    outcome: list[BaseException] = []
+
+    async def unfenced() -> None:
+        try:
+            await agent.unload(p.name, None, fenced_only=True)
+        except CleanRefusal as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(unfenced)
+        await engine.asked.wait()
+        await agent.prepare(p.candidate)
+        engine.release.set()
+    assert [getattr(e, "code", e) for e in outcome] == [ErrorCode.ATTEMPT_REQUIRED]
+    assert agent.staged_names() == (p.name,)
+    assert not [c for c in engine.calls if c[0] == "unload"]
+
+
+# --- the HTTP face: routes, answers, caps, the drain gate --------------------------------------
+
+
+@asynccontextmanager
+async def agent_app(
+    tmp_path: Path, engine: RecordingEngine, **options: Any
+) -> AsyncIterator[tuple[Agent, httpx.AsyncClient]]:
+    """The agent's app on loopback in front of ``engine`` (a test double), and a raw client."""
+    agent = _agent_over(engine, tmp_path)
+    async with (
+        serve_agent(agent, **options) as url,
+        httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as client,
+    ):
+        yield agent, client
+
+
+def _error(response: httpx.Response, status: int, code: str) -> str:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert body["error"]["code"] == code, body
+    return str(body["error"]["message"])
+
+
+_BEARER = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+
+
+async def test_each_route_answers_json_in_its_shape(tmp_path: Path) -> None:
+    p = candidate_for(ArtifactStore(tmp_path / "trainer"), 89)
+    async with agent_app(tmp_path, RecordingEngine(), token=AGENT_TOKEN) as (agent, http):
+        info = await http.get("/server_info")  # open: the engine's identity, no token
+        assert info.status_code == 200
+        assert info.headers["content-type"] == "application/json"
+        assert info.json() == {"startup_time": 0, "incarnation": "life-1", "agent": True}
+        for method, path in [
+            ("POST", "/prepare"),
+            ("POST", "/bucket"),
+            ("POST", "/load"),
+            ("POST", "/unload"),
+            ("GET", "/inventory"),
+        ]:
+            knock = await http.request(method, f"{wire.PREFIX}{path}", content=b"{}")
+            _error(knock, 401, "UNAUTHORIZED")
+        prepared = await http.post(
+            f"{wire.PREFIX}/prepare", content=msgspec.json.encode(p.candidate), headers=_BEARER
+        )
+        assert prepared.status_code == 200, prepared.text
+        assert prepared.headers["content-type"] == "application/json"
+        assert prepared.json()["phase"] == "prepared"
+        inventory = await http.get(f"{wire.PREFIX}/inventory", headers=_BEARER)
+        assert inventory.status_code == 200
+        assert inventory.json()["staged"] == [p.name]  # the engine's, plus what the agent stages
+        assert inventory.json()["incarnation"] == "life-1"
+        bucket = buckets_of(p.tensors)[0]
+        upload = wire.BucketUpload(
+            lora_name=p.name, attempt=1, digest=p.candidate.digest, bucket=bucket
+        )
+        ack = await http.post(
+            f"{wire.PREFIX}/bucket",
+            content=wire.bucket_encoder.encode(upload),
+            headers={**_BEARER, "content-type": wire.MSGPACK},
+        )
+        assert ack.status_code == 200, ack.text
+        assert ack.json() == {"index": bucket.index, "received_tensors": len(bucket.tensors)}
+        bad = await http.post(f"{wire.PREFIX}/bucket", content=b"\x80", headers=_BEARER)
+        assert _error(bad, 400, ErrorCode.BAD_REQUEST).startswith("bad bucket body")
+        for path in ("/prepare", "/load", "/unload"):
+            _error(
+                await http.post(f"{wire.PREFIX}{path}", content=b"{", headers=_BEARER),
+                400,
+                ErrorCode.BAD_REQUEST,
+            )
+        unfenced = await http.post(
+            f"{wire.PREFIX}/unload", json={"lora_name": p.name}, headers=_BEARER
+        )
+        assert p.name in _error(unfenced, 400, ErrorCode.ATTEMPT_REQUIRED)
+        fenced = await http.post(
+            f"{wire.PREFIX}/unload", json={"lora_name": p.name, "attempt": 1}, headers=_BEARER
+        )
+        assert fenced.status_code == 200 and fenced.json()["was_loaded"] is True
+        assert agent.staged_names() == ()
+        wrong_method = await http.get(f"{wire.PREFIX}/prepare", headers=_BEARER)
+        assert wrong_method.status_code == 405
+
+
+async def test_an_engine_that_does_not_answer_is_an_ambiguous_503(tmp_path: Path) -> None:
+    engine = RecordingEngine()
+    engine.down = True
+    p = candidate_for(ArtifactStore(tmp_path / "trainer"), 90)
+    async with agent_app(tmp_path, engine) as (_, http):
+        prepared = await http.post(
+            f"{wire.PREFIX}/prepare", content=msgspec.json.encode(p.candidate)
+        )
+        assert "down" in _error(prepared, 503, ErrorCode.ENGINE_UNREACHABLE)
+        assert "down" in _error(await http.get("/server_info"), 503, ErrorCode.ENGINE_UNREACHABLE)
+
+
+async def test_a_bucket_may_be_larger_than_any_other_body(tmp_path: Path) -> None:
+    body = b"\x80" * (MAX_BODY_BYTES + 1)
+    assert MAX_BODY_BYTES == 4 * 1024 * 1024 and MAX_BUCKET_BYTES == 256 * 1024 * 1024
+    app = create_app(_agent_over(RecordingEngine(), tmp_path))
+    transport = httpx.ASGITransport(app=app)  # the whole body in one message: no reset
+    async with httpx.AsyncClient(transport=transport, base_url="http://agent") as http:
+        too_large = await http.post(f"{wire.PREFIX}/prepare", content=body)
+        assert too_large.status_code == 413, too_large.text
+        bucket = await http.post(f"{wire.PREFIX}/bucket", content=body)
+        _error(bucket, 400, ErrorCode.BAD_REQUEST)  # read whole, then refused as no bucket
+
+
+async def test_a_draining_agent_refuses_publication_steps_and_keeps_cleanup_and_reads_open(
+    tmp_path: Path,
+) -> None:
+    assert {f"{wire.PREFIX}/{step}" for step in ("prepare", "bucket", "load")} == DRAIN_REFUSES
+    drain = Drain("h0")
+    async with agent_app(tmp_path, RecordingEngine(), drain=drain) as (_, http):
+        drain.begin()
+        for step in ("prepare", "bucket", "load"):
+            refused = await http.post(f"{wire.PREFIX}/{step}", content=b"{}")
+            assert refused.status_code == 503, (step, refused.text)
+            assert refused.json()["error"]["code"] == ErrorCode.ENGINE_DRAINING
+        unload = await http.post(
+            f"{wire.PREFIX}/unload", json={"lora_name": "lora-a", "attempt": 1}
+        )
+        assert unload.status_code == 200, unload.text
+        assert (await http.get(f"{wire.PREFIX}/inventory")).status_code == 200
+        assert (await http.get("/server_info")).status_code == 200
+        assert drain.refused_count == 3
