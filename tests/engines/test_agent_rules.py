@@ -141,9 +141,11 @@ async def held(engine: LocalEngine) -> set[str]:
 def test_an_agent_holding_the_engine_token_needs_its_own() -> None:
     with pytest.raises(UnsafeConfiguration) as refused:
         check_configuration("127.0.0.1", None, ENGINE_TOKEN)
-    words = str(refused.value)
-    assert "--token-file" in words and AGENT_TOKEN_ENV in words and ENGINE_TOKEN_ENV in words
-    assert ENGINE_TOKEN not in words
+    assert str(refused.value) == (
+        "refusing to start: the agent holds the engine's token ($LORALEDGER_ENGINE_TOKEN) and "
+        "would forward any caller's request with it. Give the agent its own token "
+        "(--token-file FILE or $LORALEDGER_AGENT_TOKEN) and the control plane the same one."
+    )
     check_configuration("127.0.0.1", AGENT_TOKEN, ENGINE_TOKEN)  # its own token: starts
     check_configuration("127.0.0.1", None, None)  # loopback, no engine token: starts
     check_configuration("127.0.0.1", None, "")  # an empty engine token is none
@@ -153,7 +155,10 @@ def test_an_agent_holding_the_engine_token_needs_its_own() -> None:
 def test_beyond_loopback_the_agent_needs_a_token(host: str) -> None:
     with pytest.raises(UnsafeConfiguration) as refused:
         check_configuration(host, None, None)
-    assert repr(host) in str(refused.value) and "--token-file" in str(refused.value)
+    assert str(refused.value) == (
+        f"refusing to listen on {host!r} without a token (--token-file FILE or "
+        "$LORALEDGER_AGENT_TOKEN)"
+    )
     check_configuration(host, AGENT_TOKEN, None)
 
 
@@ -751,7 +756,9 @@ def _error(response: httpx.Response, status: int, code: str) -> str:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
     assert body["error"]["code"] == code, body
-    return str(body["error"]["message"])
+    message = body["error"]["message"]
+    assert isinstance(message, str) and message, body  # it names the problem
+    return message
 
 
 _BEARER = {"Authorization": f"Bearer {AGENT_TOKEN}"}
@@ -857,3 +864,300 @@ async def test_a_draining_agent_refuses_publication_steps_and_keeps_cleanup_and_
         assert (await http.get(f"{wire.PREFIX}/inventory")).status_code == 200
         assert (await http.get("/server_info")).status_code == 200
         assert drain.refused_count == 3
+
+
+@pytest.mark.parametrize(
+    ("idle_s", "every_s"), [(0.1, 0.05), (2.0, 0.5), (120.0, 30.0), (1000.0, 30.0)]
+)
+async def test_idle_staging_is_swept_a_few_times_per_idle_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_s: float, every_s: float
+) -> None:
+    """A quarter of the bound, at least 50 ms apart, at most 30 s."""
+    slept: list[float] = []
+
+    class Stop(Exception):
+        pass
+
+    async def sleep(delay: float) -> None:
+        slept.append(delay)
+        raise Stop
+
+    agent = Agent(RecordingEngine(), ArtifactStore(tmp_path), staging_idle_s=idle_s)  # type: ignore[arg-type]
+    monkeypatch.setattr(anyio, "sleep", sleep)
+    with pytest.raises(Stop):
+        await agent.expire_idle_forever()
+    assert slept == [every_s]
+
+
+# --- prepare: which candidates, staging per attempt, the idle clock ----------------------------
+
+
+def _published(tmp_path: Path, seed: int, **options: Any) -> Published:
+    return candidate_for(ArtifactStore(tmp_path / "trainer"), seed, **options)
+
+
+def _upload(p: Published, bucket: Any, *, attempt: int | None = None, digest: str = "") -> Any:
+    return wire.BucketUpload(
+        lora_name=p.name,
+        attempt=p.candidate.attempt if attempt is None else attempt,
+        digest=digest or p.candidate.digest,
+        bucket=bucket,
+    )
+
+
+@pytest.mark.parametrize("attempt", [0, -1, True])
+async def test_prepare_refuses_an_attempt_below_one(tmp_path: Path, attempt: Any) -> None:
+    engine = RecordingEngine()
+    agent = _agent_over(engine, tmp_path)
+    p = _published(tmp_path, 91)
+    bad = msgspec.structs.replace(p.candidate, attempt=attempt)
+    refusal = await expect_refusal(ErrorCode.BAD_REQUEST, agent.prepare(bad))
+    assert refusal.message == f"attempt {attempt!r} must be >= 1"
+    assert agent.staged_names() == () and engine.calls == []
+    assert (await agent.prepare(p.candidate)).phase == "prepared"  # attempt 1 is the first
+
+
+async def test_prepare_refuses_a_digest_its_manifest_does_not_give(tmp_path: Path) -> None:
+    agent = _agent_over(RecordingEngine(), tmp_path)
+    p = _published(tmp_path, 92)
+    c, other = p.candidate, "f" * 64
+    forged = [
+        msgspec.structs.replace(c, digest=other),  # the manifest gives another digest
+        # a manifest claiming the digest its tensors do not give
+        msgspec.structs.replace(
+            c, digest=other, manifest=msgspec.structs.replace(c.manifest, digest=other)
+        ),
+        # the manifest's own digest field alone altered
+        msgspec.structs.replace(c, manifest=msgspec.structs.replace(c.manifest, digest=other)),
+    ]
+    for candidate in forged:
+        refusal = await expect_refusal(ErrorCode.DIGEST_MISMATCH, agent.prepare(candidate))
+        assert refusal.message == (
+            f"candidate digest {candidate.digest[:16]} does not match its manifest"
+        )
+    twice = msgspec.structs.replace(
+        c.manifest, tensors=(c.manifest.tensors[0], c.manifest.tensors[0])
+    )
+    refusal = await expect_refusal(
+        ErrorCode.INVALID_ADAPTER, agent.prepare(msgspec.structs.replace(c, manifest=twice))
+    )
+    assert refusal.message == "duplicate tensor names"
+    assert agent.staged_names() == ()
+
+
+async def test_an_adapter_larger_than_all_staging_is_refused_at_prepare(tmp_path: Path) -> None:
+    p = _published(tmp_path, 93)
+    size = p.candidate.manifest.total_bytes
+    fits = _agent_over(RecordingEngine(), tmp_path / "a")
+    fits.staging_bytes = size
+    assert (await fits.prepare(p.candidate)).phase == "prepared"  # exactly the cap fits
+    over = _agent_over(RecordingEngine(), tmp_path / "b")
+    over.staging_bytes = size - 1
+    refusal = await expect_refusal(ErrorCode.STAGING_FULL, over.prepare(p.candidate))
+    assert refusal.message == (
+        f"{p.name}: {size} bytes can never fit this agent's staging cap of {size - 1} bytes "
+        "(--staging-bytes)"
+    )
+    assert over.staged_names() == ()
+
+
+async def test_prepare_answers_the_engines_life_and_its_own_receipt(tmp_path: Path) -> None:
+    engine = RecordingEngine()
+    agent = _agent_over(engine, tmp_path)
+    p = _published(tmp_path, 94, attempt=3)
+    receipt = await agent.prepare(p.candidate)
+    assert (
+        receipt.engine_id,
+        receipt.incarnation,
+        receipt.lora_name,
+        receipt.digest,
+        receipt.attempt,
+        receipt.phase,
+    ) == ("e9", "life-1", p.name, p.candidate.digest, 3, "prepared")
+
+
+async def test_staging_is_per_attempt_and_each_step_resets_its_idle_clock(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+    agent = Agent(
+        RecordingEngine(),  # type: ignore[arg-type]
+        ArtifactStore(tmp_path / "host"),
+        staging_idle_s=10.0,
+        clock=lambda: now[0],
+    )
+    p = _published(tmp_path, 95)
+    buckets = buckets_of(p.tensors, max_bytes=1)  # one tensor per bucket
+    assert len(buckets) >= 3
+    await agent.prepare(p.candidate)
+    now[0] = 9.0
+    assert await agent.receive_bucket(_upload(p, buckets[0])) == 1
+    received = agent.staged_bytes()
+    assert received == buckets[0].tensors[0].tensor.nbytes
+    # a step of another attempt, digest or name is NOT_PREPARED and touches nothing
+    for upload in (
+        _upload(p, buckets[1], attempt=2),
+        _upload(p, buckets[1], digest="e" * 64),
+        msgspec.structs.replace(_upload(p, buckets[1]), lora_name="agent@ct-0-other"),
+    ):
+        refusal = await expect_refusal(ErrorCode.NOT_PREPARED, agent.receive_bucket(upload))
+        assert refusal.message == f"{upload.lora_name} attempt {upload.attempt} is not prepared"
+    await expect_refusal(
+        ErrorCode.NOT_PREPARED, agent.load(msgspec.structs.replace(p.candidate, digest="e" * 64))
+    )
+    # a retried prepare keeps what arrived, and restarts the clock
+    now[0] = 18.0
+    await agent.prepare(p.candidate)
+    assert agent.staged_bytes() == received
+    # the same attempt with another digest needs a new attempt; the staging stays
+    other = _published(tmp_path, 96)
+    imposter = msgspec.structs.replace(other.candidate, lora_name=p.name)
+    refusal = await expect_refusal(ErrorCode.BAD_REQUEST, agent.prepare(imposter))
+    assert refusal.message == (
+        f"{p.name} attempt 1 is staging digest {p.candidate.digest[:16]}: another digest needs "
+        "a new attempt"
+    )
+    assert agent.staged_bytes() == received
+    now[0] = 27.9
+    assert agent.expire_idle() == []
+    now[0] = 28.0  # exactly the idle bound after the last step
+    assert agent.expire_idle() == [p.name]
+    assert agent.staged_bytes() == 0
+
+
+async def test_a_bucket_resets_the_idle_clock(tmp_path: Path) -> None:
+    now = [0.0]
+    agent = Agent(
+        RecordingEngine(),  # type: ignore[arg-type]
+        ArtifactStore(tmp_path / "host"),
+        staging_idle_s=10.0,
+        clock=lambda: now[0],
+    )
+    p = _published(tmp_path, 97)
+    await agent.prepare(p.candidate)
+    now[0] = 9.0
+    await agent.receive_bucket(_upload(p, buckets_of(p.tensors, max_bytes=1)[0]))
+    now[0] = 18.9
+    assert agent.expire_idle() == []
+    # any step sweeps what went idle first: a bucket that comes too late is not prepared
+    now[0] = 19.0
+    await expect_refusal(
+        ErrorCode.NOT_PREPARED,
+        agent.receive_bucket(_upload(p, buckets_of(p.tensors, max_bytes=1)[1])),
+    )
+    assert agent.staged_names() == ()
+
+
+async def test_a_prepare_sweeps_idle_staging_of_other_names(tmp_path: Path) -> None:
+    now = [0.0]
+    agent = Agent(
+        RecordingEngine(),  # type: ignore[arg-type]
+        ArtifactStore(tmp_path / "host"),
+        staging_idle_s=10.0,
+        clock=lambda: now[0],
+    )
+    first, second = _published(tmp_path, 98), _published(tmp_path, 99)
+    await agent.prepare(first.candidate)
+    now[0] = 10.0
+    await agent.prepare(second.candidate)
+    assert agent.staged_names() == (second.name,)
+
+
+async def test_room_is_counted_once_per_tensor_up_to_exactly_the_cap(tmp_path: Path) -> None:
+    p = _published(tmp_path, 100)
+    agent = _agent_over(RecordingEngine(), tmp_path)
+    agent.staging_bytes = p.candidate.manifest.total_bytes
+    buckets = buckets_of(p.tensors, max_bytes=1)
+    await agent.prepare(p.candidate)
+    for bucket in buckets:
+        await agent.receive_bucket(_upload(p, bucket))
+    assert agent.staged_bytes() == agent.staging_bytes
+    # a bucket sent again adds nothing: it fits although the staging is full
+    assert await agent.receive_bucket(_upload(p, buckets[0])) == len(p.tensors)
+    other = _published(tmp_path, 101)
+    await agent.prepare(other.candidate)  # fits alone; but no byte is left
+    first = buckets_of(other.tensors, max_bytes=1)[0]
+    refusal = await expect_refusal(
+        ErrorCode.STAGING_FULL, agent.receive_bucket(_upload(other, first))
+    )
+    grown = agent.staging_bytes + first.tensors[0].tensor.nbytes
+    assert refusal.message == (
+        f"{other.name}: bucket {first.index} would make the staged bytes {grown}, over this "
+        f"agent's cap of {agent.staging_bytes} (--staging-bytes); retry once other "
+        "publications loaded or expired"
+    )
+
+
+# --- load: every tensor, written once before the engine is asked, a stored digest reused -------
+
+
+async def test_load_needs_every_tensor_of_its_manifest(tmp_path: Path) -> None:
+    async with on_engine(tmp_path) as a:
+        p = a.published(102)
+        buckets = buckets_of(p.tensors, max_bytes=1)
+        await a.agent.prepare(p.candidate)
+        for bucket in buckets[:-1]:
+            await a.agent.receive_bucket(_upload(p, bucket))
+        last = buckets[-1].tensors[0].name
+        refusal = await expect_refusal(ErrorCode.INVALID_ADAPTER, a.agent.load(p.candidate))
+        assert refusal.message == f"1 manifest tensors never arrived, e.g. {[last]}"
+        assert a.agent.staged_names() == (p.name,)
+        assert p.name not in await held(a.engine)
+        await a.agent.receive_bucket(_upload(p, buckets[-1]))
+        assert (await a.agent.load(p.candidate)).phase == "ready"
+
+
+async def test_load_writes_the_directory_before_the_engine_is_asked(tmp_path: Path) -> None:
+    seen: list[tuple[bool, bool]] = []
+    async with on_engine(tmp_path) as a:
+        p = a.published(103)
+
+        def after_write() -> None:  # the fault hook: the process may die right here
+            store = ArtifactStore(a.host)
+            seen.append((store.contains(p.candidate.digest), p.name in a.engine.loaded_adapters()))
+
+        a.agent.after_write = after_write
+        await a.agent.prepare(p.candidate)
+        await upload(a, p)
+        receipt = await a.agent.load(p.candidate)
+        assert seen == [(True, False)]
+        assert (receipt.phase, receipt.lora_name, receipt.attempt) == ("ready", p.name, 1)
+        assert a.agent.staged_names() == ()
+        entries = [e for e in (await a.engine.inventory()).adapters if e.lora_name == p.name]
+        assert [Path(e.path or "").parent for e in entries] == [a.host]
+
+
+async def test_a_digest_already_stored_is_reused_without_buckets(tmp_path: Path) -> None:
+    async with on_engine(tmp_path) as a:
+        p = a.published(104)
+        await a.agent.prepare(p.candidate)
+        await upload(a, p)
+        await a.agent.load(p.candidate)
+        await a.agent.unload(p.name, 1)
+        assert p.name not in await held(a.engine)
+        again = msgspec.structs.replace(p.candidate, attempt=2)
+        await a.agent.prepare(again)
+        receipt = await a.agent.load(again)  # a repair: no byte sent
+        assert (receipt.phase, receipt.attempt) == ("ready", 2)
+        assert p.name in await held(a.engine)
+        assert a.agent.staged_names() == ()
+        # a stale step of the first attempt never resurrects it
+        await expect_refusal(ErrorCode.STALE_ATTEMPT, a.agent.load(p.candidate))
+
+
+async def test_a_stored_digest_with_some_buckets_sent_needs_them_all(tmp_path: Path) -> None:
+    async with on_engine(tmp_path) as a:
+        p = a.published(105)
+        ArtifactStore(a.host).put(p.candidate.manifest, p.tensors)  # stored already
+        await a.agent.prepare(p.candidate)
+        buckets = buckets_of(p.tensors, max_bytes=1)
+        await a.agent.receive_bucket(_upload(p, buckets[0]))
+        await expect_refusal(ErrorCode.INVALID_ADAPTER, a.agent.load(p.candidate))
+        for bucket in buckets[1:]:
+            await a.agent.receive_bucket(_upload(p, bucket))
+        assert (await a.agent.load(p.candidate)).phase == "ready"
+        assert _temp_dirs(a.host) == []  # the staged copy was dropped, the stored one reused
+
+
+def _temp_dirs(host: Path) -> list[str]:
+    return sorted(p.name for p in host.iterdir() if p.name.startswith("."))
