@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from engines.agent import (
     run,
     serve_agent,
 )
-from engines.artifacts import ArtifactStore
+from engines.artifacts import ArtifactStore, StagedWeights
 from engines.contract import (
     AmbiguousReply,
     CleanRefusal,
@@ -1161,3 +1162,77 @@ async def test_a_stored_digest_with_some_buckets_sent_needs_them_all(tmp_path: P
 
 def _temp_dirs(host: Path) -> list[str]:
     return sorted(p.name for p in host.iterdir() if p.name.startswith("."))
+
+
+# --- receive_bucket under concurrency: forced, not hoped for -----------------------------------
+
+
+async def test_two_first_buckets_at_once_stage_into_one_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both begin a directory (held at a barrier until both are in): one is kept, the other is
+    dropped, and both buckets land in the one kept."""
+    agent = _agent_over(RecordingEngine(), tmp_path)
+    p = _published(tmp_path, 106)
+    first, second = buckets_of(p.tensors, max_bytes=1)[:2]
+    both_in = threading.Barrier(2, timeout=30)
+    begin = ArtifactStore.begin
+
+    def held_begin(store: ArtifactStore, manifest: Any) -> StagedWeights:
+        both_in.wait()
+        return begin(store, manifest)
+
+    monkeypatch.setattr(ArtifactStore, "begin", held_begin)
+    await agent.prepare(p.candidate)
+    counts: list[int] = []
+
+    async def send(bucket: Any) -> None:
+        counts.append(await agent.receive_bucket(_upload(p, bucket)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send, first)
+        tg.start_soon(send, second)
+    assert sorted(counts) == [1, 2]
+    assert agent.staged_bytes() == sum(b.tensors[0].tensor.nbytes for b in (first, second))
+    assert len(_temp_dirs(tmp_path / "host")) == 1  # the other directory was dropped
+
+
+@pytest.mark.parametrize("how", ["prepared again", "unloaded"])
+async def test_a_bucket_whose_staging_went_while_it_was_checked_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    agent = _agent_over(RecordingEngine(), tmp_path)
+    p = _published(tmp_path, 107)
+    checking, go_on = threading.Event(), threading.Event()
+    held_step = StagedWeights.check if how == "prepared again" else StagedWeights.write
+    name = "check" if how == "prepared again" else "write"
+
+    def held(weights: StagedWeights, *args: Any) -> Any:
+        checking.set()
+        assert go_on.wait(30)
+        return held_step(weights, *args)
+
+    monkeypatch.setattr(StagedWeights, name, held)
+    await agent.prepare(p.candidate)
+    outcome: list[BaseException] = []
+
+    async def send() -> None:
+        try:
+            await agent.receive_bucket(_upload(p, buckets_of(p.tensors, max_bytes=1)[0]))
+        except CleanRefusal as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        await anyio.to_thread.run_sync(checking.wait)
+        if how == "prepared again":
+            await agent.prepare(msgspec.structs.replace(p.candidate, attempt=2))
+        else:
+            await agent.unload(p.name, 1)
+        go_on.set()
+    (refusal,) = outcome
+    assert isinstance(refusal, CleanRefusal) and refusal.code == ErrorCode.NOT_PREPARED
+    words = "was prepared again meanwhile" if how == "prepared again" else "was dropped meanwhile"
+    assert refusal.message == f"{p.name} {words}"
+    assert agent.staged_bytes() == 0
+    assert _temp_dirs(tmp_path / "host") == []
