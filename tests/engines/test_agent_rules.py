@@ -5,8 +5,11 @@ over HTTP, and what the control-plane members send where."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import socket
+import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -304,7 +307,7 @@ class _Gates(list[Drain]):
 
 @asynccontextmanager
 async def running_agent(
-    monkeypatch: pytest.MonkeyPatch, engine_url: str, host: Path, **options: Any
+    monkeypatch: pytest.MonkeyPatch, engine_url: str, store: Path, **options: Any
 ) -> AsyncIterator[tuple[str, Drain, anyio.Event]]:
     """``run`` in a task of this process (the agent's process without its CLI): yields its URL,
     its drain gate and the event set when ``run`` returned; on exit, SIGTERM if still running."""
@@ -320,8 +323,7 @@ async def running_agent(
     async def process() -> None:
         await run(
             engine=f"sglang:{engine_url}",
-            artifacts=str(host),
-            engine_id="h0",
+            artifacts=str(store),
             on_ready=on_ready,
             **options,
         )
@@ -340,10 +342,12 @@ async def running_agent(
                 await returned.wait()
 
 
-def sigterm() -> None:
-    """SIGTERM to this process, which ``run`` receives (never sent unless its handler is in)."""
-    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-    os.kill(os.getpid(), signal.SIGTERM)
+def sigterm(signum: int = signal.SIGTERM) -> None:
+    """``signum`` to this process, which ``run`` receives (never sent unless its handler is
+    in: Python's own SIGINT handler would interrupt the test session)."""
+    default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    assert signal.getsignal(signum) not in (default, signal.SIG_IGN, None)
+    os.kill(os.getpid(), signum)
 
 
 async def _held_step(url: str, release: anyio.Event, answers: list[int]) -> None:
@@ -374,6 +378,13 @@ async def test_run_serves_with_its_options_until_sigterm_then_drains_what_runs(
     trainer = ArtifactStore(tmp_path / "trainer")
     published = candidate_for(trainer, 81)
     cap = published.candidate.manifest.total_bytes
+    adapters: list[tuple[Any, ...]] = []
+
+    def recorded_adapter(kind: str, url: str, engine_id: str, **options: Any) -> Any:
+        adapters.append((kind, url, engine_id, options))
+        return engine_adapter(kind, url, engine_id, **options)
+
+    monkeypatch.setattr(agent_module, "engine_adapter", recorded_adapter)
     async with AsyncExitStack() as stack:
         _, engine_url = await stack.enter_async_context(
             running_server("h0", limits=LIMITS, artifact_root=host, token=ENGINE_TOKEN)
@@ -383,6 +394,7 @@ async def test_run_serves_with_its_options_until_sigterm_then_drains_what_runs(
                 monkeypatch,
                 engine_url,
                 host,
+                engine_id="h0",
                 token=AGENT_TOKEN,
                 engine_token=ENGINE_TOKEN,
                 staging_bytes=cap,
@@ -390,6 +402,12 @@ async def test_run_serves_with_its_options_until_sigterm_then_drains_what_runs(
             )
         )
         assert gate.engine_id == "h0"
+        assert adapters == [
+            ("sglang", engine_url, "h0", {"api_key": ENGINE_TOKEN, "served_model": "tiny"})
+        ]
+        async with httpx.AsyncClient(trust_env=False) as anonymous:
+            knock = await anonymous.get(f"{url}{wire.PREFIX}/inventory")
+            assert knock.status_code == 401  # the agent's own token guards it
         engine = SGLangEngine(engine_url, "h0", api_key=ENGINE_TOKEN)
         member = AgentEngine(url, engine, api_key=AGENT_TOKEN)
         stack.push_async_callback(member.aclose)
@@ -433,11 +451,16 @@ async def test_run_in_fault_mode_exits_71_after_the_write_and_cuts_a_drain_at_it
     host = tmp_path / "host"
     host.mkdir()
     published = candidate_for(ArtifactStore(tmp_path / "trainer"), 84)
-    exits: list[int] = []
+    exits: list[tuple[int, bytes]] = []
+    said = io.BytesIO()  # stderr's bytes as the process would leave them at its exit
 
     def exit_now(status: int) -> None:
-        exits.append(status)
+        exits.append((status, said.getvalue()))
         raise _Died(status)
+
+    with socket.socket() as probe:  # a port the OS says is free
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
 
     async with AsyncExitStack() as stack:
         engine, engine_url = await stack.enter_async_context(
@@ -448,21 +471,26 @@ async def test_run_in_fault_mode_exits_71_after_the_write_and_cuts_a_drain_at_it
                 monkeypatch,
                 engine_url,
                 host,
+                host="localhost",
+                port=port,
                 token=AGENT_TOKEN,
                 exit_after_write=True,
                 drain_timeout=0.3,
             )
         )
+        assert url == f"http://localhost:{port}"
+        assert gate.engine_id == "agent"  # the default fleet id
         client = LocalHTTPEngine(url, "h0", api_key=AGENT_TOKEN)
         stack.push_async_callback(client.aclose)
         await client.prepare(published.candidate)
         await client.transfer(published.candidate, aiter_list(buckets_of(published.tensors)))
         monkeypatch.setattr(os, "_exit", exit_now)
+        monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(said, write_through=False))
         with pytest.raises(AmbiguousReply):
             await client.load(published.candidate)
         monkeypatch.undo()
-        assert exits == [EXIT_AFTER_WRITE] == [71]
-        assert "exiting after the write" in capfd.readouterr().err
+        words = b"engines.agent: exiting after the write (fault mode)\n"
+        assert exits == [(EXIT_AFTER_WRITE, words)] and EXIT_AFTER_WRITE == 71
         assert ArtifactStore(host).contains(published.candidate.digest)  # written
         assert published.name not in await held(engine)  # never loaded
 
@@ -470,7 +498,7 @@ async def test_run_in_fault_mode_exits_71_after_the_write_and_cuts_a_drain_at_it
         async with anyio.create_task_group() as tg:
             tg.start_soon(_held_step, url, release, answers)
             await wait_for("the held step admitted", lambda: gate.in_flight == 1)
-            sigterm()
+            sigterm(signal.SIGINT)  # Ctrl-C stops it the same way
             with anyio.fail_after(30):
                 await returned.wait()  # cut at the drain timeout, the step still held
             release.set()
@@ -1236,3 +1264,33 @@ async def test_a_bucket_whose_staging_went_while_it_was_checked_is_not_kept(
     assert refusal.message == f"{p.name} {words}"
     assert agent.staged_bytes() == 0
     assert _temp_dirs(tmp_path / "host") == []
+
+
+async def test_run_refuses_an_unsafe_configuration_before_it_starts(tmp_path: Path) -> None:
+    with pytest.raises(UnsafeConfiguration):
+        await run(
+            engine="sglang:http://127.0.0.1:9",
+            artifacts=str(tmp_path),
+            engine_token=ENGINE_TOKEN,
+        )
+
+
+def test_the_commands_help_names_it_and_each_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    assert usage.startswith("usage: python -m engines.agent ")
+    assert "The engine-host agent: publication to a path-loading engine without a shared " in usage
+    for words in (
+        "--engine ENGINE KIND:URL, e.g. sglang:http://127.0.0.1:30000",
+        "--artifacts ARTIFACTS this host's artifact directory",
+        "--id ID the fleet member's engine id",
+        "--served-model SERVED_MODEL vLLM's --served-model-name",
+        "--exit-after-write fault mode (tests)",
+        "--drain-timeout DRAIN_TIMEOUT on SIGTERM, how long the steps already running may "
+        "take (seconds)",
+    ):
+        assert words in usage, words
