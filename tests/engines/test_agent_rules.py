@@ -200,19 +200,23 @@ def test_the_command_refuses_an_unsafe_configuration_with_exit_11(
 
 
 def test_the_command_runs_the_agent_with_what_it_was_given(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every option reaches the agent, the tokens come from the environment (never argv),
     and the port is the first line on stdout."""
     monkeypatch.setenv(AGENT_TOKEN_ENV, AGENT_TOKEN)
     monkeypatch.setenv(ENGINE_TOKEN_ENV, ENGINE_TOKEN)
     ran: list[dict[str, Any]] = []
+    out = io.BytesIO()  # stdout as a pipe holds it: block-buffered
+    announced: list[bytes] = []
 
     async def recorded(**options: Any) -> None:
         ran.append(options)
         options["on_ready"]("http://127.0.0.1:43210")
+        announced.append(out.getvalue())  # what a parent waiting for the port has read
 
     monkeypatch.setattr(agent_module, "run", recorded)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, write_through=False))
     main(
         [
             "--engine",
@@ -236,7 +240,7 @@ def test_the_command_runs_the_agent_with_what_it_was_given(
             "7.5",
         ]
     )
-    assert capsys.readouterr().out == "43210\n"
+    assert announced == [b"43210\n"]  # flushed at once, while the agent runs on
     (options,) = ran
     options.pop("on_ready")
     assert options == {
@@ -659,6 +663,8 @@ def test_engine_adapter_builds_the_path_loading_adapter_of_its_kind() -> None:
         "base",
     )
     assert "authorization" not in vllm._client.headers
+    with_token = engine_adapter("vllm", "http://127.0.0.1:8000", "e2", api_key=ENGINE_TOKEN)
+    assert with_token._client.headers["authorization"] == f"Bearer {ENGINE_TOKEN}"
     assert engine_adapter("vllm", "http://127.0.0.1:8000", "e3").served_model == "tiny"
     with pytest.raises(ValueError, match="'local'"):
         engine_adapter("local", "http://127.0.0.1:1", "e4")
@@ -1284,6 +1290,7 @@ def test_the_commands_help_names_it_and_each_option(
     usage = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
     assert usage.startswith("usage: python -m engines.agent ")
     assert "The engine-host agent: publication to a path-loading engine without a shared " in usage
+    assert "SGLang and vLLM" not in usage  # the docstring's first line only
     for words in (
         "--engine ENGINE KIND:URL, e.g. sglang:http://127.0.0.1:30000",
         "--artifacts ARTIFACTS this host's artifact directory",
