@@ -701,7 +701,7 @@ async def test_a_cleanup_names_its_attempt_to_the_engine_and_fences_older_cleanu
     assert engine.calls == [("unload", "lora-a", 3)]
     # a late cleanup of an older attempt never reaches the engine
     refusal = await expect_refusal(ErrorCode.STALE_ATTEMPT, agent.unload("lora-a", 2))
-    assert "lora-a" in refusal.message
+    assert "lora-a" in refusal.message and refusal.engine_id == "e9"  # its engine's id
     assert engine.calls == [("unload", "lora-a", 3)]
 
 
@@ -1301,3 +1301,47 @@ def test_the_commands_help_names_it_and_each_option(
         "take (seconds)",
     ):
         assert words in usage, words
+
+
+async def test_a_bucket_counts_as_a_step_from_its_arrival_to_its_last_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused bucket of the right attempt is a step too; and a bucket whose checksums took
+    a while restarts the clock when it is written, not when it arrived."""
+    now = [0.0]
+    agent = Agent(
+        RecordingEngine(),  # type: ignore[arg-type]
+        ArtifactStore(tmp_path / "host"),
+        staging_idle_s=10.0,
+        clock=lambda: now[0],
+    )
+    p = _published(tmp_path, 108)
+    first, second = buckets_of(p.tensors, max_bytes=1)[:2]
+    await agent.prepare(p.candidate)
+    now[0] = 9.0
+    data = bytearray(first.tensors[0].tensor.data)
+    data[0] ^= 0xFF
+    flipped = msgspec.structs.replace(
+        first,
+        tensors=(
+            msgspec.structs.replace(
+                first.tensors[0],
+                tensor=msgspec.structs.replace(first.tensors[0].tensor, data=bytes(data)),
+            ),
+        ),
+    )
+    await expect_refusal(ErrorCode.DIGEST_MISMATCH, agent.receive_bucket(_upload(p, flipped)))
+    now[0] = 18.9
+    assert agent.expire_idle() == []  # idle from 9.0, the refused bucket's arrival
+    check = StagedWeights.check
+
+    def slow_check(weights: StagedWeights, name: str, tensor: Any) -> str:
+        now[0] = 25.0  # the checksums took a while
+        return check(weights, name, tensor)
+
+    monkeypatch.setattr(StagedWeights, "check", slow_check)
+    await agent.receive_bucket(_upload(p, second))
+    now[0] = 34.9
+    assert agent.expire_idle() == []  # idle from 25.0, its last write
+    now[0] = 35.0
+    assert agent.expire_idle() == [p.name]
