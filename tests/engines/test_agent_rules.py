@@ -406,6 +406,7 @@ async def test_run_serves_with_its_options_until_sigterm_then_drains_what_runs(
             )
         )
         assert gate.engine_id == "h0"
+        assert int(url.rsplit(":", 1)[1]) > 1023  # a free port the OS chose (port 0)
         assert adapters == [
             ("sglang", engine_url, "h0", {"api_key": ENGINE_TOKEN, "served_model": "tiny"})
         ]
@@ -1273,7 +1274,7 @@ async def test_a_bucket_whose_staging_went_while_it_was_checked_is_not_kept(
 
 
 async def test_run_refuses_an_unsafe_configuration_before_it_starts(tmp_path: Path) -> None:
-    with pytest.raises(UnsafeConfiguration):
+    with pytest.raises(UnsafeConfiguration), anyio.fail_after(10):  # not: serves until killed
         await run(
             engine="sglang:http://127.0.0.1:9",
             artifacts=str(tmp_path),
