@@ -928,6 +928,18 @@ async def test_idle_staging_is_swept_a_few_times_per_idle_bound(
 # --- prepare: which candidates, staging per attempt, the idle clock ----------------------------
 
 
+def _clocked_agent(tmp_path: Path) -> tuple[Agent, list[float]]:
+    """An agent over a test double whose clock reads ``now[0]``; idle after 10 s."""
+    now = [0.0]
+    agent = Agent(
+        RecordingEngine(),  # type: ignore[arg-type]
+        ArtifactStore(tmp_path / "host"),
+        staging_idle_s=10.0,
+        clock=lambda: now[0],
+    )
+    return agent, now
+
+
 def _published(tmp_path: Path, seed: int, **options: Any) -> Published:
     return candidate_for(ArtifactStore(tmp_path / "trainer"), seed, **options)
 
@@ -1015,13 +1027,7 @@ async def test_prepare_answers_the_engines_life_and_its_own_receipt(tmp_path: Pa
 async def test_staging_is_per_attempt_and_each_step_resets_its_idle_clock(
     tmp_path: Path,
 ) -> None:
-    now = [0.0]
-    agent = Agent(
-        RecordingEngine(),  # type: ignore[arg-type]
-        ArtifactStore(tmp_path / "host"),
-        staging_idle_s=10.0,
-        clock=lambda: now[0],
-    )
+    agent, now = _clocked_agent(tmp_path)
     p = _published(tmp_path, 95)
     buckets = buckets_of(p.tensors, max_bytes=1)  # one tensor per bucket
     assert len(buckets) >= 3
@@ -1062,13 +1068,7 @@ async def test_staging_is_per_attempt_and_each_step_resets_its_idle_clock(
 
 
 async def test_a_bucket_resets_the_idle_clock(tmp_path: Path) -> None:
-    now = [0.0]
-    agent = Agent(
-        RecordingEngine(),  # type: ignore[arg-type]
-        ArtifactStore(tmp_path / "host"),
-        staging_idle_s=10.0,
-        clock=lambda: now[0],
-    )
+    agent, now = _clocked_agent(tmp_path)
     p = _published(tmp_path, 97)
     await agent.prepare(p.candidate)
     now[0] = 9.0
@@ -1085,13 +1085,7 @@ async def test_a_bucket_resets_the_idle_clock(tmp_path: Path) -> None:
 
 
 async def test_a_prepare_sweeps_idle_staging_of_other_names(tmp_path: Path) -> None:
-    now = [0.0]
-    agent = Agent(
-        RecordingEngine(),  # type: ignore[arg-type]
-        ArtifactStore(tmp_path / "host"),
-        staging_idle_s=10.0,
-        clock=lambda: now[0],
-    )
+    agent, now = _clocked_agent(tmp_path)
     first, second = _published(tmp_path, 98), _published(tmp_path, 99)
     await agent.prepare(first.candidate)
     now[0] = 10.0
@@ -1309,13 +1303,7 @@ async def test_a_bucket_counts_as_a_step_from_its_arrival_to_its_last_write(
 ) -> None:
     """A refused bucket of the right attempt is a step too; and a bucket whose checksums took
     a while restarts the clock when it is written, not when it arrived."""
-    now = [0.0]
-    agent = Agent(
-        RecordingEngine(),  # type: ignore[arg-type]
-        ArtifactStore(tmp_path / "host"),
-        staging_idle_s=10.0,
-        clock=lambda: now[0],
-    )
+    agent, now = _clocked_agent(tmp_path)
     p = _published(tmp_path, 108)
     first, second = buckets_of(p.tensors, max_bytes=1)[:2]
     await agent.prepare(p.candidate)
