@@ -58,6 +58,7 @@ from engines.local import wire
 from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
 from engines.local.server import running_server
+from engines.manifest import compute_digest
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
 from tests.engines.contract import (
@@ -881,6 +882,13 @@ async def test_a_bucket_may_be_larger_than_any_other_body(tmp_path: Path) -> Non
         bucket = await http.post(f"{wire.PREFIX}/bucket", content=body)
         _error(bucket, 400, ErrorCode.BAD_REQUEST)  # read whole, then refused as no bucket
 
+        async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: counted as it comes
+            for _ in range(5):
+                yield b"\x80" * (MAX_BODY_BYTES // 4)
+
+        unannounced = await http.post(f"{wire.PREFIX}/prepare", content=chunked())
+        assert "over 4194304 bytes" in _error(unannounced, 413, "BODY_TOO_LARGE")
+
 
 async def test_a_draining_agent_refuses_publication_steps_and_keeps_cleanup_and_reads_open(
     tmp_path: Path,
@@ -1334,3 +1342,30 @@ async def test_a_bucket_counts_as_a_step_from_its_arrival_to_its_last_write(
     assert agent.expire_idle() == []  # idle from 25.0, its last write
     now[0] = 35.0
     assert agent.expire_idle() == [p.name]
+
+
+async def test_a_load_with_nothing_sent_names_the_first_missing_tensors(tmp_path: Path) -> None:
+    agent = _agent_over(RecordingEngine(), tmp_path)
+    p = _published(tmp_path, 109)
+    names = sorted(t.name for t in p.candidate.manifest.tensors)
+    assert len(names) > 3
+    await agent.prepare(p.candidate)
+    refusal = await expect_refusal(ErrorCode.INVALID_ADAPTER, agent.load(p.candidate))
+    assert refusal.message == f"{len(names)} manifest tensors never arrived, e.g. {names[:3]}"
+
+
+async def test_a_manifest_without_tensors_loads_nothing(tmp_path: Path) -> None:
+    engine = RecordingEngine()
+    agent = _agent_over(engine, tmp_path)
+    p = _published(tmp_path, 110)
+    config = p.candidate.manifest.config
+    digest = compute_digest(config, ())
+    empty = msgspec.structs.replace(
+        p.candidate,
+        digest=digest,
+        manifest=msgspec.structs.replace(p.candidate.manifest, tensors=(), digest=digest),
+    )
+    await agent.prepare(empty)
+    refusal = await expect_refusal(ErrorCode.INVALID_ADAPTER, agent.load(empty))
+    assert refusal.message == f"{p.name}: no bytes were staged"
+    assert [c for c in engine.calls if c[0] != "incarnation"] == []
