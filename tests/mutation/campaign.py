@@ -264,6 +264,30 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "agent",
+            # the engine-side agent: stages weights on disk, loads and unloads on its engine,
+            # relays drains as 503, answers its staged protocol over HTTP
+            ("engines/agent.py",),
+            # In process only (the agent's app on loopback in this process, a real local engine
+            # behind it): the boundary tests that start `loraledger agent` processes import the
+            # unmutated module and kill nothing (test_agent_boundary.py's first two,
+            # test_agent_command.py, test_agent_fleet.py, test_served_content.py).
+            (
+                "tests/engines/test_agent_rules.py",  # each rule on the agent itself
+                "tests/engines/test_agent_relays_drain.py",
+                "tests/engines/test_agent_stages_on_disk.py",
+                # the engine contract through the agent, over HTTP and hosted in process
+                "tests/engines/test_contract_local.py::TestAgentAndEngine",
+                "tests/engines/test_contract_local.py::TestHostedAgent",
+                # staging per attempt, capped, expiring; managed names after a restart
+                "tests/security/test_agent_boundary.py::test_a_restarted_agent_still_knows_its_managed_names",
+                "tests/security/test_agent_boundary.py::test_a_stray_bucket_or_prepare_does_not_wipe_a_publications_staging",
+                "tests/security/test_agent_boundary.py::test_staging_is_capped_in_bytes",
+                "tests/security/test_agent_boundary.py::test_staging_prepared_and_never_loaded_expires_when_idle",
+            ),
+            gated=False,
+        ),
+        Campaign(
             "logfile",
             # how the read-only tools open a log: refusals from the raw bytes, the three ways
             # to read without writing, a read that raced a writer
