@@ -115,8 +115,9 @@ async def test_a_sigterm_under_traffic_finishes_every_running_turn_and_refuses_n
                 assert (await engine_state(e0)) == (503, 12)  # nothing new admitted
 
                 assert (await post(e0, "/continue_generation", {})).status_code == 200
-            code = await exited(procs["e0"], 60)
+            code = await exited(procs["e0"], 120)
             took = time.monotonic() - signalled
+            err = procs["e0"].err.read_text(errors="replace")
 
     served = [o for o in outcomes if isinstance(o, Served)]
     assert [o for o in outcomes if not isinstance(o, Served)] == []
@@ -124,7 +125,7 @@ async def test_a_sigterm_under_traffic_finishes_every_running_turn_and_refuses_n
     assert {s.engine for s in served} == {"e0"}
     assert all(len(s.generation.token_ids) == TURN.max_tokens for s in served)
     assert code == 0
-    assert took < 60
+    assert "drain_timed_out" not in err, err[-2000:]  # the turns ended it, not the timeout
     record_figure(
         "turns lost on an engine's SIGTERM (12 running, --drain-timeout 60)",
         f"0 of 12; a new turn served by the other holder; exit 0 after {took:.2f} s",
@@ -147,12 +148,15 @@ async def test_a_drain_past_its_timeout_exits_and_the_cut_turns_are_ambiguous(
                 await wait_for("3 generations running on e0", lambda: _in_flight(e0, 3), timeout=60)
                 procs["e0"].signal(signal.SIGTERM)  # and they stay frozen: the drain times out
                 signalled = time.monotonic()
-                code = await exited(procs["e0"], 30)
+                code = await exited(procs["e0"], 120)  # a hang guard: the turns never end
             took = time.monotonic() - signalled
             err = procs["e0"].err.read_text(errors="replace")
 
+    # The frozen turns can only end by the timeout, so an exit at all is the timeout's doing;
+    # how long the process then takes to stop is the machine's (20.6 s under `--contend 2` at
+    # load 22), not a promise.
     assert code == 0
-    assert 1.0 <= took < 20, took
+    assert took >= 1.0, took
     assert "drain_timed_out" in err, err[-2000:]
     assert len(outcomes) == 3
     for outcome in outcomes:  # every cut turn is reported, none silently lost or resent
