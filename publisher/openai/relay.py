@@ -197,7 +197,9 @@ async def _relay_stream(
     stream that ends without ``[DONE]`` was cut (the local engine ends a failed generation so):
     the client gets an ``AMBIGUOUS_DISPATCH`` error event, so its SDK raises instead of taking a
     partial sample for a whole one, and the row says ``ambiguous``, as for a connection broken
-    mid-stream."""
+    mid-stream. The cut tail of an unfinished event is dropped, not sent: an SSE client
+    dispatches an event only at its blank line, so half an event is none, and glued to the
+    error event it would make that event unreadable too."""
     pending = b""
     done = False
     error: Any = None
@@ -238,7 +240,7 @@ async def _relay_stream(
     )
     status = STATUS_OF_CODE.get(DispatchCode.AMBIGUOUS_DISPATCH, 502)
     event = b"data: " + error_body(DispatchCode.AMBIGUOUS_DISPATCH, message, status)
-    await send({"type": "http.response.body", "body": pending + event + b"\n\n"})
+    await send({"type": "http.response.body", "body": event + b"\n\n"})
     return "ambiguous"
 
 

@@ -175,6 +175,18 @@ async def test_a_stream_cut_before_done_ends_with_an_ambiguous_error_event() -> 
     assert sent[-1].get("more_body", False) is False
 
 
+async def test_a_stream_cut_inside_an_event_sends_the_client_whole_events_only() -> None:
+    """A half event is no event (an SSE client dispatches an event at its blank line): the cut
+    tail is dropped, so the error event is its own line, parsed by the client's SDK, never glued
+    to half a JSON chunk."""
+    outcome, sent, _ = await relay(_CHUNK + b"\n\n", _FINISH[:30])
+    assert outcome == "ambiguous"
+    relayed, last = events_of(sent)
+    assert relayed == _CHUNK
+    assert last.startswith(b"data: {")
+    assert json.loads(last.removeprefix(b"data: "))["error"]["code"] == "AMBIGUOUS_DISPATCH"
+
+
 async def test_the_served_name_is_read_from_the_first_event_that_has_one() -> None:
     first = b'data: {"id":"c1","model":"policy@v1","choices":[{"index":0,"delta":{}}]}'
     _, _, reader = await relay(first + b"\n\n", _DONE + b"\n\n")
