@@ -929,6 +929,71 @@ async def test_a_relays_idle_loop_keeps_dropping_unused_bindings() -> None:
         assert "s" in r.ledger.state.sessions
 
 
+class RenewalLog(Port):
+    """The real ledger behind the port, keeping the sessions each renewal carried."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger)
+        self.carried: list[set[str]] = []
+
+    def renew_lease(
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
+        sessions: Iterable[str] = (),
+        secret: str = "",
+    ) -> None:
+        self.carried.append(set(sessions))
+        super().renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
+        )
+
+
+async def test_a_relays_renewals_carry_a_session_until_its_last_overlapping_turn_ends() -> None:
+    """The ledger counts a client-held session's idleness from the turns its relay reports:
+    a session with a turn running is carried by every renewal, and a turn's end by the next
+    one. Two turns of one session overlap: when the first ends, every renewal still carries the
+    session while the second runs; when the second ends, the renewal made at its end carries
+    it (even though renewals during the turn had already reported it), and later ones do
+    not."""
+    async with rig() as r:
+        await r.publish(1)
+        port = RenewalLog(r.ledger)
+        async with RolloutWorker.open(
+            port, r.gateway, owner="relay", sessions_idle_s=60.0, renew_every=0.01
+        ) as w:
+            s = w.session("s")
+            inside: list[int] = []
+            ended: list[int] = []  # how many renewals had been made when each turn had ended
+
+            async def hold(until: anyio.Event) -> None:
+                async with s.turn():
+                    inside.append(len(port.carried))
+                    await until.wait()
+                ended.append(len(port.carried))  # the turn's end renews as it leaves
+
+            def renewals_after(n: int) -> Callable[[], bool]:
+                return lambda: len(port.carried) >= n
+
+            first_ends, second_ends = anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(hold, first_ends)
+                await wait_for("the first turn running", lambda: len(inside) == 1)
+                tg.start_soon(hold, second_ends)
+                await wait_for("the second turn running", lambda: len(inside) == 2)
+                first_ends.set()
+                await wait_for("the first turn ended", lambda: len(ended) == 1)
+                await wait_for("two renewals more", renewals_after(ended[0] + 2))
+                second_ends.set()
+            await wait_for("two renewals after the last end", renewals_after(ended[1] + 2))
+            while_second_ran = port.carried[ended[0] : ended[1] - 1]
+            assert len(while_second_ran) >= 2 and all("s" in x for x in while_second_ran)
+            assert port.carried[ended[1] - 1] == {"s"}  # the renewal made as the last turn ended
+            assert all("s" not in x for x in port.carried[ended[1] :])
+
+
 async def test_a_workers_defaults_are_the_documented_ones() -> None:
     async with rig() as r:
         direct = RolloutWorker(r.ledger, r.gateway, owner="direct")
