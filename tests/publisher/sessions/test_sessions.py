@@ -363,6 +363,25 @@ async def test_tombstones_are_forgotten_in_batches_once_released() -> None:
         assert sizes == [4, 4, 2]
 
 
+async def test_a_released_session_leaves_the_worker_and_only_its_own_binder_does() -> None:
+    """A worker holds a session's binder until it is released, then lets it go (its memory
+    stays bounded, and the id's next caller gets a binder of its own, which the ledger refuses
+    while the tombstone lives). A release removes only the binder it released: a relay that
+    dropped an unused binding and made a successor for the id keeps the successor."""
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "relay", sessions_idle_s=60.0) as w:
+            s, old = w.session("s"), w.session("old")
+            for binder in (s, old):
+                await binder.generate(PROMPT, SHORT)
+            await s.close()
+            assert w.session("s") is not s and w.bindings() == {"old": 1}
+            assert w.drop_unused(now=anyio.current_time() + 1e6) == 2
+            successor = w.session("old")
+            await old.close()  # its holder releases it after the relay made the successor
+            assert w.session("old") is successor
+
+
 # --- batches ---------------------------------------------------------------------------------
 
 
@@ -904,6 +923,9 @@ async def test_the_idle_loop_looks_every_quarter_of_the_idle_time(
             await wait_for("the idle loop asleep", lambda: 1.75 in slept)
         async with worker_on(r, "relay", ttl_s=3.0, sessions_idle_s=7.0):
             await wait_for("the relay's loop asleep", lambda: slept.count(1.75) == 2)
+        async with worker_on(r, "w2", ttl_s=3.0, idle_release_s=1000.0):
+            # but never longer than 30 s: a long idle bound still releases within 30 s of it
+            await wait_for("the idle loop's longest wait", lambda: 30.0 in slept)
 
 
 async def test_a_turn_sends_the_callers_request_id_and_extra_body() -> None:
