@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from engines.contract import SamplingParams
-from evlog.errors import LoraLedgerError
+from evlog.errors import LoraLedgerError, StoreCode, StoreError
 from evlog.events import (
     Event,
     OwnerDeregistered,
@@ -246,6 +246,73 @@ async def test_a_failed_first_bind_is_asked_again_later() -> None:
         assert info.value.code == Code.NO_PUBLISHED_VERSION
         await r.publish(1)
         assert (await s.generate(PROMPT, SHORT)).version_id == 1
+
+
+class Failing(Port):
+    """The real ledger behind the port, except that a call fails with ``failure`` when set
+    (a refusal of the whole call, a broken port, a lost reply), or each command is answered
+    ``refusal`` when set: nothing then reaches the ledger."""
+
+    failure: Exception | None = None
+    refusal: LoraLedgerError | None = None  # when set, the answer to every command
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
+        if self.failure is not None or self.refusal is not None:
+            self.calls.append(list(commands))
+            if self.failure is not None:
+                raise self.failure
+            return [self.refusal] * len(commands)
+        return await super().execute_many(commands)
+
+
+async def test_a_call_that_fails_as_a_whole_answers_each_waiter_with_why() -> None:
+    """A refusal of the whole call reaches each waiter as it is; any other failure becomes a
+    LEDGER_CLOSED naming the call and what broke. Nothing is left bound or waiting, and the
+    session can be asked again."""
+    async with rig() as r:
+        await r.publish(1)
+        port = Failing(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+            a, b = w.session("a"), w.session("b")
+            port.failure = LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
+            results = await w.bind_many([a, b])
+            assert [(x.code, x.message) for x in results] == [  # type: ignore[union-attr]
+                (Code.LEDGER_CLOSED, "the ledger is closed")
+            ] * 2
+            port.failure = ValueError("the port broke")
+            with pytest.raises(LoraLedgerError) as info:
+                await a.bind()
+            assert info.value.code == Code.LEDGER_CLOSED
+            assert info.value.message == "bind of 1 sessions failed: ValueError('the port broke')"
+            assert len(port.calls) == 2 and r.ledger.state.sessions == {}
+            port.failure = None
+            assert (await a.bind()).version_id == 1
+
+
+async def test_a_call_failing_every_attempt_is_asked_as_often_as_the_policy_says() -> None:
+    """A lost reply and a retryable refusal are asked again, ``attempts`` times in all; then
+    each waiter hears the last attempt's own word: the lost reply (as LEDGER_CLOSED naming
+    it), the refusal as it came."""
+    async with rig() as r:
+        await r.publish(1)
+        port = Failing(r.ledger)
+        retry = RetryPolicy(attempts=3, first_delay=0.0, max_delay=0.0)
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:  # type: ignore[arg-type]
+            s = w.session("s")
+            port.failure = OSError("the reply was lost")
+            with pytest.raises(LoraLedgerError) as lost:
+                await s.bind()
+            assert (lost.value.code, lost.value.message) == (
+                Code.LEDGER_CLOSED,
+                "bind of 1 sessions failed: OSError('the reply was lost')",
+            )
+            assert len(port.calls) == 3
+            port.failure, port.refusal = None, StoreError(StoreCode.STORE_FAILED, "disk full")
+            with pytest.raises(LoraLedgerError) as refused:
+                await s.bind()
+            assert refused.value is port.refusal and len(port.calls) == 6
+            port.refusal = None
+            assert (await s.bind()).version_id == 1
 
 
 # --- close -----------------------------------------------------------------------------------
