@@ -257,11 +257,13 @@ class Failing(Port):
     refusal: LoraLedgerError | None = None  # when set, the answer to every command
 
     async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
-        if self.failure is not None or self.refusal is not None:
+        failure, refusal = self.failure, self.refusal
+        if failure is not None:
             self.calls.append(list(commands))
-            if self.failure is not None:
-                raise self.failure
-            return [self.refusal] * len(commands)
+            raise failure
+        if refusal is not None:
+            self.calls.append(list(commands))
+            return [refusal] * len(commands)
         return await super().execute_many(commands)
 
 
@@ -272,7 +274,7 @@ async def test_a_call_that_fails_as_a_whole_answers_each_waiter_with_why() -> No
     async with rig() as r:
         await r.publish(1)
         port = Failing(r.ledger)
-        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
             a, b = w.session("a"), w.session("b")
             port.failure = LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
             results = await w.bind_many([a, b])
@@ -297,7 +299,7 @@ async def test_a_call_failing_every_attempt_is_asked_as_often_as_the_policy_says
         await r.publish(1)
         port = Failing(r.ledger)
         retry = RetryPolicy(attempts=3, first_delay=0.0, max_delay=0.0)
-        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:  # type: ignore[arg-type]
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:
             s = w.session("s")
             port.failure = OSError("the reply was lost")
             with pytest.raises(LoraLedgerError) as lost:
