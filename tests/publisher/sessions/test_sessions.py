@@ -480,8 +480,18 @@ async def test_bind_many_and_close_many_take_one_round_trip_each() -> None:
 # --- owner leases ------------------------------------------------------------------------------
 
 
-async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts() -> None:
-    async with rig() as r, worker_on(r, ttl_s=10.0, renew_every=0.01) as w:
+# An owner-held worker, and a relay (its sessions client-held): renewals carry the same counts
+# and the same life either way.
+KINDS = pytest.mark.parametrize(
+    "kind", [{}, {"sessions_idle_s": 60.0}], ids=["owner-held", "relay"]
+)
+
+
+@KINDS
+async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts(
+    kind: dict[str, float],
+) -> None:
+    async with rig() as r, worker_on(r, ttl_s=10.0, renew_every=0.01, **kind) as w:
         await r.publish(1)
         s = w.session("s")
         for engine in r.local.values():
@@ -691,13 +701,16 @@ async def test_bind_many_answers_each_binder_in_place() -> None:
         assert isinstance(bound, Bound) and (bound.session, bound.version_id) == ("open", 1)
 
 
-async def test_a_replaced_worker_hears_owner_restarted_naming_itself() -> None:
+@KINDS
+async def test_a_replaced_worker_hears_owner_restarted_naming_itself(
+    kind: dict[str, float],
+) -> None:
     async with rig() as r:
         await r.publish(1)
-        async with worker_on(r, "w1") as old:
+        async with worker_on(r, "w1", **kind) as old:
             s = old.session("s")
             await s.generate(PROMPT, SHORT)
-            async with worker_on(r, "w1") as new:  # a second incarnation of the owner
+            async with worker_on(r, "w1", **kind) as new:  # a second incarnation of the owner
                 assert new.incarnation != old.incarnation
                 with pytest.raises(LoraLedgerError) as first:  # the ledger's refusal
                     await s.generate(PROMPT, SHORT)
@@ -1083,6 +1096,7 @@ async def test_a_relays_renewals_carry_a_session_until_its_last_overlapping_turn
             assert len(while_second_ran) >= 2 and all("s" in x for x in while_second_ran)
             assert port.carried[ended[1] - 1] == {"s"}  # the renewal made as the last turn ended
             assert all("s" not in x for x in port.carried[ended[1] :])
+            assert w.renewals == len(port.carried)  # each renewal counted once
 
 
 async def test_a_workers_defaults_are_the_documented_ones() -> None:
