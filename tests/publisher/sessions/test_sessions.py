@@ -1100,10 +1100,11 @@ async def test_a_relays_renewals_carry_a_session_until_its_last_overlapping_turn
 
 
 class RefusedRenewals(RenewalLog):
-    """As :class:`RenewalLog`, with the next ``refusals`` renewals refused LEDGER_CLOSED (a
-    ledger stepping down: not a word about the owner's life)."""
+    """As :class:`RenewalLog`, with the next ``refusals`` renewals failing with ``refusal``
+    (by default LEDGER_CLOSED, a ledger stepping down: not a word about the owner's life)."""
 
     refusals = 0
+    refusal: Exception = LedgerError(Code.LEDGER_CLOSED, "the ledger is closing")
 
     def renew_lease(
         self,
@@ -1116,22 +1117,23 @@ class RefusedRenewals(RenewalLog):
     ) -> None:
         if self.refusals:
             self.refusals -= 1
-            raise LedgerError(Code.LEDGER_CLOSED, "the ledger is closing")
+            raise self.refusal
         super().renew_lease(
             owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
         )
 
 
 async def test_a_renewal_refused_for_another_reason_than_the_owner_is_tried_again() -> None:
-    """Only an owner-ending refusal stops the renewals: any other is logged and the next tick
-    renews again (stopping would let a live worker's lease expire)."""
+    """Only an owner-ending refusal stops the renewals: any other, and a lost reply, is logged
+    and the next tick renews again (stopping would let a live worker's lease expire)."""
     async with rig() as r:
         port = RefusedRenewals(r.ledger)
         async with RolloutWorker.open(port, r.gateway, owner="w1", renew_every=0.01) as w:
-            port.refusals = 3
-            await wait_for("the refusals heard", lambda: port.refusals == 0)
-            seen = len(port.carried)
-            await wait_for("a renewal after them", lambda: len(port.carried) > seen)
+            for refusal in (port.refusal, OSError("the reply was lost")):
+                port.refusal, port.refusals = refusal, 3
+                await wait_for("the refusals heard", lambda: port.refusals == 0)
+                seen = len(port.carried)
+                await wait_for("a renewal after them", lambda: len(port.carried) > seen)  # noqa: B023
             assert w.lost is None
 
 
