@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -317,6 +317,47 @@ async def test_a_call_failing_every_attempt_is_asked_as_often_as_the_policy_says
             assert (await s.bind()).version_id == 1
 
 
+class LostRegistrations(Port):
+    """The real ledger behind the port; the replies of the next ``lost`` registrations are
+    lost (after the ledger registered the owner: the call is idempotent)."""
+
+    lost = 0
+    registrations = 0
+
+    async def register_owner(
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
+        secret: str = "",
+    ) -> Done:
+        self.registrations += 1
+        done = await super().register_owner(
+            owner,
+            ttl_s=ttl_s,
+            incarnation=incarnation,
+            sessions_idle_s=sessions_idle_s,
+            secret=secret,
+        )
+        if self.lost:
+            self.lost -= 1
+            raise OSError("the reply was lost")
+        return done
+
+
+async def test_a_registration_whose_replies_are_lost_is_asked_until_the_last_attempt() -> None:
+    async with rig() as r:
+        port = LostRegistrations(r.ledger)
+        port.lost = 2
+        retry = RetryPolicy(attempts=3, first_delay=0.0, max_delay=0.0)
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:
+            assert port.registrations == 3 and w.lost is None
+            await r.publish(1)
+            assert (await w.session("s").bind()).version_id == 1
+
+
 # --- close -----------------------------------------------------------------------------------
 
 
@@ -489,7 +530,7 @@ KINDS = pytest.mark.parametrize(
 
 @KINDS
 async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts(
-    kind: dict[str, float],
+    kind: dict[str, Any],
 ) -> None:
     async with rig() as r, worker_on(r, ttl_s=10.0, renew_every=0.01, **kind) as w:
         await r.publish(1)
@@ -703,7 +744,7 @@ async def test_bind_many_answers_each_binder_in_place() -> None:
 
 @KINDS
 async def test_a_replaced_worker_hears_owner_restarted_naming_itself(
-    kind: dict[str, float],
+    kind: dict[str, Any],
 ) -> None:
     async with rig() as r:
         await r.publish(1)
