@@ -344,6 +344,16 @@ CAMPAIGNS: dict[str, Campaign] = {
             ),
             gated=False,  # until its first run is triaged
         ),
+        Campaign(
+            "ray_face",
+            # the Ray face's engine book: where a restarted ledger actor finds the engines
+            # added or replaced at runtime, and the fleet it opens with
+            ("publisher/ray/engine_book.py",),
+            # In process, over doubles of Ray's key-value table and named actors: a test on a
+            # Ray instance (test_engine_book.py) would start one per mutant.
+            ("tests/publisher/ray/test_engine_book_rules.py",),
+            gated=True,
+        ),
     )
 }
 

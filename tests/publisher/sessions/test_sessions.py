@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import pytest
 
 from engines.contract import SamplingParams
-from evlog.errors import LoraLedgerError
+from evlog.errors import LoraLedgerError, StoreCode, StoreError
 from evlog.events import (
     Event,
     OwnerDeregistered,
@@ -248,6 +248,116 @@ async def test_a_failed_first_bind_is_asked_again_later() -> None:
         assert (await s.generate(PROMPT, SHORT)).version_id == 1
 
 
+class Failing(Port):
+    """The real ledger behind the port, except that a call fails with ``failure`` when set
+    (a refusal of the whole call, a broken port, a lost reply), or each command is answered
+    ``refusal`` when set: nothing then reaches the ledger."""
+
+    failure: Exception | None = None
+    refusal: LoraLedgerError | None = None  # when set, the answer to every command
+
+    async def execute_many(self, commands: Sequence[c.Command]) -> list[Outcome | LoraLedgerError]:
+        failure, refusal = self.failure, self.refusal
+        if failure is not None:
+            self.calls.append(list(commands))
+            raise failure
+        if refusal is not None:
+            self.calls.append(list(commands))
+            return [refusal] * len(commands)
+        return await super().execute_many(commands)
+
+
+async def test_a_call_that_fails_as_a_whole_answers_each_waiter_with_why() -> None:
+    """A refusal of the whole call reaches each waiter as it is; any other failure becomes a
+    LEDGER_CLOSED naming the call and what broke. Nothing is left bound or waiting, and the
+    session can be asked again."""
+    async with rig() as r:
+        await r.publish(1)
+        port = Failing(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1") as w:
+            a, b = w.session("a"), w.session("b")
+            port.failure = LedgerError(Code.LEDGER_CLOSED, "the ledger is closed")
+            results = await w.bind_many([a, b])
+            assert [(x.code, x.message) for x in results] == [  # type: ignore[union-attr]
+                (Code.LEDGER_CLOSED, "the ledger is closed")
+            ] * 2
+            port.failure = ValueError("the port broke")
+            with pytest.raises(LoraLedgerError) as info:
+                await a.bind()
+            assert info.value.code == Code.LEDGER_CLOSED
+            assert info.value.message == "bind of 1 sessions failed: ValueError('the port broke')"
+            assert len(port.calls) == 2 and r.ledger.state.sessions == {}
+            port.failure = None
+            assert (await a.bind()).version_id == 1
+
+
+async def test_a_call_failing_every_attempt_is_asked_as_often_as_the_policy_says() -> None:
+    """A lost reply and a retryable refusal are asked again, ``attempts`` times in all; then
+    each waiter hears the last attempt's own word: the lost reply (as LEDGER_CLOSED naming
+    it), the refusal as it came."""
+    async with rig() as r:
+        await r.publish(1)
+        port = Failing(r.ledger)
+        retry = RetryPolicy(attempts=3, first_delay=0.0, max_delay=0.0)
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:
+            s = w.session("s")
+            port.failure = OSError("the reply was lost")
+            with pytest.raises(LoraLedgerError) as lost:
+                await s.bind()
+            assert (lost.value.code, lost.value.message) == (
+                Code.LEDGER_CLOSED,
+                "bind of 1 sessions failed: OSError('the reply was lost')",
+            )
+            assert len(port.calls) == 3
+            port.failure, port.refusal = None, StoreError(StoreCode.STORE_FAILED, "disk full")
+            with pytest.raises(LoraLedgerError) as refused:
+                await s.bind()
+            assert refused.value is port.refusal and len(port.calls) == 6
+            port.refusal = None
+            assert (await s.bind()).version_id == 1
+
+
+class LostRegistrations(Port):
+    """The real ledger behind the port; the replies of the next ``lost`` registrations are
+    lost (after the ledger registered the owner: the call is idempotent)."""
+
+    lost = 0
+    registrations = 0
+
+    async def register_owner(
+        self,
+        owner: str,
+        *,
+        ttl_s: float = 30.0,
+        incarnation: str = "",
+        sessions_idle_s: float | None = None,
+        secret: str = "",
+    ) -> Done:
+        self.registrations += 1
+        done = await super().register_owner(
+            owner,
+            ttl_s=ttl_s,
+            incarnation=incarnation,
+            sessions_idle_s=sessions_idle_s,
+            secret=secret,
+        )
+        if self.lost:
+            self.lost -= 1
+            raise OSError("the reply was lost")
+        return done
+
+
+async def test_a_registration_whose_replies_are_lost_is_asked_until_the_last_attempt() -> None:
+    async with rig() as r:
+        port = LostRegistrations(r.ledger)
+        port.lost = 2
+        retry = RetryPolicy(attempts=3, first_delay=0.0, max_delay=0.0)
+        async with RolloutWorker.open(port, r.gateway, owner="w1", retry=retry) as w:
+            assert port.registrations == 3 and w.lost is None
+            await r.publish(1)
+            assert (await w.session("s").bind()).version_id == 1
+
+
 # --- close -----------------------------------------------------------------------------------
 
 
@@ -363,6 +473,25 @@ async def test_tombstones_are_forgotten_in_batches_once_released() -> None:
         assert sizes == [4, 4, 2]
 
 
+async def test_a_released_session_leaves_the_worker_and_only_its_own_binder_does() -> None:
+    """A worker holds a session's binder until it is released, then lets it go (its memory
+    stays bounded, and the id's next caller gets a binder of its own, which the ledger refuses
+    while the tombstone lives). A release removes only the binder it released: a relay that
+    dropped an unused binding and made a successor for the id keeps the successor."""
+    async with rig() as r:
+        await r.publish(1)
+        async with worker_on(r, "relay", sessions_idle_s=60.0) as w:
+            s, old = w.session("s"), w.session("old")
+            for binder in (s, old):
+                await binder.generate(PROMPT, SHORT)
+            await s.close()
+            assert w.session("s") is not s and w.bindings() == {"old": 1}
+            assert w.drop_unused(now=anyio.current_time() + 1e6) == 2
+            successor = w.session("old")
+            await old.close()  # its holder releases it after the relay made the successor
+            assert w.session("old") is successor
+
+
 # --- batches ---------------------------------------------------------------------------------
 
 
@@ -392,8 +521,18 @@ async def test_bind_many_and_close_many_take_one_round_trip_each() -> None:
 # --- owner leases ------------------------------------------------------------------------------
 
 
-async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts() -> None:
-    async with rig() as r, worker_on(r, ttl_s=10.0, renew_every=0.01) as w:
+# An owner-held worker, and a relay (its sessions client-held): renewals carry the same counts
+# and the same life either way.
+KINDS = pytest.mark.parametrize(
+    "kind", [{}, {"sessions_idle_s": 60.0}], ids=["owner-held", "relay"]
+)
+
+
+@KINDS
+async def test_renewals_keep_a_live_worker_and_carry_its_in_flight_counts(
+    kind: dict[str, Any],
+) -> None:
+    async with rig() as r, worker_on(r, ttl_s=10.0, renew_every=0.01, **kind) as w:
         await r.publish(1)
         s = w.session("s")
         for engine in r.local.values():
@@ -603,13 +742,16 @@ async def test_bind_many_answers_each_binder_in_place() -> None:
         assert isinstance(bound, Bound) and (bound.session, bound.version_id) == ("open", 1)
 
 
-async def test_a_replaced_worker_hears_owner_restarted_naming_itself() -> None:
+@KINDS
+async def test_a_replaced_worker_hears_owner_restarted_naming_itself(
+    kind: dict[str, Any],
+) -> None:
     async with rig() as r:
         await r.publish(1)
-        async with worker_on(r, "w1") as old:
+        async with worker_on(r, "w1", **kind) as old:
             s = old.session("s")
             await s.generate(PROMPT, SHORT)
-            async with worker_on(r, "w1") as new:  # a second incarnation of the owner
+            async with worker_on(r, "w1", **kind) as new:  # a second incarnation of the owner
                 assert new.incarnation != old.incarnation
                 with pytest.raises(LoraLedgerError) as first:  # the ledger's refusal
                     await s.generate(PROMPT, SHORT)
@@ -904,6 +1046,9 @@ async def test_the_idle_loop_looks_every_quarter_of_the_idle_time(
             await wait_for("the idle loop asleep", lambda: 1.75 in slept)
         async with worker_on(r, "relay", ttl_s=3.0, sessions_idle_s=7.0):
             await wait_for("the relay's loop asleep", lambda: slept.count(1.75) == 2)
+        async with worker_on(r, "w2", ttl_s=3.0, idle_release_s=1000.0):
+            # but never longer than 30 s: a long idle bound still releases within 30 s of it
+            await wait_for("the idle loop's longest wait", lambda: 30.0 in slept)
 
 
 async def test_a_turn_sends_the_callers_request_id_and_extra_body() -> None:
@@ -927,6 +1072,110 @@ async def test_a_relays_idle_loop_keeps_dropping_unused_bindings() -> None:
             await s.generate(PROMPT, SHORT)
             await wait_for(f"drop {round_ + 1}", lambda: w.session("s") is not s)  # noqa: B023
         assert "s" in r.ledger.state.sessions
+
+
+class RenewalLog(Port):
+    """The real ledger behind the port, keeping the sessions each renewal carried."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger)
+        self.carried: list[set[str]] = []
+
+    def renew_lease(
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
+        sessions: Iterable[str] = (),
+        secret: str = "",
+    ) -> None:
+        self.carried.append(set(sessions))
+        super().renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
+        )
+
+
+async def test_a_relays_renewals_carry_a_session_until_its_last_overlapping_turn_ends() -> None:
+    """The ledger counts a client-held session's idleness from the turns its relay reports:
+    a session with a turn running is carried by every renewal, and a turn's end by the next
+    one. Two turns of one session overlap: when the first ends, every renewal still carries the
+    session while the second runs; when the second ends, the renewal made at its end carries
+    it (even though renewals during the turn had already reported it), and later ones do
+    not."""
+    async with rig() as r:
+        await r.publish(1)
+        port = RenewalLog(r.ledger)
+        async with RolloutWorker.open(
+            port, r.gateway, owner="relay", sessions_idle_s=60.0, renew_every=0.01
+        ) as w:
+            s = w.session("s")
+            inside: list[int] = []
+            ended: list[int] = []  # how many renewals had been made when each turn had ended
+
+            async def hold(until: anyio.Event) -> None:
+                async with s.turn():
+                    inside.append(len(port.carried))
+                    await until.wait()
+                ended.append(len(port.carried))  # the turn's end renews as it leaves
+
+            def renewals_after(n: int) -> Callable[[], bool]:
+                return lambda: len(port.carried) >= n
+
+            first_ends, second_ends = anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(hold, first_ends)
+                await wait_for("the first turn running", lambda: len(inside) == 1)
+                tg.start_soon(hold, second_ends)
+                await wait_for("the second turn running", lambda: len(inside) == 2)
+                first_ends.set()
+                await wait_for("the first turn ended", lambda: len(ended) == 1)
+                await wait_for("two renewals more", renewals_after(ended[0] + 2))
+                second_ends.set()
+            await wait_for("two renewals after the last end", renewals_after(ended[1] + 2))
+            while_second_ran = port.carried[ended[0] : ended[1] - 1]
+            assert len(while_second_ran) >= 2 and all("s" in x for x in while_second_ran)
+            assert port.carried[ended[1] - 1] == {"s"}  # the renewal made as the last turn ended
+            assert all("s" not in x for x in port.carried[ended[1] :])
+            assert w.renewals == len(port.carried)  # each renewal counted once
+
+
+class RefusedRenewals(RenewalLog):
+    """As :class:`RenewalLog`, with the next ``refusals`` renewals failing with ``refusal``
+    (by default LEDGER_CLOSED, a ledger stepping down: not a word about the owner's life)."""
+
+    refusals = 0
+    refusal: Exception = LedgerError(Code.LEDGER_CLOSED, "the ledger is closing")
+
+    def renew_lease(
+        self,
+        owner: str,
+        inflight: Mapping[tuple[str, int], int] | None = None,
+        *,
+        incarnation: str = "",
+        sessions: Iterable[str] = (),
+        secret: str = "",
+    ) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise self.refusal
+        super().renew_lease(
+            owner, inflight, incarnation=incarnation, sessions=sessions, secret=secret
+        )
+
+
+async def test_a_renewal_refused_for_another_reason_than_the_owner_is_tried_again() -> None:
+    """Only an owner-ending refusal stops the renewals: any other, and a lost reply, is logged
+    and the next tick renews again (stopping would let a live worker's lease expire)."""
+    async with rig() as r:
+        port = RefusedRenewals(r.ledger)
+        async with RolloutWorker.open(port, r.gateway, owner="w1", renew_every=0.01) as w:
+            for refusal in (port.refusal, OSError("the reply was lost")):
+                port.refusal, port.refusals = refusal, 3
+                await wait_for("the refusals heard", lambda: port.refusals == 0)
+                seen = len(port.carried)
+                await wait_for("a renewal after them", lambda: len(port.carried) > seen)  # noqa: B023
+            assert w.lost is None
 
 
 async def test_a_workers_defaults_are_the_documented_ones() -> None:
