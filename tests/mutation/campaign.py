@@ -146,6 +146,20 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "postgres",
+            # the PostgreSQL store's SQL, sessions (synchronous_commit forced), layout checks
+            ("evlog/postgres.py",),
+            (
+                # The store runs in process against one throwaway server per mutant's session
+                # (tools/pg_server.py); the server crash test (a restart, ~100 s) is left out.
+                "tests/evlog/test_postgres_store.py",  # both store contracts
+                "tests/evlog/test_postgres_connections.py",  # URLs, read-only, a dying server
+                "tests/evlog/test_postgres_durable_on_any_server.py::"
+                "test_the_writer_commits_synchronously_on_a_server_configured_off",
+            ),
+            gated=False,  # until its first run is triaged
+        ),
+        Campaign(
             "gateway",
             # the dispatch executor and what it reads an engine's error and the counts with
             (
@@ -249,6 +263,20 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/tools/test_replay.py",  # `replay --why`: each obstacle and what cleared it
             ),
             gated=True,
+        ),
+        Campaign(
+            "incidents",
+            # the incident fold the replay and verify tools read: outages, stalls, restores
+            ("projections/incidents.py",),
+            (
+                "tests/projections/test_incidents.py",
+                "tests/projections/test_history.py",
+                "tests/tools/test_replay.py",  # `replay --incidents` in process
+                "tests/tools/test_verify.py",  # verify's engine-health incidents
+                "tests/tools/test_verify_verdict.py",
+                "tests/tools/test_fault_logs.py",  # the fault run's injected faults, each named
+            ),
+            gated=False,  # until its first run is triaged
         ),
         Campaign(
             "sessions",
