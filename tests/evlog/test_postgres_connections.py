@@ -4,13 +4,16 @@ writer's session the server may end at any time (a restart, a failover)."""
 
 from __future__ import annotations
 
+from contextlib import suppress
+from typing import Any
+
 import asyncpg
 import pytest
 
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
-from evlog.postgres import PostgresStore, redact
+from evlog.postgres import _READ_PLANS, PostgresStore, redact
 from tests.evlog.contract import batch_of, raises_code
-from tests.evlog.postgres_raw import sql
+from tests.evlog.postgres_raw import execute, sql
 
 pytestmark = pytest.mark.anyio
 
@@ -83,3 +86,47 @@ async def test_writes_after_the_connection_dies_fail_then_recover(postgres_url: 
         assert store._writer is not old_writer and not store._writer.is_closed()
         assert [r.seq for r in await store.read()] == list(range(1, 5 + maybe))
         assert (await store.verify()).ok
+
+
+async def _session_settings(conn: Any) -> tuple[str, ...]:
+    names = ("synchronous_commit", "application_name", "default_transaction_read_only")
+    return tuple([await conn.fetchval(f"SHOW {name}") for name in names])
+
+
+async def test_every_session_commits_synchronously_on_a_database_configured_off(
+    postgres_url: str,
+) -> None:
+    """The writer's session runs ``synchronous_commit = on`` whatever the database says (here
+    ``ALTER DATABASE ... SET synchronous_commit = off``, which every new session of that
+    database inherits), also once it is renewed after the server ended it; every session names
+    itself ``loraledger`` to the server (``pg_stat_activity``), and the read pool's sessions
+    hold the plans that keep a range read on the primary key's index."""
+    database = postgres_url.rsplit("/", 1)[1]
+    await execute(postgres_url, f"ALTER DATABASE {database} SET synchronous_commit = off")
+    plain = await asyncpg.connect(postgres_url)
+    try:
+        assert await plain.fetchval("SHOW synchronous_commit") == "off"  # the database's own
+    finally:
+        await plain.close()
+    async with PostgresStore.open(postgres_url) as store:
+        assert await _session_settings(store._writer) == ("on", "loraledger", "off")
+        async with store._readers.acquire() as reader:
+            assert await _session_settings(reader) == ("on", "loraledger", "off")
+            plans = [await reader.fetchval(f"SHOW {name}") for name in _READ_PLANS]
+            assert plans == ["off", "off", "off"]
+        await sql(
+            postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        with suppress(LoraLedgerError):  # the group that meets the ended session
+            await store.append(batch_of(1, "maybe"))
+        await store.append(batch_of(1, "after"))
+        assert await _session_settings(store._writer) == ("on", "loraledger", "off")
+    reader_store = await PostgresStore.connect(postgres_url, read_only=True)
+    try:
+        assert await _session_settings(reader_store._writer) == ("on", "loraledger", "on")
+        async with reader_store._readers.acquire() as reader:
+            assert await _session_settings(reader) == ("on", "loraledger", "on")
+    finally:
+        await reader_store.close()
