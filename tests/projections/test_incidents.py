@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from evlog.events import (
     AdapterLost,
@@ -17,6 +18,8 @@ from evlog.events import (
 )
 from evlog.record import Record
 from projections.incidents import EngineHealthFold, Incident, IncidentFold, incidents
+from publisher.core import commands as c
+from tests.publisher.core.book import Book, digest_of
 from tests.support.runs import health_run_records, repeat_run_records
 
 
@@ -425,16 +428,25 @@ def test_an_outage_is_one_incident_with_its_window_first_error_and_failed_turns(
         (1, 2, 3, 4),
     )
     assert (first.duration_s, first.resolved, first.resolution) == (3.5, True, "a probe answered")
-    assert "seen by dispatch (gw): ENGINE_UNREACHABLE: connection refused" in first.summary
-    assert "3 not run (tried elsewhere), 1 ambiguous" in first.summary
-    assert "s1 3/0, s2 0/1" in first.summary
+    assert first.summary == (
+        "unreachable (e1-i1), seen by dispatch (gw): ENGINE_UNREACHABLE: connection refused; "
+        "out of routing; failed turns: 3 not run (tried elsewhere), 1 ambiguous "
+        "(per session, not run/ambiguous: s1 3/0, s2 0/1)"
+    )
     assert (second.at, second.resolved, second.resolution) == (20.0, False, "still unreachable")
-    assert "no failed turn counted" in second.summary
+    assert second.summary == (  # no reporter named, no failure counted
+        "unreachable (e1-i1), seen by probe: E: x; out of routing; no failed turn counted"
+    )
 
 
 def _hand_made(events: list[Any], *, recorded_from: float = 0.0) -> list[Record]:
     """``events`` as records numbered from 1, recorded one second apart after
     ``recorded_from`` (no ledger wrote them: no chain, no payload)."""
+    return _hand_made_at(events, [recorded_from + float(seq) for seq in range(1, len(events) + 1)])
+
+
+def _hand_made_at(events: list[Any], times: list[float]) -> list[Record]:
+    """``events`` as records numbered from 1, recorded at ``times`` (no chain, no payload)."""
     return [
         Record(
             seq=seq,
@@ -442,13 +454,13 @@ def _hand_made(events: list[Any], *, recorded_from: float = 0.0) -> list[Record]
             stream=stream_of(event),
             type=type(event).__name__,
             schema=1,
-            recorded_at=recorded_from + float(seq),
+            recorded_at=at,
             payload=b"",
             prev_hash=b"",
             hash=b"",
             event=event,
         )
-        for seq, event in enumerate(events, 1)
+        for seq, (event, at) in enumerate(zip(events, times, strict=True), 1)
     ]
 
 
@@ -973,3 +985,156 @@ REPEAT_RUN: list[Incident] = [
         resolution="reclaimed: no longer needed",
     ),
 ]
+
+
+# --- runs made through the decider (tests/publisher/core/book.py), at chosen times ---------
+
+
+def _timed(book: Book, times: dict[int, float]) -> list[Record]:
+    """The book's events as records numbered from 1, each recorded at the time of the latest
+    mark at or before its seq (``times``: seq -> time; 0.0 before the first mark)."""
+    at, timed = 0.0, []
+    for seq in range(1, len(book.events) + 1):
+        at = times.get(seq, at)
+        timed.append(at)
+    return _hand_made_at(book.events, timed)
+
+
+def _fatal_blocked_and_retried() -> tuple[Book, dict[int, float]]:
+    """v2's first attempt ends fatal at 10 s; v3 is blocked by it; a contradicting clean
+    report comes late; e0's inventory at 20 s proves v2
+    absent there, e1's at 30 s everywhere; v2's second attempt starts at 40 s, and the log ends
+    before it publishes."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    name = book.state.versions[1].lora_name
+    book.allocate(2)
+    book.ready_all(2)
+    times = {len(book.events) + 1: 10.0}
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=False, code="TIMEOUT", reason="slow"))
+    times[len(book.events) + 1] = 11.0
+    book.refuse(c.Allocate(version_id=3, digest=digest_of(3)), "PUBLICATION_BLOCKED")
+    late = c.FailAttempt(
+        version_id=2, attempt=1, clean=True, code="REFUSED", reason="late", absent_on=("e0", "e1")
+    )
+    book.refuse(late, "VERDICT_CONFLICT")
+    for engine, at in (("e0", 20.0), ("e1", 30.0)):
+        times[len(book.events) + 1] = at
+        book.run(c.ObserveInventory(engine=engine, incarnation=f"{engine}-i1", adapters=(name,)))
+    times[len(book.events) + 1] = 40.0
+    book.allocate(2)
+    return book, times
+
+
+BLOCKED_BY_V2 = (
+    "publication refused: PUBLICATION_BLOCKED (in the way: v2): version 2 attempt 1 ended "
+    "FAILED_FATAL (TIMEOUT): it may be loaded somewhere until inventories prove it absent"
+)
+
+
+def test_a_fatal_attempt_its_evidence_the_publications_it_blocked_and_an_unfinished_retry() -> None:
+    """The fatal incident lists the inventories recorded at the moment that resolved it (e1's
+    at 30 s), not an earlier one that proved nothing yet (e0's at 20 s); a retry whose log ends
+    before it publishes is open, measured from the first failure to the last record."""
+    book, times = _fatal_blocked_and_retried()
+    records = _timed(book, times)
+    assert [(r.seq, r.recorded_at, r.type) for r in records[21:]] == [
+        (22, 10.0, "AttemptFailed"),
+        (23, 11.0, "PublicationBlocked"),
+        (24, 11.0, "VerdictConflict"),
+        (25, 20.0, "InventoryObserved"),
+        (26, 30.0, "InventoryObserved"),
+        (27, 30.0, "FatalResolved"),
+        (28, 40.0, "AttemptStarted"),
+    ]
+    proved = "inventories proved the candidate absent on every engine"
+    assert incidents(records) == [
+        Incident(kind="fatal", subject="v2", at=10.0, seqs=(22, 26, 27),
+                 summary="attempt 1 ended ambiguous: TIMEOUT: slow", duration_s=20.0,
+                 resolved=True, resolution=proved),
+        Incident(kind="retried", subject="v2", at=10.0, seqs=(22, 28),
+                 summary="needed 2 attempts (attempt 1 ambiguous TIMEOUT)", duration_s=30.0,
+                 resolved=False, resolution="not published"),
+        Incident(kind="blocked", subject="v3", at=11.0, seqs=(23,), summary=BLOCKED_BY_V2),
+        Incident(kind="verdict_conflict", subject="v2", at=11.0, seqs=(24,),
+                 summary="a clean failure report (REFUSED) for attempt 1, which had ended "
+                 "FAILED_FATAL: late"),
+    ]  # fmt: skip
+    # A resolution that names its evidence (the field FatalResolved carries) lists it too,
+    # whenever it was recorded.
+    named = [
+        replace(r, event=replace(r.event, evidence=(25,))) if r.type == "FatalResolved" else r
+        for r in records
+    ]
+    assert incidents(named)[0].seqs == (22, 25, 26, 27)
+
+
+def test_a_publication_blocked_by_no_routable_engine_names_no_version() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    for engine in ("e0", "e1"):
+        book.run(c.SuspendEngine(engine=engine, cause="operator"))
+    book.refuse(c.Allocate(version_id=2, digest=digest_of(2)), "FLEET_MISMATCH")
+    found = [i for i in incidents(_timed(book, {})) if i.kind != "engine_suspended"]
+    assert found == [
+        Incident(
+            kind="blocked",
+            subject="v2",
+            at=0.0,
+            seqs=(len(book.events),),
+            summary="publication refused: FLEET_MISMATCH: no routable engine to publish to "
+            "(members not routable: e0, e1)",
+        )
+    ]
+    suspended = [i.summary for i in incidents(_timed(book, {})) if i.kind == "engine_suspended"]
+    assert suspended == ["suspended (operator); no new traffic"] * 2  # no detail given
+
+
+def test_an_owner_s_end_counts_only_the_sessions_that_end_released() -> None:
+    """A restarted owner's incident counts the sessions its replacement released
+    (``owner_restarted``), an expired one's those its expiry released (``lease_expired``); a
+    session the next life binds and releases itself counts for neither."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    book.run(c.RegisterOwner(owner="w2", ttl_s=10.0, now=0.0, incarnation="a"))
+    for session in ("s1", "s2"):
+        book.run(c.Bind(session=session, owner="w2", incarnation="a"))
+    times = {len(book.events) + 1: 5.0}
+    book.run(c.RegisterOwner(owner="w2", ttl_s=10.0, now=5.0, incarnation="b"))
+    restarted = len(book.events) - 2  # OwnerRegistered, then its two releases
+    book.run(c.Bind(session="s3", owner="w2", incarnation="b"))
+    book.run(c.Release(session="s3", owner="w2", incarnation="b"))
+    book.run(c.Bind(session="s4", owner="w1"))
+    times[len(book.events) + 1] = 30.0
+    book.run(c.ExpireOwner(owner="w1", now=30.0, last_seen=2.5))
+    expired = len(book.events) - 1
+    book.run(c.RegisterOwner(owner="w1", ttl_s=10.0, now=31.0, incarnation="c"))
+    book.run(c.Bind(session="s5", owner="w1", incarnation="c"))
+    book.run(c.Release(session="s5", owner="w1", incarnation="c"))
+    records = _timed(book, times)
+    assert [r.type for r in records[restarted - 1 : restarted + 2]] == [
+        "OwnerRegistered",
+        "SessionReleased",
+        "SessionReleased",
+    ]
+    assert [r.type for r in records[expired - 1 : expired + 1]] == [
+        "OwnerLeaseExpired",
+        "SessionReleased",
+    ]
+    ended = [i for i in incidents(records) if i.kind in ("owner_restarted", "lease_expired")]
+    assert ended == [
+        Incident(
+            kind="owner_restarted",
+            subject="owner w2",
+            at=5.0,
+            seqs=(restarted, restarted + 1, restarted + 2),
+            summary="restarted (a -> b) before its lease ran out; 2 sessions released",
+        ),
+        Incident(
+            kind="lease_expired",
+            subject="owner w1",
+            at=30.0,
+            seqs=(expired, expired + 1),
+            summary="no renewal for 27.5s; 1 sessions released",
+        ),
+    ]
