@@ -1138,3 +1138,93 @@ def test_an_owner_s_end_counts_only_the_sessions_that_end_released() -> None:
             summary="no renewal for 27.5s; 1 sessions released",
         ),
     ]
+
+
+def test_a_rollback_an_unload_ambiguous_twice_and_a_session_released_as_its_version_retired() -> (
+    None
+):
+    """A rollback on purpose is a fact of its own; a reclaim left ambiguous by two engines is
+    one incident listing both; a session released at the very moment its version retired kept
+    nothing in use (no ``pinned_retired``), and the version is reclaimable from that release."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(5)
+    book.run(c.Bind(session="s1", owner="w1"))
+    times = {len(book.events) + 1: 8.0}
+    rolled = book.run(c.Allocate(version_id=3, digest=digest_of(3), allow_rollback=True))
+    book.ready_all(3)
+    times[len(book.events) + 1] = 10.0
+    book.run(c.Commit(version_id=3, attempt=rolled.attempt))
+    published = len(book.events)
+    book.run(c.Release(session="s1", owner="w1"))
+    released = len(book.events)
+    times[len(book.events) + 1] = 20.0
+    book.run(c.ClaimReclaim(version_id=5))
+    for engine in ("e0", "e1"):
+        book.run(c.MarkReclaimAmbiguous(version_id=5, engine=engine, reason=f"{engine} timed out"))
+    records = _timed(book, times)
+    assert [r.type for r in records[published - 1 : released]] == [
+        "VersionPublished",
+        "SessionReleased",
+    ]
+    assert [r.type for r in records[-3:]] == [
+        "ReclaimClaimed",
+        "ReclaimAmbiguous",
+        "ReclaimAmbiguous",
+    ]
+    assert incidents(records, stuck_after=5.0) == [
+        Incident(
+            kind="rollback",
+            subject="v3",
+            at=10.0,
+            seqs=(published,),
+            summary="rolled the default back from v5 to v3 (revision 2), on purpose",
+        ),
+        Incident(
+            kind="stuck",
+            subject="v5",
+            at=10.0,
+            seqs=(released, released + 1),
+            summary="RETIRED and unbound (reclaimable, not reclaimed) for 10.0s (threshold 5s)",
+            duration_s=10.0,
+            resolved=True,
+            resolution=f"left RETIRED at seq {released + 1}",
+        ),
+        Incident(
+            kind="reclaim_ambiguous",
+            subject="v5",
+            at=20.0,
+            seqs=(released + 2, released + 3),
+            summary="unload on e0 ambiguous: e0 timed out",
+            duration_s=0.0,
+            resolved=False,
+            resolution="still undecided: no inventory proved it",
+        ),
+    ]
+
+
+def test_the_longest_pinned_sessions_are_kept_released_or_not(
+    fault_records: list[Record], repeat: Repeat
+) -> None:
+    """``pinned_top`` keeps the longest: one released session when it is the longest (the
+    repeat run's s-3), none at 0; a version retired then released at once is reclaimable from
+    that release (the fault run's v1, 1 s before its reclaim)."""
+    [pinned] = [
+        i for i in IncidentFold(pinned_top=1).apply_all(repeat.records).finish()
+        if i.kind == "pinned_retired"
+    ]  # fmt: skip
+    assert (pinned.subject, pinned.resolution) == ("session s-3", "released")
+    none = IncidentFold(pinned_top=0).apply_all(fault_records).finish()
+    assert not [i for i in none if i.kind == "pinned_retired"]
+    brief = IncidentFold(stuck_after=0.5).apply_all(fault_records).finish()
+    assert [i for i in brief if i.kind == "stuck" and i.subject == "v1"] == [
+        Incident(
+            kind="stuck",
+            subject="v1",
+            at=1100.0,
+            seqs=(37, 38),
+            summary="RETIRED and unbound (reclaimable, not reclaimed) for 1.0s (threshold 0.5s)",
+            duration_s=1.0,
+            resolved=True,
+            resolution="left RETIRED at seq 38",
+        )
+    ]
