@@ -1228,3 +1228,28 @@ def test_the_longest_pinned_sessions_are_kept_released_or_not(
             resolution="left RETIRED at seq 38",
         )
     ]
+
+
+def test_a_version_that_needed_three_attempts_lists_each_failure() -> None:
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    first = len(book.events) + 1
+    for attempt, code in ((1, "LOAD_REFUSED"), (2, "TIMEOUT")):
+        book.allocate(2)
+        book.run(
+            c.FailAttempt(
+                version_id=2, attempt=attempt, clean=True, code=code, reason="r",
+                absent_on=("e0", "e1"),
+            )
+        )  # fmt: skip
+    book.publish(2)
+    records = _timed(book, {first: 5.0})
+    [retried] = [i for i in incidents(records) if i.kind == "retried"]
+    assert retried.summary == (
+        "needed 3 attempts (attempt 1 clean LOAD_REFUSED; attempt 2 clean TIMEOUT)"
+    )
+    assert retried.resolution == "attempt 3 published"
+    starts = [r.seq for r in records if r.type == "AttemptStarted" and r.event.attempt >= 2]  # type: ignore[union-attr]
+    failures = [r.seq for r in records if r.type == "AttemptFailed"]
+    published = [r.seq for r in records if r.type == "VersionPublished"][-1]
+    assert retried.seqs == tuple(sorted([*failures, *starts, published]))
