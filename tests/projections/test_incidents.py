@@ -1253,3 +1253,62 @@ def test_a_version_that_needed_three_attempts_lists_each_failure() -> None:
     failures = [r.seq for r in records if r.type == "AttemptFailed"]
     published = [r.seq for r in records if r.type == "VersionPublished"][-1]
     assert retried.seqs == tuple(sorted([*failures, *starts, published]))
+
+
+def test_the_defaults_a_minute_and_the_five_longest_pinned_sessions() -> None:
+    """By default a state is stuck after 60 s (60.5 s is), and the five sessions that kept a
+    retired version longest are listed (of six)."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    sessions = [f"s{i}" for i in range(1, 7)]
+    for session in sessions:
+        book.run(c.Bind(session=session, owner="w1"))
+    book.publish(2)  # v1 retired at 0 s, the six sessions still on it
+    times = {}
+    for i, session in enumerate(sessions, 1):
+        times[len(book.events) + 1] = float(i)
+        book.run(c.Release(session=session, owner="w1"))
+    book.allocate(3)
+    book.ready_all(3)
+    times[len(book.events) + 1] = 10.0
+    book.run(c.FailAttempt(version_id=3, attempt=1, clean=False, code="TIMEOUT", reason="t"))
+    times[len(book.events) + 1] = 70.5
+    name = book.state.versions[2].lora_name
+    book.run(c.ObserveInventory(engine="e0", incarnation="e0-i1", adapters=(name,)))
+    found = incidents(_timed(book, times))
+    pinned = [(i.subject, i.duration_s) for i in found if i.kind == "pinned_retired"]
+    assert pinned == [(f"session s{i}", float(i)) for i in range(2, 7)]
+    stuck = [(i.subject, i.duration_s, i.resolved) for i in found if i.kind == "stuck"]
+    assert stuck == [("v1", 64.5, False), ("v3", 60.5, False)]
+
+
+def test_stuck_means_longer_than_the_threshold_open_or_left(
+    fault_records: list[Record],
+) -> None:
+    """v3 was FAILED_FATAL for exactly 90 s: stuck at a threshold just under that, not at 90 s,
+    whether the log shows it leaving (FatalResolved) or ends while it is still fatal."""
+    until_inventories = [r for r in fault_records if r.seq <= 47]  # 1200 s, still fatal
+
+    def fatal_stuck(records: list[Record], threshold: float) -> list[Incident]:
+        found = IncidentFold(stuck_after=threshold).apply_all(records).finish()
+        return [i for i in found if i.kind == "stuck" and i.summary.startswith("FAILED_FATAL")]
+
+    assert fatal_stuck(until_inventories, 90.0) == []
+    assert fatal_stuck(until_inventories, 89.5) == [
+        Incident(kind="stuck", subject="v3", at=1110.0, seqs=(45,),
+                 summary="FAILED_FATAL for 90.0s (threshold 89.5s)", duration_s=90.0,
+                 resolved=False),
+    ]  # fmt: skip
+    assert fatal_stuck(fault_records, 90.0) == []
+    assert [i.seqs for i in fatal_stuck(fault_records, 89.5)] == [(45, 48)]
+    # RETIRED and unbound: v3 from 1220 s to its reclaim claim at 1310 s, 90 s
+    cut = [r for r in fault_records if r.seq <= 68]  # 1305 s: 85 s so far, open
+    retired = [
+        i for i in IncidentFold(stuck_after=84.5).apply_all(cut).finish()
+        if i.kind == "stuck" and i.subject == "v3" and i.summary.startswith("RETIRED")
+    ]  # fmt: skip
+    assert [(i.seqs, i.duration_s, i.resolved) for i in retired] == [((63,), 85.0, False)]
+    assert not [
+        i for i in IncidentFold(stuck_after=85.0).apply_all(cut).finish()
+        if i.kind == "stuck" and i.subject == "v3" and i.summary.startswith("RETIRED")
+    ]  # fmt: skip
