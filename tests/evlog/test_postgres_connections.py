@@ -14,6 +14,7 @@ from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.postgres import _READ_PLANS, PostgresStore, redact
 from tests.evlog.contract import batch_of, raises_code
 from tests.evlog.postgres_raw import execute, sql
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -130,3 +131,67 @@ async def test_every_session_commits_synchronously_on_a_database_configured_off(
             assert await _session_settings(reader) == ("on", "loraledger", "on")
     finally:
         await reader_store.close()
+
+
+async def test_a_writer_renewed_between_groups_rereads_the_tail_before_trusting_it(
+    postgres_url: str,
+) -> None:
+    """The server ended the writer's session while no group was being written (asyncpg saw
+    it close): the next group goes to a new connection, and since the log may have moved
+    meanwhile (a failover, another writer), it re-reads the tail first (the slow path)."""
+    async with PostgresStore.open(postgres_url) as store:
+        await store.append(batch_of(2, "a"))
+        old_writer = store._writer
+        await sql(
+            postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        await wait_for("asyncpg saw the writer's session end", old_writer.is_closed)
+        assert store.stats.slow_paths == 0
+        assert await store.append(batch_of(1, "b")) == [3]
+        assert store.stats.slow_paths == 1 and store._writer is not old_writer
+        assert await store.append(batch_of(1, "c")) == [4]  # trusted again: the fast path
+        assert store.stats.slow_paths == 1
+
+
+@pytest.mark.parametrize(
+    ("damage", "found"),
+    [
+        ("UPDATE loraledger_layout SET application = 'another'", "loraledger_events"),
+        ("INSERT INTO loraledger_layout VALUES ('loraledger', 1)", "loraledger_events"),
+        ("DELETE FROM loraledger_layout", "loraledger_layout"),
+        ("DROP TABLE loraledger_layout", "['loraledger_events', 'loraledger_snapshots']"),
+        ("DROP TABLE loraledger_snapshots", "['loraledger_events', 'loraledger_layout']"),
+    ],
+    ids=["another application", "two marks", "no mark", "no layout table", "no snapshots"],
+)
+async def test_our_tables_without_exactly_our_one_mark_are_not_a_log(
+    postgres_url: str, damage: str, found: str
+) -> None:
+    """A database is read as a log only when it holds the three tables and one layout row
+    naming this application: anything else is another application's, or a damaged log, and
+    is refused (``CORRUPT_STORE``, naming the tables found), never written to or read."""
+    async with PostgresStore.open(postgres_url) as store:
+        await store.append(batch_of(2))
+    await execute(postgres_url, damage)
+    for read_only in (False, True):
+        with raises_code(StoreCode.CORRUPT_STORE) as info:
+            await PostgresStore.connect(postgres_url, read_only=read_only)
+        assert "holds tables named like a loraledger log's but is not one" in info.value.message
+        assert found in info.value.message
+
+
+async def test_port_0_and_the_password_never_reach_a_connection_or_a_name(
+    postgres_url: str,
+) -> None:
+    with raises_code(INVALID_INPUT) as info:
+        await PostgresStore.connect("postgresql://u:secret@127.0.0.1:0/db")
+    assert info.value.message == (
+        "postgresql://u:***@127.0.0.1:0/db: port 0 is not a TCP port to connect to"
+    )
+    scheme, rest = postgres_url.split("://", 1)
+    user, rest = rest.split("@", 1)
+    with_password = f"{scheme}://{user}:secret@{rest}"  # the server trusts loopback: ignored
+    async with PostgresStore.open(with_password) as store:
+        assert store.url == store.name == f"{scheme}://{user}:***@{rest}"
