@@ -291,6 +291,10 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/tools/test_fault_logs.py",  # the fault run's injected faults, each named
             ),
             gated=False,  # until its first run is triaged
+            # Each mutant's session first writes the recorded runs through the real ledger
+            # (session fixtures), CPU its tests' times do not show: with the default, mutmut's
+            # limit stopped mutants no test killed (a false kill).
+            timeout_constant=15.0,
         ),
         Campaign(
             "sessions",
