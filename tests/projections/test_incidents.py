@@ -1312,3 +1312,21 @@ def test_stuck_means_longer_than_the_threshold_open_or_left(
         i for i in IncidentFold(stuck_after=85.0).apply_all(cut).finish()
         if i.kind == "stuck" and i.subject == "v3" and i.summary.startswith("RETIRED")
     ]  # fmt: skip
+
+
+def test_the_longest_pinned_session_is_kept_when_the_clock_stepped_back() -> None:
+    """Records carry the writer's wall-clock time, which can step back (a clock corrected):
+    a session released later in the log may have kept the retired version for less time. The
+    longest is listed, not the last released."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    for session in ("s1", "s2"):
+        book.run(c.Bind(session=session, owner="w1"))
+    book.publish(2)
+    times = {len(book.events) + 1: 10.0}
+    book.run(c.Release(session="s1", owner="w1"))
+    times[len(book.events) + 1] = 5.0  # the clock stepped back 5 s
+    book.run(c.Release(session="s2", owner="w1"))
+    found = IncidentFold(pinned_top=1).apply_all(_timed(book, times)).finish()
+    pinned = [(i.subject, i.duration_s) for i in found if i.kind == "pinned_retired"]
+    assert pinned == [("session s1", 10.0)]
