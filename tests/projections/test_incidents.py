@@ -11,9 +11,14 @@ from msgspec.structs import replace
 from evlog.events import (
     AdapterLost,
     DispatchFailures,
+    EngineLeft,
     EngineReachable,
+    EngineRepaired,
+    EngineRestarted,
+    EngineSuspended,
     EngineUnreachable,
     TurnFailures,
+    VersionRestored,
     stream_of,
 )
 from evlog.record import Record
@@ -1300,6 +1305,8 @@ def test_stuck_means_longer_than_the_threshold_open_or_left(
                  resolved=False),
     ]  # fmt: skip
     assert fatal_stuck(fault_records, 90.0) == []
+    left = IncidentFold(stuck_after=90.0).apply_all(fault_records).finish()
+    assert not [i for i in left if i.kind == "stuck"]  # v3 RETIRED for 90 s too
     assert [i.seqs for i in fatal_stuck(fault_records, 89.5)] == [(45, 48)]
     # RETIRED and unbound: v3 from 1220 s to its reclaim claim at 1310 s, 90 s
     cut = [r for r in fault_records if r.seq <= 68]  # 1305 s: 85 s so far, open
@@ -1330,3 +1337,44 @@ def test_the_longest_pinned_session_is_kept_when_the_clock_stepped_back() -> Non
     found = IncidentFold(pinned_top=1).apply_all(_timed(book, times)).finish()
     pinned = [(i.subject, i.duration_s) for i in found if i.kind == "pinned_retired"]
     assert pinned == [("session s1", 10.0)]
+
+
+def test_a_lost_adapter_ends_with_its_engine_s_repair_or_departure() -> None:
+    """A lost version not reloaded by itself ends when its engine is repaired as a whole (the
+    repair reloads what is needed), or leaves; a restart then a suspension before its reload
+    is still a reload "after the engine restarted" (hand-made: the health fold needs no
+    registry)."""
+    events = [
+        AdapterLost(version_id=1, engine="e0", incarnation="e0-i1"),  # 1
+        EngineRepaired(engine="e0", incarnation="e0-i1"),  # 2
+        AdapterLost(version_id=1, engine="e1", incarnation="e1-i1"),  # 3
+        EngineLeft(engine="e1", cause="operator"),  # 4
+        AdapterLost(version_id=1, engine="e2", incarnation="e2-i1"),  # 5
+        EngineLeft(engine="e2"),  # 6
+        AdapterLost(version_id=1, engine="e3", incarnation="e3-i1"),  # 7
+        EngineRestarted(engine="e3", old="e3-i1", new="e3-i2"),  # 8
+        EngineSuspended(engine="e3", incarnation="e3-i2", cause="unhealthy"),  # 9
+        VersionRestored(version_id=1, engine="e3", incarnation="e3-i2"),  # 10
+    ]
+    fold = EngineHealthFold()
+    for record in _hand_made(events):
+        fold.apply(record)
+    lost = [
+        (i.subject, i.seqs, i.duration_s, i.resolution)
+        for i in fold.finish()
+        if i.kind == "adapter_lost"
+    ]
+    assert lost == [
+        ("e0", (1, 2), 1.0, "engine repaired: holds exactly the needed versions"),
+        ("e1", (3, 4), 1.0, "removed by an operator"),
+        ("e2", (5, 6), 1.0, "left the fleet"),
+        ("e3", (7, 8, 9, 10), 3.0, "reloaded under its name after the engine restarted"),
+    ]
+
+
+def test_an_owner_restarted_from_an_unnamed_life() -> None:
+    """(The decider never replaces a live life by an unnamed one: ``OWNER_RESTARTED``.)"""
+    book = Book().bootstrap(capacity=4)  # w1's life is unnamed
+    book.run(c.RegisterOwner(owner="w1", ttl_s=10.0, now=1.0, incarnation="b"))
+    summaries = [i.summary for i in incidents(_timed(book, {})) if i.kind == "owner_restarted"]
+    assert summaries == ["restarted ((unnamed) -> b) before its lease ran out; 0 sessions released"]
