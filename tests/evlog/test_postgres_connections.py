@@ -4,12 +4,15 @@ writer's session the server may end at any time (a restart, a failover)."""
 
 from __future__ import annotations
 
+import socket
 from contextlib import suppress
 from typing import Any
 
+import anyio
 import asyncpg
 import pytest
 
+from evlog import postgres
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.postgres import _READ_PLANS, PostgresStore, redact
 from tests.evlog.contract import batch_of, raises_code
@@ -195,3 +198,19 @@ async def test_port_0_and_the_password_never_reach_a_connection_or_a_name(
     with_password = f"{scheme}://{user}:secret@{rest}"  # the server trusts loopback: ignored
     async with PostgresStore.open(with_password) as store:
         assert store.url == store.name == f"{scheme}://{user}:***@{rest}"
+
+
+async def test_a_server_that_never_answers_is_given_up_on_after_the_connect_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener that accepts TCP connections but never speaks (a hung server, a black-holed
+    proxy) fails the open with ``STORE_FAILED`` once the connect timeout passes (30 s; 0.2 s
+    here), instead of asyncpg's own minute or forever."""
+    monkeypatch.setattr(postgres, "_CONNECT_TIMEOUT_S", 0.2)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        with anyio.fail_after(20), raises_code(StoreCode.STORE_FAILED) as info:
+            await PostgresStore.connect(f"postgresql://u@127.0.0.1:{port}/db")
+    assert info.value.message.startswith(f"cannot open postgresql://u@127.0.0.1:{port}/db")
