@@ -17,7 +17,10 @@ from evlog.events import (
     EngineRestarted,
     EngineSuspended,
     EngineUnreachable,
+    InventoryObserved,
+    ServedContentMismatch,
     TurnFailures,
+    VersionAllocated,
     VersionRestored,
     stream_of,
 )
@@ -1378,3 +1381,47 @@ def test_an_owner_restarted_from_an_unnamed_life() -> None:
     book.run(c.RegisterOwner(owner="w1", ttl_s=10.0, now=1.0, incarnation="b"))
     summaries = [i.summary for i in incidents(_timed(book, {})) if i.kind == "owner_restarted"]
     assert summaries == ["restarted ((unnamed) -> b) before its lease ran out; 0 sessions released"]
+
+
+def test_served_content_mismatches_outages_and_suspensions_each_end_their_own_way() -> None:
+    """Hand-made (the health fold needs no registry): served content that is not the
+    version's stays open while the impostor name is in the inventory, is ended by the next
+    mismatch or by a reload; an outage is ended by a new process life, by the engine leaving,
+    or by a second report (which the ledger never writes while one is open, but the fold does
+    not rely on); a suspension again without a resumption says so."""
+    expected, seen = "a" * 20, "b" * 20
+    events = [
+        VersionAllocated(version_id=1, digest="d", lora_name="agent@v1"),  # 1
+        ServedContentMismatch(version_id=1, engine="e0", incarnation="e0-i1",
+                              evidence="digest", expected=expected, seen=seen),  # 2
+        InventoryObserved(engine="e0", incarnation="e0-i1", adapters=("agent@v1",)),  # 3
+        ServedContentMismatch(version_id=1, engine="e0", incarnation="e0-i1",
+                              evidence="canary", expected=expected, seen=seen),  # 4
+        VersionRestored(version_id=1, engine="e0", incarnation="e0-i1"),  # 5
+        EngineUnreachable(engine="e1", incarnation="e1-i1", at=6.0, error="E", source="probe"),
+        EngineUnreachable(engine="e1", incarnation="e1-i1", at=7.0, error="F", source="probe"),
+        EngineRestarted(engine="e1", old="e1-i1", new="e1-i2"),  # 8
+        EngineUnreachable(engine="e1", incarnation="e1-i2", at=9.0, error="G", source="probe"),
+        EngineLeft(engine="e1"),  # 10
+        EngineSuspended(engine="e2", incarnation="e2-i1", cause="unhealthy"),  # 11
+        EngineSuspended(engine="e2", incarnation="e2-i1", cause="operator"),  # 12
+    ]  # fmt: skip
+    fold = EngineHealthFold()
+    for record in _hand_made(events):
+        fold.apply(record)
+    rows = [(i.kind, i.subject, i.at, i.seqs, i.resolved, i.resolution) for i in fold.finish()]
+    assert rows == [
+        ("content_mismatch", "e0", 2.0, (2, 4), True,
+         "served other content before it was restored"),
+        ("content_mismatch", "e0", 4.0, (4, 5), True, "reloaded under its name"),
+        ("engine_unreachable", "e1", 6.0, (6, 7), True, "unreachable again"),
+        ("engine_unreachable", "e1", 7.0, (7, 8), True, "came back as a new process life"),
+        ("engine_unreachable", "e1", 9.0, (9, 10), True, "left the fleet"),
+        ("engine_suspended", "e2", 11.0, (11, 12), True,
+         "suspended again (operator) before a repair"),
+        ("engine_suspended", "e2", 12.0, (12,), False, "still suspended"),
+    ]  # fmt: skip
+    assert fold.finish()[0].summary == (
+        f"v1 served with other content (e0-i1, digest: expected {expected[:16]}, seen "
+        f"{seen[:16]}); no longer routed there"
+    )
