@@ -1385,13 +1385,14 @@ def test_an_owner_restarted_from_an_unnamed_life() -> None:
 
 def test_served_content_mismatches_outages_and_suspensions_each_end_their_own_way() -> None:
     """Hand-made (the health fold needs no registry): served content that is not the
-    version's stays open while the impostor name is in the inventory, is ended by the next
+    version's (found after the version was lost there) stays open while the impostor name is
+    in the inventory of the life that lost it, is ended by the next
     mismatch or by a reload; an outage is ended by a new process life, by the engine leaving,
     or by a second report (which the ledger never writes while one is open, but the fold does
     not rely on); a suspension again without a resumption says so."""
     expected, seen = "a" * 20, "b" * 20
     events = [
-        VersionAllocated(version_id=1, digest="d", lora_name="agent@v1"),  # 1
+        AdapterLost(version_id=1, engine="e0", incarnation="e0-i1"),  # 1, named below
         ServedContentMismatch(version_id=1, engine="e0", incarnation="e0-i1",
                               evidence="digest", expected=expected, seen=seen),  # 2
         InventoryObserved(engine="e0", incarnation="e0-i1", adapters=("agent@v1",)),  # 3
@@ -1407,10 +1408,12 @@ def test_served_content_mismatches_outages_and_suspensions_each_end_their_own_wa
         EngineSuspended(engine="e2", incarnation="e2-i1", cause="operator"),  # 12
     ]  # fmt: skip
     fold = EngineHealthFold()
+    fold.apply(_hand_made([VersionAllocated(version_id=1, digest="d", lora_name="agent@v1")])[0])
     for record in _hand_made(events):
         fold.apply(record)
     rows = [(i.kind, i.subject, i.at, i.seqs, i.resolved, i.resolution) for i in fold.finish()]
     assert rows == [
+        ("adapter_lost", "e0", 1.0, (1, 2), True, "served other content before it was restored"),
         ("content_mismatch", "e0", 2.0, (2, 4), True,
          "served other content before it was restored"),
         ("content_mismatch", "e0", 4.0, (4, 5), True, "reloaded under its name"),
@@ -1421,7 +1424,7 @@ def test_served_content_mismatches_outages_and_suspensions_each_end_their_own_wa
          "suspended again (operator) before a repair"),
         ("engine_suspended", "e2", 12.0, (12,), False, "still suspended"),
     ]  # fmt: skip
-    assert fold.finish()[0].summary == (
+    assert fold.finish()[1].summary == (
         f"v1 served with other content (e0-i1, digest: expected {expected[:16]}, seen "
         f"{seen[:16]}); no longer routed there"
     )
