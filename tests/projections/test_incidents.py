@@ -18,6 +18,7 @@ from evlog.events import (
     EngineSuspended,
     EngineUnreachable,
     InventoryObserved,
+    PublicationBlocked,
     ServedContentMismatch,
     TurnFailures,
     VersionAllocated,
@@ -1428,3 +1429,39 @@ def test_served_content_mismatches_outages_and_suspensions_each_end_their_own_wa
         f"v1 served with other content (e0-i1, digest: expected {expected[:16]}, seen "
         f"{seen[:16]}); no longer routed there"
     )
+
+
+def test_a_restart_never_repaired_a_fatal_verdict_late_and_two_blockers() -> None:
+    """An engine restarted then removed before its repair, another still unrepaired at the end
+    of the log; a fatal report about an attempt already ended clean (a verdict conflict); a
+    block naming two versions in the way."""
+    book = Book().bootstrap(capacity=4, engines=("e0", "e1", "e2"))
+    book.publish(1)
+    book.allocate(2)
+    book.ready_all(2)
+    book.run(c.FailAttempt(version_id=2, attempt=1, clean=True, code="REFUSED", reason="r",
+                           absent_on=("e0", "e1", "e2")))  # fmt: skip
+    book.refuse(
+        c.FailAttempt(version_id=2, attempt=1, clean=False, code="TIMEOUT", reason="late"),
+        "VERDICT_CONFLICT",
+    )
+    book.run(c.ObserveRestart(engine="e1", incarnation="e1-i2"))
+    book.run(c.RemoveEngine(engine="e1"))
+    book.run(c.ObserveRestart(engine="e2", incarnation="e2-i2"))
+    records = _timed(book, {})
+    blocked = Record(
+        seq=len(records) + 1, event_id=b"", stream="", type="PublicationBlocked", schema=1,
+        recorded_at=0.0, payload=b"", prev_hash=b"", hash=b"",
+        event=PublicationBlocked(version_id=3, digest="d", code="PUBLICATION_BLOCKED",
+                                 cause="c", blocked_by=(1, 2)),
+    )  # fmt: skip
+    found = incidents([*records, blocked])
+    rows = [(i.kind, i.subject, i.resolved, i.resolution) for i in found]
+    assert ("engine_restart", "e1", True, "left the fleet before it was repaired") in rows
+    assert ("engine_restart", "e2", False, "not repaired yet: not routable") in rows
+    [conflict] = [i.summary for i in found if i.kind == "verdict_conflict"]
+    assert conflict == (
+        "a fatal failure report (TIMEOUT) for attempt 1, which had ended FAILED_RETRYABLE: late"
+    )
+    [block] = [i.summary for i in found if i.kind == "blocked"]
+    assert block == "publication refused: PUBLICATION_BLOCKED (in the way: v1, v2): c"
