@@ -422,7 +422,8 @@ def test_an_outage_is_one_incident_with_its_window_first_error_and_failed_turns(
             since=10.5,
             failures=(TurnFailures(session="s1", not_run=1),),
         ),
-        EngineReachable(engine="e1", incarnation="e1-i1", at=14.0, since=10.5),
+        # the probe answered at 13.5 s (the ledger's clock), recorded at 14 s
+        EngineReachable(engine="e1", incarnation="e1-i1", at=13.5, since=10.5),
         EngineUnreachable(engine="e1", incarnation="e1-i1", at=20.0, error="E: x", source="probe"),
     ]
     records = _hand_made(events, recorded_from=10.0)
@@ -436,7 +437,7 @@ def test_an_outage_is_one_incident_with_its_window_first_error_and_failed_turns(
         10.5,
         (1, 2, 3, 4),
     )
-    assert (first.duration_s, first.resolved, first.resolution) == (3.5, True, "a probe answered")
+    assert (first.duration_s, first.resolved, first.resolution) == (3.0, True, "a probe answered")
     assert first.summary == (
         "unreachable (e1-i1), seen by dispatch (gw): ENGINE_UNREACHABLE: connection refused; "
         "out of routing; failed turns: 3 not run (tried elsewhere), 1 ambiguous "
@@ -1076,6 +1077,12 @@ def test_a_fatal_attempt_its_evidence_the_publications_it_blocked_and_an_unfinis
         for r in records
     ]
     assert incidents(named)[0].seqs == (22, 25, 26, 27)
+    # evidence the resolving moment lists too is listed once
+    again = [
+        replace(r, event=replace(r.event, evidence=(26,))) if r.type == "FatalResolved" else r
+        for r in records
+    ]
+    assert incidents(again)[0].seqs == (22, 26, 27)
 
 
 def test_a_publication_blocked_by_no_routable_engine_names_no_version() -> None:
@@ -1465,3 +1472,17 @@ def test_a_restart_never_repaired_a_fatal_verdict_late_and_two_blockers() -> Non
     )
     [block] = [i.summary for i in found if i.kind == "blocked"]
     assert block == "publication refused: PUBLICATION_BLOCKED (in the way: v1, v2): c"
+
+
+def test_an_incident_lists_at_most_twelve_seqs() -> None:
+    """An expiry may release thousands of sessions: its incident counts them all but lists
+    the first twelve records (the expiry and eleven releases)."""
+    book = Book().bootstrap(capacity=4)
+    book.publish(1)
+    for i in range(13):
+        book.run(c.Bind(session=f"s{i}", owner="w1"))
+    book.run(c.ExpireOwner(owner="w1", now=30.0, last_seen=0.0))
+    expired = len(book.events) - 13
+    [lease] = [i for i in incidents(_timed(book, {})) if i.kind == "lease_expired"]
+    assert lease.seqs == tuple(range(expired, expired + 12))
+    assert lease.summary == "no renewal for 30.0s; 13 sessions released"
