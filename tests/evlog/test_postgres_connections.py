@@ -214,3 +214,35 @@ async def test_a_server_that_never_answers_is_given_up_on_after_the_connect_time
         with anyio.fail_after(20), raises_code(StoreCode.STORE_FAILED) as info:
             await PostgresStore.connect(f"postgresql://u@127.0.0.1:{port}/db")
     assert info.value.message.startswith(f"cannot open postgresql://u@127.0.0.1:{port}/db")
+
+
+async def test_opening_an_empty_database_waits_for_another_store_creating_the_layout(
+    postgres_url: str,
+) -> None:
+    """Two stores opening one empty database at once: the layout is created under a
+    transaction-scoped advisory lock, so the second waits for the first instead of both
+    creating the tables (one would fail). Held here by another session: the open waits."""
+    holder = await asyncpg.connect(postgres_url)
+    opened = anyio.Event()
+
+    async def open_and_close() -> None:
+        store = await PostgresStore.connect(postgres_url)
+        opened.set()
+        await store.close()
+
+    async def waiting_on_the_lock() -> bool:
+        rows = await sql(
+            postgres_url, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        )
+        return bool(rows)
+
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", postgres._LAYOUT_LOCK)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(open_and_close)
+            await wait_for("the open waits on the layout lock", waiting_on_the_lock)
+            assert not opened.is_set()
+            await holder.execute("SELECT pg_advisory_unlock($1)", postgres._LAYOUT_LOCK)
+        assert opened.is_set()
+    finally:
+        await holder.close()
