@@ -155,7 +155,7 @@ def test_a_prefix_reports_open_incidents_as_unresolved(fault_records: list[Recor
     found = incidents([r for r in fault_records if r.seq <= cut], stuck_after=60.0)
     fatal = [i for i in found if i.kind == "fatal"]
     assert len(fatal) == 1 and fatal[0].resolved is False
-    assert "still FAILED_FATAL" in fatal[0].resolution
+    assert fatal[0].resolution == "still FAILED_FATAL: no inventory proved it"
 
 
 def test_engine_health_incidents_open_close_and_name_their_seqs(tmp_path: Path) -> None:
@@ -1371,15 +1371,15 @@ def test_a_lost_adapter_ends_with_its_engine_s_repair_or_departure() -> None:
     for record in _hand_made(events):
         fold.apply(record)
     lost = [
-        (i.subject, i.seqs, i.duration_s, i.resolution)
+        (i.subject, i.seqs, i.duration_s, i.resolved, i.resolution)
         for i in fold.finish()
         if i.kind == "adapter_lost"
     ]
     assert lost == [
-        ("e0", (1, 2), 1.0, "engine repaired: holds exactly the needed versions"),
-        ("e1", (3, 4), 1.0, "removed by an operator"),
-        ("e2", (5, 6), 1.0, "left the fleet"),
-        ("e3", (7, 8, 9, 10), 3.0, "reloaded under its name after the engine restarted"),
+        ("e0", (1, 2), 1.0, True, "engine repaired: holds exactly the needed versions"),
+        ("e1", (3, 4), 1.0, True, "removed by an operator"),
+        ("e2", (5, 6), 1.0, True, "left the fleet"),
+        ("e3", (7, 8, 9, 10), 3.0, True, "reloaded under its name after the engine restarted"),
     ]
 
 
@@ -1463,9 +1463,13 @@ def test_a_restart_never_repaired_a_fatal_verdict_late_and_two_blockers() -> Non
                                  cause="c", blocked_by=(1, 2)),
     )  # fmt: skip
     found = incidents([*records, blocked])
-    rows = [(i.kind, i.subject, i.resolved, i.resolution) for i in found]
-    assert ("engine_restart", "e1", True, "left the fleet before it was repaired") in rows
-    assert ("engine_restart", "e2", False, "not repaired yet: not routable") in rows
+    rows = [(i.kind, i.subject, i.seqs, i.resolved, i.resolution) for i in found]
+    restart_e1, left_e1, restart_e2 = (
+        r.seq for r in records if r.type in ("EngineRestarted", "EngineLeft")
+    )
+    assert ("engine_restart", "e1", (restart_e1, left_e1), True,
+            "left the fleet before it was repaired") in rows  # fmt: skip
+    assert ("engine_restart", "e2", (restart_e2,), False, "not repaired yet: not routable") in rows
     [conflict] = [i.summary for i in found if i.kind == "verdict_conflict"]
     assert conflict == (
         "a fatal failure report (TIMEOUT) for attempt 1, which had ended FAILED_RETRYABLE: late"
