@@ -43,8 +43,10 @@ async def test_a_read_only_store_creates_no_layout_and_its_sessions_refuse_write
 ) -> None:
     """A reader never creates a log where there is none, and the server refuses a write on its
     sessions, whatever the code above them did (``default_transaction_read_only``)."""
-    with raises_code(StoreCode.CORRUPT_STORE):  # no layout is created by a reader
+    with raises_code(StoreCode.CORRUPT_STORE) as info:  # no layout is created by a reader
         await PostgresStore.connect(postgres_url, read_only=True)
+    # marked empty: the read-only tools say "no ledger was written here", not "corrupt"
+    assert info.value.details.get("empty") is True
     assert (
         await sql(postgres_url, "SELECT 1 FROM pg_tables WHERE tablename LIKE 'loraledger%'") == []
     )
