@@ -290,7 +290,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/tools/test_verify_verdict.py",
                 "tests/tools/test_fault_logs.py",  # the fault run's injected faults, each named
             ),
-            gated=False,  # until its first run is triaged
+            gated=True,
             # Each mutant's session first writes the recorded runs through the real ledger
             # (session fixtures), CPU its tests' times do not show: with the default, mutmut's
             # limit stopped mutants no test killed (a false kill).
