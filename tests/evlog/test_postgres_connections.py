@@ -4,13 +4,20 @@ writer's session the server may end at any time (a restart, a failover)."""
 
 from __future__ import annotations
 
+import socket
+from contextlib import suppress
+from typing import Any
+
+import anyio
 import asyncpg
 import pytest
 
+from evlog import postgres
 from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
-from evlog.postgres import PostgresStore, redact
+from evlog.postgres import _READ_PLANS, PostgresStore, redact
 from tests.evlog.contract import batch_of, raises_code
-from tests.evlog.postgres_raw import sql
+from tests.evlog.postgres_raw import execute, sql
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -36,8 +43,10 @@ async def test_a_read_only_store_creates_no_layout_and_its_sessions_refuse_write
 ) -> None:
     """A reader never creates a log where there is none, and the server refuses a write on its
     sessions, whatever the code above them did (``default_transaction_read_only``)."""
-    with raises_code(StoreCode.CORRUPT_STORE):  # no layout is created by a reader
+    with raises_code(StoreCode.CORRUPT_STORE) as info:  # no layout is created by a reader
         await PostgresStore.connect(postgres_url, read_only=True)
+    # marked empty: the read-only tools say "no ledger was written here", not "corrupt"
+    assert info.value.details.get("empty") is True
     assert (
         await sql(postgres_url, "SELECT 1 FROM pg_tables WHERE tablename LIKE 'loraledger%'") == []
     )
@@ -83,3 +92,159 @@ async def test_writes_after_the_connection_dies_fail_then_recover(postgres_url: 
         assert store._writer is not old_writer and not store._writer.is_closed()
         assert [r.seq for r in await store.read()] == list(range(1, 5 + maybe))
         assert (await store.verify()).ok
+
+
+async def _session_settings(conn: Any) -> tuple[str, ...]:
+    names = ("synchronous_commit", "application_name", "default_transaction_read_only")
+    return tuple([await conn.fetchval(f"SHOW {name}") for name in names])
+
+
+async def test_every_session_commits_synchronously_on_a_database_configured_off(
+    postgres_url: str,
+) -> None:
+    """The writer's session runs ``synchronous_commit = on`` whatever the database says (here
+    ``ALTER DATABASE ... SET synchronous_commit = off``, which every new session of that
+    database inherits), also once it is renewed after the server ended it; every session names
+    itself ``loraledger`` to the server (``pg_stat_activity``), and the read pool's sessions
+    hold the plans that keep a range read on the primary key's index."""
+    database = postgres_url.rsplit("/", 1)[1]
+    await execute(postgres_url, f"ALTER DATABASE {database} SET synchronous_commit = off")
+    plain = await asyncpg.connect(postgres_url)
+    try:
+        assert await plain.fetchval("SHOW synchronous_commit") == "off"  # the database's own
+    finally:
+        await plain.close()
+    async with PostgresStore.open(postgres_url) as store:
+        assert await _session_settings(store._writer) == ("on", "loraledger", "off")
+        async with store._readers.acquire() as reader:
+            assert await _session_settings(reader) == ("on", "loraledger", "off")
+            plans = [await reader.fetchval(f"SHOW {name}") for name in _READ_PLANS]
+            assert plans == ["off", "off", "off"]
+        await sql(
+            postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        with suppress(LoraLedgerError):  # the group that meets the ended session
+            await store.append(batch_of(1, "maybe"))
+        await store.append(batch_of(1, "after"))
+        assert await _session_settings(store._writer) == ("on", "loraledger", "off")
+    reader_store = await PostgresStore.connect(postgres_url, read_only=True)
+    try:
+        assert await _session_settings(reader_store._writer) == ("on", "loraledger", "on")
+        async with reader_store._readers.acquire() as reader:
+            assert await _session_settings(reader) == ("on", "loraledger", "on")
+    finally:
+        await reader_store.close()
+
+
+async def test_a_writer_renewed_between_groups_rereads_the_tail_before_trusting_it(
+    postgres_url: str,
+) -> None:
+    """The server ended the writer's session while no group was being written (asyncpg saw
+    it close): the next group goes to a new connection, and since the log may have moved
+    meanwhile (a failover, another writer), it re-reads the tail first (the slow path)."""
+    async with PostgresStore.open(postgres_url) as store:
+        await store.append(batch_of(2, "a"))
+        old_writer = store._writer
+        await sql(
+            postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        await wait_for("asyncpg saw the writer's session end", old_writer.is_closed)
+        assert store.stats.slow_paths == 0
+        assert await store.append(batch_of(1, "b")) == [3]
+        assert store.stats.slow_paths == 1 and store._writer is not old_writer
+        assert await store.append(batch_of(1, "c")) == [4]  # trusted again: the fast path
+        assert store.stats.slow_paths == 1
+
+
+@pytest.mark.parametrize(
+    ("damage", "found"),
+    [
+        ("UPDATE loraledger_layout SET application = 'another'", "loraledger_events"),
+        ("INSERT INTO loraledger_layout VALUES ('loraledger', 1)", "loraledger_events"),
+        ("DELETE FROM loraledger_layout", "loraledger_layout"),
+        ("DROP TABLE loraledger_layout", "['loraledger_events', 'loraledger_snapshots']"),
+        ("DROP TABLE loraledger_snapshots", "['loraledger_events', 'loraledger_layout']"),
+    ],
+    ids=["another application", "two marks", "no mark", "no layout table", "no snapshots"],
+)
+async def test_our_tables_without_exactly_our_one_mark_are_not_a_log(
+    postgres_url: str, damage: str, found: str
+) -> None:
+    """A database is read as a log only when it holds the three tables and one layout row
+    naming this application: anything else is another application's, or a damaged log, and
+    is refused (``CORRUPT_STORE``, naming the tables found), never written to or read."""
+    async with PostgresStore.open(postgres_url) as store:
+        await store.append(batch_of(2))
+    await execute(postgres_url, damage)
+    for read_only in (False, True):
+        with raises_code(StoreCode.CORRUPT_STORE) as info:
+            await PostgresStore.connect(postgres_url, read_only=read_only)
+        assert "holds tables named like a loraledger log's but is not one" in info.value.message
+        assert found in info.value.message
+
+
+async def test_port_0_and_the_password_never_reach_a_connection_or_a_name(
+    postgres_url: str,
+) -> None:
+    with raises_code(INVALID_INPUT) as info:
+        await PostgresStore.connect("postgresql://u:secret@127.0.0.1:0/db")
+    assert info.value.message == (
+        "postgresql://u:***@127.0.0.1:0/db: port 0 is not a TCP port to connect to"
+    )
+    scheme, rest = postgres_url.split("://", 1)
+    user, rest = rest.split("@", 1)
+    with_password = f"{scheme}://{user}:secret@{rest}"  # the server trusts loopback: ignored
+    async with PostgresStore.open(with_password) as store:
+        assert store.url == store.name == f"{scheme}://{user}:***@{rest}"
+
+
+async def test_a_server_that_never_answers_is_given_up_on_after_the_connect_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener that accepts TCP connections but never speaks (a hung server, a black-holed
+    proxy) fails the open with ``STORE_FAILED`` once the connect timeout passes (30 s; 0.2 s
+    here), instead of asyncpg's own minute or forever."""
+    monkeypatch.setattr(postgres, "_CONNECT_TIMEOUT_S", 0.2)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        with anyio.fail_after(20), raises_code(StoreCode.STORE_FAILED) as info:
+            await PostgresStore.connect(f"postgresql://u@127.0.0.1:{port}/db")
+    assert info.value.message.startswith(f"cannot open postgresql://u@127.0.0.1:{port}/db")
+
+
+async def test_opening_an_empty_database_waits_for_another_store_creating_the_layout(
+    postgres_url: str,
+) -> None:
+    """Two stores opening one empty database at once: the layout is created under a
+    transaction-scoped advisory lock, so the second waits for the first instead of both
+    creating the tables (one would fail). Held here by another session: the open waits."""
+    holder = await asyncpg.connect(postgres_url)
+    opened = anyio.Event()
+
+    async def open_and_close() -> None:
+        store = await PostgresStore.connect(postgres_url)
+        opened.set()
+        await store.close()
+
+    async def waiting_on_the_lock() -> bool:
+        rows = await sql(
+            postgres_url, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        )
+        return bool(rows)
+
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", postgres._LAYOUT_LOCK)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(open_and_close)
+            await wait_for("the open waits on the layout lock", waiting_on_the_lock)
+            assert not opened.is_set()
+            await holder.execute("SELECT pg_advisory_unlock($1)", postgres._LAYOUT_LOCK)
+        assert opened.is_set()
+    finally:
+        await holder.close()

@@ -74,6 +74,11 @@ class Campaign:
     mutate: tuple[str, ...]
     tests: tuple[str, ...]
     gated: bool
+    # more pytest options for this campaign's runs (after the common ones below)
+    pytest_args: tuple[str, ...] = ()
+    # mutmut's CPU limit per mutant, (its tests' time + this) x 8 CPU seconds: raised where each
+    # mutant's session pays a fixed cost its tests' times do not show (a server to start)
+    timeout_constant: float = 1.0
 
 
 CAMPAIGNS: dict[str, Campaign] = {
@@ -146,6 +151,29 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/evlog/test_append_plan.py",  # a group's calls resolved together
             ),
             gated=True,
+        ),
+        Campaign(
+            "postgres",
+            # the PostgreSQL store's SQL, sessions (synchronous_commit forced), layout checks
+            ("evlog/postgres.py",),
+            (
+                # The store runs in process against one throwaway server per mutant's session
+                # (tools/pg_server.py). test_postgres_durable_on_any_server.py starts a server
+                # of its own per test (its stop can pass the 60 s limit under load, a false
+                # kill): test_postgres_connections.py states its synchronous_commit rule on a
+                # database of the shared server configured off.
+                "tests/evlog/test_postgres_store.py",  # both store contracts
+                # URLs, read-only, a dying server, every session's settings
+                "tests/evlog/test_postgres_connections.py",
+            ),
+            gated=False,  # until its first run is triaged
+            # The session's server is stopped and its data directory (a database per test)
+            # removed in the last test's teardown: over 60 s on loaded cores, a false kill.
+            # The 60 s limit holds the tests themselves; mutmut's wall timeout the rest.
+            pytest_args=("-o", "timeout_func_only=true"),
+            # a mutant of an error path maps to a test or two (a CPU limit of ~10 s), but its
+            # session starts the server first: mutmut's limit stopped it (a false kill)
+            timeout_constant=15.0,
         ),
         Campaign(
             "gateway",
@@ -329,6 +357,24 @@ CAMPAIGNS: dict[str, Campaign] = {
             gated=True,
         ),
         Campaign(
+            "incidents",
+            # the incident fold the replay and verify tools read: outages, stalls, restores
+            ("projections/incidents.py",),
+            (
+                "tests/projections/test_incidents.py",
+                "tests/projections/test_history.py",
+                "tests/tools/test_replay.py",  # `replay --incidents` in process
+                "tests/tools/test_verify.py",  # verify's engine-health incidents
+                "tests/tools/test_verify_verdict.py",
+                "tests/tools/test_fault_logs.py",  # the fault run's injected faults, each named
+            ),
+            gated=True,
+            # Each mutant's session first writes the recorded runs through the real ledger
+            # (session fixtures), CPU its tests' times do not show: with the default, mutmut's
+            # limit stopped mutants no test killed (a false kill).
+            timeout_constant=15.0,
+        ),
+        Campaign(
             "sessions",
             # a session's bind, pin and release; its owner's lease, renewals, idle release
             (
@@ -450,13 +496,19 @@ def _copy_tree(dest: Path, campaign: Campaign) -> None:
             # multiple of the time of every test that covers the function (minutes). The
             # slowest test takes 5 s on two idle cores; on cores overloaded by other jobs a
             # healthy test can pass 30 s, and its "kill" then shows as a stale entry.
-            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not vllm and not slow", '
-            '"-q", "--timeout", "60"]',
+            "pytest_add_cli_args = "
+            + json.dumps(
+                [
+                    *("-p", "no:cacheprovider", "-m", "not vllm and not slow", "-q"),
+                    *("--timeout", "60", *campaign.pytest_args),
+                ]
+            ),
             f"pytest_add_cli_args_test_selection = {json.dumps(list(campaign.tests))}",
             "use_git_change_detection = false",
             # mutmut's own wall timeout, (its tests' time + 1 s) x this, for what --timeout
             # cannot interrupt. Timeouts count as killed either way.
             "timeout_multiplier = 4.0",
+            f"timeout_constant = {campaign.timeout_constant}",
         ]
     )
     (dest / "pyproject.toml").write_text(config + "\n", "utf-8")
