@@ -12,6 +12,13 @@ instead advertises 127.0.0.1 and has every server listen on loopback only (check
 ``ss``/psutil: GCS, raylet, workers and the runtime-env agent all bind 127.0.0.1). The
 variable is read when ``ray`` is imported, so it is set in the environment (inherited by every
 process Ray spawns) and in this process's already-imported constant, for the block only.
+
+Workers at the machine's own priority. Ray starts its workers at nice 15 by default, so any
+ordinary busy process outranks them about thirty to one: on a loaded laptop or CI runner the
+ledger actor then misses its owners' renewals and publications time out, although nothing is
+wrong but the priority (seen with two busy processes on two cores: an actor's ``__init__``
+alone took minutes). The instance started here is the control plane, not a batch job, so its
+workers run at nice 0 (``worker_niceness``), as the processes it serves do.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ def local_ray(
     """Start a local loopback-only Ray instance for the block; yields its address info."""
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process: shut it down first")
+    options["_system_config"] = {"worker_niceness": 0, **options.get("_system_config", {})}
     with loopback_only():
         context = ray.init(
             address="local",
