@@ -29,7 +29,7 @@ import os
 import signal
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -123,8 +123,11 @@ class Member:
         process, stack = self.process, self._stack
         self.process, self._stack = None, None
         if process.returncode is None:
-            os.kill(process.pid, sig)
-            os.kill(process.pid, signal.SIGCONT)
+            # The loop's child watcher reaps an exit in the background, before `returncode`
+            # says so: a process that died meanwhile (or of the first signal) is already gone.
+            with suppress(ProcessLookupError):
+                os.kill(process.pid, sig)
+                os.kill(process.pid, signal.SIGCONT)
         with anyio.fail_after(90):
             await process.wait()
         await stack.aclose()
