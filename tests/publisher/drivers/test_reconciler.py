@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engines.artifacts import ArtifactStore
-from engines.contract import AmbiguousReply, Candidate, ErrorCode
+from engines.contract import AmbiguousReply, Candidate, CleanRefusal, ErrorCode
 from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
 from engines.local.server import running_server
@@ -165,6 +165,37 @@ async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path
             left = next(i for i, e in enumerate(log) if isinstance(e, EngineLeft))
             assert isinstance(log[left + 1], VersionReclaimed)
             assert "e1" not in plane.fleet
+
+
+async def test_a_reclaim_is_fenced_even_on_an_engine_that_never_staged_the_name(
+    tmp_path: Path,
+) -> None:
+    """Before an engine's inventory counts for a reclaim, the reconciler unloads the name
+    fenced by the version's attempt, whether or not the engine holds it: an engine that never
+    staged the name (here: restarted while the controller was down) must refuse a late
+    duplicate of that attempt's prepare afterwards, or the reclaimed name could come back."""
+    log = MemoryLog()
+    snap = adapter_copy(1)
+    async with faulty_engines(2) as engines:
+        engines[1].inject("unload", Delay(seconds=IDLE))  # e1 never confirms the reclaim
+        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
+            v1 = await plane.publisher.publish(snap, version_id=1)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
+            await wait_for(
+                "e0's unload of v1 confirmed",
+                lambda: "e0" in plane.ledger.state.versions[1].confirmed,
+            )
+    async with (
+        local_engines(2) as fresh,  # new lives: neither ever staged v1's name
+        open_plane(fresh, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE) as plane,
+    ):
+        assert plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        late = Candidate(
+            lora_name=v1.lora_name, digest=snap.digest, attempt=v1.attempt, manifest=snap.manifest
+        )
+        with pytest.raises(CleanRefusal) as refused:
+            await fresh[1].prepare(late)
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
 
 
 async def test_engines_without_a_handle_leave_at_start(tmp_path: Path) -> None:
