@@ -29,6 +29,7 @@ from evlog.events import (
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.reconciler import Reconciler
 from tests.engines.faulty_engine import Delay, FaultyEngine, ServerError
+from tests.publisher.drivers.test_reconciler import DeadActor
 from tests.publisher.drivers.test_reconciler_health import (
     IDLE,
     Clock,
@@ -283,6 +284,54 @@ async def test_an_engine_in_the_fleet_but_not_in_the_ledger_is_reported_and_prob
             tg.cancel_scope.cancel()
         assert await events(r.ledger, after=seq) == []
         assert "e1" not in r.ledger.state.engines
+
+
+async def test_a_gone_engine_the_ledger_no_longer_has_is_probed_harmlessly(
+    tmp_path: Path,
+) -> None:
+    """The same when the probe proves the process gone for good (``ENGINE_GONE``, a dead
+    engine actor): with no member there is nothing to suspend or count, nothing is written,
+    and the pass goes on."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        await r.ledger.leave_engine("e1")
+        r.fleet.replace(DeadActor(faulty(r, "e1")))  # type: ignore[arg-type]
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=0.0,
+        )
+        seq = r.ledger.state.last_seq
+        await reconciler.health_check()
+        assert await events(r.ledger, after=seq) == []
+
+
+async def test_a_suspended_engine_found_gone_has_its_outage_recorded(tmp_path: Path) -> None:
+    """A suspension is not an outage: an engine suspended for another cause (here by an
+    operator), whose probe then proves its process gone, gets its ``EngineUnreachable`` like
+    any other (status and incidents show it unreachable), and is not suspended twice."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        await r.ledger.suspend_engine("e1", cause="operator", detail="maintenance")
+        r.fleet.replace(DeadActor(faulty(r, "e1")))  # type: ignore[arg-type]
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=0.0,
+        )
+        seq = r.ledger.state.last_seq
+        await reconciler.health_check()
+        written = await events(r.ledger, after=seq)
+        assert [(type(e), e.engine) for e in written] == [(EngineUnreachable, "e1")]
+        (outage,) = of_type(written, EngineUnreachable)
+        assert outage.error.startswith("ENGINE_GONE"), outage.error
+        assert r.ledger.state.engines["e1"].unreachable is not None
 
 
 async def test_the_failures_of_each_engine_in_an_outage_are_recorded_and_no_others(
