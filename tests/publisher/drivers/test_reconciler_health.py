@@ -49,6 +49,7 @@ from evlog.events import (
 )
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
+from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationError
 from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
@@ -901,3 +902,119 @@ async def test_a_canary_that_hangs_gives_up_after_a_probe_and_an_inventory_timeo
             r.local["e0"].continue_generation()
         assert r.ledger.state.engines["e0"].canaries == {}
         assert [x.count for x in reconciler.inflight_evidence(1)] == [0]
+
+
+class HeldCalls:
+    """A real engine whose ``method`` calls wait until the test lets them through: the test,
+    not the clock, decides how long the call takes (a double of a slow engine, around the
+    fault wrapper of a real one)."""
+
+    def __init__(self, inner: Any, method: str) -> None:
+        self._inner = inner
+        self._method = method
+        self.calls = 0
+        self.release = anyio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name != self._method:
+            return attr
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            await self.release.wait()
+            return await attr(*args, **kwargs)
+
+        return held
+
+
+# No engine call gives up on its own here: the test releases the held ones itself.
+UNHURRIED = EngineTimeouts(probe=IDLE, inventory=IDLE)
+
+
+def unhurried_reconciler(r: Rig, clock: Clock, tmp_path: Path, **options: Any) -> Reconciler:
+    store = ArtifactStore(tmp_path / "artifacts")
+    return Reconciler(r.ledger, r.fleet, store, timeouts=UNHURRIED, clock=clock, **options)
+
+
+async def test_two_passes_over_one_engine_never_run_at_once(tmp_path: Path) -> None:
+    """A pass reads, cleans and repairs an engine from one inventory: a second pass over the
+    same engine (a report's, a probe's, the full pass's) waits until the first ended, or both
+    would act on the same reading (two restores, an unload racing a load)."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        e0 = r.fleet["e0"]
+        assert isinstance(e0, FaultyEngine)
+        held = HeldCalls(e0, "inventory")
+        r.fleet.replace(held)  # type: ignore[arg-type]
+        reconciler = unhurried_reconciler(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e0")
+            await wait_for("the first pass reading e0's inventory", lambda: held.calls == 1)
+            probes = e0.count("incarnation")
+            tg.start_soon(reconciler.reconcile_engine, "e0")
+            await anyio.wait_all_tasks_blocked()
+            assert e0.count("incarnation") == probes  # the second pass has not begun
+            assert held.calls == 1
+            held.release.set()
+        assert held.calls == 2  # it ran once the first had ended
+
+
+async def test_a_pass_held_up_on_one_engine_does_not_hold_up_another(tmp_path: Path) -> None:
+    """Passes over different engines run side by side: an engine slow to answer must not
+    delay the pass over another, or one hung engine would stall the whole fleet's repairs for
+    its timeouts. (The rig bounds the test: a pass that waited would fail it.)"""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        held = HeldCalls(r.fleet["e1"], "inventory")
+        r.fleet.replace(held)  # type: ignore[arg-type]
+        reconciler = unhurried_reconciler(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e1")
+            await wait_for("e1's pass reading its inventory", lambda: held.calls == 1)
+            report = await reconciler.reconcile_engine("e0")  # while e1's pass is held
+            assert report.engines == ("e0",) and report.errors == ()
+            held.release.set()
+
+
+async def test_the_loop_is_not_settled_while_a_wake_is_at_work(tmp_path: Path) -> None:
+    """``settled`` (what callers wait for: every report so far acted on) stays false from a
+    wake's start to its end: a probe still under way has not acted on anything yet."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        held = HeldCalls(r.fleet["e1"], "incarnation")
+        r.fleet.replace(held)  # type: ignore[arg-type]
+        reconciler = unhurried_reconciler(
+            r, Clock(), tmp_path, probe_interval_s=IDLE, full_every_s=IDLE, suspend_after_s=None
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            reconciler.poke()
+            await wait_for("the wake's probe of e1 under way", lambda: held.calls == 1)
+            assert not reconciler.settled
+            held.release.set()
+            await wait_for("the wake done", lambda: reconciler.settled)
+            assert reconciler.wakes == 1
+            tg.cancel_scope.cancel()
+
+
+async def test_the_full_pass_comes_exactly_full_every_s_after_the_last(tmp_path: Path) -> None:
+    """A wake is a full pass (every engine read, ``passes`` counted once) when
+    ``full_every_s`` has passed since the last one, to the second; a probe round before."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        clock = Clock()
+        reconciler = rig_reconciler(
+            r, clock, tmp_path, probe_interval_s=IDLE, full_every_s=10.0, suspend_after_s=None
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            clock.now = 9.5
+            reconciler.poke()
+            await wait_for("the first wake done", lambda: reconciler.wakes == 1)
+            assert reconciler.passes == 0  # a probe round
+            clock.now = 10.0
+            reconciler.poke()
+            await wait_for("the second wake done", lambda: reconciler.wakes == 2)
+            assert reconciler.passes == 1
+            tg.cancel_scope.cancel()
