@@ -1018,3 +1018,93 @@ async def test_the_full_pass_comes_exactly_full_every_s_after_the_last(tmp_path:
             await wait_for("the second wake done", lambda: reconciler.wakes == 2)
             assert reconciler.passes == 1
             tg.cancel_scope.cancel()
+
+
+async def reclaiming_v1(r: Rig) -> None:
+    """v1 retired by v2 and claimed for reclaim: every engine still holds it."""
+    await r.publish(1)
+    await r.publish(2)  # v1 retired, unbound
+    await r.ledger.claim_reclaim(1, r.reclaimer().evidence(1))
+    assert r.ledger.state.versions[1].state is VersionState.RECLAIMING
+
+
+async def test_a_reclaim_is_not_unloaded_under_a_request_in_flight_on_that_engine(
+    tmp_path: Path,
+) -> None:
+    """The reconciler's fenced unload of a version being reclaimed waits, on each engine, for
+    the requests counted in flight there (the reclaim driver's next tick takes it after the
+    drain); an engine with none is cleaned at once."""
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        counts = {("e0", 1): 1}  # one request of v1 running on e0
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            inflight=lambda engine_id, version_id: counts.get((engine_id, version_id), 0),
+        )
+        await reconciler.reconcile()
+        assert r.names[1] in r.local["e0"].loaded_adapters()
+        assert r.names[1] not in r.local["e1"].loaded_adapters()
+        assert dict(r.ledger.state.versions[1].confirmed).keys() == {"e1"}
+
+
+async def test_a_reclaims_failed_unload_is_reported_and_its_inventory_not_taken(
+    tmp_path: Path,
+) -> None:
+    """The fenced unload of a version being reclaimed failed on e0: the pass reports it,
+    naming the engine and the name, and stops there -- no inventory of e0 counts for the
+    reclaim until that unload went through."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await reclaiming_v1(r)
+        e0 = r.fleet["e0"]
+        assert isinstance(e0, FaultyEngine)
+        e0.inject("unload", ServerError())
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e0")
+        assert [e.split(": SERVER_ERROR")[0] for e in report.errors] == [f"e0: unload {r.names[1]}"]
+        assert of_type(await events(r.ledger, after=seq), InventoryObserved) == []
+        assert "e0" not in r.ledger.state.versions[1].confirmed
+
+
+async def test_an_unexpected_error_in_one_engines_pass_is_reported_not_raised(
+    tmp_path: Path,
+) -> None:
+    """A bug (here in the in-flight source the reconciler consults) must not take the health
+    loop down: the pass reports it for its engine, naming the error, and returns."""
+
+    def broken(engine_id: str, version_id: int) -> int:
+        raise RuntimeError(f"no count for {engine_id}")
+
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), timeouts=FAST, inflight=broken
+        )
+        report = await reconciler.reconcile_engine("e0")
+        assert report.errors == ("e0: unexpected RuntimeError: no count for e0",)
+
+
+async def test_a_name_an_engine_owes_is_dropped_before_its_inventory_counts(
+    tmp_path: Path,
+) -> None:
+    """e1 was suspended while v1 was reclaimed (completed on e0's proof alone): e1 owes v1's
+    drop. Its next pass unloads the name, fenced, before its inventory is recorded: the ledger
+    never records an inventory of e1 still holding it (a load in flight from before the
+    suspension could otherwise land after the proof)."""
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        await r.ledger.suspend_engine("e1", cause="operator")
+        assert await r.reclaimer().sweep() == [1]
+        assert r.names[1] in r.ledger.state.engines["e1"].owes
+        seq = r.ledger.state.last_seq
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), timeouts=FAST
+        )
+        await reconciler.reconcile_engine("e1")
+        observed = of_type(await events(r.ledger, after=seq), InventoryObserved)
+        assert [e.engine for e in observed] and all(r.names[1] not in e.adapters for e in observed)
+        assert r.ledger.state.engines["e1"].owes == {}
+        assert r.names[1] not in r.local["e1"].loaded_adapters()
