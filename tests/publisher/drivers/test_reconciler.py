@@ -147,6 +147,35 @@ async def test_a_fatal_candidate_on_an_engine_outside_its_fleet_is_unloaded_firs
         assert ledger.state.blocked_by() == []
 
 
+async def test_a_fatal_candidate_an_engine_never_staged_is_cleaned_fenced(tmp_path: Path) -> None:
+    """The candidate's name is on a joining engine that never staged it (loaded there by path,
+    behind the ledger's back): its cleanup is still fenced by the attempt, so a late duplicate
+    of that attempt's prepare is refused there afterwards."""
+    store = ArtifactStore(tmp_path / "by-hand")
+    config, tensors = make_adapter(54)
+    manifest = build_manifest(config, tensors)
+    by_hand = store.put(manifest, tensors)
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e2", limits=LIMITS) as newcomer,
+        open_plane(engines, tmp_path, capacity=3, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        v2 = await ledger.allocate(2, manifest.digest)
+        assert isinstance(v2, Allocated)
+        await ledger.fail_attempt(2, v2.attempt, clean=False, code="X", reason="lost reply")
+        await newcomer.load_ordinary(v2.lora_name, str(by_hand))
+        report = await plane.add_engine(newcomer)
+        assert report.unloaded == (f"e2:{v2.lora_name}",)
+        late = Candidate(
+            lora_name=v2.lora_name, digest=manifest.digest, attempt=v2.attempt, manifest=manifest
+        )
+        with pytest.raises(CleanRefusal) as refused:
+            await newcomer.prepare(late)
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
+
+
 async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path: Path) -> None:
     async with local_engines(2) as inner:
         engines: list[Any] = [inner[0], FaultyEngine(inner[1])]
