@@ -423,3 +423,47 @@ async def test_a_suspension_for_failed_probes_is_for_the_life_that_failed_them(
         member = r.ledger.state.engines["e1"]
         assert member.incarnation == "new-life" and not member.suspended
         assert of_type(await events(r.ledger), EngineSuspended) == []
+
+
+async def test_a_pass_that_reaches_an_engine_in_an_outage_ends_it(tmp_path: Path) -> None:
+    """Any answer ends an outage, whichever pass got it: a pass over the engine (a full pass,
+    a report's read) that reaches it records it reachable, and it serves again."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", ServerError())
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        await reconciler.health_check()
+        assert r.ledger.state.engines["e1"].unreachable is not None
+        seq = r.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e1")
+        assert report.errors == ()
+        reachable = of_type(await events(r.ledger, after=seq), EngineReachable)
+        assert [e.engine for e in reachable] == ["e1"]
+        assert r.ledger.state.engines["e1"].unreachable is None
+        assert r.ledger.state.routable_engines() == ("e0", "e1")
+
+
+async def test_a_pass_whose_probe_hangs_gives_up_after_the_probe_timeout(tmp_path: Path) -> None:
+    """A pass's own probe of the engine is bounded by the probe timeout, and its report names
+    the call and the engine."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", Delay(seconds=30.0))
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=EngineTimeouts(probe=1.0),
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
+            report = await reconciler.reconcile_engine("e1")
+        assert report.errors == ("e1: TIMEOUT: incarnation on e1: no reply within 1s",)
