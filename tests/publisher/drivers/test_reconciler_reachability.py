@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -467,3 +468,58 @@ async def test_a_pass_whose_probe_hangs_gives_up_after_the_probe_timeout(tmp_pat
         with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
             report = await reconciler.reconcile_engine("e1")
         assert report.errors == ("e1: TIMEOUT: incarnation on e1: no reply within 1s",)
+
+
+async def test_a_pass_whose_inventory_hangs_gives_up_after_the_inventory_timeout(
+    tmp_path: Path,
+) -> None:
+    """The same for the pass's inventory read: bounded by the inventory timeout, named."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("inventory", Delay(seconds=30.0))
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=EngineTimeouts(probe=1.0, inventory=1.0),
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
+            report = await reconciler.reconcile_engine("e1")
+        assert report.errors == ("e1: TIMEOUT: inventory on e1: no reply within 1s",)
+
+
+class NeverTheSameLife:
+    """A double of an engine restarting between every probe and inventory read: each
+    inventory answers a life other than the one the probe just gave."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def inventory(self) -> Any:
+        self.reads += 1
+        inventory = await self._inner.inventory()
+        return msgspec.structs.replace(inventory, incarnation=f"life-{self.reads}")
+
+
+async def test_an_engine_changing_life_on_every_read_stops_the_pass(tmp_path: Path) -> None:
+    """No inventory can be taken as evidence when the engine's life changed between the probe
+    and the read, three times running: the pass stops with ``ENGINE_STOPPED``, naming the
+    engine, and records nothing from the inventories."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        flaky = NeverTheSameLife(r.fleet["e1"])
+        r.fleet.replace(flaky)  # type: ignore[arg-type]
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e1")
+        assert report.errors == (
+            "e1: ENGINE_STOPPED: e1 changed incarnation on every read (3 tries)",
+        )
+        assert flaky.reads == 3
+        assert await events(r.ledger, after=seq) == []
