@@ -59,6 +59,7 @@ from tests.engines.faulty_engine import Delay, Drop, FaultyEngine, Restart, Serv
 from tests.publisher.drivers.test_reconciler import load_managed
 from tests.publisher.plane_kit import (
     FAST,
+    LIMITS,
     PEFT_WARNINGS,
     adapter_copy,
     faulty_engines,
@@ -1108,3 +1109,42 @@ async def test_a_name_an_engine_owes_is_dropped_before_its_inventory_counts(
         assert [e.engine for e in observed] and all(r.names[1] not in e.adapters for e in observed)
         assert r.ledger.state.engines["e1"].owes == {}
         assert r.names[1] not in r.local["e1"].loaded_adapters()
+
+
+async def test_an_engine_that_left_while_a_pass_read_it_is_not_joined_again(
+    tmp_path: Path,
+) -> None:
+    """A pass was probing e1 when e1 was held out and recorded as left: the pass stops there.
+    Joining it again would make an engine the fleet is removing routable."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        held = HeldCalls(r.fleet["e1"], "incarnation")
+        r.fleet.replace(held)  # type: ignore[arg-type]
+        reconciler = unhurried_reconciler(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e1")
+            await wait_for("the pass probing e1", lambda: held.calls == 1)
+            reconciler.hold_out("e1")
+            await r.ledger.leave_engine("e1")
+            held.release.set()
+        assert "e1" not in r.ledger.state.engines
+
+
+async def test_an_engines_kind_is_recorded_at_its_join_and_at_a_restart(tmp_path: Path) -> None:
+    """The kind the ledger records (a path engine's held versions answer canaries, a local
+    engine's do not) is the handle's: at the join, and again when a restart comes back
+    behind a handle of another kind."""
+    async with (
+        rig(engines=1) as r,
+        LocalEngine("e1", limits=LIMITS) as first,
+        LocalEngine("e1", limits=LIMITS) as second,
+    ):
+        await r.publish(1)
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        r.fleet.add(PathEngine(first))
+        await reconciler.reconcile_engine("e1")
+        assert r.ledger.state.engines["e1"].kind == "sglang"
+        r.fleet.replace(second)  # a new process, behind a local engine's handle
+        report = await reconciler.reconcile_engine("e1")
+        assert report.restarted == ("e1",)
+        assert r.ledger.state.engines["e1"].kind == "local"
