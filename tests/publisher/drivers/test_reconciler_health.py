@@ -1148,3 +1148,54 @@ async def test_an_engines_kind_is_recorded_at_its_join_and_at_a_restart(tmp_path
         report = await reconciler.reconcile_engine("e1")
         assert report.restarted == ("e1",)
         assert r.ledger.state.engines["e1"].kind == "local"
+
+
+class NewLifeAfterUnload:
+    """A double of an engine whose process is replaced right after it answers an unload:
+    from then on its probe and its inventory answer a new life (the real engine underneath
+    serves on)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.life: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def unload(self, *args: Any, **kwargs: Any) -> Any:
+        receipt = await self._inner.unload(*args, **kwargs)
+        self.life = "next-life"
+        return receipt
+
+    async def incarnation(self) -> str:
+        real: str = await self._inner.incarnation()
+        return self.life or real
+
+    async def inventory(self) -> Any:
+        inventory = await self._inner.inventory()
+        if self.life is None:
+            return inventory
+        return msgspec.structs.replace(inventory, incarnation=self.life)
+
+
+@pytest.mark.parametrize("cleanup", ["reclaim fence", "stray"])
+async def test_a_restart_seen_by_the_read_after_a_cleanup_is_reported(
+    tmp_path: Path, cleanup: str
+) -> None:
+    """The pass reads the engine again after its cleanups (a reclaim's fenced unload before
+    the evidence, a stray's after it): a new life found by that read is a restart like any
+    other, recorded and in the pass's report."""
+    async with rig(engines=2) as r:
+        if cleanup == "reclaim fence":
+            await reclaiming_v1(r)
+        else:
+            await r.publish(1)
+            await load_managed(r.local["e0"], "agent@dep-99-0123456789abcdef", 51)
+        double = NewLifeAfterUnload(r.fleet["e0"])
+        r.fleet.replace(double)  # type: ignore[arg-type]
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        report = await reconciler.reconcile_engine("e0")
+        assert double.life is not None  # the cleanup ran
+        assert report.restarted == ("e0",), report
+        assert not [e for e in report.errors if "unexpected" in e], report.errors
+        assert r.ledger.state.engines["e0"].incarnation == "next-life"
