@@ -142,7 +142,8 @@ async def test_a_fatal_candidate_on_an_engine_outside_its_fleet_is_unloaded_firs
         report = await plane.add_engine(newcomer)
         assert report.unloaded == (f"e2:{v2.lora_name}",)
         assert v2.lora_name not in await names(newcomer)
-        await plane.reconciler.reconcile()  # e0 and e1 prove absence
+        report = await plane.reconciler.reconcile()  # e0 and e1 prove absence
+        assert report.resolved == (2,)
         assert ledger.state.versions[2].state is VersionState.FAILED_RETRYABLE
         assert ledger.state.blocked_by() == []
 

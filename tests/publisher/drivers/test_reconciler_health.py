@@ -1199,3 +1199,42 @@ async def test_a_restart_seen_by_the_read_after_a_cleanup_is_reported(
         assert report.restarted == ("e0",), report
         assert not [e for e in report.errors if "unexpected" in e], report.errors
         assert r.ledger.state.engines["e0"].incarnation == "next-life"
+
+
+class OtherBytesUnder:
+    """A double of an engine that serves other weights under one managed name (loaded there
+    by whoever reached its control routes): its inventory lists the name with their digest."""
+
+    def __init__(self, inner: Any, name: str, digest: str) -> None:
+        self._inner = inner
+        self._name = name
+        self._digest = digest
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def inventory(self) -> Any:
+        inventory = await self._inner.inventory()
+        adapters = tuple(
+            msgspec.structs.replace(a, digest=self._digest) if a.lora_name == self._name else a
+            for a in inventory.adapters
+        )
+        return msgspec.structs.replace(inventory, adapters=adapters)
+
+
+async def test_a_digest_the_inventory_reports_is_evidence_of_other_content(
+    tmp_path: Path,
+) -> None:
+    """An engine that reports the digest of what it serves (the local engine, SGLang's
+    tensor path) proves other content under a version's name from its inventory alone: the
+    pass passes the digests on, and the ledger records the mismatch."""
+    async with rig(engines=2) as r:
+        await r.publish(1)
+        r.fleet.replace(OtherBytesUnder(r.fleet["e1"], r.names[1], "ab" * 32))  # type: ignore[arg-type]
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        await reconciler.reconcile_engine("e1")
+        found = of_type(await events(r.ledger, after=seq), ServedContentMismatch)
+        assert [(e.engine, e.version_id, e.evidence, e.seen) for e in found] == [
+            ("e1", 1, "digest", "ab" * 32)
+        ]
