@@ -220,6 +220,7 @@ async def test_a_reclaim_is_fenced_even_on_an_engine_that_never_staged_the_name(
         open_plane(fresh, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE) as plane,
     ):
         assert plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        assert v1.lora_name is not None and v1.attempt is not None
         late = Candidate(
             lora_name=v1.lora_name, digest=snap.digest, attempt=v1.attempt, manifest=snap.manifest
         )

@@ -947,7 +947,7 @@ async def test_two_passes_over_one_engine_never_run_at_once(tmp_path: Path) -> N
         e0 = r.fleet["e0"]
         assert isinstance(e0, FaultyEngine)
         held = HeldCalls(e0, "inventory")
-        r.fleet.replace(held)  # type: ignore[arg-type]
+        r.fleet.replace(held)
         reconciler = unhurried_reconciler(r, Clock(), tmp_path)
         async with anyio.create_task_group() as tg:
             tg.start_soon(reconciler.reconcile_engine, "e0")
@@ -968,7 +968,7 @@ async def test_a_pass_held_up_on_one_engine_does_not_hold_up_another(tmp_path: P
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
         held = HeldCalls(r.fleet["e1"], "inventory")
-        r.fleet.replace(held)  # type: ignore[arg-type]
+        r.fleet.replace(held)
         reconciler = unhurried_reconciler(r, Clock(), tmp_path)
         async with anyio.create_task_group() as tg:
             tg.start_soon(reconciler.reconcile_engine, "e1")
@@ -984,7 +984,7 @@ async def test_the_loop_is_not_settled_while_a_wake_is_at_work(tmp_path: Path) -
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
         held = HeldCalls(r.fleet["e1"], "incarnation")
-        r.fleet.replace(held)  # type: ignore[arg-type]
+        r.fleet.replace(held)
         reconciler = unhurried_reconciler(
             r, Clock(), tmp_path, probe_interval_s=IDLE, full_every_s=IDLE, suspend_after_s=None
         )
@@ -1119,7 +1119,7 @@ async def test_an_engine_that_left_while_a_pass_read_it_is_not_joined_again(
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
         held = HeldCalls(r.fleet["e1"], "incarnation")
-        r.fleet.replace(held)  # type: ignore[arg-type]
+        r.fleet.replace(held)
         reconciler = unhurried_reconciler(r, Clock(), tmp_path)
         async with anyio.create_task_group() as tg:
             tg.start_soon(reconciler.reconcile_engine, "e1")
@@ -1192,7 +1192,7 @@ async def test_a_restart_seen_by_the_read_after_a_cleanup_is_reported(
             await r.publish(1)
             await load_managed(r.local["e0"], "agent@dep-99-0123456789abcdef", 51)
         double = NewLifeAfterUnload(r.fleet["e0"])
-        r.fleet.replace(double)  # type: ignore[arg-type]
+        r.fleet.replace(double)
         reconciler = rig_reconciler(r, Clock(), tmp_path)
         report = await reconciler.reconcile_engine("e0")
         assert double.life is not None  # the cleanup ran
@@ -1230,7 +1230,7 @@ async def test_a_digest_the_inventory_reports_is_evidence_of_other_content(
     pass passes the digests on, and the ledger records the mismatch."""
     async with rig(engines=2) as r:
         await r.publish(1)
-        r.fleet.replace(OtherBytesUnder(r.fleet["e1"], r.names[1], "ab" * 32))  # type: ignore[arg-type]
+        r.fleet.replace(OtherBytesUnder(r.fleet["e1"], r.names[1], "ab" * 32))
         reconciler = rig_reconciler(r, Clock(), tmp_path)
         seq = r.ledger.state.last_seq
         await reconciler.reconcile_engine("e1")
