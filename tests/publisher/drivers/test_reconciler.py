@@ -177,6 +177,39 @@ async def test_a_fatal_candidate_an_engine_never_staged_is_cleaned_fenced(tmp_pa
         assert refused.value.code == ErrorCode.STALE_ATTEMPT
 
 
+async def test_a_stray_of_a_reclaimed_version_an_engine_never_staged_is_cleaned_fenced(
+    tmp_path: Path,
+) -> None:
+    """The same for a stray of a known version (here reclaimed): its cleanup is fenced by the
+    version's last attempt, which is over, so a late duplicate of that attempt's prepare is
+    refused there afterwards."""
+    snap = adapter_copy(1)
+    store = ArtifactStore(tmp_path / "by-hand")
+    config, tensors = make_adapter(1)
+    by_hand = store.put(build_manifest(config, tensors), tensors)
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e2", limits=LIMITS) as newcomer,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(snap, version_id=1)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
+        await wait_for(
+            "v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
+        assert v1.lora_name is not None and v1.attempt is not None
+        await newcomer.load_ordinary(v1.lora_name, str(by_hand))
+        report = await plane.add_engine(newcomer)
+        assert f"e2:{v1.lora_name}" in report.unloaded
+        late = Candidate(
+            lora_name=v1.lora_name, digest=snap.digest, attempt=v1.attempt, manifest=snap.manifest
+        )
+        with pytest.raises(CleanRefusal) as refused:
+            await newcomer.prepare(late)
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
+
+
 async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path: Path) -> None:
     async with local_engines(2) as inner:
         engines: list[Any] = [inner[0], FaultyEngine(inner[1])]

@@ -524,3 +524,41 @@ async def test_an_engine_changing_life_on_every_read_stops_the_pass(tmp_path: Pa
         )
         assert flaky.reads == 3
         assert await events(r.ledger, after=seq) == []
+
+
+class LeavesRightAfterItsObservation:
+    """The real ledger, but ``engine_id`` is recorded as left right after its inventory is:
+    what a removal's leave landing in the middle of a pass over the engine looks like."""
+
+    def __init__(self, ledger: Any, engine_id: str) -> None:
+        self._ledger = ledger
+        self._engine_id = engine_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+    async def observe_inventory(self, engine_id: str, *args: Any, **kwargs: Any) -> Any:
+        outcome = await self._ledger.observe_inventory(engine_id, *args, **kwargs)
+        if engine_id == self._engine_id:
+            await self._ledger.leave_engine(engine_id)
+        return outcome
+
+
+async def test_an_engine_that_left_after_its_inventory_was_observed_ends_the_pass_quietly(
+    tmp_path: Path,
+) -> None:
+    """The leave is the removal's to handle: the rest of the pass finds no member to clean up
+    or repair, and nothing in it fails unexpectedly."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        reconciler = Reconciler(
+            LeavesRightAfterItsObservation(r.ledger, "e1"),  # type: ignore[arg-type]
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            clock=Clock(),
+            suspend_after_s=None,
+        )
+        report = await reconciler.reconcile_engine("e1")
+        assert "e1" not in r.ledger.state.engines
+        assert not [e for e in report.errors if "unexpected" in e], report.errors
