@@ -1238,3 +1238,33 @@ async def test_a_digest_the_inventory_reports_is_evidence_of_other_content(
         assert [(e.engine, e.version_id, e.evidence, e.seen) for e in found] == [
             ("e1", 1, "digest", "ab" * 32)
         ]
+
+
+def staged_as(name: str, attempt: int = 1) -> Candidate:
+    config, tensors = make_adapter(60)
+    manifest = build_manifest(config, tensors)
+    return Candidate(lora_name=name, digest=manifest.digest, attempt=attempt, manifest=manifest)
+
+
+async def test_staging_nothing_will_load_is_dropped_and_only_that(tmp_path: Path) -> None:
+    """Bytes staged under a name (prepared, never loaded) that nothing will ever load are
+    dropped at each pass: a name this deployment never allocated (unfenced) and a version that
+    is over (fenced by its last attempt). Another deployment's staging and a name of no
+    deployment are left alone, whatever order the engine lists them in."""
+    async with rig(engines=2) as r, LocalEngine("e2", limits=LIMITS) as newcomer:
+        await reclaiming_v1(r)
+        assert await r.reclaimer().sweep() == [1]
+        v1 = r.ledger.state.versions[1]
+        kept = ["aaa-not-ours", "agent@other-1-0123456789abcdef"]  # listed first and last
+        dropped = {"agent@dep-98-0123456789abcdef": 1, v1.lora_name: v1.attempt}
+        for name in kept:
+            await newcomer.prepare(staged_as(name))
+        for name, attempt in dropped.items():
+            await newcomer.prepare(staged_as(name, attempt))
+        r.fleet.add(newcomer)
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        await reconciler.reconcile_engine("e2")
+        assert sorted((await newcomer.inventory()).staged) == kept
+        with pytest.raises(CleanRefusal) as refused:  # v1's was fenced by its attempt
+            await newcomer.prepare(staged_as(v1.lora_name, v1.attempt))
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
