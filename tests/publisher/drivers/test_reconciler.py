@@ -122,6 +122,27 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
         assert g.token_ids == ref.token_ids  # the same bytes, restored from the artifact store
 
 
+async def test_a_repair_restores_every_missing_version_past_the_held_ones(
+    tmp_path: Path,
+) -> None:
+    """e1 was out (suspended) while v2 was published: it still holds v1 (pinned by a session,
+    so needed too) and lacks v2. Its repair skips what it holds and restores the rest."""
+    async with (
+        local_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        await ledger.register_owner("w", ttl_s=600)
+        await ledger.bind("pinned", "w")  # v1 stays needed after v2
+        await ledger.suspend_engine("e1", cause="unhealthy", detail="out for a while")
+        v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
+        assert v2.lora_name not in await names(engines[1])
+        report = await plane.reconciler.reconcile_engine("e1")
+        assert report.restored == ("e1:2",) and report.repaired == ("e1",), report
+        assert v2.lora_name in await names(engines[1])
+
+
 async def test_a_fatal_candidate_on_an_engine_outside_its_fleet_is_unloaded_first(
     tmp_path: Path,
 ) -> None:
