@@ -573,6 +573,7 @@ async def test_only_an_other_answer_given_twice_is_a_content_mismatch(tmp_path: 
         assert suspended.detail.startswith(
             "version 1 served with other content and not restored after 3 tries: "
         ), suspended.detail
+        assert "INVALID_ADAPTER" in suspended.detail  # and the last error, by its code
 
 
 @pytest.mark.parametrize(("kind", "every"), [("local", 0.0), ("sglang", None)])
@@ -1268,3 +1269,15 @@ async def test_staging_nothing_will_load_is_dropped_and_only_that(tmp_path: Path
         with pytest.raises(CleanRefusal) as refused:  # v1's was fenced by its attempt
             await newcomer.prepare(staged_as(v1.lora_name, v1.attempt))
         assert refused.value.code == ErrorCode.STALE_ATTEMPT
+
+
+async def test_an_engine_an_operator_suspended_is_not_repaired_by_a_pass(tmp_path: Path) -> None:
+    """Only an operator lifts an operator's suspension: a pass over the engine finds nothing
+    to restore and leaves it suspended, without trying (and failing) a repair."""
+    async with rig(engines=2) as r:
+        await r.publish(1)
+        await r.ledger.suspend_engine("e1", cause="operator", detail="maintenance")
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        report = await reconciler.reconcile_engine("e1")
+        assert report.repaired == () and report.errors == (), report
+        assert r.ledger.state.engines["e1"].suspended
