@@ -1281,3 +1281,18 @@ async def test_an_engine_an_operator_suspended_is_not_repaired_by_a_pass(tmp_pat
         report = await reconciler.reconcile_engine("e1")
         assert report.repaired == () and report.errors == (), report
         assert r.ledger.state.engines["e1"].suspended
+
+
+async def test_one_engines_repair_leaves_another_engines_back_off_alone(tmp_path: Path) -> None:
+    """The restore back-off is per engine and life: a pass over one engine forgets only that
+    engine's earlier lives, never another engine's wait."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        reconciler = reconciler_for(plane, Clock())
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)  # an eviction: no fence
+        sick.inject("prepare", ServerError(), times=1000)
+        await reconciler.health_check({"e1"})  # its reload fails: the next try is 1 s away
+        prepares = sick.count("prepare")
+        await reconciler.reconcile_engine("e0")  # another engine's pass, at the same instant
+        await reconciler.health_check({"e1"})  # still inside e1's back-off
+        assert sick.count("prepare") == prepares
