@@ -173,6 +173,26 @@ def faulty(r: Rig, engine_id: str) -> FaultyEngine:
     return engine
 
 
+def probing(
+    r: Rig,
+    tmp_path: Path,
+    *,
+    ledger: Any = None,
+    timeouts: EngineTimeouts = FAST,
+    suspend_after_s: float | None,
+) -> Reconciler:
+    """A reconciler of its own over the rig's fleet (and ledger, or a wrapper of it), its
+    clock at zero."""
+    return Reconciler(
+        r.ledger if ledger is None else ledger,
+        r.fleet,
+        ArtifactStore(tmp_path / "artifacts"),
+        timeouts=timeouts,
+        clock=Clock(),
+        suspend_after_s=suspend_after_s,
+    )
+
+
 async def test_a_report_is_dated_when_it_was_seen_and_only_unreachable_opens_an_outage(
     tmp_path: Path,
 ) -> None:
@@ -297,14 +317,7 @@ async def test_a_gone_engine_the_ledger_no_longer_has_is_probed_harmlessly(
         await r.publish(1)
         await r.ledger.leave_engine("e1")
         r.fleet.replace(DeadActor(faulty(r, "e1")))  # type: ignore[arg-type]
-        reconciler = Reconciler(
-            r.ledger,
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=FAST,
-            clock=Clock(),
-            suspend_after_s=0.0,
-        )
+        reconciler = probing(r, tmp_path, suspend_after_s=0.0)
         seq = r.ledger.state.last_seq
         await reconciler.health_check()
         assert await events(r.ledger, after=seq) == []
@@ -318,14 +331,7 @@ async def test_a_suspended_engine_found_gone_has_its_outage_recorded(tmp_path: P
         await r.publish(1)
         await r.ledger.suspend_engine("e1", cause="operator", detail="maintenance")
         r.fleet.replace(DeadActor(faulty(r, "e1")))  # type: ignore[arg-type]
-        reconciler = Reconciler(
-            r.ledger,
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=FAST,
-            clock=Clock(),
-            suspend_after_s=0.0,
-        )
+        reconciler = probing(r, tmp_path, suspend_after_s=0.0)
         seq = r.ledger.state.last_seq
         await reconciler.health_check()
         written = await events(r.ledger, after=seq)
@@ -433,14 +439,7 @@ async def test_a_pass_that_reaches_an_engine_in_an_outage_ends_it(tmp_path: Path
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
         faulty(r, "e1").inject("incarnation", ServerError())
-        reconciler = Reconciler(
-            r.ledger,
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=FAST,
-            clock=Clock(),
-            suspend_after_s=None,
-        )
+        reconciler = probing(r, tmp_path, suspend_after_s=None)
         await reconciler.health_check()
         assert r.ledger.state.engines["e1"].unreachable is not None
         seq = r.ledger.state.last_seq
@@ -458,14 +457,7 @@ async def test_a_pass_whose_probe_hangs_gives_up_after_the_probe_timeout(tmp_pat
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
         faulty(r, "e1").inject("incarnation", Delay(seconds=30.0))
-        reconciler = Reconciler(
-            r.ledger,
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=EngineTimeouts(probe=1.0),
-            clock=Clock(),
-            suspend_after_s=None,
-        )
+        reconciler = probing(r, tmp_path, timeouts=EngineTimeouts(probe=1.0), suspend_after_s=None)
         with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
             report = await reconciler.reconcile_engine("e1")
         assert report.errors == ("e1: TIMEOUT: incarnation on e1: no reply within 1s",)
@@ -478,13 +470,8 @@ async def test_a_pass_whose_inventory_hangs_gives_up_after_the_inventory_timeout
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
         faulty(r, "e1").inject("inventory", Delay(seconds=30.0))
-        reconciler = Reconciler(
-            r.ledger,
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=EngineTimeouts(probe=1.0, inventory=1.0),
-            clock=Clock(),
-            suspend_after_s=None,
+        reconciler = probing(
+            r, tmp_path, timeouts=EngineTimeouts(probe=1.0, inventory=1.0), suspend_after_s=None
         )
         with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
             report = await reconciler.reconcile_engine("e1")
@@ -551,13 +538,8 @@ async def test_an_engine_that_left_after_its_inventory_was_observed_ends_the_pas
     or repair, and nothing in it fails unexpectedly."""
     async with rig(engines=2, wrap=FaultyEngine) as r:
         await r.publish(1)
-        reconciler = Reconciler(
-            LeavesRightAfterItsObservation(r.ledger, "e1"),  # type: ignore[arg-type]
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=FAST,
-            clock=Clock(),
-            suspend_after_s=None,
+        reconciler = probing(
+            r, tmp_path, ledger=LeavesRightAfterItsObservation(r.ledger, "e1"), suspend_after_s=None
         )
         report = await reconciler.reconcile_engine("e1")
         assert "e1" not in r.ledger.state.engines
