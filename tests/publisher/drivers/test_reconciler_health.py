@@ -27,6 +27,8 @@ from engines.contract import (
     CleanRefusal,
     ErrorCode,
     Generation,
+    Inventory,
+    InventoryEntry,
     SamplingParams,
     Transport,
 )
@@ -52,7 +54,12 @@ from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationError
-from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
+from publisher.drivers.reconciler import (
+    CANARY_PARAMS,
+    CANARY_PROMPT,
+    Reconciler,
+    served_digests,
+)
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from tests.engines.faulty_engine import Delay, Drop, FaultyEngine, Restart, ServerError
@@ -1296,3 +1303,19 @@ async def test_one_engines_repair_leaves_another_engines_back_off_alone(tmp_path
         await reconciler.reconcile_engine("e0")  # another engine's pass, at the same instant
         await reconciler.health_check({"e1"})  # still inside e1's back-off
         assert sick.count("prepare") == prepares
+
+
+def test_served_digests_are_those_the_engine_reports_for_the_names_asked() -> None:
+    """Only the names asked about (this deployment's) and only with a digest: a name the
+    engine reports without one (a path engine) proves nothing and is left out."""
+    inventory = Inventory(
+        engine_id="e0",
+        incarnation="life",
+        adapters=(
+            InventoryEntry(lora_name="agent@dep-1-a", digest="aa"),
+            InventoryEntry(lora_name="agent@dep-2-b", digest=None, path="/adapters/b"),
+            InventoryEntry(lora_name="someone-else", digest="cc"),
+        ),
+    )
+    names = ("agent@dep-1-a", "agent@dep-2-b")
+    assert served_digests(inventory, names) == (("agent@dep-1-a", "aa"),)
