@@ -1319,3 +1319,26 @@ def test_served_digests_are_those_the_engine_reports_for_the_names_asked() -> No
     )
     names = ("agent@dep-1-a", "agent@dep-2-b")
     assert served_digests(inventory, names) == (("agent@dep-1-a", "aa"),)
+
+
+async def test_canaries_are_due_by_the_period_since_the_last_and_at_a_new_controller(
+    tmp_path: Path,
+) -> None:
+    """A canary is due ``canary_every_s`` after the last answer, counted from that answer
+    (not from the clock's zero); canary times are soft state, so a controller that starts
+    over a log holding baselines asks each held version's canary at its first pass."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        clock = Clock()
+        clock.now = 100.0
+        first = canary_reconciler(r, clock, 60.0, tmp_path)
+        await first.reconcile_engine("e0")  # the baseline, answered at 100 s
+        asked = len(engine.asked)
+        clock.now = 101.0
+        await first.reconcile_engine("e0")
+        assert len(engine.asked) == asked  # not due before 160 s
+        report = await canary_reconciler(r, Clock(), 60.0, tmp_path).reconcile_engine("e0")
+        assert report.errors == ()
+        assert len(engine.asked) == asked + 1

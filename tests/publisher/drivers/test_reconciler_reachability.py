@@ -544,3 +544,13 @@ async def test_an_engine_that_left_after_its_inventory_was_observed_ends_the_pas
         report = await reconciler.reconcile_engine("e1")
         assert "e1" not in r.ledger.state.engines
         assert not [e for e in report.errors if "unexpected" in e], report.errors
+
+
+async def test_a_report_before_the_loop_runs_is_taken_without_error(tmp_path: Path) -> None:
+    """A report of a refused connection can arrive before the health loop started (a face
+    serving while the plane starts): it is taken like any other, not raised."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        reconciler = hand_driven(r, Clock(), tmp_path)
+        reconciler.engine_trouble("e1", refused("e1"), session="s1")
+        assert not reconciler.settled  # no loop yet
