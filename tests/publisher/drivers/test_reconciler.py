@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engines.artifacts import ArtifactStore
-from engines.contract import AmbiguousReply, Candidate, ErrorCode
+from engines.contract import AmbiguousReply, Candidate, CleanRefusal, ErrorCode
 from engines.local.client import LocalHTTPEngine
 from engines.local.engine import LocalEngine
 from engines.local.server import running_server
@@ -122,6 +122,27 @@ async def test_a_joined_engine_is_repaired_before_it_is_routable(tmp_path: Path)
         assert g.token_ids == ref.token_ids  # the same bytes, restored from the artifact store
 
 
+async def test_a_repair_restores_every_missing_version_past_the_held_ones(
+    tmp_path: Path,
+) -> None:
+    """e1 was out (suspended) while v2 was published: it still holds v1 (pinned by a session,
+    so needed too) and lacks v2. Its repair skips what it holds and restores the rest."""
+    async with (
+        local_engines(2) as engines,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE, full_reconcile_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        await ledger.register_owner("w", ttl_s=600)
+        await ledger.bind("pinned", "w")  # v1 stays needed after v2
+        await ledger.suspend_engine("e1", cause="unhealthy", detail="out for a while")
+        v2 = await plane.publisher.publish(adapter_copy(2), version_id=2)
+        assert v2.lora_name not in await names(engines[1])
+        report = await plane.reconciler.reconcile_engine("e1")
+        assert report.restored == ("e1:2",) and report.repaired == ("e1",), report
+        assert v2.lora_name in await names(engines[1])
+
+
 async def test_a_fatal_candidate_on_an_engine_outside_its_fleet_is_unloaded_first(
     tmp_path: Path,
 ) -> None:
@@ -142,9 +163,72 @@ async def test_a_fatal_candidate_on_an_engine_outside_its_fleet_is_unloaded_firs
         report = await plane.add_engine(newcomer)
         assert report.unloaded == (f"e2:{v2.lora_name}",)
         assert v2.lora_name not in await names(newcomer)
-        await plane.reconciler.reconcile()  # e0 and e1 prove absence
+        report = await plane.reconciler.reconcile()  # e0 and e1 prove absence
+        assert report.resolved == (2,)
         assert ledger.state.versions[2].state is VersionState.FAILED_RETRYABLE
         assert ledger.state.blocked_by() == []
+
+
+async def test_a_fatal_candidate_an_engine_never_staged_is_cleaned_fenced(tmp_path: Path) -> None:
+    """The candidate's name is on a joining engine that never staged it (loaded there by path,
+    behind the ledger's back): its cleanup is still fenced by the attempt, so a late duplicate
+    of that attempt's prepare is refused there afterwards."""
+    store = ArtifactStore(tmp_path / "by-hand")
+    config, tensors = make_adapter(54)
+    manifest = build_manifest(config, tensors)
+    by_hand = store.put(manifest, tensors)
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e2", limits=LIMITS) as newcomer,
+        open_plane(engines, tmp_path, capacity=3, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        await plane.publisher.publish(adapter_copy(1), version_id=1)
+        v2 = await ledger.allocate(2, manifest.digest)
+        assert isinstance(v2, Allocated)
+        await ledger.fail_attempt(2, v2.attempt, clean=False, code="X", reason="lost reply")
+        await newcomer.load_ordinary(v2.lora_name, str(by_hand))
+        report = await plane.add_engine(newcomer)
+        assert report.unloaded == (f"e2:{v2.lora_name}",)
+        late = Candidate(
+            lora_name=v2.lora_name, digest=manifest.digest, attempt=v2.attempt, manifest=manifest
+        )
+        with pytest.raises(CleanRefusal) as refused:
+            await newcomer.prepare(late)
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
+
+
+async def test_a_stray_of_a_reclaimed_version_an_engine_never_staged_is_cleaned_fenced(
+    tmp_path: Path,
+) -> None:
+    """The same for a stray of a known version (here reclaimed): its cleanup is fenced by the
+    version's last attempt, which is over, so a late duplicate of that attempt's prepare is
+    refused there afterwards."""
+    snap = adapter_copy(1)
+    store = ArtifactStore(tmp_path / "by-hand")
+    config, tensors = make_adapter(1)
+    by_hand = store.put(build_manifest(config, tensors), tensors)
+    async with (
+        local_engines(2) as engines,
+        LocalEngine("e2", limits=LIMITS) as newcomer,
+        open_plane(engines, tmp_path, probe_interval_s=IDLE) as plane,
+    ):
+        ledger = plane.ledger
+        v1 = await plane.publisher.publish(snap, version_id=1)
+        await plane.publisher.publish(adapter_copy(2), version_id=2)
+        await wait_for(
+            "v1 reclaimed", lambda: ledger.state.versions[1].state is VersionState.RECLAIMED
+        )
+        assert v1.lora_name is not None and v1.attempt is not None
+        await newcomer.load_ordinary(v1.lora_name, str(by_hand))
+        report = await plane.add_engine(newcomer)
+        assert f"e2:{v1.lora_name}" in report.unloaded
+        late = Candidate(
+            lora_name=v1.lora_name, digest=snap.digest, attempt=v1.attempt, manifest=snap.manifest
+        )
+        with pytest.raises(CleanRefusal) as refused:
+            await newcomer.prepare(late)
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
 
 
 async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path: Path) -> None:
@@ -165,6 +249,38 @@ async def test_a_leaving_engine_completes_a_reclaim_waiting_only_for_it(tmp_path
             left = next(i for i, e in enumerate(log) if isinstance(e, EngineLeft))
             assert isinstance(log[left + 1], VersionReclaimed)
             assert "e1" not in plane.fleet
+
+
+async def test_a_reclaim_is_fenced_even_on_an_engine_that_never_staged_the_name(
+    tmp_path: Path,
+) -> None:
+    """Before an engine's inventory counts for a reclaim, the reconciler unloads the name
+    fenced by the version's attempt, whether or not the engine holds it: an engine that never
+    staged the name (here: restarted while the controller was down) must refuse a late
+    duplicate of that attempt's prepare afterwards, or the reclaimed name could come back."""
+    log = MemoryLog()
+    snap = adapter_copy(1)
+    async with faulty_engines(2) as engines:
+        engines[1].inject("unload", Delay(seconds=IDLE))  # e1 never confirms the reclaim
+        async with open_plane(engines, tmp_path, store=MemoryStore(log)) as plane:
+            v1 = await plane.publisher.publish(snap, version_id=1)
+            await plane.publisher.publish(adapter_copy(2), version_id=2)
+            await wait_for(
+                "e0's unload of v1 confirmed",
+                lambda: "e0" in plane.ledger.state.versions[1].confirmed,
+            )
+    async with (
+        local_engines(2) as fresh,  # new lives: neither ever staged v1's name
+        open_plane(fresh, tmp_path, store=MemoryStore(log), probe_interval_s=IDLE) as plane,
+    ):
+        assert plane.ledger.state.versions[1].state is VersionState.RECLAIMED
+        assert v1.lora_name is not None and v1.attempt is not None
+        late = Candidate(
+            lora_name=v1.lora_name, digest=snap.digest, attempt=v1.attempt, manifest=snap.manifest
+        )
+        with pytest.raises(CleanRefusal) as refused:
+            await fresh[1].prepare(late)
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
 
 
 async def test_engines_without_a_handle_leave_at_start(tmp_path: Path) -> None:

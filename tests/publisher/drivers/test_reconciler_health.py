@@ -27,6 +27,8 @@ from engines.contract import (
     CleanRefusal,
     ErrorCode,
     Generation,
+    Inventory,
+    InventoryEntry,
     SamplingParams,
     Transport,
 )
@@ -49,15 +51,22 @@ from evlog.events import (
 )
 from projections.registry import VersionRecord, VersionState
 from publisher.drivers.adapter_copy import aiter_buckets, plan_buckets
+from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.plane import ControlPlane
 from publisher.drivers.publication import PublicationError
-from publisher.drivers.reconciler import CANARY_PARAMS, CANARY_PROMPT, Reconciler
+from publisher.drivers.reconciler import (
+    CANARY_PARAMS,
+    CANARY_PROMPT,
+    Reconciler,
+    served_digests,
+)
 from publisher.gateway import DispatchError, Gateway, LocalView
 from publisher.gateway.affinity import rendezvous
 from tests.engines.faulty_engine import Delay, Drop, FaultyEngine, Restart, ServerError
 from tests.publisher.drivers.test_reconciler import load_managed
 from tests.publisher.plane_kit import (
     FAST,
+    LIMITS,
     PEFT_WARNINGS,
     adapter_copy,
     faulty_engines,
@@ -571,6 +580,7 @@ async def test_only_an_other_answer_given_twice_is_a_content_mismatch(tmp_path: 
         assert suspended.detail.startswith(
             "version 1 served with other content and not restored after 3 tries: "
         ), suspended.detail
+        assert "INVALID_ADAPTER" in suspended.detail  # and the last error, by its code
 
 
 @pytest.mark.parametrize(("kind", "every"), [("local", 0.0), ("sglang", None)])
@@ -901,3 +911,434 @@ async def test_a_canary_that_hangs_gives_up_after_a_probe_and_an_inventory_timeo
             r.local["e0"].continue_generation()
         assert r.ledger.state.engines["e0"].canaries == {}
         assert [x.count for x in reconciler.inflight_evidence(1)] == [0]
+
+
+class HeldCalls:
+    """A real engine whose ``method`` calls wait until the test lets them through: the test,
+    not the clock, decides how long the call takes (a double of a slow engine, around the
+    fault wrapper of a real one)."""
+
+    def __init__(self, inner: Any, method: str) -> None:
+        self._inner = inner
+        self._method = method
+        self.calls = 0
+        self.release = anyio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name != self._method:
+            return attr
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            await self.release.wait()
+            return await attr(*args, **kwargs)
+
+        return held
+
+
+# No engine call gives up on its own here: the test releases the held ones itself.
+UNHURRIED = EngineTimeouts(probe=IDLE, inventory=IDLE)
+
+
+def unhurried_reconciler(r: Rig, clock: Clock, tmp_path: Path, **options: Any) -> Reconciler:
+    store = ArtifactStore(tmp_path / "artifacts")
+    return Reconciler(r.ledger, r.fleet, store, timeouts=UNHURRIED, clock=clock, **options)
+
+
+async def test_two_passes_over_one_engine_never_run_at_once(tmp_path: Path) -> None:
+    """A pass reads, cleans and repairs an engine from one inventory: a second pass over the
+    same engine (a report's, a probe's, the full pass's) waits until the first ended, or both
+    would act on the same reading (two restores, an unload racing a load)."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        e0 = r.fleet["e0"]
+        assert isinstance(e0, FaultyEngine)
+        held = HeldCalls(e0, "inventory")
+        r.fleet.replace(held)
+        reconciler = unhurried_reconciler(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e0")
+            await wait_for("the first pass reading e0's inventory", lambda: held.calls == 1)
+            probes = e0.count("incarnation")
+            tg.start_soon(reconciler.reconcile_engine, "e0")
+            await anyio.wait_all_tasks_blocked()
+            assert e0.count("incarnation") == probes  # the second pass has not begun
+            assert held.calls == 1
+            held.release.set()
+        assert held.calls == 2  # it ran once the first had ended
+
+
+async def test_a_pass_held_up_on_one_engine_does_not_hold_up_another(tmp_path: Path) -> None:
+    """Passes over different engines run side by side: an engine slow to answer must not
+    delay the pass over another, or one hung engine would stall the whole fleet's repairs for
+    its timeouts. (The rig bounds the test: a pass that waited would fail it.)"""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        held = HeldCalls(r.fleet["e1"], "inventory")
+        r.fleet.replace(held)
+        reconciler = unhurried_reconciler(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e1")
+            await wait_for("e1's pass reading its inventory", lambda: held.calls == 1)
+            report = await reconciler.reconcile_engine("e0")  # while e1's pass is held
+            assert report.engines == ("e0",) and report.errors == ()
+            held.release.set()
+
+
+async def test_the_loop_is_not_settled_while_a_wake_is_at_work(tmp_path: Path) -> None:
+    """``settled`` (what callers wait for: every report so far acted on) stays false from a
+    wake's start to its end: a probe still under way has not acted on anything yet."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        held = HeldCalls(r.fleet["e1"], "incarnation")
+        r.fleet.replace(held)
+        reconciler = unhurried_reconciler(
+            r, Clock(), tmp_path, probe_interval_s=IDLE, full_every_s=IDLE, suspend_after_s=None
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            reconciler.poke()
+            await wait_for("the wake's probe of e1 under way", lambda: held.calls == 1)
+            assert not reconciler.settled
+            held.release.set()
+            await wait_for("the wake done", lambda: reconciler.settled)
+            assert reconciler.wakes == 1
+            tg.cancel_scope.cancel()
+
+
+async def test_the_full_pass_comes_exactly_full_every_s_after_the_last(tmp_path: Path) -> None:
+    """A wake is a full pass (every engine read, ``passes`` counted once) when
+    ``full_every_s`` has passed since the last one, to the second; a probe round before."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        clock = Clock()
+        reconciler = rig_reconciler(
+            r, clock, tmp_path, probe_interval_s=IDLE, full_every_s=10.0, suspend_after_s=None
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            clock.now = 9.5
+            reconciler.poke()
+            await wait_for("the first wake done", lambda: reconciler.wakes == 1)
+            assert reconciler.passes == 0  # a probe round
+            clock.now = 10.0
+            reconciler.poke()
+            await wait_for("the second wake done", lambda: reconciler.wakes == 2)
+            assert reconciler.passes == 1
+            tg.cancel_scope.cancel()
+
+
+async def reclaiming_v1(r: Rig) -> None:
+    """v1 retired by v2 and claimed for reclaim: every engine still holds it."""
+    await r.publish(1)
+    await r.publish(2)  # v1 retired, unbound
+    await r.ledger.claim_reclaim(1, r.reclaimer().evidence(1))
+    assert r.ledger.state.versions[1].state is VersionState.RECLAIMING
+
+
+async def test_a_reclaim_is_not_unloaded_under_a_request_in_flight_on_that_engine(
+    tmp_path: Path,
+) -> None:
+    """The reconciler's fenced unload of a version being reclaimed waits, on each engine, for
+    the requests counted in flight there (the reclaim driver's next tick takes it after the
+    drain); an engine with none is cleaned at once."""
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        counts = {("e0", 1): 1}  # one request of v1 running on e0
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            inflight=lambda engine_id, version_id: counts.get((engine_id, version_id), 0),
+        )
+        await reconciler.reconcile()
+        assert r.names[1] in r.local["e0"].loaded_adapters()
+        assert r.names[1] not in r.local["e1"].loaded_adapters()
+        assert dict(r.ledger.state.versions[1].confirmed).keys() == {"e1"}
+
+
+async def test_a_reclaims_failed_unload_is_reported_and_its_inventory_not_taken(
+    tmp_path: Path,
+) -> None:
+    """The fenced unload of a version being reclaimed failed on e0: the pass reports it,
+    naming the engine and the name, and stops there -- no inventory of e0 counts for the
+    reclaim until that unload went through."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await reclaiming_v1(r)
+        e0 = r.fleet["e0"]
+        assert isinstance(e0, FaultyEngine)
+        e0.inject("unload", ServerError())
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e0")
+        assert [e.split(": SERVER_ERROR")[0] for e in report.errors] == [f"e0: unload {r.names[1]}"]
+        assert of_type(await events(r.ledger, after=seq), InventoryObserved) == []
+        assert "e0" not in r.ledger.state.versions[1].confirmed
+
+
+async def test_an_unexpected_error_in_one_engines_pass_is_reported_not_raised(
+    tmp_path: Path,
+) -> None:
+    """A bug (here in the in-flight source the reconciler consults) must not take the health
+    loop down: the pass reports it for its engine, naming the error, and returns."""
+
+    def broken(engine_id: str, version_id: int) -> int:
+        raise RuntimeError(f"no count for {engine_id}")
+
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), timeouts=FAST, inflight=broken
+        )
+        report = await reconciler.reconcile_engine("e0")
+        assert report.errors == ("e0: unexpected RuntimeError: no count for e0",)
+
+
+async def test_a_name_an_engine_owes_is_dropped_before_its_inventory_counts(
+    tmp_path: Path,
+) -> None:
+    """e1 was suspended while v1 was reclaimed (completed on e0's proof alone): e1 owes v1's
+    drop. Its next pass unloads the name, fenced, before its inventory is recorded: the ledger
+    never records an inventory of e1 still holding it (a load in flight from before the
+    suspension could otherwise land after the proof)."""
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        await r.ledger.suspend_engine("e1", cause="operator")
+        assert await r.reclaimer().sweep() == [1]
+        assert r.names[1] in r.ledger.state.engines["e1"].owes
+        seq = r.ledger.state.last_seq
+        reconciler = Reconciler(
+            r.ledger, r.fleet, ArtifactStore(tmp_path / "artifacts"), timeouts=FAST
+        )
+        await reconciler.reconcile_engine("e1")
+        observed = of_type(await events(r.ledger, after=seq), InventoryObserved)
+        assert [e.engine for e in observed] and all(r.names[1] not in e.adapters for e in observed)
+        assert r.ledger.state.engines["e1"].owes == {}
+        assert r.names[1] not in r.local["e1"].loaded_adapters()
+
+
+async def test_an_engine_that_left_while_a_pass_read_it_is_not_joined_again(
+    tmp_path: Path,
+) -> None:
+    """A pass was probing e1 when e1 was held out and recorded as left: the pass stops there.
+    Joining it again would make an engine the fleet is removing routable."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        held = HeldCalls(r.fleet["e1"], "incarnation")
+        r.fleet.replace(held)
+        reconciler = unhurried_reconciler(r, Clock(), tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reconciler.reconcile_engine, "e1")
+            await wait_for("the pass probing e1", lambda: held.calls == 1)
+            reconciler.hold_out("e1")
+            await r.ledger.leave_engine("e1")
+            held.release.set()
+        assert "e1" not in r.ledger.state.engines
+
+
+async def test_an_engines_kind_is_recorded_at_its_join_and_at_a_restart(tmp_path: Path) -> None:
+    """The kind the ledger records (a path engine's held versions answer canaries, a local
+    engine's do not) is the handle's: at the join, and again when a restart comes back
+    behind a handle of another kind."""
+    async with (
+        rig(engines=1) as r,
+        LocalEngine("e1", limits=LIMITS) as first,
+        LocalEngine("e1", limits=LIMITS) as second,
+    ):
+        await r.publish(1)
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        r.fleet.add(PathEngine(first))
+        await reconciler.reconcile_engine("e1")
+        assert r.ledger.state.engines["e1"].kind == "sglang"
+        r.fleet.replace(second)  # a new process, behind a local engine's handle
+        report = await reconciler.reconcile_engine("e1")
+        assert report.restarted == ("e1",)
+        assert r.ledger.state.engines["e1"].kind == "local"
+
+
+class NewLifeAfterUnload:
+    """A double of an engine whose process is replaced right after it answers an unload:
+    from then on its probe and its inventory answer a new life (the real engine underneath
+    serves on)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.life: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def unload(self, *args: Any, **kwargs: Any) -> Any:
+        receipt = await self._inner.unload(*args, **kwargs)
+        self.life = "next-life"
+        return receipt
+
+    async def incarnation(self) -> str:
+        real: str = await self._inner.incarnation()
+        return self.life or real
+
+    async def inventory(self) -> Any:
+        inventory = await self._inner.inventory()
+        if self.life is None:
+            return inventory
+        return msgspec.structs.replace(inventory, incarnation=self.life)
+
+
+@pytest.mark.parametrize("cleanup", ["reclaim fence", "stray"])
+async def test_a_restart_seen_by_the_read_after_a_cleanup_is_reported(
+    tmp_path: Path, cleanup: str
+) -> None:
+    """The pass reads the engine again after its cleanups (a reclaim's fenced unload before
+    the evidence, a stray's after it): a new life found by that read is a restart like any
+    other, recorded and in the pass's report."""
+    async with rig(engines=2) as r:
+        if cleanup == "reclaim fence":
+            await reclaiming_v1(r)
+        else:
+            await r.publish(1)
+            await load_managed(r.local["e0"], "agent@dep-99-0123456789abcdef", 51)
+        double = NewLifeAfterUnload(r.fleet["e0"])
+        r.fleet.replace(double)
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        report = await reconciler.reconcile_engine("e0")
+        assert double.life is not None  # the cleanup ran
+        assert report.restarted == ("e0",), report
+        assert not [e for e in report.errors if "unexpected" in e], report.errors
+        assert r.ledger.state.engines["e0"].incarnation == "next-life"
+
+
+class OtherBytesUnder:
+    """A double of an engine that serves other weights under one managed name (loaded there
+    by whoever reached its control routes): its inventory lists the name with their digest."""
+
+    def __init__(self, inner: Any, name: str, digest: str) -> None:
+        self._inner = inner
+        self._name = name
+        self._digest = digest
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def inventory(self) -> Any:
+        inventory = await self._inner.inventory()
+        adapters = tuple(
+            msgspec.structs.replace(a, digest=self._digest) if a.lora_name == self._name else a
+            for a in inventory.adapters
+        )
+        return msgspec.structs.replace(inventory, adapters=adapters)
+
+
+async def test_a_digest_the_inventory_reports_is_evidence_of_other_content(
+    tmp_path: Path,
+) -> None:
+    """An engine that reports the digest of what it serves (the local engine, SGLang's
+    tensor path) proves other content under a version's name from its inventory alone: the
+    pass passes the digests on, and the ledger records the mismatch."""
+    async with rig(engines=2) as r:
+        await r.publish(1)
+        r.fleet.replace(OtherBytesUnder(r.fleet["e1"], r.names[1], "ab" * 32))
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        await reconciler.reconcile_engine("e1")
+        found = of_type(await events(r.ledger, after=seq), ServedContentMismatch)
+        assert [(e.engine, e.version_id, e.evidence, e.seen) for e in found] == [
+            ("e1", 1, "digest", "ab" * 32)
+        ]
+
+
+def staged_as(name: str, attempt: int = 1) -> Candidate:
+    config, tensors = make_adapter(60)
+    manifest = build_manifest(config, tensors)
+    return Candidate(lora_name=name, digest=manifest.digest, attempt=attempt, manifest=manifest)
+
+
+async def test_staging_nothing_will_load_is_dropped_and_only_that(tmp_path: Path) -> None:
+    """Bytes staged under a name (prepared, never loaded) that nothing will ever load are
+    dropped at each pass: a name this deployment never allocated (unfenced) and a version that
+    is over (fenced by its last attempt). Another deployment's staging and a name of no
+    deployment are left alone, whatever order the engine lists them in."""
+    async with rig(engines=2) as r, LocalEngine("e2", limits=LIMITS) as newcomer:
+        await reclaiming_v1(r)
+        assert await r.reclaimer().sweep() == [1]
+        v1 = r.ledger.state.versions[1]
+        kept = ["aaa-not-ours", "agent@other-1-0123456789abcdef"]  # listed first and last
+        dropped = {"agent@dep-98-0123456789abcdef": 1, v1.lora_name: v1.attempt}
+        for name in kept:
+            await newcomer.prepare(staged_as(name))
+        for name, attempt in dropped.items():
+            await newcomer.prepare(staged_as(name, attempt))
+        r.fleet.add(newcomer)
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        await reconciler.reconcile_engine("e2")
+        assert sorted((await newcomer.inventory()).staged) == kept
+        with pytest.raises(CleanRefusal) as refused:  # v1's was fenced by its attempt
+            await newcomer.prepare(staged_as(v1.lora_name, v1.attempt))
+        assert refused.value.code == ErrorCode.STALE_ATTEMPT
+
+
+async def test_an_engine_an_operator_suspended_is_not_repaired_by_a_pass(tmp_path: Path) -> None:
+    """Only an operator lifts an operator's suspension: a pass over the engine finds nothing
+    to restore and leaves it suspended, without trying (and failing) a repair."""
+    async with rig(engines=2) as r:
+        await r.publish(1)
+        await r.ledger.suspend_engine("e1", cause="operator", detail="maintenance")
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        report = await reconciler.reconcile_engine("e1")
+        assert report.repaired == () and report.errors == (), report
+        assert r.ledger.state.engines["e1"].suspended
+
+
+async def test_one_engines_repair_leaves_another_engines_back_off_alone(tmp_path: Path) -> None:
+    """The restore back-off is per engine and life: a pass over one engine forgets only that
+    engine's earlier lives, never another engine's wait."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        reconciler = reconciler_for(plane, Clock())
+        sick = engines[1]
+        await host(sick).current.unload(v1.lora_name)  # an eviction: no fence
+        sick.inject("prepare", ServerError(), times=1000)
+        await reconciler.health_check({"e1"})  # its reload fails: the next try is 1 s away
+        prepares = sick.count("prepare")
+        await reconciler.reconcile_engine("e0")  # another engine's pass, at the same instant
+        await reconciler.health_check({"e1"})  # still inside e1's back-off
+        assert sick.count("prepare") == prepares
+
+
+def test_served_digests_are_those_the_engine_reports_for_the_names_asked() -> None:
+    """Only the names asked about (this deployment's) and only with a digest: a name the
+    engine reports without one (a path engine) proves nothing and is left out."""
+    inventory = Inventory(
+        engine_id="e0",
+        incarnation="life",
+        adapters=(
+            InventoryEntry(lora_name="agent@dep-1-a", digest="aa"),
+            InventoryEntry(lora_name="agent@dep-2-b", digest=None, path="/adapters/b"),
+            InventoryEntry(lora_name="someone-else", digest="cc"),
+        ),
+    )
+    names = ("agent@dep-1-a", "agent@dep-2-b")
+    assert served_digests(inventory, names) == (("agent@dep-1-a", "aa"),)
+
+
+async def test_canaries_are_due_by_the_period_since_the_last_and_at_a_new_controller(
+    tmp_path: Path,
+) -> None:
+    """A canary is due ``canary_every_s`` after the last answer, counted from that answer
+    (not from the clock's zero); canary times are soft state, so a controller that starts
+    over a log holding baselines asks each held version's canary at its first pass."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        clock = Clock()
+        clock.now = 100.0
+        first = canary_reconciler(r, clock, 60.0, tmp_path)
+        await first.reconcile_engine("e0")  # the baseline, answered at 100 s
+        asked = len(engine.asked)
+        clock.now = 101.0
+        await first.reconcile_engine("e0")
+        assert len(engine.asked) == asked  # not due before 160 s
+        report = await canary_reconciler(r, Clock(), 60.0, tmp_path).reconcile_engine("e0")
+        assert report.errors == ()
+        assert len(engine.asked) == asked + 1

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from engines.artifacts import ArtifactStore
@@ -29,6 +30,7 @@ from evlog.events import (
 from publisher.drivers.engine_ops import EngineTimeouts
 from publisher.drivers.reconciler import Reconciler
 from tests.engines.faulty_engine import Delay, FaultyEngine, ServerError
+from tests.publisher.drivers.test_reconciler import DeadActor
 from tests.publisher.drivers.test_reconciler_health import (
     IDLE,
     Clock,
@@ -171,6 +173,26 @@ def faulty(r: Rig, engine_id: str) -> FaultyEngine:
     return engine
 
 
+def probing(
+    r: Rig,
+    tmp_path: Path,
+    *,
+    ledger: Any = None,
+    timeouts: EngineTimeouts = FAST,
+    suspend_after_s: float | None,
+) -> Reconciler:
+    """A reconciler of its own over the rig's fleet (and ledger, or a wrapper of it), its
+    clock at zero."""
+    return Reconciler(
+        r.ledger if ledger is None else ledger,
+        r.fleet,
+        ArtifactStore(tmp_path / "artifacts"),
+        timeouts=timeouts,
+        clock=Clock(),
+        suspend_after_s=suspend_after_s,
+    )
+
+
 async def test_a_report_is_dated_when_it_was_seen_and_only_unreachable_opens_an_outage(
     tmp_path: Path,
 ) -> None:
@@ -285,6 +307,41 @@ async def test_an_engine_in_the_fleet_but_not_in_the_ledger_is_reported_and_prob
         assert "e1" not in r.ledger.state.engines
 
 
+async def test_a_gone_engine_the_ledger_no_longer_has_is_probed_harmlessly(
+    tmp_path: Path,
+) -> None:
+    """The same when the probe proves the process gone for good (``ENGINE_GONE``, a dead
+    engine actor): with no member there is nothing to suspend or count, nothing is written,
+    and the pass goes on."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        await r.ledger.leave_engine("e1")
+        r.fleet.replace(DeadActor(faulty(r, "e1")))  # type: ignore[arg-type]
+        reconciler = probing(r, tmp_path, suspend_after_s=0.0)
+        seq = r.ledger.state.last_seq
+        await reconciler.health_check()
+        assert await events(r.ledger, after=seq) == []
+
+
+async def test_a_suspended_engine_found_gone_has_its_outage_recorded(tmp_path: Path) -> None:
+    """A suspension is not an outage: an engine suspended for another cause (here by an
+    operator), whose probe then proves its process gone, gets its ``EngineUnreachable`` like
+    any other (status and incidents show it unreachable), and is not suspended twice."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        await r.ledger.suspend_engine("e1", cause="operator", detail="maintenance")
+        r.fleet.replace(DeadActor(faulty(r, "e1")))  # type: ignore[arg-type]
+        reconciler = probing(r, tmp_path, suspend_after_s=0.0)
+        seq = r.ledger.state.last_seq
+        await reconciler.health_check()
+        written = await events(r.ledger, after=seq)
+        assert [type(e) for e in written] == [EngineUnreachable]
+        (outage,) = of_type(written, EngineUnreachable)
+        assert outage.engine == "e1"
+        assert outage.error.startswith("ENGINE_GONE"), outage.error
+        assert r.ledger.state.engines["e1"].unreachable is not None
+
+
 async def test_the_failures_of_each_engine_in_an_outage_are_recorded_and_no_others(
     tmp_path: Path,
 ) -> None:
@@ -374,3 +431,126 @@ async def test_a_suspension_for_failed_probes_is_for_the_life_that_failed_them(
         member = r.ledger.state.engines["e1"]
         assert member.incarnation == "new-life" and not member.suspended
         assert of_type(await events(r.ledger), EngineSuspended) == []
+
+
+async def test_a_pass_that_reaches_an_engine_in_an_outage_ends_it(tmp_path: Path) -> None:
+    """Any answer ends an outage, whichever pass got it: a pass over the engine (a full pass,
+    a report's read) that reaches it records it reachable, and it serves again."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", ServerError())
+        reconciler = probing(r, tmp_path, suspend_after_s=None)
+        await reconciler.health_check()
+        assert r.ledger.state.engines["e1"].unreachable is not None
+        seq = r.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e1")
+        assert report.errors == ()
+        reachable = of_type(await events(r.ledger, after=seq), EngineReachable)
+        assert [e.engine for e in reachable] == ["e1"]
+        assert r.ledger.state.engines["e1"].unreachable is None
+        assert r.ledger.state.routable_engines() == ("e0", "e1")
+
+
+async def test_a_pass_whose_probe_hangs_gives_up_after_the_probe_timeout(tmp_path: Path) -> None:
+    """A pass's own probe of the engine is bounded by the probe timeout, and its report names
+    the call and the engine."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("incarnation", Delay(seconds=30.0))
+        reconciler = probing(r, tmp_path, timeouts=EngineTimeouts(probe=1.0), suspend_after_s=None)
+        with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
+            report = await reconciler.reconcile_engine("e1")
+        assert report.errors == ("e1: TIMEOUT: incarnation on e1: no reply within 1s",)
+
+
+async def test_a_pass_whose_inventory_hangs_gives_up_after_the_inventory_timeout(
+    tmp_path: Path,
+) -> None:
+    """The same for the pass's inventory read: bounded by the inventory timeout, named."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        faulty(r, "e1").inject("inventory", Delay(seconds=30.0))
+        reconciler = probing(
+            r, tmp_path, timeouts=EngineTimeouts(probe=1.0, inventory=1.0), suspend_after_s=None
+        )
+        with anyio.fail_after(20):  # far beyond the 1 s asked for, far below the delay
+            report = await reconciler.reconcile_engine("e1")
+        assert report.errors == ("e1: TIMEOUT: inventory on e1: no reply within 1s",)
+
+
+class NeverTheSameLife:
+    """A double of an engine restarting between every probe and inventory read: each
+    inventory answers a life other than the one the probe just gave."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def inventory(self) -> Any:
+        self.reads += 1
+        inventory = await self._inner.inventory()
+        return msgspec.structs.replace(inventory, incarnation=f"life-{self.reads}")
+
+
+async def test_an_engine_changing_life_on_every_read_stops_the_pass(tmp_path: Path) -> None:
+    """No inventory can be taken as evidence when the engine's life changed between the probe
+    and the read, three times running: the pass stops with ``ENGINE_STOPPED``, naming the
+    engine, and records nothing from the inventories."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        flaky = NeverTheSameLife(r.fleet["e1"])
+        r.fleet.replace(flaky)
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        seq = r.ledger.state.last_seq
+        report = await reconciler.reconcile_engine("e1")
+        assert report.errors == (
+            "e1: ENGINE_STOPPED: e1 changed incarnation on every read (3 tries)",
+        )
+        assert flaky.reads == 3
+        assert await events(r.ledger, after=seq) == []
+
+
+class LeavesRightAfterItsObservation:
+    """The real ledger, but ``engine_id`` is recorded as left right after its inventory is:
+    what a removal's leave landing in the middle of a pass over the engine looks like."""
+
+    def __init__(self, ledger: Any, engine_id: str) -> None:
+        self._ledger = ledger
+        self._engine_id = engine_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+    async def observe_inventory(self, engine_id: str, *args: Any, **kwargs: Any) -> Any:
+        outcome = await self._ledger.observe_inventory(engine_id, *args, **kwargs)
+        if engine_id == self._engine_id:
+            await self._ledger.leave_engine(engine_id)
+        return outcome
+
+
+async def test_an_engine_that_left_after_its_inventory_was_observed_ends_the_pass_quietly(
+    tmp_path: Path,
+) -> None:
+    """The leave is the removal's to handle: the rest of the pass finds no member to clean up
+    or repair, and nothing in it fails unexpectedly."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        reconciler = probing(
+            r, tmp_path, ledger=LeavesRightAfterItsObservation(r.ledger, "e1"), suspend_after_s=None
+        )
+        report = await reconciler.reconcile_engine("e1")
+        assert "e1" not in r.ledger.state.engines
+        assert not [e for e in report.errors if "unexpected" in e], report.errors
+
+
+async def test_a_report_before_the_loop_runs_is_taken_without_error(tmp_path: Path) -> None:
+    """A report of a refused connection can arrive before the health loop started (a face
+    serving while the plane starts): it is taken like any other, not raised."""
+    async with rig(engines=2, wrap=FaultyEngine) as r:
+        await r.publish(1)
+        reconciler = hand_driven(r, Clock(), tmp_path)
+        reconciler.engine_trouble("e1", refused("e1"), session="s1")
+        assert not reconciler.settled  # no loop yet
