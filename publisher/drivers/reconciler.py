@@ -533,7 +533,10 @@ class Reconciler:
 
     def _unwanted(self, engine_id: str, present: set[str]) -> list[tuple[str, int | None]]:
         """Managed names present on the engine that must go, with the attempt that fences
-        their cleanup (None: no fence)."""
+        their cleanup (None: no fence). A name of a known version with a request still counted
+        in flight on this engine waits for the drain (a later pass), as every unload does: a
+        name the engine owes, skipped by ``_owed`` for that request, reads as a stray once its
+        inventory is observed, and must not be unloaded under it here instead."""
         state = self._ledger.state
         out: dict[str, int | None] = {}
         for v in state.versions.values():
@@ -552,7 +555,12 @@ class Reconciler:
                 # of the same name. Only a name the ledger never allocated goes unfenced.
                 known = state.version_by_name(name)
                 out.setdefault(name, known.attempt if known is not None else None)
-        return sorted(out.items())
+        return sorted(
+            (name, attempt)
+            for name, attempt in out.items()
+            if (version := state.version_by_name(name)) is None
+            or not self._inflight(engine_id, version.version_id)
+        )
 
     def _stale_staging(
         self, inventory: Inventory, chosen: set[str]

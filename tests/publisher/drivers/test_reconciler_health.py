@@ -1119,6 +1119,35 @@ async def test_a_name_an_engine_owes_is_dropped_before_its_inventory_counts(
         assert r.names[1] not in r.local["e1"].loaded_adapters()
 
 
+async def test_a_name_an_engine_owes_waits_for_the_requests_in_flight_on_it(
+    tmp_path: Path,
+) -> None:
+    """e1 owes v1's drop (reclaimed while it was suspended), but a request of v1 is still
+    counted in flight on e1: no part of the pass unloads the name under it -- neither the
+    fenced drop of what e1 owes nor the stray cleanup after its inventory, which sees the
+    name present. Once the count drains, the next pass drops it and the debt ends."""
+    async with rig(engines=2) as r:
+        await reclaiming_v1(r)
+        await r.ledger.suspend_engine("e1", cause="operator")
+        assert await r.reclaimer().sweep() == [1]
+        counts = {("e1", 1): 1}  # one request of v1 still running on e1
+        reconciler = Reconciler(
+            r.ledger,
+            r.fleet,
+            ArtifactStore(tmp_path / "artifacts"),
+            timeouts=FAST,
+            inflight=lambda engine_id, version_id: counts.get((engine_id, version_id), 0),
+        )
+        report = await reconciler.reconcile_engine("e1")
+        assert r.names[1] in r.local["e1"].loaded_adapters()
+        assert r.names[1] in r.ledger.state.engines["e1"].owes
+        assert report.unloaded == ()
+        counts.clear()  # the request ended
+        await reconciler.reconcile_engine("e1")
+        assert r.names[1] not in r.local["e1"].loaded_adapters()
+        assert r.ledger.state.engines["e1"].owes == {}
+
+
 async def test_an_engine_that_left_while_a_pass_read_it_is_not_joined_again(
     tmp_path: Path,
 ) -> None:
