@@ -900,10 +900,12 @@ class Reconciler:
     async def _record_outages(self) -> None:
         """Record the outages faces reported, as they come: the log and every process's
         routing hear of a refused connection within moments, whatever the health loop is doing
-        (a probe of another engine may hang for ``timeouts.probe``)."""
+        (a probe of another engine may hang for ``timeouts.probe``). Reports made before this
+        task started are recorded as it starts: their ``set`` found no event to wake."""
         self._outage_reported = anyio.Event()
         while True:
-            await self._outage_reported.wait()
+            if not self._outages:
+                await self._outage_reported.wait()
             self._outage_reported = anyio.Event()
             reported, self._outages = self._outages, {}
             for engine_id, (life, at, error, reporter) in reported.items():

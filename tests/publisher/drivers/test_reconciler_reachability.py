@@ -136,6 +136,39 @@ async def test_a_refused_connection_is_recorded_at_once_and_its_turns_counted(
         )
 
 
+async def test_a_refused_connection_reported_before_the_loop_starts_is_recorded_at_its_start(
+    tmp_path: Path,
+) -> None:
+    """A face may report before the health loop runs (a plane's first moments, a reconciler
+    restarted): the report is kept, and the loop records it as it starts -- not at the next
+    report, which may never come once routing avoids the engine."""
+    async with published_on_two(tmp_path) as (engines, plane, v1):
+        engines[1].inject("incarnation", ServerError(), times=1000)  # it is really down
+        reconciler = Reconciler(
+            plane.ledger,
+            plane.fleet,
+            plane.artifacts,
+            timeouts=FAST,
+            probe_interval_s=IDLE,  # no probe of its own within the test
+            full_every_s=IDLE,
+            suspend_after_s=None,
+        )
+        seq = plane.ledger.state.last_seq
+        life = plane.ledger.state.engines["e1"].incarnation
+        reconciler.engine_trouble("e1", refused("e1"), session="s1", incarnation=life)
+        async with anyio.create_task_group() as tg:
+            await tg.start(reconciler.run)
+            await wait_for(
+                "e1 out of the holders of v1",
+                lambda: plane.ledger.state.holders(v1.lora_name) == ("e0",),
+            )
+            tg.cancel_scope.cancel()
+        written = [e for e in await log_after(plane, seq) if isinstance(e, EngineUnreachable)]
+        assert [(e.engine, e.source, e.reporter) for e in written] == [
+            ("e1", "dispatch", "gateway")
+        ]
+
+
 async def test_a_report_about_an_earlier_life_opens_nothing(tmp_path: Path) -> None:
     """e1's failure is reported under a life the ledger no longer knows: nothing is recorded
     for e1. (e0's report, of its current life, is the sentinel that the reports were read.)"""
