@@ -1131,12 +1131,8 @@ async def test_a_name_an_engine_owes_waits_for_the_requests_in_flight_on_it(
         await r.ledger.suspend_engine("e1", cause="operator")
         assert await r.reclaimer().sweep() == [1]
         counts = {("e1", 1): 1}  # one request of v1 still running on e1
-        reconciler = Reconciler(
-            r.ledger,
-            r.fleet,
-            ArtifactStore(tmp_path / "artifacts"),
-            timeouts=FAST,
-            inflight=lambda engine_id, version_id: counts.get((engine_id, version_id), 0),
+        reconciler = rig_reconciler(
+            r, Clock(), tmp_path, inflight=lambda engine, version: counts.get((engine, version), 0)
         )
         report = await reconciler.reconcile_engine("e1")
         assert r.names[1] in r.local["e1"].loaded_adapters()
