@@ -1,0 +1,497 @@
+"""The ledger actor's own rules, in process: what the Ray face adds to the one ledger service
+every transport shares, or forwards to it.
+
+- :class:`LedgerActor` forwards each call with its arguments in order and its documented
+  defaults (a registration's 30 s lease, the current life, the 5 s long poll), refuses every
+  call ``FENCED`` once another controller took the log over without asking the stopped host,
+  says why when asked who it is, closes quietly, and ends its process when the hosted service
+  dies on its own, unless it is fenced (Ray would restart it and it would take the log back);
+- its replies carry the routing when it changed since the caller's mark and the fleet's
+  handles when they changed since the caller's fleet mark (a bare ledger's view says it has
+  no fleet);
+- a bare ledger expires overdue owners and releases idle client-held sessions on the actor's
+  own loop, and goes on after a failed round unless the ledger is closed or fenced;
+- a hosted plane's runtime fleet changes (an engine added, replaced, removed) reach the plane,
+  are kept in the engine book for a restart, and an unknown engine is refused.
+
+Why without Ray: the ledger actor's class is a plain class until ``ray.remote`` wraps it, and
+its hosted service a plain async context manager (``_serve``), so both run here, on a real
+SQLite log (and a real control plane over real local engines); the mutation campaign over the
+actor runs these tests once per mutant, and a Ray instance per mutant would cost minutes (a
+Ray worker would also import the unmutated module). Doubled are only Ray's parts: the runtime
+context an actor reads its name and node from, the engine book's key-value table (Ray's GCS),
+and what the book asks an engine actor (its name). The same actor across Ray:
+``test_ledger_actor.py`` and ``test_fleet_runtime.py``."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import pytest
+import ray
+
+from engines.contract import CleanRefusal
+from evlog.errors import LoraLedgerError
+from evlog.sqlite import SQLiteStore
+from evlog.stores import describe
+from publisher.core import commands as c
+from publisher.core.errors import Code, LedgerError
+from publisher.core.ledger import Ledger
+from publisher.core.outcomes import Bound, Done, Outcome
+from publisher.gateway.provenance import ProvenanceRow
+from publisher.ray import ledger_actor
+from publisher.ray.engine_book import BookEntry
+from publisher.ray.ledger_actor import (
+    FleetView,
+    LedgerActor,
+    LedgerConfig,
+    PlaneConfig,
+    _expire_leases,
+    _serve,
+    _Service,
+)
+from publisher.ray.stored_adapter import PullStats
+from tests.publisher.plane_kit import FAST, local_engines
+from tests.publisher.ray.kit import create
+from tests.publisher.ray.test_engine_book_rules import NAMESPACE, GcsKeyValueDouble
+from tests.support.ledger import publish
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.anyio
+
+SECRET = "s" * 64
+
+
+class RuntimeContextDouble:
+    """Test double of ``ray.get_runtime_context()`` inside an actor: its name (None for an
+    unnamed actor), namespace and node, as Ray's runtime context answers them."""
+
+    def __init__(self, name: str | None = None, namespace: str = "fleet") -> None:
+        self._name, self.namespace = name, namespace
+
+    def get_actor_name(self) -> str | None:
+        return self._name
+
+    def get_node_id(self) -> str:
+        return "node-double"
+
+
+@pytest.fixture
+def unnamed_actor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: RuntimeContextDouble())
+
+
+@pytest.fixture
+async def actor(tmp_path: Path, unnamed_actor: None) -> AsyncIterator[LedgerActor]:
+    """A bare ledger actor, its class called as Ray would call it, on a fresh SQLite file, with
+    a deployment over two engines (:func:`tests.publisher.ray.kit.create`)."""
+    config = LedgerConfig(path=str(tmp_path / "ledger.db"), lease_check_s=0.02)
+    made = await anyio.to_thread.run_sync(LedgerActor, config)
+    try:
+        await create(ThroughTheActor(made))
+        yield made
+    finally:
+        await made.close()
+
+
+class ThroughTheActor:
+    """What :func:`tests.support.ledger.publish` needs of a ledger, through the actor's batch
+    call: the outcome, or its refusal raised."""
+
+    def __init__(self, actor: LedgerActor) -> None:
+        self.actor = actor
+
+    async def execute(self, command: c.Command) -> Outcome:
+        (result,) = (await self.actor.execute_many([command])).results
+        if isinstance(result, LoraLedgerError):
+            raise result
+        return result
+
+
+def owner(actor: LedgerActor, name: str) -> Any:
+    return actor._service.ledger.state.owners[name]
+
+
+# --- owners: registration, deregistration, renewal -------------------------------------------
+
+
+async def test_a_registration_is_forwarded_whole_and_with_its_defaults(actor: LedgerActor) -> None:
+    """``ttl_s``, ``incarnation``, ``sessions_idle_s`` and ``secret`` reach the ledger in their
+    places; left out, a life is an owner-held one of 30 s, unnamed."""
+    assert await actor.register_owner("w1", secret=SECRET) == Done()
+    w1 = owner(actor, "w1")
+    assert (w1.ttl_s, w1.incarnation, w1.sessions_idle_s) == (30.0, "", None)
+    assert w1.secret_digest
+    assert await actor.register_owner("relay", 5.0, "r-1", 60.0, SECRET) == Done()
+    relay = owner(actor, "relay")
+    assert (relay.ttl_s, relay.incarnation, relay.sessions_idle_s) == (5.0, "r-1", 60.0)
+    with pytest.raises(LoraLedgerError) as without_secret:
+        await actor.register_owner("w2")  # a life needs its secret
+    assert without_secret.value.code == Code.OWNER_SECRET_MISMATCH
+
+
+async def test_a_deregistration_names_the_life_and_proves_it(actor: LedgerActor) -> None:
+    await actor.register_owner("w1", 30.0, "one", None, SECRET)
+    await actor.register_owner("w2", 30.0, "", None, SECRET)
+    with pytest.raises(LoraLedgerError) as unproven:
+        await actor.deregister_owner("w1", "one")  # no secret by default
+    assert unproven.value.code == Code.OWNER_SECRET_MISMATCH
+    gone = await actor.deregister_owner("w1", "one", SECRET)
+    assert (gone.owner, gone.no_op) == ("w1", False)
+    assert owner(actor, "w1").exited
+    current = await actor.deregister_owner("w2", secret=SECRET)  # "": the current life
+    assert (current.owner, current.no_op) == ("w2", False)
+    assert owner(actor, "w2").exited
+
+
+async def test_a_renewal_carries_counts_sessions_and_secrets_of_each_life(
+    actor: LedgerActor,
+) -> None:
+    """Each life's in-flight counts reach the lease book, a relay's sessions their last turn,
+    and a life renewed without its secret comes back lost, by name."""
+    await publish(ThroughTheActor(actor), 1)
+    await actor.register_owner("relay", 30.0, "r", 60.0, SECRET)
+    await actor.register_owner("w1", 30.0, "one", None, SECRET)
+    bound = await actor.execute_many([c.Bind(session="s1", owner="relay", secret=SECRET)])
+    assert isinstance(bound.results[0], Bound)
+
+    reply = await actor.renew_leases(
+        {("relay", "r"): {}, ("w1", "one"): {("e0", 1): 2}},
+        None,
+        None,
+        {("relay", "r"): ("s1",)},
+        {("relay", "r"): SECRET, ("w1", "one"): SECRET},
+    )
+    assert reply.lost == {}
+    ledger = actor._service.ledger
+    counted = {(x.reporter, x.engine): x.count for x in ledger.inflight_evidence(1)}
+    assert counted[("w1", "e0")] == 2
+    assert ledger.activity.last_turn("s1") is not None
+
+    unproven = await actor.renew_leases({("w1", "one"): {}})  # no secrets by default
+    assert list(unproven.lost) == [("w1", "one")]
+    assert unproven.lost[("w1", "one")].code == Code.OWNER_SECRET_MISMATCH
+
+
+# --- replies: routing and the fleet view ------------------------------------------------------
+
+
+async def test_replies_carry_routing_since_the_mark_and_a_bare_ledgers_view(
+    actor: LedgerActor,
+) -> None:
+    """The routing comes when it is not the caller's (``mark``); the handles when the caller
+    mirrors a fleet other than this one (``fleet_mark``), never when it mirrors none. A bare
+    ledger's view has no engines and says it has no plane."""
+    await actor.register_owner("w1", 30.0, "one", None, SECRET)
+    table = await actor.routing()
+    epoch = actor._service.ledger.epoch
+    assert table.epoch == epoch
+    bare = FleetView(epoch=epoch, version=0, engines=(), plane=False)
+
+    first = await actor.execute_many([c.Forget(sessions=("nobody",))])
+    assert first.routing == table and first.fleet is None
+    same = await actor.execute_many([c.Forget(sessions=("nobody",))], table.mark, (epoch, 0))
+    assert same.routing is None and same.fleet is None
+    other = await actor.execute_many([c.Forget(sessions=("nobody",))], table.mark, (epoch, 9))
+    assert other.fleet == bare and other.routing is None
+
+    renewed = await actor.renew_leases({("w1", "one"): {}}, None, (epoch - 1, 0), None, None)
+    assert renewed.routing == table and renewed.fleet == bare
+    quiet = await actor.renew_leases(
+        {("w1", "one"): {}}, table.mark, (epoch, 0), None, {("w1", "one"): SECRET}
+    )
+    assert (quiet.lost, quiet.routing, quiet.fleet) == ({}, None, None)
+
+    assert await actor.fleet_view() == bare
+
+
+async def test_the_long_poll_answers_a_newer_table_at_once_and_nothing_after_its_wait(
+    actor: LedgerActor,
+) -> None:
+    table = await actor.routing()
+    epoch = actor._service.ledger.epoch
+    newer = await actor.wait_routing((epoch - 1, 0), (epoch, 5), 60.0)
+    assert newer.results == [] and newer.routing == table
+    assert newer.fleet == FleetView(epoch=epoch, version=0, engines=(), plane=False)
+    mirrored = await actor.wait_routing((epoch - 1, 0), (epoch, 0), 60.0)
+    assert mirrored.routing == table and mirrored.fleet is None
+    with anyio.fail_after(30):
+        nothing = await actor.wait_routing(table.mark, (epoch, 5), 0.01)
+    assert (nothing.results, nothing.routing, nothing.fleet) == ([], None, None)
+    assert inspect.signature(LedgerActor.wait_routing).parameters["wait_s"].default == 5.0
+
+
+async def test_status_provenance_and_pull_stats_are_the_services(
+    actor: LedgerActor, tmp_path: Path
+) -> None:
+    await actor.register_owner("w1", 30.0, "one", None, SECRET)
+    assert (await actor.status()).owners == 1
+    row = ProvenanceRow(
+        session="s1",
+        turn=1,
+        engine="e0",
+        incarnation="i",
+        version_id=1,
+        lora_name="agent@dep-1-0123456789abcdef",
+        digest="ab" * 32,
+        bound_revision=1,
+        head_revision=1,
+        head_revision_done=1,
+        request_id="s1-1",
+        prompt_tokens=4,
+        completion_tokens=2,
+        cached_tokens=0,
+        finish_reason="length",
+        started_at=0.0,
+        finished_at=1.0,
+        gateway="gw",
+    )
+    assert await actor.store_provenance([row]) == 1
+    assert await actor.store_provenance([row]) == 0  # a resend stores nothing twice
+    stats = await actor.pull_stats()
+    assert stats == PullStats()
+    assert stats is not actor._service.pulls  # a copy, not the counters the actor updates
+
+
+async def test_describe_says_where_and_who_the_actor_is(actor: LedgerActor) -> None:
+    info = await actor.describe()
+    state = actor._service.ledger.state
+    assert info.path == describe(actor._service.config.path)
+    assert (info.node_id, info.pid) == ("node-double", os.getpid())
+    assert (info.epoch, info.last_seq) == (state.epoch, state.last_seq)
+    assert (info.plane, info.bucket_bytes, info.fenced) == (False, None, "")
+
+
+async def test_a_bare_ledger_refuses_what_needs_a_plane(actor: LedgerActor) -> None:
+    for call, args in (
+        (actor.add_engine, (object(),)),
+        (actor.replace_engine, (object(),)),
+        (actor.remove_engine, ("e0",)),
+        (actor.publish, (object(), 1)),
+    ):
+        with pytest.raises(LoraLedgerError) as refused:
+            await call(*args)
+        assert refused.value.code == Code.INVALID_STATE, call
+        assert "hosts no control plane" in refused.value.message
+    # a bare ledger hears no engine trouble: nothing to hand it to, nothing raised
+    await actor.engine_failed("e0", CleanRefusal("ENGINE_BUSY", "busy"))
+
+
+# --- fencing and death --------------------------------------------------------------------------
+
+
+async def test_a_fenced_actor_refuses_every_call_and_says_why_without_exiting(
+    actor: LedgerActor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exits: list[str] = []
+    monkeypatch.setattr(ledger_actor, "exit_process", exits.append)
+    await actor.register_owner("w1", 30.0, "one", None, SECRET)
+    epoch = actor._service.ledger.epoch
+    path = actor._service.config.path
+    async with SQLiteStore.open(path) as store, Ledger.open(store) as rival:
+        await wait_for("the actor to be fenced", lambda: actor._fenced() is not None, timeout=30)
+        await wait_for("its hosted service to stop", lambda: actor._host._stopped, timeout=30)
+        rival_epoch = rival.epoch
+    for name, args in (
+        ("execute_many", ([c.Forget(sessions=("s",))],)),
+        ("register_owner", ("w2", 30.0, "two", None, SECRET)),
+        ("deregister_owner", ("w1", "one", SECRET)),
+        ("renew_leases", ({("w1", "one"): {}},)),
+        ("routing", ()),
+        ("wait_routing", ()),
+        ("status", ()),
+        ("fleet_view", ()),
+        ("pull_stats", ()),
+    ):
+        with pytest.raises(LoraLedgerError) as refused:
+            await getattr(actor, name)(*args)
+        assert refused.value.code == Code.FENCED, name
+    info = await actor.describe()
+    assert "another controller" in info.fenced
+    assert info.epoch == epoch != rival_epoch  # its own life's epoch, not the rival's
+    actor._on_dead("the hosted ledger stopped")
+    assert exits == []  # fenced: the process stays, so Ray does not restart it
+    await actor.close()  # the hosted service already stopped: closing says nothing more
+
+
+async def test_a_hosted_service_that_dies_unfenced_ends_the_process(
+    actor: LedgerActor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exits: list[str] = []
+    monkeypatch.setattr(ledger_actor, "exit_process", exits.append)
+    actor._on_dead("the writer broke")
+    assert exits == ["the writer broke"]
+
+
+# --- the bare ledger's lease expiry ------------------------------------------------------------
+
+
+async def test_a_bare_ledger_expires_owners_and_releases_idle_sessions_on_its_loop(
+    actor: LedgerActor,
+) -> None:
+    await publish(ThroughTheActor(actor), 1)
+    await actor.register_owner("relay", 600.0, "r", 0.05, SECRET)
+    bound = await actor.execute_many([c.Bind(session="s1", owner="relay", secret=SECRET)])
+    assert isinstance(bound.results[0], Bound)
+    await actor.renew_leases(
+        {("relay", "r"): {}}, None, None, {("relay", "r"): ("s1",)}, {("relay", "r"): SECRET}
+    )
+    await actor.register_owner("w1", 0.05, "one", None, SECRET)
+    ledger = actor._service.ledger
+    await wait_for("w1's lease to expire", lambda: owner(actor, "w1").expired, timeout=30)
+    await wait_for("s1 to be released", lambda: "s1" not in ledger.state.sessions, timeout=30)
+
+
+class ExpiryLedgerDouble:
+    """Test double of a ledger whose expiry rounds fail as told (a real ledger's rounds cannot
+    be made to fail with a chosen code): counts the rounds, fails the listed ones."""
+
+    def __init__(self, *failures: LoraLedgerError | None) -> None:
+        self.failures = list(failures)
+        self.rounds = 0
+        self.releases = 0
+
+    async def expire_leases(self) -> list[Any]:
+        self.rounds += 1
+        failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            raise failure
+        return []
+
+    async def release_idle_sessions(self) -> int:
+        self.releases += 1
+        return 0
+
+
+async def test_a_failed_expiry_round_is_logged_and_the_next_one_runs() -> None:
+    ledger = ExpiryLedgerDouble(LedgerError(Code.INVALID_INPUT, "a refusal"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_expire_leases, cast(Ledger, ledger), 0.001)
+        await wait_for("three rounds", lambda: ledger.rounds >= 3 and ledger.releases >= 2)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("code", [Code.LEDGER_CLOSED, Code.FENCED])
+async def test_expiry_stops_when_the_ledger_is_closed_or_fenced(code: str) -> None:
+    ledger = ExpiryLedgerDouble(None, LedgerError(code, "stopped"))
+    with anyio.fail_after(30), pytest.raises(LoraLedgerError) as stopped:
+        await _expire_leases(cast(Ledger, ledger), 0.001)
+    assert stopped.value.code == code
+    assert (ledger.rounds, ledger.releases) == (2, 1)
+
+
+# --- a hosted plane: the fleet view and runtime fleet changes ------------------------------------
+
+
+class EntryDouble:
+    """Test double of ``entry_for``, which asks an engine's Ray actor for its name: every
+    engine's actor is named ``actor-<id>`` in namespace ``fleet`` but ``e3``'s (unnamed)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def __call__(self, engine: Any) -> BookEntry | None:
+        self.asked.append(engine.engine_id)
+        if engine.engine_id == "e3":
+            return None
+        return BookEntry(
+            actor_name=f"actor-{engine.engine_id}",
+            actor_namespace="fleet",
+            kind=engine.kind,
+            transport=engine.transport,
+        )
+
+
+@pytest.fixture
+def gcs(monkeypatch: pytest.MonkeyPatch) -> GcsKeyValueDouble:
+    from ray.experimental import internal_kv
+
+    table = GcsKeyValueDouble()
+    monkeypatch.setattr(internal_kv, "global_gcs_client", table)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: RuntimeContextDouble("ledger"))
+    monkeypatch.setattr(ledger_actor, "entry_for", EntryDouble())
+    return table
+
+
+@asynccontextmanager
+async def hosted_plane(tmp_path: Path, engines: list[Any]) -> AsyncIterator[_Service]:
+    config = LedgerConfig(
+        path=str(tmp_path / "ledger.db"),
+        plane=PlaneConfig(
+            deployment="dep",
+            prefix="agent",
+            capacity=2,
+            artifact_root=str(tmp_path / "artifacts"),
+            engines=tuple(engines),
+            options={"probe_interval_s": 0.05, "reclaim_tick_s": 0.05, "timeouts": FAST},
+        ),
+    )
+    async with _serve(config) as service:
+        yield service
+
+
+def book_of(gcs: GcsKeyValueDouble) -> dict[str, Any]:
+    return dict(gcs.book("engine-book/fleet/ledger/dep"))
+
+
+async def test_a_plane_s_view_and_its_runtime_changes_reach_plane_and_book(
+    tmp_path: Path, gcs: GcsKeyValueDouble
+) -> None:
+    async with (
+        local_engines(4) as made,
+        hosted_plane(tmp_path, made[:2]) as service,
+    ):
+        plane = service.plane
+        assert plane is not None
+        e0, e1, e2, unnamed = cast(list[Any], made)
+        view = service._view()
+        assert view == FleetView(
+            epoch=service.ledger.epoch,
+            version=plane.fleet.version,
+            engines=(e0, e1),
+            plane=True,
+        )
+        assert service.fleet_for(None) is None
+        assert service.fleet_for(view.mark) is None
+        assert service.fleet_for((view.epoch, view.version + 1)) == view
+        assert (await service.info()).bucket_bytes == plane.bucket_bytes
+
+        await service.add_engine(e2)
+        assert "e2" in plane.fleet and "e2" in service.ledger.state.engines
+        assert book_of(gcs)["e2"] == BookEntry(
+            actor_name="actor-e2", actor_namespace="fleet", kind=e2.kind, transport=e2.transport
+        )
+        assert service.fleet_version == plane.fleet.version > view.version
+        await service.replace_engine(e2)
+        await service.add_engine(unnamed)  # an unnamed actor: no entry, an old one forgotten
+        assert "e3" not in book_of(gcs)
+
+        with pytest.raises(LoraLedgerError) as unknown:
+            await service.replace_engine(cast(Any, type("E", (), {"engine_id": "e9"})()))
+        assert unknown.value.code == Code.UNKNOWN_ENGINE
+        with pytest.raises(LoraLedgerError) as unknown_removed:
+            await service.remove_engine("e9", "operator")
+        assert unknown_removed.value.code == Code.UNKNOWN_ENGINE
+
+        assert await service.remove_engine("e1", "operator") == 0
+        assert "e1" not in plane.fleet
+        assert book_of(gcs)["e1"] is None  # a tombstone: a restart does not join it again
+        left = [r.event for r in await service.ledger.store.read()]
+        assert any(
+            type(x).__name__ == "EngineLeft" and getattr(x, "cause", "") == "operator" for x in left
+        )
+
+
+async def test_a_restarted_plane_opens_without_the_engines_removed_at_runtime(
+    tmp_path: Path, gcs: GcsKeyValueDouble
+) -> None:
+    gcs.table[(NAMESPACE, b"engine-book/fleet/ledger/dep")] = b'{"e1": null}'
+    async with local_engines(2) as (e0, e1), hosted_plane(tmp_path, [e0, e1]) as service:
+        assert service.plane is not None
+        assert [e.engine_id for e in service.plane.fleet] == ["e0"]
