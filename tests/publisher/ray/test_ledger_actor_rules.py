@@ -12,7 +12,11 @@ every transport shares, or forwards to it.
 - a bare ledger expires overdue owners and releases idle client-held sessions on the actor's
   own loop, and goes on after a failed round unless the ledger is closed or fenced;
 - a hosted plane's runtime fleet changes (an engine added, replaced, removed) reach the plane,
-  are kept in the engine book for a restart, and an unknown engine is refused.
+  are kept in the engine book for a restart, and an unknown engine is refused; a caller's
+  report of an engine's trouble reaches the reconciler with its batch;
+- a publication from a descriptor pulls the bytes once for the durable copy, rolls back only
+  when asked, and an attempt that ended FAILED_FATAL is answered with what it settles as once
+  the engines were looked at again.
 
 Why without Ray: the ledger actor's class is a plain class until ``ray.remote`` wraps it, and
 its hosted service a plain async context manager (``_serve``), so both run here, on a real
@@ -20,12 +24,13 @@ SQLite log (and a real control plane over real local engines); the mutation camp
 actor runs these tests once per mutant, and a Ray instance per mutant would cost minutes (a
 Ray worker would also import the unmutated module). Doubled are only Ray's parts: the runtime
 context an actor reads its name and node from, the engine book's key-value table (Ray's GCS),
-and what the book asks an engine actor (its name). The same actor across Ray:
-``test_ledger_actor.py`` and ``test_fleet_runtime.py``."""
+what the book asks an engine actor (its name), and the object store behind a descriptor's ref;
+and, where a test states only that the actor forwards a call, the hosted service's method.
+The same actor across Ray: ``test_ledger_actor.py`` and ``test_fleet_runtime.py``."""
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -36,16 +41,23 @@ import anyio
 import pytest
 import ray
 
-from engines.contract import CleanRefusal
+from engines.contract import AmbiguousReply, CleanRefusal
+from engines.local.engine import LocalEngine
 from evlog.errors import LoraLedgerError
+from evlog.events import EngineUnreachable
 from evlog.sqlite import SQLiteStore
 from evlog.stores import describe
+from projections.transitions import VersionState
 from publisher.core import commands as c
+from publisher.core import ledger as ledger_module
 from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
-from publisher.core.outcomes import Bound, Done, Outcome
+from publisher.core.outcomes import Allocated, Bound, Done, Outcome
+from publisher.drivers.publication import PUBLICATION_FAILED, ErrorKind, PublicationError
+from publisher.drivers.reconciler import ReconcileReport
 from publisher.gateway.provenance import ProvenanceRow
 from publisher.ray import ledger_actor
+from publisher.ray.adapter_objects import AdapterDescriptor
 from publisher.ray.engine_book import BookEntry
 from publisher.ray.ledger_actor import (
     FleetView,
@@ -57,10 +69,11 @@ from publisher.ray.ledger_actor import (
     _Service,
 )
 from publisher.ray.stored_adapter import PullStats
-from tests.publisher.plane_kit import FAST, local_engines
+from publisher.remote.service import TroubleBatch
+from tests.publisher.plane_kit import FAST, LIMITS, PEFT_WARNINGS, adapter_copy, local_engines
 from tests.publisher.ray.kit import create
 from tests.publisher.ray.test_engine_book_rules import NAMESPACE, GcsKeyValueDouble
-from tests.support.ledger import publish
+from tests.support.ledger import digest, publish
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
@@ -134,6 +147,7 @@ async def test_a_registration_is_forwarded_whole_and_with_its_defaults(actor: Le
     with pytest.raises(LoraLedgerError) as without_secret:
         await actor.register_owner("w2")  # a life needs its secret
     assert without_secret.value.code == Code.OWNER_SECRET_MISMATCH
+    assert "must carry the secret" in without_secret.value.message
 
 
 async def test_a_deregistration_names_the_life_and_proves_it(actor: LedgerActor) -> None:
@@ -142,6 +156,7 @@ async def test_a_deregistration_names_the_life_and_proves_it(actor: LedgerActor)
     with pytest.raises(LoraLedgerError) as unproven:
         await actor.deregister_owner("w1", "one")  # no secret by default
     assert unproven.value.code == Code.OWNER_SECRET_MISMATCH
+    assert "must carry the secret" in unproven.value.message  # none sent, not a wrong one
     gone = await actor.deregister_owner("w1", "one", SECRET)
     assert (gone.owner, gone.no_op) == ("w1", False)
     assert owner(actor, "w1").exited
@@ -160,6 +175,8 @@ async def test_a_renewal_carries_counts_sessions_and_secrets_of_each_life(
     await actor.register_owner("w1", 30.0, "one", None, SECRET)
     bound = await actor.execute_many([c.Bind(session="s1", owner="relay", secret=SECRET)])
     assert isinstance(bound.results[0], Bound)
+    ledger = actor._service.ledger
+    ledger.activity.drop("s1")  # no turn known: only the renewal below reports one
 
     reply = await actor.renew_leases(
         {("relay", "r"): {}, ("w1", "one"): {("e0", 1): 2}},
@@ -169,7 +186,6 @@ async def test_a_renewal_carries_counts_sessions_and_secrets_of_each_life(
         {("relay", "r"): SECRET, ("w1", "one"): SECRET},
     )
     assert reply.lost == {}
-    ledger = actor._service.ledger
     counted = {(x.reporter, x.engine): x.count for x in ledger.inflight_evidence(1)}
     assert counted[("w1", "e0")] == 2
     assert ledger.activity.last_turn("s1") is not None
@@ -224,7 +240,6 @@ async def test_the_long_poll_answers_a_newer_table_at_once_and_nothing_after_its
     with anyio.fail_after(30):
         nothing = await actor.wait_routing(table.mark, (epoch, 5), 0.01)
     assert (nothing.results, nothing.routing, nothing.fleet) == ([], None, None)
-    assert inspect.signature(LedgerActor.wait_routing).parameters["wait_s"].default == 5.0
 
 
 async def test_status_provenance_and_pull_stats_are_the_services(
@@ -269,16 +284,16 @@ async def test_describe_says_where_and_who_the_actor_is(actor: LedgerActor) -> N
 
 
 async def test_a_bare_ledger_refuses_what_needs_a_plane(actor: LedgerActor) -> None:
-    for call, args in (
-        (actor.add_engine, (object(),)),
-        (actor.replace_engine, (object(),)),
-        (actor.remove_engine, ("e0",)),
-        (actor.publish, (object(), 1)),
+    for call, args, what in (
+        (actor.add_engine, (object(),), "cannot add an engine"),
+        (actor.replace_engine, (object(),), "cannot replace an engine"),
+        (actor.remove_engine, ("e0",), "cannot remove an engine"),
+        (actor.publish, (object(), 1), "nothing publishes"),
     ):
         with pytest.raises(LoraLedgerError) as refused:
             await call(*args)
         assert refused.value.code == Code.INVALID_STATE, call
-        assert "hosts no control plane" in refused.value.message
+        assert refused.value.message.endswith(f"hosts no control plane: {what}")
     # a bare ledger hears no engine trouble: nothing to hand it to, nothing raised
     await actor.engine_failed("e0", CleanRefusal("ENGINE_BUSY", "busy"))
 
@@ -391,14 +406,15 @@ async def test_expiry_stops_when_the_ledger_is_closed_or_fenced(code: str) -> No
 
 class EntryDouble:
     """Test double of ``entry_for``, which asks an engine's Ray actor for its name: every
-    engine's actor is named ``actor-<id>`` in namespace ``fleet`` but ``e3``'s (unnamed)."""
+    engine's actor is named ``actor-<id>`` in namespace ``fleet`` but the ``unnamed`` ones."""
 
     def __init__(self) -> None:
         self.asked: list[str] = []
+        self.unnamed = {"e3"}
 
     def __call__(self, engine: Any) -> BookEntry | None:
         self.asked.append(engine.engine_id)
-        if engine.engine_id == "e3":
+        if engine.engine_id in self.unnamed:
             return None
         return BookEntry(
             actor_name=f"actor-{engine.engine_id}",
@@ -409,13 +425,18 @@ class EntryDouble:
 
 
 @pytest.fixture
-def gcs(monkeypatch: pytest.MonkeyPatch) -> GcsKeyValueDouble:
+def entries() -> EntryDouble:
+    return EntryDouble()
+
+
+@pytest.fixture
+def gcs(monkeypatch: pytest.MonkeyPatch, entries: EntryDouble) -> GcsKeyValueDouble:
     from ray.experimental import internal_kv
 
     table = GcsKeyValueDouble()
     monkeypatch.setattr(internal_kv, "global_gcs_client", table)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: RuntimeContextDouble("ledger"))
-    monkeypatch.setattr(ledger_actor, "entry_for", EntryDouble())
+    monkeypatch.setattr(ledger_actor, "entry_for", entries)
     return table
 
 
@@ -441,7 +462,7 @@ def book_of(gcs: GcsKeyValueDouble) -> dict[str, Any]:
 
 
 async def test_a_plane_s_view_and_its_runtime_changes_reach_plane_and_book(
-    tmp_path: Path, gcs: GcsKeyValueDouble
+    tmp_path: Path, gcs: GcsKeyValueDouble, entries: EntryDouble
 ) -> None:
     async with (
         local_engines(4) as made,
@@ -468,16 +489,21 @@ async def test_a_plane_s_view_and_its_runtime_changes_reach_plane_and_book(
             actor_name="actor-e2", actor_namespace="fleet", kind=e2.kind, transport=e2.transport
         )
         assert service.fleet_version == plane.fleet.version > view.version
-        await service.replace_engine(e2)
-        await service.add_engine(unnamed)  # an unnamed actor: no entry, an old one forgotten
+        assert isinstance(await service.replace_engine(e2), ReconcileReport)
+        await service.add_engine(unnamed)  # an unnamed actor: no entry
         assert "e3" not in book_of(gcs)
+        entries.unnamed.add("e2")  # e2's new actor has no name: its old entry is forgotten
+        await service.replace_engine(e2)
+        assert "e2" not in book_of(gcs) and "e2" in plane.fleet
 
         with pytest.raises(LoraLedgerError) as unknown:
             await service.replace_engine(cast(Any, type("E", (), {"engine_id": "e9"})()))
         assert unknown.value.code == Code.UNKNOWN_ENGINE
+        assert unknown.value.message == "engine 'e9' is not in the fleet: add it instead"
         with pytest.raises(LoraLedgerError) as unknown_removed:
             await service.remove_engine("e9", "operator")
         assert unknown_removed.value.code == Code.UNKNOWN_ENGINE
+        assert unknown_removed.value.message == "engine 'e9' is not in the fleet"
 
         assert await service.remove_engine("e1", "operator") == 0
         assert "e1" not in plane.fleet
@@ -487,6 +513,39 @@ async def test_a_plane_s_view_and_its_runtime_changes_reach_plane_and_book(
             type(x).__name__ == "EngineLeft" and getattr(x, "cause", "") == "operator" for x in left
         )
 
+        # a generation's failure on a fleet member reaches the reconciler, with its batch
+        refused = AmbiguousReply("ENGINE_UNREACHABLE", "connection refused", dispatched=False)
+        await service.engine_failed("e9", refused, TroubleBatch(reporter="gw-7"))  # not ours
+        await service.engine_failed("e0", refused, TroubleBatch(reporter="gw-7"))
+
+        async def outage_recorded() -> bool:
+            return any(
+                isinstance(r.event, EngineUnreachable)
+                and (r.event.engine, r.event.reporter) == ("e0", "gw-7")
+                for r in await service.ledger.store.read()
+            )
+
+        await wait_for("e0's outage, as gw-7 reported it", outage_recorded, timeout=30)
+
+
+async def test_an_engine_down_when_the_plane_opened_is_the_fleets_to_replace_or_remove(
+    tmp_path: Path, gcs: GcsKeyValueDouble
+) -> None:
+    """A configured engine that was down at start is in the fleet but not in the ledger (never
+    joined): it is known, so its new process replaces it and an operator may remove it."""
+    down = [LocalEngine(f"e{i}", limits=LIMITS) for i in (1, 2)]  # never started
+    async with (
+        local_engines(2) as (e0, e1),
+        hosted_plane(tmp_path, [e0, *down]) as service,
+    ):
+        assert service.plane is not None
+        assert "e1" in service.plane.fleet and "e1" not in service.ledger.state.engines
+        assert isinstance(await service.replace_engine(cast(Any, e1)), ReconcileReport)
+        assert service.plane.fleet["e1"] is e1 and "e1" in service.ledger.state.engines
+        assert "e2" not in service.ledger.state.engines
+        assert await service.remove_engine("e2", "operator") == 0
+        assert "e2" not in service.plane.fleet
+
 
 async def test_a_restarted_plane_opens_without_the_engines_removed_at_runtime(
     tmp_path: Path, gcs: GcsKeyValueDouble
@@ -495,3 +554,226 @@ async def test_a_restarted_plane_opens_without_the_engines_removed_at_runtime(
     async with local_engines(2) as (e0, e1), hosted_plane(tmp_path, [e0, e1]) as service:
         assert service.plane is not None
         assert [e.engine_id for e in service.plane.fleet] == ["e0"]
+
+
+class ServiceSpy:
+    """Test double of the hosted service's methods the actor forwards to (whose real bodies
+    need a plane, an object store or time): records each call's arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def method(self, name: str, answer: Any = None) -> Any:
+        async def record(*args: Any) -> Any:
+            self.calls.append((name, args))
+            return answer
+
+        return record
+
+
+async def test_the_actor_forwards_each_call_in_order_with_its_defaults(
+    actor: LedgerActor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positional forwarding: a swapped or dropped argument reaches the service as another
+    one. Defaults: a removal is an operator's, a publication no rollback, a report without a
+    batch, a long poll of 5 s."""
+    spy = ServiceSpy()
+    for name in (
+        "publish",
+        "add_engine",
+        "replace_engine",
+        "remove_engine",
+        "engine_failed",
+        "wait_routing",
+    ):
+        monkeypatch.setattr(actor._service, name, spy.method(name))
+    descriptor, engine, error, batch = object(), object(), object(), object()
+    await actor.publish(descriptor, 7)  # type: ignore[arg-type]
+    await actor.publish(descriptor, 8, True)  # type: ignore[arg-type]
+    await actor.add_engine(engine)  # type: ignore[arg-type]
+    await actor.replace_engine(engine)  # type: ignore[arg-type]
+    await actor.remove_engine("e1")
+    await actor.remove_engine("e1", "fleet")
+    await actor.engine_failed("e0", error)  # type: ignore[arg-type]
+    await actor.engine_failed("e0", error, batch)  # type: ignore[arg-type]
+    await actor.wait_routing()
+    await actor.wait_routing((1, 2), (1, 3), 0.5)
+    assert spy.calls == [
+        ("publish", (descriptor, 7, False)),
+        ("publish", (descriptor, 8, True)),
+        ("add_engine", (engine,)),
+        ("replace_engine", (engine,)),
+        ("remove_engine", ("e1", "operator")),
+        ("remove_engine", ("e1", "fleet")),
+        ("engine_failed", ("e0", error, None)),
+        ("engine_failed", ("e0", error, batch)),
+        ("wait_routing", (None, None, 5.0)),
+        ("wait_routing", ((1, 2), (1, 3), 0.5)),
+    ]
+
+
+async def test_a_hosted_ledger_that_stops_on_its_own_ends_the_process(
+    tmp_path: Path, unnamed_actor: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Crash-only: a hosted service that died unfenced (here its expiry loop stopped on a
+    closed ledger, as on a writer that broke) ends the process at the next call, so Ray
+    restarts the actor from the log, and the caller hears LEDGER_CLOSED."""
+    exits: list[str] = []
+    monkeypatch.setattr(ledger_actor, "exit_process", exits.append)
+    config = LedgerConfig(path=str(tmp_path / "ledger.db"), lease_check_s=0.01)
+    made = await anyio.to_thread.run_sync(LedgerActor, config)
+    try:
+
+        async def closed() -> list[Any]:
+            raise LedgerError(Code.LEDGER_CLOSED, "the writer stopped")
+
+        monkeypatch.setattr(made._service.ledger, "expire_leases", closed)
+        await wait_for("the hosted service to stop", lambda: made._host._stopped, timeout=30)
+        with pytest.raises(LoraLedgerError) as dead:
+            await made.status()
+        assert dead.value.code == Code.LEDGER_CLOSED
+        assert exits == ["the ledger stopped: its context exited on its own"]
+    finally:
+        with contextlib.suppress(Exception):
+            await made.close()
+
+
+async def test_a_fenced_actor_reports_its_own_epoch_when_its_state_shows_the_rivals(
+    tmp_path: Path, unnamed_actor: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fenced by a failed append, the ledger rebuilds its state from the log, whose epoch is
+    the rival's: ``describe`` still names this actor's own epoch (the life that was fenced)."""
+    monkeypatch.setattr(ledger_module, "WATCH_EVERY_S", 3600.0)  # fenced by the append only
+    config = LedgerConfig(path=str(tmp_path / "ledger.db"), lease_check_s=3600.0)
+    made = await anyio.to_thread.run_sync(LedgerActor, config)
+    try:
+        epoch = made._service.ledger.epoch
+        async with SQLiteStore.open(config.path) as store, Ledger.open(store) as rival:
+            rival_epoch = rival.epoch
+            with contextlib.suppress(LoraLedgerError):
+                await made.execute_many(
+                    [c.CreateDeployment(deployment="d", prefix="p", capacity=1)]
+                )
+        await wait_for("the actor to be fenced", lambda: made._fenced() is not None, timeout=30)
+        assert made._service.ledger.state.epoch == rival_epoch != epoch
+        info = await made.describe()
+        assert (info.epoch, bool(info.fenced)) == (epoch, True)
+    finally:
+        await made.close()
+
+
+# --- a hosted plane's publications --------------------------------------------------------------
+
+
+class ObjectRefDouble(ray.ObjectRef):  # type: ignore[misc]  # Ray's ref is untyped
+    """Test double of a ref into Ray's object store, holding its object: awaited (an engine's
+    pull) or passed to ``ray.get`` (the ledger's durable copy, :func:`object_store`), it
+    answers the object, as the store would."""
+
+    value: Any
+
+    def __await__(self) -> Any:
+        async def pulled() -> Any:
+            return self.value
+
+        return pulled().__await__()
+
+
+@pytest.fixture
+def object_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_get = ray.get
+
+    def get(ref: Any, *, timeout: float | None = None) -> Any:
+        if isinstance(ref, ObjectRefDouble):
+            return ref.value
+        return real_get(ref, timeout=timeout)
+
+    monkeypatch.setattr(ray, "get", get)
+
+
+def descriptor_of(seed: int) -> AdapterDescriptor:
+    """What ``put_adapter`` makes of a trainer's adapter, its tensors in the store double."""
+    copy = adapter_copy(seed)
+    ref = ObjectRefDouble(os.urandom(28))
+    ref.value = dict(copy.tensors)
+    return AdapterDescriptor(manifest=copy.manifest, ref=ref)
+
+
+@PEFT_WARNINGS
+async def test_a_publication_pulls_once_and_rolls_back_only_when_asked(
+    tmp_path: Path, gcs: GcsKeyValueDouble, object_store: None
+) -> None:
+    """The descriptor's adapter is published under its step; the ledger pulls its bytes once
+    (the durable copy) and counts the descriptor; a step below the default is refused unless
+    ``allow_rollback``."""
+    async with local_engines(2) as engines, hosted_plane(tmp_path, engines) as service:
+        three, two = descriptor_of(3), descriptor_of(2)
+        published = await service.publish(three, 3)
+        assert (published.status, published.version_id, published.digest) == (
+            "PUBLISHED",
+            3,
+            three.digest,
+        )
+        assert service.pulls == PullStats(descriptors=1, pulled_bytes=three.size_bytes)
+        with pytest.raises(LoraLedgerError) as regression:
+            await service.publish(two, 2)
+        assert regression.value.code == Code.VERSION_REGRESSION
+        assert service.ledger.state.default == 3
+        rolled_back = await service.publish(two, 2, True)
+        assert (rolled_back.status, rolled_back.version_id) == ("PUBLISHED", 2)
+        assert service.ledger.state.default == 2
+        assert service.pulls.descriptors == 3
+
+
+def fatal(version_id: Any, attempt: Any, **details: Any) -> PublicationError:
+    """The driver's error for an attempt that ended FAILED_FATAL (an ambiguous reply)."""
+    return PublicationError(
+        PUBLICATION_FAILED,
+        "an engine's reply was lost",
+        kind=ErrorKind.FATAL,
+        **{"state": "FAILED_FATAL", "version_id": version_id, "attempt": attempt, **details},
+    )
+
+
+async def test_a_fatal_attempt_is_answered_with_what_it_settles_as(
+    tmp_path: Path, gcs: GcsKeyValueDouble
+) -> None:
+    """An attempt that ended FAILED_FATAL while every engine of it holds nothing: once one
+    health check looked at the engines again it is FAILED_RETRYABLE, and the trainer is told
+    so (RETRYABLE, its state, every other detail kept). Any other failure is answered as it
+    came, and so is one whose version or attempt the ledger does not hold."""
+    async with local_engines(2) as engines, hosted_plane(tmp_path, engines) as service:
+        plane, ledger = service.plane, service.ledger
+        assert plane is not None
+        allocated = await ledger.execute(c.Allocate(version_id=1, digest=digest(1)))
+        assert isinstance(allocated, Allocated)
+        await ledger.fail_attempt(
+            1, allocated.attempt, clean=False, code="AMBIGUOUS_REPLY", reason="lost reply"
+        )
+        assert ledger.state.versions[1].state == VersionState.FAILED_FATAL
+
+        for unsettled in (
+            PublicationError(PUBLICATION_FAILED, "x", kind=ErrorKind.RETRYABLE),
+            fatal(1, allocated.attempt, state="FAILED_RETRYABLE"),
+        ):
+            assert await service._settled(plane, unsettled) is unsettled
+        assert ledger.state.versions[1].state == VersionState.FAILED_FATAL  # nothing checked
+
+        for unknown in (
+            fatal(9, 1),
+            fatal("1", allocated.attempt),
+            fatal(1, allocated.attempt + 1),
+        ):
+            assert await service._settled(plane, unknown) is unknown
+
+        failed = fatal(1, allocated.attempt, cause="AMBIGUOUS_REPLY")
+        settled = await service._settled(plane, failed)
+        assert ledger.state.versions[1].state == VersionState.FAILED_RETRYABLE
+        assert (settled.code, settled.kind) == (PUBLICATION_FAILED, ErrorKind.RETRYABLE)
+        assert settled.message.startswith("an engine's reply was lost; the engines were")
+        assert settled.message.endswith(f"it is {VersionState.FAILED_RETRYABLE}")
+        assert settled.details == {
+            **failed.details,
+            "kind": ErrorKind.RETRYABLE,
+            "state": "FAILED_RETRYABLE",
+        }
