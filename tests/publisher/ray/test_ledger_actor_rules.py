@@ -70,7 +70,15 @@ from publisher.ray.ledger_actor import (
 )
 from publisher.ray.stored_adapter import PullStats
 from publisher.remote.service import TroubleBatch
-from tests.publisher.plane_kit import FAST, LIMITS, PEFT_WARNINGS, adapter_copy, local_engines
+from tests.engines.faulty_engine import ServerError
+from tests.publisher.plane_kit import (
+    FAST,
+    LIMITS,
+    PEFT_WARNINGS,
+    adapter_copy,
+    faulty_engines,
+    local_engines,
+)
 from tests.publisher.ray.kit import create
 from tests.publisher.ray.test_engine_book_rules import NAMESPACE, GcsKeyValueDouble
 from tests.support.ledger import digest, publish
@@ -489,6 +497,8 @@ async def test_a_plane_s_view_and_its_runtime_changes_reach_plane_and_book(
             actor_name="actor-e2", actor_namespace="fleet", kind=e2.kind, transport=e2.transport
         )
         assert service.fleet_version == plane.fleet.version > view.version
+        table = await service.routing_table()  # its fleet mark names the fleet it routes over
+        assert table.fleet_mark == (service.ledger.epoch, plane.fleet.version)
         assert isinstance(await service.replace_engine(e2), ReconcileReport)
         await service.add_engine(unnamed)  # an unnamed actor: no entry
         assert "e3" not in book_of(gcs)
@@ -620,6 +630,8 @@ async def test_a_hosted_ledger_that_stops_on_its_own_ends_the_process(
     restarts the actor from the log, and the caller hears LEDGER_CLOSED."""
     exits: list[str] = []
     monkeypatch.setattr(ledger_actor, "exit_process", exits.append)
+    hard_exits: list[int] = []  # any other way out would end the test process itself
+    monkeypatch.setattr(os, "_exit", hard_exits.append)
     config = LedgerConfig(path=str(tmp_path / "ledger.db"), lease_check_s=0.01)
     made = await anyio.to_thread.run_sync(LedgerActor, config)
     try:
@@ -633,6 +645,7 @@ async def test_a_hosted_ledger_that_stops_on_its_own_ends_the_process(
             await made.status()
         assert dead.value.code == Code.LEDGER_CLOSED
         assert exits == ["the ledger stopped: its context exited on its own"]
+        assert hard_exits == []
     finally:
         with contextlib.suppress(Exception):
             await made.close()
@@ -777,3 +790,20 @@ async def test_a_fatal_attempt_is_answered_with_what_it_settles_as(
             "kind": ErrorKind.RETRYABLE,
             "state": "FAILED_RETRYABLE",
         }
+
+
+@PEFT_WARNINGS
+async def test_a_failed_publication_is_answered_with_the_ledgers_word(
+    tmp_path: Path, gcs: GcsKeyValueDouble, object_store: None
+) -> None:
+    """An engine's ambiguous answer (a 503 to a load it never saw) ends the attempt
+    FAILED_FATAL; the trainer is told what it settles as once the engines were looked at again
+    (every one proves it absent: RETRYABLE), not the word of the moment it ended."""
+    async with faulty_engines(2) as engines, hosted_plane(tmp_path, engines) as service:
+        engines[0].inject("load", ServerError(), times=10)
+        with pytest.raises(PublicationError) as failed:
+            await service.publish(descriptor_of(1), 1)
+        assert failed.value.kind == ErrorKind.RETRYABLE
+        assert failed.value.details["state"] == str(VersionState.FAILED_RETRYABLE)
+        assert service.ledger.state.versions[1].state == VersionState.FAILED_RETRYABLE
+        assert "the attempt is FAILED_FATAL; the engines were checked again" in str(failed.value)
