@@ -411,7 +411,7 @@ CAMPAIGNS: dict[str, Campaign] = {
             # (test_ledger_actor.py, test_fleet_runtime.py) would start one per mutant, and
             # their actors import the unmutated module.
             ("tests/publisher/ray/test_ledger_actor_rules.py",),
-            gated=False,  # until its first run is triaged
+            gated=True,
         ),
     )
 }
