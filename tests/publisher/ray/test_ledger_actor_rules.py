@@ -16,7 +16,11 @@ every transport shares, or forwards to it.
   report of an engine's trouble reaches the reconciler with its batch;
 - a publication from a descriptor pulls the bytes once for the durable copy, rolls back only
   when asked, and an attempt that ended FAILED_FATAL is answered with what it settles as once
-  the engines were looked at again.
+  the engines were looked at again;
+- ``start_ledger`` pins a SQLite log's actor to its node and leaves a PostgreSQL one free,
+  starts it detached, named, restarted without limit and never resent a call, asks again
+  while a killed actor still holds the name, and refuses an actor serving another log or
+  fenced; ``stop_ledger`` closes, then kills for good.
 
 Why without Ray: the ledger actor's class is a plain class until ``ray.remote`` wraps it, and
 its hosted service a plain async context manager (``_serve``), so both run here, on a real
@@ -24,7 +28,8 @@ SQLite log (and a real control plane over real local engines); the mutation camp
 actor runs these tests once per mutant, and a Ray instance per mutant would cost minutes (a
 Ray worker would also import the unmutated module). Doubled are only Ray's parts: the runtime
 context an actor reads its name and node from, the engine book's key-value table (Ray's GCS),
-what the book asks an engine actor (its name), and the object store behind a descriptor's ref;
+what the book asks an engine actor (its name), the object store behind a descriptor's ref,
+and Ray's actor calls (``ray.remote(...).options``, ``ray.get``, ``get_actor``, ``kill``);
 and, where a test states only that the actor forwards a call, the hosted service's method.
 The same actor across Ray: ``test_ledger_actor.py`` and ``test_fleet_runtime.py``."""
 
@@ -40,6 +45,7 @@ from typing import Any, cast
 import anyio
 import pytest
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from engines.contract import AmbiguousReply, CleanRefusal
 from engines.local.engine import LocalEngine
@@ -63,10 +69,13 @@ from publisher.ray.ledger_actor import (
     FleetView,
     LedgerActor,
     LedgerConfig,
+    LedgerInfo,
     PlaneConfig,
     _expire_leases,
     _serve,
     _Service,
+    start_ledger,
+    stop_ledger,
 )
 from publisher.ray.stored_adapter import PullStats
 from publisher.remote.service import TroubleBatch
@@ -87,6 +96,7 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.anyio
 
 SECRET = "s" * 64
+NODE = "ab" * 28  # a node id as Ray writes one (28 bytes, in hex)
 
 
 class RuntimeContextDouble:
@@ -100,7 +110,7 @@ class RuntimeContextDouble:
         return self._name
 
     def get_node_id(self) -> str:
-        return "node-double"
+        return NODE
 
 
 @pytest.fixture
@@ -286,7 +296,7 @@ async def test_describe_says_where_and_who_the_actor_is(actor: LedgerActor) -> N
     info = await actor.describe()
     state = actor._service.ledger.state
     assert info.path == describe(actor._service.config.path)
-    assert (info.node_id, info.pid) == ("node-double", os.getpid())
+    assert (info.node_id, info.pid) == (NODE, os.getpid())
     assert (info.epoch, info.last_seq) == (state.epoch, state.last_seq)
     assert (info.plane, info.bucket_bytes, info.fenced) == (False, None, "")
 
@@ -807,3 +817,230 @@ async def test_a_failed_publication_is_answered_with_the_ledgers_word(
         assert failed.value.details["state"] == str(VersionState.FAILED_RETRYABLE)
         assert service.ledger.state.versions[1].state == VersionState.FAILED_RETRYABLE
         assert "the attempt is FAILED_FATAL; the engines were checked again" in str(failed.value)
+
+
+# --- starting and stopping the actor ------------------------------------------------------------
+
+
+class RemoteCallDouble:
+    """Test double of an actor method: ``remote()`` answers what ``ray.get`` resolves."""
+
+    def __init__(self, handle: LedgerHandleDouble, method: str) -> None:
+        self.handle, self.method = handle, method
+
+    def remote(self) -> tuple[LedgerHandleDouble, str]:
+        return (self.handle, self.method)
+
+
+class LedgerHandleDouble:
+    """Test double of a ledger actor's handle: its ``describe`` and ``close`` methods."""
+
+    def __init__(self, config: LedgerConfig) -> None:
+        self.config = config
+        self.describe = RemoteCallDouble(self, "describe")
+        self.close = RemoteCallDouble(self, "close")
+
+
+class RayActorsDouble:
+    """Test double of Ray's actor calls as ``start_ledger`` and ``stop_ledger`` make them:
+    ``ray.remote(cls).options(...).remote(config)`` creates (or finds) the named actor,
+    ``ray.get`` resolves a ``describe`` (the answers scripted in ``answers``, then the info
+    of an actor serving the config's log) or a ``close`` (``close_error`` raised, if any),
+    ``ray.get_actor`` finds a named actor (ValueError when none), ``ray.kill`` records."""
+
+    def __init__(self) -> None:
+        self.options: list[dict[str, Any]] = []
+        self.configs: list[LedgerConfig] = []
+        self.answers: list[LedgerInfo | Exception] = []
+        self.timeouts: list[float | None] = []
+        self.named: dict[tuple[str, str], LedgerHandleDouble] = {}
+        self.close_error: Exception | None = None
+        self.closed: list[LedgerHandleDouble] = []
+        self.killed: list[tuple[LedgerHandleDouble, bool]] = []
+
+    def create(self, config: LedgerConfig) -> LedgerHandleDouble:
+        self.configs.append(config)
+        return LedgerHandleDouble(config)
+
+    def get(self, call: tuple[LedgerHandleDouble, str], *, timeout: float | None = None) -> Any:
+        self.timeouts.append(timeout)
+        handle, method = call
+        if method == "describe":
+            answer = self.answers.pop(0) if self.answers else None
+            if isinstance(answer, Exception):
+                raise answer
+            return answer or info_of(handle.config)
+        self.closed.append(handle)
+        if self.close_error is not None:
+            raise self.close_error
+        return None
+
+    def get_actor(self, name: str, namespace: str | None = None) -> LedgerHandleDouble:
+        try:
+            return self.named[(name, namespace or "")]
+        except KeyError:
+            raise ValueError(f"Failed to look up actor with name '{name}'") from None
+
+    def kill(self, handle: LedgerHandleDouble, *, no_restart: bool = True) -> None:
+        self.killed.append((handle, no_restart))
+
+
+def info_of(config: LedgerConfig, **changed: Any) -> LedgerInfo:
+    fields: dict[str, Any] = {
+        "path": describe(config.path),
+        "node_id": NODE,
+        "pid": 1234,
+        "epoch": 2,
+        "last_seq": 7,
+        "plane": False,
+        "bucket_bytes": None,
+    }
+    return LedgerInfo(**{**fields, **changed})
+
+
+@pytest.fixture
+def actors(monkeypatch: pytest.MonkeyPatch) -> RayActorsDouble:
+    double = RayActorsDouble()
+
+    class ActorClass:
+        """``ray.remote(LedgerActor)``: ``options(...)``, then ``remote(config)``."""
+
+        def options(self, **options: Any) -> ActorClass:
+            double.options.append(options)
+            return self
+
+        def remote(self, config: LedgerConfig) -> LedgerHandleDouble:
+            return double.create(config)
+
+    def remote(cls: type) -> ActorClass:
+        assert cls is LedgerActor
+        return ActorClass()
+
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "get", double.get)
+    monkeypatch.setattr(ray, "get_actor", double.get_actor)
+    monkeypatch.setattr(ray, "kill", double.kill)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: RuntimeContextDouble())
+    return double
+
+
+def placement(options: dict[str, Any]) -> Any:
+    strategy = options["scheduling_strategy"]
+    if isinstance(strategy, str):
+        return strategy
+    return (type(strategy).__name__, strategy.node_id, strategy.soft)
+
+
+def test_a_sqlite_ledger_is_pinned_to_its_node_and_started_detached_and_named(
+    actors: RayActorsDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SQLite log lives on one node's disk: the actor is pinned there (hard affinity, this
+    node by default), serves the file's absolute path, lives detached under its name, is
+    restarted by Ray without limit, and never has a call resent by Ray (callers retry)."""
+    monkeypatch.chdir(tmp_path)
+    handle = start_ledger(LedgerConfig(path="ledger.db"), timeout=12.0)
+    (options,) = actors.options
+    assert options == {
+        "name": "ledger",
+        "namespace": "loraledger",
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "max_concurrency": 1000,
+        "num_cpus": 0,
+        "resources": {},
+        "scheduling_strategy": options["scheduling_strategy"],
+    }
+    assert placement(options) == ("NodeAffinitySchedulingStrategy", NODE, False)
+    assert [config.path for config in actors.configs] == [str(tmp_path / "ledger.db")]
+    assert actors.timeouts == [12.0]
+    assert isinstance(handle, LedgerHandleDouble)
+
+    other = "cd" * 28
+    start_ledger(
+        LedgerConfig(path=str(tmp_path / "b.db")),
+        name="b",
+        namespace="ns",
+        node_id=other,
+        resources={"zone": 0.5},
+        max_restarts=3,
+    )
+    second = actors.options[1]
+    assert (second["name"], second["namespace"], second["max_restarts"]) == ("b", "ns", 3)
+    assert second["resources"] == {"zone": 0.5}
+    assert placement(second) == ("NodeAffinitySchedulingStrategy", other, False)
+    assert actors.timeouts[1] == 300.0  # the default wait for a replay
+
+
+def test_a_postgres_ledger_is_placed_anywhere_unless_told(actors: RayActorsDouble) -> None:
+    url = "postgresql://ledger:pw@db:5432/ledger"
+    start_ledger(LedgerConfig(path=url))
+    start_ledger(LedgerConfig(path=url), node_id="cd" * 28, resources={"zone": 1.0})
+    assert placement(actors.options[0]) == "DEFAULT"
+    assert placement(actors.options[1]) == ("NodeAffinitySchedulingStrategy", "cd" * 28, False)
+    assert actors.options[1]["resources"] == {"zone": 1.0}
+    assert [config.path for config in actors.configs] == [url, url]  # a URL as given
+
+
+def test_start_asks_again_while_a_killed_actor_still_holds_the_name(
+    actors: RayActorsDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor killed a moment ago answers as dead while its name is still taken: asked
+    again until the name is free, at most ``_DYING_RETRIES`` more times; an actor whose own
+    start failed (a corrupt log) is reported at once."""
+    monkeypatch.setattr(ledger_actor, "_DYING_WAIT_S", 0.001)
+    config = LedgerConfig(path=str(tmp_path / "ledger.db"))
+    actors.answers = [RayActorError(), RayActorError()]
+    start_ledger(config)
+    assert len(actors.configs) == 3
+
+    actors.configs.clear()
+    actors.answers = [RayActorError() for _ in range(ledger_actor._DYING_RETRIES + 1)]
+    with pytest.raises(RayActorError):
+        start_ledger(config)
+    assert len(actors.configs) == ledger_actor._DYING_RETRIES + 1
+
+    actors.configs.clear()
+    actors.answers = [RayActorError(actor_init_failed=True), RayActorError()]
+    with pytest.raises(RayActorError) as failed:
+        start_ledger(config)
+    assert failed.value.actor_init_failed and len(actors.configs) == 1
+
+
+def test_start_refuses_an_actor_that_serves_another_log_or_is_fenced(
+    actors: RayActorsDouble, tmp_path: Path
+) -> None:
+    config = LedgerConfig(path=str(tmp_path / "ledger.db"))
+    actors.answers = [info_of(LedgerConfig(path="/elsewhere/other.db"))]
+    with pytest.raises(LoraLedgerError) as another:
+        start_ledger(config, name="l1")
+    assert another.value.code == Code.ALREADY_INITIALIZED
+    assert another.value.message == (
+        f"ledger actor loraledger/l1 already serves /elsewhere/other.db, not {config.path}"
+    )
+    actors.answers = [info_of(config, fenced="another controller appended", epoch=5)]
+    with pytest.raises(LoraLedgerError) as fenced:
+        start_ledger(config, name="l1")
+    assert fenced.value.code == Code.FENCED
+    assert fenced.value.details["epoch"] == 5
+    assert "is fenced (another controller appended)" in fenced.value.message
+
+
+def test_stop_closes_then_kills_for_good_and_says_whether_one_ran(
+    actors: RayActorsDouble, tmp_path: Path
+) -> None:
+    """Stopping closes the ledger (a snapshot, queued calls committed), then kills the actor
+    without a restart, even when the close failed or timed out; no actor: False."""
+    assert stop_ledger("l1", namespace="ns") is False
+    assert actors.killed == []
+    handle = LedgerHandleDouble(LedgerConfig(path=str(tmp_path / "l.db")))
+    actors.named[("l1", "ns")] = handle
+    assert stop_ledger("l1", namespace="ns", timeout=7.0) is True
+    assert (actors.closed, actors.timeouts, actors.killed) == ([handle], [7.0], [(handle, True)])
+    for error in (RayActorError(), GetTimeoutError()):
+        actors.close_error = error
+        assert stop_ledger("l1", namespace="ns") is True
+        assert actors.killed[-1] == (handle, True) and actors.timeouts[-1] == 60.0
+    actors.named[("ledger", "loraledger")] = handle
+    assert stop_ledger() is True  # the default name and namespace
