@@ -61,7 +61,6 @@ from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Allocated, Bound, Done, Outcome
 from publisher.drivers.publication import PUBLICATION_FAILED, ErrorKind, PublicationError
 from publisher.drivers.reconciler import ReconcileReport
-from publisher.gateway.provenance import ProvenanceRow
 from publisher.ray import ledger_actor
 from publisher.ray.adapter_objects import AdapterDescriptor
 from publisher.ray.engine_book import BookEntry
@@ -80,6 +79,7 @@ from publisher.ray.ledger_actor import (
 from publisher.ray.stored_adapter import PullStats
 from publisher.remote.service import TroubleBatch
 from tests.engines.faulty_engine import ServerError
+from tests.publisher.gateway.test_provenance import row as provenance_row
 from tests.publisher.plane_kit import (
     FAST,
     LIMITS,
@@ -265,26 +265,7 @@ async def test_status_provenance_and_pull_stats_are_the_services(
 ) -> None:
     await actor.register_owner("w1", 30.0, "one", None, SECRET)
     assert (await actor.status()).owners == 1
-    row = ProvenanceRow(
-        session="s1",
-        turn=1,
-        engine="e0",
-        incarnation="i",
-        version_id=1,
-        lora_name="agent@dep-1-0123456789abcdef",
-        digest="ab" * 32,
-        bound_revision=1,
-        head_revision=1,
-        head_revision_done=1,
-        request_id="s1-1",
-        prompt_tokens=4,
-        completion_tokens=2,
-        cached_tokens=0,
-        finish_reason="length",
-        started_at=0.0,
-        finished_at=1.0,
-        gateway="gw",
-    )
+    row = provenance_row("s1", 1)
     assert await actor.store_provenance([row]) == 1
     assert await actor.store_provenance([row]) == 0  # a resend stores nothing twice
     stats = await actor.pull_stats()
