@@ -400,6 +400,19 @@ CAMPAIGNS: dict[str, Campaign] = {
             ("tests/publisher/ray/test_engine_book_rules.py",),
             gated=True,
         ),
+        Campaign(
+            "ray_ledger",
+            # the Ray face's ledger actor: what it adds to the one ledger service (the fleet's
+            # handles on replies, fencing, lease expiry on its loop, runtime fleet changes kept
+            # in the engine book) and what it forwards to it (arguments in order, defaults)
+            ("publisher/ray/ledger_actor.py",),
+            # In process: the actor's class and its hosted service without Ray, on a real
+            # SQLite log and a real plane over local engines. The tests on a Ray instance
+            # (test_ledger_actor.py, test_fleet_runtime.py) would start one per mutant, and
+            # their actors import the unmutated module.
+            ("tests/publisher/ray/test_ledger_actor_rules.py",),
+            gated=True,
+        ),
     )
 }
 
