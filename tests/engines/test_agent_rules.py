@@ -1230,7 +1230,9 @@ async def test_two_first_buckets_at_once_stage_into_one_directory(
     async with anyio.create_task_group() as tg:
         tg.start_soon(send, first)
         tg.start_soon(send, second)
-    assert sorted(counts) == [1, 2]
+    # The one to finish last counts both; the other counts 1, or 2 when both writes ended
+    # before either task resumed (the threads' order is the scheduler's).
+    assert len(counts) == 2 and counts[-1] == 2 and counts[0] in (1, 2)
     assert agent.staged_bytes() == sum(b.tensors[0].tensor.nbytes for b in (first, second))
     assert len(_temp_dirs(tmp_path / "host")) == 1  # the other directory was dropped
 
