@@ -313,7 +313,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/security/test_agent_boundary.py::test_staging_is_capped_in_bytes",
                 "tests/security/test_agent_boundary.py::test_staging_prepared_and_never_loaded_expires_when_idle",
             ),
-            gated=False,
+            gated=True,
         ),
         Campaign(
             "logfile",
