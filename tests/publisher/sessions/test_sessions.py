@@ -1187,6 +1187,7 @@ async def test_a_relays_turn_ending_while_a_renewal_waits_for_an_engine_is_repor
                 ((busy, _),) = w.inflight.counts()
                 member = r.fleet[busy]
                 assert isinstance(member, KeepsRunning)
+                engine_confirms = member.abort_lands
                 cancelled.cancel()
                 await wait_for("its count held", lambda: r.gateway.unconfirmed == 1)
                 asked = len(member.aborts)
@@ -1194,7 +1195,7 @@ async def test_a_relays_turn_ending_while_a_renewal_waits_for_an_engine_is_repor
                 await wait_for("a renewal tick waiting", lambda: len(member.aborts) > asked)
                 ends.set()
             assert port.carried[ended[0] - 1] == {"s"}  # the renewal made as the turn ended
-            member.abort_lands.set()
+            engine_confirms.set()
             await wait_for("the held count ended", lambda: not w.inflight.counts())
             for engine in r.local.values():
                 engine.continue_generation()
