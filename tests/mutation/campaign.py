@@ -388,7 +388,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 "tests/publisher/openai/test_relay_sessions.py",  # client-held sessions
                 "tests/publisher/drivers/test_reclaim_inflight.py",  # counts with renewals
             ),
-            gated=False,  # until its first run is triaged
+            gated=True,
         ),
         Campaign(
             "ray_face",

@@ -28,7 +28,15 @@ from publisher.core.errors import Code, LedgerError
 from publisher.core.ledger import Ledger
 from publisher.core.outcomes import Bound, Deregistered, Done, Outcome, Released
 from publisher.sessions import RetryPolicy, RolloutWorker
-from tests.publisher.rollout_kit import ENGINE_WARNINGS, PROMPT, SHORT, Recording, Rig, rig
+from tests.publisher.rollout_kit import (
+    ENGINE_WARNINGS,
+    PROMPT,
+    SHORT,
+    KeepsRunning,
+    Recording,
+    Rig,
+    rig,
+)
 from tests.support.log import events_of, numbered
 from tests.support.waiting import wait_for
 
@@ -1138,6 +1146,59 @@ async def test_a_relays_renewals_carry_a_session_until_its_last_overlapping_turn
             assert port.carried[ended[1] - 1] == {"s"}  # the renewal made as the last turn ended
             assert all("s" not in x for x in port.carried[ended[1] :])
             assert w.renewals == len(port.carried)  # each renewal counted once
+
+
+async def test_a_relays_turn_ending_while_a_renewal_waits_for_an_engine_is_reported() -> None:
+    """A renewal tick first asks the engines about the requests whose end they did not
+    confirm (a cancelled turn's), and may wait there. A relay's turn that ends meanwhile is
+    still carried by the renewal its end makes: the sessions reported as running at the tick
+    and the sessions touched since the last renewal stay two sets, so the end of a turn is
+    never dropped from what the ledger counts a client-held session's idleness from."""
+    async with rig(timeout=60, wrap=KeepsRunning) as r:
+        r.gateway.abort_timeout_s = 30.0  # the renewal's question waits for the engine
+        await r.publish(1)
+        for engine in r.local.values():
+            engine.pause_generation()
+            r.fleet[engine.engine_id].unconfirmable = True  # type: ignore[attr-defined]
+        port = RenewalLog(r.ledger)
+        async with RolloutWorker.open(
+            port, r.gateway, owner="relay", sessions_idle_s=60.0, renew_every=0.01
+        ) as w:
+            inside, ends = anyio.Event(), anyio.Event()
+            ended: list[int] = []  # how many renewals had been made when the turn had ended
+
+            async def hold() -> None:
+                async with w.session("s").turn():
+                    inside.set()
+                    await ends.wait()
+                ended.append(len(port.carried))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(hold)
+                await inside.wait()
+                cancelled = anyio.CancelScope()
+
+                async def cancelled_turn() -> None:
+                    with cancelled:
+                        await w.session("a").generate(PROMPT, LONG)
+
+                tg.start_soon(cancelled_turn)
+                await wait_for("the cancelled turn in flight", lambda: bool(w.inflight.counts()))
+                ((busy, _),) = w.inflight.counts()
+                member = r.fleet[busy]
+                assert isinstance(member, KeepsRunning)
+                engine_confirms = member.abort_lands
+                cancelled.cancel()
+                await wait_for("its count held", lambda: r.gateway.unconfirmed == 1)
+                asked = len(member.aborts)
+                member.unconfirmable = False  # the next tick's question waits for the engine
+                await wait_for("a renewal tick waiting", lambda: len(member.aborts) > asked)
+                ends.set()
+            assert port.carried[ended[0] - 1] == {"s"}  # the renewal made as the turn ended
+            engine_confirms.set()
+            await wait_for("the held count ended", lambda: not w.inflight.counts())
+            for engine in r.local.values():
+                engine.continue_generation()
 
 
 class RefusedRenewals(RenewalLog):
