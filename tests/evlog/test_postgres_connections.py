@@ -4,6 +4,8 @@ writer's session the server may end at any time (a restart, a failover)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from contextlib import suppress
 from typing import Any
@@ -216,6 +218,59 @@ async def test_a_server_that_never_answers_is_given_up_on_after_the_connect_time
         with anyio.fail_after(20), raises_code(StoreCode.STORE_FAILED) as info:
             await PostgresStore.connect(f"postgresql://u@127.0.0.1:{port}/db")
     assert info.value.message.startswith(f"cannot open postgresql://u@127.0.0.1:{port}/db")
+
+
+async def _store_sessions(url: str) -> list[int]:
+    """The server processes of the sessions a store holds on ``url``'s database."""
+    rows = await sql(
+        url,
+        "SELECT pid FROM pg_stat_activity "
+        "WHERE datname = current_database() AND application_name = 'loraledger'",
+    )
+    return [pid for (pid,) in rows]
+
+
+async def test_a_close_gives_up_on_sessions_whose_server_stopped_answering(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that stops answering (hung, or cut off by a partition that drops packets) holds
+    neither the writer's close nor the read pool's for longer than the close timeout (5 s each;
+    0.5 s here), and a close that fails so stays quiet: it neither stops the next connection's
+    close nor reaches the caller. Stopped here with SIGSTOP on the store's server processes:
+    their sockets stay open, so a close waits for an answer that never comes (asyncpg's own
+    close of a pool waits forever)."""
+    monkeypatch.setattr(postgres, "_CLOSE_TIMEOUT_S", 0.5)
+    store = await PostgresStore.connect(postgres_url)
+    await store.append(batch_of(2))
+    assert [r.seq for r in await store.read()] == [1, 2]  # the pool holds a session too
+    stopped = await _store_sessions(postgres_url)
+    assert len(stopped) >= 2
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await store.close()
+        closed.set()
+
+    try:
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+            with anyio.move_on_after(30):  # far beyond both timeouts: a close that waits on
+                await closed.wait()
+            gave_up = closed.is_set()
+            for pid in stopped:  # the server answers again: a close still waiting ends now
+                os.kill(pid, signal.SIGCONT)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert gave_up, "the close waited on a server that stopped answering"
+    assert store._writer.is_closed() and store._readers.is_closing()
+
+    async def sessions_gone() -> bool:  # the connections were dropped, not left open
+        return not await _store_sessions(postgres_url)
+
+    await wait_for("the server saw every session of the store end", sessions_gone, every=0.05)
 
 
 async def test_opening_an_empty_database_waits_for_another_store_creating_the_layout(
