@@ -227,6 +227,13 @@ async def test_a_server_that_never_answers_is_given_up_on_after_the_connect_time
     assert info.value.message.startswith(f"cannot open postgresql://u@127.0.0.1:{port}/db")
 
 
+def _signal(pids: list[int], signum: signal.Signals) -> None:
+    """Signal the server processes still there (a resumed one may have ended already)."""
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
 async def _store_sessions(url: str) -> list[int]:
     """The server processes of the sessions a store holds on ``url``'s database."""
     rows = await sql(
@@ -259,18 +266,15 @@ async def test_a_close_gives_up_on_sessions_whose_server_stopped_answering(
         closed.set()
 
     try:
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+        _signal(stopped, signal.SIGSTOP)
         async with anyio.create_task_group() as tg:
             tg.start_soon(close)
             with anyio.move_on_after(30):  # far beyond both timeouts: a close that waits on
                 await closed.wait()
             gave_up = closed.is_set()
-            for pid in stopped:  # the server answers again: a close still waiting ends now
-                os.kill(pid, signal.SIGCONT)
+            _signal(stopped, signal.SIGCONT)  # the server answers again: a waiting close ends
     finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
+        _signal(stopped, signal.SIGCONT)
     assert gave_up, "the close waited on a server that stopped answering"
     assert store._writer.is_closed() and store._readers.is_closing()
 
@@ -374,17 +378,14 @@ async def test_an_open_cancelled_on_a_server_that_stopped_answering_ends_at_once
         async with anyio.create_task_group() as tg:
             tg.start_soon(open_the_store)
             await wait_for("the open waits on the layout lock", waiting_on_the_lock, every=0.05)
-            for pid in stopped:
-                os.kill(pid, signal.SIGSTOP)
+            _signal(stopped, signal.SIGSTOP)
             opening.cancel()
             with anyio.move_on_after(30):  # far beyond the close timeout
                 await ended.wait()
             gave_up = ended.is_set()
-            for pid in stopped:  # the server answers again: a close still waiting ends now
-                os.kill(pid, signal.SIGCONT)
+            _signal(stopped, signal.SIGCONT)  # the server answers again: a waiting close ends
     finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
+        _signal(stopped, signal.SIGCONT)
         await holder.close()
     assert gave_up, "the cancelled open waited on a server that stopped answering"
     assert opening.cancelled_caught
