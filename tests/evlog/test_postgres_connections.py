@@ -56,6 +56,7 @@ async def test_a_read_only_store_creates_no_layout_and_its_sessions_refuse_write
         await PostgresStore.connect(postgres_url, read_only=True)
     # marked empty: the read-only tools say "no ledger was written here", not "corrupt"
     assert info.value.details.get("empty") is True
+    assert info.value.message == f"{postgres_url} holds no loraledger log (no tables)"
     assert (
         await sql(postgres_url, "SELECT 1 FROM pg_tables WHERE tablename LIKE 'loraledger%'") == []
     )
@@ -192,7 +193,9 @@ async def test_our_tables_without_exactly_our_one_mark_are_not_a_log(
     for read_only in (False, True):
         with raises_code(StoreCode.CORRUPT_STORE) as info:
             await PostgresStore.connect(postgres_url, read_only=read_only)
-        assert "holds tables named like a loraledger log's but is not one" in info.value.message
+        assert info.value.message.startswith(  # names the database it refused
+            f"{postgres_url} holds tables named like a loraledger log's but is not one"
+        )
         assert found in info.value.message
 
 
