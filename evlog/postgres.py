@@ -126,6 +126,10 @@ _SESSION = {"synchronous_commit": "on", "application_name": "loraledger"}
 # Only the primary key's index scan yields seq order directly; these make it the plan.
 _READ_PLANS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "enable_sort": "off"}
 _CONNECT_TIMEOUT_S = 30.0
+# How long a close waits for the server to end a session before dropping the connection: a
+# server that stopped answering (hung, or cut off by a partition that drops packets) would
+# otherwise hold the close until TCP gives up, minutes later; asyncpg's own close has no bound.
+_CLOSE_TIMEOUT_S = 5.0
 
 
 def redact(url: str) -> str:
@@ -202,7 +206,7 @@ class PostgresStore(ChainedStore):
             with anyio.CancelScope(shield=True):
                 if writer is not None:
                     with suppress(Exception):
-                        await writer.close(timeout=5)
+                        await writer.close(timeout=_CLOSE_TIMEOUT_S)
             if isinstance(exc, _FAILURES):
                 raise _store_error(exc, f"cannot open {where}") from exc
             raise
@@ -220,10 +224,13 @@ class PostgresStore(ChainedStore):
             await store.close()
 
     async def _close_connections(self) -> None:
+        # Each close is bounded: at the deadline asyncpg drops the connections it was closing
+        # (the writer's, or the whole pool: ``Pool.close`` terminates when interrupted) and the
+        # TimeoutError is swallowed like any other failed close.
         with suppress(Exception):
-            await self._writer.close(timeout=5)
+            await self._writer.close(timeout=_CLOSE_TIMEOUT_S)
         with suppress(Exception):
-            await self._readers.close()
+            await asyncio.wait_for(self._readers.close(), _CLOSE_TIMEOUT_S)
 
     # --- state -----------------------------------------------------------------------------
 

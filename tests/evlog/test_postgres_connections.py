@@ -4,11 +4,14 @@ writer's session the server may end at any time (a restart, a failover)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from contextlib import suppress
 from typing import Any
 
 import anyio
+import anyio.abc
 import asyncpg
 import pytest
 
@@ -17,17 +20,23 @@ from evlog.errors import INVALID_INPUT, LoraLedgerError, StoreCode
 from evlog.postgres import _READ_PLANS, PostgresStore, redact
 from tests.evlog.contract import batch_of, raises_code
 from tests.evlog.postgres_raw import execute, sql
+from tests.support.relay import listening, pipe
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_bad_urls_and_unreachable_servers_are_refused(postgres_url: str) -> None:
-    with raises_code(INVALID_INPUT):
+    with raises_code(INVALID_INPUT) as info:
         await PostgresStore.connect("/a/path.db")
+    assert info.value.message == "not a postgresql:// URL: /a/path.db"
     missing = postgres_url.rsplit("/", 1)[0] + "/no_such_database"
-    with raises_code(StoreCode.STORE_FAILED):
+    with raises_code(StoreCode.STORE_FAILED) as info:
         await PostgresStore.connect(missing)
+    # the driver's own error, named: what the operator must fix
+    assert info.value.message.startswith(f"cannot open {missing}: ")
+    assert '"no_such_database" does not exist' in info.value.message
+    assert info.value.details == {"cause": "InvalidCatalogNameError"}
     assert redact("postgresql://u:secret@h:5/db") == "postgresql://u:***@h:5/db"
     assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
     # unparsable: refused before any connection, its password still hidden in the message
@@ -47,6 +56,7 @@ async def test_a_read_only_store_creates_no_layout_and_its_sessions_refuse_write
         await PostgresStore.connect(postgres_url, read_only=True)
     # marked empty: the read-only tools say "no ledger was written here", not "corrupt"
     assert info.value.details.get("empty") is True
+    assert info.value.message == f"{postgres_url} holds no loraledger log (no tables)"
     assert (
         await sql(postgres_url, "SELECT 1 FROM pg_tables WHERE tablename LIKE 'loraledger%'") == []
     )
@@ -183,7 +193,9 @@ async def test_our_tables_without_exactly_our_one_mark_are_not_a_log(
     for read_only in (False, True):
         with raises_code(StoreCode.CORRUPT_STORE) as info:
             await PostgresStore.connect(postgres_url, read_only=read_only)
-        assert "holds tables named like a loraledger log's but is not one" in info.value.message
+        assert info.value.message.startswith(  # names the database it refused
+            f"{postgres_url} holds tables named like a loraledger log's but is not one"
+        )
         assert found in info.value.message
 
 
@@ -218,6 +230,63 @@ async def test_a_server_that_never_answers_is_given_up_on_after_the_connect_time
     assert info.value.message.startswith(f"cannot open postgresql://u@127.0.0.1:{port}/db")
 
 
+def _signal(pids: list[int], signum: signal.Signals) -> None:
+    """Signal the server processes still there (a resumed one may have ended already)."""
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+async def _store_sessions(url: str) -> list[int]:
+    """The server processes of the sessions a store holds on ``url``'s database."""
+    rows = await sql(
+        url,
+        "SELECT pid FROM pg_stat_activity "
+        "WHERE datname = current_database() AND application_name = 'loraledger'",
+    )
+    return [pid for (pid,) in rows]
+
+
+async def test_a_close_gives_up_on_sessions_whose_server_stopped_answering(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that stops answering (hung, or cut off by a partition that drops packets) holds
+    neither the writer's close nor the read pool's for longer than the close timeout (5 s each;
+    0.5 s here), and a close that fails so stays quiet: it neither stops the next connection's
+    close nor reaches the caller. Stopped here with SIGSTOP on the store's server processes:
+    their sockets stay open, so a close waits for an answer that never comes (asyncpg's own
+    close of a pool waits forever)."""
+    monkeypatch.setattr(postgres, "_CLOSE_TIMEOUT_S", 0.5)
+    store = await PostgresStore.connect(postgres_url)
+    await store.append(batch_of(2))
+    assert [r.seq for r in await store.read()] == [1, 2]  # the pool holds a session too
+    stopped = await _store_sessions(postgres_url)
+    assert len(stopped) >= 2
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await store.close()
+        closed.set()
+
+    try:
+        _signal(stopped, signal.SIGSTOP)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+            with anyio.move_on_after(30):  # far beyond both timeouts: a close that waits on
+                await closed.wait()
+            gave_up = closed.is_set()
+            _signal(stopped, signal.SIGCONT)  # the server answers again: a waiting close ends
+    finally:
+        _signal(stopped, signal.SIGCONT)
+    assert gave_up, "the close waited on a server that stopped answering"
+    assert store._writer.is_closed() and store._readers.is_closing()
+
+    async def sessions_gone() -> bool:  # the connections were dropped, not left open
+        return not await _store_sessions(postgres_url)
+
+    await wait_for("the server saw every session of the store end", sessions_gone, every=0.05)
+
+
 async def test_opening_an_empty_database_waits_for_another_store_creating_the_layout(
     postgres_url: str,
 ) -> None:
@@ -248,3 +317,116 @@ async def test_opening_an_empty_database_waits_for_another_store_creating_the_la
         assert opened.is_set()
     finally:
         await holder.close()
+
+
+async def test_a_store_holds_one_writer_session_and_at_most_four_readers(
+    postgres_url: str,
+) -> None:
+    """Opening costs the server two sessions (the writer, one reader); the read pool grows
+    with demand up to four, so a store never takes more than five of the server's
+    ``max_connections``, however many replays and followers read at once."""
+    async with PostgresStore.open(postgres_url) as store:
+        await store.append(batch_of(3))
+        assert len(await _store_sessions(postgres_url)) == 2
+        async with anyio.create_task_group() as tg:
+            for _ in range(12):  # all waiting on the pool at once
+                tg.start_soon(store.read)
+        assert len(await _store_sessions(postgres_url)) == 1 + 4
+
+
+async def test_a_refused_open_leaves_no_session_on_the_server(postgres_url: str) -> None:
+    """An open refused after its writer connected (here: a database that is not a log)
+    closes that session before it raises."""
+    await execute(postgres_url, "CREATE TABLE loraledger_events (id integer)")
+    with raises_code(StoreCode.CORRUPT_STORE) as info:
+        await PostgresStore.connect(postgres_url)
+
+    async def sessions_gone() -> bool:
+        return not await _store_sessions(postgres_url)
+
+    await wait_for("the refused open's session ended", sessions_gone, every=0.05)
+    assert info.value.code == StoreCode.CORRUPT_STORE  # (the refusal is still held here)
+
+
+async def test_an_open_cancelled_on_a_server_that_stopped_answering_ends_at_once(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open cancelled while its writer waits on a server that then stops answering (here:
+    on the layout lock, the server's process stopped with SIGSTOP) still closes that session
+    first, but gives up on it after the close timeout (5 s; 0.5 s here): the cancellation
+    arrives, not an error of the failed close, and not minutes later."""
+    monkeypatch.setattr(postgres, "_CLOSE_TIMEOUT_S", 0.5)
+    holder = await asyncpg.connect(postgres_url)
+    await holder.execute("SELECT pg_advisory_lock($1)", postgres._LAYOUT_LOCK)
+    opening = anyio.CancelScope()
+    ended = anyio.Event()
+    stopped: list[int] = []
+
+    async def open_the_store() -> None:
+        with opening:
+            store = await PostgresStore.connect(postgres_url)
+            await store.close()
+        ended.set()
+
+    async def waiting_on_the_lock() -> bool:
+        rows = await sql(
+            postgres_url,
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'loraledger' "
+            "AND wait_event_type = 'Lock'",
+        )
+        stopped[:] = [pid for (pid,) in rows]
+        return bool(stopped)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(open_the_store)
+            await wait_for("the open waits on the layout lock", waiting_on_the_lock, every=0.05)
+            _signal(stopped, signal.SIGSTOP)
+            opening.cancel()
+            with anyio.move_on_after(30):  # far beyond the close timeout
+                await ended.wait()
+            gave_up = ended.is_set()
+            _signal(stopped, signal.SIGCONT)  # the server answers again: a waiting close ends
+    finally:
+        _signal(stopped, signal.SIGCONT)
+        await holder.close()
+    assert gave_up, "the cancelled open waited on a server that stopped answering"
+    assert opening.cancelled_caught
+
+
+async def test_a_read_pool_that_cannot_connect_is_given_up_on_after_the_connect_timeout(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer connected, but the server never answers the read pool's connection (a
+    connection limit's queue, a proxy that stopped forwarding): the open fails with
+    ``STORE_FAILED`` once the connect timeout passes (30 s; 3 s here), not after asyncpg's
+    own minute, and closes the writer's session. A relay on loopback forwards the first
+    connection to the server and holds every later one silent."""
+    monkeypatch.setattr(postgres, "_CONNECT_TIMEOUT_S", 3.0)
+    server = postgres_url.split("@", 1)[1].split("/", 1)[0]
+    host, port = server.rsplit(":", 1)
+    accepted = 0
+
+    async def first_only(client: anyio.abc.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        async with client:
+            if accepted > 1:
+                await anyio.sleep_forever()  # accepted, never answered
+            upstream = await anyio.connect_tcp(host, int(port))
+            async with upstream, anyio.create_task_group() as both_ways:
+                both_ways.start_soon(pipe, upstream, client)
+                await pipe(client, upstream)
+                both_ways.cancel_scope.cancel()
+
+    async with listening(first_only) as relay_port:
+        relayed = postgres_url.replace(server, f"127.0.0.1:{relay_port}")
+        with anyio.fail_after(20), raises_code(StoreCode.STORE_FAILED) as info:
+            await PostgresStore.connect(relayed)
+    assert info.value.message.startswith(f"cannot open {relayed}: ")
+    assert accepted == 2  # the writer's connection, then the pool's
+
+    async def sessions_gone() -> bool:
+        return not await _store_sessions(postgres_url)
+
+    await wait_for("the writer's session ended", sessions_gone, every=0.05)
