@@ -13,7 +13,7 @@ tested reconciler's. Engine faults come from :class:`~tests.engines.faulty_engin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -452,18 +452,23 @@ class PathEngine(Recording):
     """A real local engine reporting SGLang's kind (a path engine: no digest of what it loaded,
     so the reconciler asks each held version's canary), recording every generation it is asked
     (prompt, name, parameters); ``other_answers`` are token ids it answers instead, in order
-    (other weights under the name), one per generation."""
+    (other weights under the name), one per generation; ``on_ask``, when set, runs as each
+    generation reaches it, before the engine answers (what the test does meanwhile, or a
+    failure it raises)."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
         self.kind = "sglang"
         self.asked: list[tuple[Any, str | None, SamplingParams]] = []
         self.other_answers: list[tuple[int, ...]] = []
+        self.on_ask: Callable[[str | None], Awaitable[None]] | None = None
 
     async def generate(
         self, prompt: Any, lora_name: str | None, params: SamplingParams, **kwargs: Any
     ) -> Generation:
         self.asked.append((prompt, lora_name, params))
+        if self.on_ask is not None:
+            await self.on_ask(lora_name)
         out = await super().generate(prompt, lora_name, params, **kwargs)
         if self.other_answers:
             return msgspec.structs.replace(out, token_ids=self.other_answers.pop(0))
@@ -1367,3 +1372,221 @@ async def test_canaries_are_due_by_the_period_since_the_last_and_at_a_new_contro
         report = await canary_reconciler(r, Clock(), 60.0, tmp_path).reconcile_engine("e0")
         assert report.errors == ()
         assert len(engine.asked) == asked + 1
+
+
+def store_holding(tmp_path: Path, *version_ids: int) -> None:
+    """Put the rig's adapters of ``version_ids`` (published with their default seeds) in the
+    artifact store ``rig_reconciler`` restores from: a version missing there cannot be
+    restored (its restore fails before reaching the engine)."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    for version_id in version_ids:
+        config, tensors = make_adapter(version_id)
+        store.put(build_manifest(config, tensors), tensors)
+
+
+class Evicting:
+    """A double of an engine that drops an adapter on its own and loads it again when asked,
+    in the same process life: SGLang under ``--max-loaded-loras`` unloads the least recently
+    used adapter inside another load, and a later load of the name works. (The local engine
+    never loads a managed name again once it unloaded it, so the double hides the name
+    instead: after ``evict(name)`` the inventory omits it until a load of it, which the real
+    engine underneath answers as a replay.)"""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.evicted: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def evict(self, *names: str) -> None:
+        self.evicted.update(names)
+
+    async def inventory(self) -> Inventory:
+        held: Inventory = await self.inner.inventory()
+        kept = tuple(a for a in held.adapters if a.lora_name not in self.evicted)
+        return msgspec.structs.replace(held, adapters=kept)
+
+    async def load(self, candidate: Candidate) -> Any:
+        receipt = await self.inner.load(candidate)
+        self.evicted.discard(candidate.lora_name)
+        return receipt
+
+
+def evicting(r: Rig) -> Evicting:
+    (engine,) = list(r.fleet)
+    assert isinstance(engine, Evicting)
+    return engine
+
+
+async def test_a_version_that_cannot_be_restored_does_not_hold_up_the_restores_after_it(
+    tmp_path: Path,
+) -> None:
+    """Each needed version is restored on its own: one whose restore just failed, and then the
+    same one backing off after that failure, is passed over, and the needed versions after it
+    are restored in the same pass (or one broken version would keep the engine out of routing
+    for every other)."""
+    async with rig(engines=1, wrap=Evicting) as r:
+        await r.publish(1)
+        await r.ledger.register_owner("w", ttl_s=IDLE)
+        await r.ledger.bind("pinned", "w")  # v1 stays needed after v2
+        await r.publish(2)
+        assert r.ledger.state.needed_versions() == [1, 2]
+        store_holding(tmp_path, 2)  # v1's bytes are missing: its restore fails
+        reconciler = rig_reconciler(r, Clock(), tmp_path)
+        evicting(r).evict(r.names[1], r.names[2])
+        report = await reconciler.reconcile_engine("e0")
+        assert report.restored == ("e0:2",), report
+        assert [e.split(": ")[1] for e in report.errors] == ["restore version 1"], report
+        evicting(r).evict(r.names[2])  # lost again, while v1 backs off
+        report = await reconciler.reconcile_engine("e0")  # the clock has not moved
+        assert report.restored == ("e0:2",) and report.errors == (), report
+        assert r.ledger.state.engines["e0"].holds == {r.names[2]: 2}
+
+
+async def test_a_successful_restore_ends_its_versions_back_off(tmp_path: Path) -> None:
+    """Failed restores of a version back off, and count toward the engine's suspension, only
+    until one succeeds: when the version is lost again later, its first failure waits
+    ``restore_backoff_s`` again, and the failures before the success do not count (three
+    would suspend the engine)."""
+    async with rig(engines=1, wrap=lambda e: Evicting(FaultyEngine(e))) as r:
+        await r.publish(1)
+        store_holding(tmp_path, 1)
+        clock = Clock()
+        reconciler = rig_reconciler(r, clock, tmp_path)  # back-off: 1 s doubling
+        engine = evicting(r)
+        faults = engine.inner
+        assert isinstance(faults, FaultyEngine)
+        engine.evict(r.names[1])
+        faults.inject("prepare", ServerError(), times=2)
+        restored = []
+        for second in (0.0, 1.0, 3.0):  # fails, fails (the next try 2 s later), restored
+            clock.now = second
+            restored.append((await reconciler.reconcile_engine("e0")).restored)
+        assert restored == [(), (), ("e0:1",)]
+        engine.evict(r.names[1])  # lost again, a while later
+        faults.inject("prepare", ServerError())
+        clock.now = 10.0
+        assert (await reconciler.reconcile_engine("e0")).restored == ()
+        clock.now = 11.0  # the first delay again, not the third
+        assert (await reconciler.reconcile_engine("e0")).restored == ("e0:1",)
+        member = r.ledger.state.engines["e0"]
+        assert member.routable and not member.suspended
+
+
+async def test_a_restored_version_answers_its_canary_at_once(tmp_path: Path) -> None:
+    """A version restored on a path engine is loaded again under its name: what the engine
+    serves under it is asked at the same pass, not ``canary_every_s`` after the answer given
+    before its loss (other weights may stand behind the name now)."""
+    async with rig(engines=1, wrap=lambda e: Evicting(PathEngine(e))) as r:
+        await r.publish(1)
+        store_holding(tmp_path, 1)
+        engine = evicting(r)
+        asked = engine.inner.asked
+        clock = Clock()
+        reconciler = canary_reconciler(r, clock, 60.0, tmp_path)
+        await reconciler.reconcile_engine("e0")  # the baseline
+        assert len(asked) == 1
+        engine.evict(r.names[1])
+        clock.now = 1.0
+        report = await reconciler.reconcile_engine("e0")
+        assert report.restored == ("e0:1",), report
+        assert [name for _, name, _ in asked] == [r.names[1], r.names[1]]
+
+
+async def test_a_pass_over_one_engine_keeps_another_engines_canary_times(tmp_path: Path) -> None:
+    """Canary times are per engine and life: a pass over one engine forgets only that engine's
+    earlier lives, so another engine's held versions are not asked again before
+    ``canary_every_s``."""
+    async with rig(engines=2, wrap=PathEngine) as r:
+        await r.publish(1)
+        clock = Clock()
+        reconciler = canary_reconciler(r, clock, 60.0, tmp_path)
+        await reconciler.reconcile()  # both baselines, at 0 s
+        asked = {e.engine_id: len(e.asked) for e in r.fleet if isinstance(e, PathEngine)}
+        assert asked == {"e0": 1, "e1": 1}
+        clock.now = 1.0
+        await reconciler.reconcile_engine("e1")
+        await reconciler.reconcile_engine("e0")
+        assert {e.engine_id: len(e.asked) for e in r.fleet if isinstance(e, PathEngine)} == asked
+
+
+async def test_a_version_claimed_for_reclaim_between_two_canaries_is_skipped_alone(
+    tmp_path: Path,
+) -> None:
+    """v1's, v2's and v3's canaries are due; v2 is claimed for reclaim while v1's runs: v2 is
+    not asked (its unload may come any moment), and v3 still is."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        for version_id in (1, 2, 3):
+            await r.publish(version_id)  # v1 and v2 retired, unbound: still served
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+
+        async def claim_v2(name: str | None) -> None:
+            if name == r.names[1]:
+                await r.ledger.claim_reclaim(2, r.reclaimer().evidence(2))
+
+        engine.on_ask = claim_v2
+        await canary_reconciler(r, Clock(), 60.0, tmp_path).reconcile_engine("e0")
+        assert r.ledger.state.versions[2].state is VersionState.RECLAIMING
+        assert [name for _, name, _ in engine.asked] == [r.names[1], r.names[3]]
+
+
+async def test_a_canary_asked_again_is_counted_in_flight_on_its_engine(tmp_path: Path) -> None:
+    """The second ask of a canary that differed is a request on the version like the first:
+    counted in flight on its version and engine while it runs (reclaim waits for it)."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        clock = Clock()
+        reconciler = canary_reconciler(r, clock, 0.0, tmp_path)
+        await reconciler.reconcile_engine("e0")  # the baseline
+        seen: list[list[InFlight]] = []
+
+        async def read_evidence(name: str | None) -> None:
+            seen.append(reconciler.inflight_evidence(1))
+
+        engine.on_ask = read_evidence
+        engine.other_answers = [(1, 2, 3)]  # the first ask differs: asked again
+        await reconciler.reconcile_engine("e0")
+        on_e0 = [InFlight(reporter="canaries", engine="e0", count=1, at=0.0)]
+        assert seen == [on_e0, on_e0]
+
+
+async def test_a_canary_that_fails_does_not_stop_the_canaries_after_it(tmp_path: Path) -> None:
+    """v1's canary fails (an ambiguous reply): no baseline for it, and v2's canary, due in the
+    same pass, is still asked and recorded."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await r.publish(1)
+        await r.publish(2)  # v1 retired, still served
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+
+        async def v1_fails(name: str | None) -> None:
+            if name == r.names[1]:
+                raise RuntimeError("the engine answered 503")
+
+        engine.on_ask = v1_fails
+        await canary_reconciler(r, Clock(), 60.0, tmp_path).reconcile_engine("e0")
+        assert [name for _, name, _ in engine.asked] == [r.names[1], r.names[2]]
+        assert r.ledger.state.engines["e0"].canaries.keys() == {r.names[2]}
+
+
+async def test_a_held_version_no_longer_served_hides_no_canary_after_it(tmp_path: Path) -> None:
+    """v1, claimed for reclaim, is still held (a request counted in flight on it holds its
+    unload back): its canary is not asked, and v2's, due after it, is."""
+    async with rig(engines=1, wrap=PathEngine) as r:
+        await reclaiming_v1(r)
+        (engine,) = list(r.fleet)
+        assert isinstance(engine, PathEngine)
+        reconciler = rig_reconciler(
+            r,
+            Clock(),
+            tmp_path,
+            canary_every_s=60.0,
+            inflight=lambda engine_id, version_id: int(version_id == 1),
+        )
+        await reconciler.reconcile_engine("e0")
+        assert r.names[1] in r.ledger.state.engines["e0"].holds
+        assert engine.asked == [(CANARY_PROMPT, r.names[2], CANARY_PARAMS)]
