@@ -238,7 +238,7 @@ CAMPAIGNS: dict[str, Campaign] = {
                 # lost replies, restarts mid-publication, fatal candidates the reconciler unloads
                 "tests/publisher/drivers/test_publication_faults.py",
             ),
-            gated=False,  # until a recheck of the whole run shows 0 unexplained, 0 stale
+            gated=True,
         ),
         Campaign(
             "tensor_wire",
