@@ -332,23 +332,9 @@ class LostRegistrations(Port):
     lost = 0
     registrations = 0
 
-    async def register_owner(
-        self,
-        owner: str,
-        *,
-        ttl_s: float = 30.0,
-        incarnation: str = "",
-        sessions_idle_s: float | None = None,
-        secret: str = "",
-    ) -> Done:
+    async def register_owner(self, *args: Any, **kwargs: Any) -> Done:
         self.registrations += 1
-        done = await super().register_owner(
-            owner,
-            ttl_s=ttl_s,
-            incarnation=incarnation,
-            sessions_idle_s=sessions_idle_s,
-            secret=secret,
-        )
+        done = await super().register_owner(*args, **kwargs)
         if self.lost:
             self.lost -= 1
             raise OSError("the reply was lost")
